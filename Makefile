@@ -1,0 +1,32 @@
+# kvtool — set-up and common tasks. Everything goes into ./.venv.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml requirements.lock requirements-test.lock
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c requirements.lock -c requirements-test.lock -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## demo: install, then serve the same long prompt in two processes (second one hits the SSD tier)
+demo: $(STAMP)
+	rm -rf .demo-cache
+	$(BIN)/kvtool model path tiny
+	KVTOOL_CACHE_DIR=.demo-cache $(BIN)/kvtool serve-once --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16
+	KVTOOL_CACHE_DIR=.demo-cache $(BIN)/kvtool serve-once --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16
+
+## test: install, then run the whole test suite
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/kvtool bench bench_configs/quick.toml
+
+clean:
+	rm -rf $(VENV) .demo-cache .pytest_cache

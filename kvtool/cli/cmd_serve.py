@@ -1,0 +1,159 @@
+"""`kvtool serve-once`: load a model, answer one request (or a file of them) through the tiered
+cache, shut down cleanly, print what the cache did."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtool.cli import common
+from kvtool.prompts import Request, RequestFileError, load_messages, load_requests_jsonl, read_text
+
+HELP = """Serve one request (or a JSONL file of requests) through the tiered KV cache, then exit.
+
+Examples:
+
+  kvtool serve-once --prompt-file doc.txt --max-tokens 32
+
+  kvtool serve-once --json --prompt-file doc.txt --max-tokens 16   # run twice: 2nd run hits SSD
+
+  kvtool serve-once --messages chat.json --model ~/models/Qwen2.5-0.5B-Instruct-4bit
+
+  kvtool serve-once --requests reqs.jsonl --policy evict_only --ram-bytes 256MiB
+
+Exit codes: 0 served and shut down cleanly; 1 served but the shutdown was not clean (writer did
+not drain); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (after a clean drain).
+"""
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupt(signum, _frame):
+    raise _Interrupted(signum)
+
+
+def _collect_requests(prompt, prompt_file, messages, requests_file) -> list[Request]:
+    given = [x is not None for x in (prompt, prompt_file, messages, requests_file)]
+    if sum(given) != 1:
+        raise common.CLIError("give exactly one of --prompt, --prompt-file, --messages, --requests")
+    try:
+        if prompt is not None:
+            if not prompt:
+                raise common.CLIError("--prompt is empty")
+            return [Request(prompt=prompt)]
+        if prompt_file is not None:
+            return [Request(prompt=read_text(prompt_file))]
+        if messages is not None:
+            return [Request(messages=load_messages(messages))]
+        return load_requests_jsonl(requests_file)
+    except RequestFileError as exc:
+        raise common.CLIError(str(exc)) from None
+
+
+def _human_line(i: int, r) -> str:
+    return (
+        f"[bold]request {i}[/]: prompt {r.prompt_tokens} tok | cached {r.cached_tokens} "
+        f"(RAM {r.ram_hit_tokens}, SSD {r.ssd_hit_tokens}) | prefilled {r.prefill_tokens} | "
+        f"TTFT {r.ttft_ms:.1f} ms | decode {r.decode_tokens_per_s:.1f} tok/s | {r.finish_reason}"
+    )
+
+
+def _cache_summary(stats: dict, status) -> str:
+    saved = stats.get("ssd_save_success", 0)
+    return (
+        f"[dim]cache: {saved} block(s) written to SSD, {stats.get('ssd_save_dedup_skip', 0)} dedup, "
+        f"{stats.get('ssd_load_hits', 0)} loaded from SSD, {stats.get('kv_ram_evictions', 0)} RAM evictions, "
+        f"{stats.get('ssd_load_corrupt', 0)} corrupt, shutdown_clean={status.shutdown_clean}[/]"
+    )
+
+
+def serve_once(
+    model: common.ModelOpt = "tiny",
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt.")] = None,
+    messages: Annotated[
+        Optional[Path], typer.Option("--messages", help="Chat JSON file: a list of {role, content}.")
+    ] = None,
+    requests: Annotated[
+        Optional[Path],
+        typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens."),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Max tokens to generate.")] = 64,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    config: common.ConfigOpt = None,
+    cache_dir: common.CacheDirOpt = None,
+    policy: common.PolicyOpt = None,
+    durability: common.DurabilityOpt = None,
+    async_writes: common.AsyncOpt = None,
+    block_size: common.BlockSizeOpt = None,
+    ram_bytes: common.RamBytesOpt = None,
+    no_ssd: common.NoSSDOpt = False,
+    json_out: common.JsonOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+) -> None:
+    common.setup_logging(verbose)
+    with common.cli_errors():
+        reqs = _collect_requests(prompt, prompt_file, messages, requests)
+        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
+        engine = common.load_engine(model, cfg)
+        code = _serve(engine, reqs, max_tokens, temp, top_p, seed, stop or [], json_out)
+    raise typer.Exit(code)
+
+
+def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
+    results, interrupted = [], None
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i, req in enumerate(reqs):
+            try:
+                ids = engine.encode(prompt=req.prompt, messages=req.messages)
+            except ValueError as exc:
+                raise common.CLIError(f"request {i}: {exc}") from None
+            res = engine.generate(
+                ids, max_tokens=req.max_tokens or max_tokens, temp=temp, top_p=top_p, seed=seed, stop=stop
+            )
+            results.append(res)
+            if not json_out:
+                common.console.print(res.text, markup=False, highlight=False)
+                common.console.print(_human_line(i, res), highlight=False)
+    except _Interrupted as exc:
+        interrupted = exc
+    finally:
+        # The clean path also on SIGINT/SIGTERM: drain the writer, flush the index, then exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stats = engine.stats()
+        status = engine.close()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if json_out:
+        doc = {
+            "requests": [r.to_dict() for r in results],
+            "stats": stats,
+            "shutdown_clean": status.shutdown_clean,
+            "shutdown_partial_flush": status.shutdown_partial_flush,
+            "layout_key": engine.layout_key,
+            "uncached_reason": engine.uncached_reason,
+        }
+        if interrupted is not None:
+            doc["interrupted"] = interrupted.args[0]
+        common.print_json(doc)
+    else:
+        common.console.print(_cache_summary(stats, status), highlight=False)
+    if interrupted is not None:
+        return 128 + interrupted.signum
+    return common.EXIT_OK if status.shutdown_clean else common.EXIT_PROBLEMS
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve-once", help=HELP, no_args_is_help=False)(serve_once)
