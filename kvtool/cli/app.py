@@ -23,11 +23,10 @@ app = typer.Typer(
 
 def _register() -> None:
     # Imported here so that `kvtool --help` stays fast and each module only wires its command.
-    from kvtool.cli import cmd_model, cmd_serve
+    from kvtool.cli import cmd_serve
 
-    for module in (cmd_model, cmd_serve):
-        module.register(app)
-    for name in ("cmd_validate", "cmd_warm", "cmd_prune", "cmd_inspect", "cmd_bench"):
+    cmd_serve.register(app)
+    for name in ("cmd_model", "cmd_validate", "cmd_warm", "cmd_prune", "cmd_inspect", "cmd_bench"):
         common.register_optional(app, name)
 
 

@@ -125,7 +125,7 @@ def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
             results.append(res)
             if not json_out:
                 common.console.print(res.text, markup=False, highlight=False)
-                common.console.print(_human_line(i, res), highlight=False)
+                common.console.print(_human_line(i, res), highlight=False, soft_wrap=True)
     except _Interrupted as exc:
         interrupted = exc
     finally:
@@ -149,7 +149,7 @@ def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
             doc["interrupted"] = interrupted.args[0]
         common.print_json(doc)
     else:
-        common.console.print(_cache_summary(stats, status), highlight=False)
+        common.console.print(_cache_summary(stats, status), highlight=False, soft_wrap=True)
     if interrupted is not None:
         return 128 + interrupted.signum
     return common.EXIT_OK if status.shutdown_clean else common.EXIT_PROBLEMS

@@ -1,0 +1,340 @@
+"""Embedded default models: small Qwen2 presets with deterministic random weights, built on demand.
+
+A preset is written once as an ordinary mlx-lm model directory (config.json, model.safetensors and
+the tokenizer shipped in `kvtool/assets/`), so `mlx_lm.load(path)` loads it unchanged and every
+machine gets bit-identical weights without a network.
+
+Weights are not trained. The init is chosen so that the output depends on the context: untied
+embeddings, sharp attention (large q/k gain) and residual branches as strong as the embedding, so
+greedy decoding neither repeats one token nor ignores the KV cache. The lm_head rows of the special
+tokens are zero, so greedy decoding never emits an end-of-sequence token (runs reach max_tokens).
+
+Location: `$KVTOOL_MODELS_DIR/<name>-v1/` if the variable is set, else
+`~/.cache/kvtool-models/<name>-v1/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_MODELS_DIR = "KVTOOL_MODELS_DIR"
+DEFAULT_MODELS_DIR = Path("~/.cache/kvtool-models")
+DEFAULT_PRESET = "tiny"
+DEFAULT_SEED = 0x6B76  # "kv"
+# Bump when the init or the config changes: directories are named `<name>-<INIT_VERSION>`.
+INIT_VERSION = "v1"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+TOKENIZER_ASSETS = ("tokenizer.json", "tokenizer_config.json")
+WEIGHTS_FILE = "model.safetensors"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+DEFAULT_RMS_NORM_EPS = 1e-6
+DEFAULT_ROPE_THETA = 1_000_000.0
+DEFAULT_MAX_POSITIONS = 32768
+
+# Init gains (standard deviations are gain / sqrt(fan_in); embeddings have std EMBED_STD).
+EMBED_STD = 1.0
+QK_GAIN = 2.0
+V_GAIN = 1.0
+O_GAIN = 2.0
+MLP_IN_GAIN = 1.0
+MLP_OUT_GAIN = 1.0
+LM_HEAD_GAIN = 1.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Shape of one embedded Qwen2 model (all float32)."""
+
+    name: str
+    num_hidden_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    description: str = ""
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head dimension (hidden_size // num_attention_heads)."""
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self, vocab_size: int) -> int:
+        """Parameter count of the model (untied embedding and lm_head of `vocab_size` rows each)."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = 2 * (h * h + h) + 2 * (h * kv + kv) - h  # q, k, v with biases; o without
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        return 2 * vocab_size * h + self.num_hidden_layers * layer + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """KV-cache bytes per token over all layers (keys + values), at `dtype_bytes` per element."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny", 2, 128, 4, 2, 384, "default: tests and demos"),
+        Preset("small", 4, 256, 4, 2, 768, "quick benchmarks"),
+        Preset("base", 8, 512, 8, 2, 1536, "benchmarks with a heavier prefill"),
+        Preset("qwen0.5b", 24, 896, 14, 2, 4864, "Qwen2.5-0.5B layer shapes (small vocab), ~1.4 GB"),
+    )
+}
+
+
+class UnknownPresetError(ValueError):
+    """The name is not one of `PRESETS`."""
+
+
+def is_preset(name: str) -> bool:
+    """Return True if `name` is an embedded preset name."""
+    return name in PRESETS
+
+
+def get_preset(name: str) -> Preset:
+    """Return the preset called `name`.
+
+    Raises:
+        UnknownPresetError: If `name` is not in `PRESETS`.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        choices = ", ".join(PRESETS)
+        raise UnknownPresetError(f"unknown model preset {name!r} (choose from: {choices})") from None
+
+
+def models_root() -> Path:
+    """Directory holding the built presets: `$KVTOOL_MODELS_DIR` or `~/.cache/kvtool-models`."""
+    env = os.environ.get(ENV_MODELS_DIR)
+    return Path(env).expanduser() if env else DEFAULT_MODELS_DIR.expanduser()
+
+
+def is_built(name: str) -> bool:
+    """Return True if preset `name` has a complete directory (config.json is written last)."""
+    return (model_dir(name, build=False) / "config.json").is_file()
+
+
+def model_dir(name: str = DEFAULT_PRESET, build: bool = True) -> Path:
+    """Return the mlx-lm model directory of preset `name`, building it first if needed.
+
+    Args:
+        name: A key of `PRESETS`.
+        build: If False, only compute the path (it may not exist).
+
+    Returns:
+        `<models_root()>/<name>-v1`, complete when `build` is True.
+
+    Raises:
+        UnknownPresetError: If `name` is not a preset.
+        OSError: If the directory cannot be written.
+    """
+    preset = get_preset(name)
+    path = models_root() / f"{preset.name}-{INIT_VERSION}"
+    if build and not (path / "config.json").is_file():
+        build_preset(preset, path)
+    return path
+
+
+def build_preset(preset: Preset, dest: Path, seed: int = DEFAULT_SEED) -> Path:
+    """Write preset `preset` into `dest` atomically (temp dir in the same parent, then rename).
+
+    Safe when several processes build at once: the first rename wins, the others discard their
+    temp directory and use the winner's.
+
+    Args:
+        preset: The model shape.
+        dest: Final directory; must not exist, or be a complete model directory.
+        seed: Weight seed.
+
+    Returns:
+        `dest`.
+
+    Raises:
+        OSError: If writing fails (the temp directory is removed).
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished model is a shared cache entry
+    try:
+        write_model_files(preset, tmp, seed)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def write_model_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -> None:
+    """Write weights, tokenizer files and (last) config.json into the existing directory `out`.
+
+    Raises:
+        OSError: If a file cannot be written.
+    """
+    import mlx.core as mx
+
+    vocab = tokenizer_vocab()
+    weights = init_weights(preset, len(vocab), seed, [vocab[t] for t in SPECIAL_TOKENS])
+    mx.save_safetensors(str(out / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
+    for fname in TOKENIZER_ASSETS:
+        shutil.copyfile(ASSETS_DIR / fname, out / fname)
+    specials = {
+        "eos_token": EOS_TOKENS[0],
+        "pad_token": "<|endoftext|>",
+        "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
+    }
+    _write_json(out / "special_tokens_map.json", specials)
+    _write_json(out / "config.json", model_config(preset, vocab, seed))
+    _fsync_dir(out)
+
+
+def tokenizer_vocab() -> dict[str, int]:
+    """Return the shipped tokenizer's vocabulary (special tokens included), token -> id."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(ASSETS_DIR / "tokenizer.json")).get_vocab(with_added_tokens=True)
+
+
+def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED) -> dict:
+    """Return the Hugging Face style config.json document of `preset` (`model_type: qwen2`).
+
+    Args:
+        preset: The model shape.
+        vocab: Tokenizer vocabulary (token -> id); must contain `SPECIAL_TOKENS`.
+        seed: Weight seed, recorded as `kvtool_seed`.
+    """
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_act": "silu",
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": preset.num_hidden_layers,
+        "num_attention_heads": preset.num_attention_heads,
+        "num_key_value_heads": preset.num_key_value_heads,
+        "max_position_embeddings": DEFAULT_MAX_POSITIONS,
+        "rms_norm_eps": DEFAULT_RMS_NORM_EPS,
+        "rope_theta": DEFAULT_ROPE_THETA,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "vocab_size": len(vocab),
+        "eos_token_id": [vocab[t] for t in EOS_TOKENS],
+        "pad_token_id": vocab["<|endoftext|>"],
+        "kvtool_preset": preset.name,
+        "kvtool_init_version": INIT_VERSION,
+        "kvtool_seed": seed,
+    }
+
+
+def init_weights(preset: Preset, vocab_size: int, seed: int, silent_ids: list[int]) -> dict:
+    """Deterministic float32 weights for `preset`, keyed like mlx-lm's qwen2 `Model`.
+
+    Each tensor draws from its own key (seed + tensor name), uniformly, on the CPU stream, so the
+    bytes depend neither on module construction order nor on the device.
+
+    Args:
+        preset: The model shape.
+        vocab_size: Rows of the embedding and lm_head.
+        seed: Base seed.
+        silent_ids: Token ids whose lm_head rows are zeroed (never chosen greedily).
+
+    Returns:
+        dict name -> mx.array float32 (e.g. `model.embed_tokens.weight` [vocab, hidden]).
+    """
+    import mlx.core as mx
+
+    weights = {}
+    with mx.stream(mx.cpu):
+        for name, shape in parameter_shapes(preset, vocab_size).items():
+            weights[name] = _init_tensor(name, shape, seed)
+        head = weights["lm_head.weight"]
+        mask = mx.ones((vocab_size, 1), dtype=mx.float32)
+        mask[mx.array(silent_ids)] = 0.0
+        weights["lm_head.weight"] = head * mask
+        mx.eval(weights)
+    return weights
+
+
+def parameter_shapes(preset: Preset, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Return name -> shape of every parameter of mlx-lm's qwen2 `Model` for `preset`, sorted."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        intermediate_size=preset.intermediate_size,
+        num_attention_heads=preset.num_attention_heads,
+        rms_norm_eps=DEFAULT_RMS_NORM_EPS,
+        vocab_size=vocab_size,
+        num_key_value_heads=preset.num_key_value_heads,
+        tie_word_embeddings=False,
+    )
+    model = qwen2.Model(args)  # parameters are lazy: only shapes are used, nothing is computed
+    return {name: tuple(p.shape) for name, p in sorted(tree_flatten(model.parameters()))}
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], seed: int):
+    """Return one float32 tensor: ones for norms, zeros for biases, scaled uniform otherwise."""
+    import mlx.core as mx
+
+    if name.endswith("norm.weight"):
+        return mx.ones(shape, dtype=mx.float32)
+    if name.endswith(".bias"):
+        return mx.zeros(shape, dtype=mx.float32)
+    std = _std(name, shape)
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    key = mx.random.key(int.from_bytes(digest, "little") >> 1)
+    # uniform(-1, 1) has std 1/sqrt(3).
+    return mx.random.uniform(-1.0, 1.0, shape, dtype=mx.float32, key=key) * (std * math.sqrt(3.0))
+
+
+def _std(name: str, shape: tuple[int, ...]) -> float:
+    """Standard deviation of weight `name` (shape [out, in] for linears)."""
+    if name.endswith("embed_tokens.weight"):
+        return EMBED_STD
+    gains = {
+        "q_proj": QK_GAIN,
+        "k_proj": QK_GAIN,
+        "v_proj": V_GAIN,
+        "o_proj": O_GAIN,
+        "gate_proj": MLP_IN_GAIN,
+        "up_proj": MLP_IN_GAIN,
+        "down_proj": MLP_OUT_GAIN,
+        "lm_head": LM_HEAD_GAIN,
+    }
+    gain = next(g for part, g in gains.items() if f"{part}." in name or name.startswith(f"{part}."))
+    return gain / math.sqrt(shape[-1])
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Write `doc` as indented JSON and fsync the file."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2, ensure_ascii=False)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync every file in `path` and the directory itself (best effort on exotic file systems)."""
+    for child in path.iterdir():
+        with open(child, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

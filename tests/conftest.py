@@ -1,0 +1,22 @@
+"""Shared fixtures. Embedded models are built once into `<repo>/.cache/test-models` and reused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEST_MODELS_DIR = REPO_ROOT / ".cache" / "test-models"
+
+# Set before any kvtool import resolves a model, so tests never touch ~/.cache/kvtool-models.
+os.environ["KVTOOL_MODELS_DIR"] = str(TEST_MODELS_DIR)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The embedded `tiny` preset, loaded once per session (a `LoadedModel`)."""
+    from kvtool.models.loader import load_model
+
+    return load_model("tiny")
