@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kvtool.blocks import HostBlock
 from kvtool.config import KVToolConfig
 from kvtool.store.writer import COUNTER_NAMES, AsyncWriter, SyncWriter, make_writer
-from store_helpers import FaultFS, assert_same_block, make_chain, make_layout, open_store
+from tests.store_helpers import FaultFS, assert_same_block, make_chain, make_layout, open_store
 
 WAIT = 2.0  # seconds: upper bound of every wait in these tests
 

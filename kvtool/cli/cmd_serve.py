@@ -18,18 +18,17 @@ Examples:
 
   kvtool serve-once --prompt-file doc.txt --max-tokens 32
 
-  kvtool serve-once --json --prompt-file doc.txt --max-tokens 16   # run twice: 2nd run hits SSD
+  kvtool serve-once --json -f doc.txt -n 16    (run twice: the 2nd run hits SSD)
 
-  kvtool serve-once --messages chat.json --model ~/models/Qwen2.5-0.5B-Instruct-4bit
+  kvtool serve-once --messages chat.json --model ~/models/Qwen2.5-0.5B
 
   kvtool serve-once --requests reqs.jsonl --policy evict_only --ram-bytes 256MiB
 
-Exit codes: 0 served and shut down cleanly; 1 served but the shutdown was not clean (writer did
-not drain); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (after a clean drain).
+Exit codes: 0 served and shut down cleanly; 1 served but the shutdown was not clean (the writer did not drain); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (after a clean drain).
 """
 
 
-class _Interrupted(Exception):
+class _Interrupted(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
@@ -102,17 +101,23 @@ def serve_once(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
 ) -> None:
     common.setup_logging(verbose)
-    with common.cli_errors():
-        reqs = _collect_requests(prompt, prompt_file, messages, requests)
-        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
-        engine = common.load_engine(model, cfg)
-        code = _serve(engine, reqs, max_tokens, temp, top_p, seed, stop or [], json_out)
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with common.cli_errors():
+            reqs = _collect_requests(prompt, prompt_file, messages, requests)
+            cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
+            engine = common.load_engine(model, cfg)
+            code = _serve(engine, reqs, max_tokens, temp, top_p, seed, stop or [], json_out)
+    except _Interrupted as exc:  # before serving started: nothing to drain
+        code = 128 + exc.signum
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
     raise typer.Exit(code)
 
 
 def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
     results, interrupted = [], None
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for i, req in enumerate(reqs):
             try:
@@ -134,8 +139,6 @@ def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stats = engine.stats()
         status = engine.close()
-        for s, handler in old.items():
-            signal.signal(s, handler)
     if json_out:
         doc = {
             "requests": [r.to_dict() for r in results],

@@ -1,0 +1,126 @@
+"""`kvtool validate`: check the SSD cache, repair what is wrong, report per namespace."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvtool.cli import common
+from kvtool.config import default_cache_dir
+
+HELP = """Check every namespace of the SSD cache and repair it.
+
+Removes leftover temp files, drops index rows whose file is gone, removes corrupt block files (and, with --deep, files failing their checksum), re-adopts complete orphan files, and removes blocks whose parent chain is broken. A namespace with an unknown format version is left untouched. Safe to run while another kvtool process serves from the same cache.
+
+Examples:
+
+  kvtool validate
+
+  kvtool validate --deep --dry-run --json
+
+  kvtool validate --cache-dir /data/kv --namespace 3fa2
+
+Exit codes: 0 clean; 1 problems found (repaired unless --dry-run); 2 could not run.
+"""
+
+DeepOpt = Annotated[bool, typer.Option("--deep", help="Read whole files and verify checksums (slow).")]
+
+_COLUMNS = (
+    ("temp files", "temp_removed"),
+    ("missing files", "missing_rows_dropped"),
+    ("corrupt", "corrupt_removed"),
+    ("orphans adopted", "orphans_adopted"),
+    ("orphans removed", "orphans_removed"),
+    ("broken chain", "broken_chain_removed"),
+)
+
+
+def validate_cmd(
+    cache_dir: common.CacheDirOpt = None,
+    namespace: common.NamespaceOpt = None,
+    deep: DeepOpt = False,
+    dry_run: common.DryRunOpt = False,
+    json_out: common.JsonOpt = False,
+) -> None:
+    with common.cli_errors():
+        from kvtool.ops.validate import ValidateError, validate
+
+        root = cache_dir if cache_dir is not None else default_cache_dir()
+        try:
+            with _progress(enabled=not json_out) as progress:
+                report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, progress=progress)
+        except ValidateError as exc:
+            raise common.CLIError(str(exc), common.EXIT_USAGE) from None
+        if json_out:
+            common.print_json(report.to_dict())
+        else:
+            _print_human(report)
+        if report.problems:
+            raise typer.Exit(common.EXIT_PROBLEMS)
+
+
+class _RichProgress:
+    """Adapter from validate's `progress(namespace, done, total)` to one rich bar per namespace."""
+
+    def __init__(self) -> None:
+        self._bar = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=common.err_console, transient=True,
+        )  # fmt: skip
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "_RichProgress":
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+    def __call__(self, namespace: str, done: int, total: int) -> None:
+        if namespace not in self._tasks:
+            self._tasks[namespace] = self._bar.add_task(f"validate {namespace[:12]}", total=total)
+        self._bar.update(self._tasks[namespace], completed=done, total=total)
+
+
+def _progress(enabled: bool):
+    return _RichProgress() if enabled else nullcontext(None)
+
+
+def _print_human(report) -> None:
+    mode = " (dry run: nothing changed)" if report.dry_run else ""
+    if not report.namespaces:
+        common.console.print(f"no namespaces under {report.cache_dir}{mode}")
+        return
+    table = Table(title=f"kvtool validate {report.cache_dir}{' --deep' if report.deep else ''}{mode}")
+    for name in ("namespace", "status", "rows", "files", "problems", "freed"):
+        table.add_column(name, justify="left" if name in ("namespace", "status", "problems") else "right")
+    for ns in report.namespaces:
+        style = {"clean": "green", "repaired": "yellow", "problems": "yellow"}.get(ns.status, "red")
+        found = ", ".join(f"{label} {getattr(ns, attr)}" for label, attr in _COLUMNS if getattr(ns, attr))
+        table.add_row(
+            ns.namespace[:12], f"[{style}]{ns.status}[/]", str(ns.rows), str(ns.files), found or "-",
+            _human_bytes(ns.bytes_freed),
+        )  # fmt: skip
+    common.console.print(table)
+    for ns in report.namespaces:
+        if ns.message:
+            common.console.print(f"[red]{ns.namespace}[/]: {ns.message}", highlight=False)
+    summary = "clean" if not report.problems else f"{report.problems} problem(s) found"
+    common.console.print(summary + mode)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtool validate` to the app."""
+    app.command("validate", help=HELP)(validate_cmd)

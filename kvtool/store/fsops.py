@@ -1,0 +1,263 @@
+"""File-system side of the SSD tier: `FileOps` (injectable calls) and the on-disk layout.
+
+`SSDStore` and `kvtool validate` make every file-system call through a `FileOps`. The default
+implementation calls `os` directly. Tests subclass it and raise `OSError(errno.ENOSPC)`,
+`EIO`, `EACCES` or `EROFS` from the method they want to fail: the suite runs as root, so
+`chmod` cannot make a directory read-only, injection can. The SQLite index does its own I/O
+and is not routed through here.
+
+The layout helpers (block paths, temp names, namespace scans) live here too, so the store and
+`kvtool validate` read the directory the same way.
+
+This module never imports MLX (the SSD writer thread calls it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtool.store.blockfile import FILE_SUFFIX
+from kvtool.store.index import INDEX_FILENAME
+
+TEMP_STALE_S = 600.0  # a temp file older than this is a leftover even if its pid is alive
+TEMP_SUFFIX = ".tmp"
+NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}$")
+HASH_RE = re.compile(r"^[0-9a-f]{16,128}$")
+_SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+_TEMP_RE = re.compile(r"^\.(?P<name>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class FileOps:
+    """The real file-system operations (thin wrappers over `os`).
+
+    Every method raises `OSError` (or a subclass such as `FileNotFoundError`) on failure,
+    exactly as the underlying `os` call does. Methods are stateless and thread-safe.
+    """
+
+    # ------------------------------------------------------------------ write side
+    def makedirs(self, path: Path) -> None:
+        """Create `path` and missing parents; an existing directory is fine."""
+        os.makedirs(path, exist_ok=True)
+
+    def open_new(self, path: Path) -> int:
+        """Create `path` exclusively for writing (mode 0644) and return its descriptor.
+
+        Raises:
+            FileExistsError: `path` already exists.
+        """
+        return os.open(path, _WRITE_FLAGS, 0o644)
+
+    def write_all(self, fd: int, data: bytes | bytearray | memoryview) -> None:
+        """Write every byte of `data` to `fd` (loops over short writes)."""
+        view = memoryview(data).cast("B")
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+
+    def fsync(self, fd: int) -> None:
+        """Flush a file's data and metadata to stable storage."""
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        """Close a descriptor returned by `open_new`."""
+        os.close(fd)
+
+    def fsync_dir(self, path: Path) -> None:
+        """fsync a directory so a rename or unlink inside it survives a power loss."""
+        fd = os.open(path, _DIR_FLAGS)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        """Atomically rename `src` over `dst` (same directory)."""
+        os.replace(src, dst)
+
+    def unlink(self, path: Path, missing_ok: bool = True) -> None:
+        """Remove a file.
+
+        Raises:
+            FileNotFoundError: the file is absent and `missing_ok` is False.
+        """
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    # ------------------------------------------------------------------- read side
+    def read_bytes(self, path: Path) -> bytearray:
+        """Read a whole file with one open and as few reads as possible.
+
+        Returns:
+            A writable buffer of the file's bytes (numpy arrays can view it without a copy).
+            If the file shrinks while being read, the buffer holds what could be read.
+        """
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+            del view
+            if got < size:
+                del buf[got:]
+            return buf
+        finally:
+            os.close(fd)
+
+    def read_head(self, path: Path, n: int) -> bytes:
+        """Read at most the first `n` bytes of a file."""
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            chunks: list[bytes] = []
+            left = n
+            while left > 0:
+                chunk = os.read(fd, left)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def size(self, path: Path) -> int:
+        """Size of a file in bytes."""
+        return os.stat(path).st_size
+
+    def mtime(self, path: Path) -> float:
+        """Modification time of a file (unix seconds)."""
+        return os.stat(path).st_mtime
+
+    def exists(self, path: Path) -> bool:
+        """True if `path` exists (errors other than absence count as absent)."""
+        return os.path.exists(path)
+
+    def listdir(self, path: Path) -> list[str]:
+        """Names of the entries of a directory (unsorted)."""
+        return os.listdir(path)
+
+    def is_dir(self, path: Path) -> bool:
+        """True if `path` is a directory."""
+        return os.path.isdir(path)
+
+
+# ----------------------------------------------------------------------------- layout
+def block_relpath(block_hash: str) -> str:
+    """Path of a block file relative to its namespace directory: `<hash[:2]>/<hash>.safetensors`."""
+    return f"{block_hash[:2]}/{block_hash}{FILE_SUFFIX}"
+
+
+def temp_path_for(final: Path, block_hash: str) -> Path:
+    """A fresh temp path next to `final`: `.<hash>.<pid>.<random>.tmp`."""
+    return final.parent / f".{block_hash}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+
+
+def temp_owner_pid(name: str) -> int | None:
+    """The pid encoded in a temp file name, or None if `name` is not a kvtool temp file."""
+    m = _TEMP_RE.match(name)
+    return int(m.group("pid")) if m else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid < (1 << 22)  # exists but not ours (or absurd pid -> dead)
+    return True
+
+
+def temp_is_leftover(fs: FileOps, path: Path, now: float | None = None) -> bool:
+    """True if a temp file can be removed: its writer process is gone, or it is stale.
+
+    A temp file of a live process may be a write in progress and is kept (unless it is older
+    than `TEMP_STALE_S`, which also covers pid reuse).
+    """
+    pid = temp_owner_pid(path.name)
+    if pid is None or not _pid_alive(pid):
+        return True
+    try:
+        return (time.time() if now is None else now) - fs.mtime(path) > TEMP_STALE_S
+    except FileNotFoundError:
+        return False
+
+
+def is_namespace_dir(path: Path, fs: FileOps | None = None) -> bool:
+    """True if `path` is a namespace: a 32-hex directory holding `index.sqlite`."""
+    fs = fs or FileOps()
+    return bool(NAMESPACE_RE.match(path.name)) and fs.exists(path / INDEX_FILENAME)
+
+
+def list_namespaces(cache_dir: Path, fs: FileOps | None = None) -> list[Path]:
+    """Namespace directories directly under `cache_dir`, sorted; other entries are ignored.
+
+    Raises:
+        OSError: `cache_dir` cannot be listed (e.g. FileNotFoundError).
+    """
+    fs = fs or FileOps()
+    cache_dir = Path(cache_dir)
+    return [cache_dir / n for n in sorted(fs.listdir(cache_dir)) if is_namespace_dir(cache_dir / n, fs)]
+
+
+@dataclass
+class NamespaceScan:
+    """What a namespace directory holds on disk.
+
+    Attributes:
+        files: block hash -> path relative to the namespace dir, for well-named block files.
+        temps: temp files (any age or owner).
+        other: relative paths of entries that are neither (ignored, reported).
+    """
+
+    files: dict[str, str] = field(default_factory=dict)
+    temps: list[Path] = field(default_factory=list)
+    other: list[str] = field(default_factory=list)
+
+
+def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
+    """List the block files and temp files of a namespace (one listdir per fan-out subdir).
+
+    Raises:
+        OSError: the namespace directory cannot be listed.
+    """
+    fs = fs or FileOps()
+    scan = NamespaceScan()
+    for sub in sorted(fs.listdir(ns_dir)):
+        if not _SUBDIR_RE.match(sub):
+            if sub.endswith(TEMP_SUFFIX):
+                scan.temps.append(ns_dir / sub)
+            elif not sub.startswith(INDEX_FILENAME):
+                scan.other.append(sub)
+            continue
+        try:
+            names = fs.listdir(ns_dir / sub)
+        except (NotADirectoryError, FileNotFoundError):
+            scan.other.append(sub)
+            continue
+        for name in sorted(names):
+            stem = name[: -len(FILE_SUFFIX)] if name.endswith(FILE_SUFFIX) else None
+            if name.endswith(TEMP_SUFFIX):
+                scan.temps.append(ns_dir / sub / name)
+            elif stem and HASH_RE.match(stem) and stem[:2] == sub:
+                scan.files[stem] = f"{sub}/{name}"
+            else:
+                scan.other.append(f"{sub}/{name}")
+    return scan

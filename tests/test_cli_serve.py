@@ -1,0 +1,124 @@
+"""`kvtool serve-once` end to end: help, bad input, two processes sharing the SSD tier, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app as app_module
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
+app_module._register() if not app_module.app.registered_commands else None
+runner = CliRunner()
+
+
+def kvtool(*args, env=None, **kw):
+    """Run the real console entry point in a subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "kvtool.cli.app", *args], capture_output=True, text=True,
+                          env=full_env, cwd=REPO, **kw)
+
+
+def test_every_command_has_help_with_an_example():
+    top = runner.invoke(app_module.app, ["--help"])
+    assert top.exit_code == 0 and "Example" in top.output
+    names = [c.name for c in app_module.app.registered_commands] + [g.name for g in app_module.app.registered_groups]
+    assert "serve-once" in names
+    for name in names:
+        out = runner.invoke(app_module.app, [name, "--help"])
+        assert out.exit_code == 0, name
+        assert "kvtool " + name in out.output.replace("\n", " ") or "Example" in out.output, name
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--prompt-file", "/no/such/file.txt"], "file not found"),
+    (["--prompt", "hi", "--policy", "sometimes"], "ssd_policy"),
+    (["--prompt", "hi", "--durability", "forever"], "ssd_durability"),
+    (["--prompt", "hi", "--model", "./no/such/model"], "model path not found"),
+    (["--prompt", "hi", "--ram-bytes", "lots"], "--ram-bytes"),
+    (["--prompt", "hi", "--prompt-file", "x"], "exactly one"),
+    ([], "exactly one"),
+])
+def test_bad_input_is_one_clean_line(args, needle, tmp_path):
+    res = kvtool("serve-once", "--cache-dir", str(tmp_path), *args)
+    assert res.returncode == 2
+    assert needle in res.stderr and "Traceback" not in res.stderr
+    assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_bad_config_file_value_names_the_field(tmp_path):
+    cfg = tmp_path / "kv.toml"
+    cfg.write_text("block_size = -3\n")
+    res = kvtool("serve-once", "--prompt", "hi", "--config", str(cfg), "--cache-dir", str(tmp_path))
+    assert res.returncode == 2 and "block_size" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_two_processes_share_the_ssd_tier(tmp_path):
+    """The acceptance scenario: a >= 1,000-token prompt served by two processes in a row."""
+    args = ["serve-once", "--json", "--prompt-file", str(DEMO), "--max-tokens", "16"]
+    env = {"KVTOOL_CACHE_DIR": str(tmp_path / "kv")}
+    first = kvtool(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    second = kvtool(*args, env=env)
+    assert second.returncode == 0, second.stderr
+    a, b = json.loads(first.stdout), json.loads(second.stdout)
+    ra, rb = a["requests"][0], b["requests"][0]
+    assert ra["prompt_tokens"] >= 1000 and ra["cached_tokens"] == 0
+    full = ra["prompt_tokens"] // 256 * 256
+    assert rb["ssd_hit_tokens"] == full and rb["ram_hit_tokens"] == 0
+    assert rb["prefill_tokens"] <= 256
+    assert rb["token_ids"] == ra["token_ids"] and len(rb["token_ids"]) == 16
+    for doc in (a, b):
+        r = doc["requests"][0]
+        assert r["prompt_tokens"] == r["cached_tokens"] + r["prefill_tokens"]
+        assert r["cached_tokens"] == r["ram_hit_tokens"] + r["ssd_hit_tokens"]
+        assert doc["shutdown_clean"] is True
+    assert a["stats"]["ssd_save_success"] == full // 256 and b["stats"]["ssd_load_hits"] == full // 256
+
+
+def test_requests_file_serves_in_order_with_ram_hits(tmp_path):
+    text = DEMO.read_text()[:3000]
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": text, "max_tokens": 4},
+        {"prompt": text + " And one more question?", "max_tokens": 4},
+        {"messages": [{"role": "user", "content": "Hello there"}]},
+    ]))
+    res = kvtool("serve-once", "--json", "--requests", str(reqs), "--block-size", "64", "--cache-dir", str(tmp_path / "kv"))
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)["requests"]
+    assert len(r) == 3 and r[0]["generated_tokens"] == 4
+    assert r[1]["ram_hit_tokens"] > 0 and r[1]["ssd_hit_tokens"] == 0
+
+
+def test_sigterm_takes_the_clean_path(tmp_path):
+    """SIGTERM while serving: the writer drains, the index records a clean shutdown, exit 143."""
+    text = DEMO.read_text()
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text("\n".join(json.dumps({"prompt": f"{i} {text}", "max_tokens": 64}) for i in range(40)))
+    cache = tmp_path / "kv"
+    proc = subprocess.Popen([sys.executable, "-m", "kvtool.cli.app", "serve-once", "--json", "--requests", str(reqs),
+                             "--block-size", "64", "--cache-dir", str(cache)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(cache.glob("*/*/*.safetensors")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    doc = json.loads(out)
+    assert doc["interrupted"] == "SIGTERM" and doc["shutdown_clean"] is True
+    import sqlite3
+
+    (index,) = list(cache.glob("*/index.sqlite"))
+    meta = dict(sqlite3.connect(index).execute("select key, value from meta").fetchall())
+    assert meta["shutdown_clean"] == "1"
