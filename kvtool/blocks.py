@@ -21,6 +21,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from kvtool.hostblock import HostBlock  # noqa: F401  (re-exported: the MLX-free half of a block)
+
 BLOCK_FORMAT_VERSION = 1
 HASH_DIGEST_BYTES = 16  # blake2b-128, hex-encoded to 32 characters
 
@@ -126,38 +128,6 @@ def unsupported_cache_reason(cache: list) -> str | None:
     if not cache:
         return "the model has no KV cache layers"
     return None
-
-
-@dataclass
-class HostBlock:
-    """A block in host memory (numpy), the form that crosses threads and goes to disk.
-
-    Holds no MLX arrays, so the SSD writer thread never calls MLX.
-
-    Attributes:
-        block_hash: chain hash (hex).
-        parent_hash: chain hash of the previous block, or `root_parent(layout)` for the first.
-        token_ids: int32 `[block_size]`.
-        keys, values: per layer, `[1, n_kv_heads, block_size, head_dim]`; dtype float32 or
-            float16, or uint16 holding bfloat16 bit patterns (see `dtype`).
-        dtype: logical KV dtype name ('float32' | 'float16' | 'bfloat16').
-    """
-
-    block_hash: str
-    parent_hash: str
-    token_ids: np.ndarray
-    keys: list[np.ndarray]
-    values: list[np.ndarray]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of KV tensors plus token ids."""
-        return int(sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values) + self.token_ids.nbytes)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
 
 
 @dataclass

@@ -16,9 +16,11 @@ from typing import Any
 SSD_POLICIES = ("evict_only", "write_through")
 DURABILITY_MODES = ("best_effort", "persistent", "durable")
 
-# Chosen by measurement, see README "Block size": 256 tokens keeps the per-file cost of a
-# 4,096-token cold load low (16 files) while a prompt diverging mid-block loses < 256 tokens.
-DEFAULT_BLOCK_SIZE = 256
+# Chosen by measurement (bench_configs/block_size.py, README "Block size"): a request costs the
+# cold load of its cached blocks (per-file cost grows as blocks shrink) plus ~block_size/2 tokens
+# of re-prefill (the part of the block where the prompt diverges, or its tail). On this CPU
+# (0.3-24 ms/token prefill) 64 tokens is at or near the minimum for every embedded preset.
+DEFAULT_BLOCK_SIZE = 64
 DEFAULT_RAM_BYTES = 1 << 30  # 1 GiB
 
 

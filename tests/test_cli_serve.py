@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
+from kvtool.config import DEFAULT_BLOCK_SIZE
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
@@ -73,16 +74,17 @@ def test_two_processes_share_the_ssd_tier(tmp_path):
     a, b = json.loads(first.stdout), json.loads(second.stdout)
     ra, rb = a["requests"][0], b["requests"][0]
     assert ra["prompt_tokens"] >= 1000 and ra["cached_tokens"] == 0
-    full = ra["prompt_tokens"] // 256 * 256
+    bs = DEFAULT_BLOCK_SIZE
+    full = ra["prompt_tokens"] // bs * bs
     assert rb["ssd_hit_tokens"] == full and rb["ram_hit_tokens"] == 0
-    assert rb["prefill_tokens"] <= 256
+    assert rb["prefill_tokens"] <= bs
     assert rb["token_ids"] == ra["token_ids"] and len(rb["token_ids"]) == 16
     for doc in (a, b):
         r = doc["requests"][0]
         assert r["prompt_tokens"] == r["cached_tokens"] + r["prefill_tokens"]
         assert r["cached_tokens"] == r["ram_hit_tokens"] + r["ssd_hit_tokens"]
         assert doc["shutdown_clean"] is True
-    assert a["stats"]["ssd_save_success"] == full // 256 and b["stats"]["ssd_load_hits"] == full // 256
+    assert a["stats"]["ssd_save_success"] == full // bs and b["stats"]["ssd_load_hits"] == full // bs
 
 
 def test_requests_file_serves_in_order_with_ram_hits(tmp_path):

@@ -23,13 +23,12 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import safetensors
 
-if TYPE_CHECKING:  # kvtool.blocks imports MLX; only needed at runtime inside `decode`
-    from kvtool.blocks import HostBlock
+from kvtool.hostblock import HostBlock
 
 FORMAT_VERSION = 1
 FILE_SUFFIX = ".safetensors"
@@ -134,7 +133,7 @@ def data_checksum(data: bytes | bytearray | memoryview) -> str:
 
 
 # --------------------------------------------------------------------------- encode
-def encode(block: "HostBlock", layout_key: str, created: float) -> bytes:
+def encode(block: HostBlock, layout_key: str, created: float) -> bytes:
     """Serialize one block into the bytes of its block file.
 
     Args:
@@ -192,7 +191,7 @@ def _patch_checksum(out: bytes) -> bytes:
     return out[:at] + digest + out[at + len(digest) :]
 
 
-def check_block(block: "HostBlock") -> None:
+def check_block(block: HostBlock) -> None:
     """Check a block's own consistency (before writing it).
 
     Raises:
@@ -301,7 +300,7 @@ def decode(
     data: bytes | bytearray,
     expected: Expected | None = None,
     verify_checksum: bool = True,
-) -> tuple["HostBlock", dict[str, str]]:
+) -> tuple[HostBlock, dict[str, str]]:
     """Parse (and verify) a whole block file.
 
     Args:
@@ -317,8 +316,6 @@ def decode(
     Raises:
         BlockFileError: any kind; see `BlockFileError`.
     """
-    from kvtool.blocks import HostBlock  # lazy: kvtool.blocks imports MLX
-
     header = read_header(data)
     meta = header.meta
     if expected is None:
@@ -359,7 +356,7 @@ def verify(
     data: bytes | bytearray,
     expected: Expected,
     expected_token_ids: np.ndarray | None = None,
-) -> tuple["HostBlock", dict[str, str]]:
+) -> tuple[HostBlock, dict[str, str]]:
     """Decode with every check: layout, hash, shapes, checksum, and token ids.
 
     The checksum is checked before the tokens, so a damaged file is reported as 'checksum',

@@ -47,7 +47,7 @@ from kvtool.store.fsops import (
 from kvtool.store.index import INDEX_FILENAME, BlockIndex, IndexRow
 
 if TYPE_CHECKING:
-    from kvtool.blocks import HostBlock
+    from kvtool.hostblock import HostBlock
 
 log = logging.getLogger(__name__)
 
@@ -505,9 +505,16 @@ class SSDStore:
             return (0, 0)
 
     def stats(self) -> dict[str, int]:
-        """Counters (all prefixed `ssd_`), a snapshot."""
+        """Counters (all prefixed `ssd_`), a snapshot, plus what the startup reconcile did."""
+        rec = self.reconcile_report
         with self._stats_lock:
-            return dict(self._stats)
+            out = dict(self._stats)
+        out.update(
+            ssd_reconcile_temp_removed=rec.temp_removed,
+            ssd_reconcile_missing_dropped=rec.missing_rows_dropped,
+            ssd_reconcile_orphan_files=rec.orphan_files,
+        )
+        return out
 
     def _touch(self, h: str) -> None:
         """Batched access-time update; a failed auto-flush costs only freshness."""

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from kvtool.config import DURABILITY_MODES
 
 if TYPE_CHECKING:
-    from kvtool.blocks import HostBlock
+    from kvtool.hostblock import HostBlock
     from kvtool.config import KVToolConfig
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,165 @@
+"""Machine description recorded in `run.json`: CPU, cores, RAM, cache disk and file system,
+versions of python / mlx / mlx-lm / kvtool, and the git commit of the working tree.
+
+Everything is read from files and the standard library (no subprocess, no git binary): a field that
+cannot be determined is None.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PACKAGES = ("mlx", "mlx-lm", "kvtool", "numpy", "pandas")
+
+
+def machine_info(cache_dir: Path) -> dict[str, Any]:
+    """Describe this machine and the disk holding `cache_dir`.
+
+    Args:
+        cache_dir: the run's cache root (need not exist yet; its nearest existing parent is used).
+
+    Returns:
+        A JSON-serialisable dict.
+    """
+    return {
+        "hostname": platform.node(),
+        "os": platform.platform(),
+        "arch": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "ram_bytes": total_ram_bytes(),
+        "cache_disk": disk_info(cache_dir),
+        "versions": {"python": platform.python_version(), **package_versions()},
+    }
+
+
+def cpu_model() -> str | None:
+    """CPU model name (`/proc/cpuinfo` on Linux, `platform.processor()` elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def total_ram_bytes() -> int | None:
+    """Physical memory in bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of `PACKAGES` (None if not installed)."""
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _existing(path: Path) -> Path:
+    path = Path(path).expanduser().absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.resolve()
+
+
+def disk_info(path: Path) -> dict[str, Any]:
+    """Mount point, device, file-system type, sizes and (Linux) disk model of `path`'s disk."""
+    path = _existing(path)
+    info: dict[str, Any] = {"path": str(path)}
+    try:
+        st = os.statvfs(path)
+        info["total_bytes"] = st.f_frsize * st.f_blocks
+        info["free_bytes"] = st.f_frsize * st.f_bavail
+    except OSError:
+        pass
+    mount = _mount_of(path)
+    if mount:
+        info.update(mount)
+        info.update(_block_device(mount["device"]))
+    return info
+
+
+def _mount_of(path: Path) -> dict[str, str] | None:
+    """The /proc/mounts entry with the longest mount point containing `path` (Linux only)."""
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        device, mount_point, fstype = parts[0], parts[1].replace("\\040", " "), parts[2]
+        if path == Path(mount_point) or Path(mount_point) in path.parents:
+            if best is None or len(mount_point) > len(best["mount_point"]):
+                best = {"device": device, "mount_point": mount_point, "filesystem": fstype}
+    return best
+
+
+def _block_device(device: str) -> dict[str, Any]:
+    """Disk model and rotational flag from /sys/block for a /dev/ device (Linux only)."""
+    name = Path(device).name
+    sys_block = Path("/sys/class/block") / name
+    if not device.startswith("/dev/") or not sys_block.exists():
+        return {}
+    disk = sys_block.resolve()
+    if (disk / "partition").exists():
+        disk = disk.parent
+    out: dict[str, Any] = {"disk": disk.name}
+    for key, rel in (("disk_model", "device/model"), ("rotational", "queue/rotational")):
+        try:
+            out[key] = (disk / rel).read_text().strip()
+        except OSError:
+            pass
+    if "rotational" in out:
+        out["rotational"] = out["rotational"] == "1"
+    return out
+
+
+def git_commit(start: Path | None = None) -> str | None:
+    """Commit of the git work tree containing `start` (default: the kvtool source), read from
+    `.git` files directly; None outside a work tree. A `-dirty` mark is not computed."""
+    here = _existing(start or Path(__file__))
+    for directory in (here, *here.parents):
+        git = directory / ".git"
+        if git.is_file():  # worktree / submodule: "gitdir: <path>"
+            git = (directory / git.read_text().split(":", 1)[1].strip()).resolve()
+        if git.is_dir():
+            return _resolve_head(git)
+    return None
+
+
+def _resolve_head(git: Path) -> str | None:
+    try:
+        head = (git / "HEAD").read_text().strip()
+    except OSError:
+        return None
+    if not head.startswith("ref:"):
+        return head
+    ref = head.split(":", 1)[1].strip()
+    common = git
+    if (git / "commondir").exists():
+        common = (git / (git / "commondir").read_text().strip()).resolve()
+    for base in (git, common):
+        if (base / ref).is_file():
+            return (base / ref).read_text().strip()
+    try:
+        for line in (common / "packed-refs").read_text().splitlines():
+            if line.endswith(" " + ref):
+                return line.split(" ", 1)[0]
+    except OSError:
+        pass
+    return None

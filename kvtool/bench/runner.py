@@ -1,0 +1,370 @@
+"""The sweep runner: every workload x cell x repeat on one resident model.
+
+Between cells the tier is reconfigured live (seed 003, `Engine.reconfigure`): quiesce, drain the
+writer, flush the index, detach, drop RAM blocks, reattach with the next cell's settings. Each cell
+run gets its own cache directory `<cache_root>/<workload>/<cell>/r<repeat>`, so cells never share
+blocks. After a cell the engine is *parked* (no tier), which closes the cell's tier: its
+`ShutdownStatus` and final writer counters belong to that cell and the drain is verified against
+the index and the files on disk. Workloads that measure cold SSD reads drop the page cache of the
+block files (`posix_fadvise(POSIX_FADV_DONTNEED)`).
+
+Python API::
+
+    from kvtool.bench.sweep import load_sweep
+    from kvtool.bench.runner import run_sweep
+    result = run_sweep(load_sweep("bench_configs/quick.toml"), out_dir=Path("results"))
+    result.cells  # pandas DataFrame, as cells.csv
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtool.bench import machine, metrics
+from kvtool.bench.baseline_mlxlm import PromptCacheBaseline
+from kvtool.bench.sweep import BASELINE_MLXLM, Cell, SweepSpec
+from kvtool.bench.workloads import DropPageCache, Request, Restart, Workload, WorkloadContext, build_workload
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+PAGE_CACHE_METHOD = "posix_fadvise(POSIX_FADV_DONTNEED) per block file, after fsync"
+BLOCK_SUFFIX = ".safetensors"
+
+
+@dataclass
+class RunResult:
+    """What `run_sweep` produced.
+
+    Attributes:
+        run_dir: directory holding requests.csv, cells.csv, run.json (and the report).
+        requests: `requests.csv` rows.
+        cells: `cells.csv` rows.
+        run: the `run.json` document.
+    """
+
+    run_dir: Path
+    requests: pd.DataFrame
+    cells: pd.DataFrame
+    run: dict[str, Any]
+
+
+@dataclass
+class _Context:
+    spec: SweepSpec
+    engine: Any
+    cache_root: Path
+    parked: Any  # KVToolConfig with no tier
+    progress: Progress | None = None
+    request_task: Any = None
+    page_cache_drops: list[dict[str, Any]] = field(default_factory=list)
+
+
+def kv_bytes_per_token(engine: Any) -> int:
+    """Raw KV bytes of one token over all layers (keys and values); 0 if unknown."""
+    g = getattr(engine, "geometry", None)
+    if g is None:
+        return 0
+    return 2 * g.n_layers * g.n_kv_heads * g.head_dim * DTYPE_BYTES.get(g.dtype, 4)
+
+
+def default_run_id(spec: SweepSpec) -> str:
+    """`<UTC timestamp>-<sweep name>`, e.g. `20260101-120000-quick`."""
+    return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{spec.name}"
+
+
+def run_sweep(
+    spec: SweepSpec,
+    out_dir: Path | None = None,
+    *,
+    run_id: str | None = None,
+    engine: Any = None,
+    progress: bool = True,
+    report: bool = True,
+    config_path: Path | None = None,
+) -> RunResult:
+    """Run a sweep and write `requests.csv`, `cells.csv`, `run.json` (and the report).
+
+    Args:
+        spec: the sweep.
+        out_dir: parent of the run directory (default `results/`); the run goes to
+            `<out_dir>/<run_id>/`.
+        run_id: default `default_run_id(spec)`.
+        engine: an existing `kvtool.engine.Engine` to use (left open); default: load
+            `spec.model` once and close it at the end.
+        progress: show a rich progress bar (on stderr).
+        report: write the PNGs and report.md at the end (`kvtool.bench.report.write_report`).
+        config_path: the sweep file, recorded in run.json.
+
+    Returns:
+        The `RunResult`.
+    """
+    run_id = run_id or default_run_id(spec)
+    run_dir = Path(out_dir or "results") / run_id
+    run_dir.mkdir(parents=True, exist_ok=False)
+    cache_root = (spec.cache_root / run_id) if spec.cache_root else run_dir / "cache"
+    started = time.time()
+    own_engine = engine is None
+    if own_engine:
+        from kvtool.engine import Engine
+
+        engine = Engine.from_spec(spec.model, spec.base_config(cache_root).replace(ssd_enabled=False, ram_bytes=0))
+    try:
+        ctx = _Context(spec, engine, cache_root, spec.base_config(cache_root).replace(ssd_enabled=False, ram_bytes=0))
+        engine.reconfigure(ctx.parked)
+        rows, runs = _run_all(ctx, progress)
+    finally:
+        if own_engine:
+            engine.close()
+    requests = metrics.requests_frame(rows)
+    runs_df = pd.DataFrame(runs)
+    cells = metrics.aggregate_cells(requests, runs_df, kv_bytes_per_token(engine))
+    run_doc = _run_document(ctx, run_id, config_path, started, runs)
+    requests.to_csv(run_dir / "requests.csv", index=False)
+    cells.to_csv(run_dir / "cells.csv", index=False)
+    (run_dir / "run.json").write_text(json.dumps(run_doc, indent=2, default=str) + "\n")
+    if not spec.keep_cache:
+        shutil.rmtree(cache_root, ignore_errors=True)
+    if report:
+        from kvtool.bench.report import write_report
+
+        write_report(run_dir)
+    return RunResult(run_dir=run_dir, requests=requests, cells=cells, run=run_doc)
+
+
+def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]]:
+    spec, engine = ctx.spec, ctx.engine
+    workload_ctx = WorkloadContext(kv_bytes_per_token(engine), spec.base_config(ctx.cache_root).ram_bytes)
+    workloads = [
+        build_workload(name, params, lambda text: engine.encode(prompt=text), spec.seed, workload_ctx)
+        for name, params in spec.workloads.items()
+    ]
+    cells = spec.cells()
+    rows: list[dict] = []
+    runs: list[dict] = []
+    bar = _progress_bar() if show_progress else None
+    with bar or nullcontext():
+        ctx.progress = bar
+        cell_task = bar.add_task("cells", total=len(workloads) * len(cells) * spec.repeats) if bar else None
+        ctx.request_task = bar.add_task("requests", total=0) if bar else None
+        for workload in workloads:
+            for cell in cells:
+                for repeat in range(spec.repeats):
+                    if bar:
+                        bar.update(cell_task, description=f"{workload.name} {cell.name} r{repeat}")
+                        bar.reset(ctx.request_task, total=len(workload.requests))
+                    cell_rows, fact = run_cell(ctx, workload, cell, repeat)
+                    rows += cell_rows
+                    runs.append(fact)
+                    if bar:
+                        bar.advance(cell_task)
+    return rows, runs
+
+
+def _progress_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=Console(stderr=True),
+    )
+
+
+def cell_dir(cache_root: Path, workload: Workload, cell: Cell, repeat: int) -> Path:
+    """The cache directory of one cell run."""
+    return cache_root / workload.name / cell.slug / f"r{repeat}"
+
+
+def run_cell(ctx: _Context, workload: Workload, cell: Cell, repeat: int) -> tuple[list[dict], dict]:
+    """Run one workload on one cell from an empty cache directory.
+
+    Returns:
+        (request rows, the cell run's facts: ID columns, repeat, `metrics.RUN_FACTS`, writer
+        counters and disk scan).
+    """
+    engine, spec = ctx.engine, ctx.spec
+    directory = cell_dir(ctx.cache_root, workload, cell, repeat)
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    config = cell.config(spec.base_config(ctx.cache_root), directory)
+    ids_base = {"workload": workload.name, **cell.columns(), "repeat": repeat}
+    closed: list = []  # (ShutdownStatus, final tier counters) per tier closed
+    drops: list[dict] = []
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    backend = _open_backend(ctx, cell, config, directory)
+    for step in workload.steps:
+        if isinstance(step, Request):
+            res = backend.generate(list(step.ids), max_tokens=spec.max_tokens)
+            measured = step.phase in workload.measured_phases
+            ids = {**ids_base, "request": len(rows), "phase": step.phase, "group": step.group, "measured": measured}
+            rows.append(metrics.request_row(ids, res))
+            if ctx.progress:
+                ctx.progress.advance(ctx.request_task)
+        elif isinstance(step, Restart):
+            if cell.kind == BASELINE_MLXLM:
+                backend = PromptCacheBaseline(engine.model, directory)  # a new process would rescan
+            else:
+                closed.append(_switch(engine, config))
+                # a fresh tier on the same directory: the RAM tier starts empty
+        elif isinstance(step, DropPageCache):
+            drops.append({**ids_base, **drop_page_cache(directory)})
+    if cell.kind != BASELINE_MLXLM:
+        closed.append(_switch(engine, ctx.parked))
+    wall_s = time.perf_counter() - t0
+    ctx.page_cache_drops += drops
+    return rows, _facts(ids_base, directory, cell, [c for c in closed if c is not None], drops, wall_s)
+
+
+def _open_backend(ctx: _Context, cell: Cell, config: Any, directory: Path) -> Any:
+    if cell.kind == BASELINE_MLXLM:
+        return PromptCacheBaseline(ctx.engine.model, directory)
+    ctx.engine.reconfigure(config)  # the engine is parked: nothing to drain
+    return ctx.engine
+
+
+def _switch(engine: Any, config: Any) -> tuple[Any, dict] | None:
+    """Reconfigure; return the closed tier's status and its final counters (after the drain),
+    or None if the engine had no tier (no-cache)."""
+    tier = getattr(engine, "tiered", None)
+    status = engine.reconfigure(config)
+    return (status, tier.stats()) if tier is not None else None
+
+
+def _facts(ids_base: dict, directory: Path, cell: Cell, closed: list, drops: list, wall_s: float) -> dict:
+    disk = scan_cache_dir(directory)
+    counters: dict[str, int] = {}
+    for _, stats in closed:
+        for key, value in stats.items():
+            if isinstance(value, (int, float)) and key.startswith(("writer_", "ssd_", "kv_")):
+                counters[key] = counters.get(key, 0) + value
+    fact = {
+        **ids_base,
+        "bytes_written": disk["bytes"],
+        "tokens_stored": disk["tokens"],
+        "shutdown_clean": all(status.shutdown_clean for status, _ in closed) if closed else None,
+        "drain_verified": verify_drain(counters, disk) if cell.kind == "kvtool" else None,
+        "page_cache_dropped": all(d["ok"] for d in drops) if drops and disk["files"] else None,
+        "wall_s": wall_s,
+        "disk": disk,
+        "counters": counters,
+    }
+    return fact
+
+
+def verify_drain(counters: dict[str, int], disk: dict[str, int]) -> bool:
+    """True if, after the tier closed, every accepted write was attempted, nothing is pending,
+    and the index rows, the block files and the writer's successful saves all agree.
+
+    Args:
+        counters: `writer_*` counters summed over the tiers closed in the cell run.
+        disk: `scan_cache_dir` of the cell's directory.
+    """
+    accepted = counters.get("writer_enqueue_total", 0)
+    attempted = sum(counters.get(k, 0) for k in ("writer_save_success", "writer_dedup", "writer_collision",
+                                                   "writer_save_fail"))
+    saved = counters.get("writer_save_success", 0)
+    return (
+        accepted == attempted
+        and counters.get("writer_pending", 0) == 0
+        and counters.get("writer_queue_depth", 0) == 0
+        and disk["index_rows"] == disk["block_files"] == saved
+    )
+
+
+def scan_cache_dir(directory: Path) -> dict[str, int]:
+    """Files under a cell's cache directory.
+
+    Returns:
+        `files` and `bytes` (everything on disk), `block_files` (kvtool block files in
+        namespace directories), `index_rows` and `tokens` (rows / summed `num_tokens` of the
+        namespace indexes; for mlx-lm prompt-cache files, `tokens` is read from their metadata).
+    """
+    out = {"files": 0, "bytes": 0, "block_files": 0, "index_rows": 0, "tokens": 0}
+    if not directory.exists():
+        return out
+    for path in directory.rglob("*"):
+        if path.is_file():
+            out["files"] += 1
+            out["bytes"] += path.stat().st_size
+    for index in directory.glob("*/index.sqlite"):
+        out["block_files"] += sum(1 for p in index.parent.rglob(f"*{BLOCK_SUFFIX}") if not p.name.startswith("."))
+        con = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+        try:
+            rows, tokens = con.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM blocks").fetchone()
+        finally:
+            con.close()
+        out["index_rows"] += rows
+        out["tokens"] += tokens
+    if out["index_rows"] == 0:
+        out["tokens"] = sum(len(t) for t in PromptCacheBaseline.scan(directory).values())
+    return out
+
+
+def drop_page_cache(directory: Path) -> dict[str, Any]:
+    """Drop the OS page cache of every block / prompt-cache file under `directory`.
+
+    Dirty pages are written first (fsync), since `POSIX_FADV_DONTNEED` keeps dirty pages.
+
+    Returns:
+        `{"files": n, "ok": bool, "error": str | None}`; `ok` is False where the platform has no
+        `posix_fadvise` (e.g. macOS) or a call failed.
+    """
+    files = [p for p in directory.rglob(f"*{BLOCK_SUFFIX}") if not p.name.startswith(".")]
+    if not hasattr(os, "posix_fadvise"):
+        return {"files": len(files), "ok": False, "error": "os.posix_fadvise is not available on this platform"}
+    try:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except OSError as exc:
+        return {"files": len(files), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"files": len(files), "ok": True, "error": None}
+
+
+def _run_document(ctx: _Context, run_id: str, config_path: Path | None, started: float, runs: list) -> dict:
+    engine = ctx.engine
+    loaded = getattr(engine, "loaded", None)
+    drops = ctx.page_cache_drops
+    return {
+        "run_id": run_id,
+        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+        "duration_s": round(time.time() - started, 3),
+        "config_path": str(config_path) if config_path else None,
+        "sweep": ctx.spec.raw,
+        "cells": [c.columns() for c in ctx.spec.cells()],
+        "git_commit": machine.git_commit(),
+        "machine": machine.machine_info(ctx.cache_root),
+        "cache_root": str(ctx.cache_root),
+        "model": {
+            "spec": ctx.spec.model,
+            "name": getattr(loaded, "name", None),
+            "model_id": getattr(loaded, "model_id", None),
+            "path": str(getattr(loaded, "path", "")) or None,
+            "geometry": asdict(engine.geometry) if getattr(engine, "geometry", None) else None,
+            "kv_bytes_per_token": kv_bytes_per_token(engine),
+        },
+        "page_cache_drop": {
+            "method": PAGE_CACHE_METHOD,
+            "supported": hasattr(os, "posix_fadvise"),
+            "attempts": len(drops),
+            "files": sum(d["files"] for d in drops),
+            "ok": all(d["ok"] for d in drops) if drops else None,
+            "errors": sorted({d["error"] for d in drops if d["error"]}),
+        },
+        "cell_runs": runs,
+        "columns": {"requests.csv": metrics.REQUEST_COLUMNS, "cells.csv": metrics.CELL_COLUMNS},
+    }

@@ -1,0 +1,304 @@
+"""Sweep definitions: TOML -> `SweepSpec`, grid expansion into `Cell`s, validation.
+
+A sweep file (see `bench_configs/quick.toml` for a commented example)::
+
+    model = "tiny"            # preset, local mlx-lm directory or Hugging Face id
+    seed = 0                  # workloads are deterministic from it
+    repeats = 1               # runs of every (workload, cell), each in a fresh cache directory
+    max_tokens = 8            # decoded tokens per request
+    baselines = ["no-cache", "mlx-lm-prompt-cache"]
+
+    [cache]                   # KVToolConfig fields shared by every kvtool cell
+    block_size = 64
+    ram_bytes = "4MiB"        # sizes: integer bytes or strings like "4MiB", "1GB"
+
+    [grid]                    # cartesian product; an omitted axis takes the [cache] value
+    ssd_policy = ["evict_only", "write_through"]
+    writer = ["sync", "async"]
+    ssd_durability = ["best_effort", "persistent", "durable"]
+
+    [workloads.shared-prefix] # one table per workload; keys override WORKLOAD_DEFAULTS
+    requests = 6
+
+Errors are `ConfigError`s naming the field (`grid.writer`, `workloads.restart.prompts`, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtool.bench.workloads import validate_params
+from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig
+from kvtool.units import parse_size
+
+KIND_KVTOOL = "kvtool"
+BASELINE_NO_CACHE = "no-cache"
+BASELINE_MLXLM = "mlx-lm-prompt-cache"
+BASELINES = (BASELINE_NO_CACHE, BASELINE_MLXLM)
+WRITERS = ("sync", "async")
+GRID_AXES = ("ssd_policy", "writer", "ssd_durability", "block_size", "ram_bytes")
+TOP_LEVEL_KEYS = (
+    "name", "model", "seed", "repeats", "max_tokens", "baselines", "cache_root", "keep_cache",
+    "cache", "grid", "workloads",
+)
+DEFAULT_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the sweep: a kvtool configuration or a baseline.
+
+    Attributes:
+        name: display name, e.g. `write_through/async/durable` or `no-cache`.
+        kind: `kvtool`, `no-cache` or `mlx-lm-prompt-cache`.
+        ssd_policy, writer, ssd_durability: the tier settings (None for baselines).
+        block_size: tokens per block.
+        ram_bytes: RAM tier budget (bytes; 0 for the baselines).
+    """
+
+    name: str
+    kind: str
+    ssd_policy: str | None = None
+    writer: str | None = None
+    ssd_durability: str | None = None
+    block_size: int = 0
+    ram_bytes: int = 0
+
+    @property
+    def slug(self) -> str:
+        """File-system-safe name (used for the cell's cache sub-directory)."""
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name)
+
+    @property
+    def is_baseline(self) -> bool:
+        """True for `no-cache` and `mlx-lm-prompt-cache`."""
+        return self.kind != KIND_KVTOOL
+
+    def config(self, base: KVToolConfig, cache_dir: Path) -> KVToolConfig:
+        """The engine configuration of this cell with its SSD tier rooted at `cache_dir`.
+
+        For `mlx-lm-prompt-cache` this is the engine's parked configuration (no tier), since
+        the baseline does not use kvtool's tier.
+        """
+        if self.kind != KIND_KVTOOL:
+            return base.replace(ssd_enabled=False, ram_bytes=0, ssd_cache_dir=cache_dir)
+        return base.replace(
+            ssd_enabled=True,
+            ssd_policy=self.ssd_policy,
+            ssd_async_writes=self.writer == "async",
+            ssd_durability=self.ssd_durability,
+            block_size=self.block_size,
+            ram_bytes=self.ram_bytes,
+            ssd_cache_dir=cache_dir,
+        )
+
+    def columns(self) -> dict[str, Any]:
+        """The cell's identifying columns for the CSV files."""
+        return {
+            "cell": self.name, "kind": self.kind, "ssd_policy": self.ssd_policy, "writer": self.writer,
+            "ssd_durability": self.ssd_durability, "block_size": self.block_size, "ram_bytes": self.ram_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A parsed, validated sweep definition.
+
+    Attributes:
+        name: sweep name (default: the file stem).
+        model: model spec for `kvtool.models.loader.load_model`.
+        seed: workload seed.
+        repeats: runs per (workload, cell).
+        max_tokens: decoded tokens per request.
+        baselines: baseline cells to run, in order.
+        cache: KVToolConfig overrides shared by all cells.
+        grid: axis -> values.
+        workloads: workload name -> complete parameters, in file order.
+        cache_root: where cell caches go (None: `<run_dir>/cache`).
+        keep_cache: keep each cell's cache directory after it ran (default: delete it).
+        raw: the TOML document as read (recorded in run.json).
+    """
+
+    name: str
+    model: str
+    seed: int
+    repeats: int
+    max_tokens: int
+    baselines: tuple[str, ...]
+    cache: dict[str, Any]
+    grid: dict[str, tuple[Any, ...]]
+    workloads: dict[str, dict[str, Any]]
+    cache_root: Path | None = None
+    keep_cache: bool = False
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def base_config(self, cache_dir: Path) -> KVToolConfig:
+        """The `[cache]` settings over the KVToolConfig defaults, rooted at `cache_dir`."""
+        return KVToolConfig(**{**self.cache, "ssd_cache_dir": cache_dir})
+
+    def cells(self) -> list[Cell]:
+        """Baselines first, then the grid's cartesian product (axes in `GRID_AXES` order)."""
+        base = self.base_config(Path("."))
+        defaults = {
+            "ssd_policy": base.ssd_policy, "writer": "async" if base.ssd_async_writes else "sync",
+            "ssd_durability": base.ssd_durability, "block_size": base.block_size, "ram_bytes": base.ram_bytes,
+        }
+        cells = [Cell(name=b, kind=b, block_size=base.block_size) for b in self.baselines]
+        axes = [self.grid.get(axis, (defaults[axis],)) for axis in GRID_AXES]
+        for point in itertools.product(*axes):
+            values = dict(zip(GRID_AXES, point))
+            parts = [values["ssd_policy"], values["writer"], values["ssd_durability"]]
+            if len(self.grid.get("block_size", ())) > 1:
+                parts.append(f"bs{values['block_size']}")
+            if len(self.grid.get("ram_bytes", ())) > 1:
+                parts.append(f"ram{_human_bytes(values['ram_bytes'])}")
+            cells.append(Cell(name="/".join(parts), kind=KIND_KVTOOL, **values))
+        return cells
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def load_sweep(path: Path | str) -> SweepSpec:
+    """Read and validate a sweep TOML file.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ConfigError: invalid TOML or an invalid field (the error names it).
+    """
+    path = Path(path)
+    with open(path, "rb") as fh:
+        try:
+            data = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("<file>", f"{path}: invalid TOML: {exc}") from None
+    return parse_sweep(data, default_name=path.stem)
+
+
+def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
+    """Validate a sweep document (the parsed TOML) and build the `SweepSpec`.
+
+    Raises:
+        ConfigError: the first invalid field, named (e.g. `grid.ssd_durability`).
+    """
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise ConfigError(key, f"unknown sweep field; known: {', '.join(TOP_LEVEL_KEYS)}")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise ConfigError("model", "required: a preset name, model directory or Hugging Face id")
+    baselines = data.get("baselines", list(BASELINES))
+    if not isinstance(baselines, list) or any(b not in BASELINES for b in baselines):
+        raise ConfigError("baselines", f"must be a list drawn from {', '.join(BASELINES)}, got {baselines!r}")
+    cache_root = data.get("cache_root")
+    if cache_root is not None and (not isinstance(cache_root, str) or not cache_root):
+        raise ConfigError("cache_root", "must be a directory path")
+    keep_cache = data.get("keep_cache", False)
+    if not isinstance(keep_cache, bool):
+        raise ConfigError("keep_cache", "must be true or false")
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ConfigError("name", "must be a non-empty string of letters, digits, '_', '.', '-'")
+    cache = _parse_cache(data.get("cache", {}))
+    return SweepSpec(
+        name=name,
+        model=model,
+        seed=_int(data, "seed", 0, minimum=0),
+        repeats=_int(data, "repeats", 1, minimum=1),
+        max_tokens=_int(data, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1),
+        baselines=tuple(dict.fromkeys(baselines)),
+        cache=cache,
+        grid=_parse_grid(data.get("grid", {}), cache),
+        workloads=_parse_workloads(data.get("workloads")),
+        cache_root=Path(cache_root).expanduser() if cache_root else None,
+        keep_cache=keep_cache,
+        raw=data,
+    )
+
+
+def _int(data: dict[str, Any], key: str, default: int, minimum: int) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _parse_cache(table: Any) -> dict[str, Any]:
+    if not isinstance(table, dict):
+        raise ConfigError("cache", "must be a table of kvtool config fields")
+    for key in table:
+        if key not in FIELD_NAMES or key == "ssd_cache_dir":
+            why = "is set per cell by the runner" if key == "ssd_cache_dir" else "unknown kvtool config field"
+            raise ConfigError(f"cache.{key}", why)
+    table = dict(table)
+    if "ram_bytes" in table:
+        table["ram_bytes"] = _size("cache.ram_bytes", table["ram_bytes"])
+    try:
+        KVToolConfig(**{**table, "ssd_cache_dir": Path(".")})
+    except ConfigError as exc:
+        raise ConfigError(f"cache.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+    return dict(table)
+
+
+def _parse_grid(table: Any, cache: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
+    if not isinstance(table, dict):
+        raise ConfigError("grid", "must be a table of axis = [values]")
+    grid: dict[str, tuple[Any, ...]] = {}
+    for axis, values in table.items():
+        field_name = f"grid.{axis}"
+        if axis not in GRID_AXES:
+            raise ConfigError(field_name, f"unknown axis; known: {', '.join(GRID_AXES)}")
+        if not isinstance(values, list) or not values:
+            raise ConfigError(field_name, "must be a non-empty list")
+        if axis == "ram_bytes":
+            values = [_size(field_name, v) for v in values]
+        if len(set(values)) != len(values):
+            raise ConfigError(field_name, f"duplicate values in {values!r}")
+        for value in values:
+            _check_axis_value(axis, value, cache)
+        grid[axis] = tuple(values)
+    return grid
+
+
+def _check_axis_value(axis: str, value: Any, cache: dict[str, Any]) -> None:
+    field_name = f"grid.{axis}"
+    if axis == "writer":
+        if value not in WRITERS:
+            raise ConfigError(field_name, f"must be one of {', '.join(WRITERS)}, got {value!r}")
+        return
+    try:
+        KVToolConfig(**{**cache, axis: value, "ssd_cache_dir": Path(".")})
+    except ConfigError as exc:
+        raise ConfigError(field_name, str(exc).split(": ", 1)[-1]) from None
+
+
+def _size(field_name: str, value: Any) -> Any:
+    """Byte sizes may be written as strings (`"4MiB"`, `"1GB"`); ints pass through to validation."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(field_name, str(exc)) from None
+
+
+def _parse_workloads(table: Any) -> dict[str, dict[str, Any]]:
+    if not isinstance(table, dict) or not table:
+        raise ConfigError("workloads", "at least one [workloads.<name>] table is required")
+    out = {}
+    for name, params in table.items():
+        if not isinstance(params, dict):
+            raise ConfigError(f"workloads.{name}", "must be a table")
+        if "ram_bytes" in params:
+            params = {**params, "ram_bytes": _size(f"workloads.{name}.ram_bytes", params["ram_bytes"])}
+        out[name] = validate_params(name, params)
+    return out

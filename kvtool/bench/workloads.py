@@ -1,0 +1,308 @@
+"""Benchmark workloads: deterministic request sequences built from local public-domain text.
+
+Every workload is a fixed list of *steps* (requests, plus the actions `Restart` and
+`DropPageCache`) computed once per sweep from the seed, so every cell of the sweep replays exactly
+the same token ids. Sizes are given in tokens: the text of Python's own documentation
+(`pydoc_data.topics`, shipped with CPython, available offline) is tokenized once with the model's
+tokenizer into a token stream, and prompts are concatenations of slices of that stream. This gives
+exact prompt lengths and exact shared prefixes whatever the tokenizer.
+
+Shapes (see `WORKLOAD_DEFAULTS` for the parameters):
+- `shared-prefix`: one long system prompt, many distinct user questions.
+- `multi-turn`: conversations where each turn extends the previous one (vLLM multi-turn shape);
+  the assistant turns are corpus text, not the model's answer, so all cells see the same ids.
+- `long-doc-qa`: N documents, a warm-up pass, then repeated questions in random order
+  (LMCache long_doc_qa shape); the report shows TTFT gain = warm-up TTFT / query TTFT.
+- `restart`: populate, restart (fresh tier, empty RAM, page cache dropped), replay the same prompts.
+- `ram-pressure`: a working set `working_set_factor` x the RAM budget, Zipf-sampled, so blocks are
+  evicted from RAM and come back from SSD (LMCache kv-tier-pressure shape).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import numpy as np
+
+from kvtool.config import ConfigError
+
+Encode = Callable[[str], Sequence[int]]
+
+# Parameters of each workload and their defaults (all sizes in tokens).
+WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "shared-prefix": {"requests": 8, "system_tokens": 1024, "question_tokens": 32},
+    "multi-turn": {"conversations": 2, "turns": 4, "system_tokens": 128, "user_tokens": 64, "assistant_tokens": 64},
+    "long-doc-qa": {"documents": 4, "doc_tokens": 1024, "question_tokens": 16, "queries": 8},
+    "restart": {"prompts": 4, "prompt_tokens": 1024, "question_tokens": 16},
+    "ram-pressure": {
+        "working_set_factor": 2.0,
+        "doc_tokens": 512,
+        "question_tokens": 16,
+        "requests": 16,
+        "zipf_s": 1.1,
+        "max_documents": 64,
+        "ram_bytes": 0,  # reference RAM budget (bytes); 0 = the sweep's [cache] ram_bytes
+    },
+}
+WORKLOAD_NAMES = tuple(WORKLOAD_DEFAULTS)
+# Phases whose requests a cell is judged on (TTFT percentiles, hit rates); others prepare state.
+MEASURED_PHASES = {
+    "shared-prefix": ("query",),
+    "multi-turn": ("turn",),
+    "long-doc-qa": ("query",),
+    "restart": ("replay",),
+    "ram-pressure": ("query",),
+}
+# Workloads that read blocks back cold from SSD: the runner drops the page cache of block files.
+COLD_READ_WORKLOADS = ("restart", "ram-pressure")
+_FLOAT_PARAMS = {"working_set_factor", "zipf_s"}
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request of a workload.
+
+    Attributes:
+        ids: prompt token ids.
+        phase: what the request is for (`warmup`, `populate`, `query`, `turn`, `replay`).
+        group: the document / conversation it belongs to.
+    """
+
+    ids: tuple[int, ...]
+    phase: str
+    group: str
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Action: close the tier and reopen it with an empty RAM tier (the model stays resident)."""
+
+
+@dataclass(frozen=True)
+class DropPageCache:
+    """Action: drop the OS page cache of the cell's block files (cold SSD reads follow)."""
+
+
+Step = Union[Request, Restart, DropPageCache]
+
+
+@dataclass(frozen=True)
+class WorkloadContext:
+    """Model and sweep facts a workload may size itself by.
+
+    Attributes:
+        kv_bytes_per_token: KV bytes of one token over all layers (keys + values).
+        ram_bytes: reference RAM budget of the sweep (bytes).
+    """
+
+    kv_bytes_per_token: int
+    ram_bytes: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named, fully materialised sequence of steps."""
+
+    name: str
+    steps: tuple[Step, ...]
+    params: dict[str, Any]
+
+    @property
+    def requests(self) -> list[Request]:
+        """The requests only, in order."""
+        return [s for s in self.steps if isinstance(s, Request)]
+
+    @property
+    def measured_phases(self) -> tuple[str, ...]:
+        """Phases the cell metrics are computed on."""
+        return MEASURED_PHASES[self.name]
+
+    @property
+    def cold_reads(self) -> bool:
+        """True if the workload measures cold SSD reads (page cache dropped)."""
+        return self.name in COLD_READ_WORKLOADS
+
+
+def validate_params(name: str, params: dict[str, Any], where: str = "workloads") -> dict[str, Any]:
+    """Merge `params` over the defaults of workload `name` and check them.
+
+    Args:
+        name: workload name (a key of `WORKLOAD_DEFAULTS`).
+        params: values from the sweep TOML.
+        where: field prefix used in error messages.
+
+    Returns:
+        The complete parameter dict.
+
+    Raises:
+        ConfigError: unknown workload, unknown parameter or invalid value (names the field).
+    """
+    if name not in WORKLOAD_DEFAULTS:
+        raise ConfigError(f"{where}.{name}", f"unknown workload; choose from {', '.join(WORKLOAD_NAMES)}")
+    merged = dict(WORKLOAD_DEFAULTS[name])
+    for key, value in params.items():
+        field = f"{where}.{name}.{key}"
+        if key not in merged:
+            raise ConfigError(field, f"unknown parameter; known: {', '.join(merged)}")
+        if key in _FLOAT_PARAMS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(field, f"must be a number > 0, got {value!r}")
+            value = float(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "ram_bytes" else 1):
+            raise ConfigError(field, f"must be a positive integer, got {value!r}")
+        merged[key] = value
+    if name == "multi-turn" and merged["system_tokens"] < 1:
+        raise ConfigError(f"{where}.{name}.system_tokens", "must be >= 1")
+    return merged
+
+
+class TokenPool:
+    """A deterministic stream of corpus tokens, handed out in disjoint slices.
+
+    The corpus is the text of `pydoc_data.topics`, topics in a seed-dependent order, tokenized
+    lazily. Special tokens the tokenizer adds around any text (e.g. BOS) are detected once and kept
+    apart as `head`, which starts every prompt.
+    """
+
+    def __init__(self, encode: Encode, seed: int):
+        """Args:
+        encode: text -> token ids (the model's tokenizer, raw text, no chat template).
+        seed: order of the corpus topics.
+        """
+        self._encode = encode
+        self.head, self._tail = _special_tokens(encode)
+        self._topics = _corpus_topics(seed)
+        self._buffer: list[int] = []
+        self._next_topic = 0
+        self._documents = 0
+
+    def _content(self, text: str) -> list[int]:
+        ids = list(self._encode(text))
+        return ids[len(self.head) : len(ids) - self._tail]
+
+    def take(self, n: int) -> tuple[int, ...]:
+        """The next `n` tokens of the corpus stream (no special tokens)."""
+        while len(self._buffer) < n:
+            topic = self._topics[self._next_topic % len(self._topics)]
+            self._next_topic += 1
+            self._buffer.extend(self._content(topic + "\n\n"))
+        out, self._buffer = self._buffer[:n], self._buffer[n:]
+        return tuple(out)
+
+    def document(self, n: int, label: str) -> tuple[int, ...]:
+        """`n` tokens starting with a unique header, so no two documents share a first block
+        (even if the corpus stream wraps around)."""
+        self._documents += 1
+        header = self._content(f"[{self._documents}: {label}]\n")[:n]
+        return tuple(header) + self.take(n - len(header))
+
+
+def _special_tokens(encode: Encode) -> tuple[tuple[int, ...], int]:
+    """(leading special ids, number of trailing special ids) that `encode` adds to any text."""
+    a, b = list(encode("alpha")), list(encode("omega"))
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+    return tuple(a[:head]), tail
+
+
+def _corpus_topics(seed: int) -> list[str]:
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    order = np.random.default_rng(seed).permutation(len(keys))
+    return [topics[keys[i]] for i in order]
+
+
+def build_workload(
+    name: str, params: dict[str, Any], encode: Encode, seed: int, ctx: WorkloadContext
+) -> Workload:
+    """Materialise one workload.
+
+    Args:
+        name: workload name.
+        params: its parameters (merged with defaults and validated here).
+        encode: text -> token ids.
+        seed: sweep seed; the same seed gives the same token ids.
+        ctx: model/sweep facts (used by `ram-pressure`).
+
+    Returns:
+        The workload with all its steps.
+    """
+    p = validate_params(name, params)
+    pool = TokenPool(encode, seed)
+    rng = np.random.default_rng([seed, WORKLOAD_NAMES.index(name)])
+    steps = list(_BUILDERS[name](p, pool, rng, ctx))
+    return Workload(name=name, steps=tuple(steps), params=p)
+
+
+def _shared_prefix(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadContext) -> Iterator[Step]:
+    system = pool.head + pool.document(p["system_tokens"], "system")
+    for i in range(p["requests"]):
+        yield Request(system + pool.take(p["question_tokens"]), "query", f"q{i}")
+
+
+def _multi_turn(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadContext) -> Iterator[Step]:
+    history = {c: pool.head + pool.document(p["system_tokens"], "conversation") for c in range(p["conversations"])}
+    for turn in range(p["turns"]):  # conversations interleaved round-robin, as concurrent users would be
+        for c in range(p["conversations"]):
+            history[c] += pool.take(p["user_tokens"])
+            yield Request(history[c], "turn", f"conv{c}")
+            history[c] += pool.take(p["assistant_tokens"])
+
+
+def _long_doc_qa(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadContext) -> Iterator[Step]:
+    docs = [pool.head + pool.document(p["doc_tokens"], "document") for _ in range(p["documents"])]
+    for d, doc in enumerate(docs):
+        yield Request(doc + pool.take(p["question_tokens"]), "warmup", f"doc{d}")
+    for d in rng.integers(0, len(docs), size=p["queries"]):
+        yield Request(docs[d] + pool.take(p["question_tokens"]), "query", f"doc{d}")
+
+
+def _restart(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadContext) -> Iterator[Step]:
+    prompts = [pool.head + pool.document(p["prompt_tokens"], "prompt") + pool.take(p["question_tokens"])
+               for _ in range(p["prompts"])]
+    for i, ids in enumerate(prompts):
+        yield Request(ids, "populate", f"p{i}")
+    yield Restart()
+    yield DropPageCache()
+    for i in rng.permutation(len(prompts)):
+        yield Request(prompts[i], "replay", f"p{i}")
+
+
+def ram_pressure_documents(p: dict[str, Any], ctx: WorkloadContext) -> int:
+    """Number of documents whose KV is `working_set_factor` x the reference RAM budget.
+
+    Returns:
+        At least 2, at most `max_documents`.
+    """
+    budget = p["ram_bytes"] or ctx.ram_bytes
+    doc_bytes = max(1, p["doc_tokens"] * ctx.kv_bytes_per_token)
+    return max(2, min(p["max_documents"], math.ceil(p["working_set_factor"] * budget / doc_bytes)))
+
+
+def _ram_pressure(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadContext) -> Iterator[Step]:
+    n = ram_pressure_documents(p, ctx)
+    docs = [pool.head + pool.document(p["doc_tokens"], "document") for _ in range(n)]
+    for d, doc in enumerate(docs):
+        yield Request(doc + pool.take(p["question_tokens"]), "populate", f"doc{d}")
+    yield DropPageCache()
+    weights = 1.0 / np.arange(1, n + 1) ** p["zipf_s"]
+    rank_to_doc = rng.permutation(n)  # popularity is not tied to population order
+    for rank in rng.choice(n, size=p["requests"], p=weights / weights.sum()):
+        d = int(rank_to_doc[rank])
+        yield Request(docs[d] + pool.take(p["question_tokens"]), "query", f"doc{d}")
+
+
+_BUILDERS = {
+    "shared-prefix": _shared_prefix,
+    "multi-turn": _multi_turn,
+    "long-doc-qa": _long_doc_qa,
+    "restart": _restart,
+    "ram-pressure": _ram_pressure,
+}

@@ -1,0 +1,140 @@
+"""`kvtool bench` (run a sweep) and `kvtool report` (charts + report.md of a run directory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtool.cli import common
+
+BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability
+[x block size x RAM budget]) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident
+model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to
+results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
+
+Examples:
+
+  kvtool bench bench_configs/quick.toml                # tiny model, a few minutes on 2 cores
+
+  kvtool bench bench_configs/policies.toml --out /data/kvbench
+
+  kvtool bench bench_configs/quick.toml --json         # print the run summary as JSON
+
+Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 done but a cell
+shut down uncleanly or lost a write; 2 bad sweep file or model.
+"""
+
+REPORT_HELP = """Regenerate the PNG charts and report.md of a bench run directory from its
+cells.csv, requests.csv and run.json.
+
+Examples:
+
+  kvtool report results/20260101-120000-quick
+
+  kvtool report results/20260101-120000-quick --json
+"""
+
+OutOpt = Annotated[
+    Optional[Path],
+    typer.Option("--out", "-o", help="Parent directory of the run directory (default: results/).", show_default=False),
+]
+
+
+def bench(
+    config: Annotated[Path, typer.Argument(help="Sweep definition (TOML), e.g. bench_configs/quick.toml.")],
+    out: OutOpt = None,
+    json_out: common.JsonOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+) -> None:
+    common.setup_logging(verbose)
+    with common.cli_errors():
+        from kvtool.bench.runner import run_sweep
+        from kvtool.bench.sweep import load_sweep
+
+        if not config.is_file():
+            raise common.CLIError(f"sweep file not found: {config}")
+        spec = load_sweep(config)
+        engine = common.load_engine(spec.model, spec.base_config(Path(".")).replace(ssd_enabled=False, ram_bytes=0))
+        try:
+            result = run_sweep(spec, out, engine=engine, progress=not json_out, config_path=config)
+        finally:
+            engine.close()
+    ok = _all_ok(result.cells)
+    if json_out:
+        common.print_json(_summary(result.run_dir, result.cells, ok))
+    else:
+        _print_human(result.run_dir, result.cells, ok)
+    raise typer.Exit(common.EXIT_OK if ok else common.EXIT_PROBLEMS)
+
+
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A bench run directory (holding cells.csv, requests.csv, run.json).")],
+    json_out: common.JsonOpt = False,
+) -> None:
+    with common.cli_errors():
+        from kvtool.bench.report import load_run, write_report
+
+        if not run_dir.is_dir():
+            raise common.CLIError(f"run directory not found: {run_dir}")
+        written = write_report(run_dir)
+        cells, _, _ = load_run(run_dir)
+    if json_out:
+        doc = _summary(run_dir, cells, _all_ok(cells))
+        doc["files"] = [str(p) for p in [written.markdown, *written.charts]]
+        common.print_json(doc)
+    else:
+        _print_human(run_dir, cells, _all_ok(cells))
+
+
+def _all_ok(cells) -> bool:
+    """No cell with shutdown_clean or drain_verified false (empty = not applicable)."""
+    for column in ("shutdown_clean", "drain_verified"):
+        values = cells[column].dropna().astype(str)
+        if (values == "False").any():
+            return False
+    return True
+
+
+def _summary(run_dir: Path, cells, ok: bool) -> dict:
+    from kvtool.bench.report import winners
+
+    return {
+        "run_dir": str(run_dir),
+        "report": str(Path(run_dir) / "report.md"),
+        "ok": ok,
+        "winners": _records(winners(cells)),
+        "cells": _records(cells),
+    }
+
+
+def _records(df) -> list[dict]:
+    """Rows as dicts with NaN turned into None (strict JSON)."""
+    return df.astype(object).where(df.notna(), None).to_dict(orient="records")
+
+
+def _print_human(run_dir: Path, cells, ok: bool) -> None:
+    from rich.table import Table
+
+    from kvtool.bench.report import winners
+
+    table = Table(title="winning cell per workload (TTFT p50)")
+    for column in ("workload", "cell", "TTFT p50 ms", "vs no-cache", "vs mlx-lm"):
+        table.add_column(column, overflow="fold")
+    for row in winners(cells).itertuples(index=False):
+        table.add_row(row.workload, row.cell, f"{row.ttft_p50_ms:.1f}", _ratio(row.ttft_vs_no_cache),
+                      _ratio(row.ttft_vs_mlxlm))
+    common.console.print(table)
+    common.console.print(f"report: {Path(run_dir) / 'report.md'}", highlight=False)
+    if not ok:
+        common.err_console.print("[bold red]warning:[/] a cell shut down uncleanly or failed the drain check")
+
+
+def _ratio(value: float) -> str:
+    return "n/a" if value != value else f"{value:.2f}x"  # NaN when the baseline did not run
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", help=BENCH_HELP)(bench)
+    app.command("report", help=REPORT_HELP)(report)
