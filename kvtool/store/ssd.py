@@ -60,6 +60,7 @@ COUNTERS = (
     "ssd_stale_index_cleaned", "ssd_hash_collision_detected", "ssd_bytes_written",
     "ssd_load_hits", "ssd_load_miss", "ssd_load_corrupt", "ssd_load_missing", "ssd_load_fail",
     "ssd_load_noncacheable", "ssd_bytes_read", "ssd_namespace_refused", "ssd_index_errors",
+    "ssd_reconcile_temp_removed", "ssd_reconcile_missing_dropped", "ssd_reconcile_orphan_files",
 )  # fmt: skip
 
 
