@@ -188,3 +188,21 @@ def test_sampling_with_seed_is_reproducible_and_cache_independent(tiny, prompt_i
     b = eng.generate(prompt_ids, max_tokens=8, temp=0.8, top_p=0.9, seed=7)  # RAM hit
     assert b.cached_tokens > 0 and a.token_ids == b.token_ids
     eng.close()
+
+
+def test_forgotten_close_still_drains_and_exits(tmp_path):
+    """The writer thread is non-daemon; a program that never calls close() must still exit, with
+    every accepted block written (drained by the interpreter-exit hook)."""
+    import subprocess
+    import sys
+
+    code = (
+        "from kvtool.config import KVToolConfig\n"
+        "from kvtool.engine import Engine\n"
+        f"eng = Engine.from_spec('tiny', KVToolConfig(ssd_cache_dir={str(tmp_path)!r}, block_size={BS}))\n"
+        "r = eng.generate(eng.encode(prompt=open('kvtool/assets/demo_prompt.txt').read()), max_tokens=2)\n"
+        "print(r.blocks_written)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == len(list(tmp_path.glob("*/*/*.safetensors"))) > 0

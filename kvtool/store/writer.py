@@ -49,6 +49,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -283,6 +284,25 @@ class _Pending:
     ticket: int  # acceptance order, for flush()
 
 
+_LIVE_WRITERS: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
+EXIT_DRAIN_TIMEOUT_S = 30.0
+
+
+def _drain_at_exit() -> None:
+    """Interpreter exit: drain writers their owner never stopped.
+
+    The writer thread is non-daemon (seed 000), so a program that forgets `stop()` would hang
+    at exit. `threading._register_atexit` hooks run *before* non-daemon threads are joined (the
+    hook `concurrent.futures` uses), so accepted blocks are still written, then the thread ends.
+    """
+    for writer in list(_LIVE_WRITERS):
+        writer.stop(EXIT_DRAIN_TIMEOUT_S)
+
+
+if hasattr(threading, "_register_atexit"):  # CPython >= 3.9
+    threading._register_atexit(_drain_at_exit)
+
+
 class AsyncWriter(_WriterBase):
     """Writes blocks from one background (non-daemon) thread; see the module docstring.
 
@@ -329,6 +349,7 @@ class AsyncWriter(_WriterBase):
 
         self._thread = threading.Thread(target=self._run, name="kvtool-ssd-writer", daemon=False)
         self._thread.start()
+        _LIVE_WRITERS.add(self)
 
     # ---- producer side -------------------------------------------------------------------
 
