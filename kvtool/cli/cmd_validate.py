@@ -10,6 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvtool.cli import common
+from kvtool.units import format_bytes
 from kvtool.config import default_cache_dir
 
 HELP = """Check every namespace of the SSD cache and repair it.
@@ -103,7 +104,7 @@ def _print_human(report) -> None:
         found = ", ".join(f"{label} {getattr(ns, attr)}" for label, attr in _COLUMNS if getattr(ns, attr))
         table.add_row(
             ns.namespace[:12], f"[{style}]{ns.status}[/]", str(ns.rows), str(ns.files), found or "-",
-            _human_bytes(ns.bytes_freed),
+            format_bytes(ns.bytes_freed),
         )  # fmt: skip
     common.console.print(table)
     for ns in report.namespaces:
@@ -111,14 +112,6 @@ def _print_human(report) -> None:
             common.console.print(f"[red]{ns.namespace}[/]: {ns.message}", highlight=False)
     summary = "clean" if not report.problems else f"{report.problems} problem(s) found"
     common.console.print(summary + mode)
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def register(app: typer.Typer) -> None:
