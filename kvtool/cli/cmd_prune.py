@@ -1,0 +1,207 @@
+"""`kvtool prune`: plan, show, confirm (or --yes / --dry-run), execute. Cron-safe."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from contextlib import contextmanager, nullcontext
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich import box
+from rich.table import Table
+
+from kvtool.cli import common
+from kvtool.units import format_bytes, parse_duration, parse_size
+
+EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock
+NO_TTL = ("none", "off", "never")
+
+HELP = """Remove old and least recently used blocks from the SSD tier.
+
+Plan first: blocks whose last access is older than --ttl (default: the config's ssd_ttl_days, 7 days; --ttl none disables it); then the least recently used blocks until each namespace (or, with --all, the whole cache) fits --max-bytes. Descendants of a removed block go too (no prefix lookup can reach them). The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). Safe while serve-once or warm use the same cache; two prunes never run at once.
+
+Examples:
+
+  kvtool prune --ttl 7d --dry-run
+
+  kvtool prune --max-bytes 50GB --yes
+
+  kvtool prune --all --max-bytes 200GiB --ttl 30d --yes --quiet      # cron
+
+  17 3 * * *  kvtool prune --ttl 7d --max-bytes 50GB --yes --quiet   # crontab line
+
+Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir), or no terminal and no --yes; 3 another prune is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
+"""
+
+TtlOpt = Annotated[
+    Optional[str],
+    typer.Option("--ttl", help="Remove blocks not accessed for this long: 7d, 12h, 30m, 45s; 'none' = no TTL.", show_default=False),
+]
+MaxBytesOpt = Annotated[
+    Optional[str],
+    typer.Option("--max-bytes", help="Byte budget per namespace (whole cache with --all): 50GB, 512MiB.", show_default=False),
+]
+AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU order over the whole cache.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
+
+
+def _interactive() -> bool:
+    """True if a human can answer a confirmation prompt (tests patch this)."""
+    return sys.stdin.isatty()
+
+
+def prune_cmd(
+    ttl: TtlOpt = None,
+    max_bytes: MaxBytesOpt = None,
+    namespace: common.NamespaceOpt = None,
+    all_namespaces: AllOpt = False,
+    dry_run: common.DryRunOpt = False,
+    yes: common.YesOpt = False,
+    json_out: common.JsonOpt = False,
+    quiet: QuietOpt = False,
+    cache_dir: common.CacheDirOpt = None,
+    config: common.ConfigOpt = None,
+) -> None:
+    with common.cli_errors():
+        from kvtool.ops.prune import PruneError, PruneLocked, execute_prune, plan_prune, prune_lock
+
+        ttl_s, budget = _parse_limits(ttl, max_bytes)
+        cfg = common.build_config(config, cache_dir)
+        if ttl is None:
+            ttl_s = cfg.ssd_ttl_days * 86400.0
+        if namespace is not None and all_namespaces:
+            raise common.CLIError("give --namespace or --all, not both")
+        if not (dry_run or yes or _interactive()):
+            raise common.CLIError("refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
+        root = cfg.ssd_cache_dir
+        if not root.is_dir():
+            raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
+        try:
+            with nullcontext() if dry_run else prune_lock(root):  # a dry run only reads
+                plan = plan_prune(root, ttl_s, budget, namespace, all_namespaces)
+                plan.dry_run = dry_run
+                code = _confirm_and_execute(plan, yes, json_out, quiet, execute_prune)
+        except PruneLocked as exc:
+            raise common.CLIError(str(exc), EXIT_LOCKED) from None
+        except PruneError as exc:
+            raise common.CLIError(str(exc)) from None
+    raise typer.Exit(code)
+
+
+def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None, int | None]:
+    ttl_s = budget = None
+    if ttl is not None and ttl.strip().lower() not in NO_TTL:
+        try:
+            ttl_s = parse_duration(ttl)
+        except ValueError as exc:
+            raise common.CLIError(f"--ttl: {exc}") from None
+    if max_bytes is not None:
+        try:
+            budget = parse_size(max_bytes)
+        except ValueError as exc:
+            raise common.CLIError(f"--max-bytes: {exc}") from None
+    return ttl_s, budget
+
+
+def _confirm_and_execute(plan, yes: bool, json_out: bool, quiet: bool, execute) -> int:
+    if plan.dry_run or plan.total("prune_blocks") == 0:
+        _emit(plan, json_out, quiet)
+        return _exit_code(plan)
+    shown = False
+    if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
+        _print_plan(plan, common.err_console if (json_out or quiet) else common.console)
+        shown = True
+        question = f"Remove {plan.total('prune_blocks')} block(s), {format_bytes(plan.total('prune_bytes'))}?"
+        if not typer.confirm(question, default=False, err=True):
+            common.err_console.print("aborted: nothing changed")
+            return common.EXIT_PROBLEMS
+    with _deferred_signals() as received:
+        execute(plan)
+    if quiet:
+        if plan.problems:
+            _print_result(plan, common.err_console)
+    elif json_out:
+        common.print_json(plan.to_dict())
+    else:
+        if not shown:
+            _print_plan(plan, common.console)
+        _print_result(plan, common.console)
+    if received:
+        return 128 + received[0]
+    return _exit_code(plan)
+
+
+def _exit_code(plan) -> int:
+    return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
+
+
+def _emit(plan, json_out: bool, quiet: bool) -> None:
+    if quiet:
+        if plan.problems:
+            _print_result(plan, common.err_console)
+    elif json_out:
+        common.print_json(plan.to_dict())
+    else:
+        _print_plan(plan, common.console)
+        common.console.print("dry run: nothing changed" if plan.dry_run else "nothing to prune")
+
+
+@contextmanager
+def _deferred_signals() -> Iterator[list[int]]:
+    """Hold SIGINT/SIGTERM until the deletion is done (rows and files stay consistent)."""
+    received: list[int] = []
+    handler = lambda signum, _frame: received.append(signum)  # noqa: E731
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "none"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _print_plan(plan, out) -> None:
+    budget = "none" if plan.max_bytes is None else format_bytes(plan.max_bytes)
+    scope = "whole cache" if plan.scope == "all" else "per namespace"
+    table = Table(
+        title=f"kvtool prune {plan.cache_dir}: ttl {_fmt_duration(plan.ttl_s)}, budget {budget} ({scope})",
+        box=box.SIMPLE_HEAD, pad_edge=False,
+    )  # fmt: skip
+    for name in ("namespace", "stored", "prune", "ttl/lru/desc", "left"):
+        table.add_column(name, justify="left" if name == "namespace" else "right", no_wrap=True)
+    for ns in plan.namespaces:
+        stored = f"{ns.blocks} / {format_bytes(ns.bytes)}"
+        if ns.status != "ok":
+            table.add_row(ns.namespace[:12], stored, f"[red]{ns.status}[/]", "-", stored)
+            continue
+        table.add_row(
+            ns.namespace[:12], stored, f"{ns.prune_blocks} / {format_bytes(ns.prune_bytes)}",
+            f"{ns.ttl_blocks}/{ns.lru_blocks}/{ns.descendant_blocks}", f"{ns.blocks_after} / {format_bytes(ns.bytes_after)}",
+        )  # fmt: skip
+    out.print(table)
+    for ns in plan.namespaces:
+        if ns.message:
+            out.print(f"[yellow]{ns.namespace}[/]: {ns.message}", highlight=False)
+
+
+def _print_result(plan, out) -> None:
+    out.print(
+        f"pruned {plan.total('rows_deleted')} block(s), {plan.total('files_deleted')} file(s), "
+        f"{format_bytes(plan.total('bytes_freed'))} freed"
+        + (f"; [red]{plan.problems} problem(s)[/] (run kvtool validate)" if plan.problems else ""),
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtool prune` to the app."""
+    app.command("prune", help=HELP)(prune_cmd)

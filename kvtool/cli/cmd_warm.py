@@ -1,0 +1,168 @@
+"""`kvtool warm`: prefill prompts into the SSD tier (no decode), with a progress bar."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvtool.cli import common
+from kvtool.units import format_bytes
+
+HELP = """Prefill prompts into the SSD tier ahead of time (no decode), so later requests start from cached KV.
+
+SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings. Ctrl-C stops after draining the writer; what was written stays valid.
+
+Examples:
+
+  kvtool warm --model tiny prompts.txt
+
+  kvtool warm --model ~/models/Qwen2.5-0.5B-Instruct-4bit --whole doc1.txt doc2.txt --json
+
+  kvtool warm --model tiny --durability durable docs/ requests.jsonl
+
+Exit codes: 0 warmed and shut down cleanly; 1 some blocks could not be written or the writer did not drain; 2 bad input (source, model, options); 130/143 interrupted by SIGINT/SIGTERM (after draining the writer).
+"""
+
+WholeOpt = Annotated[
+    bool, typer.Option("--whole", help="Each text file is one prompt (default: one prompt per line).")
+]
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupt(signum, _frame):
+    # One signal is enough: ignore further ones while the writer drains.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Interrupted(signum)
+
+
+def warm_cmd(
+    sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
+    model: common.ModelOpt = "tiny",
+    whole: WholeOpt = False,
+    config: common.ConfigOpt = None,
+    cache_dir: common.CacheDirOpt = None,
+    policy: common.PolicyOpt = None,
+    durability: common.DurabilityOpt = None,
+    async_writes: common.AsyncOpt = None,
+    block_size: common.BlockSizeOpt = None,
+    ram_bytes: common.RamBytesOpt = None,
+    json_out: common.JsonOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+) -> None:
+    common.setup_logging(verbose)
+    with common.cli_errors():
+        from kvtool.ops.warm import WarmError, check_engine, load_sources
+
+        try:
+            prompts = load_sources(sources, whole=whole)
+        except WarmError as exc:
+            raise common.CLIError(str(exc)) from None
+        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes)
+        engine = common.load_engine(model, cfg)
+        try:
+            check_engine(engine)
+        except WarmError as exc:
+            engine.close()
+            raise common.CLIError(str(exc)) from None
+        code = _run(engine, prompts, json_out)
+    raise typer.Exit(code)
+
+
+def _run(engine, prompts, json_out: bool) -> int:
+    from kvtool.ops.warm import WarmError, WarmReport, warm
+
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
+    try:
+        with _progress(len(prompts), enabled=not json_out) as progress:
+            report = warm(engine, prompts, progress=progress, interrupts=(_Interrupted,))
+    except _Interrupted as exc:  # a signal outside the prompt loop
+        report.interrupted = exc.args[0]
+    except WarmError as exc:
+        raise common.CLIError(str(exc)) from None
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        status = engine.close()  # drains the writer, flushes and closes the index
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    doc = report.to_dict()
+    doc.update(shutdown_clean=status.shutdown_clean, shutdown_partial_flush=status.shutdown_partial_flush)
+    if json_out:
+        common.print_json(doc)
+    else:
+        _print_summary(report, status)
+    if report.interrupted:
+        return 128 + getattr(signal.Signals, report.interrupted, signal.SIGINT).value
+    ok = status.shutdown_clean and report.flushed and report.blocks_failed == 0
+    return common.EXIT_OK if ok else common.EXIT_PROBLEMS
+
+
+class _RichProgress:
+    """Adapter from warm's `progress(report)` to one rich bar: prompts, tokens, blocks, bytes."""
+
+    def __init__(self, total: int) -> None:
+        self._bar = Progress(
+            TextColumn("warm"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+            TextColumn("{task.fields[tokens]} tok | {task.fields[blocks]} blocks | {task.fields[bytes]}"),
+            TimeElapsedColumn(), console=common.err_console, transient=True,
+        )  # fmt: skip
+        self._task = self._bar.add_task("warm", total=total, tokens=0, blocks=0, bytes=format_bytes(0))
+
+    def __enter__(self) -> "_RichProgress":
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.__exit__(*exc)
+
+    def __call__(self, report) -> None:
+        self._bar.update(
+            self._task, completed=report.prompts_done, tokens=report.tokens, blocks=report.blocks_written,
+            bytes=format_bytes(report.bytes_written),
+        )  # fmt: skip
+
+
+class _NoProgress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def _progress(total: int, enabled: bool):
+    return _RichProgress(total) if enabled else _NoProgress()
+
+
+def _print_summary(report, status) -> None:
+    out = common.console
+    head = "[yellow]interrupted[/]: " if report.interrupted else ""
+    out.print(
+        f"{head}warmed {report.prompts_done}/{report.prompts_total} prompt(s): "
+        f"{report.prompts_prefilled} prefilled, {report.prompts_skipped} already cached (skipped), "
+        f"{report.prompts_too_short} shorter than one block | "
+        f"{report.tokens} tokens, {report.tokens_prefilled} run through the model",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+    out.print(
+        f"SSD: {report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
+        f"{report.blocks_dedup} already stored, {report.blocks_failed} failed | namespace {report.layout_key} | "
+        f"{report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}",
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtool warm` to the app."""
+    app.command("warm", help=HELP)(warm_cmd)

@@ -1,0 +1,263 @@
+"""`kvtool warm`: prefill prompts into the SSD tier ahead of time (no decode).
+
+Sources (`load_sources`):
+- a text file: one prompt per non-blank line, or the whole file as one prompt (`whole=True`);
+- a JSONL file (`.jsonl`): one `{"prompt": ...}` or `{"messages": [...]}` object per line;
+- a directory: every `.txt` / `.md` file below it (sorted, hidden entries skipped), one prompt each.
+
+Each prompt goes through `Engine.prefill`: a prompt whose full blocks are all on SSD already is
+skipped by hashing alone (the model does not run), otherwise its missing blocks are computed and
+written through to SSD whatever the policy. `warm` flushes the engine at the end so every block
+has reached SSD (under the configured async/durability settings) before it returns; the caller
+closes the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from kvtool.prompts import Request, RequestFileError, load_requests_jsonl, read_text
+
+SOURCE_SUFFIXES = (".txt", ".md")  # files taken from a directory source
+JSONL_SUFFIXES = (".jsonl",)
+MAX_DETAILS = 1000  # per-prompt results kept in the report
+
+# progress(event) after each prompt; `event` is the running `WarmReport`
+ProgressFn = Callable[["WarmReport"], None]
+
+
+class WarmError(Exception):
+    """Warm cannot run: unusable source, uncacheable model, or SSD tier unavailable."""
+
+
+@dataclass
+class WarmPrompt:
+    """One prompt to warm and where it came from (`file`, `file:line` or `file:line` of a JSONL)."""
+
+    request: Request
+    source: str
+
+
+@dataclass
+class PromptResult:
+    """What warming one prompt did. Token counts in tokens, time in ms.
+
+    Attributes:
+        source: where the prompt came from.
+        status: 'skipped' (every full block already on SSD, model not run), 'too_short' (fewer
+            tokens than one block: nothing to cache, model not run) or 'prefilled'.
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: leading tokens already cached (not recomputed).
+        prefill_tokens: tokens run through the model.
+        blocks_queued: new blocks handed to the SSD writer.
+        prefill_ms: model time.
+    """
+
+    source: str
+    status: str
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_tokens: int
+    blocks_queued: int
+    prefill_ms: float
+
+
+@dataclass
+class WarmReport:
+    """Outcome of one warm run (also the running state passed to `progress`).
+
+    Attributes:
+        layout_key: the namespace written.
+        namespace_dir: its directory.
+        prompts_total: prompts given.
+        prompts_done: prompts processed (less than total if interrupted).
+        prompts_skipped, prompts_too_short, prompts_prefilled: by status.
+        tokens: prompt tokens processed; tokens_prefilled: of which run through the model.
+        blocks_written: block files written to SSD (`ssd_save_success`).
+        bytes_written: bytes of those files (`ssd_bytes_written`).
+        blocks_dedup: blocks another writer had stored already.
+        blocks_failed: blocks that could not be written (final writer failures, after retries,
+            plus blocks the writer refused).
+        elapsed_s: wall time (seconds).
+        flushed: every accepted write was attempted before return.
+        interrupted: the signal name if stopped early, else None.
+        prompts: per-prompt results (first `MAX_DETAILS`).
+    """
+
+    layout_key: str
+    namespace_dir: str
+    prompts_total: int
+    prompts_done: int = 0
+    prompts_skipped: int = 0
+    prompts_too_short: int = 0
+    prompts_prefilled: int = 0
+    tokens: int = 0
+    tokens_prefilled: int = 0
+    blocks_written: int = 0
+    bytes_written: int = 0
+    blocks_dedup: int = 0
+    blocks_failed: int = 0
+    elapsed_s: float = 0.0
+    flushed: bool = True
+    interrupted: str | None = None
+    prompts: list[PromptResult] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-ready document (see docs/OPS.md)."""
+        return asdict(self)
+
+
+# ----------------------------------------------------------------------------- sources
+def load_sources(paths: Sequence[Path], whole: bool = False) -> list[WarmPrompt]:
+    """Read every source into prompts, in the order given.
+
+    Args:
+        paths: text files, `.jsonl` files or directories.
+        whole: a text file is one prompt (default: one prompt per non-blank line).
+            Files found in a directory are always whole prompts.
+
+    Returns:
+        The prompts (at least one).
+
+    Raises:
+        WarmError: a source is missing, unreadable, not UTF-8, empty, or an invalid JSONL
+            (the message names the file and line).
+    """
+    if not paths:
+        raise WarmError("no source given")
+    prompts: list[WarmPrompt] = []
+    for path in map(Path, paths):
+        try:
+            prompts.extend(_load_one(path, whole))
+        except RequestFileError as exc:
+            raise WarmError(str(exc)) from None
+        except OSError as exc:
+            raise WarmError(f"cannot read {exc.filename or path}: {exc.strerror or exc}") from None
+    return prompts
+
+
+def _load_one(path: Path, whole: bool) -> list[WarmPrompt]:
+    if path.is_dir():
+        files = sorted(
+            p for p in path.rglob("*")
+            if p.is_file() and p.suffix.lower() in SOURCE_SUFFIXES
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        )  # fmt: skip
+        if not files:
+            raise WarmError(f"{path}: no {'/'.join(SOURCE_SUFFIXES)} files in this directory")
+        return [WarmPrompt(Request(prompt=read_text(f)), str(f)) for f in files]
+    if not path.exists():
+        raise WarmError(f"source not found: {path}")
+    if path.suffix.lower() in JSONL_SUFFIXES:
+        return [WarmPrompt(r, f"{path}:{i}") for i, r in enumerate(load_requests_jsonl(path), start=1)]
+    text = read_text(path)
+    if whole:
+        return [WarmPrompt(Request(prompt=text), str(path))]
+    return [
+        WarmPrompt(Request(prompt=line), f"{path}:{n}")
+        for n, line in enumerate(text.splitlines(), start=1)
+        if line.strip()
+    ]
+
+
+# ----------------------------------------------------------------------------- warm
+def check_engine(engine) -> None:
+    """Make sure `engine` can write blocks to SSD.
+
+    Raises:
+        WarmError: the model runs uncached, or the SSD tier is off or disabled.
+    """
+    if engine.uncached_reason is not None:
+        raise WarmError(f"this model cannot be cached: {engine.uncached_reason}")
+    ssd = engine.tiered.ssd if engine.tiered is not None else None
+    if ssd is None:
+        raise WarmError("the SSD tier is off (ssd_enabled = false): nothing to warm")
+    if not ssd.enabled:
+        raise WarmError(f"the SSD tier is unavailable: {ssd.disabled_reason}")
+
+
+def warm(
+    engine,
+    prompts: Sequence[WarmPrompt],
+    progress: ProgressFn | None = None,
+    interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+) -> WarmReport:
+    """Prefill `prompts` through `engine` and make sure their blocks reach SSD.
+
+    An exception of a type in `interrupts` (Ctrl-C, or the CLI's signal exception) stops the
+    run cleanly: the engine is flushed, so every block already queued is written, and the
+    report comes back with `interrupted` set. Any other exception also flushes, then propagates.
+    The caller closes the engine.
+
+    Args:
+        engine: a `kvtool.engine.Engine` with an SSD tier.
+        prompts: from `load_sources`.
+        progress: called with the running report after each prompt.
+        interrupts: exception types that mean "stop now" rather than "failed".
+
+    Returns:
+        The report; block and byte counts are exact (taken after the flush).
+
+    Raises:
+        WarmError: the engine cannot write to SSD (see `check_engine`), or a prompt cannot be
+            encoded (e.g. chat messages for a tokenizer without a chat template).
+    """
+    check_engine(engine)
+    report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
+    base = engine.stats()
+    t0 = time.perf_counter()
+    try:
+        for item in prompts:
+            _warm_one(engine, item, report)
+            _update_counts(report, base, engine.stats())
+            if progress is not None:
+                progress(report)
+    except interrupts as exc:
+        report.interrupted = str(exc) or type(exc).__name__
+    finally:
+        report.flushed = engine.flush()
+        _update_counts(report, base, engine.stats())
+        report.elapsed_s = time.perf_counter() - t0
+    return report
+
+
+def _warm_one(engine, item: WarmPrompt, report: WarmReport) -> None:
+    req = item.request
+    try:
+        ids = engine.encode(prompt=req.prompt, messages=req.messages)
+    except ValueError as exc:
+        raise WarmError(f"{item.source}: {exc}") from None
+    if not ids:
+        raise WarmError(f"{item.source}: the prompt has no tokens")
+    res = engine.prefill(ids)
+    status = "prefilled"
+    if res.finish_reason == "skipped":
+        status = "too_short" if len(ids) < engine.config.block_size else "skipped"
+    report.prompts_done += 1
+    report.prompts_skipped += status == "skipped"
+    report.prompts_too_short += status == "too_short"
+    report.prompts_prefilled += status == "prefilled"
+    report.tokens += res.prompt_tokens
+    report.tokens_prefilled += res.prefill_tokens if status == "prefilled" else 0
+    if len(report.prompts) < MAX_DETAILS:
+        report.prompts.append(
+            PromptResult(item.source, status, res.prompt_tokens, res.cached_tokens,
+                         res.prefill_tokens if status == "prefilled" else 0, res.blocks_written,
+                         round(res.prefill_ms, 3))
+        )  # fmt: skip
+
+
+def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
+    def delta(key: str) -> int:
+        return int(now.get(key, 0)) - int(base.get(key, 0))
+
+    report.blocks_written = delta("ssd_save_success")
+    report.bytes_written = delta("ssd_bytes_written")
+    report.blocks_dedup = delta("ssd_save_dedup_skip")
+    report.blocks_failed = delta("writer_save_fail") + delta("writer_enqueue_rejected")
+
+
+__all__ = ["warm", "load_sources", "check_engine", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]

@@ -1,0 +1,355 @@
+"""Tests of kvtool.ops.prune and `kvtool prune`: TTL, LRU under a byte budget, descendants, dry run,
+the lock, the CLI contract (cron-safety, exit codes, JSON), and pruning while another process serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store
+from typer.testing import CliRunner
+
+from kvtool.cli import app as app_module
+from kvtool.cli import cmd_prune
+from kvtool.ops.prune import LOCK_FILENAME, PruneError, PruneLocked, execute_prune, plan_prune, prune, prune_lock
+from kvtool.ops.validate import validate
+from kvtool.store.index import BlockIndex
+from kvtool.store.ssd import SSDStore
+
+REPO = Path(__file__).resolve().parent.parent
+NOW = 1_800_000_000.0
+DAY = 86400.0
+PROMPTS = (np.arange(16), np.arange(100, 112))  # chains of 4 and 3 blocks (block_size 4)
+
+if not any(c.name == "prune" for c in app_module.app.registered_commands):
+    app_module._register()
+runner = CliRunner()
+
+
+def run_cli(*args, **kw):
+    return runner.invoke(app_module.app, ["prune", *args], **kw)
+
+
+@pytest.fixture
+def cache(tmp_path):
+    """A closed cache, one namespace, two chains; yields (cache_dir, store, chains)."""
+    cache_dir = tmp_path / "kv"
+    store = open_store(cache_dir)
+    chains = [make_chain(store.layout_key, p, "bfloat16", seed=10 * i) for i, p in enumerate(PROMPTS)]
+    for chain in chains:
+        for b in chain:
+            assert store.save_block(b) == "saved"
+    store.close()
+    return cache_dir, store, chains
+
+
+def set_access(store, times: dict[str, float]) -> None:
+    """Set `last_access` of rows directly in the index (as if used at those times)."""
+    with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
+        conn.executemany("UPDATE blocks SET last_access=? WHERE hash=?", [(t, h) for h, t in times.items()])
+
+
+def stored(store) -> set[str]:
+    idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
+    try:
+        return {r.hash for r in idx.rows()}
+    finally:
+        idx.close()
+
+
+def hashes(chain) -> list[str]:
+    return [b.block_hash for b in chain]
+
+
+def snapshot(cache_dir: Path) -> tuple[dict, list]:
+    files = {str(p.relative_to(cache_dir)): p.read_bytes() for p in sorted(cache_dir.rglob("*"))
+             if p.is_file() and not p.name.startswith("index.sqlite")}  # fmt: skip
+    rows = []
+    for db in sorted(cache_dir.glob("*/index.sqlite")):
+        idx = BlockIndex(db, create=False)
+        rows.append(list(idx.rows()))
+        idx.close()
+    return files, rows
+
+
+def assert_consistent(cache_dir: Path, store, chains) -> None:
+    """Every kept block is loadable, its parent chain is intact, and validate finds nothing."""
+    kept = stored(store)
+    for chain in chains:
+        present = [b.block_hash in kept for b in chain]
+        assert present == sorted(present, reverse=True), "a kept block lost its parent"
+    live = SSDStore(cache_dir, store.layout_key, make_meta())
+    for chain in chains:
+        for b in chain:
+            assert (live.load_block(b.block_hash, b.token_ids) is not None) == (b.block_hash in kept)
+    live.close()
+    assert validate(cache_dir, deep=True).problems == 0
+
+
+# ------------------------------------------------------------------ planning rules
+def test_ttl_removes_old_chains_only(cache):
+    cache_dir, store, (old, new) = cache
+    set_access(store, {**{h: NOW - 10 * DAY for h in hashes(old)}, **{h: NOW - DAY for h in hashes(new)}})
+    plan = plan_prune(cache_dir, ttl_s=7 * DAY, now=NOW)
+    ns = plan.namespaces[0]
+    assert (ns.ttl_blocks, ns.lru_blocks, ns.prune_blocks, ns.blocks_after) == (4, 0, 4, 3)
+    assert set(ns.hashes) == set(hashes(old))
+    execute_prune(plan)
+    assert stored(store) == set(hashes(new))
+    assert ns.rows_deleted == ns.files_deleted == 4 and ns.bytes_freed == ns.prune_bytes > 0
+    assert not any(block_path(store, h).exists() for h in hashes(old))
+    assert_consistent(cache_dir, store, (old, new))
+    # the clock decides: the same cache 2 days later loses the second chain too
+    assert plan_prune(cache_dir, ttl_s=7 * DAY, now=NOW + 8 * DAY).namespaces[0].prune_blocks == 3
+
+
+def test_ttl_uses_the_newest_access_below_a_block(cache):
+    """A prefix whose row is stale but whose continuation was just used is in use (its KV was
+    needed; e.g. it came from a RAM tier that does not touch SSD rows): kept, as is the chain."""
+    cache_dir, store, (old, new) = cache
+    set_access(store, {**{h: NOW - 30 * DAY for h in hashes(old)[:3]}, hashes(old)[3]: NOW - 60.0})
+    assert set(plan_prune(cache_dir, ttl_s=7 * DAY, now=NOW).namespaces[0].hashes) == set(hashes(new))
+
+
+def test_ttl_trims_an_old_tail_and_keeps_the_used_prefix(cache):
+    cache_dir, store, (old, new) = cache
+    times = {h: NOW for h in hashes(old) + hashes(new)}
+    times.update({h: NOW - 10 * DAY for h in hashes(old)[2:]})  # tail unused for 10 days
+    set_access(store, times)
+    plan = prune(cache_dir, ttl_s=7 * DAY, now=NOW)
+    assert set(plan.namespaces[0].hashes) == set(hashes(old)[2:])
+    assert_consistent(cache_dir, store, (old, new))
+
+
+def test_lru_under_budget_removes_least_recent_leaves_first(cache):
+    cache_dir, store, (a, b) = cache
+    # chain a used an hour ago, chain b now; within a chain the parent was touched first
+    set_access(store, {**{h: NOW - 3600 + i for i, h in enumerate(hashes(a))},
+                       **{h: NOW + i for i, h in enumerate(hashes(b))}})  # fmt: skip
+    size = {r.hash: r.nbytes for r in BlockIndex(store.namespace_dir / "index.sqlite", create=False).rows()}
+    budget = sum(size.values()) - size[a[3].block_hash] - size[a[2].block_hash]
+    plan = plan_prune(cache_dir, ttl_s=None, max_bytes=budget, now=NOW)
+    ns = plan.namespaces[0]
+    assert set(ns.hashes) == set(hashes(a)[2:]) and ns.lru_blocks == 2 and ns.bytes_after == budget
+    one = sum(size.values()) - size[a[3].block_hash]
+    assert plan_prune(cache_dir, ttl_s=None, max_bytes=one, now=NOW).namespaces[0].hashes == [a[3].block_hash]
+    budget = size[b[0].block_hash] + size[b[1].block_hash]
+    plan = plan_prune(cache_dir, ttl_s=None, max_bytes=budget, now=NOW)  # all of a, then b's tail
+    assert set(plan.namespaces[0].hashes) == set(hashes(a) + hashes(b)[2:])
+    execute_prune(plan)
+    assert stored(store) == set(hashes(b)[:2])
+    assert_consistent(cache_dir, store, (a, b))
+
+
+def test_descendants_of_a_pruned_block_go_too(cache):
+    """Shared prefixes: removing a block removes every continuation below it; nothing kept
+    ever hangs off a removed block, whatever the access times (random, 20 rounds)."""
+    cache_dir, store, chains = cache
+    live = SSDStore(cache_dir, store.layout_key, make_meta())
+    branch = make_chain(store.layout_key, np.concatenate([np.arange(8), np.arange(50, 58)]), seed=99)
+    assert branch[0].block_hash == chains[0][0].block_hash  # shares 2 blocks with chain 0
+    for blk in branch[2:]:
+        assert live.save_block(blk) == "saved"
+    live.close()
+    rows = {r.hash: r for r in BlockIndex(store.namespace_dir / "index.sqlite", create=False).rows()}
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        set_access(store, {h: NOW - float(rng.integers(0, 20)) * DAY for h in rows})
+        plan = plan_prune(cache_dir, ttl_s=float(rng.integers(0, 20)) * DAY, max_bytes=int(rng.integers(0, 12)) * 600, now=NOW)
+        gone = set(plan.namespaces[0].hashes)
+        assert not [h for h, r in rows.items() if h not in gone and r.parent in gone]
+        if chains[0][1].block_hash in gone:  # the shared block: both continuations go
+            assert set(hashes(chains[0])[2:]) | set(hashes(branch)[2:]) <= gone
+
+
+def test_all_is_one_lru_over_every_namespace(cache):
+    cache_dir, store, chains = cache
+    other = SSDStore(cache_dir, make_layout(model_id="other"), make_meta(model_id="other"))
+    other_chain = make_chain(other.layout_key, np.arange(200, 216))
+    for blk in other_chain:
+        other.save_block(blk)
+    other.close()
+    set_access(store, {h: NOW for c in chains for h in hashes(c)})
+    set_access(other, {h: NOW - DAY for h in hashes(other_chain)})
+    budget = BlockIndex(store.namespace_dir / "index.sqlite", create=False).totals()[1]  # 7 blocks
+    per_ns = plan_prune(cache_dir, ttl_s=None, max_bytes=budget, now=NOW)
+    assert per_ns.total("prune_blocks") == 0  # each namespace fits on its own
+    glob = plan_prune(cache_dir, ttl_s=None, max_bytes=budget, all_namespaces=True, now=NOW)
+    by_ns = {ns.namespace: ns for ns in glob.namespaces}
+    assert set(by_ns[other.layout_key].hashes) == set(hashes(other_chain)) and by_ns[store.layout_key].prune_blocks == 0
+    assert glob.total("bytes_after") <= budget and glob.scope == "all"
+    only = plan_prune(cache_dir, ttl_s=0.0, namespace=other.layout_key[:8], now=NOW)
+    assert [ns.namespace for ns in only.namespaces] == [other.layout_key]
+
+
+def test_dry_run_changes_nothing(cache):
+    cache_dir, store, _ = cache
+    before = snapshot(cache_dir)
+    plan = prune(cache_dir, ttl_s=0.0, dry_run=True)
+    assert plan.total("prune_blocks") == 7 and not plan.executed and plan.total("rows_deleted") == 0
+    res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", "--max-bytes", "1", "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["dry_run"] and not doc["executed"] and doc["totals"]["prune_blocks"] == 7
+    assert snapshot(cache_dir) == before and not (cache_dir / LOCK_FILENAME).exists()
+
+
+def test_errors(cache, tmp_path):
+    cache_dir, _, _ = cache
+    with pytest.raises(PruneError, match="no namespace"):
+        plan_prune(cache_dir, ttl_s=1.0, namespace="zz")
+    with pytest.raises(PruneError, match="not both"):
+        plan_prune(cache_dir, ttl_s=1.0, namespace="ab", all_namespaces=True)
+    with pytest.raises(PruneError, match="does not exist"):
+        prune(tmp_path / "absent", ttl_s=1.0)
+
+
+# ------------------------------------------------------------------ lock
+def test_lock_refuses_a_second_prune(cache):
+    cache_dir, store, _ = cache
+    with prune_lock(cache_dir):
+        with pytest.raises(PruneLocked, match=f"pid {os.getpid()}"):
+            prune(cache_dir, ttl_s=0.0)
+        res = subprocess.run(
+            [sys.executable, "-m", "kvtool.cli.app", "prune", "--cache-dir", str(cache_dir), "--ttl", "0s", "--yes"],
+            capture_output=True, text=True, cwd=REPO,
+        )  # fmt: skip
+        assert res.returncode == cmd_prune.EXIT_LOCKED == 3
+        assert "another kvtool prune is running" in res.stderr and "Traceback" not in res.stderr
+        assert len(stored(store)) == 7
+    assert prune(cache_dir, ttl_s=0.0).total("rows_deleted") == 7  # released on exit
+    assert (cache_dir / LOCK_FILENAME).exists()
+
+
+# ------------------------------------------------------------------ CLI
+def test_cli_refuses_without_a_terminal_unless_yes(cache):
+    cache_dir, store, _ = cache
+    res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s")
+    assert res.exit_code == 2 and "--yes" in res.output and len(stored(store)) == 7
+    res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", "--yes", "--quiet")
+    assert res.exit_code == 0 and res.output == "" and stored(store) == set()
+    res = run_cli("--cache-dir", str(cache_dir), "--yes", "--quiet")  # nothing left: still quiet
+    assert res.exit_code == 0 and res.output == ""
+
+
+def test_cli_confirmation_on_a_terminal(cache, monkeypatch):
+    cache_dir, store, _ = cache
+    monkeypatch.setattr(cmd_prune, "_interactive", lambda: True)
+    res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", input="n\n")
+    assert res.exit_code == 1 and "aborted" in res.output and len(stored(store)) == 7
+    res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", input="y\n")
+    assert res.exit_code == 0 and "pruned 7 block(s)" in res.output and stored(store) == set()
+
+
+def test_cli_json_schema(cache):
+    cache_dir, store, _ = cache
+    res = run_cli("--cache-dir", str(cache_dir), "--max-bytes", "1KiB", "--ttl", "none", "--yes", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert set(doc) == {"cache_dir", "ttl_s", "max_bytes", "scope", "now", "namespaces", "dry_run", "executed",
+                        "totals", "problems"}  # fmt: skip
+    assert doc["ttl_s"] is None and doc["max_bytes"] == 1024 and doc["scope"] == "namespace" and doc["executed"]
+    ns = doc["namespaces"][0]
+    assert set(ns) == {
+        "namespace", "model_name", "status", "message", "blocks", "bytes", "ttl_blocks", "ttl_bytes", "lru_blocks",
+        "lru_bytes", "descendant_blocks", "descendant_bytes", "prune_blocks", "prune_bytes", "blocks_after",
+        "bytes_after", "rows_deleted", "files_deleted", "bytes_freed", "unlink_failed",
+    }  # fmt: skip
+    assert ns["rows_deleted"] == ns["prune_blocks"] == 7 - ns["blocks_after"] and ns["bytes_after"] <= 1024
+    assert doc["totals"]["rows_deleted"] == ns["rows_deleted"] and len(stored(store)) == ns["blocks_after"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ttl", "7 days"], "not a duration"),
+        (["--max-bytes", "50XB"], "not a size"),
+        (["--namespace", "zz", "--yes"], "no namespace"),
+        (["--namespace", "ab", "--all", "--yes"], "not both"),
+    ],
+)
+def test_cli_bad_input(cache, args, message):
+    cache_dir, _, _ = cache
+    res = run_cli("--cache-dir", str(cache_dir), *args)
+    assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+
+
+def test_cli_missing_cache_dir_and_help(tmp_path):
+    res = run_cli("--cache-dir", str(tmp_path / "absent"), "--yes")
+    assert res.exit_code == 2 and "does not exist" in res.output
+    res = run_cli("--help")
+    assert res.exit_code == 0 and "kvtool prune --ttl 7d --dry-run" in res.output and "crontab" in res.output
+
+
+# ------------------------------------------------------------------ prune while serving
+def test_prune_while_another_process_serves(tmp_path, tiny_model):
+    """`prune --max-bytes` (tiny budget) runs again and again in this process while
+    `kvtool serve-once` answers requests from the same cache in another: no request fails and
+    every output equals the uncached one."""
+    from kvtool.config import KVToolConfig
+    from kvtool.engine import Engine
+
+    bs = 64
+    cache_dir = tmp_path / "kv"
+    text = (REPO / "kvtool" / "assets" / "demo_prompt.txt").read_text(encoding="utf-8")
+    prompts = [text[1200 * i : 1200 * i + 700 + 150 * i] for i in range(3)]  # no shared blocks
+    order = [i // 2 % 3 for i in range(12)]  # each prompt twice in a row: the second can hit
+    reqs = [{"prompt": prompts[i], "max_tokens": 6} for i in order]
+    (tmp_path / "reqs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reqs))
+    ref_engine = Engine(tiny_model, KVToolConfig(ssd_enabled=False, ram_bytes=0, block_size=bs))
+    expected = [ref_engine.generate(ref_engine.encode(prompt=p), max_tokens=6).token_ids for p in prompts]
+    warm = Engine(tiny_model, KVToolConfig(ssd_cache_dir=cache_dir, block_size=bs, ssd_async_writes=False))
+    for p in prompts:
+        warm.prefill(warm.encode(prompt=p))
+    warm.close()
+
+    cmd = [sys.executable, "-m", "kvtool.cli.app", "serve-once", "--requests", str(tmp_path / "reqs.jsonl"), "--json",
+           "--cache-dir", str(cache_dir), "--block-size", str(bs), "--ram-bytes", "0"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    pruned = rounds = 0
+    try:
+        while proc.poll() is None:
+            plan = prune(cache_dir, ttl_s=None, max_bytes=230_000)  # 3.5 blocks of the tiny model
+            pruned += plan.total("rows_deleted")
+            rounds += 1
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    doc = json.loads(out)
+    assert [r["token_ids"] for r in doc["requests"]] == [expected[i] for i in order]
+    assert pruned > 0 and rounds > 1 and any(r["ssd_hit_tokens"] for r in doc["requests"])
+    assert doc["stats"]["ssd_load_corrupt"] == 0
+    assert validate(cache_dir, deep=True).namespaces[0].corrupt_removed == 0
+
+
+def test_unreadable_namespace_is_left_alone_and_reported(cache):
+    cache_dir, store, _ = cache
+    broken = cache_dir / ("ab" * 16)
+    broken.mkdir()
+    (broken / "index.sqlite").write_bytes(b"this is not a database at all" * 100)
+    res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", "--yes", "--quiet")
+    assert res.exit_code == 1 and "1 problem(s)" in res.output and stored(store) == set()
+    assert (broken / "index.sqlite").read_bytes().startswith(b"this is not")
+
+
+def test_a_live_reader_sees_pruned_blocks_as_plain_misses(cache):
+    cache_dir, store, (a, b) = cache
+    live = SSDStore(cache_dir, store.layout_key, make_meta())  # e.g. a serve-once process
+    assert live.count_prefix(hashes(a)) == 4
+    set_access(store, {**{h: NOW - 10 * DAY for h in hashes(a)}, **{h: NOW for h in hashes(b)}})
+    prune(cache_dir, ttl_s=7 * DAY, now=NOW)
+    assert [live.load_block(x.block_hash, x.token_ids) for x in a] == [None] * 4
+    assert live.load_block(b[0].block_hash, b[0].token_ids) is not None
+    st = live.stats()
+    assert st["ssd_load_corrupt"] == st["ssd_load_fail"] == 0 and st["ssd_load_miss"] == 4
+    assert live.save_block(a[0]) == "saved"  # and it can store the block again
+    live.close()
+    assert validate(cache_dir, deep=True).problems == 0
