@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from kvtool.blocks import (
@@ -154,6 +154,14 @@ class Engine:
         return cls(load_model(model_spec), config, **kwargs)
 
     # ------------------------------------------------------------ tier wiring
+    def layout_key_for(self, block_size: int) -> str | None:
+        """The layout key (namespace) this model's blocks of `block_size` tokens live under, or
+        None when the model cannot be cached block-wise. Pure: opens nothing."""
+        if self.geometry is None:
+            return None
+        g = self.geometry
+        return layout_key(self.loaded.model_id, g.n_layers, g.n_kv_heads, g.head_dim, g.dtype, block_size)
+
     def _attach(self, config: KVToolConfig) -> None:
         self.config = config
         self.tiered = None
@@ -161,9 +169,7 @@ class Engine:
         if self.geometry is None or (not config.ssd_enabled and config.ram_bytes == 0):
             return
         g = self.geometry
-        self.layout_key = layout_key(
-            self.loaded.model_id, g.n_layers, g.n_kv_heads, g.head_dim, g.dtype, config.block_size
-        )
+        self.layout_key = self.layout_key_for(config.block_size)
         meta = {
             "model_id": self.loaded.model_id,
             "model_name": self.loaded.name,
@@ -279,7 +285,8 @@ class Engine:
                                      prefill_tokens=len(ids) - n_cached, finish_reason="skipped")
             res, cache, found, hashes, start = self._prepare(ids)
             try:
-                self.tiered.persist(found.blocks)  # RAM-only blocks (evict_only) reach SSD too
+                if self.tiered is not None:
+                    self.tiered.persist(found.blocks)  # RAM-only blocks (evict_only) reach SSD too
                 t0 = time.perf_counter()
                 self._prefill(cache, ids[start:])
                 res.prefill_ms = (time.perf_counter() - t0) * 1e3

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 

@@ -79,18 +79,19 @@ def _probe(cfg, model: str, prompt, prompt_file, messages, json_out: bool) -> in
         msgs = load_messages(messages) if messages is not None else None
     except RequestFileError as exc:
         raise common.CLIError(str(exc)) from None
-    # RAM tier only: the engine computes the layout key without opening (or creating) the
-    # namespace; the index is then read directly, read-only.
-    engine = common.load_engine(model, cfg.replace(ssd_enabled=False, ram_bytes=max(cfg.ram_bytes, 1)))
+    # No tier at all: the engine only computes the layout key; it never opens (or creates) the
+    # namespace. The index is then read directly, read-only.
+    engine = common.load_engine(model, cfg.replace(ssd_enabled=False, ram_bytes=0))
     try:
-        if engine.layout_key is None:
+        layout = engine.layout_key_for(cfg.block_size)
+        if layout is None:
             raise common.CLIError(f"this model cannot be cached: {engine.uncached_reason}")
         try:
             ids = engine.encode(prompt=text if msgs is None else None, messages=msgs)
         except ValueError as exc:
             raise common.CLIError(str(exc)) from None
-        hashes = chain_hashes(ids, cfg.block_size, engine.layout_key, engine.hash_fn)
-        probe = probe_prompt(cfg.ssd_cache_dir, engine.layout_key, cfg.block_size, hashes, len(ids))
+        hashes = chain_hashes(ids, cfg.block_size, layout, engine.hash_fn)
+        probe = probe_prompt(cfg.ssd_cache_dir, layout, cfg.block_size, hashes, len(ids))
     finally:
         engine.close()
     if json_out:

@@ -3,7 +3,6 @@ cache, shut down cleanly, print what the cache did."""
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -26,16 +25,6 @@ Examples:
 
 Exit codes: 0 served and shut down cleanly; 1 served but the shutdown was not clean (the writer did not drain); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (after a clean drain).
 """
-
-
-class _Interrupted(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupt(signum, _frame):
-    raise _Interrupted(signum)
 
 
 def _collect_requests(prompt, prompt_file, messages, requests_file) -> list[Request]:
@@ -101,18 +90,14 @@ def serve_once(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
 ) -> None:
     common.setup_logging(verbose)
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with common.cli_errors():
+        with common.signals_raise(), common.cli_errors():
             reqs = _collect_requests(prompt, prompt_file, messages, requests)
             cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
             engine = common.load_engine(model, cfg)
             code = _serve(engine, reqs, max_tokens, temp, top_p, seed, stop or [], json_out)
-    except _Interrupted as exc:  # before serving started: nothing to drain
+    except common.Interrupted as exc:  # before serving started: nothing to drain
         code = 128 + exc.signum
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
     raise typer.Exit(code)
 
 
@@ -131,12 +116,10 @@ def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
             if not json_out:
                 common.console.print(res.text, markup=False, highlight=False)
                 common.console.print(_human_line(i, res), highlight=False, soft_wrap=True)
-    except _Interrupted as exc:
+    except common.Interrupted as exc:
         interrupted = exc
     finally:
-        # The clean path also on SIGINT/SIGTERM: drain the writer, flush the index, then exit.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        common.ignore_signals()  # the clean path also on SIGINT/SIGTERM: drain, flush, then exit
         stats = engine.stats()
         status = engine.close()
     if json_out:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,19 +30,6 @@ Exit codes: 0 warmed and shut down cleanly; 1 some blocks could not be written o
 WholeOpt = Annotated[
     bool, typer.Option("--whole", help="Each text file is one prompt (default: one prompt per line).")
 ]
-
-
-class _Interrupted(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupt(signum, _frame):
-    # One signal is enough: ignore further ones while the writer drains.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Interrupted(signum)
 
 
 def warm_cmd(
@@ -81,21 +68,18 @@ def warm_cmd(
 def _run(engine, prompts, json_out: bool) -> int:
     from kvtool.ops.warm import WarmError, WarmReport, warm
 
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
-    try:
-        with _progress(len(prompts), enabled=not json_out) as progress:
-            report = warm(engine, prompts, progress=progress, interrupts=(_Interrupted,))
-    except _Interrupted as exc:  # a signal outside the prompt loop
-        report.interrupted = exc.args[0]
-    except WarmError as exc:
-        raise common.CLIError(str(exc)) from None
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        status = engine.close()  # drains the writer, flushes and closes the index
-        for s, handler in old.items():
-            signal.signal(s, handler)
+    with common.signals_raise():
+        try:
+            with _progress(len(prompts), enabled=not json_out) as progress:
+                report = warm(engine, prompts, progress=progress, interrupts=(common.Interrupted,))
+        except common.Interrupted as exc:  # a signal outside the prompt loop
+            report.interrupted = exc.args[0]
+        except WarmError as exc:
+            raise common.CLIError(str(exc)) from None
+        finally:
+            common.ignore_signals()
+            status = engine.close()  # drains the writer, flushes and closes the index
     doc = report.to_dict()
     doc.update(shutdown_clean=status.shutdown_clean, shutdown_partial_flush=status.shutdown_partial_flush)
     if json_out:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Sequence
 
 from kvtool.store import blockfile
-from kvtool.store.fsops import FileOps, block_relpath, list_namespaces, scan_namespace
+from kvtool.store.fsops import FileOps, NamespaceSelectError, block_relpath, scan_namespace
+from kvtool.store.fsops import select_namespaces as _select_namespaces
 from kvtool.store.index import INDEX_FILENAME, BlockIndex, IndexRow
 
 # Age buckets by last access: (label, upper bound in seconds); the last one is open-ended.
@@ -35,34 +36,11 @@ class InspectError(Exception):
 
 
 def select_namespaces(cache_dir: Path, namespace: str | None = None, fs: FileOps | None = None) -> list[Path]:
-    """Namespace directories of a cache, optionally only the one matching `namespace`.
-
-    Args:
-        cache_dir: the SSD tier root.
-        namespace: a layout key or a unique prefix of one (case-insensitive); None = all.
-        fs: file-system operations.
-
-    Returns:
-        Namespace directories, sorted.
-
-    Raises:
-        InspectError: `cache_dir` is not a directory, or `namespace` matches none or several.
-    """
-    fs = fs or FileOps()
-    cache_dir = Path(cache_dir)
-    if not fs.is_dir(cache_dir):
-        raise InspectError(f"cache directory {cache_dir} does not exist or is not a directory")
+    """`kvtool.store.fsops.select_namespaces`, raising `InspectError` on a bad selection."""
     try:
-        dirs = list_namespaces(cache_dir, fs)
-    except OSError as exc:
-        raise InspectError(f"cannot list {cache_dir}: {exc.strerror or exc}") from None
-    if namespace is None:
-        return dirs
-    picked = [d for d in dirs if d.name.startswith(namespace.lower())]
-    if len(picked) != 1:
-        what = "no namespace" if not picked else f"{len(picked)} namespaces"
-        raise InspectError(f"{what} in {cache_dir} match {namespace!r}")
-    return picked
+        return _select_namespaces(cache_dir, namespace, fs)
+    except NamespaceSelectError as exc:
+        raise InspectError(str(exc)) from None
 
 
 @dataclass

@@ -26,7 +26,9 @@ from typing import Callable
 from kvtool.blocks import root_parent
 from kvtool.store import blockfile
 from kvtool.store.blockfile import BlockFileError, Expected
-from kvtool.store.fsops import FileOps, block_relpath, list_namespaces, scan_namespace, temp_is_leftover
+from kvtool.store.fsops import (
+    FileOps, NamespaceSelectError, block_relpath, scan_namespace, select_namespaces, temp_is_leftover,
+)
 from kvtool.store.index import INDEX_FILENAME, BlockIndex, IndexRow
 
 HEAD_READ_BYTES = 64 * 1024  # one read covers the header of any realistic block file
@@ -146,14 +148,10 @@ def validate(
     """
     fs = fs or FileOps()
     cache_dir = Path(cache_dir)
-    if not fs.is_dir(cache_dir):
-        raise ValidateError(f"cache directory {cache_dir} does not exist or is not a directory")
-    dirs = list_namespaces(cache_dir, fs)
-    if namespace is not None:
-        dirs = [d for d in dirs if d.name.startswith(namespace.lower())]
-        if len(dirs) != 1:
-            what = "no namespace" if not dirs else f"{len(dirs)} namespaces"
-            raise ValidateError(f"{what} in {cache_dir} match {namespace!r}")
+    try:
+        dirs = select_namespaces(cache_dir, namespace, fs)
+    except NamespaceSelectError as exc:
+        raise ValidateError(str(exc)) from None
     report = ValidateReport(str(cache_dir), deep, dry_run)
     for ns_dir in dirs:
         report.namespaces.append(_NamespaceCheck(ns_dir, fs, deep, dry_run, progress).run())

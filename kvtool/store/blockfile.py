@@ -150,7 +150,7 @@ def encode(block: HostBlock, layout_key: str, created: float) -> bytes:
     """
     check_block(block)
     code, spec_name, storage = _DTYPES[block.dtype]
-    keep_alive: list[np.ndarray] = []
+    keep_alive = []  # holds the arrays whose raw pointers serialize() reads
     specs: dict[str, Any] = {}
 
     def add(name: str, arr: np.ndarray, dtype: np.dtype, spec: str) -> None:
@@ -174,7 +174,7 @@ def encode(block: HostBlock, layout_key: str, created: float) -> bytes:
         "checksum": _CHECKSUM_PLACEHOLDER,
     }
     out = safetensors.serialize(specs, metadata=meta)
-    del keep_alive
+    keep_alive.clear()  # the serialized bytes no longer need the arrays
     return _patch_checksum(bytes(out))
 
 

@@ -261,3 +261,38 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
             else:
                 scan.other.append(f"{sub}/{name}")
     return scan
+
+
+class NamespaceSelectError(ValueError):
+    """The cache dir is missing/unreadable, or a namespace prefix matches none or several."""
+
+
+def select_namespaces(cache_dir: Path, namespace: str | None = None, fs: FileOps | None = None) -> list[Path]:
+    """Namespace directories of a cache, optionally only the one matching `namespace`.
+
+    Args:
+        cache_dir: the SSD tier root.
+        namespace: a layout key or a unique prefix of one (case-insensitive); None = all.
+        fs: file-system operations.
+
+    Returns:
+        Namespace directories, sorted.
+
+    Raises:
+        NamespaceSelectError: `cache_dir` is not a directory, or `namespace` matches none or several.
+    """
+    fs = fs or FileOps()
+    cache_dir = Path(cache_dir)
+    if not fs.is_dir(cache_dir):
+        raise NamespaceSelectError(f"cache directory {cache_dir} does not exist or is not a directory")
+    try:
+        dirs = list_namespaces(cache_dir, fs)
+    except OSError as exc:
+        raise NamespaceSelectError(f"cannot list {cache_dir}: {exc.strerror or exc}") from None
+    if namespace is None:
+        return dirs
+    picked = [d for d in dirs if d.name.startswith(namespace.lower())]
+    if len(picked) != 1:
+        what = "no namespace" if not picked else f"{len(picked)} namespaces"
+        raise NamespaceSelectError(f"{what} in {cache_dir} match {namespace!r}")
+    return picked

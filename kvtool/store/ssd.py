@@ -517,6 +517,15 @@ class SSDStore:
         )
         return out
 
+    def touch(self, h: str) -> None:
+        """Record a use of block `h` (e.g. a RAM-tier hit) in its row's last access, batched.
+
+        Keeps `prune --ttl` and the LRU order honest for blocks a long-running process serves
+        from RAM. Never raises.
+        """
+        if self.enabled and self.index is not None:
+            self._touch(h)
+
     def _touch(self, h: str) -> None:
         """Batched access-time update; a failed auto-flush costs only freshness."""
         try:

@@ -141,6 +141,8 @@ class TieredCache:
         if not np.array_equal(block.token_ids, expected):
             self._inc("kv_ram_token_mismatch")
             return None
+        if self.ssd is not None and self.ram.is_persisted(h):
+            self.ssd.touch(h)  # batched: keeps prune's TTL/LRU view of hot blocks current
         return block
 
     def _from_ssd(self, h: str, expected: np.ndarray) -> Block | None:
