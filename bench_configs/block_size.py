@@ -29,29 +29,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from kvtool.bench.runner import drop_page_cache
 from kvtool.blocks import chain_hashes, from_host, layout_key, rebuild_cache
 from kvtool.hostblock import HostBlock
 from kvtool.models.embedded import get_preset
 from kvtool.store.ssd import SSDStore
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
-
-
-def drop_page_cache(root: Path) -> bool:
-    """posix_fadvise(DONTNEED) every file under root; True if every call succeeded."""
-    ok = True
-    for path in root.rglob("*"):
-        if path.is_file():
-            try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-            except OSError:
-                ok = False
-    return ok
 
 
 def make_blocks(n_tokens, bs, n_layers, n_kv, head_dim, layout):
@@ -84,7 +68,7 @@ def measure(bs, n_tokens, preset, repeats):
         for _ in range(repeats):
             for kind, samples in (("cold", cold), ("warm", warm)):
                 if kind == "cold":
-                    dropped &= drop_page_cache(Path(tmp))
+                    dropped &= drop_page_cache(Path(tmp))["ok"]
                 t0 = time.perf_counter()
                 got = [from_host(store.load_block(h, ids[i * bs:(i + 1) * bs])) for i, h in enumerate(hashes)]
                 rebuild_cache(got, p.num_hidden_layers)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,32 +33,17 @@ from mlx_lm.models.cache import (
 )
 from safetensors import safe_open
 
+from kvtool.engine import RequestResult
+
 TOKENS_METADATA_KEY = "kvtool_bench_tokens"
 FILE_SUFFIX = ".safetensors"
 
 
 @dataclass
-class BaselineResult:
-    """One request served by the baseline (field names as in `RequestResult`; times in ms)."""
+class BaselineResult(RequestResult):
+    """One request served by the baseline: `RequestResult`'s fields (times in ms) plus the bytes
+    of the prompt-cache file it wrote."""
 
-    prompt_tokens: int
-    cached_tokens: int = 0
-    ram_hit_tokens: int = 0
-    ssd_hit_tokens: int = 0
-    prefill_tokens: int = 0
-    generated_tokens: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str = "length"
-    ttft_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    ssd_load_ms: float = 0.0
-    ssd_bytes_read: int = 0
-    write_path_ms: float = 0.0
-    blocks_written: int = 0
-    writer_queue_depth: int = 0
-    backpressure_events: int = 0
     bytes_written: int = 0
 
 
