@@ -331,7 +331,7 @@ class Engine:
                 for c in cache:
                     c.trim(1)
                 start -= 1
-                if res.ssd_hit_tokens:
+                if found.from_ssd[-1]:  # the re-forwarded token leaves the tier of the last block
                     res.ssd_hit_tokens -= 1
                 else:
                     res.ram_hit_tokens -= 1

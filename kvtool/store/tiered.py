@@ -50,6 +50,7 @@ class LookupResult:
     """
 
     blocks: list[Block] = field(default_factory=list)
+    from_ssd: list[bool] = field(default_factory=list)  # per block: loaded from the SSD tier
     ram_blocks: int = 0
     ssd_blocks: int = 0
     ssd_load_ms: float = 0.0
@@ -114,6 +115,7 @@ class TieredCache:
         for i, h in enumerate(hashes):
             expected = token_ids[i * bs : (i + 1) * bs]
             block = self._from_ram(h, expected)
+            from_ssd = block is None
             if block is not None:
                 self.ram.pin([h])
                 res.ram_blocks += 1
@@ -128,6 +130,7 @@ class TieredCache:
                 res.ssd_bytes_read += block.nbytes
             self._inc("kv_lookup_hits")
             res.blocks.append(block)
+            res.from_ssd.append(from_ssd)
         return res
 
     def release(self, result: LookupResult) -> None:
