@@ -118,11 +118,11 @@ def _print_report(report) -> None:
         out.print(f"no namespaces under {report.cache_dir}")
         return
     for ns in report.namespaces:
-        style = {"ok": "bold green", "unknown_format": "bold yellow"}.get(ns.status, "bold red")
+        style = {"ok": "bold green", "unknown_format": "bold yellow", "uninitialized": "yellow"}.get(ns.status, "bold red")
         out.print(f"[{style}]{ns.namespace}[/] [{ns.status}]", highlight=False)
         if ns.message:
             out.print(f"  {ns.message}", highlight=False)
-        if ns.status == "unreadable":
+        if ns.status in ("unreadable", "uninitialized"):
             continue
         h = ns.health
         clean = {True: "yes", False: "no (in use now, or the last process did not shut down cleanly)", None: "-"}

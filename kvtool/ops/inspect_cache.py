@@ -70,7 +70,8 @@ class NamespaceInfo:
 
     Attributes:
         namespace: directory name (= layout key).
-        status: 'ok' | 'unknown_format' | 'unreadable'.
+        status: 'ok' | 'uninitialized' (creation interrupted or in progress; empty) | 'unknown_format' |
+            'unreadable'.
         message: why the namespace could not be read fully.
         model_id, model_name, layout_key, block_size (tokens), kv_dtype, n_layers, n_kv_heads,
         head_dim, format_version: from the index meta.
@@ -166,6 +167,9 @@ def _inspect_namespace(ns_dir: Path, now: float, fs: FileOps) -> NamespaceInfo:
         info.status, info.message = "unreadable", f"cannot open index: {exc}"
         return info
     try:
+        if not index.initialized():
+            info.status, info.message = "uninitialized", "namespace creation interrupted or in progress: empty"
+            return info
         meta = index.get_meta()
         rows = list(index.rows())  # rows before files: a row never precedes its file
         _fill_meta(info, meta)

@@ -99,7 +99,7 @@ class NamespacePlan:
     Attributes:
         namespace: layout key.
         model_name: from the index meta (None if unreadable).
-        status: 'ok' | 'unknown_format' (left untouched) | 'unreadable' (left untouched).
+        status: 'ok' | 'uninitialized' | 'unknown_format' (left untouched) | 'unreadable' (left untouched).
         message: why a namespace is left untouched.
         blocks, bytes: in the index when planned.
         ttl_blocks, ttl_bytes: chosen because they were last used before `now - ttl_s`.
@@ -311,6 +311,9 @@ def _read_namespace(ns_dir: Path) -> tuple[NamespacePlan, list[IndexRow]]:
         plan.status, plan.message = "unreadable", f"cannot open index: {exc}"
         return plan, []
     try:
+        if not index.initialized():  # creation interrupted or in progress: nothing to prune
+            plan.status, plan.message = "uninitialized", "namespace not initialised: left untouched"
+            return plan, []
         meta = index.get_meta()
         rows = list(index.rows())
     except sqlite3.Error as exc:

@@ -48,7 +48,8 @@ class NamespaceReport:
 
     Attributes:
         namespace: layout key.
-        status: 'clean' | 'repaired' | 'problems' (dry run) | 'unknown_format' | 'unreadable'.
+        status: 'clean' | 'repaired' | 'problems' (dry run) | 'uninitialized' (creation interrupted or in
+            progress; nothing stored, left alone, not a problem) | 'unknown_format' | 'unreadable'.
         format_version: the index's format version (None if unreadable).
         rows: index rows at the start.
         files: block files on disk at the start.
@@ -184,6 +185,14 @@ class _NamespaceCheck:
 
     def _run(self, index: BlockIndex) -> None:
         rep, ns = self.rep, self.ns_dir.name
+        if not index.initialized():
+            # Killed while being created (index file, no schema/meta yet), or being created right
+            # now by a live process: nothing was ever stored in it, so nothing to repair.
+            if scan_namespace(self.ns_dir, self.fs).files:
+                self._skip("unreadable", "index has no metadata but block files exist: left untouched")
+            else:
+                self._skip("uninitialized", "namespace index not initialised (creation interrupted or in progress)")
+            return
         meta = index.get_meta()
         rep.format_version = meta.get("format_version")
         if rep.format_version != str(blockfile.FORMAT_VERSION) or meta.get("layout_key") != ns:

@@ -77,6 +77,10 @@ class BlockIndex:
         flush_interval_s: max age of a buffered access-time update before `touch` commits.
         create: create the schema; False opens an existing index without writing to it.
         clock: time source for the flush interval (seconds).
+        initial_meta: meta written in the same transaction as the schema, only if the index
+            has no `format_version` yet; a namespace is then never visible half-created (a
+            kill between schema and meta would leave an index no tool could classify).
+            `created_meta` tells whether this open wrote it.
 
     Raises:
         sqlite3.Error: the database cannot be opened (locked past the busy timeout, corrupt,
@@ -91,8 +95,10 @@ class BlockIndex:
         flush_interval_s: float = 1.0,
         create: bool = True,
         clock: Callable[[], float] = time.time,
+        initial_meta: dict[str, str] | None = None,
     ):
         self.path = Path(path)
+        self.created_meta = False
         self.flush_interval_s = flush_interval_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -109,6 +115,9 @@ class BlockIndex:
                     for stmt in SCHEMA.split(";"):
                         if stmt.strip():
                             cur.execute(stmt)
+                    if initial_meta and cur.execute("SELECT 1 FROM meta WHERE key='format_version'").fetchone() is None:
+                        cur.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(initial_meta.items()))
+                        self.created_meta = True
             self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
         except BaseException:
             self._conn.close()
@@ -172,6 +181,16 @@ class BlockIndex:
         with self._lock:
             n, size = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()
         return int(n), int(size)
+
+    def initialized(self) -> bool:
+        """True if the schema exists and the meta holds a `format_version` (read-only check)."""
+        with self._lock:
+            has_meta = self._conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
+            ).fetchone()
+            return bool(has_meta) and self._conn.execute(
+                "SELECT 1 FROM meta WHERE key='format_version'"
+            ).fetchone() is not None
 
     def get_meta(self) -> dict[str, str]:
         """All meta key/values."""

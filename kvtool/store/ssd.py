@@ -158,25 +158,24 @@ class SSDStore:
         probe = temp_path_for(self.namespace_dir / "probe", "probe")
         self._fs.close(self._fs.open_new(probe))  # a read-only directory fails here
         self._fs.unlink(probe)
+        now = repr(self._clock())
+        fresh = {**meta, "format_version": str(blockfile.FORMAT_VERSION), "layout_key": self.layout_key,
+                 "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip
         self.index = BlockIndex(
-            self.namespace_dir / INDEX_FILENAME, self.durable, flush_interval_s=flush_interval_s, clock=self._clock
+            self.namespace_dir / INDEX_FILENAME, self.durable, flush_interval_s=flush_interval_s, clock=self._clock,
+            initial_meta=fresh,
         )
         stored = self.index.get_meta()
-        refused = self._refusal(stored, meta)
-        if refused:
-            self._inc("ssd_namespace_refused")
-            self.index.close()
-            self.index = None
-            self._disable(refused)
-            return
-        now = repr(self._clock())
-        if "format_version" in stored:
+        if not self.index.created_meta:
+            refused = self._refusal(stored, meta)
+            if refused:
+                self._inc("ssd_namespace_refused")
+                self.index.close()
+                self.index = None
+                self._disable(refused)
+                return
             self.previous_shutdown_clean = stored.get("shutdown_clean") == "1"
-            update = {"last_open": now, "shutdown_clean": "0"}
-        else:
-            update = {**meta, "format_version": str(blockfile.FORMAT_VERSION), "layout_key": self.layout_key,
-                      "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip
-        self.index.set_meta(update)
+            self.index.set_meta({"last_open": now, "shutdown_clean": "0"})
         self._expected = Expected.from_meta(self.layout_key, {**meta, **stored})
         self.enabled = True
 

@@ -1,0 +1,130 @@
+"""Worker process for tests/test_crash.py: serve prompts forever with async write-through.
+
+Usage: python -m tests.crash_worker CACHE_DIR DURABILITY RUN_SEED
+
+It prints one line per phase and per SSD file operation, before the operation starts, so the
+parent can SIGKILL it after a chosen number of lines (plus a random micro-delay) and thereby land
+kills spread over model load, prefill/decode, block file writes, index commits, writer drains and
+tier reopenings:
+
+    start                    before imports and model load
+    loaded                   model loaded
+    attached                 engine built (SSD tier opened, startup reconcile done)
+    req <j>                  request j starts (prefill + decode; blocks enqueued after token 1)
+    op <name>                the SSD tier is about to call FileOps.<name> (writer thread)
+    commit                   the SSD store is about to insert an index row (writer thread)
+    done <j>                 request j returned
+    flush / flushed          engine.flush(): writer drain + index flush
+    reopen / reopened        engine.reconfigure(same config): stop writer, close index, reattach
+
+Prompts are deterministic functions of (RUN_SEED, j), see `prompt_for`, so the parent can rebuild
+the prompt that was in flight when it killed the worker. Only the tracing is added around the real
+parts: the real model, files, SQLite index and writer thread run unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+
+BLOCK_SIZE = 16
+MAX_TOKENS = 4
+SHARED_PREFIX_TOKENS = 3 * BLOCK_SIZE  # every prompt starts with these: dedup across runs
+MAX_REQUESTS = 400  # a worker that is never killed still ends
+DEMO_PROMPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kvtool", "assets", "demo_prompt.txt")
+
+_out_lock = threading.Lock()
+
+
+def emit(line: str) -> None:
+    """One unbuffered line on stdout (atomic w.r.t. the other thread)."""
+    with _out_lock:
+        os.write(1, (line + "\n").encode())
+
+
+def token_stream(tokenizer) -> list[int]:
+    with open(DEMO_PROMPT, encoding="utf-8") as fh:
+        return list(tokenizer.encode(fh.read()))
+
+
+def prompt_for(stream: list[int], run_seed: int, j: int) -> list[int]:
+    """Prompt j of a run: the shared prefix, then 1-3 random slices of the stream.
+
+    Every prompt gets a new chain after the shared prefix (new blocks to write); odd requests
+    repeat the previous prompt's first slice, so they also hit blocks of the previous request
+    (RAM, pending writes or SSD).
+    """
+    rng = random.Random(run_seed * 100_003 + j)
+    prefix = stream[:SHARED_PREFIX_TOKENS]
+    body: list[int] = []
+    if j % 2 == 1:
+        prev = random.Random(run_seed * 100_003 + j - 1)
+        off = prev.randrange(SHARED_PREFIX_TOKENS, len(stream) - 200)
+        body += stream[off : off + prev.randrange(40, 200)]
+    for _ in range(rng.randrange(1, 4)):
+        off = rng.randrange(SHARED_PREFIX_TOKENS, len(stream) - 200)
+        body += stream[off : off + rng.randrange(20, 120)]
+    return prefix + body
+
+
+def main(argv: list[str]) -> int:
+    cache_dir, durability, run_seed = argv[0], argv[1], int(argv[2])
+    emit("start")
+
+    from kvtool.config import KVToolConfig
+    from kvtool.engine import Engine
+    from kvtool.models.loader import load_model
+    from kvtool.store.fsops import FileOps
+    from kvtool.store.index import BlockIndex
+
+    class TracingFS(FileOps):
+        """The real file operations, each announced on stdout before it runs."""
+
+    for name in ("makedirs", "open_new", "write_all", "fsync", "close", "fsync_dir", "replace", "unlink"):
+        def traced(self, *args, _name=name, **kw):
+            emit(f"op {_name}")
+            return getattr(FileOps, _name)(self, *args, **kw)
+
+        setattr(TracingFS, name, traced)
+
+    real_insert = BlockIndex.insert
+
+    def traced_insert(self, *args, **kw):
+        emit("commit")
+        return real_insert(self, *args, **kw)
+
+    BlockIndex.insert = traced_insert  # tracing only: the real insert runs
+
+    loaded = load_model("tiny")
+    emit("loaded")
+    cfg = KVToolConfig(
+        ssd_cache_dir=cache_dir,
+        block_size=BLOCK_SIZE,
+        ssd_policy="write_through",
+        ssd_async_writes=True,
+        ssd_durability=durability,
+    )
+    engine = Engine(loaded, cfg, fs=TracingFS())
+    emit("attached")
+    stream = token_stream(loaded.tokenizer)
+    for j in range(MAX_REQUESTS):
+        emit(f"req {j}")
+        engine.generate(prompt_for(stream, run_seed, j), max_tokens=MAX_TOKENS)
+        emit(f"done {j}")
+        if j % 3 == 2:
+            emit("flush")
+            engine.flush()
+            emit("flushed")
+        if j % 7 == 6:
+            emit("reopen")
+            engine.reconfigure(cfg)
+            emit("reopened")
+    engine.close()
+    emit("end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

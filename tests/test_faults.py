@@ -1,0 +1,209 @@
+"""Fault injection at the engine level (issue 3): a failing disk never fails a request.
+
+Faults are injected through the sanctioned seam, a `FileOps` subclass passed as
+`Engine(..., fs=...)` (`tests.store_helpers.FaultFS`): the suite runs as root, so chmod cannot make
+a directory read-only. Everything else is real: the tiny model, the files, SQLite, the writer
+threads. For each fault the engine must return mlx-lm's uncached greedy output, raise nothing,
+keep serving from RAM, count the failures, and leave no temp file behind; under `persistent` (and
+`durable`) the writer retries each failed block exactly `ssd_persistent_max_retries` times.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+from kvtool.config import KVToolConfig
+from kvtool.engine import Engine
+from kvtool.store.fsops import FileOps
+from tests.store_helpers import FaultFS
+from tests.test_engine import BS, MAX_TOKENS, reference_tokens
+
+N_BLOCKS = 5
+RETRIES = 2  # not the default (3): proves the configured value is the one used
+WRITERS = {"sync": False, "async": True}
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model):
+    text = open("kvtool/assets/demo_prompt.txt", encoding="utf-8").read()
+    return tiny_model.tokenizer.encode(text)[: N_BLOCKS * BS + 10]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, prompt):
+    return reference_tokens(tiny_model.model, tiny_model.tokenizer, prompt)
+
+
+def _config(tmp_path, writer="sync", **kw):
+    return KVToolConfig(
+        ssd_cache_dir=tmp_path / "kv", block_size=BS, ssd_async_writes=WRITERS[writer],
+        ssd_persistent_max_retries=RETRIES, **kw,
+    )  # fmt: skip
+
+
+def _temp_files(root):
+    return [f for _, _, files in os.walk(root) for f in files if f.endswith(".tmp")]
+
+
+def _block_files(root):
+    return sorted(root.rglob("*.safetensors"))
+
+
+def _serve(engine, prompt, reference):
+    """One request; it must succeed with the uncached output."""
+    res = engine.generate(prompt, max_tokens=MAX_TOKENS)
+    assert res.token_ids == reference
+    assert res.prompt_tokens == res.cached_tokens + res.prefill_tokens
+    return res
+
+
+def _populate(tiny_model, tmp_path, prompt):
+    eng = Engine(tiny_model, _config(tmp_path))
+    eng.generate(prompt, max_tokens=1)
+    assert eng.close().shutdown_clean
+    assert len(_block_files(tmp_path / "kv")) == N_BLOCKS
+
+
+# --------------------------------------------------------------------------- write faults
+WRITE_FAULTS = [("ENOSPC", "write_all"), ("EIO", "write_all"), ("EACCES", "open_new"), ("EIO", "replace")]
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("durability", ["best_effort", "persistent"])
+@pytest.mark.parametrize("code,op", WRITE_FAULTS, ids=[f"{c}-{o}" for c, o in WRITE_FAULTS])
+def test_write_fault_keeps_serving_from_ram(tiny_model, prompt, reference, tmp_path, writer, durability, code, op):
+    _write_fault_case(tiny_model, prompt, reference, tmp_path, writer, durability, code, op)
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_durable_fsync_fault_is_retried(tiny_model, prompt, reference, tmp_path, writer):
+    _write_fault_case(tiny_model, prompt, reference, tmp_path, writer, "durable", "EIO", "fsync")
+
+
+def _write_fault_case(tiny_model, prompt, reference, tmp_path, writer, durability, code, op):
+    fs = FaultFS()
+    eng = Engine(tiny_model, _config(tmp_path, writer, ssd_durability=durability), fs=fs)
+    assert eng.tiered.ssd.enabled  # the fault starts after a healthy open
+    fs.calls.clear()  # count only calls made under the fault (not the startup probe)
+    fs.fail[op] = getattr(errno, code)
+
+    cold = _serve(eng, prompt, reference)
+    assert cold.blocks_written == N_BLOCKS
+    assert eng.flush()  # every accepted write attempted (retries included)
+    warm = _serve(eng, prompt, reference)  # the blocks stayed in RAM
+    assert warm.ram_hit_tokens == N_BLOCKS * BS and warm.ssd_hit_tokens == 0
+
+    st = eng.stats()
+    retries = RETRIES if durability != "best_effort" else 0
+    assert st["writer_enqueue_total"] == N_BLOCKS
+    assert st["writer_save_fail"] == N_BLOCKS and st["writer_save_success"] == 0
+    assert st["ssd_save_fail"] == N_BLOCKS * (1 + retries) and st["ssd_save_success"] == 0
+    assert st["writer_retry_attempts"] == retries * N_BLOCKS
+    assert st["writer_retry_final_fail"] == (N_BLOCKS if retries else 0)
+    assert fs.calls[op] == N_BLOCKS * (1 + retries)
+    assert eng.close().shutdown_clean
+
+    kv = tmp_path / "kv"
+    assert _temp_files(kv) == [] and _block_files(kv) == []
+    restarted = Engine(tiny_model, _config(tmp_path, writer))  # healthy disk again, empty RAM
+    res = _serve(restarted, prompt, reference)
+    assert res.cached_tokens == 0  # nothing half-written was indexed
+    restarted.close()
+
+
+# ---------------------------------------------------------------------------- read faults
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("code", ["ENOSPC", "EIO", "EACCES"])
+def test_read_fault_is_a_miss(tiny_model, prompt, reference, tmp_path, writer, code):
+    _populate(tiny_model, tmp_path, prompt)
+    fs = FaultFS({"read_bytes": getattr(errno, code)})
+    eng = Engine(tiny_model, _config(tmp_path, writer), fs=fs)
+    res = _serve(eng, prompt, reference)
+    assert res.cached_tokens == 0 and res.ssd_hit_tokens == 0
+    assert eng.flush()
+    st = eng.stats()
+    assert st["ssd_load_fail"] == 1 and st["ssd_load_hits"] == 0  # the lookup stops at the first miss
+    again = _serve(eng, prompt, reference)  # from RAM now
+    assert again.ram_hit_tokens == N_BLOCKS * BS
+    assert eng.close().shutdown_clean
+    assert _temp_files(tmp_path / "kv") == []
+
+
+# ------------------------------------------------------------------- read-only directory
+class ReadOnlyFS(FaultFS):
+    """A read-only file system: every call that would create, change or remove fails."""
+
+    def __init__(self, code: int):
+        super().__init__({op: code for op in ("open_new", "write_all", "fsync", "fsync_dir", "replace", "unlink")})
+
+    def makedirs(self, path):
+        if not os.path.isdir(path):
+            self._hit("makedirs_new")
+            raise OSError(self.fail["open_new"], "injected read-only file system")
+        return FileOps.makedirs(self, path)
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.parametrize("code", ["EROFS", "EACCES"])
+@pytest.mark.parametrize("populated", [False, True], ids=["empty", "populated"])
+def test_read_only_cache_dir_disables_the_store(tiny_model, prompt, reference, tmp_path, writer, code, populated):
+    if populated:
+        _populate(tiny_model, tmp_path, prompt)
+    else:
+        (tmp_path / "kv").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "kv").rglob("*"))
+    eng = Engine(tiny_model, _config(tmp_path, writer), fs=ReadOnlyFS(getattr(errno, code)))
+    ssd = eng.tiered.ssd
+    assert not ssd.enabled and ssd.disabled_reason
+    cold = _serve(eng, prompt, reference)
+    assert cold.cached_tokens == 0
+    warm = _serve(eng, prompt, reference)
+    assert warm.ram_hit_tokens == N_BLOCKS * BS
+    st = eng.stats()
+    assert st["writer_enqueue_rejected"] == N_BLOCKS and st["writer_enqueue_total"] == 0
+    assert st["ssd_save_success"] == 0 and st["ssd_load_hits"] == 0
+    eng.close()
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "kv").rglob("*")) == before
+
+
+# ---------------------------------------------------------- queued, not yet written = a hit
+class BlockedWriteFS(FileOps):
+    """Real file operations, except that the first `write_all` waits for `release`."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def write_all(self, fd, data):
+        self.entered.set()
+        assert self.release.wait(timeout=60), "test never released the blocked write"
+        return super().write_all(fd, data)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "evict_only"])
+def test_queued_block_is_a_pending_hit(tiny_model, prompt, reference, tmp_path, policy):
+    """RAM keeps nothing (ram_bytes=0), the writer is stuck on the first block: the second request
+    must find every block in the writer's pending buffer (RAM -> pending -> SSD)."""
+    fs = BlockedWriteFS()
+    eng = Engine(tiny_model, _config(tmp_path, "async", ssd_policy=policy, ram_bytes=0), fs=fs)
+    try:
+        cold = _serve(eng, prompt, reference)
+        assert cold.cached_tokens == 0
+        assert fs.entered.wait(timeout=60)  # the writer thread is inside the first write
+        hit = _serve(eng, prompt, reference)
+        st = eng.stats()
+        assert st["kv_pending_hits"] == N_BLOCKS
+        assert hit.ssd_hit_tokens == N_BLOCKS * BS and hit.ram_hit_tokens == 0
+        assert st["ssd_load_hits"] == 0 and st["ssd_save_success"] == 0  # nothing came from disk
+    finally:
+        fs.release.set()
+    assert eng.close().shutdown_clean
+    assert len(_block_files(tmp_path / "kv")) == N_BLOCKS and _temp_files(tmp_path / "kv") == []
+    restarted = Engine(tiny_model, _config(tmp_path))
+    res = _serve(restarted, prompt, reference)
+    assert res.ssd_hit_tokens == N_BLOCKS * BS
+    restarted.close()
