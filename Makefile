@@ -1,5 +1,5 @@
 # kvtool — set-up and common tasks. Everything goes into ./.venv.
-PY ?= python3.11
+PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
