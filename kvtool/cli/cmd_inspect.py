@@ -119,7 +119,7 @@ def _print_report(report) -> None:
         return
     for ns in report.namespaces:
         style = {"ok": "bold green", "unknown_format": "bold yellow", "uninitialized": "yellow"}.get(ns.status, "bold red")
-        out.print(f"[{style}]{ns.namespace}[/] [{ns.status}]", highlight=False)
+        out.print(f"[{style}]{ns.namespace}[/] ({ns.status})", highlight=False)
         if ns.message:
             out.print(f"  {ns.message}", highlight=False)
         if ns.status in ("unreadable", "uninitialized"):
