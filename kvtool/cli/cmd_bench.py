@@ -9,10 +9,7 @@ import typer
 
 from kvtool.cli import common
 
-BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability
-[x block size x RAM budget]) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident
-model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to
-results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
+BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
 
 Examples:
 
@@ -22,12 +19,10 @@ Examples:
 
   kvtool bench bench_configs/quick.toml --json         # print the run summary as JSON
 
-Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 done but a cell
-shut down uncleanly or lost a write; 2 bad sweep file or model.
+Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 done but a cell shut down uncleanly or lost a write; 2 bad sweep file or model.
 """
 
-REPORT_HELP = """Regenerate the PNG charts and report.md of a bench run directory from its
-cells.csv, requests.csv and run.json.
+REPORT_HELP = """Regenerate the PNG charts and report.md of a bench run directory from its cells.csv, requests.csv and run.json.
 
 Examples:
 
