@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ TEST_MODELS_DIR = REPO_ROOT / ".cache" / "test-models"
 
 # Set before any kvtool import resolves a model, so tests never touch ~/.cache/kvtool-models.
 os.environ["KVTOOL_MODELS_DIR"] = str(TEST_MODELS_DIR)
+# A test that forgets --cache-dir must never write into the user's ~/.cache/kvtool.
+os.environ["KVTOOL_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtool-test-cache-")
 
 
 @pytest.fixture(scope="session")
