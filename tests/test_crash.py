@@ -123,7 +123,9 @@ def assert_rows_match_files(cache_dir: Path) -> int:
             continue
         con = sqlite3.connect(f"file:{ns / 'index.sqlite'}?mode=ro", uri=True)
         try:
-            rows = {p for (p,) in con.execute("SELECT path FROM blocks")}
+            has_table = con.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='blocks'").fetchone()
+            # no table: killed while the namespace was being created (validate: 'uninitialized')
+            rows = {p for (p,) in con.execute("SELECT path FROM blocks")} if has_table else set()
         finally:
             con.close()
         files = {str(p.relative_to(ns)) for p in ns.rglob("*.safetensors")}
@@ -200,7 +202,9 @@ def test_sigkill_at_random_moments_then_validate_and_serve(tiny_model, tmp_path,
         code, doc = check(cache_dir)
         assert code == (1 if doc["problems"] else 0)
         for ns in doc["namespaces"]:
-            assert ns["status"] in ("clean", "repaired"), ns
+            # 'uninitialized': killed while creating the namespace (index file, no schema yet):
+            # nothing was stored, nothing to repair, the next open completes it.
+            assert ns["status"] in ("clean", "repaired", "uninitialized"), ns
             bad = {k: ns[k] for k in FORBIDDEN if ns[k]}
             assert not bad, f"round {round_no} (kill at {target!r} x{occurrence}): validate found {bad}: {ns['details']}"
         repaired_rounds += code
