@@ -28,6 +28,7 @@ import os
 import random
 import sys
 import threading
+import time
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 4
@@ -36,12 +37,26 @@ MAX_REQUESTS = 400  # a worker that is never killed still ends
 DEMO_PROMPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kvtool", "assets", "demo_prompt.txt")
 
 _out_lock = threading.Lock()
+HOLD_S = 1.0  # pause after announcing the kill target, so the kill lands before that operation
+_hold = {"target": None, "occurrence": 0, "seen": 0}
 
 
 def emit(line: str) -> None:
-    """One unbuffered line on stdout (atomic w.r.t. the other thread)."""
+    """One unbuffered line on stdout (atomic w.r.t. the other thread).
+
+    If `line` is the hold target's n-th occurrence (argv 4 and 5), the announcing thread then
+    pauses: the parent's SIGKILL lands after the announcement and before the operation itself
+    (e.g. a temp file opened but not written, written but not renamed, renamed but not indexed),
+    whatever the scheduling.
+    """
     with _out_lock:
         os.write(1, (line + "\n").encode())
+        target = _hold["target"]
+        hit = target is not None and (line == target or line.startswith(target + " "))
+        if hit:
+            _hold["seen"] += 1
+    if hit and _hold["seen"] == _hold["occurrence"]:
+        time.sleep(HOLD_S)
 
 
 def token_stream(tokenizer) -> list[int]:
@@ -71,6 +86,8 @@ def prompt_for(stream: list[int], run_seed: int, j: int) -> list[int]:
 
 def main(argv: list[str]) -> int:
     cache_dir, durability, run_seed = argv[0], argv[1], int(argv[2])
+    if len(argv) >= 5:
+        _hold.update(target=argv[3], occurrence=int(argv[4]))
     emit("start")
 
     from kvtool.config import KVToolConfig

@@ -55,11 +55,12 @@ FORBIDDEN = ("missing_rows_dropped", "corrupt_removed", "orphans_removed", "brok
 class Worker:
     """A crash_worker subprocess whose stdout lines are read by a thread into a queue."""
 
-    def __init__(self, cache_dir: Path, durability: str, run_seed: int, stderr_path: Path):
+    def __init__(self, cache_dir: Path, durability: str, run_seed: int, stderr_path: Path, hold: tuple = ()):
         self._stderr = open(stderr_path, "wb")
         self.stderr_path = stderr_path
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.crash_worker", str(cache_dir), durability, str(run_seed)],
+            [sys.executable, "-m", "tests.crash_worker", str(cache_dir), durability, str(run_seed),
+             *(str(x) for x in hold)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=self._stderr, env=dict(os.environ),
         )  # fmt: skip
         self.lines: queue.Queue = queue.Queue()
@@ -189,7 +190,10 @@ def test_sigkill_at_random_moments_then_validate_and_serve(tiny_model, tmp_path,
     ssd_hit_tokens = 0
     for round_no, (target, occurrence, delay) in enumerate(_kill_plans(rng, durability, KILLS)):
         run_seed = seed * 1000 + round_no
-        worker = Worker(cache_dir, durability, run_seed, tmp_path / f"worker{round_no}.err")
+        # File and index operations: the worker holds right after announcing the chosen one, so
+        # the kill deterministically lands just before it (mid-write); other targets: random delay.
+        hold = (target, occurrence) if target.startswith("op ") or target == "commit" else ()
+        worker = Worker(cache_dir, durability, run_seed, tmp_path / f"worker{round_no}.err", hold)
         lines = worker.read_until(target, occurrence)
         time.sleep(delay)  # where the kill lands, not a synchronisation
         worker.kill()
