@@ -279,11 +279,12 @@ class Engine:
             ids = np.asarray(prompt_ids, dtype=np.int32)
             if len(ids) == 0:
                 raise ValueError("empty prompt")
-            if self._all_on_ssd(ids):
-                n_cached = (len(ids) // self.config.block_size) * self.config.block_size
+            hashes = self._hashes(ids)
+            if self._all_on_ssd(hashes):
+                n_cached = len(hashes) * self.config.block_size
                 return RequestResult(prompt_tokens=len(ids), cached_tokens=n_cached, ssd_hit_tokens=n_cached,
                                      prefill_tokens=len(ids) - n_cached, finish_reason="skipped")
-            res, cache, found, hashes, start = self._prepare(ids)
+            res, cache, found, hashes, start = self._prepare(ids, hashes)
             try:
                 if self.tiered is not None:
                     self.tiered.persist(found.blocks)  # RAM-only blocks (evict_only) reach SSD too
@@ -297,20 +298,25 @@ class Engine:
             finally:
                 self._release(found)
 
-    def _all_on_ssd(self, ids: np.ndarray) -> bool:
+    def _hashes(self, ids: np.ndarray) -> list[str]:
+        """Chain hashes of the prompt's full blocks ([] without a tier)."""
+        if self.tiered is None:
+            return []
+        return chain_hashes(ids, self.config.block_size, self.layout_key, self.hash_fn)
+
+    def _all_on_ssd(self, hashes: list[str]) -> bool:
         if self.tiered is None or self.tiered.ssd is None:
             return False
-        hashes = chain_hashes(ids, self.config.block_size, self.layout_key, self.hash_fn)
         return self.tiered.ssd.count_prefix(hashes) == len(hashes)
 
-    def _prepare(self, ids: np.ndarray):
+    def _prepare(self, ids: np.ndarray, hashes: list[str] | None = None):
         if len(ids) == 0:
             raise ValueError("empty prompt")
         res = RequestResult(prompt_tokens=int(len(ids)))
         found = LookupResult()
-        hashes: list[str] = []
+        if hashes is None:
+            hashes = self._hashes(ids)
         if self.tiered is not None:
-            hashes = chain_hashes(ids, self.config.block_size, self.layout_key, self.hash_fn)
             found = self.tiered.lookup(hashes, ids)
         if found.blocks:
             cache = rebuild_cache(found.blocks, self.geometry.n_layers)
@@ -406,7 +412,7 @@ class Engine:
         if n_full <= n_found:
             return
         t0 = time.perf_counter()
-        fallbacks_before = self.tiered.stats().get("writer_queue_full_sync_fallback", 0)
+        fallbacks_before = self._sync_fallbacks()
         blocks = slice_blocks(cache, ids, hashes, self.layout_key, n_found, n_full, self.config.block_size)
         if persist:
             self.tiered.persist(blocks)
@@ -415,7 +421,12 @@ class Engine:
         res.blocks_written = len(blocks)
         res.write_path_ms = (time.perf_counter() - t0) * 1e3
         res.writer_queue_depth = self.tiered.queue_depth()
-        res.backpressure_events = self.tiered.stats().get("writer_queue_full_sync_fallback", 0) - fallbacks_before
+        res.backpressure_events = self._sync_fallbacks() - fallbacks_before
+
+    def _sync_fallbacks(self) -> int:
+        """Writer queue-full events so far (only the writer's counters, not the merged stats)."""
+        writer = self.tiered.writer
+        return writer.get_stats().get("writer_queue_full_sync_fallback", 0) if writer is not None else 0
 
     def _release(self, found: LookupResult) -> None:
         if self.tiered is not None:

@@ -106,7 +106,7 @@ def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None,
 
 def _confirm_and_execute(plan, yes: bool, json_out: bool, quiet: bool, execute) -> int:
     if plan.dry_run or plan.total("prune_blocks") == 0:
-        _emit(plan, json_out, quiet)
+        _emit(plan, json_out, quiet, lambda: _print_unchanged(plan))
         return _exit_code(plan)
     shown = False
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
@@ -118,15 +118,7 @@ def _confirm_and_execute(plan, yes: bool, json_out: bool, quiet: bool, execute) 
             return common.EXIT_PROBLEMS
     with _deferred_signals() as received:
         execute(plan)
-    if quiet:
-        if plan.problems:
-            _print_result(plan, common.err_console)
-    elif json_out:
-        common.print_json(plan.to_dict())
-    else:
-        if not shown:
-            _print_plan(plan, common.console)
-        _print_result(plan, common.console)
+    _emit(plan, json_out, quiet, lambda: _print_executed(plan, plan_shown=shown))
     if received:
         return 128 + received[0]
     return _exit_code(plan)
@@ -136,15 +128,26 @@ def _exit_code(plan) -> int:
     return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
 
 
-def _emit(plan, json_out: bool, quiet: bool) -> None:
+def _emit(plan, json_out: bool, quiet: bool, human) -> None:
+    """--quiet: problems only (stderr); --json: the plan document; else `human()`."""
     if quiet:
         if plan.problems:
             _print_result(plan, common.err_console)
     elif json_out:
         common.print_json(plan.to_dict())
     else:
+        human()
+
+
+def _print_unchanged(plan) -> None:
+    _print_plan(plan, common.console)
+    common.console.print("dry run: nothing changed" if plan.dry_run else "nothing to prune")
+
+
+def _print_executed(plan, plan_shown: bool) -> None:
+    if not plan_shown:
         _print_plan(plan, common.console)
-        common.console.print("dry run: nothing changed" if plan.dry_run else "nothing to prune")
+    _print_result(plan, common.console)
 
 
 @contextmanager
