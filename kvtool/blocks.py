@@ -1,32 +1,33 @@
-"""Blocks and keys: chain hashing, layout keys, and slicing mlx-lm caches into blocks and back.
+"""Blocks in MLX: slicing mlx-lm caches into blocks, and building caches from blocks and restores.
 
 A *block* is `block_size` consecutive prompt tokens together with the KV of every layer for those
-positions: per layer a keys and a values tensor of shape `[1, n_kv_heads, block_size, head_dim]`,
-i.e. a slice of mlx-lm's `KVCache.state` along the sequence axis (axis 2).
-
-Block identity is a *chain hash* (as in vLLM's prefix caching and seed 002 F1): the digest of
-the parent block's digest followed by the block's token ids as little-endian int32. The first
-block's parent is a digest of the *layout key*, so two models (or dtypes, block sizes, format
-versions) never share a hash. blake2b is used, never Python's `hash()`, so hashes are identical
-across processes and machines; hashing a prompt is O(n).
+positions: per layer a keys and a values tensor `[1, n_kv_heads, n, head_dim]`, i.e. a slice of
+mlx-lm's `KVCache.state` along the sequence axis (axis 2). A prompt's *tail entry* is the same
+with `n < block_size`. Hashing and layout keys live in the MLX-free `kvtool.hashing`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from kvtool.hashing import (  # noqa: F401  (re-exported)
+    HASH_DIGEST_BYTES,
+    HashFn,
+    blake2b_chain,
+    chain_hashes,
+    layout_key,
+    root_parent,
+    tail_hash,
+)
 from kvtool.hostblock import HostBlock  # noqa: F401  (re-exported: the MLX-free half of a block)
+from kvtool.store.segment import STORAGE_DTYPES, KVLayout
 
-BLOCK_FORMAT_VERSION = 1
-HASH_DIGEST_BYTES = 16  # blake2b-128, hex-encoded to 32 characters
-
-HashFn = Callable[[bytes, np.ndarray], str]
+CACHE_STEP = KVCache.step  # mlx-lm grows a KVCache in steps of this many tokens (256)
 
 _MX_TO_NP_STORAGE = {
     mx.float32: np.float32,
@@ -47,73 +48,6 @@ def dtype_name(dtype: mx.Dtype) -> str:
         return _DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"unsupported KV dtype {dtype}") from None
-
-
-def layout_key(
-    model_id: str,
-    n_layers: int,
-    n_kv_heads: int,
-    head_dim: int,
-    kv_dtype: str,
-    block_size: int,
-    format_version: int = BLOCK_FORMAT_VERSION,
-) -> str:
-    """Digest of everything that makes stored KV interchangeable; also the namespace name.
-
-    Args:
-        model_id: digest of the model's weights/config (and adapter), see `kvtool.models`.
-        n_layers, n_kv_heads, head_dim: KV geometry.
-        kv_dtype: 'float32' | 'float16' | 'bfloat16'.
-        block_size: tokens per block.
-        format_version: the on-disk block format version.
-
-    Returns:
-        32 hex characters (blake2b-128).
-    """
-    text = (
-        f"kvtool-layout|fmt={format_version}|model={model_id}|layers={n_layers}"
-        f"|kv_heads={n_kv_heads}|head_dim={head_dim}|dtype={kv_dtype}|block={block_size}"
-    )
-    return hashlib.blake2b(text.encode(), digest_size=HASH_DIGEST_BYTES).hexdigest()
-
-
-def root_parent(layout: str) -> str:
-    """The parent digest of a prompt's first block: a digest of the layout key (hex)."""
-    return hashlib.blake2b(b"kvtool-root|" + layout.encode(), digest_size=HASH_DIGEST_BYTES).hexdigest()
-
-
-def blake2b_chain(parent: bytes, token_ids: np.ndarray) -> str:
-    """Default chain hash: blake2b-128(parent digest || token ids as little-endian int32) -> hex."""
-    h = hashlib.blake2b(parent, digest_size=HASH_DIGEST_BYTES)
-    h.update(np.ascontiguousarray(token_ids, dtype="<i4").tobytes())
-    return h.hexdigest()
-
-
-def chain_hashes(
-    token_ids: Sequence[int] | np.ndarray,
-    block_size: int,
-    layout: str,
-    hash_fn: HashFn = blake2b_chain,
-) -> list[str]:
-    """Chain hashes of every *full* block of a prompt, O(len(token_ids)).
-
-    Args:
-        token_ids: prompt token ids (int).
-        block_size: tokens per block.
-        layout: the layout key (namespace); seeds the first parent.
-        hash_fn: injectable hash for tests (e.g. to force collisions).
-
-    Returns:
-        `len(token_ids) // block_size` hex digests; element i covers tokens
-        `[i*block_size, (i+1)*block_size)`.
-    """
-    ids = np.asarray(token_ids, dtype=np.int32)
-    parent = root_parent(layout)
-    out: list[str] = []
-    for i in range(len(ids) // block_size):
-        parent = hash_fn(bytes.fromhex(parent), ids[i * block_size : (i + 1) * block_size])
-        out.append(parent)
-    return out
 
 
 def unsupported_cache_reason(cache: list) -> str | None:
@@ -205,45 +139,43 @@ def from_host(host: HostBlock) -> Block:
 def slice_blocks(
     cache: list[KVCache],
     token_ids: Sequence[int] | np.ndarray,
-    hashes: Sequence[str],
-    layout: str,
-    start: int,
-    stop: int,
-    block_size: int,
+    spans: Sequence[tuple[str, str, int, int]],
 ) -> list[Block]:
-    """Cut blocks `[start, stop)` out of a filled prompt cache.
+    """Cut blocks (or a tail entry) out of a filled prompt cache, as copies.
 
     Args:
-        cache: per-layer `KVCache` whose `offset >= stop * block_size`; its buffers may be
-            padded past `offset` (mlx-lm grows them in 256-token steps) — only
-            `[..., :offset, :]` is read.
+        cache: per-layer `KVCache` whose `offset` covers every span; its buffers may be padded
+            past `offset` (mlx-lm grows them in 256-token steps): only `[..., :offset, :]` is read.
         token_ids: the prompt token ids.
-        hashes: `chain_hashes(token_ids, block_size, layout)`.
-        layout: layout key (gives the first block's parent).
-        start, stop: block indices.
-        block_size: tokens per block.
+        spans: `(block_hash, parent_hash, start, stop)` token ranges.
 
     Returns:
         Evaluated blocks, each holding copies (not views) of the cache's KV.
     """
     ids = np.asarray(token_ids, dtype=np.int32)
     blocks: list[Block] = []
-    for i in range(start, stop):
-        lo, hi = i * block_size, (i + 1) * block_size
+    for h, parent, lo, hi in spans:
         keys = [mx.contiguous(c.keys[..., lo:hi, :]) for c in cache]
         values = [mx.contiguous(c.values[..., lo:hi, :]) for c in cache]
-        parent = hashes[i - 1] if i > 0 else root_parent(layout)
-        blocks.append(Block(hashes[i], parent, ids[lo:hi].copy(), keys, values))
+        blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks
 
 
-def rebuild_cache(blocks: Sequence[Block], n_layers: int) -> list[KVCache]:
+def cache_capacity(prompt_tokens: int) -> int:
+    """Tokens a rebuilt cache holds room for: the prompt plus at least one decode step, rounded
+    up to mlx-lm's 256-token step (as a cold prefill would leave it), so that neither the
+    prefill of the uncached rest nor the first decode step reallocates (copies) the cache."""
+    return (prompt_tokens // CACHE_STEP + 1) * CACHE_STEP
+
+
+def rebuild_cache(blocks: Sequence[Block], n_layers: int, capacity: int = 0) -> list[KVCache]:
     """A fresh per-layer `KVCache` holding the concatenation of `blocks` along the sequence axis.
 
     Args:
         blocks: a chain of blocks, in prompt order, starting at the first block.
         n_layers: number of cache layers of the model.
+        capacity: buffer length in tokens (>= the blocks' tokens); the rest is decode room.
 
     Returns:
         `n_layers` caches with `offset == sum(block tokens)`; empty caches if `blocks` is empty.
@@ -251,9 +183,128 @@ def rebuild_cache(blocks: Sequence[Block], n_layers: int) -> list[KVCache]:
     caches = [KVCache() for _ in range(n_layers)]
     if not blocks:
         return caches
+    n = sum(b.num_tokens for b in blocks)
+    room = max(capacity - n, 0)
     for layer, c in enumerate(caches):
-        keys = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
-        values = mx.concatenate([b.values[layer] for b in blocks], axis=2)
-        c.state = (keys, values, int(keys.shape[2]))
+        ks = [b.keys[layer] for b in blocks]
+        vs = [b.values[layer] for b in blocks]
+        if room:
+            k0, v0 = ks[0], vs[0]
+            ks.append(mx.zeros((*k0.shape[:2], room, k0.shape[3]), k0.dtype))
+            vs.append(mx.zeros((*v0.shape[:2], room, v0.shape[3]), v0.dtype))
+        c.keys = mx.concatenate(ks, axis=2) if len(ks) > 1 else ks[0]
+        c.values = mx.concatenate(vs, axis=2) if len(vs) > 1 else vs[0]
+        c.offset = n
     mx.eval([c.keys for c in caches], [c.values for c in caches])
     return caches
+
+
+# ------------------------------------------------------------------ restore buffers
+def kv_layout_of(cache: list[KVCache]) -> KVLayout:
+    """The per-layer KV layout of a filled cache (keys/values `[B, H, T, D]`).
+
+    Raises:
+        ValueError: unsupported dtype, or keys and values with different head counts.
+    """
+    layers = []
+    for c in cache:
+        _, h, _, dk = c.keys.shape
+        _, hv, _, dv = c.values.shape
+        if h != hv:
+            raise ValueError(f"keys have {h} heads but values {hv}")
+        layers.append((int(h), int(dk), int(dv)))
+    return KVLayout(tuple(layers), dtype_name(cache[0].keys.dtype))
+
+
+def _host_view(a: mx.array) -> np.ndarray | None:
+    """A writable numpy view of an evaluated MLX array's memory, or None where MLX does not
+    share it with the host (then the restore stages in numpy and copies once)."""
+    storage = _MX_TO_NP_STORAGE[a.dtype]
+    src = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+    mx.eval(src)
+    try:
+        view = np.asarray(src)
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if view.dtype != storage or not view.flags.writeable or view.shape != tuple(a.shape):
+        return None
+    return view
+
+
+@dataclass
+class KVBuffers:
+    """Per-layer destination buffers of a restore: `[1, H_l, capacity, D_l]` keys and values.
+
+    Reader threads fill `views` (numpy, storage dtype) at token offsets; `caches()` then hands
+    mlx-lm `KVCache`s over the same memory (CPU: zero copy) with decode room after `offset`.
+
+    Attributes:
+        arrays: MLX arrays in record order (K0, V0, K1, V1, ...).
+        views: writable numpy views of `arrays` (or host staging arrays, see `_host_view`).
+        staged: True if `views` are separate host arrays to copy in at `caches()`.
+    """
+
+    arrays: list[mx.array]
+    views: list[np.ndarray]
+    staged: bool = False
+
+    @classmethod
+    def allocate(cls, kv: KVLayout, capacity: int) -> "KVBuffers":
+        """Allocate buffers for `capacity` tokens (call on the request thread)."""
+        dtype = _NAME_TO_MX[kv.dtype]
+        arrays = [mx.zeros(shape, dtype) for shape in kv.shapes(capacity)]
+        mx.eval(arrays)
+        views = [_host_view(a) for a in arrays]
+        if all(v is not None for v in views):
+            return cls(arrays, views)  # type: ignore[arg-type]
+        storage = STORAGE_DTYPES[kv.dtype]
+        return cls(arrays, [np.empty(a.shape, storage) for a in arrays], staged=True)
+
+    def dest(self, offset: int, n: int) -> list[np.ndarray]:
+        """Views `[1, H, n, D]` of every tensor at token `offset` (for `restore_chain`)."""
+        return [v[:, :, offset : offset + n, :] for v in self.views]
+
+    def place(self, offset: int, block: Block) -> None:
+        """Copy an MLX block (RAM tier) into the buffers at token `offset`."""
+        n = block.num_tokens
+        for dst, src in zip(self.dest(offset, n), (a for kv in zip(block.keys, block.values) for a in kv)):
+            dst[...] = _to_numpy(src)
+
+    def place_host(self, offset: int, block: HostBlock) -> None:
+        """Copy a host block (writer's pending buffer) into the buffers at token `offset`."""
+        n = block.num_tokens
+        for dst, src in zip(self.dest(offset, n), (a for kv in zip(block.keys, block.values) for a in kv)):
+            dst[...] = src
+
+    def caches(self, offset: int) -> list[KVCache]:
+        """mlx-lm caches over the buffers, holding `offset` tokens; drops this object's
+        references so the caches own their buffers (in-place updates, no copy on decode)."""
+        arrays = self.arrays
+        if self.staged:
+            dtype = arrays[0].dtype
+            arrays = [_to_mlx(v, dtype_name(dtype)) for v in self.views]
+            mx.eval(arrays)
+        self.arrays, self.views = [], []
+        out = []
+        for k, v in zip(arrays[0::2], arrays[1::2]):
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, offset
+            out.append(c)
+        return out
+
+
+def promote_slices(cache: list[KVCache], spans: Sequence[tuple[str, str, np.ndarray, int]]) -> list[Block]:
+    """Blocks that are views into a finished request's cache (no copy), for the RAM tier.
+
+    Args:
+        cache: the request's caches after generation (their prompt positions are final).
+        spans: `(block_hash, parent_hash, token_ids, offset)` per block.
+    """
+    blocks = []
+    for h, parent, ids, off in spans:
+        n = len(ids)
+        keys = [c.keys[..., off : off + n, :] for c in cache]
+        values = [c.values[..., off : off + n, :] for c in cache]
+        blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
+    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
+    return blocks

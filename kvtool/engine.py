@@ -1,9 +1,9 @@
-"""The kvtool engine: an mlx-lm model served through the tiered prefix cache.
+"""The kvtool engine: an mlx-lm model served through a `PrefixCache`.
 
-Per request: hash the prompt's full blocks, take the longest cached chain (RAM, pending writes,
-SSD), rebuild an mlx-lm `KVCache` from it, prefill only the rest, decode with mlx-lm's
-`generate_step`, and hand the prompt's new full blocks to the tiered cache right after the first
-token. Only prompt KV is stored, never the KV of generated tokens.
+Per request: `PrefixCache.fetch` gives the longest cached prefix as mlx-lm caches (RAM, pending
+writes, SSD), the engine prefills only the rest, decodes with mlx-lm's `generate_step`, and hands
+the prompt's new blocks and tail entry to the cache right after the first token. Only prompt KV
+is stored, never the KV of generated tokens.
 
 Exactness: KV of a prefix computed alone equals the same prefix inside a longer prompt, so the
 logits (and greedy tokens) with a cached prefix equal an uncached prefill bit for bit (tested).
@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -25,19 +25,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from kvtool.blocks import (
-    HashFn,
-    blake2b_chain,
-    chain_hashes,
-    dtype_name,
-    layout_key,
-    rebuild_cache,
-    slice_blocks,
-    unsupported_cache_reason,
-)
+from kvtool.blocks import HashFn, blake2b_chain
 from kvtool.config import KVToolConfig
 from kvtool.models.loader import LoadedModel, load_model
-from kvtool.store.tiered import LookupResult, ShutdownStatus, TieredCache
+from kvtool.prefix import CacheHit, CacheStats, PrefixCache
+from kvtool.store.tiered import ShutdownStatus
 
 log = logging.getLogger("kvtool")
 
@@ -77,35 +69,25 @@ class RequestResult:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class KVGeometry:
-    """KV layout of a model: layers, KV heads, head dim (elements), dtype name."""
+@dataclass
+class StreamResponse:
+    """One step of `Engine.stream` (in the style of `mlx_lm.generate.GenerationResponse`).
 
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    dtype: str
-
-
-def probe_geometry(model) -> tuple[KVGeometry | None, str | None]:
-    """Find the KV layout by one forward pass of one token.
-
-    Returns:
-        `(geometry, None)` if every cache layer is a plain `KVCache`, else `(None, reason)`.
+    Attributes:
+        text: the new text of this step (may be empty while a multi-byte character is pending).
+        token: the generated token id.
+        result: the request's `RequestResult` so far (complete on the last step).
+        finish_reason: None until the last step, then 'length' | 'stop'.
     """
-    cache = make_prompt_cache(model)
-    reason = unsupported_cache_reason(cache)
-    if reason is not None:
-        return None, reason
-    model(mx.array([[0]]), cache=cache)
-    keys = cache[0].keys
-    mx.eval(keys)
-    _, n_kv_heads, _, head_dim = keys.shape
-    return KVGeometry(len(cache), int(n_kv_heads), int(head_dim), dtype_name(keys.dtype)), None
+
+    text: str
+    token: int
+    result: RequestResult
+    finish_reason: str | None = None
 
 
 class Engine:
-    """A resident model plus its tiered KV cache.
+    """A resident model plus its `PrefixCache`.
 
     Args:
         loaded: model, tokenizer and identity from `kvtool.models.loader.load_model`.
@@ -129,20 +111,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.hash_fn = hash_fn
         self.max_kv_size = max_kv_size
-        self._fs = fs
         self._lock = threading.Lock()  # one request or reconfiguration at a time (quiesce)
-        self.uncached_reason: str | None = None
-        geometry, reason = probe_geometry(self.model)
-        if max_kv_size is not None:
-            geometry, reason = None, f"max_kv_size={max_kv_size} makes mlx-lm use a RotatingKVCache"
-        self.geometry = geometry
-        if reason is not None:
-            self.uncached_reason = reason
-            log.warning("kvtool: running uncached: %s (a block cache of this model would give wrong KV)", reason)
-        self.config = config
-        self.tiered: TieredCache | None = None
-        self.layout_key: str | None = None
-        self._attach(config)
+        self.cache = PrefixCache.for_model(
+            self.model, config, model_id=loaded.model_id, model_name=loaded.name, max_kv_size=max_kv_size,
+            hash_fn=hash_fn, fs=fs,
+        )
 
     @classmethod
     def from_spec(cls, model_spec: str, config: KVToolConfig, **kwargs) -> "Engine":
@@ -153,63 +126,64 @@ class Engine:
         """
         return cls(load_model(model_spec), config, **kwargs)
 
-    # ------------------------------------------------------------ tier wiring
-    def layout_key_for(self, block_size: int) -> str | None:
-        """The layout key (namespace) this model's blocks of `block_size` tokens live under, or
-        None when the model cannot be cached block-wise. Pure: opens nothing."""
-        if self.geometry is None:
-            return None
-        g = self.geometry
-        return layout_key(self.loaded.model_id, g.n_layers, g.n_kv_heads, g.head_dim, g.dtype, block_size)
+    def __enter__(self) -> "Engine":
+        return self
 
-    def _attach(self, config: KVToolConfig) -> None:
-        self.config = config
-        self.tiered = None
-        self.layout_key = None
-        if self.geometry is None or (not config.ssd_enabled and config.ram_bytes == 0):
-            return
-        g = self.geometry
-        self.layout_key = self.layout_key_for(config.block_size)
-        meta = {
-            "model_id": self.loaded.model_id,
-            "model_name": self.loaded.name,
-            "block_size": str(config.block_size),
-            "kv_dtype": g.dtype,
-            "n_layers": str(g.n_layers),
-            "n_kv_heads": str(g.n_kv_heads),
-            "head_dim": str(g.head_dim),
-        }
-        self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ tier wiring
+    @property
+    def config(self) -> KVToolConfig:
+        return self.cache.config
+
+    @property
+    def uncached_reason(self) -> str | None:
+        return self.cache.uncached_reason
+
+    @property
+    def layout_key(self) -> str | None:
+        return self.cache.layout_key
+
+    @property
+    def tiered(self):
+        return self.cache.tiered
 
     @property
     def namespace_dir(self):
         """Directory of this engine's SSD namespace, or None without an SSD tier."""
-        if self.tiered is None or self.tiered.ssd is None:
-            return None
-        return self.tiered.ssd.namespace_dir
+        return self.cache.namespace_dir
+
+    def layout_key_for(self, block_size: int) -> str | None:
+        """The layout key (namespace) of this model for `block_size`, or None. Opens nothing."""
+        return self.cache.layout_key_for(block_size)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
         """Live reconfiguration on the resident model (seed 003): quiesce (wait for the request
         in flight), drain the writer, flush the index, detach, drop RAM blocks, reattach."""
         with self._lock:
-            status = self.tiered.close() if self.tiered is not None else ShutdownStatus()
-            self._attach(config)
-            return status
+            return self.cache.reconfigure(config)
 
     def flush(self) -> bool:
         """Wait until every accepted SSD write was attempted; flush the index."""
         with self._lock:
-            return self.tiered.flush() if self.tiered is not None else True
+            return self.cache.flush()
 
     def close(self) -> ShutdownStatus:
         """Drain the writer, flush and close the index. Idempotent."""
         with self._lock:
-            status = self.tiered.close() if self.tiered is not None else ShutdownStatus()
-            self.tiered = None
-            return status
+            return self.cache.close()
 
     def stats(self) -> dict:
-        return self.tiered.stats() if self.tiered is not None else {}
+        """Counters of the prefix cache (see `CacheStats`)."""
+        return self.cache.stats().to_dict()
+
+    def warmup(self) -> float:
+        """One tiny forward pass outside any timing (kernel compilation); returns its ms."""
+        t0 = time.perf_counter()
+        cache = make_prompt_cache(self.model)
+        mx.eval(self.model(mx.array([[0, 1]]), cache=cache))
+        return (time.perf_counter() - t0) * 1e3
 
     # ---------------------------------------------------------------- prompts
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
@@ -247,7 +221,7 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] = (),
     ) -> RequestResult:
-        """Serve one request through the tiered cache.
+        """Serve one request through the prefix cache.
 
         Args:
             prompt_ids: prompt token ids (at least one).
@@ -262,14 +236,38 @@ class Engine:
         Raises:
             ValueError: empty prompt or `max_tokens < 1`.
         """
+        result = RequestResult()
+        for step in self.stream(prompt_ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, stop=stop):
+            result = step.result
+        return result
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+    ) -> Iterator[StreamResponse]:
+        """Like `generate`, one `StreamResponse` per generated token (`mlx_lm.stream_generate`
+        style). The engine stays locked until the generator is exhausted or closed.
+
+        Raises:
+            ValueError: empty prompt or `max_tokens < 1`.
+        """
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        ids = np.asarray(prompt_ids, dtype=np.int32)
+        if ids.size == 0:
+            raise ValueError("empty prompt")
         with self._lock:
-            return self._generate(np.asarray(prompt_ids, dtype=np.int32), max_tokens, temp, top_p, seed, tuple(stop))
+            yield from self._stream(ids, max_tokens, temp, top_p, seed, tuple(stop))
 
     def prefill(self, prompt_ids: Sequence[int]) -> RequestResult:
-        """Prefill only (no decode) and write the prompt's full blocks to SSD whatever the policy
-        (used by `kvtool warm`). A prompt whose full blocks are all on SSD already is skipped by
+        """Prefill only (no decode) and write the prompt's blocks to SSD whatever the policy
+        (used by `kvtool warm`). A prompt whose entries are all on SSD already is skipped by
         hashing alone: no block is loaded and the model does not run (`prefill_tokens == 0`).
 
         Raises:
@@ -279,77 +277,46 @@ class Engine:
             ids = np.asarray(prompt_ids, dtype=np.int32)
             if len(ids) == 0:
                 raise ValueError("empty prompt")
-            hashes = self._hashes(ids)
-            if self._all_on_ssd(hashes):
-                n_cached = len(hashes) * self.config.block_size
-                return RequestResult(prompt_tokens=len(ids), cached_tokens=n_cached, ssd_hit_tokens=n_cached,
-                                     prefill_tokens=len(ids) - n_cached, finish_reason="skipped")
-            res, cache, found, hashes, start = self._prepare(ids, hashes)
+            pc = self.cache
+            if pc.ssd is not None and pc.probe(ids) == len(ids):
+                return RequestResult(prompt_tokens=len(ids), cached_tokens=len(ids), ssd_hit_tokens=len(ids),
+                                     prefill_tokens=0, finish_reason="skipped")
+            hit = pc.fetch(ids)
             try:
-                if self.tiered is not None:
-                    self.tiered.persist(found.blocks)  # RAM-only blocks (evict_only) reach SSD too
+                res = self._result(hit)
+                pc.persist_found(hit)  # RAM-only blocks (evict_only) reach SSD too
+                cache = hit.cache or make_prompt_cache(self.model)
                 t0 = time.perf_counter()
-                self._prefill(cache, ids[start:])
+                self._prefill(cache, hit.remaining)
                 res.prefill_ms = (time.perf_counter() - t0) * 1e3
-                res.cached_tokens, res.prefill_tokens = start, len(ids) - start
                 res.finish_reason = "prefill"
-                self._store(res, cache, ids, hashes, len(found.blocks), persist=True)
+                self._store(res, ids, cache, hit, persist=True)
                 return res
             finally:
-                self._release(found)
+                pc.release(hit)
 
-    def _hashes(self, ids: np.ndarray) -> list[str]:
-        """Chain hashes of the prompt's full blocks ([] without a tier)."""
-        if self.tiered is None:
-            return []
-        return chain_hashes(ids, self.config.block_size, self.layout_key, self.hash_fn)
+    @staticmethod
+    def _result(hit: CacheHit) -> RequestResult:
+        return RequestResult(
+            prompt_tokens=hit.prompt_tokens, cached_tokens=hit.cached_tokens, ram_hit_tokens=hit.ram_tokens,
+            ssd_hit_tokens=hit.ssd_tokens, prefill_tokens=int(hit.remaining.size), ssd_load_ms=hit.ssd_load_ms,
+            ssd_bytes_read=hit.ssd_bytes_read,
+        )
 
-    def _all_on_ssd(self, hashes: list[str]) -> bool:
-        if self.tiered is None or self.tiered.ssd is None:
-            return False
-        return self.tiered.ssd.count_prefix(hashes) == len(hashes)
-
-    def _prepare(self, ids: np.ndarray, hashes: list[str] | None = None):
-        if len(ids) == 0:
-            raise ValueError("empty prompt")
-        res = RequestResult(prompt_tokens=int(len(ids)))
-        found = LookupResult()
-        if hashes is None:
-            hashes = self._hashes(ids)
-        if self.tiered is not None:
-            found = self.tiered.lookup(hashes, ids)
-        if found.blocks:
-            cache = rebuild_cache(found.blocks, self.geometry.n_layers)
-        else:
-            cache = make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
-        bs = self.config.block_size
-        res.ram_hit_tokens = found.ram_blocks * bs
-        res.ssd_hit_tokens = found.ssd_blocks * bs
-        res.ssd_load_ms = found.ssd_load_ms
-        res.ssd_bytes_read = found.ssd_bytes_read
-        return res, cache, found, hashes, len(found.blocks) * bs
-
-    def _generate(self, ids, max_tokens, temp, top_p, seed, stop) -> RequestResult:
+    def _stream(self, ids, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:
         t_start = time.perf_counter()
-        res, cache, found, hashes, start = self._prepare(ids)
+        hit = self.cache.fetch(ids)
         try:
-            if start == len(ids):  # full hit: re-forward the last prompt token (seed 002 A3)
-                for c in cache:
-                    c.trim(1)
-                start -= 1
-                if found.from_ssd[-1]:  # the re-forwarded token leaves the tier of the last block
-                    res.ssd_hit_tokens -= 1
-                else:
-                    res.ram_hit_tokens -= 1
-            res.cached_tokens = start
-            res.prefill_tokens = len(ids) - start
+            res = self._result(hit)
+            cache = hit.cache or make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
             t0 = time.perf_counter()
-            self._prefill(cache, ids[start:-1])
+            self._prefill(cache, hit.remaining[:-1])
             res.prefill_ms = (time.perf_counter() - t0) * 1e3
-            self._decode(res, cache, ids, hashes, len(found.blocks), t_start, max_tokens, temp, top_p, seed, stop)
-            return res
+            yield from self._decode(res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop)
         finally:
-            self._release(found)
+            if not hit.cache:
+                hit.cache = []
+            self.cache.release(hit)
 
     def _prefill(self, cache: list, tokens: np.ndarray) -> None:
         """Run the model over `tokens` in chunks, filling `cache` (as mlx-lm's generate_step)."""
@@ -358,16 +325,14 @@ class Engine:
             self.model(chunk, cache=cache)
             mx.eval([c.state for c in cache])
 
-    def _decode(self, res, cache, ids, hashes, n_found, t_start, max_tokens, temp, top_p, seed, stop) -> None:
+    def _decode(self, res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:
         if seed is not None:
             mx.random.seed(seed)
         sampler = make_sampler(temp=temp, top_p=top_p)
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         detok = self.tokenizer.detokenizer
         detok.reset()
-        gen = generate_step(
-            mx.array(ids[-1:]), self.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache
-        )
+        gen = generate_step(mx.array(ids[-1:]), self.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache)
         t_first = None
         res.finish_reason = "length"
         cut = False
@@ -375,21 +340,25 @@ class Engine:
             if n == 0:
                 t_first = time.perf_counter()
                 res.ttft_ms = (t_first - t_start) * 1e3
-                self._store(res, cache, ids, hashes, n_found, persist=False)
+                self._store(res, ids, cache, hit, persist=False)
             if token in eos:
                 res.finish_reason = "stop"
                 break
             res.token_ids.append(int(token))
+            before = len(detok.text)
             detok.add_token(token)
             if stop and self._cut_at_stop(res, detok.text, stop):
                 cut = True
                 break
+            res.generated_tokens = len(res.token_ids)
+            yield StreamResponse(detok.text[before:], int(token), res)
         detok.finalize()
         if not cut:
             res.text = detok.text
         res.generated_tokens = len(res.token_ids)
         if t_first is not None and res.generated_tokens > 1:
             res.decode_tokens_per_s = (res.generated_tokens - 1) / max(time.perf_counter() - t_first, 1e-9)
+        yield StreamResponse("", res.token_ids[-1] if res.token_ids else -1, res, res.finish_reason)
 
     @staticmethod
     def _cut_at_stop(res: RequestResult, text: str, stop: Sequence[str]) -> bool:
@@ -400,34 +369,27 @@ class Engine:
         res.finish_reason = "stop"
         return True
 
-    def _store(self, res, cache: list, ids, hashes, n_found: int, persist: bool) -> None:
-        """Hand the prompt's new full blocks to the tiered cache (prompt KV only).
+    def _store(self, res: RequestResult, ids, cache: list, hit: CacheHit, persist: bool) -> None:
+        """Hand the prompt's new blocks to the prefix cache (prompt KV only).
 
         `write_path_ms` is all request-thread time of storing: slicing the blocks, RAM insert and,
         with an SSD writer, host copies plus enqueue (async) or the file writes (sync).
         """
-        if self.tiered is None:
-            return
-        n_full = len(ids) // self.config.block_size
-        if n_full <= n_found:
+        tiered = self.cache.tiered
+        if tiered is None:
             return
         t0 = time.perf_counter()
         fallbacks_before = self._sync_fallbacks()
-        blocks = slice_blocks(cache, ids, hashes, self.layout_key, n_found, n_full, self.config.block_size)
-        if persist:
-            self.tiered.persist(blocks)
-        else:
-            self.tiered.insert(blocks)
-        res.blocks_written = len(blocks)
+        res.blocks_written = self.cache.store(ids, cache, hit, persist=persist)
         res.write_path_ms = (time.perf_counter() - t0) * 1e3
-        res.writer_queue_depth = self.tiered.queue_depth()
+        res.writer_queue_depth = tiered.queue_depth()
         res.backpressure_events = self._sync_fallbacks() - fallbacks_before
 
     def _sync_fallbacks(self) -> int:
         """Writer queue-full events so far (only the writer's counters, not the merged stats)."""
-        writer = self.tiered.writer
+        tiered = self.cache.tiered
+        writer = tiered.writer if tiered is not None else None
         return writer.get_stats().get("writer_queue_full_sync_fallback", 0) if writer is not None else 0
 
-    def _release(self, found: LookupResult) -> None:
-        if self.tiered is not None:
-            self.tiered.release(found)
+
+__all__ = ["Engine", "RequestResult", "StreamResponse", "CacheStats", "DEFAULT_MAX_TOKENS"]

@@ -14,26 +14,35 @@ This module never imports MLX (the SSD writer thread calls it).
 
 from __future__ import annotations
 
+import errno
 import os
-import re
 import secrets
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
-from kvtool.store.blockfile import FILE_SUFFIX
-from kvtool.store.index import INDEX_FILENAME
+from kvtool.store.names import (  # noqa: F401  (re-exported)
+    HASH_RE,
+    INDEX_FILENAME,
+    NAMESPACE_RE,
+    SEGMENT_RE,
+    SEGMENT_SUFFIX,
+    SUBDIR_RE,
+    TEMP_RE,
+    TEMP_SUFFIX,
+    segment_relpath,
+)
 
 TEMP_STALE_S = 600.0  # a temp file older than this is a leftover even if its pid is alive
-TEMP_SUFFIX = ".tmp"
-NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}$")
-HASH_RE = re.compile(r"^[0-9a-f]{16,128}$")
-_SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
-_TEMP_RE = re.compile(r"^\.(?P<name>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp$")
+DEFAULT_DIR_MODE = 0o700
 
-_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_IOV_MAX = 1024
 
 
 class FileOps:
@@ -44,9 +53,27 @@ class FileOps:
     """
 
     # ------------------------------------------------------------------ write side
-    def makedirs(self, path: Path) -> None:
-        """Create `path` and missing parents; an existing directory is fine."""
-        os.makedirs(path, exist_ok=True)
+    def makedirs(self, path: Path, mode: int = DEFAULT_DIR_MODE) -> None:
+        """Create `path` and missing parents with exactly `mode` (whatever the umask); an
+        existing directory is fine, but the leaf must be a real directory, not a symlink.
+
+        Raises:
+            NotADirectoryError: `path` is a symlink or not a directory.
+        """
+        path = Path(path)
+        missing = []
+        p = path
+        while not os.path.lexists(p) and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, mode)
+                os.chmod(d, mode)
+            except FileExistsError:
+                pass
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "not a real directory (symlink?)", str(path))
 
     def open_new(self, path: Path) -> int:
         """Create `path` exclusively for writing (mode 0644) and return its descriptor.
@@ -56,12 +83,20 @@ class FileOps:
         """
         return os.open(path, _WRITE_FLAGS, 0o644)
 
-    def write_all(self, fd: int, data: bytes | bytearray | memoryview) -> None:
-        """Write every byte of `data` to `fd` (loops over short writes)."""
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+    def write_all(self, fd: int, data: bytes | bytearray | memoryview | Sequence) -> None:
+        """Write every byte of `data` (a buffer, or a sequence of buffers written in order with
+        `os.writev`) to `fd`, looping over short writes."""
+        bufs = [memoryview(data).cast("B")] if not isinstance(data, (list, tuple)) else [memoryview(b).cast("B") for b in data]
+        bufs = [b for b in bufs if b.nbytes]
+        while bufs:
+            n = os.writev(fd, bufs[:_IOV_MAX])
+            while n and bufs:
+                if n >= bufs[0].nbytes:
+                    n -= bufs[0].nbytes
+                    bufs.pop(0)
+                else:
+                    bufs[0] = bufs[0][n:]
+                    n = 0
 
     def fsync(self, fd: int) -> None:
         """Flush a file's data and metadata to stable storage."""
@@ -96,6 +131,14 @@ class FileOps:
                 raise
 
     # ------------------------------------------------------------------- read side
+    def open_read(self, path: Path) -> int:
+        """Open a regular file for reading without following a symlink.
+
+        Raises:
+            OSError: absent (FileNotFoundError), a symlink (ELOOP), unreadable.
+        """
+        return os.open(path, _READ_FLAGS)
+
     def read_bytes(self, path: Path) -> bytearray:
         """Read a whole file with one open and as few reads as possible.
 
@@ -138,40 +181,38 @@ class FileOps:
             os.close(fd)
 
     def size(self, path: Path) -> int:
-        """Size of a file in bytes."""
-        return os.stat(path).st_size
+        """Size of a file in bytes, not following a symlink."""
+        return os.lstat(path).st_size
 
     def mtime(self, path: Path) -> float:
-        """Modification time of a file (unix seconds)."""
-        return os.stat(path).st_mtime
+        """Modification time of a file (unix seconds), not following a symlink."""
+        return os.lstat(path).st_mtime
 
     def exists(self, path: Path) -> bool:
-        """True if `path` exists (errors other than absence count as absent)."""
-        return os.path.exists(path)
+        """True if `path` exists, a dangling symlink included (other errors count as absent)."""
+        return os.path.lexists(path)
 
     def listdir(self, path: Path) -> list[str]:
         """Names of the entries of a directory (unsorted)."""
         return os.listdir(path)
 
     def is_dir(self, path: Path) -> bool:
-        """True if `path` is a directory."""
-        return os.path.isdir(path)
+        """True if `path` is a real directory (not a symlink to one)."""
+        try:
+            return stat.S_ISDIR(os.lstat(path).st_mode)
+        except OSError:
+            return False
 
 
 # ----------------------------------------------------------------------------- layout
-def block_relpath(block_hash: str) -> str:
-    """Path of a block file relative to its namespace directory: `<hash[:2]>/<hash>.safetensors`."""
-    return f"{block_hash[:2]}/{block_hash}{FILE_SUFFIX}"
-
-
-def temp_path_for(final: Path, block_hash: str) -> Path:
-    """A fresh temp path next to `final`: `.<hash>.<pid>.<random>.tmp`."""
-    return final.parent / f".{block_hash}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+def temp_path_for(final: Path, name: str) -> Path:
+    """A fresh temp path next to `final`: `.<name>.<pid>.<random>.tmp` (`name` = segment name)."""
+    return final.parent / f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
 
 
 def temp_owner_pid(name: str) -> int | None:
     """The pid encoded in a temp file name, or None if `name` is not a kvtool temp file."""
-    m = _TEMP_RE.match(name)
+    m = TEMP_RE.match(name)
     return int(m.group("pid")) if m else None
 
 
@@ -201,9 +242,9 @@ def temp_is_leftover(fs: FileOps, path: Path, now: float | None = None) -> bool:
 
 
 def is_namespace_dir(path: Path, fs: FileOps | None = None) -> bool:
-    """True if `path` is a namespace: a 32-hex directory holding `index.sqlite`."""
+    """True if `path` is a namespace: a real 32-hex directory holding `index.sqlite`."""
     fs = fs or FileOps()
-    return bool(NAMESPACE_RE.match(path.name)) and fs.exists(path / INDEX_FILENAME)
+    return bool(NAMESPACE_RE.match(path.name)) and fs.is_dir(path) and fs.exists(path / INDEX_FILENAME)
 
 
 def list_namespaces(cache_dir: Path, fs: FileOps | None = None) -> list[Path]:
@@ -219,21 +260,24 @@ def list_namespaces(cache_dir: Path, fs: FileOps | None = None) -> list[Path]:
 
 @dataclass
 class NamespaceScan:
-    """What a namespace directory holds on disk.
+    """What a namespace directory holds on disk (symlinks are never followed).
 
     Attributes:
-        files: block hash -> path relative to the namespace dir, for well-named block files.
-        temps: temp files (any age or owner).
-        other: relative paths of entries that are neither (ignored, reported).
+        files: segment name -> path relative to the namespace dir, for well-named segment files.
+        temps: kvtool temp files (`.<name>.<pid>.<hex>.tmp`, any age or owner).
+        other: relative paths of entries that are none of these (ignored, reported); symlinks
+            and foreign `*.tmp` files land here.
+        symlinks: relative paths of symlinks found (never followed, never removed).
     """
 
     files: dict[str, str] = field(default_factory=dict)
     temps: list[Path] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
+    symlinks: list[str] = field(default_factory=list)
 
 
 def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
-    """List the block files and temp files of a namespace (one listdir per fan-out subdir).
+    """List the segment files and temp files of a namespace (one listdir per fan-out subdir).
 
     Raises:
         OSError: the namespace directory cannot be listed.
@@ -241,25 +285,32 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
     fs = fs or FileOps()
     scan = NamespaceScan()
     for sub in sorted(fs.listdir(ns_dir)):
-        if not _SUBDIR_RE.match(sub):
-            if sub.endswith(TEMP_SUFFIX):
-                scan.temps.append(ns_dir / sub)
+        path = ns_dir / sub
+        if os.path.islink(path):
+            scan.symlinks.append(sub)
+            continue
+        if not SUBDIR_RE.match(sub):
+            if TEMP_RE.match(sub):
+                scan.temps.append(path)
             elif not sub.startswith(INDEX_FILENAME):
                 scan.other.append(sub)
             continue
         try:
-            names = fs.listdir(ns_dir / sub)
+            names = fs.listdir(path)
         except (NotADirectoryError, FileNotFoundError):
             scan.other.append(sub)
             continue
         for name in sorted(names):
-            stem = name[: -len(FILE_SUFFIX)] if name.endswith(FILE_SUFFIX) else None
-            if name.endswith(TEMP_SUFFIX):
-                scan.temps.append(ns_dir / sub / name)
-            elif stem and HASH_RE.match(stem) and stem[:2] == sub:
-                scan.files[stem] = f"{sub}/{name}"
+            rel, full = f"{sub}/{name}", path / name
+            stem = name[: -len(SEGMENT_SUFFIX)] if name.endswith(SEGMENT_SUFFIX) else None
+            if os.path.islink(full):
+                scan.symlinks.append(rel)
+            elif TEMP_RE.match(name):
+                scan.temps.append(full)
+            elif stem and SEGMENT_RE.match(stem) and stem[:2] == sub:
+                scan.files[stem] = rel
             else:
-                scan.other.append(f"{sub}/{name}")
+                scan.other.append(rel)
     return scan
 
 

@@ -1,71 +1,158 @@
-"""SQLite index of one namespace: which blocks exist, where, and when they were last used.
+"""SQLite index of one namespace: which blocks exist, in which segment, and when they were used.
 
 One database per namespace (`<cache_dir>/<layout_key>/index.sqlite`), in WAL mode so readers
-never block the writer and several processes can share it (`busy_timeout`). Every write is
-its own short transaction; a crash loses at most the last uncommitted one (`synchronous=NORMAL`)
-or nothing that was committed (`synchronous=FULL`, the `durable` mode).
+never block the writer and several processes can share it (`busy_timeout`). A segment's rows
+and its `segments` row are inserted in one transaction, after the file is in place; a crash
+loses at most the last uncommitted transaction (`synchronous=NORMAL`) or nothing that was
+committed (`synchronous=FULL`, the `durable` mode).
+
+Every value read from the database is checked in one place (`IndexRow.from_db`): a row whose
+hash, parent or segment is not well-formed, or whose numbers are NULL, text or out of range,
+is never returned as a row (`scan()` reports it), so no tampered value reaches a path or a
+calculation (issue 9).
 
 Access-time updates are the hot path of a cache hit, so they are buffered in memory and
 committed in one transaction by `flush()`, or by the next `touch()` once the oldest buffered
-update is older than `flush_interval_s` (seed 000: batched index flush).
+update is older than `flush_interval_s` (seed 000: batched index flush). A stored access time
+in the future (clock skew, tampering) is clamped to now on the next touch.
 
 This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations
 
+import math
 import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-INDEX_FILENAME = "index.sqlite"
+from kvtool.store.names import INDEX_FILENAME, is_hash, is_segment_name
+
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
+FUTURE_SKEW_S = 60.0  # an access time further ahead than this is clamped to now
 _MAX_VARS = 500  # host parameters per statement (well below SQLite's limit)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS blocks (
-    hash TEXT PRIMARY KEY,
-    parent TEXT,
-    path TEXT,
-    num_tokens INT,
-    nbytes INT,
-    tokens_digest TEXT,
-    created REAL,
-    last_access REAL
+    hash TEXT PRIMARY KEY NOT NULL,
+    parent TEXT NOT NULL,
+    segment TEXT NOT NULL,
+    slot INTEGER NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    tokens_digest TEXT NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS segments (
+    name TEXT PRIMARY KEY NOT NULL,
+    nbytes INTEGER NOT NULL,
+    n_blocks INTEGER NOT NULL,
+    created REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
+CREATE INDEX IF NOT EXISTS blocks_segment ON blocks(segment);
 """
-_COLUMNS = "hash, parent, path, num_tokens, nbytes, tokens_digest, created, last_access"
+_COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
+_SEG_COLUMNS = "name, nbytes, n_blocks, created"
+
+__all__ = ["BlockIndex", "IndexRow", "SegmentRow", "IndexScan", "INDEX_FILENAME"]
+
+
+def _int(v: object, lo: int = 0) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else None
+
+
+def _time(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return None
+    return float(v)
 
 
 @dataclass(frozen=True)
 class IndexRow:
-    """One row of `blocks`.
+    """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment.
 
     Attributes:
-        hash: block chain hash (hex, primary key).
-        parent: parent block hash (hex).
-        path: block file path relative to the namespace directory.
-        num_tokens: tokens in the block.
-        nbytes: size of the block file (bytes).
-        tokens_digest: `blockfile.tokens_digest` of the block's token ids.
-        created: unix seconds when the file was written.
+        hash: block chain hash (32 hex, primary key).
+        parent: parent block hash (32 hex); the layout's root parent for a first block.
+        segment: name of the segment file holding it (32 hex).
+        slot: its record number in the segment.
+        num_tokens: tokens in the block (< block_size only for a tail entry).
+        nbytes: size of its record in the segment (bytes).
+        tokens_digest: `segment.tokens_digest` of its token ids (32 hex).
+        created: unix seconds when it was written.
         last_access: unix seconds of the last save/load (batched, may lag by flush_interval_s).
     """
 
     hash: str
     parent: str
-    path: str
+    segment: str
+    slot: int
     num_tokens: int
     nbytes: int
     tokens_digest: str
     created: float
     last_access: float
+
+    @classmethod
+    def from_db(cls, values: Sequence[object]) -> "IndexRow | None":
+        """A row from raw column values, or None if any value is malformed (NULL, wrong type,
+        out of range, a hash or segment name that is not 32 hex digits)."""
+        h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
+        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
+        if not (is_hash(h) and is_hash(parent) and is_segment_name(seg) and is_hash(digest)) or None in nums:
+            return None
+        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SegmentRow:
+    """One row of `segments`: a segment file.
+
+    Attributes:
+        name: segment name (32 hex).
+        nbytes: file size (bytes).
+        n_blocks: records in the file.
+        created: unix seconds when it was written.
+    """
+
+    name: str
+    nbytes: int
+    n_blocks: int
+    created: float
+
+    @classmethod
+    def from_db(cls, values: Sequence[object]) -> "SegmentRow | None":
+        name, nbytes, n_blocks, created = values
+        nums = (_int(nbytes, 1), _int(n_blocks, 1), _time(created))
+        if not is_segment_name(name) or None in nums:
+            return None
+        return cls(name, *nums)  # type: ignore[arg-type]
+
+
+@dataclass
+class IndexScan:
+    """Everything in an index, checked (see `BlockIndex.scan`).
+
+    Attributes:
+        rows: well-formed block rows.
+        segments: well-formed segment rows.
+        bad_rows: rowids of malformed block rows (NULLs, wrong types, bad hashes).
+        bad_segments: rowids of malformed segment rows.
+        meta: the meta table.
+    """
+
+    rows: list[IndexRow] = field(default_factory=list)
+    segments: list[SegmentRow] = field(default_factory=list)
+    bad_rows: list[int] = field(default_factory=list)
+    bad_segments: list[int] = field(default_factory=list)
+    meta: dict[str, str] = field(default_factory=dict)
 
 
 class BlockIndex:
@@ -76,11 +163,11 @@ class BlockIndex:
         durable: `synchronous=FULL` (every commit reaches stable storage) instead of NORMAL.
         flush_interval_s: max age of a buffered access-time update before `touch` commits.
         create: create the schema; False opens an existing index without writing to it.
-        clock: time source for the flush interval (seconds).
+        clock: time source for access times and the flush interval (seconds).
         initial_meta: meta written in the same transaction as the schema, only if the index
-            has no `format_version` yet; a namespace is then never visible half-created (a
-            kill between schema and meta would leave an index no tool could classify).
+            has no `format_version` yet; a namespace is then never visible half-created.
             `created_meta` tells whether this open wrote it.
+        read_only: open with `mode=ro` (a cache the process cannot write).
 
     Raises:
         sqlite3.Error: the database cannot be opened (locked past the busy timeout, corrupt,
@@ -96,20 +183,24 @@ class BlockIndex:
         create: bool = True,
         clock: Callable[[], float] = time.time,
         initial_meta: dict[str, str] | None = None,
+        read_only: bool = False,
     ):
         self.path = Path(path)
         self.created_meta = False
+        self.read_only = read_only
         self.flush_interval_s = flush_interval_s
         self._clock = clock
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
         self._pending_since: float | None = None
+        target = f"file:{self.path}?mode=ro" if read_only else str(self.path)
         self._conn = sqlite3.connect(
-            str(self.path), timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+            target, timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False,
+            uri=read_only,
         )
         try:
             self._conn.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")
-            if create:
+            if create and not read_only:
                 self._conn.execute("PRAGMA journal_mode=WAL")
                 with self._transaction() as cur:
                     for stmt in SCHEMA.split(";"):
@@ -133,32 +224,40 @@ class BlockIndex:
             if self._conn is None:
                 return
             try:
-                self._flush_locked()
+                if not self.read_only:
+                    self._flush_locked()
             finally:
                 self._conn.close()
                 self._conn = None  # type: ignore[assignment]
 
+    def _select_rows(self, where: str, args: Sequence[object]) -> list[IndexRow]:
+        rows = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE {where}", list(args)).fetchall()
+        return [r for r in (IndexRow.from_db(v) for v in rows) if r is not None]
+
     # --------------------------------------------------------------------- reads
     def get(self, block_hash: str) -> IndexRow | None:
-        """The row of `block_hash`, or None."""
+        """The well-formed row of `block_hash`, or None."""
         with self._lock:
-            row = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE hash=?", (block_hash,)).fetchone()
-        return IndexRow(*row) if row else None
+            rows = self._select_rows("hash=?", (block_hash,))
+        return rows[0] if rows else None
 
-    def contains(self, block_hash: str) -> bool:
-        """True if `block_hash` has a row."""
-        with self._lock:
-            return self._conn.execute("SELECT 1 FROM blocks WHERE hash=?", (block_hash,)).fetchone() is not None
-
-    def present(self, hashes: Sequence[str]) -> set[str]:
-        """The subset of `hashes` that have rows."""
-        found: set[str] = set()
+    def get_many(self, hashes: Sequence[str]) -> dict[str, IndexRow]:
+        """Well-formed rows of `hashes` (one query per 500 hashes): hash -> row."""
+        out: dict[str, IndexRow] = {}
         with self._lock:
             for i in range(0, len(hashes), _MAX_VARS):
                 chunk = list(hashes[i : i + _MAX_VARS])
-                marks = ",".join("?" * len(chunk))
-                found.update(r[0] for r in self._conn.execute(f"SELECT hash FROM blocks WHERE hash IN ({marks})", chunk))
-        return found
+                for row in self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk):
+                    out[row.hash] = row
+        return out
+
+    def contains(self, block_hash: str) -> bool:
+        """True if `block_hash` has a well-formed row."""
+        return self.get(block_hash) is not None
+
+    def present(self, hashes: Sequence[str]) -> set[str]:
+        """The subset of `hashes` that have well-formed rows."""
+        return set(self.get_many(hashes))
 
     def count_prefix(self, hashes: Sequence[str]) -> int:
         """How many leading `hashes` have rows (stops at the first absent one)."""
@@ -171,31 +270,54 @@ class BlockIndex:
         return n
 
     def rows(self) -> Iterator[IndexRow]:
-        """Every row (a snapshot taken when called, ordered by hash)."""
+        """Every well-formed row (a snapshot taken when called, ordered by hash)."""
         with self._lock:
-            rows = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks ORDER BY hash").fetchall()
-        return (IndexRow(*r) for r in rows)
+            rows = self._select_rows("1 ORDER BY hash", ())
+        return iter(rows)
+
+    def segment_rows(self, name: str) -> list[IndexRow]:
+        """The well-formed rows stored in segment `name`, by slot."""
+        with self._lock:
+            return self._select_rows("segment=? ORDER BY slot", (name,))
+
+    def scan(self) -> IndexScan:
+        """Every row and segment, checked; malformed ones reported by rowid (one snapshot)."""
+        out = IndexScan()
+        with self._lock:
+            cur = self._conn.execute("BEGIN")
+            try:
+                for rowid, *vals in cur.execute(f"SELECT rowid, {_COLUMNS} FROM blocks ORDER BY hash"):
+                    row = IndexRow.from_db(vals)
+                    out.rows.append(row) if row else out.bad_rows.append(rowid)
+                for rowid, *vals in cur.execute(f"SELECT rowid, {_SEG_COLUMNS} FROM segments ORDER BY name"):
+                    seg = SegmentRow.from_db(vals)
+                    out.segments.append(seg) if seg else out.bad_segments.append(rowid)
+                out.meta = {str(k): str(v) for k, v in cur.execute("SELECT key, value FROM meta") if k is not None}
+            finally:
+                self._conn.execute("COMMIT")
+        return out
 
     def totals(self) -> tuple[int, int]:
-        """(number of blocks, sum of file sizes in bytes)."""
+        """(number of block rows, sum of segment file sizes in bytes)."""
         with self._lock:
-            n, size = self._conn.execute("SELECT COUNT(*), COALESCE(SUM(nbytes), 0) FROM blocks").fetchone()
+            (n,) = self._conn.execute("SELECT COUNT(*) FROM blocks").fetchone()
+            (size,) = self._conn.execute(
+                "SELECT COALESCE(SUM(CASE WHEN typeof(nbytes)='integer' AND nbytes > 0 THEN nbytes END), 0) FROM segments"
+            ).fetchone()
         return int(n), int(size)
 
     def initialized(self) -> bool:
         """True if the schema exists and the meta holds a `format_version` (read-only check)."""
         with self._lock:
-            has_meta = self._conn.execute(
-                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'"
-            ).fetchone()
+            has_meta = self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
             return bool(has_meta) and self._conn.execute(
                 "SELECT 1 FROM meta WHERE key='format_version'"
             ).fetchone() is not None
 
     def get_meta(self) -> dict[str, str]:
-        """All meta key/values."""
+        """All meta key/values (non-string values are turned into strings)."""
         with self._lock:
-            return dict(self._conn.execute("SELECT key, value FROM meta").fetchall())
+            return {str(k): str(v) for k, v in self._conn.execute("SELECT key, value FROM meta").fetchall() if k is not None}
 
     # -------------------------------------------------------------------- writes
     def set_meta(self, values: dict[str, str]) -> None:
@@ -203,44 +325,79 @@ class BlockIndex:
         with self._lock, self._transaction() as cur:
             cur.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(values.items()))
 
-    def insert(self, row: IndexRow, replace: bool = True) -> bool:
-        """Insert a row (call only after its file is complete and in place).
+    def insert_segment(self, segment: SegmentRow, rows: Sequence[IndexRow]) -> None:
+        """Insert a segment and its block rows in one transaction (call after the file is in
+        place). A block row replaces an existing row of the same hash."""
+        with self._lock, self._transaction() as cur:
+            cur.execute(f"INSERT OR REPLACE INTO segments({_SEG_COLUMNS}) VALUES (?,?,?,?)", astuple(segment))
+            cur.executemany(f"INSERT OR REPLACE INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows])
 
-        Args:
-            row: the row.
-            replace: overwrite an existing row of the same hash (else keep it).
+    def delete(self, hashes: Iterable[str]) -> tuple[int, list[str]]:
+        """Delete block rows in one transaction; segments left without rows go too.
 
         Returns:
-            True if the row was written.
+            `(rows deleted, names of the segments removed from the index)`; unlink their files
+            after this returns (a row never outlives its file's index entry).
         """
-        verb = "INSERT OR REPLACE" if replace else "INSERT OR IGNORE"
-        with self._lock, self._transaction() as cur:
-            cur.execute(f"{verb} INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", astuple(row))
-            return cur.rowcount > 0
-
-    def delete(self, hashes: Iterable[str]) -> int:
-        """Delete rows in one transaction; returns how many existed."""
         hashes = list(hashes)
         with self._lock:
             for h in hashes:
                 self._pending.pop(h, None)
             with self._transaction() as cur:
-                n = 0
+                n, touched = 0, set()
                 for i in range(0, len(hashes), _MAX_VARS):
                     chunk = hashes[i : i + _MAX_VARS]
-                    cur.execute(f"DELETE FROM blocks WHERE hash IN ({','.join('?' * len(chunk))})", chunk)
+                    marks = ",".join("?" * len(chunk))
+                    touched.update(r[0] for r in cur.execute(f"SELECT DISTINCT segment FROM blocks WHERE hash IN ({marks})", chunk))
+                    cur.execute(f"DELETE FROM blocks WHERE hash IN ({marks})", chunk)
                     n += cur.rowcount
-        return n
+                emptied = self._drop_empty_segments(cur, touched)
+        return n, emptied
 
-    def touch(self, block_hash: str, t: float) -> None:
+    def delete_rowids(self, block_rowids: Sequence[int], segment_rowids: Sequence[int] = ()) -> int:
+        """Delete malformed rows by rowid (see `scan`); returns block rows deleted."""
+        with self._lock, self._transaction() as cur:
+            cur.executemany("DELETE FROM blocks WHERE rowid=?", [(r,) for r in block_rowids])
+            n = cur.rowcount
+            cur.executemany("DELETE FROM segments WHERE rowid=?", [(r,) for r in segment_rowids])
+        return max(n, 0)
+
+    def delete_segments(self, names: Iterable[str]) -> int:
+        """Delete segments and every block row stored in them, in one transaction.
+
+        Returns:
+            Block rows deleted.
+        """
+        names = list(names)
+        with self._lock:
+            with self._transaction() as cur:
+                gone = [r[0] for name in names for r in cur.execute("SELECT hash FROM blocks WHERE segment=?", (name,))]
+                cur.executemany("DELETE FROM blocks WHERE segment=?", [(s,) for s in names])
+                cur.executemany("DELETE FROM segments WHERE name=?", [(s,) for s in names])
+            for h in gone:
+                self._pending.pop(h, None)
+        return len(gone)
+
+    @staticmethod
+    def _drop_empty_segments(cur: sqlite3.Cursor, names: Iterable[object]) -> list[str]:
+        emptied = []
+        for name in names:
+            if cur.execute("SELECT 1 FROM blocks WHERE segment=? LIMIT 1", (name,)).fetchone() is None:
+                cur.execute("DELETE FROM segments WHERE name=?", (name,))
+                if is_segment_name(name):
+                    emptied.append(str(name))
+        return emptied
+
+    def touch(self, block_hash: str, t: float | None = None) -> None:
         """Buffer an access-time update; commits the buffer if its oldest entry is overdue.
 
         Raises:
             sqlite3.Error: only from an automatic flush (the buffer is kept for a retry).
         """
         with self._lock:
-            self._pending[block_hash] = max(t, self._pending.get(block_hash, t))
             now = self._clock()
+            t = now if t is None else t
+            self._pending[block_hash] = max(t, self._pending.get(block_hash, t))
             if self._pending_since is None:
                 self._pending_since = now
             elif now - self._pending_since >= self.flush_interval_s:
@@ -256,11 +413,17 @@ class BlockIndex:
             return self._flush_locked()
 
     def _flush_locked(self) -> int:
-        if not self._pending:
+        if not self._pending or self.read_only:
+            self._pending.clear()
             return 0
-        items = [(t, h) for h, t in self._pending.items()]
+        limit = self._clock() + FUTURE_SKEW_S
+        items = [(t, limit, h) for h, t in self._pending.items()]
         with self._transaction() as cur:
-            cur.executemany("UPDATE blocks SET last_access=MAX(COALESCE(last_access, 0), ?) WHERE hash=?", items)
+            cur.executemany(
+                "UPDATE blocks SET last_access = CASE WHEN typeof(last_access) NOT IN ('real', 'integer')"
+                " OR last_access < ?1 OR last_access > ?2 THEN ?1 ELSE last_access END WHERE hash=?3",
+                items,
+            )
         self._pending.clear()
         self._pending_since = None
         return len(items)

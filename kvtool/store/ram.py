@@ -108,11 +108,6 @@ class RamTier:
             self._nbytes = 0
         return blocks
 
-    def unpersisted(self) -> list[Block]:
-        """Blocks not yet on SSD, LRU first."""
-        with self._lock:
-            return [e.block for e in self._entries.values() if not e.persisted]
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self._stats)
@@ -120,21 +115,28 @@ class RamTier:
             return out
 
     def _collect_victims(self) -> list[_Entry]:
-        victims: list[_Entry] = []
-        if self._nbytes <= self.capacity_bytes:
-            return victims
-        for h in list(self._entries):
-            if self._nbytes <= self.capacity_bytes:
+        """Pop least recently used unpinned entries until the budget holds.
+
+        Walks from the LRU end and stops as soon as the budget holds, so an insert costs
+        O(evicted + pinned entries skipped), not O(entries).
+        """
+        victims: list[tuple[str, _Entry]] = []
+        excess = self._nbytes - self.capacity_bytes
+        if excess <= 0:
+            return []
+        for h, entry in self._entries.items():
+            if excess <= 0:
                 break
-            entry = self._entries[h]
             if entry.pins:
                 continue
+            victims.append((h, entry))
+            excess -= entry.block.nbytes
+        for h, entry in victims:
             del self._entries[h]
             self._nbytes -= entry.block.nbytes
             self._stats["kv_ram_evictions"] += 1
             self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
-            victims.append(entry)
-        return victims
+        return [e for _, e in victims]
 
     def _notify(self, victims: list[_Entry]) -> None:
         if self._on_evict is None:

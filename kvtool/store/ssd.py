@@ -1,50 +1,48 @@
-"""SSDStore: the SSD tier of one namespace (block files + SQLite index), seed 000 §1.
+"""SSDStore: the SSD tier of one namespace (segment files + SQLite index), seed 000 §1.
 
-A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and one safetensors
-file per block at `<hash[:2]>/<hash>.safetensors` (format: `kvtool.store.blockfile`).
+A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
+`<name[:2]>/<name>.safetensors` (format: `kvtool.store.segment`), each holding the blocks of one
+write batch. The index maps every block to `(segment, slot)`.
 
 Correctness rules (a wrong block served is worse than none):
-- A file is written to a temp file in its final directory, then renamed into place; under
-  `durable` the file and the directory are fsynced. Only then is the index row inserted.
-  A file is unlinked only after its row is deleted. So a row always points at a complete file,
-  unless something outside kvtool removed it (then the row is dropped on first use).
-- Every load re-reads and re-verifies the file (format, namespace, hash, geometry, checksum)
-  and compares its token ids with the expected ones. Any doubt -> row and file removed, miss.
+- A segment is written to a temp file in its final directory, then renamed into place; under
+  `durable` the file and the directory are fsynced (once per segment, not per block). Only then
+  are its rows inserted, in one transaction; if that fails, the file is unlinked again. A file
+  is unlinked only after its last row is deleted.
+- Every read re-verifies: header checksum and namespace, slot hash, parent and length, record
+  checksum, and the exact token ids. Any doubt -> that block's row is dropped, a miss.
   Same hash with other token ids is a collision: the hash is isolated (non-cacheable) for 1 h.
 - Nothing here raises to the caller on I/O trouble: loads miss, saves return 'error', and a
-  store that cannot open its directory or index is *disabled* (all misses, all 'error').
+  store that cannot open its directory or index is *disabled* (all misses, all 'error'). A
+  directory this process cannot write is opened *read-only*: hits are served, nothing written.
+- No path is built from an unchecked name (`kvtool.store.names`); symlinks are never followed.
 
 Several processes may share a namespace: SQLite WAL + busy timeout for the index, atomic
-renames for files, and a reader that finds a row whose file was just removed by another
-process treats it as a plain miss.
+renames for files, and a reader whose segment was just removed by another process misses.
 
 This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import secrets
 import sqlite3
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvtool.store import blockfile
-from kvtool.store.blockfile import BlockFileError, Expected
-from kvtool.store.fsops import (
-    HASH_RE,
-    NAMESPACE_RE,
-    FileOps,
-    block_relpath,
-    scan_namespace,
-    temp_is_leftover,
-    temp_path_for,
-)
-from kvtool.store.index import INDEX_FILENAME, BlockIndex, IndexRow
+from kvtool.store import segment as seg
+from kvtool.store.fsops import DEFAULT_DIR_MODE, FileOps, scan_namespace, temp_is_leftover, temp_path_for
+from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.store.names import INDEX_FILENAME, NAMESPACE_RE, is_hash, segment_relpath
+from kvtool.store.segment import BlockFileError, KVLayout
 
 if TYPE_CHECKING:
     from kvtool.hostblock import HostBlock
@@ -52,12 +50,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NONCACHEABLE_TTL_S = 3600.0  # seed 000: a colliding hash is not cached for one hour
-REQUIRED_META = ("model_id", "model_name", "block_size", "kv_dtype", "n_layers", "n_kv_heads", "head_dim")
-_GEOMETRY_META = ("block_size", "kv_dtype", "n_layers", "n_kv_heads", "head_dim", "model_id")
+SEGMENT_MAX_BYTES = 64 << 20  # a write batch is split into segments of at most this size
+REQUIRED_META = ("model_id", "model_name", "block_size", "kv_dtype", "kv_layers")
+_IDENTITY_META = ("block_size", "kv_dtype", "kv_layers", "model_id")
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 COUNTERS = (
     "ssd_save_success", "ssd_save_fail", "ssd_save_dedup_skip", "ssd_save_disabled",
-    "ssd_stale_index_cleaned", "ssd_hash_collision_detected", "ssd_bytes_written",
+    "ssd_stale_index_cleaned", "ssd_hash_collision_detected", "ssd_bytes_written", "ssd_segments_written",
     "ssd_load_hits", "ssd_load_miss", "ssd_load_corrupt", "ssd_load_missing", "ssd_load_fail",
     "ssd_load_noncacheable", "ssd_bytes_read", "ssd_namespace_refused", "ssd_index_errors",
     "ssd_reconcile_temp_removed", "ssd_reconcile_missing_dropped", "ssd_reconcile_orphan_files",
@@ -66,13 +66,13 @@ COUNTERS = (
 
 @dataclass
 class ReconcileReport:
-    """Startup reconcile of one namespace (seed 000 Phase 3, the fast part).
+    """Startup reconcile of one namespace (seed 000 Phase 3, the fast part: no row is loaded).
 
     Attributes:
         temp_removed: leftover temp files removed.
-        missing_rows_dropped: index rows whose file was gone, dropped.
-        orphan_files: block files without a row (left for `kvtool validate` to adopt or remove).
-        rows: rows after reconcile.
+        missing_rows_dropped: block rows whose segment file was gone, dropped.
+        orphan_files: segment files without a segment row (for `kvtool validate` to adopt).
+        rows: block rows after reconcile.
     """
 
     temp_removed: int = 0
@@ -81,7 +81,30 @@ class ReconcileReport:
     rows: int = 0
 
 
-# ----------------------------------------------------------------------------- store
+@dataclass(frozen=True)
+class Expected:
+    """What the blocks of one namespace must look like.
+
+    Attributes:
+        layout_key: the namespace's layout key.
+        kv: per-layer KV shapes and dtype.
+        block_size: tokens per full block (tail entries hold fewer).
+    """
+
+    layout_key: str
+    kv: KVLayout
+    block_size: int
+
+    @classmethod
+    def from_meta(cls, layout_key: str, meta: dict[str, str]) -> "Expected":
+        """Build from namespace index metadata (string values).
+
+        Raises:
+            KeyError, ValueError: a key is missing or malformed.
+        """
+        return cls(layout_key, KVLayout.parse(meta["kv_layers"], meta["kv_dtype"]), int(meta["block_size"]))
+
+
 class SSDStore:
     """The SSD tier of one namespace. Thread-safe; never raises on I/O trouble.
 
@@ -89,18 +112,22 @@ class SSDStore:
         cache_dir: root of the SSD tier.
         layout_key: the namespace (32 hex characters).
         meta: namespace metadata, string values for `REQUIRED_META` (model_id, model_name,
-            block_size, kv_dtype, n_layers, n_kv_heads, head_dim).
+            block_size, kv_dtype, kv_layers = `KVLayout.spec`); extra keys are stored too.
         durability: 'best_effort' | 'persistent' (both: rename only; retries are the writer's)
-            or 'durable' (fsync file + directory before the row commits; SQLite synchronous=FULL).
+            or 'durable' (fsync file + directory before the rows commit; SQLite synchronous=FULL).
         flush_interval_s: max delay of batched access-time updates (seconds).
         fs: file-system operations (inject faults in tests).
         clock: time source (unix seconds) for created/last_access and collision isolation.
         noncacheable: hash -> isolation expiry (unix seconds); pass a dict to share or inspect it.
+        dir_mode: mode of the directories it creates (0o700; 0o2770 for a group-shared cache).
+        segment_max_bytes: largest segment a save writes (bytes).
 
     Attributes:
         namespace_dir: `<cache_dir>/<layout_key>`.
+        expected: the namespace's `Expected` layout (None until opened).
         enabled: False if the store could not open (every load misses, every save is 'error').
-        disabled_reason: why it is disabled, or None.
+        read_only: True if the directory is not writable here: loads work, saves are refused.
+        disabled_reason: why it is disabled (or read-only), or None.
         previous_shutdown_clean: the previous run's `shutdown_clean` (None for a new namespace).
         reconcile_report: what the startup reconcile did.
 
@@ -119,21 +146,27 @@ class SSDStore:
         fs: FileOps | None = None,
         clock: Callable[[], float] = time.time,
         noncacheable: dict[str, float] | None = None,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        segment_max_bytes: int = SEGMENT_MAX_BYTES,
     ):
         missing = [k for k in REQUIRED_META if k not in meta]
         if missing:
             raise ValueError(f"SSDStore meta lacks {missing}")
-        if durability not in ("best_effort", "persistent", "durable"):
+        if str(durability) not in ("best_effort", "persistent", "durable"):
             raise ValueError(f"unknown durability {durability!r}")
         self.cache_dir = Path(cache_dir)
         self.layout_key = layout_key
         self.namespace_dir = self.cache_dir / layout_key
-        self.durable = durability == "durable"
+        self.durable = str(durability) == "durable"
         self.enabled = False
+        self.read_only = False
         self.disabled_reason: str | None = None
         self.previous_shutdown_clean: bool | None = None
         self.reconcile_report = ReconcileReport()
         self.index: BlockIndex | None = None
+        self.expected: Expected | None = None
+        self.segment_max_bytes = segment_max_bytes
+        self._dir_mode = dir_mode
         self._fs = fs or FileOps()
         self._clock = clock
         self._noncacheable = {} if noncacheable is None else noncacheable
@@ -141,59 +174,86 @@ class SSDStore:
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._made_dirs: set[str] = set()
-        self._expected: Expected | None = None
         try:
             self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
-        except (OSError, sqlite3.Error, ValueError) as exc:
+        except Exception as exc:  # any trouble opening costs the tier, never the request (issue 9)
+            self._close_index_quietly()
             self._disable(f"cannot open {self.namespace_dir}: {exc}")
             return
-        if self.enabled:
+        if self.enabled and not self.read_only:
             self._reconcile()
 
     # ------------------------------------------------------------------ open/close
     def _open(self, meta: dict[str, str], flush_interval_s: float) -> None:
         if not NAMESPACE_RE.match(self.layout_key):
             raise ValueError(f"layout key {self.layout_key!r} is not 32 hex characters")
-        self._fs.makedirs(self.namespace_dir)
-        probe = temp_path_for(self.namespace_dir / "probe", "probe")
-        self._fs.close(self._fs.open_new(probe))  # a read-only directory fails here
-        self._fs.unlink(probe)
+        writable = self._probe_writable()
         now = repr(self._clock())
-        fresh = {**meta, "format_version": str(blockfile.FORMAT_VERSION), "layout_key": self.layout_key,
+        fresh = {**meta, "format_version": str(seg.FORMAT_VERSION), "layout_key": self.layout_key,
                  "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip
+        db = self.namespace_dir / INDEX_FILENAME
+        if not writable and not self._fs.exists(db):
+            raise OSError(errno.EROFS, "read-only cache directory without an index", str(self.namespace_dir))
+        if self._fs.exists(db) and not os.path.isfile(db) or os.path.islink(db):
+            raise OSError(errno.ELOOP, "index.sqlite is not a regular file", str(db))
         self.index = BlockIndex(
-            self.namespace_dir / INDEX_FILENAME, self.durable, flush_interval_s=flush_interval_s, clock=self._clock,
-            initial_meta=fresh,
+            db, self.durable, flush_interval_s=flush_interval_s, clock=self._clock, initial_meta=fresh,
+            read_only=not writable, create=writable,
         )
         stored = self.index.get_meta()
         if not self.index.created_meta:
             refused = self._refusal(stored, meta)
             if refused:
                 self._inc("ssd_namespace_refused")
-                self.index.close()
-                self.index = None
+                self._close_index_quietly()
                 self._disable(refused)
                 return
             self.previous_shutdown_clean = stored.get("shutdown_clean") == "1"
-            self.index.set_meta({"last_open": now, "shutdown_clean": "0"})
-        self._expected = Expected.from_meta(self.layout_key, {**meta, **stored})
+            if writable:
+                self.index.set_meta({"last_open": now, "shutdown_clean": "0"})
+        self.expected = Expected.from_meta(self.layout_key, {**meta, **stored})
         self.enabled = True
+        if not writable:
+            self.read_only = True
+            self.disabled_reason = f"{self.namespace_dir} is not writable: serving hits read-only"
+            log.warning("SSD tier read-only: %s", self.disabled_reason)
+
+    def _probe_writable(self) -> bool:
+        """Create the namespace directory (exact mode) and try a temp file in it."""
+        try:
+            self._fs.makedirs(self.namespace_dir, self._dir_mode)
+            probe = temp_path_for(self.namespace_dir / "probe", "probe")
+            self._fs.close(self._fs.open_new(probe))
+            self._fs.unlink(probe)
+            return True
+        except OSError as exc:
+            if exc.errno in _READ_ONLY_ERRNOS and self._fs.is_dir(self.namespace_dir):
+                return False
+            raise
 
     def _refusal(self, stored: dict[str, str], meta: dict[str, str]) -> str | None:
         """Why an existing namespace must not be used, or None."""
         if not stored:
             return None
-        if stored.get("format_version") != str(blockfile.FORMAT_VERSION):
-            return f"namespace has format_version {stored.get('format_version')!r}, this kvtool writes {blockfile.FORMAT_VERSION}"
+        if stored.get("format_version") != str(seg.FORMAT_VERSION):
+            return f"namespace has format_version {stored.get('format_version')!r}, this kvtool writes {seg.FORMAT_VERSION}"
         if stored.get("layout_key") != self.layout_key:
             return f"namespace index belongs to layout {stored.get('layout_key')!r}"
-        diff = [k for k in _GEOMETRY_META if stored.get(k) != meta[k]]
+        diff = [k for k in _IDENTITY_META if stored.get(k) != meta[k]]
         return f"namespace metadata differs: {diff}" if diff else None
 
     def _disable(self, reason: str) -> None:
         self.enabled = False
         self.disabled_reason = reason
         log.warning("SSD tier disabled: %s", reason)
+
+    def _close_index_quietly(self) -> None:
+        if self.index is not None:
+            try:
+                self.index.close()
+            except sqlite3.Error:
+                pass
+            self.index = None
 
     def close(self, shutdown_clean: bool = True, partial_flush: bool = False) -> None:
         """Flush access times, record the shutdown state in the index meta, close. Never raises.
@@ -206,41 +266,43 @@ class SSDStore:
             if self.index is None:
                 return
             try:
-                self.index.flush()
-                self.index.set_meta(
-                    {
-                        "shutdown_clean": "1" if shutdown_clean else "0",
-                        "shutdown_partial_flush": "1" if partial_flush else "0",
-                        "last_close": repr(self._clock()),
-                    }
-                )
+                if not self.read_only:
+                    self.index.flush()
+                    self.index.set_meta(
+                        {
+                            "shutdown_clean": "1" if shutdown_clean else "0",
+                            "shutdown_partial_flush": "1" if partial_flush else "0",
+                            "last_close": repr(self._clock()),
+                        }
+                    )
             except sqlite3.Error as exc:
                 self._inc("ssd_index_errors")
                 log.error("could not record shutdown state in %s: %s", self.namespace_dir, exc)
             finally:
-                try:
-                    self.index.close()
-                except sqlite3.Error:
-                    pass
-                self.index = None
+                self._close_index_quietly()
                 self.enabled = False
 
     def _reconcile(self) -> None:
-        """Remove leftover temp files and drop rows whose file is missing (fast: no file reads)."""
+        """Remove leftover temp files and drop segments whose file is missing.
+
+        Cheap at any size: one directory listing and the `segments` table (one row per write
+        batch); block rows are not loaded.
+        """
         rep = self.reconcile_report
         try:
-            rows = list(self.index.rows())  # rows before files: a row never precedes its file
+            with self.index._lock:  # noqa: SLF001  (one read of a small table)
+                names = [r[0] for r in self.index._conn.execute("SELECT name FROM segments")]  # noqa: SLF001
             scan = scan_namespace(self.namespace_dir, self._fs)
             for tmp in scan.temps:
                 if temp_is_leftover(self._fs, tmp):
                     self._unlink_quiet(tmp)
                     rep.temp_removed += 1
-            gone = [r.hash for r in rows if r.hash not in scan.files]
-            gone = [h for h in gone if not self._fs.exists(self._path(h))]  # re-check just before
-            rep.missing_rows_dropped = self.index.delete(gone) if gone else 0
-            rep.orphan_files = len(set(scan.files) - {r.hash for r in rows})
-            rep.rows = len(rows) - rep.missing_rows_dropped
-        except (OSError, sqlite3.Error) as exc:
+            gone = [n for n in names if n not in scan.files]
+            gone = [n for n in gone if not self._fs.exists(self._seg_path(n, check=False))]  # re-check just before
+            rep.missing_rows_dropped = self.index.delete_segments(gone) if gone else 0
+            rep.orphan_files = len(set(scan.files) - set(names))
+            rep.rows = self.index.totals()[0]
+        except (OSError, sqlite3.Error, ValueError) as exc:
             log.warning("startup reconcile of %s incomplete: %s", self.namespace_dir, exc)
         self._inc("ssd_stale_index_cleaned", rep.missing_rows_dropped)
         if rep.temp_removed or rep.missing_rows_dropped or rep.orphan_files:
@@ -253,217 +315,314 @@ class SSDStore:
 
     def count_prefix(self, hashes: Sequence[str]) -> int:
         """How many leading `hashes` the index holds (stops at the first absent/isolated one)."""
-        if not self.enabled or self.index is None:
-            return 0
+        return len(self.lookup(hashes))
+
+    def lookup(self, hashes: Sequence[str]) -> list[IndexRow]:
+        """Rows of the longest leading run of `hashes` that the index holds (one query).
+
+        Stops at the first hash that is absent, isolated, or not a well-formed hash. Never raises.
+        """
+        index = self.index
+        if not self.enabled or index is None or not hashes:
+            return []
         try:
-            present = self.index.present(hashes)
-        except sqlite3.Error as exc:
-            self._index_error("count_prefix", exc)
-            return 0
-        n = 0
+            found = index.get_many([h for h in hashes if is_hash(h)])
+        except (sqlite3.Error, AttributeError) as exc:
+            self._index_error("lookup", exc)
+            return []
+        out = []
         for h in hashes:
-            if h not in present or self._is_noncacheable(h):
+            row = found.get(h)
+            if row is None or self._is_noncacheable(h):
                 break
-            n += 1
-        return n
+            out.append(row)
+        return out
 
-    def load_block(self, block_hash: str, expected_token_ids: np.ndarray) -> "HostBlock | None":
-        """Read, verify and return one block, or None (a miss). Never raises.
+    def get_row(self, block_hash: str) -> IndexRow | None:
+        """The index row of one block (tail entries included), or None. Never raises."""
+        rows = self.lookup([block_hash])
+        return rows[0] if rows else None
 
-        Args:
-            block_hash: the block's chain hash.
-            expected_token_ids: int32 `[block_size]`, the prompt tokens the block must hold.
+    def open_segment(self, name: str) -> tuple[int, seg.SegmentHeader] | None:
+        """Open a segment file and verify its header against the namespace.
 
         Returns:
-            The block (arrays view one buffer read from the file) or None on any doubt.
+            `(fd, header)` (close `fd` with `os.close`), or None if the segment is unusable: its
+            rows are then dropped (`corrupt`) or it vanished (`missing`). Never raises.
+        """
+        try:
+            path = self._seg_path(name)
+            fd = self._fs.open_read(path)
+        except FileNotFoundError:
+            self._segment_vanished(name)
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("SSD segment %s unreadable: %s", name, exc)
+            self._inc("ssd_load_fail")
+            return None
+        try:
+            header = seg.read_header(fd, os.fstat(fd).st_size)
+            seg.check_header(header, self.layout_key, self.expected.kv)
+            return fd, header
+        except (BlockFileError, OSError) as exc:
+            os.close(fd)
+            log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
+            self._inc("ssd_load_corrupt")
+            self._drop_segment(name)
+            return None
+
+    def check_slot(self, row: IndexRow, header: seg.SegmentHeader, parent: str | None) -> seg.Slot | None:
+        """The header's slot for `row` if it is the block asked for (hash, parent, length)."""
+        if row.slot >= len(header.slots):
+            return None
+        slot = header.slots[row.slot]
+        if slot.block_hash != row.hash or slot.n_tokens != row.num_tokens:
+            return None
+        if parent is not None and slot.parent_hash != parent:
+            return None
+        return slot
+
+    def load_block(self, block_hash: str, expected_token_ids: np.ndarray, parent: str | None = None) -> "HostBlock | None":
+        """Read, verify and return one block (full or tail entry) in fresh host arrays, or None.
+
+        For tests and tools; the request path restores whole chains with `kvtool.store.restore`.
+        Never raises.
         """
         if not self.enabled:
             return None
         try:
-            return self._load(block_hash, np.asarray(expected_token_ids))
+            return self._load_one(block_hash, np.asarray(expected_token_ids, dtype=np.int32), parent)
         except Exception:  # a bug here must cost a miss, never a request
             log.exception("SSD load of %s failed", block_hash)
             self._inc("ssd_load_fail")
             return None
 
-    def _load(self, h: str, expected: np.ndarray) -> "HostBlock | None":
-        if not HASH_RE.match(h) or expected.shape != (self._expected.block_size,):
-            log.warning("SSD load of %r with %s expected tokens: not a valid request", h, expected.shape)
-            self._inc("ssd_load_fail")
+    def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> "HostBlock | None":
+        row = self.get_row(h)
+        if row is None or row.num_tokens != expected.shape[0]:
+            self._inc("ssd_load_noncacheable" if self._is_noncacheable(h) else "ssd_load_miss")
             return None
-        if self._is_noncacheable(h):
-            self._inc("ssd_load_noncacheable")
+        opened = self.open_segment(row.segment)
+        if opened is None:
             return None
-        index = self.index
-        if index is None or index.get(h) is None:
-            self._inc("ssd_load_miss")
-            return None
-        path = self._path(h)
+        fd, header = opened
         try:
-            data = self._fs.read_bytes(path)
-        except FileNotFoundError:
-            return self._file_vanished(h, path)
-        except OSError as exc:
-            log.warning("SSD read of %s failed: %s", path, exc)
-            self._inc("ssd_load_fail")
-            self._discard(h)
+            slot = self.check_slot(row, header, parent)
+            if slot is None:
+                self.discard(h, "slot does not hold the block")
+                return None
+            block = seg.read_block(fd, slot, header.kv)
+        except (BlockFileError, OSError) as exc:
+            self.discard(h, str(exc))
             return None
-        try:
-            block, _ = blockfile.verify(data, replace(self._expected, block_hash=h), expected)
-        except BlockFileError as exc:
-            if exc.kind == "tokens":
-                self._isolate(h, "load")
-            else:
-                log.warning("SSD block %s unusable (%s); removed", h, exc)
-                self._inc("ssd_load_corrupt")
-            self._discard(h)
+        finally:
+            os.close(fd)
+        if not np.array_equal(block.token_ids, expected):
+            self.collision(h, "load")
             return None
-        self._touch(h)
-        self._inc("ssd_load_hits")
-        self._inc("ssd_bytes_read", len(data))
+        self.record_hits([h], slot.nbytes)
         return block
 
-    def _file_vanished(self, h: str, path: Path) -> None:
-        """A row's file is gone: another process's removal (miss) or a stale row (drop it)."""
+    def record_hits(self, hashes: Sequence[str], nbytes: int) -> None:
+        """Count verified loads and touch their rows (batched access-time update)."""
+        for h in hashes:
+            self._touch(h)
+        self._inc("ssd_load_hits", len(hashes))
+        self._inc("ssd_bytes_read", nbytes)
+
+    def _segment_vanished(self, name: str) -> None:
+        """A segment file is gone: another process's removal (miss) or a stale row (drop)."""
         with self._lock:
             index = self.index
-            if index is None or index.get(h) is None or self._fs.exists(path):
-                self._inc("ssd_load_miss")  # removed (row first) or re-saved meanwhile
-                return None
-            index.delete([h])
-        log.warning("SSD index row %s had no file; dropped", h)
-        self._inc("ssd_load_missing")
-        self._inc("ssd_stale_index_cleaned")
-        return None
+            if index is None or self.read_only or self._fs.exists(self._seg_path(name, check=False)):
+                self._inc("ssd_load_miss")
+                return
+            try:
+                n = index.delete_segments([name])
+            except sqlite3.Error as exc:
+                self._index_error("drop vanished segment", exc)
+                return
+        if n:
+            log.warning("SSD segment %s had no file; %d row(s) dropped", name, n)
+            self._inc("ssd_load_missing")
+            self._inc("ssd_stale_index_cleaned", n)
+        else:
+            self._inc("ssd_load_miss")
 
     # ------------------------------------------------------------------- saves
     def save_block(self, block: "HostBlock") -> str:
-        """Store one block (seed 000 §1). Never raises.
+        """Store one block; see `save_blocks`."""
+        return self.save_blocks([block])[0]
+
+    def save_blocks(self, blocks: Sequence["HostBlock"]) -> list[str]:
+        """Store blocks as one write batch (one segment per `segment_max_bytes`). Never raises.
 
         Args:
-            block: the block; its geometry must match the namespace.
+            blocks: blocks (or tail entries) whose geometry matches the namespace.
 
         Returns:
-            'saved' (file + row written), 'dedup' (already stored; access time touched),
-            'collision' (same hash with other tokens, or hash isolated), 'error' (not stored).
+            Per block, in order: 'saved' (file + row written), 'dedup' (already stored; access
+            time touched), 'collision' (same hash with other tokens, or hash isolated),
+            'error' (not stored).
         """
-        if not self.enabled:
-            self._inc("ssd_save_disabled")
-            return "error"
+        if not self.enabled or self.read_only:
+            self._inc("ssd_save_disabled", len(blocks))
+            return ["error"] * len(blocks)
         with self._lock:
             try:
-                return self._save_locked(block)
+                return self._save_locked(list(blocks))
             except Exception as exc:
                 level = logging.WARNING if isinstance(exc, (OSError, sqlite3.Error)) else logging.ERROR
-                log.log(level, "SSD save of %s failed: %s", getattr(block, "block_hash", "?"), exc)
-                self._inc("ssd_save_fail")
-                return "error"
+                log.log(level, "SSD save of %d block(s) failed: %s", len(blocks), exc)
+                self._inc("ssd_save_fail", len(blocks))
+                return ["error"] * len(blocks)
 
-    def _save_locked(self, block: "HostBlock") -> str:
-        h = block.block_hash
-        if not HASH_RE.match(h) or self.index is None:
-            raise ValueError(f"cannot store block hash {h!r}")
-        if self._is_noncacheable(h):
-            return "collision"
-        digest = blockfile.tokens_digest(block.token_ids)
-        path = self._path(h)
-        row = self.index.get(h)
-        if row is not None:
-            if not self._fs.exists(path):
-                self.index.delete([h])
-                self._inc("ssd_stale_index_cleaned")
-                log.warning("stale SSD index row %s (no file) cleaned; saving again", h)
-            elif row.tokens_digest != digest:
-                self._isolate(h, "save")
-                return "collision"
+    def _save_locked(self, blocks: list["HostBlock"]) -> list[str]:
+        if self.index is None:
+            raise OSError(errno.EBADF, "index closed")
+        outcome: dict[int, str] = {}
+        existing = self.index.get_many([b.block_hash for b in blocks if is_hash(b.block_hash)])
+        fresh: list[tuple[int, "HostBlock"]] = []
+        seen: set[str] = set()
+        for i, b in enumerate(blocks):
+            h = b.block_hash
+            if not is_hash(h) or not is_hash(b.parent_hash):
+                outcome[i] = "error"
+            elif self._is_noncacheable(h):
+                outcome[i] = "collision"
+            elif h in existing or h in seen:
+                outcome[i] = self._dedup(h, existing.get(h), b, seen)
             else:
-                self._touch(h)
-                self._inc("ssd_save_dedup_skip")
-                return "dedup"
-        self._check_geometry(block)
-        now = self._clock()
-        data = blockfile.encode(block, self.layout_key, now)
-        self._write_file(path, h, data)
-        self.index.insert(
-            IndexRow(h, block.parent_hash, block_relpath(h), block.num_tokens, len(data), digest, now, now)
-        )
-        self._inc("ssd_save_success")
-        self._inc("ssd_bytes_written", len(data))
-        return "saved"
+                seen.add(h)
+                fresh.append((i, b))
+        for batch in self._batches(fresh):
+            for i, result in zip((i for i, _ in batch), self._write_segment([b for _, b in batch])):
+                outcome[i] = result
+        return [outcome[i] for i in range(len(blocks))]
 
-    def _check_geometry(self, block: "HostBlock") -> None:
-        e = self._expected
-        shape = (1, e.n_kv_heads, e.block_size, e.head_dim)
-        if (
-            block.dtype != e.dtype
-            or len(block.keys) != e.n_layers
-            or block.num_tokens != e.block_size
-            or any(tuple(a.shape) != shape for a in (*block.keys, *block.values))
-        ):
+    def _dedup(self, h: str, row: IndexRow | None, b: "HostBlock", seen: set[str]) -> str:
+        if row is not None and row.tokens_digest != seg.tokens_digest(b.token_ids):
+            self._isolate(h, "save")
+            return "collision"
+        if row is not None:
+            self._touch(h)
+        self._inc("ssd_save_dedup_skip")
+        return "dedup"
+
+    def _batches(self, items: list[tuple[int, "HostBlock"]]) -> Iterable[list[tuple[int, "HostBlock"]]]:
+        batch: list[tuple[int, "HostBlock"]] = []
+        size = 0
+        for item in items:
+            n = self.expected.kv.record_nbytes(int(item[1].token_ids.shape[0]))
+            if batch and size + n > self.segment_max_bytes:
+                yield batch
+                batch, size = [], 0
+            batch.append(item)
+            size += n
+        if batch:
+            yield batch
+
+    def _write_segment(self, blocks: list["HostBlock"]) -> list[str]:
+        """Encode, write (temp + rename), then insert the rows in one transaction."""
+        try:
+            for b in blocks:
+                self._check_block(b)
+            now = self._clock()
+            buffers, slots = seg.encode(blocks, self.layout_key, self.expected.kv, now)
+        except (BlockFileError, ValueError) as exc:
+            log.error("SSD save refused: %s", exc)
+            self._inc("ssd_save_fail", len(blocks))
+            return ["error"] * len(blocks)
+        name = secrets.token_hex(16)
+        path = self._seg_path(name)
+        size = sum(b.nbytes for b in buffers)
+        self._write_file(path, name, buffers)
+        rows = [
+            IndexRow(b.block_hash, b.parent_hash, name, s.index, s.n_tokens, s.nbytes, seg.tokens_digest(b.token_ids), now, now)
+            for b, s in zip(blocks, slots)
+        ]
+        try:
+            self.index.insert_segment(SegmentRow(name, size, len(blocks), now), rows)
+        except BaseException:
+            self._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
+            raise
+        self._inc("ssd_save_success", len(blocks))
+        self._inc("ssd_segments_written")
+        self._inc("ssd_bytes_written", size)
+        return ["saved"] * len(blocks)
+
+    def _check_block(self, block: "HostBlock") -> None:
+        e = self.expected
+        n = int(np.asarray(block.token_ids).shape[0])
+        if block.dtype != e.kv.dtype or not 0 < n <= e.block_size:
             raise BlockFileError("shape", f"block {block.block_hash} does not match namespace geometry")
 
-    def _write_file(self, path: Path, h: str, data: bytes) -> None:
+    def _write_file(self, path: Path, name: str, buffers: Sequence) -> None:
         """Temp file in the final directory, fsync (durable), rename, fsync dir (durable)."""
         sub = path.parent
         if sub.name not in self._made_dirs:
-            self._fs.makedirs(sub)
+            self._fs.makedirs(sub, self._dir_mode)
             if self.durable:
                 self._fs.fsync_dir(self.namespace_dir)
             self._made_dirs.add(sub.name)
-        tmp = temp_path_for(path, h)
+        tmp = temp_path_for(path, name)
         try:
             try:
                 fd = self._fs.open_new(tmp)
             except FileNotFoundError:  # subdir removed by someone: recreate once
-                self._fs.makedirs(sub)
+                self._fs.makedirs(sub, self._dir_mode)
                 fd = self._fs.open_new(tmp)
             try:
-                self._fs.write_all(fd, data)
+                self._fs.write_all(fd, list(buffers))
                 if self.durable:
                     self._fs.fsync(fd)
             finally:
                 self._fs.close(fd)
             self._fs.replace(tmp, path)
         except BaseException:
-            try:
-                self._fs.unlink(tmp)
-            except OSError as exc:
-                log.warning("could not remove temp file %s: %s", tmp, exc)
+            self._unlink_quiet(tmp)
             raise
         if self.durable:
             self._fs.fsync_dir(sub)
 
     # ----------------------------------------------------------------- removal
     def remove(self, hashes: Iterable[str]) -> int:
-        """Delete blocks: rows in one transaction, then their files. Never raises.
+        """Delete blocks: rows in one transaction, then segment files left without rows.
 
         Returns:
-            Rows deleted.
+            Rows deleted. Never raises.
         """
-        hashes = [h for h in hashes if HASH_RE.match(h)]
-        if not self.enabled or not hashes:
+        hashes = [h for h in hashes if is_hash(h)]
+        if not self.enabled or self.read_only or not hashes:
             return 0
         with self._lock:
             try:
-                n = self.index.delete(hashes)
+                n, emptied = self.index.delete(hashes)
             except sqlite3.Error as exc:
                 self._index_error("remove", exc)
                 return 0
-            for h in hashes:
-                self._unlink_quiet(self._path(h))
+            for name in emptied:
+                self._unlink_quiet(self._seg_path(name))
         return n
 
-    def _discard(self, h: str) -> None:
-        """Remove an unusable block: row first, then (only if that worked) the file."""
+    def discard(self, h: str, why: str) -> None:
+        """Drop an unusable block: its row first, then its segment's file if now empty."""
+        log.warning("SSD block %s unusable (%s); removed", h, why)
+        self._inc("ssd_load_corrupt")
+        if not self.read_only:
+            self.remove([h])
+
+    def _drop_segment(self, name: str) -> None:
+        if self.read_only:
+            return
         with self._lock:
             try:
-                if self.index is None:
-                    return
-                self.index.delete([h])
+                if self.index is not None:
+                    self.index.delete_segments([name])
             except sqlite3.Error as exc:
-                self._index_error("discard", exc)
+                self._index_error("drop segment", exc)
                 return
-            self._unlink_quiet(self._path(h))
+            self._unlink_quiet(self._seg_path(name))
 
     def _unlink_quiet(self, path: Path) -> None:
         try:
@@ -481,6 +640,10 @@ class SSDStore:
         self._noncacheable.pop(h, None)
         return False
 
+    def collision(self, h: str, where: str) -> None:
+        """An intact block holds other token ids than asked for: isolate its hash for 1 h."""
+        self._isolate(h, where)
+
     def _isolate(self, h: str, where: str) -> None:
         self._noncacheable[h] = self._clock() + NONCACHEABLE_TTL_S
         self._inc("ssd_hash_collision_detected")
@@ -494,11 +657,11 @@ class SSDStore:
             return
         try:
             index.flush()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, AttributeError) as exc:
             self._index_error("flush", exc)
 
     def totals(self) -> tuple[int, int]:
-        """(blocks, bytes of block files) in the index; (0, 0) if disabled or unreadable."""
+        """(blocks, bytes of segment files) in the index; (0, 0) if disabled or unreadable."""
         try:
             return self.index.totals() if self.index is not None else (0, 0)
         except sqlite3.Error:
@@ -527,13 +690,20 @@ class SSDStore:
 
     def _touch(self, h: str) -> None:
         """Batched access-time update; a failed auto-flush costs only freshness."""
+        if self.read_only:
+            return
         try:
             self.index.touch(h, self._clock())
         except (sqlite3.Error, AttributeError) as exc:  # AttributeError: closed concurrently
             self._index_error("touch", exc)
 
-    def _path(self, h: str) -> Path:
-        return self.namespace_dir / block_relpath(h)
+    def _seg_path(self, name: str, check: bool = True) -> Path:
+        """Path of a segment (raises ValueError for a malformed name)."""
+        return self.namespace_dir / segment_relpath(name)
+
+    def inc(self, key: str, n: int = 1) -> None:
+        """Add to one of the `ssd_` counters (for the restore path)."""
+        self._inc(key, n)
 
     def _inc(self, key: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -544,4 +714,4 @@ class SSDStore:
         log.warning("SSD index %s failed in %s: %s", what, self.namespace_dir, exc)
 
 
-__all__ = ["SSDStore", "ReconcileReport", "COUNTERS", "NONCACHEABLE_TTL_S", "REQUIRED_META"]
+__all__ = ["SSDStore", "Expected", "ReconcileReport", "COUNTERS", "NONCACHEABLE_TTL_S", "REQUIRED_META"]

@@ -1,8 +1,9 @@
 """The tiered cache: RAM over SSD for one namespace (layout key).
 
-Lookup order per block hash: RAM, then the writer's pending buffer (queued, not yet on disk),
-then the SSD store; it stops at the first miss. Every hit is checked against the request's
-token ids; a mismatch is a miss. SSD hits are promoted into RAM.
+The prefix walk itself lives in `kvtool.prefix.PrefixCache`; this layer owns the tiers: RAM
+blocks and the writer's pending buffer (queued, not yet on disk) are checked against the
+request's token ids (a mismatch is a miss), SSD blocks are restored in batches, and restored
+blocks are promoted into RAM as views of the request's cache.
 
 Policies (seed 000): `write_through` sends every new block to RAM and to the SSD writer;
 `evict_only` (write-back) sends a block to the writer only when RAM evicts it.
@@ -19,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from kvtool.blocks import Block, from_host, to_host
+from kvtool.blocks import Block, to_host
+from kvtool.hostblock import HostBlock
 from kvtool.config import KVToolConfig
 from kvtool.store.ram import RamTier
 from kvtool.store.ssd import SSDStore
@@ -36,25 +38,6 @@ class ShutdownStatus:
 
     shutdown_clean: bool = True
     shutdown_partial_flush: bool = False
-
-
-@dataclass
-class LookupResult:
-    """Blocks found for a prompt prefix, in prompt order, pinned in RAM until `release`.
-
-    Attributes:
-        blocks: the chain of leading blocks found.
-        ram_blocks, ssd_blocks: how many came from RAM / from SSD (incl. the pending buffer).
-        ssd_load_ms: time spent reading, verifying and converting SSD blocks (ms).
-        ssd_bytes_read: bytes of block tensors loaded from the SSD tier.
-    """
-
-    blocks: list[Block] = field(default_factory=list)
-    from_ssd: list[bool] = field(default_factory=list)  # per block: loaded from the SSD tier
-    ram_blocks: int = 0
-    ssd_blocks: int = 0
-    ssd_load_ms: float = 0.0
-    ssd_bytes_read: int = 0
 
 
 class TieredCache:
@@ -83,6 +66,7 @@ class TieredCache:
                 durability=config.ssd_durability,
                 flush_interval_s=config.ssd_flush_interval_s,
                 fs=fs,
+                dir_mode=getattr(config, "ssd_dir_mode", 0o700),
             )
             self.writer = make_writer(self.ssd, config)
         self._lock = threading.Lock()
@@ -96,48 +80,10 @@ class TieredCache:
             "kv_write_through_enqueued": 0,
             "kv_evict_to_ssd": 0,
         }
-        self.write_path_ms = 0.0  # request-thread time spent handing blocks to the writer
 
     # ----------------------------------------------------------------- lookup
-    def lookup(self, hashes: Sequence[str], token_ids: np.ndarray) -> LookupResult:
-        """Find the longest chain of cached leading blocks of a prompt.
-
-        Args:
-            hashes: chain hashes of the prompt's full blocks.
-            token_ids: int32 prompt token ids `[T]`, `T >= len(hashes) * block_size`.
-
-        Returns:
-            A `LookupResult`; its blocks are pinned in RAM until `release(result)` (a block
-            the budget could not keep is still returned, just not held in RAM).
-        """
-        res = LookupResult()
-        bs = self.block_size
-        for i, h in enumerate(hashes):
-            expected = token_ids[i * bs : (i + 1) * bs]
-            block = self._from_ram(h, expected)
-            from_ssd = block is None
-            if block is not None:
-                self.ram.pin([h])
-                res.ram_blocks += 1
-            else:
-                t0 = time.perf_counter()
-                block = self._from_ssd(h, expected)
-                res.ssd_load_ms += (time.perf_counter() - t0) * 1e3
-                if block is None:
-                    self._inc("kv_lookup_miss")
-                    break
-                res.ssd_blocks += 1
-                res.ssd_bytes_read += block.nbytes
-            self._inc("kv_lookup_hits")
-            res.blocks.append(block)
-            res.from_ssd.append(from_ssd)
-        return res
-
-    def release(self, result: LookupResult) -> None:
-        """Unpin the blocks of a finished request."""
-        self.ram.unpin([b.block_hash for b in result.blocks])
-
-    def _from_ram(self, h: str, expected: np.ndarray) -> Block | None:
+    def from_ram(self, h: str, expected: np.ndarray) -> Block | None:
+        """The RAM block `h` if it holds exactly `expected` token ids (marked recently used)."""
         block = self.ram.get(h)
         if block is None:
             return None
@@ -148,27 +94,25 @@ class TieredCache:
             self.ssd.touch(h)  # batched: keeps prune's TTL/LRU view of hot blocks current
         return block
 
-    def _from_ssd(self, h: str, expected: np.ndarray) -> Block | None:
-        if self.ssd is None:
-            return None
+    def from_pending(self, h: str, expected: np.ndarray) -> HostBlock | None:
+        """A block queued for SSD but not written yet, if it holds exactly `expected`."""
         host = self.writer.get_pending(h) if self.writer is not None else None
-        if host is not None and np.array_equal(host.token_ids, expected):
-            self._inc("kv_pending_hits")
-            persisted = False
-        else:
-            host = self.ssd.load_block(h, np.asarray(expected, dtype=np.int32))
-            if host is None:
-                return None
-            persisted = True
-        try:
-            block = from_host(host)
-        except Exception:  # a malformed block must never reach the model
-            log.exception("could not convert SSD block %s; treating as a miss", h)
-            self._inc("kv_promote_fail")
+        if host is None or not np.array_equal(host.token_ids, expected):
             return None
-        self.ram.put(block, persisted=persisted, pin=True)
-        self._inc("kv_promote_hits")
-        return block
+        self._inc("kv_pending_hits")
+        return host
+
+    def count_hits(self, n: int) -> None:
+        self._inc("kv_lookup_hits", n)
+
+    def count_miss(self) -> None:
+        self._inc("kv_lookup_miss")
+
+    def promote(self, blocks: Sequence[Block]) -> None:
+        """Put blocks restored from SSD into RAM (already persisted)."""
+        for block in blocks:
+            self.ram.put(block, persisted=True)
+        self._inc("kv_promote_hits", len(blocks))
 
     # ----------------------------------------------------------------- insert
     def insert(self, blocks: Sequence[Block]) -> None:
@@ -176,31 +120,37 @@ class TieredCache:
         write_through = self.config.ssd_policy == "write_through" and self.writer is not None
         for block in blocks:
             self.ram.put(block, persisted=write_through)
-            if write_through:
-                self._send_to_writer(block)
-                self._inc("kv_write_through_enqueued")
+        if write_through:
+            self._send_to_writer(blocks)
+            self._inc("kv_write_through_enqueued", len(blocks))
 
     def persist(self, blocks: Sequence[Block]) -> None:
         """Put blocks in RAM and write those not yet on SSD, whatever the policy (`kvtool warm`)."""
+        todo = []
         for block in blocks:
-            already = self.ram.is_persisted(block.block_hash)
+            if not self.ram.is_persisted(block.block_hash):
+                todo.append(block)
             self.ram.put(block, persisted=self.writer is not None)
-            if self.writer is not None and not already:
-                self._send_to_writer(block)
+        if self.writer is not None and todo:
+            self._send_to_writer(todo)
 
-    def _send_to_writer(self, block: Block) -> None:
-        t0 = time.perf_counter()
+    def _send_to_writer(self, blocks: Sequence[Block]) -> None:
+        """Host copies of the blocks, handed to the writer as one batch (one segment)."""
         try:
-            self.writer.enqueue(to_host(block))
+            hosts = [to_host(b) for b in blocks]
+            if hasattr(self.writer, "enqueue_many"):
+                self.writer.enqueue_many(hosts)
+            else:
+                for host in hosts:
+                    self.writer.enqueue(host)
         except Exception:  # the cache must never fail a request
-            log.exception("SSD write of block %s failed", block.block_hash)
-        self.write_path_ms += (time.perf_counter() - t0) * 1e3
+            log.exception("SSD write of %d block(s) failed", len(blocks))
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
         if persisted or self.writer is None or self.config.ssd_policy != "evict_only":
             return
         self._inc("kv_evict_to_ssd")
-        self._send_to_writer(block)
+        self._send_to_writer([block])
 
     # -------------------------------------------------------------- lifecycle
     def flush(self, timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:

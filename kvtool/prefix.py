@@ -1,0 +1,458 @@
+"""`PrefixCache`: the tiered (RAM over SSD) prefix cache of one model, usable from any server.
+
+    with PrefixCache.for_model(model, config, model_id=...) as pc:
+        hit = pc.fetch(prompt_ids)             # per-layer mlx-lm caches + the tokens left to prefill
+        ...prefill hit.remaining[:-1], decode from hit.remaining[-1:] with hit.cache...
+        pc.store(prompt_ids, hit.cache, hit)   # new full blocks + the prompt's tail entry
+        pc.release(hit)
+
+A fetch hashes the prompt's full blocks (and its tail entry), takes the longest chain found in
+RAM, the writer's pending buffer and the SSD index (one query per SSD run), and builds the cache:
+- RAM only: one concatenation per layer (with decode room);
+- with SSD blocks: per-layer buffers of the prompt's capacity are allocated once, RAM blocks are
+  copied in, SSD records are read straight into them by reader threads (`kvtool.store.restore`),
+  and the caches take the buffers over — no per-block arrays, no concatenation, room to decode.
+A block that fails verification cuts the chain there; the rest is recomputed, output stays exact.
+
+On a full hit (every prompt token cached, thanks to the tail entry) the cache is trimmed by one
+token and `remaining` is the last prompt token, re-forwarded for the first logits (seed 002 A3).
+SSD blocks enter the RAM tier at `release` as views of the request's cache (no second copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from kvtool.blocks import (
+    Block,
+    HashFn,
+    KVBuffers,
+    blake2b_chain,
+    cache_capacity,
+    chain_hashes,
+    kv_layout_of,
+    layout_key,
+    promote_slices,
+    rebuild_cache,
+    root_parent,
+    slice_blocks,
+    tail_hash,
+    unsupported_cache_reason,
+)
+from kvtool.config import KVToolConfig
+from kvtool.hostblock import HostBlock
+from kvtool.store import restore
+from kvtool.store.segment import FORMAT_VERSION, KVLayout
+from kvtool.store.tiered import ShutdownStatus, TieredCache
+
+log = logging.getLogger("kvtool")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Uniform KV geometry (every layer alike): a shorthand for `KVLayout.uniform`."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    def layout(self) -> KVLayout:
+        return KVLayout.uniform(self.n_layers, self.n_kv_heads, self.head_dim, self.dtype)
+
+
+def library_versions() -> str:
+    """Versions of the libraries that compute the KV (part of the layout key)."""
+    import mlx_lm
+
+    return f"mlx={mx.__version__},mlx_lm={mlx_lm.__version__}"
+
+
+def probe_layout(model, max_kv_size: int | None = None) -> tuple[KVLayout | None, str | None]:
+    """Find a model's per-layer KV layout by one forward pass of one token.
+
+    Returns:
+        `(layout, None)` if every cache layer is a plain `KVCache`, else `(None, reason)`.
+    """
+    if max_kv_size is not None:
+        return None, f"max_kv_size={max_kv_size} makes mlx-lm use a RotatingKVCache"
+    cache = make_prompt_cache(model)
+    reason = unsupported_cache_reason(cache)
+    if reason is not None:
+        return None, reason
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    try:
+        return kv_layout_of(cache), None
+    except ValueError as exc:
+        return None, str(exc)
+
+
+@dataclass
+class CacheStats:
+    """Counters of a prefix cache (all ints; see README "Counters" for each one).
+
+    Attributes:
+        counters: name -> value; prefixes `kv_` (RAM tier and lookup), `ssd_` (SSD store) and
+            `writer_` (SSD writer) never collide.
+    """
+
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> int:
+        return self.counters[key]
+
+    def get(self, key: str, default: int = 0) -> int:
+        return self.counters.get(key, default)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.counters)
+
+
+@dataclass
+class CacheHit:
+    """The cached part of a prompt, ready for generation.
+
+    Attributes:
+        cache: per-layer mlx-lm caches holding `cached_tokens` tokens (plus decode room).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: leading prompt tokens whose KV is in `cache`.
+        ram_tokens, ssd_tokens: how many of them came from RAM / from SSD (incl. the writer's
+            pending buffer); `cached_tokens == ram_tokens + ssd_tokens`.
+        remaining: int32 prompt tokens still to run through the model (never empty).
+        ssd_load_ms: wall time of the SSD restore (ms).
+        ssd_bytes_read: record bytes read from SSD.
+    """
+
+    cache: list
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ram_tokens: int = 0
+    ssd_tokens: int = 0
+    remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    ssd_load_ms: float = 0.0
+    ssd_bytes_read: int = 0
+    hashes: list[str] = field(default_factory=list, repr=False)
+    tail: str | None = field(default=None, repr=False)
+    entries_found: int = field(default=0, repr=False)  # chain entries (blocks + tail) in `cache`
+    pinned: list[str] = field(default_factory=list, repr=False)
+    promote: list[tuple[str, str, np.ndarray, int]] = field(default_factory=list, repr=False)
+
+
+class PrefixCache:
+    """Tiered prefix cache of one model (layout), thread-compatible (one request at a time).
+
+    Args:
+        config: cache settings.
+        layout: the model's per-layer KV layout (or `geometry`); None runs uncached.
+        geometry: a uniform `KVGeometry` instead of `layout`.
+        model_id: digest of the model's weights (see `kvtool.models.loader`).
+        model_name: shown by `kvtool inspect`.
+        model_class: the model's class name (part of the layout key).
+        hash_fn: chain-hash function (injectable to force collisions in tests).
+        fs: optional `FileOps` of the SSD tier (fault injection in tests).
+        uncached_reason: why this model cannot be cached (then every fetch misses).
+    """
+
+    def __init__(
+        self,
+        config: KVToolConfig,
+        *,
+        layout: KVLayout | None = None,
+        geometry: KVGeometry | None = None,
+        model_id: str,
+        model_name: str = "",
+        model_class: str = "",
+        hash_fn: HashFn = blake2b_chain,
+        fs=None,
+        uncached_reason: str | None = None,
+    ):
+        self.kv = layout if layout is not None else (geometry.layout() if geometry is not None else None)
+        self.model_id = model_id
+        self.model_name = model_name or model_id[:12]
+        self.model_class = model_class
+        self.hash_fn = hash_fn
+        self.uncached_reason = uncached_reason if self.kv is None else None
+        if self.kv is None and self.uncached_reason is None:
+            self.uncached_reason = "no KV layout given"
+        self._fs = fs
+        self.config = config
+        self.tiered: TieredCache | None = None
+        self.layout_key: str | None = None
+        self._attach(config)
+
+    @classmethod
+    def for_model(cls, model, config: KVToolConfig, *, model_id: str, model_name: str = "",
+                  max_kv_size: int | None = None, **kwargs: Any) -> "PrefixCache":
+        """Probe `model`'s KV layout and build its prefix cache (uncached if not cacheable)."""
+        kv, reason = probe_layout(model, max_kv_size)
+        if reason is not None:
+            log.warning("kvtool: running uncached: %s (a block cache of this model would give wrong KV)", reason)
+        return cls(config, layout=kv, model_id=model_id, model_name=model_name,
+                   model_class=type(model).__module__ + "." + type(model).__name__, uncached_reason=reason, **kwargs)
+
+    # ------------------------------------------------------------ lifecycle
+    def layout_key_for(self, block_size: int) -> str | None:
+        """The namespace blocks of `block_size` tokens live under (None if uncacheable). Pure."""
+        if self.kv is None:
+            return None
+        return layout_key(self.model_id, self.kv.spec, self.kv.dtype, block_size, format_version=FORMAT_VERSION,
+                          model_class=self.model_class, versions=library_versions())
+
+    def _attach(self, config: KVToolConfig) -> None:
+        self.config = config
+        self.tiered = None
+        self.layout_key = None
+        if self.kv is None or (not config.ssd_enabled and config.ram_bytes == 0):
+            return
+        self.layout_key = self.layout_key_for(config.block_size)
+        meta = {
+            "model_id": self.model_id, "model_name": self.model_name, "model_class": self.model_class,
+            "block_size": str(config.block_size), "kv_dtype": self.kv.dtype, "kv_layers": self.kv.spec,
+            "libraries": library_versions(),
+        }  # fmt: skip
+        self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
+
+    def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
+        """Drain and detach the tiers, then reattach under `config` (seed 003)."""
+        status = self.tiered.close() if self.tiered is not None else ShutdownStatus()
+        self._attach(config)
+        return status
+
+    def flush(self) -> bool:
+        """Wait until every accepted SSD write was attempted; flush the index."""
+        return self.tiered.flush() if self.tiered is not None else True
+
+    def close(self) -> ShutdownStatus:
+        """Drain the writer, flush and close the index. Idempotent."""
+        status = self.tiered.close() if self.tiered is not None else ShutdownStatus()
+        self.tiered = None
+        return status
+
+    def __enter__(self) -> "PrefixCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> CacheStats:
+        """Counters of every tier (a snapshot)."""
+        return CacheStats(self.tiered.stats() if self.tiered is not None else {})
+
+    @property
+    def ssd(self):
+        """The SSD store, or None (read-only use: `namespace_dir`, `disabled_reason`)."""
+        return self.tiered.ssd if self.tiered is not None else None
+
+    @property
+    def namespace_dir(self):
+        return self.ssd.namespace_dir if self.ssd is not None else None
+
+    # --------------------------------------------------------------- hashing
+    def hashes(self, tokens: Sequence[int] | np.ndarray) -> tuple[list[str], str | None]:
+        """Chain hashes of the prompt's full blocks and its tail entry's key ([] / None uncached)."""
+        if self.tiered is None:
+            return [], None
+        ids = np.asarray(tokens, dtype=np.int32)
+        bs = self.config.block_size
+        full = chain_hashes(ids, bs, self.layout_key, self.hash_fn)
+        return full, tail_hash(ids, bs, self.layout_key, full, self.hash_fn)
+
+    def probe(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Leading prompt tokens the SSD index holds (hashing and one query; nothing is read)."""
+        full, tail = self.hashes(tokens)
+        if self.ssd is None:
+            return 0
+        rows = self.ssd.lookup(full + ([tail] if tail else []))
+        return sum(r.num_tokens for r in rows)
+
+    # ---------------------------------------------------------------- fetch
+    def fetch(self, tokens: Sequence[int] | np.ndarray) -> CacheHit:
+        """The longest cached prefix of a prompt as ready-to-use mlx-lm caches.
+
+        Args:
+            tokens: prompt token ids (at least one).
+
+        Returns:
+            A `CacheHit`; call `release(hit)` when the request is done.
+
+        Raises:
+            ValueError: empty prompt.
+        """
+        ids = np.asarray(tokens, dtype=np.int32)
+        if ids.size == 0:
+            raise ValueError("empty prompt")
+        hit = CacheHit(cache=[], prompt_tokens=int(ids.size))
+        hit.hashes, hit.tail = self.hashes(ids)
+        if self.tiered is None:
+            hit.cache = self._empty_cache()
+            hit.remaining = ids
+            return hit
+        chain = self._chain(ids, hit.hashes, hit.tail)
+        found = self._collect(ids, chain, hit)
+        self._build(ids, chain, found, hit)
+        if hit.cached_tokens == ids.size:  # full hit: re-forward the last token (seed 002 A3)
+            for c in hit.cache:
+                c.trim(1)
+            hit.cached_tokens -= 1
+            if hit.ssd_tokens:
+                hit.ssd_tokens -= 1
+            else:
+                hit.ram_tokens -= 1
+        hit.remaining = ids[hit.cached_tokens :]
+        return hit
+
+    def _empty_cache(self) -> list:
+        return []  # the engine makes mlx-lm's own cache
+
+    def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[tuple[str, str, int, int]]:
+        """Chain entries `(hash, parent, start, stop)`: the full blocks, then the tail entry."""
+        bs = self.config.block_size
+        parent = root_parent(self.layout_key)
+        out = []
+        for i, h in enumerate(full):
+            out.append((h, parent, i * bs, (i + 1) * bs))
+            parent = h
+        if tail is not None:
+            out.append((tail, parent, len(full) * bs, int(ids.size)))
+        return out
+
+    def _collect(self, ids, chain, hit: CacheHit) -> list[tuple[str, Any]]:
+        """Sources of the leading chain entries: ('ram', Block) | ('pending', HostBlock) |
+        ('ssd', IndexRow); RAM blocks are pinned."""
+        t = self.tiered
+        found: list[tuple[str, Any]] = []
+        i = 0
+        while i < len(chain):
+            h, _, lo, hi = chain[i]
+            block = t.from_ram(h, ids[lo:hi])
+            if block is not None:
+                t.ram.pin([h])
+                hit.pinned.append(h)
+                found.append(("ram", block))
+                i += 1
+                continue
+            pending = t.from_pending(h, ids[lo:hi])
+            if pending is not None:
+                found.append(("pending", pending))
+                i += 1
+                continue
+            rows = t.ssd.lookup([e[0] for e in chain[i:]]) if t.ssd is not None else []
+            if not rows:
+                t.count_miss()
+                break
+            found += [("ssd", r) for r in rows]
+            i += len(rows)
+        t.count_hits(len(found))
+        return found
+
+    def _build(self, ids, chain, found, hit: CacheHit) -> None:
+        n_layers = self.kv.n_layers
+        if not any(src == "ssd" for src, _ in found):
+            blocks = [b for _, b in found] if all(src == "ram" for src, _ in found) else None
+            if blocks is not None:
+                hit.cache = rebuild_cache(blocks, n_layers, cache_capacity(int(ids.size))) if blocks else []
+                hit.entries_found = len(blocks)
+                hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1][3] if blocks else 0
+                return
+        t0 = time.perf_counter()
+        buffers = KVBuffers.allocate(self.kv, cache_capacity(int(ids.size)))
+        n_ok, ram_tok, ssd_tok = self._fill(ids, chain, found, buffers, hit)
+        hit.entries_found = n_ok
+        hit.cached_tokens = chain[n_ok - 1][3] if n_ok else 0
+        hit.ram_tokens, hit.ssd_tokens = ram_tok, ssd_tok
+        hit.cache = buffers.caches(hit.cached_tokens) if n_ok else []
+        hit.ssd_load_ms = (time.perf_counter() - t0) * 1e3
+
+    def _fill(self, ids, chain, found, buffers: KVBuffers, hit: CacheHit) -> tuple[int, int, int]:
+        """Place every found entry into `buffers`; returns (entries placed, RAM tokens, SSD tokens)."""
+        ram_tok = ssd_tok = 0
+        i = 0
+        while i < len(found):
+            src, obj = found[i]
+            h, parent, lo, hi = chain[i]
+            if src == "ram":
+                buffers.place(lo, obj)
+                ram_tok += hi - lo
+                i += 1
+                continue
+            if src == "pending":
+                buffers.place_host(lo, obj)
+                hit.promote.append((h, parent, ids[lo:hi], lo))
+                ssd_tok += hi - lo
+                i += 1
+                continue
+            j = i
+            while j < len(found) and found[j][0] == "ssd":
+                j += 1
+            rows = [found[k][1] for k in range(i, j)]
+            res = restore.restore_chain(self.tiered.ssd, rows, parent, ids, [chain[k][2] for k in range(i, j)],
+                                        buffers.dest)
+            hit.ssd_bytes_read += res.bytes_read
+            for k in range(i, i + res.n_ok):
+                hk, pk, lk, hk_stop = chain[k]
+                hit.promote.append((hk, pk, ids[lk:hk_stop], lk))
+                ssd_tok += hk_stop - lk
+            if res.n_ok < len(rows):
+                return i + res.n_ok, ram_tok, ssd_tok
+            i = j
+        return i, ram_tok, ssd_tok
+
+    # ---------------------------------------------------------------- store
+    def store(self, tokens: Sequence[int] | np.ndarray, cache: list, hit: CacheHit | None = None,
+              *, persist: bool = False) -> int:
+        """Hand the prompt's new full blocks and its tail entry to the tiers (prompt KV only).
+
+        Args:
+            tokens: the prompt token ids.
+            cache: per-layer caches holding at least the prompt's KV (generated tokens after it
+                are never stored).
+            hit: the prompt's `fetch` result (its hashes are reused; entries it found are skipped).
+            persist: write to SSD whatever the policy (`kvtool warm`).
+
+        Returns:
+            Entries handed over.
+        """
+        if self.tiered is None:
+            return 0
+        ids = np.asarray(tokens, dtype=np.int32)
+        full, tail = (hit.hashes, hit.tail) if hit is not None else self.hashes(ids)
+        chain = self._chain(ids, full, tail)
+        start = hit.entries_found if hit is not None else 0
+        if cache and cache[0].offset < ids.size:
+            chain = [e for e in chain if e[3] <= cache[0].offset]
+        new = chain[start:]
+        if not new:
+            return 0
+        blocks = slice_blocks(cache, ids, new)
+        (self.tiered.persist if persist else self.tiered.insert)(blocks)
+        return len(blocks)
+
+    def persist_found(self, hit: CacheHit) -> None:
+        """Make sure the RAM blocks a hit used are on SSD too (`kvtool warm` under evict_only)."""
+        if self.tiered is not None and hit.pinned:
+            self.tiered.persist([b for b in (self.tiered.ram.get(h) for h in hit.pinned) if b is not None])
+
+    def release(self, hit: CacheHit) -> None:
+        """Unpin the hit's RAM blocks; its SSD blocks enter the RAM tier as views of the cache."""
+        if self.tiered is None:
+            return
+        if hit.promote and hit.cache and self.config.ram_bytes > 0:
+            try:
+                self.tiered.promote(promote_slices(hit.cache, hit.promote))
+            except Exception:  # promotion is an optimisation: never fail the request
+                log.exception("promotion of %d SSD block(s) into RAM failed", len(hit.promote))
+        hit.promote = []
+        self.tiered.ram.unpin(hit.pinned)
+        hit.pinned = []
+
+
+__all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "probe_layout", "library_versions",
+           "HostBlock", "Block", "KVCache"]

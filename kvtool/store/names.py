@@ -1,0 +1,48 @@
+"""Names on disk: what a cache directory may contain, and the only paths kvtool builds from it.
+
+Everything kvtool reads from a cache directory (index rows, file names) is matched against these
+patterns *before* a path is built from it, so a tampered row such as `../victim` or `//etc/x`
+can never name a file outside the namespace (docs/DESIGN.md, "Threat model").
+
+    <cache_dir>/<layout_key>/index.sqlite              the namespace's SQLite index (+ -wal, -shm)
+    <cache_dir>/<layout_key>/<name[:2]>/<name>.safetensors   a segment file (format 2)
+    <cache_dir>/<layout_key>/<sub>/.<name>.<pid>.<hex>.tmp   a write in progress
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import re
+
+INDEX_FILENAME = "index.sqlite"
+SEGMENT_SUFFIX = ".safetensors"
+TEMP_SUFFIX = ".tmp"
+LOCK_FILENAME = ".prune.lock"
+
+NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}$")
+HASH_RE = re.compile(r"^[0-9a-f]{32}$")  # blake2b-128 chain hashes, hex
+SEGMENT_RE = re.compile(r"^[0-9a-f]{32}$")  # random 128-bit segment names, hex
+SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+TEMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{32}|probe)\.(?P<pid>\d{1,10})\.[0-9a-f]{8}\.tmp$")
+
+
+def is_hash(value: object) -> bool:
+    """True if `value` is a well-formed chain hash (a str of 32 lowercase hex digits)."""
+    return isinstance(value, str) and HASH_RE.match(value) is not None
+
+
+def is_segment_name(value: object) -> bool:
+    """True if `value` is a well-formed segment name."""
+    return isinstance(value, str) and SEGMENT_RE.match(value) is not None
+
+
+def segment_relpath(name: str) -> str:
+    """Path of a segment relative to its namespace directory: `<name[:2]>/<name>.safetensors`.
+
+    Raises:
+        ValueError: `name` is not a segment name (never build a path from an unchecked name).
+    """
+    if not is_segment_name(name):
+        raise ValueError(f"not a segment name: {name!r}")
+    return f"{name[:2]}/{name}{SEGMENT_SUFFIX}"

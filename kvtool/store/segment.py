@@ -1,0 +1,429 @@
+"""Segment files (format 2): several KV blocks in one safetensors file, each verifiable alone.
+
+A *segment* holds the blocks of one write batch (typically the new blocks of one request), so
+a prefix hit reads one file instead of one per block: on this machine's disk a cold read of
+64 KiB block files is ~5x slower than one file of the same bytes (docs/DESIGN.md, "Segments").
+
+File layout (a valid safetensors file, `safetensors.safe_open` and `mx.load` can open it):
+
+    u64 LE header length N | header JSON (N bytes, space-padded to 8-byte alignment) | records
+
+The header maps one `U8` tensor per block slot (`"b0"`, `"b1"`, ...) to its *record*, and its
+`__metadata__` holds the format, the namespace's layout key and KV layout, and per slot
+`"hash:parent:n_tokens:checksum"`. A block record is, in order, little-endian and C-contiguous:
+
+    token ids int32 [n] | for each layer l: keys [1, H_l, n, Dk_l] | values [1, H_l, n, Dv_l]
+
+i.e. exactly the slices of mlx-lm's `KVCache.state` along the sequence axis. `n < block_size`
+only for a prompt's *tail entry* (its trailing partial block).
+
+Checksums are xxh3-128 (`xxhash`), a fast non-cryptographic hash (7.9 GB/s here against
+blake2b's 0.47 GB/s): they detect corruption; identity is the blake2b chain hash, and the exact
+token ids are compared on every hit. `header_checksum` covers the whole header (tensor table and
+metadata, with its own value zeroed), so a header edit that swaps two records' offsets fails
+verification; each slot's checksum covers its record.
+
+Reads scatter a record straight into the caller's destination arrays with one `preadv` (the
+per-layer cache buffers of a restore: no staging copy), then hash the destination pieces.
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from kvtool.hostblock import HostBlock
+
+FORMAT_NAME = "kvtool-segment"
+FORMAT_VERSION = 2
+CHECKSUM_ALGO = "xxh3-128"
+FILE_SUFFIX = ".safetensors"
+MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot)
+MAX_SLOTS = 1 << 16
+_IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
+_ZERO_CHECKSUM = "0" * 32
+_HEADER_CK_KEY = b'"header_checksum":"'
+
+# logical dtype name -> numpy storage dtype (bfloat16 travels as its uint16 bit pattern)
+STORAGE_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+}
+_TOKENS_DTYPE = np.dtype("<i4")
+
+
+class BlockFileError(Exception):
+    """A segment file or record that must not be used.
+
+    Attributes:
+        kind: 'truncated' (file shorter/longer than its header says), 'header' (unparseable
+            header or metadata, or header checksum mismatch), 'version' (unknown format),
+            'layout' (another namespace's file), 'shape' (KV layout differs from the
+            namespace's), 'slot' (no such slot, or its hash/parent/length is not the one
+            asked for), 'checksum' (record data does not match its checksum), 'tokens'
+            (intact record holding other token ids: a chain-hash collision).
+    """
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+# ----------------------------------------------------------------------------- layout
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-layer KV shapes and dtype of a namespace (MLX-free).
+
+    Attributes:
+        layers: per layer `(n_kv_heads, k_head_dim, v_head_dim)`; layers may differ (MLA,
+            models with per-layer head counts).
+        dtype: 'float32' | 'float16' | 'bfloat16'.
+    """
+
+    layers: tuple[tuple[int, int, int], ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}")
+        if not self.layers or any(len(s) != 3 or min(s) <= 0 for s in self.layers):
+            raise ValueError(f"bad layer shapes {self.layers!r}")
+
+    @classmethod
+    def uniform(cls, n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> "KVLayout":
+        """Every layer `[1, n_kv_heads, T, head_dim]` for keys and values."""
+        return cls(tuple((n_kv_heads, head_dim, head_dim) for _ in range(n_layers)), dtype)
+
+    @classmethod
+    def parse(cls, text: str, dtype: str) -> "KVLayout":
+        """Inverse of `str(layout.spec)`: `"HxDkxDv,HxDkxDv,..."`.
+
+        Raises:
+            ValueError: malformed text.
+        """
+        layers = tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
+        return cls(layers, dtype)  # type: ignore[arg-type]
+
+    @property
+    def spec(self) -> str:
+        """Compact text form, e.g. `"2x64x64,2x64x64"` (part of the layout key)."""
+        return ",".join("x".join(str(x) for x in s) for s in self.layers)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def itemsize(self) -> int:
+        return STORAGE_DTYPES[self.dtype].itemsize
+
+    def token_nbytes(self) -> int:
+        """KV bytes per token over all layers (keys + values)."""
+        return sum(h * (dk + dv) for h, dk, dv in self.layers) * self.itemsize
+
+    def record_nbytes(self, n_tokens: int) -> int:
+        """Bytes of one record of `n_tokens` tokens (token ids included)."""
+        return n_tokens * (4 + self.token_nbytes())
+
+    def shapes(self, n_tokens: int) -> list[tuple[int, ...]]:
+        """Shapes of the record's KV tensors in record order: K0, V0, K1, V1, ..."""
+        out: list[tuple[int, ...]] = []
+        for h, dk, dv in self.layers:
+            out += [(1, h, n_tokens, dk), (1, h, n_tokens, dv)]
+        return out
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One block record of a segment, as its (verified) header describes it.
+
+    Attributes:
+        index: slot number.
+        block_hash, parent_hash: chain hashes (hex).
+        n_tokens: tokens in the record.
+        checksum: xxh3-128 hex of the record.
+        offset: byte offset of the record in the file.
+        nbytes: record length (bytes).
+    """
+
+    index: int
+    block_hash: str
+    parent_hash: str
+    n_tokens: int
+    checksum: str
+    offset: int
+    nbytes: int
+
+
+# ----------------------------------------------------------------------------- write
+def _record_pieces(block: HostBlock, kv: KVLayout) -> list[np.ndarray]:
+    """The record's arrays in file order, C-contiguous little-endian (views where possible).
+
+    Raises:
+        BlockFileError: 'shape' if the block does not match `kv`.
+    """
+    n = int(np.asarray(block.token_ids).shape[0]) if np.ndim(block.token_ids) == 1 else 0
+    if block.dtype != kv.dtype or n <= 0 or len(block.keys) != kv.n_layers or len(block.values) != kv.n_layers:
+        raise BlockFileError("shape", f"block {block.block_hash}: dtype/layers/tokens differ from the namespace")
+    storage = STORAGE_DTYPES[kv.dtype]
+    pieces = [np.ascontiguousarray(block.token_ids, dtype=_TOKENS_DTYPE)]
+    for arr, shape in zip((a for kv_pair in zip(block.keys, block.values) for a in kv_pair), kv.shapes(n)):
+        if tuple(arr.shape) != shape or arr.dtype.newbyteorder("<") != storage:
+            raise BlockFileError("shape", f"block {block.block_hash}: tensor {arr.shape}/{arr.dtype}, expected {shape}/{storage}")
+        pieces.append(np.ascontiguousarray(arr, dtype=storage))
+    return pieces
+
+
+def _checksum(pieces: Sequence) -> str:
+    h = xxhash.xxh3_128()
+    for p in pieces:
+        h.update(p)
+    return h.hexdigest()
+
+
+def encode(
+    blocks: Sequence[HostBlock], layout_key: str, kv: KVLayout, created: float
+) -> tuple[list[memoryview], list[Slot]]:
+    """Serialise blocks into one segment, without copying their KV.
+
+    Args:
+        blocks: 1..`MAX_SLOTS` blocks of the namespace (tail entries may hold fewer tokens).
+        layout_key: namespace the file belongs to.
+        kv: the namespace's KV layout.
+        created: creation time (unix seconds).
+
+    Returns:
+        `(buffers, slots)`: the file content as buffers to write in order (`os.writev`), and
+        the slots (offsets are file offsets).
+
+    Raises:
+        BlockFileError: 'shape' if a block does not match `kv`; ValueError on 0 or too many blocks.
+    """
+    if not 0 < len(blocks) <= MAX_SLOTS:
+        raise ValueError(f"a segment holds 1..{MAX_SLOTS} blocks, got {len(blocks)}")
+    records = [_record_pieces(b, kv) for b in blocks]
+    sums = [_checksum(p) for p in records]
+    sizes = [sum(p.nbytes for p in pieces) for pieces in records]
+    meta = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "checksum_algo": CHECKSUM_ALGO,
+        "layout_key": layout_key,
+        "dtype": kv.dtype,
+        "layers": kv.spec,
+        "n_blocks": str(len(blocks)),
+        "created": repr(float(created)),
+        "header_checksum": _ZERO_CHECKSUM,
+    }
+    tensors: dict[str, object] = {"__metadata__": meta}
+    pos = 0
+    for i, (b, size, ck) in enumerate(zip(blocks, sizes, sums)):
+        meta[f"b{i}"] = f"{b.block_hash}:{b.parent_hash}:{b.token_ids.shape[0]}:{ck}"
+        tensors[f"b{i}"] = {"dtype": "U8", "shape": [size], "data_offsets": [pos, pos + size]}
+        pos += size
+    header = json.dumps(tensors, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % 8)
+    header = _seal_header(header)
+    data_start = 8 + len(header)
+    slots, off = [], data_start
+    for i, (b, size, ck) in enumerate(zip(blocks, sizes, sums)):
+        slots.append(Slot(i, b.block_hash, b.parent_hash, int(b.token_ids.shape[0]), ck, off, size))
+        off += size
+    buffers = [memoryview(struct.pack("<Q", len(header)) + header)]
+    buffers += [memoryview(p).cast("B") for pieces in records for p in pieces]
+    return buffers, slots
+
+
+def _header_digest(header: bytes) -> str:
+    """xxh3-128 of a header whose `header_checksum` value is zeroed."""
+    pos = header.find(_HEADER_CK_KEY)
+    if pos < 0 or header.find(_HEADER_CK_KEY, pos + 1) >= 0:
+        raise BlockFileError("header", "header_checksum not found exactly once")
+    at = pos + len(_HEADER_CK_KEY)
+    return xxhash.xxh3_128_hexdigest(header[:at] + _ZERO_CHECKSUM.encode() + header[at + 32 :])
+
+
+def _seal_header(header: bytes) -> bytes:
+    at = header.find(_HEADER_CK_KEY) + len(_HEADER_CK_KEY)
+    return header[:at] + _header_digest(header).encode() + header[at + 32 :]
+
+
+# ----------------------------------------------------------------------------- read
+@dataclass(frozen=True)
+class SegmentHeader:
+    """A parsed, verified segment header.
+
+    Attributes:
+        meta: the string metadata.
+        kv: the KV layout it declares.
+        slots: the block records, in file order.
+        file_size: bytes the file must have.
+    """
+
+    meta: dict[str, str]
+    kv: KVLayout
+    slots: tuple[Slot, ...]
+    file_size: int
+
+    @property
+    def layout_key(self) -> str:
+        return self.meta["layout_key"]
+
+
+def parse_header(head: bytes | bytearray | memoryview, file_size: int) -> SegmentHeader:
+    """Parse and verify a segment header (its checksum, offsets, layout, slot table).
+
+    Args:
+        head: at least the first `8 + N` bytes of the file.
+        file_size: the file's size in bytes.
+
+    Raises:
+        BlockFileError: 'truncated', 'header' or 'version'.
+    """
+    if len(head) < 8:
+        raise BlockFileError("truncated", f"{len(head)} bytes, no header length")
+    (n,) = struct.unpack_from("<Q", head, 0)
+    if n > MAX_HEADER_BYTES or n < 2:
+        raise BlockFileError("header", f"header length {n} out of range")
+    if len(head) < 8 + n:
+        raise BlockFileError("truncated", f"header needs {8 + n} bytes, have {len(head)}")
+    raw = bytes(head[8 : 8 + n])
+    try:
+        doc = json.loads(raw)
+        meta = doc.pop("__metadata__")
+        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+            raise ValueError("metadata must map strings to strings")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise BlockFileError("header", f"malformed header: {exc}") from None
+    if meta.get("format") != FORMAT_NAME or meta.get("format_version") != str(FORMAT_VERSION):
+        raise BlockFileError("version", f"not a {FORMAT_NAME} v{FORMAT_VERSION} file")
+    if meta.get("checksum_algo") != CHECKSUM_ALGO or _header_digest(raw) != meta.get("header_checksum"):
+        raise BlockFileError("header", "header does not match its checksum")
+    try:
+        kv = KVLayout.parse(meta["layers"], meta["dtype"])
+        slots = _parse_slots(doc, meta, 8 + n, kv)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BlockFileError("header", f"malformed slot table: {exc}") from None
+    size = 8 + n + sum(s.nbytes for s in slots)
+    if file_size != size:
+        raise BlockFileError("truncated", f"file has {file_size} bytes, header describes {size}")
+    return SegmentHeader(meta, kv, slots, size)
+
+
+def _parse_slots(doc: dict, meta: dict[str, str], data_start: int, kv: KVLayout) -> tuple[Slot, ...]:
+    n_blocks = int(meta["n_blocks"])
+    if not 0 < n_blocks <= MAX_SLOTS or len(doc) != n_blocks:
+        raise ValueError(f"n_blocks {n_blocks} does not match {len(doc)} tensors")
+    slots, pos = [], 0
+    for i in range(n_blocks):
+        t = doc[f"b{i}"]
+        start, end = (int(x) for x in t["data_offsets"])
+        h, parent, n_tok, ck = meta[f"b{i}"].split(":")
+        n_tokens = int(n_tok)
+        if t["dtype"] != "U8" or start != pos or end - start != kv.record_nbytes(n_tokens) or n_tokens <= 0:
+            raise ValueError(f"slot {i}: offsets or size inconsistent")
+        slots.append(Slot(i, h, parent, n_tokens, ck, data_start + start, end - start))
+        pos = end
+    return tuple(slots)
+
+
+def read_header(fd: int, file_size: int) -> SegmentHeader:
+    """Read and verify the header of an open segment file (two small preads at most).
+
+    Raises:
+        BlockFileError: see `parse_header`; OSError from the read.
+    """
+    head = os.pread(fd, 64 << 10, 0)
+    if len(head) >= 8:
+        (n,) = struct.unpack_from("<Q", head, 0)
+        if len(head) < 8 + n <= min(file_size, 8 + MAX_HEADER_BYTES):
+            head += os.pread(fd, 8 + n - len(head), len(head))
+    return parse_header(head, file_size)
+
+
+def check_header(header: SegmentHeader, layout_key: str, kv: KVLayout) -> None:
+    """The file must belong to namespace `layout_key` with KV layout `kv`.
+
+    Raises:
+        BlockFileError: 'layout' or 'shape'.
+    """
+    if header.layout_key != layout_key:
+        raise BlockFileError("layout", f"segment of namespace {header.layout_key}, not {layout_key}")
+    if header.kv != kv:
+        raise BlockFileError("shape", f"KV layout {header.kv.spec}/{header.kv.dtype}, namespace has {kv.spec}/{kv.dtype}")
+
+
+def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarray]) -> None:
+    """Scatter one record from the file into `tokens` and `dest` with `preadv`, then verify it.
+
+    Args:
+        fd: open segment file.
+        slot: the record (from a verified header).
+        tokens: int32 `[slot.n_tokens]`, receives the token ids.
+        dest: per tensor in record order (K0, V0, K1, V1, ...) a view `[1, H, n, D]` of the
+            destination in the storage dtype; each head's `[n, D]` must be C-contiguous
+            (true for a slice `buf[:, :, t:t+n, :]` of a C-contiguous cache buffer).
+
+    Raises:
+        BlockFileError: 'truncated' (short read) or 'checksum'. Token ids are the caller's check.
+        OSError: the read failed.
+    """
+    iov: list[memoryview] = [memoryview(tokens).cast("B")]
+    for arr in dest:
+        for h in range(arr.shape[1]):
+            iov.append(memoryview(arr[0, h]).cast("B"))
+    _preadv_all(fd, iov, slot.offset, slot.nbytes)
+    if _checksum(iov) != slot.checksum:
+        raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
+
+
+def _preadv_all(fd: int, iov: list[memoryview], offset: int, nbytes: int) -> None:
+    """preadv every buffer of `iov` from `offset`, resuming after short reads."""
+    if sum(m.nbytes for m in iov) != nbytes:
+        raise BlockFileError("slot", "destination size differs from the record size")
+    iov = list(iov)  # resumption replaces entries; the caller's list stays intact
+    i = 0
+    while i < len(iov):
+        batch = iov[i : i + _IOV_MAX]
+        got = os.preadv(fd, batch, offset)
+        want = sum(m.nbytes for m in batch)
+        offset += got
+        if got == want:
+            i += len(batch)
+            continue
+        if got == 0:
+            raise BlockFileError("truncated", "file ended inside a record")
+        for m in batch:  # short read: skip what was filled, resume mid-buffer
+            if got >= m.nbytes:
+                got -= m.nbytes
+                i += 1
+            else:
+                iov[i] = m[got:]
+                break
+
+
+def read_block(fd: int, slot: Slot, kv: KVLayout, dtype_name: str | None = None) -> HostBlock:
+    """Read one record into fresh host arrays and verify its checksum (validate, tests).
+
+    Raises:
+        BlockFileError: 'truncated' or 'checksum'; OSError from the read.
+    """
+    storage = STORAGE_DTYPES[kv.dtype]
+    tokens = np.empty(slot.n_tokens, dtype=_TOKENS_DTYPE)
+    arrays = [np.empty(s, dtype=storage) for s in kv.shapes(slot.n_tokens)]
+    read_record(fd, slot, tokens, arrays)
+    return HostBlock(slot.block_hash, slot.parent_hash, tokens, arrays[0::2], arrays[1::2], dtype_name or kv.dtype)
+
+
+def tokens_digest(token_ids: np.ndarray) -> str:
+    """xxh3-128 hex of token ids as little-endian int32 (the index's `tokens_digest`)."""
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(token_ids, dtype=_TOKENS_DTYPE).tobytes())
