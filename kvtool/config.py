@@ -1,20 +1,29 @@
-"""kvtool configuration: one dataclass, settable from CLI flags and a TOML file.
+"""kvtool configuration: one validated model, settable from CLI flags, a TOML file and sweep files.
+
+Every value goes through the same pydantic validators wherever it comes from, so the rules are
+the same everywhere: sizes are integers or strings such as `"1GiB"`, `"512MB"`, `"512M"`
+(`kvtool.units.parse_size`); durations are numbers in the field's unit or strings such as `"12h"`
+(`kvtool.units.parse_duration`); booleans are never numbers, NaN and infinities are rejected,
+and every number is bounded. An invalid value raises `ConfigError` naming the field.
 
 The SSD fields follow seed 000 ("SSD Write-Through Cache Plan", Config section); `block_size`,
-`ram_bytes` and the `durable` durability mode are kvtool's own additions.
+`ram_bytes`, `ssd_dir_mode` and the `durable` durability mode are kvtool's own additions.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import difflib
+import math
 import os
 import tomllib
-from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-SSD_POLICIES = ("evict_only", "write_through")
-DURABILITY_MODES = ("best_effort", "persistent", "durable")
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from kvtool.errors import KVToolError
+from kvtool.units import MAX_DURATION_S, parse_duration, parse_size, short_repr
 
 # Chosen by measurement (bench_configs/block_size.py, README "Block size"): a request costs the
 # cold load of its cached blocks (per-file cost grows as blocks shrink) plus ~block_size/2 tokens
@@ -22,114 +31,318 @@ DURABILITY_MODES = ("best_effort", "persistent", "durable")
 # (0.3-24 ms/token prefill) 64 tokens is at or near the minimum for every embedded preset.
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_RAM_BYTES = 1 << 30  # 1 GiB
+DEFAULT_DIR_MODE = 0o700  # owner only; 0o2770 for a cache shared by a group
+MAX_BLOCK_SIZE = 1 << 20
+MAX_WRITER_QUEUE_SIZE = 1 << 20
+MAX_RETRIES = 100
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value. `field` names the offending field."""
+class SSDPolicy(StrEnum):
+    """When blocks reach the SSD tier. Members compare equal to their string values."""
 
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"config field '{field_name}': {message}")
+    EVICT_ONLY = "evict_only"  # write-back: blocks reach SSD only when RAM evicts them
+    WRITE_THROUGH = "write_through"  # new blocks go to RAM and SSD
+
+
+class Durability(StrEnum):
+    """How hard the SSD writer tries. Members compare equal to their string values."""
+
+    BEST_EFFORT = "best_effort"  # one attempt
+    PERSISTENT = "persistent"  # retries
+    DURABLE = "durable"  # fsync file + directory before the index row commits
+
+
+class WriterMode(StrEnum):
+    """Where SSD writes run (`ssd_async_writes`): inline or on a background thread."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+SSD_POLICIES = tuple(p.value for p in SSDPolicy)
+DURABILITY_MODES = tuple(d.value for d in Durability)
+WRITER_MODES = tuple(w.value for w in WriterMode)
+
+
+class ConfigError(KVToolError, ValueError):
+    """An invalid configuration value.
+
+    Attributes:
+        field: the offending field (`block_size`, `cache.ram_bytes`, `<file>` for the file itself).
+        reason: the message without the `config field '...'` prefix.
+    """
+
+    def __init__(self, field_name: str, message: str, *, hint: str | None = None):
+        """Create the error; `str(error)` is `config field '<field_name>': <message>`, or
+        `config file <message>` for `<file>` (the message then starts with the path)."""
+        prefix = "config file" if field_name == "<file>" else f"config field '{field_name}':"
+        super().__init__(f"{prefix} {message}", hint=hint)
         self.field = field_name
+        self.reason = message
+
+
+# ----------------------------------------------------------------------------- validators
+# Each takes the raw value (from TOML, a flag or Python) and returns the field's value or raises
+# ValueError with a message that does not repeat the field name (the error's `field` gives it).
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {short_repr(value)}")
+    return value
+
+
+def _int_between(low: int, high: int) -> BeforeValidator:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"must be an integer, got {short_repr(value)}")
+        if not low <= value <= high:
+            raise ValueError(f"must be an integer from {low} to {high}, got {short_repr(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _duration_in(unit: str) -> BeforeValidator:
+    """A duration > 0 held in `unit` (`d` or `s`): a number in that unit, or a string like `12h`."""
+    unit_s = {"s": 1, "d": 86400}[unit]
+
+    def check(value: Any) -> float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if (isinstance(value, float) and not math.isfinite(value)) or not 0 < value * unit_s <= MAX_DURATION_S:
+                raise ValueError(f"must be a finite number > 0 (at most 100 years), got {short_repr(value)}")
+            return float(value)
+        if not isinstance(value, str):
+            raise ValueError(f"must be a number or a duration like '7d', '12h', got {short_repr(value)}")
+        seconds = parse_duration(value, default_unit=unit)
+        if seconds <= 0:
+            raise ValueError(f"must be > 0, got {short_repr(value)}")
+        return seconds / unit_s
+
+    return BeforeValidator(check)
+
+
+def _choice(enum_cls: type[StrEnum]) -> BeforeValidator:
+    values = [m.value for m in enum_cls]
+    choices = ", ".join(values)
+
+    def check(value: Any) -> StrEnum:
+        if isinstance(value, str) and value in values:
+            return enum_cls(value)
+        raise ValueError(f"must be one of {choices}, got {short_repr(value)}")
+
+    return BeforeValidator(check)
+
+
+def _directory(value: Any) -> Path:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"must be a directory path (a string), got {short_repr(value)}")
+    if not value.strip():
+        raise ValueError("must not be empty")
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character")
+    return expand_path(value)
+
+
+def _dir_mode(value: Any) -> int:
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        if not text or not set(text) <= set("01234567") or len(text) > 6:
+            raise ValueError(f"must be an octal mode like 0o700 or '2770', got {short_repr(value)}")
+        value = int(text, 8)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an octal mode like 0o700, got {short_repr(value)}")
+    if not 0 <= value <= 0o7777:
+        raise ValueError("must be an octal mode from 0o0 to 0o7777")
+    if value & 0o700 != 0o700:
+        raise ValueError(f"must give the owner read, write and search (0o700), got {oct(value)}")
+    return value
+
+
+def expand_path(text: str) -> Path:
+    """`Path(text)` with `~` / `~user` expanded.
+
+    Raises:
+        ValueError: the user does not exist or the home directory is unknown.
+    """
+    try:
+        return Path(text).expanduser()
+    except RuntimeError:
+        head = text.split("/", 1)[0]
+        raise ValueError(f"cannot expand {short_repr(head)}: no such user or no home directory") from None
 
 
 def default_cache_dir() -> Path:
-    """`$KVTOOL_CACHE_DIR`, else `~/.cache/kvtool`."""
+    """`$KVTOOL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvtool` (if absolute), else `~/.cache/kvtool`.
+
+    Raises:
+        ConfigError: `$KVTOOL_CACHE_DIR` cannot be expanded, or there is no home directory.
+    """
     env = os.environ.get("KVTOOL_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvtool"
+    if env:
+        try:
+            return expand_path(env)
+        except ValueError as exc:
+            raise ConfigError("ssd_cache_dir", f"$KVTOOL_CACHE_DIR: {exc}") from None
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
+        return Path(xdg) / "kvtool"
+    try:
+        return Path.home() / ".cache" / "kvtool"
+    except RuntimeError:
+        raise ConfigError(
+            "ssd_cache_dir", "no home directory to put the cache in", hint="set $KVTOOL_CACHE_DIR or pass --cache-dir"
+        ) from None
 
 
-@dataclass
-class KVToolConfig:
-    """Settings of the tiered KV cache.
+# ----------------------------------------------------------------------------- the model
+Flag = Annotated[bool, BeforeValidator(_flag)]
+
+
+class KVToolConfig(BaseModel):
+    """Settings of the tiered KV cache (validated on construction, assignment and `replace`).
 
     Attributes:
         ssd_enabled: use the SSD tier at all.
         ssd_cache_dir: root of the SSD tier; one sub-directory per namespace (layout key).
-        ssd_ttl_days: default TTL used by `kvtool prune` when no `--ttl` is given (days).
+            A string or path; `~` is expanded; empty is an error.
+        ssd_ttl_days: default TTL used by `kvtool prune` when no `--ttl` is given: days, or a
+            duration string (`"12h"`, `"2w"`).
         ssd_policy: `write_through` (new blocks go to RAM and SSD) or `evict_only`
-            (write-back: blocks reach SSD only when RAM evicts them).
+            (write-back: blocks reach SSD only when RAM evicts them). An `SSDPolicy`.
         ssd_durability: `best_effort` (one attempt), `persistent` (retries) or `durable`
             (fsync file + directory before the index row commits, SQLite synchronous=FULL).
+            A `Durability`.
         ssd_async_writes: write SSD blocks from a background writer thread.
         ssd_writer_queue_size: bound of the writer queue (blocks).
-        ssd_flush_interval_s: max delay of batched index access-time updates (seconds).
+        ssd_flush_interval_s: max delay of batched index access-time updates: seconds, or a
+            duration string.
         ssd_persistent_max_retries: retries of a failed write under `persistent`.
         block_size: tokens per cached block; only full blocks are cached.
-        ram_bytes: byte budget of the RAM tier (sum of block `nbytes`).
+        ram_bytes: byte budget of the RAM tier (sum of block `nbytes`): an integer or a size
+            string (`"512MiB"`, `"1GB"`).
+        ssd_dir_mode: permission bits of the directories kvtool creates in the cache, applied
+            whatever the umask. 0o700 (owner only) by default; use 0o2770 for a cache shared by
+            a group (setgid keeps the group on new directories). TOML: `0o2770` or `"2770"`.
     """
 
-    ssd_enabled: bool = True
-    ssd_cache_dir: Path = field(default_factory=default_cache_dir)
-    ssd_ttl_days: float = 7.0
-    ssd_policy: str = "write_through"
-    ssd_durability: str = "best_effort"
-    ssd_async_writes: bool = True
-    ssd_writer_queue_size: int = 512
-    ssd_flush_interval_s: float = 1.0
-    ssd_persistent_max_retries: int = 3
-    block_size: int = DEFAULT_BLOCK_SIZE
-    ram_bytes: int = DEFAULT_RAM_BYTES
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
 
-    def __post_init__(self) -> None:
-        self.ssd_cache_dir = Path(self.ssd_cache_dir).expanduser()
-        self.validate()
+    ssd_enabled: Flag = True
+    ssd_cache_dir: Annotated[Path, BeforeValidator(_directory)] = Field(default_factory=default_cache_dir)
+    ssd_ttl_days: Annotated[float, _duration_in("d")] = 7.0
+    ssd_policy: Annotated[SSDPolicy, _choice(SSDPolicy)] = SSDPolicy.WRITE_THROUGH
+    ssd_durability: Annotated[Durability, _choice(Durability)] = Durability.BEST_EFFORT
+    ssd_async_writes: Flag = True
+    ssd_writer_queue_size: Annotated[int, _int_between(1, MAX_WRITER_QUEUE_SIZE)] = 512
+    ssd_flush_interval_s: Annotated[float, _duration_in("s")] = 1.0
+    ssd_persistent_max_retries: Annotated[int, _int_between(0, MAX_RETRIES)] = 3
+    block_size: Annotated[int, _int_between(1, MAX_BLOCK_SIZE)] = DEFAULT_BLOCK_SIZE
+    ram_bytes: Annotated[int, BeforeValidator(parse_size)] = DEFAULT_RAM_BYTES  # no bools, floats, < 0
+    ssd_dir_mode: Annotated[int, BeforeValidator(_dir_mode)] = DEFAULT_DIR_MODE
 
-    def validate(self) -> None:
-        """Check every field; raise `ConfigError` naming the first bad one."""
-        if self.ssd_policy not in SSD_POLICIES:
-            raise ConfigError("ssd_policy", f"must be one of {', '.join(SSD_POLICIES)}, got {self.ssd_policy!r}")
-        if self.ssd_durability not in DURABILITY_MODES:
-            raise ConfigError(
-                "ssd_durability", f"must be one of {', '.join(DURABILITY_MODES)}, got {self.ssd_durability!r}"
-            )
-        _positive_int(self, "block_size")
-        _positive_int(self, "ssd_writer_queue_size")
-        if not isinstance(self.ram_bytes, int) or self.ram_bytes < 0:
-            raise ConfigError("ram_bytes", f"must be an integer >= 0, got {self.ram_bytes!r}")
-        if not isinstance(self.ssd_persistent_max_retries, int) or self.ssd_persistent_max_retries < 0:
-            raise ConfigError("ssd_persistent_max_retries", "must be an integer >= 0")
-        for name in ("ssd_ttl_days", "ssd_flush_interval_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(name, f"must be a number > 0, got {value!r}")
-        for name in ("ssd_enabled", "ssd_async_writes"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(name, "must be true or false")
+    def __init__(self, **values: Any) -> None:
+        """Validate `values` (field names as keywords; omitted fields take their defaults).
+
+        Raises:
+            ConfigError: the first unknown field or invalid value, named.
+        """
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise _config_error(exc) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            raise _config_error(exc) from None
 
     def replace(self, **changes: Any) -> "KVToolConfig":
-        """A copy with `changes` applied (validated)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` applied (validated).
+
+        Raises:
+            ConfigError: an unknown field or invalid value in `changes`.
+        """
+        return type(self)(**{**{name: getattr(self, name) for name in FIELD_NAMES}, **changes})
 
 
-def _positive_int(cfg: KVToolConfig, name: str) -> None:
-    value = getattr(cfg, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(name, f"must be an integer > 0, got {value!r}")
+FIELD_NAMES: tuple[str, ...] = tuple(KVToolConfig.model_fields)
 
 
-FIELD_NAMES = tuple(f.name for f in dataclasses.fields(KVToolConfig))
+def _did_you_mean(name: str) -> str | None:
+    close = difflib.get_close_matches(name, FIELD_NAMES, n=1)
+    return f"did you mean '{close[0]}'?" if close else None
 
 
-def load_config(path: Path | None = None, **overrides: Any) -> KVToolConfig:
-    """Build a config from an optional TOML file, then CLI overrides (None = not given).
+def _config_error(exc: ValidationError) -> ConfigError:
+    """The first error of a pydantic `ValidationError` as a `ConfigError` naming its field."""
+    err = exc.errors(include_url=False)[0]
+    name = ".".join(str(part) for part in err["loc"]) or "<config>"
+    if err["type"] == "extra_forbidden":
+        return ConfigError(name, "unknown field", hint=_did_you_mean(name))
+    cause = err.get("ctx", {}).get("error")
+    return ConfigError(name, str(cause) if isinstance(cause, ValueError) else err["msg"])
 
-    The TOML may hold the fields at top level or under a `[kvtool]` table.
+
+# ----------------------------------------------------------------------------- files
+def read_config_file(path: Path | str) -> dict[str, Any]:
+    """The config fields of a TOML file (top level, or the `[kvtool]` table if there is one).
 
     Raises:
-        ConfigError: unknown field, wrong type or invalid value (the message names the field).
+        FileNotFoundError: `path` does not exist.
+        ConfigError: unreadable, not UTF-8, not TOML, `kvtool` not a table, or an unknown field.
+    """
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ConfigError("<file>", f"{path}: cannot read: {exc.strerror or exc}") from None
+    data = parse_toml(raw, path)
+    if "kvtool" in data:
+        data = data["kvtool"]
+        if not isinstance(data, dict):
+            raise ConfigError("kvtool", f"{path}: must be a [kvtool] table of config fields, got {short_repr(data)}")
+    for key in data:
+        if key not in FIELD_NAMES:
+            raise ConfigError(key, f"unknown field in {path}", hint=_did_you_mean(key))
+    return dict(data)
+
+
+def parse_toml(raw: bytes, path: Path | str) -> dict[str, Any]:
+    """Decode `raw` (UTF-8) and parse it as TOML; every failure is a `ConfigError` naming `path`.
+
+    Raises:
+        ConfigError: not UTF-8 (e.g. a binary file), invalid TOML, or nested too deeply.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError("<file>", f"{path}: not a UTF-8 text file (bad byte at offset {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("<file>", f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError("<file>", f"{path}: invalid TOML: nested too deeply") from None
+
+
+def load_config(path: Path | str | None = None, **overrides: Any) -> KVToolConfig:
+    """Build a config from an optional TOML file, then overrides (None = not given; they win).
+
+    Args:
+        path: TOML file with the fields at top level or under a `[kvtool]` table.
+        **overrides: field values, typically from CLI flags.
+
+    Raises:
+        ConfigError: unknown field, wrong type or invalid value (the message names the field),
+            or a file that cannot be read as TOML.
         FileNotFoundError: `path` does not exist.
     """
-    values: dict[str, Any] = {}
-    if path is not None:
-        with open(path, "rb") as fh:
-            try:
-                data = tomllib.load(fh)
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError("<file>", f"{path}: invalid TOML: {exc}") from None
-        data = data.get("kvtool", data)
-        for key, value in data.items():
-            if key not in FIELD_NAMES:
-                raise ConfigError(key, f"unknown field in {path}")
-            values[key] = value
+    values = read_config_file(path) if path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
     return KVToolConfig(**values)
+

@@ -1,6 +1,13 @@
-"""The `kvtool` command line: wiring only. Each command lives in its own module and registers itself."""
+"""The `kvtool` command line: wiring only. Each command lives in its own module and registers itself.
+
+The root group (`common.KVToolGroup`) turns every bad input, usage errors included, into one
+`error:` line and exit 2; `-h` is an alias of `--help` on every command; `--version` prints
+`kvtool <version>`.
+"""
 
 from __future__ import annotations
+
+from typing import Annotated
 
 import typer
 
@@ -8,17 +15,36 @@ from kvtool.cli import common
 
 app = typer.Typer(
     name="kvtool",
+    cls=common.KVToolGroup,
     help=(
         "Persistent, tiered (RAM over SSD) KV cache for MLX language models.\n\n"
         "Example:\n\n"
         "  kvtool serve-once --prompt-file doc.txt --max-tokens 32   # second run hits the SSD tier\n\n"
         "  kvtool inspect --json"
     ),
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every sub-command
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"kvtool {common.version()}")
+        raise typer.Exit(common.EXIT_OK)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print 'kvtool <version>' and exit."),
+    ] = False,
+) -> None:
+    # Only hosts the root options; the help text is the Typer's.
+    pass
 
 
 def _register() -> None:
@@ -33,7 +59,7 @@ def _register() -> None:
 def main() -> None:
     """Console-script entry point."""
     _register()
-    app()
+    app(prog_name="kvtool")
 
 
 if __name__ == "__main__":  # pragma: no cover
