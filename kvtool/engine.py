@@ -352,13 +352,15 @@ class Engine:
                 break
             res.generated_tokens = len(res.token_ids)
             yield StreamResponse(detok.text[before:], int(token), res)
+        shown = len(detok.text)
         detok.finalize()
+        rest = "" if cut else detok.text[shown:]
         if not cut:
             res.text = detok.text
         res.generated_tokens = len(res.token_ids)
         if t_first is not None and res.generated_tokens > 1:
             res.decode_tokens_per_s = (res.generated_tokens - 1) / max(time.perf_counter() - t_first, 1e-9)
-        yield StreamResponse("", res.token_ids[-1] if res.token_ids else -1, res, res.finish_reason)
+        yield StreamResponse(rest, res.token_ids[-1] if res.token_ids else -1, res, res.finish_reason)
 
     @staticmethod
     def _cut_at_stop(res: RequestResult, text: str, stop: Sequence[str]) -> bool:

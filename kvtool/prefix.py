@@ -183,6 +183,7 @@ class PrefixCache:
         if self.kv is None and self.uncached_reason is None:
             self.uncached_reason = "no KV layout given"
         self._fs = fs
+        self._final_stats: dict[str, int] = {}
         self.config = config
         self.tiered: TieredCache | None = None
         self.layout_key: str | None = None
@@ -231,8 +232,14 @@ class PrefixCache:
         return self.tiered.flush() if self.tiered is not None else True
 
     def close(self) -> ShutdownStatus:
-        """Drain the writer, flush and close the index. Idempotent."""
-        status = self.tiered.close() if self.tiered is not None else ShutdownStatus()
+        """Drain the writer, flush and close the index. Idempotent.
+
+        `stats()` afterwards returns the counters as they were after the drain.
+        """
+        if self.tiered is None:
+            return ShutdownStatus()
+        status = self.tiered.close()
+        self._final_stats = self.tiered.stats()
         self.tiered = None
         return status
 
@@ -244,7 +251,7 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         """Counters of every tier (a snapshot)."""
-        return CacheStats(self.tiered.stats() if self.tiered is not None else {})
+        return CacheStats(self.tiered.stats() if self.tiered is not None else dict(self._final_stats))
 
     @property
     def ssd(self):
@@ -254,6 +261,16 @@ class PrefixCache:
     @property
     def namespace_dir(self):
         return self.ssd.namespace_dir if self.ssd is not None else None
+
+    @property
+    def ssd_disabled_reason(self) -> str | None:
+        """Why the SSD tier is off, disabled or read-only (None if it is fully usable)."""
+        if self.tiered is None:
+            return self.uncached_reason
+        if not self.config.ssd_enabled:
+            return "ssd_enabled = false"
+        ssd = self.tiered.ssd
+        return ssd.disabled_reason if ssd is not None else None
 
     # --------------------------------------------------------------- hashing
     def hashes(self, tokens: Sequence[int] | np.ndarray) -> tuple[list[str], str | None]:

@@ -8,17 +8,23 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvtool.blocks import (
+    KVBuffers,
+    cache_capacity,
     chain_hashes,
     from_host,
+    kv_layout_of,
     layout_key,
+    promote_slices,
     rebuild_cache,
     root_parent,
     slice_blocks,
+    tail_hash,
     to_host,
     unsupported_cache_reason,
 )
+from kvtool.store.segment import KVLayout
 
-LAYOUT = layout_key("model-x", 2, 2, 8, "float32", 4)
+LAYOUT = layout_key("model-x", "2x8x8,2x8x8", "float32", 4, format_version=2)
 token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=0, max_size=64)
 
 
@@ -51,16 +57,22 @@ def test_chain_hash_is_stable_across_processes():
 
 
 def test_layout_key_separates_everything_that_changes_kv():
-    base = dict(model_id="m", n_layers=2, n_kv_heads=2, head_dim=8, kv_dtype="float32", block_size=4)
+    base = dict(model_id="m", kv_spec="2x8x8,2x8x8", kv_dtype="float32", block_size=4, format_version=2)
     keys = {layout_key(**base)}
-    for field, other in [("model_id", "m2"), ("n_layers", 3), ("n_kv_heads", 1), ("head_dim", 16),
-                         ("kv_dtype", "bfloat16"), ("block_size", 8)]:
+    changes = [("model_id", "m2"), ("kv_spec", "2x8x8"), ("kv_spec", "2x8x8,1x8x8"), ("kv_spec", "2x8x4,2x8x4"),
+               ("kv_dtype", "bfloat16"), ("block_size", 8), ("format_version", 99), ("model_class", "x.Model"),
+               ("versions", "mlx=0.0.1"), ("extra", "kv_bits=8")]
+    for field, other in changes:
         keys.add(layout_key(**{**base, field: other}))
-    keys.add(layout_key(**base, format_version=99))
-    assert len(keys) == 8
+    assert len(keys) == len(changes) + 1
     assert chain_hashes([1, 2, 3, 4], 4, layout_key(**base)) != chain_hashes(
         [1, 2, 3, 4], 4, layout_key(**{**base, "model_id": "m2"})
     )
+
+
+def spans(hashes, bs):
+    parents = [root_parent(LAYOUT), *hashes[:-1]]
+    return [(h, p, i * bs, (i + 1) * bs) for i, (h, p) in enumerate(zip(hashes, parents))]
 
 
 def _filled_cache(n_layers, T, dtype):
@@ -78,7 +90,7 @@ def test_slice_and_rebuild_round_trip_bit_exact(dtype):
     cache = _filled_cache(2, T, dtype)
     ids = np.arange(T, dtype=np.int32)
     hashes = chain_hashes(ids, bs, LAYOUT)
-    blocks = slice_blocks(cache, ids, hashes, LAYOUT, 0, len(hashes), bs)
+    blocks = slice_blocks(cache, ids, spans(hashes, bs))
     assert blocks[0].parent_hash == root_parent(LAYOUT)
     assert [b.parent_hash for b in blocks[1:]] == hashes[:-1]
     assert all(b.keys[0].shape == (1, 2, bs, 8) for b in blocks)
@@ -97,7 +109,7 @@ def test_to_host_holds_no_mlx_and_bf16_as_uint16():
     cache = _filled_cache(1, 8, mx.bfloat16)
     ids = np.arange(8, dtype=np.int32)
     hashes = chain_hashes(ids, 4, LAYOUT)
-    host = to_host(slice_blocks(cache, ids, hashes, LAYOUT, 1, 2, 4)[0])
+    host = to_host(slice_blocks(cache, ids, spans(hashes, 4)[1:2])[0])
     assert host.dtype == "bfloat16" and host.keys[0].dtype == np.uint16
     assert isinstance(host.values[0], np.ndarray)
     assert host.token_ids.tolist() == [4, 5, 6, 7]
@@ -108,3 +120,65 @@ def test_unsupported_cache_types_are_named():
     assert "RotatingKVCache" in unsupported_cache_reason([KVCache(), RotatingKVCache(max_size=8)])
     assert "QuantizedKVCache" in unsupported_cache_reason([QuantizedKVCache()])
     assert unsupported_cache_reason([]) is not None
+
+
+@given(token_lists, st.integers(min_value=1, max_value=9))
+def test_tail_hash_exists_iff_partial_block_and_differs_from_blocks(ids, bs):
+    full = chain_hashes(ids, bs, LAYOUT)
+    tail = tail_hash(ids, bs, LAYOUT, full)
+    assert (tail is None) == (len(ids) % bs == 0)
+    if tail is not None:
+        assert tail not in full
+        longer = chain_hashes(ids + [1] * bs, bs, LAYOUT)
+        assert tail not in longer  # a tail never stands in for a full block
+
+
+def test_tail_hash_changes_with_last_token():
+    ids = list(range(10))
+    full = chain_hashes(ids, 4, LAYOUT)
+    other = ids[:-1] + [99]
+    assert tail_hash(ids, 4, LAYOUT, full) != tail_hash(other, 4, LAYOUT, chain_hashes(other, 4, LAYOUT))
+
+
+def test_cache_capacity_leaves_decode_room_on_the_256_step():
+    assert cache_capacity(1) == 256 and cache_capacity(255) == 256
+    assert cache_capacity(256) == 512 and cache_capacity(1000) == 1024
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype):
+    """Restored bytes land in the caches' own buffers; an update within the room copies nothing."""
+    T = 21
+    cache = _filled_cache(2, T, dtype)
+    kv = kv_layout_of(cache)
+    assert kv == KVLayout.uniform(2, 2, 8, "bfloat16" if dtype == mx.bfloat16 else "float32")
+    buf = KVBuffers.allocate(kv, cache_capacity(T))
+    host = to_host(slice_blocks(cache, np.arange(T, dtype=np.int32), [("a" * 32, "b" * 32, 0, T)])[0])
+    buf.place_host(0, host)
+    assert not buf.staged  # CPU: numpy views of MLX memory
+    out = buf.caches(T)
+    for c, r in zip(cache, out):
+        assert r.offset == T and r.keys.shape[2] == cache_capacity(T)
+        assert mx.array_equal(c.keys[..., :T, :], r.keys_and_values()[0]).item()
+        assert mx.array_equal(c.values[..., :T, :], r.keys_and_values()[1]).item()
+    before = np.asarray(out[0].keys.view(mx.uint16) if dtype == mx.bfloat16 else out[0].keys).ctypes.data
+    k = mx.ones((1, 2, 1, 8), dtype)
+    mx.eval(out[0].update_and_fetch(k, k))
+    after = np.asarray(out[0].keys.view(mx.uint16) if dtype == mx.bfloat16 else out[0].keys).ctypes.data
+    assert before == after  # no reallocation, no copy
+
+
+def test_promote_slices_share_the_cache_buffers():
+    cache = _filled_cache(2, 12, mx.float32)
+    blocks = promote_slices(cache, [("a" * 32, "b" * 32, np.arange(4, 8, dtype=np.int32), 4)])
+    assert mx.array_equal(blocks[0].keys[1], cache[1].keys[..., 4:8, :]).item()
+    assert blocks[0].token_ids.tolist() == [4, 5, 6, 7]
+
+
+def test_rebuild_cache_with_capacity_keeps_room():
+    cache = _filled_cache(1, 8, mx.float32)
+    ids = np.arange(8, dtype=np.int32)
+    blocks = slice_blocks(cache, ids, spans(chain_hashes(ids, 4, LAYOUT), 4))
+    (r,) = rebuild_cache(blocks, 1, capacity=256)
+    assert r.offset == 8 and r.keys.shape[2] == 256
+    assert mx.array_equal(r.keys_and_values()[0], cache[0].keys[..., :8, :]).item()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sqlite3
 
 import mlx.core as mx
 import numpy as np
@@ -62,19 +63,23 @@ def test_cold_ram_ssd_and_full_hit_equal_mlx_lm(tiny, prompt_ids, tmp_path):
     cold = eng.generate(prompt_ids, max_tokens=MAX_TOKENS)
     assert cold.token_ids == ref
     assert cold.cached_tokens == 0 and cold.prefill_tokens == len(prompt_ids)
-    assert cold.blocks_written == len(prompt_ids) // BS
+    assert cold.blocks_written == len(prompt_ids) // BS + 1  # full blocks + the tail entry
 
-    ram = eng.generate(prompt_ids, max_tokens=MAX_TOKENS)
+    ram = eng.generate(prompt_ids, max_tokens=MAX_TOKENS)  # exact replay: a full hit thanks to the tail
     assert ram.token_ids == ref
-    assert ram.ram_hit_tokens == n_full and ram.ssd_hit_tokens == 0
-    assert ram.prefill_tokens == len(prompt_ids) - n_full
+    assert ram.ram_hit_tokens == len(prompt_ids) - 1 and ram.ssd_hit_tokens == 0
+    assert ram.prefill_tokens == 1
     assert eng.close().shutdown_clean
 
     eng2 = make_engine(tiny, tmp_path)  # a restart: empty RAM tier, same SSD tier
     ssd = eng2.generate(prompt_ids, max_tokens=MAX_TOKENS)
     assert ssd.token_ids == ref
-    assert ssd.ssd_hit_tokens == n_full and ssd.ram_hit_tokens == 0
+    assert ssd.ssd_hit_tokens == len(prompt_ids) - 1 and ssd.ram_hit_tokens == 0
     assert ssd.prompt_tokens == ssd.cached_tokens + ssd.prefill_tokens
+    # a changed last token misses the tail entry only
+    changed = list(prompt_ids[:-1]) + [prompt_ids[-1] + 1]
+    res = eng2.generate(changed, max_tokens=MAX_TOKENS)
+    assert res.cached_tokens == n_full and res.token_ids == reference_tokens(tiny.model, tiny.tokenizer, changed)
     eng2.close()
 
     # full hit: a prompt that is exactly its full blocks
@@ -114,18 +119,13 @@ def test_logits_with_cached_prefix_are_bit_identical(dtype, prompt_ids, tmp_path
     eng = make_engine(loaded, tmp_path)
     eng.generate(prompt_ids, max_tokens=1)  # writes blocks to SSD (sync writer)
     eng.close()
-    eng = make_engine(loaded, tmp_path)  # fresh RAM: blocks come from safetensors files
-    ids = np.asarray(prompt_ids, dtype=np.int32)
-    hashes = chain_hashes(ids, BS, eng.layout_key)
-    found = eng.tiered.lookup(hashes, ids)
-    assert len(found.blocks) == len(hashes) and found.ssd_blocks == len(hashes)
-    assert found.blocks[0].keys[0].dtype == dtype
-    cache = rebuild_cache(found.blocks, eng.geometry.n_layers)
-    k = len(found.blocks) * BS
-    cached = _last_logits(loaded.model, prompt_ids[k:], cache)
+    eng = make_engine(loaded, tmp_path)  # fresh RAM: blocks come from segment files
+    hit = eng.cache.fetch(prompt_ids)
+    assert hit.ssd_tokens == len(prompt_ids) - 1 and hit.cache[0].keys.dtype == dtype
+    cached = _last_logits(loaded.model, hit.remaining.tolist(), hit.cache)
     assert cached.dtype == uncached.dtype
     assert mx.array_equal(cached, uncached).item()
-    eng.tiered.release(found)
+    eng.cache.release(hit)
     eng.close()
 
 
@@ -141,7 +141,7 @@ def test_embedded_model_is_context_sensitive_per_block(tiny, prompt_ids, tmp_pat
         damaged = [copy.copy(b) for b in blocks]
         damaged[i] = Block(blocks[i].block_hash, blocks[i].parent_hash, blocks[i].token_ids,
                            [mx.zeros_like(k) for k in blocks[i].keys], [mx.zeros_like(v) for v in blocks[i].values])
-        cache = rebuild_cache(damaged, eng.geometry.n_layers)
+        cache = rebuild_cache(damaged, len(blocks[0].keys))
         model_out = eng.model(mx.array(ids[4 * BS : -1])[None], cache=cache)
         mx.eval(model_out)
         toks = [int(t) for t, _ in generate_step(mx.array(ids[-1:]), tiny.model, max_tokens=MAX_TOKENS, prompt_cache=cache)]
@@ -205,4 +205,49 @@ def test_forgotten_close_still_drains_and_exits(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert int(out.stdout.strip()) == len(list(tmp_path.glob("*/*/*.safetensors"))) > 0
+    (db,) = tmp_path.glob("*/index.sqlite")
+    rows = sqlite3.connect(db).execute("SELECT COUNT(*) FROM blocks").fetchone()[0]
+    assert int(out.stdout.strip()) == rows > 0
+
+
+def _damage_record(eng, block_hash: str) -> None:
+    """Flip one byte in the middle of a block's record inside its segment file."""
+    row = eng.cache.ssd.index.get(block_hash)
+    path = eng.cache.ssd.namespace_dir / row.segment[:2] / f"{row.segment}.safetensors"
+    from kvtool.store import segment as seg
+    import os
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        slot = seg.read_header(fd, os.fstat(fd).st_size).slots[row.slot]
+        at = slot.offset + slot.nbytes // 2
+        byte = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([byte[0] ^ 0x40]), at)
+    finally:
+        os.close(fd)
+
+
+def test_corrupt_block_mid_chain_cuts_there_and_output_stays_exact(tiny, prompt_ids, tmp_path):
+    ref = reference_tokens(tiny.model, tiny.tokenizer, prompt_ids)
+    eng = make_engine(tiny, tmp_path)
+    eng.generate(prompt_ids, max_tokens=1)
+    hashes = chain_hashes(np.asarray(prompt_ids, dtype=np.int32), BS, eng.layout_key)
+    eng.close()
+    eng = make_engine(tiny, tmp_path)
+    _damage_record(eng, hashes[2])
+    res = eng.generate(prompt_ids, max_tokens=MAX_TOKENS)
+    assert res.ssd_hit_tokens == 2 * BS and res.token_ids == ref
+    assert eng.stats()["ssd_load_corrupt"] >= 1
+    again = eng.generate(prompt_ids, max_tokens=MAX_TOKENS)  # the recomputed blocks were stored again
+    assert again.token_ids == ref and again.cached_tokens == len(prompt_ids) - 1
+    eng.close()
+
+
+def test_stream_yields_the_generate_tokens(tiny, prompt_ids, tmp_path):
+    eng = make_engine(tiny, tmp_path)
+    steps = list(eng.stream(prompt_ids, max_tokens=MAX_TOKENS))
+    assert steps[-1].finish_reason in ("length", "stop")
+    tokens = [s.token for s in steps[:-1]]
+    assert tokens == steps[-1].result.token_ids == reference_tokens(tiny.model, tiny.tokenizer, prompt_ids)
+    assert "".join(s.text for s in steps) == steps[-1].result.text
+    eng.close()

@@ -38,7 +38,6 @@ from kvtool.bench.baseline_mlxlm import PromptCacheBaseline
 from kvtool.bench.sweep import BASELINE_MLXLM, Cell, SweepSpec
 from kvtool.bench.workloads import DropPageCache, Request, Restart, Workload, WorkloadContext, build_workload
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 PAGE_CACHE_METHOD = "posix_fadvise(POSIX_FADV_DONTNEED) per block file, after fsync"
 BLOCK_SUFFIX = ".safetensors"
 
@@ -73,10 +72,8 @@ class _Context:
 
 def kv_bytes_per_token(engine: Any) -> int:
     """Raw KV bytes of one token over all layers (keys and values); 0 if unknown."""
-    g = getattr(engine, "geometry", None)
-    if g is None:
-        return 0
-    return 2 * g.n_layers * g.n_kv_heads * g.head_dim * DTYPE_BYTES.get(g.dtype, 4)
+    kv = engine.cache.kv if getattr(engine, "cache", None) is not None else None
+    return kv.token_nbytes() if kv is not None else 0
 
 
 def default_run_id(spec: SweepSpec) -> str:
@@ -354,7 +351,7 @@ def _run_document(ctx: _Context, run_id: str, config_path: Path | None, started:
             "name": getattr(loaded, "name", None),
             "model_id": getattr(loaded, "model_id", None),
             "path": str(getattr(loaded, "path", "")) or None,
-            "geometry": asdict(engine.geometry) if getattr(engine, "geometry", None) else None,
+            "kv_layout": {"layers": engine.cache.kv.spec, "dtype": engine.cache.kv.dtype} if engine.cache.kv else None,
             "kv_bytes_per_token": kv_bytes_per_token(engine),
         },
         "page_cache_drop": {

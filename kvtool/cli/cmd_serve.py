@@ -103,6 +103,7 @@ def serve_once(
 
 def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
     results, interrupted = [], None
+    warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:
         for i, req in enumerate(reqs):
             try:
@@ -120,8 +121,9 @@ def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
         interrupted = exc
     finally:
         common.ignore_signals()  # the clean path also on SIGINT/SIGTERM: drain, flush, then exit
-        stats = engine.stats()
+        ssd_reason = engine.cache.ssd_disabled_reason
         status = engine.close()
+        stats = engine.stats()  # after the drain: every accepted write is counted
     if json_out:
         doc = {
             "requests": [r.to_dict() for r in results],
@@ -130,6 +132,8 @@ def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
             "shutdown_partial_flush": status.shutdown_partial_flush,
             "layout_key": engine.layout_key,
             "uncached_reason": engine.uncached_reason,
+            "ssd_disabled_reason": ssd_reason if engine.uncached_reason is None else None,
+            "warmup_ms": round(warmup_ms, 3),
         }
         if interrupted is not None:
             doc["interrupted"] = interrupted.args[0]

@@ -172,10 +172,10 @@ def check_engine(engine) -> None:
     """
     if engine.uncached_reason is not None:
         raise WarmError(f"this model cannot be cached: {engine.uncached_reason}")
-    ssd = engine.tiered.ssd if engine.tiered is not None else None
+    ssd = engine.cache.ssd
     if ssd is None:
         raise WarmError("the SSD tier is off (ssd_enabled = false): nothing to warm")
-    if not ssd.enabled:
+    if not ssd.enabled or ssd.read_only:
         raise WarmError(f"the SSD tier is unavailable: {ssd.disabled_reason}")
 
 
