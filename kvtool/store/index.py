@@ -22,6 +22,7 @@ This module never imports MLX (the SSD writer thread calls it).
 from __future__ import annotations
 
 import math
+import re
 import sqlite3
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from kvtool.store.names import INDEX_FILENAME, is_hash, is_segment_name
 
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
+_FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
 FUTURE_SKEW_S = 60.0  # an access time further ahead than this is clamped to now
 _MAX_VARS = 500  # host parameters per statement (well below SQLite's limit)
 
@@ -103,10 +105,15 @@ class IndexRow:
     @classmethod
     def from_db(cls, values: Sequence[object]) -> "IndexRow | None":
         """A row from raw column values, or None if any value is malformed (NULL, wrong type,
-        out of range, a hash or segment name that is not 32 hex digits)."""
+        out of range, a hash or segment name that is not 32 lowercase hex digits)."""
         h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
+        try:  # one regex over the four names joined: 4 x 32 hex digits (this is the hot path)
+            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest):  # type: ignore[operator]
+                return None
+        except TypeError:
+            return None
         nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
-        if not (is_hash(h) and is_hash(parent) and is_segment_name(seg) and is_hash(digest)) or None in nums:
+        if None in nums:
             return None
         return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]
 
@@ -394,10 +401,17 @@ class BlockIndex:
         Raises:
             sqlite3.Error: only from an automatic flush (the buffer is kept for a retry).
         """
+        self.touch_many([block_hash], t)
+
+    def touch_many(self, hashes: Iterable[str], t: float | None = None) -> None:
+        """`touch` for several blocks at once (one lock, one overdue check)."""
         with self._lock:
             now = self._clock()
             t = now if t is None else t
-            self._pending[block_hash] = max(t, self._pending.get(block_hash, t))
+            pending = self._pending
+            for h in hashes:
+                old = pending.get(h)
+                pending[h] = t if old is None or old < t else old
             if self._pending_since is None:
                 self._pending_since = now
             elif now - self._pending_since >= self.flush_interval_s:

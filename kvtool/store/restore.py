@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_READERS = 4  # reads in flight; measured: ~2x cold bandwidth of one reader on this disk
 TASK_BYTES = 8 << 20  # records per reader task: ~8 MiB
+PARALLEL_MIN_BYTES = 32 << 20  # below this, thread hand-offs cost more than they overlap
 
 DestFn = Callable[[int, int], Sequence[np.ndarray]]
 
@@ -180,7 +181,7 @@ def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[i
 def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool) -> dict[int, tuple[str, str]]:
     tasks = _tasks(items)
     failures: dict[int, tuple[str, str]] = {}
-    if not parallel or len(tasks) <= 1:
+    if not parallel or len(tasks) <= 1 or sum(it.slot.nbytes for it in items) < PARALLEL_MIN_BYTES:
         for task in tasks:
             failures.update(_read_task(task, token_ids, dest))
             if failures:

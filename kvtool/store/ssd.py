@@ -425,8 +425,11 @@ class SSDStore:
 
     def record_hits(self, hashes: Sequence[str], nbytes: int) -> None:
         """Count verified loads and touch their rows (batched access-time update)."""
-        for h in hashes:
-            self._touch(h)
+        if not self.read_only and self.index is not None:
+            try:
+                self.index.touch_many(hashes, self._clock())
+            except (sqlite3.Error, AttributeError) as exc:
+                self._index_error("touch", exc)
         self._inc("ssd_load_hits", len(hashes))
         self._inc("ssd_bytes_read", nbytes)
 
