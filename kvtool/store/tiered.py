@@ -30,6 +30,7 @@ from kvtool.store.writer import make_writer
 log = logging.getLogger("kvtool")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+WRITE_BATCH_BYTES = 64 << 20  # = the store's segment size cap
 
 
 @dataclass
@@ -135,14 +136,19 @@ class TieredCache:
             self._send_to_writer(todo)
 
     def _send_to_writer(self, blocks: Sequence[Block]) -> None:
-        """Host copies of the blocks, handed to the writer as one batch (one segment)."""
+        """Host copies of the blocks, handed to the writer in batches of at most
+        `WRITE_BATCH_BYTES` (each becomes one segment; a batch never exceeds the writer's queue)."""
         try:
-            hosts = [to_host(b) for b in blocks]
-            if hasattr(self.writer, "enqueue_many"):
-                self.writer.enqueue_many(hosts)
-            else:
-                for host in hosts:
-                    self.writer.enqueue(host)
+            batch: list[HostBlock] = []
+            size = 0
+            for b in blocks:
+                if batch and size + b.nbytes > WRITE_BATCH_BYTES:
+                    self.writer.enqueue_many(batch)
+                    batch, size = [], 0
+                batch.append(to_host(b))
+                size += b.nbytes
+            if batch:
+                self.writer.enqueue_many(batch)
         except Exception:  # the cache must never fail a request
             log.exception("SSD write of %d block(s) failed", len(blocks))
 

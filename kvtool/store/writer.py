@@ -1,205 +1,116 @@
 """SSD block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
 
-Both take `HostBlock`s (numpy, already materialised on the request thread) and hand them to
-`SSDStore.save_block`, so this module never imports MLX. They share one interface, so the tiered
-cache treats them alike: `enqueue`, `get_pending`, `queue_depth`, `flush`, `stop`, `get_stats`.
+Both take batches of `HostBlock`s (numpy, already materialised on the request thread) and hand
+each batch to `SSDStore.save_blocks` in one call — one segment file per batch (per 64 MiB of it),
+not one file per block — so this module never imports MLX. They share one interface, so the
+tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue_depth`, `flush`,
+`stop`, `get_stats`. The batch plumbing (counters, retry policy, queue) is in `writer_batch`.
 
-`AsyncWriter` follows seed 000 §2 ("SSDWriterThread"):
-- a bounded `queue.Queue` fed by `enqueue`, drained by one non-daemon worker thread;
+`AsyncWriter` follows seed 000 §2 ("SSDWriterThread"), with a batch as the queue item:
+- a bounded queue fed by `enqueue_many` (one item per call), drained by one non-daemon worker
+  thread. When the worker takes an item it also takes the batches queued right behind it, up to
+  `batch_max_bytes` in all, and saves them with one `save_blocks` call, so concurrent small
+  enqueues coalesce into one segment. Blocks keep their order.
+- the queue is bounded in bytes: the sum of `HostBlock.nbytes` of the blocks queued and being
+  written stays within `max_queue_bytes` (and the blocks queued within `queue_size`). One batch
+  larger than a bound is accepted when the queue holds nothing (it could never be queued
+  otherwise), so the writer holds at most `max(max_queue_bytes, largest batch)` bytes; blocks
+  saved synchronously (level 2 below) are held by their caller's thread meanwhile.
 - `_pending` (hash -> block) de-duplicates a hash already queued and serves `get_pending`, so a
   block queued but not yet written is still a cache hit; an entry leaves only after its save
-  attempt (retries included) has finished;
-- 3-level backpressure (seed levels 0, 1, 2): `put_nowait` -> `put` with a 50 ms timeout ->
-  synchronous save on the caller's thread;
+  attempt (retries included) has finished.
+- 3-level backpressure per batch (seed levels 0, 1, 2): queue at once if it fits -> wait up to
+  `ENQUEUE_WAIT_S` (50 ms) for room -> synchronous save of the batch on the caller's thread.
 - deterministic shutdown: `stop()` sets `_closing` under `_life_lock`, waits for the in-flight
-  `enqueue` calls to leave, then puts the sentinel, which is therefore always last in the queue.
+  `enqueue_many` calls to leave, then puts the sentinel, which is therefore always last in the
+  queue. The sentinel is exempt from the bounds (it holds no bytes), so it can always be put.
 
 One deviation from the seed, to keep the non-daemon thread from outliving a timed-out `stop()`:
 the sentinel is placed by whoever sees "closing and no enqueue in flight" first — `stop()`, or the
-last in-flight `enqueue` if `stop()` already gave up — with `put_nowait`; if the queue is full at
-that moment the worker exits on its own once it has drained the queue (nothing can be queued
-after closing, so an empty queue is final).
+last in-flight `enqueue_many` if `stop()` already gave up.
 
-Durability (issue 3 §2): `best_effort` makes one attempt per block; `persistent` and `durable`
-retry a failed write (`'error'` or an exception) up to `max_retries` more times with exponential
-backoff from `retry_backoff_s`, inline on the thread doing the save, then log a WARNING and count
-`writer_retry_final_fail`. A `'collision'` or `'dedup'` answer is final, never retried. The RAM
-copy is never rolled back. Fsync under `durable` is the store's job. Once a `stop()` has timed
-out, no new retry starts (and a backoff wait is cut short), so a dead disk cannot keep the
-non-daemon thread alive for `queue_size` times the backoff series.
+Durability (issue 3 §2): `best_effort` makes one attempt per batch; `persistent` and `durable`
+retry the blocks of a batch whose outcome was `'error'` (the whole batch after an exception) up to
+`max_retries` more rounds with exponential backoff from `retry_backoff_s`, inline on the thread
+doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'collision'` or
+`'dedup'` answer is final, never retried. The RAM copy is never rolled back. Fsync under `durable`
+is the store's job. Once a `stop()` has timed out, no new retry round starts (and a backoff wait
+is cut short), so a dead disk cannot keep the non-daemon thread alive through backoff series.
 
-Counters (`writer_` prefix, seed 000 §5):
-    writer_enqueue_total             blocks accepted by `enqueue` (it returned True)
-    writer_enqueue_dedup_skip        enqueue of a hash already pending (returned False)
-    writer_enqueue_rejected          enqueue after `stop()` or while the store is disabled
+Counters (`writer_` prefix, seed 000 §5); every one counts BLOCKS unless it says otherwise:
+    writer_enqueue_total             blocks accepted by `enqueue_many`
+    writer_enqueue_dedup_skip        blocks skipped: hash already pending (or twice in one batch)
+    writer_enqueue_rejected          blocks offered after `stop()` or while the store is disabled
     writer_save_success              blocks the store answered 'saved'
     writer_dedup                     blocks the store answered 'dedup' (already on SSD)
     writer_collision                 blocks the store answered 'collision'
     writer_save_fail                 blocks whose last attempt failed ('error' or exception)
-    writer_queue_full_sync_fallback  level-2 backpressure: saved on the caller's thread
-    writer_backpressure_waits        level-1 backpressure: `put_nowait` failed, waited up to 50 ms
-    writer_retry_attempts            retries made (not counting first attempts)
+    writer_queue_full_sync_fallback  level-2 backpressure: blocks saved on the caller's thread
+    writer_backpressure_waits        level-1 backpressure: enqueue calls (batches) that waited
+    writer_retry_attempts            block retries made (not counting first attempts)
     writer_retry_final_fail          blocks given up after all retries (persistent / durable)
-`get_stats()` adds two gauges: `writer_queue_depth` and `writer_pending`.
+`get_stats()` adds three gauges: `writer_queue_depth` (blocks queued), `writer_pending` (blocks
+accepted, not yet attempted) and `writer_pending_bytes` (their `nbytes`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from kvtool.config import DURABILITY_MODES
+from kvtool.store.writer_batch import (
+    COUNTER_NAMES,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_BACKOFF_S,
+    RETRY_MODES,
+    SAVE_OUTCOMES,
+    Batch,
+    BatchQueue,
+    Counters,
+    RetryPolicy,
+    batch_nbytes,
+    describe,
+)
 
 if TYPE_CHECKING:
-    from kvtool.hostblock import HostBlock
     from kvtool.config import KVToolConfig
+    from kvtool.hostblock import HostBlock
+
+__all__ = [
+    "COUNTER_NAMES", "DEFAULT_BATCH_MAX_BYTES", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_RETRIES",
+    "DEFAULT_QUEUE_SIZE", "DEFAULT_RETRY_BACKOFF_S", "ENQUEUE_WAIT_S", "RETRY_MODES", "SAVE_OUTCOMES",
+    "AsyncWriter", "BlockSink", "RetryPolicy", "SyncWriter", "Writer", "make_writer",
+]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_QUEUE_SIZE = 512
-DEFAULT_MAX_RETRIES = 3
-DEFAULT_RETRY_BACKOFF_S = 0.05
+DEFAULT_QUEUE_SIZE = 512  # blocks queued (`ssd_writer_queue_size`)
+DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of HostBlock.nbytes)
+DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_FLUSH_TIMEOUT_S = 60.0
-ENQUEUE_WAIT_S = 0.05  # level-1 backpressure: how long `enqueue` waits for room in the queue
-RETRY_MODES = ("persistent", "durable")
-
-SAVE_OUTCOMES = ("saved", "dedup", "collision", "error")
-_OUTCOME_COUNTER = {
-    "saved": "writer_save_success",
-    "dedup": "writer_dedup",
-    "collision": "writer_collision",
-    "error": "writer_save_fail",
-}
-COUNTER_NAMES = (
-    "writer_enqueue_total",
-    "writer_enqueue_dedup_skip",
-    "writer_enqueue_rejected",
-    "writer_save_success",
-    "writer_dedup",
-    "writer_collision",
-    "writer_save_fail",
-    "writer_queue_full_sync_fallback",
-    "writer_backpressure_waits",
-    "writer_retry_attempts",
-    "writer_retry_final_fail",
-)
+ENQUEUE_WAIT_S = 0.05  # level-1 backpressure: how long `enqueue_many` waits for room (seconds)
+QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field read by make_writer
 
 
 class BlockSink(Protocol):
-    """What a writer needs from `SSDStore`."""
+    """What a writer needs from `SSDStore`: the writers call only `save_blocks` (one call per
+    batch, one outcome per block, in order); `save_block` stays for older callers."""
 
     enabled: bool
+
+    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]: ...
 
     def save_block(self, block: HostBlock) -> str: ...
 
     def stats(self) -> dict: ...
 
 
-class _Counters:
-    """The `writer_*` counters, shared by producers and the worker (`_stats_lock`)."""
-
-    def __init__(self) -> None:
-        self._stats_lock = threading.Lock()
-        self._stats = dict.fromkeys(COUNTER_NAMES, 0)
-
-    def inc(self, key: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[key] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._stats_lock:
-            return dict(self._stats)
-
-
-def _attempt(store: BlockSink, block: HostBlock) -> str:
-    """One `save_block` call; an exception or an unknown answer counts as 'error'."""
-    try:
-        outcome = store.save_block(block)
-    except Exception:
-        logger.warning("SSD save of block %s raised", block.block_hash, exc_info=True)
-        return "error"
-    if outcome not in SAVE_OUTCOMES:
-        logger.warning("SSD save of block %s returned %r; treated as 'error'", block.block_hash, outcome)
-        return "error"
-    return outcome
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How a writer saves one block under a durability mode (shared by both writers).
-
-    Attributes:
-        durability: 'best_effort' (one attempt) | 'persistent' | 'durable' (retries).
-        max_retries: retries after the first failed attempt (retry modes only).
-        backoff_s: delay before the first retry; doubles for each further retry.
-        sleep: how to wait between attempts (injectable for tests).
-    """
-
-    durability: str = "best_effort"
-    max_retries: int = DEFAULT_MAX_RETRIES
-    backoff_s: float = DEFAULT_RETRY_BACKOFF_S
-    sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.durability not in DURABILITY_MODES:
-            raise ValueError(f"durability must be one of {', '.join(DURABILITY_MODES)}, got {self.durability!r}")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
-            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
-        if self.backoff_s < 0:
-            raise ValueError(f"retry backoff must be >= 0, got {self.backoff_s!r}")
-
-    @property
-    def retries(self) -> int:
-        """Retries allowed after a failed first attempt (0 under best_effort)."""
-        return self.max_retries if self.durability in RETRY_MODES else 0
-
-    def save(
-        self, store: BlockSink, block: HostBlock, counters: _Counters, abort: threading.Event | None = None
-    ) -> str:
-        """Save `block`, retrying failures as the durability mode says; count the outcome.
-
-        Args:
-            store, block: what to save where.
-            counters: the writer's counters.
-            abort: once set, no further retry is started (a `stop()` that timed out).
-
-        Returns:
-            The final outcome: 'saved' | 'dedup' | 'collision' | 'error'. Never raises for
-            store failures.
-        """
-        aborted = abort.is_set if abort is not None else lambda: False
-        outcome = _attempt(store, block)
-        done = 0
-        while outcome == "error" and done < self.retries and not aborted():
-            self.sleep(self.backoff_s * (2**done))
-            if aborted():
-                break
-            done += 1
-            counters.inc("writer_retry_attempts")
-            outcome = _attempt(store, block)
-        counters.inc(_OUTCOME_COUNTER[outcome])
-        if outcome == "error":
-            self._report_failure(block, counters, done)
-        elif outcome == "collision":
-            logger.warning("SSD refused block %s: hash collision (kept in RAM only)", block.block_hash)
-        return outcome
-
-    def _report_failure(self, block: HostBlock, counters: _Counters, retries_done: int) -> None:
-        if self.durability in RETRY_MODES:
-            counters.inc("writer_retry_final_fail")
-            logger.warning(
-                "SSD write of block %s failed after %d retries (%s%s); kept in RAM only",
-                block.block_hash, retries_done, self.durability,
-                "" if retries_done == self.retries else ", retries cut short by shutdown",
-            )
-        else:
-            logger.warning("SSD write of block %s failed (best_effort); kept in RAM only", block.block_hash)
+_Counters = Counters  # the old private name
 
 
 class _WriterBase:
@@ -208,7 +119,7 @@ class _WriterBase:
     def __init__(self, store: BlockSink, policy: RetryPolicy) -> None:
         self._store = store
         self._policy = policy
-        self._counters = _Counters()
+        self._counters = Counters()
 
     @property
     def durability(self) -> str:
@@ -217,14 +128,22 @@ class _WriterBase:
     def _store_enabled(self) -> bool:
         return bool(getattr(self._store, "enabled", True))
 
-    def _save(self, block: HostBlock, abort: threading.Event | None = None) -> str:
-        return self._policy.save(self._store, block, self._counters, abort)
+    def _save(self, blocks: list[HostBlock], abort: threading.Event | None = None) -> list[str]:
+        return self._policy.save_batch(self._store, blocks, self._counters, abort)
+
+    def enqueue(self, block: HostBlock) -> bool:
+        """`enqueue_many([block]) == 1`: True if `block` was accepted."""
+        return self.enqueue_many([block]) == 1
+
+    def enqueue_many(self, blocks: Sequence[HostBlock]) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
 
     def get_stats(self) -> dict[str, int]:
-        """Snapshot of the `writer_*` counters plus the `writer_queue_depth` / `writer_pending` gauges."""
+        """Snapshot of the `writer_*` counters plus the queue-depth and pending gauges."""
         stats: dict[str, Any] = self._counters.snapshot()
         stats["writer_queue_depth"] = self.queue_depth()
         stats["writer_pending"] = self._pending_count()
+        stats["writer_pending_bytes"] = self.pending_bytes()
         return stats
 
     def queue_depth(self) -> int:  # pragma: no cover - overridden
@@ -233,9 +152,23 @@ class _WriterBase:
     def _pending_count(self) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def pending_bytes(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _unique(blocks: Sequence[HostBlock], skip: Callable[[str], bool] = lambda h: False) -> list[HostBlock]:
+    """`blocks` in order without repeated hashes, nor hashes for which `skip` is true."""
+    seen: set[str] = set()
+    out = []
+    for b in blocks:
+        if b.block_hash not in seen and not skip(b.block_hash):
+            seen.add(b.block_hash)
+            out.append(b)
+    return out
+
 
 class SyncWriter(_WriterBase):
-    """Writes each block on the caller's thread, with the same retry policy as `AsyncWriter`."""
+    """Writes each batch on the caller's thread, with the same retry policy as `AsyncWriter`."""
 
     def __init__(
         self,
@@ -249,14 +182,28 @@ class SyncWriter(_WriterBase):
         super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep))
         self._closed = False
 
-    def enqueue(self, block: HostBlock) -> bool:
-        """Save `block` now (retries included). False if stopped or the store is disabled."""
+    def enqueue_many(self, blocks: Sequence[HostBlock]) -> int:
+        """Save `blocks` now with one `save_blocks` call (retries included).
+
+        Args:
+            blocks: the batch, in write order; a hash repeated in it is saved once (the
+                repeats count as `writer_enqueue_dedup_skip`).
+
+        Returns:
+            How many blocks were accepted (and attempted); 0 if stopped or the store is disabled.
+        """
+        blocks = list(blocks)
+        if not blocks:
+            return 0
         if self._closed or not self._store_enabled():
-            self._counters.inc("writer_enqueue_rejected")
-            return False
-        self._counters.inc("writer_enqueue_total")
-        self._save(block)
-        return True
+            self._counters.inc("writer_enqueue_rejected", len(blocks))
+            return 0
+        batch = _unique(blocks)
+        if len(batch) < len(blocks):
+            self._counters.inc("writer_enqueue_dedup_skip", len(blocks) - len(batch))
+        self._counters.inc("writer_enqueue_total", len(batch))
+        self._save(batch)
+        return len(batch)
 
     def get_pending(self, block_hash: str) -> HostBlock | None:
         """Nothing is ever pending: always None."""
@@ -266,6 +213,9 @@ class SyncWriter(_WriterBase):
         return 0
 
     def _pending_count(self) -> int:
+        return 0
+
+    def pending_bytes(self) -> int:
         return 0
 
     def flush(self, timeout: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> bool:
@@ -281,7 +231,7 @@ class SyncWriter(_WriterBase):
 @dataclass
 class _Pending:
     block: HostBlock
-    ticket: int  # acceptance order, for flush()
+    ticket: int  # acceptance order (per batch), for flush()
 
 
 _LIVE_WRITERS: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
@@ -303,15 +253,26 @@ if hasattr(threading, "_register_atexit"):  # CPython >= 3.9
     threading._register_atexit(_drain_at_exit)
 
 
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+    return value
+
+
 class AsyncWriter(_WriterBase):
-    """Writes blocks from one background (non-daemon) thread; see the module docstring.
+    """Writes batches from one background (non-daemon) thread; see the module docstring.
 
     Args:
-        store: the SSD store (`save_block`, `enabled`, `stats`).
-        queue_size: bound of the queue (blocks).
+        store: the SSD store (`save_blocks`, `enabled`, `stats`).
+        queue_size: bound of the blocks waiting in the queue (blocks; `ssd_writer_queue_size`).
         durability: 'best_effort' | 'persistent' | 'durable'.
-        max_retries: retries of a failed write under persistent / durable.
-        retry_backoff_s: delay before the first retry (doubling after).
+        max_retries: retry rounds of a batch's failed blocks under persistent / durable.
+        retry_backoff_s: delay before the first retry round (seconds, doubling after).
+        max_queue_bytes: bound of the bytes queued and being written (sum of `HostBlock.nbytes`);
+            a batch larger than it is accepted when the queue holds nothing.
+        batch_max_bytes: the worker merges queued batches into one `save_blocks` call up to
+            this many bytes (a single larger batch is saved whole).
+        enqueue_wait_s: level-1 backpressure: how long `enqueue_many` waits for room (seconds).
         sleep: wait between retries (injectable for tests); by default a wait that a timed-out
             `stop()` interrupts.
     """
@@ -324,15 +285,23 @@ class AsyncWriter(_WriterBase):
         max_retries: int = DEFAULT_MAX_RETRIES,
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         *,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+        enqueue_wait_s: float = ENQUEUE_WAIT_S,
         sleep: Callable[[float], None] | None = None,
     ) -> None:
-        if not isinstance(queue_size, int) or queue_size <= 0:
-            raise ValueError(f"queue_size must be an integer > 0, got {queue_size!r}")
+        _positive_int("queue_size", queue_size)
+        _positive_int("max_queue_bytes", max_queue_bytes)
+        _positive_int("batch_max_bytes", batch_max_bytes)
+        if not enqueue_wait_s >= 0:
+            raise ValueError(f"enqueue_wait_s must be >= 0, got {enqueue_wait_s!r}")
         # set when stop() times out: no new retries, so a dead disk cannot keep the
-        # non-daemon thread (and the process) alive for queue_size x the backoff series
+        # non-daemon thread (and the process) alive for the whole queue x the backoff series
         self._give_up = threading.Event()
         super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait))
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._queue = BatchQueue(queue_size, max_queue_bytes)
+        self._batch_max_bytes = batch_max_bytes
+        self._enqueue_wait_s = enqueue_wait_s
         self._sentinel = object()
 
         self._pending: dict[str, _Pending] = {}
@@ -343,28 +312,39 @@ class AsyncWriter(_WriterBase):
         self._life_lock = threading.Lock()
         self._no_inflight = threading.Condition(self._life_lock)
         self._closing = False
-        self._sealed = False  # closing, no enqueue in flight: nothing more can be queued
-        self._sentinel_queued = False
+        self._sealed = False  # closing, no enqueue in flight: the sentinel is queued
         self._inflight_enqueues = 0
 
         self._thread = threading.Thread(target=self._run, name="kvtool-ssd-writer", daemon=False)
         self._thread.start()
         _LIVE_WRITERS.add(self)
 
+    @property
+    def max_queue_bytes(self) -> int:
+        """Bound of the bytes queued and being written."""
+        return self._queue.max_bytes
+
     # ---- producer side -------------------------------------------------------------------
 
-    def enqueue(self, block: HostBlock) -> bool:
-        """Queue `block` for writing (or save it now if the queue stays full).
+    def enqueue_many(self, blocks: Sequence[HostBlock]) -> int:
+        """Queue `blocks` as one batch (or save them now if the queue stays full).
+
+        Args:
+            blocks: the batch, in write order. Blocks whose hash is already pending (or
+                repeated in the batch) are skipped and counted as `writer_enqueue_dedup_skip`.
 
         Returns:
-            True if accepted (it will be attempted before `stop()` returns True); False if the
-            writer is closing, the store is disabled, or the hash is already pending.
+            How many blocks were accepted (each will be attempted before `stop()` returns
+            True); 0 if the writer is closing or the store is disabled.
         """
+        blocks = list(blocks)
+        if not blocks:
+            return 0
         if not self._store_enabled() or not self._enter():
-            self._counters.inc("writer_enqueue_rejected")
-            return False
+            self._counters.inc("writer_enqueue_rejected", len(blocks))
+            return 0
         try:
-            return self._accept(block)
+            return self._accept(blocks)
         finally:
             self._leave()
 
@@ -382,78 +362,65 @@ class AsyncWriter(_WriterBase):
                 self._seal_locked()
                 self._no_inflight.notify_all()
 
-    def _accept(self, block: HostBlock) -> bool:
+    def _accept(self, blocks: list[HostBlock]) -> int:
         with self._pending_lock:
-            if block.block_hash in self._pending:
-                self._counters.inc("writer_enqueue_dedup_skip")
-                return False
-            self._pending[block.block_hash] = _Pending(block, self._next_ticket)
+            batch = _unique(blocks, self._pending.__contains__)
+            for b in batch:
+                self._pending[b.block_hash] = _Pending(b, self._next_ticket)
             self._next_ticket += 1
-        self._counters.inc("writer_enqueue_total")
+        if len(batch) < len(blocks):
+            self._counters.inc("writer_enqueue_dedup_skip", len(blocks) - len(batch))
+        if not batch:
+            return 0
+        self._counters.inc("writer_enqueue_total", len(batch))
         try:
-            if self._put(block):
-                return True
-            self._counters.inc("writer_queue_full_sync_fallback")
+            if self._put(Batch(batch, batch_nbytes(batch))):
+                return len(batch)
+            self._counters.inc("writer_queue_full_sync_fallback", len(batch))
         except BaseException:
-            self._settle(block.block_hash)
+            self._settle(batch)
             raise
-        self._save_and_settle(block)
-        return True
+        self._save_and_settle(batch)
+        return len(batch)
 
-    def _put(self, block: HostBlock) -> bool:
+    def _put(self, batch: Batch) -> bool:
         """Backpressure levels 0 and 1; False means level 2: the caller saves synchronously."""
-        try:
-            self._queue.put_nowait(block)
+        if self._queue.put(batch):
             return True
-        except queue.Full:
-            pass
         self._counters.inc("writer_backpressure_waits")
-        try:
-            self._queue.put(block, timeout=ENQUEUE_WAIT_S)
-            return True
-        except queue.Full:
-            return False
+        return self._queue.put(batch, timeout=self._enqueue_wait_s)
 
     def _seal_locked(self) -> None:
         """Under `_life_lock`, closing and no enqueue in flight: put the sentinel, last."""
-        if self._sealed:
-            return
-        self._sealed = True
-        try:
-            self._queue.put_nowait(self._sentinel)
-            self._sentinel_queued = True
-        except queue.Full:
-            pass  # the worker exits by itself once the queue is empty (see _drained)
+        if not self._sealed:
+            self._sealed = True
+            self._queue.put_final(self._sentinel)
 
     # ---- worker side ---------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            item = self._queue.get(self._batch_max_bytes)
             if item is self._sentinel:
                 break
             try:
-                self._save_and_settle(item)
+                self._save_and_settle(item.blocks)
             except Exception:  # never let the worker die: the queue would never drain
-                logger.exception("SSD writer: unexpected error on block %s", getattr(item, "block_hash", "?"))
-            if self._drained():
-                break
+                logger.exception("SSD writer: unexpected error on %s", describe(item.blocks))
+            finally:
+                self._queue.release(item)  # after settling: pending bytes never exceed the bound
         logger.debug("SSD writer thread exiting")
 
-    def _drained(self) -> bool:
-        """Sealed without a sentinel in the queue, and the queue is empty: nothing will come."""
-        with self._life_lock:
-            return self._sealed and not self._sentinel_queued and self._queue.empty()
-
-    def _save_and_settle(self, block: HostBlock) -> None:
+    def _save_and_settle(self, blocks: list[HostBlock]) -> None:
         try:
-            self._save(block, self._give_up)
+            self._save(blocks, self._give_up)
         finally:
-            self._settle(block.block_hash)
+            self._settle(blocks)
 
-    def _settle(self, block_hash: str) -> None:
+    def _settle(self, blocks: list[HostBlock]) -> None:
         with self._settled:
-            self._pending.pop(block_hash, None)
+            for b in blocks:
+                self._pending.pop(b.block_hash, None)
             self._settled.notify_all()
 
     # ---- queries -------------------------------------------------------------------------
@@ -465,14 +432,22 @@ class AsyncWriter(_WriterBase):
             return entry.block if entry is not None else None
 
     def queue_depth(self) -> int:
-        """Blocks waiting in the queue (not counting the one being written)."""
-        with self._life_lock:
-            sentinel = 1 if self._sentinel_queued and self._thread.is_alive() else 0
-        return max(0, self._queue.qsize() - sentinel)
+        """Blocks waiting in the queue (not counting the batch being written)."""
+        return self._queue.queued_blocks
+
+    def queue_bytes(self) -> int:
+        """Bytes queued plus bytes being written by the worker (the bounded quantity)."""
+        return self._queue.held_bytes
 
     def _pending_count(self) -> int:
         with self._pending_lock:
             return len(self._pending)
+
+    def pending_bytes(self) -> int:
+        """Bytes of the blocks accepted and not yet attempted: queued, being written by the
+        worker, or being saved on a caller's thread (level-2 backpressure)."""
+        with self._pending_lock:
+            return sum(p.block.nbytes for p in self._pending.values())
 
     # ---- flush / stop --------------------------------------------------------------------
 
@@ -480,7 +455,7 @@ class AsyncWriter(_WriterBase):
         """Wait until every block accepted before this call has been attempted (retries included).
 
         Blocks accepted while waiting are not waited for, so steady producers cannot starve
-        it. Must not be called from the writer thread (e.g. from inside `save_block`).
+        it. Must not be called from the writer thread (e.g. from inside `save_blocks`).
 
         Returns:
             False if `timeout` (seconds; None = no limit) passed first.
@@ -498,7 +473,7 @@ class AsyncWriter(_WriterBase):
             True if the thread has ended (all accepted blocks attempted) within
             `drain_timeout` seconds; False otherwise — the caller reports
             `shutdown_clean=false`. After a False the thread still makes one attempt per
-            remaining block, without retries, then ends.
+            remaining batch, without retries, then ends.
         """
         deadline = time.monotonic() + drain_timeout
         with self._life_lock:
@@ -523,12 +498,17 @@ Writer = AsyncWriter | SyncWriter
 
 
 def make_writer(store: BlockSink, config: KVToolConfig) -> Writer:
-    """The writer the config asks for (`ssd_async_writes`, queue size, durability, retries)."""
+    """The writer the config asks for (`ssd_async_writes`, queue size, durability, retries).
+
+    The byte bound is `DEFAULT_MAX_QUEUE_BYTES` unless the config has a
+    `ssd_writer_queue_bytes` field (bytes), which is then used.
+    """
     if config.ssd_async_writes:
         return AsyncWriter(
             store,
             queue_size=config.ssd_writer_queue_size,
             durability=config.ssd_durability,
             max_retries=config.ssd_persistent_max_retries,
+            max_queue_bytes=int(getattr(config, QUEUE_BYTES_CONFIG_FIELD, None) or DEFAULT_MAX_QUEUE_BYTES),
         )
     return SyncWriter(store, durability=config.ssd_durability, max_retries=config.ssd_persistent_max_retries)
