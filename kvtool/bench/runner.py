@@ -260,7 +260,8 @@ def _facts(ids_base: dict, directory: Path, cell: Cell, closed: list, drops: lis
 
 def verify_drain(counters: dict[str, int], disk: dict[str, int]) -> bool:
     """True if, after the tier closed, every accepted write was attempted, nothing is pending,
-    and the index rows, the block files and the writer's successful saves all agree.
+    and the index rows agree with the writer's successful saves and the segment rows with the
+    segment files on disk.
 
     Args:
         counters: `writer_*` counters summed over the tiers closed in the cell run.
@@ -274,7 +275,8 @@ def verify_drain(counters: dict[str, int], disk: dict[str, int]) -> bool:
         accepted == attempted
         and counters.get("writer_pending", 0) == 0
         and counters.get("writer_queue_depth", 0) == 0
-        and disk["index_rows"] == disk["block_files"] == saved
+        and disk["index_rows"] == saved
+        and disk["segment_files"] == disk["segment_rows"]
     )
 
 
@@ -282,11 +284,12 @@ def scan_cache_dir(directory: Path) -> dict[str, int]:
     """Files under a cell's cache directory.
 
     Returns:
-        `files` and `bytes` (everything on disk), `block_files` (kvtool block files in
-        namespace directories), `index_rows` and `tokens` (rows / summed `num_tokens` of the
-        namespace indexes; for mlx-lm prompt-cache files, `tokens` is read from their metadata).
+        `files` and `bytes` (everything on disk), `segment_files` (kvtool segment files in
+        namespace directories), `segment_rows`, `index_rows` and `tokens` (segment rows, block
+        rows and summed `num_tokens` of the namespace indexes; for mlx-lm prompt-cache files,
+        `tokens` is read from their metadata).
     """
-    out = {"files": 0, "bytes": 0, "block_files": 0, "index_rows": 0, "tokens": 0}
+    out = {"files": 0, "bytes": 0, "segment_files": 0, "segment_rows": 0, "index_rows": 0, "tokens": 0}
     if not directory.exists():
         return out
     for path in directory.rglob("*"):
@@ -294,10 +297,11 @@ def scan_cache_dir(directory: Path) -> dict[str, int]:
             out["files"] += 1
             out["bytes"] += path.stat().st_size
     for index in directory.glob("*/index.sqlite"):
-        out["block_files"] += sum(1 for p in index.parent.rglob(f"*{BLOCK_SUFFIX}") if not p.name.startswith("."))
+        out["segment_files"] += sum(1 for p in index.parent.rglob(f"*{BLOCK_SUFFIX}") if not p.name.startswith("."))
         con = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
         try:
             rows, tokens = con.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM blocks").fetchone()
+            out["segment_rows"] += con.execute("SELECT count(*) FROM segments").fetchone()[0]
         finally:
             con.close()
         out["index_rows"] += rows
