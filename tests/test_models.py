@@ -205,6 +205,24 @@ def test_model_id_is_cached_and_follows_file_changes(tmp_path):
     assert compute_model_id(path) != first
 
 
+def test_weights_edited_in_place_with_size_and_mtime_restored_get_a_new_model_id(tmp_path):
+    """Issue 11: the digest cache must not serve a stale id (the old namespace's KV would be used)."""
+    import os
+
+    path = embedded.build_preset(embedded.PRESETS["tiny"], tmp_path / "m")
+    first = compute_model_id(path)
+    (weights,) = sorted(path.glob("*.safetensors"))[:1]
+    st = weights.stat()
+    with open(weights, "r+b") as fh:  # same size, one byte changed, deep in the tensor data
+        fh.seek(st.st_size - 100)
+        b = fh.read(1)
+        fh.seek(st.st_size - 100)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
+    assert compute_model_id(path) != first
+
+
 @pytest.mark.parametrize("spec", ["./nope", "nope", "a/b/c", "/definitely/not/here", "~/nope-kvtool", "!!"])
 def test_unresolvable_specs_raise_model_load_error(spec):
     with pytest.raises(ModelLoadError, match="model path not found"):

@@ -7,7 +7,7 @@ Resolution order of `load_model(spec)`:
 4. Otherwise: `ModelLoadError("model path not found: ...")`.
 
 Every model gets a `model_id`: blake2b-128 hex of config.json and the weight files (plus adapter
-files), cached in `<models_root>/model_ids.json` keyed by each file's (path, size, mtime_ns).
+files), cached in `<models_root>/model_ids.json` keyed by each file's (path, inode, size, mtime, ctime).
 """
 
 from __future__ import annotations
@@ -170,8 +170,17 @@ def digest_files(files: list[Path]) -> str:
 
 
 def _signature(files: list[Path]) -> str:
-    """Cache key: digest of (absolute path, size, mtime_ns) of every file."""
-    stats = [(str(f.resolve()), st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
+    """Cache key: digest of (absolute path, device, inode, size, mtime_ns, ctime_ns) of every file.
+
+    ctime cannot be set from user space (`os.utime` changes only atime/mtime, and itself moves
+    ctime), so a weight file edited in place with its size and mtime restored gets a new key and
+    is digested again (issue 11: a stale model id would serve the old namespace's KV).
+    """
+    stats = [
+        (str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        for f in files
+        for st in [f.stat()]
+    ]
     return hashlib.blake2b(json.dumps(stats).encode(), digest_size=DIGEST_SIZE).hexdigest()
 
 
