@@ -95,6 +95,7 @@ class Engine:
         hash_fn: chain-hash function (injectable to force collisions in tests).
         max_kv_size: if set, mlx-lm would use a rotating cache: the engine then runs uncached.
         fs: optional `FileOps` of the SSD tier (fault injection in tests).
+        prefill_step_size: tokens per prefill chunk (as `mlx_lm.generate --prefill-step-size`).
     """
 
     def __init__(
@@ -105,7 +106,11 @@ class Engine:
         hash_fn: HashFn = blake2b_chain,
         max_kv_size: int | None = None,
         fs=None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
     ):
+        if prefill_step_size < 1:
+            raise ValueError("prefill_step_size must be >= 1")
+        self.prefill_step_size = prefill_step_size
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -118,13 +123,13 @@ class Engine:
         )
 
     @classmethod
-    def from_spec(cls, model_spec: str, config: KVToolConfig, **kwargs) -> "Engine":
-        """Load a model (preset, local dir or HF id) and build an engine on it.
+    def from_spec(cls, model_spec: str, config: KVToolConfig, *, adapter_path: str | None = None, **kwargs) -> "Engine":
+        """Load a model (preset, local dir or HF id, optional LoRA adapter) and build an engine on it.
 
         Raises:
             kvtool.models.loader.ModelLoadError: the model could not be loaded.
         """
-        return cls(load_model(model_spec), config, **kwargs)
+        return cls(load_model(model_spec, adapter_path=adapter_path), config, **kwargs)
 
     def __enter__(self) -> "Engine":
         return self
@@ -186,12 +191,27 @@ class Engine:
         return (time.perf_counter() - t0) * 1e3
 
     # ---------------------------------------------------------------- prompts
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode(
+        self,
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        *,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ) -> list[int]:
         """Token ids of a plain prompt or of chat messages.
 
         Chat messages go through the tokenizer's chat template with `tokenize=True`, so no BOS is
         added a second time (seed 002, A1). A plain prompt gets special tokens as mlx-lm's
-        `stream_generate` would add them.
+        `stream_generate` would add them; with `chat_template=True` (and a tokenizer that has
+        one) it becomes one user message, as `mlx_lm.generate --prompt` does: templated as text
+        with the generation prompt, then encoded without special tokens.
+
+        Args:
+            prompt: plain prompt text.
+            messages: chat messages `[{role, content}, ...]`.
+            chat_template: apply the chat template to `prompt` (the CLI's default).
+            system_prompt: a system message put first (chat template only).
 
         Raises:
             ValueError: neither or both of `prompt` and `messages` given, or no chat template.
@@ -199,7 +219,14 @@ class Engine:
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt or messages")
         tok = self.tokenizer
+        has_template = bool(getattr(tok, "chat_template", None))
+        system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+        if prompt is not None and chat_template and has_template:
+            text = tok.apply_chat_template([*system, {"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True)
+            return [int(t) for t in tok.encode(text, add_special_tokens=False)]
         if messages is not None:
+            messages = [*system, *messages]
             if not getattr(tok, "chat_template", None):
                 raise ValueError("this tokenizer has no chat template; use a plain prompt")
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -320,8 +347,9 @@ class Engine:
 
     def _prefill(self, cache: list, tokens: np.ndarray) -> None:
         """Run the model over `tokens` in chunks, filling `cache` (as mlx-lm's generate_step)."""
-        for i in range(0, len(tokens), DEFAULT_PREFILL_STEP):
-            chunk = mx.array(tokens[i : i + DEFAULT_PREFILL_STEP])[None]
+        step = self.prefill_step_size
+        for i in range(0, len(tokens), step):
+            chunk = mx.array(tokens[i : i + step])[None]
             self.model(chunk, cache=cache)
             mx.eval([c.state for c in cache])
 
@@ -332,7 +360,8 @@ class Engine:
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         detok = self.tokenizer.detokenizer
         detok.reset()
-        gen = generate_step(mx.array(ids[-1:]), self.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache)
+        gen = generate_step(mx.array(ids[-1:]), self.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
+                            prefill_step_size=self.prefill_step_size)
         t_first = None
         res.finish_reason = "length"
         cut = False

@@ -129,3 +129,32 @@ def test_sigterm_takes_the_clean_path(tmp_path):
     (index,) = list(cache.glob("*/index.sqlite"))
     meta = dict(sqlite3.connect(index).execute("select key, value from meta").fetchall())
     assert meta["shutdown_clean"] == "1"
+
+
+def test_mlx_lm_conventions_stdin_chat_template_and_max_tokens(tmp_path):
+    """`--prompt -` reads stdin, the chat template is applied like mlx_lm.generate, -m is --max-tokens."""
+    from mlx_lm import load
+
+    from kvtool.models import embedded
+
+    args = ["serve-once", "--json", "--prompt", "-", "-m", "3", "--system-prompt", "Be brief.",
+            "--cache-dir", str(tmp_path / "kv")]
+    res = kvtool(*args, input="hello world")
+    assert res.returncode == 0, res.stderr
+    req = json.loads(res.stdout)["requests"][0]
+    assert req["generated_tokens"] <= 3
+    _, tok = load(str(embedded.model_dir("tiny")))
+    text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert req["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))  # mlx_lm.generate's tokens
+    raw = kvtool("serve-once", "--json", "--prompt", "hello world", "--ignore-chat-template", "-m", "2",
+                 "--cache-dir", str(tmp_path / "kv"))
+    assert raw.returncode == 0, raw.stderr
+    assert json.loads(raw.stdout)["requests"][0]["prompt_tokens"] == len(tok.encode("hello world"))
+
+
+def test_max_kv_size_is_refused_with_one_line(tmp_path):
+    res = kvtool("serve-once", "--prompt", "hi", "--max-kv-size", "128", "--cache-dir", str(tmp_path))
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "RotatingKVCache" in lines[0]

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from kvtool.cli import common
-from kvtool.prompts import Request, RequestFileError, load_messages, load_requests_jsonl, read_text
+from kvtool.prompts import Request, RequestFileError, load_messages, load_requests_jsonl
 
 HELP = """Serve one request (or a JSONL file of requests) through the tiered KV cache, then exit.
 
@@ -17,11 +17,15 @@ Examples:
 
   kvtool serve-once --prompt-file doc.txt --max-tokens 32
 
-  kvtool serve-once --json -f doc.txt -n 16    (run twice: the 2nd run hits SSD)
+  kvtool serve-once --json -f doc.txt -m 16    (run twice: the 2nd run hits SSD)
+
+  echo "Why is the sky blue?" | kvtool serve-once --prompt - --system-prompt "Be brief."
 
   kvtool serve-once --messages chat.json --model ~/models/Qwen2.5-0.5B
 
   kvtool serve-once --requests reqs.jsonl --policy evict_only --ram-bytes 256MiB
+
+As mlx_lm.generate: --prompt/--prompt-file are wrapped in the model's chat template unless --ignore-chat-template; '-' reads stdin; -m is --max-tokens.
 
 Exit codes: 0 served and shut down cleanly; 1 served but the shutdown was not clean (the writer did not drain); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (after a clean drain).
 """
@@ -32,12 +36,9 @@ def _collect_requests(prompt, prompt_file, messages, requests_file) -> list[Requ
     if sum(given) != 1:
         raise common.CLIError("give exactly one of --prompt, --prompt-file, --messages, --requests")
     try:
-        if prompt is not None:
-            if not prompt:
-                raise common.CLIError("--prompt is empty")
-            return [Request(prompt=prompt)]
-        if prompt_file is not None:
-            return [Request(prompt=read_text(prompt_file))]
+        text = common.read_prompt_arg(prompt, prompt_file)
+        if text is not None:
+            return [Request(prompt=text)]
         if messages is not None:
             return [Request(messages=load_messages(messages))]
         return load_requests_jsonl(requests_file)
@@ -64,8 +65,8 @@ def _cache_summary(stats: dict, status) -> str:
 
 def serve_once(
     model: common.ModelOpt = "tiny",
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt.")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).")] = None,
     messages: Annotated[
         Optional[Path], typer.Option("--messages", help="Chat JSON file: a list of {role, content}.")
     ] = None,
@@ -73,7 +74,12 @@ def serve_once(
         Optional[Path],
         typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens."),
     ] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Max tokens to generate.")] = 64,
+    max_tokens: common.MaxTokensOpt = 64,
+    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
+    system_prompt: common.SystemPromptOpt = None,
+    adapter_path: common.AdapterPathOpt = None,
+    max_kv_size: common.MaxKVSizeOpt = None,
+    prefill_step_size: common.PrefillStepOpt = 2048,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
@@ -94,20 +100,28 @@ def serve_once(
         with common.signals_raise(), common.cli_errors():
             reqs = _collect_requests(prompt, prompt_file, messages, requests)
             cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
-            engine = common.load_engine(model, cfg)
-            code = _serve(engine, reqs, max_tokens, temp, top_p, seed, stop or [], json_out)
+            engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
+                                        prefill_step_size=prefill_step_size)
+            encode = _encoder(engine, not ignore_chat_template, system_prompt)
+            code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out)
     except common.Interrupted as exc:  # before serving started: nothing to drain
         code = 128 + exc.signum
     raise typer.Exit(code)
 
 
-def _serve(engine, reqs, max_tokens, temp, top_p, seed, stop, json_out) -> int:
+def _encoder(engine, chat_template: bool, system_prompt):
+    """Token ids of a request, with the CLI's chat-template rule (shared with `kvtool warm`)."""
+    return lambda req: engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
+                                     system_prompt=system_prompt)
+
+
+def _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out) -> int:
     results, interrupted = [], None
     warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:
         for i, req in enumerate(reqs):
             try:
-                ids = engine.encode(prompt=req.prompt, messages=req.messages)
+                ids = encode(req)
             except ValueError as exc:
                 raise common.CLIError(f"request {i}: {exc}") from None
             res = engine.generate(

@@ -14,7 +14,7 @@ from kvtool.units import format_bytes
 
 HELP = """Prefill prompts into the SSD tier ahead of time (no decode), so later requests start from cached KV.
 
-SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings. Ctrl-C stops after draining the writer; what was written stays valid.
+SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each. Plain prompts are wrapped in the model's chat template like serve-once does (--ignore-chat-template: raw text), so a warmed prompt hits. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings. Ctrl-C stops after draining the writer; what was written stays valid.
 
 Examples:
 
@@ -36,6 +36,11 @@ def warm_cmd(
     sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
     model: common.ModelOpt = "tiny",
     whole: WholeOpt = False,
+    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
+    system_prompt: common.SystemPromptOpt = None,
+    adapter_path: common.AdapterPathOpt = None,
+    max_kv_size: common.MaxKVSizeOpt = None,
+    prefill_step_size: common.PrefillStepOpt = 2048,
     config: common.ConfigOpt = None,
     cache_dir: common.CacheDirOpt = None,
     policy: common.PolicyOpt = None,
@@ -55,24 +60,26 @@ def warm_cmd(
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
         cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes)
-        engine = common.load_engine(model, cfg)
+        engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
+                                    prefill_step_size=prefill_step_size)
         try:
             check_engine(engine)
         except WarmError as exc:
             engine.close()
             raise common.CLIError(str(exc)) from None
-        code = _run(engine, prompts, json_out)
+        code = _run(engine, prompts, json_out, not ignore_chat_template, system_prompt)
     raise typer.Exit(code)
 
 
-def _run(engine, prompts, json_out: bool) -> int:
+def _run(engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None) -> int:
     from kvtool.ops.warm import WarmError, WarmReport, warm
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
     with common.signals_raise():
         try:
             with _progress(len(prompts), enabled=not json_out) as progress:
-                report = warm(engine, prompts, progress=progress, interrupts=(common.Interrupted,))
+                report = warm(engine, prompts, progress=progress, interrupts=(common.Interrupted,),
+                              chat_template=chat_template, system_prompt=system_prompt)
         except common.Interrupted as exc:  # a signal outside the prompt loop
             report.interrupted = exc.args[0]
         except WarmError as exc:

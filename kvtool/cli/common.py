@@ -49,10 +49,26 @@ ModelOpt = Annotated[
     str,
     typer.Option(
         "--model",
-        "-m",
         help="Embedded preset (tiny, small, base, qwen0.5b), a local mlx-lm model directory, or a Hugging Face id.",
     ),
 ]
+# mlx-lm conventions (as `mlx_lm.generate`): -m is --max-tokens, never --model.
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", "-n", min=1, help="Max tokens to generate.")]
+IgnoreChatTemplateOpt = Annotated[
+    bool,
+    typer.Option("--ignore-chat-template", help="Use --prompt/--prompt-file as raw text (default: wrap it in the chat template, as mlx_lm.generate)."),
+]
+SystemPromptOpt = Annotated[
+    Optional[str], typer.Option("--system-prompt", help="System message put before the prompt (chat template only).", show_default=False)
+]
+AdapterPathOpt = Annotated[
+    Optional[Path], typer.Option("--adapter-path", help="LoRA adapter directory (part of the model identity).", show_default=False)
+]
+MaxKVSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--max-kv-size", min=1, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False),
+]
+PrefillStepOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.")]
 NamespaceOpt = Annotated[
     Optional[str], typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).")
 ]
@@ -274,15 +290,64 @@ def setup_logging(verbose: bool = False) -> None:
     logger.propagate = False
 
 
-def load_engine(model: str, config):
-    """Load a model and build an `Engine`, mapping load failures to `CLIError`."""
-    from kvtool.engine import Engine
+def load_engine(
+    model: str,
+    config,
+    *,
+    adapter_path: Optional[Path] = None,
+    max_kv_size: Optional[int] = None,
+    prefill_step_size: Optional[int] = None,
+):
+    """Load a model and build an `Engine`, mapping load failures to `CLIError`.
+
+    Raises:
+        CLIError: the model does not load, or `max_kv_size` is given (a rotating KV cache,
+            which kvtool cannot store exactly yet: refused up front rather than run uncached).
+    """
+    from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
     from kvtool.models.loader import ModelLoadError
 
+    if max_kv_size is not None:
+        raise CLIError(
+            f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
+            "drop the option (kvtool keeps the whole prompt's KV)"
+        )
     try:
-        return Engine.from_spec(model, config)
+        return Engine.from_spec(
+            model, config, adapter_path=str(adapter_path) if adapter_path else None,
+            prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP,
+        )
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None
+
+
+def read_prompt_arg(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+    """`--prompt` / `--prompt-file` text as mlx-lm reads it: `-` is stdin; in `--prompt`, the
+    two-character escapes `\\n` and `\\t` become a newline and a tab (`mlx_lm.generate`).
+
+    Raises:
+        CLIError: empty prompt, or an unreadable / non-UTF-8 file.
+    """
+    import sys
+
+    from kvtool.prompts import RequestFileError, read_text
+
+    if prompt is not None:
+        text = sys.stdin.read() if prompt == "-" else prompt.replace("\\n", "\n").replace("\\t", "\t")
+        if not text.strip():
+            raise CLIError("--prompt is empty")
+        return text
+    if prompt_file is not None:
+        if str(prompt_file) == "-":
+            text = sys.stdin.read()
+            if not text.strip():
+                raise CLIError("--prompt-file -: stdin is empty")
+            return text
+        try:
+            return read_text(prompt_file)
+        except RequestFileError as exc:
+            raise CLIError(str(exc)) from None
+    return None
 
 
 # ---------------------------------------------------------------- signals

@@ -184,6 +184,9 @@ def warm(
     prompts: Sequence[WarmPrompt],
     progress: ProgressFn | None = None,
     interrupts: tuple[type[BaseException], ...] = (KeyboardInterrupt,),
+    *,
+    chat_template: bool = False,
+    system_prompt: str | None = None,
 ) -> WarmReport:
     """Prefill `prompts` through `engine` and make sure their blocks reach SSD.
 
@@ -197,6 +200,8 @@ def warm(
         prompts: from `load_sources`.
         progress: called with the running report after each prompt.
         interrupts: exception types that mean "stop now" rather than "failed".
+        chat_template, system_prompt: as `Engine.encode` for plain prompts (the CLI applies the
+            chat template by default, like `serve-once`, so warmed prompts hit).
 
     Returns:
         The report; block and byte counts are exact (taken after the flush).
@@ -211,7 +216,7 @@ def warm(
     t0 = time.perf_counter()
     try:
         for item in prompts:
-            _warm_one(engine, item, report)
+            _warm_one(engine, item, report, chat_template, system_prompt)
             _update_counts(report, base, engine.stats())
             if progress is not None:
                 progress(report)
@@ -224,10 +229,12 @@ def warm(
     return report
 
 
-def _warm_one(engine, item: WarmPrompt, report: WarmReport) -> None:
+def _warm_one(engine, item: WarmPrompt, report: WarmReport, chat_template: bool = False,
+              system_prompt: str | None = None) -> None:
     req = item.request
     try:
-        ids = engine.encode(prompt=req.prompt, messages=req.messages)
+        ids = engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
+                            system_prompt=system_prompt)
     except ValueError as exc:
         raise WarmError(f"{item.source}: {exc}") from None
     if not ids:
