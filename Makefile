@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast soak bench clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,6 +28,14 @@ demo: $(STAMP)
 ## test: install, then run the whole test suite
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+## test-fast: the suite without the slow subprocess tests (crash, soak, families), for development
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+## soak: the concurrency + SIGKILL soak test for longer (KVTOOL_SOAK_SECONDS, default 300)
+soak: $(STAMP)
+	KVTOOL_SOAK_SECONDS=$${KVTOOL_SOAK_SECONDS:-300} $(BIN)/python -m pytest -q -s tests/test_soak.py
 
 bench: $(STAMP)
 	$(BIN)/kvtool bench bench_configs/quick.toml
