@@ -52,6 +52,7 @@ def _register() -> None:
     from kvtool.cli import cmd_serve
 
     cmd_serve.register(app)
+    common.register_optional(app, "cmd_serve_http")  # `kvtool serve` (mlx-lm's HTTP server on the tiers)
     for name in ("cmd_model", "cmd_validate", "cmd_warm", "cmd_prune", "cmd_inspect", "cmd_bench"):
         common.register_optional(app, name)
 

@@ -1,0 +1,192 @@
+"""`kvtool serve`: mlx-lm's OpenAI-compatible HTTP server on kvtool's RAM/SSD prefix cache.
+
+The HTTP server, the request handling and the generation (batching included) are mlx-lm's own
+(`mlx_lm.server`); kvtool only supplies the prompt cache (`kvtool.server.KVToolPromptCache`),
+owns the socket and the shutdown (drain the SSD writer, close the index), logs one line per
+request and adds `GET /kvtool/stats`. Wiring: `kvtool.server.serve.KVToolServer`.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from typing import Annotated, Optional
+
+import typer
+
+from kvtool.cli import common
+
+HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
+
+It is mlx_lm.server itself (same request fields, batching, chat templates, streaming), with kvtool's tiers instead of mlx-lm's in-memory prompt cache: a prompt prefix seen before, in this process or an earlier one, is not prefilled again, and the output is the one mlx_lm.server gives. Clients name the model "default_model", the --model value or its path. One log line per request on stderr: prompt, cached (RAM, SSD) and prefilled tokens. GET /kvtool/stats returns the cache counters and the last requests as JSON.
+
+Examples:
+
+  kvtool serve --model tiny --port 8080
+
+  kvtool serve --model ~/models/Qwen2.5-0.5B-Instruct --cache-dir /fast/ssd/kvtool --ram-bytes 2GiB
+
+  curl -s localhost:8080/v1/chat/completions -d '{"model": "default_model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
+
+  kill -HUP <pid>    (re-read --config and the cache flags; reattach the tiers live)
+
+--port 0 listens on any free port (printed in the 'listening on' line). SIGINT/SIGTERM stop the server: requests in flight are cut off, the SSD writer is drained and the index closed. SIGHUP reconfigures the cache live: it re-reads --config (the flags still win), waits for the cache call in progress, drains the writer, flushes, detaches, drops RAM blocks and reattaches under the new settings; requests in flight finish but are not stored.
+
+Exit codes: 130/143 stopped by SIGINT/SIGTERM after a clean drain; 1 the writer did not drain (run kvtool validate); 2 bad input (model, options, address in use).
+"""
+
+log = logging.getLogger("kvtool.server")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def setup_server_logging(level: str) -> None:
+    """mlx-lm's log format (as `mlx_lm.server`) for its lines and kvtool's request lines on stderr."""
+    fmt = "%(asctime)s - %(levelname)s - %(message)s"
+    logging.basicConfig(level=getattr(logging, level), format=fmt)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - kvtool %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(min(getattr(logging, level), logging.INFO))  # the per-request line is always shown
+    log.propagate = False
+
+
+def serve_http(
+    model: common.ModelOpt = "tiny",
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free port).")] = 8080,
+    max_tokens: common.MaxTokensOpt = 512,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Default sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Default nucleus sampling mass.")] = 1.0,
+    adapter_path: common.AdapterPathOpt = None,
+    max_kv_size: common.MaxKVSizeOpt = None,
+    prefill_step_size: common.PrefillStepOpt = 2048,
+    decode_concurrency: Annotated[
+        int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")
+    ] = 32,
+    prompt_concurrency: Annotated[
+        int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
+    ] = 8,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
+    ] = "INFO",
+    config: common.ConfigOpt = None,
+    cache_dir: common.CacheDirOpt = None,
+    policy: common.PolicyOpt = None,
+    durability: common.DurabilityOpt = None,
+    async_writes: common.AsyncOpt = None,
+    block_size: common.BlockSizeOpt = None,
+    ram_bytes: common.RamBytesOpt = None,
+    no_ssd: common.NoSSDOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+) -> None:
+    common.setup_logging(verbose)
+    code = common.EXIT_OK
+    try:
+        with common.signals_raise(), common.cli_errors():
+            level = log_level.upper()
+            if level not in LOG_LEVELS:
+                raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+            if max_kv_size is not None:
+                raise common.CLIError(
+                    f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
+                    "drop the option (kvtool keeps the whole prompt's KV)"
+                )
+            setup_server_logging(level)
+
+            def make_config():
+                return common.build_config(config, cache_dir, policy, durability, async_writes, block_size,
+                                           ram_bytes, no_ssd)
+
+            cfg = make_config()
+            server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                            prefill_step_size=prefill_step_size, decode_concurrency=decode_concurrency,
+                            prompt_concurrency=prompt_concurrency, log_level=level)
+            code = _run(server, make_config)
+    except common.Interrupted as exc:  # before serving started: nothing was written
+        code = 128 + exc.signum
+    raise typer.Exit(code)
+
+
+def _start(model, cfg, host, port, adapter_path, **options):
+    from kvtool.server.serve import KVToolServer, ServerStartError
+
+    try:
+        return KVToolServer(model, cfg, host=host, port=port,
+                            adapter_path=str(adapter_path) if adapter_path else None, **options)
+    except ServerStartError as exc:
+        raise common.CLIError(str(exc)) from None
+
+
+def _describe(server) -> str:
+    pc = server.prefix_cache
+    if pc.tiered is None:
+        cache = f"uncached: {pc.uncached_reason or 'no tier enabled'}"
+    else:
+        cfg = pc.config
+        ssd = f"SSD {pc.namespace_dir}" if pc.namespace_dir is not None else f"no SSD ({pc.ssd_disabled_reason})"
+        cache = (f"{ssd} | layout {pc.layout_key} | block {cfg.block_size} | policy {cfg.ssd_policy} | "
+                 f"RAM {cfg.ram_bytes} B")
+    return f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache}"
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _run(server, make_config) -> int:
+    """Serve until SIGINT/SIGTERM; then stop, drain and close. Returns the exit code."""
+    interrupted = None
+
+    def reload() -> None:
+        try:
+            cfg = make_config()
+            old = server.prefix_cache.layout_key
+            status = server.reconfigure(cfg)
+            log.info("reconfigured (SIGHUP): layout %s -> %s | block %d | old tiers shut down clean=%s",
+                     old, server.prefix_cache.layout_key, cfg.block_size, status.shutdown_clean)
+        except Exception as exc:  # noqa: BLE001 - a bad config file keeps the running settings
+            described = common.describe_error(exc)
+            log.error("reconfiguration (SIGHUP) refused, settings unchanged: %s",
+                      described[0] if described else f"{type(exc).__name__}: {exc}")
+
+    def on_hup(_signum, _frame) -> None:  # the drain may take seconds: never in the signal handler
+        threading.Thread(target=reload, name="kvtool-reconfigure", daemon=True).start()
+
+    old_hup = signal.signal(signal.SIGHUP, on_hup) if hasattr(signal, "SIGHUP") else None
+    log.info("%s", _describe(server))
+    if not _is_loopback(server.host):
+        log.warning("listening on %s, not only on this machine: mlx_lm.server is not recommended for production "
+                    "(basic security checks only), and anyone who can reach it can fill this cache", server.host)
+    try:
+        server.serve_forever()
+    except common.Interrupted as exc:
+        interrupted = exc
+    finally:
+        common.ignore_signals()  # the clean path also on a second signal: drain, flush, then exit
+        if hasattr(signal, "SIGHUP"):
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        status = server.close(from_serving_thread=True)
+        stats = server.stats()["cache"]
+        log.info(
+            "stopped%s: %d block(s) written to SSD, %d dedup, %d loaded from SSD, %d RAM evictions, %d corrupt, "
+            "shutdown_clean=%s", f" by {interrupted.args[0]}" if interrupted else "", stats.get("ssd_save_success", 0),
+            stats.get("ssd_save_dedup_skip", 0), stats.get("ssd_load_hits", 0), stats.get("kv_ram_evictions", 0),
+            stats.get("ssd_load_corrupt", 0), status.shutdown_clean,
+        )
+        if old_hup is not None:
+            signal.signal(signal.SIGHUP, old_hup)
+    if not status.shutdown_clean:
+        return common.EXIT_PROBLEMS
+    return 128 + interrupted.signum if interrupted is not None else common.EXIT_OK
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", help=HELP, no_args_is_help=False)(serve_http)

@@ -1,0 +1,400 @@
+"""`KVToolPromptCache`: mlx-lm's server prompt-cache protocol on a kvtool `PrefixCache`.
+
+`mlx_lm.server.ResponseGenerator(model_provider, prompt_cache)` (mlx-lm 0.32.2) uses its prompt
+cache through these calls, all from its one generation thread:
+
+- `fetch_nearest_cache(model_key, prompt) -> (cache | None, rest)`: before a request. `cache` is
+  the request's own per-layer cache (the server prefills `rest` into it, or merges it into its
+  batch cache); `len(prompt) - len(rest)` is reported as `usage.prompt_tokens_details.cached_tokens`.
+  mlx-lm's `LRUPromptCache` returns a deep copy of the nearest stored sequence, trimmed to the
+  common prefix, and always leaves at least one token in `rest`.
+- `insert_cache(model_key, tokens, cache, *, cache_type)`: at the end of a chat request's system
+  and user segments (`cache_type` "system" / "user", `tokens` = the prompt tokens processed so
+  far) and when a request finishes ("assistant", `tokens` = prompt + generated tokens, `cache`
+  holding the KV of all of them). The server gives up the cache: the callee may keep it.
+- `trim_to(n_sequences=, n_bytes=)`: with `--prompt-cache-bytes`, after each batch insert.
+- `len(cache)`, `cache.nbytes`, `cache.stats_by_type()`: logged before every request.
+
+Mapping onto `PrefixCache` (prompt KV only, exact):
+
+- fetch -> `PrefixCache.fetch(prompt)`: the longest cached prefix from RAM, the writer's pending
+  buffer and SSD, as a fresh cache the server owns (no copy is kept here); `rest` =
+  `hit.remaining` (never empty: on a full hit the last prompt token is re-forwarded). The hit
+  (its hashes and RAM pins) waits, keyed by the request's prompt, for the request's inserts.
+- insert of a segment (a proper prefix of a waiting prompt) -> `PrefixCache.store` of the full
+  blocks that segment completes (no tail entry: no longer prompt would ever look one up there).
+- final insert (`tokens` starts with a waiting prompt) -> `PrefixCache.store(prompt, cache, hit)`:
+  the prompt's new full blocks and its tail entry, sliced by token position out of the returned
+  cache, so the KV of generated tokens is never stored; then `PrefixCache.release(hit)` (unpin
+  RAM blocks, promote SSD blocks into RAM as views of that cache).
+- `nbytes` / `len` / `trim_to` -> the RAM tier (the memory kvtool holds; the SSD tier is not
+  memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
+  blocks (under `evict_only` they are written to SSD first, as on any eviction).
+
+A request whose final insert never comes (a client that disconnected mid-generation: mlx-lm drops
+it silently) keeps its hit waiting; waiting hits are released after `pending_ttl_s` or beyond
+`max_pending`, unstored. A key that is not `model_key` (a request naming another model, adapter
+or draft model) is served uncached: `(None, prompt)`, nothing stored. No failure of the cache
+ever fails a request: it is logged and the request runs uncached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvtool.blocks import unsupported_cache_reason
+from kvtool.prefix import CacheHit, PrefixCache
+from kvtool.store.tiered import ShutdownStatus
+
+log = logging.getLogger("kvtool.server")
+
+MAX_PENDING = 256  # requests fetched whose final insert has not come (yet)
+PENDING_TTL_S = 900.0  # a waiting hit older than this is released (its request is presumed gone)
+RECENT_REQUESTS = 100  # records kept for `stats()`
+
+
+@dataclass
+class RequestRecord:
+    """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms.
+
+    `prompt_tokens == cached_tokens + prefill_tokens`, `cached_tokens == ram_hit_tokens + ssd_hit_tokens`.
+    """
+
+    request: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ram_hit_tokens: int = 0
+    ssd_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    ssd_load_ms: float = 0.0
+    ssd_bytes_read: int = 0
+    fetch_ms: float = 0.0
+    uncached_reason: str | None = None
+    blocks_stored: int = 0  # chain entries handed to the tiers (segment ends + the request's end)
+    store_ms: float = 0.0  # generation-thread time spent storing them (slicing, RAM insert, SSD hand-over)
+    generated_tokens: int | None = None  # known once the request finished
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def log_line(self) -> str:
+        line = (
+            f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} "
+            f"(RAM {self.ram_hit_tokens}, SSD {self.ssd_hit_tokens}) | prefilled {self.prefill_tokens}"
+        )
+        if self.ssd_hit_tokens:
+            line += f" | SSD load {self.ssd_load_ms:.1f} ms, {self.ssd_bytes_read} B"
+        if self.uncached_reason:
+            line += f" | uncached: {self.uncached_reason}"
+        return line
+
+
+@dataclass
+class _Waiting:
+    record: RequestRecord
+    prompt: np.ndarray
+    hit: CacheHit
+    since: float
+    stored: int  # leading chain entries of the prompt already in the tiers (found, or stored at a segment end)
+
+
+class KVToolPromptCache:
+    """mlx-lm 0.32.2's server prompt cache (`LRUPromptCache`'s protocol) backed by a `PrefixCache`.
+
+    Args:
+        prefix_cache: the model's tiered prefix cache; this object closes it in `close()`.
+        model_key: the `ModelProvider.model_key` the prefix cache belongs to
+            (`(model_path, adapter_path, draft_model_path)`); other keys are served uncached.
+            None accepts every key (one model only!).
+        max_pending: waiting hits kept at most (oldest released first).
+        pending_ttl_s: a waiting hit older than this is released.
+
+    Thread-safe: one lock around every call (the server calls from its generation thread; the
+    stats route, signal handlers and shutdown from others).
+    """
+
+    def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
+                 pending_ttl_s: float = PENDING_TTL_S):
+        self.prefix_cache = prefix_cache
+        self.model_key = model_key
+        self.max_pending = max_pending
+        self.pending_ttl_s = pending_ttl_s
+        self._lock = threading.RLock()
+        self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
+        self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
+        self._closed = False
+        self._counts = {"requests": 0, "requests_cached": 0, "cached_tokens": 0, "ram_hit_tokens": 0,
+                        "ssd_hit_tokens": 0, "prefill_tokens": 0, "inserts": 0, "inserts_segment": 0,
+                        "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
+                        "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
+
+    # ------------------------------------------------------------------ protocol
+    def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[list | None, Sequence[int]]:
+        """The longest cached prefix of `tokens` as a fresh cache, and the tokens left to prefill.
+
+        Returns:
+            `(cache, rest)`: `cache` is None when nothing is cached (the server then makes its
+            own); `rest` is the uncached tail of `tokens` (at least one token).
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            self._counts["requests"] += 1
+            rec = RequestRecord(request=self._counts["requests"], prompt_tokens=len(tokens),
+                                prefill_tokens=len(tokens))
+            try:
+                cache, rest = self._fetch(model, tokens, rec)
+            except Exception as exc:  # the cache never fails a request: serve it uncached
+                log.exception("fetch failed; request %d runs uncached", rec.request)
+                self._counts["errors"] += 1
+                rec = RequestRecord(request=rec.request, prompt_tokens=len(tokens), prefill_tokens=len(tokens),
+                                    uncached_reason=f"fetch failed: {exc}")
+                cache, rest = None, tokens
+            rec.fetch_ms = (time.perf_counter() - t0) * 1e3
+            self._recent.append(rec)
+            for key in ("cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "prefill_tokens"):
+                self._counts[key] += getattr(rec, key)
+            self._counts["requests_cached"] += rec.cached_tokens > 0
+        log.info("%s", rec.log_line())
+        return cache, rest
+
+    def insert_cache(self, model: Any, tokens: Sequence[int], prompt_cache: list, *,
+                     cache_type: str = "assistant") -> None:
+        """Store the prompt part of a returned cache (see the module docstring); never raises."""
+        with self._lock:
+            self._counts["inserts"] += 1
+            try:
+                self._insert(model, tokens, prompt_cache)
+            except Exception:  # noqa: BLE001 - storing is an optimisation: never fail the server
+                self._counts["errors"] += 1
+                log.exception("storing the blocks of a %s insert failed", cache_type)
+
+    def trim_to(self, *, n_sequences: int | None = None, n_bytes: int | None = None) -> None:
+        """Evict least recently used (unpinned) RAM blocks until at most `n_sequences` blocks and
+        `n_bytes` bytes are held (`LRUPromptCache.trim_to`; a sequence is a block here)."""
+        with self._lock:
+            ram = self._ram()
+            if ram is None:
+                return
+            capacity = ram.capacity_bytes
+            try:  # workaround until PrefixCache has a public trim (see the module docstring of cmd_serve_http)
+                if n_bytes is not None:
+                    ram.capacity_bytes = max(0, int(n_bytes))
+                    ram.unpin(())  # collects victims down to the (temporary) budget
+                if n_sequences is not None:
+                    while len(ram) > max(0, int(n_sequences)):
+                        before = len(ram)
+                        ram.capacity_bytes = max(0, ram.nbytes - 1)  # exactly one LRU victim
+                        ram.unpin(())
+                        if len(ram) >= before:  # the rest is pinned by requests in flight
+                            break
+            finally:
+                ram.capacity_bytes = capacity
+
+    def __len__(self) -> int:
+        """Blocks held in the RAM tier."""
+        ram = self._ram()
+        return len(ram) if ram is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in the RAM tier (sum of block nbytes)."""
+        ram = self._ram()
+        return ram.nbytes if ram is not None else 0
+
+    @property
+    def max_bytes(self) -> int:
+        """The RAM tier's budget (`ram_bytes`)."""
+        ram = self._ram()
+        return ram.capacity_bytes if ram is not None else 0
+
+    max_size = 1 << 63  # no count limit: blocks are bounded by bytes
+
+    def stats_by_type(self) -> dict[str, dict[str, int]]:
+        """For the server's per-request log: RAM blocks, and requests waiting for their insert."""
+        with self._lock:
+            return {
+                "kvtool RAM blocks": {"n_sequences": len(self), "n_bytes": self.nbytes},
+                "kvtool requests in flight": {"n_sequences": len(self._waiting), "n_bytes": 0},
+            }
+
+    # ------------------------------------------------------------ kvtool extras
+    def stats(self) -> dict[str, Any]:
+        """Counters of the adapter and of every tier, the layout, the last requests (JSON-able)."""
+        with self._lock:
+            pc = self.prefix_cache
+            return {
+                "adapter": dict(self._counts, waiting=len(self._waiting), closed=self._closed),
+                "cache": pc.stats().to_dict(),
+                "layout_key": pc.layout_key,
+                "namespace_dir": str(pc.namespace_dir) if pc.namespace_dir is not None else None,
+                "block_size": pc.config.block_size,
+                "ssd_disabled_reason": pc.ssd_disabled_reason,
+                "uncached_reason": pc.uncached_reason,
+                "requests": [r.to_dict() for r in self._recent],
+            }
+
+    def flush(self) -> bool:
+        """Wait until every accepted SSD write was attempted; flush the index."""
+        with self._lock:
+            return self.prefix_cache.flush()
+
+    def reconfigure(self, config) -> ShutdownStatus:
+        """Live reconfiguration (seed 003) between two cache calls: waiting hits are released
+        (their requests finish but are not stored: their hashes belong to the old layout), then
+        the prefix cache drains the writer, flushes and detaches, drops RAM and reattaches."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the cache is closed")
+            self._release_waiting(list(self._waiting))
+            return self.prefix_cache.reconfigure(config)
+
+    def close(self) -> ShutdownStatus:
+        """Release waiting hits, drain the writer, flush and close the index. Idempotent; later
+        fetches run uncached and inserts are ignored."""
+        with self._lock:
+            if self._closed:
+                return ShutdownStatus()
+            self._release_waiting(list(self._waiting))
+            self._closed = True
+            return self.prefix_cache.close()
+
+    # ----------------------------------------------------------------- internals
+    def _ram(self):
+        tiered = self.prefix_cache.tiered
+        return tiered.ram if tiered is not None and not self._closed else None
+
+    def _uncached_reason(self, model: Any) -> str | None:
+        if self._closed:
+            return "cache closed"
+        if self.model_key is not None and model != self.model_key:
+            return f"model {model!r} is not the cached model"
+        if self.prefix_cache.tiered is None:
+            return self.prefix_cache.uncached_reason or "cache disabled (no SSD tier, ram_bytes 0)"
+        return None
+
+    def _cache_reason(self, cache: list) -> str | None:
+        """Why a returned cache cannot be sliced into blocks (quantized, draft layers...), or None."""
+        reason = unsupported_cache_reason(cache)
+        if reason is None and self.prefix_cache.kv is not None and len(cache) != self.prefix_cache.kv.n_layers:
+            reason = f"{len(cache)} cache layers, the model has {self.prefix_cache.kv.n_layers}"
+        return reason
+
+    def _fetch(self, model: Any, tokens: Sequence[int], rec: RequestRecord) -> tuple[list | None, Sequence[int]]:
+        reason = self._uncached_reason(model) or (None if len(tokens) else "empty prompt")
+        if reason is not None:
+            rec.uncached_reason = reason
+            return None, tokens
+        ids = np.asarray(tokens, dtype=np.int32)
+        self._expire()
+        hit = self.prefix_cache.fetch(ids)
+        rec.cached_tokens, rec.ram_hit_tokens, rec.ssd_hit_tokens = hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens
+        rec.prefill_tokens = int(hit.remaining.size)
+        rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
+        cache = hit.cache if hit.cached_tokens > 0 and hit.cache else None
+        hit.cache = []  # the server owns the cache now (no reference kept: in-place decode stays possible)
+        self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), hit.entries_found)
+        return cache, tokens[hit.cached_tokens :]
+
+    def _insert(self, model: Any, tokens: Sequence[int], cache: list) -> None:
+        if self._closed or (self.model_key is not None and model != self.model_key):
+            return
+        if not self._waiting:
+            self._counts["inserts_unmatched"] += 1
+            return
+        ids = np.asarray(tokens, dtype=np.int32)
+        key = self._match_final(ids)
+        if key is not None:
+            self._counts["inserts_final"] += 1
+            self._finish(self._waiting.pop(key), ids, cache)
+            return
+        waiting = self._match_segment(ids)
+        if waiting is None:
+            self._counts["inserts_unmatched"] += 1
+            return
+        self._counts["inserts_segment"] += 1
+        self._store_segment(waiting, ids, cache)
+
+    def _match_final(self, ids: np.ndarray) -> int | None:
+        """The waiting request whose prompt `ids` starts with (the longest; the oldest on ties)."""
+        best, best_len = None, -1
+        for key, w in self._waiting.items():
+            n = w.prompt.size
+            if best_len < n <= ids.size and np.array_equal(ids[:n], w.prompt):
+                best, best_len = key, n
+        return best
+
+    def _match_segment(self, ids: np.ndarray) -> _Waiting | None:
+        """The newest waiting request whose prompt `ids` is a proper prefix of."""
+        for w in reversed(self._waiting.values()):
+            if ids.size < w.prompt.size and np.array_equal(w.prompt[: ids.size], ids):
+                return w
+        return None
+
+    def _store_segment(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
+        n_full = ids.size // self.prefix_cache.config.block_size
+        if n_full <= w.stored or self.prefix_cache.tiered is None:
+            return
+        if self._cache_reason(cache) is not None:
+            self._counts["inserts_uncacheable"] += 1
+            return
+        n_tok = n_full * self.prefix_cache.config.block_size
+        sub = CacheHit(cache=[], prompt_tokens=n_tok, hashes=w.hit.hashes[:n_full], tail=None, entries_found=w.stored)
+        t0 = time.perf_counter()
+        n = self.prefix_cache.store(w.prompt[:n_tok], cache, sub)
+        w.record.store_ms += (time.perf_counter() - t0) * 1e3
+        w.stored = n_full
+        w.record.blocks_stored += n
+        self._counts["blocks_stored"] += n
+
+    def _finish(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
+        w.record.generated_tokens = int(ids.size - w.prompt.size)
+        w.record.finished = True
+        storable = self.prefix_cache.tiered is not None and self._cache_reason(cache) is None
+        try:
+            if storable:
+                hit = dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored))
+                t0 = time.perf_counter()
+                n = self.prefix_cache.store(w.prompt, cache, hit)
+                w.record.store_ms += (time.perf_counter() - t0) * 1e3
+                w.record.blocks_stored += n
+                self._counts["blocks_stored"] += n
+            else:
+                self._counts["inserts_uncacheable"] += 1
+        finally:
+            if storable:
+                w.hit.cache = cache  # SSD blocks enter RAM as views of the prompt positions
+            self.prefix_cache.release(w.hit)
+            w.hit.cache = []
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        old = [k for k, w in self._waiting.items() if now - w.since > self.pending_ttl_s]
+        excess = len(self._waiting) - len(old) - (self.max_pending - 1)
+        if excess > 0:
+            old += [k for k in self._waiting if k not in old][:excess]
+        if old:
+            self._counts["waiting_expired"] += len(old)
+            self._release_waiting(old)
+
+    def _release_waiting(self, keys: list[int]) -> None:
+        for key in keys:
+            w = self._waiting.pop(key, None)
+            if w is None:
+                continue
+            w.hit.cache = []  # no promotion: the request's cache is not ours
+            try:
+                self.prefix_cache.release(w.hit)
+            except Exception:  # noqa: BLE001
+                log.exception("releasing request %d failed", w.record.request)
+
+
+__all__ = ["KVToolPromptCache", "RequestRecord", "MAX_PENDING", "PENDING_TTL_S"]

@@ -1,0 +1,251 @@
+"""mlx-lm's own OpenAI-compatible HTTP server with kvtool's tiered prefix cache injected.
+
+Nothing here serves HTTP or generates tokens: `mlx_lm.server.ModelProvider` loads the model,
+`mlx_lm.server.ResponseGenerator` runs the generation thread (batching, sampling, chat templates,
+tool calls) and `mlx_lm.server.APIHandler` answers `/v1/chat/completions`, `/v1/completions`,
+`/v1/models` and `/health`, exactly as `mlx_lm.server` does. The only differences:
+
+- the prompt cache handed to `ResponseGenerator` is a `KVToolPromptCache` (kvtool's RAM/SSD
+  tiers) instead of mlx-lm's in-memory `LRUPromptCache`;
+- the model is loaded before the generation thread starts (its KV layout and weight digest name
+  the cache namespace), by the same `ModelProvider.load`, so the generation thread finds it loaded;
+- one more read-only route, `GET /kvtool/stats` (JSON: adapter and tier counters, layout key,
+  the last requests' cached/RAM/SSD/prefilled tokens);
+- the listening socket and the shutdown are owned here, so that a shutdown stops the HTTP server
+  and the generation thread, then drains the SSD writer and closes the index (`close`).
+
+    server = KVToolServer("tiny", KVToolConfig(), port=0)
+    threading.Thread(target=server.serve_forever).start()
+    ... requests to server.url ...
+    status = server.close()        # stop accepting, stop generating, drain, close the index
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import socket
+import threading
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from kvtool.config import KVToolConfig
+from kvtool.server.adapter import KVToolPromptCache
+from kvtool.store.tiered import ShutdownStatus
+
+log = logging.getLogger("kvtool.server")
+
+STATS_PATH = "/kvtool/stats"
+GENERATION_STOP_TIMEOUT_S = 60.0
+
+
+def mlx_lm_server_defaults() -> dict[str, Any]:
+    """The defaults of `mlx_lm.server`'s command line (mlx-lm 0.32.2, `mlx_lm.server.main`), as the
+    `cli_args` namespace its `ModelProvider`, `ResponseGenerator` and `APIHandler` read."""
+    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+
+    return {
+        "model": None, "adapter_path": None, "host": "127.0.0.1", "port": 8080, "allowed_origins": ["*"],
+        "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False, "log_level": "INFO",
+        "chat_template": "", "use_default_chat_template": False, "temp": 0.0, "top_p": 1.0, "top_k": 0,
+        "min_p": 0.0, "max_tokens": 512, "chat_template_args": {}, "decode_concurrency": 32,
+        "prompt_concurrency": 8, "prefill_step_size": 2048, "prompt_cache_size": 10, "prompt_cache_bytes": None,
+        "kv_bits": None, "kv_group_size": 64, "quantized_kv_start": DEFAULT_QUANTIZED_KV_START, "pipeline": False,
+    }  # fmt: skip
+
+
+def server_args(**overrides: Any) -> argparse.Namespace:
+    """`mlx_lm.server`'s `cli_args` with `overrides` applied.
+
+    Raises:
+        ValueError: an override that is not one of mlx-lm's server options.
+    """
+    args = mlx_lm_server_defaults()
+    unknown = sorted(set(overrides) - set(args))
+    if unknown:
+        raise ValueError(f"not mlx_lm.server options: {', '.join(unknown)}")
+    args.update(overrides)
+    return argparse.Namespace(**args)
+
+
+def make_handler_class(cache: KVToolPromptCache):
+    """mlx-lm's `APIHandler` plus `GET /kvtool/stats`."""
+    from mlx_lm.server import APIHandler
+
+    class KVToolAPIHandler(APIHandler):
+        kvtool_cache = cache
+
+        def do_GET(self):  # noqa: N802 - http.server naming
+            if self.path.split("?", 1)[0] == STATS_PATH:
+                body = json.dumps(self.kvtool_cache.stats(), default=str).encode()
+                self._set_completion_headers(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                self.wfile.flush()
+                return
+            super().do_GET()
+
+    return KVToolAPIHandler
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a request in flight never keeps the process alive after shutdown
+
+
+class ServerStartError(Exception):
+    """The model could not be loaded or the address could not be bound (one-line message)."""
+
+
+class KVToolServer:
+    """A loaded model, its `PrefixCache`, mlx-lm's generation thread and HTTP server.
+
+    Args:
+        model: embedded preset, local mlx-lm model directory or Hugging Face id.
+        config: kvtool cache settings.
+        host, port: address to listen on (port 0: any free port, see `port`).
+        adapter_path: LoRA adapter directory (part of the model identity and the layout key).
+        **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
+            `decode_concurrency`, `temp`, ...).
+
+    Raises:
+        ServerStartError: the model does not load or the address cannot be bound.
+        ValueError: an unknown server option.
+    """
+
+    def __init__(self, model: str, config: KVToolConfig, *, host: str = "127.0.0.1", port: int = 8080,
+                 adapter_path: str | None = None, **server_options: Any):
+        from mlx_lm.server import ModelProvider, ResponseGenerator
+
+        from kvtool.models.loader import ModelLoadError, compute_model_id, resolve_spec
+        from kvtool.prefix import PrefixCache
+
+        self.spec = model
+        cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
+        try:
+            path, name = resolve_spec(model)
+        except ModelLoadError as exc:
+            raise ServerStartError(str(exc)) from None
+        if adapter_path is not None and not Path(adapter_path).expanduser().exists():
+            raise ServerStartError(f"adapter path not found: {adapter_path}")
+        adapter = str(Path(adapter_path).expanduser()) if adapter_path else None
+        cli_args.model, cli_args.adapter_path = str(path), adapter
+        self.model_name = name
+        self.model_path = path
+        self.provider = ModelProvider(cli_args)
+        try:
+            self.provider.load_default()  # the generation thread then finds it loaded (same model_key)
+            model_id = compute_model_id(path, adapter)
+        except Exception as exc:  # noqa: BLE001 - any loader failure is one line
+            raise ServerStartError(f"cannot load model {model!r} from {path}: {' '.join(str(exc).split())}") from exc
+        self._alias(model, str(path), adapter)
+        self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name)
+        self.cache = KVToolPromptCache(self.prefix_cache, model_key=self.provider.model_key)
+        try:
+            try:
+                self.httpd = self._bind(host, port, make_handler_class(self.cache))
+            except OSError as exc:
+                raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            self.generator = ResponseGenerator(self.provider, self.cache)  # starts the generation thread
+            self.httpd.kvtool_holder["generator"] = self.generator
+        except BaseException:  # a bind error or a signal: the index is still closed cleanly
+            generator = getattr(self, "generator", None)
+            if generator is not None:
+                generator._stop = True
+            self.cache.close()
+            raise
+        self._closed: ShutdownStatus | None = None
+        self._close_lock = threading.Lock()
+        self._serving = threading.Event()
+
+    def _alias(self, spec: str, path: str, adapter: str | None) -> None:
+        """Let clients name the model as given on the command line (`"model": "tiny"`), besides
+        mlx-lm's `default_model` and the model path (uses ModelProvider's name maps)."""
+        for attr, value in (("_model_map", path), ("_adapter_map", adapter)):
+            mapping = getattr(self.provider, attr, None)
+            if isinstance(mapping, dict) and spec not in mapping and spec != path:
+                mapping[spec] = value
+
+    @staticmethod
+    def _bind(host: str, port: int, handler_class) -> _HTTPServer:
+        # As mlx_lm.server._run_http_server: the address family from getaddrinfo.
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = next(iter(infos))
+
+        class Server(_HTTPServer):
+            address_family = family
+
+        return _make_server(Server, address, handler_class)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def host(self) -> str:
+        return str(self.httpd.server_address[0])
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when started with port 0)."""
+        return int(self.httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self.host if ":" not in self.host else f"[{self.host}]"
+        return f"http://{host}:{self.port}"
+
+    def serve_forever(self) -> None:
+        """Answer HTTP requests until `close()` (or an exception in this thread, e.g. a signal)."""
+        self._serving.set()
+        self.httpd.serve_forever(poll_interval=0.2)
+
+    def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
+        """Live reconfiguration of the tiers (see `KVToolPromptCache.reconfigure`)."""
+        return self.cache.reconfigure(config)
+
+    def stats(self) -> dict[str, Any]:
+        return self.cache.stats()
+
+    def close(self, *, from_serving_thread: bool = False, timeout: float = GENERATION_STOP_TIMEOUT_S) -> ShutdownStatus:
+        """Stop accepting requests, stop the generation thread, drain the SSD writer and close the
+        index. Idempotent.
+
+        Args:
+            from_serving_thread: True when `serve_forever` already returned in this thread (a
+                signal interrupted it); False when it runs in another thread (it is stopped).
+            timeout: seconds to wait for the generation thread to finish its current step.
+        """
+        with self._close_lock:
+            if self._closed is not None:
+                return self._closed
+            if not from_serving_thread and self._serving.is_set():
+                self.httpd.shutdown()  # waits for serve_forever (in another thread) to return
+            self.httpd.server_close()
+            # mlx-lm's stop_and_join: the generation thread ends after its current step (a prefill
+            # chunk or a time-budgeted run of decode steps); bounded here so a stuck step cannot
+            # keep the index open forever.
+            stopper = threading.Thread(target=self.generator.stop_and_join, name="kvtool-stop", daemon=True)
+            stopper.start()
+            stopper.join(timeout)
+            if stopper.is_alive():
+                log.warning("the generation thread did not stop within %.0f s; closing the cache anyway", timeout)
+            self._closed = self.cache.close()
+            return self._closed
+
+
+def _make_server(server_class, address, handler_class):
+    """Build the HTTP server; the handler gets the response generator once it exists (it is
+    created after the socket is bound, so that a busy port fails before the generation thread
+    starts)."""
+    from mlx_lm.server import get_system_fingerprint
+
+    holder: dict[str, Any] = {}
+    fingerprint = get_system_fingerprint()
+    httpd = server_class(address, lambda *args, **kwargs: handler_class(
+        holder["generator"], *args, system_fingerprint=fingerprint, **kwargs))
+    httpd.kvtool_holder = holder  # type: ignore[attr-defined]
+    return httpd
+
+
+__all__ = ["KVToolServer", "ServerStartError", "server_args", "mlx_lm_server_defaults", "make_handler_class",
+           "STATS_PATH"]
