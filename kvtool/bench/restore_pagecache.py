@@ -1,0 +1,135 @@
+"""Page-cache control for the restore benchmark: drop (cold), read through (warm), and check.
+
+`drop` evicts the named files with `posix_fadvise(POSIX_FADV_DONTNEED)` after an fsync (as the
+bench runner's `drop_page_cache`, but for any file, not only block files), and falls back to
+`sync; echo 3 > /proc/sys/vm/drop_caches` (root only) when pages stay resident. `method="global"`
+always drops the whole page cache. `resident_fraction` asks the kernel (`mincore`) which part of
+the files is in memory, so every measurement records what "cold" and "warm" really were.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from pathlib import Path
+from typing import Iterable
+
+DROP_METHODS = ("fadvise", "global")
+RESIDENT_SLACK = 0.01  # after a drop, more than 1% resident counts as a failed drop
+READ_CHUNK_BYTES = 16 << 20
+
+_libc = None
+
+
+def files_under(paths: Iterable[Path]) -> list[Path]:
+    """Regular files: each path itself, or every file below it (recursively)."""
+    out: list[Path] = []
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            out.extend(sorted(q for q in p.rglob("*") if q.is_file()))
+        elif p.is_file():
+            out.append(p)
+    return out
+
+
+def drop_global() -> bool:
+    """`sync; echo 3 > /proc/sys/vm/drop_caches`; False without permission."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def drop_fadvise(files: Iterable[Path]) -> bool:
+    """fsync then `POSIX_FADV_DONTNEED` each file; False if unsupported or a call failed."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    except OSError:
+        return False
+    return True
+
+
+def drop(paths: Iterable[Path], method: str = "fadvise") -> str:
+    """Evict `paths` (files or directories) from the page cache.
+
+    Returns:
+        What was done: `fadvise`, `global`, `fadvise+global`, or `failed`.
+    """
+    files = files_under(paths)
+    if method == "global":
+        return "global" if drop_global() else "failed"
+    ok = drop_fadvise(files)
+    frac = resident_fraction(files)
+    if ok and (frac is None or frac <= RESIDENT_SLACK):
+        return "fadvise"
+    return "fadvise+global" if drop_global() else "failed"
+
+
+def warm(paths: Iterable[Path]) -> None:
+    """Read every file through once so it sits in the page cache."""
+    buf = bytearray(READ_CHUNK_BYTES)
+    for path in files_under(paths):
+        with open(path, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+def _c():
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _libc = lib
+    return _libc
+
+
+def _resident_pages(path: Path) -> tuple[int, int]:
+    size = path.stat().st_size
+    if size == 0:
+        return 0, 0
+    page = mmap.PAGESIZE
+    pages = (size + page - 1) // page
+    lib = _c()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mmap failed")
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            if lib.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            return sum(b & 1 for b in vec), pages
+        finally:
+            lib.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def resident_fraction(files: Iterable[Path]) -> float | None:
+    """Fraction of the files' pages in the page cache (0..1), None where `mincore` is unavailable."""
+    resident = total = 0
+    try:
+        for path in files:
+            r, t = _resident_pages(Path(path))
+            resident += r
+            total += t
+    except (OSError, AttributeError):
+        return None
+    return resident / total if total else 0.0

@@ -1,0 +1,336 @@
+"""Fresh-process measurements of the restore benchmark, and the synthetic KV they share.
+
+The parent (`kvtool.bench.restore`) prepares files, drops or warms the page cache, then runs one
+measurement per process:
+
+    python -m kvtool.bench.restore_worker MODE '<json args>'
+
+and reads one JSON object from the last line of stdout. Modes:
+
+- `raw`: `os.preadv` of a file into a preallocated, pre-faulted numpy buffer (the disk ceiling).
+- `mlxlm`: `load_prompt_cache` + `mx.eval` of every layer's keys and values, token ids checked.
+- `kvtool`: `fetch` through `restore_kvtool.open_prefix_cache` + `mx.eval` of the restored cache.
+- `writer`: store + flush synthetic KV through kvtool (best_effort), then `os.sync()`.
+- `mlxlm_ttft_save` / `mlxlm_ttft`: mlx-lm's own prompt cache on a real model: save the KV of
+  `ids[:-1]`; later, in a fresh process after a warm-up forward, time `load_prompt_cache` + one
+  forward of the last token until the first (greedy) token is evaluated.
+
+Peak RSS of a restore: `/proc/self/clear_refs` ← "5" resets VmHWM to the current RSS just before
+the timed region; `peak_rss_bytes` = VmHWM after it − VmRSS before it (Linux; None elsewhere).
+`first_append_ms`: one token appended to every layer (`update_and_fetch` + eval) right after the
+restore — what the first decode step pays on top of attention (a cache without spare room is
+copied whole). `kv_crc`: crc32 of the restored KV, checked by the parent against the stored KV.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+TOKENS_METADATA_KEY = "kvtool_bench_tokens"  # same key as the bench's mlx-lm baseline
+READ_CHUNK_BYTES = 64 << 20
+PREFILL_STEP = 2048
+
+
+# ---------------------------------------------------------------- synthetic KV
+def token_ids(n: int, seed: int = 0, vocab: int = 32000) -> np.ndarray:
+    """Deterministic int32 token ids `[n]` (the same for mlx-lm and kvtool)."""
+    return np.random.default_rng(seed + n).integers(0, vocab, size=n, dtype=np.int32)
+
+
+def synthetic_kv(shape, n_tokens: int, seed: int = 0) -> list[tuple[Any, Any]]:
+    """Random per-layer (keys, values) mx arrays `[1, n_kv_heads, n_tokens, head_dim]`, evaluated."""
+    import mlx.core as mx
+
+    dtype = getattr(mx, shape.dtype)
+    dims = (1, shape.n_kv_heads, n_tokens, shape.head_dim)
+    pairs = []
+    for layer in range(shape.n_layers):
+        k1, k2 = mx.random.split(mx.random.key(seed * 1000 + layer))
+        pair = (mx.random.normal(dims, key=k1).astype(dtype), mx.random.normal(dims, key=k2).astype(dtype))
+        mx.eval(pair)
+        pairs.append(pair)
+    return pairs
+
+
+def make_cache(pairs: Sequence[tuple[Any, Any]]) -> list:
+    """Per-layer mlx-lm `KVCache`s holding exactly the given arrays (no spare room)."""
+    from mlx_lm.models.cache import KVCache
+
+    caches = []
+    for k, v in pairs:
+        c = KVCache()
+        c.state = (k, v, int(k.shape[2]))
+        caches.append(c)
+    return caches
+
+
+def host_bytes(a) -> memoryview:
+    """The bytes of an mx array (bfloat16 as its uint16 bit pattern), C order."""
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return memoryview(np.ascontiguousarray(np.asarray(a)))
+
+
+def kv_crc(pairs: Sequence[tuple[Any, Any]], n_tokens: int) -> int:
+    """crc32 over every layer's keys then values, first `n_tokens` positions only."""
+    crc = 0
+    for k, v in pairs:
+        for a in (k, v):
+            crc = zlib.crc32(host_bytes(a[..., :n_tokens, :]), crc)
+    return crc
+
+
+def cache_pairs(cache: list) -> list[tuple[Any, Any]]:
+    return [(c.keys, c.values) for c in cache]
+
+
+def write_raw(path: Path, pairs: Sequence[tuple[Any, Any]]) -> int:
+    """Write the KV bytes, layer by layer, to one file; returns the bytes written."""
+    total = 0
+    with open(path, "wb") as fh:
+        for k, v in pairs:
+            for a in (k, v):
+                total += fh.write(host_bytes(a))
+    return total
+
+
+def save_mlxlm(path: Path, pairs: Sequence[tuple[Any, Any]], ids: np.ndarray) -> int:
+    """`save_prompt_cache` of per-layer `KVCache`s, token ids in the metadata (as the bench
+    baseline does); returns the file size."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    save_prompt_cache(str(path), make_cache(pairs), metadata={TOKENS_METADATA_KEY: json.dumps(ids.tolist())})
+    return path.stat().st_size
+
+
+# ---------------------------------------------------------------- memory
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakRSS:
+    """Peak RSS growth over a region: reset VmHWM (clear_refs 5), read VmRSS, then VmHWM after."""
+
+    def __enter__(self) -> "PeakRSS":
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            pass
+        self.start_kb = _status_kb("VmRSS")
+        self.bytes: int | None = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        hwm = _status_kb("VmHWM")
+        if hwm is not None and self.start_kb is not None:
+            self.bytes = max(0, hwm - self.start_kb) * 1024
+
+
+def first_append_ms(cache: list) -> float:
+    """Time to append one token to every layer of `cache` (`update_and_fetch` + eval)."""
+    import mlx.core as mx
+
+    k0 = cache[0].keys
+    tok = mx.zeros((1, k0.shape[1], 1, k0.shape[3]), dtype=k0.dtype)
+    mx.eval(tok)
+    t0 = time.perf_counter()
+    out = [c.update_and_fetch(tok, tok) for c in cache]
+    mx.eval(out)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def append_after_prefill_ms(pairs: Sequence[tuple[Any, Any]]) -> float:
+    """The reference for `first_append_ms`, a decode step's append after a cold prefill: fill
+    fresh `KVCache`s as a prefill does (`update_and_fetch` in 2,048-token chunks), append one
+    token untimed (it grows the buffers when the prompt filled them exactly), time the next."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in pairs]
+    n = int(pairs[0][0].shape[2])
+    for i in range(0, n, PREFILL_STEP):
+        for c, (k, v) in zip(caches, pairs):
+            c.update_and_fetch(k[..., i : i + PREFILL_STEP, :], v[..., i : i + PREFILL_STEP, :])
+        mx.eval([(c.keys, c.values) for c in caches])
+    first_append_ms(caches)
+    ms = first_append_ms(caches)
+    del caches
+    return ms
+
+
+# ---------------------------------------------------------------- modes
+def mode_raw(args: dict) -> dict:
+    """Read `nbytes` of `path` with `os.preadv` into a pre-faulted buffer."""
+    nbytes = int(args["nbytes"])
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    buf.fill(1)  # fault every page in before timing
+    view = memoryview(buf)
+    fd = os.open(args["path"], os.O_RDONLY)
+    try:
+        with PeakRSS() as rss:
+            t0 = time.perf_counter()
+            off = 0
+            while off < nbytes:
+                n = os.preadv(fd, [view[off : off + READ_CHUNK_BYTES]], off)
+                if n <= 0:
+                    break
+                off += n
+            ms = (time.perf_counter() - t0) * 1e3
+    finally:
+        os.close(fd)
+    return {"ms": ms, "bytes_io": off, "peak_rss_bytes": rss.bytes, "kv_crc": zlib.crc32(view[:off])}
+
+
+def mode_mlxlm(args: dict) -> dict:
+    """`load_prompt_cache` + eval; the token ids in the metadata are checked (as a user must)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    ids = np.load(args["ids"])
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        cache, meta = load_prompt_cache(args["path"], return_metadata=True)
+        mx.eval(cache_pairs(cache))
+        same = json.loads(meta[TOKENS_METADATA_KEY]) == ids.tolist()
+        ms = (time.perf_counter() - t0) * 1e3
+    n = int(cache[0].offset)
+    return {
+        "ms": ms, "bytes_io": Path(args["path"]).stat().st_size, "peak_rss_bytes": rss.bytes,
+        "cached_tokens": n, "tokens_ok": same, "first_append_ms": first_append_ms(cache),
+        "kv_crc": kv_crc(cache_pairs(cache), n),
+    }
+
+
+def mode_kvtool(args: dict) -> dict:
+    """`fetch` in this fresh process (index open timed apart as `open_ms`)."""
+    import mlx.core as mx
+
+    from kvtool.bench.restore_kvtool import KVShape, open_prefix_cache
+
+    shape = KVShape(**args["shape"])
+    ids = np.load(args["ids"])
+    t_open = time.perf_counter()
+    pc = open_prefix_cache(Path(args["cache_dir"]), shape, api=args["api"], block_size=args.get("block_size"))
+    open_ms = (time.perf_counter() - t_open) * 1e3
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        hit = pc.fetch(ids)
+        mx.eval(cache_pairs(hit.cache))
+        ms = (time.perf_counter() - t0) * 1e3
+    out = {
+        "ms": ms, "open_ms": open_ms, "bytes_io": hit.ssd_bytes_read, "peak_rss_bytes": rss.bytes,
+        "cached_tokens": hit.cached_tokens, "ssd_hit_tokens": hit.ssd_tokens, "ssd_load_ms": hit.ssd_load_ms,
+        "kvtool_api": pc.api,
+    }
+    if hit.cached_tokens:
+        out["first_append_ms"] = first_append_ms(hit.cache)
+        out["kv_crc"] = kv_crc(cache_pairs(hit.cache), hit.cached_tokens)
+    pc.release(hit)
+    pc.close()
+    return out
+
+
+def mode_writer(args: dict) -> dict:
+    """Store + flush `n_tokens` of synthetic KV through kvtool's async writer (best_effort)."""
+    from kvtool.bench.restore_kvtool import KVShape, open_prefix_cache
+
+    shape = KVShape(**args["shape"])
+    n = int(args["n_tokens"])
+    ids = token_ids(n, args.get("seed", 0))
+    cache = make_cache(synthetic_kv(shape, n, args.get("seed", 0)))
+    pc = open_prefix_cache(Path(args["cache_dir"]), shape, api=args["api"], async_writes=True,
+                           block_size=args.get("block_size"))
+    os.sync()
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        pc.store(ids, cache)
+        pc.flush()
+        ms = (time.perf_counter() - t0) * 1e3
+    t1 = time.perf_counter()
+    os.sync()
+    sync_ms = (time.perf_counter() - t1) * 1e3
+    pc.close()
+    written = sum(p.stat().st_size for p in Path(args["cache_dir"]).rglob("*") if p.is_file())
+    return {"ms": ms, "sync_ms": sync_ms, "bytes_io": written, "peak_rss_bytes": rss.bytes, "kvtool_api": pc.api}
+
+
+def mode_mlxlm_ttft_save(args: dict) -> dict:
+    """Prefill `ids[:-1]` on the model and `save_prompt_cache` it (what an mlx-lm user keeps)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    model, _ = mlx_lm.load(args["model_path"])
+    ids = np.load(args["ids"])[:-1]
+    cache = make_prompt_cache(model)
+    for i in range(0, len(ids), PREFILL_STEP):
+        model(mx.array(ids[i : i + PREFILL_STEP])[None], cache=cache)
+        mx.eval(cache_pairs(cache))
+    save_prompt_cache(args["path"], cache, metadata={TOKENS_METADATA_KEY: json.dumps(ids.tolist())})
+    return {"bytes_io": Path(args["path"]).stat().st_size}
+
+
+def mode_mlxlm_ttft(args: dict) -> dict:
+    """Warm-up forward, then time load_prompt_cache (+ token check) + forward of the last token."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+
+    model, _ = mlx_lm.load(args["model_path"])
+    ids = np.load(args["ids"])
+    warm = make_prompt_cache(model)
+    mx.eval(model(mx.array(ids[:8])[None], cache=warm))  # kernels and weights touched before timing
+    del warm
+    t0 = time.perf_counter()
+    cache, meta = load_prompt_cache(args["path"], return_metadata=True)
+    mx.eval(cache_pairs(cache))
+    same = json.loads(meta[TOKENS_METADATA_KEY]) == ids[:-1].tolist()
+    load_ms = (time.perf_counter() - t0) * 1e3
+    cached = int(cache[0].offset)
+    logits = model(mx.array(ids[-1:])[None], cache=cache)
+    token = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(token)
+    ms = (time.perf_counter() - t0) * 1e3
+    return {"ms": ms, "ssd_load_ms": load_ms, "bytes_io": Path(args["path"]).stat().st_size,
+            "cached_tokens": cached, "first_token": int(token.item()), "tokens_ok": same}
+
+
+MODES: dict[str, Callable[[dict], dict]] = {
+    "raw": mode_raw,
+    "mlxlm": mode_mlxlm,
+    "kvtool": mode_kvtool,
+    "writer": mode_writer,
+    "mlxlm_ttft_save": mode_mlxlm_ttft_save,
+    "mlxlm_ttft": mode_mlxlm_ttft,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvtool.bench.restore_worker MODE JSON`: print one JSON object."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in MODES:
+        print(f"usage: restore_worker {{{','.join(MODES)}}} JSON_ARGS", file=sys.stderr)
+        return 2
+    result = MODES[argv[0]](json.loads(argv[1]))
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
