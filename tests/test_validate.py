@@ -1,50 +1,69 @@
-"""Tests of kvtool.ops.validate and `kvtool validate` (real cache directories and indexes)."""
+"""Tests of kvtool.ops.validate (plan_repairs + execute) and `kvtool validate` on real segment
+caches: every damage kind is found by a dry run and repaired by a run, a second run is clean,
+and no block that verifies is ever lost (issue 9.2: repair without loss)."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 import numpy as np
 import pytest
 import typer
-from tests.store_helpers import block_path, make_block, make_chain, make_layout, make_meta, open_store
 from typer.testing import CliRunner
 
 from kvtool.cli import cmd_validate
-from kvtool.ops.validate import ValidateError, validate
-from kvtool.store import blockfile
+from kvtool.ops.scan import ScanError, scan_cache
+from kvtool.ops.validate import REPAIRS, execute, plan_repairs, validate
 from kvtool.store.index import BlockIndex
 from kvtool.store.ssd import SSDStore
+from tests.store_helpers import (
+    block_path, encode_segment, flip_record_byte, make_chain, make_layout, make_meta, open_store, segment_files,
+    segment_name, segment_path,
+)  # fmt: skip
 
-PROMPTS = (np.arange(16), np.arange(100, 112))  # chains of 4 and 3 blocks (block_size 4)
+NOW_SKEW = 10 * 86400.0
 
 
 @pytest.fixture
 def cache(tmp_path):
-    """A closed cache with one namespace holding two chains; yields (cache_dir, store, chains)."""
-    store = open_store(tmp_path)
-    chains = [make_chain(store.layout_key, p, "bfloat16", seed=10 * i) for i, p in enumerate(PROMPTS)]
-    for chain in chains:
-        for b in chain:
-            assert store.save_block(b) == "saved"
+    """A closed cache, one namespace: chain A (4 blocks + tail entry, one segment) and chain B
+    (3 blocks, one segment each). Yields (cache_dir, store, (A, B))."""
+    cache_dir = tmp_path / "kv"
+    store = open_store(cache_dir)
+    a = make_chain(store.layout_key, np.arange(18), tail=True)
+    b = make_chain(store.layout_key, np.arange(100, 112), seed=10)
+    assert set(store.save_blocks(a)) == {"saved"}
+    for blk in b:
+        assert store.save_block(blk) == "saved"
     store.close()
-    return tmp_path, store, chains
+    return cache_dir, store, (a, b)
+
+
+def sql(store, statement: str, params=()) -> None:
+    with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
+        conn.execute(statement, params)
+
+
+def raw_rows(cache_dir: Path) -> list:
+    out = []
+    for db in sorted(cache_dir.glob("*/index.sqlite")):
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+                out.append((conn.execute("SELECT * FROM meta ORDER BY key").fetchall(),
+                            conn.execute("SELECT * FROM blocks ORDER BY hash").fetchall(),
+                            conn.execute("SELECT * FROM segments ORDER BY name").fetchall()))  # fmt: skip
+        except sqlite3.DatabaseError:  # a corrupt index: its bytes
+            out.append(db.read_bytes())
+    return out
 
 
 def snapshot(cache_dir: Path) -> tuple[dict, list]:
-    """Every file's bytes (index files excluded) and every index row, to prove nothing changed."""
-    files = {
-        str(p.relative_to(cache_dir)): p.read_bytes()
-        for p in sorted(cache_dir.rglob("*"))
-        if p.is_file() and not p.name.startswith("index.sqlite")
-    }
-    rows = []
-    for idx_path in sorted(cache_dir.glob("*/index.sqlite")):
-        idx = BlockIndex(idx_path, create=False)
-        rows.append((idx.get_meta().get("format_version"), list(idx.rows())))
-        idx.close()
-    return files, rows
+    """Every file's bytes (index files excluded) and every index's content: nothing changed."""
+    files = {str(p.relative_to(cache_dir)): p.read_bytes() for p in sorted(cache_dir.rglob("*"))
+             if p.is_file() and not p.is_symlink() and not p.name.startswith("index.sqlite")}  # fmt: skip
+    return files, raw_rows(cache_dir)
 
 
 def only(report):
@@ -52,137 +71,261 @@ def only(report):
     return report.namespaces[0]
 
 
-def rows_of(store) -> dict:
+def stored(store) -> set[str]:
     idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
     try:
-        return {r.hash: r for r in idx.rows()}
+        return {r.hash for r in idx.rows()}
     finally:
         idx.close()
 
 
+def loadable(cache_dir: Path, store, chains) -> set[str]:
+    """Blocks a fresh store serves (verified, exact token ids)."""
+    live = SSDStore(cache_dir, store.layout_key, make_meta())
+    try:
+        got = {b.block_hash for c in chains for b in c if live.load_block(b.block_hash, b.token_ids) is not None}
+        assert live.stats()["ssd_load_corrupt"] == 0
+        return got
+    finally:
+        live.close()
+
+
+def every(chains) -> set[str]:
+    return {b.block_hash for c in chains for b in c}
+
+
 # ------------------------------------------------------------------ damage kinds
+# each returns (report field, count, blocks that must still load afterwards: None = all)
 def dmg_temp(store, chains):
-    p = block_path(store, chains[0][0].block_hash).parent / f".{chains[0][0].block_hash}.4194305.dead.tmp"
-    p.write_bytes(b"half a block")
-    return "temp_removed", 1
+    seg = segment_files(store)[0]
+    (seg.parent / f".{seg.stem}.4194305.deadbeef.tmp").write_bytes(b"half a segment")
+    return "temp_removed", 1, None
 
 
 def dmg_missing(store, chains):
-    block_path(store, chains[0][3].block_hash).unlink()  # a leaf: no chain breaks
-    return "missing_rows_dropped", 1
+    block_path(store, chains[1][2].block_hash).unlink()  # a leaf: no chain breaks
+    return "missing_rows_dropped", 1, every(chains) - {chains[1][2].block_hash}
 
 
 def dmg_truncated(store, chains):
-    p = block_path(store, chains[0][3].block_hash)
+    p = block_path(store, chains[1][2].block_hash)
     p.write_bytes(p.read_bytes()[:-10])
-    return "corrupt_removed", 1
+    return "corrupt_removed", 1, every(chains) - {chains[1][2].block_hash}
 
 
 def dmg_bad_header(store, chains):
     p = block_path(store, chains[1][2].block_hash)
     data = bytearray(p.read_bytes())
-    data[12:20] = b"!!!!!!!!"
+    data[20:28] = b"!!!!!!!!"
     p.write_bytes(bytes(data))
-    return "corrupt_removed", 1
+    return "corrupt_removed", 1, every(chains) - {chains[1][2].block_hash}
 
 
-def dmg_foreign(store, chains):
-    """A block of another namespace copied in under a hash of ours (valid file, wrong layout)."""
+def dmg_foreign_segment(store, chains):
+    """A valid segment of another namespace under the name of one of ours."""
     victim = chains[1][2]
-    foreign = make_block(victim.block_hash, victim.parent_hash, victim.token_ids)
-    block_path(store, victim.block_hash).write_bytes(blockfile.encode(foreign, make_layout(model_id="x"), 0.0))
-    return "corrupt_removed", 1
+    block_path(store, victim.block_hash).write_bytes(encode_segment([victim], make_layout(model_id="x")))
+    return "corrupt_removed", 1, every(chains) - {victim.block_hash}
 
 
-def dmg_orphan_good(store, chains):
-    idx = BlockIndex(store.namespace_dir / "index.sqlite")
-    idx.delete([chains[0][3].block_hash])  # row lost (e.g. crash between rename and insert)
-    idx.close()
-    return "orphans_adopted", 1
+def dmg_orphan(store, chains):
+    sql(store, "DELETE FROM blocks WHERE segment=?", (segment_name(store, chains[1][2].block_hash),))
+    return "orphans_adopted", 1, None  # crash between rename and insert: re-adopted
 
 
-def dmg_orphan_bad(store, chains):
-    h = "ee" * 16
+def dmg_orphan_garbage(store, chains):
+    name = "ee" * 16
     (store.namespace_dir / "ee").mkdir()
-    (store.namespace_dir / "ee" / f"{h}.safetensors").write_bytes(b"not a block")
-    return "orphans_removed", 1
+    (store.namespace_dir / "ee" / f"{name}.safetensors").write_bytes(b"not a segment")
+    return "orphans_removed", 1, None
 
 
 def dmg_broken_chain(store, chains):
-    idx = BlockIndex(store.namespace_dir / "index.sqlite")
-    idx.delete([chains[0][1].block_hash])  # row gone, then file: blocks 2 and 3 lose their parent
-    idx.close()
-    block_path(store, chains[0][1].block_hash).unlink()
-    return "broken_chain_removed", 2
+    p = block_path(store, chains[1][1].block_hash)
+    sql(store, "DELETE FROM blocks WHERE hash=?", (chains[1][1].block_hash,))
+    p.unlink()  # row, then file: block 2 loses its parent
+    return "broken_chain_removed", 1, every(chains) - {chains[1][1].block_hash, chains[1][2].block_hash}
 
 
-DAMAGES = [dmg_temp, dmg_missing, dmg_truncated, dmg_bad_header, dmg_foreign, dmg_orphan_good, dmg_orphan_bad, dmg_broken_chain]
+def dmg_future_access(store, chains):
+    sql(store, "UPDATE blocks SET last_access=last_access+? WHERE hash=?", (NOW_SKEW, chains[0][0].block_hash))
+    return "access_clamped", 1, None
+
+
+def dmg_segment_row_missing(store, chains):
+    sql(store, "DELETE FROM segments WHERE name=?", (segment_name(store, chains[0][0].block_hash),))
+    return "segment_rows_fixed", 1, None
+
+
+def dmg_segment_row_stale(store, chains):
+    sql(store, "INSERT INTO segments VALUES (?, 100, 1, 0.0)", ("dd" * 16,))
+    return "segment_rows_fixed", 1, None
+
+
+def dmg_malformed_row(store, chains):
+    """A middle block's row becomes unusable (typed wrong): dropped, and its record re-adopted
+    because the chain below it needs it."""
+    sql(store, "UPDATE blocks SET nbytes='lots' WHERE hash=?", (chains[0][1].block_hash,))
+    return "bad_rows_dropped", 1, None
+
+
+DAMAGES = [
+    dmg_temp, dmg_missing, dmg_truncated, dmg_bad_header, dmg_foreign_segment, dmg_orphan, dmg_orphan_garbage,
+    dmg_broken_chain, dmg_future_access, dmg_segment_row_missing, dmg_segment_row_stale, dmg_malformed_row,
+]  # fmt: skip
 
 
 def test_clean_cache_is_clean(cache):
     cache_dir, store, chains = cache
+    before = snapshot(cache_dir)
     rep = only(validate(cache_dir, deep=True))
-    assert rep.status == "clean" and rep.problems == 0 and rep.rows == rep.files == 7
+    assert (rep.status, rep.outcome, rep.problems, rep.rows, rep.files) == ("ok", "clean", 0, 8, 4)
+    assert snapshot(cache_dir) == before
 
 
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__[4:])
 def test_each_damage_is_repaired_once(cache, damage):
     cache_dir, store, chains = cache
-    field, count = damage(store, chains)
+    field, count, survivors = damage(store, chains)
     before = snapshot(cache_dir)
     dry = only(validate(cache_dir, dry_run=True))
-    assert snapshot(cache_dir) == before  # dry run changes nothing
-    assert getattr(dry, field) == count and dry.problems == count and dry.status == "problems"
+    assert snapshot(cache_dir) == before  # a dry run changes nothing
+    assert getattr(dry, field) == count and dry.outcome == "problems", dry.details
 
     rep = only(validate(cache_dir))
-    assert getattr(rep, field) == count and rep.problems == count and rep.status == "repaired"
+    assert getattr(rep, field) == count and rep.outcome == "repaired", rep.details
+    assert rep.problems == dry.problems and rep.unlink_failed == 0
     second = only(validate(cache_dir, deep=True))
-    assert second.problems == 0 and second.status == "clean"
-    # the store serves exactly what is indexed, and everything indexed is loadable
-    served = SSDStore(cache_dir, store.layout_key, make_meta())
-    for chain in chains:
-        for b in chain:
-            out = served.load_block(b.block_hash, b.token_ids)
-            assert (out is not None) == (b.block_hash in rows_of(store))
-    assert served.stats()["ssd_load_corrupt"] == 0
-    served.close()
+    assert second.problems == 0 and second.outcome == "clean", second.details
+    assert loadable(cache_dir, store, chains) == (every(chains) if survivors is None else survivors)
 
 
-def test_orphan_is_readopted_with_its_metadata(cache):
+@pytest.mark.parametrize(
+    "column, value",
+    [
+        ("nbytes", 12345),
+        ("num_tokens", 3),
+        ("slot", 3),
+        ("parent", "ab" * 16),
+        ("tokens_digest", "cd" * 16),
+        ("segment", None),  # another existing segment (set below)
+        ("hash", "ef" * 16),  # the real block's row is gone; its chain needs it: re-adopted
+    ],
+)
+@pytest.mark.parametrize("which", [1, 4], ids=["middle", "tail-entry"])
+def test_one_wrong_row_loses_no_intact_block(cache, column, value, which):
+    """Issue 9: one wrong `nbytes` cost 19 intact blocks. A row that disagrees with a record that
+    verifies is rewritten from the record; nothing is deleted."""
     cache_dir, store, chains = cache
-    original = rows_of(store)[chains[0][3].block_hash]
-    dmg_orphan_good(store, chains)
-    validate(cache_dir)
-    adopted = rows_of(store)[chains[0][3].block_hash]
-    assert (adopted.parent, adopted.path, adopted.nbytes, adopted.tokens_digest, adopted.created) == (
-        original.parent, original.path, original.nbytes, original.tokens_digest, original.created
-    )  # fmt: skip
+    victim = chains[0][which]
+    if column == "segment":
+        value = segment_name(store, chains[1][0].block_hash)
+    sql(store, f"UPDATE blocks SET {column}=? WHERE hash=?", (value, victim.block_hash))
+    rep = only(validate(cache_dir))
+    assert rep.broken_chain_removed == rep.missing_rows_dropped == 0 and rep.bytes_freed == 0, rep.details
+    assert rep.corrupt_removed == (1 if column == "hash" else 0)  # the bogus row itself, no block
+    assert rep.rows_repaired + rep.orphans_adopted == 1
+    assert only(validate(cache_dir, deep=True)).problems == 0
+    assert loadable(cache_dir, store, chains) == every(chains)
 
 
-def test_flipped_data_byte_needs_deep(cache):
-    cache_dir, store, chains = cache
-    p = block_path(store, chains[1][0].block_hash)
-    data = bytearray(p.read_bytes())
-    data[-1] ^= 0xFF
-    p.write_bytes(bytes(data))
-    assert only(validate(cache_dir)).problems == 0  # header, size and shapes are fine
+def test_flipped_record_byte_needs_deep(cache):
+    cache_dir, store, (a, b) = cache
+    flip_record_byte(store, b[0].block_hash)
+    assert only(validate(cache_dir)).problems == 0  # header, sizes and token ids are fine
     rep = only(validate(cache_dir, deep=True))
-    # the corrupt first block goes, and its two children lose their chain
-    assert (rep.corrupt_removed, rep.broken_chain_removed) == (1, 2)
-    assert not p.exists() and len(rows_of(store)) == 4
+    assert (rep.corrupt_removed, rep.broken_chain_removed) == (1, 2)  # its continuations are unreachable
     assert any(d.startswith("corrupt") and "checksum" in d for d in rep.details)
+    assert stored(store) == every([a]) and len(segment_files(store)) == 1
 
 
-def test_unknown_format_version_is_untouched(cache):
+def test_corrupt_record_in_a_shared_segment_keeps_the_others(cache):
+    cache_dir, store, (a, b) = cache
+    flip_record_byte(store, a[3].block_hash)  # block 3 of 5 in one segment
+    rep = only(validate(cache_dir, deep=True))
+    assert (rep.corrupt_removed, rep.broken_chain_removed) == (1, 1)  # block 3 and the tail below it
+    assert loadable(cache_dir, store, (a, b)) == every((a, b)) - {a[3].block_hash, a[4].block_hash}
+
+
+def test_wrong_meta_leaves_the_namespace_untouched(cache):
+    """Issue 9: a wrong block_size in the meta cost all 27 blocks. The layout key is a digest of
+    the meta: a meta that does not hash to the name is 'foreign', reported, untouched."""
     cache_dir, store, chains = cache
-    idx = BlockIndex(store.namespace_dir / "index.sqlite")
-    idx.set_meta({"format_version": "7"})
-    idx.close()
-    block_path(store, chains[0][0].block_hash).unlink()  # would be a problem in a v1 namespace
+    sql(store, "UPDATE meta SET value='8' WHERE key='block_size'")
+    block_path(store, chains[1][2].block_hash).unlink()  # would be a repair in a usable namespace
     before = snapshot(cache_dir)
     rep = only(validate(cache_dir, deep=True))
-    assert rep.status == "unknown_format" and rep.format_version == "7" and rep.problems == 1
+    assert (rep.status, rep.outcome, rep.problems) == ("foreign", "skipped", 1) and "hash" in rep.message
     assert snapshot(cache_dir) == before
+
+
+def test_outdated_namespace_is_reported_not_touched(cache):
+    cache_dir, store, _ = cache
+    sql(store, "UPDATE meta SET value='1' WHERE key='format_version'")
+    before = snapshot(cache_dir)
+    rep = only(validate(cache_dir, deep=True))
+    assert (rep.status, rep.outcome, rep.problems, rep.format_version) == ("outdated", "skipped", 0, "1")
+    assert "re-warm; `kvtool prune` removes them" in rep.message
+    assert snapshot(cache_dir) == before
+
+
+def corrupt_index(store) -> None:
+    for suffix in ("-wal", "-shm"):
+        Path(f"{store.namespace_dir / 'index.sqlite'}{suffix}").unlink(missing_ok=True)
+    (store.namespace_dir / "index.sqlite").write_bytes(b"this is not a database at all" * 100)
+
+
+def test_corrupt_index_is_rebuilt_with_every_block(cache):
+    cache_dir, store, chains = cache
+    corrupt_index(store)
+    rep = only(validate(cache_dir))
+    assert rep.status == "unreadable" and rep.outcome == "skipped" and "--rebuild-index" in rep.message
+    before = snapshot(cache_dir)
+    dry = only(validate(cache_dir, rebuild_index=True, dry_run=True))
+    assert dry.index_rebuilt and dry.blocks_recovered == 8 and snapshot(cache_dir) == before
+    rep = only(validate(cache_dir, rebuild_index=True))
+    assert (rep.index_rebuilt, rep.blocks_recovered, rep.outcome, rep.orphans_removed) == (True, 8, "repaired", 0)
+    assert (store.namespace_dir / "index.sqlite.corrupt").read_bytes().startswith(b"this is not")
+    ns = only(scan_cache(cache_dir))  # the meta was lost: completed by the next open of the model
+    assert ns.status == "uninitialized" and len(ns.rows) == 8
+    assert only(validate(cache_dir)).problems == 0
+    assert loadable(cache_dir, store, chains) == every(chains)
+    assert only(validate(cache_dir, deep=True)).outcome == "clean"
+
+
+def test_rebuild_keeps_a_readable_meta(cache):
+    """An index whose block table is lost but whose meta still reads comes back complete."""
+    cache_dir, store, chains = cache
+    sql(store, "DROP TABLE blocks")
+    assert only(scan_cache(cache_dir)).status == "unreadable"
+    rep = only(validate(cache_dir, rebuild_index=True))
+    assert rep.index_rebuilt and rep.blocks_recovered == 8
+    ns = only(scan_cache(cache_dir))
+    assert ns.status == "ok" and len(ns.rows) == 8 and ns.meta["model_id"] == "test-model"
+    assert only(validate(cache_dir, deep=True)).problems == 0
+    assert loadable(cache_dir, store, chains) == every(chains)
+
+
+def test_duplicate_orphan_is_removed_without_a_problem(cache):
+    cache_dir, store, (a, b) = cache
+    src = block_path(store, b[0].block_hash)
+    copy = segment_path(store, "0a" * 16)
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(src.read_bytes())
+    rep = only(validate(cache_dir))
+    assert (rep.duplicates_removed, rep.problems, rep.outcome) == (1, 0, "repaired") and not copy.exists()
+    assert only(validate(cache_dir)).duplicates_removed == 0
+
+
+def test_plan_then_execute(cache):
+    cache_dir, store, chains = cache
+    dmg_missing(store, chains)
+    plan = plan_repairs(scan_cache(cache_dir))
+    assert plan.dry_run and not plan.executed and plan.problems == 1
+    assert len(stored(store)) == 8
+    execute(plan)
+    assert plan.executed and not plan.dry_run and len(stored(store)) == 7
+    assert set(plan.to_dict()["namespaces"][0]) >= set(REPAIRS) | {"status", "outcome", "details", "problems"}
 
 
 def test_foreign_entries_are_ignored(cache):
@@ -201,30 +344,30 @@ def test_namespace_selection_and_errors(cache, tmp_path):
     other.close()
     assert len(validate(cache_dir).namespaces) == 2
     assert only(validate(cache_dir, namespace=store.layout_key[:6])).namespace == store.layout_key
-    with pytest.raises(ValidateError, match="no namespace"):
+    with pytest.raises(ScanError, match="no namespace"):
         validate(cache_dir, namespace="zz")
-    with pytest.raises(ValidateError, match="does not exist"):
+    with pytest.raises(ScanError, match="does not exist"):
         validate(tmp_path / "nope")
 
 
 def test_validate_while_a_store_serves(cache):
-    cache_dir, store, chains = cache
+    cache_dir, store, (a, b) = cache
     live = SSDStore(cache_dir, store.layout_key, make_meta())
-    dmg_truncated(store, chains)
+    dmg_truncated(store, (a, b))
     validate(cache_dir, deep=True)
-    assert live.load_block(chains[0][3].block_hash, chains[0][3].token_ids) is None
+    assert live.load_block(b[2].block_hash, b[2].token_ids) is None
     assert live.stats()["ssd_load_corrupt"] == 0  # validate got there first: a plain miss
-    assert live.load_block(chains[0][2].block_hash, chains[0][2].token_ids) is not None
-    assert live.save_block(chains[0][3]) == "saved"
+    assert live.load_block(b[1].block_hash, b[1].token_ids) is not None
+    assert live.save_block(b[2]) == "saved"
     live.close()
     assert only(validate(cache_dir, deep=True)).problems == 0
 
 
-def test_progress_reports_every_file(cache):
+def test_progress_reports_every_segment(cache):
     cache_dir, _, _ = cache
     seen = []
     validate(cache_dir, progress=lambda ns, done, total: seen.append((done, total)))
-    assert seen[-1] == (7, 7) and len(seen) == 7
+    assert seen[-1] == (4, 4) and len(seen) == 4
 
 
 # ------------------------------------------------------------------ CLI
@@ -247,6 +390,7 @@ def test_cli_exit_codes_and_json(cache, cli, tmp_path):
     assert ok.exit_code == 0, ok.output
     doc = json.loads(ok.stdout)
     assert doc["clean"] and doc["namespaces"][0]["namespace"] == store.layout_key
+    assert set(doc) == {"cache_dir", "deep", "dry_run", "executed", "rebuild_index", "symlinks", "namespaces", "problems", "clean"}
     dmg_missing(store, chains)
     dry = cli("--cache-dir", str(cache_dir), "--dry-run", "--json")
     assert dry.exit_code == 1 and json.loads(dry.stdout)["namespaces"][0]["missing_rows_dropped"] == 1
@@ -258,9 +402,19 @@ def test_cli_exit_codes_and_json(cache, cli, tmp_path):
     assert cli("--cache-dir", str(cache_dir), "--namespace", "zz").exit_code == 2
 
 
+def test_cli_rebuild_index(cache, cli):
+    cache_dir, store, chains = cache
+    corrupt_index(store)
+    res = cli("--cache-dir", str(cache_dir))
+    assert res.exit_code == 1 and "--rebuild-index" in res.output
+    res = cli("--cache-dir", str(cache_dir), "--rebuild-index", "--json")
+    ns = json.loads(res.stdout)["namespaces"][0]
+    assert res.exit_code == 1 and ns["index_rebuilt"] and ns["blocks_recovered"] == 8
+
+
 def test_cli_help_has_example(cli):
     res = cli("--help")
-    assert res.exit_code == 0 and "kvtool validate --deep" in res.stdout and "--dry-run" in res.stdout
+    assert res.exit_code == 0 and "kvtool validate --deep" in res.stdout and "--rebuild-index" in res.stdout
 
 
 def test_cache_dir_env_default(cache, cli, monkeypatch):

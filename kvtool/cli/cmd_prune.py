@@ -14,12 +14,12 @@ from rich.table import Table
 from kvtool.cli import common
 from kvtool.units import format_bytes, parse_duration, parse_size
 
-EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock
+EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.ops.lock.EXIT_LOCKED)
 NO_TTL = ("none", "off", "never")
 
-HELP = """Remove old and least recently used blocks from the SSD tier.
+HELP = """Remove old and least recently used segment files from the SSD tier.
 
-Plan first: blocks whose last access is older than --ttl (default: the config's ssd_ttl_days, 7 days; --ttl none disables it); then the least recently used blocks until each namespace (or, with --all, the whole cache) fits --max-bytes. Descendants of a removed block go too (no prefix lookup can reach them). The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). Safe while serve-once or warm use the same cache; two prunes never run at once.
+Plan first, per segment file (the unit that frees space): segments whose blocks were last used before --ttl (default: the config's ssd_ttl_days, 7 days; --ttl none disables it); then the least recently used segments until each namespace (or, with --all, the whole cache) fits --max-bytes. Descendants of a removed block go too (no prefix lookup can reach them). Namespaces of an older format are removed whole once unused for the TTL. On a full disk, prune still runs (files first, rows after). The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). Safe while serve-once or warm use the same cache; two prunes never run at once.
 
 Examples:
 
@@ -64,28 +64,23 @@ def prune_cmd(
     config: common.ConfigOpt = None,
 ) -> None:
     with common.cli_errors():
-        from kvtool.ops.prune import PruneError, PruneLocked, execute_prune, plan_prune, prune_lock
+        from kvtool.ops.prune import cache_lock, check_limits, execute_prune, plan_prune
+        from kvtool.ops.scan import scan_cache
 
         ttl_s, budget = _parse_limits(ttl, max_bytes)
         cfg = common.build_config(config, cache_dir)
         if ttl is None:
             ttl_s = cfg.ssd_ttl_days * 86400.0
-        if namespace is not None and all_namespaces:
-            raise common.CLIError("give --namespace or --all, not both")
+        check_limits(ttl_s, budget, namespace, all_namespaces)
         if not (dry_run or yes or _interactive()):
             raise common.CLIError("refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
         root = cfg.ssd_cache_dir
         if not root.is_dir():
             raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
-        try:
-            with nullcontext() if dry_run else prune_lock(root):  # a dry run only reads
-                plan = plan_prune(root, ttl_s, budget, namespace, all_namespaces)
-                plan.dry_run = dry_run
-                code = _confirm_and_execute(plan, yes, json_out, quiet, execute_prune)
-        except PruneLocked as exc:
-            raise common.CLIError(str(exc), EXIT_LOCKED) from None
-        except PruneError as exc:
-            raise common.CLIError(str(exc)) from None
+        with nullcontext() if dry_run else cache_lock(root):  # a dry run only reads
+            plan = plan_prune(scan_cache(root, namespace), ttl_s, budget, all_namespaces)
+            plan.dry_run = dry_run
+            code = _confirm_and_execute(plan, yes, json_out, quiet, execute_prune)
     raise typer.Exit(code)
 
 
@@ -105,14 +100,15 @@ def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None,
 
 
 def _confirm_and_execute(plan, yes: bool, json_out: bool, quiet: bool, execute) -> int:
-    if plan.dry_run or plan.total("prune_blocks") == 0:
+    if plan.dry_run or not _removes_anything(plan):
         _emit(plan, json_out, quiet, lambda: _print_unchanged(plan))
         return _exit_code(plan)
     shown = False
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
         _print_plan(plan, common.err_console if (json_out or quiet) else common.console)
         shown = True
-        question = f"Remove {plan.total('prune_blocks')} block(s), {format_bytes(plan.total('prune_bytes'))}?"
+        question = (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} segment file(s), "
+                    f"{format_bytes(plan.total('prune_bytes'))}?")  # fmt: skip
         if not typer.confirm(question, default=False, err=True):
             common.err_console.print("aborted: nothing changed")
             return common.EXIT_PROBLEMS
@@ -122,6 +118,10 @@ def _confirm_and_execute(plan, yes: bool, json_out: bool, quiet: bool, execute) 
     if received:
         return 128 + received[0]
     return _exit_code(plan)
+
+
+def _removes_anything(plan) -> bool:
+    return bool(plan.total("prune_blocks") or plan.total("prune_segments") or any(ns.remove_namespace for ns in plan.namespaces))
 
 
 def _exit_code(plan) -> int:
@@ -179,21 +179,27 @@ def _print_plan(plan, out) -> None:
         title=f"kvtool prune {plan.cache_dir}: ttl {_fmt_duration(plan.ttl_s)}, budget {budget} ({scope})",
         box=box.SIMPLE_HEAD, pad_edge=False,
     )  # fmt: skip
-    for name in ("namespace", "stored", "prune", "ttl/lru/desc", "left"):
-        table.add_column(name, justify="left" if name == "namespace" else "right", no_wrap=True)
+    for name in ("namespace", "model", "stored", "prune", "ttl/lru/desc", "left"):
+        table.add_column(name, justify="left" if name in ("namespace", "model") else "right", no_wrap=name != "model")
     for ns in plan.namespaces:
-        stored = f"{ns.blocks} / {format_bytes(ns.bytes)}"
-        if ns.status != "ok":
-            table.add_row(ns.namespace[:12], stored, f"[red]{ns.status}[/]", "-", stored)
+        stored = f"{format_bytes(ns.bytes)} ({ns.segments})"
+        model = ns.model_name or "-"
+        if ns.remove_namespace:
+            table.add_row(ns.namespace[:12], model, stored, f"[yellow]all ({ns.status})[/]", "-", "0 B")
+            continue
+        if ns.status not in ("ok", "empty") and not ns.by_file_age:
+            table.add_row(ns.namespace[:12], model, stored, f"[red]{ns.status}[/]", "-", stored)
             continue
         table.add_row(
-            ns.namespace[:12], stored, f"{ns.prune_blocks} / {format_bytes(ns.prune_bytes)}",
-            f"{ns.ttl_blocks}/{ns.lru_blocks}/{ns.descendant_blocks}", f"{ns.blocks_after} / {format_bytes(ns.bytes_after)}",
+            ns.namespace[:12], model, stored, f"{format_bytes(ns.prune_bytes)} ({ns.prune_segments})",
+            f"{ns.ttl_segments}/{ns.lru_segments}/{ns.descendant_segments}",
+            f"{format_bytes(ns.bytes_after)} ({ns.segments_after})",
         )  # fmt: skip
     out.print(table)
+    out.print("(n): segment files; ttl/lru/desc: segment files removed by each rule", highlight=False)
     for ns in plan.namespaces:
         if ns.message:
-            out.print(f"[yellow]{ns.namespace}[/]: {ns.message}", highlight=False)
+            out.print(f"[yellow]{ns.namespace}[/]: {ns.message}", highlight=False, soft_wrap=True)
 
 
 def _print_result(plan, out) -> None:

@@ -1,151 +1,127 @@
-"""`kvtool prune`: remove old and least recently used blocks from the SSD tier.
+"""`kvtool prune`: plan from a scan (`plan_prune`), then execute (`execute_prune`), under the lock.
 
-hf-cache style: scan -> plan -> (show, confirm: the CLI) -> execute.
+The unit of removal is a *segment file*: bytes are freed only when a whole file goes, so the plan
+works at segment granularity. A segment's access time is the newest *effective* access of its
+blocks (a block's effective access is the newest `last_access` in its subtree: a prefix is needed
+whenever a continuation of it is; future times are clamped to now). Rules, per namespace:
 
-Plan, per namespace (or over the whole cache with `all_namespaces`):
-1. TTL: every block last used before `now - ttl_s`;
-2. budget: then the least recently used blocks until the remaining bytes are within `max_bytes`;
-3. descendants of any chosen block go too: a prefix lookup walks a chain from its first block,
-   so a block whose parent is gone can never be reached again.
+1. TTL: segments last used before `now - ttl` go.
+2. Budget: then the least recently used segments (ties: deepest blocks first) until the segment
+   files left fit `max_bytes` (per namespace, or with `all_namespaces` over the whole cache).
+3. Removing a block removes its descendants, in any segment; a segment whose blocks are all
+   removed goes too. A segment that keeps a block stays whole (its other rows are deleted).
 
-"Last used" is a block's *effective* access time: the newest `last_access` in its subtree
-(the block and its stored descendants). Using a descendant means its whole prefix was used,
-even when the prefix came from another process's RAM tier and its SSD row was not touched.
-So a prefix is never older than what hangs below it, and with ties broken deepest first the
-LRU order removes leaves before their parents: it trims chains from the end instead of
-dropping whole chains for the sake of their first block.
+Other namespaces: `outdated` ones (format 1) are removed whole, without following a symlink,
+once unused for the TTL (their index's last write and open/close times); `unreadable` ones on a
+full disk are planned from their segment files' ages (no index needed); `foreign`,
+`uninitialized` and other `unreadable` namespaces are left untouched (reported).
 
-Execute, per namespace: the index rows are deleted in one transaction, then the files (the
-design's ordering invariant: a file is unlinked only after its row is gone).
+Execution, per namespace: the rows in one transaction, then the segment files with no row left.
+If the index cannot be written because the disk is full, the planned segment files are removed
+first (readers treat a row whose file is gone as a miss and drop it) and the rows after, when
+there is room again. Paths come only from `kvtool.store.names`, resolved without following
+symlinks.
 
-Safe while `serve-once` or `warm` use the same cache: a reader that finds a row whose file was
-just unlinked treats it as a miss (`SSDStore._file_vanished`), and a lookup that misses block i
-stops there, so it never uses a chain with a hole. A block saved again between the two steps
-may lose its new file; the next reader drops its row (a miss, never wrong KV).
-
-Two prunes never run at once: `prune_lock` holds an exclusive `fcntl.flock` on
-`<cache_dir>/.prune.lock` (non-blocking: the second one fails with `PruneLocked`).
+This module never imports MLX (and never imports `kvtool.ops.inspect_cache`).
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import sqlite3
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Mapping
 
-from kvtool.ops.inspect_cache import InspectError, select_namespaces
-from kvtool.store import blockfile
-from kvtool.store.fsops import FileOps, block_relpath
-from kvtool.store.index import INDEX_FILENAME, BlockIndex, IndexRow
+from kvtool.ops.chains import ChainTree
+from kvtool.ops.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
+from kvtool.ops.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
+from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
+from kvtool.store.index import BlockIndex
+from kvtool.store.names import INDEX_FILENAME
+from kvtool.store.segment import FORMAT_VERSION
 
-
-LOCK_FILENAME = ".prune.lock"  # docs/DESIGN.md: <cache_dir>/.prune.lock
+prune_lock = cache_lock  # the name callers used before `kvtool.ops.lock`
 REASONS = ("ttl", "lru", "descendant")
+LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
 
 
-class PruneError(Exception):
-    """Prune cannot run: missing cache dir, unknown or ambiguous namespace, bad arguments."""
-
-
-class PruneLocked(PruneError):
-    """Another prune holds the lock on this cache directory."""
-
-
-# ----------------------------------------------------------------------------- lock
-@contextmanager
-def prune_lock(cache_dir: Path) -> Iterator[Path]:
-    """Hold the cache's prune lock for the duration of the `with` block.
-
-    The lock is an exclusive, non-blocking `fcntl.flock` on `<cache_dir>/.prune.lock`; the
-    kernel releases it when the process dies, so a crashed prune never leaves it stuck. The
-    file itself stays (removing it would let two processes lock two different files).
-
-    Yields:
-        The lock file path.
-
-    Raises:
-        PruneLocked: another process holds the lock.
-        PruneError: the lock file cannot be created (missing or read-only cache dir).
-    """
-    path = Path(cache_dir) / LOCK_FILENAME
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise PruneError(f"cannot create the prune lock {path}: {exc.strerror or exc}") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
-            who = f" (pid {holder})" if holder.isdigit() else ""
-            raise PruneLocked(f"another kvtool prune is running on {cache_dir}{who}; try again later") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield path
-    finally:
-        os.close(fd)  # releases the flock
-
-
-# ----------------------------------------------------------------------------- plan
 @dataclass
 class NamespacePlan:
-    """Plan (and, once executed, outcome) for one namespace. Sizes in bytes.
+    """Plan (and, once executed, outcome) for one namespace. Sizes in bytes (segment files).
 
     Attributes:
         namespace: layout key.
-        model_name: from the index meta (None if unreadable).
-        status: 'ok' | 'uninitialized' | 'unknown_format' (left untouched) | 'unreadable' (left untouched).
-        message: why a namespace is left untouched.
-        blocks, bytes: in the index when planned.
-        ttl_blocks, ttl_bytes: chosen because they were last used before `now - ttl_s`.
-        lru_blocks, lru_bytes: chosen, least recently used first, to get under the budget.
-        descendant_blocks, descendant_bytes: chosen because an ancestor was.
-        prune_blocks, prune_bytes: all chosen (the sum of the three reasons).
-        blocks_after, bytes_after: what the plan leaves.
+        model_name: from the index meta (None if unknown).
+        status: the scan's `NamespaceStatus` value.
+        message: why the namespace is left untouched or handled specially, or what failed.
+        blocks, segments, bytes: rows, segments with rows, and their file bytes when planned.
+        {ttl,lru,descendant}_blocks: blocks removed for that reason.
+        {ttl,lru,descendant}_segments, _bytes: segment files removed for that reason, their bytes.
+        prune_blocks, prune_segments, prune_bytes: everything removed.
+        blocks_after, segments_after, bytes_after: what the plan leaves.
+        remove_namespace: an `outdated` namespace removed whole (unused for the TTL).
+        by_file_age: planned from segment file ages (the index cannot be opened on a full disk).
         rows_deleted, files_deleted, bytes_freed, unlink_failed: outcome (0 until executed).
-        hashes: the chosen block hashes (not in `to_dict`).
+        index_failed: the rows could not be deleted (files may be gone: run `kvtool validate`).
+        access_clamped: access times in the future (clock skew) lowered to the planning time, so
+            they cannot keep their chains alive through every TTL.
+        hashes, segment_names, clamp: the chosen blocks and segment files, the rows to clamp
+            (not in `to_dict`).
     """
 
     namespace: str
     model_name: str | None = None
-    status: str = "ok"
+    status: str = NamespaceStatus.OK.value
     message: str = ""
     blocks: int = 0
+    segments: int = 0
     bytes: int = 0
     ttl_blocks: int = 0
+    ttl_segments: int = 0
     ttl_bytes: int = 0
     lru_blocks: int = 0
+    lru_segments: int = 0
     lru_bytes: int = 0
     descendant_blocks: int = 0
+    descendant_segments: int = 0
     descendant_bytes: int = 0
     prune_blocks: int = 0
+    prune_segments: int = 0
     prune_bytes: int = 0
     blocks_after: int = 0
+    segments_after: int = 0
     bytes_after: int = 0
+    remove_namespace: bool = False
+    by_file_age: bool = False
     rows_deleted: int = 0
     files_deleted: int = 0
     bytes_freed: int = 0
     unlink_failed: int = 0
+    index_failed: bool = False
+    access_clamped: int = 0
     hashes: list[str] = field(default_factory=list, repr=False)
+    segment_names: list[str] = field(default_factory=list, repr=False)
+    clamp: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def problems(self) -> int:
+        untouched = self.status in LEFT_ALONE_PROBLEMS and not self.by_file_age
+        return int(untouched) + self.unlink_failed + int(self.index_failed)
 
 
 @dataclass
 class PrunePlan:
-    """What a prune would remove, per namespace.
+    """What a prune removes, per namespace.
 
     Attributes:
         cache_dir: the SSD tier root.
         ttl_s: TTL in seconds (None: no TTL rule).
         max_bytes: byte budget (None: no budget rule).
         scope: 'namespace' (each namespace under `max_bytes`) or 'all' (the whole cache).
-        now: the planning time (unix seconds).
-        namespaces: one plan per namespace considered.
-        dry_run: the plan was not executed on purpose.
+        now: the planning (scan) time (unix seconds).
+        namespaces: one plan per namespace scanned.
+        dry_run: not executed on purpose.
         executed: `execute_prune` ran.
     """
 
@@ -164,235 +140,301 @@ class PrunePlan:
 
     @property
     def problems(self) -> int:
-        """Unreadable namespaces plus files that could not be removed."""
-        return sum(ns.status == "unreadable" for ns in self.namespaces) + self.total("unlink_failed")
+        """Unreadable or foreign namespaces left untouched, files not removed, index failures."""
+        return sum(ns.problems for ns in self.namespaces)
 
     def to_dict(self) -> dict:
-        """JSON-ready document (see docs/OPS.md)."""
+        """JSON-ready document (the `--json` output)."""
         doc = asdict(self)
         for d in doc["namespaces"]:
-            d.pop("hashes")
-        keys = ("blocks", "bytes", "prune_blocks", "prune_bytes", "blocks_after", "bytes_after",
-                "rows_deleted", "files_deleted", "bytes_freed", "unlink_failed")  # fmt: skip
+            for key in ("hashes", "segment_names", "clamp"):
+                d.pop(key)
+        keys = ("blocks", "segments", "bytes", "prune_blocks", "prune_segments", "prune_bytes", "blocks_after",
+                "segments_after", "bytes_after", "rows_deleted", "files_deleted", "bytes_freed", "unlink_failed")  # fmt: skip
         doc["totals"] = {k: self.total(k) for k in keys}
         doc["problems"] = self.problems
         return doc
 
 
-class _Namespace:
-    """The index snapshot of one namespace and the blocks chosen so far."""
+# ----------------------------------------------------------------------------- planning
+@dataclass
+class Segment:
+    """A removal unit as the planner sees it.
 
-    def __init__(self, plan: NamespacePlan, rows: list[IndexRow]):
-        self.plan = plan
-        self.rows = {r.hash: r for r in rows}
-        self.children: dict[str, list[str]] = {}
-        for r in rows:
-            self.children.setdefault(r.parent, []).append(r.hash)
-        self.depth = _depths(self.rows)
-        self.used = _effective_access(self.rows, self.depth)
-        self.chosen: dict[str, str] = {}  # hash -> reason
-        self.kept_bytes = sum(r.nbytes for r in rows)
+    Attributes:
+        name: segment name.
+        size: file bytes (0 if the file is gone).
+        blocks: hashes of the rows stored in it (empty when planned by file age).
+        access: newest effective access of its blocks (or its file's age).
+        depth: deepest chain depth of its blocks (LRU tie-break: deepest first).
+    """
 
-    def choose(self, hashes: list[str], reason: str) -> None:
-        """Choose `hashes` for `reason` (those not chosen yet), then their stored descendants."""
-        fresh = [h for h in hashes if h not in self.chosen]
-        for h in fresh:
-            self.chosen[h] = reason
-            self.kept_bytes -= self.rows[h].nbytes
-        stack = [(c, "descendant") for h in fresh for c in self.children.get(h, ())]
-        while stack:
-            cur, why = stack.pop()
-            if cur in self.chosen:
-                continue
-            self.chosen[cur] = why
-            self.kept_bytes -= self.rows[cur].nbytes
-            stack.extend((c, "descendant") for c in self.children.get(cur, ()))
-
-    def finish(self) -> NamespacePlan:
-        p = self.plan
-        for h, why in self.chosen.items():
-            setattr(p, f"{why}_blocks", getattr(p, f"{why}_blocks") + 1)
-            setattr(p, f"{why}_bytes", getattr(p, f"{why}_bytes") + self.rows[h].nbytes)
-        p.hashes = sorted(self.chosen)
-        p.prune_blocks = len(p.hashes)
-        p.prune_bytes = p.bytes - self.kept_bytes
-        p.blocks_after, p.bytes_after = p.blocks - p.prune_blocks, self.kept_bytes
-        return p
+    name: str
+    size: int
+    blocks: tuple[str, ...]
+    access: float
+    depth: int = 0
 
 
-def _effective_access(rows: dict[str, IndexRow], depth: dict[str, int]) -> dict[str, float]:
-    """Newest `last_access` in each block's subtree (unix seconds)."""
-    used = {h: r.last_access for h, r in rows.items()}
-    for h in sorted(rows, key=lambda x: -depth[x]):  # children before parents
-        parent = rows[h].parent
-        if parent in used:
-            used[parent] = max(used[parent], used[h])
-    return used
-
-
-def _depths(rows: dict[str, IndexRow]) -> dict[str, int]:
-    """Chain depth of every row (0 = its parent is not stored)."""
-    depth: dict[str, int] = {}
-    for h in rows:
-        path = []
-        cur = h
-        while cur in rows and cur not in depth and len(path) <= len(rows):
-            path.append(cur)
-            cur = rows[cur].parent
-        d = depth.get(cur, -1)
-        for node in reversed(path):
-            d += 1
-            depth[node] = d
-    return depth
-
-
-def plan_prune(
-    cache_dir: Path,
-    ttl_s: float | None = None,
-    max_bytes: int | None = None,
-    namespace: str | None = None,
-    all_namespaces: bool = False,
-    now: float | None = None,
-    fs: FileOps | None = None,
-) -> PrunePlan:
-    """Decide what to prune (reads the indexes, changes nothing).
+class SegmentPlanner:
+    """Chooses the segments of one namespace (pure: no I/O; property-tested).
 
     Args:
-        cache_dir: the SSD tier root.
-        ttl_s: remove blocks not accessed for this many seconds (None: no TTL rule).
-        max_bytes: byte budget, per namespace, or for the whole cache with `all_namespaces`
-            (None: no budget rule).
-        namespace: only this namespace (layout key or unique prefix).
-        all_namespaces: one global LRU over every namespace against `max_bytes`.
-        now: current time (unix seconds); injectable for tests.
-        fs: file-system operations.
-
-    Returns:
-        The plan.
-
-    Raises:
-        PruneError: bad arguments, missing cache dir, unknown or ambiguous namespace.
+        segments: the namespace's segments.
+        tree: the chain tree of its blocks (None when planned by file age: no blocks known).
     """
+
+    def __init__(self, segments: Mapping[str, Segment], tree: ChainTree | None):
+        self.segments, self.tree = dict(segments), tree
+        self.block_segment = {b: s.name for s in self.segments.values() for b in s.blocks}
+        self.removed_blocks: dict[str, str] = {}  # hash -> reason
+        self.removed_segments: dict[str, str] = {}  # name -> reason
+        self.kept_bytes = sum(s.size for s in self.segments.values())
+
+    def choose(self, name: str, reason: str) -> None:
+        """Remove segment `name` for `reason`, its blocks, their descendants (any segment), and
+        every segment left with no block."""
+        self._propagate(self._mark(name, reason))
+
+    def _mark(self, name: str, reason: str) -> list[str]:
+        """Remove one segment and its blocks; returns the blocks newly removed."""
+        if name in self.removed_segments:
+            return []
+        self._drop_segment(name, reason)
+        fresh = [b for b in self.segments[name].blocks if b not in self.removed_blocks]
+        for b in fresh:
+            self.removed_blocks[b] = reason
+        return fresh
+
+    def _propagate(self, fresh: list[str]) -> None:
+        touched: set[str] = set()
+        stack = list(fresh)
+        children = self.tree.children if self.tree is not None else {}
+        while stack:  # a removed block's descendants are all removed already: never re-walked
+            for c in children.get(stack.pop(), ()):
+                if c not in self.removed_blocks:
+                    self.removed_blocks[c] = "descendant"
+                    stack.append(c)
+                    if c in self.block_segment:
+                        touched.add(self.block_segment[c])
+        for s in sorted(touched):
+            if s not in self.removed_segments and all(b in self.removed_blocks for b in self.segments[s].blocks):
+                self._drop_segment(s, "descendant")
+
+    def _drop_segment(self, name: str, reason: str) -> None:
+        self.removed_segments[name] = reason
+        self.kept_bytes -= self.segments[name].size
+
+    def apply_ttl(self, cutoff: float) -> None:
+        """Remove every segment last used before `cutoff` (all counted 'ttl'), then what hangs
+        below their blocks."""
+        expired = sorted(s.name for s in self.segments.values() if s.access < cutoff)
+        fresh = [b for name in expired for b in self._mark(name, "ttl")]
+        self._propagate(fresh)
+
+    def lru_order(self) -> list[tuple[float, int, str]]:
+        """`(access, -depth, name)` of the kept segments, least recently used first."""
+        return sorted((s.access, -s.depth, s.name) for s in self.segments.values() if s.name not in self.removed_segments)
+
+
+def fit_budget(planners: Mapping[str, SegmentPlanner], max_bytes: int) -> None:
+    """Remove least recently used segments of `planners` (namespace -> planner, one LRU order)
+    until their kept bytes fit `max_bytes`."""
+    kept = sum(p.kept_bytes for p in planners.values())
+    if kept <= max_bytes:
+        return
+    order = sorted((*key, ns) for ns, p in planners.items() for key in p.lru_order())
+    for _access, _depth, name, ns in order:
+        if kept <= max_bytes:
+            break
+        p = planners[ns]
+        before = p.kept_bytes
+        p.choose(name, "lru")
+        kept -= before - p.kept_bytes
+
+
+def segments_of(ns: NamespaceScan) -> dict[str, Segment]:
+    """The removal units of a scanned namespace: its segments with rows (usable namespaces), or
+    its segment files by age (index unreadable on a full disk)."""
+    if not ns.usable:
+        return {f.name: Segment(f.name, f.size, (), f.mtime) for f in ns.files.values()}
+    out = {}
+    for name, blocks in ns.segment_blocks().items():
+        nodes = [ns.tree.nodes[b] for b in blocks]
+        size = ns.files[name].size if name in ns.files else 0
+        out[name] = Segment(name, size, tuple(sorted(blocks)), max(n.effective_access for n in nodes),
+                            max(n.depth for n in nodes))  # fmt: skip
+    return out
+
+
+def check_limits(ttl_s: float | None, max_bytes: int | None, namespace: str | None = None, all_namespaces: bool = False) -> None:
+    """Raises `PruneError` for arguments that make no sense."""
     if namespace is not None and all_namespaces:
         raise PruneError("give --namespace or --all, not both")
-    if ttl_s is not None and ttl_s < 0:
+    if ttl_s is not None and not ttl_s >= 0:
         raise PruneError(f"ttl must be >= 0 seconds, got {ttl_s}")
     if max_bytes is not None and max_bytes < 0:
         raise PruneError(f"max bytes must be >= 0, got {max_bytes}")
-    try:
-        dirs = select_namespaces(cache_dir, namespace, fs)
-    except InspectError as exc:
-        raise PruneError(str(exc)) from None
-    now = time.time() if now is None else now
-    plan = PrunePlan(str(cache_dir), ttl_s, max_bytes, "all" if all_namespaces else "namespace", now)
-    spaces = []
-    for ns_dir in dirs:
-        ns_plan, rows = _read_namespace(ns_dir)
-        plan.namespaces.append(ns_plan)
-        if ns_plan.status == "ok":
-            spaces.append(_Namespace(ns_plan, rows))
-    for ns in spaces:
-        if ttl_s is not None:
-            ns.choose([h for h in ns.rows if ns.used[h] < now - ttl_s], "ttl")
+
+
+def plan_prune(scan: CacheScan, ttl_s: float | None = None, max_bytes: int | None = None, all_namespaces: bool = False) -> PrunePlan:
+    """Decide what to prune from a scan (changes nothing).
+
+    Args:
+        scan: a `scan_cache` result (its `now` is the planning time).
+        ttl_s: remove segments not used for this many seconds (None: no TTL rule).
+        max_bytes: byte budget per namespace, or for the whole cache with `all_namespaces`.
+        all_namespaces: one LRU order over every namespace against `max_bytes`.
+
+    Raises:
+        PruneError: negative limits.
+    """
+    check_limits(ttl_s, max_bytes)
+    plan = PrunePlan(str(scan.cache_dir), ttl_s, max_bytes, "all" if all_namespaces else "namespace", scan.now)
+    planners: dict[str, SegmentPlanner] = {}
+    for ns in scan.namespaces:
+        p = NamespacePlan(ns.name, ns.meta.get("model_name"), ns.status.value, ns.message)
+        plan.namespaces.append(p)
+        if ns.usable or (ns.status == NamespaceStatus.UNREADABLE and ns.cause == "disk_full"):
+            p.by_file_age = not ns.usable
+            segs = segments_of(ns)
+            planners[ns.name] = SegmentPlanner(segs, ns.tree if ns.usable else None)
+            p.blocks, p.segments, p.bytes = len(ns.rows), len(segs), sum(s.size for s in segs.values())
+            p.clamp, p.access_clamped = list(ns.future_rows), len(ns.future_rows)
+        elif ns.status == NamespaceStatus.OUTDATED:
+            _plan_outdated(scan, ns, p, ttl_s)
+    if ttl_s is not None:
+        for planner in planners.values():
+            planner.apply_ttl(scan.now - ttl_s)
     if max_bytes is not None:
-        groups = [spaces] if all_namespaces else [[ns] for ns in spaces]
+        groups = [planners] if all_namespaces else [{k: v} for k, v in planners.items()]
         for group in groups:
-            _fit_budget(group, max_bytes)
-    for ns in spaces:
-        ns.finish()
+            fit_budget(group, max_bytes)
+    for p in plan.namespaces:
+        if p.namespace in planners:
+            _summarise(p, planners[p.namespace])
     return plan
 
 
-def _read_namespace(ns_dir: Path) -> tuple[NamespacePlan, list[IndexRow]]:
-    plan = NamespacePlan(ns_dir.name)
+def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: float | None) -> None:
     try:
-        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-    except sqlite3.Error as exc:
-        plan.status, plan.message = "unreadable", f"cannot open index: {exc}"
-        return plan, []
-    try:
-        if not index.initialized():  # creation interrupted or in progress: nothing to prune
-            plan.status, plan.message = "uninitialized", "namespace not initialised: left untouched"
-            return plan, []
-        meta = index.get_meta()
-        rows = list(index.rows())
-    except sqlite3.Error as exc:
-        plan.status, plan.message = "unreadable", f"index error: {exc}"
-        return plan, []
-    finally:
-        index.close()
-    plan.model_name = meta.get("model_name")
-    plan.blocks, plan.bytes = len(rows), sum(r.nbytes for r in rows)
-    version = meta.get("format_version")
-    if version != str(blockfile.FORMAT_VERSION) or meta.get("layout_key") != ns_dir.name:
-        plan.status = "unknown_format"
-        plan.message = f"format_version {version!r}, layout {meta.get('layout_key')!r}: left untouched"
-        return plan, []
-    return plan, rows
+        p.bytes = tree_bytes(scan.cache_dir, ns.name)
+    except OSError:
+        p.bytes = 0
+    p.blocks_after, p.bytes_after = p.blocks, p.bytes
+    version = ns.format_version or ""
+    if not (version.isdigit() and int(version) < FORMAT_VERSION):
+        return  # a newer kvtool's namespace: not ours to judge
+    if ttl_s is not None and (ns.last_used or 0.0) < scan.now - ttl_s:
+        p.remove_namespace = True
+        p.prune_bytes, p.bytes_after = p.bytes, 0
+        p.message = f"format_version {version}: unused for the TTL, removed whole"
 
 
-def _fit_budget(group: list[_Namespace], max_bytes: int) -> None:
-    """Choose least recently used blocks of `group` until its kept bytes fit `max_bytes`."""
-    if sum(ns.kept_bytes for ns in group) <= max_bytes:
-        return
-    candidates = sorted(
-        (ns.used[h], -ns.depth[h], ns.plan.namespace, h, i)
-        for i, ns in enumerate(group)
-        for h in ns.rows
-        if h not in ns.chosen
-    )  # fmt: skip
-    kept = sum(ns.kept_bytes for ns in group)
-    for *_, h, i in candidates:
-        if kept <= max_bytes:
-            break
-        ns = group[i]
-        if h in ns.chosen:
-            continue
-        before = ns.kept_bytes
-        ns.choose([h], "lru")
-        kept -= before - ns.kept_bytes
+def _summarise(p: NamespacePlan, planner: SegmentPlanner) -> None:
+    for h, why in planner.removed_blocks.items():
+        setattr(p, f"{why}_blocks", getattr(p, f"{why}_blocks") + 1)
+    for name, why in planner.removed_segments.items():
+        size = planner.segments[name].size
+        setattr(p, f"{why}_segments", getattr(p, f"{why}_segments") + 1)
+        setattr(p, f"{why}_bytes", getattr(p, f"{why}_bytes") + size)
+    p.hashes = sorted(planner.removed_blocks)
+    p.segment_names = sorted(planner.removed_segments)
+    p.prune_blocks, p.prune_segments = len(p.hashes), len(p.segment_names)
+    p.prune_bytes = p.bytes - planner.kept_bytes
+    p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
 
 
 # ----------------------------------------------------------------------------- execute
-def execute_prune(plan: PrunePlan, fs: FileOps | None = None) -> PrunePlan:
-    """Carry out a plan: per namespace, delete the rows in one transaction, then the files.
+def execute_prune(plan: PrunePlan) -> PrunePlan:
+    """Carry out a plan (hold `cache_lock` around scanning, planning and executing).
 
-    Hold `prune_lock` around planning and executing. Never raises for I/O trouble: an index
-    that cannot be written marks its namespace 'unreadable', a file that cannot be removed
-    counts in `unlink_failed` (its row is gone already; `kvtool validate` removes the orphan).
+    Never raises for I/O trouble: failures are counted (`unlink_failed`, `index_failed`) and
+    described in the namespace's `message`.
 
     Returns:
         The same plan, with the outcome counts filled in and `executed` set.
     """
-    fs = fs or FileOps()
     root = Path(plan.cache_dir)
-    for ns in plan.namespaces:
-        if ns.status != "ok" or not ns.hashes:
-            continue
-        ns_dir = root / ns.namespace
+    for p in plan.namespaces:
         try:
-            index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-            try:
-                ns.rows_deleted = index.delete(ns.hashes)
-            finally:
-                index.close()
-        except sqlite3.Error as exc:
-            ns.status, ns.message = "unreadable", f"index error, nothing removed: {exc}"
-            continue
-        for h in ns.hashes:
-            path = ns_dir / block_relpath(h)
-            try:
-                size = fs.size(path)
-                fs.unlink(path)
-            except FileNotFoundError:
-                continue
-            except OSError:
-                ns.unlink_failed += 1
-                continue
-            ns.files_deleted += 1
-            ns.bytes_freed += size
+            if p.remove_namespace:
+                p.bytes_freed = remove_namespace_tree(root, p.namespace)
+                p.files_deleted = 1
+            elif p.hashes or p.segment_names:
+                with ConfinedDir(root, p.namespace) as cdir:
+                    _execute_namespace(root / p.namespace, cdir, p)
+            if p.clamp and not p.remove_namespace:
+                _clamp(root / p.namespace, p, plan.now)
+        except (OSError, ValueError) as exc:
+            p.unlink_failed += 1
+            p.message = f"{p.message}; not removed: {exc}".lstrip("; ")
     plan.executed = True
     return plan
+
+
+def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, p: NamespacePlan) -> None:
+    if p.by_file_age:  # no index to update first: files, then (best effort) their rows
+        _unlink_segments(cdir, p, p.segment_names)
+        if _delete_rows(ns_dir, p, segments=p.segment_names) is None:
+            p.message = f"{p.message}; rows not deleted yet (readers drop them): run `kvtool validate`"
+        return
+    emptied = _delete_rows(ns_dir, p, hashes=p.hashes)
+    if emptied is None and disk_full(ns_dir):  # free the space first, then try the rows again
+        _unlink_segments(cdir, p, p.segment_names)
+        emptied = _delete_rows(ns_dir, p, hashes=p.hashes)
+        p.message = (p.message + "; disk full: segment files removed before their rows").lstrip("; ")
+    if emptied is None:
+        p.index_failed = True
+        return
+    _unlink_segments(cdir, p, emptied)
+
+
+def _clamp(ns_dir: Path, p: NamespacePlan, now: float) -> None:
+    """Lower future access times to `now` (a touch clamps a time beyond the skew allowance)."""
+    try:
+        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
+        try:
+            keep = set(index.present(p.clamp)) - set(p.hashes)
+            for h in sorted(keep):
+                index.touch(h, now)
+            index.flush()
+        finally:
+            index.close()
+    except sqlite3.Error as exc:
+        p.message = f"{p.message}; access times not clamped: {exc}".lstrip("; ")
+
+
+def _delete_rows(ns_dir: Path, p: NamespacePlan, *, hashes=None, segments=None) -> list[str] | None:
+    """Delete rows (by hash, or whole segments); returns the segments left without rows, or None
+    if the index cannot be written."""
+    try:
+        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
+        try:
+            if segments is not None:
+                p.rows_deleted += index.delete_segments(segments)
+                return list(segments)
+            n, emptied = index.delete(hashes)
+            p.rows_deleted += n
+            return emptied
+        finally:
+            index.close()
+    except sqlite3.Error as exc:
+        p.message = f"{p.message}; index error: {exc}".lstrip("; ")
+        return None
+
+
+def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> None:
+    for name in names:
+        try:
+            size = cdir.unlink_segment(name)
+        except (OSError, ValueError) as exc:
+            p.unlink_failed += 1
+            p.message = f"{p.message}; {name} not removed: {exc}".lstrip("; ")
+            continue
+        if size:
+            p.files_deleted += 1
+            p.bytes_freed += size
 
 
 def prune(
@@ -404,28 +446,26 @@ def prune(
     dry_run: bool = False,
     now: float | None = None,
 ) -> PrunePlan:
-    """Lock, plan and execute (or, with `dry_run`, only plan, without the lock): a whole prune.
-
-    Args: as `plan_prune`; `dry_run` plans only.
-
-    Returns:
-        The executed (or, under `dry_run`, only planned) plan.
+    """Lock, scan, plan and execute (with `dry_run`: scan and plan only, no lock): a whole prune.
 
     Raises:
         PruneLocked: another prune is running on `cache_dir`.
-        PruneError: as `plan_prune`, or the lock cannot be created.
+        PruneError: bad arguments, or the lock cannot be used.
+        ScanError: missing cache dir, unknown or ambiguous namespace.
     """
+    check_limits(ttl_s, max_bytes, namespace, all_namespaces)
     if not Path(cache_dir).is_dir():
         raise PruneError(f"cache directory {cache_dir} does not exist or is not a directory")
     if dry_run:  # only reads: no lock, nothing written
-        plan = plan_prune(cache_dir, ttl_s, max_bytes, namespace, all_namespaces, now)
+        plan = plan_prune(scan_cache(cache_dir, namespace, now=now), ttl_s, max_bytes, all_namespaces)
         plan.dry_run = True
         return plan
-    with prune_lock(cache_dir):
-        return execute_prune(plan_prune(cache_dir, ttl_s, max_bytes, namespace, all_namespaces, now))
+    with cache_lock(cache_dir):
+        now = time.time() if now is None else now
+        return execute_prune(plan_prune(scan_cache(cache_dir, namespace, now=now), ttl_s, max_bytes, all_namespaces))
 
 
 __all__ = [
-    "prune", "plan_prune", "execute_prune", "prune_lock", "PrunePlan", "NamespacePlan", "PruneError",
-    "PruneLocked", "LOCK_FILENAME",
+    "prune", "plan_prune", "execute_prune", "check_limits", "cache_lock", "prune_lock", "PrunePlan", "NamespacePlan",
+    "SegmentPlanner", "Segment", "fit_budget", "segments_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
 ]  # fmt: skip

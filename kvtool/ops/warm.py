@@ -47,8 +47,9 @@ class PromptResult:
 
     Attributes:
         source: where the prompt came from.
-        status: 'skipped' (every full block already on SSD, model not run), 'too_short' (fewer
-            tokens than one block: nothing to cache, model not run) or 'prefilled'.
+        status: 'skipped' (every block and the tail entry already on SSD, model not run),
+            'too_short' (a single token: a replay re-forwards it anyway, nothing to cache, model
+            not run) or 'prefilled'. A prompt shorter than one block is cached as a tail entry.
         prompt_tokens: tokens in the prompt.
         cached_tokens: leading tokens already cached (not recomputed).
         prefill_tokens: tokens run through the model.
@@ -239,10 +240,14 @@ def _warm_one(engine, item: WarmPrompt, report: WarmReport, chat_template: bool 
         raise WarmError(f"{item.source}: {exc}") from None
     if not ids:
         raise WarmError(f"{item.source}: the prompt has no tokens")
-    res = engine.prefill(ids)
-    status = "prefilled"
-    if res.finish_reason == "skipped":
-        status = "too_short" if len(ids) < engine.config.block_size else "skipped"
+    if len(ids) < 2:
+        from kvtool.engine import RequestResult  # the engine (and MLX) is loaded already
+
+        res = RequestResult(prompt_tokens=len(ids), prefill_tokens=0, finish_reason="too_short")
+        status = "too_short"
+    else:
+        res = engine.prefill(ids)
+        status = "skipped" if res.finish_reason == "skipped" else "prefilled"
     report.prompts_done += 1
     report.prompts_skipped += status == "skipped"
     report.prompts_too_short += status == "too_short"

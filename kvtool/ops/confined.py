@@ -1,0 +1,212 @@
+"""File operations confined to one namespace directory: nothing followed, nothing outside.
+
+The operator commands read and remove files that an index row or a directory listing named.
+Both can be planted by anyone who can write the cache directory, so every path is resolved
+component by component with directory descriptors opened `O_NOFOLLOW`: a symlinked namespace,
+fan-out directory or file makes the operation fail (`OSError`, errno ELOOP/ENOTDIR) instead of
+reaching outside the cache, and only names that match kvtool's own patterns
+(`kvtool.store.names`) are ever opened or removed. The cache directory itself is the owner's
+choice and may be a symlink.
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from kvtool.store.names import NAMESPACE_RE, SUBDIR_RE, TEMP_RE, segment_relpath
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+_READ = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+FULL_DISK_BYTES = 1 << 20  # less free space than this (for an unprivileged user) is a full disk
+
+
+def _not_regular(what: str) -> OSError:
+    return OSError(errno.ELOOP, f"{what} is not a regular file (symlink?): never followed")
+
+
+class ConfinedDir:
+    """One namespace directory, opened without following symlinks.
+
+    Args:
+        cache_dir: the cache root (may itself be a symlink: the owner chose it).
+        namespace: the namespace directory name (32 hex).
+
+    Raises:
+        ValueError: `namespace` is not a namespace name.
+        OSError: the namespace is absent, a symlink (ELOOP) or not a directory.
+    """
+
+    def __init__(self, cache_dir: Path, namespace: str):
+        if not NAMESPACE_RE.match(namespace):
+            raise ValueError(f"not a namespace name: {namespace!r}")
+        self.namespace = namespace
+        root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+        try:
+            self.fd = os.open(namespace, _DIR, dir_fd=root)
+        finally:
+            os.close(root)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "ConfinedDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _split(self, relpath: str) -> tuple[int, str]:
+        """(descriptor of the directory holding `relpath`, its last component); the caller
+        closes the descriptor if it is not `self.fd`."""
+        if "/" not in relpath:
+            return self.fd, relpath
+        sub, name = relpath.split("/", 1)
+        if not SUBDIR_RE.match(sub) or "/" in name:
+            raise ValueError(f"not a namespace path: {relpath!r}")
+        return os.open(sub, _DIR, dir_fd=self.fd), name
+
+    def _done(self, fd: int) -> None:
+        if fd != self.fd:
+            os.close(fd)
+
+    def _lstat(self, relpath: str) -> os.stat_result:
+        fd, name = self._split(relpath)
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        finally:
+            self._done(fd)
+
+    def _unlink_regular(self, relpath: str) -> int:
+        """Remove a regular file (never a symlink); returns its size, 0 if it was absent."""
+        try:
+            fd, name = self._split(relpath)
+        except FileNotFoundError:
+            return 0
+        try:
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return 0
+            if not stat.S_ISREG(st.st_mode):
+                raise _not_regular(relpath)
+            try:
+                os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                return 0
+            return st.st_size
+        finally:
+            self._done(fd)
+
+    # ------------------------------------------------------------------ segments
+    def open_segment(self, name: str) -> tuple[int, int]:
+        """Open segment `name` for reading: `(fd, size)`; close `fd` with `os.close`.
+
+        Raises:
+            ValueError: malformed name. OSError: absent, a symlink anywhere below the namespace,
+                not a regular file, unreadable.
+        """
+        fd, leaf = self._split(segment_relpath(name))
+        try:
+            out = os.open(leaf, _READ, dir_fd=fd)
+        finally:
+            self._done(fd)
+        st = os.fstat(out)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(out)
+            raise _not_regular(segment_relpath(name))
+        return out, st.st_size
+
+    def segment_exists(self, name: str) -> bool:
+        """True if segment `name` is a regular file reachable without following a symlink."""
+        try:
+            return stat.S_ISREG(self._lstat(segment_relpath(name)).st_mode)
+        except (OSError, ValueError):
+            return False
+
+    def unlink_segment(self, name: str) -> int:
+        """Remove segment file `name` (a regular file only); returns bytes freed (0 if absent).
+
+        Raises:
+            ValueError: malformed name. OSError: a symlink on the way (ELOOP), or the unlink failed.
+        """
+        return self._unlink_regular(segment_relpath(name))
+
+    def unlink_temp(self, relpath: str) -> int:
+        """Remove a kvtool temp file (`.<name>.<pid>.<hex>.tmp`, top level or in a fan-out dir).
+
+        Raises:
+            ValueError: not a kvtool temp file name. OSError: as `unlink_segment`.
+        """
+        if not TEMP_RE.match(relpath.rsplit("/", 1)[-1]):
+            raise ValueError(f"not a kvtool temp file: {relpath!r}")
+        return self._unlink_regular(relpath)
+
+
+def remove_namespace_tree(cache_dir: Path, namespace: str) -> int:
+    """Remove a whole namespace directory without following any symlink inside it.
+
+    Returns:
+        Bytes of the regular files removed.
+
+    Raises:
+        ValueError: not a namespace name. OSError: the namespace is a symlink or the removal failed
+            (what could be removed is gone).
+    """
+    if not NAMESPACE_RE.match(namespace):
+        raise ValueError(f"not a namespace name: {namespace!r}")
+    root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    try:
+        if not stat.S_ISDIR(os.stat(namespace, dir_fd=root, follow_symlinks=False).st_mode):
+            raise OSError(errno.ENOTDIR, "not a real directory (symlink?): never followed", namespace)
+        size = tree_bytes(cache_dir, namespace)
+        shutil.rmtree(namespace, dir_fd=root)  # fd-based: never follows a symlink inside
+        return size
+    finally:
+        os.close(root)
+
+
+def tree_bytes(cache_dir: Path, namespace: str) -> int:
+    """Bytes of the regular files below a namespace directory (symlinks not followed)."""
+    total = 0
+    root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    try:
+        for _, _, files, dfd in os.fwalk(namespace, dir_fd=root, follow_symlinks=False):
+            for f in files:
+                try:
+                    st = os.stat(f, dir_fd=dfd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    finally:
+        os.close(root)
+    return total
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged user may still write on `path`'s file system (None if unknown)."""
+    try:
+        sv = os.statvfs(path)
+    except OSError:
+        return None
+    return sv.f_bavail * sv.f_frsize
+
+
+def disk_full(path: Path) -> bool:
+    """True if `path`'s file system has less than `FULL_DISK_BYTES` free."""
+    free = free_bytes(path)
+    return free is not None and free < FULL_DISK_BYTES
+
+
+__all__ = ["ConfinedDir", "remove_namespace_tree", "tree_bytes", "free_bytes", "disk_full", "FULL_DISK_BYTES"]

@@ -1,0 +1,189 @@
+"""`kvtool validate --rebuild-index`: rebuild a namespace's unreadable index from its segment files.
+
+Every segment file carries, in its checksummed header, the namespace it belongs to, its KV
+layout and per record the block hash, parent hash and length; each record has its own checksum.
+So an index can be rebuilt from the files alone: every record that verifies becomes a row again
+(`blocks_recovered`), the chains are re-linked, and files with nothing reachable are removed.
+
+The meta (model id, block size...) is salvaged from the old index when it can still be read
+and hashes to the namespace's name; otherwise the rebuilt index holds only what the files say
+(layout key, KV layout) and no `format_version`: the next kvtool process that opens the
+namespace with its model completes the meta (its layout key proves it is the right model), and
+until then the namespace reads as `uninitialized`.
+
+The new index is built under a temporary name and renamed into place only when complete; the old
+one is kept as `index.sqlite.corrupt` (with its `-wal`), for inspection. Run it while no kvtool
+process uses the namespace (one could not use the unreadable index anyway).
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import stat
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtool.hashing import root_parent
+from kvtool.ops.chains import build_chain_tree
+from kvtool.ops.confined import ConfinedDir
+from kvtool.ops.records import SegmentReader, created_of
+from kvtool.ops.scan import CacheScan, NamespaceScan, meta_problem
+from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.store.names import INDEX_FILENAME
+from kvtool.store.segment import FORMAT_VERSION
+from kvtool.store.ssd import Expected
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from kvtool.ops.validate import NamespaceRepair
+
+BUILDING = INDEX_FILENAME + ".rebuilding"
+CORRUPT = INDEX_FILENAME + ".corrupt"
+
+
+@dataclass
+class RebuildPlan:
+    """How to rebuild one namespace's index.
+
+    Attributes:
+        meta: meta to write (complete if salvaged, else only what the files say).
+        complete_meta: `meta` holds a `format_version` and hashes to the namespace's name.
+        segments: per segment to index, its `segments` row and block rows.
+        remove: segment files with nothing recoverable (unusable, or only unreachable blocks).
+    """
+
+    meta: dict[str, str]
+    complete_meta: bool
+    segments: list[tuple[SegmentRow, list[IndexRow]]] = field(default_factory=list)
+    remove: list[str] = field(default_factory=list)
+
+
+def salvage_meta(db: "Path") -> dict[str, str]:
+    """The meta table of a damaged index, if it can still be read (read-only, no WAL), else {}."""
+    try:
+        if not stat.S_ISREG(os.lstat(db).st_mode):
+            return {}
+        conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+    except (OSError, sqlite3.Error):
+        return {}
+    try:
+        return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta") if k is not None and v is not None}
+    except sqlite3.Error:
+        return {}
+    finally:
+        conn.close()
+
+
+def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: "NamespaceRepair") -> RebuildPlan:
+    """Verify every segment file of `ns` (headers and records) and plan its new index."""
+    salvaged = salvage_meta(ns.path / INDEX_FILENAME)
+    complete = salvaged.get("format_version") == str(FORMAT_VERSION) and meta_problem(ns.name, salvaged) is None
+    exp = Expected.from_meta(ns.name, salvaged) if complete else None
+    recovered: dict[str, IndexRow] = {}
+    segment_rows: dict[str, SegmentRow] = {}
+    remove: list[str] = []
+    with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentReader(
+        cdir, ns.name, exp.kv if exp else None, exp.block_size if exp else None
+    ) as reader:
+        headers = {n: h for n in sorted(ns.files) if (h := reader.header(n)) is not None}
+        kv = exp.kv if exp else (Counter(h.kv for h in headers.values()).most_common(1)[0][0] if headers else None)
+        for name in sorted(set(ns.files) - set(headers)):
+            remove.append(name)
+            rep.note("unusable", name, reader.errors.get(name, ""))
+        for name, header in sorted(headers.items(), key=lambda kv_: (-created_of(kv_[1]), kv_[0])):  # newest copy wins
+            if header.kv != kv:
+                remove.append(name)
+                rep.note("unusable", name, "KV layout differs from the namespace's other segments")
+                continue
+            segment_rows[name] = reader.segment_row(name)
+            t = min(created_of(header), scan.now)
+            for s in header.slots:
+                rec = reader.record(name, s.index) if s.block_hash not in recovered else None
+                if rec is not None:
+                    recovered[s.block_hash] = rec.row(t, t)
+    tree = build_chain_tree(((r.hash, r.parent, r.last_access) for r in recovered.values()), root_parent(ns.name), scan.now)
+    by_segment: dict[str, list[IndexRow]] = {}
+    for h, r in recovered.items():
+        if tree.nodes[h].rooted:
+            by_segment.setdefault(r.segment, []).append(r)
+    plan = RebuildPlan(dict(salvaged) if complete else _partial_meta(ns.name, kv), complete)
+    plan.segments = [(segment_rows[n], sorted(rows, key=lambda r: r.slot)) for n, rows in sorted(by_segment.items())]
+    plan.remove = sorted(set(remove) | (set(segment_rows) - set(by_segment)))
+    rep.index_rebuilt = True
+    rep.blocks_recovered = sum(len(rows) for rows in by_segment.values())
+    rep.orphans_removed = len(plan.remove)
+    rep.bytes_freed = sum(ns.files[n].size for n in plan.remove)
+    for n in sorted(set(segment_rows) - set(by_segment)):
+        rep.note("orphan", n, "no reachable block")
+    return plan
+
+
+def _partial_meta(name: str, kv) -> dict[str, str]:
+    meta = {"layout_key": name, "rebuilt": repr(time.time())}
+    if kv is not None:
+        meta.update(kv_layers=kv.spec, kv_dtype=kv.dtype)
+    return meta
+
+
+def execute_rebuild(root: "Path", cdir: ConfinedDir, plan: RebuildPlan, rep: "NamespaceRepair") -> None:
+    """Build the new index aside, keep the old one as `index.sqlite.corrupt`, rename the new one
+    into place, then remove the files with nothing recoverable.
+
+    Raises:
+        sqlite3.Error, OSError: the new index could not be built (the old one is left in place).
+    """
+    from kvtool.ops.validate import _unlink
+
+    ns_dir = root / cdir.namespace
+    for suffix in ("", "-wal", "-shm", "-journal"):  # an earlier, interrupted rebuild
+        _remove_regular(cdir, BUILDING + suffix)
+    index = BlockIndex(ns_dir / BUILDING, initial_meta=plan.meta if plan.complete_meta else None)
+    try:
+        if not plan.complete_meta:
+            index.set_meta({**plan.meta, "rebuilt": repr(time.time())})
+        for seg_row, rows in plan.segments:
+            index.insert_segment(seg_row, rows)
+    finally:
+        index.close()
+    conn = sqlite3.connect(ns_dir / BUILDING, isolation_level=None)
+    try:  # one self-contained file (no -wal to carry along); the next open switches back to WAL
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.execute("PRAGMA journal_mode=DELETE")
+    finally:
+        conn.close()
+    for suffix in ("", "-wal"):
+        _replace_regular(cdir, INDEX_FILENAME + suffix, CORRUPT + suffix)
+    _remove_regular(cdir, INDEX_FILENAME + "-shm")
+    _replace_regular(cdir, BUILDING, INDEX_FILENAME)
+    for name in plan.remove:
+        _unlink(rep, lambda: cdir.unlink_segment(name), name)
+
+
+def _check_regular(cdir: ConfinedDir, name: str) -> bool:
+    try:
+        st = os.stat(name, dir_fd=cdir.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        raise OSError(errno.ELOOP, f"{name} is not a regular file (symlink?): never followed")
+    return True
+
+
+def _remove_regular(cdir: ConfinedDir, name: str) -> None:
+    if _check_regular(cdir, name):
+        os.unlink(name, dir_fd=cdir.fd)
+
+
+def _replace_regular(cdir: ConfinedDir, src: str, dst: str) -> None:
+    if _check_regular(cdir, src):
+        os.replace(src, dst, src_dir_fd=cdir.fd, dst_dir_fd=cdir.fd)
+
+
+__all__ = ["RebuildPlan", "plan_rebuild", "execute_rebuild", "salvage_meta"]

@@ -1,0 +1,434 @@
+"""`scan_cache`: one read-only look at an SSD cache, shared by `inspect`, `validate` and `prune`.
+
+The pattern of `huggingface_hub`'s `scan_cache_dir`: the cache is read once into frozen,
+typed results, and each command only renders or plans from them:
+
+    scan = scan_cache(cache_dir)                 # read-only: indexes opened `mode=ro`, files listed
+    for ns in scan.namespaces:
+        ns.status, ns.meta, ns.rows, ns.files, ns.missing, ns.orphans, ns.tree ...
+
+Per namespace, in this order (a row is never inserted before its file exists, so rows are read
+before the directory is listed): the index files are checked to be regular files (a symlinked
+`index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
+checked against the directory name (the layout key is a digest of the meta, so a meta that does
+not hash to its name is `foreign`), every row is read and checked (`IndexRow.from_db`:
+malformed rows are reported by rowid, never used), then the directory is listed without
+following symlinks. No segment file is read.
+
+Statuses (`NamespaceStatus`, one vocabulary for every command):
+
+| status | meaning | validate / prune |
+|---|---|---|
+| `ok` | usable, holds blocks or files | repaired / pruned |
+| `empty` | usable, holds nothing | as `ok` |
+| `uninitialized` | no meta yet (creation interrupted or in progress, or an index rebuilt without its meta: the next process that opens it completes it) | left alone |
+| `unreadable` | the index cannot be read (corrupt, a symlink, a full disk) | `validate --rebuild-index` rebuilds a corrupt index; prune removes whole segment files by age on a full disk; else left alone |
+| `outdated` | another format version (format 1: one file per block) | prune removes it whole by TTL |
+| `foreign` | its meta contradicts its name (layout key) | left untouched, reported |
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sqlite3
+import stat
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from kvtool.errors import KVToolError
+from kvtool.hashing import layout_key, root_parent
+from kvtool.ops.chains import ChainTree, build_chain_tree
+from kvtool.ops.confined import disk_full, free_bytes
+from kvtool.store.fsops import FileOps, NamespaceSelectError, scan_namespace, select_namespaces, temp_is_leftover
+from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, IndexRow, SegmentRow
+from kvtool.store.names import INDEX_FILENAME, LOCK_FILENAME
+from kvtool.store.segment import FORMAT_VERSION
+from kvtool.store.ssd import Expected
+
+INDEX_FILES = (INDEX_FILENAME, INDEX_FILENAME + "-wal", INDEX_FILENAME + "-shm")
+REBUILD_HINT = "`kvtool validate --rebuild-index` rebuilds it from the segment files"
+OUTDATED_HINT = "re-warm; `kvtool prune` removes them"
+
+
+class NamespaceStatus(StrEnum):
+    """What a namespace is, for every command (see the module docstring)."""
+
+    OK = "ok"
+    EMPTY = "empty"
+    UNINITIALIZED = "uninitialized"
+    UNREADABLE = "unreadable"
+    OUTDATED = "outdated"
+    FOREIGN = "foreign"
+
+
+USABLE = (NamespaceStatus.OK, NamespaceStatus.EMPTY)
+
+
+class ScanError(KVToolError):
+    """The cache cannot be scanned: missing cache dir, unknown or ambiguous namespace (exit 2)."""
+
+
+@dataclass(frozen=True)
+class SegmentFile:
+    """A segment file on disk (name and place checked, never followed).
+
+    Attributes:
+        name: segment name (32 hex).
+        relpath: `<name[:2]>/<name>.safetensors`, relative to the namespace directory.
+        size: bytes (lstat).
+        mtime: modification time (unix seconds): a segment is written once, so its creation.
+    """
+
+    name: str
+    relpath: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A kvtool temp file (`.<name>.<pid>.<hex>.tmp`): a write in progress or a leftover.
+
+    Attributes:
+        relpath: path relative to the namespace directory.
+        size: bytes.
+        leftover: its writer is gone (or it is stale): `validate` removes it.
+    """
+
+    relpath: str
+    size: int
+    leftover: bool
+
+
+@dataclass(frozen=True)
+class NamespaceScan:
+    """One namespace as scanned (read-only snapshot). Sizes in bytes, times in unix seconds.
+
+    Attributes:
+        name: directory name (the layout key).
+        path: the namespace directory.
+        status: see `NamespaceStatus`.
+        message: why the status is not `ok`/`empty` (one line), else "".
+        cause: for `unreadable`: 'index' (corrupt or unreadable index), 'link' (an index file is
+            a symlink or not a regular file), 'disk_full' (the index cannot be opened on a full
+            disk), 'listing' (the directory cannot be listed); else "".
+        meta: the index's meta table ({} if unreadable).
+        format_version: meta `format_version` (None if unknown).
+        expected: the KV layout and block size blocks must have (usable namespaces only).
+        rows: well-formed block rows (by hash).
+        segment_rows: well-formed `segments` rows.
+        bad_rows, bad_segment_rows: rowids of malformed rows (NULLs, wrong types, bad names).
+        files: segment name -> `SegmentFile` for well-named segment files.
+        temps: kvtool temp files.
+        symlinks: relative paths of symlinks found inside (never followed).
+        other: relative paths of entries that are not kvtool's (ignored).
+        missing: segments named by a row whose file is absent (sorted).
+        orphans: segment files no block row names (sorted).
+        future_rows: hashes whose `last_access` is in the future (beyond the skew allowance).
+        tree: the parent-chain tree of `rows` (access times clamped to the scan time).
+        last_used: newest sign of use (index file mtimes, meta open/close times), clamped to now.
+    """
+
+    name: str
+    path: Path
+    status: NamespaceStatus
+    message: str = ""
+    cause: str = ""
+    meta: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    format_version: str | None = None
+    expected: Expected | None = None
+    rows: tuple[IndexRow, ...] = ()
+    segment_rows: tuple[SegmentRow, ...] = ()
+    bad_rows: tuple[int, ...] = ()
+    bad_segment_rows: tuple[int, ...] = ()
+    files: Mapping[str, SegmentFile] = field(default_factory=lambda: MappingProxyType({}))
+    temps: tuple[TempFile, ...] = ()
+    symlinks: tuple[str, ...] = ()
+    other: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    orphans: tuple[str, ...] = ()
+    future_rows: tuple[str, ...] = ()
+    tree: ChainTree | None = None
+    last_used: float | None = None
+
+    @property
+    def usable(self) -> bool:
+        """`ok` or `empty`: commands may read and change it."""
+        return self.status in USABLE
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the segment files that rows name (what the blocks occupy)."""
+        named = {r.segment for r in self.rows}
+        return sum(f.size for n, f in self.files.items() if n in named)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of every segment file (orphans included)."""
+        return sum(f.size for f in self.files.values())
+
+    def segment_blocks(self) -> dict[str, list[str]]:
+        """Segment name -> hashes of the rows stored in it (segments with rows only)."""
+        out: dict[str, list[str]] = {}
+        for r in self.rows:
+            out.setdefault(r.segment, []).append(r.hash)
+        return out
+
+
+@dataclass(frozen=True)
+class CacheScan:
+    """A whole cache as scanned.
+
+    Attributes:
+        cache_dir: the cache root.
+        now: the scan time (ages and clamps are relative to it).
+        namespaces: one scan per namespace directory (real 32-hex directories with an index).
+        symlinks: names of symlinks directly under the cache root (never followed).
+        other: names of other entries directly under the cache root (not kvtool's).
+    """
+
+    cache_dir: Path
+    now: float
+    namespaces: tuple[NamespaceScan, ...] = ()
+    symlinks: tuple[str, ...] = ()
+    other: tuple[str, ...] = ()
+
+
+def scan_cache(
+    cache_dir: Path, namespace: str | None = None, *, now: float | None = None, fs: FileOps | None = None
+) -> CacheScan:
+    """Scan an SSD cache (read-only).
+
+    Args:
+        cache_dir: the SSD tier root.
+        namespace: only this namespace (a layout key or a unique prefix of one); None = all.
+        now: the scan time (unix seconds; injectable for tests).
+        fs: file-system operations (listing; fault injection in tests).
+
+    Raises:
+        ScanError: `cache_dir` is not a directory, or `namespace` matches none or several.
+    """
+    fs = fs or FileOps()
+    cache_dir = Path(cache_dir)
+    now = time.time() if now is None else now
+    try:
+        dirs = select_namespaces(cache_dir, namespace, fs)
+    except NamespaceSelectError as exc:
+        raise ScanError(str(exc)) from None
+    links: list[str] = []
+    other: list[str] = []
+    if namespace is None:
+        picked = {d.name for d in dirs}
+        try:
+            names = sorted(fs.listdir(cache_dir))
+        except OSError:
+            names = []
+        for n in names:
+            if os.path.islink(cache_dir / n):
+                links.append(n)
+            elif n not in picked and n != LOCK_FILENAME:
+                other.append(n)
+    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs) for d in dirs)
+    return CacheScan(cache_dir, now, spaces, tuple(links), tuple(other))
+
+
+def scan_namespace_dir(cache_dir: Path, name: str, *, now: float | None = None, fs: FileOps | None = None) -> NamespaceScan:
+    """Scan one namespace directory (see the module docstring). Never raises for its content."""
+    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps()).run()
+
+
+class _Scanner:
+    def __init__(self, path: Path, now: float, fs: FileOps):
+        self.path, self.now, self.fs = path, now, fs
+        self.f: dict = {"name": path.name, "path": path}
+
+    def run(self) -> NamespaceScan:
+        self.f["last_used"] = self._index_mtime()
+        link = self._bad_index_file()
+        if link:
+            self._list_files()
+            return self._done(NamespaceStatus.UNREADABLE, f"{link} is not a regular file (symlink?): never followed; left untouched", "link")
+        try:
+            index = BlockIndex(self.path / INDEX_FILENAME, create=False, read_only=True)
+        except sqlite3.Error as exc:
+            return self._unreadable(exc)
+        try:
+            return self._read(index)
+        except sqlite3.Error as exc:
+            return self._unreadable(exc)
+        finally:
+            try:
+                index.close()
+            except sqlite3.Error:
+                pass
+
+    # ------------------------------------------------------------------ steps
+    def _read(self, index: BlockIndex) -> NamespaceScan:
+        f = self.f
+        if not index.initialized():
+            if not self._list_files():
+                return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
+            try:  # an index rebuilt without its meta has rows; one killed before its schema has none
+                idx = index.scan()
+            except sqlite3.Error:
+                idx = None
+            if idx is not None:
+                f.update(rows=tuple(idx.rows), meta=MappingProxyType(dict(idx.meta)))
+            n = len(f.get("files", {}))
+            why = (f"no metadata yet; {n} segment file(s) and {len(f.get('rows', ()))} row(s): completed by the next "
+                   f"kvtool process that opens this namespace with its model" if n else
+                   "creation interrupted or in progress: nothing stored")  # fmt: skip
+            return self._done(NamespaceStatus.UNINITIALIZED, why)
+        meta = index.get_meta()
+        f["meta"] = MappingProxyType(meta)
+        f["format_version"] = version = meta.get("format_version")
+        f["last_used"] = _newest(self.now, f["last_used"], *(_num(meta.get(k)) for k in ("created", "last_open", "last_close")))
+        if version != str(FORMAT_VERSION):
+            self._list_files()
+            newer = _int(version) is not None and _int(version) > FORMAT_VERSION
+            msg = (f"format_version {version!r} is newer than this kvtool's ({FORMAT_VERSION}): left untouched" if newer else
+                   f"format_version {version!r}, this kvtool reads {FORMAT_VERSION}: its blocks are never used; {OUTDATED_HINT}")  # fmt: skip
+            return self._done(NamespaceStatus.OUTDATED, msg)
+        problem = meta_problem(self.path.name, meta)
+        if problem:
+            self._list_files()
+            return self._done(NamespaceStatus.FOREIGN, f"{problem}: left untouched (remove the directory if it is not yours)")
+        f["expected"] = Expected.from_meta(self.path.name, meta)
+        idx = index.scan()  # every row, checked; malformed ones by rowid
+        f.update(rows=tuple(idx.rows), segment_rows=tuple(idx.segments), bad_rows=tuple(idx.bad_rows),
+                 bad_segment_rows=tuple(idx.bad_segments))  # fmt: skip
+        if not self._list_files():
+            return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
+        rows = f["rows"]
+        named = {r.segment for r in rows} | {s.name for s in f["segment_rows"]}
+        files = f["files"]
+        f["missing"] = tuple(sorted(n for n in named if n not in files))
+        referenced = {r.segment for r in rows}
+        orphans = [n for n in sorted(files) if n not in referenced]
+        # a writer may have renamed a segment in and inserted its rows since the row snapshot
+        f["orphans"] = tuple(n for n in orphans if not index.segment_rows(n))
+        f["future_rows"] = tuple(r.hash for r in rows if r.last_access > self.now + FUTURE_SKEW_S)
+        f["tree"] = build_chain_tree(((r.hash, r.parent, r.last_access) for r in rows), root_parent(self.path.name), self.now)
+        empty = not rows and not files
+        return self._done(NamespaceStatus.EMPTY if empty else NamespaceStatus.OK, "")
+
+    def _list_files(self) -> bool:
+        """List segment files, temps, symlinks, other entries (no symlink followed)."""
+        try:
+            listing = scan_namespace(self.path, self.fs)
+        except OSError:
+            return False
+        files = {}
+        for name, rel in sorted(listing.files.items()):
+            try:
+                st = os.lstat(self.path / rel)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files[name] = SegmentFile(name, rel, st.st_size, st.st_mtime)
+        temps = []
+        for p in listing.temps:
+            try:
+                size = os.lstat(p).st_size
+            except OSError:
+                continue
+            temps.append(TempFile(str(p.relative_to(self.path)), size, temp_is_leftover(self.fs, p, self.now)))
+        self.f.update(files=MappingProxyType(files), temps=tuple(temps), symlinks=tuple(listing.symlinks),
+                      other=tuple(listing.other))  # fmt: skip
+        return True
+
+    def _bad_index_file(self) -> str | None:
+        for name in INDEX_FILES:
+            try:
+                st = os.lstat(self.path / name)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return name
+            if not stat.S_ISREG(st.st_mode):
+                return name
+        return None
+
+    def _index_mtime(self) -> float | None:
+        times = []
+        for name in INDEX_FILES[:2]:
+            try:
+                st = os.lstat(self.path / name)
+            except OSError:
+                continue
+            if st.st_size:  # a read-only open leaves an empty -wal behind: not a use
+                times.append(st.st_mtime)
+        return _newest(self.now, *times)
+
+    def _unreadable(self, exc: Exception) -> NamespaceScan:
+        self._list_files()
+        if disk_full(self.path):
+            return self._done(
+                NamespaceStatus.UNREADABLE,
+                f"index cannot be opened on a full disk ({free_bytes(self.path)} bytes free: {exc}); "
+                "`kvtool prune` removes whole segment files by age",
+                "disk_full",
+            )
+        return self._done(NamespaceStatus.UNREADABLE, f"index cannot be read ({exc}); {REBUILD_HINT}", "index")
+
+    def _done(self, status: NamespaceStatus, message: str, cause: str = "") -> NamespaceScan:
+        return NamespaceScan(status=status, message=message, cause=cause, **self.f)
+
+
+def meta_problem(name: str, meta: Mapping[str, str]) -> str | None:
+    """Why a format-2 namespace's meta contradicts its name (the layout key), or None.
+
+    The layout key is a digest of the model id, KV layout, dtype, block size, format version,
+    model class, library versions and KV quantisation (`kvtool.hashing.layout_key`, fed from the
+    meta exactly as `kvtool.prefix.PrefixCache` writes it), so a meta with, e.g., a wrong
+    `block_size` no longer hashes to its directory name.
+    """
+    if meta.get("layout_key") != name:
+        return f"its meta names layout {meta.get('layout_key')!r}, not its directory name"
+    try:
+        key = layout_key(
+            meta["model_id"], meta["kv_layers"], meta["kv_dtype"], int(meta["block_size"]),
+            format_version=int(meta["format_version"]), model_class=meta.get("model_class", ""),
+            versions=meta.get("libraries", ""), extra=meta.get("kv_quantization", ""),
+        )  # fmt: skip
+        if int(meta["block_size"]) <= 0:
+            raise ValueError("block_size must be positive")
+        Expected.from_meta(name, dict(meta))
+    except (KeyError, ValueError, TypeError) as exc:
+        return f"its meta is incomplete or malformed ({exc!r})"
+    if key != name:
+        return "its meta (model, KV layout, dtype, block size, libraries) does not hash to its layout key"
+    return None
+
+
+def _num(text: str | None) -> float | None:
+    try:
+        v = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return v if v is not None and math.isfinite(v) and v >= 0 else None
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def _newest(now: float, *times: float | None) -> float | None:
+    vals = [min(t, now) for t in times if t is not None]
+    return max(vals) if vals else None
+
+
+__all__ = [
+    "scan_cache", "scan_namespace_dir", "meta_problem", "CacheScan", "NamespaceScan", "NamespaceStatus",
+    "SegmentFile", "TempFile", "ScanError", "USABLE", "REBUILD_HINT", "OUTDATED_HINT",
+]  # fmt: skip
