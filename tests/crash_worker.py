@@ -4,15 +4,17 @@ Usage: python -m tests.crash_worker CACHE_DIR DURABILITY RUN_SEED
 
 It prints one line per phase and per SSD file operation, before the operation starts, so the
 parent can SIGKILL it after a chosen number of lines (plus a random micro-delay) and thereby land
-kills spread over model load, prefill/decode, block file writes, index commits, writer drains and
-tier reopenings:
+kills spread over model load, prefill/decode, segment file writes, index commits, writer drains and
+tier reopenings. A request's new entries (full blocks and its tail entry) are written as one
+segment file (queued batches may coalesce into one), so file operations and commits are
+announced once per segment, not once per block:
 
     start                    before imports and model load
     loaded                   model loaded
     attached                 engine built (SSD tier opened, startup reconcile done)
     req <j>                  request j starts (prefill + decode; blocks enqueued after token 1)
     op <name>                the SSD tier is about to call FileOps.<name> (writer thread)
-    commit                   the SSD store is about to insert an index row (writer thread)
+    commit                   the SSD store is about to insert a segment's rows (writer thread)
     done <j>                 request j returned
     flush / flushed          engine.flush(): writer drain + index flush
     reopen / reopened        engine.reconfigure(same config): stop writer, close index, reattach
@@ -106,13 +108,13 @@ def main(argv: list[str]) -> int:
 
         setattr(TracingFS, name, traced)
 
-    real_insert = BlockIndex.insert
+    real_insert = BlockIndex.insert_segment
 
     def traced_insert(self, *args, **kw):
         emit("commit")
         return real_insert(self, *args, **kw)
 
-    BlockIndex.insert = traced_insert  # tracing only: the real insert runs
+    BlockIndex.insert_segment = traced_insert  # tracing only: the real insert runs
 
     loaded = load_model("tiny")
     emit("loaded")

@@ -1,14 +1,20 @@
-"""Damaged SSD entries are misses plus clean-up, with unchanged output (issue 2).
+"""Damaged SSD entries are misses plus clean-up, with unchanged output (issues 2 and 8).
 
-Each case: a first engine writes the prompt's blocks; the files are damaged on disk; a new
-engine (empty RAM tier, like a restarted process) serves the same prompt. The damaged block and
-every block after it must be a miss, the bad entry removed, the matching counter raised, and the
-generated tokens equal to mlx-lm's uncached greedy output.
+Each case: a first engine writes the prompt's entries in two segments (blocks 0-1 from a first
+request for the prompt's first two blocks, then blocks 2-4 and the tail entry from the full
+prompt); the files are damaged on disk; a new engine (empty RAM tier, like a restarted process)
+serves the same prompt. The chain must be cut exactly at the damaged block (block 2, the first of
+the second segment, or the middle of it), the bad entry removed (a record: its row; a segment
+header or size: the whole segment), the matching counter raised, and the generated tokens equal
+to mlx-lm's uncached greedy output.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -16,10 +22,12 @@ import pytest
 from kvtool.blocks import chain_hashes
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
-from kvtool.store.ssd import block_relpath
+from kvtool.store.names import segment_relpath
+from tests.store_helpers import read_segment_header, record_span
 from tests.test_engine import BS, MAX_TOKENS, reference_tokens
 
-DAMAGED = 2  # index of the damaged block (of 5)
+DAMAGED = 2  # index of the damaged block (of 5 full blocks + a tail entry)
+FIRST_SEGMENT = 2  # blocks in the first segment
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +46,38 @@ def _config(tmp_path, **kw):
     return KVToolConfig(ssd_cache_dir=tmp_path / "kv", block_size=BS, ssd_async_writes=False, **kw)
 
 
-def _populate(tiny_model, prompt, tmp_path):
-    eng = Engine(tiny_model, _config(tmp_path))
-    eng.generate(prompt, max_tokens=1)
+class Populated:
+    """What `_populate` wrote: the namespace, the chain hashes and each block's segment file."""
+
+    def __init__(self, ns, hashes, index):
+        self.ns = ns
+        self.hashes = hashes
+        self.index = index
+
+    def path(self, i: int):
+        """The segment file holding block i (from the index)."""
+        return self.ns / segment_relpath(self.index[self.hashes[i]])
+
+
+def _segment_of(ns, h: str) -> str:
+    import sqlite3
+
+    with sqlite3.connect(f"file:{ns / 'index.sqlite'}?mode=ro", uri=True) as con:
+        return con.execute("SELECT segment FROM blocks WHERE hash=?", (h,)).fetchone()[0]
+
+
+def _populate(tiny_model, prompt, tmp_path, **kw) -> Populated:
+    eng = Engine(tiny_model, _config(tmp_path, **kw))
+    eng.generate(prompt[: FIRST_SEGMENT * BS], max_tokens=1)  # segment 1: blocks 0-1
+    eng.generate(prompt, max_tokens=1)  # segment 2: blocks 2-4 + the tail entry
     ns = eng.namespace_dir
     layout = eng.layout_key
     assert eng.close().shutdown_clean
     hashes = chain_hashes(np.asarray(prompt), BS, layout)
-    return ns, hashes
+    segs = {h: _segment_of(ns, h) for h in hashes}
+    assert len(set(segs.values())) == 2 and segs[hashes[0]] == segs[hashes[1]] != segs[hashes[2]]
+    assert len(read_segment_header(ns / segment_relpath(segs[hashes[2]])).slots) == 4  # 3 blocks + tail
+    return Populated(ns, hashes, segs)
 
 
 def _serve_after_damage(tiny_model, prompt, tmp_path):
@@ -56,71 +88,163 @@ def _serve_after_damage(tiny_model, prompt, tmp_path):
     return eng, res, stats, index
 
 
-def _truncate(path):
+# --------------------------------------------------------------------------- damage kinds
+def _flip_record(pop: Populated, k: int):
+    """One bit of block k's record (its KV bytes); the segment's other records stay intact."""
+    path = pop.path(k)
+    off, n = record_span(path, pop.hashes[k])
+    data = bytearray(path.read_bytes())
+    data[off + n - 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _flip_token_id(pop: Populated, k: int):
+    path = pop.path(k)
+    off, _ = record_span(path, pop.hashes[k])
+    data = bytearray(path.read_bytes())
+    data[off] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _swap_records(pop: Populated, k: int):
+    """Records k and k+1 swapped in the file (same size; header untouched)."""
+    path = pop.path(k)
+    (a, n), (b, m) = record_span(path, pop.hashes[k]), record_span(path, pop.hashes[k + 1])
+    assert n == m
+    data = bytearray(path.read_bytes())
+    data[a : a + n], data[b : b + n] = data[b : b + n], data[a : a + n]
+    path.write_bytes(bytes(data))
+
+
+def _swap_header_offsets(pop: Populated, k: int):
+    """A same-length header edit: records k and k+1 swap places in the tensor table."""
+    path = pop.path(k)
+    data = path.read_bytes()
+    (hn,) = struct.unpack_from("<Q", data)
+    head = data[8 : 8 + hn]
+    doc = json.loads(head)
+    slots = {s.block_hash: s.index for s in read_segment_header(path).slots}
+    i, j = slots[pop.hashes[k]], slots[pop.hashes[k + 1]]
+    a = b'"data_offsets":' + json.dumps(doc[f"b{i}"]["data_offsets"], separators=(",", ":")).encode()
+    b = b'"data_offsets":' + json.dumps(doc[f"b{j}"]["data_offsets"], separators=(",", ":")).encode()
+    x, y = head.index(a), head.index(b)
+    new = head[:x] + b + head[x + len(a) : y] + a + head[y + len(b) :]
+    assert len(new) == len(head)
+    path.write_bytes(data[:8] + new + data[8 + hn :])
+
+
+def _truncate(pop: Populated, k: int):
+    path = pop.path(k)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
 
 
-def _flip(path):
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0xFF  # inside the last tensor's bytes
-    path.write_bytes(bytes(data))
+# (damage, what is dropped: 'row' = block k's row only, 'segment' = every row of k's segment)
+DAMAGES = {
+    "record_flip": (_flip_record, "row"),
+    "token_id_flip": (_flip_token_id, "row"),
+    "swapped_records": (_swap_records, "row"),
+    "swapped_header_offsets": (_swap_header_offsets, "segment"),
+    "truncated_segment": (_truncate, "segment"),
+}
 
 
-@pytest.mark.parametrize("damage,counter", [(_truncate, "ssd_load_corrupt"), (_flip, "ssd_load_corrupt")])
-def test_damaged_block_is_a_miss_with_clean_up(tiny_model, prompt, reference, tmp_path, damage, counter):
-    ns, hashes = _populate(tiny_model, prompt, tmp_path)
-    bad = ns / block_relpath(hashes[DAMAGED])
-    damage(bad)
+@pytest.mark.parametrize("case", sorted(DAMAGES))
+def test_damaged_block_is_a_miss_with_clean_up(tiny_model, prompt, reference, tmp_path, case):
+    pop = _populate(tiny_model, prompt, tmp_path)
+    damage, dropped = DAMAGES[case]
+    bad = pop.path(DAMAGED)
+    damage(pop, DAMAGED)
     eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)
     assert res.token_ids == reference
     assert res.ssd_hit_tokens == DAMAGED * BS and res.prefill_tokens == len(prompt) - DAMAGED * BS
-    assert stats[counter] == 1
-    assert not index.contains(hashes[DAMAGED]) and not bad.exists()
+    assert stats["ssd_load_corrupt"] == 1
+    assert not index.contains(pop.hashes[DAMAGED])
+    assert all(index.contains(h) for h in pop.hashes[:DAMAGED])  # the first segment is untouched
+    if dropped == "row":  # the segment keeps its intact blocks
+        assert bad.exists() and all(index.contains(h) for h in pop.hashes[DAMAGED + 1 :])
+    else:
+        assert not bad.exists() and not any(index.contains(h) for h in pop.hashes[DAMAGED:])
     eng.close()
 
 
-def test_index_row_whose_file_is_gone(tiny_model, prompt, reference, tmp_path):
-    ns, hashes = _populate(tiny_model, prompt, tmp_path)
-    # (a) gone while a server runs: the lookup finds the row, not the file
+def test_damaged_block_in_the_middle_of_a_segment_cuts_there(tiny_model, prompt, reference, tmp_path):
+    """Block 3 (second record of the second segment): blocks 0-2 are SSD hits, 3.. recomputed."""
+    pop = _populate(tiny_model, prompt, tmp_path)
+    _flip_record(pop, DAMAGED + 1)
+    eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)
+    assert res.token_ids == reference
+    assert res.ssd_hit_tokens == (DAMAGED + 1) * BS
+    assert stats["ssd_load_corrupt"] == 1 and not index.contains(pop.hashes[DAMAGED + 1])
+    assert index.contains(pop.hashes[DAMAGED]) and index.contains(pop.hashes[DAMAGED + 2])
+    eng.close()
+
+
+def test_index_row_whose_segment_is_gone(tiny_model, prompt, reference, tmp_path):
+    pop = _populate(tiny_model, prompt, tmp_path)
+    # (a) gone while a server runs: the lookup finds the rows, not the file
     eng = Engine(tiny_model, _config(tmp_path, ssd_policy="evict_only"))
-    (ns / block_relpath(hashes[DAMAGED])).unlink()
+    pop.path(DAMAGED).unlink()
     res = eng.generate(prompt, max_tokens=MAX_TOKENS)
     assert res.token_ids == reference and res.ssd_hit_tokens == DAMAGED * BS
     stats = eng.stats()
-    assert stats["ssd_load_missing"] == 1 and stats["ssd_stale_index_cleaned"] == 1
-    assert not eng.tiered.ssd.index.contains(hashes[DAMAGED])
+    assert stats["ssd_load_missing"] == 1 and stats["ssd_stale_index_cleaned"] == 4  # 3 blocks + tail
+    assert not any(eng.tiered.ssd.index.contains(h) for h in pop.hashes[DAMAGED:])
     eng.close()
-    # (b) gone before a restart: the startup reconcile drops the row
-    (ns / block_relpath(hashes[DAMAGED + 1])).unlink()
+    # (b) gone before a restart: the startup reconcile drops the rows
+    again = _populate(tiny_model, prompt, tmp_path)  # write_through: blocks 2.. stored again
+    assert again.index[pop.hashes[DAMAGED]] != pop.index[pop.hashes[DAMAGED]]  # in a new segment
+    again.path(DAMAGED).unlink()
     eng = Engine(tiny_model, _config(tmp_path, ssd_policy="evict_only"))
-    assert eng.tiered.ssd.reconcile_report.missing_rows_dropped == 1
+    assert eng.tiered.ssd.reconcile_report.missing_rows_dropped == 4
     res = eng.generate(prompt, max_tokens=MAX_TOKENS)
     assert res.token_ids == reference and res.ssd_hit_tokens == DAMAGED * BS
     eng.close()
 
 
-def test_block_file_of_another_namespace_is_rejected(tiny_model, prompt, reference, tmp_path):
-    ns, hashes = _populate(tiny_model, prompt, tmp_path)
+def test_segment_of_another_namespace_is_rejected(tiny_model, prompt, reference, tmp_path):
+    pop = _populate(tiny_model, prompt, tmp_path)
     # Same model and tokens, other block size: another layout key, so another namespace.
     other = Engine(tiny_model, KVToolConfig(ssd_cache_dir=tmp_path / "kv", block_size=2 * BS, ssd_async_writes=False))
     other.generate(prompt, max_tokens=1)
     other_hash = chain_hashes(np.asarray(prompt), 2 * BS, other.layout_key)[1]
-    foreign = other.namespace_dir / block_relpath(other_hash)
-    assert other.namespace_dir != ns
+    foreign = other.namespace_dir / segment_relpath(_segment_of(other.namespace_dir, other_hash))
+    assert other.namespace_dir != pop.ns
     other.close()
-    shutil.copyfile(foreign, ns / block_relpath(hashes[DAMAGED]))
+    shutil.copyfile(foreign, pop.path(DAMAGED))
     eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)
     assert res.token_ids == reference
     assert res.ssd_hit_tokens == DAMAGED * BS
     assert stats["ssd_load_corrupt"] == 1
-    assert not index.contains(hashes[DAMAGED])
+    assert not index.contains(pop.hashes[DAMAGED])
+    eng.close()
+
+
+def test_tail_entry_damage_costs_the_tail_only(tiny_model, prompt, reference, tmp_path):
+    """Exact replay of a stored prompt is a full hit through its tail entry; a damaged tail record
+    is a miss of the tail only (every full block still comes from SSD)."""
+    pop = _populate(tiny_model, prompt, tmp_path)
+    eng, res, stats, _ = _serve_after_damage(tiny_model, prompt, tmp_path)
+    assert res.token_ids == reference and res.prefill_tokens == 1  # full hit: last token re-forwarded
+    eng.close()
+    path = pop.path(DAMAGED)
+    tail = read_segment_header(path).slots[-1]
+    assert tail.n_tokens == len(prompt) % BS
+    data = bytearray(path.read_bytes())
+    data[tail.offset + tail.nbytes - 1] ^= 0x10
+    path.write_bytes(bytes(data))
+    eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)
+    assert res.token_ids == reference
+    assert res.ssd_hit_tokens == 5 * BS and res.prefill_tokens == len(prompt) - 5 * BS
+    assert stats["ssd_load_corrupt"] == 1 and not index.contains(tail.block_hash)
+    assert all(index.contains(h) for h in pop.hashes)
     eng.close()
 
 
 def test_forced_hash_collision_is_never_served(tiny_model, prompt, reference, tmp_path):
     """Two different prompts whose blocks collide by an injected hash: the stored block's token
     ids differ from the request's, so it is never used and the hash is isolated."""
+
     def weak_hash(parent: bytes, ids: np.ndarray) -> str:
         return "%032x" % (len(ids) + parent[0])  # depends on nothing but the position
 
@@ -134,3 +258,12 @@ def test_forced_hash_collision_is_never_served(tiny_model, prompt, reference, tm
     assert res.token_ids == reference and res.cached_tokens == 0
     assert eng.stats()["ssd_hash_collision_detected"] >= 1
     eng.close()
+
+
+def test_no_temp_or_stray_files_after_damage_runs(tiny_model, prompt, tmp_path):
+    pop = _populate(tiny_model, prompt, tmp_path)
+    _truncate(pop, DAMAGED)
+    eng, _, _, _ = _serve_after_damage(tiny_model, prompt, tmp_path)
+    eng.close()
+    left = [f for _, _, files in os.walk(pop.ns) for f in files if f.endswith(".tmp")]
+    assert left == []

@@ -41,7 +41,7 @@ import numpy as np
 from kvtool.store import segment as seg
 from kvtool.store.fsops import DEFAULT_DIR_MODE, FileOps, scan_namespace, temp_is_leftover, temp_path_for
 from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.store.names import INDEX_FILENAME, NAMESPACE_RE, is_hash, segment_relpath
+from kvtool.store.names import INDEX_FILENAME, NAMESPACE_RE, is_hash, is_segment_name, segment_relpath
 from kvtool.store.segment import BlockFileError, KVLayout
 
 if TYPE_CHECKING:
@@ -292,6 +292,7 @@ class SSDStore:
         try:
             with self.index._lock:  # noqa: SLF001  (one read of a small table)
                 names = [r[0] for r in self.index._conn.execute("SELECT name FROM segments")]  # noqa: SLF001
+            names = [n for n in names if is_segment_name(n)]  # malformed rows: validate reports them
             scan = scan_namespace(self.namespace_dir, self._fs)
             for tmp in scan.temps:
                 if temp_is_leftover(self._fs, tmp):
@@ -364,7 +365,12 @@ class SSDStore:
             header = seg.read_header(fd, os.fstat(fd).st_size)
             seg.check_header(header, self.layout_key, self.expected.kv)
             return fd, header
-        except (BlockFileError, OSError) as exc:
+        except OSError as exc:  # a read error is not corruption: miss, keep the rows
+            os.close(fd)
+            log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
+            self._inc("ssd_load_fail")
+            return None
+        except BlockFileError as exc:
             os.close(fd)
             log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
             self._inc("ssd_load_corrupt")
@@ -412,7 +418,11 @@ class SSDStore:
                 self.discard(h, "slot does not hold the block")
                 return None
             block = seg.read_block(fd, slot, header.kv)
-        except (BlockFileError, OSError) as exc:
+        except OSError as exc:  # a read error is not corruption: miss, keep the row
+            log.warning("SSD read of block %s failed: %s", h, exc)
+            self._inc("ssd_load_fail")
+            return None
+        except BlockFileError as exc:
             self.discard(h, str(exc))
             return None
         finally:
@@ -569,6 +579,7 @@ class SSDStore:
                 self._fs.fsync_dir(self.namespace_dir)
             self._made_dirs.add(sub.name)
         tmp = temp_path_for(path, name)
+        renamed = False
         try:
             try:
                 fd = self._fs.open_new(tmp)
@@ -582,11 +593,12 @@ class SSDStore:
             finally:
                 self._fs.close(fd)
             self._fs.replace(tmp, path)
+            renamed = True
+            if self.durable:
+                self._fs.fsync_dir(sub)
         except BaseException:
-            self._unlink_quiet(tmp)
+            self._unlink_quiet(path if renamed else tmp)  # no row will point at it: never an orphan
             raise
-        if self.durable:
-            self._fs.fsync_dir(sub)
 
     # ----------------------------------------------------------------- removal
     def remove(self, hashes: Iterable[str]) -> int:

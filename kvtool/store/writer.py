@@ -126,7 +126,9 @@ class _WriterBase:
         return self._policy.durability
 
     def _store_enabled(self) -> bool:
-        return bool(getattr(self._store, "enabled", True))
+        """A store that can take writes: enabled and not read-only (a read-only cache would
+        answer 'error' to every block, and retrying that is only latency)."""
+        return bool(getattr(self._store, "enabled", True)) and not getattr(self._store, "read_only", False)
 
     def _save(self, blocks: list[HostBlock], abort: threading.Event | None = None) -> list[str]:
         return self._policy.save_batch(self._store, blocks, self._counters, abort)
