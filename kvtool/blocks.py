@@ -3,7 +3,10 @@
 A *block* is `block_size` consecutive prompt tokens together with the KV of every layer for those
 positions: per layer a keys and a values tensor `[1, n_kv_heads, n, head_dim]`, i.e. a slice of
 mlx-lm's `KVCache.state` along the sequence axis (axis 2). A prompt's *tail entry* is the same
-with `n < block_size`. Hashing and layout keys live in the MLX-free `kvtool.hashing`.
+with `n < block_size`. In a quantized layout (`KVLayout.bits` > 0) each layer's keys and values
+are three tensors each, mlx-lm `QuantizedKVCache` slices (packed uint32 words, scales, biases):
+`Block.keys`/`Block.values` are then flat lists of 3 tensors per layer. Hashing and layout keys
+live in the MLX-free `kvtool.hashing`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvtool.hashing import (  # noqa: F401  (re-exported)
     HASH_DIGEST_BYTES,
@@ -33,6 +37,7 @@ _MX_TO_NP_STORAGE = {
     mx.float32: np.float32,
     mx.float16: np.float16,
     mx.bfloat16: np.uint16,  # numpy has no bfloat16: the bit pattern travels as uint16
+    mx.uint32: np.uint32,  # packed words of quantized KV
 }
 _DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 _NAME_TO_MX = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -50,18 +55,105 @@ def dtype_name(dtype: mx.Dtype) -> str:
         raise ValueError(f"unsupported KV dtype {dtype}") from None
 
 
-def unsupported_cache_reason(cache: list) -> str | None:
+def unsupported_cache_reason(cache: list, allow_rotating: bool = False, allow_state: bool = False) -> str | None:
     """Why a model's prompt cache cannot be stored block-wise, or None if it can.
 
-    Only plain full-attention `KVCache` layers are supported; RotatingKVCache, ArraysCache,
-    QuantizedKVCache, CacheList or any other class would give wrong KV if sliced.
+    Plain full-attention `KVCache` layers are supported; with `allow_rotating`, also
+    sliding-window `RotatingKVCache` layers with `keep == 0` (stored from a full-attention view,
+    see `WindowedKVCache`); with `allow_state`, `ArraysCache` state layers (checkpointed at
+    block ends). QuantizedKVCache, CacheList or any other class would give wrong KV if sliced.
     """
-    kinds = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    def ok(c) -> bool:
+        return (type(c) is KVCache or (allow_rotating and type(c) is RotatingKVCache and c.keep == 0)
+                or (allow_state and type(c) is ArraysCache))
+
+    kinds = sorted({type(c).__name__ for c in cache if not ok(c)})
     if kinds:
+        if allow_rotating and "RotatingKVCache" in kinds:
+            return f"cache layers of type {', '.join(kinds)} are not plain KVCache (or RotatingKVCache with keep=0)"
         return f"cache layers of type {', '.join(kinds)} are not plain KVCache"
     if not cache:
         return "the model has no KV cache layers"
     return None
+
+
+def sliding_windows(cache: list) -> tuple[int | None, ...]:
+    """Per layer the window (`max_size`) of a `RotatingKVCache` layer, None for other layers."""
+    return tuple(c.max_size if type(c) is RotatingKVCache else None for c in cache)
+
+
+class WindowedKVCache(KVCache):
+    """A full-attention view of a sliding-window layer, used while prefilling.
+
+    It keeps every token's KV (so blocks can be cut from it and restored into it, as for any
+    `KVCache`) and masks attention to the last `max_size` tokens, as mlx-lm's `RotatingKVCache`
+    does. Measured bit-identical on the CPU backend (llama sliding layers, gemma3_text): a layer
+    prefilled this way and converted by `rotating_from_full` continues exactly as mlx-lm's own
+    rotating path, for prompts shorter and longer than the window and any chunking.
+    """
+
+    def __init__(self, max_size: int):
+        super().__init__()
+        self.max_size = max_size
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **kwargs):
+        return create_causal_mask(N, self.offset, window_size=window_size or self.max_size)
+
+
+def as_windowed(c: KVCache, max_size: int) -> WindowedKVCache:
+    """The same buffers as a `WindowedKVCache` (no copy)."""
+    w = WindowedKVCache(max_size)
+    w.keys, w.values, w.offset = c.keys, c.values, c.offset
+    return w
+
+
+def rotating_layout(n: int, max_size: int, step: int) -> tuple[np.ndarray, int]:
+    """Which token each slot of mlx-lm's `RotatingKVCache(max_size, keep=0)` holds after
+    generate_step prefilled `n` tokens in chunks of `step`, and its `_idx`.
+
+    Runs mlx-lm's own `update_and_fetch` (concatenating chunks of several tokens, writing a
+    one-token chunk in place, trimming and rotating) on token numbers instead of KV, so the
+    layout is mlx-lm's by construction. Returns `(slots, idx)`: per buffer slot the token
+    number, or -1 for a slot mlx-lm allocated but has not written (zeros).
+    """
+    r = RotatingKVCache(max_size=max_size, keep=0)
+    pos = 0
+    while pos < n:
+        end = min(pos + step, n)
+        marks = mx.arange(pos + 1, end + 1, dtype=mx.float32).reshape(1, 1, end - pos, 1)
+        r.update_and_fetch(marks, marks)
+        pos = end
+    slots = np.array(r.keys[0, 0, :, 0]).astype(np.int64) - 1  # exact: token numbers < 2**24
+    return slots, int(r._idx)
+
+
+def rotating_from_full(c: KVCache, n: int, max_size: int, step: int) -> RotatingKVCache:
+    """mlx-lm's own `RotatingKVCache` state after its prefill of `n` tokens in chunks of `step`,
+    built from a full view `c` holding (at least) those tokens' KV: the same buffer (slot by
+    slot, see `rotating_layout`), `offset` and `_idx`, so the next `update_and_fetch` (the last
+    prompt token, then decode) continues exactly as mlx-lm's does."""
+    r = RotatingKVCache(max_size=max_size, keep=0)
+    if n == 0:
+        return r
+    if n >= 1 << 24:
+        raise ValueError("prompt too long for the rotating layout simulation")
+    slots, idx = rotating_layout(n, max_size, step)
+    lo = int(slots[0])
+    if lo >= 0 and np.array_equal(slots, np.arange(lo, lo + len(slots))):
+        r.keys = mx.contiguous(c.keys[..., lo : lo + len(slots), :])
+        r.values = mx.contiguous(c.values[..., lo : lo + len(slots), :])
+    else:
+        take = mx.array(np.maximum(slots, 0).astype(np.int32))
+        empty = mx.array(slots < 0).reshape(1, 1, -1, 1)
+        r.keys = mx.where(empty, mx.zeros((), c.keys.dtype), mx.take(c.keys, take, axis=2))
+        r.values = mx.where(empty, mx.zeros((), c.values.dtype), mx.take(c.values, take, axis=2))
+    r.offset, r._idx = n, idx
+    return r
+    lo = rotating_window_start(n, max_size, step)
+    r.keys = mx.contiguous(c.keys[..., lo:n, :])
+    r.values = mx.contiguous(c.values[..., lo:n, :])
+    r.offset, r._idx = n, n - lo
+    return r
 
 
 @dataclass
@@ -91,7 +183,8 @@ class Block:
 
     @property
     def dtype(self) -> str:
-        return dtype_name(self.keys[0].dtype)
+        """KV dtype name (of the scales and biases in a quantized block)."""
+        return dtype_name(next(a.dtype for a in (*self.keys, *self.values) if a.dtype != mx.uint32))
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:
@@ -105,7 +198,7 @@ def _to_numpy(a: mx.array) -> np.ndarray:
 
 def _to_mlx(a: np.ndarray, dtype: str) -> mx.array:
     arr = mx.array(a)
-    if dtype == "bfloat16":
+    if dtype == "bfloat16" and a.dtype == np.uint16:  # packed uint32 words stay uint32
         arr = arr.view(mx.bfloat16)
     return arr
 
@@ -136,27 +229,64 @@ def from_host(host: HostBlock) -> Block:
     return Block(host.block_hash, host.parent_hash, np.asarray(host.token_ids, dtype=np.int32), keys, values)
 
 
+def _layer_slices(c, lo: int, hi: int, kv: KVLayout | None, copy: bool) -> tuple[list[mx.array], list[mx.array]]:
+    """One layer's keys and values for tokens `[lo, hi)` in the block form of layout `kv`.
+
+    A plain `KVCache` layer of a quantized layout is quantized here (`mx.quantize` works per
+    group of one token's head dim, so a quantized slice equals the slice of the quantized cache).
+    """
+    def cut(a):
+        a = a[..., lo:hi, :]
+        return mx.contiguous(a) if copy else a
+
+    if not isinstance(c, (KVCache, QuantizedKVCache)):  # RotatingKVCache: a ring buffer, not token order
+        raise ValueError(f"cannot cut blocks from a {type(c).__name__} layer (use a full view)")
+    if isinstance(c, QuantizedKVCache):
+        if kv is None or not kv.quantized or (c.bits, c.group_size) != (kv.bits, kv.group_size):
+            raise ValueError("a quantized cache layer in a layout of another quantisation")
+        return [cut(a) for a in c.keys], [cut(a) for a in c.values]
+    if kv is not None and kv.quantized:
+        k = mx.quantize(mx.contiguous(c.keys[..., lo:hi, :]), group_size=kv.group_size, bits=kv.bits)
+        v = mx.quantize(mx.contiguous(c.values[..., lo:hi, :]), group_size=kv.group_size, bits=kv.bits)
+        return list(k), list(v)
+    return [cut(c.keys)], [cut(c.values)]
+
+
 def slice_blocks(
     cache: list[KVCache],
     token_ids: Sequence[int] | np.ndarray,
     spans: Sequence[tuple[str, str, int, int]],
+    kv: KVLayout | None = None,
+    states: Sequence[Sequence[mx.array]] | None = None,
 ) -> list[Block]:
     """Cut blocks (or a tail entry) out of a filled prompt cache, as copies.
 
     Args:
-        cache: per-layer `KVCache` whose `offset` covers every span; its buffers may be padded
-            past `offset` (mlx-lm grows them in 256-token steps): only `[..., :offset, :]` is read.
+        cache: per-layer `KVCache` (or `QuantizedKVCache`) whose `offset` covers every span; its
+            buffers may be padded past `offset` (mlx-lm grows them in 256-token steps): only
+            `[..., :offset, :]` is read.
         token_ids: the prompt token ids.
         spans: `(block_hash, parent_hash, start, stop)` token ranges.
+        kv: the namespace layout; a quantized one quantizes plain layers (None: plain).
+        states: with state layers (`ArraysCache`, skipped in `cache`), per span the state arrays
+            the record ends with (appended to `Block.values`).
 
     Returns:
         Evaluated blocks, each holding copies (not views) of the cache's KV.
     """
     ids = np.asarray(token_ids, dtype=np.int32)
     blocks: list[Block] = []
-    for h, parent, lo, hi in spans:
-        keys = [mx.contiguous(c.keys[..., lo:hi, :]) for c in cache]
-        values = [mx.contiguous(c.values[..., lo:hi, :]) for c in cache]
+    for i, (h, parent, lo, hi) in enumerate(spans):
+        keys: list[mx.array] = []
+        values: list[mx.array] = []
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                continue
+            k, v = _layer_slices(c, lo, hi, kv, copy=True)
+            keys += k
+            values += v
+        if states is not None:
+            values += list(states[i])
         blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks
@@ -169,17 +299,26 @@ def cache_capacity(prompt_tokens: int) -> int:
     return (prompt_tokens // CACHE_STEP + 1) * CACHE_STEP
 
 
-def rebuild_cache(blocks: Sequence[Block], n_layers: int, capacity: int = 0) -> list[KVCache]:
+def rebuild_cache(blocks: Sequence[Block], n_layers: int, capacity: int = 0,
+                  kv: KVLayout | None = None) -> list:
     """A fresh per-layer `KVCache` holding the concatenation of `blocks` along the sequence axis.
 
     Args:
         blocks: a chain of blocks, in prompt order, starting at the first block.
         n_layers: number of cache layers of the model.
         capacity: buffer length in tokens (>= the blocks' tokens); the rest is decode room.
+        kv: the layout; a quantized one gives `QuantizedKVCache`s (None: plain).
 
     Returns:
         `n_layers` caches with `offset == sum(block tokens)`; empty caches if `blocks` is empty.
     """
+    if kv is not None and kv.quantized:
+        return _rebuild_quantized(blocks, kv, capacity)
+    if kv is not None and kv.has_states:
+        kv_caches = rebuild_cache(blocks, kv.n_layers, capacity)
+        n_kv_tensors = kv.n_layers
+        state = [b for b in blocks[-1].values[n_kv_tensors:]] if blocks else None
+        return assemble_layers(kv, kv_caches, state)
     caches = [KVCache() for _ in range(n_layers)]
     if not blocks:
         return caches
@@ -199,13 +338,67 @@ def rebuild_cache(blocks: Sequence[Block], n_layers: int, capacity: int = 0) -> 
     return caches
 
 
+def _rebuild_quantized(blocks: Sequence[Block], kv: KVLayout, capacity: int) -> list:
+    caches = [QuantizedKVCache(group_size=kv.group_size, bits=kv.bits) for _ in range(kv.n_layers)]
+    if not blocks:
+        return caches
+    n = sum(b.num_tokens for b in blocks)
+    room = max(capacity - n, 0)
+
+    def cat(parts):
+        if room:
+            p0 = parts[0]
+            parts = [*parts, mx.zeros((*p0.shape[:2], room, p0.shape[3]), p0.dtype)]
+        return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+
+    for layer, c in enumerate(caches):
+        sl = slice(3 * layer, 3 * layer + 3)
+        c.keys = [cat([b.keys[sl][i] for b in blocks]) for i in range(3)]
+        c.values = [cat([b.values[sl][i] for b in blocks]) for i in range(3)]
+        c.offset = n
+    mx.eval([c.keys for c in caches], [c.values for c in caches])
+    return caches
+
+
+def assemble_layers(kv: KVLayout, kv_caches: list, state: Sequence | None) -> list:
+    """Per model layer: the KV caches (in order) and, for state layers, an `ArraysCache` holding
+    `state` (the state arrays of every state layer, in layer order; None: empty)."""
+    out: list = []
+    kv_iter = iter(kv_caches)
+    pos = 0
+    for kind in kv.kinds:
+        if kind == "k":
+            out.append(next(kv_iter))
+            continue
+        n = int(kind)
+        a = ArraysCache(size=n)
+        if state is not None:
+            a.cache = [x if isinstance(x, mx.array) else _to_mlx(x, kv.dtype) for x in state[pos : pos + n]]
+        pos += n
+        out.append(a)
+    return out
+
+
+def state_arrays(cache: list) -> list[mx.array]:
+    """The state arrays of a cache's state layers (`ArraysCache`), in layer order (references:
+    mlx-lm replaces them with new arrays at every step, so this is a snapshot)."""
+    return [a for c in cache if isinstance(c, ArraysCache) for a in c.cache]
+
+
 # ------------------------------------------------------------------ restore buffers
-def kv_layout_of(cache: list[KVCache]) -> KVLayout:
+def kv_layout_of(cache: list[KVCache], bits: int = 0, group_size: int = 0) -> KVLayout:
     """The per-layer KV layout of a filled cache (keys/values `[B, H, T, D]`).
 
+    Args:
+        cache: plain `KVCache` layers (one token is enough).
+        bits, group_size: quantisation of the layout (0: plain), see `KVLayout`.
+
     Raises:
-        ValueError: unsupported dtype, or keys and values with different head counts.
+        ValueError: unsupported dtype, keys and values with different head counts, or head
+            dims that do not quantise with `bits`/`group_size`.
     """
+    if any(isinstance(c, ArraysCache) for c in cache):
+        return _layout_with_states(cache, bits, group_size)
     layers = []
     for c in cache:
         _, h, _, dk = c.keys.shape
@@ -213,7 +406,29 @@ def kv_layout_of(cache: list[KVCache]) -> KVLayout:
         if h != hv:
             raise ValueError(f"keys have {h} heads but values {hv}")
         layers.append((int(h), int(dk), int(dv)))
-    return KVLayout(tuple(layers), dtype_name(cache[0].keys.dtype))
+    return KVLayout(tuple(layers), dtype_name(cache[0].keys.dtype), bits, group_size)
+
+
+def _layout_with_states(cache: list, bits: int, group_size: int) -> KVLayout:
+    kinds, states, layers, dtypes = "", [], [], set()
+    for c in cache:
+        if isinstance(c, ArraysCache):
+            if not c.cache or any(a is None or a.shape[0] != 1 for a in c.cache) or len(c.cache) > 9:
+                raise ValueError("a state layer whose state is not a batch of one array per slot")
+            kinds += str(len(c.cache))
+            states += [tuple(int(x) for x in a.shape) for a in c.cache]
+            dtypes |= {a.dtype for a in c.cache}
+        else:
+            _, h, _, dk = c.keys.shape
+            _, hv, _, dv = c.values.shape
+            if h != hv:
+                raise ValueError(f"keys have {h} heads but values {hv}")
+            kinds += "k"
+            layers.append((int(h), int(dk), int(dv)))
+            dtypes |= {c.keys.dtype}
+    if len(dtypes) != 1:
+        raise ValueError(f"state and KV arrays of several dtypes {sorted(str(d) for d in dtypes)}")
+    return KVLayout(tuple(layers), dtype_name(dtypes.pop()), bits, group_size, kinds, tuple(states))
 
 
 def _host_view(a: mx.array) -> np.ndarray | None:
@@ -247,45 +462,73 @@ class KVBuffers:
     arrays: list[mx.array]
     views: list[np.ndarray]
     staged: bool = False
+    kv: KVLayout | None = None
+    # state layers: per restored entry (by token offset) host arrays of its state (small)
+    state_scratch: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
     @classmethod
     def allocate(cls, kv: KVLayout, capacity: int) -> "KVBuffers":
         """Allocate buffers for `capacity` tokens (call on the request thread)."""
         dtype = _NAME_TO_MX[kv.dtype]
-        arrays = [mx.zeros(shape, dtype) for shape in kv.shapes(capacity)]
+        n_kv = len(kv.shapes(0)) - len(kv.states)
+        arrays = [mx.zeros(shape, mx.uint32 if st == np.dtype("<u4") else dtype)
+                  for shape, st in list(zip(kv.shapes(capacity), kv.storage_dtypes()))[:n_kv]]
         mx.eval(arrays)
         views = [_host_view(a) for a in arrays]
         if all(v is not None for v in views):
-            return cls(arrays, views)  # type: ignore[arg-type]
-        storage = STORAGE_DTYPES[kv.dtype]
-        return cls(arrays, [np.empty(a.shape, storage) for a in arrays], staged=True)
+            return cls(arrays, views, kv=kv)  # type: ignore[arg-type]
+        return cls(arrays, [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in arrays], staged=True, kv=kv)
 
     def dest(self, offset: int, n: int) -> list[np.ndarray]:
-        """Views `[1, H, n, D]` of every tensor at token `offset` (for `restore_chain`)."""
-        return [v[:, :, offset : offset + n, :] for v in self.views]
+        """Views `[1, H, n, D]` of every tensor at token `offset` (for `restore_chain`); with
+        state layers, then fresh host arrays for the record's state (kept per entry)."""
+        out = [v[:, :, offset : offset + n, :] for v in self.views]
+        if self.kv is not None and self.kv.states:
+            storage = STORAGE_DTYPES[self.kv.dtype]
+            scratch = [np.empty(s, storage) for s in self.kv.states]
+            self.state_scratch[offset] = scratch
+            out += scratch
+        return out
 
     def place(self, offset: int, block: Block) -> None:
         """Copy an MLX block (RAM tier) into the buffers at token `offset`."""
         n = block.num_tokens
-        for dst, src in zip(self.dest(offset, n), (a for kv in zip(block.keys, block.values) for a in kv)):
-            dst[...] = _to_numpy(src)
+        for dst, src in zip(self.dest(offset, n), self._order(block.keys, block.values)):
+            dst[...] = _to_numpy(src).reshape(dst.shape)
 
     def place_host(self, offset: int, block: HostBlock) -> None:
         """Copy a host block (writer's pending buffer) into the buffers at token `offset`."""
         n = block.num_tokens
-        for dst, src in zip(self.dest(offset, n), (a for kv in zip(block.keys, block.values) for a in kv)):
+        for dst, src in zip(self.dest(offset, n), self._order(block.keys, block.values)):
             dst[...] = src
 
-    def caches(self, offset: int) -> list[KVCache]:
+    def _order(self, keys, values) -> list:
+        if self.kv is not None:
+            return self.kv.interleave(keys, values)
+        return [a for pair in zip(keys, values) for a in pair]
+
+    def caches(self, offset: int, state_at: int | None = None) -> list[KVCache]:
         """mlx-lm caches over the buffers, holding `offset` tokens; drops this object's
-        references so the caches own their buffers (in-place updates, no copy on decode)."""
+        references so the caches own their buffers (in-place updates, no copy on decode).
+        With state layers, their state is the one of the entry placed at token `state_at`."""
+        if self.kv is not None and self.kv.states:
+            state = self.state_scratch.get(state_at) if state_at is not None else None
+            plain = KVBuffers(self.arrays, self.views, self.staged, None)
+            self.arrays, self.views = [], []
+            return assemble_layers(self.kv, plain.caches(offset), state)
         arrays = self.arrays
         if self.staged:
-            dtype = arrays[0].dtype
-            arrays = [_to_mlx(v, dtype_name(dtype)) for v in self.views]
+            arrays = [_to_mlx(v, "bfloat16" if a.dtype == mx.bfloat16 else "") for v, a in zip(self.views, arrays)]
             mx.eval(arrays)
         self.arrays, self.views = [], []
-        out = []
+        out: list = []
+        if self.kv is not None and self.kv.quantized:
+            for layer in range(self.kv.n_layers):
+                q = QuantizedKVCache(group_size=self.kv.group_size, bits=self.kv.bits)
+                q.keys, q.values = arrays[6 * layer : 6 * layer + 3], arrays[6 * layer + 3 : 6 * layer + 6]
+                q.offset = offset
+                out.append(q)
+            return out
         for k, v in zip(arrays[0::2], arrays[1::2]):
             c = KVCache()
             c.keys, c.values, c.offset = k, v, offset
@@ -293,18 +536,29 @@ class KVBuffers:
         return out
 
 
-def promote_slices(cache: list[KVCache], spans: Sequence[tuple[str, str, np.ndarray, int]]) -> list[Block]:
+def promote_slices(cache: list[KVCache], spans: Sequence[tuple[str, str, np.ndarray, int]],
+                   kv: KVLayout | None = None) -> list[Block]:
     """Blocks that are views into a finished request's cache (no copy), for the RAM tier.
 
     Args:
         cache: the request's caches after generation (their prompt positions are final).
-        spans: `(block_hash, parent_hash, token_ids, offset)` per block.
+        spans: `(block_hash, parent_hash, token_ids, offset)` per block, plus the block's state
+            arrays with state layers.
+        kv: the namespace layout (None: plain).
     """
     blocks = []
-    for h, parent, ids, off in spans:
+    for h, parent, ids, off, *state in spans:
         n = len(ids)
-        keys = [c.keys[..., off : off + n, :] for c in cache]
-        values = [c.values[..., off : off + n, :] for c in cache]
+        keys: list[mx.array] = []
+        values: list[mx.array] = []
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                continue
+            k, v = _layer_slices(c, off, off + n, kv, copy=False)
+            keys += k
+            values += v
+        if state:  # state layers: the entry's state arrays (host copies from the restore)
+            values += [x if isinstance(x, mx.array) else _to_mlx(x, kv.dtype) for x in state[0]]
         blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks

@@ -9,6 +9,12 @@ Exactness: KV of a prefix computed alone equals the same prefix inside a longer 
 logits (and greedy tokens) with a cached prefix equal an uncached prefill bit for bit (tested).
 On a full hit the cache is trimmed by one token and the last prompt token is re-forwarded to get
 the first logits without duplicating its KV (seed 002, A3).
+
+Quantized KV (`kv_bits`, as `mlx_lm.generate --kv-bits`): the engine quantizes the cache at the
+offset where mlx-lm's `generate_step` would (`KVQuantization.switch_point`: the first prefill
+chunk end, or step, at or past `quantized_kv_start`) and decodes with the same settings, so the
+output equals mlx-lm's with the same `kv_bits`, `kv_group_size`, `quantized_kv_start` and
+`prefill_step_size`.
 """
 
 from __future__ import annotations
@@ -22,13 +28,13 @@ from typing import Any, Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from kvtool.blocks import HashFn, blake2b_chain
+from kvtool.blocks import HashFn, blake2b_chain, rotating_from_full, state_arrays
 from kvtool.config import KVToolConfig
 from kvtool.models.loader import LoadedModel, load_model
-from kvtool.prefix import CacheHit, CacheStats, PrefixCache
+from kvtool.prefix import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, CacheHit, CacheStats, KVQuantization, PrefixCache
 from kvtool.store.tiered import ShutdownStatus
 
 log = logging.getLogger("kvtool")
@@ -96,6 +102,11 @@ class Engine:
         max_kv_size: if set, mlx-lm would use a rotating cache: the engine then runs uncached.
         fs: optional `FileOps` of the SSD tier (fault injection in tests).
         prefill_step_size: tokens per prefill chunk (as `mlx_lm.generate --prefill-step-size`).
+        kv_bits: quantize the KV cache to this many bits (4 or 8 as `mlx_lm.generate --kv-bits`;
+            None: plain KV). Blocks then hold the quantized KV (see `KVQuantization`).
+        kv_group_size: quantisation group size (`--kv-group-size`, default 64).
+        quantized_kv_start: cache offset from which the KV is quantized (`--quantized-kv-start`,
+            mlx-lm's default 5000).
     """
 
     def __init__(
@@ -107,10 +118,15 @@ class Engine:
         max_kv_size: int | None = None,
         fs=None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        kv_bits: int | None = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     ):
         if prefill_step_size < 1:
             raise ValueError("prefill_step_size must be >= 1")
         self.prefill_step_size = prefill_step_size
+        self.quant = (KVQuantization(kv_bits, kv_group_size, quantized_kv_start, prefill_step_size)
+                      if kv_bits is not None else None)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -119,7 +135,7 @@ class Engine:
         self._lock = threading.Lock()  # one request or reconfiguration at a time (quiesce)
         self.cache = PrefixCache.for_model(
             self.model, config, model_id=loaded.model_id, model_name=loaded.name, max_kv_size=max_kv_size,
-            hash_fn=hash_fn, fs=fs,
+            hash_fn=hash_fn, fs=fs, quant=self.quant,
         )
 
     @classmethod
@@ -312,12 +328,13 @@ class Engine:
             try:
                 res = self._result(hit)
                 pc.persist_found(hit)  # RAM-only blocks (evict_only) reach SSD too
-                cache = hit.cache or make_prompt_cache(self.model)
+                cache = hit.cache or self._new_cache()
                 t0 = time.perf_counter()
-                self._prefill(cache, hit.remaining)
+                states = {} if self.cache.has_states else None
+                self._prefill(cache, hit.remaining, len(ids), hit.cached_tokens, states)
                 res.prefill_ms = (time.perf_counter() - t0) * 1e3
                 res.finish_reason = "prefill"
-                self._store(res, ids, cache, hit, persist=True)
+                self._store(res, ids, cache, hit, persist=True, states=states)
                 return res
             finally:
                 pc.release(hit)
@@ -335,33 +352,110 @@ class Engine:
         hit = self.cache.fetch(ids)
         try:
             res = self._result(hit)
-            cache = hit.cache or make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+            cache = hit.cache or self._new_cache()
             t0 = time.perf_counter()
-            self._prefill(cache, hit.remaining[:-1])
+            states = None
+            if self.cache.windows or self.cache.has_states:
+                # sliding-window layers: prefill the whole prompt into full views (every token's KV,
+                # for the blocks), then hand mlx-lm its own rotating state at the last prompt token;
+                # state layers: checkpoints at block ends (and before the last token) on the way
+                states = {} if self.cache.has_states else None
+                self._prefill(cache, hit.remaining, len(ids), hit.cached_tokens, states)
+                gen_cache = self._generation_cache(cache, len(ids) - 1, states)
+            else:
+                self._prefill(cache, hit.remaining[:-1], len(ids), hit.cached_tokens)
+                gen_cache = cache
             res.prefill_ms = (time.perf_counter() - t0) * 1e3
-            yield from self._decode(res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop)
+            yield from self._decode(res, gen_cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
+                                    store_cache=cache, states=states)
         finally:
             if not hit.cache:
                 hit.cache = []
             self.cache.release(hit)
 
-    def _prefill(self, cache: list, tokens: np.ndarray) -> None:
-        """Run the model over `tokens` in chunks, filling `cache` (as mlx-lm's generate_step)."""
-        step = self.prefill_step_size
-        for i in range(0, len(tokens), step):
-            chunk = mx.array(tokens[i : i + step])[None]
-            self.model(chunk, cache=cache)
-            mx.eval([c.state for c in cache])
+    def _new_cache(self) -> list:
+        """An empty cache for a prefill: mlx-lm's own, or full views for sliding-window layers."""
+        if self.cache.windows:
+            return self.cache.full_view_cache()
+        return make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
 
-    def _decode(self, res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:
+    def _generation_cache(self, full: list, n: int, states: dict | None = None) -> list:
+        """mlx-lm's cache state after its own prefill of the prompt's first `n` tokens, from full
+        views holding the whole prompt: full-attention layers are trimmed to `n` (the last prompt
+        token is forwarded again by generate_step, giving bit-identical KV), sliding layers become
+        the `RotatingKVCache` mlx-lm's chunked prefill leaves (`rotating_from_full`), state layers
+        get the checkpoint taken after `n` tokens."""
+        windows = self.cache.windows or (None,) * len(full)
+        snapshot = list((states or {}).get(n) or [])
+        out = []
+        for c, w in zip(full, windows):
+            if isinstance(c, ArraysCache):
+                a = ArraysCache(size=len(c.cache))
+                if snapshot:
+                    a.cache = [snapshot.pop(0) for _ in range(len(c.cache))]
+                out.append(a)
+            elif w is None:
+                c.trim(c.offset - n)
+                out.append(c)
+            else:
+                out.append(rotating_from_full(c, n, w, self.prefill_step_size))
+        mx.eval([c.state for c in out if not isinstance(c, ArraysCache) and c.keys is not None])
+        return out
+
+    def _prefill(self, cache: list, tokens: np.ndarray, n_prompt: int, start: int,
+                 states: dict | None = None) -> None:
+        """Run the model over `tokens` (the prompt's tokens after the `start` ones `cache` holds)
+        in chunks, filling `cache` (as mlx-lm's generate_step). With `kv_bits` the cache is
+        quantized exactly at mlx-lm's switch point for an `n_prompt`-token prompt. With `states`
+        (state layers), chunks also end at every block end and before the last prompt token, and
+        `states[offset]` receives the state arrays there (chunking is measured bit-exact)."""
+        step = self.prefill_step_size
+        switch = self.quant.switch_point(n_prompt) if self.quant is not None else -1
+        cuts: set[int] = set()
+        if states is not None:
+            bs = self.cache.config.block_size
+            cuts = {b for b in range(bs, n_prompt + 1, bs)} | {n_prompt - 1, n_prompt}
+            snap = state_arrays(cache)
+            if start in cuts and snap and all(a is not None for a in snap):
+                states[start] = snap
+        i = 0
+        while i < len(tokens):
+            n = min(step, len(tokens) - i)
+            if start + i < switch < start + i + n:
+                n = switch - (start + i)
+            nxt = [b for b in cuts if start + i < b < start + i + n]
+            if nxt:
+                n = min(nxt) - (start + i)
+            self.model(mx.array(tokens[i : i + n])[None], cache=cache)
+            mx.eval([c.state for c in cache])
+            i += n
+            if start + i == switch:
+                self._quantize(cache)
+            if start + i in cuts:
+                states[start + i] = state_arrays(cache)
+
+    def _quantize(self, cache: list) -> None:
+        """mlx-lm's `maybe_quantize_kv_cache` at the switch point (layers already quantized stay)."""
+        q = self.quant
+        for i, c in enumerate(cache):
+            if hasattr(c, "to_quantized"):
+                cache[i] = c.to_quantized(group_size=q.group_size, bits=q.bits)
+        mx.eval([c.state for c in cache])
+
+    def _decode(self, res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
+                store_cache=None, states=None) -> Iterator[StreamResponse]:
         if seed is not None:
             mx.random.seed(seed)
         sampler = make_sampler(temp=temp, top_p=top_p)
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         detok = self.tokenizer.detokenizer
         detok.reset()
+        quant = {}
+        if self.quant is not None:
+            quant = dict(kv_bits=self.quant.bits, kv_group_size=self.quant.group_size,
+                         quantized_kv_start=self.quant.start)
         gen = generate_step(mx.array(ids[-1:]), self.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
-                            prefill_step_size=self.prefill_step_size)
+                            prefill_step_size=self.prefill_step_size, **quant)
         t_first = None
         res.finish_reason = "length"
         cut = False
@@ -369,7 +463,8 @@ class Engine:
             if n == 0:
                 t_first = time.perf_counter()
                 res.ttft_ms = (t_first - t_start) * 1e3
-                self._store(res, ids, cache, hit, persist=False)
+                self._store(res, ids, store_cache if store_cache is not None else cache, hit, persist=False,
+                            states=states)
             if token in eos:
                 res.finish_reason = "stop"
                 break
@@ -400,7 +495,7 @@ class Engine:
         res.finish_reason = "stop"
         return True
 
-    def _store(self, res: RequestResult, ids, cache: list, hit: CacheHit, persist: bool) -> None:
+    def _store(self, res: RequestResult, ids, cache: list, hit: CacheHit, persist: bool, states=None) -> None:
         """Hand the prompt's new blocks to the prefix cache (prompt KV only).
 
         `write_path_ms` is all request-thread time of storing: slicing the blocks, RAM insert and,
@@ -411,7 +506,7 @@ class Engine:
             return
         t0 = time.perf_counter()
         fallbacks_before = self._sync_fallbacks()
-        res.blocks_written = self.cache.store(ids, cache, hit, persist=persist)
+        res.blocks_written = self.cache.store(ids, cache, hit, persist=persist, states=states)
         res.write_path_ms = (time.perf_counter() - t0) * 1e3
         res.writer_queue_depth = tiered.queue_depth()
         res.backpressure_events = self._sync_fallbacks() - fallbacks_before

@@ -17,21 +17,34 @@ A block that fails verification cuts the chain there; the rest is recomputed, ou
 On a full hit (every prompt token cached, thanks to the tail entry) the cache is trimmed by one
 token and `remaining` is the last prompt token, re-forwarded for the first logits (seed 002 A3).
 SSD blocks enter the RAM tier at `release` as views of the request's cache (no second copy).
+
+Quantized KV (`KVQuantization`, mlx-lm's `kv_bits`): blocks hold `QuantizedKVCache` slices
+(packed words, scales, biases). mlx-lm's `generate_step` keeps a plain cache until its offset
+reaches `quantized_kv_start` at the end of a prefill chunk or a step (the *switch point*), then
+quantizes it and computes every later token against the quantized cache, so the KV after the
+switch depends on where it happened. A block is stored only where its content is canonical
+(the KV of the trajectory that switches at the first chunk end >= start), and a hit is used
+only where mlx-lm's own cache is in exactly that state (see `KVQuantization`); otherwise the
+request misses and runs as mlx-lm would.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from kvtool.blocks import (
     Block,
+    WindowedKVCache,
+    as_windowed,
+    sliding_windows,
     HashFn,
     KVBuffers,
     blake2b_chain,
@@ -75,8 +88,24 @@ def library_versions() -> str:
     return f"mlx={mx.__version__},mlx_lm={mlx_lm.__version__}"
 
 
-def probe_layout(model, max_kv_size: int | None = None) -> tuple[KVLayout | None, str | None]:
+# Model code whose sliding-window layers were measured bit-exact through a `WindowedKVCache`
+# prefill + `rotating_from_full` (tests/test_families.py): their masks come from the cache's
+# `make_mask(N, window_size=...)` and nothing else depends on the cache class.
+ROTATING_VERIFIED = ("mlx_lm.models.llama", "mlx_lm.models.gemma3_text")
+# Model code whose state layers (`ArraysCache`) were measured bit-exact under chunked prefill
+# (the state after [0, a) then [a, b) equals the state after [0, b), every array, every bit), so
+# a state checkpoint at a block end continues exactly (tests/test_families.py).
+STATE_VERIFIED = ("mlx_lm.models.mamba", "mlx_lm.models.lfm2")
+
+
+def probe_layout(model, max_kv_size: int | None = None,
+                 quant: KVQuantization | None = None) -> tuple[KVLayout | None, str | None]:
     """Find a model's per-layer KV layout by one forward pass of one token.
+
+    Args:
+        model: an mlx-lm model.
+        max_kv_size: mlx-lm's rotating-cache size (refused).
+        quant: KV quantisation: the layout of its blocks (packed words, scales, biases).
 
     Returns:
         `(layout, None)` if every cache layer is a plain `KVCache`, else `(None, reason)`.
@@ -84,15 +113,103 @@ def probe_layout(model, max_kv_size: int | None = None) -> tuple[KVLayout | None
     if max_kv_size is not None:
         return None, f"max_kv_size={max_kv_size} makes mlx-lm use a RotatingKVCache"
     cache = make_prompt_cache(model)
-    reason = unsupported_cache_reason(cache)
+    rotating = any(w is not None for w in sliding_windows(cache))
+    stateful = any(type(c) is ArraysCache for c in cache)
+    module = type(model).__module__
+    verified = module in ROTATING_VERIFIED
+    state_ok = module in STATE_VERIFIED
+    reason = unsupported_cache_reason(cache, allow_rotating=verified, allow_state=state_ok)
+    if reason is None and rotating and quant is not None:
+        reason = "kv_bits with sliding-window (RotatingKVCache) layers: mlx-lm does not quantize them"
+    if reason is None and stateful and quant is not None:
+        reason = "kv_bits with state (ArraysCache) layers is not cached"
+    if reason is None and stateful and rotating:
+        reason = "sliding-window and state layers in one model are not cached"
     if reason is not None:
+        if rotating and not verified and "RotatingKVCache" in reason:
+            reason += f" (sliding-window layers are cached for {', '.join(ROTATING_VERIFIED)} only)"
+        if stateful and not state_ok and "ArraysCache" in reason:
+            reason += f" (state layers are cached for {', '.join(STATE_VERIFIED)} only)"
         return None, reason
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
     try:
+        if quant is not None:
+            return kv_layout_of(cache, quant.bits, quant.group_size), None
         return kv_layout_of(cache), None
     except ValueError as exc:
         return None, str(exc)
+
+
+DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate.DEFAULT_QUANTIZED_KV_START
+DEFAULT_KV_GROUP_SIZE = 64  # mlx-lm's --kv-group-size default
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's KV quantisation (`generate_step(kv_bits=, kv_group_size=, quantized_kv_start=)`)
+    and what a block cache may do under it.
+
+    mlx-lm quantizes the whole cache after the first model call whose end offset is
+    >= `start`: prefill chunks end at `step`, `2*step`, ..., and at L-1 for an L-token prompt,
+    then the last prompt token's step ends at L, decode steps at L+1, ... (`switch_point`).
+    Before the switch every token's KV is the plain KV (then quantized, token by token: equal to
+    quantizing a block alone); after it, KV is computed against the quantized cache.
+
+    Canonical block content: the trajectory that switches at `canonical_switch`, the first
+    chunk end >= start (every prompt longer than it switches there). Measured bit-exact on the
+    CPU backend: the KV of a token does not depend on how the prefill is chunked, before or
+    after the switch (plain and quantized attention), and `mx.quantize` of a block equals the
+    block of the quantized cache.
+
+    Attributes:
+        bits: 2, 3, 4, 5, 6 or 8.
+        group_size: quantisation group along the head dim.
+        start: mlx-lm's `quantized_kv_start` (tokens).
+        step: the prefill chunk (`prefill_step_size`).
+    """
+
+    bits: int
+    group_size: int = DEFAULT_KV_GROUP_SIZE
+    start: int = DEFAULT_QUANTIZED_KV_START
+    step: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 3, 4, 5, 6, 8) or self.group_size <= 0 or self.start < 0 or self.step < 1:
+            raise ValueError(f"bad KV quantisation {self}")
+
+    @property
+    def canonical_switch(self) -> int:
+        """The switch point of every prompt of more than this many tokens (+1)."""
+        return max(1, math.ceil(self.start / self.step)) * self.step
+
+    def switch_point(self, n_prompt: int) -> int:
+        """Cache offset after which mlx-lm's generate_step quantizes, for an `n_prompt`-token prompt."""
+        pos = 0
+        while n_prompt - pos > 1:
+            pos = min(pos + self.step, n_prompt - 1)
+            if pos >= self.start:
+                return pos
+        return max(n_prompt, self.start)
+
+    def usable(self, cached: int, n_prompt: int) -> bool:
+        """May a restored quantized cache of `cached` tokens continue this prompt exactly?
+
+        Only where mlx-lm's own cache is quantized at that offset with canonical content: at
+        exactly the switch point, or past it when the switch is the canonical one.
+        """
+        q = self.switch_point(n_prompt)
+        return cached > 0 and (cached == q or (q == self.canonical_switch and cached >= q))
+
+    def storable_until(self, n_prompt: int) -> int:
+        """Full blocks ending at or before this offset hold canonical content (tail entries are
+        only ever used with their last token trimmed, so they are always storable)."""
+        q = self.switch_point(n_prompt)
+        return n_prompt if (q == self.canonical_switch or q >= n_prompt) else q
+
+    def key_extra(self) -> str:
+        """Part of the layout key: what makes the stored content of this namespace."""
+        return f"kv_bits={self.bits},kv_group_size={self.group_size},switch={self.canonical_switch}"
 
 
 @dataclass
@@ -159,6 +276,9 @@ class PrefixCache:
         hash_fn: chain-hash function (injectable to force collisions in tests).
         fs: optional `FileOps` of the SSD tier (fault injection in tests).
         uncached_reason: why this model cannot be cached (then every fetch misses).
+        quant: mlx-lm KV quantisation the caches follow (`layout` must be quantized alike).
+        windows: per layer the sliding window of a `RotatingKVCache` layer (None: full
+            attention); such layers are restored as `WindowedKVCache` full views.
     """
 
     def __init__(
@@ -173,7 +293,11 @@ class PrefixCache:
         hash_fn: HashFn = blake2b_chain,
         fs=None,
         uncached_reason: str | None = None,
+        quant: KVQuantization | None = None,
+        windows: Sequence[int | None] | None = None,
     ):
+        self.quant = quant
+        self.windows = tuple(windows) if windows and any(w is not None for w in windows) else ()
         self.kv = layout if layout is not None else (geometry.layout() if geometry is not None else None)
         self.model_id = model_id
         self.model_name = model_name or model_id[:12]
@@ -182,6 +306,8 @@ class PrefixCache:
         self.uncached_reason = uncached_reason if self.kv is None else None
         if self.kv is None and self.uncached_reason is None:
             self.uncached_reason = "no KV layout given"
+        if self.kv is not None and (self.kv.bits, self.kv.group_size) != ((quant.bits, quant.group_size) if quant else (0, 0)):
+            raise ValueError(f"KV layout {self.kv.spec} does not match the quantisation {quant}")
         self._fs = fs
         self._final_stats: dict[str, int] = {}
         self.config = config
@@ -191,13 +317,16 @@ class PrefixCache:
 
     @classmethod
     def for_model(cls, model, config: KVToolConfig, *, model_id: str, model_name: str = "",
-                  max_kv_size: int | None = None, **kwargs: Any) -> "PrefixCache":
+                  max_kv_size: int | None = None, quant: KVQuantization | None = None,
+                  **kwargs: Any) -> "PrefixCache":
         """Probe `model`'s KV layout and build its prefix cache (uncached if not cacheable)."""
-        kv, reason = probe_layout(model, max_kv_size)
+        kv, reason = probe_layout(model, max_kv_size, quant)
         if reason is not None:
             log.warning("kvtool: running uncached: %s (a block cache of this model would give wrong KV)", reason)
+        windows = sliding_windows(make_prompt_cache(model)) if kv is not None else None
         return cls(config, layout=kv, model_id=model_id, model_name=model_name,
-                   model_class=type(model).__module__ + "." + type(model).__name__, uncached_reason=reason, **kwargs)
+                   model_class=type(model).__module__ + "." + type(model).__name__, uncached_reason=reason,
+                   quant=quant if kv is not None else None, windows=windows, **kwargs)
 
     # ------------------------------------------------------------ lifecycle
     def layout_key_for(self, block_size: int) -> str | None:
@@ -205,7 +334,16 @@ class PrefixCache:
         if self.kv is None:
             return None
         return layout_key(self.model_id, self.kv.spec, self.kv.dtype, block_size, format_version=FORMAT_VERSION,
-                          model_class=self.model_class, versions=library_versions())
+                          model_class=self.model_class, versions=library_versions(),
+                          extra=self._key_extra())
+
+    def _key_extra(self) -> str:
+        parts = []
+        if self.quant is not None:
+            parts.append(self.quant.key_extra())
+        if self.windows:
+            parts.append("windows=" + ",".join("-" if w is None else str(w) for w in self.windows))
+        return ";".join(parts)
 
     def _attach(self, config: KVToolConfig) -> None:
         self.config = config
@@ -219,6 +357,10 @@ class PrefixCache:
             "block_size": str(config.block_size), "kv_dtype": self.kv.dtype, "kv_layers": self.kv.spec,
             "libraries": library_versions(),
         }  # fmt: skip
+        if self.quant is not None:
+            meta["kv_quantization"] = self.quant.key_extra()
+        if self.windows:
+            meta["kv_windows"] = ",".join("-" if w is None else str(w) for w in self.windows)
         self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
@@ -314,10 +456,19 @@ class PrefixCache:
             return hit
         chain = self._chain(ids, hit.hashes, hit.tail)
         found = self._collect(ids, chain, hit)
+        if self.has_states and found and chain[len(found) - 1][3] == ids.size and chain[len(found) - 1][0] != hit.tail:
+            found = found[:-1]  # a full hit needs the state before the last token: only a tail entry has it
+        if found and not self._quant_usable(chain[len(found) - 1][3], ids.size):
+            found = self._drop(hit)
         self._build(ids, chain, found, hit)
+        if hit.cached_tokens and not self._quant_usable(hit.cached_tokens, ids.size):
+            self._drop(hit)  # a cut chain left a hit mlx-lm's quantized trajectory never has
+        if self.windows and hit.cache:
+            hit.cache = [as_windowed(c, w) if w is not None else c for c, w in zip(hit.cache, self.windows)]
         if hit.cached_tokens == ids.size:  # full hit: re-forward the last token (seed 002 A3)
             for c in hit.cache:
-                c.trim(1)
+                if not isinstance(c, ArraysCache):  # a tail entry's state is the one before its last token
+                    c.trim(1)
             hit.cached_tokens -= 1
             if hit.ssd_tokens:
                 hit.ssd_tokens -= 1
@@ -327,7 +478,39 @@ class PrefixCache:
         return hit
 
     def _empty_cache(self) -> list:
-        return []  # the engine makes mlx-lm's own cache
+        return []  # the engine makes mlx-lm's own cache (or `full_view_cache`)
+
+    @property
+    def has_states(self) -> bool:
+        """The model has state layers (`ArraysCache`): blocks carry state checkpoints."""
+        return self.kv is not None and self.kv.has_states
+
+    @staticmethod
+    def state_offset(entry: tuple, tail: str | None) -> int:
+        """Token offset of the state a chain entry's record holds: its end, or for a tail entry
+        the token before its end (a tail is only used on a full hit, whose last token is
+        re-forwarded)."""
+        return entry[3] - 1 if entry[0] == tail else entry[3]
+
+    def full_view_cache(self) -> list:
+        """An empty prefill cache of a model with sliding-window layers: `KVCache` for full
+        attention, `WindowedKVCache` for sliding layers (every token kept, window masked)."""
+        return [WindowedKVCache(w) if w is not None else KVCache() for w in self.windows]
+
+    def _quant_usable(self, cached: int, n_prompt: int) -> bool:
+        """Plain KV: always. Quantized: only where mlx-lm's cache is quantized alike (a full hit
+        is used with its last token trimmed)."""
+        if self.quant is None:
+            return True
+        return self.quant.usable(cached - 1 if cached == n_prompt else cached, n_prompt)
+
+    def _drop(self, hit: CacheHit) -> list:
+        """Forget what a fetch found (unpin RAM blocks): the request runs as a miss."""
+        if self.tiered is not None:
+            self.tiered.ram.unpin(hit.pinned)
+        hit.pinned, hit.promote, hit.cache = [], [], []
+        hit.entries_found = hit.cached_tokens = hit.ram_tokens = hit.ssd_tokens = 0
+        return []
 
     def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[tuple[str, str, int, int]]:
         """Chain entries `(hash, parent, start, stop)`: the full blocks, then the tail entry."""
@@ -375,7 +558,7 @@ class PrefixCache:
         if not any(src == "ssd" for src, _ in found):
             blocks = [b for _, b in found] if all(src == "ram" for src, _ in found) else None
             if blocks is not None:
-                hit.cache = rebuild_cache(blocks, n_layers, cache_capacity(int(ids.size))) if blocks else []
+                hit.cache = rebuild_cache(blocks, n_layers, cache_capacity(int(ids.size)), kv=self.kv) if blocks else []
                 hit.entries_found = len(blocks)
                 hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1][3] if blocks else 0
                 return
@@ -385,7 +568,7 @@ class PrefixCache:
         hit.entries_found = n_ok
         hit.cached_tokens = chain[n_ok - 1][3] if n_ok else 0
         hit.ram_tokens, hit.ssd_tokens = ram_tok, ssd_tok
-        hit.cache = buffers.caches(hit.cached_tokens) if n_ok else []
+        hit.cache = buffers.caches(hit.cached_tokens, state_at=chain[n_ok - 1][2] if n_ok else None) if n_ok else []
         hit.ssd_load_ms = (time.perf_counter() - t0) * 1e3
 
     def _fill(self, ids, chain, found, buffers: KVBuffers, hit: CacheHit) -> tuple[int, int, int]:
@@ -402,7 +585,7 @@ class PrefixCache:
                 continue
             if src == "pending":
                 buffers.place_host(lo, obj)
-                hit.promote.append((h, parent, ids[lo:hi], lo))
+                hit.promote.append((h, parent, ids[lo:hi], lo, *self._scratch(buffers, lo)))
                 ssd_tok += hi - lo
                 i += 1
                 continue
@@ -415,16 +598,22 @@ class PrefixCache:
             hit.ssd_bytes_read += res.bytes_read
             for k in range(i, i + res.n_ok):
                 hk, pk, lk, hk_stop = chain[k]
-                hit.promote.append((hk, pk, ids[lk:hk_stop], lk))
+                hit.promote.append((hk, pk, ids[lk:hk_stop], lk, *self._scratch(buffers, lk)))
                 ssd_tok += hk_stop - lk
             if res.n_ok < len(rows):
                 return i + res.n_ok, ram_tok, ssd_tok
             i = j
         return i, ram_tok, ssd_tok
 
+    def _scratch(self, buffers: KVBuffers, lo: int) -> list:
+        """[the state arrays of the entry restored at `lo`] with state layers, else []."""
+        if not self.has_states:
+            return []
+        return [[np.array(a, copy=True) for a in buffers.state_scratch[lo]]]
+
     # ---------------------------------------------------------------- store
     def store(self, tokens: Sequence[int] | np.ndarray, cache: list, hit: CacheHit | None = None,
-              *, persist: bool = False) -> int:
+              *, persist: bool = False, states: dict[int, list] | None = None) -> int:
         """Hand the prompt's new full blocks and its tail entry to the tiers (prompt KV only).
 
         Args:
@@ -433,22 +622,43 @@ class PrefixCache:
                 are never stored).
             hit: the prompt's `fetch` result (its hashes are reused; entries it found are skipped).
             persist: write to SSD whatever the policy (`kvtool warm`).
+            states: with state layers (`ArraysCache`), token offset -> the state arrays of every
+                state layer after that many tokens (`kvtool.blocks.state_arrays` snapshots taken
+                while prefilling); an entry is stored only with its state (`state_offset`).
 
         Returns:
             Entries handed over.
         """
         if self.tiered is None:
             return 0
+        if self.windows and any(w is not None and not isinstance(c, KVCache) for c, w in zip(cache, self.windows)):
+            log.warning("kvtool: not storing: sliding-window layers must be prefilled into full views "
+                        "(PrefixCache.full_view_cache(), as Engine does), not mlx-lm's RotatingKVCache")
+            return 0
         ids = np.asarray(tokens, dtype=np.int32)
         full, tail = (hit.hashes, hit.tail) if hit is not None else self.hashes(ids)
         chain = self._chain(ids, full, tail)
         start = hit.entries_found if hit is not None else 0
-        if cache and cache[0].offset < ids.size:
-            chain = [e for e in chain if e[3] <= cache[0].offset]
+        kv_layers = [c for c in cache if not isinstance(c, ArraysCache)]
+        if kv_layers and kv_layers[0].offset < ids.size:
+            chain = [e for e in chain if e[3] <= kv_layers[0].offset]
         new = chain[start:]
+        if self.quant is not None:  # only canonical content (see KVQuantization)
+            limit = self.quant.storable_until(int(ids.size))
+            new = [e for e in new if e[3] <= limit or e[0] == tail]
+        span_states = None
+        if self.has_states:
+            states = states or {}
+            keep = []
+            for e in new:
+                if self.state_offset(e, tail) not in states:
+                    break
+                keep.append(e)
+            new = keep
+            span_states = [states[self.state_offset(e, tail)] for e in new]
         if not new:
             return 0
-        blocks = slice_blocks(cache, ids, new)
+        blocks = slice_blocks(cache, ids, new, self.kv, span_states)
         (self.tiered.persist if persist else self.tiered.insert)(blocks)
         return len(blocks)
 
@@ -463,7 +673,7 @@ class PrefixCache:
             return
         if hit.promote and hit.cache and self.config.ram_bytes > 0:
             try:
-                self.tiered.promote(promote_slices(hit.cache, hit.promote))
+                self.tiered.promote(promote_slices(hit.cache, hit.promote, self.kv))
             except Exception:  # promotion is an optimisation: never fail the request
                 log.exception("promotion of %d SSD block(s) into RAM failed", len(hit.promote))
         hit.promote = []
@@ -471,5 +681,6 @@ class PrefixCache:
         hit.pinned = []
 
 
-__all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "probe_layout", "library_versions",
+__all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "KVQuantization", "probe_layout",
+           "library_versions",
            "HostBlock", "Block", "KVCache"]

@@ -80,6 +80,8 @@ def serve_once(
     adapter_path: common.AdapterPathOpt = None,
     max_kv_size: common.MaxKVSizeOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
+    kv_bits: common.KVBitsOpt = None,
+    kv_group_size: common.KVGroupSizeOpt = 64,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
@@ -101,7 +103,7 @@ def serve_once(
             reqs = _collect_requests(prompt, prompt_file, messages, requests)
             cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
             engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
-                                        prefill_step_size=prefill_step_size)
+                                        prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
             encode = _encoder(engine, not ignore_chat_template, system_prompt)
             code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out)
     except common.Interrupted as exc:  # before serving started: nothing to drain

@@ -41,6 +41,8 @@ def warm_cmd(
     adapter_path: common.AdapterPathOpt = None,
     max_kv_size: common.MaxKVSizeOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
+    kv_bits: common.KVBitsOpt = None,
+    kv_group_size: common.KVGroupSizeOpt = 64,
     config: common.ConfigOpt = None,
     cache_dir: common.CacheDirOpt = None,
     policy: common.PolicyOpt = None,
@@ -61,7 +63,7 @@ def warm_cmd(
             raise common.CLIError(str(exc)) from None
         cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes)
         engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
-                                    prefill_step_size=prefill_step_size)
+                                    prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
         try:
             check_engine(engine)
         except WarmError as exc:
@@ -142,7 +144,7 @@ def _print_summary(report, status) -> None:
     out.print(
         f"{head}warmed {report.prompts_done}/{report.prompts_total} prompt(s): "
         f"{report.prompts_prefilled} prefilled, {report.prompts_skipped} already cached (skipped), "
-        f"{report.prompts_too_short} shorter than one block | "
+        f"{report.prompts_too_short} single-token | "
         f"{report.tokens} tokens, {report.tokens_prefilled} run through the model",
         highlight=False, soft_wrap=True,
     )  # fmt: skip

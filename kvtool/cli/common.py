@@ -69,6 +69,21 @@ MaxKVSizeOpt = Annotated[
     typer.Option("--max-kv-size", min=1, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False),
 ]
 PrefillStepOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.")]
+
+
+def _check_kv_bits(value: Optional[int]) -> Optional[int]:
+    if value is not None and value not in (4, 8):
+        raise typer.BadParameter(f"{value} is not one of 4, 8")
+    return value
+
+
+KVBitsOpt = Annotated[
+    Optional[int],
+    typer.Option("--kv-bits", callback=_check_kv_bits, show_default=False,
+                 help="As mlx-lm: quantize the KV cache to 4 or 8 bits once it holds 5000 tokens (mlx-lm's "
+                      "--quantized-kv-start); cached blocks then hold the quantized KV."),
+]
+KVGroupSizeOpt = Annotated[int, typer.Option("--kv-group-size", min=1, help="As mlx-lm: KV quantization group size.")]
 NamespaceOpt = Annotated[
     Optional[str], typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).")
 ]
@@ -297,6 +312,8 @@ def load_engine(
     adapter_path: Optional[Path] = None,
     max_kv_size: Optional[int] = None,
     prefill_step_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
 ):
     """Load a model and build an `Engine`, mapping load failures to `CLIError`.
 
@@ -315,7 +332,7 @@ def load_engine(
     try:
         return Engine.from_spec(
             model, config, adapter_path=str(adapter_path) if adapter_path else None,
-            prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP,
+            prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits, kv_group_size=kv_group_size,
         )
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None

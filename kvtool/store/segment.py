@@ -15,7 +15,10 @@ The header maps one `U8` tensor per block slot (`"b0"`, `"b1"`, ...) to its *rec
     token ids int32 [n] | for each layer l: keys [1, H_l, n, Dk_l] | values [1, H_l, n, Dv_l]
 
 i.e. exactly the slices of mlx-lm's `KVCache.state` along the sequence axis. `n < block_size`
-only for a prompt's *tail entry* (its trailing partial block).
+only for a prompt's *tail entry* (its trailing partial block). In a quantized namespace
+(`KVLayout.bits` > 0, the `layers` spec starts with `q<bits>g<group>:`) each layer's keys are
+three tensors, packed uint32 words `[1, H_l, n, Dk_l*bits/32]`, scales and biases
+`[1, H_l, n, Dk_l/group]`, and so are its values: slices of mlx-lm's `QuantizedKVCache`.
 
 Checksums are xxh3-128 (`xxhash`), a fast non-cryptographic hash (7.9 GB/s here against
 blake2b's 0.47 GB/s): they detect corruption; identity is the blake2b chain hash, and the exact
@@ -79,67 +82,184 @@ class BlockFileError(Exception):
 
 
 # ----------------------------------------------------------------------------- layout
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # bit widths `mx.quantize` packs into uint32 words
+_PACKED_DTYPE = np.dtype("<u4")
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Per-layer KV shapes and dtype of a namespace (MLX-free).
 
+    Plain (mlx-lm `KVCache`): per layer a keys `[1, H, n, Dk]` and a values `[1, H, n, Dv]`
+    tensor in `dtype`. Quantized (`bits` > 0, mlx-lm `QuantizedKVCache`, `mx.quantize` along the
+    head dim in groups of `group_size`): per layer the keys' packed words `[1, H, n, Dk*bits/32]`
+    (uint32), scales and biases `[1, H, n, Dk/group_size]` (in `dtype`), then the same three
+    for the values.
+
+    State layers (hybrid and SSM models, mlx-lm `ArraysCache`): `kinds` names every model layer,
+    `k` for a KV layer (in `layers`) or the number of state arrays of a state layer (`"1k1k"`:
+    conv, attention, conv, attention). A record then ends with the state arrays of every state
+    layer (`states`: their shapes, in layer order, in `dtype`), the recurrent state after the
+    record's last token (a tail entry: before it, see `kvtool.prefix`).
+
     Attributes:
-        layers: per layer `(n_kv_heads, k_head_dim, v_head_dim)`; layers may differ (MLA,
+        layers: per KV layer `(n_kv_heads, k_head_dim, v_head_dim)`; layers may differ (MLA,
             models with per-layer head counts).
-        dtype: 'float32' | 'float16' | 'bfloat16'.
+        dtype: 'float32' | 'float16' | 'bfloat16' (of the KV, or of the scales and biases).
+        bits: 0 (plain KV) or the quantisation width (`QUANT_BITS`).
+        group_size: quantisation group (elements of the head dim per scale/bias); 0 if plain.
+        kinds: "" (every layer a KV layer) or per model layer `k` / state-array count.
+        states: shapes of the state arrays of the state layers, in layer order.
     """
 
     layers: tuple[tuple[int, int, int], ...]
     dtype: str
+    bits: int = 0
+    group_size: int = 0
+    kinds: str = ""
+    states: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
             raise ValueError(f"unsupported KV dtype {self.dtype!r}")
-        if not self.layers or any(len(s) != 3 or min(s) <= 0 for s in self.layers):
+        if (not self.layers and not self.states) or any(len(s) != 3 or min(s) <= 0 for s in self.layers):
             raise ValueError(f"bad layer shapes {self.layers!r}")
+        if self.kinds or self.states:
+            n_k = self.kinds.count("k")
+            counts = [int(c) for c in self.kinds if c != "k"] if all(c == "k" or c.isdigit() for c in self.kinds) else None
+            if (counts is None or n_k != len(self.layers) or sum(counts) != len(self.states) or 0 in counts
+                    or any(not s or min(s) <= 0 for s in self.states)):
+                raise ValueError(f"bad state layers kinds={self.kinds!r} states={self.states!r}")
+            if self.bits:
+                raise ValueError("quantized KV with state layers is not supported")
+        if self.bits or self.group_size:
+            if self.bits not in QUANT_BITS or self.group_size <= 0:
+                raise ValueError(f"bad quantisation bits={self.bits} group_size={self.group_size}")
+            for _, dk, dv in self.layers:
+                for d in (dk, dv):
+                    if d % self.group_size or (d * self.bits) % 32:
+                        raise ValueError(f"head dim {d} does not quantise with bits={self.bits} "
+                                         f"group_size={self.group_size}")
 
     @classmethod
-    def uniform(cls, n_layers: int, n_kv_heads: int, head_dim: int, dtype: str) -> "KVLayout":
+    def uniform(cls, n_layers: int, n_kv_heads: int, head_dim: int, dtype: str, bits: int = 0,
+                group_size: int = 0) -> "KVLayout":
         """Every layer `[1, n_kv_heads, T, head_dim]` for keys and values."""
-        return cls(tuple((n_kv_heads, head_dim, head_dim) for _ in range(n_layers)), dtype)
+        return cls(tuple((n_kv_heads, head_dim, head_dim) for _ in range(n_layers)), dtype, bits, group_size)
 
     @classmethod
     def parse(cls, text: str, dtype: str) -> "KVLayout":
-        """Inverse of `str(layout.spec)`: `"HxDkxDv,HxDkxDv,..."`.
+        """Inverse of `layout.spec`: `"HxDkxDv,HxDkxDv,..."`, quantized `"q8g64:HxDkxDv,..."`.
 
         Raises:
             ValueError: malformed text.
         """
-        layers = tuple(tuple(int(x) for x in part.split("x")) for part in text.split(","))
-        return cls(layers, dtype)  # type: ignore[arg-type]
+        text, *extras = text.split("|")
+        kinds, states = "", ()
+        for part in extras:
+            key, sep, val = part.partition("=")
+            if key == "kinds" and sep:
+                kinds = val
+            elif key == "states" and sep:
+                states = tuple(tuple(int(x) for x in s.split("x")) for s in val.split(",")) if val else ()
+            else:
+                raise ValueError(f"malformed layout part {part!r}")
+        bits = group = 0
+        if text.startswith("q"):
+            quant, sep, text = text.partition(":")
+            b, g_sep, g = quant[1:].partition("g")
+            if not sep or not g_sep or not b.isdigit() or not g.isdigit():
+                raise ValueError(f"malformed quantisation prefix {quant!r}")
+            bits, group = int(b), int(g)
+        layers = tuple(tuple(int(x) for x in part.split("x")) for part in text.split(",")) if text else ()
+        return cls(layers, dtype, bits, group, kinds, states)  # type: ignore[arg-type]
 
     @property
     def spec(self) -> str:
-        """Compact text form, e.g. `"2x64x64,2x64x64"` (part of the layout key)."""
-        return ",".join("x".join(str(x) for x in s) for s in self.layers)
+        """Compact text form, e.g. `"2x64x64,2x64x64"`, quantized `"q8g64:2x64x64,..."` (part of
+        the layout key and of every segment header)."""
+        plain = ",".join("x".join(str(x) for x in s) for s in self.layers)
+        if self.kinds:
+            plain += f"|kinds={self.kinds}|states=" + ",".join("x".join(str(x) for x in s) for s in self.states)
+        return f"q{self.bits}g{self.group_size}:{plain}" if self.bits else plain
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits > 0
 
     @property
     def n_layers(self) -> int:
+        """KV layers (state layers excluded)."""
         return len(self.layers)
 
     @property
+    def has_states(self) -> bool:
+        return bool(self.states)
+
+    def state_nbytes(self) -> int:
+        """Bytes of the state arrays every record ends with."""
+        return sum(int(np.prod(s)) for s in self.states) * self.itemsize
+
+    @property
     def itemsize(self) -> int:
+        """Bytes per element of `dtype` (of the KV, or of the scales and biases)."""
         return STORAGE_DTYPES[self.dtype].itemsize
 
+    @property
+    def tensors_per_layer(self) -> int:
+        """Record tensors per layer: 2 (keys, values) or 6 (packed, scales, biases of each)."""
+        return 6 if self.bits else 2
+
+    def _dim_shapes(self, d: int) -> list[int]:
+        if not self.bits:
+            return [d]
+        return [d * self.bits // 32, d // self.group_size, d // self.group_size]
+
     def token_nbytes(self) -> int:
-        """KV bytes per token over all layers (keys + values)."""
-        return sum(h * (dk + dv) for h, dk, dv in self.layers) * self.itemsize
+        """KV bytes per token over all layers (keys + values; packed words, scales and biases)."""
+        n_kv = len(self.shapes(1)) - len(self.states)
+        return sum(shape[1] * shape[3] * st.itemsize
+                   for shape, st in zip(self.shapes(1)[:n_kv], self.storage_dtypes()[:n_kv]))
 
     def record_nbytes(self, n_tokens: int) -> int:
-        """Bytes of one record of `n_tokens` tokens (token ids included)."""
-        return n_tokens * (4 + self.token_nbytes())
+        """Bytes of one record of `n_tokens` tokens (token ids and state arrays included)."""
+        return n_tokens * (4 + self.token_nbytes()) + self.state_nbytes()
 
     def shapes(self, n_tokens: int) -> list[tuple[int, ...]]:
-        """Shapes of the record's KV tensors in record order: K0, V0, K1, V1, ..."""
+        """Shapes of the record's KV tensors in record order: plain K0, V0, K1, V1, ...;
+        quantized K0 packed, K0 scales, K0 biases, V0 packed, V0 scales, V0 biases, K1 ..."""
         out: list[tuple[int, ...]] = []
         for h, dk, dv in self.layers:
-            out += [(1, h, n_tokens, dk), (1, h, n_tokens, dv)]
-        return out
+            out += [(1, h, n_tokens, x) for x in self._dim_shapes(dk)]
+            out += [(1, h, n_tokens, x) for x in self._dim_shapes(dv)]
+        return out + list(self.states)
+
+    def storage_dtypes(self) -> list[np.dtype]:
+        """numpy storage dtype of each record tensor, in record order (as `shapes`)."""
+        st = STORAGE_DTYPES[self.dtype]
+        per_layer = [st, st] if not self.bits else [_PACKED_DTYPE, st, st] * 2
+        return per_layer * self.n_layers + [st] * len(self.states)
+
+    def interleave(self, keys: Sequence, values: Sequence) -> list:
+        """Record order of a block's tensors: `keys`/`values` hold 1 (plain) or 3 (quantized:
+        packed, scales, biases) tensors per KV layer, layer after layer; `values` then ends with
+        the state arrays (state layers)."""
+        k = self.tensors_per_layer // 2
+        out: list = []
+        for layer in range(self.n_layers):
+            out += list(keys[layer * k : (layer + 1) * k]) + list(values[layer * k : (layer + 1) * k])
+        return out + list(values[self.n_layers * k :])
+
+    def split(self, tensors: Sequence) -> tuple[list, list]:
+        """Inverse of `interleave`: record-order tensors -> (keys, values)."""
+        k = self.tensors_per_layer // 2
+        keys: list = []
+        values: list = []
+        for layer in range(self.n_layers):
+            base = layer * 2 * k
+            keys += list(tensors[base : base + k])
+            values += list(tensors[base + k : base + 2 * k])
+        return keys, values + list(tensors[self.n_layers * 2 * k :])
 
 
 @dataclass(frozen=True)
@@ -172,11 +292,12 @@ def _record_pieces(block: HostBlock, kv: KVLayout) -> list[np.ndarray]:
         BlockFileError: 'shape' if the block does not match `kv`.
     """
     n = int(np.asarray(block.token_ids).shape[0]) if np.ndim(block.token_ids) == 1 else 0
-    if block.dtype != kv.dtype or n <= 0 or len(block.keys) != kv.n_layers or len(block.values) != kv.n_layers:
+    per = kv.tensors_per_layer // 2
+    if (block.dtype != kv.dtype or n <= 0 or len(block.keys) != kv.n_layers * per
+            or len(block.values) != kv.n_layers * per + len(kv.states)):
         raise BlockFileError("shape", f"block {block.block_hash}: dtype/layers/tokens differ from the namespace")
-    storage = STORAGE_DTYPES[kv.dtype]
     pieces = [np.ascontiguousarray(block.token_ids, dtype=_TOKENS_DTYPE)]
-    for arr, shape in zip((a for kv_pair in zip(block.keys, block.values) for a in kv_pair), kv.shapes(n)):
+    for arr, shape, storage in zip(kv.interleave(block.keys, block.values), kv.shapes(n), kv.storage_dtypes()):
         if tuple(arr.shape) != shape or arr.dtype.newbyteorder("<") != storage:
             raise BlockFileError("shape", f"block {block.block_hash}: tensor {arr.shape}/{arr.dtype}, expected {shape}/{storage}")
         pieces.append(np.ascontiguousarray(arr, dtype=storage))
@@ -417,11 +538,11 @@ def read_block(fd: int, slot: Slot, kv: KVLayout, dtype_name: str | None = None)
     Raises:
         BlockFileError: 'truncated' or 'checksum'; OSError from the read.
     """
-    storage = STORAGE_DTYPES[kv.dtype]
     tokens = np.empty(slot.n_tokens, dtype=_TOKENS_DTYPE)
-    arrays = [np.empty(s, dtype=storage) for s in kv.shapes(slot.n_tokens)]
+    arrays = [np.empty(s, dtype=st) for s, st in zip(kv.shapes(slot.n_tokens), kv.storage_dtypes())]
     read_record(fd, slot, tokens, arrays)
-    return HostBlock(slot.block_hash, slot.parent_hash, tokens, arrays[0::2], arrays[1::2], dtype_name or kv.dtype)
+    keys, values = kv.split(arrays)
+    return HostBlock(slot.block_hash, slot.parent_hash, tokens, keys, values, dtype_name or kv.dtype)
 
 
 def tokens_digest(token_ids: np.ndarray) -> str:
