@@ -82,6 +82,7 @@ def _random_job(rng: random.Random, prompts: list[Path], cache: Path, warm_file:
 @pytest.mark.slow
 def test_soak_concurrent_commands_with_sigkills(tmp_path):
     cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)  # prune/validate may run before the first serve creates a namespace
     sibling = tmp_path / "sibling"  # must never change
     sibling.mkdir()
     (sibling / "model.safetensors").write_bytes(os.urandom(4096))

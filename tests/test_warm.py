@@ -112,7 +112,7 @@ def test_warm_writes_through_whatever_the_policy(tmp_path, tiny_model, prompts_f
     engine = engine_for(tiny_model, cache_dir, ssd_policy=policy, ssd_async_writes=async_writes, ssd_durability=durability)
     report = warm(engine, load_sources([prompts_file]))
     engine.close()
-    n_blocks = sum(p.prompt_tokens // BS for p in report.prompts)
+    n_blocks = sum(p.prompt_tokens // BS + (p.prompt_tokens % BS > 0) for p in report.prompts)  # + tail entries
     assert n_blocks >= 6 and report.blocks_written == n_blocks == rows(cache_dir)
     assert report.prompts_prefilled == 3 and report.blocks_failed == 0 and report.flushed
     assert report.bytes_written == sum(p.stat().st_size for p in cache_dir.glob("*/*/*.safetensors"))
@@ -137,21 +137,24 @@ def test_warm_then_serve_in_a_new_process_hits_ssd_and_matches_uncached(tmp_path
                     "--cache-dir", str(cache_dir), "--block-size", str(BS))  # fmt: skip
     assert served.returncode == 0, served.stderr
     r = json.loads(served.stdout)["requests"][0]
-    full = r["prompt_tokens"] // BS * BS
-    assert r["prompt_tokens"] % BS != 0 and r["ssd_hit_tokens"] == full and r["ram_hit_tokens"] == 0
+    # warm and serve-once apply the same chat template: a full hit, only the last token re-forwarded
+    assert r["prompt_tokens"] % BS != 0 and r["ssd_hit_tokens"] == r["prompt_tokens"] - 1 and r["ram_hit_tokens"] == 0
     uncached = Engine(tiny_model, KVToolConfig(ssd_enabled=False, ram_bytes=0, block_size=BS))
-    ref = uncached.generate(uncached.encode(prompt=texts[2]), max_tokens=MAX_TOKENS)
+    ref = uncached.generate(uncached.encode(prompt=texts[2], chat_template=True), max_tokens=MAX_TOKENS)
     assert r["token_ids"] == ref.token_ids and len(ref.token_ids) > 0
 
 
 def test_short_and_chat_prompts(tmp_path, tiny_model):
     src = tmp_path / "r.jsonl"
     long_text = " ".join(DEMO.read_text(encoding="utf-8")[:900].split())
-    src.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": long_text}]}) + "\n")
+    src.write_text("\n".join(json.dumps(x) for x in [
+        {"prompt": "a"}, {"prompt": "hi there"}, {"messages": [{"role": "user", "content": long_text}]}]) + "\n")
     engine = engine_for(tiny_model, tmp_path / "kv")
     report = warm(engine, load_sources([src]))
+    assert [p.status for p in report.prompts] == ["too_short", "prefilled", "prefilled"]  # "hi there": a tail entry
+    again = warm(engine, load_sources([src]))
     engine.close()
-    assert [p.status for p in report.prompts] == ["too_short", "prefilled"]
+    assert [p.status for p in again.prompts] == ["too_short", "skipped", "skipped"]
     assert report.prompts_too_short == 1 and report.blocks_written == rows(tmp_path / "kv") > 0
 
 
@@ -166,7 +169,8 @@ def test_interrupt_drains_and_keeps_what_was_written(tmp_path, tiny_model, promp
     report = warm(engine, load_sources([prompts_file]), progress=stop_after_first)
     status = engine.close()
     assert report.interrupted == "KeyboardInterrupt" and report.prompts_done == 1 and report.flushed
-    assert report.blocks_written == report.prompts[0].prompt_tokens // BS == rows(cache_dir)
+    n = report.prompts[0].prompt_tokens
+    assert report.blocks_written == n // BS + (n % BS > 0) == rows(cache_dir)  # full blocks + tail entry
     assert status.shutdown_clean and validate(cache_dir, deep=True).problems == 0
 
 
