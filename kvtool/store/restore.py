@@ -163,8 +163,25 @@ def _tasks(items: list[_Item]) -> list[list[_Item]]:
 
 
 def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[int, tuple[str, str]]:
-    """Read and verify records in order; stop at the first failure (returned by chain position)."""
-    for it in task:
+    """Read and verify records in order, one `preadv` batch per run of back-to-back records;
+    stop at the first failure (returned by chain position)."""
+    for run in _contiguous_runs(task):
+        tokens = [np.empty(it.slot.n_tokens, dtype=np.int32) for it in run]
+        try:
+            bad = seg.read_records(run[0].fd, [it.slot for it in run], tokens,
+                                   [dest(it.offset, it.slot.n_tokens) for it in run])
+        except (BlockFileError, OSError):  # find the exact record: read the run one by one
+            return _read_one_by_one(run, token_ids, dest)
+        for k, (it, got) in enumerate(zip(run, tokens)):
+            if bad is not None and k == bad:
+                return {it.pos: ("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")}
+            if not np.array_equal(got, token_ids[it.offset : it.offset + it.slot.n_tokens]):
+                return {it.pos: ("tokens", "holds other token ids")}
+    return {}
+
+
+def _read_one_by_one(run: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[int, tuple[str, str]]:
+    for it in run:
         n = it.slot.n_tokens
         tokens = np.empty(n, dtype=np.int32)
         try:
@@ -176,6 +193,18 @@ def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[i
         if not np.array_equal(tokens, token_ids[it.offset : it.offset + n]):
             return {it.pos: ("tokens", "holds other token ids")}
     return {}
+
+
+def _contiguous_runs(task: list[_Item]) -> list[list[_Item]]:
+    """Consecutive items whose records lie back to back in the same open file."""
+    runs: list[list[_Item]] = []
+    for it in task:
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.fd == it.fd and last.slot.offset + last.slot.nbytes == it.slot.offset:
+            runs[-1].append(it)
+        else:
+            runs.append([it])
+    return runs
 
 
 def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool) -> dict[int, tuple[str, str]]:

@@ -34,6 +34,7 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -217,22 +218,33 @@ class KVLayout:
 
     def token_nbytes(self) -> int:
         """KV bytes per token over all layers (keys + values; packed words, scales and biases)."""
+        return self._sizes[0]
+
+    @functools.cached_property
+    def _sizes(self) -> tuple[int, int]:
+        """(KV bytes per token, state bytes per record), computed once (the restore hot path)."""
         n_kv = len(self.shapes(1)) - len(self.states)
-        return sum(shape[1] * shape[3] * st.itemsize
-                   for shape, st in zip(self.shapes(1)[:n_kv], self.storage_dtypes()[:n_kv]))
+        per_token = sum(shape[1] * shape[3] * st.itemsize
+                        for shape, st in zip(self.shapes(1)[:n_kv], self.storage_dtypes()[:n_kv]))
+        return per_token, self.state_nbytes()
 
     def record_nbytes(self, n_tokens: int) -> int:
         """Bytes of one record of `n_tokens` tokens (token ids and state arrays included)."""
-        return n_tokens * (4 + self.token_nbytes()) + self.state_nbytes()
+        per_token, states = self._sizes
+        return n_tokens * (4 + per_token) + states
 
     def shapes(self, n_tokens: int) -> list[tuple[int, ...]]:
         """Shapes of the record's KV tensors in record order: plain K0, V0, K1, V1, ...;
         quantized K0 packed, K0 scales, K0 biases, V0 packed, V0 scales, V0 biases, K1 ..."""
+        return list(self._shapes(n_tokens))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019  (KVLayout is frozen and hashable; few lengths)
+    def _shapes(self, n_tokens: int) -> tuple[tuple[int, ...], ...]:
         out: list[tuple[int, ...]] = []
         for h, dk, dv in self.layers:
             out += [(1, h, n_tokens, x) for x in self._dim_shapes(dk)]
             out += [(1, h, n_tokens, x) for x in self._dim_shapes(dv)]
-        return out + list(self.states)
+        return tuple(out + list(self.states))
 
     def storage_dtypes(self) -> list[np.dtype]:
         """numpy storage dtype of each record tensor, in record order (as `shapes`)."""
@@ -498,13 +510,43 @@ def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarr
         BlockFileError: 'truncated' (short read) or 'checksum'. Token ids are the caller's check.
         OSError: the read failed.
     """
+    iov = _record_iov(tokens, dest)
+    _preadv_all(fd, iov, slot.offset, slot.nbytes)
+    if _checksum(iov) != slot.checksum:
+        raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
+
+
+def _record_iov(tokens: np.ndarray, dest: Sequence[np.ndarray]) -> list[memoryview]:
+    """The record's byte ranges in file order: token ids, then each tensor head by head."""
     iov: list[memoryview] = [memoryview(tokens).cast("B")]
     for arr in dest:
         for h in range(arr.shape[1]):
             iov.append(memoryview(arr[0, h]).cast("B"))
-    _preadv_all(fd, iov, slot.offset, slot.nbytes)
-    if _checksum(iov) != slot.checksum:
-        raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
+    return iov
+
+
+def read_records(
+    fd: int, slots: Sequence[Slot], tokens: Sequence[np.ndarray], dests: Sequence[Sequence[np.ndarray]]
+) -> int | None:
+    """`read_record` for records that lie back to back in the file, with one `preadv` batch.
+
+    Returns:
+        The position (in `slots`) of the first record that fails its checksum, or None.
+
+    Raises:
+        BlockFileError: 'truncated' (short read) or 'slot' (records not contiguous).
+        OSError: the read failed.
+    """
+    iovs = [_record_iov(t, d) for t, d in zip(tokens, dests)]
+    for a, b in zip(slots, slots[1:]):
+        if a.offset + a.nbytes != b.offset:
+            raise BlockFileError("slot", "records are not contiguous")
+    flat = [m for iov in iovs for m in iov]
+    _preadv_all(fd, flat, slots[0].offset, sum(sl.nbytes for sl in slots))
+    for pos, (slot, iov) in enumerate(zip(slots, iovs)):
+        if _checksum(iov) != slot.checksum:
+            return pos
+    return None
 
 
 def _preadv_all(fd: int, iov: list[memoryview], offset: int, nbytes: int) -> None:
