@@ -13,7 +13,7 @@ way: `hash_fn(parent, tail_ids)`; the different input length keeps it apart from
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -118,3 +118,32 @@ def tail_hash(
         return None
     parent = full_hashes[-1] if full_hashes else root_parent(layout)
     return hash_fn(bytes.fromhex(parent), ids[start:])
+
+
+def key_extra_of_meta(meta: Mapping[str, str]) -> str:
+    """The `extra` part of a layout key, from namespace meta: KV quantisation and sliding windows."""
+    parts = []
+    if meta.get("kv_quantization"):
+        parts.append(meta["kv_quantization"])
+    if meta.get("kv_windows"):
+        parts.append("windows=" + meta["kv_windows"])
+    return ";".join(parts)
+
+
+def layout_key_of_meta(meta: Mapping[str, str], format_version: int | None = None) -> str:
+    """The layout key a namespace meta stands for: the one recipe shared by `PrefixCache` (which
+    writes the meta) and `kvtool.ops.scan` (which checks a directory against its meta).
+
+    Args:
+        meta: string values for model_id, kv_layers, kv_dtype, block_size, and optionally
+            model_class, libraries, kv_quantization, kv_windows, format_version.
+        format_version: overrides `meta["format_version"]`.
+
+    Raises:
+        KeyError, ValueError: a required key is missing or not a number.
+    """
+    fmt = int(meta["format_version"]) if format_version is None else format_version
+    return layout_key(
+        meta["model_id"], meta["kv_layers"], meta["kv_dtype"], int(meta["block_size"]), format_version=fmt,
+        model_class=meta.get("model_class", ""), versions=meta.get("libraries", ""), extra=key_extra_of_meta(meta),
+    )

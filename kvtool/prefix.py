@@ -60,6 +60,7 @@ from kvtool.blocks import (
     unsupported_cache_reason,
 )
 from kvtool.config import KVToolConfig
+from kvtool.hashing import layout_key_of_meta
 from kvtool.hostblock import HostBlock
 from kvtool.store import restore
 from kvtool.store.segment import FORMAT_VERSION, KVLayout
@@ -333,17 +334,20 @@ class PrefixCache:
         """The namespace blocks of `block_size` tokens live under (None if uncacheable). Pure."""
         if self.kv is None:
             return None
-        return layout_key(self.model_id, self.kv.spec, self.kv.dtype, block_size, format_version=FORMAT_VERSION,
-                          model_class=self.model_class, versions=library_versions(),
-                          extra=self._key_extra())
+        return layout_key_of_meta(self._namespace_meta(block_size), FORMAT_VERSION)
 
-    def _key_extra(self) -> str:
-        parts = []
+    def _namespace_meta(self, block_size: int) -> dict[str, str]:
+        """The namespace meta; the layout key is its digest (`kvtool.hashing.layout_key_of_meta`)."""
+        meta = {
+            "model_id": self.model_id, "model_name": self.model_name, "model_class": self.model_class,
+            "block_size": str(block_size), "kv_dtype": self.kv.dtype, "kv_layers": self.kv.spec,
+            "libraries": library_versions(),
+        }  # fmt: skip
         if self.quant is not None:
-            parts.append(self.quant.key_extra())
+            meta["kv_quantization"] = self.quant.key_extra()
         if self.windows:
-            parts.append("windows=" + ",".join("-" if w is None else str(w) for w in self.windows))
-        return ";".join(parts)
+            meta["kv_windows"] = ",".join("-" if w is None else str(w) for w in self.windows)
+        return meta
 
     def _attach(self, config: KVToolConfig) -> None:
         self.config = config
@@ -351,16 +355,8 @@ class PrefixCache:
         self.layout_key = None
         if self.kv is None or (not config.ssd_enabled and config.ram_bytes == 0):
             return
-        self.layout_key = self.layout_key_for(config.block_size)
-        meta = {
-            "model_id": self.model_id, "model_name": self.model_name, "model_class": self.model_class,
-            "block_size": str(config.block_size), "kv_dtype": self.kv.dtype, "kv_layers": self.kv.spec,
-            "libraries": library_versions(),
-        }  # fmt: skip
-        if self.quant is not None:
-            meta["kv_quantization"] = self.quant.key_extra()
-        if self.windows:
-            meta["kv_windows"] = ",".join("-" if w is None else str(w) for w in self.windows)
+        meta = self._namespace_meta(config.block_size)
+        self.layout_key = layout_key_of_meta(meta, FORMAT_VERSION)
         self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:

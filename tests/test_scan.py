@@ -284,3 +284,21 @@ def test_the_three_commands_share_the_scan_and_prune_never_imports_inspect():
     for module in ("inspect_cache", "validate", "prune"):
         assert "kvtool.ops.scan" in imports(module), module
     assert not any("inspect" in m for m in imports("prune"))
+
+
+def test_layout_key_recipe_is_shared_with_prefix_cache(tmp_path):
+    """A namespace written by PrefixCache (incl. sliding-window and quantisation meta) scans as ok:
+    `kvtool.hashing.layout_key_of_meta` is the one recipe both use."""
+    from kvtool.config import KVToolConfig
+    from kvtool.hashing import layout_key_of_meta
+    from kvtool.prefix import KVGeometry, PrefixCache
+
+    pc = PrefixCache(KVToolConfig(ssd_cache_dir=tmp_path, ram_bytes=0), geometry=KVGeometry(2, 2, 8), model_id="m" * 32,
+                     model_class="x.Model")
+    meta = pc._namespace_meta(64)
+    assert layout_key_of_meta(meta, 2) == pc.layout_key
+    for extra in ({"kv_windows": "96,-"}, {"kv_quantization": "kv_bits=8;group=64"}):
+        assert layout_key_of_meta({**meta, **extra}, 2) != pc.layout_key
+    pc.close()
+    scan = scan_cache(tmp_path)
+    assert [ns.status.value for ns in scan.namespaces] == ["empty"] or [ns.status.value for ns in scan.namespaces] == ["ok"]

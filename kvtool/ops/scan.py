@@ -43,7 +43,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from kvtool.errors import KVToolError
-from kvtool.hashing import layout_key, root_parent
+from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.chains import ChainTree, build_chain_tree
 from kvtool.ops.confined import disk_full, free_bytes
 from kvtool.store.fsops import FileOps, NamespaceSelectError, scan_namespace, select_namespaces, temp_is_leftover
@@ -393,11 +393,7 @@ def meta_problem(name: str, meta: Mapping[str, str]) -> str | None:
     if meta.get("layout_key") != name:
         return f"its meta names layout {meta.get('layout_key')!r}, not its directory name"
     try:
-        key = layout_key(
-            meta["model_id"], meta["kv_layers"], meta["kv_dtype"], int(meta["block_size"]),
-            format_version=int(meta["format_version"]), model_class=meta.get("model_class", ""),
-            versions=meta.get("libraries", ""), extra=meta.get("kv_quantization", ""),
-        )  # fmt: skip
+        key = layout_key_of_meta(meta)
         if int(meta["block_size"]) <= 0:
             raise ValueError("block_size must be positive")
         Expected.from_meta(name, dict(meta))
