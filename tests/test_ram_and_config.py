@@ -75,3 +75,18 @@ def test_parse_duration(text, expected):
 def test_bad_units_raise(bad):
     with pytest.raises(ValueError):
         parse_duration(bad) if "d" in bad or "parsec" in bad else parse_size(bad)
+
+
+def test_ram_trim_evicts_lru_unpinned_blocks_and_keeps_the_budget():
+    from kvtool.store.ram import RamTier
+
+    evicted = []
+    ram = RamTier(1 << 30, on_evict=lambda b, p: evicted.append(b.block_hash))
+    blocks = [_block(f"{i:032x}") for i in range(5)]
+    for b in blocks:
+        ram.put(b)
+    ram.pin([blocks[0].block_hash])
+    assert ram.trim(max_blocks=2) == 3 and len(ram) == 2
+    assert evicted == [b.block_hash for b in blocks[1:4]]  # LRU order, the pinned one kept
+    assert ram.trim(max_bytes=0) == 1 and len(ram) == 1 and blocks[0].block_hash in ram
+    assert ram.capacity_bytes == 1 << 30

@@ -184,20 +184,8 @@ class KVToolPromptCache:
             ram = self._ram()
             if ram is None:
                 return
-            capacity = ram.capacity_bytes
-            try:  # workaround until PrefixCache has a public trim (see the module docstring of cmd_serve_http)
-                if n_bytes is not None:
-                    ram.capacity_bytes = max(0, int(n_bytes))
-                    ram.unpin(())  # collects victims down to the (temporary) budget
-                if n_sequences is not None:
-                    while len(ram) > max(0, int(n_sequences)):
-                        before = len(ram)
-                        ram.capacity_bytes = max(0, ram.nbytes - 1)  # exactly one LRU victim
-                        ram.unpin(())
-                        if len(ram) >= before:  # the rest is pinned by requests in flight
-                            break
-            finally:
-                ram.capacity_bytes = capacity
+            ram.trim(None if n_bytes is None else max(0, int(n_bytes)),
+                     None if n_sequences is None else max(0, int(n_sequences)))
 
     def __len__(self) -> int:
         """Blocks held in the RAM tier."""

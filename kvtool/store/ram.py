@@ -100,6 +100,35 @@ class RamTier:
             victims = self._collect_victims()
         self._notify(victims)
 
+    def trim(self, max_bytes: int | None = None, max_blocks: int | None = None) -> int:
+        """Evict least recently used unpinned blocks until at most `max_bytes` bytes and
+        `max_blocks` blocks are held (the budget itself is unchanged); evicted blocks go through
+        `on_evict` (write-back under `evict_only`). Pinned blocks stay.
+
+        Returns:
+            Blocks evicted.
+        """
+        with self._lock:
+            victims: list[tuple[str, _Entry]] = []
+            nbytes, count = self._nbytes, len(self._entries)
+            for h, entry in self._entries.items():
+                over_bytes = max_bytes is not None and nbytes > max_bytes
+                over_count = max_blocks is not None and count > max_blocks
+                if not (over_bytes or over_count):
+                    break
+                if entry.pins:
+                    continue
+                victims.append((h, entry))
+                nbytes -= entry.block.nbytes
+                count -= 1
+            for h, entry in victims:
+                del self._entries[h]
+                self._nbytes -= entry.block.nbytes
+                self._stats["kv_ram_evictions"] += 1
+                self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
+        self._notify([e for _, e in victims])
+        return len(victims)
+
     def clear(self) -> list[Block]:
         """Drop every block (no eviction callbacks); returns the blocks that were held."""
         with self._lock:
