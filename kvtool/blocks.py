@@ -188,12 +188,15 @@ class Block:
 
 
 def _to_numpy(a: mx.array) -> np.ndarray:
+    """A numpy view of an MLX array's memory (zero copy on the CPU backend, where MLX exports
+    its buffer; a copy elsewhere). bfloat16 is viewed as its uint16 bit pattern. The view keeps
+    the array alive; blocks are never written in place, so sharing their memory is safe."""
     storage = _MX_TO_NP_STORAGE.get(a.dtype)
     if storage is None:
         raise ValueError(f"unsupported KV dtype {a.dtype}")
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return np.array(a, copy=True)
+    return np.asarray(a)
 
 
 def _to_mlx(a: np.ndarray, dtype: str) -> mx.array:
@@ -204,7 +207,9 @@ def _to_mlx(a: np.ndarray, dtype: str) -> mx.array:
 
 
 def to_host(block: Block) -> HostBlock:
-    """Materialise a RAM block into host memory (copies). Call on the MLX (request) thread."""
+    """A RAM block as host arrays for the SSD writer: numpy views of the block's own (immutable)
+    MLX arrays, no copy on the CPU backend (the block is already a copy of the cache: see
+    `slice_blocks`). Call on the MLX (request) thread."""
     return HostBlock(
         block_hash=block.block_hash,
         parent_hash=block.parent_hash,
@@ -275,6 +280,8 @@ def slice_blocks(
         Evaluated blocks, each holding copies (not views) of the cache's KV.
     """
     ids = np.asarray(token_ids, dtype=np.int32)
+    if _one_copy_per_layer(cache, spans, kv, states):
+        return _slice_run(cache, ids, spans)
     blocks: list[Block] = []
     for i, (h, parent, lo, hi) in enumerate(spans):
         keys: list[mx.array] = []
@@ -288,6 +295,32 @@ def slice_blocks(
         if states is not None:
             values += list(states[i])
         blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
+    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
+    return blocks
+
+
+def _one_copy_per_layer(cache, spans, kv, states) -> bool:
+    """True for the common case: plain KVCache layers and back-to-back spans."""
+    if states is not None or (kv is not None and kv.quantized) or not spans:
+        return False
+    if any(type(c) is not KVCache for c in cache):
+        return False
+    return all(a[3] == b[2] for a, b in zip(spans, spans[1:]))
+
+
+def _slice_run(cache: list[KVCache], ids: np.ndarray, spans: Sequence[tuple[str, str, int, int]]) -> list[Block]:
+    """Blocks of back-to-back spans from ONE contiguous copy per layer and tensor (2 x layers
+    copies instead of 2 x layers x blocks): each block views its part of the copy. The copy is
+    shared by the run's blocks, so its memory is freed when the last of them leaves RAM."""
+    lo0, hi0 = spans[0][2], spans[-1][3]
+    runs_k = [mx.contiguous(c.keys[..., lo0:hi0, :]) for c in cache]
+    runs_v = [mx.contiguous(c.values[..., lo0:hi0, :]) for c in cache]
+    mx.eval(runs_k, runs_v)
+    blocks = []
+    for h, parent, lo, hi in spans:
+        a, b = lo - lo0, hi - lo0
+        blocks.append(Block(h, parent, ids[lo:hi].copy(), [k[..., a:b, :] for k in runs_k],
+                            [v[..., a:b, :] for v in runs_v]))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks
 

@@ -312,8 +312,20 @@ def _record_pieces(block: HostBlock, kv: KVLayout) -> list[np.ndarray]:
     for arr, shape, storage in zip(kv.interleave(block.keys, block.values), kv.shapes(n), kv.storage_dtypes()):
         if tuple(arr.shape) != shape or arr.dtype.newbyteorder("<") != storage:
             raise BlockFileError("shape", f"block {block.block_hash}: tensor {arr.shape}/{arr.dtype}, expected {shape}/{storage}")
-        pieces.append(np.ascontiguousarray(arr, dtype=storage))
+        pieces += _c_pieces(np.asarray(arr), storage)
     return pieces
+
+
+def _c_pieces(arr: np.ndarray, storage: np.dtype) -> list[np.ndarray]:
+    """C-contiguous pieces of `arr` in C order, without copying a strided view whose rows are
+    contiguous (e.g. a block sliced from a `[1, H, T, D]` buffer: one piece per head)."""
+    if arr.dtype != storage:
+        arr = arr.astype(storage)
+    if arr.flags.c_contiguous:
+        return [arr]
+    if arr.ndim <= 1:
+        return [np.ascontiguousarray(arr)]
+    return [p for sub in arr for p in _c_pieces(sub, storage)]
 
 
 def _checksum(pieces: Sequence) -> str:
