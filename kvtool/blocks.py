@@ -149,11 +149,6 @@ def rotating_from_full(c: KVCache, n: int, max_size: int, step: int) -> Rotating
         r.values = mx.where(empty, mx.zeros((), c.values.dtype), mx.take(c.values, take, axis=2))
     r.offset, r._idx = n, idx
     return r
-    lo = rotating_window_start(n, max_size, step)
-    r.keys = mx.contiguous(c.keys[..., lo:n, :])
-    r.values = mx.contiguous(c.values[..., lo:n, :])
-    r.offset, r._idx = n, n - lo
-    return r
 
 
 @dataclass
