@@ -5,6 +5,7 @@ JSON keys, ages, chains, health), read-only behaviour, and `--prompt` (the model
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -16,9 +17,11 @@ from typer.testing import CliRunner
 from kvtool.cli import app as app_module
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
+from kvtool.hashing import layout_key
 from kvtool.ops.inspect_cache import AGE_BUCKETS, inspect_cache, render
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.store.index import BlockIndex
+from kvtool.store.segment import FORMAT_VERSION
 from kvtool.store.ssd import SSDStore
 from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, segment_files
 
@@ -29,15 +32,16 @@ BS = 64
 
 REPORT_KEYS = {"cache_dir", "now", "namespaces", "totals"}
 REPORT_KEYS = REPORT_KEYS | {"symlinks"}
+REPORT_KEYS = REPORT_KEYS | {"schema_version", "scanned", "sort", "filter", "limit"}  # issue 12: added, none removed
 NAMESPACE_KEYS = {
     "namespace", "status", "message", "model_id", "model_name", "model_class", "layout_key", "block_size", "kv_dtype",
     "kv_layers", "n_layers", "n_kv_heads", "head_dim", "format_version", "blocks", "tail_entries", "segments", "bytes",
     "chains", "max_depth", "oldest_access", "newest_access", "age_histogram", "shutdown_clean",
-    "shutdown_partial_flush", "created", "last_open", "last_close", "health",
+    "shutdown_partial_flush", "created", "last_open", "last_close", "last_used", "health",
 }  # fmt: skip
 HEALTH_KEYS = {"rows", "files", "missing_files", "orphan_files", "temp_files", "bad_rows", "symlinks", "ok"}
 PROBE_KEYS = {
-    "cache_dir", "model", "namespace", "namespace_exists", "block_size", "prompt_tokens", "full_blocks",
+    "schema_version", "cache_dir", "model", "namespace", "namespace_exists", "block_size", "prompt_tokens", "full_blocks",
     "cached_blocks", "cached_tokens", "reused_tokens", "would_hit",
 }  # fmt: skip
 
@@ -107,7 +111,8 @@ def test_health_counts_missing_orphan_temp_bad_and_symlinks(cache, tmp_path):
     seg = block_path(store, chain[0].block_hash)
     (seg.parent / f".{seg.stem}.1.abcdef01.tmp").write_bytes(b"x")
     (seg.parent / "someone-elses.tmp").write_bytes(b"x")  # not a kvtool temp file
-    (store.namespace_dir / "ee").symlink_to(tmp_path)
+    free = next(f"{i:02x}" for i in range(256) if not (store.namespace_dir / f"{i:02x}").exists())  # segment names are random
+    (store.namespace_dir / free).symlink_to(tmp_path)
     (ns,) = inspect_cache(cache_dir, now=NOW).namespaces
     h = ns.health
     # orphans: the segment whose row was deleted, and the one only a malformed row names
@@ -205,3 +210,115 @@ def test_prompt_probe_agrees_with_a_following_serve_once(tmp_path, tiny_model):
     assert human.exit_code == 0 and f"would hit: {len(ids)} of {len(ids)}" in human.output  # full blocks + tail
     raw = json.loads(run_cli(*args, "--prompt", text, "--ignore-chat-template").stdout)
     assert raw["prompt_tokens"] != len(ids) and raw["namespace"] == probe["namespace"]
+
+
+# ------------------------------------------------------------------ the table (issue 12)
+@pytest.fixture
+def three(tmp_path):
+    """Three namespaces of models 'beta' (3 blocks, used 2 h ago), 'alpha' (1 block, 3 d ago) and
+    'gamma' (2 blocks, 10 min ago), model classes from mlx_lm; returns (cache_dir, {model name: layout key})."""
+    cache_dir = tmp_path / "kv"
+    keys = {}
+    for name, n, age in (("beta", 3, BETA_AGE), ("alpha", 1, ALPHA_AGE), ("gamma", 2, GAMMA_AGE)):
+        meta = {**make_meta(model_id=name), "model_name": name, "model_class": f"mlx_lm.models.{name}.Model"}
+        key = layout_key(name, meta["kv_layers"], meta["kv_dtype"], BS_TEST, format_version=FORMAT_VERSION,
+                         model_class=meta["model_class"])  # fmt: skip
+        store = SSDStore(cache_dir, key, meta)
+        chain = make_chain(store.layout_key, np.arange(4 * n))
+        for b in chain:
+            store.save_block(b)
+        store.close()
+        conn = sqlite3.connect(store.namespace_dir / "index.sqlite")
+        with conn:
+            conn.execute("UPDATE blocks SET last_access=?", (NOW - age,))
+            conn.executemany("UPDATE meta SET value=? WHERE key=?", [(str(NOW - age), k) for k in ("created", "last_open", "last_close")])
+        conn.close()
+        for index_file in store.namespace_dir.glob("index.sqlite*"):  # the index's last write is a use too
+            os.utime(index_file, (NOW - age, NOW - age))
+        keys[name] = store.layout_key
+    return cache_dir, keys
+
+
+BS_TEST = 4  # store_helpers.GEOMETRY
+BETA_AGE, ALPHA_AGE, GAMMA_AGE = 2 * 3600 + 600, 3 * 86400 + 3600, 690  # before NOW (60 s ahead of the clock)
+
+
+def names(doc) -> list[str]:
+    return [ns["model_name"] for ns in doc["namespaces"]]
+
+
+def test_table_has_one_row_per_namespace_with_model_name_class_and_last_used(three):
+    cache_dir, keys = three
+    res = run_cli("--cache-dir", str(cache_dir))
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    header = lines[0].split()
+    assert header == ["namespace", "model", "class", "status", "size", "blocks", "segments", "last", "used"]
+    rows = [line.split() for line in lines[2:5]]
+    assert [r[1] for r in rows] == ["alpha", "beta", "gamma"]  # default: by model name
+    assert [r[2] for r in rows] == ["alpha.Model", "beta.Model", "gamma.Model"]  # mlx_lm.models. dropped
+    for r, name in zip(rows, ("alpha", "beta", "gamma")):
+        assert keys[name].startswith(r[0]) and len(r[0]) >= 8  # a key prefix, not the bare 32-hex hash
+        assert r[3] == "ok" and r[-2] == dict(alpha="3d", beta="2h", gamma="10m")[name] and r[-1] == "ago"
+    assert [r[6] for r in rows] == ["1", "3", "2"] and [r[7] for r in rows] == ["1", "3", "2"]  # blocks, segments
+    assert lines[-1].startswith("3 namespace(s), ") and len(lines) == 6  # header, rule, 3 rows, total
+    assert "layout" not in res.stdout  # the details only with --namespace
+    detail = run_cli("--cache-dir", str(cache_dir), "--namespace", keys["beta"][:6])
+    assert detail.exit_code == 0 and "class mlx_lm.models.beta.Model" in detail.stdout and "ages " in detail.stdout
+
+
+def test_sort_filter_limit_in_table_and_json(three):
+    cache_dir, keys = three
+    doc = lambda *a: json.loads(run_cli("--cache-dir", str(cache_dir), "--json", *a).stdout)  # noqa: E731
+    assert names(doc()) == ["alpha", "beta", "gamma"]
+    assert names(doc("--sort", "size")) == ["beta", "gamma", "alpha"]
+    assert names(doc("--sort", "blocks")) == ["beta", "gamma", "alpha"]
+    assert names(doc("--sort", "last-used")) == ["gamma", "beta", "alpha"]
+    assert names(doc("--sort", "NAME")) == ["alpha", "beta", "gamma"]
+    assert names(doc("--filter", "MM")) == ["gamma"]  # model name, case-insensitive
+    assert names(doc("--filter", keys["beta"][3:9])) == ["beta"]  # a part of the key
+    limited = doc("--sort", "last-used", "--limit", "2")
+    assert names(limited) == ["gamma", "beta"] and limited["scanned"] == 3 and limited["totals"]["namespaces"] == 2
+    assert (limited["sort"], limited["filter"], limited["limit"]) == ("last-used", None, 2)
+    assert limited["totals"]["blocks"] == 5
+    last = {ns["model_name"]: ns["last_used"] for ns in doc()["namespaces"]}
+    assert last["gamma"] == pytest.approx(NOW - GAMMA_AGE) and last["alpha"] == pytest.approx(NOW - ALPHA_AGE)
+    none = run_cli("--cache-dir", str(cache_dir), "--filter", "nothing-like-it")
+    assert none.exit_code == 0 and "none of the 3 namespace(s)" in none.stdout
+    top = run_cli("--cache-dir", str(cache_dir), "--sort", "size", "--limit", "1")
+    assert top.exit_code == 0 and "beta" in top.stdout and "alpha" not in top.stdout and "1 namespace(s) (of 3)" in top.stdout
+
+
+def test_schema_version_and_bad_selection_options(three):
+    cache_dir, _ = three
+    doc = json.loads(run_cli("--cache-dir", str(cache_dir), "--json").stdout)
+    assert list(doc)[0] == "schema_version" and doc["schema_version"] == 1 and set(doc) == REPORT_KEYS
+    for args, needle in [(["--sort", "age"], "'age' is not one of size, last-used, name, blocks"),
+                         (["--limit", "-1"], "--limit"),
+                         (["--prompt", "hi", "--sort", "size"], "only apply to the cache listing")]:  # fmt: skip
+        res = run_cli("--cache-dir", str(cache_dir), *args)
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], res.output
+
+
+def test_quiet_prints_only_problems(cache, three):
+    cache_dir, _ = three
+    res = run_cli("--cache-dir", str(cache_dir), "--quiet")
+    assert res.exit_code == 0 and res.output == ""
+    cache_dir, store, chain = cache
+    block_path(store, chain[3].block_hash).unlink()  # row without file
+    res = run_cli("--cache-dir", str(cache_dir), "--quiet", "--json")  # --quiet wins
+    assert res.exit_code == 1 and res.stdout == "" and "1 missing files" in res.stderr and "kvtool validate" in res.stderr
+
+
+def test_ago_and_short_keys():
+    from kvtool.cli.cmd_inspect import SORT_METAVAR, ago, short_keys
+    from kvtool.ops.inspect_cache import InspectSort
+
+    assert [ago(NOW - s, NOW) for s in (5, 125, 3 * 3600 + 5, 2 * 86400, 90 * 86400, 800 * 86400)] == [
+        "5s ago", "2m ago", "3h ago", "2d ago", "3mo ago", "2y ago"]  # fmt: skip
+    assert ago(None, NOW) == "-" and ago(NOW + 100, NOW) == "0s ago"
+    a, b, c = "abcdef0123" + "0" * 22, "abcdef0199" + "0" * 22, "ff" * 16
+    assert short_keys([a, b, c]) == {a: "abcdef012", b: "abcdef019", c: "ffffffff"}
+    assert short_keys([a]) == {a: a[:8]} and short_keys([a, a]) == {a: a[:8]}
+    assert SORT_METAVAR == "[" + "|".join(InspectSort) + "]"  # the help lists exactly the sort keys

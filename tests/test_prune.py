@@ -340,8 +340,8 @@ def test_cli_json_schema(cache):
     res = run_cli("--cache-dir", str(cache_dir), "--max-bytes", "2KiB", "--ttl", "none", "--yes", "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert set(doc) == {"cache_dir", "ttl_s", "max_bytes", "scope", "now", "namespaces", "dry_run", "executed",
-                        "totals", "problems"}  # fmt: skip
+    assert set(doc) == {"schema_version", "cache_dir", "ttl_s", "max_bytes", "scope", "now", "namespaces", "dry_run",
+                        "executed", "totals", "problems"}  # fmt: skip
     assert doc["ttl_s"] is None and doc["max_bytes"] == 2048 and doc["scope"] == "namespace" and doc["executed"]
     ns = doc["namespaces"][0]
     assert set(ns) == {

@@ -390,7 +390,8 @@ def test_cli_exit_codes_and_json(cache, cli, tmp_path):
     assert ok.exit_code == 0, ok.output
     doc = json.loads(ok.stdout)
     assert doc["clean"] and doc["namespaces"][0]["namespace"] == store.layout_key
-    assert set(doc) == {"cache_dir", "deep", "dry_run", "executed", "rebuild_index", "symlinks", "namespaces", "problems", "clean"}
+    assert set(doc) == {"schema_version", "cache_dir", "deep", "dry_run", "executed", "rebuild_index", "symlinks",
+                        "namespaces", "problems", "clean"}
     dmg_missing(store, chains)
     dry = cli("--cache-dir", str(cache_dir), "--dry-run", "--json")
     assert dry.exit_code == 1 and json.loads(dry.stdout)["namespaces"][0]["missing_rows_dropped"] == 1

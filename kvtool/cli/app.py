@@ -53,8 +53,9 @@ def _register() -> None:
 
     cmd_serve.register(app)
     common.register_optional(app, "cmd_serve_http")  # `kvtool serve` (mlx-lm's HTTP server on the tiers)
-    for name in ("cmd_model", "cmd_validate", "cmd_warm", "cmd_prune", "cmd_inspect", "cmd_bench"):
+    for name in ("cmd_model", "cmd_validate", "cmd_warm", "cmd_prune", "cmd_rm", "cmd_inspect", "cmd_bench"):
         common.register_optional(app, name)
+    common.register_optional(app, "cmd_interop")  # `kvtool import` / `kvtool export` (mlx-lm prompt-cache files)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.units import format_bytes, parse_duration, parse_size
 
 EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.ops.lock.EXIT_LOCKED)
@@ -63,6 +64,7 @@ def prune_cmd(
     cache_dir: common.CacheDirOpt = None,
     config: common.ConfigOpt = None,
 ) -> None:
+    out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.prune import cache_lock, check_limits, execute_prune, plan_prune
         from kvtool.ops.scan import scan_cache
@@ -80,7 +82,7 @@ def prune_cmd(
         with nullcontext() if dry_run else cache_lock(root):  # a dry run only reads
             plan = plan_prune(scan_cache(root, namespace), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run
-            code = _confirm_and_execute(plan, yes, json_out, quiet, execute_prune)
+            code = _confirm_and_execute(plan, yes, out, execute_prune)
     raise typer.Exit(code)
 
 
@@ -99,22 +101,22 @@ def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None,
     return ttl_s, budget
 
 
-def _confirm_and_execute(plan, yes: bool, json_out: bool, quiet: bool, execute) -> int:
+def _confirm_and_execute(plan, yes: bool, out: Output, execute) -> int:
     if plan.dry_run or not _removes_anything(plan):
-        _emit(plan, json_out, quiet, lambda: _print_unchanged(plan))
+        _emit(plan, out, lambda: _print_unchanged(plan, out))
         return _exit_code(plan)
     shown = False
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
-        _print_plan(plan, common.err_console if (json_out or quiet) else common.console)
+        _print_plan(plan, out.interaction)
         shown = True
         question = (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} segment file(s), "
                     f"{format_bytes(plan.total('prune_bytes'))}?")  # fmt: skip
-        if not typer.confirm(question, default=False, err=True):
-            common.err_console.print("aborted: nothing changed")
+        if not out.confirm(question):
+            out.err_console.print("aborted: nothing changed")
             return common.EXIT_PROBLEMS
     with _deferred_signals() as received:
         execute(plan)
-    _emit(plan, json_out, quiet, lambda: _print_executed(plan, plan_shown=shown))
+    _emit(plan, out, lambda: _print_executed(plan, out, plan_shown=shown))
     if received:
         return 128 + received[0]
     return _exit_code(plan)
@@ -128,26 +130,22 @@ def _exit_code(plan) -> int:
     return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
 
 
-def _emit(plan, json_out: bool, quiet: bool, human) -> None:
+def _emit(plan, out: Output, human) -> None:
     """--quiet: problems only (stderr); --json: the plan document; else `human()`."""
-    if quiet:
-        if plan.problems:
-            _print_result(plan, common.err_console)
-    elif json_out:
-        common.print_json(plan.to_dict())
-    else:
-        human()
+    out.emit(plan.to_dict, human)
+    if out.quiet and plan.problems:
+        _print_result(plan, out.err_console)
 
 
-def _print_unchanged(plan) -> None:
-    _print_plan(plan, common.console)
-    common.console.print("dry run: nothing changed" if plan.dry_run else "nothing to prune")
+def _print_unchanged(plan, out: Output) -> None:
+    _print_plan(plan, out.console)
+    out.print("dry run: nothing changed" if plan.dry_run else "nothing to prune")
 
 
-def _print_executed(plan, plan_shown: bool) -> None:
+def _print_executed(plan, out: Output, plan_shown: bool) -> None:
     if not plan_shown:
-        _print_plan(plan, common.console)
-    _print_result(plan, common.console)
+        _print_plan(plan, out.console)
+    _print_result(plan, out.console)
 
 
 @contextmanager

@@ -142,6 +142,7 @@ def _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out) 
         stats = engine.stats()  # after the drain: every accepted write is counted
     if json_out:
         doc = {
+            "schema_version": 1,  # kvtool.cli.output.SCHEMA_VERSION
             "requests": [r.to_dict() for r in results],
             "stats": stats,
             "shutdown_clean": status.shutdown_clean,

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.units import format_bytes
-from kvtool.config import default_cache_dir
 
 HELP = """Check every namespace of the SSD cache and repair it, without losing a block that verifies.
 
@@ -25,12 +24,17 @@ Examples:
 
   kvtool validate --rebuild-index --namespace 3fa2
 
+  17 4 * * *  kvtool validate --quiet      # crontab line: silent unless something was found
+
 Exit codes: 0 clean; 1 problems found (repaired unless --dry-run); 2 could not run.
 """
 
 DeepOpt = Annotated[bool, typer.Option("--deep", help="Read every record and verify its checksum (slow).")]
 RebuildOpt = Annotated[
     bool, typer.Option("--rebuild-index", help="Rebuild unreadable indexes from their segment files.")
+]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="Print nothing when clean; otherwise only the problems, on stderr.")
 ]
 
 _COLUMNS = (
@@ -55,39 +59,31 @@ def validate_cmd(
     deep: DeepOpt = False,
     dry_run: common.DryRunOpt = False,
     json_out: common.JsonOpt = False,
+    quiet: QuietOpt = False,
     rebuild_index: RebuildOpt = False,
+    config: common.ConfigOpt = None,
 ) -> None:
+    out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.validate import validate
 
-        root = cache_dir if cache_dir is not None else default_cache_dir()
-        with _progress(enabled=not json_out) as progress:
-            report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, progress=progress,
-                              rebuild_index=rebuild_index)  # fmt: skip
-        if json_out:
-            common.print_json(report.to_dict())
-        else:
-            _print_human(report)
+        root = common.build_config(config, cache_dir).ssd_cache_dir
+        with out.progress() as bar:
+            report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
+                              progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip
+        out.emit(report.to_dict, lambda: _print_human(report, out))
+        if out.quiet and report.problems:
+            _print_problems(report, out)
         if report.problems:
             raise typer.Exit(common.EXIT_PROBLEMS)
 
 
-class _RichProgress:
-    """Adapter from validate's `progress(namespace, done, total)` to one rich bar per namespace."""
+class _BarProgress:
+    """Adapter from validate's `progress(namespace, done, total)` to one rich task per namespace."""
 
-    def __init__(self) -> None:
-        self._bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            console=common.err_console, transient=True,
-        )  # fmt: skip
+    def __init__(self, bar) -> None:
+        self._bar = bar
         self._tasks: dict[str, int] = {}
-
-    def __enter__(self) -> "_RichProgress":
-        self._bar.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._bar.__exit__(*exc)
 
     def __call__(self, namespace: str, done: int, total: int) -> None:
         if namespace not in self._tasks:
@@ -95,36 +91,47 @@ class _RichProgress:
         self._bar.update(self._tasks[namespace], completed=done, total=total)
 
 
-def _progress(enabled: bool):
-    return _RichProgress() if enabled else nullcontext(None)
+def _found(ns) -> list[str]:
+    found = [f"{label} {getattr(ns, attr)}" for label, attr in _COLUMNS if getattr(ns, attr)]
+    found += [f"symlinks {len(ns.symlinks)}"] if ns.symlinks else []
+    found += ["index rebuilt"] if ns.index_rebuilt else []
+    return found
 
 
-def _print_human(report) -> None:
+def _print_problems(report, out: Output) -> None:
+    """--quiet with problems: one line per namespace that was not clean, then the summary (stderr)."""
+    for ns in report.namespaces:
+        if ns.problems:
+            detail = "; ".join(x for x in (", ".join(_found(ns)), ns.message) if x) or ns.status
+            out.problem(f"{ns.namespace}: {ns.outcome}: {escape(detail)}")
+    for link in report.symlinks:
+        out.problem(f"{escape(str(report.cache_dir))}/{escape(link)}: a symlink in the cache directory (never followed)")
+    fixed = " (dry run: nothing changed)" if report.dry_run else ""
+    out.problem(f"kvtool validate {escape(str(report.cache_dir))}: {report.problems} problem(s) found{fixed}")
+
+
+def _print_human(report, out: Output) -> None:
     mode = " (dry run: nothing changed)" if report.dry_run else ""
     if not report.namespaces:
-        common.console.print(f"no namespaces under {report.cache_dir}{mode}")
+        out.print(f"no namespaces under {escape(str(report.cache_dir))}{mode}")
         return
-    table = Table(title=f"kvtool validate {report.cache_dir}{' --deep' if report.deep else ''}{mode}")
+    table = Table(title=escape(f"kvtool validate {report.cache_dir}{' --deep' if report.deep else ''}{mode}"))
     for name in ("namespace", "status", "outcome", "rows", "files", "problems", "freed"):
         table.add_column(name, justify="left" if name in ("namespace", "status", "outcome", "problems") else "right")
     for ns in report.namespaces:
         style = {"clean": "green", "repaired": "yellow", "problems": "yellow", "skipped": "yellow"}.get(ns.outcome, "red")
-        found = [f"{label} {getattr(ns, attr)}" for label, attr in _COLUMNS if getattr(ns, attr)]
-        found += [f"symlinks {len(ns.symlinks)}"] if ns.symlinks else []
-        found += ["index rebuilt"] if ns.index_rebuilt else []
         table.add_row(
             ns.namespace[:12], ns.status, f"[{style}]{ns.outcome}[/]", str(ns.rows), str(ns.files),
-            ", ".join(found) or "-", format_bytes(ns.bytes_freed),
+            ", ".join(_found(ns)) or "-", format_bytes(ns.bytes_freed),
         )  # fmt: skip
-    common.console.print(table)
+    out.table(table)
     for ns in report.namespaces:
         if ns.message:
-            common.console.print(f"[red]{ns.namespace}[/]: {ns.message}", highlight=False, soft_wrap=True)
+            out.print(f"[red]{ns.namespace}[/]: {escape(ns.message)}")
     for link in report.symlinks:
-        common.console.print(f"[red]{report.cache_dir}/{link}[/]: a symlink in the cache directory (never followed)",
-                             highlight=False, soft_wrap=True)  # fmt: skip
+        out.print(f"[red]{escape(str(report.cache_dir))}/{escape(link)}[/]: a symlink in the cache directory (never followed)")
     summary = "clean" if not report.problems else f"{report.problems} problem(s) found"
-    common.console.print(summary + mode)
+    out.print(summary + mode)
 
 
 def register(app: typer.Typer) -> None:

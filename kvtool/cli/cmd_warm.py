@@ -89,7 +89,7 @@ def _run(engine, prompts, json_out: bool, chat_template: bool = True, system_pro
         finally:
             common.ignore_signals()
             status = engine.close()  # drains the writer, flushes and closes the index
-    doc = report.to_dict()
+    doc = {"schema_version": 1, **report.to_dict()}  # kvtool.cli.output.SCHEMA_VERSION
     doc.update(shutdown_clean=status.shutdown_clean, shutdown_partial_flush=status.shutdown_partial_flush)
     if json_out:
         common.print_json(doc)

@@ -2,7 +2,8 @@
 whether a prompt would hit.
 
 Read-only: the scan opens indexes `mode=ro` and only lists files. (Named `inspect_cache` so that
-it never shadows the stdlib `inspect`.)
+it never shadows the stdlib `inspect`.) `InspectReport.select` sorts, filters and limits the
+namespaces (`--sort`, `--filter`, `--limit`): the table and the JSON show the same selection.
 
 A prompt probe asks the model's own `PrefixCache.probe` (hashing and one index query, no block
 read), on a store opened read-only through `ReadOnlyFileOps`: nothing is created or changed.
@@ -12,7 +13,8 @@ The CLI builds the engine; this module only holds the result type and never impo
 from __future__ import annotations
 
 import errno
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
 
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
@@ -29,6 +31,16 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("<30d", 30 * 86400.0),
     ("older", float("inf")),
 )
+
+
+class InspectSort(StrEnum):
+    """`kvtool inspect --sort`: size, blocks and last-used list the largest / newest first; name
+    sorts by model name, then namespace (namespaces without a model name last)."""
+
+    SIZE = "size"
+    LAST_USED = "last-used"
+    NAME = "name"
+    BLOCKS = "blocks"
 
 
 @dataclass
@@ -76,6 +88,8 @@ class NamespaceInfo:
         shutdown_clean: the last process closed it cleanly (False also while one has it open).
         shutdown_partial_flush: the last shutdown flushed the index after an incomplete drain.
         created, last_open, last_close: from the index meta (None if absent).
+        last_used: the newest sign of use: a block's last access, the index's last write, or a
+            process opening or closing the namespace (clamped to now; None if none is known).
         health: index vs files.
     """
 
@@ -107,6 +121,7 @@ class NamespaceInfo:
     created: float | None = None
     last_open: float | None = None
     last_close: float | None = None
+    last_used: float | None = None
     health: Health = field(default_factory=Health)
 
     @property
@@ -122,17 +137,47 @@ class InspectReport:
     Attributes:
         cache_dir: the SSD tier root.
         now: the time ages are measured from (unix seconds).
-        namespaces: one entry per namespace.
+        namespaces: one entry per namespace (after `select`: the selection, in its order).
         symlinks: symlinks directly under the cache root (never followed).
+        scanned: namespaces scanned (before `select` filtered and limited them).
+        sort, filter, limit: the selection applied (None: not given).
     """
 
     cache_dir: str
     now: float
     namespaces: list[NamespaceInfo] = field(default_factory=list)
     symlinks: list[str] = field(default_factory=list)
+    scanned: int = 0
+    sort: str | None = None
+    filter: str | None = None
+    limit: int | None = None
+
+    def select(self, sort: InspectSort | str | None = InspectSort.NAME, text: str | None = None,
+               limit: int | None = None) -> "InspectReport":  # fmt: skip
+        """A copy with the namespaces sorted, filtered (`text`: a case-insensitive substring of
+        the model name or the namespace key) and cut to the first `limit`.
+
+        Raises:
+            ValueError: an unknown sort key or a negative limit.
+        """
+        if limit is not None and limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        key = InspectSort(sort) if sort is not None else None
+        picked = [ns for ns in self.namespaces if _matches(ns, text)]
+        if key is not None:
+            picked = sorted(picked, key=_SORT_KEYS[key])
+        if limit is not None:
+            picked = picked[:limit]
+        return replace(self, namespaces=picked, sort=key.value if key else None, filter=text, limit=limit)
+
+    @property
+    def problems(self) -> int:
+        """Namespaces shown that are unreadable or foreign or whose index and files disagree,
+        plus symlinks under the cache root (exit 1 of `kvtool inspect`)."""
+        return sum(ns.problem for ns in self.namespaces) + len(self.symlinks)
 
     def to_dict(self) -> dict:
-        """JSON-ready document (the `--json` output)."""
+        """JSON-ready document (the `--json` output; the CLI adds `schema_version`)."""
         doc = asdict(self)
         doc["totals"] = {
             "namespaces": len(self.namespaces),
@@ -140,6 +185,22 @@ class InspectReport:
             "bytes": sum(ns.bytes for ns in self.namespaces),
         }
         return doc
+
+
+def _matches(ns: NamespaceInfo, text: str | None) -> bool:
+    if not text:
+        return True
+    needle = text.lower()
+    return needle in ns.namespace or needle in (ns.model_name or "").lower()
+
+
+_LAST = float("inf")
+_SORT_KEYS = {
+    InspectSort.SIZE: lambda ns: (-ns.bytes, ns.namespace),
+    InspectSort.BLOCKS: lambda ns: (-ns.blocks, ns.namespace),
+    InspectSort.LAST_USED: lambda ns: (-(ns.last_used if ns.last_used is not None else -_LAST), ns.namespace),
+    InspectSort.NAME: lambda ns: (ns.model_name is None, (ns.model_name or "").lower(), ns.namespace),
+}
 
 
 def inspect_cache(cache_dir: Path, namespace: str | None = None, now: float | None = None, fs: FileOps | None = None) -> InspectReport:
@@ -153,7 +214,7 @@ def inspect_cache(cache_dir: Path, namespace: str | None = None, now: float | No
 
 def render(scan: CacheScan) -> InspectReport:
     """The inspect report of a scan."""
-    report = InspectReport(str(scan.cache_dir), scan.now, symlinks=list(scan.symlinks))
+    report = InspectReport(str(scan.cache_dir), scan.now, symlinks=list(scan.symlinks), scanned=len(scan.namespaces))
     report.namespaces = [_info(ns, scan.now) for ns in scan.namespaces]
     return report
 
@@ -184,6 +245,8 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
             label = next(label for label, bound in AGE_BUCKETS if now - t < bound)
             info.age_histogram[label] += 1
         info.chains, info.max_depth = len(ns.tree.tops()), ns.tree.max_depth
+    seen = [t for t in (info.newest_access, ns.last_used) if t is not None]
+    info.last_used = min(max(seen), now) if seen else None
     h = Health(len(ns.rows), len(ns.files), len(ns.missing), len(ns.orphans), len(ns.temps), len(ns.bad_rows) + len(ns.bad_segment_rows),
                len(ns.symlinks))  # fmt: skip
     h.ok = not (h.missing_files or h.orphan_files or h.bad_rows or h.symlinks)
@@ -274,6 +337,6 @@ class PromptProbe:
 
 
 __all__ = [
-    "inspect_cache", "render", "InspectReport", "NamespaceInfo", "Health", "PromptProbe", "ReadOnlyFileOps",
-    "InspectError", "AGE_BUCKETS",
+    "inspect_cache", "render", "InspectReport", "InspectSort", "NamespaceInfo", "Health", "PromptProbe",
+    "ReadOnlyFileOps", "InspectError", "AGE_BUCKETS",
 ]  # fmt: skip

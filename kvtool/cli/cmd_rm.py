@@ -1,0 +1,248 @@
+"""`kvtool rm`: remove one namespace, or the cached blocks of one prompt. Plan, show, confirm, execute.
+
+MLX-free unless a prompt is given (its model is loaded for the tokenizer and identity).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.markup import escape
+
+from kvtool.cli import common
+from kvtool.cli.output import Output
+from kvtool.units import format_bytes
+
+HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
+
+kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix, as kvtool inspect lists it), whole, whatever its state.
+
+kvtool rm --prompt TEXT (or --prompt-file, --messages) [--model M] removes that prompt's cached blocks (its full blocks and its tail entry) from the namespaces of that model (every block size in the cache, or only --block-size), every block below them (a prefix shared with other prompts takes their continuations with it) and the segment files left empty. The model (default: tiny, as serve-once) is loaded for its tokenizer and identity; encode the prompt as the server did (--ignore-chat-template, --system-prompt, --adapter-path, --kv-bits).
+
+The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). rm holds prune's lock: an rm and a prune never run at once. Safe while serve-once or warm use the cache (a removed block is a miss); a process that has a removed namespace open caches nothing more to it until restarted. Symlinks are never followed.
+
+Examples:
+
+  kvtool rm 3fa2c1d0 --dry-run
+
+  kvtool rm 3fa2c1d0 --yes
+
+  kvtool rm --model qwen0.5b --prompt-file secret.txt --yes --json
+
+Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt, or something could not be removed (or a namespace of the prompt is unreadable); 2 bad input (namespace prefix, prompt, model, cache dir), or no terminal and no --yes; 3 a prune or another rm is running on this cache; 130/143 interrupted (deferred until the removal finished).
+"""
+
+NamespaceArg = Annotated[
+    Optional[str],
+    typer.Argument(metavar="NAMESPACE", help="Key prefix of the namespace to remove (unique; see kvtool inspect).",
+                   show_default=False),
+]  # fmt: skip
+ModelOpt = Annotated[
+    Optional[str], typer.Option("--model", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
+]
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
+PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
+MessagesOpt = Annotated[Optional[Path], typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
+BlockSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--block-size", min=1, help="Only the namespace of this block size (default: every block size in the cache).",
+                 show_default=False),
+]  # fmt: skip
+
+
+def _interactive() -> bool:
+    """True if a human can answer a confirmation prompt (tests patch this)."""
+    return sys.stdin.isatty()
+
+
+def rm_cmd(
+    namespace: NamespaceArg = None,
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
+    messages: MessagesOpt = None,
+    model: ModelOpt = None,
+    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
+    system_prompt: common.SystemPromptOpt = None,
+    adapter_path: common.AdapterPathOpt = None,
+    kv_bits: common.KVBitsOpt = None,
+    kv_group_size: common.KVGroupSizeOpt = 64,
+    block_size: BlockSizeOpt = None,
+    dry_run: common.DryRunOpt = False,
+    yes: common.YesOpt = False,
+    json_out: common.JsonOpt = False,
+    quiet: QuietOpt = False,
+    cache_dir: common.CacheDirOpt = None,
+    config: common.ConfigOpt = None,
+) -> None:
+    out = Output.from_flags(json_out, quiet)
+    with common.cli_errors():
+        from kvtool.ops.lock import cache_lock
+        from kvtool.ops.remove import check_prefix
+
+        by_prompt = any(x is not None for x in (prompt, prompt_file, messages))
+        if by_prompt == (namespace is not None):
+            raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
+                                  + (", not both" if by_prompt else ""))  # fmt: skip
+        model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits}
+        if not by_prompt and (model is not None or block_size is not None or any(v is not None for v in model_opts.values())):
+            raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
+        if namespace is not None:
+            check_prefix(namespace)
+        cfg = common.build_config(config, cache_dir)
+        if not (dry_run or yes or _interactive()):
+            raise common.CLIError("refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
+        root = cfg.ssd_cache_dir
+        if not root.is_dir():
+            raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
+        if by_prompt:
+            from kvtool.cli.cmd_inspect import PromptSource
+
+            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
+                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
+            make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
+        else:
+            make_plan = _namespace_planner(root, namespace or "")
+        with nullcontext() if dry_run else cache_lock(root):  # a dry run only reads
+            plan = make_plan()
+            plan.dry_run = dry_run
+            code = _confirm_and_execute(plan, yes, out)
+    raise typer.Exit(code)
+
+
+def _namespace_planner(root: Path, prefix: str) -> Callable:
+    from kvtool.ops.remove import plan_namespace_removal, scan_for_removal
+
+    return lambda: plan_namespace_removal(scan_for_removal(root, prefix))
+
+
+def _prompt_planner(cfg, source, block_size: Optional[int]) -> Callable:
+    """Encode the prompt with its model (closed again at once), then a planner that hashes it for
+    each block size: the given one, else every block size in the cache (and the config's)."""
+    import numpy as np
+
+    from kvtool.cli.cmd_inspect import prompt_engine
+    from kvtool.hashing import chain_hashes, tail_hash
+    from kvtool.ops.remove import PromptKeys, block_sizes_of, plan_prompt_removal
+    from kvtool.ops.scan import scan_cache
+
+    with prompt_engine(cfg, source) as (engine, tokens):
+        prefix = engine.cache
+    ids = np.asarray(tokens, dtype=np.int32)
+
+    def keys_for(bs: int) -> PromptKeys:
+        layout = prefix.layout_key_for(bs)
+        full = chain_hashes(ids, bs, layout, prefix.hash_fn)
+        tail = tail_hash(ids, bs, layout, full, prefix.hash_fn)
+        return PromptKeys(layout, bs, tuple(full) + ((tail,) if tail else ()))
+
+    def plan():
+        scan = scan_cache(cfg.ssd_cache_dir)
+        sizes = [block_size] if block_size is not None else sorted(block_sizes_of(scan) | {cfg.block_size})
+        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=int(ids.size))
+
+    return plan
+
+
+def _confirm_and_execute(plan, yes: bool, out: Output) -> int:
+    from kvtool.cli.cmd_prune import _deferred_signals
+    from kvtool.ops.remove import execute_removal
+
+    if plan.dry_run or not plan.removes_anything():
+        _emit(plan, out, lambda: _print_unchanged(plan, out))
+        return _exit_code(plan)
+    shown = False
+    if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
+        _print_plan(plan, out.interaction)
+        shown = True
+        if not out.confirm(_question(plan)):
+            out.err_console.print("aborted: nothing changed")
+            return common.EXIT_PROBLEMS
+    with _deferred_signals() as received:
+        execute_removal(plan)
+    _emit(plan, out, lambda: _print_executed(plan, out, plan_shown=shown))
+    if received:
+        return 128 + received[0]
+    return _exit_code(plan)
+
+
+def _exit_code(plan) -> int:
+    return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
+
+
+def _question(plan) -> str:
+    if plan.target == "namespace":
+        (ns,) = plan.namespaces
+        return f"Remove namespace {ns.namespace} ({_model(ns)}), {format_bytes(ns.prune_bytes)}?"
+    return (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} segment file(s), "
+            f"{format_bytes(plan.total('prune_bytes'))}?")  # fmt: skip
+
+
+def _emit(plan, out: Output, human) -> None:
+    """--quiet: problems only (stderr); --json: the plan document; else `human()`."""
+    out.emit(plan.to_dict, human)
+    if out.quiet and plan.problems:
+        for ns in plan.namespaces:
+            if ns.problems and ns.message:
+                out.problem(f"{ns.namespace}: {escape(ns.message)}")
+        _print_result(plan, out.err_console)
+
+
+def _model(ns) -> str:
+    return escape(ns.model_name or "model unknown") + ("" if ns.status in ("ok", "empty") else f", {ns.status}")
+
+
+def _print_plan(plan, console) -> None:
+    def say(text: str) -> None:
+        console.print(text, highlight=False, soft_wrap=True)
+
+    dry = " (dry run)" if plan.dry_run else ""
+    if plan.target == "prompt" and not plan.namespaces:
+        say(f"nothing of this prompt ({plan.prompt_tokens} tokens) can be cached in {escape(plan.cache_dir)}{dry}: "
+            f"no namespace of model {escape(str(plan.model))} there")  # fmt: skip
+    for ns in plan.namespaces:
+        head = f"namespace {ns.namespace} ({_model(ns)})"
+        if ns.remove_namespace:
+            say(f"{head}: remove it whole{dry}: {ns.blocks} block(s) in {ns.segments} segment file(s), "
+                f"{format_bytes(ns.prune_bytes)} with its index")  # fmt: skip
+        elif ns.skipped:
+            say(f"[red]{head}[/]: {escape(ns.message)}")
+            continue
+        else:
+            say(f"{head}: {ns.prompt_blocks} of the prompt's {ns.prompt_entries} block(s) stored{dry}, "
+                f"{ns.descendant_blocks} block(s) below them: remove {ns.prune_blocks} block(s), "
+                f"{ns.prune_segments} segment file(s), {format_bytes(ns.prune_bytes)}; "
+                f"{ns.blocks_after} block(s), {format_bytes(ns.bytes_after)} left")  # fmt: skip
+        if ns.message:
+            say(f"  [yellow]{escape(ns.message)}[/]")
+
+
+def _print_unchanged(plan, out: Output) -> None:
+    _print_plan(plan, out.console)
+    out.print("dry run: nothing changed" if plan.dry_run else "nothing to remove")
+
+
+def _print_executed(plan, out: Output, plan_shown: bool) -> None:
+    if not plan_shown:
+        _print_plan(plan, out.console)
+    _print_result(plan, out.console)
+
+
+def _print_result(plan, console) -> None:
+    gone = [ns.namespace[:12] for ns in plan.namespaces if getattr(ns, "namespace_removed", False)]
+    what = f"removed namespace {', '.join(gone)}: " if gone else "removed "
+    console.print(
+        f"{what}{plan.total('rows_deleted')} block(s), {plan.total('files_deleted')} segment file(s), "
+        f"{format_bytes(plan.total('bytes_freed'))} freed"
+        + (f"; [red]{plan.problems} problem(s)[/] (run kvtool validate)" if plan.problems else ""),
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtool rm` to the app."""
+    app.command("rm", help=HELP)(rm_cmd)

@@ -1,0 +1,172 @@
+"""One way to print: every command talks to the user through one `Output` (human / --json / --quiet).
+
+The pattern of `huggingface_hub`'s `hf` CLI `Output`: the mode is decided once, from the flags,
+and each call does the right thing for it, so a command never asks "am I in --json mode?":
+
+| call | human | `--json` | `--quiet` |
+|---|---|---|---|
+| `print`, `table` | stdout (rich) | nothing | nothing |
+| `document(doc)` | nothing | exactly one JSON document on stdout, `schema_version` first | nothing |
+| `emit(doc, human)` | `human()` | `document(doc)` | nothing |
+| `problem(text)` | stderr | stderr | stderr |
+| `note(text)` | stderr | stderr | nothing |
+| `progress(...)` | a rich bar on stderr, on a terminal only | none | none |
+| `interaction` | the console a confirmation shows its plan on: stdout for humans, else stderr | | |
+
+`--quiet` wins over `--json` (a cron job asked for silence). Errors that end a command are not
+printed here: they are raised (`KVToolError`) and printed once, as one `error:` line, by
+`kvtool.cli.common`.
+
+Every JSON document a command prints carries `"schema_version": SCHEMA_VERSION` at top level;
+the number changes only when a key is removed or changes meaning (adding keys does not).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import nullcontext
+from enum import StrEnum
+from typing import Any, Callable, ContextManager, Mapping
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
+
+SCHEMA_VERSION = 1
+
+
+class OutputMode(StrEnum):
+    """How a command prints (see the module docstring)."""
+
+    HUMAN = "human"
+    JSON = "json"
+    QUIET = "quiet"
+
+
+def versioned(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """`doc` with `"schema_version"` as its first key (a `schema_version` already in `doc` is replaced)."""
+    return {"schema_version": SCHEMA_VERSION, **{k: v for k, v in doc.items() if k != "schema_version"}}
+
+
+class Output:
+    """The output sink of one command run.
+
+    Args:
+        mode: human, json or quiet (`Output.from_flags` maps `--json` / `--quiet`).
+        console: stdout console (default: `kvtool.cli.common.console`).
+        err_console: stderr console (default: `kvtool.cli.common.err_console`).
+    """
+
+    def __init__(self, mode: OutputMode = OutputMode.HUMAN, *, console: Console | None = None,
+                 err_console: Console | None = None):  # fmt: skip
+        if console is None or err_console is None:
+            from kvtool.cli import common
+
+            console = console or common.console
+            err_console = err_console or common.err_console
+        self.mode = OutputMode(mode)
+        self.console = console
+        self.err_console = err_console
+        self._documents = 0
+
+    @classmethod
+    def from_flags(cls, json_out: bool = False, quiet: bool = False, **consoles: Console) -> "Output":
+        """The output for `--json` / `--quiet` (`--quiet` wins: it prints nothing on success)."""
+        mode = OutputMode.QUIET if quiet else OutputMode.JSON if json_out else OutputMode.HUMAN
+        return cls(mode, **consoles)
+
+    # ------------------------------------------------------------------ mode
+    @property
+    def human(self) -> bool:
+        """Rich text and tables for a person."""
+        return self.mode == OutputMode.HUMAN
+
+    @property
+    def json(self) -> bool:
+        """One JSON document on stdout, nothing else there."""
+        return self.mode == OutputMode.JSON
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing but problems (on stderr)."""
+        return self.mode == OutputMode.QUIET
+
+    @property
+    def interaction(self) -> Console:
+        """Where a confirmation shows what it asks about: stdout for a person, stderr otherwise
+        (stdout then holds the JSON document, or nothing)."""
+        return self.console if self.human else self.err_console
+
+    @property
+    def show_progress(self) -> bool:
+        """Progress bars are drawn for a person on a terminal only."""
+        return self.human and self.err_console.is_terminal
+
+    # ------------------------------------------------------------------ stdout
+    def print(self, *objects: Any, **kw: Any) -> None:
+        """Print text or a rich renderable on stdout (human mode only). Markup is interpreted;
+        no automatic highlighting; long lines are not wrapped unless `soft_wrap=False`."""
+        if self.human:
+            kw.setdefault("highlight", False)
+            kw.setdefault("soft_wrap", True)
+            self.console.print(*objects, **kw)
+
+    def table(self, table: Any) -> None:
+        """Print a rich `Table` on stdout (human mode only)."""
+        if self.human:
+            self.console.print(table)
+
+    def document(self, doc: Mapping[str, Any]) -> None:
+        """Print `doc` as the command's one JSON document (json mode only), `schema_version` first.
+
+        Raises:
+            RuntimeError: a document was printed already (a command prints exactly one).
+        """
+        if not self.json:
+            return
+        if self._documents:
+            raise RuntimeError("a command prints exactly one JSON document")
+        self._documents += 1
+        sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
+        sys.stdout.flush()
+
+    def emit(self, doc: Mapping[str, Any] | Callable[[], Mapping[str, Any]], human: Callable[[], None]) -> None:
+        """The command's result: `document(doc)` in json mode, `human()` in human mode, nothing
+        when quiet. `doc` may be a callable (built only in json mode)."""
+        if self.json:
+            self.document(doc() if callable(doc) else doc)
+        elif self.human:
+            human()
+
+    # ------------------------------------------------------------------ stderr
+    def problem(self, text: str, **kw: Any) -> None:
+        """A problem found (not a failure of the command): stderr, in every mode, `--quiet` included."""
+        kw.setdefault("highlight", False)
+        kw.setdefault("soft_wrap", True)
+        self.err_console.print(text, **kw)
+
+    def note(self, text: str, **kw: Any) -> None:
+        """A side remark (what was skipped, a hint): stderr, except under `--quiet`."""
+        if not self.quiet:
+            kw.setdefault("highlight", False)
+            kw.setdefault("soft_wrap", True)
+            self.err_console.print(text, **kw)
+
+    def progress(self, *columns: ProgressColumn | str, transient: bool = True) -> ContextManager[Progress | None]:
+        """A rich `Progress` on stderr when `show_progress`, else a context yielding None.
+
+        Usage: `with out.progress() as bar: ... if bar is not None: bar.add_task(...)`.
+        """
+        if not self.show_progress:
+            return nullcontext(None)
+        cols = columns or (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        return Progress(*cols, console=self.err_console, transient=transient)
+
+    def confirm(self, question: str) -> bool:
+        """Ask `question [y/N]` on stderr (the answer is read from stdin); False on "no"."""
+        import typer
+
+        return bool(typer.confirm(question, default=False, err=True))
+
+
+__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "versioned"]

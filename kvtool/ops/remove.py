@@ -1,0 +1,315 @@
+"""`kvtool rm`: remove one namespace, or the blocks of one prompt and what hangs below them.
+
+Both are plans executed by prune's machinery (`kvtool.ops.prune.execute_prune`), under the same
+lock (`kvtool.ops.lock.cache_lock`), so an `rm` and a `prune` never run at once and both obey the
+same confinement rules: no symlink is followed, no path is built from an unchecked name.
+
+- **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix is
+  removed whole, whatever its status (an unreadable or foreign namespace included: the user named
+  it), without following any symlink inside it (`kvtool.ops.confined.remove_namespace_tree`).
+  A symlink in the cache root that looks like a namespace is never followed: `rm` refuses it.
+- **A prompt** (`plan_prompt_removal`): the caller hashes the prompt for the namespace(s) its
+  model uses (`PromptKeys`: full blocks, then the tail entry); in each such namespace the stored
+  ones go, with their descendants in any segment (no prefix lookup can reach them: a prefix
+  shared with other prompts takes their continuations with it), and every segment file left
+  without a row. The rows go in one transaction, then the files (as prune).
+
+Namespaces matched by a prompt's keys but not usable (unreadable, foreign, uninitialized) are
+left untouched and reported as problems.
+
+This module never imports MLX (hashing a prompt needs its tokenizer: the CLI does that).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from kvtool.errors import KVToolError
+from kvtool.ops.confined import tree_bytes
+from kvtool.ops.lock import cache_lock
+from kvtool.ops.prune import NamespacePlan, PrunePlan, SegmentPlanner, execute_prune, segments_of
+from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
+from kvtool.store.names import NAMESPACE_RE
+
+_HEX = set("0123456789abcdef")
+
+
+class RemoveError(KVToolError):
+    """`kvtool rm` cannot run: not a key prefix, a symlinked namespace, missing cache dir (exit 2)."""
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """A prompt's keys in one namespace.
+
+    Attributes:
+        namespace: the layout key its model and this block size use.
+        block_size: tokens per block.
+        hashes: chain hashes of its full blocks, then its tail entry's key (if it has a tail).
+    """
+
+    namespace: str
+    block_size: int
+    hashes: tuple[str, ...]
+
+
+@dataclass
+class NamespaceRemoval(NamespacePlan):
+    """Plan (and outcome) of `kvtool rm` in one namespace; `prune_*` count everything removed.
+
+    Attributes (besides `NamespacePlan`'s):
+        prompt_entries: the prompt's keys at this namespace's block size (full blocks + tail).
+        prompt_blocks: of those, the ones stored (removed).
+        skipped: matched but not usable (unreadable, foreign, uninitialized): left untouched.
+        namespace_removed: the whole namespace directory was removed (outcome).
+    """
+
+    prompt_entries: int = 0
+    prompt_blocks: int = 0
+    skipped: bool = False
+    namespace_removed: bool = False
+
+    @property
+    def problems(self) -> int:
+        """Left untouched although matched, files not removed, index failures."""
+        return int(self.skipped) + self.unlink_failed + int(self.index_failed)
+
+    def to_dict(self) -> dict:
+        """JSON-ready (see `RemovePlan.to_dict`)."""
+        return {
+            "namespace": self.namespace, "model_name": self.model_name, "status": self.status, "message": self.message,
+            "remove_namespace": self.remove_namespace, "namespace_removed": self.namespace_removed,
+            "blocks": self.blocks, "segments": self.segments, "bytes": self.bytes,
+            "prompt_entries": self.prompt_entries, "prompt_blocks": self.prompt_blocks,
+            "descendant_blocks": self.descendant_blocks,
+            "remove_blocks": self.prune_blocks, "remove_segments": self.prune_segments, "remove_bytes": self.prune_bytes,
+            "blocks_after": self.blocks_after, "segments_after": self.segments_after, "bytes_after": self.bytes_after,
+            "rows_deleted": self.rows_deleted, "files_deleted": self.files_deleted, "bytes_freed": self.bytes_freed,
+            "unlink_failed": self.unlink_failed, "index_failed": self.index_failed,
+        }  # fmt: skip
+
+
+TOTAL_KEYS = ("blocks", "segments", "bytes", "remove_blocks", "remove_segments", "remove_bytes", "blocks_after",
+              "segments_after", "bytes_after", "rows_deleted", "files_deleted", "bytes_freed", "unlink_failed")  # fmt: skip
+
+
+@dataclass
+class RemovePlan(PrunePlan):
+    """What `kvtool rm` removes (a `PrunePlan` without TTL or budget, executed by `execute_prune`).
+
+    Attributes (besides `PrunePlan`'s):
+        target: 'namespace' or 'prompt'.
+        model: the model the prompt was hashed for (prompt only).
+        prompt_tokens: the prompt's length in tokens (prompt only).
+    """
+
+    target: str = "namespace"
+    model: str | None = None
+    prompt_tokens: int | None = None
+
+    def removes_anything(self) -> bool:
+        """Something would be (or was) removed."""
+        return any(ns.remove_namespace or ns.prune_blocks or ns.prune_segments for ns in self.namespaces)
+
+    def to_dict(self) -> dict:
+        """JSON-ready document (the `--json` output; the CLI adds `schema_version`)."""
+        spaces = [ns.to_dict() for ns in self.namespaces if isinstance(ns, NamespaceRemoval)]
+        return {
+            "cache_dir": self.cache_dir, "target": self.target, "model": self.model, "prompt_tokens": self.prompt_tokens,
+            "now": self.now, "dry_run": self.dry_run, "executed": self.executed, "namespaces": spaces,
+            "totals": {k: sum(d[k] for d in spaces) for k in TOTAL_KEYS}, "problems": self.problems,
+        }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- a namespace
+def check_prefix(prefix: str) -> str:
+    """The lower-cased key prefix.
+
+    Raises:
+        RemoveError: empty, longer than a key, or not hexadecimal (e.g. a model name).
+    """
+    p = prefix.strip().lower()
+    if not p or len(p) > 32 or not set(p) <= _HEX:
+        raise RemoveError(f"{prefix!r} is not a namespace key prefix (hex digits, as `kvtool inspect` lists them)",
+                          hint=f"`kvtool inspect --filter {prefix}` finds a model's namespaces" if prefix.strip() else None)  # fmt: skip
+    return p
+
+
+def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> CacheScan:
+    """Scan the one namespace `prefix` names.
+
+    Raises:
+        RemoveError: not a key prefix, or the only match is a symlink in the cache root (never followed).
+        ScanError: missing cache dir; no namespace, or several, match.
+    """
+    p = check_prefix(prefix)
+    try:
+        return scan_cache(cache_dir, p, now=now)
+    except ScanError:
+        links = _symlinks_matching(Path(cache_dir), p)
+        if links:
+            raise RemoveError(f"{Path(cache_dir) / links[0]} is a symlink: never followed, nothing removed",
+                              hint="remove the link itself if it is not wanted") from None  # fmt: skip
+        raise
+
+
+def _symlinks_matching(cache_dir: Path, prefix: str) -> list[str]:
+    try:
+        names = sorted(os.listdir(cache_dir))
+    except OSError:
+        return []
+    return [n for n in names if NAMESPACE_RE.match(n) and n.startswith(prefix) and os.path.islink(cache_dir / n)]
+
+
+def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
+    """Plan the removal of every namespace of `scan` (one, from `scan_for_removal`), whole."""
+    plan = RemovePlan(str(scan.cache_dir), None, None, "namespace", scan.now, target="namespace")
+    for ns in scan.namespaces:
+        p = NamespaceRemoval(ns.name, ns.meta.get("model_name"), ns.status.value, remove_namespace=True)
+        try:
+            p.bytes = tree_bytes(scan.cache_dir, ns.name)
+        except OSError:
+            p.bytes = ns.file_bytes
+        p.blocks, p.segments = len(ns.rows), len(ns.files)
+        p.prune_blocks, p.prune_segments, p.prune_bytes = p.blocks, p.segments, p.bytes
+        if ns.usable and ns.meta.get("shutdown_clean") == "0":
+            p.message = "open now, or its last process did not shut down cleanly: a process using it stops caching to it"
+        plan.namespaces.append(p)
+    return plan
+
+
+# ----------------------------------------------------------------------------- a prompt
+class _BlockPlanner(SegmentPlanner):
+    """The segment planner, choosing blocks instead of whole segments."""
+
+    def choose_blocks(self, hashes: Iterable[str], reason: str) -> None:
+        """Remove the stored `hashes`, their descendants (any segment), and every segment left
+        without a block."""
+        fresh = [h for h in dict.fromkeys(hashes) if h in self.block_segment and h not in self.removed_blocks]
+        for h in fresh:
+            self.removed_blocks[h] = reason
+        self._propagate(fresh)
+        for name in sorted({self.block_segment[h] for h in fresh}):
+            if name not in self.removed_segments and all(b in self.removed_blocks for b in self.segments[name].blocks):
+                self._drop_segment(name, reason)
+
+
+def block_sizes_of(scan: CacheScan) -> set[int]:
+    """The block sizes of the scanned namespaces (from their meta)."""
+    out = set()
+    for ns in scan.namespaces:
+        try:
+            bs = int(ns.meta.get("block_size", ""))
+        except ValueError:
+            continue
+        if bs > 0:
+            out.add(bs)
+    return out
+
+
+def plan_prompt_removal(
+    scan: CacheScan, keys_for: Callable[[int], PromptKeys], block_sizes: Iterable[int] | None = None,
+    *, model: str | None = None, prompt_tokens: int | None = None,
+) -> RemovePlan:  # fmt: skip
+    """Plan the removal of a prompt's blocks (changes nothing).
+
+    Args:
+        scan: a `scan_cache` result.
+        keys_for: block size -> the prompt's keys at that block size (its namespace and hashes).
+        block_sizes: the block sizes to look in; None: every block size of the scanned namespaces.
+        model, prompt_tokens: recorded in the plan (for the report).
+    """
+    plan = RemovePlan(str(scan.cache_dir), None, None, "namespace", scan.now, target="prompt", model=model,
+                      prompt_tokens=prompt_tokens)  # fmt: skip
+    by_name = {ns.name: ns for ns in scan.namespaces}
+    sizes = sorted(set(block_sizes) if block_sizes is not None else block_sizes_of(scan))
+    for bs in sizes:
+        keys = keys_for(bs)
+        ns = by_name.get(keys.namespace)
+        if ns is not None:
+            plan.namespaces.append(_plan_prompt_in(ns, keys))
+    return plan
+
+
+def _plan_prompt_in(ns: NamespaceScan, keys: PromptKeys) -> NamespaceRemoval:
+    p = NamespaceRemoval(ns.name, ns.meta.get("model_name"), ns.status.value, prompt_entries=len(keys.hashes))
+    if not ns.usable:
+        p.skipped = True
+        p.message = f"{ns.status.value}: left untouched ({ns.message})" if ns.message else f"{ns.status.value}: left untouched"
+        return p
+    segs = segments_of(ns)
+    planner = _BlockPlanner(segs, ns.tree)
+    planner.choose_blocks(keys.hashes, "prompt")
+    p.blocks, p.segments, p.bytes = len(ns.rows), len(segs), sum(s.size for s in segs.values())
+    p.hashes = sorted(planner.removed_blocks)
+    p.segment_names = sorted(planner.removed_segments)
+    p.prompt_blocks = sum(1 for why in planner.removed_blocks.values() if why == "prompt")
+    p.descendant_blocks = len(p.hashes) - p.prompt_blocks
+    p.prune_blocks, p.prune_segments = len(p.hashes), len(p.segment_names)
+    p.prune_bytes = p.bytes - planner.kept_bytes
+    p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
+    return p
+
+
+# ----------------------------------------------------------------------------- execute
+def execute_removal(plan: RemovePlan) -> RemovePlan:
+    """Carry out a plan (hold `cache_lock` around scanning, planning and executing): prune's
+    execution; a namespace removed whole counts its rows and segment files as deleted.
+
+    Never raises for I/O trouble: failures are counted (`unlink_failed`, `index_failed`)."""
+    execute_prune(plan)
+    for p in plan.namespaces:
+        if isinstance(p, NamespaceRemoval) and p.remove_namespace and not p.unlink_failed:
+            p.namespace_removed = True
+            p.rows_deleted, p.files_deleted = p.blocks, p.segments
+    return plan
+
+
+def remove_namespace(cache_dir: Path, prefix: str, dry_run: bool = False, now: float | None = None) -> RemovePlan:
+    """Lock, scan, plan and execute the removal of one namespace (`dry_run`: no lock, no change).
+
+    Raises:
+        RemoveError, ScanError: see `scan_for_removal`. PruneLocked: a prune or rm holds the lock.
+    """
+    if dry_run:
+        plan = plan_namespace_removal(scan_for_removal(cache_dir, prefix, now))
+        plan.dry_run = True
+        return plan
+    _check_dir(cache_dir)
+    with cache_lock(cache_dir):
+        return execute_removal(plan_namespace_removal(scan_for_removal(cache_dir, prefix, now)))
+
+
+def remove_prompt(
+    cache_dir: Path, keys_for: Callable[[int], PromptKeys], block_sizes: Iterable[int] | None = None,
+    dry_run: bool = False, now: float | None = None,
+) -> RemovePlan:  # fmt: skip
+    """Lock, scan, plan and execute the removal of a prompt's blocks (`dry_run`: no lock, no change).
+
+    Raises:
+        ScanError: missing cache dir. PruneLocked: a prune or rm holds the lock.
+    """
+    if dry_run:
+        plan = plan_prompt_removal(scan_cache(cache_dir, now=now), keys_for, block_sizes)
+        plan.dry_run = True
+        return plan
+    _check_dir(cache_dir)
+    with cache_lock(cache_dir):
+        now = time.time() if now is None else now
+        return execute_removal(plan_prompt_removal(scan_cache(cache_dir, now=now), keys_for, block_sizes))
+
+
+def _check_dir(cache_dir: Path) -> None:
+    if not Path(cache_dir).is_dir():
+        raise RemoveError(f"cache directory {cache_dir} does not exist or is not a directory")
+
+
+__all__ = [
+    "PromptKeys", "NamespaceRemoval", "RemovePlan", "RemoveError", "check_prefix", "scan_for_removal",
+    "plan_namespace_removal", "plan_prompt_removal", "block_sizes_of", "execute_removal", "remove_namespace",
+    "remove_prompt",
+]  # fmt: skip
