@@ -38,6 +38,12 @@ def fake_encode(text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------ sweep
+def test_shipped_sweeps_repeat_every_cell_at_least_three_times():
+    for name in ("quick", "policies", "policies_subset"):
+        assert load_sweep(REPO / "bench_configs" / f"{name}.toml").repeats >= 3, name
+    assert parse_sweep({"model": "tiny", "workloads": {"restart": {}}}).repeats == 3  # the default
+
+
 def test_shipped_sweeps_parse_into_full_grid():
     for name in ("quick", "policies"):
         spec = load_sweep(REPO / "bench_configs" / f"{name}.toml")
@@ -349,3 +355,20 @@ def test_cli_report_json(micro_run):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     assert doc["ok"] is True and {w["workload"] for w in doc["winners"]} == {"shared-prefix", "restart"}
+    for w in doc["winners"]:  # one kvtool cell in MICRO: nothing to beat, but its range is stated
+        assert w["verdict"] == "only cell" and w["repeats"] == 2
+        assert w["ttft_p50_ms_min"] <= w["ttft_p50_ms"] <= w["ttft_p50_ms_max"]
+
+
+def test_micro_sweep_cells_carry_ranges_over_the_repeats(micro_run):
+    cells = micro_run.cells
+    for name in metrics.SPREAD_METRICS:
+        lo, mid, hi = cells[f"{name}_min"], cells[name], cells[f"{name}_max"]
+        ok = lo.isna() | ((lo <= mid + 1e-9) & (mid <= hi + 1e-9))
+        assert ok.all(), name
+    stats = metrics.repeat_stats(micro_run.requests)
+    assert len(stats) == 2 * 2 * 2  # workloads x cells x repeats
+    kv = cells.set_index(["workload", "cell"]).loc[("restart", "write_through/async/best_effort")]
+    per_repeat = stats[(stats["workload"] == "restart") & (stats["cell"] == "write_through/async/best_effort")]
+    assert kv["ttft_p50_ms_min"] == per_repeat["ttft_p50_ms"].min()
+    assert kv["ttft_p50_ms_max"] == per_repeat["ttft_p50_ms"].max()

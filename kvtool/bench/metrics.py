@@ -5,6 +5,12 @@ A *cell run* is one (workload, cell, repeat); a row of `cells.csv` aggregates th
 (workload, cell). Latency and hit-rate columns are computed over the workload's *measured* requests
 (e.g. the queries of `long-doc-qa`, the replay of `restart`, see
 `kvtool.bench.workloads.MEASURED_PHASES`); work columns (prefill saved, writes) over all requests.
+
+Repeats: every per-request statistic (TTFT p50/p95/p99/mean, prefill, decode, write path, SSD
+load) is computed per cell run first; the `cells.csv` value is the **median over the repeats** and,
+for the metrics in `SPREAD_METRICS`, `<metric>_min` / `<metric>_max` give the range over the
+repeats (the spread the report's winner rule uses). Hit rates and token counts are pooled over
+the repeats (the workload is identical in every repeat).
 """
 
 from __future__ import annotations
@@ -48,23 +54,43 @@ REQUEST_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
     ("backpressure_events", "times the request met a full writer queue (events)"),
 ]
 
-CELL_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
+# Per-cell-run statistics whose range over the repeats is reported as `<name>_min` / `<name>_max`.
+SPREAD_METRICS: tuple[str, ...] = (
+    "ttft_p50_ms", "ttft_p95_ms", "prefill_ms_mean", "decode_tokens_per_s", "hit_rate", "ssd_load_ms_total",
+    "write_path_ms_mean",
+)
+_REP = "per repeat, median over the repeats"
+
+
+def _with_spread(columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Insert `<name>_min` / `<name>_max` after every column named in `SPREAD_METRICS`."""
+    out = []
+    for name, doc in columns:
+        out.append((name, doc))
+        if name in SPREAD_METRICS:
+            unit = next((f" {u}" for u in ("(ms)", "(tokens/s)") if doc.endswith(u)), "")
+            out.append((f"{name}_min", f"smallest per-repeat `{name}` over the repeats{unit}"))
+            out.append((f"{name}_max", f"largest per-repeat `{name}` over the repeats{unit}"))
+    return out
+
+
+CELL_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + _with_spread([
     ("repeats", "cell runs aggregated in this row"),
     ("requests", "measured requests over all repeats"),
-    ("ttft_p50_ms", "median TTFT of the measured requests (ms)"),
-    ("ttft_p95_ms", "95th percentile TTFT (ms)"),
-    ("ttft_p99_ms", "99th percentile TTFT (ms)"),
-    ("ttft_mean_ms", "mean TTFT (ms)"),
-    ("prefill_ms_mean", "mean prefill time of the measured requests (ms)"),
-    ("decode_tokens_per_s", "mean decode speed (tokens/s)"),
-    ("ram_hit_rate", "RAM hit tokens / prompt tokens of the measured requests"),
-    ("ssd_hit_rate", "SSD hit tokens / prompt tokens of the measured requests"),
-    ("hit_rate", "cached tokens / prompt tokens of the measured requests"),
+    ("ttft_p50_ms", f"median TTFT of the measured requests, {_REP} (ms)"),
+    ("ttft_p95_ms", f"95th percentile TTFT, {_REP} (ms)"),
+    ("ttft_p99_ms", f"99th percentile TTFT, {_REP} (ms)"),
+    ("ttft_mean_ms", f"mean TTFT, {_REP} (ms)"),
+    ("prefill_ms_mean", f"mean prefill time of the measured requests, {_REP} (ms)"),
+    ("decode_tokens_per_s", f"mean decode speed, {_REP} (tokens/s)"),
+    ("ram_hit_rate", "RAM hit tokens / prompt tokens of the measured requests (all repeats pooled)"),
+    ("ssd_hit_rate", "SSD hit tokens / prompt tokens of the measured requests (all repeats pooled)"),
+    ("hit_rate", "cached tokens / prompt tokens of the measured requests (all repeats pooled)"),
     ("prefill_saved_pct", "100 x (1 - prefill tokens / prompt tokens) over all requests (%)"),
-    ("ssd_load_ms_total", "SSD load time over all requests, mean per repeat (ms)"),
+    ("ssd_load_ms_total", "SSD load time summed over all requests of a repeat, median over the repeats (ms)"),
     ("ssd_bytes_read", "bytes read from SSD over all requests, mean per repeat (bytes)"),
-    ("write_path_ms_mean", "mean request-thread write time per request, all requests (ms)"),
-    ("write_path_ms_p95", "95th percentile request-thread write time (ms)"),
+    ("write_path_ms_mean", f"mean request-thread write time per request, all requests, {_REP} (ms)"),
+    ("write_path_ms_p95", f"95th percentile request-thread write time, {_REP} (ms)"),
     ("blocks_written", "new blocks stored in the tier, mean per repeat (blocks)"),
     ("writer_queue_depth_max", "largest writer queue depth seen at a request end (blocks)"),
     ("backpressure_events", "writer backpressure events, mean per repeat (events)"),
@@ -72,14 +98,14 @@ CELL_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
     ("tokens_stored", "tokens held by the stored blocks / prompt-cache files, mean per repeat (tokens)"),
     ("bytes_per_cached_token", "bytes_written / tokens_stored (bytes/token); prompt-cache files repeat shared prefixes"),
     ("write_amplification", "bytes_per_cached_token / raw KV bytes per token (1.0 = no overhead)"),
-    ("ttft_gain", "long-doc-qa only: mean warm-up TTFT / mean query TTFT"),
+    ("ttft_gain", "long-doc-qa only: mean warm-up TTFT / mean query TTFT (all repeats pooled)"),
     ("ttft_vs_no_cache", "no-cache ttft_p50_ms / this cell's ttft_p50_ms (speed-up, > 1 is faster)"),
     ("ttft_vs_mlxlm", "mlx-lm-prompt-cache ttft_p50_ms / this cell's ttft_p50_ms (speed-up)"),
     ("shutdown_clean", "every tier shutdown of the cell (restarts, end of cell) was clean"),
     ("drain_verified", "after the end-of-cell drain, every indexed block had its file and vice versa"),
     ("page_cache_dropped", "page cache of the block files dropped before cold reads (empty: not needed)"),
     ("wall_s", "wall time per repeat (s)"),
-]
+])
 
 REQUEST_COLUMN_NAMES = [name for name, _ in REQUEST_COLUMNS]
 CELL_COLUMN_NAMES = [name for name, _ in CELL_COLUMNS]
@@ -132,32 +158,31 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
         One row per (workload, cell) with `CELL_COLUMNS`, in the order the cells ran.
     """
     keys = ["workload", "cell"]
+    rkeys = keys + ["repeat"]
     order = requests[keys].drop_duplicates()
     ids = requests.groupby(keys, sort=False)[ID_COLUMN_NAMES[2:]].first()
     measured = requests[requests["measured"].astype(bool)]
     mg = measured.groupby(keys, sort=False)
     ag = requests.groupby(keys, sort=False)
-    per_repeat = requests.groupby(keys + ["repeat"], sort=False).sum(numeric_only=True).groupby(keys, sort=False)
+    per_repeat = requests.groupby(rkeys, sort=False).sum(numeric_only=True).groupby(keys, sort=False)
     out = pd.DataFrame(index=ids.index)
     out = out.join(ids)
     out["repeats"] = requests.groupby(keys, sort=False)["repeat"].nunique()
     out["requests"] = mg.size()
-    out["ttft_p50_ms"] = mg["ttft_ms"].median()
-    out["ttft_p95_ms"] = mg["ttft_ms"].agg(_percentile(95))
-    out["ttft_p99_ms"] = mg["ttft_ms"].agg(_percentile(99))
-    out["ttft_mean_ms"] = mg["ttft_ms"].mean()
-    out["prefill_ms_mean"] = mg["prefill_ms"].mean()
-    out["decode_tokens_per_s"] = mg["decode_tokens_per_s"].mean()
+    stats = repeat_stats(requests)
+    across = stats.groupby(keys, sort=False)
+    for name in _REPEAT_STATS:
+        out[name] = across[name].median()
+    for name in SPREAD_METRICS:
+        out[f"{name}_min"] = across[name].min()
+        out[f"{name}_max"] = across[name].max()
     msum = mg[["prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens"]].sum()
     out["ram_hit_rate"] = _ratio(msum["ram_hit_tokens"], msum["prompt_tokens"])
     out["ssd_hit_rate"] = _ratio(msum["ssd_hit_tokens"], msum["prompt_tokens"])
     out["hit_rate"] = _ratio(msum["cached_tokens"], msum["prompt_tokens"])
     asum = ag[["prompt_tokens", "prefill_tokens"]].sum()
     out["prefill_saved_pct"] = 100.0 * (1.0 - _ratio(asum["prefill_tokens"], asum["prompt_tokens"]))
-    out["ssd_load_ms_total"] = per_repeat["ssd_load_ms"].mean()
     out["ssd_bytes_read"] = per_repeat["ssd_bytes_read"].mean()
-    out["write_path_ms_mean"] = ag["write_path_ms"].mean()
-    out["write_path_ms_p95"] = ag["write_path_ms"].agg(_percentile(95))
     out["blocks_written"] = per_repeat["blocks_written"].mean()
     out["writer_queue_depth_max"] = ag["writer_queue_depth"].max()
     out["backpressure_events"] = per_repeat["backpressure_events"].mean()
@@ -169,6 +194,37 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
     out = _baseline_ratios(out)
     out = order.merge(out, on=keys, how="left")
     return out.reindex(columns=CELL_COLUMN_NAMES)
+
+
+# Statistics computed per cell run (workload, cell, repeat); cells.csv holds their median.
+_REPEAT_STATS = (
+    "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "ttft_mean_ms", "prefill_ms_mean", "decode_tokens_per_s",
+    "hit_rate", "ssd_load_ms_total", "write_path_ms_mean", "write_path_ms_p95",
+)
+
+
+def repeat_stats(requests: pd.DataFrame) -> pd.DataFrame:
+    """One row per cell run (workload, cell, repeat) with the per-repeat statistics.
+
+    Latency and hit-rate statistics use the measured requests, SSD load and write statistics all
+    requests (as in `cells.csv`). A cell run without measured requests has NaN latencies.
+    """
+    rkeys = ["workload", "cell", "repeat"]
+    out = pd.DataFrame(index=pd.MultiIndex.from_frame(requests[rkeys].drop_duplicates()))
+    mg = requests[requests["measured"].astype(bool)].groupby(rkeys, sort=False)
+    ag = requests.groupby(rkeys, sort=False)
+    out["ttft_p50_ms"] = mg["ttft_ms"].median()
+    out["ttft_p95_ms"] = mg["ttft_ms"].agg(_percentile(95))
+    out["ttft_p99_ms"] = mg["ttft_ms"].agg(_percentile(99))
+    out["ttft_mean_ms"] = mg["ttft_ms"].mean()
+    out["prefill_ms_mean"] = mg["prefill_ms"].mean()
+    out["decode_tokens_per_s"] = mg["decode_tokens_per_s"].mean()
+    msum = mg[["prompt_tokens", "cached_tokens"]].sum()
+    out["hit_rate"] = _ratio(msum["cached_tokens"], msum["prompt_tokens"])
+    out["ssd_load_ms_total"] = ag["ssd_load_ms"].sum()
+    out["write_path_ms_mean"] = ag["write_path_ms"].mean()
+    out["write_path_ms_p95"] = ag["write_path_ms"].agg(_percentile(95))
+    return out.reset_index()
 
 
 def _run_facts(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:

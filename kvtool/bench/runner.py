@@ -298,7 +298,7 @@ def scan_cache_dir(directory: Path) -> dict[str, int]:
             out["bytes"] += path.stat().st_size
     for index in directory.glob("*/index.sqlite"):
         out["segment_files"] += sum(1 for p in index.parent.rglob(f"*{BLOCK_SUFFIX}") if not p.name.startswith("."))
-        con = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+        con = sqlite3.connect(f"{index.resolve().as_uri()}?mode=ro", uri=True)  # as_uri needs an absolute path
         try:
             rows, tokens = con.execute("SELECT count(*), coalesce(sum(num_tokens), 0) FROM blocks").fetchone()
             out["segment_rows"] += con.execute("SELECT count(*) FROM segments").fetchone()[0]

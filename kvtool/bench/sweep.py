@@ -4,7 +4,8 @@ A sweep file (see `bench_configs/quick.toml` for a commented example)::
 
     model = "tiny"            # preset, local mlx-lm directory or Hugging Face id
     seed = 0                  # workloads are deterministic from it
-    repeats = 1               # runs of every (workload, cell), each in a fresh cache directory
+    repeats = 3               # runs of every (workload, cell), each in a fresh cache directory;
+                              # the report states medians and min-max ranges over them
     max_tokens = 8            # decoded tokens per request
     baselines = ["no-cache", "mlx-lm-prompt-cache"]
 
@@ -47,6 +48,7 @@ TOP_LEVEL_KEYS = (
     "cache", "grid", "workloads",
 )
 DEFAULT_MAX_TOKENS = 8
+DEFAULT_REPEATS = 3  # the report's winner rule needs a spread: fewer repeats give none worth the name
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,7 @@ class SweepSpec:
         name: sweep name (default: the file stem).
         model: model spec for `kvtool.models.loader.load_model`.
         seed: workload seed.
-        repeats: runs per (workload, cell).
+        repeats: runs per (workload, cell) (default `DEFAULT_REPEATS`).
         max_tokens: decoded tokens per request.
         baselines: baseline cells to run, in order.
         cache: KVToolConfig overrides shared by all cells.
@@ -213,7 +215,7 @@ def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
         name=name,
         model=model,
         seed=_int(data, "seed", 0, minimum=0),
-        repeats=_int(data, "repeats", 1, minimum=1),
+        repeats=_int(data, "repeats", DEFAULT_REPEATS, minimum=1),
         max_tokens=_int(data, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1),
         baselines=tuple(dict.fromkeys(baselines)),
         cache=cache,

@@ -24,6 +24,8 @@ Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 d
 
 REPORT_HELP = """Regenerate the PNG charts and report.md of a bench run directory from its cells.csv, requests.csv and run.json.
 
+A cell wins a workload only when its slowest repeat beats every other kvtool cell's fastest repeat; otherwise the report says tie and lists the tied cells. Exit codes: 0 done; 2 not a readable run directory (missing, empty or malformed files).
+
 Examples:
 
   kvtool report results/20260101-120000-quick
@@ -71,9 +73,7 @@ def report(
     with common.cli_errors():
         from kvtool.bench.report import load_run, write_report
 
-        if not run_dir.is_dir():
-            raise common.CLIError(f"run directory not found: {run_dir}")
-        written = write_report(run_dir)
+        written = write_report(run_dir)  # a missing, empty or malformed run raises ReportError
         cells, _, _ = load_run(run_dir)
     if json_out:
         doc = _summary(run_dir, cells, _all_ok(cells))
@@ -110,18 +110,29 @@ def _records(df) -> list[dict]:
 
 
 def _print_human(run_dir: Path, cells, ok: bool) -> None:
-    from rich.table import Table
+    from kvtool.bench.report import _range, _verdict_phrase, winners
 
-    from kvtool.bench.report import winners
-
-    table = Table(title="winning cell per workload (TTFT p50)")
-    for column in ("workload", "cell", "TTFT p50 ms", "vs no-cache", "vs mlx-lm"):
-        table.add_column(column, overflow="fold")
-    for row in winners(cells).itertuples(index=False):
-        table.add_row(row.workload, row.cell, f"{row.ttft_p50_ms:.1f}", _ratio(row.ttft_vs_no_cache),
-                      _ratio(row.ttft_vs_mlxlm))
-    common.console.print(table)
-    common.console.print(f"report: {Path(run_dir) / 'report.md'}", highlight=False)
+    best = winners(cells)
+    repeats = int(best["repeats"].min()) if len(best) else 0
+    out = [f"TTFT p50 per workload in ms, median [min–max] over {repeats} repeat(s) of each cell:"]
+    vs_words = {"faster": "faster beyond the spread", "slower": "slower beyond the spread",
+                "overlap": "within the spread"}
+    for row in best.itertuples(index=False):
+        width = max(len(row.cell), len(row.runner_up or ""))
+        out.append(f"{row.workload}: {_verdict_phrase(row)}")
+        out.append(f"  lowest  {row.cell:<{width}}  {_range(row.ttft_p50_ms, row.ttft_p50_ms_min, row.ttft_p50_ms_max)}")
+        if row.runner_up:
+            out.append(f"  next    {row.runner_up:<{width}}  "
+                       f"{_range(row.runner_up_ttft_p50_ms, row.runner_up_ttft_p50_ms_min, row.runner_up_ttft_p50_ms_max)}")
+        vs = f" ({vs_words[row.vs_mlxlm]})" if row.vs_mlxlm in vs_words else ""
+        out.append(f"  {_ratio(row.ttft_vs_no_cache)} vs no-cache, {_ratio(row.ttft_vs_mlxlm)} vs mlx-lm prompt cache{vs}")
+    if best.empty:
+        out.append("no kvtool cell in this run")
+    out.append("A cell wins only when its slowest repeat beats every other kvtool cell's fastest repeat; "
+               "otherwise it is a tie (report.md lists the tied cells).")
+    out.append(f"report: {Path(run_dir) / 'report.md'}")
+    for line in out:
+        common.console.print(line, highlight=False, markup=False)
     if not ok:
         common.err_console.print("[bold red]warning:[/] a cell shut down uncleanly or failed the drain check")
 
