@@ -61,8 +61,8 @@ def _assert_one_error_line(result, code: int = 2) -> str:
         (["--bogus"], "no such option: --bogus"),
         (["no-such-command"], "no such command"),
         # values checked by kvtool before any model loads
-        (["serve-once", "-p", "x", "--policy", "sometimes"], "ssd_policy"),
-        (["serve-once", "-p", "x", "--durability", "forever"], "ssd_durability"),
+        (["serve-once", "-p", "x", "--policy", "sometimes"], "--policy"),
+        (["serve-once", "-p", "x", "--durability", "forever"], "--durability"),
         (["serve-once", "-p", "x", "--ram-bytes", BIG], "--ram-bytes: size too large"),
         (["serve-once", "-p", "x", "--block-size", BIG], "block_size"),
         (["warm", "/no/such/source.txt"], "not found"),

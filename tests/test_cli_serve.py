@@ -42,8 +42,8 @@ def test_every_command_has_help_with_an_example():
 
 @pytest.mark.parametrize("args,needle", [
     (["--prompt-file", "/no/such/file.txt"], "file not found"),
-    (["--prompt", "hi", "--policy", "sometimes"], "ssd_policy"),
-    (["--prompt", "hi", "--durability", "forever"], "ssd_durability"),
+    (["--prompt", "hi", "--policy", "sometimes"], "--policy"),
+    (["--prompt", "hi", "--durability", "forever"], "--durability"),
     (["--prompt", "hi", "--model", "./no/such/model"], "model path not found"),
     (["--prompt", "hi", "--ram-bytes", "lots"], "--ram-bytes"),
     (["--prompt", "hi", "--prompt-file", "x"], "exactly one"),

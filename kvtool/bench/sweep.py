@@ -47,7 +47,7 @@ TOP_LEVEL_KEYS = (
     "name", "model", "seed", "repeats", "max_tokens", "baselines", "cache_root", "keep_cache",
     "cache", "grid", "workloads",
 )
-DEFAULT_MAX_TOKENS = 8
+DEFAULT_BENCH_MAX_TOKENS = 8  # short decodes: the bench measures TTFT and the write path
 DEFAULT_REPEATS = 3  # the report's winner rule needs a spread: fewer repeats give none worth the name
 
 
@@ -75,11 +75,6 @@ class Cell:
     def slug(self) -> str:
         """File-system-safe name (used for the cell's cache sub-directory)."""
         return re.sub(r"[^A-Za-z0-9_.-]+", "_", self.name)
-
-    @property
-    def is_baseline(self) -> bool:
-        """True for `no-cache` and `mlx-lm-prompt-cache`."""
-        return self.kind != KIND_KVTOOL
 
     def config(self, base: KVToolConfig, cache_dir: Path) -> KVToolConfig:
         """The engine configuration of this cell with its SSD tier rooted at `cache_dir`.
@@ -216,7 +211,7 @@ def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
         model=model,
         seed=_int(data, "seed", 0, minimum=0),
         repeats=_int(data, "repeats", DEFAULT_REPEATS, minimum=1),
-        max_tokens=_int(data, "max_tokens", DEFAULT_MAX_TOKENS, minimum=1),
+        max_tokens=_int(data, "max_tokens", DEFAULT_BENCH_MAX_TOKENS, minimum=1),
         baselines=tuple(dict.fromkeys(baselines)),
         cache=cache,
         grid=_parse_grid(data.get("grid", {}), cache),

@@ -65,14 +65,14 @@ def _cache_summary(stats: dict, status) -> str:
 
 def serve_once(
     model: common.ModelOpt = "tiny",
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).")] = None,
+    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).", rich_help_panel="Prompt")] = None,
     messages: Annotated[
-        Optional[Path], typer.Option("--messages", help="Chat JSON file: a list of {role, content}.")
+        Optional[Path], typer.Option("--messages", help="Chat JSON file: a list of {role, content}.", rich_help_panel="Prompt")
     ] = None,
     requests: Annotated[
         Optional[Path],
-        typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens."),
+        typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens.", rich_help_panel="Prompt"),
     ] = None,
     max_tokens: common.MaxTokensOpt = 64,
     ignore_chat_template: common.IgnoreChatTemplateOpt = False,
@@ -82,10 +82,10 @@ def serve_once(
     prefill_step_size: common.PrefillStepOpt = 2048,
     kv_bits: common.KVBitsOpt = None,
     kv_group_size: common.KVGroupSizeOpt = 64,
-    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
     config: common.ConfigOpt = None,
     cache_dir: common.CacheDirOpt = None,
     policy: common.PolicyOpt = None,
@@ -95,7 +95,7 @@ def serve_once(
     ram_bytes: common.RamBytesOpt = None,
     no_ssd: common.NoSSDOpt = False,
     json_out: common.JsonOpt = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.", rich_help_panel="Output")] = False,
 ) -> None:
     common.setup_logging(verbose)
     try:

@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Iterator, Optional
 
@@ -33,42 +34,45 @@ EXIT_PROBLEMS = 1  # the command ran and found/reported problems (validate), or 
 # EXIT_USAGE (2, imported from kvtool.errors): bad input: missing file, invalid value, unknown model, could not run
 EXIT_ABORTED = 1  # a confirmation prompt was aborted (end of input), as Typer does
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.", rich_help_panel="Output")]
 CacheDirOpt = Annotated[
     Optional[Path],
     typer.Option(
         "--cache-dir",
         help="SSD tier root (default: $KVTOOL_CACHE_DIR, else $XDG_CACHE_HOME/kvtool, else ~/.cache/kvtool).",
         show_default=False,
+        rich_help_panel="Cache",
     ),
 ]
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", help="TOML file with kvtool config fields.", show_default=False)
+    Optional[Path], typer.Option("--config", help="TOML file with kvtool config fields.", show_default=False,
+                                 rich_help_panel="Cache")
 ]
 ModelOpt = Annotated[
     str,
     typer.Option(
         "--model",
         help="Embedded preset (tiny, small, base, qwen0.5b), a local mlx-lm model directory, or a Hugging Face id.",
+        rich_help_panel="Model",
     ),
 ]
 # mlx-lm conventions (as `mlx_lm.generate`): -m is --max-tokens, never --model.
-MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", "-n", min=1, help="Max tokens to generate.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", "-n", min=1, help="Max tokens to generate.", rich_help_panel="Generation")]
 IgnoreChatTemplateOpt = Annotated[
     bool,
-    typer.Option("--ignore-chat-template", help="Use --prompt/--prompt-file as raw text (default: wrap it in the chat template, as mlx_lm.generate)."),
+    typer.Option("--ignore-chat-template", help="Use --prompt/--prompt-file as raw text (default: wrap it in the chat template, as mlx_lm.generate).", rich_help_panel="Prompt"),
 ]
 SystemPromptOpt = Annotated[
-    Optional[str], typer.Option("--system-prompt", help="System message put before the prompt (chat template only).", show_default=False)
+    Optional[str], typer.Option("--system-prompt", help="System message put before the prompt (chat template only).", show_default=False, rich_help_panel="Prompt")
 ]
 AdapterPathOpt = Annotated[
-    Optional[Path], typer.Option("--adapter-path", help="LoRA adapter directory (part of the model identity).", show_default=False)
+    Optional[Path], typer.Option("--adapter-path", help="LoRA adapter directory (part of the model identity).", show_default=False, rich_help_panel="Model")
 ]
 MaxKVSizeOpt = Annotated[
     Optional[int],
-    typer.Option("--max-kv-size", min=1, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False),
+    typer.Option("--max-kv-size", min=1, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False, rich_help_panel="Model"),
 ]
-PrefillStepOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.")]
+PrefillStepOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.", rich_help_panel="Model")]
 
 
 def _check_kv_bits(value: Optional[int]) -> Optional[int]:
@@ -81,9 +85,9 @@ KVBitsOpt = Annotated[
     Optional[int],
     typer.Option("--kv-bits", callback=_check_kv_bits, show_default=False,
                  help="As mlx-lm: quantize the KV cache to 4 or 8 bits once it holds 5000 tokens (mlx-lm's "
-                      "--quantized-kv-start); cached blocks then hold the quantized KV."),
+                      "--quantized-kv-start); cached blocks then hold the quantized KV.", rich_help_panel="Model"),
 ]
-KVGroupSizeOpt = Annotated[int, typer.Option("--kv-group-size", min=1, help="As mlx-lm: KV quantization group size.")]
+KVGroupSizeOpt = Annotated[int, typer.Option("--kv-group-size", min=1, help="As mlx-lm: KV quantization group size.", rich_help_panel="Model")]
 NamespaceOpt = Annotated[
     Optional[str], typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).")
 ]
@@ -233,22 +237,51 @@ def register_optional(app: typer.Typer, module_name: str) -> None:
 
 
 # ---------------------------------------------------------------- cache options
+CACHE_PANEL = "Cache"
+
+
+class PolicyChoice(str, Enum):
+    """`--policy` values (= kvtool.config.SSDPolicy, kept here so that `--help` of the operator
+    commands does not import the config layer)."""
+
+    write_through = "write_through"
+    evict_only = "evict_only"
+
+
+class DurabilityChoice(str, Enum):
+    """`--durability` values (= kvtool.config.Durability)."""
+
+    best_effort = "best_effort"
+    persistent = "persistent"
+    durable = "durable"
+
+
 PolicyOpt = Annotated[
-    Optional[str], typer.Option("--policy", help="SSD policy: write_through | evict_only.", show_default=False)
+    Optional[PolicyChoice],
+    typer.Option("--policy", help="SSD policy [default: write_through].", show_default=False,
+                 rich_help_panel=CACHE_PANEL),
 ]
 DurabilityOpt = Annotated[
-    Optional[str],
-    typer.Option("--durability", help="SSD durability: best_effort | persistent | durable.", show_default=False),
+    Optional[DurabilityChoice],
+    typer.Option("--durability", help="SSD durability [default: best_effort].", show_default=False,
+                 rich_help_panel=CACHE_PANEL),
 ]
 AsyncOpt = Annotated[
     Optional[bool],
-    typer.Option("--async/--sync", help="Write SSD blocks from a background writer (default) or inline.", show_default=False),
+    typer.Option("--async/--sync", help="Write SSD blocks from a background writer (default) or inline.",
+                 show_default=False, rich_help_panel=CACHE_PANEL),
 ]
-BlockSizeOpt = Annotated[Optional[int], typer.Option("--block-size", help="Tokens per cached block.", show_default=False)]
+BlockSizeOpt = Annotated[
+    Optional[int],
+    typer.Option("--block-size", min=1, help="Tokens per cached block [default: 64].", show_default=False,
+                 rich_help_panel=CACHE_PANEL),
+]
 RamBytesOpt = Annotated[
-    Optional[str], typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB.", show_default=False)
+    Optional[str],
+    typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB [default: 1GiB].", show_default=False,
+                 rich_help_panel=CACHE_PANEL),
 ]
-NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.")]
+NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.", rich_help_panel=CACHE_PANEL)]
 
 
 def build_config(
@@ -282,8 +315,8 @@ def build_config(
     return load_config(
         config_path,
         ssd_cache_dir=cache_dir,
-        ssd_policy=policy,
-        ssd_durability=durability,
+        ssd_policy=policy.value if isinstance(policy, Enum) else policy,
+        ssd_durability=durability.value if isinstance(durability, Enum) else durability,
         ssd_async_writes=async_writes,
         block_size=block_size,
         ram_bytes=ram,

@@ -42,7 +42,6 @@ from kvtool.store.names import INDEX_FILENAME
 from kvtool.store.segment import FORMAT_VERSION
 
 prune_lock = cache_lock  # the name callers used before `kvtool.ops.lock`
-REASONS = ("ttl", "lru", "descendant")
 LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
 
 

@@ -107,7 +107,7 @@ class WarmReport:
     prompts: list[PromptResult] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON-ready document (see docs/OPS.md)."""
+        """JSON-ready document (README "kvtool warm")."""
         return asdict(self)
 
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -25,11 +24,10 @@ from kvtool.hostblock import HostBlock
 from kvtool.config import KVToolConfig
 from kvtool.store.ram import RamTier
 from kvtool.store.ssd import SSDStore
-from kvtool.store.writer import make_writer
+from kvtool.store.writer import DEFAULT_DRAIN_TIMEOUT_S, make_writer
 
 log = logging.getLogger("kvtool")
 
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 WRITE_BATCH_BYTES = 64 << 20  # = the store's segment size cap
 
 
