@@ -1,0 +1,264 @@
+"""`kvtool import` / `kvtool export`: mlx-lm prompt-cache files in and out of the tiers.
+
+Logic in `kvtool.ops.interop`; this module parses options, loads the engine, prints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtool.cli import common
+from kvtool.units import format_bytes
+
+IMPORT_HELP = """Import a prompt-cache file written by mlx_lm.cache_prompt (or save_prompt_cache) into the SSD tier as verified blocks.
+
+mlx-lm's files hold no token ids, so give the prompt that made the file: --prompt/--prompt-file are tokenised exactly as mlx_lm.cache_prompt does (the chat template with the prompt as an unfinished user message; --ignore-chat-template: tokenizer.encode(text)); the text is taken literally ('-' reads stdin, '\\n' is not unescaped). Or --token-ids FILE.json (a JSON list of ids). Files written by kvtool export carry their ids and need none of these.
+
+Checked before anything is written: the cache layers are plain KVCache (or QuantizedKVCache: imported into the namespace of its --kv-bits), one per model layer, holding exactly the prompt's token count, with the model's head counts, head dims and dtype; the file's model (metadata) is --model (same spec or directory, or the same weights digest; --skip-model-check: warn only); and the KV of the last --check-tokens tokens, and of --check-positions single tokens spread over the rest, is recomputed by the model from the file's KV before them and compared with the file's (a wrong model, or a wrong token at a checked position, fails it; other positions are checked by the token count only). After the writer has drained, every prompt token must be found on SSD (PrefixCache.probe).
+
+Examples:
+
+  mlx_lm.cache_prompt --model $(kvtool model path tiny) --prompt "$(cat doc.txt)" --prompt-cache-file doc.safetensors
+  kvtool import doc.safetensors --model tiny --prompt-file doc.txt
+
+  kvtool import prompt.safetensors --model ~/models/Qwen2.5-0.5B-Instruct-4bit --prompt - < doc.txt --json
+
+  kvtool import kvtool-exported.safetensors --model tiny
+
+Exit codes: 0 imported and verified; 1 written but not verified (a block failed, or the writer did not drain); 2 bad input (file, prompt, model, a check failed: nothing written); 130/143 interrupted.
+"""
+
+EXPORT_HELP = """Write the cached KV of a prompt as a file that mlx_lm.generate --prompt-cache-file loads.
+
+The prompt is tokenised as mlx_lm.cache_prompt does (the chat template with the prompt as an unfinished user message, which is where mlx_lm.generate appends its own --prompt; --ignore-chat-template: tokenizer.encode(text); --system-prompt: a system message first), or given as --token-ids. Every token must be in kvtool's tiers (its blocks and its tail entry, as left by warm, serve-once, serve or import with the same model, block size and tokenisation); otherwise nothing is written and the error says how many are (--fill: compute the missing tokens instead). The file holds what mlx_lm.cache_prompt would write for the same tokens: the last token is forwarded as mlx-lm's last prefill step, sliding-window layers become mlx-lm's RotatingKVCache. Metadata: model (the model directory, or the Hub id: mlx_lm.generate requires the same --model string, or loads it when --model is omitted; --metadata-model overrides), tokenizer_config, chat_template, and kvtool_token_ids.
+
+Examples:
+
+  kvtool warm --model tiny --ignore-chat-template --whole doc.txt
+  kvtool export --model tiny --ignore-chat-template --prompt-file doc.txt doc.safetensors
+  mlx_lm.generate --model $(kvtool model path tiny) --ignore-chat-template --prompt-cache-file doc.safetensors --prompt " Summarise it."
+
+  kvtool export --model tiny --prompt-file doc.txt --fill doc.safetensors --json
+
+Exit codes: 0 written; 1 the prompt is not fully cached (nothing written); 2 bad input (prompt, model, output path); 130/143 interrupted.
+"""
+
+PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text, taken literally as mlx_lm.cache_prompt does ('-' reads stdin).", show_default=False)]
+PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).", show_default=False)]
+TokenIdsOpt = Annotated[Optional[Path], typer.Option("--token-ids", help="JSON file with the prompt's token ids: [1, 2, ...] or {\"token_ids\": [...]} ('-' reads stdin).", show_default=False)]
+IgnoreTemplateOpt = Annotated[bool, typer.Option("--ignore-chat-template", help="Tokenise the prompt as raw text: tokenizer.encode(text) (default: the chat template, as mlx_lm.cache_prompt).")]
+QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help="As mlx-lm: the cache offset from which KV is quantized (with --kv-bits / a quantized file).")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")]
+
+
+def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+    """--prompt literally (cache_prompt unescapes nothing), --prompt-file as kvtool reads files."""
+    import sys
+
+    if prompt is not None:
+        text = sys.stdin.read() if prompt == "-" else prompt
+        if not text.strip():
+            raise common.CLIError("--prompt is empty")
+        return text
+    return common.read_prompt_arg(None, prompt_file)
+
+
+def _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required: bool):
+    """(token ids or None, source)."""
+    from kvtool.ops.interop import cache_prompt_tokens, read_token_ids
+
+    given = sum(x is not None for x in (prompt, prompt_file, token_ids))
+    if given > 1:
+        raise common.CLIError("give only one of --prompt, --prompt-file, --token-ids")
+    if given == 0:
+        if required:
+            raise common.CLIError("give the prompt: --prompt, --prompt-file or --token-ids")
+        return None, "metadata"
+    if token_ids is not None:
+        if system_prompt is not None:
+            raise common.CLIError("--system-prompt does not apply to --token-ids")
+        return read_token_ids(token_ids), "token_ids"
+    text = _read_prompt(prompt, prompt_file)
+    ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=not ignore_chat_template, system_prompt=system_prompt)
+    if not ids:
+        raise common.CLIError("the prompt has no tokens")
+    templated = not ignore_chat_template and bool(getattr(engine.tokenizer, "has_chat_template", False))
+    return ids, "prompt_chat_template" if templated else "prompt_raw"
+
+
+def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start):
+    """`common.load_engine` plus mlx-lm's --quantized-kv-start."""
+    from kvtool.engine import Engine
+    from kvtool.models.loader import ModelLoadError
+
+    try:
+        return Engine.from_spec(model, cfg, adapter_path=str(adapter_path) if adapter_path else None,
+                                prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                quantized_kv_start=quantized_kv_start)
+    except ModelLoadError as exc:
+        raise common.CLIError(str(exc)) from None
+    except ValueError as exc:  # e.g. a quantisation the model's head dims do not allow
+        raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
+
+
+def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
+    if interrupted is not None:
+        return 128 + interrupted.signum
+    return common.EXIT_OK if ok else common.EXIT_PROBLEMS
+
+
+# ------------------------------------------------------------------------------ import
+def import_cmd(
+    file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
+    model: common.ModelOpt = "tiny",
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
+    token_ids: TokenIdsOpt = None,
+    ignore_chat_template: IgnoreTemplateOpt = False,
+    system_prompt: common.SystemPromptOpt = None,
+    skip_model_check: Annotated[bool, typer.Option("--skip-model-check", help="Import even if the file's model (metadata) is not --model or cannot be verified (warns; the KV check still runs).")] = False,
+    check_tokens: Annotated[int, typer.Option("--check-tokens", min=0, help="KV check: recompute the KV of this many last tokens (one model call) and compare with the file's; the prompt length or more: every token (as slow as a prefill).")] = 32,
+    check_positions: Annotated[int, typer.Option("--check-positions", min=0, help="KV check: also recompute this many single tokens spread over the rest of the prompt (one decode step each).")] = 64,
+    kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", show_default=False, help="The namespace's KV quantisation (default: the file's; give it for a plain file made with mlx_lm.cache_prompt --kv-bits whose prompt was below --quantized-kv-start).")] = None,
+    quantized_kv_start: QuantStartOpt = 5000,
+    adapter_path: common.AdapterPathOpt = None,
+    prefill_step_size: common.PrefillStepOpt = 2048,
+    config: common.ConfigOpt = None,
+    cache_dir: common.CacheDirOpt = None,
+    durability: common.DurabilityOpt = None,
+    async_writes: common.AsyncOpt = None,
+    block_size: common.BlockSizeOpt = None,
+    json_out: common.JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    common.setup_logging(verbose)
+    with common.cli_errors():
+        from kvtool.ops.interop import (
+            file_quantization,
+            import_cache_file,
+            load_cache_file,
+        )
+
+        loaded = load_cache_file(file)  # fail fast (before the model loads) and learn the quantisation
+        quant = file_quantization(loaded[0])
+        if quant is not None and kv_bits is not None and kv_bits != quant[0]:
+            raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
+        bits = quant[0] if quant else kv_bits
+        cfg = common.build_config(config, cache_dir, None, durability, async_writes, block_size, None)
+        engine = _load_engine(model, cfg, adapter_path, prefill_step_size, bits, quant[1] if quant else 64,
+                              quantized_kv_start)
+        interrupted = None
+        report = None
+        try:
+            with common.signals_raise():
+                try:
+                    ids, source = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
+                                          required=False)
+                    report = import_cache_file(engine, file, ids, model_spec=model,
+                                               adapter_path=str(adapter_path) if adapter_path else None,
+                                               require_model_match=not skip_model_check, check_tokens=check_tokens,
+                                               check_positions=check_positions,
+                                               token_source=source, preloaded=loaded)
+                except common.Interrupted as exc:
+                    interrupted = exc
+                finally:
+                    common.ignore_signals()
+                    status = engine.close()
+        except common.Interrupted as exc:  # a signal during the drain's set-up
+            interrupted, status = exc, engine.close()
+    ok = report is not None and report.verified and report.blocks_failed == 0 and status.shutdown_clean
+    if report is not None:
+        doc = {"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean}
+        if json_out:
+            common.print_json(doc)
+        else:
+            for w in report.warnings:
+                common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+            mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
+            common.console.print(
+                f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
+                f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
+                f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
+                f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
+                f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
+                highlight=False, soft_wrap=True)
+            common.console.print(
+                f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
+                f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
+                f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
+                highlight=False, soft_wrap=True)
+        if not ok and interrupted is None:
+            why = ("not every token is on SSD after the flush" if not report.verified
+                   else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
+                   else "the writer did not drain")
+            common.print_error(f"import not verified: {why}", "run kvtool validate")
+    raise typer.Exit(_exit_code(interrupted, ok))
+
+
+# ------------------------------------------------------------------------------ export
+def export_cmd(
+    out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
+    model: common.ModelOpt = "tiny",
+    prompt: PromptOpt = None,
+    prompt_file: PromptFileOpt = None,
+    token_ids: TokenIdsOpt = None,
+    ignore_chat_template: IgnoreTemplateOpt = False,
+    system_prompt: common.SystemPromptOpt = None,
+    fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
+    metadata_model: Annotated[Optional[str], typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
+    kv_bits: common.KVBitsOpt = None,
+    kv_group_size: common.KVGroupSizeOpt = 64,
+    quantized_kv_start: QuantStartOpt = 5000,
+    adapter_path: common.AdapterPathOpt = None,
+    prefill_step_size: common.PrefillStepOpt = 2048,
+    config: common.ConfigOpt = None,
+    cache_dir: common.CacheDirOpt = None,
+    block_size: common.BlockSizeOpt = None,
+    json_out: common.JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    common.setup_logging(verbose)
+    with common.cli_errors():
+        from kvtool.ops.interop import SUFFIX, export_cache_file, metadata_model_for
+
+        if out.suffix != SUFFIX:
+            raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
+        cfg = common.build_config(config, cache_dir, None, None, None, block_size, None)
+        engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
+        interrupted = None
+        report = None
+        try:
+            with common.signals_raise():
+                try:
+                    ids, _ = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
+                                     required=True)
+                    report = export_cache_file(engine, ids, out,
+                                               metadata_model=metadata_model or metadata_model_for(model, engine.loaded),
+                                               fill=fill)
+                except common.Interrupted as exc:
+                    interrupted = exc
+                finally:
+                    common.ignore_signals()
+                    engine.close()
+        except common.Interrupted as exc:
+            interrupted = exc
+            engine.close()
+    if report is not None:
+        if json_out:
+            common.print_json({"schema_version": 1, **report.to_dict()})
+        else:
+            common.console.print(
+                f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
+                f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} (RAM {report.ram_hit_tokens}, "
+                f"SSD {report.ssd_hit_tokens}), computed {report.computed_tokens} | metadata model {report.metadata_model}",
+                highlight=False, soft_wrap=True)
+    raise typer.Exit(_exit_code(interrupted, report is not None))
+
+
+def register(app: typer.Typer) -> None:
+    """Add `kvtool import` and `kvtool export` to the app."""
+    app.command("import", help=IMPORT_HELP)(import_cmd)
+    app.command("export", help=EXPORT_HELP)(export_cmd)

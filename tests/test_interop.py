@@ -1,0 +1,329 @@
+"""Interop with mlx-lm prompt-cache files (`kvtool import` / `kvtool export`, kvtool.ops.interop).
+
+Against mlx-lm's own tools in subprocesses: a file written by `mlx_lm.cache_prompt` imports as
+verified blocks that a new `serve-once` process hits on SSD with the uncached output, and exports
+back bit for bit; a prompt warmed by kvtool exports to a file that `mlx_lm.generate
+--prompt-cache-file` continues with the output of an uncached `mlx_lm.generate` on the whole
+prompt. In process: every refusal (token count, KV check, model, cache types, not cached), a
+quantized round trip, and exports of sliding-window and state-layer models equal to mlx-lm's own
+prompt cache, array for array.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import (
+    KVCache,
+    RotatingKVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
+from typer.testing import CliRunner
+
+from kvtool.cli import app as app_module
+from kvtool.config import KVToolConfig
+from kvtool.engine import Engine
+from kvtool.ops import interop
+from kvtool.ops.interop import InteropError
+
+REPO = Path(__file__).resolve().parent.parent
+BS = 16
+PROMPT = ("The quick brown fox jumps over the lazy dog. It was a bright cold day in April, and the clocks were "
+          "striking thirteen. Call me Ishmael. Some years ago, never mind how long precisely, having little or no "
+          "money in my purse.")
+# PREFIX + SUFFIX tokenises as PREFIX's tokens then SUFFIX's ("." then " Then" are separate
+# pre-tokens), so a cached PREFIX continued with SUFFIX is the whole prompt (checked below).
+PREFIX = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin "
+          "nuzzled into his breast in an effort to escape the vile wind, slipped quickly through the glass doors.")
+SUFFIX = " Then he went home and slept."
+
+if not any(c.name == "import" for c in app_module.app.registered_commands):
+    app_module._register()
+runner = CliRunner()
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def kvtool(*args: str) -> subprocess.CompletedProcess:
+    return run("-m", "kvtool.cli.app", *args)
+
+
+def mlx_generate(model_dir: Path, *args: str) -> tuple[str, int]:
+    """(generated text, prompt tokens mlx-lm processed) of a greedy `mlx_lm.generate` run."""
+    r = run("-m", "mlx_lm.generate", "--model", str(model_dir), "--max-tokens", "8", "--temp", "0", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    text = out.split("==========\n", 1)[1].rsplit("\n==========", 1)[0]
+    (line,) = [x for x in out.splitlines() if x.startswith("Prompt: ")]
+    return text, int(line.split()[1])
+
+
+def serve_once(cache_dir: Path, *args: str) -> list[dict]:
+    r = kvtool("serve-once", "--model", "tiny", "--cache-dir", str(cache_dir), "--block-size", str(BS), "-m", "8",
+               "--json", *args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)["requests"]
+
+
+def assert_same_kv(a_path: Path, b_path: Path) -> None:
+    """Same cache classes and offsets, and bit-identical KV up to each offset."""
+    a, b = load_prompt_cache(str(a_path)), load_prompt_cache(str(b_path))
+    assert [type(c).__name__ for c in a] == [type(c).__name__ for c in b]
+    for x, y in zip(a, b):
+        assert x.offset == y.offset
+        n = x.offset
+        xs = [*x.keys, *x.values] if isinstance(x.keys, (tuple, list)) else [x.keys, x.values]
+        ys = [*y.keys, *y.values] if isinstance(y.keys, (tuple, list)) else [y.keys, y.values]
+        for p, q in zip(xs, ys):
+            assert mx.array_equal(p[..., :n, :], q[..., :n, :]).item()
+
+
+def mlx_cache_file(model, ids, path: Path, metadata: dict, **kw) -> list:
+    """What mlx_lm.cache_prompt does, in process: generate_step(max_tokens=0), save_prompt_cache."""
+    cache = make_prompt_cache(model)
+    for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache, **kw):
+        pass
+    save_prompt_cache(str(path), cache, metadata)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model) -> Path:
+    return Path(tiny_model.path)
+
+
+def engine_for(loaded, cache_dir: Path, **kw) -> Engine:
+    return Engine(loaded, KVToolConfig(ssd_cache_dir=cache_dir, block_size=BS), **kw)
+
+
+# ------------------------------------------------------------------ with mlx-lm's tools
+def test_cache_prompt_file_imports_and_serves_from_ssd(tmp_path, tiny_model, tiny_dir):
+    tok = tiny_model.tokenizer
+    f = tmp_path / "doc.safetensors"
+    r = run("-m", "mlx_lm.cache_prompt", "--model", str(tiny_dir), "--prompt", PROMPT, "--prompt-cache-file", str(f))
+    assert r.returncode == 0, r.stderr[-2000:]
+    cache_dir = tmp_path / "cache"
+    r = kvtool("import", str(f), "--model", "tiny", "--prompt", PROMPT, "--cache-dir", str(cache_dir),
+               "--block-size", str(BS), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    n = doc["prompt_tokens"]
+    assert load_prompt_cache(str(f))[0].offset == n
+    assert doc["verified"] and doc["cached_tokens"] == n and doc["shutdown_clean"]
+    assert doc["model_check"] == "match" and doc["token_source"] == "prompt_chat_template"
+    assert doc["entries_stored"] == doc["blocks_written"] == n // BS + 1 and doc["blocks_failed"] == 0
+    assert doc["kv_check_tokens"] > 32 and doc["kv_check_max_rel_diff"] < 1e-3
+
+    # The file ends inside the user message (mlx-lm's convention): serve-once's chat prompt is
+    # the file's tokens plus the assistant turn, so every imported block is an SSD hit ...
+    user_only = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
+                                        add_generation_prompt=False, continue_final_message=True)
+    chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    (hit,) = serve_once(cache_dir, "--prompt", PROMPT)
+    assert hit["prompt_tokens"] > n and hit["cached_tokens"] == hit["ssd_hit_tokens"] == n // BS * BS
+    # ... and the file's exact tokens are a full hit (blocks and tail entry from SSD).
+    (full,) = serve_once(cache_dir, "--ignore-chat-template", "--prompt", user_only)
+    assert full["prompt_tokens"] == n and full["cached_tokens"] == full["ssd_hit_tokens"] == n - 1
+    reqs = tmp_path / "reqs.jsonl"
+    reqs.write_text(json.dumps({"prompt": chat}) + "\n" + json.dumps({"prompt": user_only}) + "\n")
+    base = serve_once(tmp_path / "unused", "--no-ssd", "--ram-bytes", "0", "--ignore-chat-template", "--requests", str(reqs))
+    assert [b["cached_tokens"] for b in base] == [0, 0]
+    assert [b["prompt_tokens"] for b in base] == [hit["prompt_tokens"], n]
+    assert hit["token_ids"] == base[0]["token_ids"] and full["token_ids"] == base[1]["token_ids"]
+
+    # Export gives mlx-lm's file back, bit for bit.
+    out = tmp_path / "back.safetensors"
+    r = kvtool("export", str(out), "--model", "tiny", "--prompt", PROMPT, "--cache-dir", str(cache_dir),
+               "--block-size", str(BS), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    exp = json.loads(r.stdout)
+    assert exp["prompt_tokens"] == exp["cached_tokens"] == exp["ssd_hit_tokens"] == n and exp["computed_tokens"] == 1
+    assert_same_kv(f, out)
+    _, meta_in = load_prompt_cache(str(f), return_metadata=True)
+    _, meta_out = load_prompt_cache(str(out), return_metadata=True)
+    assert meta_out["model"] == meta_in["model"] == str(tiny_dir)
+    assert json.loads(meta_out["tokenizer_config"]) == json.loads(meta_in["tokenizer_config"])
+
+
+def test_warmed_prompt_exports_for_mlx_generate(tmp_path, tiny_model, tiny_dir):
+    tok = tiny_model.tokenizer
+    assert tok.encode(PREFIX + SUFFIX) == tok.encode(PREFIX) + tok.encode(SUFFIX)  # a clean token boundary
+    pre = tmp_path / "prefix.txt"
+    pre.write_text(PREFIX)
+    cache_dir, out = tmp_path / "cache", tmp_path / "prefix.safetensors"
+    common = ["--model", "tiny", "--ignore-chat-template", "--cache-dir", str(cache_dir), "--block-size", str(BS)]
+    r = kvtool("warm", *common, "--whole", str(pre), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = kvtool("export", str(out), *common, "--prompt-file", str(pre), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    exp = json.loads(r.stdout)
+    n = exp["prompt_tokens"]
+    assert exp["cached_tokens"] == exp["ssd_hit_tokens"] == n and exp["computed_tokens"] == 1
+    cached = mlx_generate(tiny_dir, "--ignore-chat-template", "--prompt-cache-file", str(out), "--prompt", SUFFIX)
+    plain = mlx_generate(tiny_dir, "--ignore-chat-template", "--prompt", PREFIX + SUFFIX)
+    assert cached[0] == plain[0] and cached[0].strip()
+    assert cached[1] == plain[1] - n  # mlx-lm prefilled only the suffix
+
+
+def test_chat_prompt_export_needs_fill_then_continues_in_mlx_generate(tmp_path, tiny_model, tiny_dir):
+    cache_dir, out = tmp_path / "cache", tmp_path / "chat.safetensors"
+    with engine_for(tiny_model, cache_dir) as eng:  # what serve-once --prompt PREFIX stores
+        eng.generate(eng.encode(prompt=PREFIX, chat_template=True), max_tokens=2)
+    args = ["export", str(out), "--model", "tiny", "--prompt", PREFIX, "--cache-dir", str(cache_dir),
+            "--block-size", str(BS)]
+    r = runner.invoke(app_module.app, args)
+    assert r.exit_code == 1 and not out.exists()
+    err = r.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error: the prompt is not fully cached") and "--fill" in err
+    r = runner.invoke(app_module.app, [*args, "--fill", "--json"])
+    assert r.exit_code == 0, r.output
+    exp = json.loads(r.stdout)
+    n = exp["prompt_tokens"]
+    assert exp["cached_tokens"] == n // BS * BS and exp["computed_tokens"] == n - exp["cached_tokens"]
+    assert f"{exp['cached_tokens']} of its {n} tokens" in err
+    cached = mlx_generate(tiny_dir, "--prompt-cache-file", str(out), "--prompt", SUFFIX)
+    plain = mlx_generate(tiny_dir, "--prompt", PREFIX + SUFFIX)
+    assert cached[0] == plain[0] and cached[1] < plain[1]
+
+
+# ------------------------------------------------------------------ in process
+@pytest.fixture
+def made(tmp_path, tiny_model):
+    """A prompt, its cache_prompt tokens and the file mlx-lm writes for them."""
+    ids = interop.cache_prompt_tokens(tiny_model.tokenizer, PROMPT)
+    path = tmp_path / "made.safetensors"
+    mlx_cache_file(tiny_model.model, ids, path, {"model": str(tiny_model.path), "tokenizer_config": "{}"})
+    return ids, path
+
+
+def test_import_refuses_wrong_prompt_model_and_types(tmp_path, tiny_model, made):
+    ids, path = made
+    meta = {"model": str(tiny_model.path), "tokenizer_config": "{}"}
+    with engine_for(tiny_model, tmp_path / "c") as eng:
+        def imp(p=path, tokens=ids, **kw):
+            return interop.import_cache_file(eng, p, tokens, model_spec="tiny", **kw)
+
+        with pytest.raises(InteropError, match=f"holds {len(ids)} tokens but the prompt has {len(ids) - 1}"):
+            imp(tokens=ids[:-1])
+        for pos in (3, len(ids) - 5):  # an early token (spread single-token check), a late one (tail check)
+            bad = list(ids)
+            bad[pos] = (bad[pos] + 7) % 500
+            with pytest.raises(InteropError, match="recomputed tokens is not what the model computes"):
+                imp(tokens=bad)
+        other = tmp_path / "other.safetensors"
+        mlx_cache_file(tiny_model.model, ids, other, {**meta, "model": str(tmp_path / "gone")})
+        with pytest.raises(InteropError, match="model check failed") as exc:
+            imp(other)
+        assert "--skip-model-check" in exc.value.hint
+        changed = tmp_path / "changed-model"
+        shutil.copytree(tiny_model.path, changed)
+        cfg = json.loads((changed / "config.json").read_text())
+        (changed / "config.json").write_text(json.dumps({**cfg, "note": "another model"}))
+        mlx_cache_file(tiny_model.model, ids, other, {**meta, "model": str(changed)})
+        with pytest.raises(InteropError, match="model check failed: the file was made with"):
+            imp(other)
+        rot = tmp_path / "rot.safetensors"
+        rc = [RotatingKVCache(max_size=32) for _ in range(2)]
+        tiny_model.model(mx.array([ids]), cache=rc)
+        save_prompt_cache(str(rot), rc, meta)
+        with pytest.raises(InteropError, match="RotatingKVCache .* keeps only the last window"):
+            imp(rot)
+        with pytest.raises(InteropError, match="not an mlx-lm prompt cache"):
+            mx.save_safetensors(str(tmp_path / "junk.safetensors"), {"a": mx.zeros(2)})
+            imp(tmp_path / "junk.safetensors")
+        with pytest.raises(InteropError, match="hold no token ids"):
+            imp(tokens=None)
+        assert eng.cache.probe(ids) == 0  # nothing was written by any refusal
+        # --skip-model-check: imported with a warning; a copy with the same weights matches by digest
+        rep = imp(other, require_model_match=False)
+        assert rep.verified and rep.model_check == "skipped" and "model not verified" in rep.warnings[0]
+        same = tmp_path / "same-model"
+        shutil.copytree(tiny_model.path, same)
+        mlx_cache_file(tiny_model.model, ids, other, {**meta, "model": str(same)})
+        rep = imp(other)
+        assert rep.model_check == "match" and "same weights digest" in rep.model_check_detail
+        assert rep.blocks_written == 0 and rep.verified  # already stored by the import above
+
+
+def test_exported_file_imports_without_prompt_and_quantized_round_trip(tmp_path, tiny_model, made):
+    ids, path = made
+    with engine_for(tiny_model, tmp_path / "a") as eng:
+        interop.import_cache_file(eng, path, ids, model_spec="tiny")
+        interop.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model=str(tiny_model.path))
+    with engine_for(tiny_model, tmp_path / "b") as eng:
+        rep = interop.import_cache_file(eng, tmp_path / "exp.safetensors", None, model_spec="tiny")
+        assert rep.token_source == "metadata" and rep.verified and rep.cached_tokens == len(ids)
+    # KV quantized by mlx-lm (8 bits, group 32, from the first token): imported and exported bit for bit
+    q = tmp_path / "q.safetensors"
+    mlx_cache_file(tiny_model.model, ids, q, {"model": str(tiny_model.path), "tokenizer_config": "{}"},
+                   kv_bits=8, kv_group_size=32, quantized_kv_start=0)
+    assert interop.file_quantization(load_prompt_cache(str(q))) == (8, 32)
+    with engine_for(tiny_model, tmp_path / "c") as eng, pytest.raises(InteropError, match="load the engine with kv_bits=8"):
+        interop.import_cache_file(eng, q, ids, model_spec="tiny")
+    with engine_for(tiny_model, tmp_path / "c", kv_bits=8, kv_group_size=32, quantized_kv_start=0) as eng:
+        rep = interop.import_cache_file(eng, q, ids, model_spec="tiny")
+        assert rep.verified and rep.cache_type == "QuantizedKVCache" and rep.kv_bits == 8
+    with engine_for(tiny_model, tmp_path / "c", kv_bits=8, kv_group_size=32, quantized_kv_start=0) as eng:
+        exp = interop.export_cache_file(eng, ids, tmp_path / "q2.safetensors", metadata_model="m")
+        assert exp.cached_tokens == exp.ssd_hit_tokens == len(ids) and exp.cache_types == ["QuantizedKVCache"]
+    assert_same_kv(q, tmp_path / "q2.safetensors")
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    r = runner.invoke(app_module.app, ["import", str(tmp_path / "missing.safetensors"), "--model", "tiny",
+                                       "--prompt", "x", "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 2 and r.stderr.strip() == f"error: file not found: {tmp_path / 'missing.safetensors'}"
+    r = runner.invoke(app_module.app, ["export", str(tmp_path / "out.bin"), "--model", "tiny", "--prompt", "x",
+                                       "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "must be named *.safetensors" in r.stderr
+    r = runner.invoke(app_module.app, ["export", str(tmp_path / "o.safetensors"), "--model", "tiny",
+                                       "--cache-dir", str(tmp_path)])
+    assert r.exit_code == 2 and r.stderr.strip().startswith("error: give the prompt")
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2", "deepseek_v2"])
+def test_export_equals_mlx_cache_of_other_families(tmp_path, family):
+    """Sliding-window layers (RotatingKVCache), state layers (ArraysCache) and K/V head dims that
+    differ: the exported file equals mlx-lm's own prompt cache of the same tokens, every array."""
+    from mlx.utils import tree_flatten
+
+    from kvtool.models.loader import load_model
+    from tests.model_zoo import build_family
+
+    loaded = load_model(str(build_family(family, tmp_path / family)))
+    ids = interop.cache_prompt_tokens(loaded.tokenizer, PREFIX * 2)  # longer than the 96-token window
+    ref_path = tmp_path / "ref.safetensors"
+    ref = mlx_cache_file(loaded.model, ids, ref_path, {"model": "m", "tokenizer_config": "{}"}, prefill_step_size=64)
+    with engine_for(loaded, tmp_path / "c", prefill_step_size=64) as eng:
+        eng.prefill(ids)
+    with engine_for(loaded, tmp_path / "c", prefill_step_size=64) as eng:
+        exp = interop.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model="m")
+        assert exp.cached_tokens == len(ids) and exp.computed_tokens == 1
+    got = load_prompt_cache(str(tmp_path / "exp.safetensors"))
+    assert [type(c) for c in got] == [type(c) for c in ref]
+    for a, b in zip(ref, got):
+        if type(a) is KVCache:
+            assert a.offset == b.offset
+            pairs = [(x[..., : a.offset, :], y[..., : a.offset, :]) for x, y in zip(a.state[:2], b.state[:2])]
+        else:  # every array and scalar of the state (RotatingKVCache: offset, keep, max_size, _idx)
+            xs, ys = ([v for _, v in tree_flatten(c.state)] for c in (a, b))
+            assert [type(x) for x in xs] == [type(y) for y in ys]
+            assert [x for x in xs if not isinstance(x, mx.array)] == [y for y in ys if not isinstance(y, mx.array)]
+            pairs = [(x, y) for x, y in zip(xs, ys) if isinstance(x, mx.array)]
+        assert pairs and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in pairs)
+    if family == "deepseek_v2":  # plain KVCache layers: mlx-lm's file imports too
+        with engine_for(loaded, tmp_path / "d", prefill_step_size=64) as eng:
+            rep = interop.import_cache_file(eng, ref_path, ids, model_spec=str(loaded.path),
+                                            require_model_match=False)
+            assert rep.verified and rep.kv_check_max_rel_diff < 1e-3
