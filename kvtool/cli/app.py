@@ -47,15 +47,17 @@ def _root(
     pass
 
 
+COMMAND_MODULES = ("cmd_serve", "cmd_serve_http", "cmd_warm", "cmd_model", "cmd_validate", "cmd_prune", "cmd_rm",
+                   "cmd_inspect", "cmd_interop", "cmd_bench")
+
+
 def _register() -> None:
     # Imported here so that `kvtool --help` stays fast and each module only wires its command.
-    from kvtool.cli import cmd_serve
+    # Every command module must import: a missing one is an error, never a silently absent command.
+    import importlib
 
-    cmd_serve.register(app)
-    common.register_optional(app, "cmd_serve_http")  # `kvtool serve` (mlx-lm's HTTP server on the tiers)
-    for name in ("cmd_model", "cmd_validate", "cmd_warm", "cmd_prune", "cmd_rm", "cmd_inspect", "cmd_bench"):
-        common.register_optional(app, name)
-    common.register_optional(app, "cmd_interop")  # `kvtool import` / `kvtool export` (mlx-lm prompt-cache files)
+    for name in COMMAND_MODULES:
+        importlib.import_module(f"kvtool.cli.{name}").register(app)
 
 
 def main() -> None:

@@ -225,17 +225,6 @@ def print_json(doc: Any) -> None:
     sys.stdout.flush()
 
 
-def register_optional(app: typer.Typer, module_name: str) -> None:
-    """Register `kvtool.cli.<module_name>` if it exists (commands land issue by issue)."""
-    try:
-        module = importlib.import_module(f"kvtool.cli.{module_name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"kvtool.cli.{module_name}":
-            return
-        raise
-    module.register(app)
-
-
 # ---------------------------------------------------------------- cache options
 CACHE_PANEL = "Cache"
 
