@@ -104,7 +104,8 @@ def test_preset_dir_is_a_plain_mlx_lm_model():
 
 
 def test_presets_api():
-    assert set(embedded.PRESETS) == {"tiny", "small", "base", "qwen0.5b"}
+    assert set(embedded.PRESETS) == {"tiny", "small", "base", "qwen0.5b", "tiny-bf16", "qwen0.5b-bf16"}
+    assert embedded.PRESETS["tiny-bf16"].dtype == "bfloat16" and embedded.PRESETS["tiny"].dtype == "float32"
     assert embedded.is_preset("tiny") and not embedded.is_preset("huge")
     q = embedded.PRESETS["qwen0.5b"]
     assert (q.num_hidden_layers, q.hidden_size, q.num_attention_heads, q.num_key_value_heads) == (24, 896, 14, 2)
@@ -267,7 +268,7 @@ def test_cli_model_path_unknown_preset_is_one_line_exit_2():
     result = run_cli(["model", "path", "huge"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: unknown model preset 'huge' (choose from: tiny, small, base, qwen0.5b)"
+        "error: unknown model preset 'huge' (choose from: tiny, small, base, qwen0.5b, tiny-bf16, qwen0.5b-bf16)"
     ]
 
 
@@ -284,3 +285,25 @@ def test_cli_model_list_json():
 def test_cli_help_has_an_example(args):
     result = run_cli([*args, "--help"])
     assert result.exit_code == 0 and "Example" in result.output and "kvtool model" in result.output
+
+
+def test_bf16_preset_gives_bf16_kv_and_ssd_hits_equal_mlx_lm(tmp_path):
+    """Issue 11: the common KV dtype of real models (bfloat16) through the whole cache path."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from kvtool.config import KVToolConfig
+    from kvtool.engine import Engine
+    from kvtool.models.loader import load_model
+
+    loaded = load_model("tiny-bf16")
+    assert loaded.model.model.embed_tokens.weight.dtype == mx.bfloat16
+    ids = loaded.tokenizer.encode(open("kvtool/assets/demo_prompt.txt", encoding="utf-8").read())[:200]
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), loaded.model, max_tokens=6)]
+    cfg = KVToolConfig(ssd_cache_dir=tmp_path, ssd_async_writes=False)
+    with Engine(loaded, cfg) as eng:
+        assert eng.cache.kv.dtype == "bfloat16"
+        assert eng.generate(ids, max_tokens=6).token_ids == ref[: len(eng.generate(ids, max_tokens=6).token_ids)]
+    with Engine(loaded, cfg) as eng:  # a restart: SSD hits
+        res = eng.generate(ids, max_tokens=6)
+        assert res.ssd_hit_tokens == len(ids) - 1 and res.token_ids == ref[: len(res.token_ids)]

@@ -51,7 +51,7 @@ LM_HEAD_GAIN = 1.0
 
 @dataclass(frozen=True)
 class Preset:
-    """Shape of one embedded Qwen2 model (all float32)."""
+    """Shape of one embedded Qwen2 model; `dtype` is its weights' (and so its KV's) dtype."""
 
     name: str
     num_hidden_layers: int
@@ -60,6 +60,7 @@ class Preset:
     num_key_value_heads: int
     intermediate_size: int
     description: str = ""
+    dtype: str = "float32"  # or "bfloat16": the common KV dtype of real models
 
     @property
     def head_dim(self) -> int:
@@ -85,6 +86,8 @@ PRESETS: dict[str, Preset] = {
         Preset("small", 4, 256, 4, 2, 768, "quick benchmarks"),
         Preset("base", 8, 512, 8, 2, 1536, "benchmarks with a heavier prefill"),
         Preset("qwen0.5b", 24, 896, 14, 2, 4864, "Qwen2.5-0.5B layer shapes (small vocab), ~1.4 GB"),
+        Preset("tiny-bf16", 2, 128, 4, 2, 384, "tiny in bfloat16 (bf16 KV, as most real models)", "bfloat16"),
+        Preset("qwen0.5b-bf16", 24, 896, 14, 2, 4864, "qwen0.5b in bfloat16, ~0.7 GB", "bfloat16"),
     )
 }
 
@@ -186,6 +189,8 @@ def write_model_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -> No
 
     vocab = tokenizer_vocab()
     weights = init_weights(preset, len(vocab), seed, [vocab[t] for t in SPECIAL_TOKENS])
+    if preset.dtype != "float32":  # the same float32 draw, rounded: bf16 presets shadow their f32 twin
+        weights = {k: v.astype(getattr(mx, preset.dtype)) for k, v in weights.items()}
     mx.save_safetensors(str(out / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
     for fname in TOKENIZER_ASSETS:
         shutil.copyfile(ASSETS_DIR / fname, out / fname)
@@ -227,7 +232,7 @@ def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED
         "rms_norm_eps": DEFAULT_RMS_NORM_EPS,
         "rope_theta": DEFAULT_ROPE_THETA,
         "tie_word_embeddings": False,
-        "torch_dtype": "float32",
+        "torch_dtype": preset.dtype,
         "vocab_size": len(vocab),
         "eos_token_id": [vocab[t] for t in EOS_TOKENS],
         "pad_token_id": vocab["<|endoftext|>"],
