@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast soak bench clean
+.PHONY: install demo lint test test-fast soak bench clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,8 +25,13 @@ demo: $(STAMP)
 	KVTOOL_CACHE_DIR=.demo-cache $(BIN)/kvtool serve-once --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16
 	$(BIN)/kvtool inspect --cache-dir .demo-cache
 
-## test: install, then run the whole test suite
-test: $(STAMP)
+## lint: ruff (style, import order, likely bugs) over the code, tests and scripts; mypy over kvtool/
+lint: $(STAMP)
+	$(BIN)/ruff check kvtool tests bench_configs scripts
+	$(BIN)/mypy
+
+## test: install, lint, then run the whole test suite
+test: lint
 	$(BIN)/python -m pytest -q
 
 ## test-fast: the suite without the slow subprocess tests (crash, soak, families), for development
@@ -41,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/kvtool bench bench_configs/quick.toml
 
 clean:
-	rm -rf $(VENV) .demo-cache .pytest_cache
+	rm -rf $(VENV) .demo-cache .pytest_cache .mypy_cache .ruff_cache

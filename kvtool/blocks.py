@@ -11,8 +11,9 @@ live in the MLX-free `kvtool.hashing`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -495,7 +496,7 @@ class KVBuffers:
     state_scratch: dict[int, list[np.ndarray]] = field(default_factory=dict)
 
     @classmethod
-    def allocate(cls, kv: KVLayout, capacity: int) -> "KVBuffers":
+    def allocate(cls, kv: KVLayout, capacity: int) -> KVBuffers:
         """Allocate buffers for `capacity` tokens (call on the request thread)."""
         dtype = _NAME_TO_MX[kv.dtype]
         n_kv = len(kv.shapes(0)) - len(kv.states)
@@ -504,7 +505,7 @@ class KVBuffers:
         mx.eval(arrays)
         views = [_host_view(a) for a in arrays]
         if all(v is not None for v in views):
-            return cls(arrays, views, kv=kv)  # type: ignore[arg-type]
+            return cls(arrays, views, kv=kv)  # type: ignore[arg-type]  # no None view: checked just above
         return cls(arrays, [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in arrays], staged=True, kv=kv)
 
     def dest(self, offset: int, n: int) -> list[np.ndarray]:
@@ -564,7 +565,7 @@ class KVBuffers:
         return out
 
 
-def promote_slices(cache: list[KVCache], spans: Sequence[tuple[str, str, np.ndarray, int]],
+def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
                    kv: KVLayout | None = None) -> list[Block]:
     """Blocks that are views into a finished request's cache (no copy), for the RAM tier.
 
@@ -586,6 +587,7 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[str, str, np.ndar
             keys += k
             values += v
         if state:  # state layers: the entry's state arrays (host copies from the restore)
+            assert kv is not None  # state layers exist only in a layout
             values += [x if isinstance(x, mx.array) else _to_mlx(x, kv.dtype) for x in state[0]]
         blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])

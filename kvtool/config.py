@@ -260,7 +260,7 @@ class KVToolConfig(BaseModel):
         except ValidationError as exc:
             raise _config_error(exc) from None
 
-    def replace(self, **changes: Any) -> "KVToolConfig":
+    def replace(self, **changes: Any) -> KVToolConfig:
         """A copy with `changes` applied (validated).
 
         Raises:

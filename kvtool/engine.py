@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -34,7 +35,14 @@ from mlx_lm.sample_utils import make_sampler
 from kvtool.blocks import HashFn, blake2b_chain, rotating_from_full, state_arrays
 from kvtool.config import KVToolConfig
 from kvtool.models.loader import LoadedModel, load_model
-from kvtool.prefix import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, CacheHit, CacheStats, KVQuantization, PrefixCache
+from kvtool.prefix import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    CacheHit,
+    CacheStats,
+    KVQuantization,
+    PrefixCache,
+)
 from kvtool.store.tiered import ShutdownStatus
 
 log = logging.getLogger("kvtool")
@@ -139,7 +147,7 @@ class Engine:
         )
 
     @classmethod
-    def from_spec(cls, model_spec: str, config: KVToolConfig, *, adapter_path: str | None = None, **kwargs) -> "Engine":
+    def from_spec(cls, model_spec: str, config: KVToolConfig, *, adapter_path: str | None = None, **kwargs) -> Engine:
         """Load a model (preset, local dir or HF id, optional LoRA adapter) and build an engine on it.
 
         Raises:
@@ -147,7 +155,7 @@ class Engine:
         """
         return cls(load_model(model_spec, adapter_path=adapter_path), config, **kwargs)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -195,7 +203,7 @@ class Engine:
         with self._lock:
             return self.cache.close()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters of the prefix cache (see `CacheStats`)."""
         return self.cache.stats().to_dict()
 
@@ -249,6 +257,7 @@ class Engine:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             return [int(t) for t in ids]
+        assert prompt is not None  # exactly one of prompt and messages (checked above)
         bos = getattr(tok, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
         return list(tok.encode(prompt, add_special_tokens=add_special))
@@ -330,7 +339,7 @@ class Engine:
                 pc.persist_found(hit)  # RAM-only blocks (evict_only) reach SSD too
                 cache = hit.cache or self._new_cache()
                 t0 = time.perf_counter()
-                states = {} if self.cache.has_states else None
+                states: dict | None = {} if self.cache.has_states else None
                 self._prefill(cache, hit.remaining, len(ids), hit.cached_tokens, states)
                 res.prefill_ms = (time.perf_counter() - t0) * 1e3
                 res.finish_reason = "prefill"
@@ -354,7 +363,7 @@ class Engine:
             res = self._result(hit)
             cache = hit.cache or self._new_cache()
             t0 = time.perf_counter()
-            states = None
+            states: dict | None = None
             if self.cache.windows or self.cache.has_states:
                 # sliding-window layers: prefill the whole prompt into full views (every token's KV,
                 # for the blocks), then hand mlx-lm its own rotating state at the last prompt token;
@@ -387,7 +396,7 @@ class Engine:
         get the checkpoint taken after `n` tokens."""
         windows = self.cache.windows or (None,) * len(full)
         snapshot = list((states or {}).get(n) or [])
-        out = []
+        out: list = []
         for c, w in zip(full, windows):
             if isinstance(c, ArraysCache):
                 a = ArraysCache(size=len(c.cache))
@@ -431,12 +440,13 @@ class Engine:
             i += n
             if start + i == switch:
                 self._quantize(cache)
-            if start + i in cuts:
+            if states is not None and start + i in cuts:  # (cuts is empty without states)
                 states[start + i] = state_arrays(cache)
 
     def _quantize(self, cache: list) -> None:
         """mlx-lm's `maybe_quantize_kv_cache` at the switch point (layers already quantized stay)."""
         q = self.quant
+        assert q is not None  # only called at the switch point of a quantized cache
         for i, c in enumerate(cache):
             if hasattr(c, "to_quantized"):
                 cache[i] = c.to_quantized(group_size=q.group_size, bits=q.bits)
@@ -450,7 +460,7 @@ class Engine:
         eos = set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         detok = self.tokenizer.detokenizer
         detok.reset()
-        quant = {}
+        quant: dict[str, Any] = {}
         if self.quant is not None:
             quant = dict(kv_bits=self.quant.bits, kv_group_size=self.quant.group_size,
                          quantized_kv_start=self.quant.start)

@@ -13,7 +13,7 @@ way: `hash_fn(parent, tail_ids)`; the different input length keeps it apart from
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -42,20 +43,19 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from kvtool.blocks import (
     Block,
-    WindowedKVCache,
-    as_windowed,
-    sliding_windows,
     HashFn,
     KVBuffers,
+    WindowedKVCache,
+    as_windowed,
     blake2b_chain,
     cache_capacity,
     chain_hashes,
     kv_layout_of,
-    layout_key,
     promote_slices,
     rebuild_cache,
     root_parent,
     slice_blocks,
+    sliding_windows,
     tail_hash,
     unsupported_cache_reason,
 )
@@ -63,6 +63,7 @@ from kvtool.config import KVToolConfig
 from kvtool.hashing import layout_key_of_meta
 from kvtool.hostblock import HostBlock
 from kvtool.store import restore
+from kvtool.store.fsops import FileOps
 from kvtool.store.segment import FORMAT_VERSION, KVLayout
 from kvtool.store.tiered import ShutdownStatus, TieredCache
 
@@ -86,7 +87,7 @@ def library_versions() -> str:
     """Versions of the libraries that compute the KV (part of the layout key)."""
     import mlx_lm
 
-    return f"mlx={mx.__version__},mlx_lm={mlx_lm.__version__}"
+    return f"mlx={mx.__version__},mlx_lm={mlx_lm.__version__}"  # type: ignore[attr-defined]  # mlx.core's stub omits __version__
 
 
 # Model code whose sliding-window layers were measured bit-exact through a `WindowedKVCache`
@@ -261,7 +262,7 @@ class CacheHit:
     tail: str | None = field(default=None, repr=False)
     entries_found: int = field(default=0, repr=False)  # chain entries (blocks + tail) in `cache`
     pinned: list[str] = field(default_factory=list, repr=False)
-    promote: list[tuple[str, str, np.ndarray, int]] = field(default_factory=list, repr=False)
+    promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
 
 
 class PrefixCache:
@@ -292,7 +293,7 @@ class PrefixCache:
         model_name: str = "",
         model_class: str = "",
         hash_fn: HashFn = blake2b_chain,
-        fs=None,
+        fs: FileOps | None = None,
         uncached_reason: str | None = None,
         quant: KVQuantization | None = None,
         windows: Sequence[int | None] | None = None,
@@ -319,7 +320,7 @@ class PrefixCache:
     @classmethod
     def for_model(cls, model, config: KVToolConfig, *, model_id: str, model_name: str = "",
                   max_kv_size: int | None = None, quant: KVQuantization | None = None,
-                  **kwargs: Any) -> "PrefixCache":
+                  **kwargs: Any) -> PrefixCache:
         """Probe `model`'s KV layout and build its prefix cache (uncached if not cacheable)."""
         kv, reason = probe_layout(model, max_kv_size, quant)
         if reason is not None:
@@ -338,9 +339,10 @@ class PrefixCache:
 
     def _namespace_meta(self, block_size: int) -> dict[str, str]:
         """The namespace meta; the layout key is its digest (`kvtool.hashing.layout_key_of_meta`)."""
+        kv = self._layout
         meta = {
             "model_id": self.model_id, "model_name": self.model_name, "model_class": self.model_class,
-            "block_size": str(block_size), "kv_dtype": self.kv.dtype, "kv_layers": self.kv.spec,
+            "block_size": str(block_size), "kv_dtype": kv.dtype, "kv_layers": kv.spec,
             "libraries": library_versions(),
         }  # fmt: skip
         if self.quant is not None:
@@ -348,6 +350,23 @@ class PrefixCache:
         if self.windows:
             meta["kv_windows"] = ",".join("-" if w is None else str(w) for w in self.windows)
         return meta
+
+    # Typed views of the optional state, for the paths that run only with a layout (`kv`) or
+    # only while the tiers are attached (`tiered` and `layout_key` are set together).
+    @property
+    def _layout(self) -> KVLayout:
+        assert self.kv is not None, "no KV layout: uncached"
+        return self.kv
+
+    @property
+    def _tier(self) -> TieredCache:
+        assert self.tiered is not None, "tiers not attached (uncached or closed)"
+        return self.tiered
+
+    @property
+    def _key(self) -> str:
+        assert self.layout_key is not None, "tiers not attached (uncached or closed)"
+        return self.layout_key
 
     def _attach(self, config: KVToolConfig) -> None:
         self.config = config
@@ -381,7 +400,7 @@ class PrefixCache:
         self.tiered = None
         return status
 
-    def __enter__(self) -> "PrefixCache":
+    def __enter__(self) -> PrefixCache:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -417,8 +436,8 @@ class PrefixCache:
             return [], None
         ids = np.asarray(tokens, dtype=np.int32)
         bs = self.config.block_size
-        full = chain_hashes(ids, bs, self.layout_key, self.hash_fn)
-        return full, tail_hash(ids, bs, self.layout_key, full, self.hash_fn)
+        full = chain_hashes(ids, bs, self._key, self.hash_fn)
+        return full, tail_hash(ids, bs, self._key, full, self.hash_fn)
 
     def probe(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Leading prompt tokens the SSD index holds (hashing and one query; nothing is read)."""
@@ -511,7 +530,7 @@ class PrefixCache:
     def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[tuple[str, str, int, int]]:
         """Chain entries `(hash, parent, start, stop)`: the full blocks, then the tail entry."""
         bs = self.config.block_size
-        parent = root_parent(self.layout_key)
+        parent = root_parent(self._key)
         out = []
         for i, h in enumerate(full):
             out.append((h, parent, i * bs, (i + 1) * bs))
@@ -523,7 +542,7 @@ class PrefixCache:
     def _collect(self, ids, chain, hit: CacheHit) -> list[tuple[str, Any]]:
         """Sources of the leading chain entries: ('ram', Block) | ('pending', HostBlock) |
         ('ssd', IndexRow); RAM blocks are pinned."""
-        t = self.tiered
+        t = self._tier
         found: list[tuple[str, Any]] = []
         i = 0
         while i < len(chain):
@@ -550,16 +569,17 @@ class PrefixCache:
         return found
 
     def _build(self, ids, chain, found, hit: CacheHit) -> None:
-        n_layers = self.kv.n_layers
+        kv = self._layout
+        n_layers = kv.n_layers
         if not any(src == "ssd" for src, _ in found):
             blocks = [b for _, b in found] if all(src == "ram" for src, _ in found) else None
             if blocks is not None:
-                hit.cache = rebuild_cache(blocks, n_layers, cache_capacity(int(ids.size)), kv=self.kv) if blocks else []
+                hit.cache = rebuild_cache(blocks, n_layers, cache_capacity(int(ids.size)), kv=kv) if blocks else []
                 hit.entries_found = len(blocks)
                 hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1][3] if blocks else 0
                 return
         t0 = time.perf_counter()
-        buffers = KVBuffers.allocate(self.kv, cache_capacity(int(ids.size)))
+        buffers = KVBuffers.allocate(kv, cache_capacity(int(ids.size)))
         n_ok, ram_tok, ssd_tok = self._fill(ids, chain, found, buffers, hit)
         hit.entries_found = n_ok
         hit.cached_tokens = chain[n_ok - 1][3] if n_ok else 0
@@ -589,7 +609,9 @@ class PrefixCache:
             while j < len(found) and found[j][0] == "ssd":
                 j += 1
             rows = [found[k][1] for k in range(i, j)]
-            res = restore.restore_chain(self.tiered.ssd, rows, parent, ids, [chain[k][2] for k in range(i, j)],
+            ssd = self._tier.ssd
+            assert ssd is not None  # rows were found in it
+            res = restore.restore_chain(ssd, rows, parent, ids, [chain[k][2] for k in range(i, j)],
                                         buffers.dest)
             hit.ssd_bytes_read += res.bytes_read
             for k in range(i, i + res.n_ok):

@@ -20,8 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-
 from pydoc_data import topics as pydoc_topics
+
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 DEFAULT_VOCAB_SIZE = 4096

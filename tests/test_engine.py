@@ -214,8 +214,9 @@ def _damage_record(eng, block_hash: str) -> None:
     """Flip one byte in the middle of a block's record inside its segment file."""
     row = eng.cache.ssd.index.get(block_hash)
     path = eng.cache.ssd.namespace_dir / row.segment[:2] / f"{row.segment}.safetensors"
-    from kvtool.store import segment as seg
     import os
+
+    from kvtool.store import segment as seg
 
     fd = os.open(path, os.O_RDWR)
     try:

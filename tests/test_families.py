@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -223,7 +222,6 @@ def test_kv_bits_unquantisable_head_dim_is_refused_once(zoo, tmp_path, caplog):
 
 
 def test_quantized_layout_spec_bytes_and_segment_round_trip(tmp_path):
-    import numpy as np
 
     from kvtool.hostblock import HostBlock
     from kvtool.store import segment as seg

@@ -217,6 +217,8 @@ def test_prompt_probe_agrees_with_a_following_serve_once(tmp_path, tiny_model):
 def three(tmp_path):
     """Three namespaces of models 'beta' (3 blocks, used 2 h ago), 'alpha' (1 block, 3 d ago) and
     'gamma' (2 blocks, 10 min ago), model classes from mlx_lm; returns (cache_dir, {model name: layout key})."""
+    global NOW  # the table renders ages against the real clock: anchor NOW at this test, not at collection
+    NOW = time.time() + 60.0
     cache_dir = tmp_path / "kv"
     keys = {}
     for name, n, age in (("beta", 3, BETA_AGE), ("alpha", 1, ALPHA_AGE), ("gamma", 2, GAMMA_AGE)):

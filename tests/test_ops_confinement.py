@@ -144,7 +144,7 @@ def test_traversal_and_absolute_names_in_rows_touch_nothing_outside(world, colum
             naive.write_bytes(b"precious")
     with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
         conn.execute(f"UPDATE blocks SET {column}=? WHERE hash=?", (value, a[3].block_hash))
-        conn.execute(f"UPDATE segments SET name=? WHERE name=?", (value, block_path(store, b[0].block_hash).stem))
+        conn.execute("UPDATE segments SET name=? WHERE name=?", (value, block_path(store, b[0].block_hash).stem))
     before = state(sibling)
     ns = scan_cache(cache_dir).namespaces[0]
     assert len(ns.bad_rows) == 1 and len(ns.bad_segment_rows) == 1

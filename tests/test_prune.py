@@ -23,9 +23,17 @@ from kvtool.cli import cmd_prune
 from kvtool.hashing import root_parent
 from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.prune import (
-    LOCK_FILENAME, PruneError, PruneLocked, Segment, SegmentPlanner, cache_lock, execute_prune, fit_budget, plan_prune,
+    LOCK_FILENAME,
+    PruneError,
+    PruneLocked,
+    Segment,
+    SegmentPlanner,
+    cache_lock,
+    execute_prune,
+    fit_budget,
+    plan_prune,
     prune,
-)  # fmt: skip
+)
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store.index import BlockIndex

@@ -21,6 +21,12 @@ import time
 
 import numpy as np
 import pytest
+
+from kvtool.hashing import root_parent
+from kvtool.store import restore
+from kvtool.store import segment as seg
+from kvtool.store.segment import STORAGE_DTYPES
+from kvtool.store.ssd import SSDStore
 from tests.store_helpers import (
     FaultFS,
     block_path,
@@ -34,12 +40,6 @@ from tests.store_helpers import (
     record_span,
     segment_files,
 )
-
-from kvtool.hashing import root_parent
-from kvtool.store import restore
-from kvtool.store import segment as seg
-from kvtool.store.segment import STORAGE_DTYPES
-from kvtool.store.ssd import SSDStore
 
 BS = 4
 

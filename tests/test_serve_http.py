@@ -260,7 +260,7 @@ def test_bad_input_is_one_clean_line(tmp_path):
     for args, needle in ((["--model", "./no/such/model"], "model path not found"),
                          (["--max-kv-size", "64"], "RotatingKVCache"),
                          (["--log-level", "LOUD"], "--log-level"),
-                         (["--policy", "sometimes"], "ssd_policy")):
+                         (["--policy", "sometimes"], "--policy")):
         res = kvtool_cli("serve", "--cache-dir", str(tmp_path), "--port", "0", *args)
         assert res.returncode == 2, res.stderr
         assert needle in res.stderr and "Traceback" not in res.stderr

@@ -17,6 +17,10 @@ import safetensors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
+
+from kvtool.hostblock import HostBlock
+from kvtool.store import segment as seg
+from kvtool.store.segment import BlockFileError, KVLayout
 from tests.store_helpers import (
     assert_same_block,
     encode_segment,
@@ -26,10 +30,6 @@ from tests.store_helpers import (
     make_layout,
     random_kv,
 )
-
-from kvtool.hostblock import HostBlock
-from kvtool.store import segment as seg
-from kvtool.store.segment import BlockFileError, KVLayout
 
 H = "ab" * 16
 P = "cd" * 16

@@ -12,6 +12,11 @@ import threading
 
 import numpy as np
 import pytest
+
+from kvtool.hashing import chain_hashes, root_parent, tail_hash
+from kvtool.store import index as index_mod
+from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.store.ssd import COUNTERS, NONCACHEABLE_TTL_S, SSDStore
 from tests.store_helpers import (
     ERRNOS,
     FaultFS,
@@ -28,11 +33,6 @@ from tests.store_helpers import (
     segment_files,
     segment_name,
 )
-
-from kvtool.hashing import chain_hashes, root_parent, tail_hash
-from kvtool.store import index as index_mod
-from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.store.ssd import COUNTERS, NONCACHEABLE_TTL_S, SSDStore
 
 TOKENS = np.array([1, 2, 3, 4], dtype=np.int32)
 

@@ -19,9 +19,17 @@ from kvtool.ops.validate import REPAIRS, execute, plan_repairs, validate
 from kvtool.store.index import BlockIndex
 from kvtool.store.ssd import SSDStore
 from tests.store_helpers import (
-    block_path, encode_segment, flip_record_byte, make_chain, make_layout, make_meta, open_store, segment_files,
-    segment_name, segment_path,
-)  # fmt: skip
+    block_path,
+    encode_segment,
+    flip_record_byte,
+    make_chain,
+    make_layout,
+    make_meta,
+    open_store,
+    segment_files,
+    segment_name,
+    segment_path,
+)
 
 NOW_SKEW = 10 * 86400.0
 

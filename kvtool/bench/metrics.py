@@ -15,7 +15,8 @@ the repeats (the workload is identical in every repeat).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd

@@ -28,10 +28,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +176,8 @@ class Recorder:
     """Collects rows, writes `measurements.csv` on every `save`, prints progress."""
 
     def __init__(self, out: Path, log: Callable[[str], None]):
-        self.out, self.log, self.rows = out, log, []
+        self.out, self.log = out, log
+        self.rows: list[dict] = []
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -246,8 +248,8 @@ def measure_load(spec: RestoreSpec, shape: KVShape, n: int, d: Path, rec: Record
 def prompt_ids(model_path: Path, n: int) -> tuple[np.ndarray, str]:
     """`n` token ids of Python's pydoc topics text that decode and re-encode to themselves."""
     import logging
-
     import pydoc_data.topics as topics
+
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     logging.getLogger("transformers").setLevel(logging.ERROR)  # "longer than the maximum length"

@@ -19,9 +19,10 @@ record which API ran.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,7 @@ def open_prefix_cache(
     api: str = "auto",
     async_writes: bool = False,
     block_size: int | None = None,
-) -> "PrefixCacheLike":
+) -> PrefixCacheLike:
     """Open kvtool's prefix cache on `cache_dir` for synthetic KV of `shape` (SSD only, no RAM tier).
 
     Args:
@@ -119,13 +120,13 @@ class _PrefixAdapter:
         geometry = KVGeometry(shape.n_layers, shape.n_kv_heads, shape.head_dim, dtype=shape.dtype)
         self.pc = PrefixCache(config, geometry=geometry, model_id=shape.model_id)
 
-    def store(self, token_ids: Sequence[int], cache: list) -> None:
+    def store(self, token_ids: Sequence[int] | np.ndarray, cache: list) -> None:
         self.pc.store(token_ids, cache)
 
     def flush(self) -> None:
         self.pc.flush()
 
-    def fetch(self, token_ids: Sequence[int]) -> Hit:
+    def fetch(self, token_ids: Sequence[int] | np.ndarray) -> Hit:
         hit = self.pc.fetch(token_ids)
         return Hit(hit.cache, int(hit.cached_tokens), int(hit.ssd_tokens), float(hit.ssd_load_ms),
                    int(hit.ssd_bytes_read), raw=hit)
@@ -138,34 +139,39 @@ class _PrefixAdapter:
 
 
 class LegacyPrefixCache:
-    """The `kvtool.prefix` methods over today's `TieredCache` (as `Engine` drives it)."""
+    """The `kvtool.prefix` methods over today's `TieredCache` (as `Engine` drives it).
+
+    It runs only in a pre-rewrite tree, against that tree's API; the `type: ignore`s below are
+    where this tree's own signatures (which mypy checks against) differ.
+    """
 
     api = "legacy"
 
     def __init__(self, config, shape: KVShape):
         try:
             from kvtool.blocks import layout_key, rebuild_cache  # noqa: F401
-            from kvtool.store.tiered import LookupResult, TieredCache  # noqa: F401 (LookupResult: pre-rewrite only)
+            from kvtool.store.tiered import LookupResult, TieredCache  # type: ignore[attr-defined]  # noqa: F401  (LookupResult: pre-rewrite trees only)
         except ImportError as exc:
             raise RuntimeError(f"--kvtool-api legacy needs a tree before the PrefixCache rewrite ({exc})") from None
 
         self.config = config
         self.shape = shape
-        self.layout = layout_key(shape.model_id, shape.n_layers, shape.n_kv_heads, shape.head_dim,
-                                 shape.dtype, config.block_size)
+        self.layout = layout_key(  # type: ignore[call-arg]  # the pre-rewrite signature (model id, geometry, dtype, block size)
+            shape.model_id, shape.n_layers, shape.n_kv_heads, shape.head_dim, shape.dtype, config.block_size,  # type: ignore[arg-type]  # (same)
+        )
         meta = {
             "model_id": shape.model_id, "model_name": shape.model_id, "block_size": str(config.block_size),
             "kv_dtype": shape.dtype, "n_layers": str(shape.n_layers), "n_kv_heads": str(shape.n_kv_heads),
             "head_dim": str(shape.head_dim),
         }
-        self.tiered = TieredCache(config, self.layout, meta)
+        self.tiered: Any = TieredCache(config, self.layout, meta)  # the pre-rewrite class (lookup, release)
 
     def _hashes(self, ids: np.ndarray) -> list[str]:
         from kvtool.blocks import chain_hashes
 
         return chain_hashes(ids, self.config.block_size, self.layout)
 
-    def store(self, token_ids: Sequence[int], cache: list) -> None:
+    def store(self, token_ids: Sequence[int] | np.ndarray, cache: list) -> None:
         from kvtool.blocks import slice_blocks
 
         ids = np.asarray(token_ids, dtype=np.int32)
@@ -173,12 +179,12 @@ class LegacyPrefixCache:
         bs = self.config.block_size
         for start in range(0, len(hashes), 64):  # bounded MLX memory: 64 blocks at a time
             stop = min(len(hashes), start + 64)
-            self.tiered.persist(slice_blocks(cache, ids, hashes, self.layout, start, stop, bs))
+            self.tiered.persist(slice_blocks(cache, ids, hashes, self.layout, start, stop, bs))  # type: ignore[call-arg, arg-type]  # the pre-rewrite signature
 
     def flush(self) -> None:
         self.tiered.flush()
 
-    def fetch(self, token_ids: Sequence[int]) -> Hit:
+    def fetch(self, token_ids: Sequence[int] | np.ndarray) -> Hit:
         from kvtool.blocks import rebuild_cache
 
         ids = np.asarray(token_ids, dtype=np.int32)

@@ -13,8 +13,8 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 DROP_METHODS = ("fadvise", "global")
 RESIDENT_SLACK = 0.01  # after a drop, more than 1% resident counts as a failed drop

@@ -14,8 +14,9 @@ from __future__ import annotations
 import csv
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 KEY = ("section", "shape", "dtype", "prompt_tokens", "method", "cache_state")
 SUMMARY_COLUMNS = [
@@ -52,7 +53,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         groups[tuple(str(r[k]) for k in KEY)].append(r)
     out = []
     for key, rs in groups.items():
-        ms = [_num(r["ms"]) for r in rs if _num(r["ms"]) is not None]
+        ms = [x for x in (_num(r["ms"]) for r in rs) if x is not None]
         resident = [x for x in (_num(r.get("resident_before")) for r in rs) if x is not None]
         oks = {str(r.get("kv_ok")) for r in rs} - {""}
         out.append({

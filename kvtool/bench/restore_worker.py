@@ -29,8 +29,9 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -78,7 +79,7 @@ def host_bytes(a) -> memoryview:
 
     if a.dtype == mx.bfloat16:
         a = a.view(mx.uint16)
-    return memoryview(np.ascontiguousarray(np.asarray(a)))
+    return np.ascontiguousarray(np.asarray(a)).data
 
 
 def kv_crc(pairs: Sequence[tuple[Any, Any]], n_tokens: int) -> int:
@@ -127,7 +128,7 @@ def _status_kb(field: str) -> int | None:
 class PeakRSS:
     """Peak RSS growth over a region: reset VmHWM (clear_refs 5), read VmRSS, then VmHWM after."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         try:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
@@ -180,7 +181,7 @@ def mode_raw(args: dict) -> dict:
     nbytes = int(args["nbytes"])
     buf = np.zeros(nbytes, dtype=np.uint8)
     buf.fill(1)  # fault every page in before timing
-    view = memoryview(buf)
+    view = buf.data
     fd = os.open(args["path"], os.O_RDONLY)
     try:
         with PeakRSS() as rss:
@@ -276,7 +277,7 @@ def mode_mlxlm_ttft_save(args: dict) -> dict:
     import mlx_lm
     from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
-    model, _ = mlx_lm.load(args["model_path"])
+    model, *_ = mlx_lm.load(args["model_path"])
     ids = np.load(args["ids"])[:-1]
     cache = make_prompt_cache(model)
     for i in range(0, len(ids), PREFILL_STEP):
@@ -292,7 +293,7 @@ def mode_mlxlm_ttft(args: dict) -> dict:
     import mlx_lm
     from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-    model, _ = mlx_lm.load(args["model_path"])
+    model, *_ = mlx_lm.load(args["model_path"])
     ids = np.load(args["ids"])
     warm = make_prompt_cache(model)
     mx.eval(model(mx.array(ids[:8])[None], cache=warm))  # kernels and weights touched before timing
@@ -308,7 +309,7 @@ def mode_mlxlm_ttft(args: dict) -> dict:
     mx.eval(token)
     ms = (time.perf_counter() - t0) * 1e3
     return {"ms": ms, "ssd_load_ms": load_ms, "bytes_io": Path(args["path"]).stat().st_size,
-            "cached_tokens": cached, "first_token": int(token.item()), "tokens_ok": same}
+            "cached_tokens": cached, "first_token": int(cast(int, token.item())), "tokens_ok": same}
 
 
 MODES: dict[str, Callable[[dict], dict]] = {

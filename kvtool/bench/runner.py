@@ -24,8 +24,8 @@ import shutil
 import sqlite3
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +78,7 @@ def kv_bytes_per_token(engine: Any) -> int:
 
 def default_run_id(spec: SweepSpec) -> str:
     """`<UTC timestamp>-<sweep name>`, e.g. `20260101-120000-quick`."""
-    return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{spec.name}"
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{spec.name}"
 
 
 def run_sweep(
@@ -158,13 +158,13 @@ def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]
         for workload in workloads:
             for cell in cells:
                 for repeat in range(spec.repeats):
-                    if bar:
+                    if bar and cell_task is not None:
                         bar.update(cell_task, description=f"{workload.name} {cell.name} r{repeat}")
                         bar.reset(ctx.request_task, total=len(workload.requests))
                     cell_rows, fact = run_cell(ctx, workload, cell, repeat)
                     rows += cell_rows
                     runs.append(fact)
-                    if bar:
+                    if bar and cell_task is not None:
                         bar.advance(cell_task)
     return rows, runs
 
@@ -239,7 +239,7 @@ def _switch(engine: Any, config: Any) -> tuple[Any, dict] | None:
 
 def _facts(ids_base: dict, directory: Path, cell: Cell, closed: list, drops: list, wall_s: float) -> dict:
     disk = scan_cache_dir(directory)
-    counters: dict[str, int] = {}
+    counters: dict[str, float] = {}  # (ints, but a float counter is summed too)
     for _, stats in closed:
         for key, value in stats.items():
             if isinstance(value, (int, float)) and key.startswith(("writer_", "ssd_", "kv_")):
@@ -258,7 +258,7 @@ def _facts(ids_base: dict, directory: Path, cell: Cell, closed: list, drops: lis
     return fact
 
 
-def verify_drain(counters: dict[str, int], disk: dict[str, int]) -> bool:
+def verify_drain(counters: dict[str, float], disk: dict[str, int]) -> bool:
     """True if, after the tier closed, every accepted write was attempted, nothing is pending,
     and the index rows agree with the writer's successful saves and the segment rows with the
     segment files on disk.
@@ -342,7 +342,7 @@ def _run_document(ctx: _Context, run_id: str, config_path: Path | None, started:
     drops = ctx.page_cache_drops
     return {
         "run_id": run_id,
-        "started": datetime.fromtimestamp(started, timezone.utc).isoformat(),
+        "started": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": round(time.time() - started, 3),
         "config_path": str(config_path) if config_path else None,
         "sweep": ctx.spec.raw,

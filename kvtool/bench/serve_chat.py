@@ -34,9 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent.parent
 SERVERS = ("mlx-lm", "kvtool")
@@ -178,7 +179,7 @@ def stream_chat(port: int, messages: list[dict], max_tokens: int) -> dict[str, A
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
     ttft = None
-    text, usage = "", {}
+    text, usage = "", dict[str, Any]()
     for payload in _sse_data(resp):
         if payload == "[DONE]":
             break
@@ -294,8 +295,10 @@ def markdown_table(summary: list[dict[str, Any]], rows: list[TurnResult]) -> str
              "| mlx-lm / kvtool | same output |", "|---|---|---|---|---|---|---|---|"]
     for t in turns:
         m, k = by.get(("mlx-lm", t)), by.get(("kvtool", t))
-        label = f"{t} (after restart)" if (m or k)["after_restart"] else str(t)
-        prompt = (m or k)["prompt_tokens"]
+        first = m or k
+        assert first is not None  # every turn has a row of one server at least
+        label = f"{t} (after restart)" if first["after_restart"] else str(t)
+        prompt = first["prompt_tokens"]
         m_cached = f"{m['cached_tokens']:.0f}" if m else "-"
         m_ttft = f"{m['ttft_ms_median']:.1f}" if m else "-"
         k_cached = f"{k['cached_tokens']:.0f} ({k['ram_hit_tokens']:.0f} / {k['ssd_hit_tokens']:.0f})" if k else "-"

@@ -21,8 +21,9 @@ Shapes (see `WORKLOAD_DEFAULTS` for the parameters):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class DropPageCache:
     """Action: drop the OS page cache of the cell's block files (cold SSD reads follow)."""
 
 
-Step = Union[Request, Restart, DropPageCache]
+Step = Request | Restart | DropPageCache
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def _shared_prefix(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: Work
 
 def _multi_turn(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadContext) -> Iterator[Step]:
     history = {c: pool.head + pool.document(p["system_tokens"], "conversation") for c in range(p["conversations"])}
-    for turn in range(p["turns"]):  # conversations interleaved round-robin, as concurrent users would be
+    for _turn in range(p["turns"]):  # conversations interleaved round-robin, as concurrent users would be
         for c in range(p["conversations"]):
             history[c] += pool.take(p["user_tokens"])
             yield Request(history[c], "turn", f"conv{c}")

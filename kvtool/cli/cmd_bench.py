@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -34,7 +34,7 @@ Examples:
 """
 
 OutOpt = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option("--out", "-o", help="Parent directory of the run directory (default: results/).", show_default=False),
 ]
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Iterator, Optional
+from typing import Annotated, Any
 
 import typer
 from rich import box
@@ -41,7 +42,7 @@ Exit codes: 0 ok; 1 a namespace shown is unreadable or foreign, or its index and
 SORT_METAVAR = "[size|last-used|name|blocks]"  # kvtool.ops.inspect_cache.InspectSort (imported lazily: startup time)
 
 
-def _check_sort(value: Optional[str]) -> Optional[str]:
+def _check_sort(value: str | None) -> str | None:
     if value is None:
         return None
     from kvtool.ops.inspect_cache import InspectSort
@@ -53,22 +54,22 @@ def _check_sort(value: Optional[str]) -> Optional[str]:
 
 
 SortOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--sort", metavar=SORT_METAVAR, callback=_check_sort, show_default=False,
                  help="Order of the rows: size, blocks, last-used (largest / newest first) or name (the default)."),
 ]  # fmt: skip
 FilterOpt = Annotated[
-    Optional[str], typer.Option("--filter", help="Only namespaces whose model name or key contains TEXT (case-insensitive).",
-                                metavar="TEXT", show_default=False),
+    str | None, typer.Option("--filter", help="Only namespaces whose model name or key contains TEXT (case-insensitive).",
+                         metavar="TEXT", show_default=False),
 ]  # fmt: skip
-LimitOpt = Annotated[Optional[int], typer.Option("--limit", min=0, help="Show at most N namespaces.", metavar="N", show_default=False)]
+LimitOpt = Annotated[int | None, typer.Option("--limit", min=0, help="Show at most N namespaces.", metavar="N", show_default=False)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but problems (on stderr); the exit code tells.")]
 ModelOpt = Annotated[
-    Optional[str], typer.Option("--model", "-m", help="Model for --prompt (default: tiny, as serve-once).", show_default=False)
+    str | None, typer.Option("--model", "-m", help="Model for --prompt (default: tiny, as serve-once).", show_default=False)
 ]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
-MessagesOpt = Annotated[Optional[Path], typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
+PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
+MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 
 
 def inspect_cmd(
@@ -88,7 +89,7 @@ def inspect_cmd(
     adapter_path: common.AdapterPathOpt = None,
     kv_bits: common.KVBitsOpt = None,
     kv_group_size: common.KVGroupSizeOpt = 64,
-    prefill_step_size: common.PrefillStepOpt = None,
+    prefill_step_size: common.OptionalPrefillStepOpt = None,
     block_size: common.BlockSizeOpt = None,
     config: common.ConfigOpt = None,
 ) -> None:
@@ -128,11 +129,11 @@ class PromptSource:
     """
 
     model: str
-    prompt: Optional[str]
-    prompt_file: Optional[Path]
-    messages: Optional[Path]
+    prompt: str | None
+    prompt_file: Path | None
+    messages: Path | None
     chat_template: bool = True
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     model_opts: dict = field(default_factory=dict)
 
     def check(self) -> None:

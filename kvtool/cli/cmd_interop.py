@@ -6,12 +6,15 @@ Logic in `kvtool.ops.interop`; this module parses options, loads the engine, pri
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvtool.cli import common
 from kvtool.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
 
 IMPORT_HELP = """Import a prompt-cache file written by mlx_lm.cache_prompt (or save_prompt_cache) into the SSD tier as verified blocks.
 
@@ -46,15 +49,15 @@ Examples:
 Exit codes: 0 written; 1 the prompt is not fully cached (nothing written); 2 bad input (prompt, model, output path); 130/143 interrupted.
 """
 
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text, taken literally as mlx_lm.cache_prompt does ('-' reads stdin).", show_default=False)]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).", show_default=False)]
-TokenIdsOpt = Annotated[Optional[Path], typer.Option("--token-ids", help="JSON file with the prompt's token ids: [1, 2, ...] or {\"token_ids\": [...]} ('-' reads stdin).", show_default=False)]
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text, taken literally as mlx_lm.cache_prompt does ('-' reads stdin).", show_default=False)]
+PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).", show_default=False)]
+TokenIdsOpt = Annotated[Path | None, typer.Option("--token-ids", help="JSON file with the prompt's token ids: [1, 2, ...] or {\"token_ids\": [...]} ('-' reads stdin).", show_default=False)]
 IgnoreTemplateOpt = Annotated[bool, typer.Option("--ignore-chat-template", help="Tokenise the prompt as raw text: tokenizer.encode(text) (default: the chat template, as mlx_lm.cache_prompt).")]
 QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help="As mlx-lm: the cache offset from which KV is quantized (with --kv-bits / a quantized file).")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")]
 
 
-def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     """--prompt literally (cache_prompt unescapes nothing), --prompt-file as kvtool reads files."""
     import sys
 
@@ -66,7 +69,7 @@ def _read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional
     return common.read_prompt_arg(None, prompt_file)
 
 
-def _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required: bool):
+def _tokens(engine: Engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required: bool):
     """(token ids or None, source)."""
     from kvtool.ops.interop import cache_prompt_tokens, read_token_ids
 
@@ -82,6 +85,7 @@ def _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system
             raise common.CLIError("--system-prompt does not apply to --token-ids")
         return read_token_ids(token_ids), "token_ids"
     text = _read_prompt(prompt, prompt_file)
+    assert text is not None  # --prompt or --prompt-file was given
     ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=not ignore_chat_template, system_prompt=system_prompt)
     if not ids:
         raise common.CLIError("the prompt has no tokens")
@@ -122,7 +126,7 @@ def import_cmd(
     skip_model_check: Annotated[bool, typer.Option("--skip-model-check", help="Import even if the file's model (metadata) is not --model or cannot be verified (warns; the KV check still runs).")] = False,
     check_tokens: Annotated[int, typer.Option("--check-tokens", min=0, help="KV check: recompute the KV of this many last tokens (one model call) and compare with the file's; the prompt length or more: every token (as slow as a prefill).")] = 32,
     check_positions: Annotated[int, typer.Option("--check-positions", min=0, help="KV check: also recompute this many single tokens spread over the rest of the prompt (one decode step each).")] = 64,
-    kv_bits: Annotated[Optional[int], typer.Option("--kv-bits", show_default=False, help="The namespace's KV quantisation (default: the file's; give it for a plain file made with mlx_lm.cache_prompt --kv-bits whose prompt was below --quantized-kv-start).")] = None,
+    kv_bits: Annotated[int | None, typer.Option("--kv-bits", show_default=False, help="The namespace's KV quantisation (default: the file's; give it for a plain file made with mlx_lm.cache_prompt --kv-bits whose prompt was below --quantized-kv-start).")] = None,
     quantized_kv_start: QuantStartOpt = 5000,
     adapter_path: common.AdapterPathOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
@@ -208,7 +212,7 @@ def export_cmd(
     ignore_chat_template: IgnoreTemplateOpt = False,
     system_prompt: common.SystemPromptOpt = None,
     fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
-    metadata_model: Annotated[Optional[str], typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
+    metadata_model: Annotated[str | None, typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
     kv_bits: common.KVBitsOpt = None,
     kv_group_size: common.KVGroupSizeOpt = 64,
     quantized_kv_start: QuantStartOpt = 5000,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Annotated, Iterator, Optional
+from typing import Annotated
 
 import typer
 from rich import box
@@ -36,11 +37,11 @@ Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, 
 """
 
 TtlOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--ttl", help="Remove blocks not accessed for this long: 7d, 12h, 30m, 45s; 'none' = no TTL.", show_default=False),
 ]
 MaxBytesOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--max-bytes", help="Byte budget per namespace (whole cache with --all): 50GB, 512MiB.", show_default=False),
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU order over the whole cache.")]

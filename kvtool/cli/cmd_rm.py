@@ -6,9 +6,10 @@ MLX-free unless a prompt is given (its model is loaded for the tokenizer and ide
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -37,19 +38,19 @@ Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt
 """
 
 NamespaceArg = Annotated[
-    Optional[str],
+    str | None,
     typer.Argument(metavar="NAMESPACE", help="Key prefix of the namespace to remove (unique; see kvtool inspect).",
                    show_default=False),
 ]  # fmt: skip
 ModelOpt = Annotated[
-    Optional[str], typer.Option("--model", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
+    str | None, typer.Option("--model", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
 ]
-PromptOpt = Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
-PromptFileOpt = Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
-MessagesOpt = Annotated[Optional[Path], typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
+PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
+MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 BlockSizeOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--block-size", min=1, help="Only the namespace of this block size (default: every block size in the cache).",
                  show_default=False),
 ]  # fmt: skip
@@ -120,7 +121,7 @@ def _namespace_planner(root: Path, prefix: str) -> Callable:
     return lambda: plan_namespace_removal(scan_for_removal(root, prefix))
 
 
-def _prompt_planner(cfg, source, block_size: Optional[int]) -> Callable:
+def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
     """Encode the prompt with its model (closed again at once), then a planner that hashes it for
     each block size: the given one, else every block size in the cache (and the config's)."""
     import numpy as np

@@ -4,12 +4,16 @@ cache, shut down cleanly, print what the cache did."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvtool.cli import common
 from kvtool.prompts import Request, RequestFileError, load_messages, load_requests_jsonl
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
+    from kvtool.store.tiered import ShutdownStatus
 
 HELP = """Serve one request (or a JSONL file of requests) through the tiered KV cache, then exit.
 
@@ -54,7 +58,7 @@ def _human_line(i: int, r) -> str:
     )
 
 
-def _cache_summary(stats: dict, status) -> str:
+def _cache_summary(stats: dict[str, int], status: ShutdownStatus) -> str:
     saved = stats.get("ssd_save_success", 0)
     return (
         f"[dim]cache: {saved} block(s) written to SSD, {stats.get('ssd_save_dedup_skip', 0)} dedup, "
@@ -65,13 +69,13 @@ def _cache_summary(stats: dict, status) -> str:
 
 def serve_once(
     model: common.ModelOpt = "tiny",
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).", rich_help_panel="Prompt")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
+    prompt_file: Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt ('-' reads stdin).", rich_help_panel="Prompt")] = None,
     messages: Annotated[
-        Optional[Path], typer.Option("--messages", help="Chat JSON file: a list of {role, content}.", rich_help_panel="Prompt")
+        Path | None, typer.Option("--messages", help="Chat JSON file: a list of {role, content}.", rich_help_panel="Prompt")
     ] = None,
     requests: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens.", rich_help_panel="Prompt"),
     ] = None,
     max_tokens: common.MaxTokensOpt = 64,
@@ -84,8 +88,8 @@ def serve_once(
     kv_group_size: common.KVGroupSizeOpt = 64,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
     config: common.ConfigOpt = None,
     cache_dir: common.CacheDirOpt = None,
     policy: common.PolicyOpt = None,
@@ -111,13 +115,13 @@ def serve_once(
     raise typer.Exit(code)
 
 
-def _encoder(engine, chat_template: bool, system_prompt):
+def _encoder(engine: Engine, chat_template: bool, system_prompt):
     """Token ids of a request, with the CLI's chat-template rule (shared with `kvtool warm`)."""
     return lambda req: engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
                                      system_prompt=system_prompt)
 
 
-def _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out) -> int:
+def _serve(engine: Engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out) -> int:
     results, interrupted = [], None
     warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:

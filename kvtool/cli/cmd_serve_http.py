@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 import threading
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtool.cli import common
 from kvtool.units import format_bytes
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
 
 HELP = """Prefill prompts into the SSD tier ahead of time (no decode), so later requests start from cached KV.
 
@@ -73,7 +76,7 @@ def warm_cmd(
     raise typer.Exit(code)
 
 
-def _run(engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None) -> int:
+def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None) -> int:
     from kvtool.ops.warm import WarmError, WarmReport, warm
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
@@ -112,7 +115,7 @@ class _RichProgress:
         )  # fmt: skip
         self._task = self._bar.add_task("warm", total=total, tokens=0, blocks=0, bytes=format_bytes(0))
 
-    def __enter__(self) -> "_RichProgress":
+    def __enter__(self) -> _RichProgress:
         self._bar.__enter__()
         return self
 

@@ -13,10 +13,11 @@ import importlib.metadata
 import json
 import re
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -36,7 +37,7 @@ EXIT_ABORTED = 1  # a confirmation prompt was aborted (end of input), as Typer d
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.", rich_help_panel="Output")]
 CacheDirOpt = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(
         "--cache-dir",
         help="SSD tier root (default: $KVTOOL_CACHE_DIR, else $XDG_CACHE_HOME/kvtool, else ~/.cache/kvtool).",
@@ -45,8 +46,8 @@ CacheDirOpt = Annotated[
     ),
 ]
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", help="TOML file with kvtool config fields.", show_default=False,
-                                 rich_help_panel="Cache")
+    Path | None, typer.Option("--config", help="TOML file with kvtool config fields.", show_default=False,
+                          rich_help_panel="Cache")
 ]
 ModelOpt = Annotated[
     str,
@@ -63,33 +64,35 @@ IgnoreChatTemplateOpt = Annotated[
     typer.Option("--ignore-chat-template", help="Use --prompt/--prompt-file as raw text (default: wrap it in the chat template, as mlx_lm.generate).", rich_help_panel="Prompt"),
 ]
 SystemPromptOpt = Annotated[
-    Optional[str], typer.Option("--system-prompt", help="System message put before the prompt (chat template only).", show_default=False, rich_help_panel="Prompt")
+    str | None, typer.Option("--system-prompt", help="System message put before the prompt (chat template only).", show_default=False, rich_help_panel="Prompt")
 ]
 AdapterPathOpt = Annotated[
-    Optional[Path], typer.Option("--adapter-path", help="LoRA adapter directory (part of the model identity).", show_default=False, rich_help_panel="Model")
+    Path | None, typer.Option("--adapter-path", help="LoRA adapter directory (part of the model identity).", show_default=False, rich_help_panel="Model")
 ]
 MaxKVSizeOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--max-kv-size", min=1, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False, rich_help_panel="Model"),
 ]
-PrefillStepOpt = Annotated[int, typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.", rich_help_panel="Model")]
+_PREFILL_STEP = typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.", rich_help_panel="Model")
+PrefillStepOpt = Annotated[int, _PREFILL_STEP]
+OptionalPrefillStepOpt = Annotated[int | None, _PREFILL_STEP]  # None: the command's own default
 
 
-def _check_kv_bits(value: Optional[int]) -> Optional[int]:
+def _check_kv_bits(value: int | None) -> int | None:
     if value is not None and value not in (4, 8):
         raise typer.BadParameter(f"{value} is not one of 4, 8")
     return value
 
 
 KVBitsOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--kv-bits", callback=_check_kv_bits, show_default=False,
                  help="As mlx-lm: quantize the KV cache to 4 or 8 bits once it holds 5000 tokens (mlx-lm's "
                       "--quantized-kv-start); cached blocks then hold the quantized KV.", rich_help_panel="Model"),
 ]
 KVGroupSizeOpt = Annotated[int, typer.Option("--kv-group-size", min=1, help="As mlx-lm: KV quantization group size.", rich_help_panel="Model")]
 NamespaceOpt = Annotated[
-    Optional[str], typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).")
+    str | None, typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).")
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; change nothing.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
@@ -166,7 +169,7 @@ class KVToolGroup(TyperGroup):
     Click/Typer usage errors and escaped known errors as one `error:` line and exits 2 (or the
     error's code); unknown exceptions propagate with their traceback."""
 
-    def main(  # type: ignore[override]
+    def main(
         self,
         args: Any = None,
         prog_name: str | None = None,
@@ -246,27 +249,27 @@ class DurabilityChoice(str, Enum):
 
 
 PolicyOpt = Annotated[
-    Optional[PolicyChoice],
+    PolicyChoice | None,
     typer.Option("--policy", help="SSD policy [default: write_through].", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 DurabilityOpt = Annotated[
-    Optional[DurabilityChoice],
+    DurabilityChoice | None,
     typer.Option("--durability", help="SSD durability [default: best_effort].", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 AsyncOpt = Annotated[
-    Optional[bool],
+    bool | None,
     typer.Option("--async/--sync", help="Write SSD blocks from a background writer (default) or inline.",
                  show_default=False, rich_help_panel=CACHE_PANEL),
 ]
 BlockSizeOpt = Annotated[
-    Optional[int],
+    int | None,
     typer.Option("--block-size", min=1, help="Tokens per cached block [default: 64].", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 RamBytesOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB [default: 1GiB].", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
@@ -274,13 +277,13 @@ NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.", rich_
 
 
 def build_config(
-    config_path: Optional[Path] = None,
-    cache_dir: Optional[Path] = None,
-    policy: Optional[str] = None,
-    durability: Optional[str] = None,
-    async_writes: Optional[bool] = None,
-    block_size: Optional[int] = None,
-    ram_bytes: Optional[str] = None,
+    config_path: Path | None = None,
+    cache_dir: Path | None = None,
+    policy: str | None = None,
+    durability: str | None = None,
+    async_writes: bool | None = None,
+    block_size: int | None = None,
+    ram_bytes: str | None = None,
     no_ssd: bool = False,
 ):
     """A validated `KVToolConfig` from `--config` plus flags (flags win).
@@ -331,10 +334,10 @@ def load_engine(
     model: str,
     config,
     *,
-    adapter_path: Optional[Path] = None,
-    max_kv_size: Optional[int] = None,
-    prefill_step_size: Optional[int] = None,
-    kv_bits: Optional[int] = None,
+    adapter_path: Path | None = None,
+    max_kv_size: int | None = None,
+    prefill_step_size: int | None = None,
+    kv_bits: int | None = None,
     kv_group_size: int = 64,
 ):
     """Load a model and build an `Engine`, mapping load failures to `CLIError`.
@@ -360,7 +363,7 @@ def load_engine(
         raise CLIError(str(exc)) from None
 
 
-def read_prompt_arg(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:
     """`--prompt` / `--prompt-file` text as mlx-lm reads it: `-` is stdin; in `--prompt`, the
     two-character escapes `\\n` and `\\t` become a newline and a tab (`mlx_lm.generate`).
 

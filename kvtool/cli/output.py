@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from enum import StrEnum
-from typing import Any, Callable, ContextManager, Mapping
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
@@ -70,7 +71,7 @@ class Output:
         self._documents = 0
 
     @classmethod
-    def from_flags(cls, json_out: bool = False, quiet: bool = False, **consoles: Console) -> "Output":
+    def from_flags(cls, json_out: bool = False, quiet: bool = False, **consoles: Console) -> Output:
         """The output for `--json` / `--quiet` (`--quiet` wins: it prints nothing on success)."""
         mode = OutputMode.QUIET if quiet else OutputMode.JSON if json_out else OutputMode.HUMAN
         return cls(mode, **consoles)
@@ -152,7 +153,7 @@ class Output:
             kw.setdefault("soft_wrap", True)
             self.err_console.print(text, **kw)
 
-    def progress(self, *columns: ProgressColumn | str, transient: bool = True) -> ContextManager[Progress | None]:
+    def progress(self, *columns: ProgressColumn | str, transient: bool = True) -> AbstractContextManager[Progress | None]:
         """A rich `Progress` on stderr when `show_progress`, else a context yielding None.
 
         Usage: `with out.progress() as bar: ... if bar is not None: bar.add_task(...)`.

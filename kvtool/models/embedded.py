@@ -288,7 +288,9 @@ def parameter_shapes(preset: Preset, vocab_size: int) -> dict[str, tuple[int, ..
         tie_word_embeddings=False,
     )
     model = qwen2.Model(args)  # parameters are lazy: only shapes are used, nothing is computed
-    return {name: tuple(p.shape) for name, p in sorted(tree_flatten(model.parameters()))}
+    flat = tree_flatten(model.parameters())
+    assert isinstance(flat, list)  # (name, array) pairs: a dict only with a dict `destination`
+    return {name: tuple(p.shape) for name, p in sorted(flat)}
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], seed: int):

@@ -74,7 +74,7 @@ def load_model(spec: str, adapter_path: str | None = None) -> LoadedModel:
     try:
         import mlx_lm
 
-        model, tokenizer = mlx_lm.load(str(path), adapter_path=adapter)
+        model, tokenizer, *_ = mlx_lm.load(str(path), adapter_path=adapter)  # (a config third only with return_config)
         model_id = compute_model_id(path, adapter)
     except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clean line
         raise ModelLoadError(f"cannot load model {spec!r} from {path}: {_one_line(exc)}") from exc

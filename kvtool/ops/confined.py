@@ -59,7 +59,7 @@ class ConfinedDir:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> "ConfinedDir":
+    def __enter__(self) -> ConfinedDir:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -153,7 +153,7 @@ class InspectReport:
     limit: int | None = None
 
     def select(self, sort: InspectSort | str | None = InspectSort.NAME, text: str | None = None,
-               limit: int | None = None) -> "InspectReport":  # fmt: skip
+               limit: int | None = None) -> InspectReport:  # fmt: skip
         """A copy with the namespaces sorted, filtered (`text`: a case-insensitive substring of
         the model name or the namespace key) and cut to the first `limit`.
 
@@ -324,7 +324,7 @@ class PromptProbe:
     would_hit: bool
 
     @classmethod
-    def of(cls, namespace: str, exists: bool, block_size: int, prompt_tokens: int, cached_tokens: int) -> "PromptProbe":
+    def of(cls, namespace: str, exists: bool, block_size: int, prompt_tokens: int, cached_tokens: int) -> PromptProbe:
         """The probe of a prompt of `prompt_tokens` tokens of which `cached_tokens` are stored."""
         full = prompt_tokens // block_size
         reused = cached_tokens - 1 if cached_tokens and cached_tokens == prompt_tokens else cached_tokens

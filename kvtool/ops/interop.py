@@ -52,8 +52,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 from kvtool.errors import EXIT_USAGE, KVToolError
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
 
 DEFAULT_CHECK_TOKENS = 32  # last tokens recomputed (one model call) by the KV check of an import
 DEFAULT_CHECK_POSITIONS = 64  # single tokens spread over the rest (one decode step each)
@@ -380,7 +384,7 @@ def _check_classes(cache: list, path) -> str:
                        f"or QuantizedKVCache only){why}")
 
 
-def _reference_cache(engine, token: int, quantized: bool) -> list:
+def _reference_cache(engine: Engine, token: int, quantized: bool) -> list:
     """The model's own cache after one token (quantized as the engine quantizes, if `quantized`)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -394,7 +398,7 @@ def _reference_cache(engine, token: int, quantized: bool) -> list:
     return ref
 
 
-def _check_shapes(engine, cache: list, tokens: Sequence[int], path) -> None:
+def _check_shapes(engine: Engine, cache: list, tokens: Sequence[int], path) -> None:
     """Same layer count, batch 1, heads / head dims / packed widths and dtypes as the model's cache."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -417,7 +421,7 @@ def _check_shapes(engine, cache: list, tokens: Sequence[int], path) -> None:
                     f"[heads {b.shape[1]}, dim {b.shape[3]}, {b.dtype}]: another model or KV dtype")
 
 
-def _check_quantization(engine, cache: list, n: int, path) -> None:
+def _check_quantization(engine: Engine, cache: list, n: int, path) -> None:
     """The file is quantized exactly when mlx-lm's generate_step leaves an n-token prompt quantized."""
     q = engine.quant
     fq = file_quantization(cache)
@@ -439,13 +443,15 @@ def _truncated(c, n: int):
     """A new cache layer holding the first `n` tokens of `c` (same class)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+    keys, values = c.keys, c.values  # (mlx-lm declares them None until a cache is filled: read untyped)
+    out: Any
     if type(c) is QuantizedKVCache:
         out = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-        out.keys = tuple(a[..., :n, :] for a in c.keys)
-        out.values = tuple(a[..., :n, :] for a in c.values)
+        out.keys = tuple(a[..., :n, :] for a in keys)
+        out.values = tuple(a[..., :n, :] for a in values)
     else:
         out = KVCache()
-        out.keys, out.values = c.keys[..., :n, :], c.values[..., :n, :]
+        out.keys, out.values = keys[..., :n, :], values[..., :n, :]
     out.offset = n
     return out
 
@@ -454,13 +460,23 @@ def _dense(c, lo: int, hi: int) -> list:
     """Keys and values of tokens [lo, hi) as float32 (dequantized for a quantized layer)."""
     import mlx.core as mx
 
-    if isinstance(c.keys, (tuple, list)):
-        return [mx.dequantize(*(a[..., lo:hi, :] for a in kv), group_size=c.group_size, bits=c.bits).astype(mx.float32)
-                for kv in (c.keys, c.values)]
+    if isinstance(c.keys, (tuple, list)):  # (packed words, scales, biases): mlx-lm's affine quantization
+        out = []
+        for kv in (c.keys, c.values):
+            w, scales, biases = (a[..., lo:hi, :] for a in kv)
+            out.append(mx.dequantize(w, scales, biases, group_size=c.group_size, bits=c.bits).astype(mx.float32))
+        return out
     return [c.keys[..., lo:hi, :].astype(mx.float32), c.values[..., lo:hi, :].astype(mx.float32)]
 
 
-def kv_check(engine, cache: list, tokens: Sequence[int], tail: int = DEFAULT_CHECK_TOKENS,
+def _max_abs(a) -> float:
+    """max|a| of a float32 array, as a Python float."""
+    import mlx.core as mx
+
+    return float(cast(float, mx.max(mx.abs(a)).item()))  # (item() of a float array is a float)
+
+
+def kv_check(engine: Engine, cache: list, tokens: Sequence[int], tail: int = DEFAULT_CHECK_TOKENS,
              spread: int = DEFAULT_CHECK_POSITIONS) -> tuple[int, float]:
     """Recompute KV from the file's own KV and compare: the last `tail` tokens in one model call
     (from the file's KV of the tokens before them), and `spread` single tokens evenly spread over
@@ -492,8 +508,8 @@ def kv_check(engine, cache: list, tokens: Sequence[int], tail: int = DEFAULT_CHE
         engine.model(mx.array([list(tokens[start:stop])], dtype=mx.int32), cache=probe)
         for c, p in zip(cache, probe):
             for a, b in zip(_dense(p, start, stop), _dense(c, start, stop)):
-                scale = max(float(mx.max(mx.abs(b)).item()), 1e-6)
-                worst = max(worst, float(mx.max(mx.abs(a - b)).item()) / scale)
+                scale = max(_max_abs(b), 1e-6)
+                worst = max(worst, _max_abs(a - b) / scale)
 
     for t in singles:
         compare(t, t + 1)
@@ -502,13 +518,13 @@ def kv_check(engine, cache: list, tokens: Sequence[int], tail: int = DEFAULT_CHE
     return k + len(singles), worst
 
 
-def _tolerance(engine) -> float:
+def _tolerance(engine: Engine) -> float:
     if engine.quant is not None:
         return KV_TOLERANCE_QUANTIZED
     return KV_TOLERANCE.get(engine.cache.kv.dtype if engine.cache.kv is not None else "", 5e-2)
 
 
-def check_writable(engine) -> None:
+def check_writable(engine: Engine) -> None:
     """The engine can store blocks and write them to SSD.
 
     Raises:
@@ -628,7 +644,7 @@ def import_cache_file(
 
 
 # --------------------------------------------------------------------------- export
-def _mlx_state_cache(engine, cache: list, n: int) -> list:
+def _mlx_state_cache(engine: Engine, cache: list, n: int) -> list:
     """mlx-lm's own cache after its prefill of a prompt's first `n` tokens, from kvtool's
     prefill cache holding them: sliding-window full views become `RotatingKVCache`
     (`rotating_from_full`), every other layer stays (state layers hold the state after `n`)."""
@@ -725,7 +741,7 @@ def export_cache_file(
         report.ram_hit_tokens = hit.ram_tokens + (1 if whole_chain and not hit.ssd_tokens else 0)
         report.ssd_hit_tokens = hit.ssd_tokens + (1 if whole_chain and hit.ssd_tokens else 0)
         cache = hit.cache or engine._new_cache()
-        states = {} if pc.has_states else None
+        states: dict | None = {} if pc.has_states else None
         remaining = hit.remaining
         if remaining.size > 1:  # only with fill: kvtool's exact prefill (chunks, quant switch, states)
             engine._prefill(cache, remaining[:-1], n, hit.cached_tokens, states)

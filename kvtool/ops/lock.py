@@ -21,9 +21,9 @@ import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from kvtool.errors import KVToolError
 from kvtool.store.names import LOCK_FILENAME

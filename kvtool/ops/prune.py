@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from kvtool.ops.chains import ChainTree
 from kvtool.ops.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
@@ -257,9 +257,11 @@ def segments_of(ns: NamespaceScan) -> dict[str, Segment]:
     its segment files by age (index unreadable on a full disk)."""
     if not ns.usable:
         return {f.name: Segment(f.name, f.size, (), f.mtime) for f in ns.files.values()}
+    tree = ns.tree
+    assert tree is not None  # a usable namespace has its chain tree
     out = {}
     for name, blocks in ns.segment_blocks().items():
-        nodes = [ns.tree.nodes[b] for b in blocks]
+        nodes = [tree.nodes[b] for b in blocks]
         size = ns.files[name].size if name in ns.files else 0
         out[name] = Segment(name, size, tuple(sorted(blocks)), max(n.effective_access for n in nodes),
                             max(n.depth for n in nodes))  # fmt: skip
@@ -331,7 +333,7 @@ def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: 
 
 
 def _summarise(p: NamespacePlan, planner: SegmentPlanner) -> None:
-    for h, why in planner.removed_blocks.items():
+    for why in planner.removed_blocks.values():
         setattr(p, f"{why}_blocks", getattr(p, f"{why}_blocks") + 1)
     for name, why in planner.removed_segments.items():
         size = planner.segments[name].size

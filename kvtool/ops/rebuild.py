@@ -65,7 +65,7 @@ class RebuildPlan:
     remove: list[str] = field(default_factory=list)
 
 
-def salvage_meta(db: "Path") -> dict[str, str]:
+def salvage_meta(db: Path) -> dict[str, str]:
     """The meta table of a damaged index, if it can still be read (read-only, no WAL), else {}."""
     try:
         if not stat.S_ISREG(os.lstat(db).st_mode):
@@ -81,7 +81,7 @@ def salvage_meta(db: "Path") -> dict[str, str]:
         conn.close()
 
 
-def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: "NamespaceRepair") -> RebuildPlan:
+def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> RebuildPlan:
     """Verify every segment file of `ns` (headers and records) and plan its new index."""
     salvaged = salvage_meta(ns.path / INDEX_FILENAME)
     complete = salvaged.get("format_version") == str(FORMAT_VERSION) and meta_problem(ns.name, salvaged) is None
@@ -92,7 +92,7 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: "NamespaceRepair") -> 
     with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentReader(
         cdir, ns.name, exp.kv if exp else None, exp.block_size if exp else None
     ) as reader:
-        headers = {n: h for n in sorted(ns.files) if (h := reader.header(n)) is not None}
+        headers = {n: hd for n in sorted(ns.files) if (hd := reader.header(n)) is not None}
         kv = exp.kv if exp else (Counter(h.kv for h in headers.values()).most_common(1)[0][0] if headers else None)
         for name in sorted(set(ns.files) - set(headers)):
             remove.append(name)
@@ -102,7 +102,7 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: "NamespaceRepair") -> 
                 remove.append(name)
                 rep.note("unusable", name, "KV layout differs from the namespace's other segments")
                 continue
-            segment_rows[name] = reader.segment_row(name)
+            segment_rows[name] = reader.verified_segment_row(name)
             t = min(created_of(header), scan.now)
             for s in header.slots:
                 rec = reader.record(name, s.index) if s.block_hash not in recovered else None
@@ -132,7 +132,7 @@ def _partial_meta(name: str, kv) -> dict[str, str]:
     return meta
 
 
-def execute_rebuild(root: "Path", cdir: ConfinedDir, plan: RebuildPlan, rep: "NamespaceRepair") -> None:
+def execute_rebuild(root: Path, cdir: ConfinedDir, plan: RebuildPlan, rep: NamespaceRepair) -> None:
     """Build the new index aside, keep the old one as `index.sqlite.corrupt`, rename the new one
     into place, then remove the files with nothing recoverable.
 
@@ -163,7 +163,7 @@ def execute_rebuild(root: "Path", cdir: ConfinedDir, plan: RebuildPlan, rep: "Na
     _remove_regular(cdir, INDEX_FILENAME + "-shm")
     _replace_regular(cdir, BUILDING, INDEX_FILENAME)
     for name in plan.remove:
-        _unlink(rep, lambda: cdir.unlink_segment(name), name)
+        _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
 
 
 def _check_regular(cdir: ConfinedDir, name: str) -> bool:

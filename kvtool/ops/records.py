@@ -66,7 +66,7 @@ class SegmentReader:
             os.close(self._fd[1])
             self._fd = None
 
-    def __enter__(self) -> "SegmentReader":
+    def __enter__(self) -> SegmentReader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -154,6 +154,18 @@ class SegmentReader:
         if header is None:
             return None
         return SegmentRow(name, self.sizes[name], len(header.slots), created_of(header))
+
+    def verified_header(self, name: str) -> SegmentHeader:
+        """The header of a segment already verified (a record of it was read): never None."""
+        header = self.header(name)
+        assert header is not None, f"segment {name} was not verified"
+        return header
+
+    def verified_segment_row(self, name: str) -> SegmentRow:
+        """`segment_row` of a segment already verified (a record of it was read): never None."""
+        row = self.segment_row(name)
+        assert row is not None, f"segment {name} was not verified"
+        return row
 
 
 def created_of(header: SegmentHeader) -> float:

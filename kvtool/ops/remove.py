@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from kvtool.errors import KVToolError
 from kvtool.ops.confined import tree_bytes

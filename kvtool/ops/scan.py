@@ -36,11 +36,11 @@ import os
 import sqlite3
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
 
 from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
@@ -292,7 +292,7 @@ class _Scanner:
         f["last_used"] = _newest(self.now, f["last_used"], *(_num(meta.get(k)) for k in ("created", "last_open", "last_close")))
         if version != str(FORMAT_VERSION):
             self._list_files()
-            newer = _int(version) is not None and _int(version) > FORMAT_VERSION
+            newer = (number := _int(version)) is not None and number > FORMAT_VERSION
             msg = (f"format_version {version!r} is newer than this kvtool's ({FORMAT_VERSION}): left untouched" if newer else
                    f"format_version {version!r}, this kvtool reads {FORMAT_VERSION}: its blocks are never used; {OUTDATED_HINT}")  # fmt: skip
             return self._done(NamespaceStatus.OUTDATED, msg)

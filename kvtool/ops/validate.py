@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from kvtool.hashing import root_parent
 from kvtool.ops.chains import build_chain_tree
@@ -77,7 +77,7 @@ class _Actions:
     remove_segments: list[str] = field(default_factory=list)
     rebuild: RebuildPlan | None = None
 
-    def write(self, seg_row: SegmentRow, rewrite: list[IndexRow] = (), adopt: list[IndexRow] = ()) -> None:
+    def write(self, seg_row: SegmentRow, rewrite: Sequence[IndexRow] = (), adopt: Sequence[IndexRow] = ()) -> None:
         _, rw, ad = self.writes.get(seg_row.name, (seg_row, [], []))
         self.writes[seg_row.name] = (seg_row, rw + list(rewrite), ad + list(adopt))
 
@@ -250,10 +250,10 @@ def _rebuildable(ns: NamespaceScan) -> bool:
 
 
 def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress) -> None:
+    exp = ns.expected
+    assert exp is not None  # a usable namespace has its geometry
     try:
-        with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentReader(
-            cdir, ns.name, ns.expected.kv, ns.expected.block_size
-        ) as reader:
+        with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentReader(cdir, ns.name, exp.kv, exp.block_size) as reader:
             _Planner(scan.now, ns, rep, reader, deep).run(progress)
     except OSError as exc:
         rep.outcome, rep.message = "failed", f"cannot open the namespace directory: {exc}"
@@ -302,7 +302,7 @@ class _Planner:
             if rec is not None:
                 new = rec.row(row.created, min(row.last_access, self.now))
                 final[row.hash] = new
-                self.act.write(self.reader.segment_row(rec.segment), rewrite=[new])
+                self.act.write(self.reader.verified_segment_row(rec.segment), rewrite=[new])
                 self.rep.rows_repaired += 1
                 self.rep.note("repaired", row.hash, f"{why}; rewritten from its record in {rec.segment} slot {rec.slot.index}")
                 continue
@@ -327,6 +327,7 @@ class _Planner:
         differs = row_disagrees(row, header.slots[row.slot])
         if differs:
             return differs
+        digest: str | None
         if self.deep:
             rec = self.reader.record(row.segment, row.slot)
             if rec is None:
@@ -393,7 +394,7 @@ class _Planner:
                     bad[name] = bad.get(name, 0) + 1
                     failed = True
                     continue
-                t = min(created_of(self.reader.header(name)), self.now)
+                t = min(created_of(self.reader.verified_header(name)), self.now)
                 adopted[h] = rec.row(t, t)
             if not failed:  # a failure can unroot other candidates: look again
                 return {h: r for h, r in adopted.items() if tree.nodes[h].rooted}, bad
@@ -412,7 +413,7 @@ class _Planner:
             by_segment.setdefault(r.segment, []).append(r)
         referenced = {r.segment for r in final.values()}
         for name, rows in sorted(by_segment.items()):
-            act.write(reader.segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
+            act.write(reader.verified_segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
             rep.orphans_adopted += len(rows)
             what = "an orphan segment" if name not in referenced else "a segment whose rows lost them"
             rep.note("adopted", name, f"{len(rows)} verified record(s) of {what}")
@@ -480,7 +481,7 @@ def execute(plan: RepairPlan) -> RepairPlan:
 def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) -> None:
     act = rep.actions
     for rel in act.temps:
-        _unlink(rep, lambda: cdir.unlink_temp(rel), rel)
+        _unlink(rep, lambda: cdir.unlink_temp(rel), rel)  # noqa: B023  (called at once, inside the loop)
     index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
     try:
         if act.bad_rowids or act.bad_segment_rowids:
@@ -490,7 +491,7 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
             for h in act.clamp:
                 index.touch(h, now)  # a touch lowers an access time beyond the skew allowance to `now`
             index.flush()
-        for name, (seg_row, rewrite, adopt) in act.writes.items():
+        for seg_row, rewrite, adopt in act.writes.values():
             if adopt:  # a live writer may have stored them meanwhile: never replace its rows
                 present = index.present([r.hash for r in adopt])
                 adopt = [r for r in adopt if r.hash not in present]
@@ -504,12 +505,12 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
             act.broken = [h for h in act.broken if h in tree.nodes and not tree.nodes[h].rooted]
             emptied += index.delete(act.broken)[1] if act.broken else []
         for name in emptied:
-            _unlink(rep, lambda: cdir.unlink_segment(name), name)
+            _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
         for name in act.remove_segments:
             if index.segment_rows(name):  # rows appeared meanwhile (a live writer): keep it
                 continue
             index.delete_segments([name])
-            _unlink(rep, lambda: cdir.unlink_segment(name), name)
+            _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
     finally:
         index.close()
 

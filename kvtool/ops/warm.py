@@ -15,11 +15,15 @@ closes the engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvtool.prompts import Request, RequestFileError, load_requests_jsonl, read_text
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
 
 SOURCE_SUFFIXES = (".txt", ".md")  # files taken from a directory source
 JSONL_SUFFIXES = (".jsonl",)
@@ -71,7 +75,7 @@ class WarmReport:
     """Outcome of one warm run (also the running state passed to `progress`).
 
     Attributes:
-        layout_key: the namespace written.
+        layout_key: the namespace written (None: the model runs uncached, nothing is written).
         namespace_dir: its directory.
         prompts_total: prompts given.
         prompts_done: prompts processed (less than total if interrupted).
@@ -88,7 +92,7 @@ class WarmReport:
         prompts: per-prompt results (first `MAX_DETAILS`).
     """
 
-    layout_key: str
+    layout_key: str | None
     namespace_dir: str
     prompts_total: int
     prompts_done: int = 0
@@ -165,7 +169,7 @@ def _load_one(path: Path, whole: bool) -> list[WarmPrompt]:
 
 
 # ----------------------------------------------------------------------------- warm
-def check_engine(engine) -> None:
+def check_engine(engine: Engine) -> None:
     """Make sure `engine` can write blocks to SSD.
 
     Raises:
@@ -230,7 +234,7 @@ def warm(
     return report
 
 
-def _warm_one(engine, item: WarmPrompt, report: WarmReport, chat_template: bool = False,
+def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_template: bool = False,
               system_prompt: str | None = None) -> None:
     req = item.request
     try:

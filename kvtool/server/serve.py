@@ -93,6 +93,7 @@ def make_handler_class(cache: KVToolPromptCache):
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a request in flight never keeps the process alive after shutdown
+    kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
 
 
 class ServerStartError(Exception):
@@ -233,7 +234,7 @@ class KVToolServer:
             return self._closed
 
 
-def _make_server(server_class, address, handler_class):
+def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HTTPServer:
     """Build the HTTP server; the handler gets the response generator once it exists (it is
     created after the socket is bound, so that a busy port fails before the generation thread
     starts)."""
@@ -243,7 +244,7 @@ def _make_server(server_class, address, handler_class):
     fingerprint = get_system_fingerprint()
     httpd = server_class(address, lambda *args, **kwargs: handler_class(
         holder["generator"], *args, system_fingerprint=fingerprint, **kwargs))
-    httpd.kvtool_holder = holder  # type: ignore[attr-defined]
+    httpd.kvtool_holder = holder
     return httpd
 
 

@@ -21,7 +21,6 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from kvtool.store.names import (  # noqa: F401  (re-exported)
     HASH_RE,
@@ -83,7 +82,7 @@ class FileOps:
         """
         return os.open(path, _WRITE_FLAGS, 0o644)
 
-    def write_all(self, fd: int, data: bytes | bytearray | memoryview | Sequence) -> None:
+    def write_all(self, fd: int, data: bytes | bytearray | memoryview | list | tuple) -> None:
         """Write every byte of `data` (a buffer, or a sequence of buffers written in order with
         `os.writev`) to `fd`, looping over short writes."""
         bufs = [memoryview(data).cast("B")] if not isinstance(data, (list, tuple)) else [memoryview(b).cast("B") for b in data]

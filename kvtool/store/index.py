@@ -26,12 +26,12 @@ import re
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
-from kvtool.store.names import INDEX_FILENAME, is_hash, is_segment_name
+from kvtool.store.names import INDEX_FILENAME, is_segment_name
 
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
 _FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
@@ -103,19 +103,19 @@ class IndexRow:
     last_access: float
 
     @classmethod
-    def from_db(cls, values: Sequence[object]) -> "IndexRow | None":
+    def from_db(cls, values: Sequence[object]) -> IndexRow | None:
         """A row from raw column values, or None if any value is malformed (NULL, wrong type,
         out of range, a hash or segment name that is not 32 lowercase hex digits)."""
         h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
         try:  # one regex over the four names joined: 4 x 32 hex digits (this is the hot path)
-            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest):  # type: ignore[operator]
+            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest):  # type: ignore[operator]  # non-str: TypeError, caught
                 return None
         except TypeError:
             return None
         nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
         if None in nums:
             return None
-        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]
+        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
 
 
 @dataclass(frozen=True)
@@ -135,12 +135,12 @@ class SegmentRow:
     created: float
 
     @classmethod
-    def from_db(cls, values: Sequence[object]) -> "SegmentRow | None":
+    def from_db(cls, values: Sequence[object]) -> SegmentRow | None:
         name, nbytes, n_blocks, created = values
         nums = (_int(nbytes, 1), _int(n_blocks, 1), _time(created))
         if not is_segment_name(name) or None in nums:
             return None
-        return cls(name, *nums)  # type: ignore[arg-type]
+        return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
 
 
 @dataclass
@@ -235,7 +235,7 @@ class BlockIndex:
                     self._flush_locked()
             finally:
                 self._conn.close()
-                self._conn = None  # type: ignore[assignment]
+                self._conn = None  # type: ignore[assignment]  # closed: every other use runs while open
 
     def _select_rows(self, where: str, args: Sequence[object]) -> list[IndexRow]:
         rows = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE {where}", list(args)).fetchall()
@@ -351,7 +351,7 @@ class BlockIndex:
             for h in hashes:
                 self._pending.pop(h, None)
             with self._transaction() as cur:
-                n, touched = 0, set()
+                n, touched = 0, set[str]()
                 for i in range(0, len(hashes), _MAX_VARS):
                     chunk = hashes[i : i + _MAX_VARS]
                     marks = ",".join("?" * len(chunk))

@@ -20,9 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class _Item:
 
 
 def restore_chain(
-    store: "SSDStore",
+    store: SSDStore,
     rows: Sequence[IndexRow],
     first_parent: str,
     token_ids: np.ndarray,
@@ -125,7 +126,7 @@ def restore_chain(
     return result
 
 
-def _plan(store: "SSDStore", rows: Sequence[IndexRow], first_parent: str) -> tuple[list[_Item], list[int], str | None]:
+def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str) -> tuple[list[_Item], list[int], str | None]:
     """Open segments and check slots on the request thread; stop at the first bad row."""
     items: list[_Item] = []
     opened: dict[str, tuple[int, seg.SegmentHeader] | None] = {}
@@ -133,9 +134,9 @@ def _plan(store: "SSDStore", rows: Sequence[IndexRow], first_parent: str) -> tup
     parent = first_parent
     for pos, row in enumerate(rows):
         if row.segment not in opened:
-            opened[row.segment] = store.open_segment(row.segment)
-            if opened[row.segment] is not None:
-                fds.append(opened[row.segment][0])
+            opened[row.segment] = new = store.open_segment(row.segment)
+            if new is not None:
+                fds.append(new[0])
         entry = opened[row.segment]
         if entry is None:
             return items, fds, f"segment {row.segment} unusable"
@@ -222,7 +223,7 @@ def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool
     return failures
 
 
-def _handle_failure(store: "SSDStore", row: IndexRow, kind: str, message: str) -> None:
+def _handle_failure(store: SSDStore, row: IndexRow, kind: str, message: str) -> None:
     if kind == "tokens":
         store.collision(row.hash, "load")
     elif kind == "io":

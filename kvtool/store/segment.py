@@ -38,8 +38,8 @@ import functools
 import json
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import xxhash
@@ -144,19 +144,19 @@ class KVLayout:
 
     @classmethod
     def uniform(cls, n_layers: int, n_kv_heads: int, head_dim: int, dtype: str, bits: int = 0,
-                group_size: int = 0) -> "KVLayout":
+                group_size: int = 0) -> KVLayout:
         """Every layer `[1, n_kv_heads, T, head_dim]` for keys and values."""
         return cls(tuple((n_kv_heads, head_dim, head_dim) for _ in range(n_layers)), dtype, bits, group_size)
 
     @classmethod
-    def parse(cls, text: str, dtype: str) -> "KVLayout":
+    def parse(cls, text: str, dtype: str) -> KVLayout:
         """Inverse of `layout.spec`: `"HxDkxDv,HxDkxDv,..."`, quantized `"q8g64:HxDkxDv,..."`.
 
         Raises:
             ValueError: malformed text.
         """
         text, *extras = text.split("|")
-        kinds, states = "", ()
+        kinds, states = "", tuple[tuple[int, ...], ...]()
         for part in extras:
             key, sep, val = part.partition("=")
             if key == "kinds" and sep:
@@ -173,7 +173,7 @@ class KVLayout:
                 raise ValueError(f"malformed quantisation prefix {quant!r}")
             bits, group = int(b), int(g)
         layers = tuple(tuple(int(x) for x in part.split("x")) for part in text.split(",")) if text else ()
-        return cls(layers, dtype, bits, group, kinds, states)  # type: ignore[arg-type]
+        return cls(layers, dtype, bits, group, kinds, states)  # type: ignore[arg-type]  # 3 ints per layer: __post_init__ checks it
 
     @property
     def spec(self) -> str:
@@ -384,7 +384,7 @@ def encode(
         slots.append(Slot(i, b.block_hash, b.parent_hash, int(b.token_ids.shape[0]), ck, off, size))
         off += size
     buffers = [memoryview(struct.pack("<Q", len(header)) + header)]
-    buffers += [memoryview(p).cast("B") for pieces in records for p in pieces]
+    buffers += [p.data.cast("B") for pieces in records for p in pieces]
     return buffers, slots
 
 
@@ -530,10 +530,10 @@ def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarr
 
 def _record_iov(tokens: np.ndarray, dest: Sequence[np.ndarray]) -> list[memoryview]:
     """The record's byte ranges in file order: token ids, then each tensor head by head."""
-    iov: list[memoryview] = [memoryview(tokens).cast("B")]
+    iov: list[memoryview] = [tokens.data.cast("B")]
     for arr in dest:
         for h in range(arr.shape[1]):
-            iov.append(memoryview(arr[0, h]).cast("B"))
+            iov.append(arr[0, h].data.cast("B"))
     return iov
 
 

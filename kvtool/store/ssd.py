@@ -32,9 +32,10 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -96,7 +97,7 @@ class Expected:
     block_size: int
 
     @classmethod
-    def from_meta(cls, layout_key: str, meta: dict[str, str]) -> "Expected":
+    def from_meta(cls, layout_key: str, meta: dict[str, str]) -> Expected:
         """Build from namespace index metadata (string values).
 
         Raises:
@@ -242,6 +243,12 @@ class SSDStore:
         diff = [k for k in _IDENTITY_META if stored.get(k) != meta[k]]
         return f"namespace metadata differs: {diff}" if diff else None
 
+    @property
+    def _geometry(self) -> Expected:
+        """`expected`, once the index is open (every read and write path runs only then)."""
+        assert self.expected is not None, "SSD store used before its index was opened"
+        return self.expected
+
     def _disable(self, reason: str) -> None:
         self.enabled = False
         self.disabled_reason = reason
@@ -289,9 +296,11 @@ class SSDStore:
         batch); block rows are not loaded.
         """
         rep = self.reconcile_report
+        index = self.index
+        assert index is not None  # called only right after a successful open
         try:
-            with self.index._lock:  # noqa: SLF001  (one read of a small table)
-                names = [r[0] for r in self.index._conn.execute("SELECT name FROM segments")]  # noqa: SLF001
+            with index._lock:  # noqa: SLF001  (one read of a small table)
+                names = [r[0] for r in index._conn.execute("SELECT name FROM segments")]  # noqa: SLF001
             names = [n for n in names if is_segment_name(n)]  # malformed rows: validate reports them
             scan = scan_namespace(self.namespace_dir, self._fs)
             for tmp in scan.temps:
@@ -300,9 +309,9 @@ class SSDStore:
                     rep.temp_removed += 1
             gone = [n for n in names if n not in scan.files]
             gone = [n for n in gone if not self._fs.exists(self._seg_path(n, check=False))]  # re-check just before
-            rep.missing_rows_dropped = self.index.delete_segments(gone) if gone else 0
+            rep.missing_rows_dropped = index.delete_segments(gone) if gone else 0
             rep.orphan_files = len(set(scan.files) - set(names))
-            rep.rows = self.index.totals()[0]
+            rep.rows = index.totals()[0]
         except (OSError, sqlite3.Error, ValueError) as exc:
             log.warning("startup reconcile of %s incomplete: %s", self.namespace_dir, exc)
         self._inc("ssd_stale_index_cleaned", rep.missing_rows_dropped)
@@ -363,7 +372,7 @@ class SSDStore:
             return None
         try:
             header = seg.read_header(fd, os.fstat(fd).st_size)
-            seg.check_header(header, self.layout_key, self.expected.kv)
+            seg.check_header(header, self.layout_key, self._geometry.kv)
             return fd, header
         except OSError as exc:  # a read error is not corruption: miss, keep the rows
             os.close(fd)
@@ -388,7 +397,7 @@ class SSDStore:
             return None
         return slot
 
-    def load_block(self, block_hash: str, expected_token_ids: np.ndarray, parent: str | None = None) -> "HostBlock | None":
+    def load_block(self, block_hash: str, expected_token_ids: np.ndarray, parent: str | None = None) -> HostBlock | None:
         """Read, verify and return one block (full or tail entry) in fresh host arrays, or None.
 
         For tests and tools; the request path restores whole chains with `kvtool.store.restore`.
@@ -403,7 +412,7 @@ class SSDStore:
             self._inc("ssd_load_fail")
             return None
 
-    def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> "HostBlock | None":
+    def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> HostBlock | None:
         row = self.get_row(h)
         if row is None or row.num_tokens != expected.shape[0]:
             self._inc("ssd_load_noncacheable" if self._is_noncacheable(h) else "ssd_load_miss")
@@ -463,11 +472,11 @@ class SSDStore:
             self._inc("ssd_load_miss")
 
     # ------------------------------------------------------------------- saves
-    def save_block(self, block: "HostBlock") -> str:
+    def save_block(self, block: HostBlock) -> str:
         """Store one block; see `save_blocks`."""
         return self.save_blocks([block])[0]
 
-    def save_blocks(self, blocks: Sequence["HostBlock"]) -> list[str]:
+    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]:
         """Store blocks as one write batch (one segment per `segment_max_bytes`). Never raises.
 
         Args:
@@ -490,12 +499,13 @@ class SSDStore:
                 self._inc("ssd_save_fail", len(blocks))
                 return ["error"] * len(blocks)
 
-    def _save_locked(self, blocks: list["HostBlock"]) -> list[str]:
-        if self.index is None:
+    def _save_locked(self, blocks: list[HostBlock]) -> list[str]:
+        index = self.index
+        if index is None:
             raise OSError(errno.EBADF, "index closed")
         outcome: dict[int, str] = {}
-        existing = self.index.get_many([b.block_hash for b in blocks if is_hash(b.block_hash)])
-        fresh: list[tuple[int, "HostBlock"]] = []
+        existing = index.get_many([b.block_hash for b in blocks if is_hash(b.block_hash)])
+        fresh: list[tuple[int, HostBlock]] = []
         seen: set[str] = set()
         for i, b in enumerate(blocks):
             h = b.block_hash
@@ -509,11 +519,11 @@ class SSDStore:
                 seen.add(h)
                 fresh.append((i, b))
         for batch in self._batches(fresh):
-            for i, result in zip((i for i, _ in batch), self._write_segment([b for _, b in batch])):
+            for i, result in zip((i for i, _ in batch), self._write_segment(index, [b for _, b in batch])):
                 outcome[i] = result
         return [outcome[i] for i in range(len(blocks))]
 
-    def _dedup(self, h: str, row: IndexRow | None, b: "HostBlock", seen: set[str]) -> str:
+    def _dedup(self, h: str, row: IndexRow | None, b: HostBlock, seen: set[str]) -> str:
         if row is not None and row.tokens_digest != seg.tokens_digest(b.token_ids):
             self._isolate(h, "save")
             return "collision"
@@ -522,11 +532,11 @@ class SSDStore:
         self._inc("ssd_save_dedup_skip")
         return "dedup"
 
-    def _batches(self, items: list[tuple[int, "HostBlock"]]) -> Iterable[list[tuple[int, "HostBlock"]]]:
-        batch: list[tuple[int, "HostBlock"]] = []
+    def _batches(self, items: list[tuple[int, HostBlock]]) -> Iterable[list[tuple[int, HostBlock]]]:
+        batch: list[tuple[int, HostBlock]] = []
         size = 0
         for item in items:
-            n = self.expected.kv.record_nbytes(int(item[1].token_ids.shape[0]))
+            n = self._geometry.kv.record_nbytes(int(item[1].token_ids.shape[0]))
             if batch and size + n > self.segment_max_bytes:
                 yield batch
                 batch, size = [], 0
@@ -535,13 +545,13 @@ class SSDStore:
         if batch:
             yield batch
 
-    def _write_segment(self, blocks: list["HostBlock"]) -> list[str]:
+    def _write_segment(self, index: BlockIndex, blocks: list[HostBlock]) -> list[str]:
         """Encode, write (temp + rename), then insert the rows in one transaction."""
         try:
             for b in blocks:
                 self._check_block(b)
             now = self._clock()
-            buffers, slots = seg.encode(blocks, self.layout_key, self.expected.kv, now)
+            buffers, slots = seg.encode(blocks, self.layout_key, self._geometry.kv, now)
         except (BlockFileError, ValueError) as exc:
             log.error("SSD save refused: %s", exc)
             self._inc("ssd_save_fail", len(blocks))
@@ -555,7 +565,7 @@ class SSDStore:
             for b, s in zip(blocks, slots)
         ]
         try:
-            self.index.insert_segment(SegmentRow(name, size, len(blocks), now), rows)
+            index.insert_segment(SegmentRow(name, size, len(blocks), now), rows)
         except BaseException:
             self._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
             raise
@@ -564,8 +574,8 @@ class SSDStore:
         self._inc("ssd_bytes_written", size)
         return ["saved"] * len(blocks)
 
-    def _check_block(self, block: "HostBlock") -> None:
-        e = self.expected
+    def _check_block(self, block: HostBlock) -> None:
+        e = self._geometry
         n = int(np.asarray(block.token_ids).shape[0])
         if block.dtype != e.kv.dtype or not 0 < n <= e.block_size:
             raise BlockFileError("shape", f"block {block.block_hash} does not match namespace geometry")
@@ -611,6 +621,8 @@ class SSDStore:
         if not self.enabled or self.read_only or not hashes:
             return 0
         with self._lock:
+            if self.index is None:  # closed meanwhile (close() takes the same lock)
+                return 0
             try:
                 n, emptied = self.index.delete(hashes)
             except sqlite3.Error as exc:
@@ -705,10 +717,11 @@ class SSDStore:
 
     def _touch(self, h: str) -> None:
         """Batched access-time update; a failed auto-flush costs only freshness."""
-        if self.read_only:
+        index = self.index
+        if self.read_only or index is None:  # None: closed concurrently
             return
         try:
-            self.index.touch(h, self._clock())
+            index.touch(h, self._clock())
         except (sqlite3.Error, AttributeError) as exc:  # AttributeError: closed concurrently
             self._index_error("touch", exc)
 

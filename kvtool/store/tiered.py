@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from kvtool.blocks import Block, to_host
-from kvtool.hostblock import HostBlock
 from kvtool.config import KVToolConfig
+from kvtool.hostblock import HostBlock
+from kvtool.store.fsops import FileOps
 from kvtool.store.ram import RamTier
 from kvtool.store.ssd import SSDStore
 from kvtool.store.writer import DEFAULT_DRAIN_TIMEOUT_S, make_writer
@@ -50,7 +51,7 @@ class TieredCache:
         fs: optional `FileOps` for fault injection in tests.
     """
 
-    def __init__(self, config: KVToolConfig, layout: str, meta: dict[str, str], fs=None):
+    def __init__(self, config: KVToolConfig, layout: str, meta: dict[str, str], fs: FileOps | None = None):
         self.config = config
         self.layout = layout
         self.block_size = config.block_size
@@ -137,16 +138,18 @@ class TieredCache:
         """Host copies of the blocks, handed to the writer in batches of at most
         `WRITE_BATCH_BYTES` (each becomes one segment; a batch never exceeds the writer's queue)."""
         try:
+            writer = self.writer
+            assert writer is not None  # callers check it
             batch: list[HostBlock] = []
             size = 0
             for b in blocks:
                 if batch and size + b.nbytes > WRITE_BATCH_BYTES:
-                    self.writer.enqueue_many(batch)
+                    writer.enqueue_many(batch)
                     batch, size = [], 0
                 batch.append(to_host(b))
                 size += b.nbytes
             if batch:
-                self.writer.enqueue_many(batch)
+                writer.enqueue_many(batch)
         except Exception:  # the cache must never fail a request
             log.exception("SSD write of %d block(s) failed", len(blocks))
 

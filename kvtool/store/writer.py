@@ -59,8 +59,9 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtool.store.writer_batch import (
     COUNTER_NAMES,
@@ -236,7 +237,7 @@ class _Pending:
     ticket: int  # acceptance order (per batch), for flush()
 
 
-_LIVE_WRITERS: "weakref.WeakSet[AsyncWriter]" = weakref.WeakSet()
+_LIVE_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 EXIT_DRAIN_TIMEOUT_S = 30.0
 
 

@@ -13,8 +13,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvtool.config import DURABILITY_MODES
 
@@ -129,7 +130,7 @@ class RetryPolicy:
     durability: str = "best_effort"
     max_retries: int = DEFAULT_MAX_RETRIES
     backoff_s: float = DEFAULT_RETRY_BACKOFF_S
-    sleep: Callable[[float], None] = field(default=time.sleep, compare=False)
+    sleep: Callable[[float], object] = field(default=time.sleep, compare=False)  # the result is ignored
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITY_MODES:
