@@ -26,7 +26,7 @@ if not app_module.app.registered_commands:
     app_module._register()
 runner = CliRunner()
 
-COMMANDS = ("serve-once", "warm", "prune", "rm", "validate", "inspect", "bench", "report", "model")
+COMMANDS = ("serve-once", "serve", "warm", "prune", "rm", "validate", "inspect", "import", "export", "bench", "report", "model")
 
 
 def _assert_one_error_line(result, code: int = 2) -> str:
