@@ -1,9 +1,9 @@
 """Page-cache control for the restore benchmark: drop (cold), read through (warm), and check.
 
-`drop` evicts the named files with `posix_fadvise(POSIX_FADV_DONTNEED)` after an fsync (as the
-bench runner's `drop_page_cache`, but for any file, not only block files), and falls back to
-`sync; echo 3 > /proc/sys/vm/drop_caches` (root only) when pages stay resident. `method="global"`
-always drops the whole page cache. `resident_fraction` asks the kernel (`mincore`) which part of
+`drop` evicts the named files with `posix_fadvise(POSIX_FADV_DONTNEED)` after an fsync
+(`fadvise_dontneed`, which the bench runner's `drop_page_cache` also uses, for block files), and
+falls back to `sync; echo 3 > /proc/sys/vm/drop_caches` (root only) when pages stay resident.
+`method="global"` always drops the whole page cache. `resident_fraction` asks the kernel (`mincore`) which part of
 the files is in memory, so every measurement records what "cold" and "warm" really were.
 """
 
@@ -45,10 +45,16 @@ def drop_global() -> bool:
         return False
 
 
-def drop_fadvise(files: Iterable[Path]) -> bool:
-    """fsync then `POSIX_FADV_DONTNEED` each file; False if unsupported or a call failed."""
+def fadvise_dontneed(files: Iterable[Path]) -> str | None:
+    """fsync then `POSIX_FADV_DONTNEED` each file (dirty pages are written first, since
+    `POSIX_FADV_DONTNEED` keeps them).
+
+    Returns:
+        None when every call succeeded; else why not, one line (no `posix_fadvise` on this
+        platform, e.g. macOS, or the exception of the call that failed).
+    """
     if not hasattr(os, "posix_fadvise"):
-        return False
+        return "os.posix_fadvise is not available on this platform"
     try:
         for path in files:
             fd = os.open(path, os.O_RDONLY)
@@ -57,9 +63,14 @@ def drop_fadvise(files: Iterable[Path]) -> bool:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-    except OSError:
-        return False
-    return True
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def drop_fadvise(files: Iterable[Path]) -> bool:
+    """fsync then `POSIX_FADV_DONTNEED` each file; False if unsupported or a call failed."""
+    return fadvise_dontneed(files) is None
 
 
 def drop(paths: Iterable[Path], method: str = "fadvise") -> str:

@@ -35,6 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from kvtool.bench import machine, metrics
 from kvtool.bench.baseline_mlxlm import PromptCacheBaseline
+from kvtool.bench.restore_pagecache import fadvise_dontneed
 from kvtool.bench.sweep import BASELINE_MLXLM, Cell, SweepSpec
 from kvtool.bench.workloads import DropPageCache, Request, Restart, Workload, WorkloadContext, build_workload
 
@@ -321,19 +322,8 @@ def drop_page_cache(directory: Path) -> dict[str, Any]:
         `posix_fadvise` (e.g. macOS) or a call failed.
     """
     files = [p for p in directory.rglob(f"*{BLOCK_SUFFIX}") if not p.name.startswith(".")]
-    if not hasattr(os, "posix_fadvise"):
-        return {"files": len(files), "ok": False, "error": "os.posix_fadvise is not available on this platform"}
-    try:
-        for path in files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    except OSError as exc:
-        return {"files": len(files), "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    return {"files": len(files), "ok": True, "error": None}
+    error = fadvise_dontneed(files)
+    return {"files": len(files), "ok": error is None, "error": error}
 
 
 def _run_document(ctx: _Context, run_id: str, config_path: Path | None, started: float, runs: list) -> dict:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Annotated
 
 import typer
@@ -14,6 +12,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.removal import confirm_and_execute, print_freed
 from kvtool.units import format_bytes, parse_duration, parse_size
 
 EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.ops.lock.EXIT_LOCKED)
@@ -103,63 +102,16 @@ def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None,
 
 
 def _confirm_and_execute(plan, yes: bool, out: Output, execute) -> int:
-    if plan.dry_run or not _removes_anything(plan):
-        _emit(plan, out, lambda: _print_unchanged(plan, out))
-        return _exit_code(plan)
-    shown = False
-    if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
-        _print_plan(plan, out.interaction)
-        shown = True
-        question = (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} segment file(s), "
-                    f"{format_bytes(plan.total('prune_bytes'))}?")  # fmt: skip
-        if not out.confirm(question):
-            out.err_console.print("aborted: nothing changed")
-            return common.EXIT_PROBLEMS
-    with _deferred_signals() as received:
-        execute(plan)
-    _emit(plan, out, lambda: _print_executed(plan, out, plan_shown=shown))
-    if received:
-        return 128 + received[0]
-    return _exit_code(plan)
+    return confirm_and_execute(
+        plan, yes, out, changes=_removes_anything(plan), execute=execute, print_plan=_print_plan,
+        print_result=_print_result, nothing="nothing to prune",
+        question=lambda: (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} "
+                          f"segment file(s), {format_bytes(plan.total('prune_bytes'))}?"),
+    )  # fmt: skip
 
 
 def _removes_anything(plan) -> bool:
     return bool(plan.total("prune_blocks") or plan.total("prune_segments") or any(ns.remove_namespace for ns in plan.namespaces))
-
-
-def _exit_code(plan) -> int:
-    return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
-
-
-def _emit(plan, out: Output, human) -> None:
-    """--quiet: problems only (stderr); --json: the plan document; else `human()`."""
-    out.emit(plan.to_dict, human)
-    if out.quiet and plan.problems:
-        _print_result(plan, out.err_console)
-
-
-def _print_unchanged(plan, out: Output) -> None:
-    _print_plan(plan, out.console)
-    out.print("dry run: nothing changed" if plan.dry_run else "nothing to prune")
-
-
-def _print_executed(plan, out: Output, plan_shown: bool) -> None:
-    if not plan_shown:
-        _print_plan(plan, out.console)
-    _print_result(plan, out.console)
-
-
-@contextmanager
-def _deferred_signals() -> Iterator[list[int]]:
-    """Hold SIGINT/SIGTERM until the deletion is done (rows and files stay consistent)."""
-    received: list[int] = []
-    handler = lambda signum, _frame: received.append(signum)  # noqa: E731
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield received
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _fmt_duration(seconds: float | None) -> str:
@@ -202,12 +154,7 @@ def _print_plan(plan, out) -> None:
 
 
 def _print_result(plan, out) -> None:
-    out.print(
-        f"pruned {plan.total('rows_deleted')} block(s), {plan.total('files_deleted')} file(s), "
-        f"{format_bytes(plan.total('bytes_freed'))} freed"
-        + (f"; [red]{plan.problems} problem(s)[/] (run kvtool validate)" if plan.problems else ""),
-        highlight=False, soft_wrap=True,
-    )  # fmt: skip
+    print_freed(out, plan, "pruned ", "file(s)")
 
 
 def register(app: typer.Typer) -> None:

@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.removal import confirm_and_execute, print_freed
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -150,29 +151,11 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
 
 
 def _confirm_and_execute(plan, yes: bool, out: Output) -> int:
-    from kvtool.cli.cmd_prune import _deferred_signals
     from kvtool.ops.remove import execute_removal
 
-    if plan.dry_run or not plan.removes_anything():
-        _emit(plan, out, lambda: _print_unchanged(plan, out))
-        return _exit_code(plan)
-    shown = False
-    if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
-        _print_plan(plan, out.interaction)
-        shown = True
-        if not out.confirm(_question(plan)):
-            out.err_console.print("aborted: nothing changed")
-            return common.EXIT_PROBLEMS
-    with _deferred_signals() as received:
-        execute_removal(plan)
-    _emit(plan, out, lambda: _print_executed(plan, out, plan_shown=shown))
-    if received:
-        return 128 + received[0]
-    return _exit_code(plan)
-
-
-def _exit_code(plan) -> int:
-    return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
+    return confirm_and_execute(plan, yes, out, changes=plan.removes_anything(), question=lambda: _question(plan),
+                               execute=execute_removal, print_plan=_print_plan, print_result=_print_result,
+                               nothing="nothing to remove", print_problems=_print_problems)  # fmt: skip
 
 
 def _question(plan) -> str:
@@ -183,14 +166,11 @@ def _question(plan) -> str:
             f"{format_bytes(plan.total('prune_bytes'))}?")  # fmt: skip
 
 
-def _emit(plan, out: Output, human) -> None:
-    """--quiet: problems only (stderr); --json: the plan document; else `human()`."""
-    out.emit(plan.to_dict, human)
-    if out.quiet and plan.problems:
-        for ns in plan.namespaces:
-            if ns.problems and ns.message:
-                out.problem(f"{ns.namespace}: {escape(ns.message)}")
-        _print_result(plan, out.err_console)
+def _print_problems(plan, out: Output) -> None:
+    """--quiet: each namespace's problem (stderr), before the result line."""
+    for ns in plan.namespaces:
+        if ns.problems and ns.message:
+            out.problem(f"{ns.namespace}: {escape(ns.message)}")
 
 
 def _model(ns) -> str:
@@ -222,26 +202,10 @@ def _print_plan(plan, console) -> None:
             say(f"  [yellow]{escape(ns.message)}[/]")
 
 
-def _print_unchanged(plan, out: Output) -> None:
-    _print_plan(plan, out.console)
-    out.print("dry run: nothing changed" if plan.dry_run else "nothing to remove")
-
-
-def _print_executed(plan, out: Output, plan_shown: bool) -> None:
-    if not plan_shown:
-        _print_plan(plan, out.console)
-    _print_result(plan, out.console)
-
-
 def _print_result(plan, console) -> None:
     gone = [ns.namespace[:12] for ns in plan.namespaces if getattr(ns, "namespace_removed", False)]
     what = f"removed namespace {', '.join(gone)}: " if gone else "removed "
-    console.print(
-        f"{what}{plan.total('rows_deleted')} block(s), {plan.total('files_deleted')} segment file(s), "
-        f"{format_bytes(plan.total('bytes_freed'))} freed"
-        + (f"; [red]{plan.problems} problem(s)[/] (run kvtool validate)" if plan.problems else ""),
-        highlight=False, soft_wrap=True,
-    )  # fmt: skip
+    print_freed(console, plan, what, "segment file(s)")
 
 
 def register(app: typer.Typer) -> None:

@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtool.errors import EXIT_USAGE, KVToolError
+from kvtool.ops.ssd_writes import ssd_write_problem, write_counts
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -530,13 +531,9 @@ def check_writable(engine: Engine) -> None:
     Raises:
         InteropError: uncacheable model, SSD tier off, disabled or read-only.
     """
-    if engine.uncached_reason is not None:
-        raise InteropError(f"this model cannot be cached: {engine.uncached_reason}")
-    ssd = engine.cache.ssd
-    if ssd is None:
-        raise InteropError("the SSD tier is off (ssd_enabled = false): nothing to import into")
-    if not ssd.enabled or ssd.read_only:
-        raise InteropError(f"the SSD tier is unavailable: {ssd.disabled_reason}")
+    problem = ssd_write_problem(engine, "import into")
+    if problem is not None:
+        raise InteropError(problem)
 
 
 # --------------------------------------------------------------------------- import
@@ -628,15 +625,8 @@ def import_cache_file(
     base = pc.stats().to_dict()
     report.entries_stored = pc.store(ids, cache, persist=True)
     report.flushed = pc.flush()
-    now = pc.stats().to_dict()
-
-    def delta(key: str) -> int:
-        return int(now.get(key, 0)) - int(base.get(key, 0))
-
-    report.blocks_written = delta("ssd_save_success")
-    report.bytes_written = delta("ssd_bytes_written")
-    report.blocks_dedup = delta("ssd_save_dedup_skip")
-    report.blocks_failed = delta("writer_save_fail") + delta("writer_enqueue_rejected")
+    report.blocks_written, report.bytes_written, report.blocks_dedup, report.blocks_failed = write_counts(
+        base, pc.stats().to_dict())
     report.cached_tokens = pc.probe(ids)
     report.verified = report.cached_tokens == len(ids)
     report.elapsed_s = round(time.perf_counter() - t0, 3)

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtool.ops.ssd_writes import ssd_write_problem, write_counts
 from kvtool.prompts import Request, RequestFileError, load_requests_jsonl, read_text
 
 if TYPE_CHECKING:
@@ -175,13 +176,9 @@ def check_engine(engine: Engine) -> None:
     Raises:
         WarmError: the model runs uncached, or the SSD tier is off or disabled.
     """
-    if engine.uncached_reason is not None:
-        raise WarmError(f"this model cannot be cached: {engine.uncached_reason}")
-    ssd = engine.cache.ssd
-    if ssd is None:
-        raise WarmError("the SSD tier is off (ssd_enabled = false): nothing to warm")
-    if not ssd.enabled or ssd.read_only:
-        raise WarmError(f"the SSD tier is unavailable: {ssd.disabled_reason}")
+    problem = ssd_write_problem(engine, "warm")
+    if problem is not None:
+        raise WarmError(problem)
 
 
 def warm(
@@ -267,13 +264,7 @@ def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_templat
 
 
 def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
-    def delta(key: str) -> int:
-        return int(now.get(key, 0)) - int(base.get(key, 0))
-
-    report.blocks_written = delta("ssd_save_success")
-    report.bytes_written = delta("ssd_bytes_written")
-    report.blocks_dedup = delta("ssd_save_dedup_skip")
-    report.blocks_failed = delta("writer_save_fail") + delta("writer_enqueue_rejected")
+    report.blocks_written, report.bytes_written, report.blocks_dedup, report.blocks_failed = write_counts(base, now)
 
 
 __all__ = ["warm", "load_sources", "check_engine", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]

@@ -1,0 +1,107 @@
+"""What `kvtool prune` and `kvtool rm` share: show the plan, confirm, execute with signals held, report."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvtool.cli import common
+from kvtool.cli.output import Output
+from kvtool.units import format_bytes
+
+
+@contextmanager
+def deferred_signals() -> Iterator[list[int]]:
+    """Hold SIGINT/SIGTERM until the deletion is done (rows and files stay consistent)."""
+    received: list[int] = []
+    handler = lambda signum, _frame: received.append(signum)  # noqa: E731
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def confirm_and_execute(
+    plan: Any,
+    yes: bool,
+    out: Output,
+    *,
+    changes: bool,
+    question: Callable[[], str],
+    execute: Callable[[Any], object],
+    print_plan: Callable[[Any, Any], None],
+    print_result: Callable[[Any, Any], None],
+    nothing: str,
+    print_problems: Callable[[Any, Output], None] | None = None,
+) -> int:
+    """Show `plan`, ask (unless `yes`), execute it with SIGINT/SIGTERM held, report; the exit code.
+
+    Args:
+        plan: a prune or removal plan (`dry_run`, `problems`, `to_dict`).
+        yes: do not ask.
+        out: where everything goes (--json: the plan document; --quiet: problems only, on stderr).
+        changes: the plan removes anything (else it is only shown, as a dry run is).
+        question: the confirmation question (asked only when needed).
+        execute: runs the plan.
+        print_plan, print_result: `(plan, console)` printers.
+        nothing: the line after a plan that removes nothing ("nothing to prune").
+        print_problems: under --quiet, what to print of the problems before the result line.
+
+    Returns:
+        0; 1 declined or problems; 128 + the signal received during the execution.
+    """
+
+    def emit(human: Callable[[], None]) -> None:
+        out.emit(plan.to_dict, human)
+        if out.quiet and plan.problems:
+            if print_problems is not None:
+                print_problems(plan, out)
+            print_result(plan, out.err_console)
+
+    def unchanged() -> None:
+        print_plan(plan, out.console)
+        out.print("dry run: nothing changed" if plan.dry_run else nothing)
+
+    def executed() -> None:
+        if not shown:
+            print_plan(plan, out.console)
+        print_result(plan, out.console)
+
+    if plan.dry_run or not changes:
+        emit(unchanged)
+        return _exit_code(plan)
+    shown = False
+    if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
+        print_plan(plan, out.interaction)
+        shown = True
+        if not out.confirm(question()):
+            out.err_console.print("aborted: nothing changed")
+            return common.EXIT_PROBLEMS
+    with deferred_signals() as received:
+        execute(plan)
+    emit(executed)
+    if received:
+        return 128 + received[0]
+    return _exit_code(plan)
+
+
+def print_freed(console: Any, plan: Any, head: str, files: str) -> None:
+    """The result line: `head` N block(s), M `files`, what was freed, and the problems if any."""
+    console.print(
+        f"{head}{plan.total('rows_deleted')} block(s), {plan.total('files_deleted')} {files}, "
+        f"{format_bytes(plan.total('bytes_freed'))} freed"
+        + (f"; [red]{plan.problems} problem(s)[/] (run kvtool validate)" if plan.problems else ""),
+        highlight=False, soft_wrap=True,
+    )  # fmt: skip
+
+
+def _exit_code(plan: Any) -> int:
+    """1 if the plan has problems, else 0."""
+    return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
+
+
+__all__ = ["confirm_and_execute", "deferred_signals", "print_freed"]

@@ -1,0 +1,44 @@
+"""What `warm` and `import` share about writing blocks to the SSD tier.
+
+Imports nothing heavy (no MLX): the engine is only an annotation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
+
+
+def ssd_write_problem(engine: Engine, nothing_to: str) -> str | None:
+    """Why `engine` cannot write blocks to SSD, as one line; None if it can.
+
+    Args:
+        engine: a `kvtool.engine.Engine`.
+        nothing_to: what the caller would do, for the "SSD tier is off" message
+            ("nothing to warm").
+    """
+    if engine.uncached_reason is not None:
+        return f"this model cannot be cached: {engine.uncached_reason}"
+    ssd = engine.cache.ssd
+    if ssd is None:
+        return f"the SSD tier is off (ssd_enabled = false): nothing to {nothing_to}"
+    if not ssd.enabled or ssd.read_only:
+        return f"the SSD tier is unavailable: {ssd.disabled_reason}"
+    return None
+
+
+def write_counts(base: Mapping, now: Mapping) -> tuple[int, int, int, int]:
+    """Blocks written, bytes written, blocks deduplicated and blocks failed between two
+    stats snapshots (`Engine.stats()` or `PrefixCache.stats().to_dict()`)."""
+
+    def delta(key: str) -> int:
+        return int(now.get(key, 0)) - int(base.get(key, 0))
+
+    return (delta("ssd_save_success"), delta("ssd_bytes_written"), delta("ssd_save_dedup_skip"),
+            delta("writer_save_fail") + delta("writer_enqueue_rejected"))
+
+
+__all__ = ["ssd_write_problem", "write_counts"]
