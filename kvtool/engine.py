@@ -34,15 +34,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from kvtool.blocks import HashFn, blake2b_chain, rotating_from_full, state_arrays
 from kvtool.config import KVToolConfig
+from kvtool.model_kv import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVQuantization
 from kvtool.models.loader import LoadedModel, load_model
-from kvtool.prefix import (
-    DEFAULT_KV_GROUP_SIZE,
-    DEFAULT_QUANTIZED_KV_START,
-    CacheHit,
-    CacheStats,
-    KVQuantization,
-    PrefixCache,
-)
+from kvtool.prefix import CacheHit, CacheStats, PrefixCache
 from kvtool.store.tiered import ShutdownStatus
 
 log = logging.getLogger("kvtool")
