@@ -52,6 +52,14 @@ class Durability(StrEnum):
     DURABLE = "durable"  # fsync file + directory before the index row commits
 
 
+class Codec(StrEnum):
+    """How SSD block records are stored (`ssd_codec`): as they are, or losslessly compressed."""
+
+    NONE = "none"
+    ZSTD = "zstd"  # zstandard level 3: ~1.1x (f32) / ~1.4x (bf16) on KV, ~0.5 GB/s in, ~1 GB/s out
+    LZ4 = "lz4"  # lz4 block: ~1.07x / ~1.09x, ~2-3 GB/s in, ~7-10 GB/s out
+
+
 class WriterMode(StrEnum):
     """Where SSD writes run (`ssd_async_writes`): inline or on a background thread."""
 
@@ -62,6 +70,7 @@ class WriterMode(StrEnum):
 SSD_POLICIES = tuple(p.value for p in SSDPolicy)
 DURABILITY_MODES = tuple(d.value for d in Durability)
 WRITER_MODES = tuple(w.value for w in WriterMode)
+CODECS = tuple(c.value for c in Codec)
 
 
 class ConfigError(KVToolError, ValueError):
@@ -226,6 +235,9 @@ class KVToolConfig(BaseModel):
         ssd_dir_mode: permission bits of the directories kvtool creates in the cache, applied
             whatever the umask. 0o700 (owner only) by default; use 0o2770 for a cache shared by
             a group (setgid keeps the group on new directories). TOML: `0o2770` or `"2770"`.
+        ssd_codec: `none` (records stored as they are, the default), or `zstd` / `lz4`: every
+            record compressed losslessly (opt-in; a separate namespace, since the codec is part
+            of the layout key). A `Codec`.
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
@@ -242,6 +254,7 @@ class KVToolConfig(BaseModel):
     block_size: Annotated[int, _int_between(1, MAX_BLOCK_SIZE)] = DEFAULT_BLOCK_SIZE
     ram_bytes: Annotated[int, BeforeValidator(parse_size)] = DEFAULT_RAM_BYTES  # no bools, floats, < 0
     ssd_dir_mode: Annotated[int, BeforeValidator(_dir_mode)] = DEFAULT_DIR_MODE
+    ssd_codec: Annotated[Codec, _choice(Codec)] = Codec.NONE
 
     def __init__(self, **values: Any) -> None:
         """Validate `values` (field names as keywords; omitted fields take their defaults).

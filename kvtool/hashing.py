@@ -121,12 +121,15 @@ def tail_hash(
 
 
 def key_extra_of_meta(meta: Mapping[str, str]) -> str:
-    """The `extra` part of a layout key, from namespace meta: KV quantisation and sliding windows."""
+    """The `extra` part of a layout key, from namespace meta: KV quantisation, sliding windows and
+    the record codec (`kv_codec`, absent for plain records)."""
     parts = []
     if meta.get("kv_quantization"):
         parts.append(meta["kv_quantization"])
     if meta.get("kv_windows"):
         parts.append("windows=" + meta["kv_windows"])
+    if meta.get("kv_codec") and meta["kv_codec"] != "none":
+        parts.append("codec=" + meta["kv_codec"])
     return ";".join(parts)
 
 
@@ -136,7 +139,7 @@ def layout_key_of_meta(meta: Mapping[str, str], format_version: int | None = Non
 
     Args:
         meta: string values for model_id, kv_layers, kv_dtype, block_size, and optionally
-            model_class, libraries, kv_quantization, kv_windows, format_version.
+            model_class, libraries, kv_quantization, kv_windows, kv_codec, format_version.
         format_version: overrides `meta["format_version"]`.
 
     Raises:

@@ -202,6 +202,8 @@ class PrefixCache:
             meta["kv_quantization"] = self.quant.key_extra()
         if self.windows:
             meta["kv_windows"] = ",".join("-" if w is None else str(w) for w in self.windows)
+        if str(self.config.ssd_codec) != "none":
+            meta["kv_codec"] = str(self.config.ssd_codec)
         return meta
 
     # Typed views of the optional state, for the paths that run only with a layout (`kv`) or

@@ -98,6 +98,7 @@ def serve_once(
     block_size: common.BlockSizeOpt = None,
     ram_bytes: common.RamBytesOpt = None,
     no_ssd: common.NoSSDOpt = False,
+    codec: common.CodecOpt = None,
     json_out: common.JsonOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.", rich_help_panel="Output")] = False,
 ) -> None:
@@ -105,7 +106,8 @@ def serve_once(
     try:
         with common.signals_raise(), common.cli_errors():
             reqs = _collect_requests(prompt, prompt_file, messages, requests)
-            cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd)
+            cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
+                                     codec)
             engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                         prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
             encode = _encoder(engine, not ignore_chat_template, system_prompt)

@@ -53,6 +53,7 @@ def warm_cmd(
     async_writes: common.AsyncOpt = None,
     block_size: common.BlockSizeOpt = None,
     ram_bytes: common.RamBytesOpt = None,
+    codec: common.CodecOpt = None,
     json_out: common.JsonOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
 ) -> None:
@@ -64,7 +65,8 @@ def warm_cmd(
             prompts = load_sources(sources, whole=whole)
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
-        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes)
+        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,
+                                 codec=codec)
         engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                     prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
         try:

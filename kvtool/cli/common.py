@@ -276,6 +276,21 @@ RamBytesOpt = Annotated[
 NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.", rich_help_panel=CACHE_PANEL)]
 
 
+class CodecChoice(str, Enum):
+    """`--codec` values (= kvtool.config.Codec)."""
+
+    none = "none"
+    zstd = "zstd"
+    lz4 = "lz4"
+
+
+CodecOpt = Annotated[
+    CodecChoice | None,
+    typer.Option("--codec", help="Compress SSD block records losslessly (a separate namespace)"
+                 " [default: none].", show_default=False, rich_help_panel=CACHE_PANEL),
+]
+
+
 def build_config(
     config_path: Path | None = None,
     cache_dir: Path | None = None,
@@ -285,6 +300,7 @@ def build_config(
     block_size: int | None = None,
     ram_bytes: str | None = None,
     no_ssd: bool = False,
+    codec: str | None = None,
 ):
     """A validated `KVToolConfig` from `--config` plus flags (flags win).
 
@@ -313,6 +329,7 @@ def build_config(
         block_size=block_size,
         ram_bytes=ram,
         ssd_enabled=False if no_ssd else None,
+        ssd_codec=codec.value if isinstance(codec, Enum) else codec,
     )
 
 

@@ -140,6 +140,9 @@ class SegmentReader:
         if header is None or not 0 <= index < len(header.slots):
             return None
         slot = header.slots[index]
+        if slot.codec != "none":  # compressed: the token ids are inside the encoded record
+            rec = self.record(name, index)
+            return rec.tokens_digest if rec is not None else None
         try:
             raw = os.pread(self._open(name), 4 * slot.n_tokens, slot.offset)
         except OSError:

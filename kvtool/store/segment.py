@@ -29,6 +29,13 @@ verification; each slot's checksum covers its record.
 Reads scatter a record straight into the caller's destination arrays with one `preadv` (the
 per-layer cache buffers of a restore: no staging copy), then hash the destination pieces.
 
+Codecs (opt-in, `KVToolConfig.ssd_codec`): in a `zstd` or `lz4` namespace every record is
+stored compressed (the slot's `U8` tensor holds the compressed bytes) and its slot metadata is
+`"hash:parent:n_tokens:checksum:codec:raw_nbytes"`; the checksum covers the *stored* bytes and is
+checked before decompressing, and a decompressed size other than `raw_nbytes` counts as a
+checksum failure. Such a record is read into a staging buffer, verified, decompressed, then
+copied into the destination (one extra copy). Without a codec files are exactly as before.
+
 This module never imports MLX.
 """
 
@@ -55,6 +62,8 @@ MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
 _ZERO_CHECKSUM = "0" * 32
 _HEADER_CK_KEY = b'"header_checksum":"'
+CODECS = ("none", "zstd", "lz4")
+ZSTD_LEVEL = 3  # zstd's default; level 1 measured no faster on KV here (docs/DESIGN.md, "Codecs")
 
 # logical dtype name -> numpy storage dtype (bfloat16 travels as its uint16 bit pattern)
 STORAGE_DTYPES: dict[str, np.dtype] = {
@@ -284,7 +293,9 @@ class Slot:
         n_tokens: tokens in the record.
         checksum: xxh3-128 hex of the record.
         offset: byte offset of the record in the file.
-        nbytes: record length (bytes).
+        nbytes: stored record length (bytes; compressed size under a codec).
+        codec: 'none' or the codec the record is stored with (`CODECS`).
+        raw_nbytes: the record's decoded length (bytes); equals `nbytes` without a codec.
     """
 
     index: int
@@ -294,6 +305,58 @@ class Slot:
     checksum: str
     offset: int
     nbytes: int
+    codec: str = "none"
+    raw_nbytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.raw_nbytes < 0:
+            object.__setattr__(self, "raw_nbytes", self.nbytes)
+
+
+# ----------------------------------------------------------------------------- codecs
+class CodecError(Exception):
+    """A compressed record that does not decode to its declared size."""
+
+
+def compress(codec: str, data: bytes | memoryview) -> bytes:
+    """Compress one record with `codec` ('zstd' or 'lz4'); lossless."""
+    if codec == "zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+    if codec == "lz4":
+        import lz4.block
+
+        return lz4.block.compress(data, store_size=False)
+    raise ValueError(f"unknown codec {codec!r}")
+
+
+def decompress(codec: str, data: bytes | bytearray | memoryview, raw_nbytes: int) -> bytes:
+    """Inverse of `compress`; the result has exactly `raw_nbytes` bytes.
+
+    Raises:
+        CodecError: the data does not decode, or decodes to another size.
+    """
+    try:
+        if codec == "zstd":
+            import zstandard
+
+            if zstandard.frame_content_size(data) != raw_nbytes:  # before any allocation
+                raise CodecError(f"zstd frame declares another size than {raw_nbytes}")
+            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_nbytes)
+        elif codec == "lz4":
+            import lz4.block
+
+            out = lz4.block.decompress(data, uncompressed_size=raw_nbytes)
+        else:
+            raise CodecError(f"unknown codec {codec!r}")
+    except CodecError:
+        raise
+    except Exception as exc:  # the libraries' own error types (and MemoryError on nonsense)
+        raise CodecError(f"{codec} data does not decode: {exc}") from None
+    if len(out) != raw_nbytes:
+        raise CodecError(f"{codec} record decodes to {len(out)} bytes, not {raw_nbytes}")
+    return out
 
 
 # ----------------------------------------------------------------------------- write
@@ -336,7 +399,7 @@ def _checksum(pieces: Sequence) -> str:
 
 
 def encode(
-    blocks: Sequence[HostBlock], layout_key: str, kv: KVLayout, created: float
+    blocks: Sequence[HostBlock], layout_key: str, kv: KVLayout, created: float, codec: str = "none"
 ) -> tuple[list[memoryview], list[Slot]]:
     """Serialise blocks into one segment, without copying their KV.
 
@@ -345,6 +408,8 @@ def encode(
         layout_key: namespace the file belongs to.
         kv: the namespace's KV layout.
         created: creation time (unix seconds).
+        codec: 'none' (records stored as they are, no copy) or 'zstd' / 'lz4' (each record
+            joined into one buffer and compressed; the checksum covers the compressed bytes).
 
     Returns:
         `(buffers, slots)`: the file content as buffers to write in order (`os.writev`), and
@@ -355,9 +420,15 @@ def encode(
     """
     if not 0 < len(blocks) <= MAX_SLOTS:
         raise ValueError(f"a segment holds 1..{MAX_SLOTS} blocks, got {len(blocks)}")
-    records = [_record_pieces(b, kv) for b in blocks]
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
+    records: list[list] = [_record_pieces(b, kv) for b in blocks]
+    raw_sizes = [sum(p.nbytes for p in pieces) for pieces in records]
+    if codec != "none":
+        records = [[compress(codec, b"".join(p.data.cast("B") for p in pieces))] for pieces in records]
     sums = [_checksum(p) for p in records]
-    sizes = [sum(p.nbytes for p in pieces) for pieces in records]
+    sizes = [sum(memoryview(p).nbytes for p in pieces) for pieces in records]
+    suffix = [f":{codec}:{raw}" if codec != "none" else "" for raw in raw_sizes]
     meta = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
@@ -372,7 +443,7 @@ def encode(
     tensors: dict[str, object] = {"__metadata__": meta}
     pos = 0
     for i, (b, size, ck) in enumerate(zip(blocks, sizes, sums)):
-        meta[f"b{i}"] = f"{b.block_hash}:{b.parent_hash}:{b.token_ids.shape[0]}:{ck}"
+        meta[f"b{i}"] = f"{b.block_hash}:{b.parent_hash}:{b.token_ids.shape[0]}:{ck}{suffix[i]}"
         tensors[f"b{i}"] = {"dtype": "U8", "shape": [size], "data_offsets": [pos, pos + size]}
         pos += size
     header = json.dumps(tensors, separators=(",", ":")).encode()
@@ -380,11 +451,11 @@ def encode(
     header = _seal_header(header)
     data_start = 8 + len(header)
     slots, off = [], data_start
-    for i, (b, size, ck) in enumerate(zip(blocks, sizes, sums)):
-        slots.append(Slot(i, b.block_hash, b.parent_hash, int(b.token_ids.shape[0]), ck, off, size))
+    for i, (b, size, ck, raw) in enumerate(zip(blocks, sizes, sums, raw_sizes)):
+        slots.append(Slot(i, b.block_hash, b.parent_hash, int(b.token_ids.shape[0]), ck, off, size, codec, raw))
         off += size
     buffers = [memoryview(struct.pack("<Q", len(header)) + header)]
-    buffers += [p.data.cast("B") for pieces in records for p in pieces]
+    buffers += [memoryview(p).cast("B") for pieces in records for p in pieces]
     return buffers, slots
 
 
@@ -472,11 +543,22 @@ def _parse_slots(doc: dict, meta: dict[str, str], data_start: int, kv: KVLayout)
     for i in range(n_blocks):
         t = doc[f"b{i}"]
         start, end = (int(x) for x in t["data_offsets"])
-        h, parent, n_tok, ck = meta[f"b{i}"].split(":")
+        fields = meta[f"b{i}"].split(":")
+        codec, raw = "none", None
+        if len(fields) == 6:
+            h, parent, n_tok, ck, codec, raw_text = fields
+            if codec not in CODECS[1:] or not raw_text.isdigit():
+                raise ValueError(f"slot {i}: bad codec fields")
+            raw = int(raw_text)
+        else:
+            h, parent, n_tok, ck = fields
         n_tokens = int(n_tok)
-        if t["dtype"] != "U8" or start != pos or end - start != kv.record_nbytes(n_tokens) or n_tokens <= 0:
+        if raw is None:
+            raw = end - start
+        if (t["dtype"] != "U8" or start != pos or raw != kv.record_nbytes(n_tokens) or n_tokens <= 0
+                or end - start <= 0):
             raise ValueError(f"slot {i}: offsets or size inconsistent")
-        slots.append(Slot(i, h, parent, n_tokens, ck, data_start + start, end - start))
+        slots.append(Slot(i, h, parent, n_tokens, ck, data_start + start, end - start, codec, raw))
         pos = end
     return tuple(slots)
 
@@ -495,16 +577,19 @@ def read_header(fd: int, file_size: int) -> SegmentHeader:
     return parse_header(head, file_size)
 
 
-def check_header(header: SegmentHeader, layout_key: str, kv: KVLayout) -> None:
-    """The file must belong to namespace `layout_key` with KV layout `kv`.
+def check_header(header: SegmentHeader, layout_key: str, kv: KVLayout, codec: str | None = None) -> None:
+    """The file must belong to namespace `layout_key` with KV layout `kv` (and, if given, every
+    record stored with `codec`).
 
     Raises:
-        BlockFileError: 'layout' or 'shape'.
+        BlockFileError: 'layout', 'shape' or 'header' (a record of another codec).
     """
     if header.layout_key != layout_key:
         raise BlockFileError("layout", f"segment of namespace {header.layout_key}, not {layout_key}")
     if header.kv != kv:
         raise BlockFileError("shape", f"KV layout {header.kv.spec}/{header.kv.dtype}, namespace has {kv.spec}/{kv.dtype}")
+    if codec is not None and any(s.codec != codec for s in header.slots):
+        raise BlockFileError("header", f"records stored with another codec than the namespace's ({codec})")
 
 
 def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarray]) -> None:
@@ -522,6 +607,10 @@ def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarr
         BlockFileError: 'truncated' (short read) or 'checksum'. Token ids are the caller's check.
         OSError: the read failed.
     """
+    if slot.codec != "none":  # staging read, checksum of the stored bytes, decompress, copy
+        if read_records(fd, [slot], [tokens], [dest]) is not None:
+            raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
+        return
     iov = _record_iov(tokens, dest)
     _preadv_all(fd, iov, slot.offset, slot.nbytes)
     if _checksum(iov) != slot.checksum:
@@ -553,11 +642,39 @@ def read_records(
     for a, b in zip(slots, slots[1:]):
         if a.offset + a.nbytes != b.offset:
             raise BlockFileError("slot", "records are not contiguous")
+    if any(s.codec != "none" for s in slots):
+        return _read_compressed(fd, slots, iovs)
     flat = [m for iov in iovs for m in iov]
     _preadv_all(fd, flat, slots[0].offset, sum(sl.nbytes for sl in slots))
     for pos, (slot, iov) in enumerate(zip(slots, iovs)):
         if _checksum(iov) != slot.checksum:
             return pos
+    return None
+
+
+def _read_compressed(fd: int, slots: Sequence[Slot], iovs: Sequence[list[memoryview]]) -> int | None:
+    """`read_records` for compressed records: one read of the stored bytes into a staging
+    buffer, then per record: checksum of the stored bytes, decompress, copy into `iovs`."""
+    for slot, iov in zip(slots, iovs):
+        if sum(m.nbytes for m in iov) != slot.raw_nbytes:
+            raise BlockFileError("slot", "destination size differs from the record size")
+    staging = bytearray(sum(s.nbytes for s in slots))
+    view = memoryview(staging)
+    _preadv_all(fd, [view], slots[0].offset, len(staging))
+    at = 0
+    for pos, (slot, iov) in enumerate(zip(slots, iovs)):
+        stored = view[at : at + slot.nbytes]
+        at += slot.nbytes
+        if xxhash.xxh3_128_hexdigest(stored) != slot.checksum:
+            return pos
+        try:
+            raw = memoryview(decompress(slot.codec, stored, slot.raw_nbytes))
+        except CodecError:
+            return pos
+        done = 0
+        for m in iov:
+            m[:] = raw[done : done + m.nbytes]
+            done += m.nbytes
     return None
 
 

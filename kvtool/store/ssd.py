@@ -90,11 +90,13 @@ class Expected:
         layout_key: the namespace's layout key.
         kv: per-layer KV shapes and dtype.
         block_size: tokens per full block (tail entries hold fewer).
+        codec: how records are stored: 'none' or a `segment.CODECS` codec (meta `kv_codec`).
     """
 
     layout_key: str
     kv: KVLayout
     block_size: int
+    codec: str = "none"
 
     @classmethod
     def from_meta(cls, layout_key: str, meta: dict[str, str]) -> Expected:
@@ -103,7 +105,10 @@ class Expected:
         Raises:
             KeyError, ValueError: a key is missing or malformed.
         """
-        return cls(layout_key, KVLayout.parse(meta["kv_layers"], meta["kv_dtype"]), int(meta["block_size"]))
+        codec = meta.get("kv_codec") or "none"
+        if codec not in seg.CODECS:
+            raise ValueError(f"unknown kv_codec {codec!r}")
+        return cls(layout_key, KVLayout.parse(meta["kv_layers"], meta["kv_dtype"]), int(meta["block_size"]), codec)
 
 
 class SSDStore:
@@ -372,7 +377,7 @@ class SSDStore:
             return None
         try:
             header = seg.read_header(fd, os.fstat(fd).st_size)
-            seg.check_header(header, self.layout_key, self._geometry.kv)
+            seg.check_header(header, self.layout_key, self._geometry.kv, self._geometry.codec)
             return fd, header
         except OSError as exc:  # a read error is not corruption: miss, keep the rows
             os.close(fd)
@@ -551,7 +556,7 @@ class SSDStore:
             for b in blocks:
                 self._check_block(b)
             now = self._clock()
-            buffers, slots = seg.encode(blocks, self.layout_key, self._geometry.kv, now)
+            buffers, slots = seg.encode(blocks, self.layout_key, self._geometry.kv, now, self._geometry.codec)
         except (BlockFileError, ValueError) as exc:
             log.error("SSD save refused: %s", exc)
             self._inc("ssd_save_fail", len(blocks))
