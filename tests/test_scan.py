@@ -126,15 +126,16 @@ def test_missing_orphans_temps_symlinks_other(cache, tmp_path):
     (seg_b.parent / "notes.tmp").write_bytes(b"x")  # not kvtool's: never a temp
     outside = tmp_path / "outside"
     outside.mkdir()
-    (outside / f"{'ee' * 16}.safetensors").write_bytes(b"fake")
-    (ns_dir / "ee").symlink_to(outside)  # a symlinked fan-out directory: never followed
+    fan = next(f"{i:02x}" for i in range(256) if not (ns_dir / f"{i:02x}").exists())  # segment names are random
+    (outside / f"{fan * 16}.safetensors").write_bytes(b"fake")
+    (ns_dir / fan).symlink_to(outside)  # a symlinked fan-out directory: never followed
     (cache_dir / ("ff" * 16)).symlink_to(outside)  # a symlinked namespace
     ns = only(scan_cache(cache_dir, store.layout_key))
     assert ns.missing == (seg_a.stem,) and ns.orphans == (seg_b.stem,)
     assert [t.relpath for t in ns.temps] == [f"{seg_b.parent.name}/.{seg_b.stem}.4194305.deadbeef.tmp"]
     assert ns.temps[0].leftover
-    assert "ee" in ns.symlinks and f"{seg_b.parent.name}/notes.tmp" in ns.other
-    assert "ee" * 16 not in ns.files
+    assert fan in ns.symlinks and f"{seg_b.parent.name}/notes.tmp" in ns.other
+    assert fan * 16 not in ns.files
     full = scan_cache(cache_dir)
     assert [n.name for n in full.namespaces] == [store.layout_key] and full.symlinks == ("ff" * 16,)
 

@@ -143,7 +143,7 @@ def dmg_orphan(store, chains):
 
 def dmg_orphan_garbage(store, chains):
     name = "ee" * 16
-    (store.namespace_dir / "ee").mkdir()
+    (store.namespace_dir / "ee").mkdir(exist_ok=True)  # a random segment name may have made it
     (store.namespace_dir / "ee" / f"{name}.safetensors").write_bytes(b"not a segment")
     return "orphans_removed", 1, None
 
