@@ -30,7 +30,7 @@ from kvtool.hashing import (  # noqa: F401  (re-exported)
     tail_hash,
 )
 from kvtool.hostblock import HostBlock  # noqa: F401  (re-exported: the MLX-free half of a block)
-from kvtool.store.segment import STORAGE_DTYPES, KVLayout
+from kvtool.store.segment import STORAGE_DTYPES, HeadPieces, KVLayout
 
 CACHE_STEP = KVCache.step  # mlx-lm grows a KVCache in steps of this many tokens (256)
 
@@ -494,30 +494,63 @@ class KVBuffers:
     kv: KVLayout | None = None
     # state layers: per restored entry (by token offset) host arrays of its state (small)
     state_scratch: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    pending: bool = False  # allocation started with `wait=False`, `ready()` not called yet
+    _heads: HeadPieces | None = field(default=None, repr=False)
 
     @classmethod
-    def allocate(cls, kv: KVLayout, capacity: int) -> KVBuffers:
-        """Allocate buffers for `capacity` tokens (call on the request thread)."""
+    def allocate(cls, kv: KVLayout, capacity: int, wait: bool = True) -> KVBuffers:
+        """Allocate buffers for `capacity` tokens (call on the request thread).
+
+        With `wait=False` the allocation (page faults and MLX's zero fill, the largest fixed
+        cost of a restore) runs on MLX's stream while the caller goes on (reading segment
+        headers); `ready()` waits for it and must come before `dest`, `pieces` or `place`.
+        """
         dtype = _NAME_TO_MX[kv.dtype]
         n_kv = len(kv.shapes(0)) - len(kv.states)
         arrays = [mx.zeros(shape, mx.uint32 if st == np.dtype("<u4") else dtype)
                   for shape, st in list(zip(kv.shapes(capacity), kv.storage_dtypes()))[:n_kv]]
-        mx.eval(arrays)
-        views = [_host_view(a) for a in arrays]
+        out = cls(arrays, [], kv=kv)
+        if wait:
+            out.ready()
+        else:
+            mx.async_eval(arrays)
+            out.pending = True
+        return out
+
+    def ready(self) -> None:
+        """Wait for the allocation and make the host views (request thread; idempotent)."""
+        if self._heads is not None:
+            return
+        mx.eval(self.arrays)
+        views = [_host_view(a) for a in self.arrays]
         if all(v is not None for v in views):
-            return cls(arrays, views, kv=kv)  # type: ignore[arg-type]  # no None view: checked just above
-        return cls(arrays, [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in arrays], staged=True, kv=kv)
+            self.views = views  # type: ignore[assignment]  # no None view: checked just above
+        else:
+            self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
+            self.staged = True
+        self._heads = HeadPieces(self.views)
+        self.pending = False
 
     def dest(self, offset: int, n: int) -> list[np.ndarray]:
-        """Views `[1, H, n, D]` of every tensor at token `offset` (for `restore_chain`); with
-        state layers, then fresh host arrays for the record's state (kept per entry)."""
+        """Views `[1, H, n, D]` of every tensor at token `offset` (for `place`); with state
+        layers, then fresh host arrays for the record's state (kept per entry)."""
         out = [v[:, :, offset : offset + n, :] for v in self.views]
-        if self.kv is not None and self.kv.states:
-            storage = STORAGE_DTYPES[self.kv.dtype]
-            scratch = [np.empty(s, storage) for s in self.kv.states]
-            self.state_scratch[offset] = scratch
-            out += scratch
-        return out
+        return out + self._state_scratch(offset)
+
+    def pieces(self, offset: int, n: int) -> list[memoryview]:
+        """Where a record of `n` tokens placed at token `offset` goes, as byte buffers in file
+        order (`segment.HeadPieces`; for `restore_chain`, safe on reader threads: no MLX call)."""
+        assert self._heads is not None, "ready() first"
+        out = self._heads(offset, n)
+        return out + [a.data.cast("B") for a in self._state_scratch(offset)]
+
+    def _state_scratch(self, offset: int) -> list[np.ndarray]:
+        if self.kv is None or not self.kv.states:
+            return []
+        storage = STORAGE_DTYPES[self.kv.dtype]
+        scratch = [np.empty(s, storage) for s in self.kv.states]
+        self.state_scratch[offset] = scratch
+        return scratch
 
     def place(self, offset: int, block: Block) -> None:
         """Copy an MLX block (RAM tier) into the buffers at token `offset`."""
@@ -540,6 +573,7 @@ class KVBuffers:
         """mlx-lm caches over the buffers, holding `offset` tokens; drops this object's
         references so the caches own their buffers (in-place updates, no copy on decode).
         With state layers, their state is the one of the entry placed at token `state_at`."""
+        self._heads = None  # its byte views hold the buffers too: MLX would copy instead of update in place
         if self.kv is not None and self.kv.states:
             state = self.state_scratch.get(state_at) if state_at is not None else None
             plain = KVBuffers(self.arrays, self.views, self.staged, None)

@@ -434,7 +434,7 @@ class PrefixCache:
                 hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1][3] if blocks else 0
                 return
         t0 = time.perf_counter()
-        buffers = KVBuffers.allocate(kv, cache_capacity(int(ids.size)))
+        buffers = KVBuffers.allocate(kv, cache_capacity(int(ids.size)), wait=False)  # overlaps header reads
         n_ok, ram_tok, ssd_tok = self._fill(ids, chain, found, buffers, hit)
         hit.entries_found = n_ok
         hit.cached_tokens = chain[n_ok - 1][3] if n_ok else 0
@@ -450,11 +450,13 @@ class PrefixCache:
             src, obj = found[i]
             h, parent, lo, hi = chain[i]
             if src == "ram":
+                buffers.ready()
                 buffers.place(lo, obj)
                 ram_tok += hi - lo
                 i += 1
                 continue
             if src == "pending":
+                buffers.ready()
                 buffers.place_host(lo, obj)
                 hit.promote.append((h, parent, ids[lo:hi], lo, *self._scratch(buffers, lo)))
                 ssd_tok += hi - lo
@@ -467,7 +469,7 @@ class PrefixCache:
             ssd = self._tier.ssd
             assert ssd is not None  # rows were found in it
             res = restore.restore_chain(ssd, rows, parent, ids, [chain[k][2] for k in range(i, j)],
-                                        buffers.dest)
+                                        buffers.pieces, ready=buffers.ready)
             hit.ssd_bytes_read += res.bytes_read
             for k in range(i, i + res.n_ok):
                 hk, pk, lk, hk_stop = chain[k]

@@ -122,7 +122,7 @@ def restore_all(store, chain, ids, parallel=True):
     rows = store.lookup([b.block_hash for b in chain])
     offs = list(np.cumsum([0] + [r.num_tokens for r in rows])[:-1])
     res = restore.restore_chain(store, rows, root_parent(store.layout_key), np.asarray(ids, np.int32), offs,
-                                lambda o, n: [a[:, :, o : o + n, :] for a in arrays], parallel)
+                                seg.HeadPieces(arrays), parallel)
     return res, arrays, rows
 
 

@@ -59,9 +59,11 @@ class Buffers:
                 a.view(np.uint8)[...] = fill
                 self.arrays.append(a)
 
+        self.pieces = seg.HeadPieces(self.arrays)
+
     def dest(self, offset: int, n: int):
         self.threads.add(threading.current_thread().name)
-        return [a[:, :, offset : offset + n, :] for a in self.arrays]
+        return self.pieces(offset, n)
 
     def tokens_bytes(self, stop: int) -> list[bytes]:
         return [a[:, :, :stop, :].tobytes() for a in self.arrays]

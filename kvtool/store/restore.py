@@ -2,10 +2,12 @@
 
 The request thread opens each segment of the chain once and checks its header (namespace, KV
 layout, header checksum) and every slot (hash, parent = previous block of the chain, length).
-The record reads then run on a small pool of reader threads: each `preadv` scatters a record
-from the file into the destination buffers at its token offset (no staging copy), then hashes
-what landed there (xxh3) and compares the token ids with the prompt's. Reads, hashing and copies
-of different records overlap; `os.preadv` and xxhash release the GIL.
+The record reads then run on a small pool of reader threads: one `preadv` per run of
+back-to-back records scatters them from the file into the destination buffers at their token
+offsets (no staging copy; the iovec comes from per-head views made once, `segment.HeadPieces`),
+then each record is hashed where it landed (xxh3) and the run's token ids are compared with the
+prompt's in one numpy call. Reads and hashing of different runs overlap; `os.preadv` and
+xxhash release the GIL.
 
 The first block that fails any check cuts the chain there: the caller recomputes the rest, so
 the output stays exact. A damaged block loses its row; an intact block holding other token ids
@@ -40,7 +42,7 @@ DEFAULT_READERS = 4  # reads in flight; measured: ~2x cold bandwidth of one read
 TASK_BYTES = 8 << 20  # records per reader task: ~8 MiB
 PARALLEL_MIN_BYTES = 32 << 20  # below this, thread hand-offs cost more than they overlap
 
-DestFn = Callable[[int, int], Sequence[np.ndarray]]
+DestFn = Callable[[int, int], Sequence[memoryview]]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -86,6 +88,7 @@ def restore_chain(
     token_offsets: Sequence[int],
     dest: DestFn,
     parallel: bool = True,
+    ready: Callable[[], None] | None = None,
 ) -> RestoreResult:
     """Restore consecutive chain blocks from SSD into destination buffers, verified.
 
@@ -95,9 +98,13 @@ def restore_chain(
         first_parent: the chain hash the first row's parent must be.
         token_ids: int32 prompt token ids `[T]`.
         token_offsets: per row, the prompt offset (tokens) of its first token.
-        dest: `dest(offset, n)` -> per tensor in record order (K0, V0, K1, V1, ...) a writable
-            view `[1, H, n, D]` (storage dtype) of the destination at token `offset`.
+        dest: `dest(offset, n)` -> the writable byte buffers that receive a record of `n`
+            tokens placed at token `offset`: its data after the token ids, in file order
+            (`segment.HeadPieces` over `[1, H, T, D]` buffers, or `KVBuffers.pieces`). Called
+            from reader threads: it must not call MLX.
         parallel: use the reader pool (False: read on the calling thread).
+        ready: called on the calling thread after the segment headers are checked and before
+            the first read (e.g. to wait for buffers whose allocation was started asynchronously).
 
     Returns:
         A `RestoreResult`; rows beyond `n_ok` may have been partly written into `dest`.
@@ -106,6 +113,8 @@ def restore_chain(
     try:
         for it, off in zip(items, token_offsets):
             it.offset = off
+        if ready is not None:
+            ready()
         failures = _run(items, token_ids, dest, parallel)
     finally:
         for fd in fds:
@@ -167,18 +176,38 @@ def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[i
     """Read and verify records in order, one `preadv` batch per run of back-to-back records;
     stop at the first failure (returned by chain position)."""
     for run in _contiguous_runs(task):
-        tokens = [np.empty(it.slot.n_tokens, dtype=np.int32) for it in run]
+        sizes = [it.slot.n_tokens for it in run]
+        tokens = np.empty(sum(sizes), dtype=np.int32)
         try:
             bad = seg.read_records(run[0].fd, [it.slot for it in run], tokens,
-                                   [dest(it.offset, it.slot.n_tokens) for it in run])
+                                   [dest(it.offset, n) for it, n in zip(run, sizes)])
         except (BlockFileError, OSError):  # find the exact record: read the run one by one
             return _read_one_by_one(run, token_ids, dest)
-        for k, (it, got) in enumerate(zip(run, tokens)):
-            if bad is not None and k == bad:
-                return {it.pos: ("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")}
-            if not np.array_equal(got, token_ids[it.offset : it.offset + it.slot.n_tokens]):
-                return {it.pos: ("tokens", "holds other token ids")}
+        wrong = _first_wrong_tokens(run, sizes, tokens, token_ids)
+        if bad is not None and (wrong is None or bad <= wrong):
+            it = run[bad]
+            return {it.pos: ("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")}
+        if wrong is not None:
+            return {run[wrong].pos: ("tokens", "holds other token ids")}
     return {}
+
+
+def _first_wrong_tokens(run: list[_Item], sizes: list[int], got: np.ndarray, token_ids: np.ndarray) -> int | None:
+    """Position in `run` of the first record whose token ids differ from the prompt's, or None.
+    A run's records hold consecutive prompt tokens: one comparison over the whole run."""
+    start = run[0].offset
+    if any(it.offset != start + at for it, at in zip(run, np.cumsum([0, *sizes[:-1]]))):
+        for k, (it, n) in enumerate(zip(run, sizes)):  # not consecutive in the prompt: one by one
+            at = sum(sizes[:k])
+            if not np.array_equal(got[at : at + n], token_ids[it.offset : it.offset + n]):
+                return k
+        return None
+    want = token_ids[start : start + got.size]
+    if want.size == got.size and np.array_equal(got, want):
+        return None
+    diff = np.flatnonzero(got[: want.size] != want)
+    first = int(diff[0]) if diff.size else want.size  # a prompt shorter than the run differs at its end
+    return int(np.searchsorted(np.cumsum(sizes), first, side="right"))
 
 
 def _read_one_by_one(run: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[int, tuple[str, str]]:
@@ -186,7 +215,8 @@ def _read_one_by_one(run: list[_Item], token_ids: np.ndarray, dest: DestFn) -> d
         n = it.slot.n_tokens
         tokens = np.empty(n, dtype=np.int32)
         try:
-            seg.read_record(it.fd, it.slot, tokens, dest(it.offset, n))
+            if seg.read_records(it.fd, [it.slot], tokens, [dest(it.offset, n)]) is not None:
+                raise BlockFileError("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")
         except BlockFileError as exc:
             return {it.pos: (exc.kind, str(exc))}
         except OSError as exc:

@@ -409,38 +409,72 @@ def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarr
         BlockFileError: 'truncated' (short read) or 'checksum'. Token ids are the caller's check.
         OSError: the read failed.
     """
-    if slot.codec != "none":  # staging read, checksum of the stored bytes, decompress, copy
-        if read_records(fd, [slot], [tokens], [dest]) is not None:
-            raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
-        return
-    iov = _record_iov(tokens, dest)
-    _preadv_all(fd, iov, slot.offset, slot.nbytes)
-    if _checksum(iov) != slot.checksum:
+    pieces = [arr[0, h].data.cast("B") for arr in dest for h in range(arr.shape[1])]
+    if read_records(fd, [slot], tokens, [pieces]) is not None:
         raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
 
 
-def _record_iov(tokens: np.ndarray, dest: Sequence[np.ndarray]) -> list[memoryview]:
-    """The record's byte ranges in file order: token ids, then each tensor head by head."""
-    iov: list[memoryview] = [tokens.data.cast("B")]
-    for arr in dest:
-        for h in range(arr.shape[1]):
-            iov.append(arr[0, h].data.cast("B"))
-    return iov
+class HeadPieces:
+    """Writable byte views of destination buffers, head by head: where a record's bytes go.
+
+    A record holds, after its token ids, each tensor (K0, V0, K1, V1, ...) head by head as
+    `[n, D]` rows. For destinations `[1, H, T, D]` (C-contiguous per head), `pieces(offset, n)`
+    returns one memoryview per (tensor, head) over rows `offset .. offset + n`, in file order:
+    the iovec of a `preadv` that places the record straight into the buffers. The per-head views
+    are made once, so a chain of many records costs one slice per piece.
+
+    Args:
+        arrays: destinations in record order, each `[1, H, T, D]`, writable, with every head's
+            `[T, D]` C-contiguous (a whole C-contiguous buffer, or a `[:, :, a:b, :]` slice of one).
+
+    Raises:
+        ValueError: an array is not 4-D with batch 1, not writable, or a head is not contiguous.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self._heads: list[tuple[memoryview, int]] = []
+        for a in arrays:
+            if a.ndim != 4 or a.shape[0] != 1:
+                raise ValueError(f"destination must be [1, H, T, D], got shape {a.shape}")
+            row = a.shape[3] * a.itemsize
+            for h in range(a.shape[1]):
+                head = a[0, h]
+                if not head.flags.c_contiguous or not head.flags.writeable:
+                    raise ValueError("each head of a destination must be writable and C-contiguous")
+                self._heads.append((head.data.cast("B"), row))
+
+    def __call__(self, offset: int, n: int) -> list[memoryview]:
+        """Views of rows `[offset, offset + n)` of every head, in file order."""
+        return [mv[offset * row : (offset + n) * row] for mv, row in self._heads]
 
 
-def read_records(
-    fd: int, slots: Sequence[Slot], tokens: Sequence[np.ndarray], dests: Sequence[Sequence[np.ndarray]]
-) -> int | None:
-    """`read_record` for records that lie back to back in the file, with one `preadv` batch.
+def read_records(fd: int, slots: Sequence[Slot], tokens: np.ndarray, pieces: Sequence[Sequence[memoryview]]) -> int | None:
+    """Read records that lie back to back in the file with one `preadv` batch, then verify them.
+
+    Args:
+        fd: open segment file.
+        slots: the records, in file order (from a verified header).
+        tokens: int32 `[sum of the slots' n_tokens]`, C-contiguous: receives their token ids.
+        pieces: per record, the writable byte buffers of its data after the token ids, in file
+            order (`HeadPieces`); their sizes must add up to the record's size.
 
     Returns:
         The position (in `slots`) of the first record that fails its checksum, or None.
 
     Raises:
-        BlockFileError: 'truncated' (short read) or 'slot' (records not contiguous).
+        BlockFileError: 'truncated' (short read) or 'slot' (records not contiguous, or buffers
+            of another size than the records).
         OSError: the read failed.
     """
-    iovs = [_record_iov(t, d) for t, d in zip(tokens, dests)]
+    if tokens.dtype != _TOKENS_DTYPE or not tokens.flags.c_contiguous or tokens.size != sum(s.n_tokens for s in slots):
+        raise BlockFileError("slot", "token buffer does not match the records")
+    tok = tokens.data.cast("B")
+    iovs: list[list[memoryview]] = []
+    at = 0
+    for slot, rest in zip(slots, pieces):
+        n = slot.n_tokens * _TOKENS_DTYPE.itemsize
+        iovs.append([tok[at : at + n], *rest])
+        at += n
     for a, b in zip(slots, slots[1:]):
         if a.offset + a.nbytes != b.offset:
             raise BlockFileError("slot", "records are not contiguous")
