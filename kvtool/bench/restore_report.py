@@ -150,7 +150,7 @@ def _f(v: Any, digits: int = 1) -> str:
 
 
 def ttft_tables(s: Summary) -> list[str]:
-    """TTFT of the real model: recompute, kvtool SSD hit, mlx-lm load + last token."""
+    """TTFT of the real model: recompute, kvtool SSD hit, mlx-lm load + first token of `generate_step`."""
     out = []
     for shape, dtype in s.groups("ttft"):
         out += [f"### TTFT, real `{shape}` model ({dtype}), fresh process per request", "",
@@ -171,7 +171,7 @@ def ttft_tables(s: Summary) -> list[str]:
     return out
 
 
-WRITER_METHODS = ("kvtool-writer", "kvtool-writer+sync", "dd-fdatasync", "python-write", "python-write+fdatasync")
+WRITER_METHODS = ("kvtool-writer", "kvtool-writer+sync", "kvtool-writer-first", "dd-fdatasync", "python-write", "python-write+fdatasync")
 
 
 def writer_table(s: Summary) -> list[str]:
