@@ -305,6 +305,49 @@ def test_prompt_tokens_that_differ_in_the_middle_cut_there(tmp_path):
     assert res.n_ok == K and "tokens" in res.failure
 
 
+@pytest.mark.parametrize("token_block, corrupt_block, want", [(K, K + 2, "tokens"), (K + 2, K, "checksum"),
+                                                               (K, K, "checksum")])
+def test_first_failure_of_a_run_wins_whichever_check(tmp_path, token_block, corrupt_block, want):
+    """One run, two bad records (other prompt token ids in one, a flipped byte in the other): the
+    chain is cut at the earlier; on the same record the checksum is named."""
+    store = open_store(tmp_path)
+    chain, ids = saved_chain(store, batches=())  # one segment: the whole chain is one run
+    other = ids.copy()
+    other[token_block * BS] += 1
+    flip_record_byte(store, chain[corrupt_block].block_hash)
+    res, bufs, _ = run_restore(store, chain, other)
+    assert res.n_ok == min(token_block, corrupt_block) and want in res.failure
+    assert placed_ok(bufs, chain, res.n_ok)
+
+
+def test_readahead_covers_each_segments_planned_records(tmp_path, monkeypatch):
+    """One WILLNEED per segment, over exactly the bytes of its records in the chain."""
+    store = open_store(tmp_path)
+    chain, ids = saved_chain(store)  # segments: blocks 0-2, 3-6, 7-11
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((os.fstat(fd).st_ino, off, n, advice)))
+    res, _, rows = run_restore(store, chain, ids, parallel=False)
+    assert res.n_ok == 12
+    assert [c[3] for c in calls] == [os.POSIX_FADV_WILLNEED] * 3
+    for (ino, off, n, _), (lo, hi) in zip(calls, [(0, 3), (3, 7), (7, 12)]):
+        path = block_path(store, chain[lo].block_hash)
+        assert ino == path.stat().st_ino
+        spans = [record_span(path, b.block_hash) for b in chain[lo:hi]]
+        assert (off, off + n) == (spans[0][0], spans[-1][0] + spans[-1][1])
+
+
+def test_readahead_that_fails_changes_nothing(tmp_path, monkeypatch):
+    store = open_store(tmp_path)
+    chain, ids = saved_chain(store)
+
+    def refuse(*_):
+        raise OSError(errno.ESPIPE, "no readahead here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    res, bufs, _ = run_restore(store, chain, ids)
+    assert (res.n_ok, res.failure) == (12, None) and placed_ok(bufs, chain, 12)
+
+
 def test_read_error_cuts_the_chain_and_keeps_the_rows(tmp_path, monkeypatch):
     store = open_store(tmp_path)
     chain, ids = saved_chain(store)

@@ -561,3 +561,29 @@ def test_kv_layout_spec_round_trip_and_validation():
         KVLayout(((2, 4, 4),), "int8")
     with pytest.raises(ValueError):
         KVLayout.parse("2x4", "float32")
+
+
+# ----------------------------------------------------------------------------- HeadPieces
+def test_head_pieces_are_each_heads_rows_in_file_order():
+    """`HeadPieces(arrays)(offset, n)`: per tensor, per head, the bytes of rows offset..offset+n,
+    writable views of the arrays (a preadv into them places a record)."""
+    rng = np.random.default_rng(0)
+    arrays = [rng.random((1, h, 10, d)).astype(np.float32) for h, d in ((2, 3), (2, 3), (1, 5))]
+    pieces = seg.HeadPieces(arrays)(4, 3)
+    want = [a[0, h, 4:7].tobytes() for a in arrays for h in range(a.shape[1])]
+    assert [bytes(p) for p in pieces] == want
+    pieces[0][:] = bytes(len(pieces[0]))  # writes land in the array
+    assert not arrays[0][0, 0, 4:7].any() and arrays[0][0, 0, 3].all() and arrays[0][0, 0, 7].all()
+    sliced = seg.HeadPieces([a[:, :, 2:9, :] for a in arrays])(2, 3)  # a T-slice: offsets relative to it
+    assert [bytes(p) for p in sliced] == [a[0, h, 4:7].tobytes() for a in arrays for h in range(a.shape[1])]
+
+
+@pytest.mark.parametrize("bad", [np.zeros((2, 2, 4, 3), np.float32), np.zeros((1, 2, 4), np.float32),
+                                 np.zeros((1, 2, 4, 6), np.float32)[..., ::2]])
+def test_head_pieces_refuse_what_a_record_cannot_scatter_into(bad):
+    with pytest.raises(ValueError):
+        seg.HeadPieces([bad])
+    ro = np.zeros((1, 2, 4, 3), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        seg.HeadPieces([ro])
