@@ -54,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"load-path KV shapes (default: {','.join(restore.SHAPES)})")
     ap.add_argument("--states", type=_csv(str), default=restore.STATES, help="cold,warm (default: both)")
     ap.add_argument("--repeats", type=int, default=restore.DEFAULT_REPEATS, help="measurements per cell (default: 3)")
+    ap.add_argument("--recompute-repeats", type=int, default=None,
+                    help="TTFT recompute measurements per length (default: --repeats)")
     ap.add_argument("--parts", type=_csv(str), default=restore.PARTS, help="load,ttft,writer (default: all)")
     ap.add_argument("--methods", type=_csv(str), default=("raw-read", "mlx-lm", "kvtool"),
                     help="load-path methods (default: raw-read,mlx-lm,kvtool)")
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(args.report / "report.md")
         return 0
     spec = restore.RestoreSpec(
-        lengths=args.lengths, shapes=args.shapes, states=args.states, repeats=args.repeats, parts=args.parts,
+        lengths=args.lengths, shapes=args.shapes, states=args.states, repeats=args.repeats,
+        recompute_repeats=args.recompute_repeats, parts=args.parts,
         methods=args.methods, out=args.out, work_dir=args.work_dir, keep_data=args.keep_data, drop=args.drop,
         kvtool_api=args.kvtool_api, block_size=args.block_size, ttft_model=args.ttft_model,
         writer_mb=args.writer_mb, writer_shape=args.writer_shape, seed=args.seed, note=args.note,

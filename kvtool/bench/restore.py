@@ -78,6 +78,8 @@ class RestoreSpec:
         shapes: keys of `SHAPES` for the load path.
         states: `cold` and/or `warm`.
         repeats: measurements per (shape, length, method, state).
+        recompute_repeats: TTFT recompute measurements per length (None: `repeats`); a 32k-token
+            recompute of `tiny` takes ~2 min here, and its ratio to an SSD hit is ~0.001.
         parts: `load` (raw/mlx-lm/kvtool restore), `ttft` (real model), `writer`.
         out: run directory (default `results/restore/<timestamp>/`).
         work_dir: where the data files go (default `<out>/data`, removed at the end).
@@ -97,6 +99,7 @@ class RestoreSpec:
     shapes: tuple[str, ...] = DEFAULT_SHAPES
     states: tuple[str, ...] = STATES
     repeats: int = DEFAULT_REPEATS
+    recompute_repeats: int | None = None
     parts: tuple[str, ...] = PARTS
     out: Path | None = None
     work_dir: Path | None = None
@@ -123,6 +126,8 @@ class RestoreSpec:
                 raise ValueError(f"{name} must be a non-empty subset of {', '.join(allowed)}, got {values}")
         if self.repeats < 1 or not self.lengths or min(self.lengths) < 2:
             raise ValueError("repeats must be >= 1 and every length >= 2")
+        if self.recompute_repeats is not None and self.recompute_repeats < 1:
+            raise ValueError("recompute repeats must be >= 1")
         if self.drop not in pagecache.DROP_METHODS:
             raise ValueError(f"drop must be one of {', '.join(pagecache.DROP_METHODS)}")
         resolve_api(self.kvtool_api)
@@ -234,7 +239,7 @@ def measure_load(spec: RestoreSpec, shape: KVShape, n: int, d: Path, rec: Record
     }
     for rep in range(spec.repeats):
         for state in spec.states:
-            for method in spec.methods:
+            for method in rotated(spec.methods, rep):
                 paths, mode, args = jobs[method]
                 resident, dropped = set_state(paths, state, spec.drop)
                 res = run_worker(spec.python, mode, args)
@@ -312,20 +317,33 @@ def measure_ttft(spec: RestoreSpec, n: int, d: Path, mpath: Path, shape: KVShape
     run_worker(spec.python, "mlxlm_ttft_save", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
                                                 "path": str(mlx_file)})
     os.sync()
+    recompute = spec.repeats if spec.recompute_repeats is None else spec.recompute_repeats
     for rep in range(spec.repeats):
-        r = serve_once(spec, d / "prompt.txt", d / "no-ssd", "--no-ssd")
-        rec.add(make_row("ttft", shape, n, "recompute", NO_STATE, rep, _serve_res(r), kv_ok=True))
+        if rep < recompute:
+            r = serve_once(spec, d / "prompt.txt", d / "no-ssd", "--no-ssd")
+            rec.add(make_row("ttft", shape, n, "recompute", NO_STATE, rep, _serve_res(r), kv_ok=True))
         for state in spec.states:
-            resident, dropped = set_state([kv_dir], state, spec.drop)
-            r = serve_once(spec, d / "prompt.txt", kv_dir)
-            ok = r["ssd_hit_tokens"] > 0 and r["token_ids"][:1] == first["token_ids"][:1]
-            rec.add(make_row("ttft", shape, n, "kvtool-ssd-hit", state, rep, _serve_res(r), resident_before=resident,
-                             drop=dropped, kv_ok=ok))
-            resident, dropped = set_state([mlx_file], state, spec.drop)
-            m = run_worker(spec.python, "mlxlm_ttft", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
-                                                       "path": str(mlx_file)})
-            rec.add(make_row("ttft", shape, n, "mlx-lm-load+last", state, rep, m, resident_before=resident,
-                             drop=dropped, kv_ok=bool(m["tokens_ok"]) and [m["first_token"]] == first["token_ids"][:1]))
+            for method in rotated(("kvtool-ssd-hit", "mlx-lm-load+last"), rep):
+                if method == "kvtool-ssd-hit":
+                    resident, dropped = set_state([kv_dir], state, spec.drop)
+                    r = serve_once(spec, d / "prompt.txt", kv_dir)
+                    ok = r["ssd_hit_tokens"] > 0 and r["token_ids"][:1] == first["token_ids"][:1]
+                    rec.add(make_row("ttft", shape, n, method, state, rep, _serve_res(r), resident_before=resident,
+                                     drop=dropped, kv_ok=ok))
+                    continue
+                resident, dropped = set_state([mlx_file], state, spec.drop)
+                m = run_worker(spec.python, "mlxlm_ttft", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
+                                                           "path": str(mlx_file)})
+                rec.add(make_row("ttft", shape, n, method, state, rep, m, resident_before=resident, drop=dropped,
+                                 kv_ok=bool(m["tokens_ok"]) and [m["first_token"]] == first["token_ids"][:1]))
+
+
+def rotated(methods, rep: int) -> tuple:
+    """`methods` starting at position `rep` (mod their count): each method goes first in turn,
+    so none always runs right after another's process (memory the VM's host has just reclaimed,
+    page cache another method just filled)."""
+    k = rep % len(methods) if methods else 0
+    return tuple(methods[k:]) + tuple(methods[:k])
 
 
 def ttft_shape(preset: str) -> KVShape:
