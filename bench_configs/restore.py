@@ -10,6 +10,7 @@ Examples:
 
     .venv/bin/python bench_configs/restore.py                                   # full run
     .venv/bin/python bench_configs/restore.py --lengths 1024,4096 --repeats 3
+    .venv/bin/python bench_configs/restore.py --repeats 5 --recompute-repeats 2  # the README's run
     .venv/bin/python bench_configs/restore.py --shapes tiny --parts load --lengths 256 --repeats 1
     .venv/bin/python bench_configs/restore.py --report results/restore/20260101-120000   # re-render
 
