@@ -42,7 +42,6 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 from kvtool.blocks import (
     Block,
     HashFn,
-    KVBuffers,
     WindowedKVCache,
     as_windowed,
     blake2b_chain,
@@ -58,6 +57,7 @@ from kvtool.blocks import (
 from kvtool.config import KVToolConfig
 from kvtool.hashing import layout_key_of_meta
 from kvtool.hostblock import HostBlock
+from kvtool.kvbuffers import KVBuffers
 from kvtool.model_kv import KVGeometry, KVQuantization, library_versions, probe_layout  # noqa: F401  (re-exported)
 from kvtool.store import restore
 from kvtool.store.fsops import FileOps

@@ -8,7 +8,6 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvtool.blocks import (
-    KVBuffers,
     cache_capacity,
     chain_hashes,
     from_host,
@@ -22,6 +21,7 @@ from kvtool.blocks import (
     to_host,
     unsupported_cache_reason,
 )
+from kvtool.kvbuffers import KVBuffers
 from kvtool.store.segment import KVLayout
 
 LAYOUT = layout_key("model-x", "2x8x8,2x8x8", "float32", 4, format_version=2)
