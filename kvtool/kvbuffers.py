@@ -79,7 +79,6 @@ class KVBuffers:
     kv: KVLayout | None = None
     # state layers: per restored entry (by token offset) host arrays of its state (small)
     state_scratch: dict[int, list[np.ndarray]] = field(default_factory=dict)
-    pending: bool = False  # allocation started with `wait=False`, `ready()` not called yet
     _heads: HeadPieces | None = field(default=None, repr=False)
 
     @classmethod
@@ -100,7 +99,6 @@ class KVBuffers:
             out.ready()
         else:
             mx.async_eval(arrays)
-            out.pending = True
         return out
 
     def ready(self) -> None:
@@ -115,7 +113,6 @@ class KVBuffers:
             self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
             self.staged = True
         self._heads = HeadPieces(self.views)
-        self.pending = False
 
     def dest(self, offset: int, n: int) -> list[np.ndarray]:
         """Views `[1, H, n, D]` of every tensor at token `offset` (for `place`); with state

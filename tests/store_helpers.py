@@ -6,14 +6,19 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvtool.hashing import chain_hashes, layout_key, root_parent, tail_hash
 from kvtool.hostblock import HostBlock
 from kvtool.store import segment as seg
 from kvtool.store.fsops import FileOps
+from kvtool.store.index import BlockIndex
 from kvtool.store.names import segment_relpath
 from kvtool.store.segment import FORMAT_VERSION, KVLayout
 from kvtool.store.ssd import SSDStore
@@ -289,3 +294,27 @@ class FaultFS(FileOps):
 
 
 ERRNOS = {"ENOSPC": errno.ENOSPC, "EIO": errno.EIO, "EACCES": errno.EACCES, "EROFS": errno.EROFS}
+
+
+def stored(store: SSDStore) -> set[str]:
+    """Hashes of the rows in `store`'s index, read through a fresh connection."""
+    idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
+    try:
+        return {r.hash for r in idx.rows()}
+    finally:
+        idx.close()
+
+
+@contextmanager
+def mounted_tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (e.g. "4m") mounted on the new directory `mnt`, unmounted afterwards.
+    Skips the test where mounting is not allowed (it needs root or CAP_SYS_ADMIN)."""
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -91,7 +91,6 @@ def test_ttft_with_current_cli(tmp_path):
 
 
 def test_kvtool_synthetic_restore(tmp_path):
-    pytest.importorskip("kvtool.prefix")
     spec = restore.RestoreSpec(**TINY, parts=("load", "writer"), methods=("kvtool",), kvtool_api="prefix",
                                writer_mb=2, out=tmp_path / "run")
     out = restore.run(spec, log=lambda _: None)

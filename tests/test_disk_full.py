@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.store_helpers import mounted_tmpfs
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
 
@@ -30,15 +32,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "mnt", "8m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def _fill(mnt: Path) -> None:

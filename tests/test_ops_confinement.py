@@ -28,7 +28,7 @@ from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store.index import BlockIndex
 from kvtool.store.ssd import SSDStore
-from tests.store_helpers import block_path, make_chain, make_meta, open_store, segment_files
+from tests.store_helpers import block_path, make_chain, make_meta, mounted_tmpfs, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent
 if not any(c.name == "prune" for c in app_module.app.registered_commands):
@@ -246,16 +246,8 @@ def test_symlinked_index_files_are_never_opened(world):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MiB tmpfs (the suite runs as root); unmounted afterwards."""
-    mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / f"disk-{uuid.uuid4().hex[:6]}", "4m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def fill(cache_dir: Path, close_first: bool) -> SSDStore:

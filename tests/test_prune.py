@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
-from kvtool.cli import cmd_prune
+from kvtool.cli import cmd_prune, removal
 from kvtool.hashing import root_parent
 from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.prune import (
@@ -38,7 +38,7 @@ from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store.index import BlockIndex
 from kvtool.store.ssd import SSDStore
-from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, segment_files
+from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, segment_files, stored
 
 REPO = Path(__file__).resolve().parent.parent
 NOW = time.time()  # reset per test (`_now`): access times must not be in the future
@@ -78,14 +78,6 @@ def set_access(store, times: dict[str, float]) -> None:
     """Set `last_access` of rows directly in the index (as if used at those times)."""
     with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
         conn.executemany("UPDATE blocks SET last_access=? WHERE hash=?", [(t, h) for h, t in times.items()])
-
-
-def stored(store) -> set[str]:
-    idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
-    try:
-        return {r.hash for r in idx.rows()}
-    finally:
-        idx.close()
 
 
 def hashes(chain) -> list[str]:
@@ -336,7 +328,7 @@ def test_cli_refuses_without_a_terminal_unless_yes(cache):
 
 def test_cli_confirmation_on_a_terminal(cache, monkeypatch):
     cache_dir, store, _ = cache
-    monkeypatch.setattr(cmd_prune, "_interactive", lambda: True)
+    monkeypatch.setattr(removal, "interactive", lambda: True)
     res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", input="n\n")
     assert res.exit_code == 1 and "aborted" in res.output and len(stored(store)) == 7
     res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", input="y\n")

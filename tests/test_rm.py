@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
-from kvtool.cli import cmd_rm
+from kvtool.cli import removal
 from kvtool.hashing import chain_hashes, tail_hash
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.remove import (
@@ -28,10 +28,9 @@ from kvtool.ops.remove import (
 )  # fmt: skip
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
-from kvtool.store.index import BlockIndex
 from kvtool.store.names import LOCK_FILENAME
 from kvtool.store.ssd import SSDStore
-from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store
+from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, stored
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
@@ -82,14 +81,6 @@ def cache(tmp_path):
         other.save_block(blk)
     other.close()
     return cache_dir, store, other, {"a": a, "b": b[2:], "c": c}
-
-
-def stored(store) -> set[str]:
-    idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
-    try:
-        return {r.hash for r in idx.rows()}
-    finally:
-        idx.close()
 
 
 def hashes(blocks) -> set[str]:
@@ -267,7 +258,7 @@ def test_no_terminal_without_yes_is_one_error_line_and_changes_nothing(cache):
 
 def test_confirmation_on_a_terminal(cache, monkeypatch):
     cache_dir, store, _, _ = cache
-    monkeypatch.setattr(cmd_rm, "_interactive", lambda: True)
+    monkeypatch.setattr(removal, "interactive", lambda: True)
     res = run_cli("--cache-dir", str(cache_dir), store.layout_key[:8], input="n\n")
     assert res.exit_code == 1 and "aborted: nothing changed" in res.output and store.namespace_dir.exists()
     assert f"Remove namespace {store.layout_key}" in res.output

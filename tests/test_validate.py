@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 from kvtool.cli import cmd_validate
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import REPAIRS, execute, plan_repairs, validate
-from kvtool.store.index import BlockIndex
 from kvtool.store.ssd import SSDStore
 from tests.store_helpers import (
     block_path,
@@ -29,6 +28,7 @@ from tests.store_helpers import (
     segment_files,
     segment_name,
     segment_path,
+    stored,
 )
 
 NOW_SKEW = 10 * 86400.0
@@ -77,14 +77,6 @@ def snapshot(cache_dir: Path) -> tuple[dict, list]:
 def only(report):
     assert len(report.namespaces) == 1
     return report.namespaces[0]
-
-
-def stored(store) -> set[str]:
-    idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
-    try:
-        return {r.hash for r in idx.rows()}
-    finally:
-        idx.close()
 
 
 def loadable(cache_dir: Path, store, chains) -> set[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from contextlib import nullcontext
 from typing import Annotated
 
@@ -12,7 +11,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, print_freed
+from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes, parse_duration, parse_size
 
 EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.ops.lock.EXIT_LOCKED)
@@ -44,12 +43,7 @@ MaxBytesOpt = Annotated[
     typer.Option("--max-bytes", help="Byte budget per namespace (whole cache with --all): 50GB, 512MiB.", show_default=False),
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU order over the whole cache.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 
-
-def _interactive() -> bool:
-    """True if a human can answer a confirmation prompt (tests patch this)."""
-    return sys.stdin.isatty()
 
 
 def prune_cmd(
@@ -74,11 +68,8 @@ def prune_cmd(
         if ttl is None:
             ttl_s = cfg.ssd_ttl_days * 86400.0
         check_limits(ttl_s, budget, namespace, all_namespaces)
-        if not (dry_run or yes or _interactive()):
-            raise common.CLIError("refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
         root = cfg.ssd_cache_dir
-        if not root.is_dir():
-            raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
+        preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
         with nullcontext() if dry_run else cache_lock(root):  # a dry run only reads
             plan = plan_prune(scan_cache(root, namespace), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run

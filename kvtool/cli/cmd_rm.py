@@ -5,7 +5,6 @@ MLX-free unless a prompt is given (its model is loaded for the tokenizer and ide
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -16,7 +15,7 @@ from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, print_freed
+from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -49,17 +48,12 @@ ModelOpt = Annotated[
 PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
 PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
 MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 BlockSizeOpt = Annotated[
     int | None,
     typer.Option("--block-size", min=1, help="Only the namespace of this block size (default: every block size in the cache).",
                  show_default=False),
 ]  # fmt: skip
 
-
-def _interactive() -> bool:
-    """True if a human can answer a confirmation prompt (tests patch this)."""
-    return sys.stdin.isatty()
 
 
 def rm_cmd(
@@ -96,11 +90,8 @@ def rm_cmd(
         if namespace is not None:
             check_prefix(namespace)
         cfg = common.build_config(config, cache_dir)
-        if not (dry_run or yes or _interactive()):
-            raise common.CLIError("refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
         root = cfg.ssd_cache_dir
-        if not root.is_dir():
-            raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
+        preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
         if by_prompt:
             from kvtool.cli.cmd_inspect import PromptSource
 

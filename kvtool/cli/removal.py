@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
+
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
+
+
+def interactive() -> bool:
+    """True if a human can answer a confirmation prompt (tests patch this)."""
+    return sys.stdin.isatty()
+
+
+def preflight(root: Path, dry_run: bool, yes: bool, refusal: str) -> None:
+    """Checks before a removal plan is made: a way to confirm it, and the cache directory.
+
+    Raises:
+        CLIError: no `--yes`, no `--dry-run` and no terminal to ask on (`refusal` says what is
+            refused and how to go on), or `root` is not a directory.
+    """
+    if not (dry_run or yes or interactive()):
+        raise common.CLIError(refusal)
+    if not root.is_dir():
+        raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
 
 
 @contextmanager
