@@ -444,8 +444,9 @@ def plot_ttft_vs_prompt(requests: pd.DataFrame) -> plt.Figure:
     """Question (c): how does TTFT grow with prompt length?
 
     Every request of the run (faint dots), split into recomputed requests (no cache hit, any
-    cell) and cache hits of kvtool and of the mlx-lm prompt cache; per x value the median (marker,
-    joined by a line) with the interquartile range (whisker). Left: against the prompt length;
+    cell) and cache hits of kvtool and of the mlx-lm prompt cache; per x value the median (marker)
+    with the interquartile range (whisker), and the group's least-squares line (dashed; the
+    x values come from different workloads, so medians are not joined). Left: against the prompt length;
     right: against the tokens actually prefilled (prompt minus cached), which is what a cache
     hit leaves to compute. Each panel states each group's least-squares slope. Linear axes.
     """
@@ -471,11 +472,13 @@ def plot_ttft_vs_prompt(requests: pd.DataFrame) -> plt.Figure:
             q = s.groupby(column)["ttft_ms"].quantile([0.25, 0.5, 0.75]).unstack()
             dodge = (i - (len(series) - 1) / 2) * x_max * 0.006  # keep overlapping whiskers apart
             ax.errorbar(q.index + dodge, q[0.5], yerr=[(q[0.5] - q[0.25]).to_numpy(), (q[0.75] - q[0.5]).to_numpy()],
-                        color=color, marker=marker, markersize=6, linewidth=1.6, capsize=3, zorder=4,
+                        color=color, marker=marker, markersize=6, linestyle="none", capsize=3, zorder=4,
                         label=f"{label} ({len(s)} requests)" if ax is axes[0] else None)
             if s[column].nunique() >= 2:
-                slope = np.polyfit(s[column].astype(float), s["ttft_ms"].astype(float), 1)[0]
-                slopes.append(f"{label.split(' (')[0]}: {slope * 1000:+,.0f} ms per 1k tokens")
+                slope, intercept = np.polyfit(s[column].astype(float), s["ttft_ms"].astype(float), 1)
+                xs = np.array([float(s[column].min()), float(s[column].max())])
+                ax.plot(xs, intercept + slope * xs, color=color, linestyle="--", linewidth=1.4, zorder=3)
+                slopes.append(f"{label.split(' (')[0]}: {slope * 1000:+,.0f} ms per 1k tokens (dashed)")
         if slopes:
             ax.text(0.02, 0.97, "least-squares slope\n" + "\n".join(slopes), transform=ax.transAxes, va="top",
                     fontsize=9, bbox={"boxstyle": "round,pad=0.4", "fc": "white", "ec": "#bbb", "alpha": 0.9})
