@@ -1,27 +1,32 @@
 """Destination buffers of an SSD restore: per-layer MLX arrays with decode room, and the host
 views reader threads fill (`KVBuffers`).
 
-The buffers are allocated once per restore, spread over one MLX CPU stream per core and
-evaluated asynchronously (`KVBuffers.allocate(wait=False)`), so the page faults and zero fill run
-on every core while the request thread checks segment headers; `ready()` waits for them and makes
-writable numpy views of their memory (CPU backend: zero copy; elsewhere numpy staging copied in
-once). `caches()` hands them to mlx-lm caches, which then own them (in-place decode, no copy).
+The buffers are allocated once per restore, without a fill and with huge pages advised (CPU
+backend), so the reader threads' first writes are the only pass over that memory and fault it
+2 MiB at a time; `ready()` waits for the allocation and makes writable numpy views of their
+memory (CPU backend: zero copy; elsewhere numpy staging copied in once). `caches()` hands them
+to mlx-lm caches, which then own them (in-place decode, no copy).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import struct
 from dataclasses import dataclass, field
+from typing import BinaryIO, cast
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from kvtool import hugepages
 from kvtool.blocks import _MX_TO_NP_STORAGE, _NAME_TO_MX, Block, _to_mlx, _to_numpy, assemble_layers
 from kvtool.hostblock import HostBlock
 from kvtool.store.segment import STORAGE_DTYPES, HeadPieces, KVLayout
 
-__all__ = ["KVBuffers", "MAX_ALLOC_STREAMS"]
+__all__ = ["KVBuffers"]
 
 
 def _host_view(a: mx.array) -> np.ndarray | None:
@@ -39,25 +44,67 @@ def _host_view(a: mx.array) -> np.ndarray | None:
     return view
 
 
-_ALLOC_STREAMS: list = []
-MAX_ALLOC_STREAMS = 4
+# Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
+# its I/O threads, one GIL hand-off per tensor); a zero fill costs ~0.25 ms per MiB. Measured on 2 cores, in-process restores:
+# `tiny` at 1k-4k tokens (0.25-1 MiB per tensor) were 0-40 % slower unfilled, `qwen0.5b` bf16 at
+# 16k tokens (4 MiB per tensor) 20-25 % faster.
+BLANK_MIN_TENSOR_BYTES = 1 << 20
+
+_SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 
 
-def _alloc_streams() -> list:
-    """Streams that allocate restore buffers. On the CPU backend, one per core (up to
-    `MAX_ALLOC_STREAMS`): each CPU stream has its own thread, so the page faults and zero fill of
-    a large allocation (a fresh process's largest restore cost) run on every core, as `mx.load`
-    spreads its reads. Measured, 400 MB in 96 arrays in a fresh process on 2 cores: 240 ms on one
-    stream, 135 ms on two (docs/DESIGN.md, "Where a restore's time goes"). Elsewhere: the default
-    stream. Created once, on the first (request) thread that allocates."""
-    if not _ALLOC_STREAMS:
-        if mx.default_device() == mx.cpu:
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            n = max(1, min(MAX_ALLOC_STREAMS, cores))
-            _ALLOC_STREAMS.extend(mx.new_stream(mx.cpu) for _ in range(n))
-        else:
-            _ALLOC_STREAMS.append(mx.default_stream(mx.default_device()))
-    return _ALLOC_STREAMS
+class _BlankStream(io.RawIOBase):
+    """A read-only file-like object that `mx.load` takes for a safetensors file of the given
+    tensors, but whose data reads leave MLX's buffers as they are (`readinto` writes only the
+    header). Loading it allocates the tensors without a fill: MLX has no uninitialised
+    allocation (`mx.empty` is `mx.zeros`), and a zero fill of a restore's buffers faults every
+    page before kvtool can advise huge pages and costs a pass over memory the restore overwrites.
+    """
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], mx.Dtype]]):
+        super().__init__()
+        meta, at = {}, 0
+        for i, (shape, dtype) in enumerate(specs):
+            n = int(np.prod(shape)) * dtype.size
+            meta[f"{i:06d}"] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+            at += n
+        header = json.dumps(meta).encode()
+        header += b" " * (-len(header) % 8)
+        self._head = struct.pack("<Q", len(header)) + header
+        self._size = len(self._head) + at
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(view.nbytes, self._size - self._pos)
+        if self._pos < len(self._head):
+            k = min(n, len(self._head) - self._pos)
+            view[:k] = self._head[self._pos : self._pos + k]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+def _blank_arrays(specs: list[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
+    """MLX arrays of the given shapes and dtypes, allocated without a fill (contents undefined,
+    one buffer each; see `_BlankStream`). `mx.load` of a Python stream evaluates them before it
+    returns, calling `readinto` on its I/O threads: ~0.1 ms per tensor."""
+    loaded = mx.load(cast(BinaryIO, _BlankStream(specs)), format="safetensors")
+    assert isinstance(loaded, dict)
+    return [loaded[f"{i:06d}"] for i in range(len(specs))]
 
 
 @dataclass
@@ -85,15 +132,23 @@ class KVBuffers:
     def allocate(cls, kv: KVLayout, capacity: int, wait: bool = True) -> KVBuffers:
         """Allocate buffers for `capacity` tokens (call on the request thread).
 
-        With `wait=False` the allocation (page faults and MLX's zero fill, the largest fixed
-        cost of a restore) runs on MLX's stream while the caller goes on (reading segment
-        headers); `ready()` waits for it and must come before `dest`, `pieces` or `place`.
+        On the CPU backend the buffers are allocated without a fill (`_blank_arrays`: contents
+        undefined until written; a cache only reads its first `offset` tokens) and advised huge
+        pages (`kvtool.hugepages`), so the readers' first writes fault 2 MiB at a time. Elsewhere,
+        and for tensors under `BLANK_MIN_TENSOR_BYTES` on average, they are `mx.zeros`.
+        With `wait=False` their evaluation runs on MLX's stream while the caller goes on (reading
+        segment headers); `ready()` waits for it and must come before `dest`, `pieces` or
+        `place`.
         """
         dtype = _NAME_TO_MX[kv.dtype]
         n_kv = len(kv.shapes(0)) - len(kv.states)
-        streams = _alloc_streams()
-        arrays = [mx.zeros(shape, mx.uint32 if st == np.dtype("<u4") else dtype, stream=streams[i % len(streams)])
-                  for i, (shape, st) in enumerate(list(zip(kv.shapes(capacity), kv.storage_dtypes()))[:n_kv])]
+        specs = [(tuple(shape), mx.uint32 if st == np.dtype("<u4") else dtype)
+                 for shape, st in list(zip(kv.shapes(capacity), kv.storage_dtypes()))[:n_kv]]
+        total = sum(int(np.prod(shape)) * dt.size for shape, dt in specs)
+        if mx.default_device() == mx.cpu and total >= BLANK_MIN_TENSOR_BYTES * len(specs):
+            arrays = _blank_arrays(specs)
+        else:
+            arrays = [mx.zeros(shape, dt) for shape, dt in specs]
         out = cls(arrays, [], kv=kv)
         if wait:
             out.ready()
@@ -109,6 +164,8 @@ class KVBuffers:
         views = [_host_view(a) for a in self.arrays]
         if all(v is not None for v in views):
             self.views = views  # type: ignore[assignment]  # no None view: checked just above
+            for v in self.views:
+                hugepages.advise_huge(v.ctypes.data, v.nbytes)
         else:
             self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
             self.staged = True

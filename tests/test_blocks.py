@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from kvtool import kvbuffers
 from kvtool.blocks import (
     cache_capacity,
     chain_hashes,
@@ -21,7 +22,7 @@ from kvtool.blocks import (
     to_host,
     unsupported_cache_reason,
 )
-from kvtool.kvbuffers import KVBuffers
+from kvtool.kvbuffers import KVBuffers, _blank_arrays
 from kvtool.store.segment import KVLayout
 
 LAYOUT = layout_key("model-x", "2x8x8,2x8x8", "float32", 4, format_version=2)
@@ -145,9 +146,12 @@ def test_cache_capacity_leaves_decode_room_on_the_256_step():
     assert cache_capacity(256) == 512 and cache_capacity(1000) == 1024
 
 
+@pytest.mark.parametrize("blank", [True, False], ids=["unfilled", "zeros"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype):
-    """Restored bytes land in the caches' own buffers; an update within the room copies nothing."""
+def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype, blank, monkeypatch):
+    """Restored bytes land in the caches' own buffers; an update within the room copies nothing
+    (buffers allocated without a fill, as for large restores, or zero-filled, as for small)."""
+    monkeypatch.setattr(kvbuffers, "BLANK_MIN_TENSOR_BYTES", 0 if blank else 1 << 60)
     T = 21
     cache = _filled_cache(2, T, dtype)
     kv = kv_layout_of(cache)
@@ -166,6 +170,21 @@ def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype):
     mx.eval(out[0].update_and_fetch(k, k))
     after = np.asarray(out[0].keys.view(mx.uint16) if dtype == mx.bfloat16 else out[0].keys).ctypes.data
     assert before == after  # no reallocation, no copy
+
+
+def test_unfilled_arrays_have_their_shapes_dtypes_and_own_buffers():
+    specs = [((1, 2, 300, 8), mx.float32), ((1, 2, 300, 4), mx.bfloat16), ((1, 2, 300, 2), mx.uint32)] * 2
+    arrays = _blank_arrays(specs)
+    assert [(tuple(a.shape), a.dtype) for a in arrays] == specs
+    views = [kvbuffers._host_view(a) for a in arrays]
+    assert all(v is not None for v in views)
+    starts = sorted(v.ctypes.data for v in views)
+    ends = sorted(v.ctypes.data + v.nbytes for v in views)
+    assert all(e <= s for e, s in zip(ends, starts[1:]))  # no two arrays share memory
+    for k, v in enumerate(views):
+        v[...] = k
+    for k, a in enumerate(arrays):
+        assert mx.all(a.view(mx.uint16) == k if a.dtype == mx.bfloat16 else a == k).item()
 
 
 def test_promote_slices_share_the_cache_buffers():

@@ -19,6 +19,7 @@ import struct
 import numpy as np
 import pytest
 
+from kvtool import kvbuffers
 from kvtool.blocks import chain_hashes
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
@@ -168,8 +169,14 @@ def test_damaged_block_is_a_miss_with_clean_up(tiny_model, prompt, reference, tm
     eng.close()
 
 
-def test_damaged_block_in_the_middle_of_a_segment_cuts_there(tiny_model, prompt, reference, tmp_path):
-    """Block 3 (second record of the second segment): blocks 0-2 are SSD hits, 3.. recomputed."""
+@pytest.mark.parametrize("blank", [False, True], ids=["zeros", "unfilled"])
+def test_damaged_block_in_the_middle_of_a_segment_cuts_there(tiny_model, prompt, reference, tmp_path, blank,
+                                                              monkeypatch):
+    """Block 3 (second record of the second segment): blocks 0-2 are SSD hits, 3.. recomputed.
+    Also with restore buffers allocated without a fill (as for large KV): what the cut chain
+    left unwritten is never read."""
+    if blank:
+        monkeypatch.setattr(kvbuffers, "BLANK_MIN_TENSOR_BYTES", 0)
     pop = _populate(tiny_model, prompt, tmp_path)
     _flip_record(pop, DAMAGED + 1)
     eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)

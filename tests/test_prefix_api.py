@@ -11,7 +11,7 @@ import pytest
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvtool import KVToolConfig, PrefixCache
+from kvtool import KVToolConfig, PrefixCache, kvbuffers
 from kvtool.models.loader import load_model
 
 MAX_TOKENS = 10
@@ -43,7 +43,11 @@ def serve(pc: PrefixCache, tiny, ids):
     return tokens, hit
 
 
-def test_stream_generate_over_prefix_cache_equals_mlx_lm(tiny, ids, tmp_path):
+@pytest.mark.parametrize("blank", [False, True], ids=["zeros", "unfilled"])
+def test_stream_generate_over_prefix_cache_equals_mlx_lm(tiny, ids, tmp_path, blank, monkeypatch):
+    """... also with SSD restores into buffers allocated without a fill (large KV's path)."""
+    if blank:
+        monkeypatch.setattr(kvbuffers, "BLANK_MIN_TENSOR_BYTES", 0)
     ref = generate(tiny.model, tiny.tokenizer, ids)
     cfg = KVToolConfig(ssd_cache_dir=tmp_path, ssd_async_writes=False)
     with PrefixCache.for_model(tiny.model, cfg, model_id=tiny.model_id, model_name="tiny") as pc:
