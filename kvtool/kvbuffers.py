@@ -1,9 +1,8 @@
 """Destination buffers of an SSD restore: per-layer MLX arrays with decode room, and the host
 views reader threads fill (`KVBuffers`).
 
-The buffers are allocated once per restore, without a fill and with huge pages advised (CPU
-backend), so the reader threads' first writes are the only pass over that memory and fault it
-2 MiB at a time; `ready()` waits for the allocation and makes writable numpy views of their
+The buffers are allocated once per restore, without a fill for large KV (CPU backend), so the
+reader threads' writes are the only pass over that memory; `ready()` waits for the allocation and makes writable numpy views of their
 memory (CPU backend: zero copy; elsewhere numpy staging copied in once). `caches()` hands them
 to mlx-lm caches, which then own them (in-place decode, no copy).
 """
@@ -21,7 +20,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from kvtool import hugepages
 from kvtool.blocks import _MX_TO_NP_STORAGE, _NAME_TO_MX, Block, _to_mlx, _to_numpy, assemble_layers
 from kvtool.hostblock import HostBlock
 from kvtool.store.segment import STORAGE_DTYPES, HeadPieces, KVLayout
@@ -45,9 +43,11 @@ def _host_view(a: mx.array) -> np.ndarray | None:
 
 
 # Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
-# its I/O threads, one GIL hand-off per tensor); a zero fill costs ~0.25 ms per MiB. Measured on 2 cores, in-process restores:
-# `tiny` at 1k-4k tokens (0.25-1 MiB per tensor) were 0-40 % slower unfilled, `qwen0.5b` bf16 at
-# 16k tokens (4 MiB per tensor) 20-25 % faster.
+# its I/O threads, one GIL hand-off per tensor); a zero fill costs a pass over the memory, and
+# in a fresh process its page faults too. Measured on 2 cores: `qwen0.5b` bf16, 32k tokens
+# (8 MiB per tensor), fetch in a fresh process, median of 5: 158 ms unfilled, 280 ms zero-filled
+# on one MLX stream, 214 ms zero-filled on two; `tiny` at 1k-4k tokens (0.25-1 MiB per tensor),
+# in-process: 0-40 % slower unfilled.
 BLANK_MIN_TENSOR_BYTES = 1 << 20
 
 _SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
@@ -57,8 +57,8 @@ class _BlankStream(io.RawIOBase):
     """A read-only file-like object that `mx.load` takes for a safetensors file of the given
     tensors, but whose data reads leave MLX's buffers as they are (`readinto` writes only the
     header). Loading it allocates the tensors without a fill: MLX has no uninitialised
-    allocation (`mx.empty` is `mx.zeros`), and a zero fill of a restore's buffers faults every
-    page before kvtool can advise huge pages and costs a pass over memory the restore overwrites.
+    allocation (`mx.empty` is `mx.zeros`), and a zero fill of a restore's buffers is a pass over
+    memory that the restore then overwrites.
     """
 
     def __init__(self, specs: list[tuple[tuple[int, ...], mx.Dtype]]):
@@ -133,9 +133,9 @@ class KVBuffers:
         """Allocate buffers for `capacity` tokens (call on the request thread).
 
         On the CPU backend the buffers are allocated without a fill (`_blank_arrays`: contents
-        undefined until written; a cache only reads its first `offset` tokens) and advised huge
-        pages (`kvtool.hugepages`), so the readers' first writes fault 2 MiB at a time. Elsewhere,
-        and for tensors under `BLANK_MIN_TENSOR_BYTES` on average, they are `mx.zeros`.
+        undefined until written; a cache only reads its first `offset` tokens), so the readers'
+        writes are the only pass over them. Elsewhere, and for tensors under
+        `BLANK_MIN_TENSOR_BYTES` on average, they are `mx.zeros`.
         With `wait=False` their evaluation runs on MLX's stream while the caller goes on (reading
         segment headers); `ready()` waits for it and must come before `dest`, `pieces` or
         `place`.
@@ -164,8 +164,6 @@ class KVBuffers:
         views = [_host_view(a) for a in self.arrays]
         if all(v is not None for v in views):
             self.views = views  # type: ignore[assignment]  # no None view: checked just above
-            for v in self.views:
-                hugepages.advise_huge(v.ctypes.data, v.nbytes)
         else:
             self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
             self.staged = True

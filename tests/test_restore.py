@@ -466,3 +466,27 @@ def test_restore_while_another_thread_removes_segments(tmp_path, small_tasks, re
     if victim is not store:
         victim.close()
     store.close()
+
+
+def test_gc_is_paused_during_the_read_phase_and_restored_after(tmp_path, monkeypatch):
+    """The collector is off while records are read (many short-lived iovec pieces) and back on
+    after, also when it nests; a collector the caller had disabled stays disabled."""
+    import gc
+
+    store = open_store(tmp_path, "float32")
+    chain, ids = saved_chain(store, dtype="float32")
+    seen = []
+    real = restore._read_task
+    monkeypatch.setattr(restore, "_read_task", lambda *a: (seen.append(gc.isenabled()), real(*a))[1])
+    assert gc.isenabled()
+    with restore.gc_paused():
+        res, _, _ = run_restore(store, chain, ids, parallel=False)
+        assert not gc.isenabled()
+    assert res.n_ok == len(chain) and seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        run_restore(store, chain, ids, parallel=False)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    store.close()

@@ -19,11 +19,13 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,34 @@ def _reader_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=DEFAULT_READERS, thread_name_prefix="kvtool-reader")
         return _pool
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (process-wide) for the block: the read phase of a
+    restore makes an iovec piece (a `memoryview`) per record and head, ~50k short-lived acyclic
+    objects for 400 MB of `qwen0.5b` bf16 KV, and the collections they trigger were ~20 % of that
+    restore (fresh processes, 2 cores: median 211 ms with the collector, 172 ms without).
+    Nests, and overlaps across threads: the collector is re-enabled (if it was enabled) when the
+    last block exits. Reference counting still frees everything at once."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 @dataclass
@@ -123,7 +153,8 @@ def restore_chain(
             it.offset = off
         if ready is not None:
             ready()
-        failures = _run(items, token_ids, dest, parallel)
+        with gc_paused():
+            failures = _run(items, token_ids, dest, parallel)
     finally:
         for fd in fds:
             os.close(fd)
