@@ -45,9 +45,9 @@ def _host_view(a: mx.array) -> np.ndarray | None:
 # Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
 # its I/O threads, one GIL hand-off per tensor); a zero fill costs a pass over the memory, and
 # in a fresh process its page faults too. Measured on 2 cores: `qwen0.5b` bf16, 32k tokens
-# (8 MiB per tensor), fetch in a fresh process, median of 5: 158 ms unfilled, 280 ms zero-filled
-# on one MLX stream, 214 ms zero-filled on two; `tiny` at 1k-4k tokens (0.25-1 MiB per tensor),
-# in-process: 0-40 % slower unfilled.
+# (8 MiB per tensor), fetch in a fresh process, median of 5: 158 ms unfilled vs 280 ms
+# zero-filled on MLX's stream (mlx-lm's load: 137 ms); `tiny` at 1k-4k tokens (0.25-1 MiB per
+# tensor), in-process: 0-40 % slower unfilled.
 BLANK_MIN_TENSOR_BYTES = 1 << 20
 
 _SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
