@@ -187,6 +187,24 @@ def test_unfilled_arrays_have_their_shapes_dtypes_and_own_buffers():
         assert mx.all(a.view(mx.uint16) == k if a.dtype == mx.bfloat16 else a == k).item()
 
 
+def test_unfilled_allocation_that_mlx_refuses_falls_back_to_zeros(monkeypatch, caplog):
+    """An MLX that refuses the blank stream (or returns other arrays) costs a zero fill, once
+    logged, never a failed restore."""
+    monkeypatch.setattr(kvbuffers, "_blank_unusable", [])
+
+    def refuse(*_a, **_k):
+        raise ValueError("no file-like objects here")
+
+    monkeypatch.setattr(kvbuffers.mx, "load", refuse)
+    specs = [((1, 2, 40, 8), mx.float32)] * 3
+    for _ in range(2):
+        arrays = _blank_arrays(specs)
+        assert [(tuple(a.shape), a.dtype) for a in arrays] == specs
+        assert all(mx.all(a == 0).item() for a in arrays)
+    assert len(kvbuffers._blank_unusable) == 1 and "refused" in kvbuffers._blank_unusable[0]
+    assert sum("zero-filled" in r.message for r in caplog.records) == 1
+
+
 def test_promote_slices_share_the_cache_buffers():
     cache = _filled_cache(2, 12, mx.float32)
     blocks = promote_slices(cache, [("a" * 32, "b" * 32, np.arange(4, 8, dtype=np.int32), 4)])
