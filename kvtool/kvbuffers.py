@@ -30,19 +30,28 @@ __all__ = ["KVBuffers"]
 log = logging.getLogger(__name__)
 
 
+def _host_views(arrays: list[mx.array]) -> list[np.ndarray | None]:
+    """Writable numpy views of MLX arrays' memory (bfloat16 as uint16), each None where MLX
+    does not share it with the host (then the restore stages in numpy and copies once). One
+    `mx.eval` for all of them (48 bf16 tensors: ~0.3 ms instead of ~1-2.5 ms one by one)."""
+    srcs = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
+    mx.eval(srcs)
+    out: list[np.ndarray | None] = []
+    for a, src in zip(arrays, srcs):
+        try:
+            view = np.asarray(src)
+        except (TypeError, ValueError, RuntimeError):
+            view = None
+        if view is not None and (view.dtype != _MX_TO_NP_STORAGE[a.dtype] or not view.flags.writeable
+                                 or view.shape != tuple(a.shape)):
+            view = None
+        out.append(view)
+    return out
+
+
 def _host_view(a: mx.array) -> np.ndarray | None:
-    """A writable numpy view of an evaluated MLX array's memory, or None where MLX does not
-    share it with the host (then the restore stages in numpy and copies once)."""
-    storage = _MX_TO_NP_STORAGE[a.dtype]
-    src = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-    mx.eval(src)
-    try:
-        view = np.asarray(src)
-    except (TypeError, ValueError, RuntimeError):
-        return None
-    if view.dtype != storage or not view.flags.writeable or view.shape != tuple(a.shape):
-        return None
-    return view
+    """`_host_views` of one array."""
+    return _host_views([a])[0]
 
 
 # Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
@@ -176,8 +185,7 @@ class KVBuffers:
         """Wait for the allocation and make the host views (request thread; idempotent)."""
         if self._heads is not None:
             return
-        mx.eval(self.arrays)
-        views = [_host_view(a) for a in self.arrays]
+        views = _host_views(self.arrays)  # evaluates the arrays (waits for an async allocation)
         if all(v is not None for v in views):
             self.views = views  # type: ignore[assignment]  # no None view: checked just above
         else:
