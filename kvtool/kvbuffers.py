@@ -2,9 +2,10 @@
 views reader threads fill (`KVBuffers`).
 
 The buffers are allocated once per restore, without a fill for large KV (CPU backend), so the
-reader threads' writes are the only pass over that memory; `ready()` waits for the allocation and makes writable numpy views of their
-memory (CPU backend: zero copy; elsewhere numpy staging copied in once). `caches()` hands them
-to mlx-lm caches, which then own them (in-place decode, no copy).
+reader threads' writes are the only pass over that memory; `ready()` waits for the allocation
+and makes writable numpy views of their memory (CPU backend: zero copy; elsewhere numpy staging
+copied in once). `caches()` hands them to mlx-lm caches, which then own them (in-place decode,
+no copy).
 """
 
 from __future__ import annotations

@@ -45,7 +45,6 @@ MaxBytesOpt = Annotated[
 AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU order over the whole cache.")]
 
 
-
 def prune_cmd(
     ttl: TtlOpt = None,
     max_bytes: MaxBytesOpt = None,

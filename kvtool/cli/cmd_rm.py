@@ -55,7 +55,6 @@ BlockSizeOpt = Annotated[
 ]  # fmt: skip
 
 
-
 def rm_cmd(
     namespace: NamespaceArg = None,
     prompt: PromptOpt = None,
