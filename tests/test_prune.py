@@ -309,7 +309,7 @@ def test_lock_refuses_a_second_prune(cache):
             capture_output=True, text=True, cwd=REPO,
         )  # fmt: skip
         assert res.returncode == cmd_prune.EXIT_LOCKED == 3
-        assert "another kvtool prune is running" in res.stderr and "Traceback" not in res.stderr
+        assert "another kvtool prune, rm or validate is running" in res.stderr and "Traceback" not in res.stderr
         assert len(stored(store)) == 7
     assert prune(cache_dir, ttl_s=0.0).total("rows_deleted") == 7  # released on exit
     assert (cache_dir / LOCK_FILENAME).exists()

@@ -242,7 +242,7 @@ def test_lock_held_by_prune_exits_3(cache):
     cache_dir, store, _, _ = cache
     with cache_lock(cache_dir):  # what `kvtool prune` holds from planning to the end of execution
         res = run_cli("--cache-dir", str(cache_dir), store.layout_key[:8], "--yes")
-        assert "another kvtool prune is running" in one_error_line(res, code=3)
+        assert "another kvtool prune, rm or validate is running" in one_error_line(res, code=3)
         assert store.namespace_dir.exists() and len(stored(store)) == 9
     assert run_cli("--cache-dir", str(cache_dir), store.layout_key[:8], "--yes", "--quiet").exit_code == 0  # released
 

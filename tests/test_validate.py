@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,8 @@ import typer
 from typer.testing import CliRunner
 
 from kvtool.cli import cmd_validate
+from kvtool.ops.lock import LOCK_FILENAME, PruneLocked
+from kvtool.ops.prune import prune
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import REPAIRS, execute, plan_repairs, validate
 from kvtool.store.ssd import SSDStore
@@ -32,6 +36,7 @@ from tests.store_helpers import (
 )
 
 NOW_SKEW = 10 * 86400.0
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -68,9 +73,11 @@ def raw_rows(cache_dir: Path) -> list:
 
 
 def snapshot(cache_dir: Path) -> tuple[dict, list]:
-    """Every file's bytes (index files excluded) and every index's content: nothing changed."""
+    """Every file's bytes (index files and the maintenance lock file excluded) and every index's
+    content: nothing changed."""
     files = {str(p.relative_to(cache_dir)): p.read_bytes() for p in sorted(cache_dir.rglob("*"))
-             if p.is_file() and not p.is_symlink() and not p.name.startswith("index.sqlite")}  # fmt: skip
+             if p.is_file() and not p.is_symlink() and not p.name.startswith("index.sqlite")
+             and p.name != LOCK_FILENAME}  # fmt: skip
     return files, raw_rows(cache_dir)
 
 
@@ -368,6 +375,57 @@ def test_progress_reports_every_segment(cache):
     seen = []
     validate(cache_dir, progress=lambda ns, done, total: seen.append((done, total)))
     assert seen[-1] == (4, 4) and len(seen) == 4
+
+
+# ------------------------------------------------------------------ maintenance lock
+LOCK_HOLDER = """
+import sys, time
+from pathlib import Path
+from kvtool.ops.lock import cache_lock
+with cache_lock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    sys.stdin.readline()  # hold the lock until the test closes stdin
+"""
+
+
+def test_repair_waits_for_the_maintenance_lock_dry_run_does_not(cache, cli):
+    """Another process (a prune, rm or validate) holds the lock: a repairing validate refuses
+    with exit 3 and changes nothing; a dry run still reads and reports."""
+    cache_dir, store, chains = cache
+    dmg_missing(store, chains)
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(cache_dir)], cwd=REPO, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        before = snapshot(cache_dir)
+        with pytest.raises(PruneLocked, match=f"pid {holder.pid}"):
+            validate(cache_dir)
+        res = cli("--cache-dir", str(cache_dir))
+        assert res.exit_code == 3 and "another kvtool prune, rm or validate is running" in res.output
+        assert snapshot(cache_dir) == before
+        dry = validate(cache_dir, dry_run=True)
+        assert only(dry).missing_rows_dropped == 1 and not dry.executed
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert only(validate(cache_dir)).missing_rows_dropped == 1  # released: repaired now
+    assert only(validate(cache_dir)).outcome == "clean"
+
+
+def test_prune_refused_while_validate_repairs(cache):
+    """The lock is held from the scan on: a prune started while validate plans is refused."""
+    cache_dir, store, chains = cache
+    dmg_missing(store, chains)
+    refused = []
+
+    def progress(namespace: str, done: int, total: int) -> None:
+        if not refused:
+            with pytest.raises(PruneLocked):
+                prune(cache_dir, ttl_s=0.0)
+            refused.append(done)
+
+    assert only(validate(cache_dir, progress=progress)).missing_rows_dropped == 1
+    assert refused and len(stored(store)) == len(every(chains)) - 1  # prune removed nothing
+    assert prune(cache_dir, ttl_s=0.0).total("rows_deleted") == len(every(chains)) - 1  # released
 
 
 # ------------------------------------------------------------------ CLI

@@ -31,7 +31,7 @@ Examples:
 
   17 3 * * *  kvtool prune --ttl 7d --max-bytes 50GB --yes --quiet   # crontab line
 
-Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir), or no terminal and no --yes; 3 another prune is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
+Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir), or no terminal and no --yes; 3 another prune, rm or validate is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
 """
 
 TtlOpt = Annotated[

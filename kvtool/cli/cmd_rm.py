@@ -34,7 +34,7 @@ Examples:
 
   kvtool rm --model qwen0.5b --prompt-file secret.txt --yes --json
 
-Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt, or something could not be removed (or a namespace of the prompt is unreadable); 2 bad input (namespace prefix, prompt, model, cache dir), or no terminal and no --yes; 3 a prune or another rm is running on this cache; 130/143 interrupted (deferred until the removal finished).
+Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt, or something could not be removed (or a namespace of the prompt is unreadable); 2 bad input (namespace prefix, prompt, model, cache dir), or no terminal and no --yes; 3 a prune, a validate or another rm is running on this cache; 130/143 interrupted (deferred until the removal finished).
 """
 
 NamespaceArg = Annotated[

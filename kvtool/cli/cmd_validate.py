@@ -14,7 +14,7 @@ from kvtool.units import format_bytes
 
 HELP = """Check every namespace of the SSD cache and repair it, without losing a block that verifies.
 
-Removes leftover temp files and malformed index rows, clamps access times in the future, rewrites a row that disagrees with its segment record from the record, re-adopts the verified records of orphan segment files, drops rows whose segment file is gone or damaged (with --deep every record's checksum is verified), and removes blocks whose parent chain is broken. An unreadable index is rebuilt from the segment files with --rebuild-index. Outdated (older format) and foreign (meta contradicting the namespace name) namespaces and symlinks are left untouched and reported. Safe to run while another kvtool process serves from the same cache (--rebuild-index: only while none uses that namespace).
+Removes leftover temp files and malformed index rows, clamps access times in the future, rewrites a row that disagrees with its segment record from the record, re-adopts the verified records of orphan segment files, drops rows whose segment file is gone or damaged (with --deep every record's checksum is verified), and removes blocks whose parent chain is broken. An unreadable index is rebuilt from the segment files with --rebuild-index. Outdated (older format) and foreign (meta contradicting the namespace name) namespaces and symlinks are left untouched and reported. Safe to run while another kvtool process serves from the same cache (--rebuild-index: only while none uses that namespace). A repairing run holds the cache's maintenance lock, so it never runs at the same time as a prune, an rm or another validate (--dry-run takes no lock).
 
 Examples:
 
@@ -26,7 +26,7 @@ Examples:
 
   17 4 * * *  kvtool validate --quiet      # crontab line: silent unless something was found
 
-Exit codes: 0 clean; 1 problems found (repaired unless --dry-run); 2 could not run.
+Exit codes: 0 clean; 1 problems found (repaired unless --dry-run); 2 could not run; 3 a prune, rm or validate is running on this cache (try again, or use --dry-run).
 """
 
 DeepOpt = Annotated[bool, typer.Option("--deep", help="Read every record and verify its checksum (slow).")]

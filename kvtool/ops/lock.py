@@ -1,4 +1,6 @@
-"""The cache's maintenance lock, `<cache_dir>/.prune.lock`: one `kvtool prune` at a time.
+"""The cache's maintenance lock, `<cache_dir>/.prune.lock`: one `kvtool prune`, `rm` or
+`validate` (repairing) at a time, so that no maintenance command plans from rows or files that
+another is removing (e.g. validate re-adopting a segment file that prune has just unindexed).
 
 An exclusive, non-blocking `fcntl.flock`; the kernel releases it when the process dies, so a
 crashed prune never leaves it stuck, and the file stays (removing it would let two processes
@@ -6,7 +8,7 @@ lock two different files). The cache directory may be writable by others, so the
 opened `O_NOFOLLOW` and used only if it is a regular file with one link: a planted symlink,
 hard link, FIFO or device makes prune refuse, and nothing is ever written through it.
 
-The holder's pid is written for the "another prune is running (pid N)" message as a fixed-size
+The holder's pid is written for the "another ... is running (pid N)" message as a fixed-size
 record *in place* (never truncated, so no block is freed and re-allocated): on a full disk that
 write may fail and is then skipped — prune must be able to run exactly when the disk is full.
 If the lock file cannot even be created (no space for a new inode), the cache directory itself
@@ -35,11 +37,12 @@ _FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_
 
 
 class PruneError(KVToolError):
-    """Prune cannot run: bad arguments, missing cache dir, an unusable lock file (exit 2)."""
+    """Prune cannot run: bad arguments, missing cache dir, an unusable lock file (exit 2).
+    Also raised by `rm` and `validate` for an unusable lock file."""
 
 
 class PruneLocked(PruneError):
-    """Another prune holds the lock on this cache directory (exit 3)."""
+    """Another prune, rm or validate holds the lock on this cache directory (exit 3)."""
 
     exit_code = EXIT_LOCKED
 
@@ -62,7 +65,7 @@ def cache_lock(cache_dir: Path) -> Iterator[Path]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise PruneLocked(f"another kvtool prune is running on {cache_dir}{_holder(fd)}; try again later") from None
+            raise PruneLocked(f"another kvtool prune, rm or validate is running on {cache_dir}{_holder(fd)}; try again later") from None
         _write_pid(fd)
         yield path
     finally:
@@ -75,21 +78,21 @@ def _open(path: Path) -> int:
     except FileNotFoundError:
         st = None
     except OSError as exc:
-        raise PruneError(f"cannot use the prune lock {path}: {exc.strerror or exc}") from None
+        raise PruneError(f"cannot use the maintenance lock {path}: {exc.strerror or exc}") from None
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise PruneError(f"refusing the prune lock {path}: not a regular file (symlink?); remove it")
+        raise PruneError(f"refusing the maintenance lock {path}: not a regular file (symlink?); remove it")
     try:
         fd = os.open(path, _FLAGS, 0o600)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise PruneError(f"refusing the prune lock {path}: it is a symlink (never followed); remove it") from None
+            raise PruneError(f"refusing the maintenance lock {path}: it is a symlink (never followed); remove it") from None
         if exc.errno in _NO_SPACE and Path(path).parent.is_dir():  # a full disk: lock the directory itself
             return os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-        raise PruneError(f"cannot create the prune lock {path}: {exc.strerror or exc}") from None
+        raise PruneError(f"cannot create the maintenance lock {path}: {exc.strerror or exc}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
-        raise PruneError(f"refusing the prune lock {path}: not a regular file with a single link; remove it")
+        raise PruneError(f"refusing the maintenance lock {path}: not a regular file with a single link; remove it")
     return fd
 
 

@@ -28,7 +28,9 @@ Safe while other processes serve from the same cache: every index change is a tr
 segment file is unlinked only once no row names it (re-checked just before), orphans are
 re-checked before adoption, broken chains are re-checked on a fresh read, and temp files of
 live writers are kept. Every path comes from `kvtool.store.names` and is resolved without
-following symlinks (`kvtool.ops.confined`).
+following symlinks (`kvtool.ops.confined`). A repairing run holds the cache's maintenance lock
+(`kvtool.ops.lock`) from the scan to the last change, so it never plans from rows or files that
+a `prune` or `rm` is removing at the same moment; a dry run only reads and takes no lock.
 
 This module never imports MLX.
 """
@@ -38,12 +40,14 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtool.hashing import root_parent
 from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.confined import ConfinedDir
+from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import RebuildPlan, execute_rebuild, plan_rebuild
 from kvtool.ops.records import Record, SegmentReader, created_of, row_disagrees
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
@@ -200,14 +204,20 @@ def validate(
     rebuild_index: bool = False,
     now: float | None = None,
 ) -> RepairPlan:
-    """Scan, plan and (unless `dry_run`) repair: a whole `kvtool validate`.
+    """Scan, plan and (unless `dry_run`) repair: a whole `kvtool validate`. A repairing run
+    holds the maintenance lock (`kvtool.ops.lock.cache_lock`) from the scan to the last change.
 
     Raises:
         ScanError: the cache dir does not exist, or `namespace` matches no namespace or several.
+        PruneLocked: (not with `dry_run`) a prune, rm or validate holds the maintenance lock.
+        PruneError: (not with `dry_run`) the lock file is unusable (a symlink, or it cannot be
+            created: a read-only cache directory).
     """
-    plan = plan_repairs(scan_cache(cache_dir, namespace, now=now, fs=fs), deep=deep, rebuild_index=rebuild_index,
-                        progress=progress)  # fmt: skip
-    return plan if dry_run else execute(plan)
+    lock: AbstractContextManager = nullcontext() if dry_run or not Path(cache_dir).is_dir() else cache_lock(cache_dir)
+    with lock:  # a missing cache dir: scan_cache raises ScanError
+        plan = plan_repairs(scan_cache(cache_dir, namespace, now=now, fs=fs), deep=deep, rebuild_index=rebuild_index,
+                            progress=progress)  # fmt: skip
+        return plan if dry_run else execute(plan)
 
 
 def plan_repairs(
