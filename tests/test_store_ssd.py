@@ -462,7 +462,7 @@ def test_directory_fsync_failure_after_the_rename_leaves_no_orphan(tmp_path):
     assert store.save_blocks(chain) == ["error"] * 3
     assert fs.calls.get("fsync_dir_fail") == 1
     assert store.lookup(hashes_of(chain)) == []
-    # Regression (found in review, fixed): kvtool/store/ssd.py, SSDStore._write_file.
+    # Regression (found in review, fixed): kvtool/store/ssd_save.py, SegmentSaver._write_file (was SSDStore._write_file).
     assert segment_files(store) == [] and no_temp_files(store)
     store.close()
 

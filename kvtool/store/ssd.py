@@ -2,7 +2,8 @@
 
 A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
 `<name[:2]>/<name>.safetensors` (format: `kvtool.store.segment`), each holding the blocks of one
-write batch. The index maps every block to `(segment, slot)`.
+write batch. The index maps every block to `(segment, slot)`. The save path (dedup, segment
+packing, atomic write, one index transaction) is `kvtool.store.ssd_save`.
 
 Correctness rules (a wrong block served is worse than none):
 - A segment is written to a temp file in its final directory, then renamed into place; under
@@ -28,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -41,9 +41,10 @@ import numpy as np
 
 from kvtool.store import segment as seg
 from kvtool.store.fsops import DEFAULT_DIR_MODE, FileOps, scan_namespace, temp_is_leftover, temp_path_for
-from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.store.index import BlockIndex, IndexRow
 from kvtool.store.names import INDEX_FILENAME, NAMESPACE_RE, is_hash, is_segment_name, segment_relpath
 from kvtool.store.segment import BlockFileError, KVLayout
+from kvtool.store.ssd_save import SegmentSaver
 
 if TYPE_CHECKING:
     from kvtool.hostblock import HostBlock
@@ -179,7 +180,7 @@ class SSDStore:
         self._lock = threading.Lock()  # saves, removals, close (seed 000 §1)
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
-        self._made_dirs: set[str] = set()
+        self._saver = SegmentSaver(self)  # the save path (kvtool.store.ssd_save)
         try:
             self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
         except Exception as exc:  # any trouble opening costs the tier, never the request (issue 9)
@@ -484,6 +485,8 @@ class SSDStore:
     def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]:
         """Store blocks as one write batch (one segment per `segment_max_bytes`). Never raises.
 
+        The save path is `kvtool.store.ssd_save.SegmentSaver`.
+
         Args:
             blocks: blocks (or tail entries) whose geometry matches the namespace.
 
@@ -492,128 +495,7 @@ class SSDStore:
             time touched), 'collision' (same hash with other tokens, or hash isolated),
             'error' (not stored).
         """
-        if not self.enabled or self.read_only:
-            self._inc("ssd_save_disabled", len(blocks))
-            return ["error"] * len(blocks)
-        with self._lock:
-            try:
-                return self._save_locked(list(blocks))
-            except Exception as exc:
-                level = logging.WARNING if isinstance(exc, (OSError, sqlite3.Error)) else logging.ERROR
-                log.log(level, "SSD save of %d block(s) failed: %s", len(blocks), exc)
-                self._inc("ssd_save_fail", len(blocks))
-                return ["error"] * len(blocks)
-
-    def _save_locked(self, blocks: list[HostBlock]) -> list[str]:
-        index = self.index
-        if index is None:
-            raise OSError(errno.EBADF, "index closed")
-        outcome: dict[int, str] = {}
-        existing = index.get_many([b.block_hash for b in blocks if is_hash(b.block_hash)])
-        fresh: list[tuple[int, HostBlock]] = []
-        seen: set[str] = set()
-        for i, b in enumerate(blocks):
-            h = b.block_hash
-            if not is_hash(h) or not is_hash(b.parent_hash):
-                outcome[i] = "error"
-            elif self._is_noncacheable(h):
-                outcome[i] = "collision"
-            elif h in existing or h in seen:
-                outcome[i] = self._dedup(h, existing.get(h), b, seen)
-            else:
-                seen.add(h)
-                fresh.append((i, b))
-        for batch in self._batches(fresh):
-            for i, result in zip((i for i, _ in batch), self._write_segment(index, [b for _, b in batch])):
-                outcome[i] = result
-        return [outcome[i] for i in range(len(blocks))]
-
-    def _dedup(self, h: str, row: IndexRow | None, b: HostBlock, seen: set[str]) -> str:
-        if row is not None and row.tokens_digest != seg.tokens_digest(b.token_ids):
-            self._isolate(h, "save")
-            return "collision"
-        if row is not None:
-            self._touch(h)
-        self._inc("ssd_save_dedup_skip")
-        return "dedup"
-
-    def _batches(self, items: list[tuple[int, HostBlock]]) -> Iterable[list[tuple[int, HostBlock]]]:
-        batch: list[tuple[int, HostBlock]] = []
-        size = 0
-        for item in items:
-            n = self._geometry.kv.record_nbytes(int(item[1].token_ids.shape[0]))
-            if batch and size + n > self.segment_max_bytes:
-                yield batch
-                batch, size = [], 0
-            batch.append(item)
-            size += n
-        if batch:
-            yield batch
-
-    def _write_segment(self, index: BlockIndex, blocks: list[HostBlock]) -> list[str]:
-        """Encode, write (temp + rename), then insert the rows in one transaction."""
-        try:
-            for b in blocks:
-                self._check_block(b)
-            now = self._clock()
-            buffers, slots = seg.encode(blocks, self.layout_key, self._geometry.kv, now, self._geometry.codec)
-        except (BlockFileError, ValueError) as exc:
-            log.error("SSD save refused: %s", exc)
-            self._inc("ssd_save_fail", len(blocks))
-            return ["error"] * len(blocks)
-        name = secrets.token_hex(16)
-        path = self._seg_path(name)
-        size = sum(b.nbytes for b in buffers)
-        self._write_file(path, name, buffers)
-        rows = [
-            IndexRow(b.block_hash, b.parent_hash, name, s.index, s.n_tokens, s.nbytes, seg.tokens_digest(b.token_ids), now, now)
-            for b, s in zip(blocks, slots)
-        ]
-        try:
-            index.insert_segment(SegmentRow(name, size, len(blocks), now), rows)
-        except BaseException:
-            self._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
-            raise
-        self._inc("ssd_save_success", len(blocks))
-        self._inc("ssd_segments_written")
-        self._inc("ssd_bytes_written", size)
-        return ["saved"] * len(blocks)
-
-    def _check_block(self, block: HostBlock) -> None:
-        e = self._geometry
-        n = int(np.asarray(block.token_ids).shape[0])
-        if block.dtype != e.kv.dtype or not 0 < n <= e.block_size:
-            raise BlockFileError("shape", f"block {block.block_hash} does not match namespace geometry")
-
-    def _write_file(self, path: Path, name: str, buffers: Sequence) -> None:
-        """Temp file in the final directory, fsync (durable), rename, fsync dir (durable)."""
-        sub = path.parent
-        if sub.name not in self._made_dirs:
-            self._fs.makedirs(sub, self._dir_mode)
-            if self.durable:
-                self._fs.fsync_dir(self.namespace_dir)
-            self._made_dirs.add(sub.name)
-        tmp = temp_path_for(path, name)
-        renamed = False
-        try:
-            try:
-                fd = self._fs.open_new(tmp)
-            except FileNotFoundError:  # subdir removed by someone: recreate once
-                self._fs.makedirs(sub, self._dir_mode)
-                fd = self._fs.open_new(tmp)
-            try:
-                self._fs.write_all(fd, list(buffers))
-                if self.durable:
-                    self._fs.fsync(fd)
-            finally:
-                self._fs.close(fd)
-            self._fs.replace(tmp, path)
-            renamed = True
-            if self.durable:
-                self._fs.fsync_dir(sub)
-        except BaseException:
-            self._unlink_quiet(path if renamed else tmp)  # no row will point at it: never an orphan
-            raise
+        return self._saver.save_blocks(blocks)
 
     # ----------------------------------------------------------------- removal
     def remove(self, hashes: Iterable[str]) -> int:
