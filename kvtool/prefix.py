@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
+from kvtool import tail_prefix
 from kvtool.blocks import (
     Block,
     HashFn,
@@ -295,12 +296,21 @@ class PrefixCache:
         return full, tail_hash(ids, bs, self._key, full, self.hash_fn)
 
     def probe(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """Leading prompt tokens the SSD index holds (hashing and one query; nothing is read)."""
+        """Leading prompt tokens the SSD index holds, as `fetch` would take them from SSD (its
+        blocks, its tail entry or an earlier prompt's: hashing and one or two index queries;
+        nothing is read or verified)."""
         full, tail = self.hashes(tokens)
         if self.ssd is None:
             return 0
-        rows = self.ssd.lookup(full + ([tail] if tail else []))
-        return sum(r.num_tokens for r in rows)
+        ids = np.asarray(tokens, dtype=np.int32)
+        chain = self._chain(ids, full, tail)
+        rows = self.ssd.lookup([e[0] for e in chain])
+        cached = sum(r.num_tokens for r in rows)
+        if len(rows) < len(chain) and self._tail_prefix_ok:  # as fetch: an earlier prompt's tail entry
+            cands = self._tail_candidates(ids, chain[len(rows)])
+            found = self.ssd.rows_of([h for h, _ in cands])
+            cached += next((k for h, k in cands if h in found), 0)
+        return cached
 
     # ---------------------------------------------------------------- fetch
     def fetch(self, tokens: Sequence[int] | np.ndarray) -> CacheHit:
@@ -326,11 +336,15 @@ class PrefixCache:
             return hit
         chain = self._chain(ids, hit.hashes, hit.tail)
         found = self._collect(ids, chain, hit)
+        own = len(found)  # entries of this prompt's own chain
+        if own < len(chain) and self._tail_prefix_ok:
+            chain = self._tail_prefix(ids, chain, found, hit)
         if self.has_states and found and chain[len(found) - 1][3] == ids.size and chain[len(found) - 1][0] != hit.tail:
             found = found[:-1]  # a full hit needs the state before the last token: only a tail entry has it
         if found and not self._quant_usable(chain[len(found) - 1][3], ids.size):
             found = self._drop(hit)
         self._build(ids, chain, found, hit)
+        hit.entries_found = min(hit.entries_found, own)  # an earlier prompt's tail is no entry of this chain
         if hit.cached_tokens and not self._quant_usable(hit.cached_tokens, ids.size):
             self._drop(hit)  # a cut chain left a hit mlx-lm's quantized trajectory never has
         if self.windows and hit.cache:
@@ -422,6 +436,36 @@ class PrefixCache:
             i += len(rows)
         t.count_hits(len(found))
         return found
+
+    def _tail_prefix(self, ids: np.ndarray, chain: list, found: list, hit: CacheHit) -> list:
+        """Extend a partial hit with an earlier prompt's tail entry (`kvtool.tail_prefix`).
+
+        Returns:
+            `chain` cut after its first missing entry (index `len(found)`), which is replaced by
+            the tail entry found (appended to `found`; a RAM block is pinned), or `chain` unchanged.
+        """
+        t = self._tier
+        m = len(found)
+        _, parent, start, _ = chain[m]
+        best = tail_prefix.find(t, self._tail_candidates(ids, chain[m]), ids, start)
+        if best is None:
+            return chain
+        src, obj, h, k = best
+        if src == "ram":
+            t.ram.pin([h])
+            hit.pinned.append(h)
+        found.append((src, obj))
+        t.count_tail_prefix()
+        return [*chain[:m], (h, parent, start, start + k)]
+
+    @property
+    def _tail_prefix_ok(self) -> bool:
+        """Tail prefix hits apply: no state layers, no KV quantization (`kvtool.tail_prefix`)."""
+        return not self.has_states and self.quant is None
+
+    def _tail_candidates(self, ids: np.ndarray, entry: tuple[str, str, int, int]) -> list[tuple[str, int]]:
+        _, parent, start, _ = entry
+        return tail_prefix.candidates(self.hash_fn, self.config.block_size, ids, parent, start)
 
     def _build(self, ids, chain, found, hit: CacheHit) -> None:
         kv = self._layout

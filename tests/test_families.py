@@ -280,8 +280,8 @@ def test_sliding_window_regimes_equal_mlx_lm(zoo, family, step, tmp_path):
 
     check(ids[:60], 0)                 # shorter than the window
     check(ids[:60], 59)                # its full hit: restored before any wrap
-    check(ids[:90], 0, max_tokens=12)  # decode wraps the window
-    check(ids, 64)                     # longer than the window (block 0 from the 90-token prompt)
+    check(ids[:90], 60, max_tokens=12)  # the 60-token prompt's tail entry (tail prefix); decode wraps
+    check(ids, 90)                     # longer than the window (block 0 + the 90-token prompt's tail)
     check(ids[:64] + [t + 1 for t in ids[64:120]], 64)   # hit ends before the window is full
     check(ids[:130], 128)              # hit ends after a wrap
     check(ids[:194], 192)              # 2 tokens left to prefill
@@ -291,7 +291,7 @@ def test_sliding_window_regimes_equal_mlx_lm(zoo, family, step, tmp_path):
     assert eng.close().shutdown_clean
 
     eng = make_engine(loaded, tmp_path, prefill_step_size=step)  # restart: the same from SSD
-    check(ids[:200], 192)
+    check(ids[:200], 194)              # 3 blocks + the 194-token prompt's 2-token tail entry
     check(ids, len(ids) - 1)
     stats = dict(eng.stats())
     assert eng.close().shutdown_clean

@@ -198,7 +198,8 @@ def test_prompt_probe_agrees_with_a_following_serve_once(tmp_path, tiny_model):
     probe = json.loads(run_cli(*args, "--prompt", text).stdout)
     assert tree(cache_dir) == before  # read-only: no meta update, no reconcile, no touch
     assert probe["namespace_exists"] and probe["would_hit"] and probe["prompt_tokens"] == len(ids)
-    assert (probe["cached_blocks"], probe["cached_tokens"]) == (2, 2 * BS) and probe["full_blocks"] == len(ids) // BS
+    # the 2 blocks and the 5-token tail entry after them (a tail prefix hit, as serve-once gets)
+    assert (probe["cached_blocks"], probe["cached_tokens"]) == (2, 2 * BS + 5) and probe["full_blocks"] == len(ids) // BS
 
     served = runner.invoke(app_module.app, ["serve-once", "--json", "--prompt", text, "--max-tokens", "2",
                                             "--cache-dir", str(cache_dir), "--block-size", str(BS)])  # fmt: skip

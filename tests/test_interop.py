@@ -126,12 +126,13 @@ def test_cache_prompt_file_imports_and_serves_from_ssd(tmp_path, tiny_model, tin
     assert doc["kv_check_tokens"] > 32 and doc["kv_check_max_rel_diff"] < 1e-3
 
     # The file ends inside the user message (mlx-lm's convention): serve-once's chat prompt is
-    # the file's tokens plus the assistant turn, so every imported block is an SSD hit ...
+    # the file's tokens plus the assistant turn, so every imported block is an SSD hit, and so is
+    # the file's tail entry (a tail prefix hit): all n tokens ...
     user_only = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False,
                                         add_generation_prompt=False, continue_final_message=True)
     chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
     (hit,) = serve_once(cache_dir, "--prompt", PROMPT)
-    assert hit["prompt_tokens"] > n and hit["cached_tokens"] == hit["ssd_hit_tokens"] == n // BS * BS
+    assert hit["prompt_tokens"] > n and hit["cached_tokens"] == hit["ssd_hit_tokens"] == n
     # ... and the file's exact tokens are a full hit (blocks and tail entry from SSD).
     (full,) = serve_once(cache_dir, "--ignore-chat-template", "--prompt", user_only)
     assert full["prompt_tokens"] == n and full["cached_tokens"] == full["ssd_hit_tokens"] == n - 1

@@ -336,12 +336,12 @@ def test_adapter_protocol_stores_prompt_blocks_only(adapter, tiny_model):
     # the same prompt again: a full hit, the last token re-forwarded; the cache holds prompt KV only
     cache, rest = adapter.fetch_nearest_cache("M", prompt)
     assert rest == prompt[-1:] and cache[0].offset == 69
-    # a longer prompt sharing the prompt: its full blocks hit
+    # a longer prompt sharing the prompt: its full blocks and its tail entry hit (tail prefix)
     other = prompt + [9] * 20
     cache2, rest2 = adapter.fetch_nearest_cache("M", other)
-    assert len(rest2) == len(other) - 64 and cache2[0].offset == 64
+    assert rest2 == [9] * 20 and cache2[0].offset == 70
     rec = adapter.stats()["requests"][-1]
-    assert rec["cached_tokens"] == rec["ram_hit_tokens"] == 64 and rec["prefill_tokens"] == len(other) - 64
+    assert rec["cached_tokens"] == rec["ram_hit_tokens"] == 70 and rec["prefill_tokens"] == 20
 
     # another model key: uncached, nothing stored
     assert adapter.fetch_nearest_cache("other", prompt) == (None, prompt)

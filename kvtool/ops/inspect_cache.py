@@ -307,7 +307,8 @@ class PromptProbe:
         full_blocks: full blocks in the prompt.
         cached_blocks: leading full blocks present in the index.
         cached_tokens: leading prompt tokens whose KV is on SSD (`PrefixCache.probe`; includes the
-            prompt's tail entry when the whole prompt is stored).
+            prompt's tail entry when the whole prompt is stored, or an earlier prompt's tail entry
+            that the prompt extends: a tail prefix hit).
         reused_tokens: what a following request would report as `cached_tokens`
             (one less on a full hit: the last prompt token is re-forwarded).
         would_hit: at least one token is cached.

@@ -338,21 +338,27 @@ class SSDStore:
 
         Stops at the first hash that is absent, isolated, or not a well-formed hash. Never raises.
         """
+        found = self.rows_of(hashes)
+        out = []
+        for h in hashes:
+            row = found.get(h)
+            if row is None:
+                break
+            out.append(row)
+        return out
+
+    def rows_of(self, hashes: Sequence[str]) -> dict[str, IndexRow]:
+        """hash -> row for those of `hashes` the index holds (not isolated, well-formed), in one
+        query per 500 hashes; any order (e.g. a tail entry's candidate keys). Never raises."""
         index = self.index
         if not self.enabled or index is None or not hashes:
-            return []
+            return {}
         try:
             found = index.get_many([h for h in hashes if is_hash(h)])
         except (sqlite3.Error, AttributeError) as exc:
             self._index_error("lookup", exc)
-            return []
-        out = []
-        for h in hashes:
-            row = found.get(h)
-            if row is None or self._is_noncacheable(h):
-                break
-            out.append(row)
-        return out
+            return {}
+        return {h: row for h, row in found.items() if not self._is_noncacheable(h)}
 
     def get_row(self, block_hash: str) -> IndexRow | None:
         """The index row of one block (tail entries included), or None. Never raises."""

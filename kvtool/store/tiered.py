@@ -76,6 +76,7 @@ class TieredCache:
             "kv_promote_hits": 0,
             "kv_promote_fail": 0,
             "kv_pending_hits": 0,
+            "kv_tail_prefix_hits": 0,
             "kv_ram_token_mismatch": 0,
             "kv_write_through_enqueued": 0,
             "kv_evict_to_ssd": 0,
@@ -107,6 +108,10 @@ class TieredCache:
 
     def count_miss(self) -> None:
         self._inc("kv_lookup_miss")
+
+    def count_tail_prefix(self) -> None:
+        """A fetch extended its hit with an earlier prompt's tail entry (`PrefixCache`)."""
+        self._inc("kv_tail_prefix_hits")
 
     def promote(self, blocks: Sequence[Block]) -> None:
         """Put blocks restored from SSD into RAM (already persisted)."""

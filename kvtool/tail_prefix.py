@@ -1,0 +1,85 @@
+"""Tail prefix hits: an earlier prompt's tail entry serves a longer prompt that extends it.
+
+A tail entry holds the KV of a prompt's last `k < block_size` tokens after its parent block
+(`kvtool.hashing.tail_hash`), and a token's KV depends only on the tokens up to it. So it also
+serves any prompt with the same chain and the same `k` tokens next: the next turn of a chat
+extends the previous prompt, and without this it would re-prefill up to `block_size - 1` tokens
+that the previous turn had cached. An `mlx_lm.cache_prompt` file imported with `kvtool import`
+ends inside the user message; the prompt served after it extends it the same way.
+
+Where a fetch's chain walk stops (the first missing entry, with parent `P` and start `s`),
+`candidates` gives the keys `hash_fn(P, ids[s:s+k])` of every `k` from
+`min(block_size - 1, len(ids) - s - 1)` down to 1, so at least one prompt token is left to
+prefill and a full hit stays the prompt's own tail entry's job. `find` looks them up in RAM and
+the writer's pending buffer (dict probes, token ids compared), then in one SSD index query for the
+lengths longer than what RAM had; the longest wins. The caller places it like any chain entry:
+from SSD it is verified like every record (parent, exact token ids, checksum) and a failure cuts
+the chain there. It is not an entry of the new prompt's own chain, so `PrefixCache.store` still
+writes the prompt's own block over those tokens.
+
+A miss costs up to 63 blake2b hashes of <= 252 bytes and one primary-key `SELECT`.
+
+Not for state layers (a tail's state checkpoint is the one before its last token, taken for a
+full hit) nor KV quantization (the switch point depends on where chunks end): `PrefixCache`
+calls this only for models without either.
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtool.hashing import HashFn
+
+if TYPE_CHECKING:
+    from kvtool.store.tiered import TieredCache
+
+Found = tuple[str, Any, str, int]  # (source 'ram' | 'pending' | 'ssd', Block | HostBlock | IndexRow, key, k)
+
+
+def candidates(hash_fn: HashFn, block_size: int, ids: np.ndarray, parent: str, start: int) -> list[tuple[str, int]]:
+    """Keys of the tail entries that could stand at token `start` after block `parent`.
+
+    Args:
+        hash_fn: the chain hash function (`kvtool.hashing.blake2b_chain`).
+        block_size: tokens per block.
+        ids: int32 prompt token ids `[T]`.
+        parent: chain hash (32 hex) of the block before `start` (the layout's root parent at 0).
+        start: token offset where the chain walk stopped.
+
+    Returns:
+        `(key, k)` for `k` from `min(block_size - 1, T - start - 1)` down to 1 (longest first).
+    """
+    key = bytes.fromhex(parent)
+    kmax = min(block_size - 1, int(ids.size) - start - 1)
+    return [(hash_fn(key, ids[start : start + k]), k) for k in range(kmax, 0, -1)]
+
+
+def find(tier: TieredCache, cands: list[tuple[str, int]], ids: np.ndarray, start: int) -> Found | None:
+    """The longest candidate any tier holds with exactly the prompt's token ids, or None.
+
+    RAM and the pending buffer compare token ids here (nothing is pinned: the caller pins a RAM
+    block it uses); an SSD row is only looked up (the restore verifies it).
+    """
+    best: Found | None = None
+    for h, k in cands:
+        block = tier.from_ram(h, ids[start : start + k])
+        if block is not None:
+            best = ("ram", block, h, k)
+            break
+        pending = tier.from_pending(h, ids[start : start + k])
+        if pending is not None:
+            best = ("pending", pending, h, k)
+            break
+    longer = [h for h, k in cands if best is None or k > best[3]]
+    rows = tier.ssd.rows_of(longer) if tier.ssd is not None and longer else {}
+    for h, k in cands:
+        if h in rows:
+            return ("ssd", rows[h], h, k)
+    return best
+
+
+__all__ = ["candidates", "find"]
