@@ -17,7 +17,8 @@ from SSD it is verified like every record (parent, exact token ids, checksum) an
 the chain there. It is not an entry of the new prompt's own chain, so `PrefixCache.store` still
 writes the prompt's own block over those tokens.
 
-A miss costs up to 63 blake2b hashes of <= 252 bytes and one primary-key `SELECT`.
+A miss costs up to 63 blake2b hashes of <= 252 bytes and one primary-key `SELECT`: 0.15 ms
+here (a 2,000-token miss with 200 prompts stored; the whole `fetch` took 0.25 ms).
 
 Not for state layers (a tail's state checkpoint is the one before its last token, taken for a
 full hit) nor KV quantization (the switch point depends on where chunks end): `PrefixCache`
