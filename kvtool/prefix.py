@@ -309,7 +309,8 @@ class PrefixCache:
         if len(rows) < len(chain) and self._tail_prefix_ok:  # as fetch: an earlier prompt's tail entry
             cands = self._tail_candidates(ids, chain[len(rows)])
             found = self.ssd.rows_of([h for h, _ in cands])
-            cached += next((k for h, k in cands if h in found), 0)
+            k = next((k for h, k in cands if h in found), 0)
+            cached += k - 1 if k and self.has_states else k  # states: the one before the tail's last token
         return cached
 
     # ---------------------------------------------------------------- fetch
@@ -344,20 +345,24 @@ class PrefixCache:
         if found and not self._quant_usable(chain[len(found) - 1][3], ids.size):
             found = self._drop(hit)
         self._build(ids, chain, found, hit)
-        hit.entries_found = min(hit.entries_found, own)  # an earlier prompt's tail is no entry of this chain
+        placed = hit.entries_found
+        hit.entries_found = min(placed, own)  # an earlier prompt's tail is no entry of this chain
         if hit.cached_tokens and not self._quant_usable(hit.cached_tokens, ids.size):
             self._drop(hit)  # a cut chain left a hit mlx-lm's quantized trajectory never has
         if self.windows and hit.cache:
             hit.cache = [as_windowed(c, w) if w is not None else c for c, w in zip(hit.cache, self.windows)]
-        if hit.cached_tokens == ids.size:  # full hit: re-forward the last token (seed 002 A3)
+        # A full hit re-forwards the last token (seed 002 A3); so does a hit ending in an earlier
+        # prompt's tail entry on a model with state layers: the tail's state is the one before its
+        # last token.
+        if hit.cached_tokens and (hit.cached_tokens == ids.size or (self.has_states and placed > own)):
             for c in hit.cache:
-                if not isinstance(c, ArraysCache):  # a tail entry's state is the one before its last token
+                if not isinstance(c, ArraysCache):
                     c.trim(1)
             hit.cached_tokens -= 1
-            if hit.ssd_tokens:
-                hit.ssd_tokens -= 1
-            else:
+            if found[placed - 1][0] == "ram":
                 hit.ram_tokens -= 1
+            else:
+                hit.ssd_tokens -= 1
         hit.remaining = ids[hit.cached_tokens :]
         return hit
 
@@ -460,8 +465,8 @@ class PrefixCache:
 
     @property
     def _tail_prefix_ok(self) -> bool:
-        """Tail prefix hits apply: no state layers, no KV quantization (`kvtool.tail_prefix`)."""
-        return not self.has_states and self.quant is None
+        """Tail prefix hits apply: no KV quantization (`kvtool.tail_prefix`)."""
+        return self.quant is None
 
     def _tail_candidates(self, ids: np.ndarray, entry: tuple[str, str, int, int]) -> list[tuple[str, int]]:
         _, parent, start, _ = entry

@@ -20,9 +20,10 @@ writes the prompt's own block over those tokens.
 A miss costs up to 63 blake2b hashes of <= 252 bytes and one primary-key `SELECT`: 0.15 ms
 here (a 2,000-token miss with 200 prompts stored; the whole `fetch` took 0.25 ms).
 
-Not for state layers (a tail's state checkpoint is the one before its last token, taken for a
-full hit) nor KV quantization (the switch point depends on where chunks end): `PrefixCache`
-calls this only for models without either.
+With state layers (`ArraysCache`), a tail entry's state checkpoint is the one before its last
+token (taken for a full hit), so a hit that ends in an earlier prompt's tail re-forwards that
+token, as a full hit does: it gains `k - 1` tokens. Not for KV quantization (the switch point
+depends on where chunks end): `PrefixCache` calls this only for models without it.
 
 This module never imports MLX.
 """

@@ -330,7 +330,8 @@ def test_rotating_from_full_is_mlx_lm_state():
 ])
 def test_state_checkpoints_equal_mlx_lm(zoo, family, step, tmp_path):
     """State layers (ArraysCache): a hit at block k restores the state checkpoint of block k plus
-    the attention layers' KV; exact replays (tail entry: the state before the last token), a
+    the attention layers' KV; exact replays (tail entry: the state before the last token), longer
+    prompts ending in an earlier prompt's tail entry (tail prefix: one token less), a
     prompt ending on a block boundary (its last block cannot serve a full hit: one block less),
     warm then serve, RAM and SSD, against mlx-lm's own generate_step."""
     loaded = loaded_family(zoo, family)
@@ -349,8 +350,8 @@ def test_state_checkpoints_equal_mlx_lm(zoo, family, step, tmp_path):
     check(ids[:128], 64)           # full hit impossible without the state at 127: one block less
     check(ids[:129], 128)          # 1 token left
     check(ids[:129], 128)          # replay: the tail entry [128, 129) holds the state at 128
-    check(ids[:130], 128)
-    check(ids, 128)
+    check(ids[:130], 128)          # the 129-token prompt's 1-token tail: its state is at 128
+    check(ids, 129)                # the 130-token prompt's tail (state at 129): a tail prefix hit
     check(ids, len(ids) - 1)       # full hit through the tail entry
     check(ids[:64] + [t + 1 for t in ids[64:200]], 64)
     assert eng.close().shutdown_clean
@@ -359,6 +360,7 @@ def test_state_checkpoints_equal_mlx_lm(zoo, family, step, tmp_path):
     check(ids, len(ids) - 1)
     check(ids[:200], 192)
     check(ids[:200], 199)
+    check(ids[:230], 199)          # the 200-token prompt's 8-token tail from SSD (state at 199)
     other = [t + 2 for t in ids[:100]]
     pre = eng.prefill(other)       # warm: no decode, written through
     assert pre.blocks_written == 2
