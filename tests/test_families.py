@@ -429,6 +429,12 @@ def test_pending_writer_buffer_hit(zoo, family, kwargs, tmp_path):
         hit = eng.generate(ids, max_tokens=MAX_TOKENS)
         assert hit.token_ids == ref and hit.cached_tokens == len(ids) - 1
         assert eng.stats()["kv_pending_hits"] == len(ids) // BS + 1
+        longer = ids + ids[:20]  # its block 3 was never stored: the prompt's pending tail entry serves
+        res = eng.generate(longer, max_tokens=MAX_TOKENS)
+        assert res.token_ids == reference_tokens(loaded.model, loaded.tokenizer, longer, **q)
+        if "kv_bits" not in kwargs:  # a tail prefix hit (with state layers: one token less)
+            assert res.cached_tokens == len(ids) - (1 if eng.cache.has_states else 0)
+            assert eng.stats()["kv_tail_prefix_hits"] == 1
     finally:
         fs.release.set()
     assert eng.close().shutdown_clean
