@@ -307,10 +307,10 @@ class PrefixCache:
         rows = self.ssd.lookup([e[0] for e in chain])
         cached = sum(r.num_tokens for r in rows)
         if len(rows) < len(chain) and self._tail_prefix_ok:  # as fetch: an earlier prompt's tail entry
-            cands = self._tail_candidates(ids, chain[len(rows)])
-            found = self.ssd.rows_of([h for h, _ in cands])
-            k = next((k for h, k in cands if h in found), 0)
-            cached += k - 1 if k and self.has_states else k  # states: the one before the tail's last token
+            on_ssd = tail_prefix.longest_on_ssd(self.ssd, self._tail_candidates(ids, chain[len(rows)]))
+            if on_ssd is not None:
+                k = on_ssd[3]
+                cached += k - 1 if self.has_states else k  # states: the one before the tail's last token
         return cached
 
     # ---------------------------------------------------------------- fetch

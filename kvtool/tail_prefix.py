@@ -37,6 +37,7 @@ import numpy as np
 from kvtool.hashing import HashFn
 
 if TYPE_CHECKING:
+    from kvtool.store.ssd import SSDStore
     from kvtool.store.tiered import TieredCache
 
 Found = tuple[str, Any, str, int]  # (source 'ram' | 'pending' | 'ssd', Block | HostBlock | IndexRow, key, k)
@@ -76,12 +77,16 @@ def find(tier: TieredCache, cands: list[tuple[str, int]], ids: np.ndarray, start
         if pending is not None:
             best = ("pending", pending, h, k)
             break
-    longer = [h for h, k in cands if best is None or k > best[3]]
-    rows = tier.ssd.rows_of(longer) if tier.ssd is not None and longer else {}
-    for h, k in cands:
-        if h in rows:
-            return ("ssd", rows[h], h, k)
-    return best
+    on_ssd = longest_on_ssd(tier.ssd, cands, best[3] if best is not None else 0)
+    return on_ssd if on_ssd is not None else best
 
 
-__all__ = ["candidates", "find"]
+def longest_on_ssd(ssd: SSDStore | None, cands: list[tuple[str, int]], longer_than: int = 0) -> Found | None:
+    """The longest candidate of more than `longer_than` tokens the SSD index holds (one query;
+    nothing is read), as `('ssd', IndexRow, key, k)`, or None."""
+    keys = [h for h, k in cands if k > longer_than]
+    rows = ssd.rows_of(keys) if ssd is not None and keys else {}
+    return next((("ssd", rows[h], h, k) for h, k in cands if h in rows), None)
+
+
+__all__ = ["candidates", "find", "longest_on_ssd"]

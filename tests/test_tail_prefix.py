@@ -11,94 +11,77 @@ tail's tokens is still stored.
 from __future__ import annotations
 
 import pytest
-from mlx_lm import stream_generate
-from mlx_lm.models.cache import make_prompt_cache
 
 from kvtool import KVToolConfig, PrefixCache
 from kvtool.hashing import chain_hashes, tail_hash
-from kvtool.models.loader import load_model
 from tests.store_helpers import flip_record_byte
+from tests.test_prefix_api import generate as _generate
+from tests.test_prefix_api import serve
 
-MAX_TOKENS = 8
 BS = 64
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_model("tiny")
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny):
-    ids = tiny.tokenizer.encode(open("kvtool/assets/demo_prompt.txt", encoding="utf-8").read())
+def prompts(tiny_model):
+    ids = tiny_model.tokenizer.encode(open("kvtool/assets/demo_prompt.txt", encoding="utf-8").read())
     assert len(ids) >= 700
     return ids[:300], ids[300:340]  # A (4 blocks + a 44-token tail), and what the next turn adds
 
 
-def generate(tiny, prompt, cache=None) -> list[int]:
-    it = stream_generate(tiny.model, tiny.tokenizer, prompt, max_tokens=MAX_TOKENS, prompt_cache=cache)
-    return [r.token for r in it]
-
-
-def serve(pc: PrefixCache, tiny, ids):
-    hit = pc.fetch(ids)
-    cache = hit.cache or make_prompt_cache(tiny.model)
-    out = generate(tiny, hit.remaining.tolist(), cache)
-    pc.store(ids, cache, hit)
-    pc.release(hit)
-    return out, hit
+def generate(tiny, prompt) -> list[int]:
+    return _generate(tiny.model, tiny.tokenizer, prompt)
 
 
 def config(tmp_path, **kw) -> KVToolConfig:
     return KVToolConfig(ssd_cache_dir=tmp_path, ssd_async_writes=False, block_size=BS, **kw)
 
 
-def test_extended_prompt_reuses_the_tail_from_ram_and_from_ssd(tiny, prompts, tmp_path):
+def test_extended_prompt_reuses_the_tail_from_ram_and_from_ssd(tiny_model, prompts, tmp_path):
     a, more = prompts
     b = a + more
-    ref = generate(tiny, b)
-    with PrefixCache.for_model(tiny.model, config(tmp_path), model_id=tiny.model_id) as pc:
-        serve(pc, tiny, a)
-        out, hit = serve(pc, tiny, b)
+    ref = generate(tiny_model, b)
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        serve(pc, tiny_model, a)
+        out, hit = serve(pc, tiny_model, b)
         assert out == ref
         assert (hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens) == (300, 300, 0)
         assert hit.remaining.tolist() == more
         assert pc.stats()["kv_tail_prefix_hits"] == 1
         # B's own block 4 (tokens 256..319) and its tail were stored: B again is a full hit
-        again, hit = serve(pc, tiny, b)
+        again, hit = serve(pc, tiny_model, b)
         assert again == ref and hit.cached_tokens == len(b) - 1
-    with PrefixCache.for_model(tiny.model, config(tmp_path), model_id=tiny.model_id) as pc:  # a restart
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:  # a restart
         c = a + more[:10]  # 310 tokens, no block 4: A's tail entry (44 tokens) comes from SSD
-        out, hit = serve(pc, tiny, c)
-        assert out == generate(tiny, c)
+        out, hit = serve(pc, tiny_model, c)
+        assert out == generate(tiny_model, c)
         assert (hit.cached_tokens, hit.ssd_tokens, hit.ram_tokens) == (300, 300, 0)
         assert pc.stats()["kv_tail_prefix_hits"] == 1
 
 
 @pytest.mark.parametrize("edit", ["token_in_tail", "stops_inside_tail"])
-def test_no_tail_prefix_unless_every_tail_token_matches(tiny, prompts, tmp_path, edit):
+def test_no_tail_prefix_unless_every_tail_token_matches(tiny_model, prompts, tmp_path, edit):
     a, more = prompts
     if edit == "token_in_tail":
         b = [*a[:290], (a[290] + 1) % 1000, *a[291:], *more]
     else:  # 24 of the tail's 44 tokens, then others: no stored tail is a prefix of it
         b = [*a[:280], *more]
-    with PrefixCache.for_model(tiny.model, config(tmp_path), model_id=tiny.model_id) as pc:
-        serve(pc, tiny, a)
-        out, hit = serve(pc, tiny, b)
-        assert out == generate(tiny, b)
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        serve(pc, tiny_model, a)
+        out, hit = serve(pc, tiny_model, b)
+        assert out == generate(tiny_model, b)
         assert hit.cached_tokens == 256 and pc.stats()["kv_tail_prefix_hits"] == 0
 
 
-def test_corrupt_tail_record_is_cut_and_recomputed(tiny, prompts, tmp_path):
+def test_corrupt_tail_record_is_cut_and_recomputed(tiny_model, prompts, tmp_path):
     a, more = prompts
     b = a + more
-    with PrefixCache.for_model(tiny.model, config(tmp_path), model_id=tiny.model_id) as pc:
-        serve(pc, tiny, a)
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        serve(pc, tiny_model, a)
         store = pc.ssd
         full = chain_hashes(a, BS, pc.layout_key)
         flip_record_byte(store, tail_hash(a, BS, pc.layout_key, full))
-    with PrefixCache.for_model(tiny.model, config(tmp_path), model_id=tiny.model_id) as pc:
-        out, hit = serve(pc, tiny, b)
-        assert out == generate(tiny, b)
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        out, hit = serve(pc, tiny_model, b)
+        assert out == generate(tiny_model, b)
         assert (hit.cached_tokens, hit.ssd_tokens) == (256, 256)
         assert pc.stats()["ssd_load_corrupt"] >= 1
