@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
-from kvtool import tail_prefix
+from kvtool import siblings, tail_prefix
 from kvtool.blocks import (
     Block,
     HashFn,
@@ -306,11 +306,17 @@ class PrefixCache:
         chain = self._chain(ids, full, tail)
         rows = self.ssd.lookup([e[0] for e in chain])
         cached = sum(r.num_tokens for r in rows)
-        if len(rows) < len(chain) and self._tail_prefix_ok:  # as fetch: an earlier prompt's tail entry
-            on_ssd = tail_prefix.longest_on_ssd(self.ssd, self._tail_candidates(ids, chain[len(rows)]))
-            if on_ssd is not None:
-                k = on_ssd[3]
-                cached += k - 1 if self.has_states else k  # states: the one before the tail's last token
+        if len(rows) < len(chain):  # as fetch: an earlier prompt's tail entry, or a sibling's prefix
+            k = 0
+            if self._tail_prefix_ok:
+                on_ssd = tail_prefix.longest_on_ssd(self.ssd, self._tail_candidates(ids, chain[len(rows)]))
+                k = on_ssd[3] if on_ssd is not None else 0
+            if not self.has_states:
+                _, parent, start, _ = chain[len(rows)]
+                sib = siblings.on_ssd(self.ssd, self.config.block_size, parent, ids, start, longer_than=k,
+                                      quantized=self.quant is not None, count=False)
+                k = sib.n if sib is not None else k
+            cached += k - 1 if self.has_states and k else k  # states: the one before the tail's last token
         return cached
 
     # ---------------------------------------------------------------- fetch
@@ -338,8 +344,8 @@ class PrefixCache:
         chain = self._chain(ids, hit.hashes, hit.tail)
         found = self._collect(ids, chain, hit)
         own = len(found)  # entries of this prompt's own chain
-        if own < len(chain) and self._tail_prefix_ok:
-            chain = self._tail_prefix(ids, chain, found, hit)
+        if own < len(chain):
+            chain = self._partial(ids, chain, found, hit)
         if self.has_states and found and chain[len(found) - 1][3] == ids.size and chain[len(found) - 1][0] != hit.tail:
             found = found[:-1]  # a full hit needs the state before the last token: only a tail entry has it
         if found and not self._quant_usable(chain[len(found) - 1][3], ids.size):
@@ -442,17 +448,30 @@ class PrefixCache:
         t.count_hits(len(found))
         return found
 
-    def _tail_prefix(self, ids: np.ndarray, chain: list, found: list, hit: CacheHit) -> list:
-        """Extend a partial hit with an earlier prompt's tail entry (`kvtool.tail_prefix`).
+    def _partial(self, ids: np.ndarray, chain: list, found: list, hit: CacheHit) -> list:
+        """Extend a partial hit where the chain walk stopped (entry `m = len(found)`) with the
+        longest of: an earlier prompt's tail entry (`kvtool.tail_prefix`, exact key match) and a
+        sibling block's common token prefix (`kvtool.siblings`; not with state layers, whose
+        state exists only at block ends).
 
         Returns:
-            `chain` cut after its first missing entry (index `len(found)`), which is replaced by
-            the tail entry found (appended to `found`; a RAM block is pinned), or `chain` unchanged.
+            `chain` cut after entry `m`, which is replaced by what was found (appended to
+            `found`; a RAM tail entry is pinned), or `chain` unchanged.
         """
         t = self._tier
         m = len(found)
         _, parent, start, _ = chain[m]
-        best = tail_prefix.find(t, self._tail_candidates(ids, chain[m]), ids, start)
+        best = tail_prefix.find(t, self._tail_candidates(ids, chain[m]), ids, start) if self._tail_prefix_ok else None
+        k = best[3] if best is not None else 0
+        sib = None if self.has_states else siblings.find(t, parent, ids, start, longer_than=k,
+                                                         quantized=self.quant is not None)
+        if sib is not None and self.quant is not None:
+            sib = self._quant_sibling(sib, start, int(ids.size))
+        if sib is not None:
+            hit.ssd_bytes_read += sib.nbytes_read
+            found.append(("ram" if sib.source == "ram" else "partial", sib.block))
+            t.count_partial_block()
+            return [*chain[:m], (sib.key, parent, start, start + sib.n)]
         if best is None:
             return chain
         src, obj, h, k = best
@@ -462,6 +481,18 @@ class PrefixCache:
         found.append((src, obj))
         t.count_tail_prefix()
         return [*chain[:m], (h, parent, start, start + k)]
+
+    def _quant_sibling(self, sib: siblings.Sibling, start: int, n_prompt: int) -> siblings.Sibling | None:
+        """A sibling hit where mlx-lm's quantized cache would be in the same state: its whole
+        length, or cut to the switch point when that lies inside it, or none."""
+        assert self.quant is not None
+        if self._quant_usable(start + sib.n, n_prompt):
+            return sib
+        q = self.quant.switch_point(n_prompt)
+        if start < q < start + sib.n and self._quant_usable(q, n_prompt):
+            sib.block, sib.n = siblings.truncate(sib.block, q - start), q - start
+            return sib
+        return None
 
     @property
     def _tail_prefix_ok(self) -> bool:
@@ -502,6 +533,12 @@ class PrefixCache:
                 buffers.ready()
                 buffers.place(lo, obj)
                 ram_tok += hi - lo
+                i += 1
+                continue
+            if src == "partial":  # a sibling's truncated host block: placed, never promoted
+                buffers.ready()
+                buffers.place_host(lo, obj)
+                ssd_tok += hi - lo
                 i += 1
                 continue
             if src == "pending":

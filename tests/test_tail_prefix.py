@@ -51,15 +51,17 @@ def test_extended_prompt_reuses_the_tail_from_ram_and_from_ssd(tiny_model, promp
         again, hit = serve(pc, tiny_model, b)
         assert again == ref and hit.cached_tokens == len(b) - 1
     with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:  # a restart
-        c = a + more[:10]  # 310 tokens, no block 4: A's tail entry (44 tokens) comes from SSD
+        c = a + more[:10]  # 310 tokens, A's tail entry (44 tokens) is a prefix of it, from SSD ...
         out, hit = serve(pc, tiny_model, c)
         assert out == generate(tiny_model, c)
-        assert (hit.cached_tokens, hit.ssd_tokens, hit.ram_tokens) == (300, 300, 0)
-        assert pc.stats()["kv_tail_prefix_hits"] == 1
+        # ... but B's block 4 (a sibling, kvtool.siblings) holds all of c's tokens but the last
+        assert (hit.cached_tokens, hit.ssd_tokens, hit.ram_tokens) == (309, 309, 0)
+        assert pc.stats()["kv_partial_block_hits"] == 1
 
 
 @pytest.mark.parametrize("edit", ["token_in_tail", "stops_inside_tail"])
 def test_no_tail_prefix_unless_every_tail_token_matches(tiny_model, prompts, tmp_path, edit):
+    """No tail prefix hit; the tail entry still serves as a sibling up to the first difference."""
     a, more = prompts
     if edit == "token_in_tail":
         b = [*a[:290], (a[290] + 1) % 1000, *a[291:], *more]
@@ -69,7 +71,8 @@ def test_no_tail_prefix_unless_every_tail_token_matches(tiny_model, prompts, tmp
         serve(pc, tiny_model, a)
         out, hit = serve(pc, tiny_model, b)
         assert out == generate(tiny_model, b)
-        assert hit.cached_tokens == 256 and pc.stats()["kv_tail_prefix_hits"] == 0
+        assert hit.cached_tokens == (290 if edit == "token_in_tail" else 280)
+        assert pc.stats()["kv_tail_prefix_hits"] == 0 and pc.stats()["kv_partial_block_hits"] == 1
 
 
 def test_corrupt_tail_record_is_cut_and_recomputed(tiny_model, prompts, tmp_path):

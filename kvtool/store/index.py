@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS segments (
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
 CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
 CREATE INDEX IF NOT EXISTS blocks_segment ON blocks(segment);
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent, last_access);
 """
 _COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
 _SEG_COLUMNS = "name, nbytes, n_blocks, created"
@@ -257,6 +258,12 @@ class BlockIndex:
                 for row in self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk):
                     out[row.hash] = row
         return out
+
+    def children(self, parent: str, limit: int) -> list[IndexRow]:
+        """Up to `limit` well-formed rows whose parent is `parent`, most recently used first
+        (one query on the `blocks_parent` index): the siblings of a partial-block prefix hit."""
+        with self._lock:
+            return self._select_rows("parent=? ORDER BY last_access DESC LIMIT ?", (parent, int(limit)))
 
     def contains(self, block_hash: str) -> bool:
         """True if `block_hash` has a well-formed row."""

@@ -36,6 +36,7 @@ class RamTier:
         self.capacity_bytes = int(capacity_bytes)
         self._on_evict = on_evict
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._children: dict[str, dict[str, None]] = {}  # parent hash -> child hashes, oldest first
         self._nbytes = 0
         self._lock = threading.Lock()
         self._stats = {"kv_ram_evictions": 0, "kv_ram_evicted_bytes": 0, "kv_ram_inserts": 0}
@@ -67,6 +68,7 @@ class RamTier:
             if entry is None:
                 entry = _Entry(block, persisted=persisted)
                 self._entries[block.block_hash] = entry
+                self._children.setdefault(block.parent_hash, {})[block.block_hash] = None
                 self._nbytes += block.nbytes
                 self._stats["kv_ram_inserts"] += 1
             else:
@@ -76,6 +78,32 @@ class RamTier:
                 entry.pins += 1
             victims = self._collect_victims()
         self._notify(victims)
+
+    def children(self, parent_hash: str, limit: int) -> list[Block]:
+        """Up to `limit` held blocks whose parent is `parent_hash`, newest first (not marked used).
+
+        The siblings a partial-block prefix hit chooses from (`kvtool.siblings`): O(limit).
+        """
+        with self._lock:
+            kids = self._children.get(parent_hash)
+            if not kids:
+                return []
+            out = []
+            for h in reversed(kids):
+                out.append(self._entries[h].block)
+                if len(out) >= limit:
+                    break
+            return out
+
+    def _forget(self, h: str, entry: _Entry) -> None:
+        """Drop one entry and its child link (lock held)."""
+        del self._entries[h]
+        self._nbytes -= entry.block.nbytes
+        kids = self._children.get(entry.block.parent_hash)
+        if kids is not None:
+            kids.pop(h, None)
+            if not kids:
+                del self._children[entry.block.parent_hash]
 
     def is_persisted(self, block_hash: str) -> bool:
         """True if the block is held and known to be on SSD (or handed to the writer)."""
@@ -122,8 +150,7 @@ class RamTier:
                 nbytes -= entry.block.nbytes
                 count -= 1
             for h, entry in victims:
-                del self._entries[h]
-                self._nbytes -= entry.block.nbytes
+                self._forget(h, entry)
                 self._stats["kv_ram_evictions"] += 1
                 self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
         self._notify([e for _, e in victims])
@@ -134,6 +161,7 @@ class RamTier:
         with self._lock:
             blocks = [e.block for e in self._entries.values()]
             self._entries.clear()
+            self._children.clear()
             self._nbytes = 0
         return blocks
 
@@ -161,8 +189,7 @@ class RamTier:
             victims.append((h, entry))
             excess -= entry.block.nbytes
         for h, entry in victims:
-            del self._entries[h]
-            self._nbytes -= entry.block.nbytes
+            self._forget(h, entry)
             self._stats["kv_ram_evictions"] += 1
             self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
         return [e for _, e in victims]

@@ -360,6 +360,46 @@ class SSDStore:
             return {}
         return {h: row for h, row in found.items() if not self._is_noncacheable(h)}
 
+    def children(self, parent: str, limit: int) -> list[IndexRow]:
+        """Rows whose parent is `parent` (not isolated), most recently used first, at most
+        `limit` (one index query). Never raises."""
+        index = self.index
+        if not self.enabled or index is None or not is_hash(parent):
+            return []
+        try:
+            rows = index.children(parent, limit)
+        except (sqlite3.Error, AttributeError) as exc:
+            self._index_error("lookup", exc)
+            return []
+        return [r for r in rows if not self._is_noncacheable(r.hash)]
+
+    def read_row(self, row: IndexRow, parent: str | None = None) -> HostBlock | None:
+        """Read one record into fresh host arrays, verified (header, slot, parent, checksum over
+        the whole record) but not compared with any prompt's token ids: the caller compares.
+        A damaged record loses its row; a read error is a miss. Never raises."""
+        try:
+            opened = self.open_segment(row.segment)
+            if opened is None:
+                return None
+            fd, header = opened
+            try:
+                slot = self.check_slot(row, header, parent)
+                if slot is None:
+                    self.discard(row.hash, "slot does not hold the block")
+                    return None
+                return seg.read_block(fd, slot, header.kv)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("SSD read of block %s failed: %s", row.hash, exc)
+            self._inc("ssd_load_fail")
+        except BlockFileError as exc:
+            self.discard(row.hash, str(exc))
+        except Exception:  # a bug here must cost a miss, never a request
+            log.exception("SSD read of %s failed", row.hash)
+            self._inc("ssd_load_fail")
+        return None
+
     def get_row(self, block_hash: str) -> IndexRow | None:
         """The index row of one block (tail entries included), or None. Never raises."""
         rows = self.lookup([block_hash])

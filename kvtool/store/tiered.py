@@ -77,6 +77,7 @@ class TieredCache:
             "kv_promote_fail": 0,
             "kv_pending_hits": 0,
             "kv_tail_prefix_hits": 0,
+            "kv_partial_block_hits": 0,
             "kv_ram_token_mismatch": 0,
             "kv_write_through_enqueued": 0,
             "kv_evict_to_ssd": 0,
@@ -112,6 +113,10 @@ class TieredCache:
     def count_tail_prefix(self) -> None:
         """A fetch extended its hit with an earlier prompt's tail entry (`PrefixCache`)."""
         self._inc("kv_tail_prefix_hits")
+
+    def count_partial_block(self) -> None:
+        """A fetch extended its hit with a sibling block's common token prefix (`kvtool.siblings`)."""
+        self._inc("kv_partial_block_hits")
 
     def promote(self, blocks: Sequence[Block]) -> None:
         """Put blocks restored from SSD into RAM (already persisted)."""

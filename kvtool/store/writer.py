@@ -212,6 +212,10 @@ class SyncWriter(_WriterBase):
         """Nothing is ever pending: always None."""
         return None
 
+    def pending_children(self, parent_hash: str, limit: int) -> list[HostBlock]:
+        """Nothing is ever pending: always []."""
+        return []
+
     def queue_depth(self) -> int:
         return 0
 
@@ -433,6 +437,18 @@ class AsyncWriter(_WriterBase):
         with self._pending_lock:
             entry = self._pending.get(block_hash)
             return entry.block if entry is not None else None
+
+    def pending_children(self, parent_hash: str, limit: int) -> list[HostBlock]:
+        """Up to `limit` pending blocks whose parent is `parent_hash`, newest first (a scan of
+        the pending buffer, which the queue bounds): siblings for a partial-block prefix hit."""
+        out: list[HostBlock] = []
+        with self._pending_lock:
+            for entry in reversed(self._pending.values()):
+                if entry.block.parent_hash == parent_hash:
+                    out.append(entry.block)
+                    if len(out) >= limit:
+                        break
+        return out
 
     def queue_depth(self) -> int:
         """Blocks waiting in the queue (not counting the batch being written)."""

@@ -1,0 +1,119 @@
+"""Partial-block prefix hits: prompts that share a prefix ending inside a block reuse it to the token.
+
+Two prompts share their first 2,000 tokens (a system prompt) and then differ (the user turn).
+Block 31 covers tokens 1,984..2,047, so a block cache alone reuses 1,984 tokens; the second
+prompt must reuse exactly 2,000 — from the first prompt's block 31 (a sibling under the same
+parent) — in RAM, in the writer's pending buffer, and on SSD after a restart, with output equal
+to mlx-lm's own greedy generation without a cache. A corrupt sibling record is a miss (1,984).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvtool import KVToolConfig, PrefixCache
+from kvtool.hashing import chain_hashes
+from kvtool.siblings import common_prefix, truncate
+from kvtool.store.fsops import FileOps
+from tests.store_helpers import flip_record_byte
+from tests.test_prefix_api import generate as _generate
+from tests.test_prefix_api import serve
+
+BS = 64
+SHARED = 2000
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model):
+    ids = tiny_model.tokenizer.encode(open("kvtool/assets/demo_prompt.txt", encoding="utf-8").read())
+    shared = ids[:SHARED]
+    x, y = ids[100:180], ids[600:680]  # block 31 (tokens 1,984..2,047) is full in both
+    assert x[0] != y[0]
+    return shared + x, shared + y
+
+
+def generate(tiny, prompt) -> list[int]:
+    return _generate(tiny.model, tiny.tokenizer, prompt)
+
+
+def config(tmp_path, **kw) -> KVToolConfig:
+    kw.setdefault("ssd_async_writes", False)
+    return KVToolConfig(ssd_cache_dir=tmp_path, block_size=BS, **kw)
+
+
+def test_common_prefix_and_truncate():
+    a = np.array([1, 2, 3, 4], np.int32)
+    assert common_prefix(a, np.array([1, 2, 9], np.int32)) == 2
+    assert common_prefix(a, a[:3]) == 3
+    assert common_prefix(a, np.array([7], np.int32)) == 0
+    from kvtool.hostblock import HostBlock
+    k = np.arange(2 * 4 * 3, dtype=np.float32).reshape(1, 2, 4, 3)
+    host = HostBlock("a" * 32, "b" * 32, a, [k], [k + 1], "float32")
+    cut = truncate(host, 2)
+    assert cut.num_tokens == 2 and cut.keys[0].shape == (1, 2, 2, 3)
+    assert np.array_equal(cut.values[0], (k + 1)[:, :, :2, :])
+
+
+def test_mid_block_divergence_reuses_the_shared_tokens_from_ram_and_ssd(tiny_model, prompts, tmp_path):
+    a, b = prompts
+    ref = generate(tiny_model, b)
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        serve(pc, tiny_model, a)
+        assert pc.probe(b) == SHARED  # what a fresh process would take from SSD
+        out, hit = serve(pc, tiny_model, b)
+        assert out == ref
+        assert (hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens) == (SHARED, SHARED, 0)
+        assert pc.stats()["kv_partial_block_hits"] == 1
+        # B's own block 31 was stored: B again is a full hit
+        again, hit = serve(pc, tiny_model, b)
+        assert again == ref and hit.cached_tokens == len(b) - 1
+    c = a[:SHARED] + b[SHARED + 5 :]  # a third turn: shares 2,000 tokens with both
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:  # a restart
+        assert pc.probe(c) == SHARED
+        out, hit = serve(pc, tiny_model, c)
+        assert out == generate(tiny_model, c)
+        assert (hit.cached_tokens, hit.ssd_tokens, hit.ram_tokens) == (SHARED, SHARED, 0)
+        assert pc.stats()["kv_partial_block_hits"] == 1
+
+
+def test_mid_block_divergence_from_the_writers_pending_buffer(tiny_model, prompts, tmp_path):
+    class BlockedWriteFS(FileOps):
+        def __init__(self):
+            self.entered, self.release = threading.Event(), threading.Event()
+
+        def write_all(self, fd, data):
+            self.entered.set()
+            assert self.release.wait(timeout=60)
+            return super().write_all(fd, data)
+
+    a, b = prompts
+    fs = BlockedWriteFS()
+    pc = PrefixCache.for_model(tiny_model.model, config(tmp_path, ssd_async_writes=True, ram_bytes=0),
+                               model_id=tiny_model.model_id, fs=fs)
+    try:
+        serve(pc, tiny_model, a)
+        assert fs.entered.wait(timeout=60)
+        out, hit = serve(pc, tiny_model, b)
+        assert out == generate(tiny_model, b)
+        assert (hit.cached_tokens, hit.ssd_tokens) == (SHARED, SHARED)
+        assert pc.stats()["kv_partial_block_hits"] == 1
+    finally:
+        fs.release.set()
+    assert pc.close().shutdown_clean
+
+
+def test_corrupt_sibling_record_is_a_miss(tiny_model, prompts, tmp_path):
+    a, b = prompts
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        serve(pc, tiny_model, a)
+        block31 = chain_hashes(np.asarray(a, np.int32), BS, pc.layout_key)[SHARED // BS]
+        flip_record_byte(pc.ssd, block31)
+    with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:
+        out, hit = serve(pc, tiny_model, b)
+        assert out == generate(tiny_model, b)
+        assert hit.cached_tokens == SHARED // BS * BS  # the full blocks only
+        assert pc.stats()["kv_partial_block_hits"] == 0
+        assert pc.stats()["ssd_load_corrupt"] >= 1
