@@ -11,6 +11,8 @@ from kvtool.cli import common
 
 BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
 
+A config with a [serve_load] table instead drives real servers: concurrent streamed clients against kvtool serve and plain mlx_lm.server on the same model, 95 % bootstrap intervals over repeats, greedy outputs compared (kvtool/bench/loadcell.py; exit 1 on a mismatch, a failed request or an unclean stop).
+
 Examples:
 
   kvtool bench bench_configs/quick.toml                # tiny model, a few minutes on 2 cores
@@ -18,6 +20,8 @@ Examples:
   kvtool bench bench_configs/policies.toml --out /data/kvbench
 
   kvtool bench bench_configs/quick.toml --json         # print the run summary as JSON
+
+  kvtool bench bench_configs/serve_load_quick.toml     # load through kvtool serve vs mlx_lm.server
 
 Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 done but a cell shut down uncleanly or lost a write; 2 bad sweep file or model.
 """
@@ -46,12 +50,20 @@ def bench(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
 ) -> None:
     common.setup_logging(verbose)
+    code: int | None = None
     with common.cli_errors():
         from kvtool.bench.runner import run_sweep
         from kvtool.bench.sweep import load_sweep
 
         if not config.is_file():
             raise common.CLIError(f"sweep file not found: {config}")
+        from kvtool.bench.loadcell import bench_serve_load, is_serve_load_config
+
+        if is_serve_load_config(config):  # load through real servers (kvtool serve vs mlx_lm.server)
+            code = bench_serve_load(config, out, json_out)
+    if code is not None:
+        raise typer.Exit(code)
+    with common.cli_errors():
         spec = load_sweep(config)
         engine = common.load_engine(spec.model, spec.base_config(Path(".")).replace(ssd_enabled=False, ram_bytes=0))
         try:
@@ -71,8 +83,18 @@ def report(
     json_out: common.JsonOpt = False,
 ) -> None:
     with common.cli_errors():
+        from kvtool.bench.loadreport import is_serve_load_run, write_load_report
         from kvtool.bench.report import load_run, write_report
 
+        if is_serve_load_run(run_dir):  # a `[serve_load]` run: its own report
+            load = write_load_report(run_dir)
+            if json_out:
+                common.print_json({"run_dir": str(run_dir), "ok": load.ok, "files": [str(p) for p in load.files],
+                                   "comparison": load.summary_records()})
+            else:
+                for line in load.summary_lines():
+                    common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            return
         written = write_report(run_dir)  # a missing, empty or malformed run raises ReportError
         cells, _, _ = load_run(run_dir)
     if json_out:

@@ -1,0 +1,337 @@
+"""Workloads of the load benchmark: chat requests generated deterministically from a seed.
+
+Text comes from `kvtool/assets/demo_prompt.txt`, tokenized once with the model's own tokenizer
+(`mlx_lm.utils.load_tokenizer`): a piece of N tokens is the decoded window of N corpus tokens at
+a seeded offset (the corpus wraps around), re-encoded and cut so that it is N tokens (± a
+few at the window's edges, where byte-level merges can differ). Every system prompt / document
+starts with a unique header, so no two share a first block by accident. Sizes are in tokens of
+the message content; the chat template adds a few tokens per message.
+
+Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
+- `shared-prefix`: `groups` system prompts of `system_tokens` each, `prompts_per_group` requests
+  per group with a distinct user question of `question_tokens`; requests in a seeded shuffled order.
+- `multi-turn`: `conversations` chats of `turns` user turns (`user_tokens` each) after a system
+  prompt of `system_tokens`; the assistant turns of the history are corpus text of
+  `assistant_tokens` (not the model's reply, so every server gets the same requests); turns are
+  interleaved round-robin over the conversations, and a turn is sent only once the previous
+  turn of its conversation finished. `conversations = 0` sizes the working set:
+  `ceil(working_set_factor x ram_bytes / (KV bytes of one whole conversation))`, at most
+  `max_conversations`, where `ram_bytes` is the workload's RAM budget (the kvtool server runs
+  with it as `--ram-bytes`) so that the conversations' KV does not fit in RAM.
+- `long-doc-qa`: `documents` documents of `doc_tokens`; a `warmup` phase asks one question per
+  document (not measured), then `queries` questions on documents drawn uniformly (seeded).
+- `restart`: `prompts` documents of `prompt_tokens` with a question each (`before`), then the
+  server is restarted (SIGTERM, same cache directory) and each document gets a new question in a
+  shuffled order (`after`, the measured half). mlx-lm is restarted too (its cache is in memory).
+- `trace`: replay of a JSONL file (`path`, relative to the config file), one request per line:
+  `{"t": arrival s, "prompt": "..." | "messages": [...], "max_tokens": n}` (`prompt` becomes one
+  user message; `max_tokens` defaults to the config's); sent at `t` x `time_scale`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtool.bench.loadgen import LoadRequest
+from kvtool.config import ConfigError
+
+CORPUS = Path(__file__).resolve().parent.parent / "assets" / "demo_prompt.txt"
+
+LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "shared-prefix": {"groups": 1, "prompts_per_group": 8, "system_tokens": 1024, "question_tokens": 32},
+    "multi-turn": {"conversations": 0, "turns": 4, "system_tokens": 256, "user_tokens": 64,
+                   "assistant_tokens": 64, "working_set_factor": 2.0, "max_conversations": 64,
+                   "ram_bytes": "1MiB"},
+    "long-doc-qa": {"documents": 4, "doc_tokens": 1024, "question_tokens": 16, "queries": 16},
+    "restart": {"prompts": 8, "prompt_tokens": 1024, "question_tokens": 16},
+    "trace": {"path": "", "time_scale": 1.0},
+}
+LOAD_WORKLOADS = tuple(LOAD_WORKLOAD_DEFAULTS)
+MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa": ("query",),
+            "restart": ("after",), "trace": ("trace",)}
+RESTART_BEFORE = {"restart": "after"}  # workload -> the phase the servers are restarted before
+_FLOATS = {"working_set_factor", "time_scale"}
+_STRINGS = {"path", "ram_bytes"}
+
+
+@dataclass(frozen=True)
+class LoadWorkload:
+    """A materialised workload.
+
+    Attributes:
+        name: workload name.
+        requests: all requests, phases in order.
+        phases: phase names in order of appearance.
+        measured: phases the cell's figures are computed on.
+        restart_before: phase before which the servers are restarted (None: no restart).
+        params: the parameters used (with derived ones, e.g. `conversations`).
+        kvtool_ram_bytes: the RAM budget the kvtool server must run with for this workload
+            (bytes; None: the config's).
+    """
+
+    name: str
+    requests: tuple[LoadRequest, ...]
+    phases: tuple[str, ...]
+    measured: tuple[str, ...]
+    restart_before: str | None
+    params: dict[str, Any]
+    kvtool_ram_bytes: int | None = None
+
+    def phase_requests(self, phase: str) -> list[LoadRequest]:
+        """The requests of one phase, `after` indices renumbered within the phase."""
+        chosen = [(i, r) for i, r in enumerate(self.requests) if r.phase == phase]
+        new_index = {old: new for new, (old, _) in enumerate(chosen)}
+        out = []
+        for _, r in chosen:
+            after = new_index.get(r.after) if r.after is not None else None
+            out.append(LoadRequest(r.key, r.messages, r.max_tokens, r.phase, r.session, after, r.arrival_s))
+        return out
+
+
+def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_load.workloads") -> dict[str, Any]:
+    """Merge `params` over the defaults of `name` and check them.
+
+    Raises:
+        ConfigError: unknown workload or parameter, or a bad value (the error names the field).
+    """
+    from kvtool.units import parse_size
+
+    if name not in LOAD_WORKLOAD_DEFAULTS:
+        raise ConfigError(f"{where}.{name}", f"unknown workload; choose from {', '.join(LOAD_WORKLOADS)}")
+    merged = dict(LOAD_WORKLOAD_DEFAULTS[name])
+    for key, value in params.items():
+        field = f"{where}.{name}.{key}"
+        if key not in merged:
+            raise ConfigError(field, f"unknown parameter; known: {', '.join(merged)}")
+        if key in _FLOATS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(field, f"must be a number > 0, got {value!r}")
+            value = float(value)
+        elif key == "ram_bytes":
+            try:
+                value = parse_size(value) if isinstance(value, str) else value
+            except ValueError as exc:
+                raise ConfigError(field, str(exc)) from None
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(field, f"must be a size > 0 (bytes or e.g. '1MiB'), got {value!r}")
+        elif key in _STRINGS:
+            if not isinstance(value, str):
+                raise ConfigError(field, f"must be a string, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "conversations" else 1):
+            raise ConfigError(field, f"must be a positive integer, got {value!r}")
+        merged[key] = value
+    if isinstance(merged.get("ram_bytes"), str):
+        merged["ram_bytes"] = parse_size(merged["ram_bytes"])
+    if name == "trace" and not merged["path"]:
+        raise ConfigError(f"{where}.{name}.path", "required: a JSONL file of {\"t\", \"prompt\"|\"messages\"} lines")
+    return merged
+
+
+class TextSource:
+    """Deterministic text of a given token length, from the demo corpus and a tokenizer.
+
+    Args:
+        tokenizer: anything with `encode(text) -> list[int]` and `decode(ids) -> str` (the
+            model's tokenizer, e.g. `mlx_lm.utils.load_tokenizer(path)`).
+        rng: the seeded generator offsets are drawn from.
+    """
+
+    def __init__(self, tokenizer: Any, rng: np.random.Generator, corpus: str | None = None):
+        self.tok, self.rng = tokenizer, rng
+        self.ids = list(tokenizer.encode(corpus if corpus is not None else CORPUS.read_text()))
+        if not self.ids:
+            raise ValueError("empty corpus")
+
+    def text(self, n: int) -> str:
+        """About `n` tokens of corpus text starting at a random offset (n >= 1)."""
+        start = int(self.rng.integers(0, len(self.ids)))
+        window = [self.ids[(start + k) % len(self.ids)] for k in range(n)]
+        text = self.tok.decode(window)
+        again = list(self.tok.encode(text))
+        return self.tok.decode(again[:n]) if len(again) > n else text
+
+    def document(self, n: int, label: str) -> str:
+        """A unique header (`[label]`) followed by text, about `n` tokens in all."""
+        header = f"[{label}]\n"
+        return header + self.text(max(1, n - len(self.tok.encode(header))))
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """KV bytes of one token for a plain-attention model, from its config.json: layers x KV heads
+    x head dim x 2 (keys and values) x bytes per element (`torch_dtype`; float32 if absent).
+    Approximate for models with other cache layouts (sliding windows, state layers)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg.get("num_attention_heads", 1)
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(1, heads)
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", "float32")), 4)
+    return int(cfg.get("num_hidden_layers", 0) * kv_heads * head_dim * 2 * width)
+
+
+def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed: int, max_tokens: int,
+                        *, model_dir: Path | None = None, base_dir: Path | None = None) -> LoadWorkload:
+    """Materialise one workload.
+
+    Args:
+        name: workload name (`LOAD_WORKLOADS`).
+        params: its parameters (validated here).
+        tokenizer: the model's tokenizer (see `TextSource`).
+        seed: the same seed gives the same requests.
+        max_tokens: tokens generated per request (tokens; a trace line's own value wins).
+        model_dir: the model directory (for `multi-turn`'s KV size per token).
+        base_dir: where a relative trace `path` is resolved (the config file's directory).
+    """
+    p = validate_load_params(name, params)
+    rng = np.random.default_rng([seed, LOAD_WORKLOADS.index(name)])
+    if name == "trace":
+        path = Path(p["path"]).expanduser()
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        reqs = load_trace(path, max_tokens)
+        return LoadWorkload(name, tuple(reqs), ("trace",), MEASURED[name], None, {**p, "path": str(path)})
+    src = TextSource(tokenizer, rng)
+    ram = None
+    if name == "shared-prefix":
+        reqs = _shared_prefix(p, src, rng, max_tokens)
+    elif name == "multi-turn":
+        if not p["conversations"]:
+            per_token = kv_bytes_per_token(model_dir) if model_dir is not None else 0
+            p["conversations"] = multi_turn_conversations(p, per_token)
+        p["working_set_bytes"] = multi_turn_working_set(p, kv_bytes_per_token(model_dir) if model_dir else 0)
+        ram = int(p["ram_bytes"])
+        reqs = _multi_turn(p, src, max_tokens)
+    elif name == "long-doc-qa":
+        reqs = _long_doc_qa(p, src, rng, max_tokens)
+    else:
+        reqs = _restart(p, src, rng, max_tokens)
+    phases = tuple(dict.fromkeys(r.phase for r in reqs))
+    return LoadWorkload(name, tuple(reqs), phases, MEASURED[name], RESTART_BEFORE.get(name), p, ram)
+
+
+def _msgs(*pairs: tuple[str, str]) -> tuple[dict[str, str], ...]:
+    return tuple({"role": role, "content": content} for role, content in pairs)
+
+
+def _shared_prefix(p: dict, src: TextSource, rng: np.random.Generator, max_tokens: int) -> list[LoadRequest]:
+    systems = [src.document(p["system_tokens"], f"system prompt {g}") for g in range(p["groups"])]
+    reqs = [LoadRequest(f"g{g}q{i}", _msgs(("system", systems[g]),
+                                           ("user", f"Question {i}: " + src.text(p["question_tokens"]))),
+                        max_tokens, "query", f"g{g}")
+            for g in range(p["groups"]) for i in range(p["prompts_per_group"])]
+    return [reqs[i] for i in rng.permutation(len(reqs))]
+
+
+def multi_turn_working_set(p: dict[str, Any], kv_per_token: int) -> int:
+    """KV bytes of all conversations at their last turn (bytes; content tokens, no template)."""
+    per_conv = p["system_tokens"] + p["turns"] * p["user_tokens"] + (p["turns"] - 1) * p["assistant_tokens"]
+    return int(p["conversations"] * per_conv * kv_per_token)
+
+
+def multi_turn_conversations(p: dict[str, Any], kv_per_token: int) -> int:
+    """Conversations whose KV is `working_set_factor` x `ram_bytes` (2 .. `max_conversations`)."""
+    one = multi_turn_working_set({**p, "conversations": 1}, kv_per_token)
+    if one <= 0:
+        return 2
+    return max(2, min(p["max_conversations"], math.ceil(p["working_set_factor"] * p["ram_bytes"] / one)))
+
+
+def _multi_turn(p: dict, src: TextSource, max_tokens: int) -> list[LoadRequest]:
+    history = {c: [("system", src.document(p["system_tokens"], f"conversation {c}"))]
+               for c in range(p["conversations"])}
+    last: dict[int, int] = {}
+    reqs: list[LoadRequest] = []
+    for turn in range(p["turns"]):
+        for c in range(p["conversations"]):
+            if turn:
+                history[c].append(("assistant", src.text(p["assistant_tokens"])))
+            history[c].append(("user", f"Turn {turn + 1}: " + src.text(p["user_tokens"])))
+            reqs.append(LoadRequest(f"c{c}t{turn}", _msgs(*history[c]), max_tokens, "turn", f"c{c}", last.get(c)))
+            last[c] = len(reqs) - 1
+    return reqs
+
+
+def _long_doc_qa(p: dict, src: TextSource, rng: np.random.Generator, max_tokens: int) -> list[LoadRequest]:
+    docs = [src.document(p["doc_tokens"], f"document {d}") for d in range(p["documents"])]
+
+    def ask(d: int, key: str, phase: str) -> LoadRequest:
+        question = f"Question about document {d}: " + src.text(p["question_tokens"])
+        return LoadRequest(key, _msgs(("system", docs[d]), ("user", question)), max_tokens, phase, f"d{d}")
+
+    reqs = [ask(d, f"w{d}", "warmup") for d in range(len(docs))]
+    reqs += [ask(int(d), f"q{i}", "query") for i, d in enumerate(rng.integers(0, len(docs), size=p["queries"]))]
+    return reqs
+
+
+def _restart(p: dict, src: TextSource, rng: np.random.Generator, max_tokens: int) -> list[LoadRequest]:
+    docs = [src.document(p["prompt_tokens"], f"prompt {i}") for i in range(p["prompts"])]
+
+    def ask(i: int, phase: str) -> LoadRequest:
+        question = f"Question ({phase}): " + src.text(p["question_tokens"])
+        return LoadRequest(f"{phase}{i}", _msgs(("system", docs[i]), ("user", question)), max_tokens, phase, f"p{i}")
+
+    return [ask(i, "before") for i in range(len(docs))] + [ask(int(i), "after") for i in rng.permutation(len(docs))]
+
+
+def load_trace(path: Path, max_tokens: int) -> list[LoadRequest]:
+    """Read a JSONL trace: one `{"t": s, "prompt": str | "messages": [...], "max_tokens": n}` per
+    non-blank line (`t` >= 0 seconds since the start; lines may come in any order and are sorted
+    by `t`, stable).
+
+    Raises:
+        ConfigError: missing file, bad JSON or a bad field (names the line).
+    """
+    field = "serve_load.workloads.trace.path"
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(field, f"cannot read trace {path}: {exc.strerror or exc}") from None
+    out: list[tuple[float, int, LoadRequest]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(field, f"{where}: invalid JSON: {exc.msg}") from None
+        if not isinstance(doc, dict):
+            raise ConfigError(field, f"{where}: a line must be a JSON object")
+        t = doc.get("t")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ConfigError(field, f"{where}: 't' must be a number of seconds >= 0, got {t!r}")
+        messages = _trace_messages(doc, where, field)
+        mt = doc.get("max_tokens", max_tokens)
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+            raise ConfigError(field, f"{where}: 'max_tokens' must be an integer >= 1, got {mt!r}")
+        out.append((float(t), n, LoadRequest(f"l{n}", messages, mt, "trace", f"l{n}", None, float(t))))
+    if not out:
+        raise ConfigError(field, f"{path}: no requests")
+    return [r for _, _, r in sorted(out, key=lambda x: (x[0], x[1]))]
+
+
+def _trace_messages(doc: dict[str, Any], where: str, field: str) -> tuple[dict[str, str], ...]:
+    if ("prompt" in doc) == ("messages" in doc):
+        raise ConfigError(field, f"{where}: exactly one of 'prompt' and 'messages' is required")
+    if "prompt" in doc:
+        if not isinstance(doc["prompt"], str):
+            raise ConfigError(field, f"{where}: 'prompt' must be a string")
+        return _msgs(("user", doc["prompt"]))
+    messages: Sequence[Any] = doc["messages"]
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    if not ok:
+        raise ConfigError(field, f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+__all__ = ["LOAD_WORKLOADS", "LOAD_WORKLOAD_DEFAULTS", "LoadWorkload", "TextSource", "build_load_workload",
+           "kv_bytes_per_token", "load_trace", "multi_turn_conversations", "multi_turn_working_set",
+           "validate_load_params"]

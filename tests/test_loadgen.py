@@ -1,0 +1,332 @@
+"""The load benchmark: load generator, workloads, statistics, charts, `[serve_load]` cells.
+
+Fast tests check the pure parts against hand-computed values (percentiles, the bootstrap
+interval, verdicts, trace parsing, config errors) and read a rendered chart back pixel by pixel
+(a tie is drawn in the tie colour, never the win colour). The slow ones start real servers:
+`kvtool serve` on the tiny model driven by the `openai` client, and a whole `[serve_load]` run of
+`bench_configs/serve_load_quick.toml` (kvtool serve and plain mlx_lm.server) through the CLI.
+No timing assertions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.image as mpimg  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from kvtool.bench import loadcharts, loadstats  # noqa: E402
+from kvtool.bench.loadcell import is_serve_load_config, load_serve_load, parse_serve_load  # noqa: E402
+from kvtool.bench.loadgen import (  # noqa: E402
+    WALL_LIMIT_ERROR,
+    LoadRequest,
+    LoadSpec,
+    check_loopback,
+    poisson_arrivals,
+    run_load,
+)
+from kvtool.bench.loadreport import comparison_frame  # noqa: E402
+from kvtool.bench.loadserver import KVTOOL, ManagedServer, ServerOptions  # noqa: E402
+from kvtool.bench.loadworkloads import build_load_workload, load_trace  # noqa: E402
+from kvtool.config import ConfigError  # noqa: E402
+from kvtool.models.loader import resolve_spec  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+QUICK = REPO / "bench_configs" / "serve_load_quick.toml"
+
+
+# ------------------------------------------------------------------------------------ loopback
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8080/v1", "http://127.9.8.7:1/v1", "http://localhost:80/v1",
+                                 "http://[::1]:8080/v1"])
+def test_loopback_urls_are_accepted(url):
+    check_loopback(url)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8080/v1", "http://example.com/v1", "http://0.0.0.0:8080/v1",
+                                 "http://[::]:8080/v1", "ftp://127.0.0.1/", "127.0.0.1:8080"])
+def test_non_loopback_urls_are_refused_before_any_request(url):
+    with pytest.raises(ValueError):
+        check_loopback(url)
+    with pytest.raises(ValueError):
+        run_load(url, [LoadRequest("k", ({"role": "user", "content": "hi"},), 1)], LoadSpec())
+
+
+def test_load_spec_and_dependency_validation():
+    with pytest.raises(ValueError, match="rate_per_s"):
+        LoadSpec(arrival="poisson")
+    with pytest.raises(ValueError, match="clients"):
+        LoadSpec(clients=0)
+    bad = [LoadRequest("a", ({"role": "user", "content": "x"},), 1, after=0)]  # points at itself
+    with pytest.raises(ValueError, match="earlier"):
+        run_load("http://127.0.0.1:9/v1", bad, LoadSpec())
+
+
+def test_poisson_arrivals_are_cumulative_exponential_gaps():
+    got = poisson_arrivals(5, 4.0, seed=7)
+    assert np.array_equal(got, np.cumsum(np.random.default_rng(7).exponential(0.25, size=5)))
+    assert np.all(np.diff(got) > 0)
+
+
+# ------------------------------------------------------------------------------------ statistics
+def test_batch_percentiles_match_hand_computed_linear_interpolation():
+    ttft = [10.0, 20.0, 30.0, 40.0, 50.0]
+    records = [{"ttft_ms": t, "latency_ms": t + 100, "prompt_tokens": 100, "cached_tokens": 50, "error": None}
+               for t in ttft]
+    records.append({"ttft_ms": 1e9, "latency_ms": 1e9, "prompt_tokens": 7, "cached_tokens": 0, "error": "boom"})
+    fig = loadstats.batch_figures(records, wall_s=2.0, tier_hits={"ram_hit_tokens": 100, "ssd_hit_tokens": 150,
+                                                                  "prompt_tokens": 500})
+    # rank = q/100 * (n - 1): p50 -> 2 (30), p90 -> 3.6 (40 + 0.6 * 10), p99 -> 3.96 (40 + 0.96 * 10)
+    assert fig["ttft_p50_ms"] == 30.0
+    assert fig["ttft_p90_ms"] == pytest.approx(46.0)
+    assert fig["ttft_p99_ms"] == pytest.approx(49.6)
+    assert fig["latency_p99_ms"] == pytest.approx(149.6)
+    assert fig["ttft_p90_ms"] == np.percentile(ttft, 90, method="linear")
+    assert fig["requests_per_s"] == 2.5 and fig["prompt_tokens_per_s"] == 250.0  # the failed one left out
+    assert fig["hit_rate"] == 0.5 and fig["hit_rate_ram"] == 0.2 and fig["hit_rate_ssd"] == 0.3
+    assert fig["requests"] == 6 and fig["failed"] == 1
+
+
+def test_bootstrap_interval_recomputed_by_hand():
+    values = np.array([12.0, 15.0, 11.0, 30.0, 14.0])
+    iv = loadstats.bootstrap_ci(values)
+    idx = np.random.default_rng(loadstats.BOOTSTRAP_SEED).integers(0, 5, size=(loadstats.N_RESAMPLES, 5))
+    means = values[idx].mean(axis=1)
+    assert iv.point == pytest.approx(16.4)
+    assert iv.lo == np.percentile(means, 2.5, method="linear")
+    assert iv.hi == np.percentile(means, 97.5, method="linear")
+    assert iv.lo <= iv.point <= iv.hi and iv.n == 5
+    assert values.min() <= iv.lo < iv.hi <= values.max()
+    assert loadstats.bootstrap_ci(values) == iv  # fixed seed: the same interval every time
+
+
+def test_bootstrap_degenerate_cases():
+    const = loadstats.bootstrap_ci([7.5, 7.5, 7.5])
+    assert (const.point, const.lo, const.hi) == (7.5, 7.5, 7.5)
+    one = loadstats.bootstrap_ci([3.0, float("nan")])  # NaN dropped: one value left
+    assert (one.point, one.lo, one.hi, one.n) == (3.0, 3.0, 3.0, 1)
+    assert not loadstats.bootstrap_ci([]).valid
+    for values in ([1.0, 2.0], [5.0, 1.0, 9.0], [100.0, 0.0, 0.0, 0.0]):
+        iv = loadstats.bootstrap_ci(values)
+        assert iv.lo <= iv.point <= iv.hi
+
+
+def test_paired_ratio_of_proportional_repeats_is_exact():
+    iv = loadstats.ratio_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])  # paired: every resample's ratio is 2
+    assert (iv.point, iv.lo, iv.hi) == (2.0, 2.0, 2.0)
+    unpaired = loadstats.ratio_ci([2.0, 4.0, 6.0], [1.0, 2.0])  # lengths differ: resampled independently
+    assert unpaired.point == pytest.approx(4.0 / 1.5) and unpaired.lo < unpaired.point < unpaired.hi
+    assert not loadstats.ratio_ci([1.0], [0.0]).valid
+
+
+def test_compare_calls_a_winner_only_when_intervals_are_apart():
+    iv = loadstats.Interval
+    fast, slow = iv(10, 9, 11, 3), iv(20, 18, 22, 3)
+    assert loadstats.compare(fast, slow) == "win" and loadstats.compare(slow, fast) == "loss"
+    assert loadstats.compare(fast, slow, lower_is_better=False) == "loss"  # e.g. requests/s
+    assert loadstats.compare(fast, iv(12, 10.5, 14, 3)) == "tie"  # overlap
+    assert loadstats.compare(fast, iv(12, 11, 14, 3)) == "tie"  # touching
+    assert loadstats.compare(iv(10, 10, 10, 1), iv(20, 20, 20, 1)) == "tie"  # one repeat: no spread
+    assert loadstats.compare(fast, loadstats.NAN_INTERVAL) == "tie"
+
+
+def _batches(kv_ttft, ml_ttft):
+    rows = []
+    for server, values in (("kvtool", kv_ttft), ("mlx-lm", ml_ttft)):
+        for r, v in enumerate(values):
+            rows.append({"workload": "w", "server": server, "clients": 4, "repeat": r,
+                         **{f: float("nan") for f in loadstats.FIGURES}, "ttft_p50_ms": v})
+    return pd.DataFrame(rows)
+
+
+def test_comparison_frame_verdicts_follow_the_intervals():
+    tie = comparison_frame(_batches([10.0, 14.0, 12.0], [11.0, 15.0, 13.0])).iloc[0]
+    assert tie["verdict"] == "tie" and tie["kvtool_lo"] <= tie["mlxlm_hi"]
+    win = comparison_frame(_batches([10.0, 11.0, 10.5], [20.0, 21.0, 22.0])).iloc[0]
+    assert win["verdict"] == "win" and win["ratio"] == pytest.approx(10.5 / 21.0)
+    assert win["ratio_lo"] <= win["ratio"] <= win["ratio_hi"]
+
+
+# ------------------------------------------------------------------------------------ charts
+def _pixel(img: np.ndarray, x_disp: float, y_disp: float) -> np.ndarray:
+    """The RGB of the PNG pixel at display coordinates (origin bottom-left, as matplotlib's)."""
+    height = img.shape[0]
+    return img[int(round(height - y_disp)), int(round(x_disp)), :3]
+
+
+def test_a_tie_bar_is_drawn_in_the_tie_colour_not_the_win_colour(tmp_path):
+    fig, ax = plt.subplots(figsize=(5, 4), dpi=loadcharts.DPI)
+    bars = loadcharts.draw_verdict_bars(ax, ["tied cell", "winning cell"], [0.9, 0.5], [0.7, 0.45], [1.1, 0.55],
+                                        ["tie", "win"])
+    fig.canvas.draw()
+    centres = [b.get_window_extent().get_points().mean(axis=0) for b in bars]
+    # sample below the whiskers: 20 % up from each bar's base
+    spots = [(c[0], b.get_window_extent().y0 + 0.2 * b.get_window_extent().height) for c, b in zip(centres, bars)]
+    path = tmp_path / "bars.png"
+    fig.savefig(path, dpi=loadcharts.DPI)
+    plt.close(fig)
+    img = mpimg.imread(path)
+    tie_px, win_px = (_pixel(img, x, y) for x, y in spots)
+    assert np.allclose(tie_px, to_rgb(loadcharts.COLORS["tie"]), atol=1 / 255)
+    assert not np.allclose(tie_px, to_rgb(loadcharts.COLORS["win"]), atol=0.05)
+    assert np.allclose(win_px, to_rgb(loadcharts.COLORS["win"]), atol=1 / 255)
+
+
+def test_ratio_chart_of_a_tie_has_no_winner_colour_anywhere(tmp_path):
+    cmp = comparison_frame(_batches([10.0, 14.0, 12.0], [11.0, 15.0, 13.0]))
+    assert list(cmp["verdict"]) == ["tie"]
+    path = loadcharts.ratio_chart(tmp_path / "ratio.png", cmp)
+    img = mpimg.imread(path)[..., :3]
+    for colour, present in (("tie", True), ("win", False), ("loss", False)):
+        hits = np.all(np.abs(img - np.array(to_rgb(loadcharts.COLORS[colour]))) < 1.5 / 255, axis=-1).sum()
+        assert (hits > 100) == present, colour
+
+
+# ------------------------------------------------------------------------------------ workloads, config
+def test_trace_is_parsed_sorted_and_checked(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t": 0.5, "prompt": "second", "max_tokens": 3}\n\n'
+                     '{"t": 0, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}\n')
+    reqs = load_trace(trace, max_tokens=9)
+    assert [r.arrival_s for r in reqs] == [0.0, 0.5]
+    assert reqs[0].messages == ({"role": "system", "content": "s"}, {"role": "user", "content": "u"})
+    assert reqs[0].max_tokens == 9 and reqs[1].max_tokens == 3
+    assert reqs[1].messages == ({"role": "user", "content": "second"},)
+    trace.write_text('{"t": 1, "prompt": "x"}\n{"t": -1, "prompt": "y"}\n')
+    with pytest.raises(ConfigError, match=r"t\.jsonl:2"):
+        load_trace(trace, 4)
+    trace.write_text('{"t": 1, "prompt": "x", "messages": []}\n')
+    with pytest.raises(ConfigError, match="exactly one"):
+        load_trace(trace, 4)
+
+
+def test_shipped_configs_parse():
+    for name in ("serve_load", "serve_load_quick"):
+        path = REPO / "bench_configs" / f"{name}.toml"
+        assert is_serve_load_config(path)
+        spec = load_serve_load(path)
+        assert spec.servers == ("kvtool", "mlx-lm") and spec.model == "tiny"
+    full = load_serve_load(REPO / "bench_configs" / "serve_load.toml")
+    assert full.clients == (1, 4, 16) and full.repeats == 3
+    assert full.workloads["shared-prefix"] == {"groups": 1, "prompts_per_group": 48, "system_tokens": 2000,
+                                               "question_tokens": 32}
+    assert not is_serve_load_config(REPO / "bench_configs" / "quick.toml")
+
+
+@pytest.mark.parametrize("table, field", [
+    ({"clients": [0]}, "serve_load.clients"),
+    ({"servers": ["vllm"]}, "serve_load.servers"),
+    ({"arrival": "poisson"}, "serve_load.rate"),
+    ({"kvtool": {"ram_bytes": "lots"}}, "serve_load.kvtool.ram_bytes"),
+    ({"workloads": {"shared-prefix": {"groups": 0}}}, "serve_load.workloads.shared-prefix.groups"),
+    ({"workloads": {"trace": {}}}, "serve_load.workloads.trace.path"),
+    ({"workloads": {"nope": {}}}, "serve_load.workloads.nope"),
+    ({"colour": "blue"}, "serve_load.colour"),
+])
+def test_config_errors_name_the_field(table, field):
+    doc = {"serve_load": {"workloads": {"shared-prefix": {}}, **table}}
+    with pytest.raises(ConfigError) as info:
+        parse_serve_load(doc)
+    assert info.value.field == field
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(resolve_spec("tiny")[0])
+
+
+def test_workloads_are_deterministic_and_sized_in_tokens(tokenizer):
+    params = {"groups": 2, "prompts_per_group": 3, "system_tokens": 300, "question_tokens": 20}
+    a = build_load_workload("shared-prefix", params, tokenizer, seed=3, max_tokens=4)
+    assert a == build_load_workload("shared-prefix", params, tokenizer, seed=3, max_tokens=4)
+    assert a != build_load_workload("shared-prefix", params, tokenizer, seed=4, max_tokens=4)
+    assert len(a.requests) == 6 and len({r.key for r in a.requests}) == 6
+    systems = {r.session: r.messages[0]["content"] for r in a.requests}
+    assert len(set(systems.values())) == 2
+    for r in a.requests:
+        assert r.messages[0]["content"] == systems[r.session]
+        assert abs(len(tokenizer.encode(r.messages[0]["content"])) - 300) <= 6
+    chat = build_load_workload("multi-turn", {"turns": 3, "system_tokens": 64, "user_tokens": 16,
+                                              "assistant_tokens": 16, "ram_bytes": 65536}, tokenizer, 0, 4,
+                               model_dir=resolve_spec("tiny")[0])
+    assert chat.params["working_set_bytes"] > 65536 and chat.kvtool_ram_bytes == 65536
+    for i, r in enumerate(chat.requests):
+        if r.after is not None:
+            prev = chat.requests[r.after]
+            assert prev.session == r.session and r.after < i
+            assert r.messages[:len(prev.messages)] == prev.messages  # the next turn extends the previous one
+    restart = build_load_workload("restart", {"prompts": 2, "prompt_tokens": 64}, tokenizer, 0, 4)
+    assert restart.phases == ("before", "after") and restart.restart_before == "after"
+
+
+# ------------------------------------------------------------------------------------ real servers
+@pytest.mark.slow
+def test_loadgen_against_kvtool_serve(tmp_path):
+    options = ServerOptions(KVTOOL, "tiny", str(resolve_spec("tiny")[0]), tmp_path / "cache",
+                            ("--block-size", "16"), start_timeout_s=120, stop_timeout_s=60)
+    system = {"role": "system", "content": "You answer questions about Python modules. " * 6}
+    reqs = [LoadRequest(f"q{i}", (system, {"role": "user", "content": f"Question {i}: what is item {i}?"}), 4)
+            for i in range(6)]
+    reqs.append(LoadRequest("follow-up", (*reqs[0].messages, {"role": "assistant", "content": "fine"},
+                                          {"role": "user", "content": "And then?"}), 4, after=0))
+    with ManagedServer(options, tmp_path / "kvtool.log") as server:
+        result = run_load(server.base_url, reqs, LoadSpec(clients=4))
+        capped = run_load(server.base_url, reqs, LoadSpec(clients=4, max_requests=3))
+        cut = run_load(server.base_url, [LoadRequest("long", ({"role": "user", "content": "x " * 1500},), 64)],
+                       LoadSpec(clients=1, max_wall_s=0.001))
+        stats = server.kvtool_stats()
+        assert server.sample_rss() and server.peak_rss > 0
+    assert server.exit_code == 143 and server.stopped_clean
+    assert result.stopped_by == "done" and result.not_sent == 0
+    assert [r.key for r in result.records] == [r.key for r in reqs]
+    for rec in result.records:
+        assert rec.error is None and rec.ttft_from_content, rec
+        assert 0 < rec.ttft_ms <= rec.latency_ms
+        assert rec.prompt_tokens > 0 and 1 <= rec.completion_tokens <= 4 and rec.cached_tokens is not None
+        assert rec.text
+    follow = result.records[-1]
+    first = result.records[0]
+    assert follow.sent_s >= first.sent_s + first.latency_ms / 1e3  # sent only after its previous turn finished
+    assert len(capped.records) == 3 and capped.not_sent == len(reqs) - 3
+    assert [r.text for r in capped.records] == [r.text for r in result.records[:3]]  # greedy: same outputs
+    assert cut.stopped_by == "wall" and len(cut.records) + cut.not_sent == 1
+    assert all(r.error == WALL_LIMIT_ERROR for r in cut.records)
+    assert stats is not None and stats["adapter"]["requests"] >= len(reqs) + 3
+    assert stats["adapter"]["cached_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_serve_load_quick_run_through_the_cli(tmp_path):
+    from kvtool.cli.app import _register, app
+
+    _register()
+    result = CliRunner().invoke(app, ["bench", str(QUICK), "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output[result.output.index("{"):])
+    assert doc["ok"] is True
+    run_dir = Path(doc["run_dir"])
+    for name in ("requests.jsonl", "requests.csv", "batches.csv", "cells.csv", "comparison.csv", "mismatches.csv",
+                 "run.json", "report.md", "ttft_cdf.png", "throughput_vs_concurrency.png", "hit_rate_per_tier.png",
+                 "ttft_ratio.png"):
+        assert (run_dir / name).is_file(), name
+    cells = pd.read_csv(run_dir / "cells.csv")
+    assert set(cells["server"]) == {"kvtool", "mlx-lm"}
+    kv = cells[cells["server"] == "kvtool"].iloc[0]
+    assert kv["outputs_compared"] == 6 and kv["output_mismatches"] == 0 and not kv["cell_failed"]
+    assert kv["ttft_p50_ms_lo"] <= kv["ttft_p50_ms"] <= kv["ttft_p50_ms_hi"]
+    cmp = pd.read_csv(run_dir / "comparison.csv")
+    assert set(cmp["verdict"]) == {"tie"}  # one repeat: never a winner
+    assert "| workload | clients | figure | kvtool | mlx-lm | kvtool / mlx-lm | verdict |" in \
+        (run_dir / "report.md").read_text()
+    again = CliRunner().invoke(app, ["report", str(run_dir), "--json"])
+    assert again.exit_code == 0 and json.loads(again.output)["ok"] is True
