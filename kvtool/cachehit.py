@@ -1,0 +1,65 @@
+"""`CacheHit` (what `PrefixCache.fetch` found for one prompt) and `CacheStats` (its counters).
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class CacheStats:
+    """Counters of a prefix cache (all ints; see README "Counters" for each one).
+
+    Attributes:
+        counters: name -> value; prefixes `kv_` (RAM tier and lookup), `ssd_` (SSD store) and
+            `writer_` (SSD writer) never collide.
+    """
+
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> int:
+        return self.counters[key]
+
+    def get(self, key: str, default: int = 0) -> int:
+        return self.counters.get(key, default)
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self.counters)
+
+
+@dataclass
+class CacheHit:
+    """The cached part of a prompt, ready for generation.
+
+    Attributes:
+        cache: per-layer mlx-lm caches holding `cached_tokens` tokens (plus decode room).
+        prompt_tokens: tokens in the prompt.
+        cached_tokens: leading prompt tokens whose KV is in `cache`.
+        ram_tokens, ssd_tokens: how many of them came from RAM / from SSD (incl. the writer's
+            pending buffer); `cached_tokens == ram_tokens + ssd_tokens`.
+        remaining: int32 prompt tokens still to run through the model (never empty).
+        ssd_load_ms: wall time of the SSD restore (ms).
+        ssd_bytes_read: record bytes read from SSD.
+    """
+
+    cache: list
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ram_tokens: int = 0
+    ssd_tokens: int = 0
+    remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    ssd_load_ms: float = 0.0
+    ssd_bytes_read: int = 0
+    hashes: list[str] = field(default_factory=list, repr=False)
+    tail: str | None = field(default=None, repr=False)
+    entries_found: int = field(default=0, repr=False)  # chain entries (blocks + tail) in `cache`
+    pinned: list[str] = field(default_factory=list, repr=False)
+    promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
+
+
+__all__ = ["CacheHit", "CacheStats"]
