@@ -516,10 +516,14 @@ class Engine:
         res.backpressure_events = self._sync_fallbacks() - fallbacks_before
 
     def _sync_fallbacks(self) -> int:
-        """Writer queue-full events so far (only the writer's counters, not the merged stats)."""
+        """Writer queue-full events so far (blocks saved on the caller's thread plus blocks shed;
+        only the writer's counters, not the merged stats)."""
         tiered = self.cache.tiered
         writer = tiered.writer if tiered is not None else None
-        return writer.get_stats().get("writer_queue_full_sync_fallback", 0) if writer is not None else 0
+        if writer is None:
+            return 0
+        stats = writer.get_stats()
+        return stats.get("writer_queue_full_sync_fallback", 0) + stats.get("writer_shed_blocks", 0)
 
 
 __all__ = ["Engine", "RequestResult", "StreamResponse", "CacheStats", "DEFAULT_MAX_TOKENS"]

@@ -205,11 +205,11 @@ def test_stop_times_out_when_sink_blocked_then_finishes(writers):
 
 
 def test_stop_timeout_with_enqueue_in_flight_still_ends_thread(writers):
-    """stop() gives up while an enqueue is inside its synchronous fallback: the last enqueue
-    to leave places the sentinel, so the non-daemon thread still ends once the sink frees."""
+    """stop() gives up while an enqueue is inside its synchronous fallback (durable): the last
+    enqueue to leave places the sentinel, so the non-daemon thread still ends once the sink frees."""
     sink = Sink()
     sink.gate.clear()
-    w = writers(sink, queue_size=1)
+    w = writers(sink, queue_size=1, durability="durable", enqueue_wait_s=0.0)
     assert w.enqueue(make_block("a"))
     assert sink.wait_calls(1)  # worker holds a
     assert w.enqueue(make_block("b"))  # fills the queue
@@ -224,9 +224,10 @@ def test_stop_timeout_with_enqueue_in_flight_still_ends_thread(writers):
 
 
 def _race_stop_with_producers(n_threads: int, per_thread: int, queue_size: int, queue_blocks_bytes: int,
-                              stop_after: int) -> None:
+                              stop_after: int, durability: str) -> None:
     sink = Sink()
-    w = AsyncWriter(sink, queue_size=queue_size, max_queue_bytes=queue_blocks_bytes * NB, batch_max_bytes=4 * NB)
+    w = AsyncWriter(sink, queue_size=queue_size, max_queue_bytes=queue_blocks_bytes * NB, batch_max_bytes=4 * NB,
+                    durability=durability, enqueue_wait_s=0.0)
     start = threading.Barrier(n_threads + 1, timeout=WAIT)
     go_stop = threading.Event()
     count_lock = threading.Lock()
@@ -239,7 +240,7 @@ def _race_stop_with_producers(n_threads: int, per_thread: int, queue_size: int, 
         for i in range(per_thread):
             batch = [make_block(f"{t}-{i}-{j}") for j in range(1 + (t + i) % 3)]
             n = w.enqueue_many(batch)
-            assert n in (0, len(batch))  # unique hashes: all accepted, or all refused (closing)
+            assert n in (0, len(batch))  # unique hashes: all accepted, or all refused (closing) or shed
             with count_lock:
                 offered[0] += len(batch)
                 if n:
@@ -265,7 +266,14 @@ def _race_stop_with_producers(n_threads: int, per_thread: int, queue_size: int, 
     assert sorted(saved) == sorted(accepted)  # nothing accepted was lost, nothing else written
     stats = w.get_stats()
     assert stats["writer_enqueue_total"] == len(accepted) == stats["writer_save_success"]
-    assert stats["writer_enqueue_rejected"] == offered[0] - len(accepted)
+    # what was not accepted was refused (closing) or shed (queue full; never under durable)
+    assert stats["writer_enqueue_rejected"] + stats["writer_shed_blocks"] == offered[0] - len(accepted)
+    assert stats["writer_shed_bytes"] == stats["writer_shed_blocks"] * NB
+    if durability == "durable":
+        assert stats["writer_shed_blocks"] == 0
+    else:
+        assert stats["writer_queue_full_sync_fallback"] == 0  # nothing saved on a producer's thread
+        assert all(ident == w._thread.ident for _, ident in sink.calls)
     assert stats["writer_queue_depth"] == 0 and stats["writer_pending"] == 0
     assert stats["writer_pending_bytes"] == 0 and w.queue_bytes() == 0
 
@@ -277,11 +285,13 @@ def _race_stop_with_producers(n_threads: int, per_thread: int, queue_size: int, 
     queue_size=st.integers(1, 8),
     queue_blocks_bytes=st.integers(1, 8),
     stop_frac=st.floats(0.0, 1.0),
+    durability=st.sampled_from(["best_effort", "persistent", "durable"]),
 )
 def test_stop_racing_enqueue_never_loses_accepted_blocks(n_threads, per_thread, queue_size, queue_blocks_bytes,
-                                                         stop_frac):
+                                                         stop_frac, durability):
     total = n_threads * per_thread
-    _race_stop_with_producers(n_threads, per_thread, queue_size, queue_blocks_bytes, int(stop_frac * total))
+    _race_stop_with_producers(n_threads, per_thread, queue_size, queue_blocks_bytes, int(stop_frac * total),
+                              durability)
 
 
 # ---- batches and coalescing -------------------------------------------------------------------
@@ -470,21 +480,22 @@ def test_get_pending_keeps_block_until_final_failure(writers):
 # ---- backpressure, bounded in bytes -------------------------------------------------------------
 
 
-def test_full_queue_falls_back_to_synchronous_save(writers):
+def test_durable_full_queue_falls_back_to_synchronous_save(writers):
     sink = Sink()
     sink.gate.clear()
-    w = writers(sink, queue_size=1)
+    w = writers(sink, queue_size=1, durability="durable")
     a, b, c = make_block("a"), make_block("b"), make_block("c")
     assert w.enqueue(a)
     assert sink.wait_calls(1)  # worker holds a
     assert w.enqueue(b)  # queue now full (blocks)
     producer, returned = in_thread(w.enqueue, c)
-    assert sink.wait_calls(2)  # after the 50 ms level-1 wait
+    assert sink.wait_calls(2)  # after the 50 ms wait for room
     assert sink.calls[1] == ((c.block_hash,), producer.ident)  # saved on the caller's thread
     assert w.get_pending(c.block_hash) is c  # still a hit while its sync save runs
     stats = w.get_stats()
     assert stats["writer_backpressure_waits"] == 1
     assert stats["writer_queue_full_sync_fallback"] == 1
+    assert stats["writer_shed_blocks"] == stats["writer_shed_bytes"] == 0
     sink.gate.set()
     producer.join(WAIT)
     assert returned == [True]
@@ -493,18 +504,18 @@ def test_full_queue_falls_back_to_synchronous_save(writers):
     assert w.get_stats()["writer_save_success"] == 3
 
 
-def test_byte_bound_levels_0_1_2(writers):
-    """The queue is full by bytes long before it is full by blocks; the three levels apply."""
+def test_byte_bound_durable_waits_for_room(writers):
+    """The queue is full by bytes long before it is full by blocks; durable waits for room."""
     sink = Sink()
     a = make_block("a")
     release_a = sink.hold(a.block_hash)
-    w = writers(sink, queue_size=1000, max_queue_bytes=3 * NB, enqueue_wait_s=WAIT * 5)
+    w = writers(sink, queue_size=1000, max_queue_bytes=3 * NB, enqueue_wait_s=WAIT * 5, durability="durable")
     assert w.enqueue(a)
     assert sink.wait_calls(1)  # a is being written: its bytes still count
-    assert w.enqueue_many([make_block("b"), make_block("c")]) == 2  # level 0: 3 blocks' bytes held
+    assert w.enqueue_many([make_block("b"), make_block("c")]) == 2  # queued: 3 blocks' bytes held
     assert w.queue_bytes() == 3 * NB and w.get_stats()["writer_backpressure_waits"] == 0
 
-    # level 1: no room for d; the producer waits until the worker has finished a
+    # no room for d; the producer waits until the worker has finished a
     producer, returned = in_thread(w.enqueue, make_block("d"))
     assert wait_counter(w, "writer_backpressure_waits", 1)
     assert not returned and w.queue_bytes() == 3 * NB
@@ -517,11 +528,11 @@ def test_byte_bound_levels_0_1_2(writers):
     assert w.get_stats()["writer_queue_full_sync_fallback"] == 0
 
 
-def test_byte_bound_level_2_saves_on_caller_thread(writers):
+def test_byte_bound_durable_saves_on_caller_thread_when_no_room(writers):
     sink = Sink()
     a = make_block("a")
     release_a = sink.hold(a.block_hash)
-    w = writers(sink, queue_size=1000, max_queue_bytes=3 * NB, enqueue_wait_s=0.0)
+    w = writers(sink, queue_size=1000, max_queue_bytes=3 * NB, enqueue_wait_s=0.0, durability="durable")
     assert w.enqueue(a)
     assert sink.wait_calls(1)
     assert w.enqueue_many([make_block("b"), make_block("c")]) == 2
@@ -538,7 +549,7 @@ def test_byte_bound_level_2_saves_on_caller_thread(writers):
 
 def test_oversize_batch_is_accepted_on_an_empty_queue(writers):
     """A batch over both bounds (bytes and blocks) is queued when the queue holds nothing —
-    it could never be queued otherwise — and makes later batches wait or go synchronous."""
+    it could never be queued otherwise — and makes later batches find no room (shed here)."""
     sink = Sink()
     big = [make_block(f"big{i}") for i in range(5)]
     release = sink.hold(big[0].block_hash)
@@ -546,24 +557,29 @@ def test_oversize_batch_is_accepted_on_an_empty_queue(writers):
     assert w.enqueue_many(big) == 5
     assert sink.wait_calls(1)
     assert sink.calls[0] == (tuple(b.block_hash for b in big), w._thread.ident)  # on the worker
-    assert w.queue_bytes() == 5 * NB
+    assert w.queue_bytes() == 5 * NB and w.queue_peak_bytes() == 5 * NB
     stats = w.get_stats()
     assert stats["writer_backpressure_waits"] == stats["writer_queue_full_sync_fallback"] == 0
-    # not empty any more: the next batch finds no room and is saved on the caller's thread
-    assert w.enqueue(make_block("x"))
-    assert sink.calls[1] == ((make_block("x").block_hash,), threading.get_ident())
-    assert w.get_stats()["writer_queue_full_sync_fallback"] == 1
+    # not empty any more: the next batch finds no room and is shed (best_effort)
+    assert not w.enqueue(make_block("x"))
+    assert len(sink.calls) == 1
+    stats = w.get_stats()
+    assert stats["writer_shed_blocks"] == 1 and stats["writer_shed_bytes"] == NB
+    assert stats["writer_queue_full_sync_fallback"] == 0
     release.set()
     assert w.flush(WAIT)
     assert w.queue_bytes() == 0
     assert w.enqueue_many(big[:3]) == 3  # empty again: oversize accepted on the queue again
     assert w.flush(WAIT)
-    assert sink.calls[2][1] == w._thread.ident
+    assert sink.calls[1][1] == w._thread.ident
+    assert make_block("x").block_hash not in sink.hashes
+    assert w.get_stats()["writer_queue_peak_bytes"] == 5 * NB
 
 
 def test_memory_stays_bounded_with_8_mib_blocks(writers):
-    """Many 8 MiB blocks against a 32 MiB cap, the store held on an Event: the writer never
-    holds more than the cap, and accepted-but-unwritten bytes never exceed cap + one batch."""
+    """Many 8 MiB blocks against a 32 MiB cap, the store held on an Event (durable, so nothing is
+    shed): the writer never holds more than the cap, and accepted-but-unwritten bytes never
+    exceed cap + one batch (saved on the producer's thread)."""
     half = np.zeros(MiB, dtype=np.float32)  # 4 MiB, shared: the test itself stays small
 
     def big(i: int) -> HostBlock:
@@ -577,7 +593,7 @@ def test_memory_stays_bounded_with_8_mib_blocks(writers):
     sink = Sink()
     sink.gate.clear()
     seen: list[tuple[int, int]] = []  # (pending bytes, queue bytes) at every save and enqueue
-    w = writers(sink, queue_size=10_000, max_queue_bytes=cap, enqueue_wait_s=0.0)
+    w = writers(sink, queue_size=10_000, max_queue_bytes=cap, enqueue_wait_s=0.0, durability="durable")
     sink.on_call = lambda: seen.append((w.pending_bytes(), w.queue_bytes()))
 
     def produce() -> None:
@@ -599,6 +615,7 @@ def test_memory_stays_bounded_with_8_mib_blocks(writers):
     assert max(p for p, _ in seen) <= cap + nb
     assert max(q for _, q in seen) <= cap
     assert w.get_stats()["writer_pending_bytes"] == 0 and w.queue_bytes() == 0
+    assert w.queue_peak_bytes() == cap
 
 
 # ---- durability and retries -------------------------------------------------------------------
@@ -848,6 +865,8 @@ def test_worker_thread_is_not_daemon(writers):
 
 @pytest.mark.parametrize("durability", ["best_effort", "durable"])
 def test_real_store_blocks_readable_after_stop(tmp_path, durability):
+    """queue_size=2 against a real store: durable writes every block (waiting, or saving on the
+    caller's thread); best_effort writes every block it accepted and sheds the rest."""
     store = open_store(tmp_path, durability=durability)
     assert store.enabled
     chain = make_chain(make_layout(), np.arange(24), block_size=4)
@@ -856,17 +875,25 @@ def test_real_store_blocks_readable_after_stop(tmp_path, durability):
         accepted = [w.enqueue(b) for b in chain]
     finally:
         assert w.stop(WAIT) is True
-    assert all(accepted)
-    assert w.get_stats()["writer_save_success"] == len(chain) == store.stats()["ssd_save_success"]
+    stats = w.get_stats()
+    if durability == "durable":
+        assert all(accepted) and stats["writer_shed_blocks"] == 0
+    assert accepted[0]  # the first block always finds the queue empty
+    written = [b for b, ok in zip(chain, accepted) if ok]
+    assert stats["writer_shed_blocks"] == len(chain) - len(written)
+    assert stats["writer_save_success"] == len(written) == store.stats()["ssd_save_success"]
     store.close(shutdown_clean=True)
 
     reopened = open_store(tmp_path, durability=durability)
     try:
         assert reopened.previous_shutdown_clean is True
-        for b in chain:
+        for b in written:
             loaded = reopened.load_block(b.block_hash, b.token_ids)
             assert loaded is not None
             assert_same_block(loaded, b)
+        for b, ok in zip(chain, accepted):
+            if not ok:  # shed: never reached the disk
+                assert reopened.load_block(b.block_hash, b.token_ids) is None
     finally:
         reopened.close()
 

@@ -142,11 +142,12 @@ class TieredCache:
                 todo.append(block)
             self.ram.put(block, persisted=self.writer is not None)
         if self.writer is not None and todo:
-            self._send_to_writer(todo)
+            self._send_to_writer(todo, must_write=True)  # never shed: warm promises SSD
 
-    def _send_to_writer(self, blocks: Sequence[Block]) -> None:
+    def _send_to_writer(self, blocks: Sequence[Block], must_write: bool = False) -> None:
         """Host copies of the blocks, handed to the writer in batches of at most
-        `WRITE_BATCH_BYTES` (each becomes one segment; a batch never exceeds the writer's queue)."""
+        `WRITE_BATCH_BYTES` (each becomes one segment; a batch never exceeds the writer's queue).
+        A full async queue sheds a batch (best_effort, persistent) unless `must_write`."""
         try:
             writer = self.writer
             assert writer is not None  # callers check it
@@ -154,12 +155,12 @@ class TieredCache:
             size = 0
             for b in blocks:
                 if batch and size + b.nbytes > WRITE_BATCH_BYTES:
-                    writer.enqueue_many(batch)
+                    writer.enqueue_many(batch, must_write=must_write)
                     batch, size = [], 0
                 batch.append(to_host(b))
                 size += b.nbytes
             if batch:
-                writer.enqueue_many(batch)
+                writer.enqueue_many(batch, must_write=must_write)
         except Exception:  # the cache must never fail a request
             log.exception("SSD write of %d block(s) failed", len(blocks))
 

@@ -15,12 +15,22 @@ tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue
   written stays within `max_queue_bytes` (and the blocks queued within `queue_size`). One batch
   larger than a bound is accepted when the queue holds nothing (it could never be queued
   otherwise), so the writer holds at most `max(max_queue_bytes, largest batch)` bytes; blocks
-  saved synchronously (level 2 below) are held by their caller's thread meanwhile.
+  saved on a caller's thread (durable, below) are held by that thread meanwhile.
 - `_pending` (hash -> block) de-duplicates a hash already queued and serves `get_pending`, so a
   block queued but not yet written is still a cache hit; an entry leaves only after its save
   attempt (retries included) has finished.
-- 3-level backpressure per batch (seed levels 0, 1, 2): queue at once if it fits -> wait up to
-  `ENQUEUE_WAIT_S` (50 ms) for room -> synchronous save of the batch on the caller's thread.
+- backpressure per batch: a batch that fits is queued at once. One that finds the queue full:
+  * `best_effort`, `persistent`: is SHED at once — no wait, no write on the caller's (request)
+    thread. Its blocks are not written to SSD (the RAM tier still holds what it inserted; a block
+    shed on its way out of RAM under `evict_only` is in neither tier); `enqueue_many` returns 0
+    for them, they count as `writer_shed_blocks` / `writer_shed_bytes`, and a WARNING gives the
+    counts at most once per `SHED_LOG_INTERVAL_S` (60 s) (plus once at `stop()` for the rest).
+  * `durable`, or a call with `must_write=True` (warm, import: the caller promised the blocks
+    reach SSD): the caller WAITS up to `ENQUEUE_WAIT_S` (50 ms; `enqueue_wait_s`) for room
+    (`writer_backpressure_waits`), then, if there is still none, saves the batch itself, on its
+    own thread (`writer_queue_full_sync_fallback`). That can stall the request for the wait plus
+    one batch save (tens to hundreds of ms for a 64 MiB batch with fsync): the price of the
+    durable guarantee that every accepted block is written.
 - deterministic shutdown: `stop()` sets `_closing` under `_life_lock`, waits for the in-flight
   `enqueue_many` calls to leave, then puts the sentinel, which is therefore always last in the
   queue. The sentinel is exempt from the bounds (it holds no bytes), so it can always be put.
@@ -45,12 +55,18 @@ Counters (`writer_` prefix, seed 000 §5); every one counts BLOCKS unless it say
     writer_dedup                     blocks the store answered 'dedup' (already on SSD)
     writer_collision                 blocks the store answered 'collision'
     writer_save_fail                 blocks whose last attempt failed ('error' or exception)
-    writer_queue_full_sync_fallback  level-2 backpressure: blocks saved on the caller's thread
-    writer_backpressure_waits        level-1 backpressure: enqueue calls (batches) that waited
+    writer_queue_full_sync_fallback  queue full, durable / must_write: blocks saved on the caller's
+                                     thread (always 0 otherwise)
+    writer_backpressure_waits        queue full, durable / must_write: enqueue calls (batches) that
+                                     waited for room
+    writer_shed_blocks               queue full, best_effort / persistent: blocks shed (not written)
+    writer_shed_bytes                their bytes (sum of `HostBlock.nbytes`)
     writer_retry_attempts            block retries made (not counting first attempts)
     writer_retry_final_fail          blocks given up after all retries (persistent / durable)
-`get_stats()` adds three gauges: `writer_queue_depth` (blocks queued), `writer_pending` (blocks
-accepted, not yet attempted) and `writer_pending_bytes` (their `nbytes`).
+`writer_enqueue_total` counts blocks accepted (queued or saved by their caller), never shed ones.
+`get_stats()` adds four gauges: `writer_queue_depth` (blocks queued), `writer_pending` (blocks
+accepted, not yet attempted), `writer_pending_bytes` (their `nbytes`) and `writer_queue_peak_bytes`
+(the highest bytes queued plus being written by the worker since the writer started).
 """
 
 from __future__ import annotations
@@ -69,10 +85,13 @@ from kvtool.store.writer_batch import (
     DEFAULT_RETRY_BACKOFF_S,
     RETRY_MODES,
     SAVE_OUTCOMES,
+    SHED_LOG_INTERVAL_S,
+    SHED_MODES,
     Batch,
     BatchQueue,
     Counters,
     RetryPolicy,
+    ShedLog,
     batch_nbytes,
     describe,
 )
@@ -84,7 +103,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COUNTER_NAMES", "DEFAULT_BATCH_MAX_BYTES", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_RETRIES",
     "DEFAULT_QUEUE_SIZE", "DEFAULT_RETRY_BACKOFF_S", "ENQUEUE_WAIT_S", "RETRY_MODES", "SAVE_OUTCOMES",
-    "AsyncWriter", "BlockSink", "RetryPolicy", "SyncWriter", "Writer", "make_writer",
+    "SHED_LOG_INTERVAL_S", "SHED_MODES", "AsyncWriter", "BlockSink", "RetryPolicy", "SyncWriter", "Writer", "make_writer",
 ]
 
 logger = logging.getLogger(__name__)
@@ -94,7 +113,7 @@ DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of Ho
 DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
 DEFAULT_DRAIN_TIMEOUT_S = 30.0  # the one drain timeout (writer stop, tier close)
 DEFAULT_FLUSH_TIMEOUT_S = 60.0
-ENQUEUE_WAIT_S = 0.05  # level-1 backpressure: how long `enqueue_many` waits for room (seconds)
+ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
 QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field read by make_writer
 
 
@@ -134,20 +153,28 @@ class _WriterBase:
     def _save(self, blocks: list[HostBlock], abort: threading.Event | None = None) -> list[str]:
         return self._policy.save_batch(self._store, blocks, self._counters, abort)
 
-    def enqueue(self, block: HostBlock) -> bool:
-        """`enqueue_many([block]) == 1`: True if `block` was accepted."""
-        return self.enqueue_many([block]) == 1
+    def enqueue(self, block: HostBlock, *, must_write: bool = False) -> bool:
+        """`enqueue_many([block], must_write=must_write) == 1`: True if `block` was accepted."""
+        return self.enqueue_many([block], must_write=must_write) == 1
 
-    def enqueue_many(self, blocks: Sequence[HostBlock]) -> int:  # pragma: no cover - overridden
+    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:  # pragma: no cover
         raise NotImplementedError
 
     def get_stats(self) -> dict[str, int]:
-        """Snapshot of the `writer_*` counters plus the queue-depth and pending gauges."""
+        """Snapshot of the `writer_*` counters (blocks, bytes where named) plus the gauges
+        `writer_queue_depth` (blocks), `writer_pending` (blocks), `writer_pending_bytes` and
+        `writer_queue_peak_bytes` (bytes)."""
         stats: dict[str, Any] = self._counters.snapshot()
         stats["writer_queue_depth"] = self.queue_depth()
         stats["writer_pending"] = self._pending_count()
         stats["writer_pending_bytes"] = self.pending_bytes()
+        stats["writer_queue_peak_bytes"] = self.queue_peak_bytes()
         return stats
+
+    def queue_peak_bytes(self) -> int:
+        """Highest bytes held by the writer's queue (queued plus being written) so far; 0 for a
+        writer without a queue."""
+        return 0
 
     def queue_depth(self) -> int:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -185,12 +212,14 @@ class SyncWriter(_WriterBase):
         super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep))
         self._closed = False
 
-    def enqueue_many(self, blocks: Sequence[HostBlock]) -> int:
+    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:
         """Save `blocks` now with one `save_blocks` call (retries included).
 
         Args:
             blocks: the batch, in write order; a hash repeated in it is saved once (the
                 repeats count as `writer_enqueue_dedup_skip`).
+            must_write: accepted for interface parity with `AsyncWriter`; every batch is
+                written here anyway (nothing is ever shed).
 
         Returns:
             How many blocks were accepted (and attempted); 0 if stopped or the store is disabled.
@@ -279,7 +308,8 @@ class AsyncWriter(_WriterBase):
             a batch larger than it is accepted when the queue holds nothing.
         batch_max_bytes: the worker merges queued batches into one `save_blocks` call up to
             this many bytes (a single larger batch is saved whole).
-        enqueue_wait_s: level-1 backpressure: how long `enqueue_many` waits for room (seconds).
+        enqueue_wait_s: how long `enqueue_many` waits for room before saving on the caller's
+            thread (seconds), under `durable` or with `must_write`; the shedding modes never wait.
         sleep: wait between retries (injectable for tests); by default a wait that a timed-out
             `stop()` interrupts.
     """
@@ -310,6 +340,8 @@ class AsyncWriter(_WriterBase):
         self._batch_max_bytes = batch_max_bytes
         self._enqueue_wait_s = enqueue_wait_s
         self._sentinel = object()
+        self._sheds = self._policy.durability in SHED_MODES
+        self._shed_log = ShedLog()
 
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()
@@ -333,16 +365,24 @@ class AsyncWriter(_WriterBase):
 
     # ---- producer side -------------------------------------------------------------------
 
-    def enqueue_many(self, blocks: Sequence[HostBlock]) -> int:
-        """Queue `blocks` as one batch (or save them now if the queue stays full).
+    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:
+        """Queue `blocks` as one batch; if the queue is full, shed them or save them here.
+
+        A full queue (see the module docstring) sheds the batch at once under `best_effort` /
+        `persistent` (no wait, no write on this thread); under `durable`, or with
+        `must_write`, this call waits up to `enqueue_wait_s` seconds for room and then saves
+        the batch on this thread.
 
         Args:
             blocks: the batch, in write order. Blocks whose hash is already pending (or
                 repeated in the batch) are skipped and counted as `writer_enqueue_dedup_skip`.
+            must_write: the caller promised these blocks reach SSD (`kvtool warm`, import):
+                never shed them, whatever the durability.
 
         Returns:
             How many blocks were accepted (each will be attempted before `stop()` returns
-            True); 0 if the writer is closing or the store is disabled.
+            True); 0 if the writer is closing, the store is disabled, or the batch was shed.
+            Never raises for store failures.
         """
         blocks = list(blocks)
         if not blocks:
@@ -351,7 +391,7 @@ class AsyncWriter(_WriterBase):
             self._counters.inc("writer_enqueue_rejected", len(blocks))
             return 0
         try:
-            return self._accept(blocks)
+            return self._accept(blocks, shed=self._sheds and not must_write)
         finally:
             self._leave()
 
@@ -369,7 +409,7 @@ class AsyncWriter(_WriterBase):
                 self._seal_locked()
                 self._no_inflight.notify_all()
 
-    def _accept(self, blocks: list[HostBlock]) -> int:
+    def _accept(self, blocks: list[HostBlock], shed: bool) -> int:
         with self._pending_lock:
             batch = _unique(blocks, self._pending.__contains__)
             for b in batch:
@@ -380,8 +420,21 @@ class AsyncWriter(_WriterBase):
         if not batch:
             return 0
         self._counters.inc("writer_enqueue_total", len(batch))
+        item = Batch(batch, batch_nbytes(batch))
         try:
-            if self._put(Batch(batch, batch_nbytes(batch))):
+            if self._queue.put(item):
+                return len(batch)
+            if shed:
+                self._settle(batch)
+                self._counters.add({
+                    "writer_enqueue_total": -len(batch),  # not accepted after all
+                    "writer_shed_blocks": len(batch),
+                    "writer_shed_bytes": item.nbytes,
+                })
+                self._shed_log.add(len(batch), item.nbytes)
+                return 0
+            self._counters.inc("writer_backpressure_waits")
+            if self._queue.put(item, timeout=self._enqueue_wait_s):
                 return len(batch)
             self._counters.inc("writer_queue_full_sync_fallback", len(batch))
         except BaseException:
@@ -389,13 +442,6 @@ class AsyncWriter(_WriterBase):
             raise
         self._save_and_settle(batch)
         return len(batch)
-
-    def _put(self, batch: Batch) -> bool:
-        """Backpressure levels 0 and 1; False means level 2: the caller saves synchronously."""
-        if self._queue.put(batch):
-            return True
-        self._counters.inc("writer_backpressure_waits")
-        return self._queue.put(batch, timeout=self._enqueue_wait_s)
 
     def _seal_locked(self) -> None:
         """Under `_life_lock`, closing and no enqueue in flight: put the sentinel, last."""
@@ -458,13 +504,17 @@ class AsyncWriter(_WriterBase):
         """Bytes queued plus bytes being written by the worker (the bounded quantity)."""
         return self._queue.held_bytes
 
+    def queue_peak_bytes(self) -> int:
+        """Highest `queue_bytes()` since the writer started (bytes)."""
+        return self._queue.peak_bytes
+
     def _pending_count(self) -> int:
         with self._pending_lock:
             return len(self._pending)
 
     def pending_bytes(self) -> int:
         """Bytes of the blocks accepted and not yet attempted: queued, being written by the
-        worker, or being saved on a caller's thread (level-2 backpressure)."""
+        worker, or being saved on a caller's thread (durable / must_write, queue full)."""
         with self._pending_lock:
             return sum(p.block.nbytes for p in self._pending.values())
 
@@ -502,6 +552,7 @@ class AsyncWriter(_WriterBase):
                 self._give_up.set()
                 return False  # the last enqueue to leave seals the queue
             self._seal_locked()
+        self._shed_log.flush()  # no enqueue in flight any more: report sheds not logged yet
         self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             logger.error(

@@ -27,6 +27,10 @@ logger = logging.getLogger("kvtool.store.writer")
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_RETRY_BACKOFF_S = 0.05
 RETRY_MODES = ("persistent", "durable")
+# durability modes whose async writer sheds a batch that finds the queue full instead of making
+# the caller wait for room or save it (`durable` waits, then saves on the caller's thread)
+SHED_MODES = ("best_effort", "persistent")
+SHED_LOG_INTERVAL_S = 60.0  # at most one shed WARNING line per this many seconds
 
 SAVE_OUTCOMES = ("saved", "dedup", "collision", "error")
 OUTCOME_COUNTER = {
@@ -45,6 +49,8 @@ COUNTER_NAMES = (
     "writer_save_fail",
     "writer_queue_full_sync_fallback",
     "writer_backpressure_waits",
+    "writer_shed_blocks",
+    "writer_shed_bytes",
     "writer_retry_attempts",
     "writer_retry_final_fail",
 )
@@ -61,6 +67,13 @@ class Counters:
         """Add `n` to counter `key` and wake `wait_for` callers."""
         with self._cond:
             self._stats[key] += n
+            self._cond.notify_all()
+
+    def add(self, deltas: dict[str, int]) -> None:
+        """Add several counters at once (one snapshot never sees half of them); may be negative."""
+        with self._cond:
+            for key, n in deltas.items():
+                self._stats[key] += n
             self._cond.notify_all()
 
     def snapshot(self) -> dict[str, int]:
@@ -80,6 +93,60 @@ class Counters:
         """
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self._stats), timeout)
+
+
+class ShedLog:
+    """Rate-limited WARNING about shed blocks: at most one line per `interval_s`, each line giving
+    the blocks and bytes shed since the previous line (the first shed is logged at once).
+
+    Args:
+        interval_s: minimum time between two lines (seconds).
+        clock: monotonic time source in seconds (injectable for tests).
+    """
+
+    def __init__(self, interval_s: float = SHED_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._blocks = 0
+        self._bytes = 0
+        self._last: float | None = None
+
+    def add(self, blocks: int, nbytes: int) -> bool:
+        """Count one shed batch (`blocks` blocks, `nbytes` bytes); log if no line was written in
+        the last `interval_s`. Returns True if a line was written."""
+        with self._lock:
+            self._blocks += blocks
+            self._bytes += nbytes
+            now = self._clock()
+            if self._last is not None and now - self._last < self.interval_s:
+                return False
+            self._last = now
+            counts = self._take()
+        return self._log(*counts)
+
+    def flush(self) -> bool:
+        """Log the counts not reported yet, whatever the interval (at writer stop). Returns True
+        if a line was written (False: nothing shed since the last line)."""
+        with self._lock:
+            counts = self._take()
+        return self._log(*counts)
+
+    def _take(self) -> tuple[int, int]:
+        counts = (self._blocks, self._bytes)
+        self._blocks = self._bytes = 0
+        return counts
+
+    @staticmethod
+    def _log(blocks: int, nbytes: int) -> bool:
+        # outside the lock: a slow log handler must not hold up another shedding thread
+        if not blocks:
+            return False
+        logger.warning(
+            "SSD writer queue full: shed %d block(s) (%d bytes) since the last report; "
+            "they stay in RAM only, not written to SSD", blocks, nbytes,
+        )
+        return True
 
 
 def describe(blocks: Sequence[HostBlock], limit: int = 3) -> str:
@@ -244,6 +311,7 @@ class BatchQueue:
         self._queued_blocks = 0
         self._held_blocks = 0
         self._held_bytes = 0
+        self._peak_bytes = 0
 
     def _fits(self, batch: Batch) -> bool:
         if self._held_blocks == 0:
@@ -263,6 +331,7 @@ class BatchQueue:
             self._queued_blocks += len(batch.blocks)
             self._held_blocks += len(batch.blocks)
             self._held_bytes += batch.nbytes
+            self._peak_bytes = max(self._peak_bytes, self._held_bytes)
             self._ready.notify()
             return True
 
@@ -315,3 +384,9 @@ class BatchQueue:
         """Bytes queued plus bytes being written by the worker."""
         with self._lock:
             return self._held_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        """Highest `held_bytes` since the queue was made (bytes)."""
+        with self._lock:
+            return self._peak_bytes
