@@ -238,6 +238,15 @@ def test_config_errors_name_the_field(table, field):
     assert info.value.field == field
 
 
+def test_progress_prints_whole_lines_when_stderr_is_not_a_tty(capsys):
+    from kvtool.bench.loadcell import Progress
+
+    with Progress(enabled=True, interval_s=3600) as bar:
+        bar.set("shared-prefix 4 client(s) kvtool r0: query 3/48 requests")
+    err = capsys.readouterr().err
+    assert err.endswith("query 3/48 requests\n") and "\r" not in err
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from mlx_lm.utils import load_tokenizer
@@ -284,6 +293,9 @@ def test_loadgen_against_kvtool_serve(tmp_path):
         capped = run_load(server.base_url, reqs, LoadSpec(clients=4, max_requests=3))
         cut = run_load(server.base_url, [LoadRequest("long", ({"role": "user", "content": "x " * 1500},), 64)],
                        LoadSpec(clients=1, max_wall_s=0.001))
+        poisson = run_load(server.base_url, reqs[:3], LoadSpec(clients=2, arrival="poisson", rate_per_s=50.0))
+        timed = [LoadRequest(r.key, r.messages, r.max_tokens, arrival_s=0.05 * (2 - i)) for i, r in enumerate(reqs[:3])]
+        trace = run_load(server.base_url, timed, LoadSpec(clients=2, arrival="trace"))
         stats = server.kvtool_stats()
         assert server.sample_rss() and server.peak_rss > 0
     assert server.exit_code == 143 and server.stopped_clean
@@ -299,9 +311,14 @@ def test_loadgen_against_kvtool_serve(tmp_path):
     assert follow.sent_s >= first.sent_s + first.latency_ms / 1e3  # sent only after its previous turn finished
     assert len(capped.records) == 3 and capped.not_sent == len(reqs) - 3
     assert [r.text for r in capped.records] == [r.text for r in result.records[:3]]  # greedy: same outputs
+    for run in (poisson, trace):  # open-loop arrivals: every request answered, same greedy outputs
+        assert [r.error for r in run.records] == [None] * 3
+        assert [r.text for r in run.records] == [r.text for r in result.records[:3]]
+        assert all(r.sent_s >= r.scheduled_s for r in run.records)
+    assert [r.index for r in sorted(trace.records, key=lambda r: r.scheduled_s)] == [2, 1, 0]  # by arrival time
     assert cut.stopped_by == "wall" and len(cut.records) + cut.not_sent == 1
     assert all(r.error == WALL_LIMIT_ERROR for r in cut.records)
-    assert stats is not None and stats["adapter"]["requests"] >= len(reqs) + 3
+    assert stats is not None and stats["adapter"]["requests"] >= len(reqs) + 9
     assert stats["adapter"]["cached_tokens"] > 0
 
 

@@ -127,33 +127,41 @@ def ttft_cdf_chart(path: Path, requests: pd.DataFrame, cells: pd.DataFrame) -> P
 def throughput_chart(path: Path, cells: pd.DataFrame, cmp: pd.DataFrame) -> Path:
     """`throughput_vs_concurrency.png` (see the module docstring)."""
     workloads = sorted(set(cells["workload"]))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4.8 * len(workloads), 3.8), dpi=DPI, squeeze=False)
-    for ax, workload in zip(axes.flat, workloads):
+    cols = min(3, len(workloads))
+    rows = (len(workloads) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.8 * rows), dpi=DPI, squeeze=False)
+    for n, (ax, workload) in enumerate(zip(axes.flat, workloads)):
         for server in (MLXLM, KVTOOL):
             sel = cells[(cells["workload"] == workload) & (cells["server"] == server)].sort_values("clients")
             if sel.empty:
                 continue
-            x, y = sel["clients"].to_numpy(dtype=float), sel["requests_per_s"].to_numpy(dtype=float)
+            x = sel["clients"].to_numpy(dtype=float) * (0.94 if server == MLXLM else 1.06)  # side by side
+            y = sel["requests_per_s"].to_numpy(dtype=float)
             err = np.vstack([np.maximum(0.0, y - sel["requests_per_s_lo"].to_numpy(dtype=float)),
                              np.maximum(0.0, sel["requests_per_s_hi"].to_numpy(dtype=float) - y)])
             if server == MLXLM:
-                ax.errorbar(x, y, yerr=np.nan_to_num(err), label="mlx-lm (reference)", capsize=3, **_server_style(server))
+                ax.errorbar(x, y, yerr=np.nan_to_num(err), label="mlx-lm (reference)", capsize=3, marker="s",
+                            markersize=4, **_server_style(server))
                 continue
             ax.plot(x, y, color=COLORS["kvtool"], linewidth=1, label="kvtool")
-            verdicts = [_verdict(cmp, workload, int(c), "requests_per_s") for c in x]
+            verdicts = [_verdict(cmp, workload, int(c), "requests_per_s") for c in sel["clients"]]
             for xi, yi, lo, hi, v in zip(x, y, err[0], err[1], verdicts):
                 ax.errorbar([xi], [yi], yerr=np.nan_to_num([[lo], [hi]]), fmt="o", color=verdict_color(v),
                             ecolor="black", capsize=3, markersize=7)
         ax.set_xscale("log", base=2)
         xs = sorted(set(cells["clients"]))
         ax.set_xticks(xs, [str(int(c)) for c in xs])
+        ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
         ax.set_xlabel("clients (concurrent requests)")
         ax.set_ylabel("requests/s")
         ax.set_title(workload, fontsize=9)
         ax.grid(alpha=0.3)
-        handles, _ = ax.get_legend_handles_labels()
-        handles += [Patch(color=COLORS[v], label=VERDICT_LABELS[v]) for v in (WIN, LOSS, TIE)]
-        ax.legend(handles=handles, fontsize=7, loc="best")
+        if n == 0:  # one legend: the same for every panel
+            handles, _ = ax.get_legend_handles_labels()
+            handles += [Patch(color=COLORS[v], label=VERDICT_LABELS[v]) for v in (WIN, LOSS, TIE)]
+            ax.legend(handles=handles, fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(workloads):]:
+        ax.set_visible(False)
     fig.suptitle("Throughput against concurrency\nwhiskers: 95 % interval over repeats; kvtool points coloured by "
                  "verdict", fontsize=9)
     return _save(fig, path)

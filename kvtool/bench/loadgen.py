@@ -41,7 +41,7 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -177,7 +177,6 @@ class LoadResult:
     not_sent: int
     stopped_by: str
     spec: LoadSpec
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> list[RequestRecord]:
