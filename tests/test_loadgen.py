@@ -34,7 +34,7 @@ from kvtool.bench.loadgen import (  # noqa: E402
     poisson_arrivals,
     run_load,
 )
-from kvtool.bench.loadreport import comparison_frame  # noqa: E402
+from kvtool.bench.loadreport import cells_frame, comparison_frame, mismatches_frame  # noqa: E402
 from kvtool.bench.loadserver import KVTOOL, ManagedServer, ServerOptions  # noqa: E402
 from kvtool.bench.loadworkloads import build_load_workload, load_trace  # noqa: E402
 from kvtool.config import ConfigError  # noqa: E402
@@ -153,6 +153,23 @@ def test_comparison_frame_verdicts_follow_the_intervals():
     win = comparison_frame(_batches([10.0, 11.0, 10.5], [20.0, 21.0, 22.0])).iloc[0]
     assert win["verdict"] == "win" and win["ratio"] == pytest.approx(10.5 / 21.0)
     assert win["ratio_lo"] <= win["ratio"] <= win["ratio_hi"]
+
+
+def test_an_output_mismatch_fails_the_kvtool_cell():
+    def req(server, key, text, error=None):
+        return {"workload": "w", "clients": 4, "repeat": 0, "server": server, "key": key, "phase": "query",
+                "text": text, "completion_tokens": 2, "error": error}
+
+    requests = pd.DataFrame([req("kvtool", "a", "same"), req("mlx-lm", "a", "same"),
+                             req("kvtool", "b", "kv"), req("mlx-lm", "b", "ml"),
+                             req("kvtool", "c", "", "wall time limit"), req("mlx-lm", "c", "x")])
+    bad, counts = mismatches_frame(requests)
+    assert list(bad["key"]) == ["b", "c"] and counts == {("w", 4): (3, 2)}
+    batches = _batches([10.0], [10.0]).assign(peak_rss_bytes=1 << 20, stopped_clean=True, cut_by_wall=False)
+    cells = cells_frame(batches, counts)
+    kv = cells[cells["server"] == "kvtool"].iloc[0]
+    assert kv["cell_failed"] and kv["output_mismatches"] == 2
+    assert not cells[cells["server"] == "mlx-lm"].iloc[0]["cell_failed"]
 
 
 # ------------------------------------------------------------------------------------ charts
@@ -333,7 +350,7 @@ def test_serve_load_quick_run_through_the_cli(tmp_path):
     assert doc["ok"] is True
     run_dir = Path(doc["run_dir"])
     for name in ("requests.jsonl", "requests.csv", "batches.csv", "cells.csv", "comparison.csv", "mismatches.csv",
-                 "run.json", "report.md", "ttft_cdf.png", "throughput_vs_concurrency.png", "hit_rate_per_tier.png",
+                 "run.json", "summary.json", "report.md", "ttft_cdf.png", "throughput_vs_concurrency.png", "hit_rate_per_tier.png",
                  "ttft_ratio.png"):
         assert (run_dir / name).is_file(), name
     cells = pd.read_csv(run_dir / "cells.csv")

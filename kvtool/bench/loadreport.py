@@ -9,6 +9,7 @@ Reads only `requests.jsonl`, `batches.csv` and `run.json` of a run directory, so
 - `comparison.csv`: per (workload, clients, figure): both cells' intervals, the ratio
   kvtool / mlx-lm with its interval (`loadstats.ratio_ci`) and the verdict (`loadstats.compare`:
   `win` / `loss` only when the two cells' intervals do not overlap);
+- `summary.json`: `ok`, the problems found, and the rows of `cells.csv` and `comparison.csv`;
 - `mismatches.csv`: every request whose greedy kvtool output differs from mlx-lm's for the same
   request (same workload, clients, repeat and request key), or that only one server answered;
 - the charts of `kvtool.bench.loadcharts` and `report.md`.
@@ -29,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from kvtool.bench.loadcharts import write_charts
-from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, interval_of, ratio_ci
+from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
 from kvtool.errors import KVToolError
 
 KVTOOL, MLXLM = "kvtool", "mlx-lm"
@@ -68,8 +69,7 @@ class LoadReport:
         """The comparison rows of `SUMMARY_FIGURES` as JSON-able dicts (NaN -> None)."""
         sel = self.comparison[self.comparison["figure"].isin(SUMMARY_FIGURES)] if not self.comparison.empty \
             else self.comparison
-        return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-                for row in sel.to_dict(orient="records")]
+        return _records(sel)
 
     def summary_lines(self) -> list[str]:
         """Human summary: TTFT p50 and requests/s per (workload, clients), ratio and verdict."""
@@ -206,11 +206,21 @@ def write_load_report(run_dir: Path) -> LoadReport:
     cmp.to_csv(run_dir / "comparison.csv", index=False)
     mismatches.to_csv(run_dir / "mismatches.csv", index=False)
     problems = _problems(requests, batches, mismatches)
+    summary = {"run_id": doc.get("run_id"), "ok": not problems, "problems": problems, "cells": _records(cells),
+               "comparison": _records(cmp), "output_mismatches": len(mismatches)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     charts = write_charts(run_dir, requests, cells, cmp)
     text = _markdown(doc, cells, cmp, mismatches, problems, charts)
     (run_dir / "report.md").write_text(text)
-    files = [run_dir / n for n in ("cells.csv", "comparison.csv", "mismatches.csv", "report.md")] + charts
+    files = [run_dir / n for n in ("cells.csv", "comparison.csv", "mismatches.csv", "summary.json", "report.md")]
+    files += charts
     return LoadReport(run_dir, cells, cmp, mismatches, not problems, problems, files)
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as dicts, NaN -> None (strict JSON)."""
+    return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+            for row in df.to_dict(orient="records")]
 
 
 def _problems(requests: pd.DataFrame, batches: pd.DataFrame, mismatches: pd.DataFrame) -> list[str]:
@@ -313,8 +323,8 @@ def _markdown(doc: dict[str, Any], cells: pd.DataFrame, cmp: pd.DataFrame, misma
     if charts:
         lines += ["", "## Charts", ""]
         lines += [f"![{p.stem}]({p.name})" for p in charts]
-    lines += ["", "Files: requests.jsonl / requests.csv (every request), batches.csv (every batch), cells.csv, "
-              "comparison.csv, mismatches.csv, run.json, logs/ (server stderr).", ""]
+    lines += ["", "Files: requests.jsonl / requests.csv (every request), batches.csv / batches.json (every batch), "
+              "cells.csv, comparison.csv, mismatches.csv, summary.json, run.json, logs/ (server stderr).", ""]
     return "\n".join(lines)
 
 
@@ -325,4 +335,4 @@ def _cell_text(text: Any, error: Any) -> str:
 
 
 __all__ = ["LoadReport", "LoadReportError", "cells_frame", "comparison_frame", "is_serve_load_run", "load_run",
-           "mismatches_frame", "write_load_report", "interval_of"]
+           "mismatches_frame", "write_load_report"]
