@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvtool.cli import common
-from kvtool.prompts import Request, RequestFileError, load_messages, load_requests_jsonl
+from kvtool.prompts import (
+    MAX_PROMPT_BYTES,
+    Request,
+    RequestFileError,
+    load_messages,
+    load_requests_jsonl,
+    read_stdin,
+    read_text,
+)
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -31,21 +39,61 @@ Examples:
 
 As mlx_lm.generate: --prompt/--prompt-file are wrapped in the model's chat template unless --ignore-chat-template; '-' reads stdin; -m is --max-tokens.
 
+A prompt file, stdin, --messages or --requests file larger than --max-prompt-bytes (default 64MiB) is refused with one error line (exit 2).
+
 Exit codes: 0 served and shut down cleanly; 1 served but the shutdown was not clean (the writer did not drain); 2 bad input; 130/143 interrupted by SIGINT/SIGTERM (after a clean drain).
 """
 
 
-def _collect_requests(prompt, prompt_file, messages, requests_file) -> list[Request]:
+MaxPromptBytesOpt = Annotated[
+    str, typer.Option("--max-prompt-bytes", help="Largest prompt file, stdin, --messages or --requests file, e.g. 64MiB.",
+                      rich_help_panel="Prompt")
+]
+
+
+def parse_max_prompt_bytes(value: str) -> int:
+    """`--max-prompt-bytes` in bytes (shared with `kvtool warm`).
+
+    Raises:
+        CLIError: not a size, or zero.
+    """
+    from kvtool.units import parse_size
+
+    try:
+        n = parse_size(value)
+    except ValueError as exc:
+        raise common.CLIError(f"--max-prompt-bytes: {exc}") from None
+    if n < 1:
+        raise common.CLIError("--max-prompt-bytes must be at least 1 byte")
+    return n
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None, max_bytes: int) -> str | None:
+    """`--prompt` / `--prompt-file` as `common.read_prompt_arg` reads them, with stdin and files
+    read at most `max_bytes` bytes."""
+    import sys
+
+    if prompt == "-" or (prompt is None and prompt_file is not None and str(prompt_file) == "-"):
+        name = "--prompt -" if prompt == "-" else "--prompt-file -"
+        if sys.stdin is None:
+            raise common.CLIError(f"{name}: no stdin")
+        return read_stdin(max_bytes, name=f"{name} (stdin)")
+    if prompt is None and prompt_file is not None:
+        return read_text(prompt_file, max_bytes)
+    return common.read_prompt_arg(prompt, None)
+
+
+def _collect_requests(prompt, prompt_file, messages, requests_file, max_bytes: int = MAX_PROMPT_BYTES) -> list[Request]:
     given = [x is not None for x in (prompt, prompt_file, messages, requests_file)]
     if sum(given) != 1:
         raise common.CLIError("give exactly one of --prompt, --prompt-file, --messages, --requests")
     try:
-        text = common.read_prompt_arg(prompt, prompt_file)
+        text = _read_prompt(prompt, prompt_file, max_bytes)
         if text is not None:
             return [Request(prompt=text)]
         if messages is not None:
-            return [Request(messages=load_messages(messages))]
-        return load_requests_jsonl(requests_file)
+            return [Request(messages=load_messages(messages, max_bytes))]
+        return load_requests_jsonl(requests_file, max_bytes)
     except RequestFileError as exc:
         raise common.CLIError(str(exc)) from None
 
@@ -78,6 +126,7 @@ def serve_once(
         Path | None,
         typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens.", rich_help_panel="Prompt"),
     ] = None,
+    max_prompt_bytes: MaxPromptBytesOpt = "64MiB",
     max_tokens: common.MaxTokensOpt = 64,
     ignore_chat_template: common.IgnoreChatTemplateOpt = False,
     system_prompt: common.SystemPromptOpt = None,
@@ -105,7 +154,7 @@ def serve_once(
     common.setup_logging(verbose)
     try:
         with common.signals_raise(), common.cli_errors():
-            reqs = _collect_requests(prompt, prompt_file, messages, requests)
+            reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
             cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
                                      codec)
             engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,

@@ -32,6 +32,8 @@ Examples:
 
   kill -HUP <pid>    (re-read --config and the cache flags; reattach the tiers live)
 
+Requests are checked before they reach the generation thread: a body over --max-body-bytes or a prompt over --max-prompt-tokens is answered 413, malformed JSON or fields 400, a model other than the served one 404; a generation thread that fails is restarted (its requests get 500).
+
 --port 0 listens on any free port (printed in the 'listening on' line). SIGINT/SIGTERM stop the server: requests in flight are cut off, the SSD writer is drained and the index closed. SIGHUP reconfigures the cache live: it re-reads --config (the flags still win), waits for the cache call in progress, drains the writer, flushes, detaches, drops RAM blocks and reattaches under the new settings; requests in flight finish but are not stored.
 
 Exit codes: 130/143 stopped by SIGINT/SIGTERM after a clean drain; 1 the writer did not drain (run kvtool validate); 2 bad input (model, options, address in use).
@@ -69,6 +71,15 @@ def serve_http(
     prompt_concurrency: Annotated[
         int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
     ] = 8,
+    max_prompt_tokens: Annotated[
+        int | None,
+        typer.Option("--max-prompt-tokens", min=1, show_default=False,
+                     help="Longest prompt served, in tokens after the chat template (longer: HTTP 413) "
+                          "[default: the model's context length, at most 32768]."),
+    ] = None,
+    max_body_bytes: Annotated[
+        str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
+    ] = "8MiB",
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
@@ -94,6 +105,14 @@ def serve_http(
                     f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
                     "drop the option (kvtool keeps the whole prompt's KV)"
                 )
+            from kvtool.units import parse_size
+
+            try:
+                body_limit = parse_size(max_body_bytes)
+            except ValueError as exc:
+                raise common.CLIError(f"--max-body-bytes: {exc}") from None
+            if body_limit < 1024:
+                raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
             setup_server_logging(level)
 
             def make_config():
@@ -103,7 +122,8 @@ def serve_http(
             cfg = make_config()
             server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,
                             prefill_step_size=prefill_step_size, decode_concurrency=decode_concurrency,
-                            prompt_concurrency=prompt_concurrency, log_level=level)
+                            prompt_concurrency=prompt_concurrency, log_level=level,
+                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit)
             code = _run(server, make_config)
     except common.Interrupted as exc:  # before serving started: nothing was written
         code = 128 + exc.signum
@@ -129,7 +149,10 @@ def _describe(server) -> str:
         ssd = f"SSD {pc.namespace_dir}" if pc.namespace_dir is not None else f"no SSD ({pc.ssd_disabled_reason})"
         cache = (f"{ssd} | layout {pc.layout_key} | block {cfg.block_size} | policy {cfg.ssd_policy} | "
                  f"RAM {cfg.ram_bytes} B")
-    return f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache}"
+    limits = server.limits
+    return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
+            f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
+            f"body <= {limits.max_body_bytes} B")
 
 
 def _is_loopback(host: str) -> bool:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 HELP = """Prefill prompts into the SSD tier ahead of time (no decode), so later requests start from cached KV.
 
-SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each. Plain prompts are wrapped in the model's chat template like serve-once does (--ignore-chat-template: raw text), so a warmed prompt hits. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings. Ctrl-C stops after draining the writer; what was written stays valid.
+SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each; all sources together hold at most --max-prompt-bytes (default 64MiB). Plain prompts are wrapped in the model's chat template like serve-once does (--ignore-chat-template: raw text), so a warmed prompt hits. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings. Ctrl-C stops after draining the writer; what was written stays valid.
 
 Examples:
 
@@ -39,6 +39,9 @@ def warm_cmd(
     sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
     model: common.ModelOpt = "tiny",
     whole: WholeOpt = False,
+    max_prompt_bytes: Annotated[
+        str, typer.Option("--max-prompt-bytes", help="Most bytes read from all sources together, e.g. 64MiB.")
+    ] = "64MiB",
     ignore_chat_template: common.IgnoreChatTemplateOpt = False,
     system_prompt: common.SystemPromptOpt = None,
     adapter_path: common.AdapterPathOpt = None,
@@ -59,10 +62,11 @@ def warm_cmd(
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
+        from kvtool.cli.cmd_serve import parse_max_prompt_bytes
         from kvtool.ops.warm import WarmError, check_engine, load_sources
 
         try:
-            prompts = load_sources(sources, whole=whole)
+            prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
         cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,

@@ -21,7 +21,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtool.ops.ssd_writes import ssd_write_problem, write_counts
-from kvtool.prompts import Request, RequestFileError, load_requests_jsonl, read_text
+from kvtool.prompts import (
+    MAX_PROMPT_BYTES,
+    PromptSourceTooLarge,
+    Request,
+    RequestFileError,
+    parse_requests_jsonl,
+    read_text,
+)
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -117,27 +124,30 @@ class WarmReport:
 
 
 # ----------------------------------------------------------------------------- sources
-def load_sources(paths: Sequence[Path], whole: bool = False) -> list[WarmPrompt]:
+def load_sources(paths: Sequence[Path], whole: bool = False, max_bytes: int = MAX_PROMPT_BYTES) -> list[WarmPrompt]:
     """Read every source into prompts, in the order given.
 
     Args:
         paths: text files, `.jsonl` files or directories.
         whole: a text file is one prompt (default: one prompt per non-blank line).
             Files found in a directory are always whole prompts.
+        max_bytes: the most bytes read from all sources together (a file, device or pipe
+            beyond it is refused after reading at most the remaining budget plus one byte).
 
     Returns:
         The prompts (at least one).
 
     Raises:
-        WarmError: a source is missing, unreadable, not UTF-8, empty, or an invalid JSONL
-            (the message names the file and line).
+        WarmError: a source is missing, unreadable, not UTF-8, empty, an invalid JSONL (the
+            message names the file and line), or the sources hold more than `max_bytes` bytes.
     """
     if not paths:
         raise WarmError("no source given")
     prompts: list[WarmPrompt] = []
+    budget = _Budget(max_bytes)
     for path in map(Path, paths):
         try:
-            prompts.extend(_load_one(path, whole))
+            prompts.extend(_load_one(path, whole, budget))
         except RequestFileError as exc:
             raise WarmError(str(exc)) from None
         except OSError as exc:
@@ -145,7 +155,31 @@ def load_sources(paths: Sequence[Path], whole: bool = False) -> list[WarmPrompt]
     return prompts
 
 
-def _load_one(path: Path, whole: bool) -> list[WarmPrompt]:
+class _Budget:
+    """Bytes left to read from the sources of one `load_sources` call."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.left = total
+
+    def read(self, path: Path) -> str:
+        """`read_text` within what is left (spent by the file's UTF-8 size).
+
+        Raises:
+            WarmError: the sources read so far and this file hold more than `total` bytes.
+        """
+        try:
+            text = read_text(path, self.left)
+        except PromptSourceTooLarge:
+            from kvtool.units import format_bytes
+
+            raise WarmError(f"{path}: the sources hold more than {format_bytes(self.total)}, the limit for "
+                            "warm sources in all (--max-prompt-bytes)") from None
+        self.left -= len(text.encode("utf-8"))
+        return text
+
+
+def _load_one(path: Path, whole: bool, budget: _Budget) -> list[WarmPrompt]:
     if path.is_dir():
         files = sorted(
             p for p in path.rglob("*")
@@ -154,12 +188,13 @@ def _load_one(path: Path, whole: bool) -> list[WarmPrompt]:
         )  # fmt: skip
         if not files:
             raise WarmError(f"{path}: no {'/'.join(SOURCE_SUFFIXES)} files in this directory")
-        return [WarmPrompt(Request(prompt=read_text(f)), str(f)) for f in files]
+        return [WarmPrompt(Request(prompt=budget.read(f)), str(f)) for f in files]
     if not path.exists():
         raise WarmError(f"source not found: {path}")
     if path.suffix.lower() in JSONL_SUFFIXES:
-        return [WarmPrompt(r, f"{path}:{i}") for i, r in enumerate(load_requests_jsonl(path), start=1)]
-    text = read_text(path)
+        requests = parse_requests_jsonl(budget.read(path), str(path))
+        return [WarmPrompt(r, f"{path}:{i}") for i, r in enumerate(requests, start=1)]
+    text = budget.read(path)
     if whole:
         return [WarmPrompt(Request(prompt=text), str(path))]
     return [

@@ -12,7 +12,13 @@ tool calls) and `mlx_lm.server.APIHandler` answers `/v1/chat/completions`, `/v1/
 - one more read-only route, `GET /kvtool/stats` (JSON: adapter and tier counters, layout key,
   the last requests' cached/RAM/SSD/prefilled tokens);
 - the listening socket and the shutdown are owned here, so that a shutdown stops the HTTP server
-  and the generation thread, then drains the SSD writer and closes the index (`close`).
+  and the generation thread, then drains the SSD writer and closes the index (`close`);
+- requests are checked in the handler (`kvtool.server.handler`) before they reach the
+  generation thread (`kvtool.server.validation`: body size, JSON, field types, the served model
+  name; the prompt's token count against `max_prompt_tokens`), answered 4xx with
+  `{"error": message}`; `GET /v1/models` lists the served model's names;
+- the generation thread restarts when its loop raises, failing the requests it held with 500
+  (`kvtool.server.watchdog`).
 
     server = KVToolServer("tiny", KVToolConfig(), port=0)
     threading.Thread(target=server.serve_forever).start()
@@ -27,17 +33,18 @@ import json
 import logging
 import socket
 import threading
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from kvtool.config import KVToolConfig
+from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
+from kvtool.server.handler import MAX_CONNECTIONS, STATS_PATH, RequestGuard, _HTTPServer, make_handler_class
+from kvtool.server.validation import Limits
 from kvtool.store.tiered import ShutdownStatus
 
 log = logging.getLogger("kvtool.server")
 
-STATS_PATH = "/kvtool/stats"
 GENERATION_STOP_TIMEOUT_S = 60.0
 
 
@@ -70,32 +77,6 @@ def server_args(**overrides: Any) -> argparse.Namespace:
     return argparse.Namespace(**args)
 
 
-def make_handler_class(cache: KVToolPromptCache):
-    """mlx-lm's `APIHandler` plus `GET /kvtool/stats`."""
-    from mlx_lm.server import APIHandler
-
-    class KVToolAPIHandler(APIHandler):
-        kvtool_cache = cache
-
-        def do_GET(self):  # noqa: N802 - http.server naming
-            if self.path.split("?", 1)[0] == STATS_PATH:
-                body = json.dumps(self.kvtool_cache.stats(), default=str).encode()
-                self._set_completion_headers(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-                self.wfile.flush()
-                return
-            super().do_GET()
-
-    return KVToolAPIHandler
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True  # a request in flight never keeps the process alive after shutdown
-    kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
-
-
 class ServerStartError(Exception):
     """The model could not be loaded or the address could not be bound (one-line message)."""
 
@@ -108,20 +89,26 @@ class KVToolServer:
         config: kvtool cache settings.
         host, port: address to listen on (port 0: any free port, see `port`).
         adapter_path: LoRA adapter directory (part of the model identity and the layout key).
+        max_prompt_tokens: longest prompt served (tokens, after the chat template; longer: 413).
+            None: the model's context length, at most `validation.MAX_PROMPT_TOKENS_CAP`.
+        max_body_bytes: largest request body (bytes; larger: 413).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
             `decode_concurrency`, `temp`, ...).
 
     Raises:
-        ServerStartError: the model does not load or the address cannot be bound.
+        ServerStartError: the model does not load, the address cannot be bound, or the default
+            `max_tokens` exceeds the model's context length.
         ValueError: an unknown server option.
     """
 
     def __init__(self, model: str, config: KVToolConfig, *, host: str = "127.0.0.1", port: int = 8080,
-                 adapter_path: str | None = None, **server_options: Any):
-        from mlx_lm.server import ModelProvider, ResponseGenerator
+                 adapter_path: str | None = None, max_prompt_tokens: int | None = None,
+                 max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, **server_options: Any):
+        from mlx_lm.server import ModelProvider
 
         from kvtool.models.loader import ModelLoadError, compute_model_id, resolve_spec
         from kvtool.prefix import PrefixCache
+        from kvtool.server.watchdog import KVToolResponseGenerator
 
         self.spec = model
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
@@ -141,15 +128,19 @@ class KVToolServer:
             model_id = compute_model_id(path, adapter)
         except Exception as exc:  # noqa: BLE001 - any loader failure is one line
             raise ServerStartError(f"cannot load model {model!r} from {path}: {' '.join(str(exc).split())}") from exc
-        self._alias(model, str(path), adapter)
+        names = self._alias(model, Path(path), adapter)
+        self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
+        guard = RequestGuard(self.limits, self.provider.tokenizer)
         self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name)
         self.cache = KVToolPromptCache(self.prefix_cache, model_key=self.provider.model_key)
         try:
             try:
-                self.httpd = self._bind(host, port, make_handler_class(self.cache))
+                self.httpd = self._bind(host, port, make_handler_class(self.cache, guard))
             except OSError as exc:
                 raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-            self.generator = ResponseGenerator(self.provider, self.cache)  # starts the generation thread
+            # starts the generation thread
+            self.generator = KVToolResponseGenerator(self.provider, self.cache,
+                                                     max_prompt_tokens=self.limits.max_prompt_tokens)
             self.httpd.kvtool_holder["generator"] = self.generator
         except BaseException:  # a bind error or a signal: the index is still closed cleanly
             generator = getattr(self, "generator", None)
@@ -161,13 +152,37 @@ class KVToolServer:
         self._close_lock = threading.Lock()
         self._serving = threading.Event()
 
-    def _alias(self, spec: str, path: str, adapter: str | None) -> None:
-        """Let clients name the model as given on the command line (`"model": "tiny"`), besides
-        mlx-lm's `default_model` and the model path (uses ModelProvider's name maps)."""
-        for attr, value in (("_model_map", path), ("_adapter_map", adapter)):
+    def _alias(self, spec: str, path: Path, adapter: str | None) -> tuple[str, ...]:
+        """Let clients name the model as given on the command line (`"model": "tiny"`) or by its
+        path (as given or resolved), besides mlx-lm's `default_model`: each name maps to the
+        loaded model and adapter (ModelProvider's name maps). Returns the names, the command
+        line's first; requests naming anything else are refused (404), so that no request makes
+        the generation thread load (or download) another model."""
+        names = tuple(dict.fromkeys((spec, str(path), str(path.resolve()), "default_model")))
+        for attr, value in (("_model_map", str(path)), ("_adapter_map", adapter)):
             mapping = getattr(self.provider, attr, None)
-            if isinstance(mapping, dict) and spec not in mapping and spec != path:
-                mapping[spec] = value
+            if isinstance(mapping, dict):
+                for alias in names:
+                    mapping.setdefault(alias, value)
+        return names
+
+    def _limits(self, names: tuple[str, ...], max_prompt_tokens: int | None, max_body_bytes: int,
+                max_tokens: int) -> Limits:
+        """The request limits for this model (context length from its config.json)."""
+        try:
+            doc = json.loads((Path(self.model_path) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            doc = {}
+        context = validation.model_context_length(doc if isinstance(doc, dict) else {})
+        cap = context or validation.DEFAULT_CONTEXT_TOKENS
+        if max_tokens > cap:
+            raise ServerStartError(f"--max-tokens {max_tokens} is more than the model's context length ({cap} tokens)")
+        if max_prompt_tokens is None:
+            max_prompt_tokens = min(cap, validation.MAX_PROMPT_TOKENS_CAP)
+        tokenizer: Any = self.provider.tokenizer
+        vocab = getattr(getattr(self.provider.model, "args", None), "vocab_size", None) or len(tokenizer.get_vocab())
+        return Limits(max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens, max_tokens_cap=cap,
+                      vocab_size=int(vocab), model_names=names, images=self.provider.processor is not None)
 
     @staticmethod
     def _bind(host: str, port: int, handler_class) -> _HTTPServer:
@@ -249,4 +264,4 @@ def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HT
 
 
 __all__ = ["KVToolServer", "ServerStartError", "server_args", "mlx_lm_server_defaults", "make_handler_class",
-           "STATS_PATH"]
+           "STATS_PATH", "MAX_CONNECTIONS"]

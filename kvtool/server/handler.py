@@ -1,0 +1,372 @@
+"""The HTTP side of `kvtool serve`: mlx-lm's `APIHandler` with request checks, and the server.
+
+`make_handler_class(cache, guard)` subclasses `mlx_lm.server.APIHandler`:
+
+- `POST` completions: the body is read with a size limit and a deadline, parsed and checked
+  (`kvtool.server.validation`) and the prompt tokenized against `max_prompt_tokens`
+  (`RequestGuard`) before mlx-lm's own `do_POST` sees it; refusals are answered 4xx with
+  `{"error": message}` (mlx-lm's error body) and one log line;
+- an exception of the generator is answered with its own status (`error_status`: 413 prompt too
+  long, 500 generation failed, 503 generation stopped, 400 the prompt could not be built)
+  instead of mlx-lm's 404, and a failure after the answer started ends the stream with an error
+  event (or a 500 if nothing was sent); a client that goes away is one log line;
+- `GET /v1/models` lists the served model's names (mlx-lm scans the Hugging Face cache and
+  answers an empty 200 without one); `GET /kvtool/stats` returns the cache and server counters.
+
+`_HTTPServer` serves at most `MAX_CONNECTIONS` connections at once (503 beyond) and logs a
+handler's unexpected exception in one line instead of socketserver's traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import logging
+import socket
+import threading
+import time
+from http.server import ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any
+from urllib.parse import unquote
+
+from kvtool.server import validation
+from kvtool.server.adapter import KVToolPromptCache
+from kvtool.server.validation import Limits, RequestError
+
+log = logging.getLogger("kvtool.server")
+
+STATS_PATH = "/kvtool/stats"
+SOCKET_TIMEOUT_S = 60.0  # a client silent this long while sending or receiving is dropped
+BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this (else 408)
+MAX_CONNECTIONS = 256  # connections served at once; more are answered 503 and closed
+LINGER_S = 2.0  # after refusing an unread body, how long the rest is read and dropped
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+def error_status(exc: BaseException) -> int:
+    """The HTTP status for an exception raised by the generator for one request."""
+    from kvtool.server.watchdog import GenerationFailed, GenerationUnavailable, PromptTooLong
+
+    if isinstance(exc, RequestError):
+        return exc.status
+    if isinstance(exc, PromptTooLong):
+        return 413
+    if isinstance(exc, GenerationUnavailable):
+        return 503
+    if isinstance(exc, GenerationFailed):
+        return 500
+    if isinstance(exc, ValueError | TypeError | LookupError) or type(exc).__module__.startswith("jinja2"):
+        return 400  # the request could not be tokenized (chat template, message fields)
+    return 500
+
+
+class RequestGuard:
+    """What the handler checks a request against: `limits` and a private copy of the tokenizer
+    (the prompt is tokenized in the handler thread, under a lock, as the generation thread will)."""
+
+    def __init__(self, limits: Limits, tokenizer: Any):
+        self.limits = limits
+        self._tokenizer = copy.deepcopy(tokenizer)
+        self._lock = threading.Lock()
+        self.rejected: dict[str, int] = {}
+        self._count_lock = threading.Lock()
+
+    def count_rejected(self, status: int) -> None:
+        with self._count_lock:
+            self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
+
+    def check_prompt(self, generator: Any, body: dict[str, Any], path: str) -> None:
+        """Tokenize the prompt as mlx-lm's generation thread will (`_tokenize`, with the chat
+        template) and refuse it over `max_prompt_tokens`. Prompts with images are left to the
+        generation thread's own check.
+
+        Raises:
+            RequestError: 413 too many tokens; 400 the chat template or tokenizer refused it.
+        """
+        from mlx_lm.server import CompletionRequest
+
+        from kvtool.server.watchdog import PromptTooLong
+
+        if path == "/v1/completions":
+            request = CompletionRequest("text", body["prompt"], [], None, None)
+        else:
+            messages = body["messages"]
+            if any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
+                   for m in messages):
+                return
+            request = CompletionRequest("chat", "", copy.deepcopy(messages), body.get("tools") or None,
+                                        body.get("role_mapping"))
+        args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
+        with self._lock:
+            try:
+                generator._tokenize(self._tokenizer, request, args)
+            except PromptTooLong as exc:
+                raise RequestError(413, str(exc)) from None
+            except Exception as exc:  # noqa: BLE001 - a template/tokenizer error is the request's
+                raise RequestError(400, f"cannot build the prompt: {type(exc).__name__}: "
+                                        f"{' '.join(str(exc).split())[:300]}") from None
+
+
+class _Capture:
+    """The shared generator, seen by one handler: remembers the exception `generate` raised, so
+    that the handler answers it with its own status instead of mlx-lm's 404."""
+
+    def __init__(self, generator: Any, handler: Any):
+        self._generator = generator
+        self._handler = handler
+
+    def generate(self, *args, **kwargs):
+        try:
+            return self._generator.generate(*args, **kwargs)
+        except Exception as exc:
+            self._handler.kvtool_error = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._generator, name)
+
+
+def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard):
+    """mlx-lm's `APIHandler` plus request checks, `GET /kvtool/stats` and a served-model `/v1/models`."""
+    from mlx_lm.server import APIHandler
+
+    class KVToolAPIHandler(APIHandler):
+        kvtool_cache = cache
+        kvtool_guard = guard
+        timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler: socket timeout for every read and write
+        kvtool_error: BaseException | None = None
+        kvtool_headers_sent = False
+        kvtool_body_read = False
+
+        # ------------------------------------------------------------- routes
+        def do_GET(self):  # noqa: N802 - http.server naming
+            route = self.path.split("?", 1)[0]
+            if route == STATS_PATH:
+                stats = self.kvtool_cache.stats()
+                generator = self.response_generator
+                stats["server"] = {**(generator.stats() if hasattr(generator, "stats") else {}),
+                                   "rejected_by_status": dict(self.kvtool_guard.rejected),
+                                   "max_prompt_tokens": self.kvtool_guard.limits.max_prompt_tokens,
+                                   "max_tokens_cap": self.kvtool_guard.limits.max_tokens_cap,
+                                   "max_body_bytes": self.kvtool_guard.limits.max_body_bytes}
+                self._send_json(200, stats)
+                return
+            super().do_GET()
+
+        def handle_models_request(self):
+            """The served model's names (`model` values this server accepts), OpenAI's list shape;
+            `/v1/models/<id>` returns one model object (404 for another id)."""
+            names = [n for n in self.kvtool_guard.limits.model_names if n != "default_model"]
+            entries = [{"id": n, "object": "model", "created": self.created, "owned_by": "kvtool"} for n in names]
+            rest = self.path.split("?", 1)[0][len("/v1/models"):]
+            wanted = unquote(rest[1:] if rest.startswith("/") else rest)
+            if not wanted:
+                self._send_json(200, {"object": "list", "data": entries})
+            elif wanted in self.kvtool_guard.limits.model_names:
+                self._send_json(200, {"id": wanted, "object": "model", "created": self.created, "owned_by": "kvtool"})
+            else:
+                self._send_json(404, {"error": f"model {wanted[:200]!r} is not served here"})
+
+        def do_POST(self):  # noqa: N802 - http.server naming
+            self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
+            if self.path not in validation.COMPLETION_PATHS:
+                self._refuse(RequestError(404, f"no such route: POST {self.path[:100]}"))
+                return
+            try:
+                body = self._read_body()
+                validation.check_request(body, self.path, self.kvtool_guard.limits)
+                self.kvtool_guard.check_prompt(self.response_generator, body, self.path)
+            except RequestError as exc:
+                self._refuse(exc)
+                return
+            # mlx-lm's do_POST reads the (checked, normalised) body again, from memory.
+            data = json.dumps(body).encode()
+            self.headers.replace_header("Content-Length", str(len(data)))
+            rfile, self.rfile = self.rfile, io.BytesIO(data)
+            try:
+                super().do_POST()
+            finally:
+                self.rfile = rfile
+
+        def handle_completion(self, request, stop_words):
+            shared = self.response_generator
+            self.response_generator = _Capture(shared, self)
+            try:
+                super().handle_completion(request, stop_words)
+            except CLIENT_GONE as exc:
+                self.close_connection = True
+                log.info("client %s went away during the response (%s)", self.client_address[0], type(exc).__name__)
+            except Exception as exc:  # noqa: BLE001 - answered, never a dropped connection
+                self._fail_started(exc)
+            finally:
+                self.response_generator = shared
+
+        # ------------------------------------------------------------- helpers
+        def _set_completion_headers(self, status_code: int = 200):
+            if status_code == 404 and self.kvtool_error is not None:  # mlx-lm's answer to any generate() error
+                exc, self.kvtool_error = self.kvtool_error, None
+                status_code = error_status(exc)
+                self.kvtool_guard.count_rejected(status_code)
+                log.warning("request refused (%d): %s: %s", status_code, type(exc).__name__,
+                            " ".join(str(exc).split())[:300])
+            super()._set_completion_headers(status_code)
+
+        def flush_headers(self):
+            self.kvtool_headers_sent = True
+            super().flush_headers()
+
+        def _send_json(self, status: int, doc: Any) -> None:
+            data = json.dumps(doc, default=str).encode()
+            try:
+                super()._set_completion_headers(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            except CLIENT_GONE:
+                self.close_connection = True
+
+        def _refuse(self, exc: RequestError) -> None:
+            self.kvtool_guard.count_rejected(exc.status)
+            log.info("request refused (%d): %s", exc.status, exc.message)
+            self.close_connection = True
+            self._send_json(exc.status, {"error": exc.message})
+            if not self.kvtool_body_read:
+                self._linger()
+
+        def _linger(self) -> None:
+            """After an answer sent without reading the body: close our side, then read (and drop)
+            what the client still sends, briefly, so that closing does not reset the connection
+            before the client has read the answer."""
+            deadline, left = time.monotonic() + LINGER_S, validation.DRAIN_MAX_BYTES
+            try:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_WR)
+                self.connection.settimeout(LINGER_S)
+                while left > 0 and time.monotonic() < deadline:
+                    chunk = self.connection.recv(1 << 16)
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:
+                pass
+
+        def _fail_started(self, exc: Exception) -> None:
+            """A failure after mlx-lm started answering: a 500 if nothing was sent yet, else an
+            error event ending the stream."""
+            status = error_status(exc)
+            message = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            log.error("request failed while generating (%d): %s", status, message)
+            self.kvtool_guard.count_rejected(status)
+            self.close_connection = True
+            if not self.kvtool_headers_sent:
+                buffered = getattr(self, "_headers_buffer", None)
+                if buffered:
+                    buffered.clear()  # mlx-lm's 200 status line, not sent yet
+                self._send_json(status, {"error": message})
+                return
+            try:
+                self.wfile.write(f"data: {json.dumps({'error': {'message': message, 'code': status}})}\n\n".encode())
+                self.wfile.flush()
+            except CLIENT_GONE:
+                pass
+
+        def _read_body(self) -> dict[str, Any]:
+            limits = self.kvtool_guard.limits
+            if self.headers.get("Transfer-Encoding") is not None:
+                raise RequestError(411, "Transfer-Encoding is not supported; send a Content-Length")
+            values = self.headers.get_all("Content-Length") or []
+            if len(set(values)) > 1:
+                raise RequestError(400, "conflicting Content-Length headers")
+            try:
+                n = validation.content_length(values[0] if values else None, limits.max_body_bytes)
+            except RequestError as exc:
+                if exc.status == 413:
+                    self.kvtool_body_read = self._drain(int(values[0].strip()))
+                raise
+            raw = self._read_exact(n)
+            self.kvtool_body_read = True
+            return validation.parse_body(raw)
+
+        def _read_exact(self, n: int) -> bytes:
+            deadline = time.monotonic() + BODY_TIMEOUT_S
+            chunks, left = [], n
+            try:
+                while left > 0:
+                    if time.monotonic() > deadline:
+                        raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s")
+                    chunk = self.rfile.read1(min(left, 1 << 16))
+                    if not chunk:
+                        raise RequestError(400, f"request body ended after {n - left} of {n} bytes")
+                    chunks.append(chunk)
+                    left -= len(chunk)
+            except CLIENT_GONE:
+                raise RequestError(408, "request body not received in time") from None
+            return b"".join(chunks)
+
+        def _drain(self, n: int) -> bool:
+            """Read and drop an oversized body (up to DRAIN_MAX_BYTES), so that the client, still
+            sending, reads the 413 instead of a reset connection. True when all of it was read."""
+            if n > validation.DRAIN_MAX_BYTES:
+                return False
+            deadline = time.monotonic() + BODY_TIMEOUT_S
+            try:
+                while n > 0 and time.monotonic() < deadline:
+                    chunk = self.rfile.read1(min(n, 1 << 16))
+                    if not chunk:
+                        return False
+                    n -= len(chunk)
+            except (OSError, ValueError):
+                return False
+            return n == 0
+
+    return KVToolAPIHandler
+
+
+BUSY_RESPONSE = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                 b"Content-Length: 44\r\n\r\n" + b'{"error": "too many connections, try again"}')
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a request in flight never keeps the process alive after shutdown
+    kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            try:
+                request.sendall(BUSY_RESPONSE)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        """One log line (socketserver prints a traceback); the traceback at DEBUG."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, CLIENT_GONE):
+            log.info("client %s went away (%s)", client_address[0], type(exc).__name__)
+        else:
+            log.error("error while handling a request from %s: %s: %s", client_address[0], type(exc).__name__,
+                      " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
+
+
+__all__ = ["make_handler_class", "RequestGuard", "error_status", "STATS_PATH", "MAX_CONNECTIONS"]

@@ -1,0 +1,182 @@
+"""mlx-lm's `ResponseGenerator` with a generation thread that survives its own exceptions.
+
+In mlx-lm 0.32.2 an exception raised in the generation loop outside its per-request `try`
+(e.g. `"stop": 5` reaching `_make_state_machine`) ends the generation thread for good: every
+later request is answered 404 "generation thread died" while the process keeps its port.
+`KVToolResponseGenerator` runs the same loop (`ResponseGenerator._generate`, unchanged) under a
+watchdog in the same thread: when the loop raises, every request it had taken or that was queued
+is failed with `GenerationFailed` (the handler answers 500), and the loop starts again with
+fresh state (the model stays loaded). More than `MAX_RESTARTS` failures within
+`RESTART_WINDOW_S` mean the failure is not a single bad request: the thread then stops, `/health`
+answers 503 and every request is answered 503 at once (`GenerationUnavailable`).
+
+It also refuses prompts longer than `max_prompt_tokens` at tokenization (`PromptTooLong`, 413),
+whatever path they came by (the handler checks before queuing; this is the backstop, e.g. for
+prompts with images, which the handler does not tokenize).
+
+Test seam: with the environment variable `KVTOOL_TEST_GENERATION_FAULT` set to a string, a
+request whose stop strings include it makes the generation loop raise where `"stop": 5` did
+(the handler rejects `"stop": 5` itself, so the restart path needs another trigger).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from queue import Empty, Queue
+from typing import Any
+
+from mlx_lm.server import ResponseGenerator
+
+log = logging.getLogger("kvtool.server")
+
+MAX_RESTARTS = 5  # generation loop failures tolerated within RESTART_WINDOW_S
+RESTART_WINDOW_S = 60.0
+FAULT_ENV = "KVTOOL_TEST_GENERATION_FAULT"
+
+
+class GenerationFailed(RuntimeError):
+    """The generation loop raised while this request was queued or in progress (HTTP 500)."""
+
+
+class GenerationUnavailable(RuntimeError):
+    """The generation loop failed too often and was stopped (HTTP 503)."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than `max_prompt_tokens` (HTTP 413)."""
+
+    def __init__(self, n_tokens: int, limit: int):
+        super().__init__(f"the prompt has {n_tokens} tokens, more than this server's limit of {limit} "
+                         f"(kvtool serve --max-prompt-tokens)")
+        self.n_tokens = n_tokens
+        self.limit = limit
+
+
+class KVToolResponseGenerator(ResponseGenerator):
+    """`mlx_lm.server.ResponseGenerator` whose generation loop is restarted when it raises.
+
+    Args:
+        model_provider, prompt_cache: as `ResponseGenerator`.
+        max_prompt_tokens: longest prompt accepted (tokens, after the chat template).
+        max_restarts, restart_window_s: more than `max_restarts` loop failures within
+            `restart_window_s` seconds stop generation for good (503).
+    """
+
+    def __init__(self, model_provider: Any, prompt_cache: Any, *, max_prompt_tokens: int,
+                 max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S):
+        # Set before the base class starts the generation thread.
+        self.max_prompt_tokens = max_prompt_tokens
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.restarts = 0
+        self.last_failure: str | None = None
+        self._failures: deque[float] = deque()
+        self._registry_lock = threading.Lock()
+        # The response queue of every request handed to the loop (weak: a finished request's
+        # queue goes away with its handler).
+        self._in_flight: weakref.WeakKeyDictionary[Queue, None] = weakref.WeakKeyDictionary()
+        self._fault = os.environ.get(FAULT_ENV) or None
+        super().__init__(model_provider, prompt_cache)
+
+    # ------------------------------------------------------------------ the thread
+    def _run_generate(self) -> None:
+        while not self._stop:
+            try:
+                self._generate()
+                return  # stopped (stop_and_join)
+            except Exception as exc:  # noqa: BLE001 - the watchdog: any failure of the loop
+                reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                log.exception("the generation loop raised (%s); failing its requests and restarting it", reason)
+                del exc  # its traceback holds the dead loop's caches
+                if not self._restart(reason):
+                    return
+
+    def _restart(self, reason: str) -> bool:
+        """Fail the dead loop's requests; False when generation must stop for good."""
+        now = time.monotonic()
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > self.restart_window_s:
+            self._failures.popleft()
+        self.last_failure = reason
+        give_up = len(self._failures) > self.max_restarts
+        if give_up:
+            self._generation_failed = True  # generate() refuses from now on; /health says 503
+            log.error("the generation loop failed %d times within %.0f s; generation is stopped (HTTP 503)",
+                      len(self._failures), self.restart_window_s)
+        error: Exception = (GenerationUnavailable(f"generation is stopped after repeated failures (last: {reason})")
+                            if give_up else
+                            GenerationFailed(f"generation failed ({reason}); the request was dropped and the "
+                                             "generation thread restarted"))
+        with self._registry_lock:
+            while True:
+                try:
+                    self.requests.get_nowait()  # queued: not taken by the loop, failed with the others
+                except Empty:
+                    break
+            for queue in list(self._in_flight):
+                queue.put(error)
+            self._in_flight.clear()
+        if not give_up:
+            self.restarts += 1
+        return not give_up
+
+    # ------------------------------------------------------------ mlx-lm hooks
+    def _tokenize(self, tokenizer, request, args):
+        out = super()._tokenize(tokenizer, request, args)
+        if len(out[0]) > self.max_prompt_tokens:
+            raise PromptTooLong(len(out[0]), self.max_prompt_tokens)
+        return out
+
+    def _make_state_machine(self, model_key, tokenizer, stop_words):
+        if self._fault is not None and self._fault in stop_words:
+            raise RuntimeError(f"fault injected by {FAULT_ENV}")
+        return super()._make_state_machine(model_key, tokenizer, stop_words)
+
+    def generate(self, request, generation_args, progress_callback=None):
+        """As `ResponseGenerator.generate`, with the request registered so that a failure of the
+        loop answers it (`GenerationFailed`) instead of leaving it waiting.
+
+        Raises:
+            GenerationUnavailable: generation was stopped after repeated failures.
+            GenerationFailed: the loop failed before the request started.
+            Exception: what the loop put for this request (tokenization, `PromptTooLong`, ...).
+        """
+        if not self.generation_available():
+            raise GenerationUnavailable(
+                f"generation is stopped after repeated failures (last: {self.last_failure or 'unknown'})")
+        response_queue: Queue = Queue()
+        with self._registry_lock:
+            self._in_flight[response_queue] = None
+            self.requests.put((response_queue, request, generation_args))
+
+        def _inner():
+            while True:
+                response = self._await_response(response_queue)
+                if response is None:
+                    break
+                if isinstance(response, Exception):
+                    raise response
+                if isinstance(response, tuple):
+                    if progress_callback is not None:
+                        progress_callback(*response)
+                    continue
+                yield response
+
+        ctx = self._await_response(response_queue)
+        if isinstance(ctx, Exception):
+            raise ctx
+        return ctx, _inner()
+
+    def stats(self) -> dict[str, Any]:
+        """Watchdog counters (JSON-able)."""
+        return {"generation_restarts": self.restarts, "generation_available": self.generation_available(),
+                "last_generation_failure": self.last_failure}
+
+
+__all__ = ["KVToolResponseGenerator", "GenerationFailed", "GenerationUnavailable", "PromptTooLong",
+           "MAX_RESTARTS", "RESTART_WINDOW_S", "FAULT_ENV"]
