@@ -2,9 +2,11 @@
 
 Every value goes through the same pydantic validators wherever it comes from, so the rules are
 the same everywhere: sizes are integers or strings such as `"1GiB"`, `"512MB"`, `"512M"`
-(`kvtool.units.parse_size`); durations are numbers in the field's unit or strings such as `"12h"`
-(`kvtool.units.parse_duration`); booleans are never numbers, NaN and infinities are rejected,
-and every number is bounded. An invalid value raises `ConfigError` naming the field.
+(`kvtool.units.parse_size`); durations are strings with their unit such as `"7d"`, `"12h"`,
+`"1d12h"` (`kvtool.units.parse_duration`; a bare number is refused, except in a field named for
+its unit: `ssd_ttl_days` (deprecated) and `ssd_flush_interval_s`); booleans are never numbers,
+NaN and infinities are rejected, and every number is bounded. An invalid value raises
+`ConfigError` naming the field.
 
 The SSD fields follow seed 000 ("SSD Write-Through Cache Plan", Config section); `block_size`,
 `ram_bytes`, `ssd_dir_mode` and the `durable` durability mode are kvtool's own additions.
@@ -13,14 +15,16 @@ The SSD fields follow seed 000 ("SSD Write-Through Cache Plan", Config section);
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import tomllib
+from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 
 from kvtool.errors import KVToolError
 from kvtool.units import MAX_DURATION_S, parse_duration, parse_size, short_repr
@@ -35,6 +39,8 @@ DEFAULT_DIR_MODE = 0o700  # owner only; 0o2770 for a cache shared by a group
 MAX_BLOCK_SIZE = 1 << 20
 MAX_WRITER_QUEUE_SIZE = 1 << 20
 MAX_RETRIES = 100
+DEFAULT_TTL_S = 7 * 86400.0  # `kvtool prune`'s TTL when neither ssd_ttl nor ssd_ttl_days is set
+_DEPRECATIONS_LOGGED: set[str] = set()  # config fields whose deprecation was logged (once per process)
 
 
 class SSDPolicy(StrEnum):
@@ -131,6 +137,32 @@ def _duration_in(unit: str) -> BeforeValidator:
     return BeforeValidator(check)
 
 
+def _ttl(value: Any, info: ValidationInfo) -> timedelta | None:
+    """`ssd_ttl`: None (not set), a duration with its unit (`"7d"`, `"1d12h"`) or a `timedelta`;
+    > 0 and at most 100 years. A bare number is refused (the message names the units)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else parse_duration(value)
+    if not 0 < seconds <= MAX_DURATION_S:
+        raise ValueError(f"must be > 0 (at most 100 years), got {short_repr(value)}")
+    if info.data.get("ssd_ttl_days") is not None:
+        raise ValueError("set ssd_ttl or the deprecated ssd_ttl_days, not both")
+    return timedelta(seconds=seconds)
+
+
+def _ttl_days(value: Any) -> float | None:
+    """The deprecated `ssd_ttl_days`: None (not set), days, or a duration string; logs the
+    deprecation once per process."""
+    if value is None:
+        return None
+    days = _duration_in("d").func(value)  # type: ignore[call-arg]
+    if "ssd_ttl_days" not in _DEPRECATIONS_LOGGED:
+        _DEPRECATIONS_LOGGED.add("ssd_ttl_days")
+        logging.getLogger("kvtool.config").warning(
+            "config field 'ssd_ttl_days' is deprecated: use ssd_ttl = \"%gd\" (a duration with its unit: 7d, 12h, 1d12h)", days)
+    return float(days)
+
+
 def _choice(enum_cls: type[StrEnum]) -> BeforeValidator:
     values = [m.value for m in enum_cls]
     choices = ", ".join(values)
@@ -217,8 +249,11 @@ class KVToolConfig(BaseModel):
         ssd_enabled: use the SSD tier at all.
         ssd_cache_dir: root of the SSD tier; one sub-directory per namespace (layout key).
             A string or path; `~` is expanded; empty is an error.
-        ssd_ttl_days: default TTL used by `kvtool prune` when no `--ttl` is given: days, or a
-            duration string (`"12h"`, `"2w"`).
+        ssd_ttl_days: deprecated (use `ssd_ttl`): the same TTL in days, or a duration string;
+            None when not set. Setting it logs a deprecation warning once.
+        ssd_ttl: default TTL used by `kvtool prune` when no `--ttl` is given: a duration with
+            its unit (`"7d"`, `"12h"`, `"1d12h"`) or a `timedelta`; held as a `timedelta`, None
+            when not set (`ttl_s` gives the TTL in effect, 7 days by default).
         ssd_policy: `write_through` (new blocks go to RAM and SSD) or `evict_only`
             (write-back: blocks reach SSD only when RAM evicts them). An `SSDPolicy`.
         ssd_durability: `best_effort` (one attempt), `persistent` (retries) or `durable`
@@ -244,7 +279,8 @@ class KVToolConfig(BaseModel):
 
     ssd_enabled: Flag = True
     ssd_cache_dir: Annotated[Path, BeforeValidator(_directory)] = Field(default_factory=default_cache_dir)
-    ssd_ttl_days: Annotated[float, _duration_in("d")] = 7.0
+    ssd_ttl_days: Annotated[float | None, BeforeValidator(_ttl_days)] = None
+    ssd_ttl: Annotated[timedelta | None, BeforeValidator(_ttl)] = None  # after ssd_ttl_days: it checks both
     ssd_policy: Annotated[SSDPolicy, _choice(SSDPolicy)] = SSDPolicy.WRITE_THROUGH
     ssd_durability: Annotated[Durability, _choice(Durability)] = Durability.BEST_EFFORT
     ssd_async_writes: Flag = True
@@ -280,6 +316,14 @@ class KVToolConfig(BaseModel):
             ConfigError: an unknown field or invalid value in `changes`.
         """
         return type(self)(**{**{name: getattr(self, name) for name in FIELD_NAMES}, **changes})
+
+    @property
+    def ttl_s(self) -> float:
+        """`kvtool prune`'s default TTL in seconds: `ssd_ttl`, else `ssd_ttl_days` (deprecated),
+        else 7 days."""
+        if self.ssd_ttl is not None:
+            return self.ssd_ttl.total_seconds()
+        return self.ssd_ttl_days * 86400.0 if self.ssd_ttl_days is not None else DEFAULT_TTL_S
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(KVToolConfig.model_fields)

@@ -1,4 +1,4 @@
-"""Human sizes and durations: `50GB`, `512MiB`, `7d`, `12h`, `30m`.
+"""Human sizes and durations: `50GB`, `512MiB`, `7d`, `12h`, `30m`, `1d12h`.
 
 One parser each, used by every flag, config file and sweep file, so the same text means the same
 thing everywhere. Arithmetic is exact (no float overflow on a 400-digit number) and results are
@@ -32,9 +32,12 @@ _SIZE_UNITS = {
     "t": 2**40,
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_UNIT_NAMES = (("d", "days"), ("h", "hours"), ("m", "minutes"), ("s", "seconds"))
 _NUMBER_UNIT = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)")
+_BARE_NUMBER = re.compile(r"\d+(?:\.\d*)?|\.\d+")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]+)\s*")  # one `12h ` of `1d 12h`
 SIZE_EXAMPLES = "examples: 50GB, 512MiB, 512M, 1048576"
-DURATION_EXAMPLES = "examples: 7d, 12h, 30m, 45s"
+DURATION_EXAMPLES = "examples: 7d, 12h, 30m, 45s, 1d12h"
 
 
 def short_repr(value: object, limit: int = 40) -> str:
@@ -71,30 +74,68 @@ def parse_size(text: str | int) -> int:
     return int(size)
 
 
-def parse_duration(text: str | int | float, default_unit: str = "s") -> float:
-    """Seconds from `30s`, `30m`, `12h`, `7d`, `2w`, or a bare number in `default_unit`.
+def parse_duration(text: str | int | float, default_unit: str | None = None) -> float:
+    """Seconds from a duration with its unit: `45s`, `30m`, `12h`, `7d`, `2w`, or a combination
+    such as `1d12h` or `1h30m` (each unit at most once; decimals allowed: `1.5h`).
+
+    A bare number (`7`, `"7"`) is refused: it would be read as seconds by one tool and as days
+    by another. Only a config key that carries its unit in its name (`ssd_ttl_days`) passes
+    `default_unit` to read a bare number in that unit.
 
     Args:
-        text: a duration string or a number (booleans, NaN and infinities are rejected).
-        default_unit: unit of a bare number: `s`, `m`, `h`, `d` or `w`.
+        text: a duration string, or a number in `default_unit` (booleans, NaN and infinities are
+            rejected).
+        default_unit: unit of a bare number, `s`, `m`, `h`, `d` or `w`; None (the default): a
+            bare number is an error.
 
     Returns:
         The duration in seconds, `0 <= seconds <= MAX_DURATION_S`.
 
     Raises:
-        ValueError: not a duration, negative, not finite, or longer than 100 years.
+        ValueError: not a duration, a bare number without `default_unit` (the message names the
+            units), negative, not finite, or longer than 100 years.
     """
     if isinstance(text, bool) or not isinstance(text, (int, float, str)):
         raise ValueError(f"not a duration: {short_repr(text)} ({DURATION_EXAMPLES})")
     if isinstance(text, float) and not math.isfinite(text):
         raise ValueError(f"a duration must be a finite number, got {text!r}")
-    if isinstance(text, str):
-        number, unit = _number_and_unit(text, "duration", DURATION_EXAMPLES)
-        if unit and unit not in _DURATION_UNITS:
-            raise ValueError(f"not a duration: {short_repr(text)} ({DURATION_EXAMPLES})")
-    else:
-        number, unit = Fraction(text), ""
-    seconds = number * _DURATION_UNITS[unit or default_unit]
+    if isinstance(text, str) and not _BARE_NUMBER.fullmatch(text.strip()):
+        return _checked_seconds(_sum_of_parts(text), text)
+    if default_unit is None:
+        raise ValueError(bare_number_message(text))
+    number = _number_and_unit(text, "duration", DURATION_EXAMPLES)[0] if isinstance(text, str) else Fraction(text)
+    return _checked_seconds(number * _DURATION_UNITS[default_unit], text)
+
+
+def bare_number_message(value: object) -> str:
+    """Why a bare number is not a duration, naming the units (`'7' has no unit: write 7d (days), ...`)."""
+    shown = str(value).strip() if len(str(value).strip()) <= 12 else "7"  # a long number: the units alone matter
+    units = ", ".join(f"{shown}{u} ({name})" for u, name in _UNIT_NAMES)
+    return f"{short_repr(value)} has no unit: write {units}; combined: 1d12h"
+
+
+def _sum_of_parts(text: str) -> Fraction:
+    """`1d12h` -> 129600 (seconds, exact). ValueError: not number+unit parts, a unit twice."""
+    parts = list(_DURATION_PART.finditer(text.strip()))
+    if not parts or "".join(p.group(0) for p in parts) != text.strip():
+        raise ValueError(f"not a duration: {short_repr(text)} ({DURATION_EXAMPLES})")
+    seen: set[str] = set()
+    seconds = Fraction(0)
+    for part in parts:
+        digits, unit = part.group(1), part.group(2).lower()
+        if unit not in _DURATION_UNITS:
+            raise ValueError(f"not a duration: {short_repr(text)}: unknown unit {unit!r} ({DURATION_EXAMPLES})")
+        if unit in seen:
+            raise ValueError(f"not a duration: {short_repr(text)}: unit {unit!r} given twice")
+        if len(digits) > _MAX_DIGITS:
+            raise ValueError(f"duration too large: {short_repr(text)}")
+        seen.add(unit)
+        seconds += Fraction(digits) * _DURATION_UNITS[unit]
+    return seconds
+
+
+def _checked_seconds(seconds: Fraction, text: object) -> float:
+    """`seconds` as a float. ValueError: negative, or longer than `MAX_DURATION_S` (`text` is quoted)."""
     if seconds < 0:
         raise ValueError(f"a duration cannot be negative, got {short_repr(text)}")
     if seconds > MAX_DURATION_S:

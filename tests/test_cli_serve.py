@@ -132,12 +132,12 @@ def test_sigterm_takes_the_clean_path(tmp_path):
 
 
 def test_mlx_lm_conventions_stdin_chat_template_and_max_tokens(tmp_path):
-    """`--prompt -` reads stdin, the chat template is applied like mlx_lm.generate, -m is --max-tokens."""
+    """`--prompt -` reads stdin, the chat template is applied like mlx_lm.generate, -n is --max-tokens."""
     from mlx_lm import load
 
     from kvtool.models import embedded
 
-    args = ["serve-once", "--json", "--prompt", "-", "-m", "3", "--system-prompt", "Be brief.",
+    args = ["serve-once", "--json", "--prompt", "-", "-n", "3", "--system-prompt", "Be brief.",
             "--cache-dir", str(tmp_path / "kv")]
     res = kvtool(*args, input="hello world")
     assert res.returncode == 0, res.stderr
@@ -147,7 +147,7 @@ def test_mlx_lm_conventions_stdin_chat_template_and_max_tokens(tmp_path):
     text = tok.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}],
                                    tokenize=False, add_generation_prompt=True)
     assert req["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))  # mlx_lm.generate's tokens
-    raw = kvtool("serve-once", "--json", "--prompt", "hello world", "--ignore-chat-template", "-m", "2",
+    raw = kvtool("serve-once", "--json", "--prompt", "hello world", "--ignore-chat-template", "-n", "2",
                  "--cache-dir", str(tmp_path / "kv"))
     assert raw.returncode == 0, raw.stderr
     assert json.loads(raw.stdout)["requests"][0]["prompt_tokens"] == len(tok.encode("hello world"))

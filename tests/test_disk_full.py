@@ -66,15 +66,15 @@ def test_full_disk_serve_warm_validate_prune(tmpfs, tmp_path):
     first.write_text(text[:1200], encoding="utf-8")
     second.write_text(text[3000:4400], encoding="utf-8")
     cache = tmpfs / "kv"
-    ref = run("serve-once", "--json", "--prompt-file", str(second), "-m", "6", "--no-ssd", "--cache-dir", str(tmp_path / "r"))
+    ref = run("serve-once", "--json", "--prompt-file", str(second), "--max-tokens", "6", "--no-ssd", "--cache-dir", str(tmp_path / "r"))
     assert ref.returncode == 0, ref.stderr
     expected = json.loads(ref.stdout)["requests"][0]["token_ids"]
 
-    ok = run("serve-once", "--json", "--prompt-file", str(first), "-m", "2", "--cache-dir", str(cache))
+    ok = run("serve-once", "--json", "--prompt-file", str(first), "--max-tokens", "2", "--cache-dir", str(cache))
     assert ok.returncode == 0, ok.stderr
     _fill(tmpfs)
 
-    served = run("serve-once", "--json", "--prompt-file", str(second), "-m", "6", "--cache-dir", str(cache), "--sync")
+    served = run("serve-once", "--json", "--prompt-file", str(second), "--max-tokens", "6", "--cache-dir", str(cache), "--sync")
     assert served.returncode == 0, served.stderr
     doc = json.loads(served.stdout)
     assert doc["requests"][0]["token_ids"] == expected

@@ -275,7 +275,9 @@ def test_cli_model_path_unknown_preset_is_one_line_exit_2():
 def test_cli_model_list_json():
     result = run_cli(["model", "list", "--json"])
     assert result.exit_code == 0, result.output
-    rows = {r["name"]: r for r in json.loads(result.output)}
+    doc = json.loads(result.output)
+    assert doc["schema_version"] == 1
+    rows = {r["name"]: r for r in doc["models"]}
     assert list(rows) == list(embedded.PRESETS)
     assert rows["tiny"]["layers"] == 2 and rows["qwen0.5b"]["hidden"] == 896
     assert rows["tiny"]["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4

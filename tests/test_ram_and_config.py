@@ -66,7 +66,7 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text,expected", [("7d", 7 * 86400), ("12h", 43200), ("30m", 1800), ("45", 45)])
+@pytest.mark.parametrize("text,expected", [("7d", 7 * 86400), ("12h", 43200), ("30m", 1800), ("45s", 45), ("1d12h", 129600)])
 def test_parse_duration(text, expected):
     assert parse_duration(text) == expected
 

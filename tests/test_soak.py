@@ -58,7 +58,7 @@ def _prompts(tmp: Path) -> list[Path]:
 
 def _serve(prompt: Path, cache: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        _cmd("serve-once", "--json", "--prompt-file", str(prompt), "-m", "6", "--block-size", BLOCK,
+        _cmd("serve-once", "--json", "--prompt-file", str(prompt), "--max-tokens", "6", "--block-size", BLOCK,
              "--cache-dir", str(cache), *extra),
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )
@@ -67,7 +67,7 @@ def _serve(prompt: Path, cache: Path, *extra: str) -> subprocess.CompletedProces
 def _random_job(rng: random.Random, prompts: list[Path], cache: Path, warm_file: Path) -> tuple[str, list[str]]:
     kind = rng.choice(["serve", "serve", "warm", "prune", "validate"])
     if kind == "serve":
-        return kind, _cmd("serve-once", "--json", "--prompt-file", str(rng.choice(prompts)), "-m", "4",
+        return kind, _cmd("serve-once", "--json", "--prompt-file", str(rng.choice(prompts)), "--max-tokens", "4",
                           "--block-size", BLOCK, "--cache-dir", str(cache),
                           "--durability", rng.choice(["best_effort", "durable"]),
                           *(["--sync"] if rng.random() < 0.3 else []))

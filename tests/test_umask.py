@@ -18,7 +18,7 @@ def _modes(root: Path) -> dict[str, int]:
 
 def _serve(cache: Path, *extra: str) -> None:
     code = "import os, sys; os.umask(0); sys.argv = ['kvtool', *sys.argv[1:]]; from kvtool.cli.app import main; main()"
-    res = subprocess.run([sys.executable, "-c", code, "serve-once", "--prompt", "hello there, general kenobi", "-m", "2",
+    res = subprocess.run([sys.executable, "-c", code, "serve-once", "--prompt", "hello there, general kenobi", "--max-tokens", "2",
                           "--cache-dir", str(cache), "--sync", *extra], capture_output=True, text=True, cwd=REPO,
                          timeout=300)
     assert res.returncode == 0, res.stderr

@@ -2,16 +2,37 @@
 
 The root group (`common.KVToolGroup`) turns every bad input, usage errors included, into one
 `error:` line and exit 2; `-h` is an alias of `--help` on every command; `--version` prints
-`kvtool <version>`.
+`kvtool <version>` (pyproject.toml's `version`, read from the installed metadata);
+`--install-completion` / `--show-completion` set up shell completion (Typer's).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from kvtool.cli import common
+
+
+def _switches_without_type_tags() -> None:
+    """Typer's rich help shows a type tag on every option, `<bool>` on a switch (`--dry-run`,
+    `--async/--sync`, `-h`) too, although a switch takes no value: show none there. (Help
+    rendering only; idempotent.)"""
+    option_cls: Any = typer.core.TyperOption
+    if getattr(option_cls.display_type_rich, "_kvtool", False):
+        return
+    typed = option_cls.display_type_rich
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        return None if (self.is_flag or self.count) and self.metavar is None else typed(self, ctx)
+
+    display_type_rich._kvtool = True  # type: ignore[attr-defined]
+    option_cls.display_type_rich = display_type_rich
+
+
+_switches_without_type_tags()
 
 app = typer.Typer(
     name="kvtool",
@@ -24,7 +45,7 @@ app = typer.Typer(
     ),
     context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every sub-command
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )

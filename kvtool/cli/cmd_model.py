@@ -53,6 +53,8 @@ def path_cmd(name: NameArg = embedded.DEFAULT_PRESET) -> None:
 def list_cmd(json_out: JsonOpt = False) -> None:
     """List the presets with their shape and whether they are built.
 
+    --json: one object with schema_version and models (a list, one object per preset).
+
     Example:
 
       kvtool model list --json
@@ -60,7 +62,7 @@ def list_cmd(json_out: JsonOpt = False) -> None:
     with cli_errors():
         rows = preset_rows()
         if json_out:
-            print_json(rows)
+            print_json({"models": rows})  # schema_version added by print_json
         else:
             console.print(_table(rows))
 

@@ -19,7 +19,7 @@ NO_TTL = ("none", "off", "never")
 
 HELP = """Remove old and least recently used segment files from the SSD tier.
 
-Plan first, per segment file (the unit that frees space): segments whose blocks were last used before --ttl (default: the config's ssd_ttl_days, 7 days; --ttl none disables it); then the least recently used segments until each namespace (or, with --all, the whole cache) fits --max-bytes. Descendants of a removed block go too (no prefix lookup can reach them). Namespaces of an older format are removed whole once unused for the TTL. On a full disk, prune still runs (files first, rows after). The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). Safe while serve-once or warm use the same cache; two prunes never run at once.
+Plan first, per segment file (the unit that frees space): segments whose blocks were last used before --ttl (default: the config's ssd_ttl, 7d; --ttl none disables it); then the least recently used segments until each namespace (or, with --all, the whole cache) fits --max-bytes. Descendants of a removed block go too (no prefix lookup can reach them). Namespaces of an older format are removed whole once unused for the TTL. On a full disk, prune still runs (files first, rows after). The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). Safe while serve-once or warm use the same cache; two prunes never run at once.
 
 Examples:
 
@@ -31,12 +31,14 @@ Examples:
 
   17 3 * * *  kvtool prune --ttl 7d --max-bytes 50GB --yes --quiet   # crontab line
 
+Durations carry their unit: 7d, 12h, 30m, 45s, or combined: 1d12h. A bare number (--ttl 7) is refused: it would be ambiguous.
+
 Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir), or no terminal and no --yes; 3 another prune, rm or validate is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
 """
 
 TtlOpt = Annotated[
     str | None,
-    typer.Option("--ttl", help="Remove blocks not accessed for this long: 7d, 12h, 30m, 45s; 'none' = no TTL.", show_default=False),
+    typer.Option("--ttl", help="Remove blocks not accessed for this long: 7d, 12h, 30m, 45s, 1d12h (a unit is required); 'none' = no TTL.", show_default=False),
 ]
 MaxBytesOpt = Annotated[
     str | None,
@@ -65,7 +67,7 @@ def prune_cmd(
         ttl_s, budget = _parse_limits(ttl, max_bytes)
         cfg = common.build_config(config, cache_dir)
         if ttl is None:
-            ttl_s = cfg.ssd_ttl_days * 86400.0
+            ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
@@ -77,6 +79,8 @@ def prune_cmd(
 
 
 def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None, int | None]:
+    """(TTL in seconds, budget in bytes) from `--ttl` (a duration with its unit, or `none`) and
+    `--max-bytes`; None where not given. Raises CLIError naming the flag (a bare `--ttl 7` too)."""
     ttl_s = budget = None
     if ttl is not None and ttl.strip().lower() not in NO_TTL:
         try:

@@ -20,9 +20,9 @@ from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
 
-kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix, as kvtool inspect lists it), whole, whatever its state.
+kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix of at least 8 hex digits, as kvtool inspect lists it), whole, whatever its state. A prefix that several keys share removes nothing.
 
-kvtool rm --prompt TEXT (or --prompt-file, --messages) [--model M] removes that prompt's cached blocks (its full blocks and its tail entry) from the namespaces of that model (every block size in the cache, or only --block-size), every block below them (a prefix shared with other prompts takes their continuations with it) and the segment files left empty. The model (default: tiny, as serve-once) is loaded for its tokenizer and identity; encode the prompt as the server did (--ignore-chat-template, --system-prompt, --adapter-path, --kv-bits).
+kvtool rm --prompt TEXT (or --prompt-file, --messages) [--model/-m M] removes that prompt's cached blocks (its full blocks and its tail entry) from the namespaces of that model (every block size in the cache, or only --block-size), every block below them (a prefix shared with other prompts takes their continuations with it) and the segment files left empty. The model (default: tiny, as serve-once) is loaded for its tokenizer and identity; encode the prompt as the server did (--ignore-chat-template, --system-prompt, --adapter-path, --kv-bits).
 
 The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). rm holds prune's lock: an rm and a prune never run at once. Safe while serve-once or warm use the cache (a removed block is a miss); a process that has a removed namespace open caches nothing more to it until restarted. Symlinks are never followed.
 
@@ -39,11 +39,11 @@ Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt
 
 NamespaceArg = Annotated[
     str | None,
-    typer.Argument(metavar="NAMESPACE", help="Key prefix of the namespace to remove (unique; see kvtool inspect).",
+    typer.Argument(metavar="NAMESPACE", help="Key prefix of the namespace to remove (unique, at least 8 hex digits; see kvtool inspect).",
                    show_default=False),
 ]  # fmt: skip
 ModelOpt = Annotated[
-    str | None, typer.Option("--model", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
+    str | None, typer.Option("--model", "-m", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
 ]
 PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
 PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]

@@ -29,7 +29,7 @@ Examples:
 
   kvtool serve-once --prompt-file doc.txt --max-tokens 32
 
-  kvtool serve-once --json -f doc.txt -m 16    (run twice: the 2nd run hits SSD)
+  kvtool serve-once --json -f doc.txt -n 16    (run twice: the 2nd run hits SSD)
 
   echo "Why is the sky blue?" | kvtool serve-once --prompt - --system-prompt "Be brief."
 
@@ -37,7 +37,7 @@ Examples:
 
   kvtool serve-once --requests reqs.jsonl --policy evict_only --ram-bytes 256MiB
 
-As mlx_lm.generate: --prompt/--prompt-file are wrapped in the model's chat template unless --ignore-chat-template; '-' reads stdin; -m is --max-tokens.
+As mlx_lm.generate: --prompt/--prompt-file are wrapped in the model's chat template unless --ignore-chat-template; '-' reads stdin. Unlike mlx_lm.generate, -m is --model (in every kvtool command); -n is --max-tokens.
 
 A prompt file, stdin, --messages or --requests file larger than --max-prompt-bytes (default 64MiB) is refused with one error line (exit 2).
 

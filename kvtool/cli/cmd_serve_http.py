@@ -74,8 +74,8 @@ def serve_http(
     max_prompt_tokens: Annotated[
         int | None,
         typer.Option("--max-prompt-tokens", min=1, show_default=False,
-                     help="Longest prompt served, in tokens after the chat template (longer: HTTP 413) "
-                          "[default: the model's context length, at most 32768]."),
+                     help="Longest prompt served, in tokens after the chat template (longer: HTTP 413). "
+                          "\\[default: the model's context length, at most 32768]"),
     ] = None,
     max_body_bytes: Annotated[
         str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")

@@ -13,7 +13,7 @@ import importlib.metadata
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -53,12 +53,13 @@ ModelOpt = Annotated[
     str,
     typer.Option(
         "--model",
+        "-m",
         help="Embedded preset (tiny, small, base, qwen0.5b), a local mlx-lm model directory, or a Hugging Face id.",
         rich_help_panel="Model",
     ),
 ]
-# mlx-lm conventions (as `mlx_lm.generate`): -m is --max-tokens, never --model.
-MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-m", "-n", min=1, help="Max tokens to generate.", rich_help_panel="Generation")]
+# -m is --model in every command that takes a model; --max-tokens has -n.
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Max tokens to generate.", rich_help_panel="Generation")]
 IgnoreChatTemplateOpt = Annotated[
     bool,
     typer.Option("--ignore-chat-template", help="Use --prompt/--prompt-file as raw text (default: wrap it in the chat template, as mlx_lm.generate).", rich_help_panel="Prompt"),
@@ -222,14 +223,19 @@ def version() -> str:
         return str(getattr(kvtool, "__version__", "unknown"))
 
 
-def print_json(doc: Any) -> None:
-    """Write one JSON document to stdout (no rich markup)."""
-    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+def print_json(doc: Mapping[str, Any]) -> None:
+    """Write one JSON document to stdout (no rich markup), `schema_version` first
+    (`kvtool.cli.output.versioned`): every JSON document the CLI prints carries it."""
+    from kvtool.cli.output import versioned
+
+    sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
     sys.stdout.flush()
 
 
 # ---------------------------------------------------------------- cache options
 CACHE_PANEL = "Cache"
+# Cache options default to None (the config file decides), so their help states the config's
+# default as `\[default: X]` (the backslash keeps rich markup from eating the brackets).
 
 
 class PolicyChoice(str, Enum):
@@ -250,27 +256,27 @@ class DurabilityChoice(str, Enum):
 
 PolicyOpt = Annotated[
     PolicyChoice | None,
-    typer.Option("--policy", help="SSD policy [default: write_through].", show_default=False,
+    typer.Option("--policy", help="SSD policy. \\[default: write_through]", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 DurabilityOpt = Annotated[
     DurabilityChoice | None,
-    typer.Option("--durability", help="SSD durability [default: best_effort].", show_default=False,
+    typer.Option("--durability", help="SSD durability. \\[default: best_effort]", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 AsyncOpt = Annotated[
     bool | None,
-    typer.Option("--async/--sync", help="Write SSD blocks from a background writer (default) or inline.",
+    typer.Option("--async/--sync", help="Write SSD blocks from a background writer or inline. \\[default: async]",
                  show_default=False, rich_help_panel=CACHE_PANEL),
 ]
 BlockSizeOpt = Annotated[
     int | None,
-    typer.Option("--block-size", min=1, help="Tokens per cached block [default: 64].", show_default=False,
+    typer.Option("--block-size", min=1, help="Tokens per cached block. \\[default: 64]", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 RamBytesOpt = Annotated[
     str | None,
-    typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB [default: 1GiB].", show_default=False,
+    typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB. \\[default: 1GiB]", show_default=False,
                  rich_help_panel=CACHE_PANEL),
 ]
 NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.", rich_help_panel=CACHE_PANEL)]
@@ -286,8 +292,8 @@ class CodecChoice(str, Enum):
 
 CodecOpt = Annotated[
     CodecChoice | None,
-    typer.Option("--codec", help="Compress SSD block records losslessly (a separate namespace)"
-                 " [default: none].", show_default=False, rich_help_panel=CACHE_PANEL),
+    typer.Option("--codec", help="Compress SSD block records losslessly (a separate namespace)."
+                 " \\[default: none]", show_default=False, rich_help_panel=CACHE_PANEL),
 ]
 
 

@@ -4,7 +4,8 @@ Both are plans executed by prune's machinery (`kvtool.ops.prune.execute_prune`),
 lock (`kvtool.ops.lock.cache_lock`), so an `rm` and a `prune` never run at once and both obey the
 same confinement rules: no symlink is followed, no path is built from an unchecked name.
 
-- **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix is
+- **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix (at
+  least `MIN_PREFIX_HEX` hex digits; a prefix that several keys share removes nothing) is
   removed whole, whatever its status (an unreadable or foreign namespace included: the user named
   it), without following any symlink inside it (`kvtool.ops.confined.remove_namespace_tree`).
   A symlink in the cache root that looks like a namespace is never followed: `rm` refuses it.
@@ -36,6 +37,7 @@ from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
 from kvtool.store.names import NAMESPACE_RE
 
 _HEX = set("0123456789abcdef")
+MIN_PREFIX_HEX = 8  # a shorter key prefix is refused: `rm 0` must never pick a namespace by luck
 
 
 class RemoveError(KVToolError):
@@ -130,12 +132,16 @@ def check_prefix(prefix: str) -> str:
     """The lower-cased key prefix.
 
     Raises:
-        RemoveError: empty, longer than a key, or not hexadecimal (e.g. a model name).
+        RemoveError: empty, longer than a key, not hexadecimal (e.g. a model name), or shorter
+            than `MIN_PREFIX_HEX` hex digits.
     """
     p = prefix.strip().lower()
     if not p or len(p) > 32 or not set(p) <= _HEX:
         raise RemoveError(f"{prefix!r} is not a namespace key prefix (hex digits, as `kvtool inspect` lists them)",
                           hint=f"`kvtool inspect --filter {prefix}` finds a model's namespaces" if prefix.strip() else None)  # fmt: skip
+    if len(p) < MIN_PREFIX_HEX:
+        raise RemoveError(f"namespace key prefix {prefix!r} is too short: give at least {MIN_PREFIX_HEX} hex digits "
+                          "of the key, as `kvtool inspect` lists it; nothing removed")  # fmt: skip
     return p
 
 
@@ -143,10 +149,15 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
     """Scan the one namespace `prefix` names.
 
     Raises:
-        RemoveError: not a key prefix, or the only match is a symlink in the cache root (never followed).
-        ScanError: missing cache dir; no namespace, or several, match.
+        RemoveError: not a key prefix (or too short), several entries of the cache root match it
+            (nothing is removed), or the only match is a symlink in the cache root (never followed).
+        ScanError: missing cache dir; no namespace matches.
     """
     p = check_prefix(prefix)
+    matches = _entries_matching(Path(cache_dir), p)
+    if len(matches) > 1:
+        raise RemoveError(f"{len(matches)} namespaces in {cache_dir} match {prefix!r}: ambiguous, nothing removed",
+                          hint="give more of the key (kvtool inspect lists them)")  # fmt: skip
     try:
         return scan_cache(cache_dir, p, now=now)
     except ScanError:
@@ -157,12 +168,18 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
         raise
 
 
-def _symlinks_matching(cache_dir: Path, prefix: str) -> list[str]:
+def _entries_matching(cache_dir: Path, prefix: str) -> list[str]:
+    """Names in the cache root that look like a namespace key starting with `prefix` (directories
+    and symlinks alike); [] if the root cannot be listed."""
     try:
         names = sorted(os.listdir(cache_dir))
     except OSError:
         return []
-    return [n for n in names if NAMESPACE_RE.match(n) and n.startswith(prefix) and os.path.islink(cache_dir / n)]
+    return [n for n in names if NAMESPACE_RE.match(n) and n.startswith(prefix)]
+
+
+def _symlinks_matching(cache_dir: Path, prefix: str) -> list[str]:
+    return [n for n in _entries_matching(cache_dir, prefix) if os.path.islink(cache_dir / n)]
 
 
 def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
@@ -309,7 +326,7 @@ def _check_dir(cache_dir: Path) -> None:
 
 
 __all__ = [
-    "PromptKeys", "NamespaceRemoval", "RemovePlan", "RemoveError", "check_prefix", "scan_for_removal",
+    "MIN_PREFIX_HEX", "PromptKeys", "NamespaceRemoval", "RemovePlan", "RemoveError", "check_prefix", "scan_for_removal",
     "plan_namespace_removal", "plan_prompt_removal", "block_sizes_of", "execute_removal", "remove_namespace",
     "remove_prompt",
 ]  # fmt: skip
