@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test test-fast soak bench clean
+.PHONY: install demo lint test test-fast soak soak-http bench clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ test-fast: $(STAMP)
 ## soak: the concurrency + SIGKILL soak test for longer (KVTOOL_SOAK_SECONDS, default 300)
 soak: $(STAMP)
 	KVTOOL_SOAK_SECONDS=$${KVTOOL_SOAK_SECONDS:-300} $(BIN)/python -m pytest -q -s tests/test_soak.py
+
+## soak-http: kvtool serve with a hostile client beside 4 normal ones for longer (KVTOOL_SOAK_SECONDS, default 600)
+soak-http: $(STAMP)
+	KVTOOL_SOAK_SECONDS=$${KVTOOL_SOAK_SECONDS:-600} $(BIN)/python -m pytest -q -s tests/test_soak_http.py
 
 bench: $(STAMP)
 	$(BIN)/kvtool bench bench_configs/quick.toml
