@@ -40,8 +40,9 @@ class CacheHit:
         cache: per-layer mlx-lm caches holding `cached_tokens` tokens (plus decode room).
         prompt_tokens: tokens in the prompt.
         cached_tokens: leading prompt tokens whose KV is in `cache`.
-        ram_tokens, ssd_tokens: how many of them came from RAM / from SSD (incl. the writer's
-            pending buffer); `cached_tokens == ram_tokens + ssd_tokens`.
+        ram_tokens, ssd_tokens, remote_tokens: how many of them came from RAM / from SSD (incl.
+            the writer's pending buffer) / from the remote tier;
+            `cached_tokens == ram_tokens + ssd_tokens + remote_tokens`.
         remaining: int32 prompt tokens still to run through the model (never empty).
         ssd_load_ms: wall time of the SSD restore (ms).
         ssd_bytes_read: record bytes read from SSD.
@@ -52,13 +53,15 @@ class CacheHit:
     cached_tokens: int = 0
     ram_tokens: int = 0
     ssd_tokens: int = 0
+    remote_tokens: int = 0
     remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     ssd_load_ms: float = 0.0
     ssd_bytes_read: int = 0
+    remote_bytes_read: int = 0
     hashes: list[str] = field(default_factory=list, repr=False)
     tail: str | None = field(default=None, repr=False)
     entries_found: int = field(default=0, repr=False)  # chain entries (blocks + tail) in `cache`
-    pinned: list[str] = field(default_factory=list, repr=False)
+    held: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (tier, handle) to release
     promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
 
 

@@ -60,10 +60,10 @@ from kvtool.hashing import layout_key_of_meta
 from kvtool.hostblock import HostBlock
 from kvtool.kvbuffers import KVBuffers
 from kvtool.model_kv import KVGeometry, KVQuantization, library_versions, probe_layout  # noqa: F401  (re-exported)
-from kvtool.store import restore
 from kvtool.store.fsops import FileOps
 from kvtool.store.segment import FORMAT_VERSION, KVLayout
 from kvtool.store.tiered import ShutdownStatus, TieredCache
+from kvtool.tiers import ChainEntry, PlacedBlock, SsdBlockTier
 
 log = logging.getLogger("kvtool")
 
@@ -245,25 +245,26 @@ class PrefixCache:
         return full, tail_hash(ids, bs, self._key, full, self.hash_fn)
 
     def probe(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """Leading prompt tokens the SSD index holds, as `fetch` would take them from SSD (its
-        blocks, its tail entry or an earlier prompt's: hashing and one or two index queries;
-        nothing is read or verified)."""
+        """Leading prompt tokens the SSD tier holds, as `fetch` would take them from SSD (its
+        blocks, its tail entry, an earlier prompt's tail entry or a sibling's common prefix):
+        hashing and index queries; siblings are read and verified, nothing else is read."""
         full, tail = self.hashes(tokens)
         if self.ssd is None:
             return 0
         ids = np.asarray(tokens, dtype=np.int32)
         chain = self._chain(ids, full, tail)
-        rows = self.ssd.lookup([e[0] for e in chain])
+        ssd = SsdBlockTier(self.ssd)
+        rows = ssd.longest_prefix(chain, ids)
         cached = sum(r.num_tokens for r in rows)
         if len(rows) < len(chain):  # as fetch: an earlier prompt's tail entry, or a sibling's prefix
+            e = chain[len(rows)]
             k = 0
             if self._tail_prefix_ok:
-                on_ssd = tail_prefix.longest_on_ssd(self.ssd, self._tail_candidates(ids, chain[len(rows)]))
-                k = on_ssd[3] if on_ssd is not None else 0
+                got = ssd.find_any(self._tail_candidates(ids, e), ids, e.start)
+                k = got[2] if got is not None else 0
             if not self.has_states:
-                _, parent, start, _ = chain[len(rows)]
-                sib = siblings.on_ssd(self.ssd, self.config.block_size, parent, ids, start, longer_than=k,
-                                      quantized=self.quant is not None, count=False)
+                sib = siblings.find([ssd], self.config.block_size, e.parent, ids, e.start, longer_than=k,
+                                    quantized=self.quant is not None, count=False)
                 k = sib.n if sib is not None else k
             cached += k - 1 if self.has_states and k else k  # states: the one before the tail's last token
         return cached
@@ -314,10 +315,8 @@ class PrefixCache:
                 if not isinstance(c, ArraysCache):
                     c.trim(1)
             hit.cached_tokens -= 1
-            if found[placed - 1][0] == "ram":
-                hit.ram_tokens -= 1
-            else:
-                hit.ssd_tokens -= 1
+            kind = found[placed - 1][0].kind
+            setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") - 1)
         hit.remaining = ids[hit.cached_tokens :]
         return hit
 
@@ -349,55 +348,55 @@ class PrefixCache:
         return self.quant.usable(cached - 1 if cached == n_prompt else cached, n_prompt)
 
     def _drop(self, hit: CacheHit) -> list:
-        """Forget what a fetch found (unpin RAM blocks): the request runs as a miss."""
-        if self.tiered is not None:
-            self.tiered.ram.unpin(hit.pinned)
-        hit.pinned, hit.promote, hit.cache = [], [], []
-        hit.entries_found = hit.cached_tokens = hit.ram_tokens = hit.ssd_tokens = 0
+        """Forget what a fetch found (release its tier handles): the request runs as a miss."""
+        self._release_held(hit)
+        hit.promote, hit.cache = [], []
+        hit.entries_found = hit.cached_tokens = hit.ram_tokens = hit.ssd_tokens = hit.remote_tokens = 0
         return []
 
-    def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[tuple[str, str, int, int]]:
-        """Chain entries `(hash, parent, start, stop)`: the full blocks, then the tail entry."""
+    @staticmethod
+    def _release_held(hit: CacheHit) -> None:
+        """Release every tier handle the hit holds (RAM unpins), one call per tier."""
+        groups: dict[int, tuple[Any, list]] = {}
+        for tier, handle in hit.held:
+            groups.setdefault(id(tier), (tier, []))[1].append(handle)
+        hit.held = []
+        for tier, handles in groups.values():
+            tier.release(handles)
+
+    def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[ChainEntry]:
+        """Chain entries: the full blocks, then the tail entry."""
         bs = self.config.block_size
         parent = root_parent(self._key)
         out = []
         for i, h in enumerate(full):
-            out.append((h, parent, i * bs, (i + 1) * bs))
+            out.append(ChainEntry(h, parent, i * bs, (i + 1) * bs))
             parent = h
         if tail is not None:
-            out.append((tail, parent, len(full) * bs, int(ids.size)))
+            out.append(ChainEntry(tail, parent, len(full) * bs, int(ids.size)))
         return out
 
-    def _collect(self, ids, chain, hit: CacheHit) -> list[tuple[str, Any]]:
-        """Sources of the leading chain entries: ('ram', Block) | ('pending', HostBlock) |
-        ('ssd', IndexRow); RAM blocks are pinned."""
+    def _collect(self, ids: np.ndarray, chain: list[ChainEntry], hit: CacheHit) -> list[tuple[Any, Any]]:
+        """`(tier, handle)` of the leading chain entries: at each position the first tier of
+        the stack that holds the next entries gives its longest run (`BlockTier.longest_prefix`)."""
         t = self._tier
-        found: list[tuple[str, Any]] = []
+        found: list[tuple[Any, Any]] = []
         i = 0
         while i < len(chain):
-            h, _, lo, hi = chain[i]
-            block = t.from_ram(h, ids[lo:hi])
-            if block is not None:
-                t.ram.pin([h])
-                hit.pinned.append(h)
-                found.append(("ram", block))
-                i += 1
-                continue
-            pending = t.from_pending(h, ids[lo:hi])
-            if pending is not None:
-                found.append(("pending", pending))
-                i += 1
-                continue
-            rows = t.ssd.lookup([e[0] for e in chain[i:]]) if t.ssd is not None else []
-            if not rows:
+            for tier in t.tiers:
+                got = tier.longest_prefix(chain[i:], ids)
+                if got:
+                    found += [(tier, g) for g in got]
+                    i += len(got)
+                    break
+            else:
                 t.count_miss()
                 break
-            found += [("ssd", r) for r in rows]
-            i += len(rows)
+        hit.held += found
         t.count_hits(len(found))
         return found
 
-    def _partial(self, ids: np.ndarray, chain: list, found: list, hit: CacheHit) -> list:
+    def _partial(self, ids: np.ndarray, chain: list[ChainEntry], found: list, hit: CacheHit) -> list[ChainEntry]:
         """Extend a partial hit where the chain walk stopped (entry `m = len(found)`) with the
         longest of: an earlier prompt's tail entry (`kvtool.tail_prefix`, exact key match) and a
         sibling block's common token prefix (`kvtool.siblings`; not with state layers, whose
@@ -405,31 +404,30 @@ class PrefixCache:
 
         Returns:
             `chain` cut after entry `m`, which is replaced by what was found (appended to
-            `found`; a RAM tail entry is pinned), or `chain` unchanged.
+            `found`), or `chain` unchanged.
         """
         t = self._tier
-        m = len(found)
-        _, parent, start, _ = chain[m]
-        best = tail_prefix.find(t, self._tail_candidates(ids, chain[m]), ids, start) if self._tail_prefix_ok else None
+        e = chain[len(found)]
+        best = tail_prefix.find(t.tiers, self._tail_candidates(ids, e), ids, e.start) if self._tail_prefix_ok else None
         k = best[3] if best is not None else 0
-        sib = None if self.has_states else siblings.find(t, parent, ids, start, longer_than=k,
-                                                         quantized=self.quant is not None)
+        sib = None if self.has_states else siblings.find(t.tiers, self.config.block_size, e.parent, ids, e.start,
+                                                         longer_than=k, quantized=self.quant is not None)
         if sib is not None and self.quant is not None:
-            sib = self._quant_sibling(sib, start, int(ids.size))
+            sib = self._quant_sibling(sib, e.start, int(ids.size))
         if sib is not None:
-            hit.ssd_bytes_read += sib.nbytes_read
-            found.append(("ram" if sib.source == "ram" else "partial", sib.block))
+            if best is not None:
+                best[0].release([best[1]])
+            setattr(hit, f"{sib.kind}_bytes_read", getattr(hit, f"{sib.kind}_bytes_read", 0) + sib.nbytes_read)
+            found.append((PlacedBlock(sib.kind, sib.block), sib.block))
             t.count_partial_block()
-            return [*chain[:m], (sib.key, parent, start, start + sib.n)]
+            return [*chain[: len(found) - 1], ChainEntry(sib.key, e.parent, e.start, e.start + sib.n)]
         if best is None:
             return chain
-        src, obj, h, k = best
-        if src == "ram":
-            t.ram.pin([h])
-            hit.pinned.append(h)
-        found.append((src, obj))
+        tier, handle, h, k = best
+        hit.held.append((tier, handle))
+        found.append((tier, handle))
         t.count_tail_prefix()
-        return [*chain[:m], (h, parent, start, start + k)]
+        return [*chain[: len(found) - 1], ChainEntry(h, e.parent, e.start, e.start + k)]
 
     def _quant_sibling(self, sib: siblings.Sibling, start: int, n_prompt: int) -> siblings.Sibling | None:
         """A sibling hit where mlx-lm's quantized cache would be in the same state: its whole
@@ -452,68 +450,42 @@ class PrefixCache:
         _, parent, start, _ = entry
         return tail_prefix.candidates(self.hash_fn, self.config.block_size, ids, parent, start)
 
-    def _build(self, ids, chain, found, hit: CacheHit) -> None:
+    def _build(self, ids: np.ndarray, chain: list[ChainEntry], found: list, hit: CacheHit) -> None:
         kv = self._layout
-        n_layers = kv.n_layers
-        if not any(src == "ssd" for src, _ in found):
-            blocks = [b for _, b in found] if all(src == "ram" for src, _ in found) else None
-            if blocks is not None:
-                hit.cache = rebuild_cache(blocks, n_layers, cache_capacity(int(ids.size)), kv=kv) if blocks else []
-                hit.entries_found = len(blocks)
-                hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1][3] if blocks else 0
-                return
+        if all(tier.in_memory for tier, _ in found):  # MLX blocks only: one concatenation per layer
+            blocks = [b for _, b in found]
+            hit.cache = rebuild_cache(blocks, kv.n_layers, cache_capacity(int(ids.size)), kv=kv) if blocks else []
+            hit.entries_found = len(blocks)
+            hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1].stop if blocks else 0
+            return
         t0 = time.perf_counter()
         buffers = KVBuffers.allocate(kv, cache_capacity(int(ids.size)), wait=False)  # overlaps header reads
-        n_ok, ram_tok, ssd_tok = self._fill(ids, chain, found, buffers, hit)
+        n_ok = self._fill(ids, chain, found, buffers, hit)
         hit.entries_found = n_ok
-        hit.cached_tokens = chain[n_ok - 1][3] if n_ok else 0
-        hit.ram_tokens, hit.ssd_tokens = ram_tok, ssd_tok
-        hit.cache = buffers.caches(hit.cached_tokens, state_at=chain[n_ok - 1][2] if n_ok else None) if n_ok else []
+        hit.cached_tokens = chain[n_ok - 1].stop if n_ok else 0
+        hit.cache = buffers.caches(hit.cached_tokens, state_at=chain[n_ok - 1].start if n_ok else None) if n_ok else []
         hit.ssd_load_ms = (time.perf_counter() - t0) * 1e3
 
-    def _fill(self, ids, chain, found, buffers: KVBuffers, hit: CacheHit) -> tuple[int, int, int]:
-        """Place every found entry into `buffers`; returns (entries placed, RAM tokens, SSD tokens)."""
-        ram_tok = ssd_tok = 0
+    def _fill(self, ids: np.ndarray, chain: list[ChainEntry], found: list, buffers: KVBuffers, hit: CacheHit) -> int:
+        """Place every found entry into `buffers`, run by run of the same tier, each tier
+        verifying what it reads; count tokens per tier kind; returns the entries placed."""
         i = 0
         while i < len(found):
-            src, obj = found[i]
-            h, parent, lo, hi = chain[i]
-            if src == "ram":
-                buffers.ready()
-                buffers.place(lo, obj)
-                ram_tok += hi - lo
-                i += 1
-                continue
-            if src == "partial":  # a sibling's truncated host block: placed, never promoted
-                buffers.ready()
-                buffers.place_host(lo, obj)
-                ssd_tok += hi - lo
-                i += 1
-                continue
-            if src == "pending":
-                buffers.ready()
-                buffers.place_host(lo, obj)
-                hit.promote.append((h, parent, ids[lo:hi], lo, *self._scratch(buffers, lo)))
-                ssd_tok += hi - lo
-                i += 1
-                continue
+            tier = found[i][0]
             j = i
-            while j < len(found) and found[j][0] == "ssd":
+            while j < len(found) and found[j][0] is tier:
                 j += 1
-            rows = [found[k][1] for k in range(i, j)]
-            ssd = self._tier.ssd
-            assert ssd is not None  # rows were found in it
-            res = restore.restore_chain(ssd, rows, parent, ids, [chain[k][2] for k in range(i, j)],
-                                        buffers.pieces, ready=buffers.ready)
-            hit.ssd_bytes_read += res.bytes_read
-            for k in range(i, i + res.n_ok):
-                hk, pk, lk, hk_stop = chain[k]
-                hit.promote.append((hk, pk, ids[lk:hk_stop], lk, *self._scratch(buffers, lk)))
-                ssd_tok += hk_stop - lk
-            if res.n_ok < len(rows):
-                return i + res.n_ok, ram_tok, ssd_tok
+            res = tier.read_into(chain[i:j], [h for _, h in found[i:j]], ids, buffers)
+            kind = tier.kind
+            setattr(hit, f"{kind}_bytes_read", getattr(hit, f"{kind}_bytes_read", 0) + res.bytes_read)
+            for e in chain[i : i + res.n_ok]:
+                setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") + e.stop - e.start)
+                if tier.promote:
+                    hit.promote.append((e.hash, e.parent, ids[e.start : e.stop], e.start, *self._scratch(buffers, e.start)))
+            if res.n_ok < j - i:
+                return i + res.n_ok
             i = j
-        return i, ram_tok, ssd_tok
+        return i
 
     def _scratch(self, buffers: KVBuffers, lo: int) -> list:
         """[the state arrays of the entry restored at `lo`] with state layers, else []."""
@@ -574,21 +546,22 @@ class PrefixCache:
 
     def persist_found(self, hit: CacheHit) -> None:
         """Make sure the RAM blocks a hit used are on SSD too (`kvtool warm` under evict_only)."""
-        if self.tiered is not None and hit.pinned:
-            self.tiered.persist([b for b in (self.tiered.ram.get(h) for h in hit.pinned) if b is not None])
+        blocks = [b for _, b in hit.held if isinstance(b, Block)]
+        if self.tiered is not None and blocks:
+            self.tiered.persist(blocks)
 
     def release(self, hit: CacheHit) -> None:
-        """Unpin the hit's RAM blocks; its SSD blocks enter the RAM tier as views of the cache."""
+        """Release the hit's tier handles (RAM unpins); its SSD / remote blocks enter the RAM
+        tier as views of the cache."""
         if self.tiered is None:
             return
         if hit.promote and hit.cache and self.config.ram_bytes > 0:
             try:
                 self.tiered.promote(promote_slices(hit.cache, hit.promote, self.kv))
             except Exception:  # promotion is an optimisation: never fail the request
-                log.exception("promotion of %d SSD block(s) into RAM failed", len(hit.promote))
+                log.exception("promotion of %d block(s) into RAM failed", len(hit.promote))
         hit.promote = []
-        self.tiered.ram.unpin(hit.pinned)
-        hit.pinned = []
+        self._release_held(hit)
 
 
 __all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "KVQuantization", "probe_layout",

@@ -9,10 +9,10 @@ sibling's token ids and `ids[s:]`, capped so that at least one prompt token is l
 This is what mlx-lm's in-memory prompt cache does when it trims its nearest entry to the common
 prefix; without it a block cache re-prefills up to `block_size - 1` shared tokens per request.
 
-`find` looks at the siblings of `P` in RAM (`RamTier.children`, newest first, up to
-`MAX_RAM_SIBLINGS`), in the writer's pending buffer, and — if neither gave the longest possible
-prefix — at the `MAX_SSD_SIBLINGS` most recently used sibling rows of the SSD index (one query on
-the parent column). SSD siblings are read whole and verified like every record (header, slot,
+`find` asks the tier stack fastest first (`BlockTier.sibling_candidates`): the siblings of `P`
+in RAM (`RamTier.children`, newest first, up to `kvtool.tiers.MAX_MEMORY_SIBLINGS`), in the writer's pending
+buffer, and — if neither gave the longest possible prefix — the `kvtool.tiers.MAX_SSD_SIBLINGS`
+most recently used sibling rows of the SSD index (one query on the parent column). SSD siblings are read whole and verified like every record (header, slot,
 parent, checksum over the whole record; `SSDStore.read_row`), then compared and sliced. The
 winner is returned *truncated* to its `L` tokens (views, no copy), so it is placed like any chain
 entry; it is never promoted or stored under its own hash (its hash names the whole sibling).
@@ -32,6 +32,7 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,11 +41,7 @@ import numpy as np
 from kvtool.hostblock import HostBlock
 
 if TYPE_CHECKING:
-    from kvtool.store.ssd import SSDStore
-    from kvtool.store.tiered import TieredCache
-
-MAX_RAM_SIBLINGS = 64  # RAM / pending siblings compared per lookup (newest first)
-MAX_SSD_SIBLINGS = 4  # SSD siblings read and verified per lookup (most recently used first)
+    from kvtool.tiers import BlockTier
 
 
 @dataclass
@@ -52,19 +49,21 @@ class Sibling:
     """The best sibling of a lookup, truncated to the tokens it serves.
 
     Attributes:
-        source: 'ram' | 'pending' | 'ssd' (the tier it came from).
+        kind: the hit counter of the tier it came from ('ram' | 'ssd' | 'remote').
         block: `kvtool.blocks.Block` (RAM) or `HostBlock` (pending, SSD), truncated to `n`
             tokens: views `[..., :n, :]` of the sibling's arrays.
         key: chain hash of the whole sibling (it names the sibling's tokens, not this prompt's).
         n: leading tokens reused (>= 1).
-        nbytes_read: record bytes read from SSD by the lookup (every candidate, chosen or not).
+        nbytes_read: bytes read from a storage tier by the lookup (every candidate, chosen or not).
+        tier: the `BlockTier` it came from.
     """
 
-    source: str
+    kind: str
     block: Any
     key: str
     n: int
     nbytes_read: int = 0
+    tier: Any = None
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -82,71 +81,48 @@ def _usable_len(ids: np.ndarray, start: int, limit: int, tokens: np.ndarray, blo
     return common_prefix(ids[start : start + cap], tokens[:cap]) if cap > 0 else 0
 
 
-def find(tier: TieredCache, parent: str, ids: np.ndarray, start: int, *, longer_than: int = 0,
-         quantized: bool = False) -> Sibling | None:
+def find(tiers: Sequence[BlockTier], block_size: int, parent: str, ids: np.ndarray, start: int, *,
+         longer_than: int = 0, quantized: bool = False, count: bool = True) -> Sibling | None:
     """The sibling of `parent` sharing the longest token prefix with `ids[start:]`, if longer
     than `longer_than` tokens.
 
     Args:
-        tier: the namespace's tiers.
+        tiers: the tier stack, fastest first (`BlockTier.sibling_candidates`): RAM, the pending
+            buffer, then SSD rows read whole and verified.
+        block_size: tokens per block.
         parent: chain hash (32 hex) of the block before `start`.
         ids: int32 prompt token ids `[T]`.
         start: token offset where the chain walk stopped (a multiple of the block size).
         longer_than: a hit already found (tokens): only a longer one is returned.
         quantized: the namespace holds quantized KV (see the module docstring).
+        count: tell the winner's tier it was used (SSD: touch its row, count the load).
 
     Returns:
         A `Sibling` truncated to its reusable tokens, or None.
     """
-    bs = tier.block_size
-    limit = min(bs, int(ids.size) - start - 1)  # leave at least one prompt token to prefill
+    limit = min(block_size, int(ids.size) - start - 1)  # leave at least one prompt token to prefill
     if limit <= longer_than:
         return None
     best: Sibling | None = None
     seen: set[str] = set()
-    local: list[tuple[str, Any]] = [("ram", b) for b in tier.ram.children(parent, MAX_RAM_SIBLINGS)]
-    if tier.writer is not None:
-        local += [("pending", b) for b in tier.writer.pending_children(parent, MAX_RAM_SIBLINGS)]
-    for source, block in local:
-        seen.add(block.block_hash)
-        n = _usable_len(ids, start, limit, block.token_ids, bs, quantized)
-        if n > max(longer_than, best.n if best else 0):
-            best = Sibling(source, block, block.block_hash, n)
-            if n == limit:
-                break
-    have = max(longer_than, best.n if best else 0)
-    if have < limit and tier.ssd is not None:
-        best = on_ssd(tier.ssd, bs, parent, ids, start, longer_than=have, skip=seen, quantized=quantized) or best
+    read = 0
+    for tier in tiers:
+        if best is not None and best.n == limit:
+            break
+        for block, nbytes in tier.sibling_candidates(parent, seen):
+            seen.add(block.block_hash)
+            read += nbytes
+            n = _usable_len(ids, start, limit, block.token_ids, block_size, quantized)
+            if n > max(longer_than, best.n if best else 0):
+                best = Sibling(tier.kind, block, block.block_hash, n, tier=tier)
+                if n == limit:
+                    break
     if best is None:
         return None
+    best.nbytes_read = read
+    if count and hasattr(best.tier, "sibling_used"):
+        best.tier.sibling_used(best.key, best.nbytes_read)
     best.block = truncate(best.block, best.n)
-    return best
-
-
-def on_ssd(ssd: SSDStore, block_size: int, parent: str, ids: np.ndarray, start: int, *, longer_than: int = 0,
-           skip: set[str] | frozenset[str] = frozenset(), quantized: bool = False, count: bool = True) -> Sibling | None:
-    """The best of the `MAX_SSD_SIBLINGS` most recently used SSD siblings of `parent`, read and
-    verified whole (`SSDStore.read_row`), if it serves more than `longer_than` tokens; `skip`:
-    hashes already compared. With `count`, the winner's row is touched and counted as a load."""
-    limit = min(block_size, int(ids.size) - start - 1)
-    best: Sibling | None = None
-    read = 0
-    for row in ssd.children(parent, MAX_SSD_SIBLINGS):
-        if row.hash in skip or limit <= longer_than:
-            continue
-        block = ssd.read_row(row, parent)
-        if block is None:
-            continue
-        read += row.nbytes
-        n = _usable_len(ids, start, limit, block.token_ids, block_size, quantized)
-        if n > max(longer_than, best.n if best else 0):
-            best = Sibling("ssd", block, row.hash, n)
-            if n == limit:
-                break
-    if best is not None:
-        best.nbytes_read = read
-        if count:
-            ssd.record_hits([best.key], read)
     return best
 
 
@@ -162,4 +138,4 @@ def truncate(block: Any, n: int) -> Any:
     return type(block)(block.block_hash, block.parent_hash, block.token_ids[:n], keys, values)
 
 
-__all__ = ["MAX_RAM_SIBLINGS", "MAX_SSD_SIBLINGS", "Sibling", "common_prefix", "find", "on_ssd", "truncate"]
+__all__ = ["Sibling", "common_prefix", "find", "truncate"]

@@ -10,9 +10,9 @@ ends inside the user message; the prompt served after it extends it the same way
 Where a fetch's chain walk stops (the first missing entry, with parent `P` and start `s`),
 `candidates` gives the keys `hash_fn(P, ids[s:s+k])` of every `k` from
 `min(block_size - 1, len(ids) - s - 1)` down to 1, so at least one prompt token is left to
-prefill and a full hit stays the prompt's own tail entry's job. `find` looks them up in RAM and
-the writer's pending buffer (dict probes, token ids compared), then in one SSD index query for the
-lengths longer than what RAM had; the longest wins. The caller places it like any chain entry:
+prefill and a full hit stays the prompt's own tail entry's job. `find` asks the tiers fastest
+first (RAM and the pending buffer: dict probes, token ids compared; SSD: one index query), each
+for the lengths longer than what an earlier tier had; the longest wins. The caller places it like any chain entry:
 from SSD it is verified like every record (parent, exact token ids, checksum) and a failure cuts
 the chain there. It is not an entry of the new prompt's own chain, so `PrefixCache.store` still
 writes the prompt's own block over those tokens.
@@ -30,6 +30,7 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,10 +38,9 @@ import numpy as np
 from kvtool.hashing import HashFn
 
 if TYPE_CHECKING:
-    from kvtool.store.ssd import SSDStore
-    from kvtool.store.tiered import TieredCache
+    from kvtool.tiers import BlockTier
 
-Found = tuple[str, Any, str, int]  # (source 'ram' | 'pending' | 'ssd', Block | HostBlock | IndexRow, key, k)
+Found = tuple[Any, Any, str, int]  # (tier, its handle: Block | HostBlock | IndexRow, key, k)
 
 
 def candidates(hash_fn: HashFn, block_size: int, ids: np.ndarray, parent: str, start: int) -> list[tuple[str, int]]:
@@ -61,32 +61,27 @@ def candidates(hash_fn: HashFn, block_size: int, ids: np.ndarray, parent: str, s
     return [(hash_fn(key, ids[start : start + k]), k) for k in range(kmax, 0, -1)]
 
 
-def find(tier: TieredCache, cands: list[tuple[str, int]], ids: np.ndarray, start: int) -> Found | None:
+def find(tiers: Sequence[BlockTier], cands: list[tuple[str, int]], ids: np.ndarray, start: int) -> Found | None:
     """The longest candidate any tier holds with exactly the prompt's token ids, or None.
 
-    RAM and the pending buffer compare token ids here (nothing is pinned: the caller pins a RAM
-    block it uses); an SSD row is only looked up (the restore verifies it).
+    Tiers are asked fastest first (`BlockTier.find_any`), each only for candidates longer than
+    what an earlier tier had; a shorter handle found first is released. In-memory tiers compare
+    token ids here; the SSD tier only looks its rows up (the restore verifies them).
+
+    Returns:
+        `(tier, handle, key, k)`: hold `handle` until the request is done (`tier.release`).
     """
     best: Found | None = None
-    for h, k in cands:
-        block = tier.from_ram(h, ids[start : start + k])
-        if block is not None:
-            best = ("ram", block, h, k)
+    for tier in tiers:
+        longer = [(h, k) for h, k in cands if best is None or k > best[3]]
+        if not longer:
             break
-        pending = tier.from_pending(h, ids[start : start + k])
-        if pending is not None:
-            best = ("pending", pending, h, k)
-            break
-    on_ssd = longest_on_ssd(tier.ssd, cands, best[3] if best is not None else 0)
-    return on_ssd if on_ssd is not None else best
+        got = tier.find_any(longer, ids, start)
+        if got is not None:
+            if best is not None:
+                best[0].release([best[1]])
+            best = (tier, *got)
+    return best
 
 
-def longest_on_ssd(ssd: SSDStore | None, cands: list[tuple[str, int]], longer_than: int = 0) -> Found | None:
-    """The longest candidate of more than `longer_than` tokens the SSD index holds (one query;
-    nothing is read), as `('ssd', IndexRow, key, k)`, or None."""
-    keys = [h for h, k in cands if k > longer_than]
-    rows = ssd.rows_of(keys) if ssd is not None and keys else {}
-    return next((("ssd", rows[h], h, k) for h, k in cands if h in rows), None)
-
-
-__all__ = ["candidates", "find", "longest_on_ssd"]
+__all__ = ["candidates", "find"]

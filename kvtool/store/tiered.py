@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from kvtool.blocks import Block, to_host
 from kvtool.config import KVToolConfig
 from kvtool.hostblock import HostBlock
@@ -26,6 +24,7 @@ from kvtool.store.fsops import FileOps
 from kvtool.store.ram import RamTier
 from kvtool.store.ssd import SSDStore
 from kvtool.store.writer import DEFAULT_DRAIN_TIMEOUT_S, make_writer
+from kvtool.tiers import BlockTier, PendingTier, RamBlockTier, SsdBlockTier
 
 log = logging.getLogger("kvtool")
 
@@ -70,6 +69,13 @@ class TieredCache:
             )
             self.writer = make_writer(self.ssd, config)
         self._lock = threading.Lock()
+        # The read-side tier stack, fastest first (`kvtool.tiers`): PrefixCache walks it.
+        self.tiers: list[BlockTier] = [RamBlockTier(self.ram, on_hit=self._touch_persisted,
+                                                    on_mismatch=lambda: self._inc("kv_ram_token_mismatch"))]
+        if self.writer is not None:
+            self.tiers.append(PendingTier(self.writer, on_hit=lambda: self._inc("kv_pending_hits")))
+        if self.ssd is not None:
+            self.tiers.append(SsdBlockTier(self.ssd))
         self._stats = {
             "kv_lookup_hits": 0,
             "kv_lookup_miss": 0,
@@ -84,25 +90,11 @@ class TieredCache:
         }
 
     # ----------------------------------------------------------------- lookup
-    def from_ram(self, h: str, expected: np.ndarray) -> Block | None:
-        """The RAM block `h` if it holds exactly `expected` token ids (marked recently used)."""
-        block = self.ram.get(h)
-        if block is None:
-            return None
-        if not np.array_equal(block.token_ids, expected):
-            self._inc("kv_ram_token_mismatch")
-            return None
+    def _touch_persisted(self, h: str) -> None:
+        """A RAM hit on a block that is also on SSD: touch its row (batched), so prune's TTL /
+        LRU view of hot blocks stays current."""
         if self.ssd is not None and self.ram.is_persisted(h):
-            self.ssd.touch(h)  # batched: keeps prune's TTL/LRU view of hot blocks current
-        return block
-
-    def from_pending(self, h: str, expected: np.ndarray) -> HostBlock | None:
-        """A block queued for SSD but not written yet, if it holds exactly `expected`."""
-        host = self.writer.get_pending(h) if self.writer is not None else None
-        if host is None or not np.array_equal(host.token_ids, expected):
-            return None
-        self._inc("kv_pending_hits")
-        return host
+            self.ssd.touch(h)
 
     def count_hits(self, n: int) -> None:
         self._inc("kv_lookup_hits", n)
