@@ -430,3 +430,14 @@ def test_prompt_sources_over_the_limit_and_deep_json(tmp_path):
     jsonl.write_text('{"prompt": "x"}\n' + "[" * 5000 + "]" * 5000 + "\n")
     assert_one_error(kvtool("serve-once", "--requests", str(jsonl), *cache), "deep.jsonl:2")
     assert_one_error(kvtool("serve-once", "-p", "x", "--max-prompt-bytes", "lots", *cache), "--max-prompt-bytes")
+
+
+@pytest.mark.parametrize("text", ["plain ascii words " * 200, "ünïcödé 漢字 🙂 " * 150, "x" * 5000, ""])
+def test_token_bound_bounds_the_chat_prompt_tokens(tiny_model, text):
+    """The handler skips its own tokenization below this bound: it must never undercount."""
+    from kvtool.server.handler import token_bound
+
+    messages = [{"role": "system", "content": text}, {"role": "user", "content": text[:100] or "hi"}]
+    n = len(tiny_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    assert token_bound({"messages": messages}) >= n
+    assert token_bound({"prompt": text}) >= len(tiny_model.tokenizer.encode(text))
