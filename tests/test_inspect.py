@@ -39,7 +39,7 @@ NAMESPACE_KEYS = {
     "chains", "max_depth", "oldest_access", "newest_access", "age_histogram", "shutdown_clean",
     "shutdown_partial_flush", "created", "last_open", "last_close", "last_used", "health",
 }  # fmt: skip
-HEALTH_KEYS = {"rows", "files", "missing_files", "orphan_files", "temp_files", "bad_rows", "symlinks", "ok"}
+HEALTH_KEYS = {"rows", "files", "missing_files", "orphan_files", "temp_files", "bad_rows", "symlinks", "irregular", "ok"}
 PROBE_KEYS = {
     "schema_version", "cache_dir", "model", "namespace", "namespace_exists", "block_size", "prompt_tokens", "full_blocks",
     "cached_blocks", "cached_tokens", "reused_tokens", "would_hit",

@@ -304,7 +304,8 @@ def _print_report(report, out: Output, details: bool = False) -> None:
 
 def _health_text(h) -> str:
     return (f"{h.rows} rows, {h.files} files, {h.missing_files} missing files, {h.orphan_files} orphan files, "
-            f"{h.temp_files} temp files, {h.bad_rows} bad rows, {h.symlinks} symlinks")  # fmt: skip
+            f"{h.temp_files} temp files, {h.bad_rows} bad rows, {h.symlinks} symlinks"
+            + (f", {h.irregular} entries that are not regular files" if h.irregular else ""))  # fmt: skip
 
 
 def _print_notes(report, emit, keys: dict[str, str] | None = None) -> None:

@@ -48,6 +48,7 @@ _COLUMNS = (
     ("adopted", "orphans_adopted"),
     ("orphans removed", "orphans_removed"),
     ("broken chain", "broken_chain_removed"),
+    ("not regular files", "irregular_removed"),
     ("recovered", "blocks_recovered"),
     ("unlink failed", "unlink_failed"),
 )
@@ -94,6 +95,8 @@ class _BarProgress:
 def _found(ns) -> list[str]:
     found = [f"{label} {getattr(ns, attr)}" for label, attr in _COLUMNS if getattr(ns, attr)]
     found += [f"symlinks {len(ns.symlinks)}"] if ns.symlinks else []
+    kept = len(ns.irregular) - ns.irregular_removed
+    found += [f"directories under file names {kept}"] if kept else []
     found += ["index rebuilt"] if ns.index_rebuilt else []
     return found
 

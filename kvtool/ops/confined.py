@@ -19,7 +19,7 @@ import shutil
 import stat
 from pathlib import Path
 
-from kvtool.store.names import NAMESPACE_RE, SUBDIR_RE, TEMP_RE, segment_relpath
+from kvtool.store.names import NAMESPACE_RE, SEGMENT_RE, SEGMENT_SUFFIX, SUBDIR_RE, TEMP_RE, segment_relpath
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -117,7 +117,9 @@ class ConfinedDir:
                 not a regular file, unreadable.
         """
         fd, leaf = self._split(segment_relpath(name))
-        try:
+        try:  # a FIFO or device is never opened (and O_NONBLOCK, then fstat, if one is swapped in)
+            if not stat.S_ISREG(os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_mode):
+                raise _not_regular(segment_relpath(name))
             out = os.open(leaf, _READ, dir_fd=fd)
         finally:
             self._done(fd)
@@ -141,6 +143,35 @@ class ConfinedDir:
             ValueError: malformed name. OSError: a symlink on the way (ELOOP), or the unlink failed.
         """
         return self._unlink_regular(segment_relpath(name))
+
+    def unlink_irregular(self, relpath: str) -> int:
+        """Remove a FIFO, socket or device node planted under a kvtool name (a segment file or
+        temp file name): unlinking a name never opens what it names. Regular files, directories
+        and symlinks are refused (they have their own rules); absent is fine. Returns 0 (bytes
+        freed: such an entry holds none).
+
+        Raises:
+            ValueError: not a segment or temp file path. OSError: a symlink on the way (ELOOP),
+                the entry is a regular file, directory or symlink (EINVAL), or the unlink failed.
+        """
+        leaf = relpath.rsplit("/", 1)[-1]
+        stem = leaf[: -len(SEGMENT_SUFFIX)] if leaf.endswith(SEGMENT_SUFFIX) else ""
+        if not TEMP_RE.match(leaf) and not (SEGMENT_RE.match(stem) and relpath == segment_relpath(stem)):
+            raise ValueError(f"not a kvtool file name: {relpath!r}")
+        try:
+            fd, name = self._split(relpath)
+        except FileNotFoundError:
+            return 0
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                raise OSError(errno.EINVAL, "a regular file, directory or symlink: not removed as a planted entry", relpath)
+            os.unlink(name, dir_fd=fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            self._done(fd)
+        return 0
 
     def unlink_temp(self, relpath: str) -> int:
         """Remove a kvtool temp file (`.<name>.<pid>.<hex>.tmp`, top level or in a fan-out dir).

@@ -55,7 +55,9 @@ class Health:
         temp_files: kvtool temp files (writes in progress or leftovers).
         bad_rows: malformed rows (NULLs, wrong types, bad names; never used).
         symlinks: symlinks inside the namespace (never followed).
-        ok: none of missing, orphan, bad rows or symlinks.
+        irregular: entries under a segment or temp file name that are not regular files (FIFO,
+            socket, device, directory): never opened; `kvtool validate` removes them.
+        ok: none of missing, orphan, bad rows, symlinks or irregular entries.
     """
 
     rows: int = 0
@@ -65,6 +67,7 @@ class Health:
     temp_files: int = 0
     bad_rows: int = 0
     symlinks: int = 0
+    irregular: int = 0
     ok: bool = True
 
 
@@ -248,8 +251,8 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
     seen = [t for t in (info.newest_access, ns.last_used) if t is not None]
     info.last_used = min(max(seen), now) if seen else None
     h = Health(len(ns.rows), len(ns.files), len(ns.missing), len(ns.orphans), len(ns.temps), len(ns.bad_rows) + len(ns.bad_segment_rows),
-               len(ns.symlinks))  # fmt: skip
-    h.ok = not (h.missing_files or h.orphan_files or h.bad_rows or h.symlinks)
+               len(ns.symlinks), len(ns.irregular))  # fmt: skip
+    h.ok = not (h.missing_files or h.orphan_files or h.bad_rows or h.symlinks or h.irregular)
     info.health = h
     return info
 

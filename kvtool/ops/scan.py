@@ -128,8 +128,12 @@ class NamespaceScan:
         files: segment name -> `SegmentFile` for well-named segment files.
         temps: kvtool temp files.
         symlinks: relative paths of symlinks found inside (never followed).
+        irregular: relative paths of entries under a segment or temp file name that are not
+            regular files (a FIFO, socket, device or directory): never opened; `validate`
+            removes them (directories are only reported).
         other: relative paths of entries that are not kvtool's (ignored).
-        missing: segments named by a row whose file is absent (sorted).
+        missing: segments named by a row whose file is absent (sorted; an irregular entry
+            under its name is not absent: its rows are corrupt).
         orphans: segment files no block row names (sorted).
         future_rows: hashes whose `last_access` is in the future (beyond the skew allowance).
         tree: the parent-chain tree of `rows` (access times clamped to the scan time).
@@ -151,6 +155,7 @@ class NamespaceScan:
     files: Mapping[str, SegmentFile] = field(default_factory=lambda: MappingProxyType({}))
     temps: tuple[TempFile, ...] = ()
     symlinks: tuple[str, ...] = ()
+    irregular: tuple[str, ...] = ()
     other: tuple[str, ...] = ()
     missing: tuple[str, ...] = ()
     orphans: tuple[str, ...] = ()
@@ -309,7 +314,8 @@ class _Scanner:
         rows = f["rows"]
         named = {r.segment for r in rows} | {s.name for s in f["segment_rows"]}
         files = f["files"]
-        f["missing"] = tuple(sorted(n for n in named if n not in files))
+        planted = {Path(rel).name.split(".")[0] for rel in f["irregular"]}
+        f["missing"] = tuple(sorted(n for n in named if n not in files and n not in planted))
         referenced = {r.segment for r in rows}
         orphans = [n for n in sorted(files) if n not in referenced]
         # a writer may have renamed a segment in and inserted its rows since the row snapshot
@@ -325,7 +331,7 @@ class _Scanner:
             listing = scan_namespace(self.path, self.fs)
         except OSError:
             return False
-        files = {}
+        files, irregular = {}, []
         for name, rel in sorted(listing.files.items()):
             try:
                 st = os.lstat(self.path / rel)
@@ -333,15 +339,21 @@ class _Scanner:
                 continue
             if stat.S_ISREG(st.st_mode):
                 files[name] = SegmentFile(name, rel, st.st_size, st.st_mtime)
+            elif not stat.S_ISLNK(st.st_mode):
+                irregular.append(rel)
         temps = []
         for p in listing.temps:
+            rel = str(p.relative_to(self.path))
             try:
-                size = os.lstat(p).st_size
+                st = os.lstat(p)
             except OSError:
                 continue
-            temps.append(TempFile(str(p.relative_to(self.path)), size, temp_is_leftover(self.fs, p, self.now)))
+            if not stat.S_ISREG(st.st_mode):
+                irregular.append(rel)
+                continue
+            temps.append(TempFile(rel, st.st_size, temp_is_leftover(self.fs, p, self.now)))
         self.f.update(files=MappingProxyType(files), temps=tuple(temps), symlinks=tuple(listing.symlinks),
-                      other=tuple(listing.other))  # fmt: skip
+                      irregular=tuple(sorted(irregular)), other=tuple(listing.other))  # fmt: skip
         return True
 
     def _bad_index_file(self) -> str | None:

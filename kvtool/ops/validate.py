@@ -37,7 +37,9 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -53,7 +55,7 @@ from kvtool.ops.records import Record, SegmentReader, created_of, row_disagrees
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
 from kvtool.store.fsops import FileOps
 from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.store.names import INDEX_FILENAME
+from kvtool.store.names import INDEX_FILENAME, segment_relpath
 
 MAX_DETAILS = 50  # per namespace, in the report
 ProgressFn = Callable[[str, int, int], None]  # progress(namespace, segments_done, segments_total)
@@ -61,7 +63,7 @@ ValidateError = ScanError  # what `validate` raises when it cannot run (missing 
 
 REPAIRS = (
     "temp_removed", "bad_rows_dropped", "access_clamped", "rows_repaired", "missing_rows_dropped", "corrupt_removed",
-    "segment_rows_fixed", "orphans_adopted", "orphans_removed", "broken_chain_removed",
+    "segment_rows_fixed", "orphans_adopted", "orphans_removed", "broken_chain_removed", "irregular_removed",
 )  # fmt: skip
 UNCHECKED_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
 
@@ -71,6 +73,7 @@ class _Actions:
     """What `execute` does to one namespace (not part of the report)."""
 
     temps: list[str] = field(default_factory=list)
+    irregular: list[str] = field(default_factory=list)
     bad_rowids: list[int] = field(default_factory=list)
     bad_segment_rowids: list[int] = field(default_factory=list)
     clamp: list[str] = field(default_factory=list)
@@ -86,7 +89,7 @@ class _Actions:
         self.writes[seg_row.name] = (seg_row, rw + list(rewrite), ad + list(adopt))
 
     def any(self) -> bool:
-        return bool(self.temps or self.bad_rowids or self.bad_segment_rowids or self.clamp or self.writes or self.drop
+        return bool(self.temps or self.irregular or self.bad_rowids or self.bad_segment_rowids or self.clamp or self.writes or self.drop
                     or self.broken or self.remove_segments or self.rebuild)  # fmt: skip
 
 
@@ -111,6 +114,9 @@ class NamespaceRepair:
         bytes_freed: bytes of files removed.
         ignored_entries: entries that are not kvtool's (left alone).
         symlinks: symlinks inside the namespace (never followed, never removed: a problem).
+        irregular: entries under a segment or temp file name that are not regular files (FIFO,
+            socket, device: removed, `irregular_removed`; a directory: left, a problem). Their
+            rows are `corrupt_removed`.
         details: up to `MAX_DETAILS` lines 'kind hash-or-name: reason'.
     """
 
@@ -131,6 +137,7 @@ class NamespaceRepair:
     orphans_adopted: int = 0
     orphans_removed: int = 0
     broken_chain_removed: int = 0
+    irregular_removed: int = 0
     duplicates_removed: int = 0
     blocks_recovered: int = 0
     index_rebuilt: bool = False
@@ -138,14 +145,17 @@ class NamespaceRepair:
     bytes_freed: int = 0
     ignored_entries: int = 0
     symlinks: list[str] = field(default_factory=list)
+    irregular: list[str] = field(default_factory=list)
     details: list[str] = field(default_factory=list)
     actions: _Actions = field(default_factory=_Actions, repr=False)
 
     @property
     def problems(self) -> int:
-        """Problems found: repairs, symlinks, failures, and an unreadable or foreign namespace."""
+        """Problems found: repairs, symlinks, irregular entries left, failures, and an unreadable
+        or foreign namespace."""
         unchecked = self.status in UNCHECKED_PROBLEMS
-        return (sum(getattr(self, k) for k in REPAIRS) + len(self.symlinks) + self.unlink_failed
+        left = len(self.irregular) - self.irregular_removed
+        return (sum(getattr(self, k) for k in REPAIRS) + len(self.symlinks) + left + self.unlink_failed
                 + int(unchecked) + int(self.outcome == "failed" and not unchecked))  # fmt: skip
 
     def note(self, kind: str, what: str, reason: str) -> None:
@@ -234,7 +244,8 @@ def plan_repairs(
     plan = RepairPlan(str(scan.cache_dir), deep, rebuild_index=rebuild_index, symlinks=list(scan.symlinks))
     for ns in scan.namespaces:
         rep = NamespaceRepair(ns.name, ns.status.value, format_version=ns.format_version, rows=len(ns.rows),
-                              files=len(ns.files), ignored_entries=len(ns.other), symlinks=list(ns.symlinks))  # fmt: skip
+                              files=len(ns.files), ignored_entries=len(ns.other), symlinks=list(ns.symlinks),
+                              irregular=list(ns.irregular))  # fmt: skip
         plan.namespaces.append(rep)
         for link in ns.symlinks:
             rep.note("symlink", link, "never followed")
@@ -278,6 +289,13 @@ class _Planner:
 
     def run(self, progress: ProgressFn | None) -> None:
         ns, rep, act = self.ns, self.rep, self.act
+        for rel in ns.irregular:
+            if _is_dir(ns.path / rel):
+                rep.note("irregular", rel, "a directory under a kvtool file name: left alone")
+                continue
+            act.irregular.append(rel)
+            rep.irregular_removed += 1
+            rep.note("irregular", rel, "not a regular file (FIFO, socket or device): never opened; removed")
         for t in ns.temps:
             if t.leftover:
                 act.temps.append(t.relpath)
@@ -327,6 +345,8 @@ class _Planner:
 
     def _check_row(self, row: IndexRow) -> str | None:
         if row.segment not in self.ns.files:
+            if segment_relpath(row.segment) in self.ns.irregular:
+                return f"segment {row.segment} is not a regular file (never opened)"
             link = row.segment[:2] in self.ns.symlinks
             return f"segment {row.segment} " + ("is behind a symlinked directory (never followed)" if link else "has no file")
         header = self.reader.header(row.segment)
@@ -509,6 +529,8 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
                     continue
             index.insert_segment(seg_row, rewrite + adopt)
         emptied = index.delete(act.drop)[1] if act.drop else []
+        for rel in act.irregular:  # their rows are gone (dropped above, or rewritten to a copy)
+            _unlink(rep, lambda: cdir.unlink_irregular(rel), rel)  # noqa: B023  (called at once, inside the loop)
         if act.broken:  # re-check on a fresh read: a live writer may have stored a missing parent
             fresh = index.scan()
             tree = build_chain_tree(((r.hash, r.parent, r.last_access) for r in fresh.rows), root_parent(rep.namespace))
@@ -523,6 +545,13 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
             _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
     finally:
         index.close()
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _unlink(rep: NamespaceRepair, fn: Callable[[], int], what: str) -> int:

@@ -39,9 +39,37 @@ DEFAULT_DIR_MODE = 0o700
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO or a device planted under a segment's name must not hang; it has
+# no effect on a regular file, and anything else is refused right after the open (fstat).
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _IOV_MAX = 1024
+
+
+class NotRegularFileError(OSError):
+    """A cache file that is not a regular file (a FIFO, socket, device or directory planted
+    under its name): a corrupt entry, never read. `errno` is EINVAL."""
+
+    def __init__(self, path: Path | str, what: str = "not a regular file"):
+        super().__init__(errno.EINVAL, what, str(path))
+
+
+def check_regular(fd: int, path: Path | str, before: os.stat_result | None = None) -> os.stat_result:
+    """`fstat` of an open cache file: it must be a regular file (and, if `before` is given, the
+    very file an `lstat` saw just before the open).
+
+    Returns:
+        The file's `fstat` result.
+
+    Raises:
+        NotRegularFileError: anything else (the caller closes `fd`).
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFileError(path, f"not a regular file ({stat.filemode(st.st_mode)[0]})")
+    if before is not None and (before.st_dev, before.st_ino) != (st.st_dev, st.st_ino):
+        raise NotRegularFileError(path, "replaced while being opened")
+    return st
 
 
 class FileOps:
@@ -131,21 +159,38 @@ class FileOps:
 
     # ------------------------------------------------------------------- read side
     def open_read(self, path: Path) -> int:
-        """Open a regular file for reading without following a symlink.
+        """Open a regular file for reading without following a symlink and without blocking:
+        `lstat` first (a FIFO, socket or device is never opened), then `O_NONBLOCK` open and
+        `fstat` (the same regular file, or refused).
 
         Raises:
+            NotRegularFileError: not a regular file (FIFO, socket, device, directory).
             OSError: absent (FileNotFoundError), a symlink (ELOOP), unreadable.
         """
-        return os.open(path, _READ_FLAGS)
+        before = os.lstat(path)
+        if stat.S_ISLNK(before.st_mode):
+            raise OSError(errno.ELOOP, "a symlink: never followed", str(path))
+        if not stat.S_ISREG(before.st_mode):
+            raise NotRegularFileError(path)
+        fd = os.open(path, _READ_FLAGS)
+        try:
+            check_regular(fd, path, before)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def read_bytes(self, path: Path) -> bytearray:
-        """Read a whole file with one open and as few reads as possible.
+        """Read a whole regular file with one open and as few reads as possible.
 
         Returns:
             A writable buffer of the file's bytes (numpy arrays can view it without a copy).
             If the file shrinks while being read, the buffer holds what could be read.
+
+        Raises:
+            NotRegularFileError, OSError: as `open_read`, or the read failed.
         """
-        fd = os.open(path, _READ_FLAGS)
+        fd = self.open_read(path)
         try:
             size = os.fstat(fd).st_size
             buf = bytearray(size)
@@ -164,8 +209,12 @@ class FileOps:
             os.close(fd)
 
     def read_head(self, path: Path, n: int) -> bytes:
-        """Read at most the first `n` bytes of a file."""
-        fd = os.open(path, _READ_FLAGS)
+        """Read at most the first `n` bytes of a regular file.
+
+        Raises:
+            NotRegularFileError, OSError: as `open_read`, or the read failed.
+        """
+        fd = self.open_read(path)
         try:
             chunks: list[bytes] = []
             left = n

@@ -26,24 +26,23 @@ This module never imports MLX (the SSD writer thread calls it).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvtool.store import segment as seg
-from kvtool.store.fsops import DEFAULT_DIR_MODE, FileOps, scan_namespace, temp_is_leftover, temp_path_for
+from kvtool.store.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
 from kvtool.store.index import BlockIndex, IndexRow
-from kvtool.store.names import INDEX_FILENAME, NAMESPACE_RE, is_hash, is_segment_name, segment_relpath
-from kvtool.store.segment import BlockFileError, KVLayout
+from kvtool.store.names import is_hash, segment_relpath
+from kvtool.store.segment import BlockFileError
+from kvtool.store.ssd_open import Expected, Recent, ReconcileReport, open_index, reconcile
 from kvtool.store.ssd_save import SegmentSaver
 
 if TYPE_CHECKING:
@@ -53,9 +52,9 @@ log = logging.getLogger(__name__)
 
 NONCACHEABLE_TTL_S = 3600.0  # seed 000: a colliding hash is not cached for one hour
 SEGMENT_MAX_BYTES = 64 << 20  # a write batch is split into segments of at most this size
+SUSPECT_MAX = 4096  # segments remembered as having failed verification (oldest forgotten first)
+SAVED_MAX = 1 << 16  # hashes remembered as saved by this process, for `saved_count` (oldest first)
 REQUIRED_META = ("model_id", "model_name", "block_size", "kv_dtype", "kv_layers")
-_IDENTITY_META = ("block_size", "kv_dtype", "kv_layers", "model_id")
-_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 COUNTERS = (
     "ssd_save_success", "ssd_save_fail", "ssd_save_dedup_skip", "ssd_save_disabled",
@@ -64,52 +63,6 @@ COUNTERS = (
     "ssd_load_noncacheable", "ssd_bytes_read", "ssd_namespace_refused", "ssd_index_errors",
     "ssd_reconcile_temp_removed", "ssd_reconcile_missing_dropped", "ssd_reconcile_orphan_files",
 )  # fmt: skip
-
-
-@dataclass
-class ReconcileReport:
-    """Startup reconcile of one namespace (seed 000 Phase 3, the fast part: no row is loaded).
-
-    Attributes:
-        temp_removed: leftover temp files removed.
-        missing_rows_dropped: block rows whose segment file was gone, dropped.
-        orphan_files: segment files without a segment row (for `kvtool validate` to adopt).
-        rows: block rows after reconcile.
-    """
-
-    temp_removed: int = 0
-    missing_rows_dropped: int = 0
-    orphan_files: int = 0
-    rows: int = 0
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the blocks of one namespace must look like.
-
-    Attributes:
-        layout_key: the namespace's layout key.
-        kv: per-layer KV shapes and dtype.
-        block_size: tokens per full block (tail entries hold fewer).
-        codec: how records are stored: 'none' or a `segment.CODECS` codec (meta `kv_codec`).
-    """
-
-    layout_key: str
-    kv: KVLayout
-    block_size: int
-    codec: str = "none"
-
-    @classmethod
-    def from_meta(cls, layout_key: str, meta: dict[str, str]) -> Expected:
-        """Build from namespace index metadata (string values).
-
-        Raises:
-            KeyError, ValueError: a key is missing or malformed.
-        """
-        codec = meta.get("kv_codec") or "none"
-        if codec not in seg.CODECS:
-            raise ValueError(f"unknown kv_codec {codec!r}")
-        return cls(layout_key, KVLayout.parse(meta["kv_layers"], meta["kv_dtype"]), int(meta["block_size"]), codec)
 
 
 class SSDStore:
@@ -180,6 +133,8 @@ class SSDStore:
         self._lock = threading.Lock()  # saves, removals, close (seed 000 §1)
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
+        self._suspect = Recent(SUSPECT_MAX)  # segments a record of which failed verification
+        self._saved = Recent(SAVED_MAX)  # hashes this process saved (`saved_count`)
         self._saver = SegmentSaver(self)  # the save path (kvtool.store.ssd_save)
         try:
             self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
@@ -188,66 +143,12 @@ class SSDStore:
             self._disable(f"cannot open {self.namespace_dir}: {exc}")
             return
         if self.enabled and not self.read_only:
-            self._reconcile()
+            reconcile(self)
 
     # ------------------------------------------------------------------ open/close
     def _open(self, meta: dict[str, str], flush_interval_s: float) -> None:
-        if not NAMESPACE_RE.match(self.layout_key):
-            raise ValueError(f"layout key {self.layout_key!r} is not 32 hex characters")
-        writable = self._probe_writable()
-        now = repr(self._clock())
-        fresh = {**meta, "format_version": str(seg.FORMAT_VERSION), "layout_key": self.layout_key,
-                 "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip
-        db = self.namespace_dir / INDEX_FILENAME
-        if not writable and not self._fs.exists(db):
-            raise OSError(errno.EROFS, "read-only cache directory without an index", str(self.namespace_dir))
-        if self._fs.exists(db) and not os.path.isfile(db) or os.path.islink(db):
-            raise OSError(errno.ELOOP, "index.sqlite is not a regular file", str(db))
-        self.index = BlockIndex(
-            db, self.durable, flush_interval_s=flush_interval_s, clock=self._clock, initial_meta=fresh,
-            read_only=not writable, create=writable,
-        )
-        stored = self.index.get_meta()
-        if not self.index.created_meta:
-            refused = self._refusal(stored, meta)
-            if refused:
-                self._inc("ssd_namespace_refused")
-                self._close_index_quietly()
-                self._disable(refused)
-                return
-            self.previous_shutdown_clean = stored.get("shutdown_clean") == "1"
-            if writable:
-                self.index.set_meta({"last_open": now, "shutdown_clean": "0"})
-        self.expected = Expected.from_meta(self.layout_key, {**meta, **stored})
-        self.enabled = True
-        if not writable:
-            self.read_only = True
-            self.disabled_reason = f"{self.namespace_dir} is not writable: serving hits read-only"
-            log.warning("SSD tier read-only: %s", self.disabled_reason)
-
-    def _probe_writable(self) -> bool:
-        """Create the namespace directory (exact mode) and try a temp file in it."""
-        try:
-            self._fs.makedirs(self.namespace_dir, self._dir_mode)
-            probe = temp_path_for(self.namespace_dir / "probe", "probe")
-            self._fs.close(self._fs.open_new(probe))
-            self._fs.unlink(probe)
-            return True
-        except OSError as exc:
-            if exc.errno in _READ_ONLY_ERRNOS and self._fs.is_dir(self.namespace_dir):
-                return False
-            raise
-
-    def _refusal(self, stored: dict[str, str], meta: dict[str, str]) -> str | None:
-        """Why an existing namespace must not be used, or None."""
-        if not stored:
-            return None
-        if stored.get("format_version") != str(seg.FORMAT_VERSION):
-            return f"namespace has format_version {stored.get('format_version')!r}, this kvtool writes {seg.FORMAT_VERSION}"
-        if stored.get("layout_key") != self.layout_key:
-            return f"namespace index belongs to layout {stored.get('layout_key')!r}"
-        diff = [k for k in _IDENTITY_META if stored.get(k) != meta[k]]
-        return f"namespace metadata differs: {diff}" if diff else None
+        """Open (or create) the namespace and its index: `kvtool.store.ssd_open.open_index`."""
+        open_index(self, meta, flush_interval_s)
 
     @property
     def _geometry(self) -> Expected:
@@ -294,35 +195,6 @@ class SSDStore:
             finally:
                 self._close_index_quietly()
                 self.enabled = False
-
-    def _reconcile(self) -> None:
-        """Remove leftover temp files and drop segments whose file is missing.
-
-        Cheap at any size: one directory listing and the `segments` table (one row per write
-        batch); block rows are not loaded.
-        """
-        rep = self.reconcile_report
-        index = self.index
-        assert index is not None  # called only right after a successful open
-        try:
-            with index._lock:  # noqa: SLF001  (one read of a small table)
-                names = [r[0] for r in index._conn.execute("SELECT name FROM segments")]  # noqa: SLF001
-            names = [n for n in names if is_segment_name(n)]  # malformed rows: validate reports them
-            scan = scan_namespace(self.namespace_dir, self._fs)
-            for tmp in scan.temps:
-                if temp_is_leftover(self._fs, tmp):
-                    self._unlink_quiet(tmp)
-                    rep.temp_removed += 1
-            gone = [n for n in names if n not in scan.files]
-            gone = [n for n in gone if not self._fs.exists(self._seg_path(n, check=False))]  # re-check just before
-            rep.missing_rows_dropped = index.delete_segments(gone) if gone else 0
-            rep.orphan_files = len(set(scan.files) - set(names))
-            rep.rows = index.totals()[0]
-        except (OSError, sqlite3.Error, ValueError) as exc:
-            log.warning("startup reconcile of %s incomplete: %s", self.namespace_dir, exc)
-        self._inc("ssd_stale_index_cleaned", rep.missing_rows_dropped)
-        if rep.temp_removed or rep.missing_rows_dropped or rep.orphan_files:
-            log.info("SSD reconcile %s: %s", self.layout_key, asdict(rep))
 
     # ----------------------------------------------------------------- lookups
     def contains(self, block_hash: str) -> bool:
@@ -410,7 +282,9 @@ class SSDStore:
 
         Returns:
             `(fd, header)` (close `fd` with `os.close`), or None if the segment is unusable: its
-            rows are then dropped (`corrupt`) or it vanished (`missing`). Never raises.
+            rows are then dropped (`corrupt`) or it vanished (`missing`). A FIFO, socket, device
+            or directory under the segment's name is never read: a corrupt entry (counted, its
+            rows marked suspect and left for `kvtool validate`). Never raises.
         """
         try:
             path = self._seg_path(name)
@@ -418,14 +292,21 @@ class SSDStore:
         except FileNotFoundError:
             self._segment_vanished(name)
             return None
+        except NotRegularFileError as exc:
+            self._not_regular(name, exc)
+            return None
         except (OSError, ValueError) as exc:
             log.warning("SSD segment %s unreadable: %s", name, exc)
             self._inc("ssd_load_fail")
             return None
         try:
-            header = seg.read_header(fd, os.fstat(fd).st_size)
+            header = seg.read_header(fd, check_regular(fd, path).st_size)
             seg.check_header(header, self.layout_key, self._geometry.kv, self._geometry.codec)
             return fd, header
+        except NotRegularFileError as exc:
+            os.close(fd)
+            self._not_regular(name, exc)
+            return None
         except OSError as exc:  # a read error is not corruption: miss, keep the rows
             os.close(fd)
             log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
@@ -437,6 +318,13 @@ class SSDStore:
             self._inc("ssd_load_corrupt")
             self._drop_segment(name)
             return None
+
+    def _not_regular(self, name: str, exc: OSError) -> None:
+        """A segment name taken by something else than a regular file: a corrupt entry, a miss.
+        Nothing is removed here (`kvtool validate` does); its blocks may be stored anew."""
+        log.warning("SSD segment %s is %s: never read; a miss (kvtool validate removes it)", name, exc.strerror)
+        self._inc("ssd_load_corrupt")
+        self.suspect(name)
 
     def check_slot(self, row: IndexRow, header: seg.SegmentHeader, parent: str | None) -> seg.Slot | None:
         """The header's slot for `row` if it is the block asked for (hash, parent, length)."""
@@ -566,11 +454,34 @@ class SSDStore:
         return n
 
     def discard(self, h: str, why: str) -> None:
-        """Drop an unusable block: its row first, then its segment's file if now empty."""
+        """Drop an unusable block: its row first, then its segment's file if now empty. Its
+        segment becomes suspect (`suspect`): its other blocks were not verified either."""
         log.warning("SSD block %s unusable (%s); removed", h, why)
         self._inc("ssd_load_corrupt")
-        if not self.read_only:
-            self.remove([h])
+        if self.read_only:
+            return
+        try:
+            row = self.index.get(h) if self.index is not None else None
+        except sqlite3.Error:
+            row = None
+        if row is not None:
+            self.suspect(row.segment)
+        self.remove([h])
+
+    def suspect(self, segment: str) -> None:
+        """Remember that a record of `segment` failed verification (a record swap damages two):
+        a save of a block whose row points into it replaces that row instead of being dropped as
+        a duplicate (`kvtool.store.ssd_save`), so a recomputed block is stored again."""
+        self._suspect.add([segment])
+
+    def is_suspect(self, segment: str) -> bool:
+        """True if a record of `segment` failed verification in this process (`suspect`)."""
+        return segment in self._suspect
+
+    def saved_count(self, hashes: Iterable[str]) -> int:
+        """How many of `hashes` this process saved to SSD (file written and rows committed;
+        the last `SAVED_MAX` saves are remembered): a request's blocks that reached the disk."""
+        return self._saved.count(hashes)
 
     def _drop_segment(self, name: str) -> None:
         if self.read_only:

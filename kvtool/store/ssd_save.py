@@ -4,7 +4,9 @@ Split out of `kvtool.store.ssd`; `SSDStore.save_blocks` / `save_block` delegate 
 `SegmentSaver` each store owns, so callers keep calling the store. One `save_blocks` call:
 - runs under the store's lock (saves, removals and `close` are serialised);
 - answers per block, in order: 'saved' (file + row written), 'dedup' (hash already in the index,
-  or earlier in the same call; an indexed row's access time is touched), 'collision' (the hash is
+  or earlier in the same call; an indexed row's access time is touched; but a row whose segment
+  failed verification in this process, `SSDStore.suspect`, is *replaced* by the new block: a
+  recomputed block is stored again, not dropped as a duplicate of a damaged one), 'collision' (the hash is
   isolated, or its row holds other token ids: the hash is then isolated for 1 h) or 'error'
   (a malformed block or parent hash, a geometry mismatch, any I/O or SQLite failure; every
   block of a disabled or read-only store, counted as `ssd_save_disabled`);
@@ -17,8 +19,11 @@ Split out of `kvtool.store.ssd`; `SSDStore.save_blocks` / `save_block` delegate 
   segment, not per block), and the namespace directory the first time this process creates
   a segment subdirectory (a subdirectory removed meanwhile is recreated once);
 - then inserts the segment row and its block rows in one index transaction. If the write or
-  the transaction fails, the temp or renamed file is unlinked again (no orphan), and the whole
-  call answers 'error' for every block (segments the call already committed stay stored).
+  the transaction fails, the temp or renamed file is unlinked again (no orphan). On a full disk
+  (ENOSPC, EDQUOT, SQLITE_FULL) the segment is split in halves and retried, first half first:
+  what fits is saved, the blocks from the first one that does not fit on answer 'error', and
+  later segments of the call are not attempted. Any other failure makes the whole call answer
+  'error' for every block (segments the call already committed stay stored).
 A block whose dtype or token count (0 < n <= block_size) does not match the namespace makes
 its whole segment 'error' (`ssd_save_fail`), the other segments of the call go ahead.
 
@@ -95,15 +100,61 @@ class SegmentSaver:
                 outcome[i] = "error"
             elif store._is_noncacheable(h):
                 outcome[i] = "collision"
+            elif h not in seen and self._replaces(existing.get(h), b):
+                seen.add(h)  # its row points into a segment that failed verification: written anew
+                fresh.append((i, b))
             elif h in existing or h in seen:
                 outcome[i] = self._dedup(h, existing.get(h), b, seen)
             else:
                 seen.add(h)
                 fresh.append((i, b))
+        full = False
         for batch in self._batches(fresh):
-            for i, result in zip((i for i, _ in batch), self._write_segment(index, [b for _, b in batch])):
+            if full:  # the disk filled up: what follows would not fit either (nor be reachable)
+                store._inc("ssd_save_fail", len(batch))
+                results = ["error"] * len(batch)
+            else:
+                results, full = self._write_fitting(index, [b for _, b in batch])
+            for i, result in zip((i for i, _ in batch), results):
                 outcome[i] = result
         return [outcome[i] for i in range(len(blocks))]
+
+    def _replaces(self, row: IndexRow | None, b: HostBlock) -> bool:
+        """True if `b` must replace its existing `row` instead of being a duplicate: the row's
+        segment failed verification in this process (`SSDStore.suspect`) and the row describes
+        the same token ids (other token ids are a collision, handled by `_dedup`)."""
+        return (row is not None and self._store.is_suspect(row.segment)
+                and row.tokens_digest == seg.tokens_digest(b.token_ids))  # fmt: skip
+
+    def _write_fitting(self, index: BlockIndex, blocks: list[HostBlock]) -> tuple[list[str], bool]:
+        """`_write_segment`, but on a full disk (ENOSPC, EDQUOT, SQLITE_FULL) the blocks are
+        split in halves and the first half retried, then the second if the first fit whole:
+        what fits is saved, in order; from the first block that does not fit on, every block
+        is 'error' (counted in `ssd_save_fail`).
+
+        Returns:
+            `(per-block outcomes, whether the disk was found full)`.
+
+        Raises:
+            OSError, sqlite3.Error: any other failure (as `_write_segment`).
+        """
+        store = self._store
+        try:
+            return self._write_segment(index, blocks), False
+        except (OSError, sqlite3.Error) as exc:
+            if not disk_full_error(exc):
+                raise
+            if len(blocks) == 1:
+                log.warning("SSD save of block %s failed: %s", blocks[0].block_hash, exc)
+                store._inc("ssd_save_fail")
+                return ["error"], True
+        half = (len(blocks) + 1) // 2
+        first, _ = self._write_fitting(index, blocks[:half])
+        if first[-1] != "saved":  # the first half did not fit whole: the rest is not attempted
+            store._inc("ssd_save_fail", len(blocks) - half)
+            return first + ["error"] * (len(blocks) - half), True
+        rest, _ = self._write_fitting(index, blocks[half:])
+        return first + rest, True
 
     def _dedup(self, h: str, row: IndexRow | None, b: HostBlock, seen: set[str]) -> str:
         store = self._store
@@ -154,6 +205,7 @@ class SegmentSaver:
         except BaseException:
             store._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
             raise
+        store._saved.add(b.block_hash for b in blocks)
         store._inc("ssd_save_success", len(blocks))
         store._inc("ssd_segments_written")
         store._inc("ssd_bytes_written", size)
@@ -198,4 +250,12 @@ class SegmentSaver:
             raise
 
 
-__all__ = ["SegmentSaver"]
+def disk_full_error(exc: BaseException) -> bool:
+    """True if `exc` says the file system is full: ENOSPC or EDQUOT, or SQLite's SQLITE_FULL."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.Error) and isinstance(code, int) and code & 0xFF == sqlite3.SQLITE_FULL
+
+
+__all__ = ["SegmentSaver", "disk_full_error"]

@@ -1,0 +1,299 @@
+"""Hostile files, read-only and symlinked caches, full disks, root in a user's cache.
+
+Every case uses real files, real processes and real permissions: a FIFO planted where a segment
+was; a `chmod a-w` cache, a root-owned 0755 cache and a read-only bind mount (served through
+an unprivileged user via `setpriv`, or as root on the mount); a symlinked cache root; a cache
+directory that does not exist yet; a group/other-writable `ssd_dir_mode`; a nearly full tmpfs;
+hostile `--cache-dir` values and a binary sweep file; a record swap inside a segment; root
+writing into a user's cache. Whatever happens, the output tokens equal the uncached ones.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import sqlite3
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app as app_module
+from kvtool.ops.confined import ConfinedDir
+from kvtool.ops.scan import scan_cache
+from kvtool.ops.validate import validate
+from kvtool.store.fsops import FileOps, NotRegularFileError
+from kvtool.store.names import segment_relpath
+from tests.store_helpers import make_chain, open_store, record_span, segment_path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
+NOBODY = 65534
+HANG_GUARD_S = 300  # a subprocess that hangs fails the test instead of the suite (not a timing check)
+if not app_module.app.registered_commands:
+    app_module._register()
+runner = CliRunner()
+
+
+# ----------------------------------------------------------------------------- helpers
+def kvtool(*args: str, user: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a fresh process (as `user` through `setpriv` if given)."""
+    cmd = [sys.executable, "-m", "kvtool.cli.app", *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    full_env = {**os.environ, **(env or {})}
+    if user is not None:
+        full_env["HOME"] = full_env.get("KVTOOL_TEST_HOME", "/tmp")
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=HANG_GUARD_S, env=full_env)
+
+
+def serve(cache: Path, prompt: Path, *extra: str, user: int | None = None) -> dict:
+    """`serve-once --json` of one prompt file; the parsed document (exit 0 asserted)."""
+    res = kvtool("serve-once", "--json", "--prompt-file", str(prompt), "--max-tokens", "4", "--cache-dir", str(cache),
+                 *extra, user=user)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def cli(*args: str):
+    return runner.invoke(app_module.app, list(args))
+
+
+def one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def tree(root: Path) -> dict[str, tuple[int, bytes | None]]:
+    """Every entry under `root`: (mode, content of regular files), SQLite's -wal/-shm aside."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.name.endswith(("-wal", "-shm")):
+            continue
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (st.st_mode, p.read_bytes() if stat.S_ISREG(st.st_mode) else None)
+    return out
+
+
+def owners(root: Path) -> set[int]:
+    return {p.lstat().st_uid for p in [root, *root.rglob("*")]}
+
+
+def rows(cache: Path) -> int:
+    total = 0
+    for db in cache.glob("*/index.sqlite"):
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+            total += con.execute("SELECT COUNT(*) FROM blocks").fetchone()[0]
+    return total
+
+
+@pytest.fixture(scope="module")
+def prompts() -> Iterator[Path]:
+    """A world-readable directory with prompt files: `short.txt` (a prefix of) `long.txt`."""
+    d = Path(tempfile.mkdtemp(prefix="kvtool-hostile-"))
+    os.chmod(d, 0o755)
+    text = DEMO.read_text(encoding="utf-8")
+    (d / "short.txt").write_text(text[:1500], encoding="utf-8")
+    (d / "long.txt").write_text(text[:3000], encoding="utf-8")
+    for f in d.iterdir():
+        os.chmod(f, 0o644)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference(prompts) -> dict[str, list[int]]:
+    """Uncached greedy tokens of each prompt (the output every cached run must equal)."""
+    out = {}
+    for name in ("short", "long"):
+        doc = serve(prompts / "nossd", prompts / f"{name}.txt", "--no-ssd")
+        out[name] = doc["requests"][0]["token_ids"]
+    return out
+
+
+@pytest.fixture
+def shared_dir(prompts) -> Iterator[Path]:
+    """A directory another user can reach (pytest's tmp_path is private to root)."""
+    d = Path(tempfile.mkdtemp(prefix="case-", dir=prompts))
+    os.chmod(d, 0o755)
+    yield d
+    for p in [d, *d.rglob("*")]:  # undo chmod a-w so it can be removed
+        if p.is_dir() and not p.is_symlink():
+            os.chmod(p, 0o755)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _unprivileged_ok(prompts: Path) -> str | None:
+    """Why an unprivileged user cannot run kvtool here (None: it can)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "needs root to switch to an unprivileged user"
+    if shutil.which("setpriv") is None:
+        return "setpriv is not installed"
+    res = kvtool("--version", user=NOBODY)
+    return None if res.returncode == 0 else f"uid {NOBODY} cannot run kvtool here: {res.stderr.strip()[-200:]}"
+
+
+# ----------------------------------------------------------------------------- 1: a FIFO
+def test_fifo_is_never_opened_by_file_ops(tmp_path):
+    fifo = tmp_path / "x.safetensors"
+    os.mkfifo(fifo)
+    fs = FileOps()
+    for call in (fs.open_read, fs.read_bytes, lambda p: fs.read_head(p, 8)):
+        with pytest.raises(NotRegularFileError):
+            call(fifo)
+    cache = tmp_path / "kv"
+    store = open_store(cache)
+    chain = make_chain(store.layout_key, range(12))
+    assert store.save_blocks(chain) == ["saved"] * 3
+    name = store.index.get(chain[0].block_hash).segment
+    path = segment_path(store, name)
+    path.unlink()
+    os.mkfifo(path)
+    with ConfinedDir(cache, store.layout_key) as cdir, pytest.raises(OSError, match="not a regular file"):
+        cdir.open_segment(name)
+    assert store.open_segment(name) is None  # a miss, never a hang
+    assert store.stats()["ssd_load_corrupt"] == 1 and store.index.get(chain[0].block_hash) is not None  # left for validate
+    # a recomputed block replaces the rows that point at the FIFO (not dropped as duplicates)
+    assert store.save_blocks(chain) == ["saved"] * 3 and store.index.get(chain[0].block_hash).segment != name
+    store.close()
+
+
+@pytest.mark.slow
+def test_fifo_in_place_of_a_segment(prompts, reference, tmp_path):
+    cache = tmp_path / "kv"
+    serve(cache, prompts / "long.txt", "--sync")
+    (seg,) = cache.glob("*/*/*.safetensors")
+    seg.unlink()
+    os.mkfifo(seg)
+
+    doc = serve(cache, prompts / "long.txt", "--sync")  # would hang forever in open() before
+    (req,) = doc["requests"]
+    assert req["token_ids"] == reference["long"] and req["cached_tokens"] == 0
+    assert doc["stats"]["ssd_load_corrupt"] == 1 and req["blocks_written"] == doc["stats"]["ssd_save_success"] > 0
+    assert stat.S_ISFIFO(seg.lstat().st_mode)  # the serving process removes nothing: validate does
+
+    checked = kvtool("validate", "--json", "--cache-dir", str(cache))
+    assert checked.returncode == 1, checked.stderr
+    (ns,) = json.loads(checked.stdout)["namespaces"]
+    assert ns["irregular"] == [segment_relpath(seg.stem)] and ns["irregular_removed"] == 1
+    assert ns["broken_chain_removed"] == 0 and ns["corrupt_removed"] == 0  # the rows were stored anew
+    assert not os.path.lexists(seg)
+    assert kvtool("validate", "--cache-dir", str(cache)).returncode == 0  # clean now
+    again = serve(cache, prompts / "long.txt")
+    assert again["requests"][0]["token_ids"] == reference["long"] and again["requests"][0]["ssd_hit_tokens"] > 0
+
+
+def test_validate_removes_a_fifo_whose_rows_have_no_copy(tmp_path):
+    cache = tmp_path / "kv"
+    store = open_store(cache)
+    chain = make_chain(store.layout_key, range(12))
+    store.save_blocks(chain)
+    store.close()
+    (seg,) = cache.glob("*/*/*.safetensors")
+    seg.unlink()
+    os.mkfifo(seg)
+    assert scan_cache(cache).namespaces[0].irregular == (segment_relpath(seg.stem),)
+    dry = validate(cache, dry_run=True)
+    (ns,) = dry.namespaces
+    assert ns.corrupt_removed == 3 and ns.missing_rows_dropped == 0 and ns.irregular_removed == 1
+    assert stat.S_ISFIFO(seg.lstat().st_mode)
+    done = validate(cache)
+    assert done.namespaces[0].unlink_failed == 0 and not os.path.lexists(seg) and rows(cache) == 0
+    assert validate(cache).problems == 0
+
+
+# ----------------------------------------------------------------------------- 6: a nearly full disk
+class BudgetFS(FileOps):
+    """Real file operations on a disk that holds `budget` more bytes of segment data: a write
+    beyond it fails with ENOSPC (as the kernel's), after writing nothing."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.attempts: list[int] = []
+        self._lock = threading.Lock()
+
+    def write_all(self, fd, data) -> None:
+        size = sum(memoryview(b).nbytes for b in data) if isinstance(data, (list, tuple)) else memoryview(data).nbytes
+        with self._lock:
+            self.attempts.append(size)
+            if size > self.budget:
+                raise OSError(errno.ENOSPC, "No space left on device (test budget)")
+            self.budget -= size
+        super().write_all(fd, data)
+
+
+def test_full_disk_saves_the_blocks_that_fit(tmp_path):
+    fs = BudgetFS(1 << 30)
+    store = open_store(tmp_path / "kv", fs=fs)
+    chain = make_chain(store.layout_key, range(4 * 16), seed=3)  # 16 blocks, one write batch
+    one = store.save_blocks(chain[:1])  # measures one block's segment
+    assert one == ["saved"]
+    fs.budget = 5 * fs.attempts[0]  # room for ~5 single-block segments (fewer with a bigger header)
+    out = store.save_blocks(chain[1:])
+    saved = out.count("saved")
+    assert 0 < saved < 15 and out == ["saved"] * saved + ["error"] * (15 - saved)  # a prefix of the chain
+    st = store.stats()
+    assert st["ssd_save_success"] == 1 + saved and st["ssd_save_fail"] == 15 - saved
+    assert store.saved_count(b.block_hash for b in chain) == 1 + saved
+    assert store.count_prefix([b.block_hash for b in chain]) == 1 + saved
+    assert not list((tmp_path / "kv").rglob("*.tmp"))
+    store.close()
+    assert validate(tmp_path / "kv").problems == 0  # nothing orphaned, nothing unreachable
+
+
+# ----------------------------------------------------------------------------- 8: record swap
+def test_record_swap_recomputed_blocks_replace_the_damaged_rows(tmp_path):
+    """Records k and k+1 swapped in a segment (header intact): k fails its checksum and is
+    dropped; k+1's row still points at the swapped bytes. The recomputed blocks must replace
+    those rows, so that validate then loses no intact descendant."""
+    from kvtool.store.restore import restore_chain
+
+    cache = tmp_path / "kv"
+    store = open_store(cache)
+    chain = make_chain(store.layout_key, range(4 * 40), seed=7)  # 40 blocks in one segment
+    assert store.save_blocks(chain) == ["saved"] * 40
+    path = segment_path(store, store.index.get(chain[0].block_hash).segment)
+    k = 5
+    (a, n), (b, m) = record_span(path, chain[k].block_hash), record_span(path, chain[k + 1].block_hash)
+    data = bytearray(path.read_bytes())
+    data[a : a + n], data[b : b + m] = data[b : b + m], data[a : a + n]
+    path.write_bytes(bytes(data))
+    store.close()
+
+    store = open_store(cache)  # a new process
+    ids = np.arange(4 * 40, dtype=np.int32)
+    kv = store.expected.kv
+    bufs = [np.zeros((1, *s[1:2], 4 * 40, s[3]), dtype=st) for s, st in zip(kv.shapes(1), kv.storage_dtypes())]
+    from kvtool.store.segment import HeadPieces
+
+    pieces = HeadPieces(bufs)
+    rows_ = store.lookup([blk.block_hash for blk in chain])
+    result = restore_chain(store, rows_, chain[0].parent_hash, ids, [4 * i for i in range(40)],
+                           lambda off, n: pieces(off, n), parallel=False)  # fmt: skip
+    assert result.n_ok == k and store.stats()["ssd_load_corrupt"] == 1
+    assert store.index.get(chain[k].block_hash) is None and store.index.get(chain[k + 1].block_hash) is not None
+    out = store.save_blocks(chain[k:])  # the request recomputed them: they are stored again
+    assert out == ["saved"] * (40 - k)
+    assert all(store.index.get(blk.block_hash).segment != path.stem for blk in chain[k:])
+    store.close()
+    rep = validate(cache)
+    (ns,) = rep.namespaces
+    assert ns.broken_chain_removed == 0 and ns.corrupt_removed == 0 and rows(cache) == 40
+    store = open_store(cache)
+    assert store.count_prefix([blk.block_hash for blk in chain]) == 40
+    for blk in chain[k : k + 2]:
+        got = store.load_block(blk.block_hash, blk.token_ids, blk.parent_hash)
+        assert got is not None and all(np.array_equal(x, y) for x, y in zip(got.keys, blk.keys))
+    store.close()
