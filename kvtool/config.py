@@ -27,6 +27,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo
 
 from kvtool.errors import KVToolError
+from kvtool.store.remote_url import URL_ENV, RemoteURLError, parse_remote_url
 from kvtool.units import MAX_DURATION_S, parse_duration, parse_size, short_repr
 
 # Chosen by measurement (bench_configs/block_size.py, README "Block size"): a request costs the
@@ -73,7 +74,18 @@ class WriterMode(StrEnum):
     ASYNC = "async"
 
 
+class RemotePolicy(StrEnum):
+    """When blocks reach the remote tier (`remote_url`). Members compare equal to their string values."""
+
+    OFF = "off"  # no remote tier, even with a remote_url
+    WRITE_THROUGH = "write_through"  # new blocks go to the remote store as they are stored
+    ON_EVICT = "on_evict"  # blocks go to the remote store when the RAM tier evicts them
+
+
 SSD_POLICIES = tuple(p.value for p in SSDPolicy)
+REMOTE_POLICIES = tuple(p.value for p in RemotePolicy)
+DEFAULT_REMOTE_TIMEOUT = timedelta(milliseconds=250)
+MAX_REMOTE_TIMEOUT_S = 60.0
 DURABILITY_MODES = tuple(d.value for d in Durability)
 WRITER_MODES = tuple(w.value for w in WriterMode)
 CODECS = tuple(c.value for c in Codec)
@@ -163,6 +175,59 @@ def _ttl_days(value: Any) -> float | None:
     return float(days)
 
 
+def _remote_url(value: Any) -> str | None:
+    """`remote_url`: None (no remote tier) or a URL `kvtool.store.remote_url.parse_remote_url`
+    accepts. The error shows the URL with its password masked."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"must be a URL such as redis://host:6379/0, got a {type(value).__name__}")
+    try:
+        parse_remote_url(value)
+    except RemoteURLError as exc:
+        raise ValueError(exc.message) from None
+    return value
+
+
+def _remote_url_default() -> str | None:
+    """`$KVTOOL_REMOTE_URL`, if set and not empty."""
+    return os.environ.get(URL_ENV) or None
+
+
+def _remote_timeout(value: Any) -> timedelta:
+    """`remote_timeout`: a duration with its unit (`"250ms"`, `"1s"`) or a `timedelta`, from
+    1 ms to 60 s. A bare number is refused, as for every duration."""
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (isinstance(value, str) and value.strip().replace(".", "", 1).isdigit()):
+        raise ValueError(f"{short_repr(value)} has no unit: write e.g. 250ms or 0.25s")
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, str) and value.strip().lower().endswith("ms") and value.strip()[:-2].strip():
+        number = value.strip()[:-2].strip()
+        try:
+            seconds = float(number) / 1000 if number.replace(".", "", 1).isdigit() else -1.0
+        except ValueError:
+            seconds = -1.0
+        if seconds < 0:
+            raise ValueError(f"not a duration: {short_repr(value)} (examples: 250ms, 1s)")
+    else:
+        seconds = parse_duration(value)
+    if not 0.001 <= seconds <= MAX_REMOTE_TIMEOUT_S:
+        raise ValueError(f"must be from 1ms to {MAX_REMOTE_TIMEOUT_S:g}s, got {short_repr(value)}")
+    return timedelta(seconds=seconds)
+
+
+def _remote_ttl(value: Any) -> timedelta | None:
+    """`remote_ttl`: None (values never expire: the server's eviction or `kvtool remote prune`
+    removes them), a duration with its unit (`"7d"`, `"12h"`) or a `timedelta`; from 1 s to 68
+    years (Redis' `EX` takes whole seconds, up to 2**31)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else parse_duration(value)
+    if not 1 <= seconds < 2**31:
+        raise ValueError(f"must be from 1s to 68 years, got {short_repr(value)}")
+    return timedelta(seconds=seconds)
+
+
 def _choice(enum_cls: type[StrEnum]) -> BeforeValidator:
     values = [m.value for m in enum_cls]
     choices = ", ".join(values)
@@ -199,6 +264,10 @@ def _dir_mode(value: Any) -> int:
         raise ValueError("must be an octal mode from 0o0 to 0o7777")
     if value & 0o700 != 0o700:
         raise ValueError(f"must give the owner read, write and search (0o700), got {oct(value)}")
+    if value & 0o002:  # anyone could plant files in the cache (docs/DESIGN.md, "Threat model")
+        raise ValueError(f"must not let other users write (0o002), got {oct(value)}; use 0o700, or 0o2770 for a group")
+    if value & 0o020 and not value & 0o2000:
+        raise ValueError(f"group write (0o020) needs the setgid bit (0o2000: a group-shared cache, e.g. 0o2770), got {oct(value)}")
     return value
 
 
@@ -270,9 +339,24 @@ class KVToolConfig(BaseModel):
         ssd_dir_mode: permission bits of the directories kvtool creates in the cache, applied
             whatever the umask. 0o700 (owner only) by default; use 0o2770 for a cache shared by
             a group (setgid keeps the group on new directories). TOML: `0o2770` or `"2770"`.
+            Other-write (0o002) is refused, and group write (0o020) without setgid too.
         ssd_codec: `none` (records stored as they are, the default), or `zstd` / `lz4`: every
             record compressed losslessly (opt-in; a separate namespace, since the codec is part
             of the layout key). A `Codec`.
+        remote_url: the remote tier's Redis / Valkey server (`redis://`, `rediss://`,
+            `unix://`, `redis+cluster://`; `kvtool.store.remote_url`), default
+            `$KVTOOL_REMOTE_URL`; None: no remote tier. The password may come from
+            `$KVTOOL_REMOTE_PASSWORD` instead. Hidden from `repr`; show it with `mask_url`.
+        remote_policy: `off`, `write_through` (new blocks go to the remote store too, the
+            default) or `on_evict` (blocks go there when RAM evicts them). A `RemotePolicy`;
+            the tier is used when `remote_url` is set and this is not `off`.
+        remote_promote: a remote hit is inserted into the RAM tier (and written to SSD by the
+            SSD policy) like a fresh block.
+        remote_ttl: expiry of the values kvtool stores (a duration such as `"7d"`, held as a
+            `timedelta`); None (the default): no expiry.
+        remote_timeout: deadline of every remote socket operation (`"250ms"`, `"1s"`; a
+            `timedelta`, 250 ms by default). A slower server is a miss, never a slower request.
+        remote_cluster: the server is a Redis Cluster (also implied by `redis+cluster://`).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
@@ -291,6 +375,12 @@ class KVToolConfig(BaseModel):
     ram_bytes: Annotated[int, BeforeValidator(parse_size)] = DEFAULT_RAM_BYTES  # no bools, floats, < 0
     ssd_dir_mode: Annotated[int, BeforeValidator(_dir_mode)] = DEFAULT_DIR_MODE
     ssd_codec: Annotated[Codec, _choice(Codec)] = Codec.NONE
+    remote_url: Annotated[str | None, BeforeValidator(_remote_url)] = Field(default_factory=_remote_url_default, repr=False)
+    remote_policy: Annotated[RemotePolicy, _choice(RemotePolicy)] = RemotePolicy.WRITE_THROUGH
+    remote_promote: Flag = True
+    remote_ttl: Annotated[timedelta | None, BeforeValidator(_remote_ttl)] = None
+    remote_timeout: Annotated[timedelta, BeforeValidator(_remote_timeout)] = DEFAULT_REMOTE_TIMEOUT
+    remote_cluster: Flag = False
 
     def __init__(self, **values: Any) -> None:
         """Validate `values` (field names as keywords; omitted fields take their defaults).
@@ -324,6 +414,22 @@ class KVToolConfig(BaseModel):
         if self.ssd_ttl is not None:
             return self.ssd_ttl.total_seconds()
         return self.ssd_ttl_days * 86400.0 if self.ssd_ttl_days is not None else DEFAULT_TTL_S
+
+
+    @property
+    def remote_enabled(self) -> bool:
+        """A remote tier is configured: `remote_url` set and `remote_policy` not `off`."""
+        return self.remote_url is not None and self.remote_policy != RemotePolicy.OFF
+
+    @property
+    def remote_timeout_s(self) -> float:
+        """`remote_timeout` in seconds."""
+        return self.remote_timeout.total_seconds()
+
+    @property
+    def remote_ttl_s(self) -> float | None:
+        """`remote_ttl` in seconds, None for no expiry."""
+        return None if self.remote_ttl is None else self.remote_ttl.total_seconds()
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(KVToolConfig.model_fields)
