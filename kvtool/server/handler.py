@@ -41,6 +41,7 @@ STATS_PATH = "/kvtool/stats"
 SOCKET_TIMEOUT_S = 60.0  # a client silent this long while sending or receiving is dropped
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this (else 408)
 MAX_CONNECTIONS = 256  # connections served at once; more are answered 503 and closed
+LISTEN_BACKLOG = 128  # connections the kernel queues before they are accepted
 LINGER_S = 2.0  # after refusing an unread body, how long the rest is read and dropped
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
@@ -360,6 +361,9 @@ BUSY_RESPONSE = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a request in flight never keeps the process alive after shutdown
+    # listen() backlog: socketserver's default of 5 overflows when 16 clients connect at once
+    # (their connections were reset: `APIConnectionError` in the load benchmark).
+    request_queue_size = LISTEN_BACKLOG
     kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
 
     def __init__(self, *args: Any, **kwargs: Any):
