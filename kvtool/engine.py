@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,12 +38,14 @@ from kvtool.config import KVToolConfig
 from kvtool.model_kv import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVQuantization
 from kvtool.models.loader import LoadedModel, load_model
 from kvtool.prefix import CacheHit, CacheStats, PrefixCache
-from kvtool.store.tiered import ShutdownStatus
+from kvtool.store.tiered import ShutdownStatus, WriteTally
+from kvtool.store.writer import AsyncWriter
 
 log = logging.getLogger("kvtool")
 
 DEFAULT_PREFILL_STEP = 2048  # tokens per prefill chunk, as mlx-lm's generate_step
 DEFAULT_MAX_TOKENS = 256
+UNSETTLED_MAX = 4096  # requests whose `blocks_written` waits for a drain (older ones keep the accepted count)
 
 
 @dataclass
@@ -52,6 +55,10 @@ class RequestResult:
     Invariants: `prompt_tokens == cached_tokens + prefill_tokens` and
     `cached_tokens == ram_hit_tokens + ssd_hit_tokens`. On a full hit the last prompt token is
     re-forwarded, so `cached_tokens = prompt_tokens - 1` and `prefill_tokens = 1`.
+    `blocks_written` counts the request's new blocks (and tail entry) that reached the SSD: exact
+    when the request returns with an inline (`--sync`) writer; with a background writer it is
+    the count the writer accepted until `Engine.flush` / `close` sets the exact one. Blocks
+    kept in RAM only (no SSD tier, a read-only cache, a full disk, evict_only) are not counted.
     """
 
     prompt_tokens: int = 0
@@ -135,6 +142,7 @@ class Engine:
         self.hash_fn = hash_fn
         self.max_kv_size = max_kv_size
         self._lock = threading.Lock()  # one request or reconfiguration at a time (quiesce)
+        self._unsettled: deque[tuple[RequestResult, WriteTally, Any]] = deque(maxlen=UNSETTLED_MAX)
         self.cache = PrefixCache.for_model(
             self.model, config, model_id=loaded.model_id, model_name=loaded.name, max_kv_size=max_kv_size,
             hash_fn=hash_fn, fs=fs, quant=self.quant,
@@ -185,17 +193,31 @@ class Engine:
         """Live reconfiguration on the resident model (seed 003): quiesce (wait for the request
         in flight), drain the writer, flush the index, detach, drop RAM blocks, reattach."""
         with self._lock:
-            return self.cache.reconfigure(config)
+            status = self.cache.reconfigure(config)
+            self._settle()
+            return status
 
     def flush(self) -> bool:
-        """Wait until every accepted SSD write was attempted; flush the index."""
+        """Wait until every accepted SSD write was attempted; flush the index. Settles the
+        `blocks_written` of earlier requests (`_settle`)."""
         with self._lock:
-            return self.cache.flush()
+            ok = self.cache.flush()
+            self._settle()
+            return ok
 
     def close(self) -> ShutdownStatus:
-        """Drain the writer, flush and close the index. Idempotent."""
+        """Drain the writer, flush and close the index. Idempotent. Settles `blocks_written`."""
         with self._lock:
-            return self.cache.close()
+            status = self.cache.close()
+            self._settle()
+            return status
+
+    def _settle(self) -> None:
+        """Set each unsettled request's `blocks_written` to its blocks that reached the SSD (the
+        writer has drained: every accepted write was attempted)."""
+        while self._unsettled:
+            res, tally, ssd = self._unsettled.popleft()
+            res.blocks_written = ssd.saved_count(tally.hashes) if ssd is not None else 0
 
     def stats(self) -> dict[str, int]:
         """Counters of the prefix cache (see `CacheStats`)."""
@@ -510,7 +532,17 @@ class Engine:
             return
         t0 = time.perf_counter()
         fallbacks_before = self._sync_fallbacks()
-        res.blocks_written = self.cache.store(ids, cache, hit, persist=persist, states=states)
+        tiered.tally = tally = WriteTally()
+        try:
+            self.cache.store(ids, cache, hit, persist=persist, states=states)
+        finally:
+            tiered.tally = None
+        # blocks that reached the SSD: known now with an inline writer; with a background one,
+        # those it accepted until `flush` / `close` settles the count (`_settle`)
+        res.blocks_written = tally.accepted
+        self._unsettled.append((res, tally, tiered.ssd))
+        if not isinstance(tiered.writer, AsyncWriter):
+            self._settle()
         res.write_path_ms = (time.perf_counter() - t0) * 1e3
         res.writer_queue_depth = tiered.queue_depth()
         res.backpressure_events = self._sync_fallbacks() - fallbacks_before

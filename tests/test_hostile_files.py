@@ -33,7 +33,7 @@ from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store.fsops import FileOps, NotRegularFileError
 from kvtool.store.names import segment_relpath
-from tests.store_helpers import make_chain, open_store, record_span, segment_path
+from tests.store_helpers import make_chain, mounted_tmpfs, open_store, record_span, segment_path
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
@@ -214,6 +214,73 @@ def test_validate_removes_a_fifo_whose_rows_have_no_copy(tmp_path):
     assert validate(cache).problems == 0
 
 
+# ----------------------------------------------------------------------------- 2: read-only caches
+@pytest.mark.slow
+def test_chmod_a_w_cache_serves_verified_hits(prompts, reference, shared_dir):
+    why = _unprivileged_ok(prompts)
+    if why:
+        pytest.skip(why)
+    cache = shared_dir / "kv"
+    os.chown(shared_dir, NOBODY, NOBODY)
+    serve(cache, prompts / "short.txt", "--sync", user=NOBODY)
+    subprocess.run(["chmod", "-R", "a-w", str(cache)], check=True)
+    before = tree(cache)
+    doc = serve(cache, prompts / "long.txt", user=NOBODY)
+    (req,) = doc["requests"]
+    assert req["token_ids"] == reference["long"]
+    assert req["ssd_hit_tokens"] > 0 and req["blocks_written"] == 0
+    assert "read-only" in doc["ssd_disabled_reason"] and doc["stats"]["ssd_save_success"] == 0
+    assert tree(cache) == before
+    for cmd in (["validate", "--dry-run", "--json"], ["inspect", "--json"]):
+        res = kvtool(*cmd, "--cache-dir", str(cache), user=NOBODY)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert json.loads(res.stdout)["namespaces"][0]["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_root_owned_cache_serves_another_user(prompts, reference, shared_dir):
+    why = _unprivileged_ok(prompts)
+    if why:
+        pytest.skip(why)
+    cache = shared_dir / "kv"
+    conf = shared_dir / "kvtool.toml"
+    conf.write_text('ssd_dir_mode = "0755"\n')
+    os.chmod(conf, 0o644)
+    serve(cache, prompts / "short.txt", "--sync", "--config", str(conf))  # as root: 0755 dirs, 0644 files
+    before = tree(cache)
+    doc = serve(cache, prompts / "long.txt", user=NOBODY)
+    (req,) = doc["requests"]
+    assert req["token_ids"] == reference["long"] and req["ssd_hit_tokens"] > 0 and req["blocks_written"] == 0
+    assert tree(cache) == before and owners(cache) == {0}
+
+
+@pytest.mark.slow
+def test_read_only_bind_mount_serves_verified_hits(prompts, reference, tmp_path):
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("a bind mount needs root")
+    cache, ro = tmp_path / "kv", tmp_path / "ro"
+    serve(cache, prompts / "short.txt", "--sync")
+    ro.mkdir()
+    res = subprocess.run(["mount", "--bind", str(cache), str(ro)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"mount --bind refused here: {res.stderr.strip()}")
+    try:
+        res = subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"remount read-only refused here: {res.stderr.strip()}")
+        before = tree(cache)
+        doc = serve(ro, prompts / "long.txt")
+        (req,) = doc["requests"]
+        assert req["token_ids"] == reference["long"] and req["ssd_hit_tokens"] > 0 and req["blocks_written"] == 0
+        assert "read-only" in doc["ssd_disabled_reason"]
+        assert tree(cache) == before
+        checked = kvtool("validate", "--dry-run", "--json", "--cache-dir", str(ro))
+        assert checked.returncode == 0 and json.loads(checked.stdout)["namespaces"][0]["status"] == "ok", checked.stdout
+    finally:
+        if subprocess.run(["umount", str(ro)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(ro)], capture_output=True)
+
+
 # ----------------------------------------------------------------------------- 6: a nearly full disk
 class BudgetFS(FileOps):
     """Real file operations on a disk that holds `budget` more bytes of segment data: a write
@@ -251,6 +318,27 @@ def test_full_disk_saves_the_blocks_that_fit(tmp_path):
     assert not list((tmp_path / "kv").rglob("*.tmp"))
     store.close()
     assert validate(tmp_path / "kv").problems == 0  # nothing orphaned, nothing unreachable
+
+
+@pytest.mark.slow
+def test_nearly_full_tmpfs_keeps_what_fits(prompts, reference, tmp_path):
+    with mounted_tmpfs(tmp_path / "mnt", "16m") as mnt:
+        cache = mnt / "kv"
+        serve(cache, prompts / "short.txt", "--sync", "--block-size", "16")  # the namespace and its index exist
+        stored_before = rows(cache)
+        filler = mnt / "filler"
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(filler, "wb") as fh:  # leave ~200 KiB: a part of the long prompt's new blocks fits
+            fh.write(b"\0" * max(0, free - (200 << 10)))
+        doc = serve(cache, prompts / "long.txt", "--sync", "--block-size", "16")
+        (req,) = doc["requests"]
+        st = doc["stats"]
+        assert req["token_ids"] == reference["long"]
+        assert st["ssd_save_success"] > 0 and st["ssd_save_fail"] > 0  # some fit, the rest failed
+        assert req["blocks_written"] == st["ssd_save_success"] == rows(cache) - stored_before
+        filler.unlink()
+        checked = kvtool("validate", "--json", "--cache-dir", str(cache))
+        assert checked.returncode == 0, checked.stdout + checked.stderr  # no orphan, no broken chain
 
 
 # ----------------------------------------------------------------------------- 8: record swap

@@ -50,7 +50,7 @@ REQUEST_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
     ("ssd_load_ms", "time loading blocks (or the prompt-cache file) from SSD (ms)"),
     ("ssd_bytes_read", "bytes read from SSD (bytes)"),
     ("write_path_ms", "time the request thread spent on cache writes (ms)"),
-    ("blocks_written", "new full blocks the request stored in the tier: RAM, and SSD under write_through (blocks)"),
+    ("blocks_written", "new blocks (and tail entry) of the request that reached the SSD; with the async writer, those it accepted (blocks)"),
     ("writer_queue_depth", "async writer queue depth at the end of the request (blocks)"),
     ("backpressure_events", "times the request met a full writer queue (events)"),
 ]
@@ -92,7 +92,7 @@ CELL_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + _with_spread([
     ("ssd_bytes_read", "bytes read from SSD over all requests, mean per repeat (bytes)"),
     ("write_path_ms_mean", f"mean request-thread write time per request, all requests, {_REP} (ms)"),
     ("write_path_ms_p95", f"95th percentile request-thread write time, {_REP} (ms)"),
-    ("blocks_written", "new blocks stored in the tier, mean per repeat (blocks)"),
+    ("blocks_written", "new blocks written to the SSD (async writer: accepted), mean per repeat (blocks)"),
     ("writer_queue_depth_max", "largest writer queue depth seen at a request end (blocks)"),
     ("backpressure_events", "writer backpressure events, mean per repeat (events)"),
     ("bytes_written", "bytes on disk in the cell's cache directory after it ran, mean per repeat (bytes)"),

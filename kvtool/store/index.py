@@ -26,6 +26,7 @@ import re
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field
@@ -175,7 +176,8 @@ class BlockIndex:
         initial_meta: meta written in the same transaction as the schema, only if the index
             has no `format_version` yet; a namespace is then never visible half-created.
             `created_meta` tells whether this open wrote it.
-        read_only: open with `mode=ro` (a cache the process cannot write).
+        read_only: open with `mode=ro` (a cache the process cannot write), or `immutable=1`
+            where even the -wal / -shm files cannot be created (`immutable` tells).
 
     Raises:
         sqlite3.Error: the database cannot be opened (locked past the busy timeout, corrupt,
@@ -201,11 +203,10 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
         self._pending_since: float | None = None
-        target = f"file:{self.path}?mode=ro" if read_only else str(self.path)
-        self._conn = sqlite3.connect(
-            target, timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False,
-            uri=read_only,
-        )
+        self.immutable = False
+        self._conn = self._connect(read_only)
+        if read_only:
+            self._conn = self._read_only_fallback()
         try:
             self._conn.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")
             if create and not read_only:
@@ -221,6 +222,40 @@ class BlockIndex:
         except BaseException:
             self._conn.close()
             raise
+
+    def _connect(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
+        """A connection: read-write, or read-only (`mode=ro`; `immutable=1`: no -wal / -shm used)."""
+        target = str(self.path)
+        if read_only:  # a URI: the path is percent-quoted ('?' or '#' in a directory name)
+            target = f"file:{urllib.parse.quote(target)}?mode=ro" + ("&immutable=1" if immutable else "")
+        return sqlite3.connect(target, timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                               check_same_thread=False, uri=read_only)  # fmt: skip
+
+    def _read_only_fallback(self) -> sqlite3.Connection:
+        """The read-only connection, checked with one read. A WAL index whose `-shm` cannot be
+        created (a read-only mount, a directory of another user) cannot be read `mode=ro`: it is
+        then opened `immutable=1` (its -wal, if any, is ignored: at worst rows are stale, and
+        every block read is verified anyway), and `immutable` is set.
+
+        Raises:
+            sqlite3.Error: neither way reads it (not a database, corrupt, absent).
+        """
+        try:
+            self._conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            return self._conn
+        except sqlite3.OperationalError as exc:
+            code = getattr(exc, "sqlite_errorcode", None)
+            self._conn.close()
+            if not isinstance(code, int) or code & 0xFF not in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN):
+                raise
+        conn = self._connect(True, immutable=True)
+        try:
+            conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+        except BaseException:
+            conn.close()
+            raise
+        self.immutable = True
+        return conn
 
     # ------------------------------------------------------------------ plumbing
     def _transaction(self):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtool.blocks import Block, to_host
@@ -29,6 +29,21 @@ from kvtool.tiers import BlockTier, PendingTier, RamBlockTier, SsdBlockTier
 log = logging.getLogger("kvtool")
 
 WRITE_BATCH_BYTES = 64 << 20  # = the store's segment size cap
+
+
+@dataclass
+class WriteTally:
+    """One request's own blocks handed to the tiers (`TieredCache.insert` / `persist` while
+    `TieredCache.tally` is set), and how many of them the SSD writer accepted. Which of them
+    reached the disk is `SSDStore.saved_count(hashes)` once the writer has drained.
+
+    Attributes:
+        hashes: the request's blocks (and tail entry), by chain hash.
+        accepted: blocks the writer accepted for the SSD (queued or written), not shed nor refused.
+    """
+
+    hashes: list[str] = field(default_factory=list)
+    accepted: int = 0
 
 
 @dataclass
@@ -68,6 +83,7 @@ class TieredCache:
                 dir_mode=getattr(config, "ssd_dir_mode", 0o700),
             )
             self.writer = make_writer(self.ssd, config)
+        self.tally: WriteTally | None = None  # set by the request thread around one request's store
         self._lock = threading.Lock()
         # The read-side tier stack, fastest first (`kvtool.tiers`): PrefixCache walks it.
         self.tiers: list[BlockTier] = [RamBlockTier(self.ram, on_hit=self._touch_persisted,
@@ -120,26 +136,36 @@ class TieredCache:
     def insert(self, blocks: Sequence[Block]) -> None:
         """Add a request's new full blocks (policy decides whether they go to SSD now)."""
         write_through = self.config.ssd_policy == "write_through" and self.writer is not None
+        self._tally(blocks)
         for block in blocks:
             self.ram.put(block, persisted=write_through)
         if write_through:
-            self._send_to_writer(blocks)
+            self._tally((), self._send_to_writer(blocks))
             self._inc("kv_write_through_enqueued", len(blocks))
+
+    def _tally(self, blocks: Sequence[Block], accepted: int = 0) -> None:
+        """Note a request's own blocks and how many of them the writer accepted (`tally`)."""
+        if self.tally is not None:
+            self.tally.hashes += [b.block_hash for b in blocks]
+            self.tally.accepted += accepted
 
     def persist(self, blocks: Sequence[Block]) -> None:
         """Put blocks in RAM and write those not yet on SSD, whatever the policy (`kvtool warm`)."""
         todo = []
+        self._tally(blocks)
         for block in blocks:
             if not self.ram.is_persisted(block.block_hash):
                 todo.append(block)
             self.ram.put(block, persisted=self.writer is not None)
         if self.writer is not None and todo:
-            self._send_to_writer(todo, must_write=True)  # never shed: warm promises SSD
+            self._tally((), self._send_to_writer(todo, must_write=True))  # never shed: warm promises SSD
 
-    def _send_to_writer(self, blocks: Sequence[Block], must_write: bool = False) -> None:
+    def _send_to_writer(self, blocks: Sequence[Block], must_write: bool = False) -> int:
         """Host copies of the blocks, handed to the writer in batches of at most
         `WRITE_BATCH_BYTES` (each becomes one segment; a batch never exceeds the writer's queue).
-        A full async queue sheds a batch (best_effort, persistent) unless `must_write`."""
+        A full async queue sheds a batch (best_effort, persistent) unless `must_write`.
+        Returns how many blocks the writer accepted (none from a read-only or disabled store)."""
+        accepted = 0
         try:
             writer = self.writer
             assert writer is not None  # callers check it
@@ -147,14 +173,15 @@ class TieredCache:
             size = 0
             for b in blocks:
                 if batch and size + b.nbytes > WRITE_BATCH_BYTES:
-                    writer.enqueue_many(batch, must_write=must_write)
+                    accepted += writer.enqueue_many(batch, must_write=must_write)
                     batch, size = [], 0
                 batch.append(to_host(b))
                 size += b.nbytes
             if batch:
-                writer.enqueue_many(batch, must_write=must_write)
+                accepted += writer.enqueue_many(batch, must_write=must_write)
         except Exception:  # the cache must never fail a request
             log.exception("SSD write of %d block(s) failed", len(blocks))
+        return accepted
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
         if persisted or self.writer is None or self.config.ssd_policy != "evict_only":
