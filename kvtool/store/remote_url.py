@@ -287,6 +287,8 @@ def describe_error(exc: BaseException, remote: RemoteURL | str, timeout_s: float
         reason = f"authentication failed (wrong user or password?): {text}"
     elif "ssl" in low or "tls" in low or "certificate" in low:
         reason = f"TLS failed: {text}"
+    elif isinstance(remote, RemoteURL) and remote.tls and "connecting" in low:
+        reason = f"TLS handshake did not complete (does this port speak TLS?): {text}"
     elif kind == "TimeoutError" or "timed out" in low or "timeout" in low:
         after = f" after {timeout_s * 1000:.0f} ms" if timeout_s else ""
         reason = f"timed out{after} (server down, stopped or overloaded?): {text}"

@@ -1,0 +1,329 @@
+"""`kvtool remote inspect|validate|rm|prune`: the remote tier's store (Redis / Valkey) for operators.
+
+Every sub-command takes the server from `--url`, else the config's `remote_url` (`--config`),
+else `$KVTOOL_REMOTE_URL`; the password from the URL or `$KVTOOL_REMOTE_PASSWORD`. The URL is
+shown with its password masked, everywhere. Bad URLs, unreachable hosts, wrong passwords and TLS
+failures end the command with one `error:` line (exit 2). The work is `kvtool.ops.remote_ops`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from kvtool.cli import common
+from kvtool.cli.output import Output
+from kvtool.units import format_bytes
+
+remote_app = typer.Typer(
+    name="remote",
+    help=(
+        "The remote tier's store: kvtool blocks shared between hosts on Redis (>= 6.2) or Valkey, one node or a "
+        "Redis Cluster. SCAN only (never KEYS); safe beside live servers and kvtool processes.\n\n"
+        "The server: --url, else remote_url in --config, else $KVTOOL_REMOTE_URL. Put the password in "
+        "$KVTOOL_REMOTE_PASSWORD rather than in --url (a command line is visible to other users).\n\n"
+        "Example:\n\n"
+        "  kvtool remote inspect --url redis://cache-host:6379/0\n\n"
+        "  KVTOOL_REMOTE_URL=redis+cluster://node1:7000 kvtool remote prune --idle 7d --yes"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+URL_HELP = ("Server: redis://\\[user:password@]host\\[:port]\\[/db], rediss:// (TLS: ?ssl_ca_certs=FILE...), "
+            "unix:///path.sock, redis+cluster://host:port. Default: remote_url of --config, else $KVTOOL_REMOTE_URL.")  # fmt: skip
+UrlOpt = Annotated[str | None, typer.Option("--url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
+ClusterOpt = Annotated[bool, typer.Option("--cluster", help="The server is a Redis Cluster (implied by redis+cluster://).",
+                                          rich_help_panel="Server")]  # fmt: skip
+TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each server command: 5s, 500ms.",
+                                         rich_help_panel="Server")]  # fmt: skip
+MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
+                                         rich_help_panel="Server")]  # fmt: skip
+NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).",
+                                                  show_default=False)]  # fmt: skip
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
+
+
+def _connect(url: str | None, cluster: bool, timeout: str, config: Any) -> Any:
+    """Resolve the URL (flag, config, environment), check the timeout, connect and PING.
+
+    Raises:
+        CLIError: no URL anywhere, a bad --timeout. RemoteURLError / RemoteConnectError: see
+            `kvtool.ops.remote_ops.connect`.
+    """
+    from kvtool.config import ConfigError, load_config
+    from kvtool.ops.remote_ops import connect
+
+    if config is not None and not config.is_file():
+        raise common.CLIError(f"config file not found: {config}")
+    cfg = load_config(config, remote_url=url)
+    try:
+        timeout_s = cfg.replace(remote_timeout=timeout).remote_timeout_s
+    except ConfigError as exc:
+        raise common.CLIError(f"--timeout: {exc.reason}") from None
+    if cfg.remote_url is None:
+        raise common.CLIError("no remote server: give --url, set remote_url in --config, or set $KVTOOL_REMOTE_URL")
+    return connect(cfg.remote_url, cluster=True if (cluster or cfg.remote_cluster) else None, timeout_s=timeout_s)
+
+
+def _confirm(out: Output, question: str, yes: bool, dry_run: bool) -> bool:
+    """True to go on: --yes or --dry-run, else the answer on a terminal."""
+    if yes or dry_run:
+        return True
+    return out.confirm(question)
+
+
+def _refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
+    from kvtool.cli.removal import interactive
+
+    if not (yes or dry_run or interactive()):
+        raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; add --yes or use --dry-run")
+
+
+# ----------------------------------------------------------------------------- inspect
+@remote_app.command("inspect")
+def inspect_cmd(
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: common.JsonOpt = False,
+    cluster: ClusterOpt = False,
+    timeout: TimeoutOpt = "5s",
+    max_keys: MaxKeysOpt = 10_000_000,
+    config: common.ConfigOpt = None,
+) -> None:
+    """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
+    parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
+    and expired keys (INFO). Read-only; leaves the keys' LRU clocks alone.
+
+    Example:
+
+      kvtool remote inspect --url redis://cache-host:6379/0
+
+      kvtool remote inspect --namespace 3fa2 --json
+
+    Exit codes: 0 ok; 2 bad URL, unreachable server, wrong password, TLS failure, unknown namespace.
+    """
+    out = Output.from_flags(json_out)
+    with common.cli_errors():
+        from kvtool.ops.remote_ops import inspect
+
+        conn = _connect(url, cluster, timeout, config)
+        try:
+            report = inspect(conn, namespace, max_keys)
+        finally:
+            conn.close()
+        out.emit(report.to_dict, lambda: _print_inspect(report, out))
+    raise typer.Exit(common.EXIT_OK)
+
+
+def _print_inspect(report: Any, out: Output) -> None:
+    out.print(f"{escape(report.url)}{' (cluster)' if report.cluster else ''}")
+    for s in report.servers:
+        version = s.get("valkey_version") and f"valkey {s['valkey_version']}" or f"redis {s.get('redis_version', '?')}"
+        limit = format_bytes(s["maxmemory"]) if s.get("maxmemory") else "no limit"
+        out.print(f"  {escape(str(s['node']))}: {version} | memory {format_bytes(s.get('used_memory', 0))} of {limit} "
+                  f"({s.get('maxmemory_policy', '?')}) | evicted keys {s.get('evicted_keys', 0)} | expired keys "
+                  f"{s.get('expired_keys', 0)}")  # fmt: skip
+    if not report.namespaces:
+        out.print("no kvtool keys")
+    else:
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        for name in ("namespace", "format", "blocks", "split", "parts", "memory"):
+            table.add_column(name, justify="left" if name in ("namespace", "format") else "right")
+        for ns in report.namespaces:
+            fmt = f"{ns.format} (outdated)" if ns.outdated else ns.format
+            table.add_row(ns.namespace, fmt, str(ns.blocks), str(ns.split_values), str(ns.parts), format_bytes(ns.bytes))
+        out.table(table)
+    more = " (listing truncated at --max-keys)" if report.truncated else ""
+    other = f", {report.other_keys} other kvtool:* key(s)" if report.other_keys else ""
+    out.print(f"{report.keys_scanned} key(s) scanned{other}{more}")
+
+
+# ----------------------------------------------------------------------------- validate
+@remote_app.command("validate")
+def validate_cmd(
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    dry_run: common.DryRunOpt = False,
+    json_out: common.JsonOpt = False,
+    cluster: ClusterOpt = False,
+    timeout: TimeoutOpt = "5s",
+    max_keys: MaxKeysOpt = 10_000_000,
+    config: common.ConfigOpt = None,
+) -> None:
+    """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
+    hash of its parent and token ids); delete the ones that fail, and parts no manifest names
+    (--dry-run: only report). Reading a value counts as a use for the server's LRU.
+
+    Example:
+
+      kvtool remote validate --url redis://cache-host:6379/0 --dry-run
+
+      kvtool remote validate --namespace 3fa2 --json
+
+    Exit codes: 0 every value verified; 1 problems found (deleted unless --dry-run); 2 bad URL,
+    unreachable server, wrong password, TLS failure, unknown namespace.
+    """
+    out = Output.from_flags(json_out)
+    with common.cli_errors():
+        from kvtool.ops.remote_ops import validate
+
+        conn = _connect(url, cluster, timeout, config)
+        try:
+            report = validate(conn, namespace, dry_run=dry_run, max_keys=max_keys)
+        finally:
+            conn.close()
+        out.emit(report.to_dict, lambda: _print_validate(report, out))
+    raise typer.Exit(common.EXIT_PROBLEMS if report.problems or report.orphan_parts else common.EXIT_OK)
+
+
+def _print_validate(report: Any, out: Output) -> None:
+    verb = "would delete" if report.dry_run else "deleted"
+    for p in report.problems[:50]:
+        out.print(f"[red]{escape(p.key)}[/]: {p.kind}: {escape(p.message)}")
+    if len(report.problems) > 50:
+        out.print(f"... and {len(report.problems) - 50} more")
+    out.print(f"{report.checked} value(s) checked ({format_bytes(report.bytes_checked)}): {report.ok} ok, "
+              f"{len(report.problems)} failed, {report.orphan_parts} orphan part(s); {verb} "
+              f"{report.removed_keys if not report.dry_run else len(report.problems) + report.orphan_parts} key(s)"
+              + (f"; {report.vanished} vanished meanwhile (evicted, expired or removed)" if report.vanished else "")
+              + (f"; {report.incomplete} split value(s) missing a part ({verb})" if report.incomplete else "")
+              + (" (listing truncated at --max-keys)" if report.truncated else ""))  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- rm
+@remote_app.command("rm")
+def rm_cmd(
+    namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
+    hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
+                                                      show_default=False)] = None,  # fmt: skip
+    url: UrlOpt = None,
+    dry_run: common.DryRunOpt = False,
+    yes: common.YesOpt = False,
+    json_out: common.JsonOpt = False,
+    cluster: ClusterOpt = False,
+    timeout: TimeoutOpt = "5s",
+    max_keys: MaxKeysOpt = 10_000_000,
+    config: common.ConfigOpt = None,
+) -> None:
+    """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
+    their parts). Asks first on a terminal; without one, --yes is required. A kvtool process
+    reading a removed value gets a miss.
+
+    Example:
+
+      kvtool remote rm --namespace 3fa2 --dry-run
+
+      kvtool remote rm --namespace 3fa2b1c4d5e6f708192a3b4c5d6e7f80 --hash 0123456789abcdef0123456789abcdef --yes
+
+    Exit codes: 0 removed (or --dry-run); 1 declined at the prompt; 2 bad input, unreachable server,
+    wrong password, TLS failure, unknown namespace, or no terminal and no --yes.
+    """
+    out = Output.from_flags(json_out)
+    with common.cli_errors():
+        from kvtool.ops.remote_ops import rm
+
+        _refuse_without_terminal(yes, dry_run, "remove")
+        conn = _connect(url, cluster, timeout, config)
+        try:
+            plan = rm(conn, namespace, hashes or (), dry_run=True, max_keys=max_keys)
+            if not dry_run and plan.keys:
+                _print_removal(plan, out.interaction.print if not out.json else out.note)
+                if not _confirm(out, f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?", yes, dry_run):
+                    raise typer.Exit(common.EXIT_PROBLEMS)
+                plan = rm(conn, namespace, hashes or (), dry_run=False, max_keys=max_keys)
+        finally:
+            conn.close()
+        out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
+    raise typer.Exit(common.EXIT_OK)
+
+
+def _print_removal(report: Any, emit: Any) -> None:
+    verb = "would remove" if report.dry_run else "removed"
+    where = f" of {report.namespace}" if report.namespace else ""
+    emit(f"{escape(report.url)}: {verb} {report.values} block(s){where}, {report.keys} key(s), "
+         f"{format_bytes(report.bytes)}" + (f" ({report.removed_keys} key(s) existed)" if not report.dry_run else "")
+         + (f", {report.kept_values} kept" if report.kept_values else ""))  # fmt: skip
+    for ns, stat in sorted(report.per_namespace.items()):
+        emit(f"  {ns}: {stat['values']} block(s), {format_bytes(stat['bytes'])}")
+    for note in report.notes:
+        emit(f"  {escape(note)}")
+    if report.truncated:
+        emit("  (listing truncated at --max-keys)")
+
+
+# ----------------------------------------------------------------------------- prune
+@remote_app.command("prune")
+def prune_cmd(
+    idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",
+                                             show_default=False)] = None,  # fmt: skip
+    max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Server memory budget per namespace: 2GB, 512MiB.",
+                                                  show_default=False)] = None,  # fmt: skip
+    namespace: NamespaceOpt = None,
+    url: UrlOpt = None,
+    dry_run: common.DryRunOpt = False,
+    yes: common.YesOpt = False,
+    json_out: common.JsonOpt = False,
+    quiet: QuietOpt = False,
+    cluster: ClusterOpt = False,
+    timeout: TimeoutOpt = "5s",
+    max_keys: MaxKeysOpt = 10_000_000,
+    config: common.ConfigOpt = None,
+) -> None:
+    """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
+    each namespace until it fits --max-bytes (MEMORY USAGE, parts included); parts no manifest
+    names always go. Values with a TTL (remote_ttl) also expire on their own; a server with a
+    maxmemory policy evicts by itself too. Asks first on a terminal; without one, --yes is
+    required.
+
+    Example:
+
+      kvtool remote prune --idle 7d --dry-run
+
+      kvtool remote prune --idle 14d --max-bytes 20GB --yes --quiet      # cron
+
+    Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt; 2 bad input,
+    unreachable server, wrong password, TLS failure, or no terminal and no --yes.
+    """
+    out = Output.from_flags(json_out, quiet)
+    with common.cli_errors():
+        from kvtool.ops.remote_ops import prune
+        from kvtool.units import parse_duration, parse_size
+
+        try:
+            idle_s = parse_duration(idle) if idle is not None else None
+        except ValueError as exc:
+            raise common.CLIError(f"--idle: {exc}") from None
+        try:
+            budget = parse_size(max_bytes) if max_bytes is not None else None
+        except ValueError as exc:
+            raise common.CLIError(f"--max-bytes: {exc}") from None
+        if idle_s is None and budget is None:
+            raise common.CLIError("give --idle, --max-bytes or both")
+        _refuse_without_terminal(yes, dry_run, "prune")
+        conn = _connect(url, cluster, timeout, config)
+        try:
+            def run(dry: bool) -> Any:
+                return prune(conn, idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry, max_keys=max_keys)
+
+            plan = run(True)
+            if not dry_run and plan.keys:
+                if not yes:
+                    _print_removal(plan, out.interaction.print)
+                if not _confirm(out, f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?", yes, dry_run):
+                    raise typer.Exit(common.EXIT_PROBLEMS)
+                plan = run(False)
+        finally:
+            conn.close()
+        out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
+    raise typer.Exit(common.EXIT_OK)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `remote` sub-app to the root `app`."""
+    app.add_typer(remote_app, name="remote")

@@ -1,0 +1,529 @@
+"""Operator functions for the remote tier (`kvtool remote inspect|validate|rm|prune`). MLX-free.
+
+Safe beside live servers and live kvtool processes:
+- keys are listed with SCAN (`COUNT 1000`, per node of a cluster), never KEYS; every listing
+  stops at `max_keys` (reported as `truncated`); every command has a socket timeout;
+- sizes come from `MEMORY USAGE` and ages from `OBJECT IDLETIME`, which leave a key's LRU clock
+  alone (`validate` reads values with GET, which counts as a use on Redis 6.2);
+- removal is `UNLINK` (freed in the background): a kvtool process reading a value that is being
+  removed gets a miss, never wrong KV (every value is verified), and a split value loses its
+  manifest first, its parts after.
+
+Errors that end an operation (unreachable, wrong password, TLS, an unknown namespace) raise a
+`KVToolError` (`RemoteConnectError`, `RemoteOpsError`) with one line, the URL's password masked.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtool.errors import KVToolError
+from kvtool.hashing import blake2b_chain
+from kvtool.store import remote_value as rv
+from kvtool.store.remote_url import RemoteConnectError, RemoteURL, describe_error, make_client, parse_remote_url
+
+DEFAULT_OPS_TIMEOUT_S = 5.0
+DEFAULT_MAX_KEYS = 10_000_000
+SCAN_COUNT = 1000
+BATCH_KEYS = 500  # keys per pipelined round trip (metadata commands)
+GET_BATCH_BYTES = 16 << 20  # validate: bytes of values per round trip (by MEMORY USAGE)
+DEFAULT_VALIDATE_MAX_BYTES = 1 << 30  # validate: largest value (joined parts) it reads (bytes)
+
+
+class RemoteOpsError(KVToolError):
+    """An operator command that cannot run as asked (unknown or ambiguous namespace, ...)."""
+
+
+@dataclass
+class Connection:
+    """A checked connection to the remote server (PING answered).
+
+    Attributes:
+        remote: the parsed URL (`remote.masked` for messages).
+        client: the redis-py client (`redis.Redis` or `RedisCluster`).
+        timeout_s: socket timeout of every command (seconds).
+    """
+
+    remote: RemoteURL
+    client: Any
+    timeout_s: float
+
+    @property
+    def cluster(self) -> bool:
+        return self.remote.cluster
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
+            pass
+
+    def pipeline(self) -> Any:
+        return self.client.pipeline(transaction=False)
+
+    def run(self, what: str, fn: Any) -> Any:
+        """`fn()`, a server failure raised as one `RemoteConnectError` line (`what` failed)."""
+        try:
+            return fn()
+        except KVToolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - redis-py, socket and TLS errors: one line
+            raise RemoteConnectError(f"{what}: {describe_error(exc, self.remote, self.timeout_s)}") from None
+
+
+def connect(url: str, *, cluster: bool | None = None, timeout_s: float = DEFAULT_OPS_TIMEOUT_S) -> Connection:
+    """Connect and PING.
+
+    Raises:
+        RemoteURLError: malformed URL.
+        RemoteConnectError: unreachable, refused, timed out, wrong password, TLS failure, not a
+            cluster (for a cluster URL).
+    """
+    remote = parse_remote_url(url, cluster=cluster)
+    try:
+        client = make_client(remote, timeout_s)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - every failure is one line
+        raise RemoteConnectError(describe_error(exc, remote, timeout_s)) from None
+    return Connection(remote, client, timeout_s)
+
+
+def scan(conn: Connection, pattern: str, max_keys: int = DEFAULT_MAX_KEYS) -> tuple[list[str], bool]:
+    """Keys matching `pattern` (SCAN, every primary of a cluster): `(keys, truncated)`."""
+    keys: list[str] = []
+
+    def run() -> bool:
+        for key in conn.client.scan_iter(match=pattern, count=SCAN_COUNT):
+            if len(keys) >= max_keys:
+                return True
+            keys.append(key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key))
+        return False
+
+    truncated = conn.run("SCAN", run)
+    return sorted(set(keys)), truncated
+
+
+def _batched(items: Sequence[Any], n: int = BATCH_KEYS) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def _per_key(conn: Connection, keys: Sequence[str], command: str) -> list[Any]:
+    """One metadata command per key, pipelined: `memory` (MEMORY USAGE, bytes), `idle`
+    (OBJECT IDLETIME, seconds) or `freq` (OBJECT FREQ); per-key errors come back as exceptions,
+    a vanished key as None."""
+    out: list[Any] = []
+    for chunk in _batched(keys):
+        pipe = conn.pipeline()
+        for key in chunk:
+            if command == "memory":
+                pipe.memory_usage(key, samples=0)
+            else:
+                pipe.object("idletime" if command == "idle" else "freq", key)
+        out += conn.run(command, lambda pipe=pipe: pipe.execute(raise_on_error=False))
+    return out
+
+
+def _resolve_namespace(conn: Connection, namespace: str | None, max_keys: int) -> str | None:
+    """A namespace given in full or as a unique prefix (of this format's keys)."""
+    if namespace is None or rv.is_hex32(namespace):
+        return namespace
+    if not namespace or not all(c in "0123456789abcdef" for c in namespace) or len(namespace) > 32:
+        raise RemoteOpsError(f"namespace {namespace[:40]!r}: a layout key is 32 hex characters (or a unique prefix)")
+    keys, _ = scan(conn, f"{rv.KEY_PREFIX}:{rv.VALUE_FORMAT}:{namespace}*", max_keys)
+    found = {info.layout_key for info in map(rv.parse_key, keys) if info is not None}
+    if not found:
+        raise RemoteOpsError(f"no namespace starting with {namespace!r} on {conn.remote.masked}")
+    if len(found) > 1:
+        raise RemoteOpsError(f"namespace prefix {namespace!r} is ambiguous: {', '.join(sorted(found)[:5])}")
+    return found.pop()
+
+
+# ----------------------------------------------------------------------------- inspect
+@dataclass
+class NamespaceUsage:
+    """One namespace on the server. `bytes` is server memory (MEMORY USAGE) of its keys."""
+
+    namespace: str
+    format: str
+    blocks: int = 0
+    split_values: int = 0
+    parts: int = 0
+    bytes: int = 0
+    outdated: bool = False
+
+
+@dataclass
+class InspectReport:
+    url: str
+    cluster: bool
+    servers: list[dict[str, Any]]
+    namespaces: list[NamespaceUsage]
+    keys_scanned: int
+    other_keys: int  # kvtool:* keys of no known shape
+    truncated: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "namespaces": [asdict(n) for n in self.namespaces]}
+
+
+_INFO_FIELDS = ("redis_version", "valkey_version", "used_memory", "maxmemory", "maxmemory_policy", "evicted_keys",
+                "expired_keys", "keyspace_hits", "keyspace_misses")  # fmt: skip
+
+
+def server_info(conn: Connection) -> list[dict[str, Any]]:
+    """Per server (each primary of a cluster): version, memory and eviction figures from INFO."""
+    def run() -> list[dict[str, Any]]:
+        if conn.cluster:
+            from redis.cluster import RedisCluster
+
+            per_node = conn.client.info(target_nodes=RedisCluster.PRIMARIES)
+            items = sorted(per_node.items())
+        else:
+            items = [(conn.remote.endpoint, conn.client.info())]
+        return [{"node": node, **{k: info[k] for k in _INFO_FIELDS if k in info}} for node, info in items]
+
+    return conn.run("INFO", run)
+
+
+def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFAULT_MAX_KEYS) -> InspectReport:
+    """What kvtool holds on the server: per namespace blocks, split values, parts and memory;
+    the server's memory and eviction figures. Read-only.
+
+    Raises:
+        RemoteConnectError, RemoteOpsError: see the module docstring.
+    """
+    namespace = _resolve_namespace(conn, namespace, max_keys)
+    pattern = f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*"
+    keys, truncated = scan(conn, pattern, max_keys)
+    infos = [rv.parse_key(k) for k in keys]
+    sizes = _per_key(conn, keys, "memory")
+    usage: dict[tuple[str, str], NamespaceUsage] = {}
+    other = 0
+    for info, size in zip(infos, sizes):
+        if info is None:
+            other += 1
+            continue
+        ns = usage.setdefault((info.layout_key, info.format),
+                              NamespaceUsage(info.layout_key, info.format, outdated=info.format != rv.VALUE_FORMAT))
+        if info.part is None:
+            ns.blocks += 1
+        else:
+            ns.parts += 1
+        ns.bytes += size if isinstance(size, int) else 0
+    present = {k for k, i in zip(keys, infos) if i is not None and i.part is None}
+    split = {(i.layout_key, i.format, i.main_key) for i in infos if i is not None and i.part is not None and i.main_key in present}
+    for layout, fmt, _ in split:  # values with parts, from key names alone (no read)
+        usage[(layout, fmt)].split_values += 1
+    namespaces = sorted(usage.values(), key=lambda n: (-n.bytes, n.namespace))
+    return InspectReport(conn.remote.masked, conn.cluster, server_info(conn), namespaces, len(keys), other, truncated)
+
+
+def _heads(conn: Connection, keys: Sequence[str], n: int = 127) -> list[Any]:
+    out: list[Any] = []
+    for chunk in _batched(keys):
+        pipe = conn.pipeline()
+        for key in chunk:
+            pipe.getrange(key, 0, n)
+        out += conn.run("GETRANGE", lambda pipe=pipe: pipe.execute(raise_on_error=False))
+    return out
+
+
+# ----------------------------------------------------------------------------- validate
+@dataclass
+class Problem:
+    key: str
+    kind: str
+    message: str
+
+
+@dataclass
+class ValidateReport:
+    url: str
+    namespace: str | None
+    dry_run: bool
+    checked: int = 0
+    ok: int = 0
+    bytes_checked: int = 0
+    vanished: int = 0  # removed, evicted or expired while validate ran: not a problem
+    incomplete: int = 0  # split values missing a part (evicted, expired, removed): deleted, not a problem
+    problems: list[Problem] = field(default_factory=list)
+    orphan_parts: int = 0
+    removed_keys: int = 0
+    truncated: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "problems": [asdict(p) for p in self.problems]}
+
+
+def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = False,
+             max_value_bytes: int = DEFAULT_VALIDATE_MAX_BYTES, max_keys: int = DEFAULT_MAX_KEYS) -> ValidateReport:  # fmt: skip
+    """Read and verify every value of this format (of one namespace, or all): header, namespace
+    against the key, slot hash against the key, record checksum, codec, and the chain hash of
+    the record's parent and token ids. Failing values and orphan parts (no manifest names them)
+    are deleted unless `dry_run`.
+
+    Raises:
+        RemoteConnectError, RemoteOpsError: see the module docstring.
+    """
+    namespace = _resolve_namespace(conn, namespace, max_keys)
+    keys, truncated = scan(conn, rv.namespace_pattern(namespace), max_keys)
+    report = ValidateReport(conn.remote.masked, namespace, dry_run, truncated=truncated)
+    infos = {k: rv.parse_key(k) for k in keys}
+    values = [k for k, i in infos.items() if i is not None and i.part is None]
+    parts = [k for k, i in infos.items() if i is not None and i.part is not None]
+    sizes = dict(zip(values, _per_key(conn, values, "memory")))
+    doomed: list[str] = []
+    named_parts: set[str] = set()
+    batch: list[str] = []
+    size = 0
+    for i, key in enumerate(values):
+        batch.append(key)
+        size += sizes[key] if isinstance(sizes[key], int) else 0
+        if i == len(values) - 1 or size >= GET_BATCH_BYTES or len(batch) >= BATCH_KEYS:
+            _validate_batch(conn, batch, infos, max_value_bytes, report, doomed, named_parts)
+            batch, size = [], 0
+    orphans = _confirm_orphans(conn, [p for p in parts if p not in named_parts])
+    report.orphan_parts = len(orphans)
+    if not dry_run:
+        report.removed_keys = unlink(conn, doomed + orphans)
+    return report
+
+
+def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyInfo | None], max_value_bytes: int,
+                    report: ValidateReport, doomed: list[str], named_parts: set[str]) -> None:  # fmt: skip
+    pipe = conn.pipeline()
+    for key in batch:
+        pipe.getrange(key, 0, max_value_bytes)
+    datas = conn.run("GETRANGE", lambda: pipe.execute(raise_on_error=False))
+    for key, data in zip(batch, datas):
+        info = infos[key]
+        assert info is not None
+        if isinstance(data, bytes) and not data:
+            report.vanished += 1
+            continue
+        report.checked += 1
+        try:
+            if not isinstance(data, bytes):
+                raise rv.RemoteValueError("header", f"not a string value: {str(data)[:100]}")
+            report.bytes_checked += len(data)
+            manifest = None
+            if rv.is_manifest(data):
+                manifest = rv.parse_manifest(data, max_value_bytes)
+                part_keys = manifest.part_keys(key)
+                named_parts.update(part_keys)
+                parts = _get_all(conn, part_keys, manifest.part_bytes)
+                if any(p is None for p in parts):
+                    report.incomplete += 1
+                    doomed.extend([key, *part_keys])
+                    continue
+                data = rv.join_parts(manifest, parts)
+            block = rv.decode_value(data, info.layout_key, None, None, info.chain_hash, None, max_bytes=max_value_bytes)
+            if blake2b_chain(bytes.fromhex(block.parent_hash), block.token_ids) != block.block_hash:
+                raise rv.RemoteValueError("tokens", "the chain hash of its parent and token ids is not its key's")
+            report.ok += 1
+        except rv.RemoteValueError as exc:
+            report.problems.append(Problem(key, exc.kind, str(exc).partition(": ")[2][:300]))
+            doomed.append(key)
+            if manifest is not None:
+                doomed.extend(manifest.part_keys(key))
+        except ValueError as exc:  # bytes.fromhex of a parent that is not hex
+            report.problems.append(Problem(key, "header", str(exc)[:300]))
+            doomed.append(key)
+
+
+def _get_all(conn: Connection, keys: Sequence[str], limit: int) -> list[bytes | None]:
+    pipe = conn.pipeline()
+    for key in keys:
+        pipe.getrange(key, 0, limit)
+    results = conn.run("GETRANGE", lambda: pipe.execute(raise_on_error=False))
+    return [r if isinstance(r, bytes) and r else None for r in results]
+
+
+def unlink(conn: Connection, keys: Sequence[str]) -> int:
+    """UNLINK `keys` in pipelined batches (value keys before their parts: callers list them so);
+    returns how many existed."""
+    removed = 0
+    for chunk in _batched(list(keys)):
+        pipe = conn.pipeline()
+        for key in chunk:
+            pipe.unlink(key)
+        removed += sum(r for r in conn.run("UNLINK", lambda pipe=pipe: pipe.execute(raise_on_error=False))
+                       if isinstance(r, int))  # fmt: skip
+    return removed
+
+
+# ----------------------------------------------------------------------------- rm
+@dataclass
+class RemovalReport:
+    """What `rm` / `prune` removed (or would, with `dry_run`)."""
+
+    url: str
+    namespace: str | None
+    dry_run: bool
+    values: int = 0  # value keys (blocks) selected
+    keys: int = 0  # keys selected: values, their parts, orphan parts, outdated keys
+    bytes: int = 0  # their server memory (MEMORY USAGE)
+    removed_keys: int = 0
+    kept_values: int = 0
+    truncated: bool = False
+    notes: list[str] = field(default_factory=list)
+    per_namespace: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run: bool = False,
+       max_keys: int = DEFAULT_MAX_KEYS) -> RemovalReport:  # fmt: skip
+    """Remove a namespace (every key of it, any format), or the given chain hashes of it (with
+    their parts).
+
+    Raises:
+        RemoteOpsError: no namespace given, a namespace prefix that matches none or several, a
+            hash that is not 32 hex characters. RemoteConnectError: see the module docstring.
+    """
+    ns = _resolve_namespace(conn, namespace, max_keys)
+    if ns is None:
+        raise RemoteOpsError("give a namespace")
+    report = RemovalReport(conn.remote.masked, ns, dry_run)
+    if hashes:
+        bad = [h for h in hashes if not rv.is_hex32(h)]
+        if bad:
+            raise RemoteOpsError(f"not a chain hash (32 hex characters): {bad[0][:40]!r}")
+        values = [rv.value_key(ns, h) for h in dict.fromkeys(hashes)]
+        keys = []
+        for key, head in zip(values, _heads(conn, values)):
+            if isinstance(head, bytes) and head:
+                keys.append(key)
+                report.values += 1
+                if rv.is_manifest(head):
+                    try:
+                        keys += rv.parse_manifest(head, 1 << 62).part_keys(key)
+                    except rv.RemoteValueError:
+                        pass
+    else:
+        keys, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
+        keys.sort(key=lambda k: (rv.parse_key(k) or rv.KeyInfo("", "", "")).part is not None)  # values first
+        report.values = sum(1 for k in keys if (i := rv.parse_key(k)) is not None and i.part is None)
+    report.keys = len(keys)
+    report.bytes = sum(s for s in _per_key(conn, keys, "memory") if isinstance(s, int))
+    if not dry_run:
+        report.removed_keys = unlink(conn, keys)
+    return report
+
+
+# ----------------------------------------------------------------------------- prune
+@dataclass
+class _Entry:
+    key: str
+    layout: str
+    idle: float
+    bytes: int
+    keys: list[str]
+
+
+def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | None = None, namespace: str | None = None,
+          dry_run: bool = False, max_keys: int = DEFAULT_MAX_KEYS) -> RemovalReport:  # fmt: skip
+    """Remove values unused for `idle_s` seconds (OBJECT IDLETIME), then the least recently used
+    values of each namespace until it holds at most `max_bytes` (server memory, MEMORY USAGE; a
+    value counts with its parts); outdated-format keys unused for `idle_s`; orphan parts always.
+
+    Under an LFU `maxmemory-policy` the server tracks no idle time: the budget then removes the
+    least frequently used first (OBJECT FREQ), and the idle rule is refused.
+
+    Raises:
+        RemoteOpsError: neither rule given, or `idle_s` under an LFU policy.
+        RemoteConnectError: see the module docstring.
+    """
+    if idle_s is None and max_bytes is None:
+        raise RemoteOpsError("give --idle, --max-bytes or both")
+    ns = _resolve_namespace(conn, namespace, max_keys)
+    keys, truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*" if ns else f"{rv.KEY_PREFIX}:*", max_keys)
+    report = RemovalReport(conn.remote.masked, ns, dry_run, truncated=truncated)
+    infos = {k: rv.parse_key(k) for k in keys}
+    values = [k for k, i in infos.items() if i is not None and i.part is None]
+    parts = [k for k, i in infos.items() if i is not None and i.part is not None]
+    ages = _per_key(conn, values, "idle")
+    lfu = any(isinstance(a, Exception) and "lfu" in str(a).lower() for a in ages)
+    if lfu:
+        if idle_s is not None:
+            raise RemoteOpsError("the server's maxmemory-policy is LFU: it tracks no idle time; use --max-bytes alone")
+        ages = [-(f if isinstance(f, int) else 0) for f in _per_key(conn, values, "freq")]  # least used = "oldest"
+        report.notes.append("LFU policy: the budget removes the least frequently used values first")
+    sizes = dict(zip(keys, _per_key(conn, keys, "memory")))
+    manifests = _manifest_parts(conn, values, infos)
+    entries: list[_Entry] = []
+    named: set[str] = set()
+    for key, age in zip(values, ages):
+        own = manifests.get(key, [])
+        named.update(own)
+        info = infos[key]
+        assert info is not None
+        nbytes = sum(s for s in (sizes.get(k) for k in [key, *own]) if isinstance(s, int))
+        entries.append(_Entry(key, info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, [key, *own]))
+    doomed: list[_Entry] = []
+    keep: dict[str, list[_Entry]] = defaultdict(list)
+    for e in entries:
+        if idle_s is not None and not lfu and e.idle >= idle_s:
+            doomed.append(e)
+        else:
+            keep[e.layout].append(e)
+    if max_bytes is not None:
+        for kept in keep.values():
+            total = sum(e.bytes for e in kept)
+            for e in sorted(kept, key=lambda e: -e.idle):
+                if total <= max_bytes:
+                    break
+                doomed.append(e)
+                total -= e.bytes
+    orphans = _confirm_orphans(conn, [p for p in parts if p not in named])
+    for e in doomed:
+        stat = report.per_namespace.setdefault(e.layout, {"values": 0, "bytes": 0})
+        stat["values"] += 1
+        stat["bytes"] += e.bytes
+    victims = [k for e in doomed for k in e.keys] + orphans
+    report.values = len(doomed)
+    report.keys = len(victims)
+    report.bytes = sum(e.bytes for e in doomed) + sum(s for s in (sizes.get(k) for k in orphans) if isinstance(s, int))
+    report.kept_values = len(entries) - len(doomed)
+    if orphans:
+        report.notes.append(f"{len(orphans)} orphan part(s) (no manifest names them)")
+    if not dry_run:
+        report.removed_keys = unlink(conn, victims)
+    return report
+
+
+def _manifest_parts(conn: Connection, values: Sequence[str], infos: dict[str, rv.KeyInfo | None]) -> dict[str, list[str]]:
+    """Value key -> its part keys, for values that hold a manifest (read only for the values
+    whose namespace listing showed parts)."""
+    with_parts = {i.main_key for i in infos.values() if i is not None and i.part is not None}
+    return _read_manifests(conn, [k for k in values if k in with_parts])
+
+
+def _read_manifests(conn: Connection, keys: Sequence[str]) -> dict[str, list[str]]:
+    """Value key -> the part keys its manifest names, for the `keys` holding a manifest."""
+    out: dict[str, list[str]] = {}
+    for key, head in zip(keys, _heads(conn, keys)):
+        if isinstance(head, bytes) and rv.is_manifest(head):
+            try:
+                out[key] = rv.parse_manifest(head, 1 << 62).part_keys(key)
+            except rv.RemoteValueError:
+                pass
+    return out
+
+
+def _confirm_orphans(conn: Connection, candidates: Sequence[str]) -> list[str]:
+    """The part keys of `candidates` that no manifest names, read again now (SCAN is no
+    snapshot: a split value written during the listing may show its parts and not its
+    manifest; it must not lose them)."""
+    by_main: dict[str, list[str]] = defaultdict(list)
+    for key in candidates:
+        info = rv.parse_key(key)
+        if info is not None:
+            by_main[info.main_key].append(key)
+    named = {k for ks in _read_manifests(conn, list(by_main)).values() for k in ks}
+    return [k for keys in by_main.values() for k in keys if k not in named]

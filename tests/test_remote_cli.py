@@ -1,0 +1,267 @@
+"""`kvtool remote inspect|validate|rm|prune` and `kvtool.ops.remote_ops` against real
+redis-server processes: JSON and human output, repairs, removal, budgets and idle times, one
+`error:` line for bad URLs, unreachable hosts, wrong passwords and TLS failures (the password
+never printed), the config's remote fields; and writers in 4 processes beside prune / validate
+loops (no error, every readable value verifies)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app as app_module
+from kvtool.config import ConfigError, KVToolConfig
+from kvtool.ops import remote_ops
+from kvtool.store import remote_value as rv
+from kvtool.store.remote import RemoteStore
+from tests import redis_servers
+from tests.redis_servers import AUTH_PASSWORD, free_port, make_chain
+
+redis_node, redis_auth, redis_cluster = redis_servers.redis_node, redis_servers.redis_auth, redis_servers.redis_cluster
+fresh_redis = redis_servers.fresh_redis
+
+REPO = Path(__file__).resolve().parent.parent
+if not app_module.app.registered_commands:
+    app_module._register()
+runner = CliRunner()
+
+
+def _kvtool(*args: str, env: dict[str, str] | None = None):
+    return runner.invoke(app_module.app, list(args), env={"COLUMNS": "200", "KVTOOL_REMOTE_URL": "",
+                                                          "KVTOOL_REMOTE_PASSWORD": "", **(env or {})})  # fmt: skip
+
+
+def _json(result) -> dict:
+    assert result.exit_code in (0, 1), (result.exit_code, result.output, result.exception)
+    return json.loads(result.stdout)
+
+
+def _one_error_line(result, *needles: str) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output and AUTH_PASSWORD not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _fill(url: str, chain, **kw) -> None:
+    with RemoteStore(url, chain.layout_key, chain.kv, timeout_s=2.0, **kw) as store:
+        assert store.put_blocks(chain.blocks) == len(chain.blocks)
+
+
+def _split_chain(model_id: str, n: int = 2, seed: int = 0):
+    return make_chain(n, model_id=model_id, dtype="float32", head_dim=64, block_size=16, seed=seed)
+
+
+# ----------------------------------------------------------------------------- inspect
+def test_inspect_json_and_human(redis_node):
+    a, b = make_chain(5, model_id="cli-inspect-a", seed=1), _split_chain("cli-inspect-b")
+    _fill(redis_node.url, a)
+    _fill(redis_node.url, b, max_value_bytes=4096)
+    doc = _json(_kvtool("remote", "inspect", "--url", redis_node.url, "--json"))
+    assert doc["schema_version"] == 1 and doc["url"] == redis_node.url and not doc["cluster"]
+    by_ns = {ns["namespace"]: ns for ns in doc["namespaces"]}
+    assert by_ns[a.layout_key]["blocks"] == 5 and by_ns[a.layout_key]["parts"] == 0 and by_ns[a.layout_key]["bytes"] > 0
+    assert by_ns[b.layout_key]["blocks"] == 2 and by_ns[b.layout_key]["split_values"] == 2 and by_ns[b.layout_key]["parts"] >= 6
+    assert doc["servers"][0]["used_memory"] > 0 and "maxmemory_policy" in doc["servers"][0]
+    one = _json(_kvtool("remote", "inspect", "--url", redis_node.url, "--namespace", a.layout_key[:8], "--json"))
+    assert [ns["namespace"] for ns in one["namespaces"]] == [a.layout_key]
+    human = _kvtool("remote", "inspect", "--url", redis_node.url)
+    assert human.exit_code == 0 and a.layout_key in human.stdout and "redis 6." in human.stdout
+
+
+def test_inspect_cluster(redis_cluster):
+    chain = make_chain(9, model_id="cli-inspect-cluster", seed=2)
+    _fill(redis_cluster.url, chain)
+    doc = _json(_kvtool("remote", "inspect", "--url", redis_cluster.url, "--json"))
+    assert doc["cluster"] and len(doc["servers"]) == 3
+    assert {ns["namespace"]: ns["blocks"] for ns in doc["namespaces"]}[chain.layout_key] == 9
+
+
+# ----------------------------------------------------------------------------- validate
+def test_validate_finds_and_deletes_bad_values(fresh_redis):
+    chain = make_chain(6, model_id="cli-validate", seed=3)
+    split = _split_chain("cli-validate-split", seed=4)
+    _fill(fresh_redis.url, chain)
+    _fill(fresh_redis.url, split, max_value_bytes=4096)
+    client = fresh_redis.client()
+    k0, k1 = rv.value_key(chain.layout_key, chain.hashes[0]), rv.value_key(chain.layout_key, chain.hashes[1])
+    client.setrange(k0, client.strlen(k0) - 2, b"\x00\x01")  # a flipped record byte
+    client.set(k1, client.get(rv.value_key(chain.layout_key, chain.hashes[2])))  # another chain entry's value
+    orphan = rv.part_key(rv.value_key(split.layout_key, split.hashes[0]), "00000000deadbeef", 0)
+    client.set(orphan, b"x" * 100)
+    for ns in (chain.layout_key, split.layout_key):
+        dry = _kvtool("remote", "validate", "--url", fresh_redis.url, "--namespace", ns, "--dry-run", "--json")
+        assert dry.exit_code == 1
+    doc = _json(dry)
+    assert doc["orphan_parts"] == 1 and doc["removed_keys"] == 0 and client.exists(orphan)
+    res = _kvtool("remote", "validate", "--url", fresh_redis.url, "--json")
+    assert res.exit_code == 1
+    doc = _json(res)
+    assert {p["key"] for p in doc["problems"]} == {k0, k1} and doc["orphan_parts"] == 1
+    assert doc["ok"] == 4 + 2 and doc["removed_keys"] == 3
+    assert not client.exists(k0) and not client.exists(k1) and not client.exists(orphan)
+    again = _kvtool("remote", "validate", "--url", fresh_redis.url)
+    assert again.exit_code == 0, again.output
+    assert "0 failed" in again.stdout
+
+
+# ----------------------------------------------------------------------------- rm
+def test_rm_namespace_and_hashes(redis_node):
+    chain = make_chain(4, model_id="cli-rm", seed=5)
+    split = _split_chain("cli-rm-split", seed=6)
+    _fill(redis_node.url, chain)
+    _fill(redis_node.url, split, max_value_bytes=4096)
+    client = redis_node.client()
+    _one_error_line(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key), "--yes")
+    dry = _json(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key[:10], "--dry-run", "--json"))
+    assert dry["values"] == 4 and dry["keys"] == 4 and dry["removed_keys"] == 0
+    assert len(list(client.scan_iter(match=f"*{chain.layout_key}*"))) == 4
+    one = _json(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", split.layout_key, "--hash", split.hashes[0],
+                        "--yes", "--json"))  # fmt: skip
+    assert one["values"] == 1 and one["keys"] >= 4 and one["removed_keys"] == one["keys"]
+    assert not list(client.scan_iter(match=f"*{split.hashes[0]}*")) and list(client.scan_iter(match=f"*{split.hashes[1]}*"))
+    done = _json(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key, "--yes", "--json"))
+    assert done["removed_keys"] == 4 and not list(client.scan_iter(match=f"*{chain.layout_key}*"))
+    _one_error_line(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", "f" * 32 + "0", "--yes"), "namespace")
+    _one_error_line(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", "zz", "--yes"), "namespace")
+    _one_error_line(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key, "--hash", "nothex",
+                            "--yes"), "chain hash")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- prune
+def test_prune_budget_and_idle(fresh_redis):
+    a, b = make_chain(10, model_id="cli-prune-a", seed=7), make_chain(10, model_id="cli-prune-b", seed=8)
+    _fill(fresh_redis.url, a)
+    _fill(fresh_redis.url, b)
+    conn = remote_ops.connect(fresh_redis.url)
+    try:
+        per_value = remote_ops.inspect(conn).namespaces[0].bytes // 10
+        budget = per_value * 4
+        dry = _json(_kvtool("remote", "prune", "--url", fresh_redis.url, "--max-bytes", str(budget), "--dry-run", "--json"))
+        assert dry["values"] >= 12 and dry["removed_keys"] == 0 and set(dry["per_namespace"]) == {a.layout_key, b.layout_key}
+        _one_error_line(_kvtool("remote", "prune", "--url", fresh_redis.url, "--max-bytes", str(budget)), "--yes")
+        _one_error_line(_kvtool("remote", "prune", "--url", fresh_redis.url, "--yes"), "--idle")
+        _one_error_line(_kvtool("remote", "prune", "--url", fresh_redis.url, "--idle", "7", "--yes"), "--idle")
+        done = _json(_kvtool("remote", "prune", "--url", fresh_redis.url, "--max-bytes", str(budget), "--namespace",
+                             a.layout_key, "--yes", "--json"))  # fmt: skip
+        assert done["removed_keys"] == done["keys"] >= 6 and list(done["per_namespace"]) == [a.layout_key]
+        sizes = {ns.namespace: ns.bytes for ns in remote_ops.inspect(conn).namespaces}
+        assert sizes[a.layout_key] <= budget and sizes[b.layout_key] > budget
+        time.sleep(4)  # Redis' LRU clock has a 1 s resolution
+        with RemoteStore(fresh_redis.url, b.layout_key, b.kv, timeout_s=2.0) as store:
+            assert all(store.get_blocks(b.hashes[:3], b.parents[:3], b.tokens[:3]))  # used now: kept
+        report = remote_ops.prune(conn, idle_s=3.0)
+        assert report.values == 7 + (10 - done["values"]) and report.removed_keys == report.keys
+        left = remote_ops.inspect(conn).namespaces
+        assert [(ns.namespace, ns.blocks) for ns in left] == [(b.layout_key, 3)]
+    finally:
+        conn.close()
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_urls_unreachable_hosts_wrong_passwords_tls_are_one_error_line(redis_auth, redis_node):
+    _one_error_line(_kvtool("remote", "inspect", "--url", f"http://:{AUTH_PASSWORD}@host"), "scheme", "***")
+    _one_error_line(_kvtool("remote", "inspect", "--url", f"redis://:{AUTH_PASSWORD}@host:99999"), "***")
+    _one_error_line(_kvtool("remote", "inspect"), "no remote server")
+    _one_error_line(_kvtool("remote", "inspect", "--url", f"redis://127.0.0.1:{free_port()}", "--timeout", "500ms"),
+                    "cannot connect")  # fmt: skip
+    _one_error_line(_kvtool("remote", "inspect", "--url", redis_node.url, "--timeout", "2"), "--timeout")
+    wrong = f"redis://:{AUTH_PASSWORD}x@127.0.0.1:{redis_auth.port}/0"
+    _one_error_line(_kvtool("remote", "validate", "--url", wrong), "authentication")
+    _one_error_line(_kvtool("remote", "inspect", env={"KVTOOL_REMOTE_URL": f"redis://127.0.0.1:{redis_auth.port}",
+                                                      "KVTOOL_REMOTE_PASSWORD": AUTH_PASSWORD + "x"}), "authentication")  # fmt: skip
+    _one_error_line(_kvtool("remote", "inspect", "--url", f"redis://127.0.0.1:{redis_auth.port}"), "authentication")
+    _one_error_line(_kvtool("remote", "inspect", "--url", f"rediss://:{AUTH_PASSWORD}@127.0.0.1:{redis_node.port}?ssl_cert_reqs=none",
+                            "--timeout", "1s"), "TLS")  # fmt: skip
+    _one_error_line(_kvtool("remote", "inspect", "--url", redis_node.url, "--cluster"), "cluster")
+    ok = _kvtool("remote", "inspect", "--json", env={"KVTOOL_REMOTE_URL": f"redis://127.0.0.1:{redis_auth.port}",
+                                                     "KVTOOL_REMOTE_PASSWORD": AUTH_PASSWORD})  # fmt: skip
+    assert ok.exit_code == 0 and AUTH_PASSWORD not in ok.output
+    shown = _json(_kvtool("remote", "inspect", "--url", redis_auth.url, "--json"))
+    assert shown["url"] == f"redis://:***@127.0.0.1:{redis_auth.port}/0" and AUTH_PASSWORD not in json.dumps(shown)
+
+
+def test_config_remote_fields(monkeypatch):
+    cfg = KVToolConfig(remote_url=f"redis://:{AUTH_PASSWORD}@h:6379/0", remote_ttl="7d", remote_timeout="100ms",
+                       remote_policy="on_evict", remote_cluster=True, remote_promote=False)  # fmt: skip
+    assert cfg.remote_enabled and cfg.remote_ttl_s == 7 * 86400 and cfg.remote_timeout_s == 0.1
+    assert AUTH_PASSWORD not in repr(cfg)
+    assert KVToolConfig().remote_timeout_s == 0.25 and KVToolConfig().remote_ttl_s is None
+    assert not KVToolConfig(remote_url="redis://h", remote_policy="off").remote_enabled
+    monkeypatch.setenv("KVTOOL_REMOTE_URL", "redis+cluster://h:7000")
+    assert KVToolConfig().remote_url == "redis+cluster://h:7000"
+    for field, value, needle in [("remote_url", f"redis://:{AUTH_PASSWORD}@h:99999", r"\*\*\*"), ("remote_url", 5, "URL"),
+                                 ("remote_timeout", "250", "no unit"), ("remote_timeout", "2m", "60s"),
+                                 ("remote_ttl", "7", "no unit"), ("remote_policy", "sometimes", "write_through")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=needle) as err:
+            KVToolConfig(**{field: value})
+        assert AUTH_PASSWORD not in str(err.value) and err.value.field == field
+
+
+# ----------------------------------------------------------------------------- concurrency
+WORKER = r"""
+import json, sys, time
+import numpy as np
+from kvtool.store.remote import RemoteStore
+from tests.redis_servers import make_chain, same_block
+url, worker, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+chains = [make_chain(12, model_id="concurrent", seed=s) for s in range(3)]          # shared by every worker
+chains += [make_chain(2, model_id="concurrent-split", dtype="float32", head_dim=64, block_size=16, seed=s) for s in range(2)]
+store = RemoteStore(url, chains[0].layout_key, chains[0].kv, timeout_s=2.0)
+split = RemoteStore(url, chains[3].layout_key, chains[3].kv, timeout_s=2.0, max_value_bytes=4096)
+bad = rounds = hits = 0
+deadline = time.monotonic() + seconds
+while time.monotonic() < deadline and rounds < 10_000:
+    rounds += 1
+    c = chains[(rounds + worker) % len(chains)]
+    s = split if c.layout_key == chains[3].layout_key else store
+    s.put_blocks(c.blocks[: 1 + (rounds * 7 + worker) % len(c.blocks)])
+    got = s.get_blocks(c.hashes, c.parents, c.tokens, stop_at_miss=False)
+    hits += sum(g is not None for g in got)
+    bad += sum(1 for g, b in zip(got, c.blocks) if g is not None and not same_block(g, b))
+print(json.dumps({"rounds": rounds, "hits": hits, "bad": bad,
+                  "errors": store.stats()["remote_errors"] + split.stats()["remote_errors"],
+                  "corrupt": store.stats()["remote_corrupt"] + split.stats()["remote_corrupt"]}))
+"""
+
+
+def test_writers_in_four_processes_beside_prune_and_validate(fresh_redis):
+    seconds = 6.0
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, fresh_redis.url, str(w), str(seconds)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(4)]  # fmt: skip
+    conn = remote_ops.connect(fresh_redis.url)
+    loops = 0
+    try:
+        deadline = time.monotonic() + seconds + 30
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and loops < 5000:
+            loops += 1
+            remote_ops.prune(conn, max_bytes=30_000)  # removes values under the writers' feet
+            report = remote_ops.validate(conn)
+            assert not report.problems, report.problems
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        final = remote_ops.validate(conn, dry_run=True)
+    finally:
+        conn.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    print(f"{loops} prune+validate loops beside", results)
+    assert loops >= 2
+    assert all(r["bad"] == 0 and r["errors"] == 0 and r["corrupt"] == 0 for r in results), results
+    assert sum(r["hits"] for r in results) > 0
+    assert not final.problems and final.orphan_parts == 0 and final.checked == final.ok + final.incomplete
