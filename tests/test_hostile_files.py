@@ -281,6 +281,54 @@ def test_read_only_bind_mount_serves_verified_hits(prompts, reference, tmp_path)
             subprocess.run(["umount", "-l", str(ro)], capture_output=True)
 
 
+# ----------------------------------------------------------------------------- 3: symlinked root
+@pytest.mark.slow
+def test_symlinked_cache_root_works_in_every_command(prompts, reference, tmp_path):
+    real, link = tmp_path / "ssd" / "kvtool", tmp_path / "link"
+    real.mkdir(parents=True)
+    link.symlink_to(real, target_is_directory=True)
+    doc = serve(link, prompts / "short.txt", "--sync")
+    assert doc["requests"][0]["token_ids"] == reference["short"]
+    (ns,) = scan_cache(real).namespaces
+    resolved = str(real.resolve())
+    for args in (["validate", "--json"], ["inspect", "--json"], ["prune", "--json", "--dry-run"]):
+        res = cli(*args, "--cache-dir", str(link))
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.stdout)["cache_dir"] == resolved
+    human = cli("inspect", "--cache-dir", str(link))
+    assert human.exit_code == 0 and resolved in human.stdout.replace("\n", "")
+    # symlinks inside the cache stay refused: a symlinked namespace is never followed
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(real / ns.name, elsewhere)
+    (real / ("f" * 32)).symlink_to(elsewhere, target_is_directory=True)
+    res = cli("validate", "--json", "--cache-dir", str(link))
+    assert res.exit_code == 1 and json.loads(res.stdout)["symlinks"] == ["f" * 32]
+    (real / ("f" * 32)).unlink()
+    removed = cli("rm", ns.name[:12], "--yes", "--json", "--cache-dir", str(link))
+    assert removed.exit_code == 0, removed.output
+    assert json.loads(removed.stdout)["cache_dir"] == resolved and not (real / ns.name).exists()
+    assert link.is_symlink() and elsewhere.exists()
+
+
+# ----------------------------------------------------------------------------- 4: not there yet
+@pytest.mark.parametrize("args", [["validate"], ["validate", "--json"], ["inspect"], ["inspect", "--json"],
+                                  ["prune", "--yes"], ["prune", "--dry-run", "--json"], ["rm", "abcdef0123", "--yes"]])
+def test_cache_dir_that_does_not_exist_yet_is_an_empty_cache(tmp_path, args):
+    absent = tmp_path / "not" / "yet"
+    res = cli(*args, "--cache-dir", str(absent))
+    assert res.exit_code == 0, res.output
+    assert "Traceback" not in res.output and not (tmp_path / "not").exists()
+    if "--json" in args:
+        doc = json.loads(res.stdout)
+        assert doc["cache_dir"] == str(absent) and doc["namespaces"] == []
+
+
+def test_cache_dir_that_is_a_file_is_an_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for cmd in (["validate"], ["inspect"], ["prune", "--yes"], ["rm", "abcdef0123", "--yes"]):
+        assert "not a directory" in one_error_line(cli(*cmd, "--cache-dir", str(tmp_path / "file")))
+
+
 # ----------------------------------------------------------------------------- 6: a nearly full disk
 class BudgetFS(FileOps):
     """Real file operations on a disk that holds `budget` more bytes of segment data: a write
@@ -339,6 +387,33 @@ def test_nearly_full_tmpfs_keeps_what_fits(prompts, reference, tmp_path):
         filler.unlink()
         checked = kvtool("validate", "--json", "--cache-dir", str(cache))
         assert checked.returncode == 0, checked.stdout + checked.stderr  # no orphan, no broken chain
+
+
+# ----------------------------------------------------------------------------- 7: one error line
+@pytest.mark.parametrize("command", [["validate"], ["prune", "--yes"], ["inspect"], ["rm", "abcdef0123", "--yes"]])
+def test_hostile_cache_dir_values_are_one_error_line(tmp_path, command):
+    long_path = "/tmp/" + "a" * 5000
+    line = one_error_line(cli(*command, "--cache-dir", long_path))
+    assert "too long" in line and len(line) < 300
+    line = one_error_line(cli(*command, "--cache-dir", str(tmp_path / ("b" * 300) / "kv")))
+    assert "too long" in line
+    line = one_error_line(cli(*command, "--cache-dir", ""))
+    assert "--cache-dir" in line and "empty" in line
+
+
+def test_cache_dir_empty_string_is_refused_for_serving(tmp_path):
+    assert "empty" in one_error_line(cli("serve-once", "-p", "hello", "--cache-dir", ""))
+    assert "empty" in one_error_line(cli("warm", str(tmp_path / "p.txt"), "--cache-dir", ""))
+
+
+@pytest.mark.slow
+def test_binary_sweep_file_is_one_error_line(tmp_path):
+    blob = tmp_path / "sweep.toml"
+    blob.write_bytes(bytes(range(256)) * 8)
+    res = kvtool("bench", str(blob))
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "UTF-8" in lines[0] and "Traceback" not in res.stderr
 
 
 # ----------------------------------------------------------------------------- 8: record swap

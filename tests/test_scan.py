@@ -169,8 +169,10 @@ def test_scan_errors(cache, tmp_path):
     cache_dir, _, _ = cache
     with pytest.raises(ScanError, match="no namespace"):
         scan_cache(cache_dir, "zz")
-    with pytest.raises(ScanError, match="does not exist"):
-        scan_cache(tmp_path / "absent")
+    assert scan_cache(tmp_path / "absent").namespaces == ()  # not created yet: an empty cache
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ScanError, match="not a directory"):
+        scan_cache(tmp_path / "file")
     assert ScanError("x").exit_code == 2
 
 

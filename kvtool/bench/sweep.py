@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import itertools
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtool.bench.workloads import validate_params
-from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig
+from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig, parse_toml
 from kvtool.units import parse_size
 
 KIND_KVTOOL = "kvtool"
@@ -173,11 +172,7 @@ def load_sweep(path: Path | str) -> SweepSpec:
         ConfigError: invalid TOML or an invalid field (the error names it).
     """
     path = Path(path)
-    with open(path, "rb") as fh:
-        try:
-            data = tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("<file>", f"{path}: invalid TOML: {exc}") from None
+    data = parse_toml(path.read_bytes(), path)  # not UTF-8 (a binary file) or not TOML: one ConfigError
     return parse_sweep(data, default_name=path.stem)
 
 

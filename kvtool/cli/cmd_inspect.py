@@ -181,8 +181,8 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
     from kvtool.store.fsops import is_namespace_dir
 
     source.check()
-    if not cfg.ssd_cache_dir.is_dir():
-        raise ScanError(f"cache directory {cfg.ssd_cache_dir} does not exist or is not a directory")
+    if cfg.ssd_cache_dir.exists() and not cfg.ssd_cache_dir.is_dir():  # one that does not exist yet: empty
+        raise ScanError(f"cache directory {cfg.ssd_cache_dir} is not a directory")
     with prompt_engine(cfg, source) as (engine, ids):
         layout = engine.cache.layout_key
         cached = engine.cache.probe(ids)  # hashing + one read-only index query

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Annotated
 
 import typer
@@ -61,7 +60,7 @@ def prune_cmd(
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
-        from kvtool.ops.prune import cache_lock, check_limits, execute_prune, plan_prune
+        from kvtool.ops.prune import check_limits, execute_prune, plan_prune
         from kvtool.ops.scan import scan_cache
 
         ttl_s, budget = _parse_limits(ttl, max_bytes)
@@ -71,7 +70,7 @@ def prune_cmd(
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
-        with nullcontext() if dry_run else cache_lock(root):  # a dry run only reads
+        with common.maintenance_lock(root, dry_run):  # a dry run only reads
             plan = plan_prune(scan_cache(root, namespace), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run
             code = _confirm_and_execute(plan, yes, out, execute_prune)

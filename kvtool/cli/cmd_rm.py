@@ -6,7 +6,6 @@ MLX-free unless a prompt is given (its model is loaded for the tokenizer and ide
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -76,7 +75,6 @@ def rm_cmd(
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
-        from kvtool.ops.lock import cache_lock
         from kvtool.ops.remove import check_prefix
 
         by_prompt = any(x is not None for x in (prompt, prompt_file, messages))
@@ -99,7 +97,7 @@ def rm_cmd(
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:
             make_plan = _namespace_planner(root, namespace or "")
-        with nullcontext() if dry_run else cache_lock(root):  # a dry run only reads
+        with common.maintenance_lock(root, dry_run):  # a dry run only reads
             plan = make_plan()
             plan.dry_run = dry_run
             code = _confirm_and_execute(plan, yes, out)

@@ -14,7 +14,7 @@ import json
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,6 +36,18 @@ EXIT_PROBLEMS = 1  # the command ran and found/reported problems (validate), or 
 EXIT_ABORTED = 1  # a confirmation prompt was aborted (end of input), as Typer does
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.", rich_help_panel="Output")]
+
+
+def _cache_dir_arg(value: str) -> Path:
+    """`--cache-dir` as given: a path, never empty (`Path('')` would silently be the current
+    directory), never holding a NUL."""
+    if not value.strip():
+        raise typer.BadParameter("must not be empty (use '.' for the current directory)")
+    if "\0" in value:
+        raise typer.BadParameter("must not contain a NUL character")
+    return Path(value)
+
+
 CacheDirOpt = Annotated[
     Path | None,
     typer.Option(
@@ -43,6 +55,7 @@ CacheDirOpt = Annotated[
         help="SSD tier root (default: $KVTOOL_CACHE_DIR, else $XDG_CACHE_HOME/kvtool, else ~/.cache/kvtool).",
         show_default=False,
         rich_help_panel="Cache",
+        parser=_cache_dir_arg,
     ),
 ]
 ConfigOpt = Annotated[
@@ -124,6 +137,7 @@ ERROR_MESSAGES: tuple[tuple[type[BaseException], Callable[[Any], str]], ...] = (
     (FileNotFoundError, lambda exc: f"file not found: {exc.filename or exc}"),
     (IsADirectoryError, _os_error("cannot read")),
     (PermissionError, _os_error("cannot read")),
+    (UnicodeDecodeError, lambda exc: f"not a UTF-8 text file (byte {exc.start}: {exc.reason})"),  # a binary file given as text
 )
 
 
@@ -326,7 +340,7 @@ def build_config(
         ram = parse_size(ram_bytes) if ram_bytes is not None else None
     except ValueError as exc:
         raise CLIError(f"--ram-bytes: {exc}") from None
-    return load_config(
+    cfg = load_config(
         config_path,
         ssd_cache_dir=cache_dir,
         ssd_policy=policy.value if isinstance(policy, Enum) else policy,
@@ -337,6 +351,43 @@ def build_config(
         ssd_enabled=False if no_ssd else None,
         ssd_codec=codec.value if isinstance(codec, Enum) else codec,
     )
+    cfg.ssd_cache_dir = cache_root(cfg.ssd_cache_dir)
+    return cfg
+
+
+def cache_root(path: Path) -> Path:
+    """The cache directory every command uses and reports: a symlink on its path followed once,
+    here (`kvtool.store.fsops.resolve_cache_root`); nothing inside the cache is followed. A path
+    that cannot be looked at for another reason (no permission, a component that is a file) is
+    kept as given: the command reports it.
+
+    Raises:
+        CLIError: a name too long for the file system (the whole path, or one component).
+    """
+    import errno
+
+    from kvtool.store.fsops import resolve_cache_root, short_path
+
+    try:
+        return resolve_cache_root(path)
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise CLIError(f"cache directory {short_path(path)}: {exc.strerror}") from None
+        return path
+
+
+def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
+    """The cache's maintenance lock for prune / rm (`kvtool.ops.lock.cache_lock`); none for a
+    dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
+
+    Raises:
+        PruneLocked, PruneError: when entered, as `cache_lock`.
+    """
+    import os
+
+    from kvtool.ops.lock import cache_lock
+
+    return nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
 
 
 def setup_logging(verbose: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -28,12 +29,13 @@ def preflight(root: Path, dry_run: bool, yes: bool, refusal: str) -> None:
 
     Raises:
         CLIError: no `--yes`, no `--dry-run` and no terminal to ask on (`refusal` says what is
-            refused and how to go on), or `root` is not a directory.
+            refused and how to go on), or `root` exists and is not a directory (one that does
+            not exist yet is an empty cache).
     """
     if not (dry_run or yes or interactive()):
         raise common.CLIError(refusal)
-    if not root.is_dir():
-        raise common.CLIError(f"cache directory {root} does not exist or is not a directory")
+    if os.path.lexists(root) and not os.path.isdir(root):
+        raise common.CLIError(f"cache directory {root} is not a directory")
 
 
 @contextmanager

@@ -46,7 +46,15 @@ from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.chains import ChainTree, build_chain_tree
 from kvtool.ops.confined import disk_full, free_bytes
-from kvtool.store.fsops import FileOps, NamespaceSelectError, scan_namespace, select_namespaces, temp_is_leftover
+from kvtool.store.fsops import (
+    FileOps,
+    NamespaceSelectError,
+    resolve_cache_root,
+    scan_namespace,
+    select_namespaces,
+    short_path,
+    temp_is_leftover,
+)
 from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, IndexRow, SegmentRow
 from kvtool.store.names import INDEX_FILENAME, LOCK_FILENAME
 from kvtool.store.segment import FORMAT_VERSION
@@ -212,17 +220,22 @@ def scan_cache(
     """Scan an SSD cache (read-only).
 
     Args:
-        cache_dir: the SSD tier root.
+        cache_dir: the SSD tier root; a symlink there is followed once (`CacheScan.cache_dir` is
+            the resolved path); a root that does not exist yet is an empty cache.
         namespace: only this namespace (a layout key or a unique prefix of one); None = all.
         now: the scan time (unix seconds; injectable for tests).
         fs: file-system operations (listing; fault injection in tests).
 
     Raises:
-        ScanError: `cache_dir` is not a directory, or `namespace` matches none or several.
+        ScanError: `cache_dir` is not a directory or cannot be looked at (a name too long, no
+            permission), or `namespace` matches none or several.
     """
     fs = fs or FileOps()
-    cache_dir = Path(cache_dir)
     now = time.time() if now is None else now
+    try:
+        cache_dir = resolve_cache_root(cache_dir)
+    except OSError as exc:
+        raise ScanError(f"cannot use cache directory {short_path(cache_dir)}: {exc.strerror or exc}") from None
     try:
         dirs = select_namespaces(cache_dir, namespace, fs)
     except NamespaceSelectError as exc:

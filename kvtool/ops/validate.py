@@ -53,7 +53,7 @@ from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import RebuildPlan, execute_rebuild, plan_rebuild
 from kvtool.ops.records import Record, SegmentReader, created_of, row_disagrees
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
-from kvtool.store.fsops import FileOps
+from kvtool.store.fsops import FileOps, resolve_cache_root, short_path
 from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
 from kvtool.store.names import INDEX_FILENAME, segment_relpath
 
@@ -218,14 +218,19 @@ def validate(
     holds the maintenance lock (`kvtool.ops.lock.cache_lock`) from the scan to the last change.
 
     Raises:
-        ScanError: the cache dir does not exist, or `namespace` matches no namespace or several.
+        ScanError: the cache dir is not a directory or cannot be looked at, or `namespace`
+            matches no namespace or several (a cache dir that does not exist yet is empty).
         PruneLocked: (not with `dry_run`) a prune, rm or validate holds the maintenance lock.
         PruneError: (not with `dry_run`) the lock file is unusable (a symlink, or it cannot be
             created: a read-only cache directory).
     """
-    lock: AbstractContextManager = nullcontext() if dry_run or not Path(cache_dir).is_dir() else cache_lock(cache_dir)
-    with lock:  # a missing cache dir: scan_cache raises ScanError
-        plan = plan_repairs(scan_cache(cache_dir, namespace, now=now, fs=fs), deep=deep, rebuild_index=rebuild_index,
+    try:
+        root = resolve_cache_root(cache_dir)
+    except OSError as exc:
+        raise ScanError(f"cannot use cache directory {short_path(cache_dir)}: {exc.strerror or exc}") from None
+    lock: AbstractContextManager = nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
+    with lock:  # a cache dir that does not exist yet: an empty cache, nothing to lock
+        plan = plan_repairs(scan_cache(root, namespace, now=now, fs=fs), deep=deep, rebuild_index=rebuild_index,
                             progress=progress)  # fmt: skip
         return plan if dry_run else execute(plan)
 

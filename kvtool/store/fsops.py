@@ -362,28 +362,60 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
     return scan
 
 
+def short_path(path: Path | str, limit: int = 80) -> str:
+    """`path` for a one-line message: cut in the middle beyond `limit` characters, with its length."""
+    text = str(path)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}...{text[-(limit // 4):]} ({len(text)} characters)"
+
+
 class NamespaceSelectError(ValueError):
     """The cache dir is missing/unreadable, or a namespace prefix matches none or several."""
+
+
+def resolve_cache_root(cache_dir: Path | str) -> Path:
+    """The cache root with symlinks on its own path followed, once, here (`~/.cache/kvtool ->
+    /ssd/kvtool` is the owner's choice); nothing *inside* the cache is ever followed. A root
+    that does not exist yet is returned with its existing part resolved.
+
+    Raises:
+        OSError: the path cannot even be looked at: a name too long (ENAMETOOLONG), a symlink
+            loop (ELOOP), a component that is not a directory (ENOTDIR), no permission (EACCES).
+    """
+    path = Path(cache_dir)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return Path(os.path.realpath(path))
+    return Path(os.path.realpath(path, strict=True))
 
 
 def select_namespaces(cache_dir: Path, namespace: str | None = None, fs: FileOps | None = None) -> list[Path]:
     """Namespace directories of a cache, optionally only the one matching `namespace`.
 
     Args:
-        cache_dir: the SSD tier root.
+        cache_dir: the SSD tier root (a symlinked root is followed: `resolve_cache_root`).
         namespace: a layout key or a unique prefix of one (case-insensitive); None = all.
         fs: file-system operations.
 
     Returns:
-        Namespace directories, sorted.
+        Namespace directories, sorted; none if `cache_dir` does not exist yet (an empty cache).
 
     Raises:
-        NamespaceSelectError: `cache_dir` is not a directory, or `namespace` matches none or several.
+        NamespaceSelectError: `cache_dir` is not a directory or cannot be looked at (a name too
+            long, no permission), or `namespace` matches none or several.
     """
     fs = fs or FileOps()
     cache_dir = Path(cache_dir)
-    if not fs.is_dir(cache_dir):
-        raise NamespaceSelectError(f"cache directory {cache_dir} does not exist or is not a directory")
+    try:
+        st = os.stat(cache_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise NamespaceSelectError(f"cannot use cache directory {short_path(cache_dir)}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise NamespaceSelectError(f"cache directory {cache_dir} is not a directory")
     try:
         dirs = list_namespaces(cache_dir, fs)
     except OSError as exc:
