@@ -69,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
                     help="kvtool.prefix, today's tiered cache (legacy), or auto (prefix if present)")
     ap.add_argument("--block-size", type=int, default=None, help="kvtool block size (default: kvtool's)")
     ap.add_argument("--ttft-model", default="tiny", help="embedded preset for the TTFT part (default: tiny)")
+    ap.add_argument("--ttft-kv", choices=("prefill", "synthetic"), default="prefill",
+                    help="TTFT caches hold the prompt's prefilled KV, or the same synthetic KV without a "
+                         "prefill (for presets whose prefill takes hours here, e.g. qwen0.5b)")
     ap.add_argument("--writer-mb", type=float, default=restore.DEFAULT_WRITER_MB, help="MB per writer measurement")
     ap.add_argument("--writer-shape", default="qwen0.5b-f32", help="KV shape written by the writer part")
     ap.add_argument("--seed", type=int, default=0)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         lengths=args.lengths, shapes=args.shapes, states=args.states, repeats=args.repeats,
         recompute_repeats=args.recompute_repeats, parts=args.parts,
         methods=args.methods, out=args.out, work_dir=args.work_dir, keep_data=args.keep_data, drop=args.drop,
-        kvtool_api=args.kvtool_api, block_size=args.block_size, ttft_model=args.ttft_model,
+        kvtool_api=args.kvtool_api, block_size=args.block_size, ttft_model=args.ttft_model, ttft_kv=args.ttft_kv,
         writer_mb=args.writer_mb, writer_shape=args.writer_shape, seed=args.seed, note=args.note,
     )
     try:

@@ -88,6 +88,9 @@ class RestoreSpec:
         methods: load-path methods to run (drop `kvtool` to measure the baselines only).
         block_size: kvtool block size (None: kvtool's default).
         ttft_model: embedded preset for the TTFT part.
+        ttft_kv: `prefill` (the prompt is prefilled once, kvtool's and mlx-lm's caches hold its
+            real KV) or `synthetic` (both hold the same random KV, no prefill and no recompute
+            row: for shapes whose prefill takes hours here, e.g. `qwen0.5b`).
         writer_mb: megabytes written per writer measurement.
         writer_shape: key of `SHAPES` for the writer.
         seed: synthetic KV and token-id seed.
@@ -108,6 +111,7 @@ class RestoreSpec:
     methods: tuple[str, ...] = ("raw-read", "mlx-lm", "kvtool")
     block_size: int | None = None
     ttft_model: str = "tiny"
+    ttft_kv: str = "prefill"
     writer_mb: float = DEFAULT_WRITER_MB
     writer_shape: str = "qwen0.5b-f32"
     seed: int = 0
@@ -311,13 +315,23 @@ def measure_ttft(spec: RestoreSpec, n: int, d: Path, mpath: Path, shape: KVShape
     (d / "prompt.txt").write_text(text)
     np.save(d / "ids.npy", ids)
     kv_dir, mlx_file = d / "kvtool-cache", d / "mlx-lm.safetensors"
-    first = serve_once(spec, d / "prompt.txt", kv_dir)  # cold prefill, writes the blocks
+    if spec.ttft_kv == "synthetic":  # same random KV in both caches; the first SSD hit is the reference
+        run_worker(spec.python, "ttft_seed_synthetic", {"model": spec.ttft_model, "ids": str(d / "ids.npy"),
+                                                        "cache_dir": str(kv_dir), "path": str(mlx_file),
+                                                        "block_size": spec.block_size})
+        first = serve_once(spec, d / "prompt.txt", kv_dir)
+        if first["cached_tokens"] != n - 1:
+            raise WorkerError(f"the seeded kvtool cache served {first['cached_tokens']} of {n} tokens")
+    else:
+        first = serve_once(spec, d / "prompt.txt", kv_dir)  # cold prefill, writes the blocks
+        run_worker(spec.python, "mlxlm_ttft_save", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
+                                                    "path": str(mlx_file)})
     if first["prompt_tokens"] != n:
         raise WorkerError(f"serve-once saw {first['prompt_tokens']} prompt tokens, expected {n}")
-    run_worker(spec.python, "mlxlm_ttft_save", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
-                                                "path": str(mlx_file)})
     os.sync()
     recompute = spec.repeats if spec.recompute_repeats is None else spec.recompute_repeats
+    if spec.ttft_kv == "synthetic":
+        recompute = 0  # a prefill is what synthetic KV avoids
     for rep in range(spec.repeats):
         if rep < recompute:
             r = serve_once(spec, d / "prompt.txt", d / "no-ssd", "--no-ssd")
@@ -351,7 +365,8 @@ def ttft_shape(preset: str) -> KVShape:
     from kvtool.models import embedded
 
     p = embedded.get_preset(preset)
-    return KVShape(p.name, p.num_hidden_layers, p.num_key_value_heads, p.head_dim, "float32")
+    return KVShape(p.name, p.num_hidden_layers, p.num_key_value_heads, p.head_dim,
+                   str(getattr(p, "dtype", "float32")))
 
 
 def _serve_res(r: dict) -> dict:

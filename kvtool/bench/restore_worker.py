@@ -11,6 +11,7 @@ and reads one JSON object from the last line of stdout. Modes:
 - `mlxlm`: `load_prompt_cache` + `mx.eval` of every layer's keys and values, token ids checked.
 - `kvtool`: `fetch` through `restore_kvtool.open_prefix_cache` + `mx.eval` of the restored cache.
 - `writer`: store + flush synthetic KV through kvtool (best_effort), then `os.sync()`.
+- `ttft_seed_synthetic`: both caches of a prompt seeded with the same synthetic KV (no prefill).
 - `mlxlm_ttft_save` / `mlxlm_ttft`: mlx-lm's own prompt cache on a real model: save the KV of
   `ids[:-1]`; later, in a fresh process after a warm-up forward, time `load_prompt_cache` + the
   first (greedy) token of mlx-lm's `generate_step` over the last token: the decode loop that
@@ -312,6 +313,47 @@ def mode_mlxlm_ttft_save(args: dict) -> dict:
     return {"bytes_io": Path(args["path"]).stat().st_size}
 
 
+def mode_ttft_seed_synthetic(args: dict) -> dict:
+    """Seed both caches of one prompt with the same synthetic KV instead of a prefill (a 32k
+    prefill of the `qwen0.5b` shape takes hours on this CPU): random normal keys and values
+    `[1, n_kv_heads, n, head_dim]` in the model's dtype for every layer, stored in kvtool's SSD
+    tier through `Engine` (the namespace `serve-once` opens: same model, config and block size,
+    `persist=True`, flushed) and, trimmed to `ids[:-1]`, as mlx-lm's prompt-cache file. Both
+    TTFTs then forward the last token over the same KV, so their first tokens must agree."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    from kvtool.config import KVToolConfig
+    from kvtool.engine import Engine
+    from kvtool.models.loader import load_model
+
+    ids = np.load(args["ids"])
+    n = int(ids.size)
+    loaded = load_model(args["model"])
+    cfg = {"ssd_cache_dir": args["cache_dir"], "ssd_async_writes": False}
+    if args.get("block_size"):
+        cfg["block_size"] = int(args["block_size"])
+    engine = Engine(loaded, KVToolConfig(**cfg))
+    cache = make_prompt_cache(loaded.model)
+    dtype = loaded.model.parameters()["model"]["embed_tokens"]["weight"].dtype
+    assert engine.cache.kv is not None, engine.cache.uncached_reason
+    layers = engine.cache.kv.layers
+    key = mx.random.key(int(args.get("seed", 0)))
+    for (h, d_k, d_v), c in zip(layers, cache):
+        k1, k2, key = mx.random.split(key, 3)
+        c.keys = mx.random.normal((1, h, n, d_k), key=k1).astype(dtype)
+        c.values = mx.random.normal((1, h, n, d_v), key=k2).astype(dtype)
+        c.offset = n
+        mx.eval(c.keys, c.values)
+    stored = engine.cache.store(ids, cache, persist=True)
+    engine.cache.flush()
+    engine.close()
+    for c in cache:
+        c.trim(1)
+    save_prompt_cache(args["path"], cache, metadata={TOKENS_METADATA_KEY: json.dumps(ids[:-1].tolist())})
+    return {"entries": stored, "bytes_io": Path(args["path"]).stat().st_size}
+
+
 def mode_mlxlm_ttft(args: dict) -> dict:
     """Warm-up forward, then time load_prompt_cache (+ token check) + the first token of
     `generate_step` (mlx-lm's decode loop, the path `kvtool serve-once` runs: its first token also
@@ -345,6 +387,7 @@ MODES: dict[str, Callable[[dict], dict]] = {
     "writer": mode_writer,
     "mlxlm_ttft_save": mode_mlxlm_ttft_save,
     "mlxlm_ttft": mode_mlxlm_ttft,
+    "ttft_seed_synthetic": mode_ttft_seed_synthetic,
 }
 
 
