@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import re
 import shutil
 import signal
@@ -64,11 +65,24 @@ def server_binary() -> str:
                 "or put redis-server / valkey-server on PATH")  # fmt: skip
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(cluster: bool = False) -> int:
+    """A TCP port free on 127.0.0.1 right now; for a cluster node one <= 55535 whose cluster bus
+    port (+10000) is free too."""
+    if not cluster:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 55536)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 class RedisServer:
@@ -103,7 +117,7 @@ class RedisServer:
     def start(self, port: int | None = None) -> RedisServer:
         """Start (on `port`, or the previous one, or a free one) and wait until it answers PING."""
         for attempt in range(3):
-            self.port = port or self.port or free_port()
+            self.port = port or self.port or free_port(cluster="--cluster-enabled" in self.extra)
             args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                     "--dir", str(self.workdir), "--logfile", str(self.workdir / f"redis-{self.port}.log"),
                     "--daemonize", "no"]  # fmt: skip

@@ -30,7 +30,7 @@ DEFAULT_MAX_KEYS = 10_000_000
 SCAN_COUNT = 1000
 BATCH_KEYS = 500  # keys per pipelined round trip (metadata commands)
 GET_BATCH_BYTES = 16 << 20  # validate: bytes of values per round trip (by MEMORY USAGE)
-DEFAULT_VALIDATE_MAX_BYTES = 1 << 30  # validate: largest value (joined parts) it reads (bytes)
+DEFAULT_VALIDATE_MAX_BYTES = 256 << 20  # validate: largest value (joined parts) it reads (bytes)
 
 
 class RemoteOpsError(KVToolError):

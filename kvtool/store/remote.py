@@ -379,9 +379,11 @@ class RemoteStore:
         for k, data in zip(asked, results):
             key = keys[k]
             assert key is not None
-            if isinstance(data, Exception):  # e.g. WRONGTYPE: something else under our key
-                self._count("remote_errors")
-                bad.append((key, None))
+            if isinstance(data, Exception):
+                if "WRONGTYPE" in str(data):  # another type of key under our name: ours to replace
+                    self._corrupt(key, rv.RemoteValueError("header", "not a string value"), bad)
+                else:  # e.g. an ACL refusal: not the value's fault
+                    self._count("remote_errors")
             elif isinstance(data, bytes) and data:
                 self._count("remote_bytes_read", len(data))
                 if rv.is_manifest(data):
@@ -452,31 +454,38 @@ class RemoteStore:
             one that could not be sent counts `remote_dropped_writes`). Never raises for the
             server or for a block of another layout (counted `remote_errors`).
         """
-        encoded: list[tuple[str, bytes]] = []
-        for b in blocks:
+        stored = 0
+        batch: list[tuple[str, bytes]] = []
+        size = 0
+        for n, b in enumerate(blocks):
             key = self._key(b.block_hash)
             try:
                 if key is None or not rv.is_hex32(b.parent_hash):
                     raise ValueError(f"block hash {b.block_hash[:40]!r} / parent are not chain hashes")
-                encoded.append((key, rv.encode_value(b, self.layout_key, self.kv, self.codec)))
+                value = rv.encode_value(b, self.layout_key, self.kv, self.codec)
             except (ValueError, rv.BlockFileError) as exc:
                 self._count("remote_errors")
                 logger.debug("remote tier: block not stored: %s", exc)
-        stored = 0
-        i = 0
-        while i < len(encoded):
-            j, size = i, 0
-            while j < len(encoded) and (j == i or size + len(encoded[j][1]) <= self.batch_bytes):
-                size += len(encoded[j][1])
-                j += 1
-            batch = encoded[i:j]
-            done: int | None = self._call(functools.partial(self._put_batch, batch=batch), None)
-            if done is None:
-                self._count("remote_dropped_writes", len(encoded) - i)
-                break
-            stored += done
-            i = j
+                continue
+            batch.append((key, value))
+            size += len(value)
+            if size >= self.batch_bytes:  # encoded and sent one batch at a time
+                done = self._send(batch, len(blocks) - n - 1)
+                if done is None:
+                    return stored
+                stored += done
+                batch, size = [], 0
+        if batch:
+            stored += self._send(batch, 0) or 0
         return stored
+
+    def _send(self, batch: list[tuple[str, bytes]], not_sent: int) -> int | None:
+        """One batch of `put_blocks`: blocks stored, or None if the call failed (the batch and
+        the `not_sent` blocks after it count as dropped writes)."""
+        done: int | None = self._call(functools.partial(self._put_batch, batch=batch), None)
+        if done is None:
+            self._count("remote_dropped_writes", len(batch) + not_sent)
+        return done
 
     def _put_batch(self, client: Any, batch: list[tuple[str, bytes]]) -> int:
         whole = [(k, v) for k, v in batch if len(v) <= self.max_value_bytes]
