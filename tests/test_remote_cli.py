@@ -235,6 +235,7 @@ print(json.dumps({"rounds": rounds, "hits": hits, "bad": bad,
 """
 
 
+@pytest.mark.slow  # ~10 s: 4 writer processes for 6 s
 def test_writers_in_four_processes_beside_prune_and_validate(fresh_redis):
     seconds = 6.0
     env = {**os.environ, "PYTHONPATH": str(REPO)}

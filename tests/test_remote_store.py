@@ -101,6 +101,15 @@ def test_an_evicted_part_is_a_miss_not_corruption(redis_node):
         assert not list(client.scan_iter(match=f"*{chain.hashes[0]}*"))  # manifest and other parts gone
 
 
+def test_round_trip_over_a_unix_socket(tmp_path):
+    sock = tmp_path / "redis.sock"
+    chain = make_chain(3, model_id="unix", seed=17)
+    with RedisServer(["--unixsocket", str(sock), "--unixsocketperm", "700"]):
+        with _store(f"unix://{sock}?db=2", chain) as store:
+            assert store.put_blocks(chain.blocks) == 3
+            assert all(g is not None and same_block(g, b) for g, b in zip(_get(store, chain), chain.blocks))
+
+
 # ----------------------------------------------------------------------------- corruption
 def _corrupt_cases(chain, other_chain, other_layout):
     key = rv.value_key(chain.layout_key, chain.hashes[0])
