@@ -28,6 +28,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
+from kvtool.config import ConfigError, KVToolConfig
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
@@ -53,7 +54,9 @@ def kvtool(*args: str, user: int | None = None, env: dict | None = None) -> subp
     full_env = {**os.environ, **(env or {})}
     if user is not None:
         full_env["HOME"] = full_env.get("KVTOOL_TEST_HOME", "/tmp")
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=HANG_GUARD_S, env=full_env)
+    # another user runs from "/": a model spec such as `tiny` is first looked up as a directory in the cwd
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO if user is None else "/", timeout=HANG_GUARD_S,
+                          env=full_env)  # fmt: skip
 
 
 def serve(cache: Path, prompt: Path, *extra: str, user: int | None = None) -> dict:
@@ -329,6 +332,20 @@ def test_cache_dir_that_is_a_file_is_an_error(tmp_path):
         assert "not a directory" in one_error_line(cli(*cmd, "--cache-dir", str(tmp_path / "file")))
 
 
+# ----------------------------------------------------------------------------- 5: ssd_dir_mode
+@pytest.mark.parametrize("mode", ["511", "0o777", "0o702", '"0770"', "0o757"])
+def test_dir_mode_with_write_bits_for_others_is_refused(tmp_path, mode):
+    conf = tmp_path / "kvtool.toml"
+    conf.write_text(f"ssd_dir_mode = {mode}\n")
+    for args in (["validate"], ["serve-once", "-p", "hello"]):
+        line = one_error_line(cli(*args, "--config", str(conf), "--cache-dir", str(tmp_path / "kv")))
+        assert "ssd_dir_mode" in line, line
+    assert not (tmp_path / "kv").exists()
+    with pytest.raises(ConfigError, match="write"):
+        KVToolConfig(ssd_cache_dir=tmp_path, ssd_dir_mode=0o777)
+    assert KVToolConfig(ssd_cache_dir=tmp_path, ssd_dir_mode=0o2770).ssd_dir_mode == 0o2770  # a group-shared cache
+
+
 # ----------------------------------------------------------------------------- 6: a nearly full disk
 class BudgetFS(FileOps):
     """Real file operations on a disk that holds `budget` more bytes of segment data: a write
@@ -460,3 +477,42 @@ def test_record_swap_recomputed_blocks_replace_the_damaged_rows(tmp_path):
         got = store.load_block(blk.block_hash, blk.token_ids, blk.parent_hash)
         assert got is not None and all(np.array_equal(x, y) for x, y in zip(got.keys, blk.keys))
     store.close()
+
+
+# ----------------------------------------------------------------------------- 9: root in a user's cache
+@pytest.mark.slow
+def test_root_writing_into_a_users_cache_leaves_it_prunable(prompts, reference, shared_dir):
+    why = _unprivileged_ok(prompts)
+    if why:
+        pytest.skip(why)
+    cache = shared_dir / "kv"
+    cache.mkdir(mode=0o700)
+    os.chown(cache, NOBODY, NOBODY)
+    doc = serve(cache, prompts / "long.txt", "--sync")  # as root
+    assert doc["requests"][0]["token_ids"] == reference["long"] and doc["requests"][0]["blocks_written"] > 0
+    assert kvtool("validate", "--cache-dir", str(cache)).returncode == 0  # as root: creates the lock file
+    assert owners(cache) == {NOBODY}, {str(p): p.lstat().st_uid for p in cache.rglob("*") if p.lstat().st_uid != NOBODY}
+    pruned = kvtool("prune", "--yes", "--max-bytes", "0", "--json", "--cache-dir", str(cache), user=NOBODY)
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    assert not list(cache.rglob("*.safetensors"))
+    again = serve(cache, prompts / "long.txt", "--sync", user=NOBODY)  # the user can write it again
+    assert again["requests"][0]["blocks_written"] > 0
+
+
+def test_dir_owner_is_only_for_root(tmp_path):
+    from kvtool.store.fsops import dir_owner
+
+    owned = dir_owner(tmp_path)
+    if os.geteuid() != 0:
+        assert owned is None
+    else:
+        assert owned is None  # root's own directory: nothing to change
+        os.chown(tmp_path, NOBODY, NOBODY)
+        assert dir_owner(tmp_path) == (NOBODY, NOBODY)
+        sub = tmp_path / "a" / "b"
+        FileOps().makedirs(sub)
+        fd = FileOps().open_new(sub / "f")
+        os.close(fd)
+        assert {p.lstat().st_uid for p in (tmp_path / "a", sub, sub / "f")} == {NOBODY}
+        assert stat.S_IMODE((tmp_path / "a").lstat().st_mode) == 0o700
+

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvtool.errors import KVToolError
+from kvtool.store.fsops import dir_owner, give_to
 from kvtool.store.names import LOCK_FILENAME
 
 EXIT_LOCKED = 3
@@ -93,6 +94,13 @@ def _open(path: Path) -> int:
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
         os.close(fd)
         raise PruneError(f"refusing the maintenance lock {path}: not a regular file with a single link; remove it")
+    owner = dir_owner(path.parent)  # root in a user's cache: the user must still be able to lock it
+    if owner is not None and st.st_uid != owner[0]:
+        try:
+            give_to(owner, fd=fd)
+        except OSError as exc:
+            os.close(fd)
+            raise PruneError(f"cannot give the maintenance lock {path} to the cache's owner: {exc.strerror or exc}") from None
     return fd
 
 

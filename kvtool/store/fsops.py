@@ -72,6 +72,35 @@ def check_regular(fd: int, path: Path | str, before: os.stat_result | None = Non
     return st
 
 
+def dir_owner(directory: Path | str) -> tuple[int, int] | None:
+    """The `(uid, gid)` that files and directories kvtool creates in `directory` must get: its
+    owner's, when this process runs as root and `directory` belongs to another user (root
+    writing into a user's cache must leave nothing that user cannot prune); None otherwise
+    (nothing to change, or `directory` cannot be stat'ed)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    return (st.st_uid, st.st_gid) if st.st_uid != 0 else None
+
+
+def give_to(owner: tuple[int, int] | None, path: Path | str | None = None, fd: int | None = None) -> None:
+    """`chown` a file kvtool just created (by descriptor, or by path without following a
+    symlink) to `owner` (`dir_owner`); nothing if `owner` is None.
+
+    Raises:
+        OSError: the chown failed (the caller removes what it created: never leave it behind).
+    """
+    if owner is None:
+        return
+    if fd is not None:
+        os.fchown(fd, *owner)
+    elif path is not None:
+        os.chown(path, *owner, follow_symlinks=False)
+
+
 class FileOps:
     """The real file-system operations (thin wrappers over `os`).
 
@@ -82,10 +111,12 @@ class FileOps:
     # ------------------------------------------------------------------ write side
     def makedirs(self, path: Path, mode: int = DEFAULT_DIR_MODE) -> None:
         """Create `path` and missing parents with exactly `mode` (whatever the umask); an
-        existing directory is fine, but the leaf must be a real directory, not a symlink.
+        existing directory is fine, but the leaf must be a real directory, not a symlink. Run
+        as root under another user's directory, the new directories are given to that user.
 
         Raises:
             NotADirectoryError: `path` is a symlink or not a directory.
+            OSError: a directory cannot be created (or given to its owner: it is removed again).
         """
         path = Path(path)
         missing = []
@@ -93,22 +124,38 @@ class FileOps:
         while not os.path.lexists(p) and p != p.parent:
             missing.append(p)
             p = p.parent
+        owner = dir_owner(p) if missing else None
         for d in reversed(missing):
             try:
                 os.mkdir(d, mode)
-                os.chmod(d, mode)
             except FileExistsError:
-                pass
+                continue
+            try:
+                give_to(owner, d)  # before chmod: chown clears the setgid bit of a directory on some systems
+                os.chmod(d, mode)
+            except OSError:
+                os.rmdir(d)
+                raise
         if not stat.S_ISDIR(os.lstat(path).st_mode):
             raise NotADirectoryError(errno.ENOTDIR, "not a real directory (symlink?)", str(path))
 
     def open_new(self, path: Path) -> int:
-        """Create `path` exclusively for writing (mode 0644) and return its descriptor.
+        """Create `path` exclusively for writing (mode 0644) and return its descriptor. Run as
+        root in another user's directory, the file is given to that user (`dir_owner`).
 
         Raises:
             FileExistsError: `path` already exists.
+            OSError: it cannot be created, or not given to its directory's owner (removed again).
         """
-        return os.open(path, _WRITE_FLAGS, 0o644)
+        owner = dir_owner(Path(path).parent)
+        fd = os.open(path, _WRITE_FLAGS, 0o644)
+        try:
+            give_to(owner, fd=fd)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return fd
 
     def write_all(self, fd: int, data: bytes | bytearray | memoryview | list | tuple) -> None:
         """Write every byte of `data` (a buffer, or a sequence of buffers written in order with

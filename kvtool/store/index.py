@@ -22,6 +22,7 @@ This module never imports MLX (the SSD writer thread calls it).
 from __future__ import annotations
 
 import math
+import os
 import re
 import sqlite3
 import threading
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 
+from kvtool.store.fsops import dir_owner, give_to
 from kvtool.store.names import INDEX_FILENAME, is_segment_name
 
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
@@ -219,9 +221,22 @@ class BlockIndex:
                         cur.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(initial_meta.items()))
                         self.created_meta = True
             self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            if not read_only:  # root writing into a user's cache: the user keeps owning the index
+                self._give_to(dir_owner(self.path.parent))
         except BaseException:
             self._conn.close()
             raise
+
+    def _give_to(self, owner: tuple[int, int] | None) -> None:
+        """chown the index and its -wal / -shm to `owner` where they belong to someone else."""
+        if owner is None:
+            return
+        for name in ("", "-wal", "-shm"):
+            try:
+                if os.lstat(f"{self.path}{name}").st_uid != owner[0]:
+                    give_to(owner, f"{self.path}{name}")
+            except FileNotFoundError:
+                pass
 
     def _connect(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
         """A connection: read-write, or read-only (`mode=ro`; `immutable=1`: no -wal / -shm used)."""
