@@ -37,6 +37,8 @@ Examples:
 
   kvtool serve-once --requests reqs.jsonl --policy evict_only --ram-bytes 256MiB
 
+  kvtool serve-once -f doc.txt --metrics-file /var/lib/node_exporter/textfile/kvtool.prom
+
 As mlx_lm.generate: --prompt/--prompt-file are wrapped in the model's chat template unless --ignore-chat-template; '-' reads stdin. Unlike mlx_lm.generate, -m is --model (in every kvtool command); -n is --max-tokens.
 
 A prompt file, stdin, --messages or --requests file larger than --max-prompt-bytes (default 64MiB) is refused with one error line (exit 2).
@@ -49,6 +51,46 @@ MaxPromptBytesOpt = Annotated[
     str, typer.Option("--max-prompt-bytes", help="Largest prompt file, stdin, --messages or --requests file, e.g. 64MiB.",
                       rich_help_panel="Prompt")
 ]
+
+
+MetricsFileOpt = Annotated[
+    Path | None,
+    typer.Option("--metrics-file", show_default=False, rich_help_panel="Output",
+                 help="At the end, write this run's Prometheus metrics (text format, the names of kvtool serve's "
+                      "GET /metrics) to this file, atomically (a temp file beside it, then a rename); e.g. for "
+                      "node_exporter's textfile collector (name it *.prom)."),
+]
+
+
+def check_metrics_file(path: Path | None) -> None:
+    """Refuse a `--metrics-file` whose directory does not exist, before any work (shared with `kvtool bench`).
+
+    Raises:
+        CLIError: the parent is missing or not a directory, or the path is a directory.
+    """
+    if path is None:
+        return
+    parent = path.expanduser().parent
+    if not parent.is_dir():
+        raise common.CLIError(f"--metrics-file {path}: directory {parent} does not exist")
+    if path.expanduser().is_dir():
+        raise common.CLIError(f"--metrics-file {path}: is a directory")
+
+
+def write_metrics_file(path: Path | None, stats, records) -> None:
+    """Write the metrics of a finished run (final tier `stats`, per-request `records` as dicts).
+
+    Raises:
+        CLIError: the file could not be written (one line).
+    """
+    if path is None:
+        return
+    from kvtool.prom import metrics_of_run
+
+    try:
+        metrics_of_run(stats, records).write(path.expanduser())
+    except OSError as exc:
+        raise common.CLIError(f"--metrics-file {path}: {exc.strerror or exc}") from None
 
 
 def parse_max_prompt_bytes(value: str) -> int:
@@ -149,18 +191,20 @@ def serve_once(
     no_ssd: common.NoSSDOpt = False,
     codec: common.CodecOpt = None,
     json_out: common.JsonOpt = False,
+    metrics_file: MetricsFileOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.", rich_help_panel="Output")] = False,
 ) -> None:
     common.setup_logging(verbose)
     try:
         with common.signals_raise(), common.cli_errors():
+            check_metrics_file(metrics_file)
             reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
             cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
                                      codec)
             engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                         prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
             encode = _encoder(engine, not ignore_chat_template, system_prompt)
-            code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out)
+            code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
     except common.Interrupted as exc:  # before serving started: nothing to drain
         code = 128 + exc.signum
     raise typer.Exit(code)
@@ -172,7 +216,7 @@ def _encoder(engine: Engine, chat_template: bool, system_prompt):
                                      system_prompt=system_prompt)
 
 
-def _serve(engine: Engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out) -> int:
+def _serve(engine: Engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out, metrics_file=None) -> int:
     results, interrupted = [], None
     warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:
@@ -195,6 +239,7 @@ def _serve(engine: Engine, reqs, encode, max_tokens, temp, top_p, seed, stop, js
         ssd_reason = engine.cache.ssd_disabled_reason
         status = engine.close()
         stats = engine.stats()  # after the drain: every accepted write is counted
+    write_metrics_file(metrics_file, stats, [r.to_dict() for r in results])
     if json_out:
         doc = {
             "schema_version": 1,  # kvtool.cli.output.SCHEMA_VERSION

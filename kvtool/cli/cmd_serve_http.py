@@ -8,13 +8,15 @@ request and adds `GET /kvtool/stats`. Wiring: `kvtool.server.serve.KVToolServer`
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 import sys
 import threading
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from kvtool.cli import common
 
@@ -31,6 +33,12 @@ Examples:
   curl -s localhost:8080/v1/chat/completions -d '{"model": "default_model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}'
 
   kill -HUP <pid>    (re-read --config and the cache flags; reattach the tiers live)
+
+  kvtool serve --model ~/models/Qwen3-0.6B --chat-template-args '{"enable_thinking": false}' --kv-bits 8 --top-k 20
+
+  curl -s localhost:8080/metrics    (Prometheus text format: hit tokens, bytes, restore latency per tier)
+
+Every mlx_lm.server option is accepted (read from the installed mlx-lm's own parser; panel "mlx_lm.server options") and passed to it unchanged, except where it touches the prompt cache: --prompt-cache-bytes N sets the RAM tier's budget (as --ram-bytes N; mlx-lm also trims it to N minus the active batch's KV after each batched insert); --prompt-cache-size is refused (kvtool's RAM tier is bounded in bytes, not entries); --kv-bits (with --kv-group-size, --quantized-kv-start) makes the cached blocks hold mlx-lm's quantized KV, in a namespace of their own; with --draft-model a hit is completed with the draft model's KV of the cached tokens (the model's own KV comes from the tiers).
 
 Requests are checked before they reach the generation thread: a body over --max-body-bytes or a prompt over --max-prompt-tokens is answered 413, malformed JSON or fields 400, a model other than the served one 404; a generation thread that fails is restarted (its requests get 500).
 
@@ -55,7 +63,104 @@ def setup_server_logging(level: str) -> None:
     log.propagate = False
 
 
+MLX_PANEL = "mlx_lm.server options"
+MLX_OPTIONS_META = "kvtool.mlx_lm_options"  # ctx.meta key: dest -> value of the mlx-lm options given
+
+
+def _mlx_lm_parameters(taken: set[str]) -> list[Any]:
+    """Typer options for every `mlx_lm.server` option kvtool does not declare itself (by option
+    string), built from mlx-lm's parser: flags stay flags, int/float values keep their type,
+    other values are strings that mlx-lm's own converter turns into the namespace value (JSON,
+    comma lists, sizes). Defaults are None here (not given): mlx-lm's apply."""
+    from rich.markup import escape
+
+    from kvtool.server import mlx_options
+
+    params, annotations = [], {}
+    for action in mlx_options.server_actions():
+        if taken & set(action.option_strings):
+            continue
+        help_ = mlx_options.help_text(action)
+        if not mlx_options.is_flag(action) and action.default not in (None, "") and "default" not in help_.lower():
+            help_ += f" \\[mlx-lm default: {escape(str(action.default))}]"
+        if mlx_options.is_flag(action):
+            annotation: Any = Annotated[bool, typer.Option(*action.option_strings, help=help_, rich_help_panel=MLX_PANEL)]
+            default: Any = False
+        else:
+            kind = action.type if action.type in (int, float) else str
+            metavar = "[" + "|".join(map(str, action.choices)) + "]" if action.choices else None
+            annotation = Annotated[kind | None, typer.Option(*action.option_strings, help=help_, metavar=metavar,
+                                                              show_default=False, rich_help_panel=MLX_PANEL)]
+            default = None
+        params.append(inspect.Parameter(action.dest, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=annotation))
+        annotations[action.dest] = annotation
+
+    def options(**kwargs: Any) -> None:  # only its signature is used
+        return None
+
+    options.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    options.__annotations__ = annotations
+    holder = typer.Typer(add_completion=False)
+    holder.command()(options)
+    return list(typer.main.get_command(holder).params)
+
+
+class ServeCommand(TyperCommand):
+    """`kvtool serve`'s command: its own options, plus mlx_lm.server's, added the first time the
+    command's parameters are needed (parsing, --help, completion) so that other kvtool
+    commands never import mlx-lm. Their values go to `ctx.meta[MLX_OPTIONS_META]`."""
+
+    _mlx_names: tuple[str, ...] | None = None
+
+    def get_params(self, ctx):
+        if self._mlx_names is None:
+            taken = {opt for p in self.params for opt in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
+            extra = _mlx_lm_parameters(taken)
+            self._mlx_names = tuple(p.name for p in extra if p.name)
+            self.params.extend(extra)
+        return super().get_params(ctx)
+
+    def invoke(self, ctx):
+        names = self._mlx_names or ()
+        ctx.meta[MLX_OPTIONS_META] = {n: ctx.params.pop(n) for n in names if n in ctx.params}
+        return super().invoke(ctx)
+
+
+def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[str, Any], str | None]:
+    """The mlx_lm.server options given on the command line as its namespace values, and the RAM
+    tier's budget after `--prompt-cache-bytes`.
+
+    Raises:
+        CLIError: a value mlx-lm's parser refuses, `--prompt-cache-size`, or `--prompt-cache-bytes`
+            contradicting `--ram-bytes`.
+    """
+    from kvtool.server import mlx_options
+
+    out: dict[str, Any] = {}
+    for dest, value in given.items():
+        if value is None or value is False:
+            continue
+        try:
+            out[dest] = mlx_options.convert(dest, value)
+        except mlx_options.OptionValueError as exc:
+            raise common.CLIError(str(exc)) from None
+    if "prompt_cache_size" in out:
+        raise common.CLIError("--prompt-cache-size: kvtool's RAM tier is bounded in bytes, not in cached sequences; "
+                              "use --prompt-cache-bytes or --ram-bytes")
+    budget = out.get("prompt_cache_bytes")
+    if budget is not None:
+        from kvtool.units import parse_size
+
+        if ram_bytes is not None and parse_size(ram_bytes) != budget:
+            raise common.CLIError(f"--prompt-cache-bytes {budget} and --ram-bytes {ram_bytes} disagree: "
+                                  "both set the RAM tier's budget; give one")
+        ram_bytes = str(budget)
+    return out, ram_bytes
+
+
 def serve_http(
+    ctx: typer.Context,
     model: common.ModelOpt = "tiny",
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free port).")] = 8080,
@@ -113,6 +218,7 @@ def serve_http(
                 raise common.CLIError(f"--max-body-bytes: {exc}") from None
             if body_limit < 1024:
                 raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
+            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), ram_bytes)
             setup_server_logging(level)
 
             def make_config():
@@ -123,7 +229,7 @@ def serve_http(
             server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,
                             prefill_step_size=prefill_step_size, decode_concurrency=decode_concurrency,
                             prompt_concurrency=prompt_concurrency, log_level=level,
-                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit)
+                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit, **extra)
             code = _run(server, make_config)
     except common.Interrupted as exc:  # before serving started: nothing was written
         code = 128 + exc.signum
@@ -212,4 +318,4 @@ def _run(server, make_config) -> int:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve", help=HELP, no_args_is_help=False)(serve_http)
+    app.command("serve", cls=ServeCommand, help=HELP, no_args_is_help=False)(serve_http)

@@ -45,7 +45,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,8 @@ RECENT_REQUESTS = 100  # records kept for `stats()`
 class RequestRecord:
     """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms.
 
-    `prompt_tokens == cached_tokens + prefill_tokens`, `cached_tokens == ram_hit_tokens + ssd_hit_tokens`.
+    `prompt_tokens == cached_tokens + prefill_tokens`,
+    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`.
     """
 
     request: int
@@ -74,6 +75,7 @@ class RequestRecord:
     cached_tokens: int = 0
     ram_hit_tokens: int = 0
     ssd_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     prefill_tokens: int = 0
     ssd_load_ms: float = 0.0
     ssd_bytes_read: int = 0
@@ -92,6 +94,8 @@ class RequestRecord:
             f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} "
             f"(RAM {self.ram_hit_tokens}, SSD {self.ssd_hit_tokens}) | prefilled {self.prefill_tokens}"
         )
+        if self.remote_hit_tokens:
+            line += f" | remote {self.remote_hit_tokens} tok"
         if self.ssd_hit_tokens:
             line += f" | SSD load {self.ssd_load_ms:.1f} ms, {self.ssd_bytes_read} B"
         if self.uncached_reason:
@@ -118,23 +122,26 @@ class KVToolPromptCache:
             None accepts every key (one model only!).
         max_pending: waiting hits kept at most (oldest released first).
         pending_ttl_s: a waiting hit older than this is released.
+        on_record: called with each request's `RequestRecord` after its fetch (outside the
+            lock; e.g. `kvtool.prom.CacheMetrics.observe`); its exceptions are logged.
 
     Thread-safe: one lock around every call (the server calls from its generation thread; the
     stats route, signal handlers and shutdown from others).
     """
 
     def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
-                 pending_ttl_s: float = PENDING_TTL_S):
+                 pending_ttl_s: float = PENDING_TTL_S, on_record: Callable[[RequestRecord], None] | None = None):
         self.prefix_cache = prefix_cache
         self.model_key = model_key
         self.max_pending = max_pending
         self.pending_ttl_s = pending_ttl_s
+        self.on_record = on_record
         self._lock = threading.RLock()
         self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
         self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
         self._closed = False
-        self._counts = {"requests": 0, "requests_cached": 0, "cached_tokens": 0, "ram_hit_tokens": 0,
-                        "ssd_hit_tokens": 0, "prefill_tokens": 0, "inserts": 0, "inserts_segment": 0,
+        self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                        "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0, "inserts": 0, "inserts_segment": 0,
                         "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
                         "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
 
@@ -161,9 +168,15 @@ class KVToolPromptCache:
                 cache, rest = None, tokens
             rec.fetch_ms = (time.perf_counter() - t0) * 1e3
             self._recent.append(rec)
-            for key in ("cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "prefill_tokens"):
+            for key in ("prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "remote_hit_tokens",
+                        "prefill_tokens"):
                 self._counts[key] += getattr(rec, key)
             self._counts["requests_cached"] += rec.cached_tokens > 0
+        if self.on_record is not None:
+            try:
+                self.on_record(rec)
+            except Exception:  # noqa: BLE001 - metrics never fail a request
+                log.exception("the per-request observer failed")
         log.info("%s", rec.log_line())
         return cache, rest
 
@@ -271,8 +284,18 @@ class KVToolPromptCache:
         return None
 
     def _cache_reason(self, cache: list) -> str | None:
-        """Why a returned cache cannot be sliced into blocks (quantized, draft layers...), or None."""
-        reason = unsupported_cache_reason(cache)
+        """Why a returned cache cannot be sliced into blocks (draft layers, a quantization other than
+        the prefix cache's...), or None. With `--kv-bits`, mlx-lm's `QuantizedKVCache` layers of
+        the prefix cache's bits and group size are sliced as the prefix cache's own."""
+        quant = self.prefix_cache.quant
+        if quant is not None:
+            from mlx_lm.models.cache import QuantizedKVCache
+
+            plain = [c for c in cache if not (type(c) is QuantizedKVCache
+                                              and (c.bits, c.group_size) == (quant.bits, quant.group_size))]
+            reason = unsupported_cache_reason(plain) if plain else None
+        else:
+            reason = unsupported_cache_reason(cache)
         if reason is None and self.prefix_cache.kv is not None and len(cache) != self.prefix_cache.kv.n_layers:
             reason = f"{len(cache)} cache layers, the model has {self.prefix_cache.kv.n_layers}"
         return reason
@@ -286,6 +309,8 @@ class KVToolPromptCache:
         self._expire()
         hit = self.prefix_cache.fetch(ids)
         rec.cached_tokens, rec.ram_hit_tokens, rec.ssd_hit_tokens = hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens
+        rec.remote_hit_tokens = hit.remote_tokens
+        rec.remote_hit_tokens = hit.remote_tokens
         rec.prefill_tokens = int(hit.remaining.size)
         rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
         cache = hit.cache if hit.cached_tokens > 0 and hit.cache else None

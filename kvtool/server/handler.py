@@ -1,6 +1,6 @@
 """The HTTP side of `kvtool serve`: mlx-lm's `APIHandler` with request checks, and the server.
 
-`make_handler_class(cache, guard)` subclasses `mlx_lm.server.APIHandler`:
+`make_handler_class(cache, guard, metrics)` subclasses `mlx_lm.server.APIHandler`:
 
 - `POST` completions: the body is read with a size limit and a deadline, parsed and checked
   (`kvtool.server.validation`) and the prompt tokenized against `max_prompt_tokens`
@@ -11,7 +11,8 @@
   instead of mlx-lm's 404, and a failure after the answer started ends the stream with an error
   event (or a 500 if nothing was sent); a client that goes away is one log line;
 - `GET /v1/models` lists the served model's names (mlx-lm scans the Hugging Face cache and
-  answers an empty 200 without one); `GET /kvtool/stats` returns the cache and server counters.
+  answers an empty 200 without one); `GET /kvtool/stats` returns the cache and server counters;
+  `GET /metrics` the same counters for Prometheus (`kvtool.prom`).
 
 `_HTTPServer` serves at most `MAX_CONNECTIONS` connections at once (503 beyond) and logs a
 handler's unexpected exception in one line instead of socketserver's traceback.
@@ -31,6 +32,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote
 
+from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.validation import Limits, RequestError
@@ -38,6 +40,7 @@ from kvtool.server.validation import Limits, RequestError
 log = logging.getLogger("kvtool.server")
 
 STATS_PATH = "/kvtool/stats"
+METRICS_PATH = "/metrics"  # Prometheus text format (kvtool.prom)
 SOCKET_TIMEOUT_S = 60.0  # a client silent this long while sending or receiving is dropped
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this (else 408)
 MAX_CONNECTIONS = 256  # connections served at once; more are answered 503 and closed
@@ -158,13 +161,15 @@ class _Capture:
         return getattr(self._generator, name)
 
 
-def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard):
-    """mlx-lm's `APIHandler` plus request checks, `GET /kvtool/stats` and a served-model `/v1/models`."""
+def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: CacheMetrics | None = None):
+    """mlx-lm's `APIHandler` plus request checks, `GET /kvtool/stats`, `GET /metrics` (when
+    `metrics` is given) and a served-model `/v1/models`."""
     from mlx_lm.server import APIHandler
 
     class KVToolAPIHandler(APIHandler):
         kvtool_cache = cache
         kvtool_guard = guard
+        kvtool_metrics = metrics
         timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler: socket timeout for every read and write
         kvtool_error: BaseException | None = None
         kvtool_headers_sent = False
@@ -182,6 +187,9 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard):
                                    "max_tokens_cap": self.kvtool_guard.limits.max_tokens_cap,
                                    "max_body_bytes": self.kvtool_guard.limits.max_body_bytes}
                 self._send_json(200, stats)
+                return
+            if route == METRICS_PATH and self.kvtool_metrics is not None:
+                self._send_metrics()
                 return
             super().do_GET()
 
@@ -246,6 +254,20 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard):
         def flush_headers(self):
             self.kvtool_headers_sent = True
             super().flush_headers()
+
+        def _send_metrics(self) -> None:
+            """The Prometheus scrape: the text format, or OpenMetrics if the scraper's Accept asks."""
+            assert self.kvtool_metrics is not None
+            data, content_type = self.kvtool_metrics.encode(self.headers.get("Accept"))
+            try:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                self.wfile.flush()
+            except CLIENT_GONE:
+                self.close_connection = True
 
         def _send_json(self, status: int, doc: Any) -> None:
             data = json.dumps(doc, default=str).encode()
@@ -402,4 +424,4 @@ class _HTTPServer(ThreadingHTTPServer):
                       " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-__all__ = ["make_handler_class", "RequestGuard", "error_status", "STATS_PATH", "MAX_CONNECTIONS"]
+__all__ = ["make_handler_class", "RequestGuard", "error_status", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS"]

@@ -33,10 +33,12 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtool.config import KVToolConfig
+from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.handler import MAX_CONNECTIONS, STATS_PATH, RequestGuard, _HTTPServer, make_handler_class
@@ -49,18 +51,12 @@ GENERATION_STOP_TIMEOUT_S = 60.0
 
 
 def mlx_lm_server_defaults() -> dict[str, Any]:
-    """The defaults of `mlx_lm.server`'s command line (mlx-lm 0.32.2, `mlx_lm.server.main`), as the
-    `cli_args` namespace its `ModelProvider`, `ResponseGenerator` and `APIHandler` read."""
-    from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START
+    """The defaults of `mlx_lm.server`'s command line, read from mlx-lm's own parser
+    (`kvtool.server.mlx_options`), as the `cli_args` namespace its `ModelProvider`,
+    `ResponseGenerator` and `APIHandler` read."""
+    from kvtool.server.mlx_options import defaults
 
-    return {
-        "model": None, "adapter_path": None, "host": "127.0.0.1", "port": 8080, "allowed_origins": ["*"],
-        "draft_model": None, "num_draft_tokens": 3, "trust_remote_code": False, "log_level": "INFO",
-        "chat_template": "", "use_default_chat_template": False, "temp": 0.0, "top_p": 1.0, "top_k": 0,
-        "min_p": 0.0, "max_tokens": 512, "chat_template_args": {}, "decode_concurrency": 32,
-        "prompt_concurrency": 8, "prefill_step_size": 2048, "prompt_cache_size": 10, "prompt_cache_bytes": None,
-        "kv_bits": None, "kv_group_size": 64, "quantized_kv_start": DEFAULT_QUANTIZED_KV_START, "pipeline": False,
-    }  # fmt: skip
+    return defaults()
 
 
 def server_args(**overrides: Any) -> argparse.Namespace:
@@ -93,7 +89,11 @@ class KVToolServer:
             None: the model's context length, at most `validation.MAX_PROMPT_TOKENS_CAP`.
         max_body_bytes: largest request body (bytes; larger: 413).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
-            `decode_concurrency`, `temp`, ...).
+            `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
+            option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
+            `quantized_kv_start`) also makes the prefix cache hold mlx-lm's quantized KV (its own
+            namespace); `draft_model` (a preset, directory or Hugging Face id) adds the draft
+            model's KV of a hit's tokens to the cache mlx-lm gets (`SpeculativePromptCache`).
 
     Raises:
         ServerStartError: the model does not load, the address cannot be bound, or the default
@@ -114,12 +114,15 @@ class KVToolServer:
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
         try:
             path, name = resolve_spec(model)
+            draft = resolve_spec(cli_args.draft_model)[0] if cli_args.draft_model else None
         except ModelLoadError as exc:
             raise ServerStartError(str(exc)) from None
         if adapter_path is not None and not Path(adapter_path).expanduser().exists():
             raise ServerStartError(f"adapter path not found: {adapter_path}")
         adapter = str(Path(adapter_path).expanduser()) if adapter_path else None
         cli_args.model, cli_args.adapter_path = str(path), adapter
+        cli_args.draft_model = str(draft) if draft is not None else None
+        quant = _quantization(cli_args)
         self.model_name = name
         self.model_path = path
         self.provider = ModelProvider(cli_args)
@@ -131,11 +134,19 @@ class KVToolServer:
         names = self._alias(model, Path(path), adapter)
         self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
         guard = RequestGuard(self.limits, self.provider.tokenizer)
-        self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name)
-        self.cache = KVToolPromptCache(self.prefix_cache, model_key=self.provider.model_key)
+        self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name,
+                                                  quant=quant)
+        self.metrics = CacheMetrics(self._metrics_snapshot)
+        if self.provider.draft_model is not None:
+            self.cache: KVToolPromptCache = SpeculativePromptCache(
+                self.prefix_cache, self.provider, cli_args.prefill_step_size, model_key=self.provider.model_key,
+                on_record=self.metrics.observe)
+        else:
+            self.cache = KVToolPromptCache(self.prefix_cache, model_key=self.provider.model_key,
+                                           on_record=self.metrics.observe)
         try:
             try:
-                self.httpd = self._bind(host, port, make_handler_class(self.cache, guard))
+                self.httpd = self._bind(host, port, make_handler_class(self.cache, guard, self.metrics))
             except OSError as exc:
                 raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
             # starts the generation thread
@@ -222,6 +233,11 @@ class KVToolServer:
     def stats(self) -> dict[str, Any]:
         return self.cache.stats()
 
+    def _metrics_snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(tier counters, cumulative request totals) for `kvtool.prom` at each scrape."""
+        stats = self.cache.stats()
+        return stats["cache"], stats["adapter"]
+
     def close(self, *, from_serving_thread: bool = False, timeout: float = GENERATION_STOP_TIMEOUT_S) -> ShutdownStatus:
         """Stop accepting requests, stop the generation thread, drain the SSD writer and close the
         index. Idempotent.
@@ -249,6 +265,69 @@ class KVToolServer:
             return self._closed
 
 
+def _quantization(cli_args: argparse.Namespace):
+    """The `KVQuantization` mlx-lm's server will apply (`--kv-bits`), or None.
+
+    Raises:
+        ServerStartError: bits or group size mlx can not quantize with.
+    """
+    if cli_args.kv_bits is None:
+        return None
+    from kvtool.model_kv import KVQuantization
+
+    try:
+        return KVQuantization(cli_args.kv_bits, cli_args.kv_group_size, cli_args.quantized_kv_start,
+                              cli_args.prefill_step_size)
+    except ValueError:
+        raise ServerStartError(f"--kv-bits {cli_args.kv_bits} --kv-group-size {cli_args.kv_group_size} "
+                               f"--quantized-kv-start {cli_args.quantized_kv_start}: KV quantization takes 2, 3, 4, 5, "
+                               "6 or 8 bits, a positive group size and a start >= 0") from None
+
+
+class SpeculativePromptCache(KVToolPromptCache):
+    """The prompt cache of a server with `--draft-model`.
+
+    mlx-lm's speculative decoding uses one cache list: the model's layers, then the draft
+    model's. kvtool caches the model's KV only: a hit is completed with the draft model's KV
+    of the same tokens, prefilled here in `prefill_step` chunks (the draft model is the small
+    one), and inserts store the model's layers. Greedy output is the model's own either way
+    (speculative decoding verifies every drafted token).
+
+    Args:
+        prefix_cache, model_key, **kwargs: as `KVToolPromptCache`.
+        provider: the `ModelProvider` holding `model` and `draft_model` (loaded).
+        prefill_step: tokens per draft prefill call (`--prefill-step-size`).
+    """
+
+    def __init__(self, prefix_cache, provider, prefill_step: int, **kwargs: Any):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        super().__init__(prefix_cache, **kwargs)
+        self._provider = provider
+        self._n_layers = len(make_prompt_cache(provider.model))
+        self._step = max(1, int(prefill_step))
+
+    def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[list | None, Sequence[int]]:
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        draft = self._provider.draft_model
+        if cache is None or draft is None:
+            return cache, rest
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        n = len(tokens) - len(rest)
+        draft_cache = make_prompt_cache(draft)
+        ids = mx.array(list(tokens[:n]), dtype=mx.int32)[None]
+        for start in range(0, n, self._step):
+            draft(ids[:, start : start + self._step], cache=draft_cache)
+            mx.eval([c.state for c in draft_cache])
+        return list(cache) + draft_cache, rest
+
+    def insert_cache(self, model: Any, tokens: Sequence[int], prompt_cache: list, *,
+                     cache_type: str = "assistant") -> None:
+        super().insert_cache(model, tokens, list(prompt_cache[: self._n_layers]), cache_type=cache_type)
+
+
 def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HTTPServer:
     """Build the HTTP server; the handler gets the response generator once it exists (it is
     created after the socket is bound, so that a busy port fails before the generation thread
@@ -263,5 +342,5 @@ def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HT
     return httpd
 
 
-__all__ = ["KVToolServer", "ServerStartError", "server_args", "mlx_lm_server_defaults", "make_handler_class",
+__all__ = ["KVToolServer", "ServerStartError", "SpeculativePromptCache", "server_args", "mlx_lm_server_defaults", "make_handler_class",
            "STATS_PATH", "MAX_CONNECTIONS"]
