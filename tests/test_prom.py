@@ -175,3 +175,53 @@ def test_serve_metrics_after_requests_from_ram_and_ssd(tmp_path):
     assert value(parsed, "kvtool_ram_bytes") == tier_stats["kv_ram_bytes"] > 0
     assert value(parsed, "kvtool_restore_seconds_count", tier="ssd") == 1
     assert value(parsed, "kvtool_writer_queue_bytes", tier="ssd") == 0  # --sync: nothing queued
+
+
+# --------------------------------------------------------------------------- bench --metrics-file
+MICRO_SWEEP = """
+model = "tiny"
+seed = 1
+repeats = 1
+max_tokens = 2
+baselines = ["no-cache"]
+
+[cache]
+block_size = 16
+ram_bytes = "1MiB"
+
+[grid]
+ssd_policy = ["write_through"]
+writer = ["sync"]
+ssd_durability = ["best_effort"]
+
+[workloads.restart]
+prompts = 2
+prompt_tokens = 32
+question_tokens = 4
+"""
+
+
+@pytest.mark.slow
+def test_bench_metrics_file_sums_the_kvtool_cells(tmp_path):
+    import pandas as pd
+
+    sweep = tmp_path / "micro.toml"
+    sweep.write_text(MICRO_SWEEP)
+    out = tmp_path / "bench.prom"
+    with open(tmp_path / "bench.err", "w") as err:  # not a terminal: progress lines, also with --json
+        res = subprocess.run([sys.executable, "-m", "kvtool.cli.app", "bench", str(sweep), "--out", str(tmp_path),
+                              "--json", "--metrics-file", str(out)], stdout=subprocess.PIPE, stderr=err, text=True,
+                             cwd=REPO, timeout=600, env={**os.environ, "KVTOOL_PROGRESS_INTERVAL_S": "0"})
+    assert res.returncode == 0, (tmp_path / "bench.err").read_text()
+    run_dir = Path(json.loads(res.stdout)["run_dir"])
+    rows = pd.read_csv(run_dir / "requests.csv")
+    rows = rows[rows["kind"] == "kvtool"]
+    runs = [r for r in json.loads((run_dir / "run.json").read_text())["cell_runs"] if r["kind"] == "kvtool"]
+    parsed = samples(out.read_text())
+    assert value(parsed, "kvtool_requests_total") == len(rows)
+    assert tiers(parsed, "kvtool_hit_tokens_total") == {"ram": rows["ram_hit_tokens"].sum(),
+                                                        "ssd": rows["ssd_hit_tokens"].sum()}
+    assert rows["ssd_hit_tokens"].sum() > 0  # the restart workload replays from SSD
+    assert tiers(parsed, "kvtool_written_bytes_total")["ssd"] == sum(r["counters"]["ssd_bytes_written"] for r in runs) > 0
+    assert value(parsed, "kvtool_restore_seconds_count", tier="ssd") == (rows["ssd_hit_tokens"] > 0).sum()
+    assert "[kvtool bench " in (tmp_path / "bench.err").read_text()

@@ -101,7 +101,7 @@ def run_sweep(
         run_id: default `default_run_id(spec)`.
         engine: an existing `kvtool.engine.Engine` to use (left open); default: load
             `spec.model` once and close it at the end.
-        progress: show a rich progress bar (on stderr).
+        progress: show progress on stderr (a rich bar on a terminal, else a line at most every 10 s).
         report: write the PNGs and report.md at the end (`kvtool.bench.report.write_report`).
         config_path: the sweep file, recorded in run.json.
 
@@ -171,10 +171,11 @@ def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]
 
 
 def _progress_bar() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=Console(stderr=True),
-    )
+    """A rich bar on a terminal; without one, a progress line at most every 10 s (kvtool.cli.progress)."""
+    from kvtool.cli.progress import make_progress
+
+    return make_progress("kvtool bench", TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                         TimeElapsedColumn(), console=Console(stderr=True), transient=False)
 
 
 def cell_dir(cache_root: Path, workload: Workload, cell: Cell, repeat: int) -> Path:

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from kvtool.cli import common
+from kvtool.cli.cmd_serve import MetricsFileOpt, check_metrics_file, write_metrics_file
+from kvtool.cli.progress import stderr_is_terminal
 
 BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
 
@@ -22,6 +24,10 @@ Examples:
   kvtool bench bench_configs/quick.toml --json         # print the run summary as JSON
 
   kvtool bench bench_configs/serve_load_quick.toml     # load through kvtool serve vs mlx_lm.server
+
+  kvtool bench bench_configs/quick.toml --metrics-file run.prom    # Prometheus text format of the kvtool cells
+
+--metrics-file writes the metric names of kvtool serve's GET /metrics for the whole sweep: the tier counters of every kvtool cell run summed (gauges: their values at each cell run's end, summed) and the requests of the kvtool cells (baselines left out). Without a terminal (CI, logs) a progress line goes to stderr at most every 10 s (KVTOOL_PROGRESS_INTERVAL_S).
 
 Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 done but a cell shut down uncleanly or lost a write; 2 bad sweep file or model.
 """
@@ -47,11 +53,13 @@ def bench(
     config: Annotated[Path, typer.Argument(help="Sweep definition (TOML), e.g. bench_configs/quick.toml.")],
     out: OutOpt = None,
     json_out: common.JsonOpt = False,
+    metrics_file: MetricsFileOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
 ) -> None:
     common.setup_logging(verbose)
     code: int | None = None
     with common.cli_errors():
+        check_metrics_file(metrics_file)
         from kvtool.bench.runner import run_sweep
         from kvtool.bench.sweep import load_sweep
 
@@ -60,6 +68,9 @@ def bench(
         from kvtool.bench.loadcell import bench_serve_load, is_serve_load_config
 
         if is_serve_load_config(config):  # load through real servers (kvtool serve vs mlx_lm.server)
+            if metrics_file is not None:
+                raise common.CLIError("--metrics-file: a [serve_load] run drives real kvtool serve processes; "
+                                      "scrape their GET /metrics instead")
             code = bench_serve_load(config, out, json_out)
     if code is not None:
         raise typer.Exit(code)
@@ -67,9 +78,11 @@ def bench(
         spec = load_sweep(config)
         engine = common.load_engine(spec.model, spec.base_config(Path(".")).replace(ssd_enabled=False, ram_bytes=0))
         try:
-            result = run_sweep(spec, out, engine=engine, progress=not json_out, config_path=config)
+            result = run_sweep(spec, out, engine=engine, progress=not json_out or not stderr_is_terminal(),
+                               config_path=config)
         finally:
             engine.close()
+        _write_metrics(metrics_file, result)
     ok = _all_ok(result.cells)
     if json_out:
         common.print_json(_summary(result.run_dir, result.cells, ok))
@@ -103,6 +116,20 @@ def report(
         common.print_json(doc)
     else:
         _print_human(run_dir, cells, _all_ok(cells))
+
+
+def _write_metrics(path: Path | None, result) -> None:
+    """`--metrics-file`: the kvtool cells' summed tier counters (`cell_runs[].counters`) and requests."""
+    if path is None:
+        return
+    stats: dict[str, float] = {}
+    for fact in result.run.get("cell_runs", []):
+        if fact.get("kind") == "kvtool":
+            for key, value in (fact.get("counters") or {}).items():
+                stats[key] = stats.get(key, 0) + value
+    rows = result.requests
+    records = _records(rows[rows["kind"] == "kvtool"]) if "kind" in rows else []
+    write_metrics_file(path, stats, records)
 
 
 def _all_ok(cells) -> bool:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.progress import progress
 from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes, parse_duration, parse_size
 
@@ -70,10 +71,12 @@ def prune_cmd(
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
-        with common.maintenance_lock(root, dry_run):  # a dry run only reads
+        # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.cli.progress)
+        with common.maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
+            task = bar.add_task("scanning the cache", total=None) if bar is not None else None
             plan = plan_prune(scan_cache(root, namespace), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run
-            code = _confirm_and_execute(plan, yes, out, execute_prune)
+            code = _confirm_and_execute(plan, yes, out, _reporting(execute_prune, bar, task))
     raise typer.Exit(code)
 
 
@@ -92,6 +95,16 @@ def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None,
         except ValueError as exc:
             raise common.CLIError(f"--max-bytes: {exc}") from None
     return ttl_s, budget
+
+
+def _reporting(execute, bar, task):
+    """`execute`, naming the removal in the progress line first (when there is one)."""
+    def run(plan):
+        if bar is not None:
+            bar.update(task, description=f"removing {plan.total('prune_segments')} segment file(s)")
+        return execute(plan)
+
+    return run
 
 
 def _confirm_and_execute(plan, yes: bool, out: Output, execute) -> int:

@@ -116,7 +116,12 @@ class ServeCommand(TyperCommand):
     def get_params(self, ctx):
         if self._mlx_names is None:
             taken = {opt for p in self.params for opt in (*getattr(p, "opts", ()), *getattr(p, "secondary_opts", ()))}
-            extra = _mlx_lm_parameters(taken)
+            try:
+                extra = _mlx_lm_parameters(taken)
+            except Exception as exc:  # noqa: BLE001 - kvtool serve still runs with its own options
+                extra = []
+                common.err_console.print(f"warning: mlx_lm.server's options are not available: {exc}",
+                                         markup=False, highlight=False)
             self._mlx_names = tuple(p.name for p in extra if p.name)
             self.params.extend(extra)
         return super().get_params(ctx)

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.progress import progress
 from kvtool.units import format_bytes
 
 HELP = """Check every namespace of the SSD cache and repair it, without losing a block that verifies.
@@ -69,7 +70,7 @@ def validate_cmd(
         from kvtool.ops.validate import validate
 
         root = common.build_config(config, cache_dir).ssd_cache_dir
-        with out.progress() as bar:
+        with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
             report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
                               progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip
         out.emit(report.to_dict, lambda: _print_human(report, out))

@@ -1,4 +1,5 @@
-"""`kvtool warm`: prefill prompts into the SSD tier (no decode), with a progress bar."""
+"""`kvtool warm`: prefill prompts into the SSD tier (no decode), with a progress bar on a terminal
+and a progress line at most every 10 s without one (`kvtool.cli.progress`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from kvtool.cli import common
+from kvtool.cli.progress import make_progress, stderr_is_terminal
 from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
@@ -26,6 +28,8 @@ Examples:
   kvtool warm --model ~/models/Qwen2.5-0.5B-Instruct-4bit --whole doc1.txt doc2.txt --json
 
   kvtool warm --model tiny --durability durable docs/ requests.jsonl
+
+  kvtool warm --model tiny prompts.txt 2>> warm.log    (no terminal: a progress line every 10 s, KVTOOL_PROGRESS_INTERVAL_S)
 
 Exit codes: 0 warmed and shut down cleanly; 1 some blocks could not be written or the writer did not drain; 2 bad input (source, model, options); 130/143 interrupted by SIGINT/SIGTERM (after draining the writer).
 """
@@ -111,11 +115,12 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
 
 
 class _RichProgress:
-    """Adapter from warm's `progress(report)` to one rich bar: prompts, tokens, blocks, bytes."""
+    """Adapter from warm's `progress(report)` to one rich bar (prompts, tokens, blocks, bytes), or
+    without a terminal to progress lines (`kvtool.cli.progress.LineProgress`)."""
 
     def __init__(self, total: int) -> None:
-        self._bar = Progress(
-            TextColumn("warm"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+        self._bar = make_progress(
+            "kvtool warm", TextColumn("warm"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
             TextColumn("{task.fields[tokens]} tok | {task.fields[blocks]} blocks | {task.fields[bytes]}"),
             TimeElapsedColumn(), console=common.err_console, transient=True,
         )  # fmt: skip
@@ -144,7 +149,8 @@ class _NoProgress:
 
 
 def _progress(total: int, enabled: bool):
-    return _RichProgress(total) if enabled else _NoProgress()
+    """The bar on a terminal when `enabled` (not --json); progress lines whenever stderr is not a terminal."""
+    return _RichProgress(total) if enabled or not stderr_is_terminal(common.err_console) else _NoProgress()
 
 
 def _print_summary(report, status) -> None:

@@ -1,0 +1,91 @@
+"""Progress without a terminal: `kvtool warm`, `validate` and `prune` with stderr in a file print
+plain progress lines (`kvtool.cli.progress`), at most every `KVTOOL_PROGRESS_INTERVAL_S` seconds
+(0 here: a line at every update, so that the lines do not depend on timing)."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from kvtool.cli.progress import INTERVAL_ENV, LineProgress, interval_s
+
+REPO = Path(__file__).resolve().parent.parent
+LINE = re.compile(r"^\[kvtool (\w+) \d+\.\d s\] (done: )?(.+)$")
+
+
+def kvtool(*args: str, stderr_file: Path, interval: str = "0") -> subprocess.CompletedProcess:
+    """Run the CLI with stderr redirected to a file (not a terminal)."""
+    with open(stderr_file, "w") as err:
+        res = subprocess.run([sys.executable, "-m", "kvtool.cli.app", *args], stdout=subprocess.PIPE, stderr=err,
+                             text=True, cwd=REPO, timeout=300, env={**os.environ, INTERVAL_ENV: interval})
+    return res
+
+
+def progress_lines(path: Path, command: str) -> list[tuple[bool, str]]:
+    """(closing line?, text) of the progress lines of `command` in a stderr file."""
+    out = []
+    for line in path.read_text().splitlines():
+        m = LINE.match(line)
+        if m and m.group(1) == command:
+            out.append((m.group(2) is not None, m.group(3)))
+    return out
+
+
+def test_line_progress_prints_at_updates_once_due():
+    stream = io.StringIO()
+    with LineProgress("kvtool test", interval=0, stream=stream) as bar:
+        task = bar.add_task("items", total=3, size="1 KiB")
+        for i in range(1, 4):
+            bar.update(task, completed=i)
+    lines = stream.getvalue().splitlines()
+    assert [LINE.match(x).group(3) for x in lines] == [f"items {i}/3 | size 1 KiB" for i in (1, 2, 3)] + ["items 3/3 | size 1 KiB"]
+    assert lines[-1].split("] ")[1].startswith("done: ")
+    quiet = io.StringIO()
+    with LineProgress("kvtool test", interval=3600, stream=quiet) as bar:  # never due: no line, no closing line
+        bar.update(bar.add_task("items", total=2), completed=2)
+    assert quiet.getvalue() == ""
+
+
+def test_interval_setting(monkeypatch):
+    monkeypatch.setenv(INTERVAL_ENV, "0.5")
+    assert interval_s() == 0.5
+    for bad in ("-1", "soon", "nan"):
+        monkeypatch.setenv(INTERVAL_ENV, bad)
+        assert interval_s() == 10.0
+    monkeypatch.delenv(INTERVAL_ENV)
+    assert interval_s() == 10.0
+
+
+def test_warm_validate_prune_print_progress_lines_without_a_terminal(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt about the cache and a few more words here\n"
+                       "second prompt, something else entirely about blocks and tokens\n"
+                       "a third prompt that is long enough to fill one block of the cache\n")
+    cache = tmp_path / "kv"
+    res = kvtool("warm", "--model", "tiny", "--cache-dir", str(cache), "--block-size", "8", str(prompts),
+                 stderr_file=tmp_path / "warm.err")
+    assert res.returncode == 0, (tmp_path / "warm.err").read_text()
+    lines = progress_lines(tmp_path / "warm.err", "warm")
+    assert [text.split(" | ")[0] for closing, text in lines if not closing] == ["warm 1/3", "warm 2/3", "warm 3/3"]
+    assert lines[-1][0] and lines[-1][1].startswith("warm 3/3 | tokens ")
+    assert "warmed 3/3 prompt(s)" in res.stdout  # the summary is unchanged, on stdout
+
+    res = kvtool("validate", "--cache-dir", str(cache), stderr_file=tmp_path / "validate.err")
+    assert res.returncode == 0, (tmp_path / "validate.err").read_text()
+    lines = progress_lines(tmp_path / "validate.err", "validate")
+    assert lines and lines[-1][0] and re.search(r"validate [0-9a-f]{12} (\d+)/\1", lines[-1][1]), lines
+    res = kvtool("validate", "--quiet", "--cache-dir", str(cache), stderr_file=tmp_path / "quiet.err")
+    assert res.returncode == 0 and (tmp_path / "quiet.err").read_text() == ""  # --quiet: silent
+
+    res = kvtool("prune", "--max-bytes", "0", "--yes", "--cache-dir", str(cache), stderr_file=tmp_path / "prune.err")
+    assert res.returncode == 0, (tmp_path / "prune.err").read_text()
+    lines = progress_lines(tmp_path / "prune.err", "prune")
+    assert lines and re.fullmatch(r"removing \d+ segment file\(s\)", lines[0][1]) and lines[-1][0], lines
+
+    res = kvtool("warm", "--model", "tiny", "--cache-dir", str(cache), str(prompts), stderr_file=tmp_path / "slow.err",
+                 interval="3600")
+    assert res.returncode == 0 and progress_lines(tmp_path / "slow.err", "warm") == []  # shorter than the interval
