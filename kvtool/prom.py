@@ -12,6 +12,9 @@ Each server or run has its own `CollectorRegistry` (`CacheMetrics`), never the g
     metrics.text()                       # the text exposition format (GET /metrics)
     metrics.write("/var/lib/node_exporter/kvtool.prom")   # atomic: temp file + rename
 
+A `kvtool serve` SIGHUP reattaches the tiers with fresh counters: the tier metrics then restart
+from 0 (a counter reset, which `rate()` and `increase()` handle); the request totals go on.
+
 Names follow Prometheus conventions: counters end in `_total`, sizes are `_bytes`, times
 `_seconds`; the tier is a label (`tier="ram" | "pending" | "ssd" | "remote"`). `remote_*` keys the
 stats do not name here (a newer remote tier) are exported as untyped `kvtool_remote_<rest>`.

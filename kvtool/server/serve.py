@@ -9,8 +9,11 @@ tool calls) and `mlx_lm.server.APIHandler` answers `/v1/chat/completions`, `/v1/
   tiers) instead of mlx-lm's in-memory `LRUPromptCache`;
 - the model is loaded before the generation thread starts (its KV layout and weight digest name
   the cache namespace), by the same `ModelProvider.load`, so the generation thread finds it loaded;
-- one more read-only route, `GET /kvtool/stats` (JSON: adapter and tier counters, layout key,
-  the last requests' cached/RAM/SSD/prefilled tokens);
+- two more read-only routes, `GET /kvtool/stats` (JSON: adapter and tier counters, layout key,
+  the last requests' cached/RAM/SSD/prefilled tokens) and `GET /metrics` (the same counters for
+  Prometheus, `kvtool.prom`, with the restore-latency histogram);
+- every `mlx_lm.server` option is accepted (`kvtool.server.mlx_options`); `kv_bits` also
+  quantizes the cached blocks, `draft_model` uses `SpeculativePromptCache`;
 - the listening socket and the shutdown are owned here, so that a shutdown stops the HTTP server
   and the generation thread, then drains the SSD writer and closes the index (`close`);
 - requests are checked in the handler (`kvtool.server.handler`) before they reach the
