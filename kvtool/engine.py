@@ -53,7 +53,7 @@ class RequestResult:
     """What one request did. Token counts in tokens, times in ms.
 
     Invariants: `prompt_tokens == cached_tokens + prefill_tokens` and
-    `cached_tokens == ram_hit_tokens + ssd_hit_tokens`. On a full hit the last prompt token is
+    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`. On a full hit the last prompt token is
     re-forwarded, so `cached_tokens = prompt_tokens - 1` and `prefill_tokens = 1`.
     `blocks_written` counts the request's new blocks (and tail entry) that reached the SSD: exact
     when the request returns with an inline (`--sync`) writer; with a background writer it is
@@ -65,6 +65,7 @@ class RequestResult:
     cached_tokens: int = 0
     ram_hit_tokens: int = 0
     ssd_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     prefill_tokens: int = 0
     generated_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -368,8 +369,8 @@ class Engine:
     def _result(hit: CacheHit) -> RequestResult:
         return RequestResult(
             prompt_tokens=hit.prompt_tokens, cached_tokens=hit.cached_tokens, ram_hit_tokens=hit.ram_tokens,
-            ssd_hit_tokens=hit.ssd_tokens, prefill_tokens=int(hit.remaining.size), ssd_load_ms=hit.ssd_load_ms,
-            ssd_bytes_read=hit.ssd_bytes_read,
+            ssd_hit_tokens=hit.ssd_tokens, remote_hit_tokens=hit.remote_tokens, prefill_tokens=int(hit.remaining.size),
+            ssd_load_ms=hit.ssd_load_ms, ssd_bytes_read=hit.ssd_bytes_read,
         )
 
     def _stream(self, ids, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:

@@ -177,7 +177,7 @@ class PrefixCache:
         self.config = config
         self.tiered = None
         self.layout_key = None
-        if self.kv is None or (not config.ssd_enabled and config.ram_bytes == 0):
+        if self.kv is None or (not config.ssd_enabled and config.ram_bytes == 0 and not config.remote_enabled):
             return
         meta = self._namespace_meta(config.block_size)
         self.layout_key = layout_key_of_meta(meta, FORMAT_VERSION)

@@ -20,6 +20,7 @@ from pathlib import Path
 from kvtool.blocks import Block, to_host
 from kvtool.config import KVToolConfig
 from kvtool.hostblock import HostBlock
+from kvtool.remote_tier import RemoteBlockTier, open_remote
 from kvtool.store.fsops import FileOps
 from kvtool.store.ram import RamTier
 from kvtool.store.ssd import SSDStore
@@ -92,6 +93,9 @@ class TieredCache:
             self.tiers.append(PendingTier(self.writer, on_hit=lambda: self._inc("kv_pending_hits")))
         if self.ssd is not None:
             self.tiers.append(SsdBlockTier(self.ssd))
+        self.remote, self.remote_writer = open_remote(config, layout, meta)
+        if self.remote is not None:
+            self.tiers.append(RemoteBlockTier(self.remote, on_read=self._remote_to_ssd if config.remote_promote else None))
         self._stats = {
             "kv_lookup_hits": 0,
             "kv_lookup_miss": 0,
@@ -103,6 +107,8 @@ class TieredCache:
             "kv_ram_token_mismatch": 0,
             "kv_write_through_enqueued": 0,
             "kv_evict_to_ssd": 0,
+            "kv_remote_enqueued": 0,
+            "kv_remote_promoted_to_ssd": 0,
         }
 
     # ----------------------------------------------------------------- lookup
@@ -142,6 +148,22 @@ class TieredCache:
         if write_through:
             self._tally((), self._send_to_writer(blocks))
             self._inc("kv_write_through_enqueued", len(blocks))
+        if self.remote_writer is not None and self.config.remote_policy == "write_through":
+            self._send_to_remote(blocks)
+
+    def _send_to_remote(self, blocks: Sequence[Block]) -> None:
+        """Host views of the blocks to the remote writer (never waits: a full queue drops them)."""
+        try:
+            assert self.remote_writer is not None  # callers check it
+            self._inc("kv_remote_enqueued", self.remote_writer.enqueue([to_host(b) for b in blocks]))
+        except Exception:  # the cache must never fail a request
+            log.exception("remote write of %d block(s) failed", len(blocks))
+
+    def _remote_to_ssd(self, blocks: list[HostBlock]) -> None:
+        """Verified remote hits into the local SSD tier (`remote_promote`): the writer's queue,
+        shed like any write when full."""
+        if self.writer is not None:
+            self._inc("kv_remote_promoted_to_ssd", self.writer.enqueue_many(blocks))
 
     def _tally(self, blocks: Sequence[Block], accepted: int = 0) -> None:
         """Note a request's own blocks and how many of them the writer accepted (`tally`)."""
@@ -184,6 +206,8 @@ class TieredCache:
         return accepted
 
     def _on_evict(self, block: Block, persisted: bool) -> None:
+        if self.remote_writer is not None and self.config.remote_policy == "on_evict":
+            self._send_to_remote([block])  # SET NX: a block the store holds already is not rewritten
         if persisted or self.writer is None or self.config.ssd_policy != "evict_only":
             return
         self._inc("kv_evict_to_ssd")
@@ -197,6 +221,8 @@ class TieredCache:
             ok = self.writer.flush(timeout)
         if self.ssd is not None:
             self.ssd.flush()
+        if self.remote_writer is not None:
+            self.remote_writer.flush(timeout)  # best effort: the remote tier promises nothing
         return ok
 
     def close(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> ShutdownStatus:
@@ -209,6 +235,9 @@ class TieredCache:
             if not status.shutdown_clean:
                 status.shutdown_partial_flush = True
             self.ssd.close(status.shutdown_clean, status.shutdown_partial_flush)
+        if self.remote_writer is not None:
+            self.remote_writer.stop(drain_timeout)
+            self.remote.close()
         self.ram.clear()
         return status
 
@@ -225,6 +254,10 @@ class TieredCache:
             out.update(self.ssd.stats())
         if self.writer is not None:
             out.update(self.writer.get_stats())
+        if self.remote is not None:
+            out.update(self.remote.stats())
+        if self.remote_writer is not None:
+            out.update(self.remote_writer.stats())
         return out
 
     def _inc(self, key: str, n: int = 1) -> None:
