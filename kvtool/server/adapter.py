@@ -310,7 +310,6 @@ class KVToolPromptCache:
         hit = self.prefix_cache.fetch(ids)
         rec.cached_tokens, rec.ram_hit_tokens, rec.ssd_hit_tokens = hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens
         rec.remote_hit_tokens = hit.remote_tokens
-        rec.remote_hit_tokens = hit.remote_tokens
         rec.prefill_tokens = int(hit.remaining.size)
         rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
         cache = hit.cache if hit.cached_tokens > 0 and hit.cache else None
