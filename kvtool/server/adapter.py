@@ -141,8 +141,8 @@ class KVToolPromptCache:
         self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
         self._closed = False
         self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                        "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0, "inserts": 0, "inserts_segment": 0,
-                        "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
+                        "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0,
+                        "inserts": 0, "inserts_segment": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
                         "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
 
     # ------------------------------------------------------------------ protocol
