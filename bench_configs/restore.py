@@ -1,4 +1,4 @@
-"""Restore benchmark (issue 8, item 8): raw read vs mlx-lm's prompt cache vs kvtool's SSD restore.
+"""Restore benchmark (docs/benchmarks.md#restore-path): raw read vs mlx-lm's prompt cache vs kvtool's SSD restore.
 
 For prompt lengths and KV shapes (the `tiny` preset's real KV, `qwen0.5b`-shaped synthetic KV in
 float32 and bfloat16), each cold (page cache dropped) and warm, every measurement in a fresh

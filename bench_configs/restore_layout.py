@@ -1,4 +1,4 @@
-"""Read-phase floor of a restore by file layout, in fresh processes (docs/DESIGN.md, "Where a
+"""Read-phase floor of a restore by file layout, in fresh processes (docs/design.md, "Where a
 restore's time goes", item 8).
 
 Each measurement runs in a new process: it allocates unfilled MLX buffers the way a restore does

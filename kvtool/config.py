@@ -8,8 +8,7 @@ its unit: `ssd_ttl_days` (deprecated) and `ssd_flush_interval_s`); booleans are 
 NaN and infinities are rejected, and every number is bounded. An invalid value raises
 `ConfigError` naming the field.
 
-The SSD fields follow seed 000 ("SSD Write-Through Cache Plan", Config section); `block_size`,
-`ram_bytes`, `ssd_dir_mode` and the `durable` durability mode are kvtool's own additions.
+Fields and defaults: docs/configuration.md; durability modes: docs/design.md#durability-modes.
 """
 
 from __future__ import annotations
@@ -264,7 +263,7 @@ def _dir_mode(value: Any) -> int:
         raise ValueError("must be an octal mode from 0o0 to 0o7777")
     if value & 0o700 != 0o700:
         raise ValueError(f"must give the owner read, write and search (0o700), got {oct(value)}")
-    if value & 0o002:  # anyone could plant files in the cache (docs/DESIGN.md, "Threat model")
+    if value & 0o002:  # anyone could plant files in the cache (docs/design.md#threat-model)
         raise ValueError(f"must not let other users write (0o002), got {oct(value)}; use 0o700, or 0o2770 for a group")
     if value & 0o020 and not value & 0o2000:
         raise ValueError(f"group write (0o020) needs the setgid bit (0o2000: a group-shared cache, e.g. 0o2770), got {oct(value)}")

@@ -8,7 +8,7 @@ is stored, never the KV of generated tokens.
 Exactness: KV of a prefix computed alone equals the same prefix inside a longer prompt, so the
 logits (and greedy tokens) with a cached prefix equal an uncached prefill bit for bit (tested).
 On a full hit the cache is trimmed by one token and the last prompt token is re-forwarded to get
-the first logits without duplicating its KV (seed 002, A3).
+the first logits without duplicating its KV (docs/design.md#full-hits-and-prompt-encoding).
 
 Quantized KV (`kv_bits`, as `mlx_lm.generate --kv-bits`): the engine quantizes the cache at the
 offset where mlx-lm's `generate_step` would (`KVQuantization.switch_point`: the first prefill
@@ -191,7 +191,7 @@ class Engine:
         return self.cache.layout_key_for(block_size)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
-        """Live reconfiguration on the resident model (seed 003): quiesce (wait for the request
+        """Live reconfiguration on the resident model (docs/design.md#live-reconfiguration): quiesce (wait for the request
         in flight), drain the writer, flush the index, detach, drop RAM blocks, reattach."""
         with self._lock:
             status = self.cache.reconfigure(config)
@@ -243,7 +243,7 @@ class Engine:
         """Token ids of a plain prompt or of chat messages.
 
         Chat messages go through the tokenizer's chat template with `tokenize=True`, so no BOS is
-        added a second time (seed 002, A1). A plain prompt gets special tokens as mlx-lm's
+        added a second time. A plain prompt gets special tokens as mlx-lm's
         `stream_generate` would add them; with `chat_template=True` (and a tokenizer that has
         one) it becomes one user message, as `mlx_lm.generate --prompt` does: templated as text
         with the generation prompt, then encoded without special tokens.

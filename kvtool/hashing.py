@@ -1,6 +1,6 @@
 """Chain hashes and layout keys (MLX-free: `validate`, `prune` and `inspect` import this).
 
-Block identity is a *chain hash* (as in vLLM's prefix caching and seed 002 F1): the digest of
+Block identity is a *chain hash* (as in vLLM's prefix caching; docs/design.md#chain-hash): the digest of
 the parent block's digest followed by the block's token ids as little-endian int32. The first
 block's parent is a digest of the *layout key*, so two models (or dtypes, block sizes, format
 versions, library versions) never share a hash. blake2b-128 is used, never Python's `hash()`,

@@ -15,7 +15,7 @@ RAM, the writer's pending buffer and the SSD index (one query per SSD run), and 
 A block that fails verification cuts the chain there; the rest is recomputed, output stays exact.
 
 On a full hit (every prompt token cached, thanks to the tail entry) the cache is trimmed by one
-token and `remaining` is the last prompt token, re-forwarded for the first logits (seed 002 A3).
+token and `remaining` is the last prompt token, re-forwarded for the first logits (docs/design.md#full-hits-and-prompt-encoding).
 SSD blocks enter the RAM tier at `release` as views of the request's cache (no second copy).
 
 Quantized KV (`KVQuantization`, mlx-lm's `kv_bits`): blocks hold `QuantizedKVCache` slices
@@ -184,7 +184,7 @@ class PrefixCache:
         self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
-        """Drain and detach the tiers, then reattach under `config` (seed 003)."""
+        """Drain and detach the tiers, then reattach under `config` (docs/design.md#live-reconfiguration)."""
         status = self.tiered.close() if self.tiered is not None else ShutdownStatus()
         self._attach(config)
         return status
@@ -307,7 +307,7 @@ class PrefixCache:
             self._drop(hit)  # a cut chain left a hit mlx-lm's quantized trajectory never has
         if self.windows and hit.cache:
             hit.cache = [as_windowed(c, w) if w is not None else c for c, w in zip(hit.cache, self.windows)]
-        # A full hit re-forwards the last token (seed 002 A3); so does a hit ending in an earlier
+        # A full hit re-forwards the last token (docs/design.md#full-hits-and-prompt-encoding); so does a hit ending in an earlier
         # prompt's tail entry on a model with state layers: the tail's state is the one before its
         # last token.
         if hit.cached_tokens and (hit.cached_tokens == ids.size or (self.has_states and placed > own)):

@@ -1,4 +1,4 @@
-"""The bench report a reader can trust (issue 12, item 7): medians with min-max ranges over the
+"""The bench report a reader can trust (docs/benchmarks.md): medians with min-max ranges over the
 repeats, a winner only beyond the spread (else a tie), one chart per question at a legible size,
 and `kvtool report` on a bad run directory as one `error:` line with exit 2.
 

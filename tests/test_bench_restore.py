@@ -67,7 +67,7 @@ def test_baselines_load_and_writer(tmp_path):
     assert writer == {"dd-fdatasync", "python-write", "python-write+fdatasync"}
     _check_summary_from_rows(out)
     report = (out / "report.md").read_text()
-    assert "### Load path: `tiny` KV, float32" in report and "## Targets of issue 8" in report
+    assert "### Load path: `tiny` KV, float32" in report and "## Restore targets" in report
     assert json.loads((out / "run.json").read_text())["command"] == "test"
     assert not (out / "data").exists()  # data files removed
 

@@ -1,4 +1,4 @@
-"""Every bad input, usage errors included, ends in exactly one `error:` line and exit 2 (issue 12).
+"""Every bad input, usage errors included, ends in exactly one `error:` line and exit 2 (docs/design.md#command-line-contract).
 
 Driven in-process with `CliRunner` (no model is loaded: every input fails before one would be),
 plus one subprocess run of the real entry point. Also `-h` and `--version`.

@@ -1,4 +1,4 @@
-"""Opt-in lossless codecs for SSD block records (`ssd_codec`: zstd, lz4; issue 11 item 6).
+"""Opt-in lossless codecs for SSD block records (`ssd_codec`: zstd, lz4; docs/design.md#segments-format-2-why-and-what).
 
 - a record stored compressed reads back bit for bit (per codec and dtype), through the segment
   reader, `SSDStore.load_block` and the batched restore; `none` writes exactly today's bytes;

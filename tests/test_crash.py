@@ -1,4 +1,4 @@
-"""Crash safety (issue 3): SIGKILL a serving process at seeded random moments, then repair and serve.
+"""Crash safety (docs/design.md#durability-modes): SIGKILL a serving process at seeded random moments, then repair and serve.
 
 A worker process (`tests/crash_worker.py`) serves an endless stream of prompts with async
 write-through (block size 16, so every request writes a segment file of many blocks plus its tail

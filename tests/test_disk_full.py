@@ -1,4 +1,4 @@
-"""Disk-full soak (issue 9): a cache on a small tmpfs filled to 100 %.
+"""Disk-full soak (docs/design.md#failure-isolation): a cache on a small tmpfs filled to 100 %.
 
 serve-once still answers with the exact output (writes fail and are counted, no temp file or
 orphan segment is left), warm reports its failed blocks without a traceback, validate runs, and

@@ -1,4 +1,4 @@
-"""Fault injection at the engine level (issue 3): a failing disk never fails a request.
+"""Fault injection at the engine level (docs/design.md#failure-isolation): a failing disk never fails a request.
 
 Faults are injected through the sanctioned seam, a `FileOps` subclass passed as
 `Engine(..., fs=...)` (`tests.store_helpers.FaultFS`): the suite runs as root, so chmod cannot make
@@ -198,7 +198,7 @@ def test_read_only_empty_cache_dir_disables_the_store(tiny_model, prompt, refere
 @pytest.mark.parametrize("writer", sorted(WRITERS))
 @pytest.mark.parametrize("code", ["EROFS", "EACCES"])
 def test_read_only_populated_cache_dir_serves_hits(tiny_model, prompt, reference, tmp_path, writer, code):
-    """Issue 9: a cache the process cannot write (mounted read-only, another user's) still serves
+    """A cache the process cannot write (mounted read-only, another user's) still serves
     its hits, read-only: nothing is written, touched or removed, and the output is exact."""
     _populate(tiny_model, tmp_path, prompt)
     kv = tmp_path / "kv"

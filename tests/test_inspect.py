@@ -32,7 +32,7 @@ BS = 64
 
 REPORT_KEYS = {"cache_dir", "now", "namespaces", "totals"}
 REPORT_KEYS = REPORT_KEYS | {"symlinks"}
-REPORT_KEYS = REPORT_KEYS | {"schema_version", "scanned", "sort", "filter", "limit"}  # issue 12: added, none removed
+REPORT_KEYS = REPORT_KEYS | {"schema_version", "scanned", "sort", "filter", "limit"}  # added later, none removed (docs/design.md#command-line-contract)
 NAMESPACE_KEYS = {
     "namespace", "status", "message", "model_id", "model_name", "model_class", "layout_key", "block_size", "kv_dtype",
     "kv_layers", "n_layers", "n_kv_heads", "head_dim", "format_version", "blocks", "tail_entries", "segments", "bytes",
@@ -213,7 +213,7 @@ def test_prompt_probe_agrees_with_a_following_serve_once(tmp_path, tiny_model):
     assert raw["prompt_tokens"] != len(ids) and raw["namespace"] == probe["namespace"]
 
 
-# ------------------------------------------------------------------ the table (issue 12)
+# ------------------------------------------------------------------ the table
 @pytest.fixture
 def three(tmp_path):
     """Three namespaces of models 'beta' (3 blocks, used 2 h ago), 'alpha' (1 block, 3 d ago) and

@@ -207,7 +207,7 @@ def test_model_id_is_cached_and_follows_file_changes(tmp_path):
 
 
 def test_weights_edited_in_place_with_size_and_mtime_restored_get_a_new_model_id(tmp_path):
-    """Issue 11: the digest cache must not serve a stale id (the old namespace's KV would be used)."""
+    """The digest cache must not serve a stale id (the old namespace's KV would be used)."""
     import os
 
     path = embedded.build_preset(embedded.PRESETS["tiny"], tmp_path / "m")
@@ -290,7 +290,7 @@ def test_cli_help_has_an_example(args):
 
 
 def test_bf16_preset_gives_bf16_kv_and_ssd_hits_equal_mlx_lm(tmp_path):
-    """Issue 11: the common KV dtype of real models (bfloat16) through the whole cache path."""
+    """The common KV dtype of real models (bfloat16) through the whole cache path."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 

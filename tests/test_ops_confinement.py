@@ -1,4 +1,4 @@
-"""Issue 9 for the operator commands (`validate`, `prune`, `inspect`): nothing planted in a cache
+"""The threat model (docs/design.md#threat-model) for the operator commands (`validate`, `prune`, `inspect`): nothing planted in a cache
 directory can make them read, write or delete outside it, a hostile index cannot crash them,
 and `prune` frees a 100%-full disk.
 
@@ -153,7 +153,7 @@ def test_traversal_and_absolute_names_in_rows_touch_nothing_outside(world, colum
 
 
 def test_null_and_wrongly_typed_rows_are_reported_and_dropped(world):
-    """Issue 9: a NULL hash (possible in an index whose schema lacks NOT NULL) or a text
+    """A NULL hash (possible in an index whose schema lacks NOT NULL) or a text
     `nbytes`/`last_access` crashed prune and inspect. They are reported and dropped; the blocks
     whose records verify are re-adopted."""
     cache_dir, store, (a, b), sibling = world
@@ -276,7 +276,7 @@ def fill(cache_dir: Path, close_first: bool) -> SSDStore:
 
 @pytest.mark.parametrize("close_first", [False, True], ids=["index-opens", "index-cannot-open"])
 def test_prune_frees_a_full_disk(small_disk, close_first):
-    """Issue 9: prune could not free a 100%-full disk (ENOSPC writing its pid; SQLite could not
+    """Prune could not free a 100%-full disk (ENOSPC writing its pid; SQLite could not
     open the index). Now: the lock is taken without writing, and the index's rows are deleted
     after the files when the index itself needs space."""
     cache_dir = small_disk / "kv"

@@ -1,5 +1,5 @@
 """Tests of kvtool.cli.output: one output object, three modes (human / --json / --quiet), exactly
-one versioned JSON document, progress bars only for a person on a terminal (issue 12)."""
+one versioned JSON document, progress bars only for a person on a terminal (docs/design.md#command-line-contract)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`PrefixCache` used directly from Python with `mlx_lm.stream_generate` (issue 10).
+"""`PrefixCache` used directly from Python with `mlx_lm.stream_generate` (docs/python-api.md).
 
 The output equals mlx-lm's own greedy generation without a cache: cold, on a RAM hit, and on an
 SSD hit after a restart (a new PrefixCache = empty RAM tier).

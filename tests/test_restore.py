@@ -1,5 +1,5 @@
 """Tests of kvtool.store.restore.restore_chain: batched, verified restore of SSD chains straight
-into per-layer buffers (issue 8).
+into per-layer buffers (docs/design.md#restore-path-kvtoolprefix--kvtoolstorerestore).
 
 - a batched restore (reader threads, several segments, several reader tasks) places exactly the
   bytes a per-block `SSDStore.load_block` returns, bit for bit;

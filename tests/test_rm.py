@@ -1,7 +1,7 @@
 """Tests of kvtool.ops.remove and `kvtool rm`: a whole namespace, one prompt's blocks with their
 descendants and the segments left empty, dry runs, prune's lock, cron-safety (no terminal without
 --yes), confinement (symlinks never followed), the JSON document, and a prompt hashed by a real
-model end to end (issue 12)."""
+model end to end."""
 
 from __future__ import annotations
 

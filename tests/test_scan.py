@@ -276,7 +276,7 @@ def test_validate_on_an_empty_cache_never_imports_mlx(tmp_path):
 
 
 def test_the_three_commands_share_the_scan_and_prune_never_imports_inspect():
-    """Issue 12: inspect, validate and prune all plan from `scan_cache`; prune does not depend on
+    """Inspect, validate and prune all plan from `scan_cache`; prune does not depend on
     inspect. (Checked on the import statements of each module.)"""
     import ast
 

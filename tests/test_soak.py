@@ -1,4 +1,4 @@
-"""Soak test (issue 9): concurrent serve-once, warm, prune and validate on one cache, SIGKILLs at
+"""Soak test (docs/design.md#failure-isolation): concurrent serve-once, warm, prune and validate on one cache, SIGKILLs at
 random moments, then: `validate` repairs and a second `validate` is clean, every prompt's output
 equals its uncached output, and no file outside the cache was touched (a sibling directory is
 watched). The test prints how many kills landed and in which command.

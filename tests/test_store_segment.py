@@ -251,7 +251,7 @@ def _swap(data: bytearray, a: bytes, b: bytes) -> bytearray:
 
 
 def test_same_length_edit_swapping_two_records_offsets_is_header(good):
-    """The attack of issue 8: swap where two records live; the header checksum must catch it."""
+    """A header edit that swaps where two records live; the header checksum must catch it."""
     _, layout, data = good
     _, doc = header_of(bytes(data))
     off0 = json.dumps(doc["b0"]["data_offsets"], separators=(",", ":")).encode()

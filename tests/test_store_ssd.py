@@ -454,7 +454,7 @@ class FailDirSyncOfSegments(FaultFS):
 
 def test_directory_fsync_failure_after_the_rename_leaves_no_orphan(tmp_path):
     """durable: the segment is renamed into place, then its directory fsync fails. The save is an
-    'error' (no row); the file must not stay behind as an orphan no row accounts for (issue 9)."""
+    'error' (no row); the file must not stay behind as an orphan no row accounts for."""
     fs = FailDirSyncOfSegments(make_layout())
     store = open_store(tmp_path, fs=fs, durability="durable")
     chain = make_chain(store.layout_key, np.arange(12))
@@ -469,7 +469,7 @@ def test_directory_fsync_failure_after_the_rename_leaves_no_orphan(tmp_path):
 
 @pytest.mark.parametrize("how", ["trigger", "exception"])
 def test_failed_index_insert_after_the_rename_unlinks_the_segment(tmp_path, monkeypatch, how):
-    """ENOSPC (or any error) committing the rows: the renamed file goes too, no orphan (issue 9)."""
+    """ENOSPC (or any error) committing the rows: the renamed file goes too, no orphan."""
     fs = FaultFS()
     store = open_store(tmp_path, fs=fs, durability="durable")
     chain = make_chain(store.layout_key, np.arange(12))
@@ -777,7 +777,7 @@ def test_startup_reconcile_removes_leftovers_and_missing_segments(tmp_path):
 
 
 def test_startup_reconcile_does_not_load_every_row(tmp_path, monkeypatch):
-    """Issue 8: reconcile reads the segments table and one directory listing, no block row."""
+    """Reconcile reads the segments table and one directory listing, no block row."""
     store = open_store(tmp_path, segment_max_bytes=10 * kv_layout().record_nbytes(4))
     chain = make_chain(store.layout_key, np.arange(4 * 200))
     assert store.save_blocks(chain) == ["saved"] * 200

@@ -1,4 +1,4 @@
-"""Issue 9: cache directories get an explicit mode whatever the process umask (0o700 by default,
+"""Cache directories get an explicit mode whatever the process umask (0o700 by default,
 `ssd_dir_mode` for a group-shared cache), in a real subprocess run under umask 000."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tests of kvtool.ops.validate (plan_repairs + execute) and `kvtool validate` on real segment
 caches: every damage kind is found by a dry run and repaired by a run, a second run is clean,
-and no block that verifies is ever lost (issue 9.2: repair without loss)."""
+and no block that verifies is ever lost (repair without loss: docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def test_each_damage_is_repaired_once(cache, damage):
 )
 @pytest.mark.parametrize("which", [1, 4], ids=["middle", "tail-entry"])
 def test_one_wrong_row_loses_no_intact_block(cache, column, value, which):
-    """Issue 9: one wrong `nbytes` cost 19 intact blocks. A row that disagrees with a record that
+    """One wrong `nbytes` once cost 19 intact blocks. A row that disagrees with a record that
     verifies is rewritten from the record; nothing is deleted."""
     cache_dir, store, chains = cache
     victim = chains[0][which]
@@ -255,7 +255,7 @@ def test_corrupt_record_in_a_shared_segment_keeps_the_others(cache):
 
 
 def test_wrong_meta_leaves_the_namespace_untouched(cache):
-    """Issue 9: a wrong block_size in the meta cost all 27 blocks. The layout key is a digest of
+    """A wrong block_size once in the meta cost all 27 blocks. The layout key is a digest of
     the meta: a meta that does not hash to the name is 'foreign', reported, untouched."""
     cache_dir, store, chains = cache
     sql(store, "UPDATE meta SET value='8' WHERE key='block_size'")

@@ -1,4 +1,4 @@
-"""Tests of kvtool.store.writer: the seed 000 §2 writer protocol with batches as the unit of work,
+"""Tests of kvtool.store.writer: the writer protocol (docs/design.md#writer-protocol) with batches as the unit of work,
 byte-bounded backpressure, coalescing of queued batches, and per-block retries.
 
 Interleavings are forced with `threading.Event` / `threading.Barrier` (and the writer's counter

@@ -1,4 +1,4 @@
-"""The restore benchmark (issue 8, item 8): how fast a cached prompt's KV comes back.
+"""The restore benchmark (docs/benchmarks.md#restore-path): how fast a cached prompt's KV comes back.
 
 For each KV shape and prompt length, one run measures, every measurement in a fresh process,
 cold (page cache of the files dropped) and warm (files read through first), `repeats` times:

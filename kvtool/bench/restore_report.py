@@ -6,7 +6,7 @@ Every ratio is computed here from the medians of the measured rows (never typed 
 - `kvtool/raw` = median raw-read time / median kvtool time = kvtool's throughput as a share of
   a one-file read of the same bytes (1.0: at the disk ceiling).
 
-The targets of issue 8 are marked met / not met / not measured from the same medians.
+The restore targets (docs/benchmarks.md#restore-targets) are marked met / not met / not measured from the same medians.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def _verdict(checks: list[tuple[str, float, bool]], fmt: str = "{:.2f}×") -> tu
 
 
 def target_rows(s: Summary) -> list[tuple[str, str, str]]:
-    """(target, measured, status) for each target of issue 8."""
+    """(target, measured, status) for each restore target (docs/benchmarks.md#restore-targets)."""
     rows = []
     ttft = []
     for shape, dtype in s.groups("ttft"):
@@ -256,7 +256,7 @@ def target_rows(s: Summary) -> list[tuple[str, str, str]]:
 
 
 def targets_table(s: Summary) -> list[str]:
-    out = ["## Targets of issue 8", "", "| target | measured (median ratios) | status |", "|---|---|---|"]
+    out = ["## Restore targets", "", "| target | measured (median ratios) | status |", "|---|---|---|"]
     out += [f"| {t} | {m} | {st} |" for t, m, st in target_rows(s)]
     return out + [""]
 

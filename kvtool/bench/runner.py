@@ -1,6 +1,6 @@
 """The sweep runner: every workload x cell x repeat on one resident model.
 
-Between cells the tier is reconfigured live (seed 003, `Engine.reconfigure`): quiesce, drain the
+Between cells the tier is reconfigured live (docs/design.md#live-reconfiguration, `Engine.reconfigure`): quiesce, drain the
 writer, flush the index, detach, drop RAM blocks, reattach with the next cell's settings. Each cell
 run gets its own cache directory `<cache_root>/<workload>/<cell>/r<repeat>`, so cells never share
 blocks. After a cell the engine is *parked* (no tier), which closes the cell's tier: its

@@ -174,7 +174,7 @@ def _signature(files: list[Path]) -> str:
 
     ctime cannot be set from user space (`os.utime` changes only atime/mtime, and itself moves
     ctime), so a weight file edited in place with its size and mtime restored gets a new key and
-    is digested again (issue 11: a stale model id would serve the old namespace's KV).
+    is digested again (a stale model id would serve the old namespace's KV).
     """
     stats = [
         (str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

@@ -250,7 +250,7 @@ class KVToolPromptCache:
             return self.prefix_cache.flush()
 
     def reconfigure(self, config) -> ShutdownStatus:
-        """Live reconfiguration (seed 003) between two cache calls: waiting hits are released
+        """Live reconfiguration (docs/design.md#live-reconfiguration) between two cache calls: waiting hits are released
         (their requests finish but are not stored: their hashes belong to the old layout), then
         the prefix cache drains the writer, flushes and detaches, drops RAM and reattaches."""
         with self._lock:

@@ -9,11 +9,11 @@ committed (`synchronous=FULL`, the `durable` mode).
 Every value read from the database is checked in one place (`IndexRow.from_db`): a row whose
 hash, parent or segment is not well-formed, or whose numbers are NULL, text or out of range,
 is never returned as a row (`scan()` reports it), so no tampered value reaches a path or a
-calculation (issue 9).
+calculation (docs/design.md#threat-model).
 
 Access-time updates are the hot path of a cache hit, so they are buffered in memory and
 committed in one transaction by `flush()`, or by the next `touch()` once the oldest buffered
-update is older than `flush_interval_s` (seed 000: batched index flush). A stored access time
+update is older than `flush_interval_s` (batched index flush). A stored access time
 in the future (clock skew, tampering) is clamped to now on the next touch.
 
 This module never imports MLX (the SSD writer thread calls it).

@@ -2,7 +2,7 @@
 
 Everything kvtool reads from a cache directory (index rows, file names) is matched against these
 patterns *before* a path is built from it, so a tampered row such as `../victim` or `//etc/x`
-can never name a file outside the namespace (docs/DESIGN.md, "Threat model").
+can never name a file outside the namespace (docs/design.md#threat-model).
 
     <cache_dir>/<layout_key>/index.sqlite              the namespace's SQLite index (+ -wal, -shm)
     <cache_dir>/<layout_key>/<name[:2]>/<name>.safetensors   a segment file (format 2)

@@ -2,7 +2,7 @@
 
 A *segment* holds the blocks of one write batch (typically the new blocks of one request), so
 a prefix hit reads one file instead of one per block: on this machine's disk a cold read of
-64 KiB block files is ~5x slower than one file of the same bytes (docs/DESIGN.md, "Segments").
+64 KiB block files is ~5x slower than one file of the same bytes (docs/design.md#segments-format-2-why-and-what).
 
 File layout (a valid safetensors file, `safetensors.safe_open` and `mx.load` can open it):
 
@@ -65,7 +65,7 @@ _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
 _ZERO_CHECKSUM = "0" * 32
 _HEADER_CK_KEY = b'"header_checksum":"'
 CODECS = ("none", "zstd", "lz4")
-ZSTD_LEVEL = 3  # zstd's default; level 1 measured no faster on KV here (docs/DESIGN.md, "Codecs")
+ZSTD_LEVEL = 3  # zstd's default; level 1 measured no faster on KV here (docs/design.md#segments-format-2-why-and-what)
 
 _TOKENS_DTYPE = np.dtype("<i4")
 

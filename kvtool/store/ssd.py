@@ -1,4 +1,4 @@
-"""SSDStore: the SSD tier of one namespace (segment files + SQLite index), seed 000 §1.
+"""SSDStore: the SSD tier of one namespace (segment files + SQLite index), docs/design.md#namespaces-and-files.
 
 A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
 `<name[:2]>/<name>.safetensors` (format: `kvtool.store.segment`), each holding the blocks of one
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NONCACHEABLE_TTL_S = 3600.0  # seed 000: a colliding hash is not cached for one hour
+NONCACHEABLE_TTL_S = 3600.0  # a colliding hash is not cached for one hour (docs/design.md#chain-hash)
 SEGMENT_MAX_BYTES = 64 << 20  # a write batch is split into segments of at most this size
 SUSPECT_MAX = 4096  # segments remembered as having failed verification (oldest forgotten first)
 SAVED_MAX = 1 << 16  # hashes remembered as saved by this process, for `saved_count` (oldest first)
@@ -130,7 +130,7 @@ class SSDStore:
         self._fs = fs or FileOps()
         self._clock = clock
         self._noncacheable = {} if noncacheable is None else noncacheable
-        self._lock = threading.Lock()  # saves, removals, close (seed 000 §1)
+        self._lock = threading.Lock()  # saves, removals, close
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTERS, 0)
         self._suspect = Recent(SUSPECT_MAX)  # segments a record of which failed verification
@@ -138,7 +138,7 @@ class SSDStore:
         self._saver = SegmentSaver(self)  # the save path (kvtool.store.ssd_save)
         try:
             self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
-        except Exception as exc:  # any trouble opening costs the tier, never the request (issue 9)
+        except Exception as exc:  # any trouble opening costs the tier, never the request (docs/design.md#failure-isolation)
             self._close_index_quietly()
             self._disable(f"cannot open {self.namespace_dir}: {exc}")
             return
@@ -173,7 +173,7 @@ class SSDStore:
         """Flush access times, record the shutdown state in the index meta, close. Never raises.
 
         Args:
-            shutdown_clean: every accepted write was attempted (seed 000 §4).
+            shutdown_clean: every accepted write was attempted (docs/design.md#tier-policies).
             partial_flush: the index was flushed after an incomplete writer shutdown.
         """
         with self._lock:

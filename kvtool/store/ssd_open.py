@@ -37,7 +37,7 @@ READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 @dataclass
 class ReconcileReport:
-    """Startup reconcile of one namespace (seed 000 Phase 3, the fast part: no row is loaded).
+    """Startup reconcile of one namespace (the fast part of crash recovery: no row is loaded; docs/design.md#durability-modes).
 
     Attributes:
         temp_removed: leftover temp files removed.

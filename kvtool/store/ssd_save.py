@@ -1,4 +1,4 @@
-"""The save path of `SSDStore`: a write batch -> segment files + index rows, seed 000 §1.
+"""The save path of `SSDStore`: a write batch -> segment files + index rows (docs/design.md#write-path).
 
 Split out of `kvtool.store.ssd`; `SSDStore.save_blocks` / `save_block` delegate to the
 `SegmentSaver` each store owns, so callers keep calling the store. One `save_blocks` call:

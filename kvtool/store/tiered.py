@@ -5,7 +5,7 @@ blocks and the writer's pending buffer (queued, not yet on disk) are checked aga
 request's token ids (a mismatch is a miss), SSD blocks are restored in batches, and restored
 blocks are promoted into RAM as views of the request's cache.
 
-Policies (seed 000): `write_through` sends every new block to RAM and to the SSD writer;
+Policies (docs/design.md#tier-policies): `write_through` sends every new block to RAM and to the SSD writer;
 `evict_only` (write-back) sends a block to the writer only when RAM evicts it.
 """
 
@@ -49,7 +49,7 @@ class WriteTally:
 
 @dataclass
 class ShutdownStatus:
-    """How a tier shut down (seed 000 §4)."""
+    """How a tier shut down (docs/design.md#tier-policies)."""
 
     shutdown_clean: bool = True
     shutdown_partial_flush: bool = False
@@ -226,7 +226,7 @@ class TieredCache:
         return ok
 
     def close(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> ShutdownStatus:
-        """Drain the writer, flush and close the index, drop RAM blocks (seed 000 §4)."""
+        """Drain the writer, flush and close the index, drop RAM blocks (docs/design.md#tier-policies)."""
         status = ShutdownStatus()
         if self.writer is not None and not self.writer.stop(drain_timeout):
             status.shutdown_clean = False

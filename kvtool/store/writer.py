@@ -6,7 +6,7 @@ not one file per block — so this module never imports MLX. They share one inte
 tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue_depth`, `flush`,
 `stop`, `get_stats`. The batch plumbing (counters, retry policy, queue) is in `writer_batch`.
 
-`AsyncWriter` follows seed 000 §2 ("SSDWriterThread"), with a batch as the queue item:
+`AsyncWriter` follows docs/design.md#writer-protocol, with a batch as the queue item:
 - a bounded queue fed by `enqueue_many` (one item per call), drained by one non-daemon worker
   thread. When the worker takes an item it also takes the batches queued right behind it, up to
   `batch_max_bytes` in all, and saves them with one `save_blocks` call, so concurrent small
@@ -35,11 +35,11 @@ tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue
   `enqueue_many` calls to leave, then puts the sentinel, which is therefore always last in the
   queue. The sentinel is exempt from the bounds (it holds no bytes), so it can always be put.
 
-One deviation from the seed, to keep the non-daemon thread from outliving a timed-out `stop()`:
+To keep the non-daemon thread from outliving a timed-out `stop()`:
 the sentinel is placed by whoever sees "closing and no enqueue in flight" first — `stop()`, or the
 last in-flight `enqueue_many` if `stop()` already gave up.
 
-Durability (issue 3 §2): `best_effort` makes one attempt per batch; `persistent` and `durable`
+Durability (docs/design.md#durability-modes): `best_effort` makes one attempt per batch; `persistent` and `durable`
 retry the blocks of a batch whose outcome was `'error'` (the whole batch after an exception) up to
 `max_retries` more rounds with exponential backoff from `retry_backoff_s`, inline on the thread
 doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'collision'` or
@@ -47,7 +47,7 @@ doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'coll
 is the store's job. Once a `stop()` has timed out, no new retry round starts (and a backoff wait
 is cut short), so a dead disk cannot keep the non-daemon thread alive through backoff series.
 
-Counters (`writer_` prefix, seed 000 §5); every one counts BLOCKS unless it says otherwise:
+Counters (`writer_` prefix, docs/design.md#counters); every one counts BLOCKS unless it says otherwise:
     writer_enqueue_total             blocks accepted by `enqueue_many`
     writer_enqueue_dedup_skip        blocks skipped: hash already pending (or twice in one batch)
     writer_enqueue_rejected          blocks offered after `stop()` or while the store is disabled
@@ -274,19 +274,31 @@ _LIVE_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 EXIT_DRAIN_TIMEOUT_S = 30.0
 
 
+_exit_watch_lock = threading.Lock()
+_exit_watch: threading.Thread | None = None
+
+
 def _drain_at_exit() -> None:
     """Interpreter exit: drain writers their owner never stopped.
 
-    The writer thread is non-daemon (seed 000), so a program that forgets `stop()` would hang
-    at exit. `threading._register_atexit` hooks run *before* non-daemon threads are joined (the
-    hook `concurrent.futures` uses), so accepted blocks are still written, then the thread ends.
+    The writer thread is non-daemon (so accepted blocks are written before the process ends),
+    so a program that forgets `stop()` would hang at exit. The main thread counts as finished
+    when the interpreter starts its shutdown, before it joins non-daemon threads: a daemon
+    watcher that joins the main thread then stops every live writer, so accepted blocks are
+    still written and the writer threads end (docs/design.md#writer-protocol).
     """
+    threading.main_thread().join()
     for writer in list(_LIVE_WRITERS):
         writer.stop(EXIT_DRAIN_TIMEOUT_S)
 
 
-if hasattr(threading, "_register_atexit"):  # CPython >= 3.9
-    threading._register_atexit(_drain_at_exit)
+def _watch_exit() -> None:
+    """Start the exit watcher once (daemon: it never keeps the process alive)."""
+    global _exit_watch
+    with _exit_watch_lock:
+        if _exit_watch is None:
+            _exit_watch = threading.Thread(target=_drain_at_exit, name="kvtool-writer-exit", daemon=True)
+            _exit_watch.start()
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -357,6 +369,7 @@ class AsyncWriter(_WriterBase):
         self._thread = threading.Thread(target=self._run, name="kvtool-ssd-writer", daemon=False)
         self._thread.start()
         _LIVE_WRITERS.add(self)
+        _watch_exit()
 
     @property
     def max_queue_bytes(self) -> int:
