@@ -1,4 +1,5 @@
-"""kvtool configuration: one validated model, settable from CLI flags, a TOML file and sweep files.
+"""kvtool configuration: one validated model, settable from CLI flags, `KVTOOL_<FIELD>` environment
+variables, a TOML file and sweep files (which wins, and the config file's places: `kvtool.settings`).
 
 Every value goes through the same pydantic validators wherever it comes from, so the rules are
 the same everywhere: sizes are integers or strings such as `"1GiB"`, `"512MB"`, `"512M"`
@@ -494,6 +495,8 @@ def parse_toml(raw: bytes, path: Path | str) -> dict[str, Any]:
 
 def load_config(path: Path | str | None = None, **overrides: Any) -> KVToolConfig:
     """Build a config from an optional TOML file, then overrides (None = not given; they win).
+    The environment and the default config file are not read here (the CLI layers them:
+    `kvtool.settings.resolve_settings`).
 
     Args:
         path: TOML file with the fields at top level or under a `[kvtool]` table.

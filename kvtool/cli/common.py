@@ -59,8 +59,10 @@ CacheDirOpt = Annotated[
     ),
 ]
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", help="TOML file with kvtool config fields.", show_default=False,
-                          rich_help_panel="Cache")
+    Path | None,
+    typer.Option("--config", help="TOML file with kvtool config fields (default: $KVTOOL_CONFIG, else "
+                 "$XDG_CONFIG_HOME/kvtool/config.toml if it exists). Flags and KVTOOL_<FIELD> variables win over it.",
+                 show_default=False, rich_help_panel="Cache"),
 ]
 ModelOpt = Annotated[
     str,
@@ -311,6 +313,56 @@ CodecOpt = Annotated[
 ]
 
 
+# The flag that sets each config field (`kvtool.settings.Origin` names it in `kvtool config show`).
+CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
+               "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec"}
+
+
+def build_settings(
+    config_path: Path | None = None,
+    cache_dir: Path | None = None,
+    policy: str | None = None,
+    durability: str | None = None,
+    async_writes: bool | None = None,
+    block_size: int | None = None,
+    ram_bytes: str | None = None,
+    no_ssd: bool = False,
+    codec: str | None = None,
+):
+    """The effective settings (`kvtool.settings.Settings`: the config and where each value came
+    from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
+    `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
+
+    Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
+    `--ram-bytes` errors name the flag, environment errors their variable.
+
+    Raises:
+        CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
+            config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
+    """
+    from kvtool.settings import resolve_settings
+    from kvtool.units import parse_size
+
+    try:
+        ram = parse_size(ram_bytes) if ram_bytes is not None else None
+    except ValueError as exc:
+        raise CLIError(f"--ram-bytes: {exc}") from None
+    flags = {
+        "ssd_cache_dir": cache_dir,
+        "ssd_policy": policy.value if isinstance(policy, Enum) else policy,
+        "ssd_durability": durability.value if isinstance(durability, Enum) else durability,
+        "ssd_async_writes": async_writes,
+        "block_size": block_size,
+        "ram_bytes": ram,
+        "ssd_enabled": False if no_ssd else None,
+        "ssd_codec": codec.value if isinstance(codec, Enum) else codec,
+    }
+    names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if async_writes else "--sync"}
+    settings = resolve_settings(flags, config_path, names)
+    settings.config.ssd_cache_dir = cache_root(settings.config.ssd_cache_dir)
+    return settings
+
+
 def build_config(
     config_path: Path | None = None,
     cache_dir: Path | None = None,
@@ -322,37 +374,14 @@ def build_config(
     no_ssd: bool = False,
     codec: str | None = None,
 ):
-    """A validated `KVToolConfig` from `--config` plus flags (flags win).
-
-    Sizes, durations and choices follow the same rules as in the config file
-    (`kvtool.config`); `--ram-bytes` errors name the flag.
+    """The validated `KVToolConfig` of `build_settings` (flags > environment > config file >
+    defaults).
 
     Raises:
-        CLIError: missing config file or bad size string. ConfigError: invalid field value or
-            an unreadable config file.
+        CLIError, ConfigError: as `build_settings`.
     """
-    from kvtool.config import load_config
-    from kvtool.units import parse_size
-
-    if config_path is not None and not config_path.is_file():
-        raise CLIError(f"config file not found: {config_path}")
-    try:
-        ram = parse_size(ram_bytes) if ram_bytes is not None else None
-    except ValueError as exc:
-        raise CLIError(f"--ram-bytes: {exc}") from None
-    cfg = load_config(
-        config_path,
-        ssd_cache_dir=cache_dir,
-        ssd_policy=policy.value if isinstance(policy, Enum) else policy,
-        ssd_durability=durability.value if isinstance(durability, Enum) else durability,
-        ssd_async_writes=async_writes,
-        block_size=block_size,
-        ram_bytes=ram,
-        ssd_enabled=False if no_ssd else None,
-        ssd_codec=codec.value if isinstance(codec, Enum) else codec,
-    )
-    cfg.ssd_cache_dir = cache_root(cfg.ssd_cache_dir)
-    return cfg
+    return build_settings(config_path, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
+                          codec).config
 
 
 def cache_root(path: Path) -> Path:

@@ -1,0 +1,140 @@
+"""`kvtool config show`: the effective settings and where each value came from.
+
+The values are those every command would use with the same flags and environment
+(`common.build_settings`: flag > `KVTOOL_<FIELD>` variable > config file > default). Each is shown
+as a config file would hold it (sizes in bytes, durations with their unit, `ssd_dir_mode` in
+octal), `remote_url` with its password masked (`kvtool.store.remote_url.mask_url`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich import box
+from rich.table import Table
+
+from kvtool.cli import common
+from kvtool.cli.output import Output
+
+config_app = typer.Typer(
+    name="config",
+    help=(
+        "kvtool's settings: flag > environment (KVTOOL_<FIELD>) > config file > default.\n\n"
+        "Example:\n\n"
+        "  kvtool config show\n\n"
+        "  KVTOOL_BLOCK_SIZE=128 kvtool config show --json"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+
+_DURATION_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
+
+
+def register(app: typer.Typer) -> None:
+    """Add the `config` sub-app to the root `app`."""
+    app.add_typer(config_app, name="config")
+
+
+@config_app.command("show")
+def show_cmd(
+    config: common.ConfigOpt = None,
+    cache_dir: common.CacheDirOpt = None,
+    policy: common.PolicyOpt = None,
+    durability: common.DurabilityOpt = None,
+    async_writes: common.AsyncOpt = None,
+    block_size: common.BlockSizeOpt = None,
+    ram_bytes: common.RamBytesOpt = None,
+    no_ssd: common.NoSSDOpt = False,
+    codec: common.CodecOpt = None,
+    json_out: common.JsonOpt = False,
+) -> None:
+    """Print the effective settings and where each value came from: a flag, an environment
+    variable (KVTOOL_<FIELD>, e.g. KVTOOL_BLOCK_SIZE; KVTOOL_CACHE_DIR for ssd_cache_dir), the
+    config file (--config, else $KVTOOL_CONFIG, else $XDG_CONFIG_HOME/kvtool/config.toml, by
+    default ~/.config/kvtool/config.toml, when it exists) or the default. The cache options are
+    those of serve-once and warm. A password in remote_url is shown as ***.
+
+    --json: one object with schema_version, config_file (path and how it was found, or null)
+    and settings: per field its value, source (flag, env, file, default), from (the flag, the
+    variable or the file; null for a default) and env (the variables that set it).
+
+    Example:
+
+      kvtool config show
+
+      KVTOOL_SSD_POLICY=evict_only kvtool config show --block-size 128 --json
+
+    Exit codes: 0 shown; 2 a bad value in any source (one error line naming the flag, variable
+    or file), a missing --config or $KVTOOL_CONFIG file.
+    """
+    common.setup_logging()  # a deprecated field's warning goes to stderr as every command's
+    out = Output.from_flags(json_out)
+    with common.cli_errors():
+        settings = common.build_settings(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,
+                                         no_ssd, codec)
+        doc = settings_document(settings)
+        out.emit(doc, lambda: _print_human(out, settings, doc))
+
+
+def settings_document(settings: Any) -> dict[str, Any]:
+    """The `--json` document (without `schema_version`) of a `kvtool.settings.Settings`."""
+    from kvtool.settings import env_names
+
+    cfg = settings.config
+    file = None if settings.config_file is None else {"path": str(settings.config_file),
+                                                      "found_by": settings.config_file_origin}
+    rows = {
+        name: {"value": shown_value(name, getattr(cfg, name)), "source": origin.kind, "from": origin.name,
+               "env": list(env_names(name))}
+        for name, origin in settings.origins.items()
+    }
+    return {"config_file": file, "settings": rows}
+
+
+def shown_value(field: str, value: Any) -> Any:
+    """`value` of `field` as a config file would hold it, JSON-ready: None, a bool, a number or
+    a string (paths; durations with their unit; `ssd_dir_mode` in octal; `remote_url` masked)."""
+    from kvtool.store.remote_url import mask_url
+
+    if field == "ssd_dir_mode":
+        return oct(value)
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if field == "remote_url":
+        return mask_url(value)
+    if isinstance(value, timedelta):
+        return duration_text(value.total_seconds())
+    if isinstance(value, Enum):
+        return value.value
+    return str(value) if isinstance(value, Path) else value
+
+
+def duration_text(seconds: float) -> str:
+    """`seconds` in the largest unit that holds it whole (`7d`, `12h`, `90s`), or in
+    milliseconds below a second (`250ms`); fractions of a second above it as `1.5s`."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit, size in _DURATION_UNITS:
+        if seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+def _print_human(out: Output, settings: Any, doc: dict[str, Any]) -> None:
+    """The settings as a table: field, value (`-` for none), source (`kvtool.settings.Origin`)."""
+    file = doc["config_file"]
+    out.print(f"config file: {file['path']} ({file['found_by']})" if file else "config file: none", highlight=False)
+    table = Table(box=box.SIMPLE, show_edge=False)
+    for column in ("field", "value", "source"):
+        table.add_column(column, overflow="fold")
+    for name, row in doc["settings"].items():
+        value = row["value"]
+        text = "-" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        table.add_row(name, text, str(settings.origins[name]))
+    out.table(table)
