@@ -37,6 +37,8 @@ MLX-free.
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 import secrets
 import struct
@@ -150,9 +152,11 @@ def encode_value(block: HostBlock, layout_key: str, kv: KVLayout, codec: str = "
     return b"".join(buffers)
 
 
+@functools.lru_cache(maxsize=256)
 def value_bound(kv: KVLayout, n_tokens: int, codec: str | None) -> int:
     """The largest value (bytes) a block of `n_tokens` tokens of layout `kv` can have: its record
-    (at worst slightly larger compressed than raw: lz4 and zstd bounds) plus a header."""
+    (at worst slightly larger compressed than raw: lz4 and zstd bounds) plus a header. Memoized
+    (`KVLayout` is frozen and hashable): it is asked once per value read."""
     raw = kv.record_nbytes(max(n_tokens, 1))
     stored = raw if codec in ("none",) else raw + raw // 255 + 1024
     return stored + HEADER_SLACK + 2 * len(kv.spec)
@@ -232,7 +236,7 @@ def _decode(view: memoryview, layout_key: str, kv: KVLayout | None, codec: str |
     arrays = []
     at = tokens.nbytes
     for shape, st in zip(kv.shapes(slot.n_tokens), kv.storage_dtypes()):
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         arrays.append(np.frombuffer(record, dtype=st, count=count, offset=at).reshape(shape))
         at += count * st.itemsize
     keys, values = kv.split(arrays)

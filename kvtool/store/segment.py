@@ -41,6 +41,7 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -298,6 +299,13 @@ class SegmentHeader:
         return self.meta["layout_key"]
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_layout(text: str, dtype: str) -> KVLayout:
+    """`KVLayout.parse`, memoized: every header of a namespace names the same layout, and a remote
+    hit parses one header per block (`kvtool.store.remote_value`). Raises as `KVLayout.parse`."""
+    return KVLayout.parse(text, dtype)
+
+
 def parse_header(head: bytes | bytearray | memoryview, file_size: int) -> SegmentHeader:
     """Parse and verify a segment header (its checksum, offsets, layout, slot table).
 
@@ -328,7 +336,7 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int) -> Segmen
     if meta.get("checksum_algo") != CHECKSUM_ALGO or _header_digest(raw) != meta.get("header_checksum"):
         raise BlockFileError("header", "header does not match its checksum")
     try:
-        kv = KVLayout.parse(meta["layers"], meta["dtype"])
+        kv = _parse_layout(meta["layers"], meta["dtype"])
         slots = _parse_slots(doc, meta, 8 + n, kv)
     except (ValueError, KeyError, TypeError) as exc:
         raise BlockFileError("header", f"malformed slot table: {exc}") from None

