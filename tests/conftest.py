@@ -15,6 +15,12 @@ TEST_MODELS_DIR = REPO_ROOT / ".cache" / "test-models"
 os.environ["KVTOOL_MODELS_DIR"] = str(TEST_MODELS_DIR)
 # A test that forgets --cache-dir must never write into the user's ~/.cache/kvtool.
 os.environ["KVTOOL_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvtool-test-cache-")
+# Settings come from KVTOOL_<FIELD> variables and ~/.config/kvtool/config.toml too: a developer's
+# shell or config file must not change what the tests see (tests that need them set their own).
+for _name in [n for n in os.environ if n.startswith("KVTOOL_") and n not in ("KVTOOL_MODELS_DIR", "KVTOOL_CACHE_DIR")
+              and not n.startswith("KVTOOL_TEST_") and n not in ("KVTOOL_SOAK_SECONDS",)]:
+    del os.environ[_name]
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="kvtool-test-xdg-")
 
 
 @pytest.fixture(scope="session")
