@@ -56,12 +56,13 @@ def _connect(url: str | None, cluster: bool, timeout: str, config: Any) -> Any:
         CLIError: no URL anywhere, a bad --timeout. RemoteURLError / RemoteConnectError: see
             `kvtool.ops.remote_ops.connect`.
     """
-    from kvtool.config import ConfigError, load_config
+    from kvtool.config import ConfigError
     from kvtool.ops.remote_ops import connect
+    from kvtool.settings import resolve_settings
 
     if config is not None and not config.is_file():
         raise common.CLIError(f"config file not found: {config}")
-    cfg = load_config(config, remote_url=url)
+    cfg = resolve_settings({"remote_url": url}, config, {"remote_url": "--url"}).config  # flag > env > file
     try:
         timeout_s = cfg.replace(remote_timeout=timeout).remote_timeout_s
     except ConfigError as exc:
