@@ -16,14 +16,13 @@ install: $(STAMP)
 
 ## demo: install, then serve the same long prompt in two processes (second one hits the SSD tier)
 demo: $(STAMP)
-	rm -rf .demo-cache
-	@echo "== embedded model (random weights: gibberish text, real KV cache) =="
-	$(BIN)/kvtool model path tiny
-	@echo "== process 1: cold cache, prefill everything, write the prompt's blocks to SSD =="
-	KVTOOL_CACHE_DIR=.demo-cache $(BIN)/kvtool serve-once --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16
-	@echo "== process 2: a restart, empty RAM: the blocks come from SSD, same output =="
-	KVTOOL_CACHE_DIR=.demo-cache $(BIN)/kvtool serve-once --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16
-	$(BIN)/kvtool inspect --cache-dir .demo-cache
+	rm -rf .demo-cache && mkdir -p .demo-cache/out
+	@echo "== embedded model (random weights: gibberish text, real KV cache): $$($(BIN)/kvtool model path tiny)"
+	@echo "== process 1: cold cache, prefill everything, write the prompt's blocks to SSD"
+	KVTOOL_CACHE_DIR=.demo-cache/kv $(BIN)/kvtool serve-once --json --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16 > .demo-cache/out/cold.json
+	@echo "== process 2: a restart, empty RAM: the blocks come from SSD"
+	KVTOOL_CACHE_DIR=.demo-cache/kv $(BIN)/kvtool serve-once --json --prompt-file kvtool/assets/demo_prompt.txt --max-tokens 16 > .demo-cache/out/warm.json
+	@$(BIN)/python scripts/demo_summary.py .demo-cache/out/cold.json .demo-cache/out/warm.json
 
 ## lint: ruff (style, import order, likely bugs) over the code, tests and scripts; mypy over kvtool/
 lint: $(STAMP)

@@ -1,9 +1,11 @@
-"""The README documents the CLI as it is: every command is in its Commands table and has `--help`
-with an example, and the `serve-once --json` schema block names exactly the keys a real run prints."""
+"""The docs describe the CLI as it is: docs/commands.md is exactly what scripts/gen_commands_doc.py
+generates from the code, every command has `--help` with an example, the `serve-once --json`
+schema block names exactly the keys a real run prints, every `kvtool ...` line of README.md names
+a real command and real options, and every file README.md links to exists."""
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import json
 import os
 import re
@@ -15,20 +17,22 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from kvtool.cli import app as app_module
-from kvtool.cli import common
-
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text(encoding="utf-8")
+COMMANDS_MD = REPO / "docs" / "commands.md"
+REGENERATE = ".venv/bin/python scripts/gen_commands_doc.py"
 
 
-def _fresh_app() -> typer.Typer:
-    """Every command module registered into a new root app (the shared `app` stays untouched)."""
-    fresh = typer.Typer(cls=common.KVToolGroup, context_settings={"help_option_names": ["-h", "--help"]},
-                        add_completion=False)
-    for name in app_module.COMMAND_MODULES:
-        importlib.import_module(f"kvtool.cli.{name}").register(fresh)
-    return fresh
+def _gen_module():
+    spec = importlib.util.spec_from_file_location("gen_commands_doc", REPO / "scripts" / "gen_commands_doc.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN = _gen_module()
+APP = GEN.build_app()  # every command module registered into a new root app
 
 
 def _command_paths(cmd, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -40,37 +44,34 @@ def _command_paths(cmd, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     return [p for name, sub in sorted(subs.items()) for p in _command_paths(sub, (*path, name))]
 
 
-APP = _fresh_app()
 PATHS = _command_paths(typer.main.get_command(APP))
 
 
-def _section(heading: str) -> str:
-    """README text from `heading` (a whole line) to the next heading of any level."""
-    start = README.index(f"\n{heading}\n") + len(heading) + 2
-    nxt = re.search(r"^#{1,6} ", README[start:], re.M)
-    return README[start : start + nxt.start()] if nxt else README[start:]
+def _commands_doc() -> str:
+    return COMMANDS_MD.read_text(encoding="utf-8")
 
 
-def _table_commands() -> dict[str, set[str]]:
-    """Commands named in the Commands table: `kvtool NAME [SUB/SUB] ...` -> {NAME: {SUB, ...}}."""
-    out: dict[str, set[str]] = {}
-    for span in re.findall(r"`kvtool ([^`]+)`", _section("## Commands")):
-        words = span.split()
-        subs = words[1].split("/") if len(words) > 1 and re.fullmatch(r"[a-z-]+(/[a-z-]+)*", words[1]) else []
-        out.setdefault(words[0], set()).update(subs)
-    return out
+def _section(text: str, heading: str) -> str:
+    """`text` from `heading` (a whole line) to the next heading of the same or a higher level."""
+    start = text.index(f"\n{heading}\n") + len(heading) + 2
+    level = len(heading) - len(heading.lstrip("#"))
+    nxt = re.search(rf"^#{{1,{level}}} ", text[start:], re.M)
+    return text[start : start + nxt.start()] if nxt else text[start:]
 
 
 def test_the_command_list_is_complete():
     assert len(PATHS) >= 10 and ("serve-once",) in PATHS and ("model", "path") in PATHS
 
 
+def test_commands_md_is_generated_from_the_code():
+    current = _commands_doc() if COMMANDS_MD.exists() else ""
+    assert current == GEN.render(), f"docs/commands.md is out of date: regenerate it with `{REGENERATE}`"
+
+
 @pytest.mark.parametrize("path", PATHS, ids=" ".join)
-def test_every_command_is_in_the_readme_table(path):
-    table = _table_commands()
-    assert path[0] in table, f"`kvtool {path[0]}` is missing from README.md's Commands table"
-    if len(path) > 1:
-        assert path[1] in table[path[0]], f"`kvtool {' '.join(path)}` is missing from README.md's Commands table"
+def test_every_command_is_in_commands_md(path):
+    heading = "#" * (1 + len(path)) + f" `kvtool {' '.join(path)}`"
+    assert f"\n{heading}\n" in _commands_doc(), f"{heading!r} is missing from docs/commands.md: run `{REGENERATE}`"
 
 
 @pytest.mark.parametrize("path", PATHS, ids=" ".join)
@@ -82,10 +83,11 @@ def test_every_command_has_help_with_an_example(path):
 
 
 def _schema_block() -> str:
-    section = _section("### `serve-once --json` schema")
+    section = _section(_commands_doc(), "## `kvtool serve-once`")
     return re.search(r"```json\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow  # a serve-once subprocess
 def test_serve_once_json_keys_are_the_documented_ones(tmp_path):
     block = _schema_block()
     top = set(re.findall(r'^  "(\w+)":', block, re.M))
@@ -103,7 +105,54 @@ def test_serve_once_json_keys_are_the_documented_ones(tmp_path):
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     undocumented, gone = sorted(set(doc) - top), sorted(top - set(doc))
-    assert not undocumented, f"serve-once --json prints {undocumented}: not in README.md's schema block"
-    assert not gone, f"README.md's schema block names {gone}: serve-once --json does not print them"
-    assert set(doc["requests"][0]) == request_keys
-    assert stats_keys <= set(doc["stats"])
+    hint = f"edit docs/json/serve-once.md, then run `{REGENERATE}`"
+    assert not undocumented, f"serve-once --json prints {undocumented}, not in docs/commands.md: {hint}"
+    assert not gone, f"docs/commands.md names {gone}: serve-once --json does not print them: {hint}"
+    assert set(doc["requests"][0]) == request_keys, hint
+    assert stats_keys <= set(doc["stats"]), hint
+
+
+def _readme_command_lines() -> list[list[str]]:
+    """Every `kvtool ...` command line in README.md's fenced code blocks, as words: continuation
+    lines joined, comments and leading `VAR=value` assignments dropped; crontab lines
+    (`... /path/to/.venv/bin/kvtool prune ...`) included."""
+    lines = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("  #")[0].strip()
+            words = line.split()
+            while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                words = words[1:]
+            if words and words[0] == "kvtool":
+                lines.append(words)
+            elif "/kvtool " in line:
+                lines.append(["kvtool", *line.split("/kvtool ", 1)[1].split()])
+    return lines
+
+
+def test_readme_shows_the_main_commands():
+    assert {"serve", "serve-once", "prune", "validate"} <= {words[1] for words in _readme_command_lines()}
+
+
+@pytest.mark.parametrize("words", _readme_command_lines(), ids=lambda w: " ".join(w[:4]))
+def test_every_readme_command_line_runs(words):
+    """`kvtool <command> --help` runs for every command line in README.md, and knows its options."""
+    known = set()
+    for p in PATHS:
+        known.update(p[:i] for i in range(1, len(p) + 1))
+    path = [w for w in words[1:3] if re.fullmatch(r"[a-z][a-z0-9-]*", w)]
+    while path and tuple(path) not in known:
+        path.pop()
+    assert path, f"README.md: `{' '.join(words)}` names no kvtool command"
+    res = CliRunner().invoke(APP, [*path, "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    help_text = " ".join(res.output.split())
+    for option in (w.split("=")[0] for w in words if w.startswith("--")):
+        assert option in help_text, f"README.md: `kvtool {' '.join(path)}` has no option {option}"
+
+
+def test_every_file_readme_links_to_exists():
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README)
+    assert targets
+    missing = [t for t in targets if not t.startswith(("http://", "https://")) and not (REPO / t).exists()]
+    assert not missing, f"README.md links to files that do not exist: {missing}"
