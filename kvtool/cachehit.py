@@ -13,7 +13,7 @@ import numpy as np
 
 @dataclass
 class CacheStats:
-    """Counters of a prefix cache (all ints; see README "Counters" for each one).
+    """Counters of a prefix cache (all ints; see docs/design.md#counters for each one).
 
     Attributes:
         counters: name -> value; prefixes `kv_` (RAM tier and lookup), `ssd_` (SSD store) and

@@ -30,7 +30,7 @@ from kvtool.errors import KVToolError
 from kvtool.store.remote_url import URL_ENV, RemoteURLError, parse_remote_url
 from kvtool.units import MAX_DURATION_S, parse_duration, parse_size, short_repr
 
-# Chosen by measurement (bench_configs/block_size.py, README "Block size"): a request costs the
+# Chosen by measurement (bench_configs/block_size.py, docs/benchmarks.md#block-size): a request costs the
 # cold load of its cached blocks (per-file cost grows as blocks shrink) plus ~block_size/2 tokens
 # of re-prefill (the part of the block where the prompt diverges, or its tail). On this CPU
 # (0.3-24 ms/token prefill) 64 tokens is at or near the minimum for every embedded preset.

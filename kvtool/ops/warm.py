@@ -119,7 +119,7 @@ class WarmReport:
     prompts: list[PromptResult] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        """JSON-ready document (README "kvtool warm")."""
+        """JSON-ready document (docs/commands.md#kvtool-warm)."""
         return asdict(self)
 
 
