@@ -168,3 +168,38 @@ def test_killed_and_stopped_server_cost_misses_never_output(tiny_model, fresh_re
     d.close()
     assert res.remote_hit_tokens > 0
     assert res.token_ids == reference_tokens(tiny_model.model, tiny_model.tokenizer, other, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_warm_to_remote_and_remote_push_start_another_host_warm(tiny_model, redis_node, tmp_path):
+    """`warm --to-remote` pushes what it warmed; `remote push` pushes an SSD cache written without
+    a remote tier; either way host B serves the prompt from the remote tier, exactly."""
+    from kvtool.config import KVToolConfig
+
+    ids = long_prompt(tiny_model.tokenizer, 700)
+    text = tiny_model.tokenizer.decode(ids)
+    (tmp_path / "p.txt").write_text(text)
+    env = dict(os.environ, KVTOOL_REMOTE_URL=redis_node.url, KVTOOL_REMOTE_POLICY="off")  # only the push writes
+    r = subprocess.run([sys.executable, "-m", "kvtool.cli.app", "warm", str(tmp_path / "p.txt"), "--model", "tiny",
+                        "--whole", "--ignore-chat-template", "--cache-dir", str(tmp_path / "a"), "--to-remote", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "pushed to redis://127.0.0.1" in r.stderr and json.loads(r.stdout)["schema_version"]
+    b = serve_once(redis_node.url, tmp_path / "b", tmp_path / "p.txt")["requests"][0]
+    assert b["remote_hit_tokens"] > 0 and b["prefill_tokens"] <= 64
+    # an SSD cache filled with no remote tier at all, pushed afterwards
+    eng = Engine(tiny_model, KVToolConfig(ssd_cache_dir=tmp_path / "c", ssd_async_writes=False, remote_url=None))
+    other = ids[100:]
+    eng.generate(other, max_tokens=1)
+    eng.close()
+    env.pop("KVTOOL_REMOTE_POLICY")
+    r = subprocess.run([sys.executable, "-m", "kvtool.cli.app", "remote", "push", "--cache-dir", str(tmp_path / "c"),
+                        "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (ns,) = json.loads(r.stdout)["namespaces"]
+    assert ns["blocks_read"] == ns["blocks_stored"] > 0 and ns["bad_records"] == 0
+    d = engine(tiny_model, tmp_path / "d", redis_node.url)
+    res = d.generate(other, max_tokens=MAX_TOKENS)
+    d.close()
+    assert res.remote_hit_tokens == len(other) - 1
+    assert res.token_ids == reference_tokens(tiny_model.model, tiny_model.tokenizer, other, max_tokens=MAX_TOKENS)

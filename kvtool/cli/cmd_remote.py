@@ -145,6 +145,74 @@ def _print_inspect(report: Any, out: Output) -> None:
     out.print(f"{report.keys_scanned} key(s) scanned{other}{more}")
 
 
+# ----------------------------------------------------------------------------- push
+@remote_app.command("push")
+def push_cmd(
+    cache_dir: common.CacheDirOpt = None,
+    namespace: NamespaceOpt = None,
+    url: UrlOpt = None,
+    json_out: common.JsonOpt = False,
+    cluster: ClusterOpt = False,
+    timeout: TimeoutOpt = "5s",
+    config: common.ConfigOpt = None,
+) -> None:
+    """Push an SSD cache to the server, so that other hosts start warm: every segment of each
+    namespace (or of --namespace) read once, each record verified before it is stored with SET NX
+    (blocks the server holds already are not rewritten). The SSD cache is not changed; records
+    that fail verification are skipped and counted (run `kvtool validate` to repair them).
+
+    Example:
+
+      kvtool remote push --cache-dir ~/.cache/kvtool --url redis://cache-host:6379/0
+
+      kvtool remote push --namespace 3fa2 --json
+
+    Exit codes: 0 ok; 1 a record failed verification or a segment was unreadable; 2 bad URL,
+    unreachable server, wrong password, unknown namespace.
+    """
+    out = Output.from_flags(json_out)
+    with common.cli_errors():
+        from kvtool.ops.remote_push import open_store_for, push_namespace
+        from kvtool.store.names import NAMESPACE_RE
+
+        root = common.build_config(config, cache_dir).ssd_cache_dir
+        conn = _connect(url, cluster, timeout, config)  # checks the URL and that the server answers
+        conn.close()
+        names = sorted(p.name for p in root.iterdir() if p.is_dir() and NAMESPACE_RE.fullmatch(p.name)) \
+            if root.is_dir() else []
+        if namespace is not None:
+            names = [n for n in names if n.startswith(namespace)]
+            if len(names) != 1:
+                raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
+        url_used = url or common.build_config(config, cache_dir).remote_url
+        reports = []
+        for name in names:
+            store = open_store_for(root / name, url_used, timeout_s=_timeout_s(timeout), cluster=True if cluster else None)
+            try:
+                reports.append(push_namespace(root / name, store))
+            finally:
+                store.close()
+        bad = sum(r.bad_records + len(r.unreadable_segments) for r in reports)
+        out.emit(lambda: {"cache_dir": str(root), "namespaces": [r.to_dict() for r in reports], "problems": bad},
+                 lambda: _print_push(root, reports, out))
+    raise typer.Exit(common.EXIT_OK if bad == 0 else 1)
+
+
+def _print_push(root: Any, reports: list, out: Output) -> None:
+    if not reports:
+        out.print(f"no namespaces under {escape(str(root))}")
+    for r in reports:
+        out.print(f"{r.namespace}: {r.blocks_read} block(s) read from {r.segments} segment(s), {r.blocks_stored} "
+                  f"stored (new on the server), {r.bad_records} bad record(s), {len(r.unreadable_segments)} "
+                  "unreadable segment(s)")
+
+
+def _timeout_s(timeout: str) -> float:
+    from kvtool.config import KVToolConfig
+
+    return KVToolConfig(remote_timeout=timeout).remote_timeout_s
+
+
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
 def validate_cmd(

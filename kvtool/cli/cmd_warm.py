@@ -63,6 +63,9 @@ def warm_cmd(
     codec: common.CodecOpt = None,
     json_out: common.JsonOpt = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    to_remote: Annotated[bool, typer.Option(
+        "--to-remote", help="Then push the namespace's SSD blocks to the remote tier (remote_url; SET NX), so "
+        "other hosts start warm. One summary line on stderr.", rich_help_panel="Cache")] = False,
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
@@ -82,8 +85,33 @@ def warm_cmd(
         except WarmError as exc:
             engine.close()
             raise common.CLIError(str(exc)) from None
+        if to_remote and cfg.remote_url is None:
+            engine.close()
+            raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
+        namespace_dir = engine.namespace_dir
         code = _run(engine, prompts, json_out, not ignore_chat_template, system_prompt)
+        if to_remote and code == common.EXIT_OK and namespace_dir is not None:
+            code = _push(namespace_dir, cfg)
     raise typer.Exit(code)
+
+
+def _push(namespace_dir: Path, cfg) -> int:
+    """`--to-remote`: the namespace's verified SSD blocks to the remote tier; one stderr line."""
+    import sys
+
+    from kvtool.ops.remote_push import open_store_for, push_namespace
+
+    store = open_store_for(namespace_dir, cfg.remote_url, timeout_s=cfg.remote_timeout_s,
+                           cluster=True if cfg.remote_cluster else None)
+    try:
+        if not store.available:
+            raise common.CLIError(f"--to-remote: the remote server {store.url} does not answer")
+        r = push_namespace(namespace_dir, store)
+    finally:
+        store.close()
+    print(f"pushed to {store.url}: {r.blocks_read} block(s) read, {r.blocks_stored} stored (new on the server), "
+          f"{r.bad_records} bad record(s), {len(r.unreadable_segments)} unreadable segment(s)", file=sys.stderr)
+    return common.EXIT_OK if not (r.bad_records or r.unreadable_segments) else 1
 
 
 def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None) -> int:
