@@ -129,13 +129,6 @@ class ConfinedDir:
             raise _not_regular(segment_relpath(name))
         return out, st.st_size
 
-    def segment_exists(self, name: str) -> bool:
-        """True if segment `name` is a regular file reachable without following a symlink."""
-        try:
-            return stat.S_ISREG(self._lstat(segment_relpath(name)).st_mode)
-        except (OSError, ValueError):
-            return False
-
     def unlink_segment(self, name: str) -> int:
         """Remove segment file `name` (a regular file only); returns bytes freed (0 if absent).
 

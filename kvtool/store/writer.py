@@ -118,19 +118,14 @@ QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field rea
 
 
 class BlockSink(Protocol):
-    """What a writer needs from `SSDStore`: the writers call only `save_blocks` (one call per
-    batch, one outcome per block, in order); `save_block` stays for older callers."""
+    """What a writer needs from `SSDStore`: `save_blocks` (one call per batch, one outcome per
+    block, in order), `enabled` and `stats`."""
 
     enabled: bool
 
     def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]: ...
 
-    def save_block(self, block: HostBlock) -> str: ...
-
     def stats(self) -> dict: ...
-
-
-_Counters = Counters  # the old private name
 
 
 class _WriterBase:

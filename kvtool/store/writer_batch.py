@@ -212,10 +212,6 @@ class RetryPolicy:
         """Retry rounds allowed after a failed first attempt (0 under best_effort)."""
         return self.max_retries if self.durability in RETRY_MODES else 0
 
-    def save(self, store: Any, block: HostBlock, counters: Counters, abort: threading.Event | None = None) -> str:
-        """`save_batch` of one block; returns its outcome."""
-        return self.save_batch(store, [block], counters, abort)[0]
-
     def save_batch(
         self,
         store: Any,
