@@ -41,8 +41,12 @@ def engine(loaded, cache_dir, url, **kw) -> Engine:
     return Engine(loaded, cfg, **kw)
 
 
-def serve_once(url: str, cache_dir, prompt_file, *extra: str) -> dict:
-    env = dict(os.environ, KVTOOL_REMOTE_URL=url)
+def serve_once(url: str | None, cache_dir, prompt_file, *extra: str) -> dict:
+    """`kvtool serve-once` in a fresh process; the server from $KVTOOL_REMOTE_URL (None: none
+    there, e.g. given with --remote-url in `extra`)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVTOOL_REMOTE_URL"}
+    if url is not None:
+        env["KVTOOL_REMOTE_URL"] = url
     r = subprocess.run([sys.executable, "-m", "kvtool.cli.app", "serve-once", "--model", "tiny", "--json",
                         "--max-tokens", str(MAX_TOKENS), "--prompt-file", str(prompt_file), "--ignore-chat-template",
                         "--cache-dir", str(cache_dir), *extra], capture_output=True, text=True, env=env, timeout=300)
@@ -59,7 +63,7 @@ def test_host_b_serves_host_a_prompt_from_the_remote_tier(tiny_model, redis_node
     a = serve_once(redis_node.url, tmp_path / "a", prompt_file)  # host A: prefill, write-through
     n = a["requests"][0]["prompt_tokens"]
     ref = a["requests"][0]["token_ids"]
-    b = serve_once(redis_node.url, tmp_path / "b", prompt_file)["requests"][0]  # host B: empty SSD
+    b = serve_once(None, tmp_path / "b", prompt_file, "--remote-url", redis_node.url)["requests"][0]  # host B: empty SSD
     assert b["token_ids"] == ref
     assert b["remote_hit_tokens"] >= 0.95 * n and b["cached_tokens"] == b["ram_hit_tokens"] + b["ssd_hit_tokens"] \
         + b["remote_hit_tokens"]

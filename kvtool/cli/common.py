@@ -313,9 +313,36 @@ CodecOpt = Annotated[
 ]
 
 
+class RemotePolicyChoice(str, Enum):
+    """`--remote-policy` values (= kvtool.config.RemotePolicy)."""
+
+    off = "off"
+    write_through = "write_through"
+    on_evict = "on_evict"
+
+
+RemoteUrlOpt = Annotated[
+    str | None,
+    typer.Option("--remote-url", help="Shared remote tier: redis://host:port/db, rediss://, unix://, "
+                 "redis+cluster:// (password: $KVTOOL_REMOTE_PASSWORD). \\[default: $KVTOOL_REMOTE_URL]",
+                 show_default=False, rich_help_panel=CACHE_PANEL),
+]
+RemotePolicyOpt = Annotated[
+    RemotePolicyChoice | None,
+    typer.Option("--remote-policy", help="When blocks reach the remote tier. \\[default: write_through]",
+                 show_default=False, rich_help_panel=CACHE_PANEL),
+]
+
+
+def remote_flags(remote_url: str | None, remote_policy: Any) -> dict[str, Any]:
+    """The `extra` flags of `build_config` for `--remote-url` / `--remote-policy` (None: not given)."""
+    return {"remote_url": remote_url, "remote_policy": remote_policy}
+
+
 # The flag that sets each config field (`kvtool.settings.Origin` names it in `kvtool config show`).
 CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
-               "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec"}
+               "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec",
+               "remote_url": "--remote-url", "remote_policy": "--remote-policy"}
 
 
 def build_settings(
@@ -328,6 +355,7 @@ def build_settings(
     ram_bytes: str | None = None,
     no_ssd: bool = False,
     codec: str | None = None,
+    extra: dict[str, Any] | None = None,
 ):
     """The effective settings (`kvtool.settings.Settings`: the config and where each value came
     from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
@@ -356,6 +384,7 @@ def build_settings(
         "ram_bytes": ram,
         "ssd_enabled": False if no_ssd else None,
         "ssd_codec": codec.value if isinstance(codec, Enum) else codec,
+        **{k: v.value if isinstance(v, Enum) else v for k, v in (extra or {}).items()},
     }
     names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if async_writes else "--sync"}
     settings = resolve_settings(flags, config_path, names)
@@ -373,6 +402,7 @@ def build_config(
     ram_bytes: str | None = None,
     no_ssd: bool = False,
     codec: str | None = None,
+    extra: dict[str, Any] | None = None,
 ):
     """The validated `KVToolConfig` of `build_settings` (flags > environment > config file >
     defaults).
@@ -381,7 +411,7 @@ def build_config(
         CLIError, ConfigError: as `build_settings`.
     """
     return build_settings(config_path, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
-                          codec).config
+                          codec, extra).config
 
 
 def cache_root(path: Path) -> Path:
