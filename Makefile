@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo lint test test-fast soak soak-http bench clean
+.PHONY: install demo lint test test-fast soak soak-storage soak-http bench clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -33,12 +33,15 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 
-## test-fast: the suite without the slow subprocess tests (crash, soak, families), for development
+## test-fast: the suite without the tests marked slow (subprocesses, servers, sleeps), for development
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-## soak: the concurrency + SIGKILL soak test for longer (KVTOOL_SOAK_SECONDS, default 300)
-soak: $(STAMP)
+## soak: both soaks below (storage 300 s, then 10 minutes of hostile HTTP beside 4 normal clients)
+soak: soak-storage soak-http
+
+## soak-storage: concurrent processes, SIGKILL and the maintenance commands on one cache (KVTOOL_SOAK_SECONDS, default 300)
+soak-storage: $(STAMP)
 	KVTOOL_SOAK_SECONDS=$${KVTOOL_SOAK_SECONDS:-300} $(BIN)/python -m pytest -q -s tests/test_soak.py
 
 ## soak-http: kvtool serve with a hostile client beside 4 normal ones for longer (KVTOOL_SOAK_SECONDS, default 600)
