@@ -226,15 +226,15 @@ def test_trace_is_parsed_sorted_and_checked(tmp_path):
 
 
 def test_shipped_configs_parse():
-    for name in ("serve_load", "serve_load_quick"):
+    for name in ("serve_load", "serve_load_quick", "serve_load_small"):
         path = REPO / "bench_configs" / f"{name}.toml"
         assert is_serve_load_config(path)
         spec = load_serve_load(path)
-        assert spec.servers == ("kvtool", "mlx-lm") and spec.model == "tiny"
+        assert spec.servers == ("kvtool", "mlx-lm") and spec.model == ("small" if name.endswith("small") else "tiny")
     full = load_serve_load(REPO / "bench_configs" / "serve_load.toml")
     assert full.clients == (1, 4, 16) and full.repeats == 3
     assert full.workloads["shared-prefix"] == {"groups": 1, "prompts_per_group": 48, "system_tokens": 2000,
-                                               "question_tokens": 32}
+                                               "question_tokens": 32, "prime": 1}
     assert not is_serve_load_config(REPO / "bench_configs" / "quick.toml")
 
 
@@ -364,3 +364,16 @@ def test_serve_load_quick_run_through_the_cli(tmp_path):
         (run_dir / "report.md").read_text()
     again = CliRunner().invoke(app, ["report", str(run_dir), "--json"])
     assert again.exit_code == 0 and json.loads(again.output)["ok"] is True
+
+
+def test_shared_prefix_prime_phase_is_unmeasured_and_first(tiny_model):
+    from kvtool.bench.loadworkloads import build_load_workload
+
+    w = build_load_workload("shared-prefix", {"groups": 2, "prompts_per_group": 3, "system_tokens": 40, "prime": 1},
+                            tiny_model.tokenizer, 0, 2)
+    assert w.phases == ("prime", "query") and w.measured == ("query",)
+    primes = w.phase_requests("prime")
+    assert [r.key for r in primes] == ["g0p0", "g1p0"]
+    # each prime request carries its group's system prompt, as the measured queries do
+    systems = {r.session: r.messages[0]["content"] for r in w.phase_requests("query")}
+    assert all(r.messages[0]["content"] == systems[r.session] for r in primes)

@@ -9,7 +9,9 @@ the message content; the chat template adds a few tokens per message.
 
 Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
 - `shared-prefix`: `groups` system prompts of `system_tokens` each, `prompts_per_group` requests
-  per group with a distinct user question of `question_tokens`; requests in a seeded shuffled order.
+  per group with a distinct user question of `question_tokens`; requests in a seeded shuffled order;
+  with `prime` > 0, each group's system prompt is first sent that many times in an unmeasured
+  `prime` phase (a warm server that has seen its system prompts; 0 also measures the cold burst).
 - `multi-turn`: `conversations` chats of `turns` user turns (`user_tokens` each) after a system
   prompt of `system_tokens`; the assistant turns of the history are corpus text of
   `assistant_tokens` (not the model's reply, so every server gets the same requests); turns are
@@ -45,7 +47,7 @@ from kvtool.config import ConfigError
 CORPUS = Path(__file__).resolve().parent.parent / "assets" / "demo_prompt.txt"
 
 LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
-    "shared-prefix": {"groups": 1, "prompts_per_group": 8, "system_tokens": 1024, "question_tokens": 32},
+    "shared-prefix": {"groups": 1, "prompts_per_group": 8, "system_tokens": 1024, "question_tokens": 32, "prime": 0},
     "multi-turn": {"conversations": 0, "turns": 4, "system_tokens": 256, "user_tokens": 64,
                    "assistant_tokens": 64, "working_set_factor": 2.0, "max_conversations": 64,
                    "ram_bytes": "1MiB"},
@@ -226,7 +228,10 @@ def _shared_prefix(p: dict, src: TextSource, rng: np.random.Generator, max_token
                                            ("user", f"Question {i}: " + src.text(p["question_tokens"]))),
                         max_tokens, "query", f"g{g}")
             for g in range(p["groups"]) for i in range(p["prompts_per_group"])]
-    return [reqs[i] for i in rng.permutation(len(reqs))]
+    primes = [LoadRequest(f"g{g}p{i}", _msgs(("system", systems[g]), ("user", f"Hello {i}: " + src.text(8))),
+                          max_tokens, "prime", f"g{g}")
+              for g in range(p["groups"]) for i in range(p["prime"])]  # unmeasured: the server has seen each prompt
+    return primes + [reqs[i] for i in rng.permutation(len(reqs))]
 
 
 def multi_turn_working_set(p: dict[str, Any], kv_per_token: int) -> int:
