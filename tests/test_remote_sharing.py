@@ -207,3 +207,23 @@ def test_warm_to_remote_and_remote_push_start_another_host_warm(tiny_model, redi
     d.close()
     assert res.remote_hit_tokens == len(other) - 1
     assert res.token_ids == reference_tokens(tiny_model.model, tiny_model.tokenizer, other, max_tokens=MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_server_killed_mid_write_costs_nothing_locally(tiny_model, fresh_redis, tmp_path):
+    """Host A writes through to a server that stalls (SIGSTOP) and is then killed (SIGKILL) while
+    A's remote writes are in flight: A's request is exact, A shuts down, its SSD tier lost nothing."""
+    ids = long_prompt(tiny_model.tokenizer, 900)
+    ref = reference_tokens(tiny_model.model, tiny_model.tokenizer, ids, max_tokens=MAX_TOKENS)
+    a = engine(tiny_model, tmp_path / "a", fresh_redis.url, block_size=64)
+    fresh_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert a.generate(ids, max_tokens=MAX_TOKENS).token_ids == ref  # the writes queue behind a stalled server
+    finally:
+        fresh_redis.proc.kill()
+        fresh_redis.proc.wait()
+    assert a.close().shutdown_clean
+    local = engine(tiny_model, tmp_path / "a", None, block_size=64)  # the same SSD directory, no remote tier
+    res = local.generate(ids, max_tokens=MAX_TOKENS)
+    local.close()
+    assert res.token_ids == ref and res.ssd_hit_tokens == len(ids) - 1
