@@ -230,6 +230,7 @@ def micro_run(tiny, tmp_path_factory):
         engine.close()
 
 
+@pytest.mark.slow
 def test_micro_sweep_writes_documented_files(micro_run):
     run_dir = micro_run.run_dir
     cells = pd.read_csv(run_dir / "cells.csv")
@@ -244,6 +245,7 @@ def test_micro_sweep_writes_documented_files(micro_run):
         assert (run_dir / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_restart_shows_ssd_hits_and_no_cache_none(micro_run):
     req = micro_run.requests
     replay = req[(req["workload"] == "restart") & (req["phase"] == "replay")]
@@ -255,6 +257,7 @@ def test_restart_shows_ssd_hits_and_no_cache_none(micro_run):
     assert cell["ssd_hit_rate"] > 0 and cell["shutdown_clean"] and cell["drain_verified"]
 
 
+@pytest.mark.slow
 def test_cells_never_share_blocks(micro_run):
     req = micro_run.requests
     first = req.sort_values("request").groupby(["workload", "cell", "repeat"]).head(1)
@@ -303,6 +306,7 @@ def test_reconfigure_between_cells_loses_no_queued_write(tiny, tmp_path):
     assert not runner.verify_drain({**counters, "writer_save_success": 6}, disk)
 
 
+@pytest.mark.slow
 def test_report_regenerates_from_run_dir(micro_run):
     run_dir = micro_run.run_dir
     for name in ["report.md", *report.CHARTS]:
@@ -350,6 +354,7 @@ def test_cli_help_has_examples_and_bad_sweep_names_field(tmp_path):
     assert result.exit_code == 2
 
 
+@pytest.mark.slow
 def test_cli_report_json(micro_run):
     result = CliRunner().invoke(cli(), ["report", str(micro_run.run_dir), "--json"])
     assert result.exit_code == 0, result.output
@@ -360,6 +365,7 @@ def test_cli_report_json(micro_run):
         assert w["ttft_p50_ms_min"] <= w["ttft_p50_ms"] <= w["ttft_p50_ms_max"]
 
 
+@pytest.mark.slow
 def test_micro_sweep_cells_carry_ranges_over_the_repeats(micro_run):
     cells = micro_run.cells
     for name in metrics.SPREAD_METRICS:

@@ -180,6 +180,7 @@ def make_run(tmp_path: Path, *, requests: bool = True, workloads: tuple[str, ...
 
 
 @pytest.mark.parametrize("workloads", [("shared-prefix", "restart"), ("a", "b", "c", "d", "e")])
+@pytest.mark.slow
 def test_report_writes_one_legible_chart_per_question(tmp_path, workloads):
     run_dir = make_run(tmp_path, workloads=workloads)
     written = write_report(run_dir)
@@ -270,6 +271,7 @@ def test_cli_report_on_bad_directories_is_one_error_line_exit_2(tmp_path):
         assert "Traceback" not in result.output and result.stdout == "", name
 
 
+@pytest.mark.slow
 def test_cli_report_prints_verdicts_with_ranges(tmp_path):
     run_dir = make_run(tmp_path)
     runner = CliRunner()

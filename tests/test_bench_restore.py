@@ -39,6 +39,7 @@ def _check_summary_from_rows(run_dir: Path) -> None:
         assert float(s["min_ms"]) == pytest.approx(min(ms)) and float(s["max_ms"]) == pytest.approx(max(ms))
 
 
+@pytest.mark.slow
 def test_baselines_load_and_writer(tmp_path):
     spec = restore.RestoreSpec(**TINY, parts=("load", "writer"), methods=("raw-read", "mlx-lm"),
                                writer_mb=2, out=tmp_path / "run")
@@ -72,6 +73,7 @@ def test_baselines_load_and_writer(tmp_path):
     assert not (out / "data").exists()  # data files removed
 
 
+@pytest.mark.slow
 def test_ttft_with_current_cli(tmp_path):
     spec = restore.RestoreSpec(**TINY, parts=("ttft",), states=("warm",), out=tmp_path / "run")
     out = restore.run(spec, log=lambda _: None)
@@ -90,6 +92,7 @@ def test_ttft_with_current_cli(tmp_path):
     assert f"{hit / mlx:.2f}×" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_kvtool_synthetic_restore(tmp_path):
     spec = restore.RestoreSpec(**TINY, parts=("load", "writer"), methods=("kvtool",), kvtool_api="prefix",
                                writer_mb=2, out=tmp_path / "run")
@@ -130,6 +133,7 @@ def test_report_ratios_come_from_medians():
     assert rss[1] == "**met**"
 
 
+@pytest.mark.slow
 def test_cli_help():
     proc = subprocess.run([sys.executable, str(REPO / "bench_configs" / "restore.py"), "--help"],
                           capture_output=True, text=True, check=True)

@@ -110,6 +110,7 @@ def test_unknown_field_hint_is_on_the_same_line(tmp_path):
     assert _assert_one_error_line(result).endswith("did you mean 'block_size'?")
 
 
+@pytest.mark.slow
 def test_usage_error_from_the_real_entry_point(tmp_path):
     res = subprocess.run(
         [sys.executable, "-m", "kvtool.cli.app", "serve-once", "--bogus"],

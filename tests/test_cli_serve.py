@@ -29,6 +29,7 @@ def kvtool(*args, env=None, **kw):
                           env=full_env, cwd=REPO, **kw)
 
 
+@pytest.mark.slow  # tests/test_docs.py checks the same, one command per test, in the fast set
 def test_every_command_has_help_with_an_example():
     top = runner.invoke(app_module.app, ["--help"])
     assert top.exit_code == 0 and "Example" in top.output
@@ -49,6 +50,7 @@ def test_every_command_has_help_with_an_example():
     (["--prompt", "hi", "--prompt-file", "x"], "exactly one"),
     ([], "exactly one"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_clean_line(args, needle, tmp_path):
     res = kvtool("serve-once", "--cache-dir", str(tmp_path), *args)
     assert res.returncode == 2
@@ -56,6 +58,7 @@ def test_bad_input_is_one_clean_line(args, needle, tmp_path):
     assert len([line for line in res.stderr.splitlines() if line.strip()]) == 1
 
 
+@pytest.mark.slow
 def test_bad_config_file_value_names_the_field(tmp_path):
     cfg = tmp_path / "kv.toml"
     cfg.write_text("block_size = -3\n")
@@ -63,6 +66,7 @@ def test_bad_config_file_value_names_the_field(tmp_path):
     assert res.returncode == 2 and "block_size" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_two_processes_share_the_ssd_tier(tmp_path):
     """The acceptance scenario: a >= 1,000-token prompt served by two processes in a row."""
     args = ["serve-once", "--json", "--prompt-file", str(DEMO), "--max-tokens", "16"]
@@ -92,6 +96,7 @@ def test_two_processes_share_the_ssd_tier(tmp_path):
     assert a["stats"]["ssd_segments_written"] == 1 and a["ssd_disabled_reason"] is None
 
 
+@pytest.mark.slow
 def test_requests_file_serves_in_order_with_ram_hits(tmp_path):
     text = DEMO.read_text()[:3000]
     reqs = tmp_path / "r.jsonl"
@@ -107,6 +112,7 @@ def test_requests_file_serves_in_order_with_ram_hits(tmp_path):
     assert r[1]["ram_hit_tokens"] > 0 and r[1]["ssd_hit_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_takes_the_clean_path(tmp_path):
     """SIGTERM while serving: the writer drains, the index records a clean shutdown, exit 143."""
     text = DEMO.read_text()
@@ -131,6 +137,7 @@ def test_sigterm_takes_the_clean_path(tmp_path):
     assert meta["shutdown_clean"] == "1"
 
 
+@pytest.mark.slow
 def test_mlx_lm_conventions_stdin_chat_template_and_max_tokens(tmp_path):
     """`--prompt -` reads stdin, the chat template is applied like mlx_lm.generate, -n is --max-tokens."""
     from mlx_lm import load
@@ -153,6 +160,7 @@ def test_mlx_lm_conventions_stdin_chat_template_and_max_tokens(tmp_path):
     assert json.loads(raw.stdout)["requests"][0]["prompt_tokens"] == len(tok.encode("hello world"))
 
 
+@pytest.mark.slow
 def test_max_kv_size_is_refused_with_one_line(tmp_path):
     res = kvtool("serve-once", "--prompt", "hi", "--max-kv-size", "128", "--cache-dir", str(tmp_path))
     assert res.returncode == 2

@@ -215,9 +215,9 @@ def test_one_version_string_from_pyproject():
     res = cli("--version")
     assert res.exit_code == 0 and res.stdout.strip() == f"kvtool {version}"
     assert importlib.metadata.version("kvtool") == kvtool.__version__ == version
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    newest = re.search(r"^## Changes in (\d+\.\d+)", readme, re.M)
-    assert newest and version.startswith(newest.group(1) + "."), "README's newest 'Changes in' is not this version"
+    upgrading = (REPO / "docs" / "operations.md").read_text(encoding="utf-8")
+    newest = re.search(r"^#+ Changes in (\d+\.\d+)", upgrading, re.M)
+    assert newest and version.startswith(newest.group(1) + "."), "docs/operations.md's newest 'Changes in' is not this version"
 
 
 # ------------------------------------------------------------------ 6. schema_version everywhere

@@ -223,6 +223,7 @@ def test_config_error_is_a_kvtool_error_with_exit_code_and_hint():
     assert KVToolError("x", exit_code=3).exit_code == 3 and KVToolError("x").hint is None
 
 
+@pytest.mark.slow
 def test_errors_module_imports_nothing_heavy():
     code = "import sys, kvtool.errors; print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'pydantic', 'typer', 'numpy')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

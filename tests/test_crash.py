@@ -279,6 +279,7 @@ SSDStore(sys.argv[1], make_layout(), make_meta())
     ("before_schema", "_transaction"),  # BlockIndex.__init__ connected (file exists), no tables yet
     ("before_meta", "get_meta"),  # schema committed, SSDStore._open has not written the meta yet
 ])  # fmt: skip
+@pytest.mark.slow
 def test_sigkill_while_a_new_namespace_is_created(tmp_path, where, method):
     """Regression for a crash window the random test can hit ('loaded' target): a process killed
     while `SSDStore._open` creates a new namespace leaves `index.sqlite` without tables or with an

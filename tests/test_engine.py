@@ -193,6 +193,7 @@ def test_sampling_with_seed_is_reproducible_and_cache_independent(tiny, prompt_i
     eng.close()
 
 
+@pytest.mark.slow
 def test_forgotten_close_still_drains_and_exits(tmp_path):
     """The writer thread is non-daemon; a program that never calls close() must still exit, with
     every accepted block written (drained by the interpreter-exit hook)."""

@@ -333,6 +333,7 @@ def test_rotating_from_full_is_mlx_lm_state():
     pytest.param("mamba", 2048, id="mamba-ssm"),
     pytest.param("lfm2", 40, id="lfm2-small-chunks", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow
 def test_state_checkpoints_equal_mlx_lm(zoo, family, step, tmp_path):
     """State layers (ArraysCache): a hit at block k restores the state checkpoint of block k plus
     the attention layers' KV; exact replays (tail entry: the state before the last token), longer

@@ -92,11 +92,13 @@ WRITE_FAULTS = [("ENOSPC", "write_all"), ("EIO", "write_all"), ("EACCES", "open_
 @pytest.mark.parametrize("writer", sorted(WRITERS))
 @pytest.mark.parametrize("durability", ["best_effort", "persistent"])
 @pytest.mark.parametrize("code,op", WRITE_FAULTS, ids=[f"{c}-{o}" for c, o in WRITE_FAULTS])
+@pytest.mark.slow
 def test_write_fault_keeps_serving_from_ram(tiny_model, prompt, reference, tmp_path, writer, durability, code, op):
     _write_fault_case(tiny_model, prompt, reference, tmp_path, writer, durability, code, op)
 
 
 @pytest.mark.parametrize("writer", sorted(WRITERS))
+@pytest.mark.slow
 def test_durable_fsync_fault_is_retried(tiny_model, prompt, reference, tmp_path, writer):
     _write_fault_case(tiny_model, prompt, reference, tmp_path, writer, "durable", "EIO", "fsync")
 

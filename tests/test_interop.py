@@ -108,6 +108,7 @@ def engine_for(loaded, cache_dir: Path, **kw) -> Engine:
 
 
 # ------------------------------------------------------------------ with mlx-lm's tools
+@pytest.mark.slow
 def test_cache_prompt_file_imports_and_serves_from_ssd(tmp_path, tiny_model, tiny_dir):
     tok = tiny_model.tokenizer
     f = tmp_path / "doc.safetensors"
@@ -157,6 +158,7 @@ def test_cache_prompt_file_imports_and_serves_from_ssd(tmp_path, tiny_model, tin
     assert json.loads(meta_out["tokenizer_config"]) == json.loads(meta_in["tokenizer_config"])
 
 
+@pytest.mark.slow
 def test_warmed_prompt_exports_for_mlx_generate(tmp_path, tiny_model, tiny_dir):
     tok = tiny_model.tokenizer
     assert tok.encode(PREFIX + SUFFIX) == tok.encode(PREFIX) + tok.encode(SUFFIX)  # a clean token boundary
@@ -177,6 +179,7 @@ def test_warmed_prompt_exports_for_mlx_generate(tmp_path, tiny_model, tiny_dir):
     assert cached[1] == plain[1] - n  # mlx-lm prefilled only the suffix
 
 
+@pytest.mark.slow
 def test_chat_prompt_export_needs_fill_then_continues_in_mlx_generate(tmp_path, tiny_model, tiny_dir):
     cache_dir, out = tmp_path / "cache", tmp_path / "chat.safetensors"
     with engine_for(tiny_model, cache_dir) as eng:  # what serve-once --prompt PREFIX stores

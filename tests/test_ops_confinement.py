@@ -275,6 +275,7 @@ def fill(cache_dir: Path, close_first: bool) -> SSDStore:
 
 
 @pytest.mark.parametrize("close_first", [False, True], ids=["index-opens", "index-cannot-open"])
+@pytest.mark.slow
 def test_prune_frees_a_full_disk(small_disk, close_first):
     """Prune could not free a 100%-full disk (ENOSPC writing its pid; SQLite could not
     open the index). Now: the lock is taken without writing, and the index's rows are deleted

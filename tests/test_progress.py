@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvtool.cli.progress import INTERVAL_ENV, LineProgress, interval_s
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,6 +62,7 @@ def test_interval_setting(monkeypatch):
     assert interval_s() == 10.0
 
 
+@pytest.mark.slow
 def test_warm_validate_prune_print_progress_lines_without_a_terminal(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt about the cache and a few more words here\n"

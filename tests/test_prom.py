@@ -111,6 +111,7 @@ def kvtool(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_serve_once_metrics_file(tmp_path):
     prompt = tmp_path / "doc.txt"
     prompt.write_text(DEMO[:1500])
@@ -135,6 +136,7 @@ def test_serve_once_metrics_file(tmp_path):
     assert value(second, "kvtool_prompt_tokens_total") == req["prompt_tokens"]
 
 
+@pytest.mark.slow
 def test_metrics_file_in_a_missing_directory_is_one_error_line(tmp_path):
     res = kvtool("serve-once", "-p", "hi", "--cache-dir", str(tmp_path), "--metrics-file", str(tmp_path / "no" / "m.prom"))
     lines = [line for line in res.stderr.splitlines() if line.strip()]

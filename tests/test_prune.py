@@ -299,6 +299,7 @@ def test_errors(cache, tmp_path):
 
 
 # ------------------------------------------------------------------ lock
+@pytest.mark.slow
 def test_lock_refuses_a_second_prune(cache):
     cache_dir, store, _ = cache
     with cache_lock(cache_dir):
@@ -379,6 +380,7 @@ def test_cli_missing_cache_dir_and_help(tmp_path):
 
 
 # ------------------------------------------------------------------ prune while serving
+@pytest.mark.slow
 def test_prune_while_another_process_serves(tmp_path, tiny_model):
     """`prune --max-bytes` (tiny budget) runs again and again in this process while
     `kvtool serve-once` answers requests from the same cache in another: no request fails and

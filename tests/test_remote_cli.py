@@ -63,6 +63,7 @@ def _split_chain(model_id: str, n: int = 2, seed: int = 0):
 
 
 # ----------------------------------------------------------------------------- inspect
+@pytest.mark.slow
 def test_inspect_json_and_human(redis_node):
     a, b = make_chain(5, model_id="cli-inspect-a", seed=1), _split_chain("cli-inspect-b")
     _fill(redis_node.url, a)
@@ -79,6 +80,7 @@ def test_inspect_json_and_human(redis_node):
     assert human.exit_code == 0 and a.layout_key in human.stdout and "redis 6." in human.stdout
 
 
+@pytest.mark.slow
 def test_inspect_cluster(redis_cluster):
     chain = make_chain(9, model_id="cli-inspect-cluster", seed=2)
     _fill(redis_cluster.url, chain)
@@ -88,6 +90,7 @@ def test_inspect_cluster(redis_cluster):
 
 
 # ----------------------------------------------------------------------------- validate
+@pytest.mark.slow
 def test_validate_finds_and_deletes_bad_values(fresh_redis):
     chain = make_chain(6, model_id="cli-validate", seed=3)
     split = _split_chain("cli-validate-split", seed=4)
@@ -116,6 +119,7 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
 
 
 # ----------------------------------------------------------------------------- rm
+@pytest.mark.slow
 def test_rm_namespace_and_hashes(redis_node):
     chain = make_chain(4, model_id="cli-rm", seed=5)
     split = _split_chain("cli-rm-split", seed=6)
@@ -139,6 +143,7 @@ def test_rm_namespace_and_hashes(redis_node):
 
 
 # ----------------------------------------------------------------------------- prune
+@pytest.mark.slow
 def test_prune_budget_and_idle(fresh_redis):
     a, b = make_chain(10, model_id="cli-prune-a", seed=7), make_chain(10, model_id="cli-prune-b", seed=8)
     _fill(fresh_redis.url, a)
@@ -169,6 +174,7 @@ def test_prune_budget_and_idle(fresh_redis):
 
 
 # ----------------------------------------------------------------------------- bad input
+@pytest.mark.slow
 def test_bad_urls_unreachable_hosts_wrong_passwords_tls_are_one_error_line(redis_auth, redis_node):
     _one_error_line(_kvtool("remote", "inspect", "--url", f"http://:{AUTH_PASSWORD}@host"), "scheme", "***")
     _one_error_line(_kvtool("remote", "inspect", "--url", f"redis://:{AUTH_PASSWORD}@host:99999"), "***")

@@ -40,6 +40,7 @@ def _get(store: RemoteStore, chain, **kw):
 # ----------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("codec", ["none", "zstd"])
+@pytest.mark.slow
 def test_round_trip_single_node(redis_node, dtype, codec):
     chain = make_chain(8, model_id=f"rt-{dtype}-{codec}", dtype=dtype, seed=1)
     with _store(redis_node.url, chain, codec=codec) as store:
@@ -57,6 +58,7 @@ def test_round_trip_single_node(redis_node, dtype, codec):
         assert store.longest_prefix(chain.hashes) == 0
 
 
+@pytest.mark.slow
 def test_round_trip_cluster_spreads_a_namespace(redis_cluster):
     chain = make_chain(24, model_id="rt-cluster", seed=2)
     with _store(redis_cluster.url, chain) as store:
@@ -70,6 +72,7 @@ def test_round_trip_cluster_spreads_a_namespace(redis_cluster):
 
 
 @pytest.mark.parametrize("where", ["node", "cluster"])
+@pytest.mark.slow
 def test_split_values_round_trip_and_delete(request, where):
     server = request.getfixturevalue("redis_node" if where == "node" else "redis_cluster")
     chain = make_chain(3, model_id=f"split-{where}", dtype="float32", head_dim=64, block_size=16, seed=3)
@@ -88,6 +91,7 @@ def test_split_values_round_trip_and_delete(request, where):
             assert not list(client.scan_iter(match=f"*{chain.hashes[0]}*"))  # parts went with it
 
 
+@pytest.mark.slow
 def test_an_evicted_part_is_a_miss_not_corruption(redis_node):
     chain = make_chain(1, model_id="split-evicted", dtype="float32", head_dim=64, block_size=16, seed=4)
     with _store(redis_node.url, chain, max_value_bytes=4096) as store:
@@ -101,6 +105,7 @@ def test_an_evicted_part_is_a_miss_not_corruption(redis_node):
         assert not list(client.scan_iter(match=f"*{chain.hashes[0]}*"))  # manifest and other parts gone
 
 
+@pytest.mark.slow
 def test_round_trip_over_a_unix_socket(tmp_path):
     sock = tmp_path / "redis.sock"
     chain = make_chain(3, model_id="unix", seed=17)
@@ -133,6 +138,7 @@ def _corrupt_cases(chain, other_chain, other_layout):
 
 
 @pytest.mark.parametrize("case", list(_corrupt_cases(make_chain(2), make_chain(1, model_id="x"), make_chain(1, head_dim=16))[1]))
+@pytest.mark.slow
 def test_a_bad_value_is_a_miss_deleted_and_counted(redis_node, case):
     chain = make_chain(2, model_id=f"corrupt-{case}", seed=5)
     other = make_chain(1, model_id="other-model", seed=6)
@@ -187,6 +193,7 @@ def test_value_format_is_a_one_record_segment():
 
 
 # ----------------------------------------------------------------------------- faults
+@pytest.mark.slow
 def test_sigkill_misses_within_deadline_breaker_then_recovery(fresh_redis):
     chain = make_chain(4, model_id="faults-kill", seed=10)
     with _store(fresh_redis.url, chain, breaker_backoff_s=0.3) as store:
@@ -210,6 +217,7 @@ def test_sigkill_misses_within_deadline_breaker_then_recovery(fresh_redis):
         assert store.available and store.stats()["remote_breaker_open"] == 0
 
 
+@pytest.mark.slow
 def test_sigstop_returns_within_deadline(fresh_redis):
     chain = make_chain(4, model_id="faults-stop", seed=11)
     with _store(fresh_redis.url, chain, breaker_backoff_s=0.3) as store:
@@ -231,6 +239,7 @@ def test_sigstop_returns_within_deadline(fresh_redis):
         assert all(g is not None and same_block(g, b) for g, b in zip(got, chain.blocks))
 
 
+@pytest.mark.slow
 def test_down_at_start_then_reconnects(caplog):
     chain = make_chain(2, model_id="faults-start", seed=12)
     server = RedisServer()
@@ -253,6 +262,7 @@ def test_down_at_start_then_reconnects(caplog):
         server.close()
 
 
+@pytest.mark.slow
 def test_cluster_node_killed_misses_within_deadline():
     from tests.redis_servers import RedisClusterProcesses
 
@@ -269,6 +279,7 @@ def test_cluster_node_killed_misses_within_deadline():
 
 
 # ----------------------------------------------------------------------------- eviction
+@pytest.mark.slow
 def test_eviction_under_maxmemory_gives_misses_not_errors(redis_lru):
     chain = make_chain(400, model_id="evict", dtype="float32", head_dim=64, block_size=16, seed=14)
     nbytes = sum(len(rv.encode_value(b, chain.layout_key, chain.kv)) for b in chain.blocks)
@@ -288,6 +299,7 @@ def test_eviction_under_maxmemory_gives_misses_not_errors(redis_lru):
 
 
 # ----------------------------------------------------------------------------- passwords
+@pytest.mark.slow
 def test_password_from_url_or_env_and_never_shown(redis_auth, monkeypatch, caplog):
     chain = make_chain(2, model_id="auth", seed=15)
     with _store(redis_auth.url, chain) as store:
@@ -306,6 +318,7 @@ def test_password_from_url_or_env_and_never_shown(redis_auth, monkeypatch, caplo
 
 
 # ----------------------------------------------------------------------------- writer
+@pytest.mark.slow
 def test_writer_drops_what_does_not_fit_and_drains(redis_node):
     chain = make_chain(10, model_id="writer", seed=16)
     size = chain.blocks[0].nbytes

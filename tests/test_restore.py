@@ -409,6 +409,7 @@ def test_file_unlinked_between_lookup_and_open_by_fs_hook(tmp_path):
 
 
 @pytest.mark.parametrize("remover", ["same_store", "other_handle"])
+@pytest.mark.slow
 def test_restore_while_another_thread_removes_segments(tmp_path, small_tasks, remover):
     """Reader: lookup + restore in a loop. Remover: remove random blocks (segments unlinked once
     empty) and save them again (new segments). Every restore must return without raising and place

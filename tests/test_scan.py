@@ -259,6 +259,7 @@ def _mlx_modules(args: list[str], cwd: Path) -> tuple[subprocess.CompletedProces
     ],
     ids=lambda a: " ".join(a),
 )
+@pytest.mark.slow
 def test_operator_commands_never_import_mlx(tmp_path, args):
     cache_dir = tmp_path / "kv"
     store = open_store(cache_dir)  # a real namespace: validate/prune/inspect read it
@@ -270,6 +271,7 @@ def test_operator_commands_never_import_mlx(tmp_path, args):
     assert mlx == set(), f"{' '.join(args)} imported {sorted(mlx)}"
 
 
+@pytest.mark.slow
 def test_validate_on_an_empty_cache_never_imports_mlx(tmp_path):
     res, mlx = _mlx_modules(["validate", "--cache-dir", str(tmp_path)], REPO)
     assert res.returncode == 0 and "no namespaces" in res.stdout and mlx == set()

@@ -400,6 +400,7 @@ def assert_one_error(res: subprocess.CompletedProcess, needle: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_serve_once_from_dev_zero_is_one_error_line(tmp_path):
     """An endless prompt source is refused after the limit (the kernel killed it before)."""
     cache = ["--cache-dir", str(tmp_path)]
@@ -414,6 +415,7 @@ def test_serve_once_from_dev_zero_is_one_error_line(tmp_path):
     assert_one_error(kvtool("warm", "/dev/zero", *cache), "--max-prompt-bytes")
 
 
+@pytest.mark.slow
 def test_prompt_sources_over_the_limit_and_deep_json(tmp_path):
     cache = ["--cache-dir", str(tmp_path / "cache")]
     big = tmp_path / "big.txt"

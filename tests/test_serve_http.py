@@ -170,6 +170,7 @@ def kvtool_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 # --------------------------------------------------------------------------- end to end
+@pytest.mark.slow
 def test_serve_matches_mlx_lm_server_across_restart_sighup_and_sigterm(tmp_path):
     model_path = kvtool_cli("model", "path", "tiny").stdout.strip()
     cfg = tmp_path / "kv.toml"
@@ -256,6 +257,7 @@ def test_serve_matches_mlx_lm_server_across_restart_sighup_and_sigterm(tmp_path)
             a.kill()
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_clean_line(tmp_path):
     for args, needle in ((["--model", "./no/such/model"], "model path not found"),
                          (["--max-kv-size", "64"], "RotatingKVCache"),
@@ -266,6 +268,7 @@ def test_bad_input_is_one_clean_line(tmp_path):
         assert needle in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.slow
 def test_address_in_use_is_refused(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

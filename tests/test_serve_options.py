@@ -41,6 +41,7 @@ def _options(args: list[str]) -> set[str]:
     return set(OPTION.findall(res.stdout))
 
 
+@pytest.mark.slow
 def test_serve_help_lists_every_mlx_lm_server_option():
     ours = _options(["-m", "kvtool.cli.app", "serve", "--help"])
     theirs = _options(["-m", "mlx_lm.server", "--help"])

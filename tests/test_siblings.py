@@ -57,6 +57,7 @@ def test_common_prefix_and_truncate():
     assert np.array_equal(cut.values[0], (k + 1)[:, :, :2, :])
 
 
+@pytest.mark.slow
 def test_mid_block_divergence_reuses_the_shared_tokens_from_ram_and_ssd(tiny_model, prompts, tmp_path):
     a, b = prompts
     ref = generate(tiny_model, b)
@@ -79,6 +80,7 @@ def test_mid_block_divergence_reuses_the_shared_tokens_from_ram_and_ssd(tiny_mod
         assert pc.stats()["kv_partial_block_hits"] == 1
 
 
+@pytest.mark.slow
 def test_mid_block_divergence_from_the_writers_pending_buffer(tiny_model, prompts, tmp_path):
     class BlockedWriteFS(FileOps):
         def __init__(self):
@@ -105,6 +107,7 @@ def test_mid_block_divergence_from_the_writers_pending_buffer(tiny_model, prompt
     assert pc.close().shutdown_clean
 
 
+@pytest.mark.slow
 def test_corrupt_sibling_record_is_a_miss(tiny_model, prompts, tmp_path):
     a, b = prompts
     with PrefixCache.for_model(tiny_model.model, config(tmp_path), model_id=tiny_model.model_id) as pc:

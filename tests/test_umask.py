@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -24,6 +26,7 @@ def _serve(cache: Path, *extra: str) -> None:
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow
 def test_umask_000_still_gives_private_directories(tmp_path):
     cache = tmp_path / "kv"
     _serve(cache)
@@ -31,6 +34,7 @@ def test_umask_000_still_gives_private_directories(tmp_path):
     assert modes and all(m == 0o700 for m in modes.values()), modes  # namespace and fan-out dirs
 
 
+@pytest.mark.slow
 def test_group_shared_mode_from_the_config(tmp_path):
     cfg = tmp_path / "kvtool.toml"
     cfg.write_text("ssd_dir_mode = 0o2770\n")

@@ -389,6 +389,7 @@ with cache_lock(Path(sys.argv[1])):
 """
 
 
+@pytest.mark.slow
 def test_repair_waits_for_the_maintenance_lock_dry_run_does_not(cache, cli):
     """Another process (a prune, rm or validate) holds the lock: a repairing validate refuses
     with exit 3 and changes nothing; a dry run still reads and reports."""

@@ -119,6 +119,7 @@ def test_warm_writes_through_whatever_the_policy(tmp_path, tiny_model, prompts_f
     assert validate(cache_dir, deep=True).problems == 0
 
 
+@pytest.mark.slow
 def test_warm_then_serve_in_a_new_process_hits_ssd_and_matches_uncached(tmp_path, tiny_model, prompts_file, texts):
     cache_dir = tmp_path / "kv"
     args = ["warm", "--cache-dir", str(cache_dir), "--block-size", str(BS), "--json", str(prompts_file)]
@@ -174,6 +175,7 @@ def test_interrupt_drains_and_keeps_what_was_written(tmp_path, tiny_model, promp
     assert status.shutdown_clean and validate(cache_dir, deep=True).problems == 0
 
 
+@pytest.mark.slow
 def test_sigint_in_a_subprocess_exits_130_after_draining(tmp_path):
     text = " ".join(DEMO.read_text(encoding="utf-8").split())
     src = tmp_path / "many.txt"
