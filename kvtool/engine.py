@@ -187,7 +187,7 @@ class Engine:
         return self.cache.namespace_dir
 
     def layout_key_for(self, block_size: int) -> str | None:
-        """The layout key (namespace) of this model for `block_size`, or None. Opens nothing."""
+        """The layout key (the name of its namespace) of this model for `block_size`, or None. Opens nothing."""
         return self.cache.layout_key_for(block_size)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:

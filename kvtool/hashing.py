@@ -80,7 +80,7 @@ def chain_hashes(
     Args:
         token_ids: prompt token ids (int).
         block_size: tokens per block.
-        layout: the layout key (namespace); seeds the first parent.
+        layout: the layout key (the namespace's name); seeds the first parent.
         hash_fn: injectable hash for tests (e.g. to force collisions).
 
     Returns:

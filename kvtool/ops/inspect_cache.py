@@ -158,7 +158,7 @@ class InspectReport:
     def select(self, sort: InspectSort | str | None = InspectSort.NAME, text: str | None = None,
                limit: int | None = None) -> InspectReport:  # fmt: skip
         """A copy with the namespaces sorted, filtered (`text`: a case-insensitive substring of
-        the model name or the namespace key) and cut to the first `limit`.
+        the model name or the layout key) and cut to the first `limit`.
 
         Raises:
             ValueError: an unknown sort key or a negative limit.

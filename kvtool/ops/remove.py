@@ -169,7 +169,7 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
 
 
 def _entries_matching(cache_dir: Path, prefix: str) -> list[str]:
-    """Names in the cache root that look like a namespace key starting with `prefix` (directories
+    """Names in the cache root that look like a layout key starting with `prefix` (directories
     and symlinks alike); [] if the root cannot be listed."""
     try:
         names = sorted(os.listdir(cache_dir))

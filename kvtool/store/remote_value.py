@@ -1,7 +1,7 @@
 """The remote tier's values and keys: the same verified bytes as a segment file, under one key.
 
 Value: a one-record segment (format 2, `kvtool.store.segment.encode([block], ...)`), byte for
-byte what a one-block segment file holds: the header (format, namespace = layout key, KV layout,
+byte what a one-block segment file holds: the header (format, layout key, KV layout,
 the slot's `hash:parent:n_tokens:checksum`, `header_checksum`), then the record (token ids, per
 layer K / V, state arrays; compressed under the namespace's codec). So a remote hit is verified
 as an SSD hit is: header checksum, namespace and KV layout, slot hash / parent / length, record
