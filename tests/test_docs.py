@@ -156,3 +156,10 @@ def test_every_file_readme_links_to_exists():
     assert targets
     missing = [t for t in targets if not t.startswith(("http://", "https://")) and not (REPO / t).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("doc", sorted((REPO / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_every_file_a_doc_links_to_exists(doc):
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8"))
+    missing = [t for t in targets if not t.startswith(("http://", "https://")) and not (doc.parent / t).exists()]
+    assert not missing, f"{doc.relative_to(REPO)} links to files that do not exist: {missing}"
