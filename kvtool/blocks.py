@@ -17,8 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
 from kvtool.hashing import (  # noqa: F401  (re-exported)
     HASH_DIGEST_BYTES,
@@ -30,7 +29,8 @@ from kvtool.hashing import (  # noqa: F401  (re-exported)
     tail_hash,
 )
 from kvtool.hostblock import HostBlock  # noqa: F401  (re-exported: the MLX-free half of a block)
-from kvtool.store.segment import KVLayout
+from kvtool.store.kvlayout import KVLayout
+from kvtool.windows import WindowedKVCache, as_windowed, rotating_from_full, rotating_layout  # noqa: F401  (re-exported)
 
 CACHE_STEP = KVCache.step  # mlx-lm grows a KVCache in steps of this many tokens (256)
 
@@ -56,100 +56,127 @@ def dtype_name(dtype: mx.Dtype) -> str:
         raise ValueError(f"unsupported KV dtype {dtype}") from None
 
 
-def unsupported_cache_reason(cache: list, allow_rotating: bool = False, allow_state: bool = False) -> str | None:
+def leaves(cache: Sequence) -> list:
+    """The leaf caches of a model's prompt cache, in order: every `CacheList` (a layer holding
+    several caches, e.g. a state and an attention cache) is flattened, recursively."""
+    out: list = []
+    for c in cache:
+        if isinstance(c, CacheList):
+            out += leaves(c.caches)
+        else:
+            out.append(c)
+    return out
+
+
+def cache_kinds(cache: Sequence) -> str:
+    """The structure of a prompt cache as `KVLayout.kinds`: per entry `k` (a KV leaf), the
+    number of arrays of an `ArraysCache`, or `(`...`)` around the leaves of a `CacheList`."""
+    out = ""
+    for c in cache:
+        if isinstance(c, CacheList):
+            out += "(" + cache_kinds(c.caches) + ")"
+        elif isinstance(c, ArraysCache):
+            out += str(len(c.cache))
+        else:
+            out += "k"
+    return out
+
+
+def unsupported_cache_reason(cache: list, allow_rotating: bool = False, allow_state: bool = False,
+                             allow_lists: bool = False) -> str | None:
     """Why a model's prompt cache cannot be stored block-wise, or None if it can.
 
     Plain full-attention `KVCache` layers are supported; with `allow_rotating`, also
     sliding-window `RotatingKVCache` layers with `keep == 0` (stored from a full-attention view,
     see `WindowedKVCache`); with `allow_state`, `ArraysCache` state layers (checkpointed at
-    block ends). QuantizedKVCache, CacheList or any other class would give wrong KV if sliced.
+    block ends); with `allow_lists`, `CacheList` entries whose leaves are supported. Quantized
+    caches, `ChunkedKVCache`, rotating layers with `keep > 0` or any other class would give
+    wrong KV if sliced. Whether a supported structure is exact for a given model is measured by
+    `kvtool.selfcheck`, not assumed here.
     """
+    if not allow_lists and any(isinstance(c, CacheList) for c in cache):
+        return "cache layers of type CacheList are not plain KVCache"
+    flat = leaves(cache)
+
     def ok(c) -> bool:
         return (type(c) is KVCache or (allow_rotating and type(c) is RotatingKVCache and c.keep == 0)
                 or (allow_state and type(c) is ArraysCache))
 
-    kinds = sorted({type(c).__name__ for c in cache if not ok(c)})
+    bad = [c for c in flat if not ok(c)]
+    kinds = sorted({type(c).__name__ for c in bad})
     if kinds:
-        if allow_rotating and "RotatingKVCache" in kinds:
-            return f"cache layers of type {', '.join(kinds)} are not plain KVCache (or RotatingKVCache with keep=0)"
+        if allow_rotating and any(type(c) is RotatingKVCache for c in bad):
+            keeps = sorted({c.keep for c in bad if type(c) is RotatingKVCache})
+            return (f"cache layers of type {', '.join(kinds)} are not plain KVCache (or RotatingKVCache with "
+                    f"keep=0; here keep={','.join(map(str, keeps))})")
         return f"cache layers of type {', '.join(kinds)} are not plain KVCache"
-    if not cache:
+    if not flat:
         return "the model has no KV cache layers"
     return None
 
 
 def sliding_windows(cache: list) -> tuple[int | None, ...]:
-    """Per layer the window (`max_size`) of a `RotatingKVCache` layer, None for other layers."""
-    return tuple(c.max_size if type(c) is RotatingKVCache else None for c in cache)
+    """Per leaf (`leaves`) the window (`max_size`) of a `RotatingKVCache`, None for other leaves."""
+    return tuple(c.max_size if type(c) is RotatingKVCache else None for c in leaves(cache))
 
 
-class WindowedKVCache(KVCache):
-    """A full-attention view of a sliding-window layer, used while prefilling.
+def map_leaves(cache: Sequence, fn) -> list:
+    """The same structure (`CacheList`s rebuilt) with every leaf replaced by `fn(leaf, i)`, `i`
+    its index in `leaves(cache)`."""
+    counter = iter(range(1 << 30))
 
-    It keeps every token's KV (so blocks can be cut from it and restored into it, as for any
-    `KVCache`) and masks attention to the last `max_size` tokens, as mlx-lm's `RotatingKVCache`
-    does. Measured bit-identical on the CPU backend (llama sliding layers, gemma3_text): a layer
-    prefilled this way and converted by `rotating_from_full` continues exactly as mlx-lm's own
-    rotating path, for prompts shorter and longer than the window and any chunking.
-    """
+    def walk(entries):
+        out = []
+        for c in entries:
+            if isinstance(c, CacheList):
+                out.append(CacheList(*walk(c.caches)))
+            else:
+                out.append(fn(c, next(counter)))
+        return out
 
-    def __init__(self, max_size: int):
-        super().__init__()
-        self.max_size = max_size
-
-    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False, **kwargs):
-        return create_causal_mask(N, self.offset, window_size=window_size or self.max_size)
-
-
-def as_windowed(c: KVCache, max_size: int) -> WindowedKVCache:
-    """The same buffers as a `WindowedKVCache` (no copy)."""
-    w = WindowedKVCache(max_size)
-    w.keys, w.values, w.offset = c.keys, c.values, c.offset
-    return w
+    return walk(cache)
 
 
-def rotating_layout(n: int, max_size: int, step: int) -> tuple[np.ndarray, int]:
-    """Which token each slot of mlx-lm's `RotatingKVCache(max_size, keep=0)` holds after
-    generate_step prefilled `n` tokens in chunks of `step`, and its `_idx`.
+def with_windows(cache: Sequence, windows: Sequence[int | None]) -> list:
+    """A restored cache with its sliding-window leaves as `WindowedKVCache` full views (no copy);
+    `windows` per leaf as `sliding_windows` (empty: unchanged)."""
+    if not windows:
+        return list(cache)
 
-    Runs mlx-lm's own `update_and_fetch` (concatenating chunks of several tokens, writing a
-    one-token chunk in place, trimming and rotating) on token numbers instead of KV, so the
-    layout is mlx-lm's by construction. Returns `(slots, idx)`: per buffer slot the token
-    number, or -1 for a slot mlx-lm allocated but has not written (zeros).
-    """
-    r = RotatingKVCache(max_size=max_size, keep=0)
-    pos = 0
-    while pos < n:
-        end = min(pos + step, n)
-        marks = mx.arange(pos + 1, end + 1, dtype=mx.float32).reshape(1, 1, end - pos, 1)
-        r.update_and_fetch(marks, marks)
-        pos = end
-    slots = np.array(r.keys[0, 0, :, 0]).astype(np.int64) - 1  # exact: token numbers < 2**24
-    return slots, int(r._idx)
+    def view(c, i: int):
+        w = windows[i]
+        return as_windowed(c, w) if w is not None else c
+
+    return map_leaves(cache, view)
 
 
-def rotating_from_full(c: KVCache, n: int, max_size: int, step: int) -> RotatingKVCache:
-    """mlx-lm's own `RotatingKVCache` state after its prefill of `n` tokens in chunks of `step`,
-    built from a full view `c` holding (at least) those tokens' KV: the same buffer (slot by
-    slot, see `rotating_layout`), `offset` and `_idx`, so the next `update_and_fetch` (the last
-    prompt token, then decode) continues exactly as mlx-lm's does."""
-    r = RotatingKVCache(max_size=max_size, keep=0)
-    if n == 0:
-        return r
-    if n >= 1 << 24:
-        raise ValueError("prompt too long for the rotating layout simulation")
-    slots, idx = rotating_layout(n, max_size, step)
-    lo = int(slots[0])
-    if lo >= 0 and np.array_equal(slots, np.arange(lo, lo + len(slots))):
-        r.keys = mx.contiguous(c.keys[..., lo : lo + len(slots), :])
-        r.values = mx.contiguous(c.values[..., lo : lo + len(slots), :])
-    else:
-        take = mx.array(np.maximum(slots, 0).astype(np.int32))
-        empty = mx.array(slots < 0).reshape(1, 1, -1, 1)
-        r.keys = mx.where(empty, mx.zeros((), c.keys.dtype), mx.take(c.keys, take, axis=2))
-        r.values = mx.where(empty, mx.zeros((), c.values.dtype), mx.take(c.values, take, axis=2))
-    r.offset, r._idx = n, idx
-    return r
+def trim_kv(cache: Sequence, n: int) -> None:
+    """Trim `n` tokens off every KV leaf (state leaves hold no tokens; see `kvtool.prefix`)."""
+    for c in leaves(cache):
+        if not isinstance(c, ArraysCache):
+            c.trim(n)
+
+
+def kv_offset(cache: Sequence) -> int | None:
+    """Tokens held by the first KV leaf (None: no KV leaf)."""
+    for c in leaves(cache):
+        if not isinstance(c, ArraysCache):
+            return int(c.offset)
+    return None
+
+
+def cache_arrays(cache: Sequence) -> list:
+    """Every array a prompt cache holds (for `mx.eval`), `CacheList`s flattened."""
+    out: list = []
+    for c in leaves(cache):
+        if isinstance(c, ArraysCache):
+            out += [a for a in c.cache if a is not None]
+        elif isinstance(c, QuantizedKVCache):
+            if c.keys is not None:
+                out += list(c.keys) + list(c.values)
+        elif getattr(c, "keys", None) is not None:
+            out += [c.keys, c.values]
+    return out
 
 
 @dataclass
@@ -195,9 +222,11 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
-def _to_mlx(a: np.ndarray, dtype: str) -> mx.array:
+def _to_mlx(a: np.ndarray, dtype: str = "") -> mx.array:
+    """An MLX array of a host array; uint16 is always a bfloat16 bit pattern (no KV or state
+    dtype is uint16), packed uint32 words stay uint32. `dtype` is accepted for callers' clarity."""
     arr = mx.array(a)
-    if dtype == "bfloat16" and a.dtype == np.uint16:  # packed uint32 words stay uint32
+    if a.dtype == np.uint16:
         arr = arr.view(mx.bfloat16)
     return arr
 
@@ -263,8 +292,9 @@ def slice_blocks(
     """Cut blocks (or a tail entry) out of a filled prompt cache, as copies.
 
     Args:
-        cache: per-layer `KVCache` (or `QuantizedKVCache`) whose `offset` covers every span; its
-            buffers may be padded past `offset` (mlx-lm grows them in 256-token steps): only
+        cache: per-layer `KVCache` (or `QuantizedKVCache`) whose `offset` covers every span, in
+            a model's structure (`CacheList`s are flattened, `ArraysCache`s skipped); buffers may
+            be padded past `offset` (mlx-lm grows them in 256-token steps): only
             `[..., :offset, :]` is read.
         token_ids: the prompt token ids.
         spans: `(block_hash, parent_hash, start, stop)` token ranges.
@@ -276,6 +306,7 @@ def slice_blocks(
         Evaluated blocks, each holding copies (not views) of the cache's KV.
     """
     ids = np.asarray(token_ids, dtype=np.int32)
+    cache = leaves(cache)
     if _one_copy_per_layer(cache, spans, kv, states):
         return _slice_run(cache, ids, spans)
     blocks: list[Block] = []
@@ -330,24 +361,29 @@ def cache_capacity(prompt_tokens: int) -> int:
 
 def rebuild_cache(blocks: Sequence[Block], n_layers: int, capacity: int = 0,
                   kv: KVLayout | None = None) -> list:
-    """A fresh per-layer `KVCache` holding the concatenation of `blocks` along the sequence axis.
+    """A fresh cache holding the concatenation of `blocks` along the sequence axis.
 
     Args:
         blocks: a chain of blocks, in prompt order, starting at the first block.
-        n_layers: number of cache layers of the model.
+        n_layers: number of KV layers of the model.
         capacity: buffer length in tokens (>= the blocks' tokens); the rest is decode room.
-        kv: the layout; a quantized one gives `QuantizedKVCache`s (None: plain).
+        kv: the layout; a quantized one gives `QuantizedKVCache`s; one with state layers or
+            cache lists gives the model's structure (`assemble_layers`; None: plain).
 
     Returns:
-        `n_layers` caches with `offset == sum(block tokens)`; empty caches if `blocks` is empty.
+        Per KV layer a cache with `offset == sum(block tokens)` (in the model's structure);
+        empty caches if `blocks` is empty.
     """
     if kv is not None and kv.quantized:
-        return _rebuild_quantized(blocks, kv, capacity)
-    if kv is not None and kv.has_states:
-        kv_caches = rebuild_cache(blocks, kv.n_layers, capacity)
-        n_kv_tensors = kv.n_layers
-        state = [b for b in blocks[-1].values[n_kv_tensors:]] if blocks else None
-        return assemble_layers(kv, kv_caches, state)
+        return after_restore(_rebuild_quantized(blocks, kv, capacity))
+    if kv is not None and kv.kinds:
+        kv_caches = _rebuild_plain(blocks, kv.n_layers, capacity) if kv.n_layers else []
+        state = [b for b in blocks[-1].values[kv.n_layers:]] if blocks and kv.has_states else None
+        return after_restore(assemble_layers(kv, kv_caches, state))
+    return after_restore(_rebuild_plain(blocks, n_layers, capacity))
+
+
+def _rebuild_plain(blocks: Sequence[Block], n_layers: int, capacity: int) -> list:
     caches = [KVCache() for _ in range(n_layers)]
     if not blocks:
         return caches
@@ -390,28 +426,57 @@ def _rebuild_quantized(blocks: Sequence[Block], kv: KVLayout, capacity: int) -> 
 
 
 def assemble_layers(kv: KVLayout, kv_caches: list, state: Sequence | None) -> list:
-    """Per model layer: the KV caches (in order) and, for state layers, an `ArraysCache` holding
-    `state` (the state arrays of every state layer, in layer order; None: empty)."""
-    out: list = []
+    """The model's cache structure (`kv.kinds`) over restored leaves: the KV caches (in order),
+    an `ArraysCache` per state layer holding its part of `state` (the state arrays of every state
+    layer, in order; None: empty), and a `CacheList` per parenthesised group."""
     kv_iter = iter(kv_caches)
+    names = kv.state_dtype_names()
     pos = 0
-    for kind in kv.kinds:
-        if kind == "k":
-            out.append(next(kv_iter))
-            continue
-        n = int(kind)
-        a = ArraysCache(size=n)
-        if state is not None:
-            a.cache = [x if isinstance(x, mx.array) else _to_mlx(x, kv.dtype) for x in state[pos : pos + n]]
-        pos += n
-        out.append(a)
-    return out
+
+    def parse(i: int) -> tuple[list, int]:
+        nonlocal pos
+        out: list = []
+        while i < len(kv.kinds):
+            ch = kv.kinds[i]
+            if ch == "(":
+                inner, i = parse(i + 1)
+                out.append(CacheList(*inner))
+                continue
+            if ch == ")":
+                return out, i + 1
+            if ch == "k":
+                out.append(next(kv_iter))
+            else:
+                n = int(ch)
+                a = ArraysCache(size=n)
+                if state is not None:
+                    a.cache = [x if isinstance(x, mx.array) else _to_mlx(x, names[pos + j])
+                               for j, x in enumerate(state[pos : pos + n])]
+                pos += n
+                out.append(a)
+            i += 1
+        return out, i
+
+    return parse(0)[0] if kv.kinds else list(kv_caches)
+
+
+# A test hook: `after_restore` calls it with every cache a fetch rebuilt from blocks (RAM
+# rebuilds and SSD restores), before the cache is used. Tests set it to break a restore on
+# purpose (the self-check must then fail); never set otherwise.
+restore_hook = None
+
+
+def after_restore(cache: list) -> list:
+    """`cache`, after `restore_hook` (if set) saw it."""
+    if restore_hook is not None:
+        restore_hook(cache)
+    return cache
 
 
 def state_arrays(cache: list) -> list[mx.array]:
-    """The state arrays of a cache's state layers (`ArraysCache`), in layer order (references:
-    mlx-lm replaces them with new arrays at every step, so this is a snapshot)."""
-    return [a for c in cache if isinstance(c, ArraysCache) for a in c.cache]
+    """The state arrays of a cache's state layers (`ArraysCache`, `CacheList`s flattened), in
+    order (references: mlx-lm replaces them with new arrays at every step, so this is a snapshot)."""
+    return [a for c in leaves(cache) if isinstance(c, ArraysCache) for a in c.cache]
 
 
 # ------------------------------------------------------------------ restore buffers
@@ -419,14 +484,16 @@ def kv_layout_of(cache: list[KVCache], bits: int = 0, group_size: int = 0) -> KV
     """The per-layer KV layout of a filled cache (keys/values `[B, H, T, D]`).
 
     Args:
-        cache: plain `KVCache` layers (one token is enough).
+        cache: a model's prompt cache after one token (KV leaves, `ArraysCache` state layers,
+            `CacheList`s of them).
         bits, group_size: quantisation of the layout (0: plain), see `KVLayout`.
 
     Raises:
-        ValueError: unsupported dtype, keys and values with different head counts, or head
-            dims that do not quantise with `bits`/`group_size`.
+        ValueError: unsupported dtype, keys and values with different head counts, head dims
+            that do not quantise with `bits`/`group_size`, or a state layer that is not a batch of
+            one array per slot.
     """
-    if any(isinstance(c, ArraysCache) for c in cache):
+    if any(isinstance(c, (ArraysCache, CacheList)) for c in cache):
         return _layout_with_states(cache, bits, group_size)
     layers = []
     for c in cache:
@@ -439,25 +506,25 @@ def kv_layout_of(cache: list[KVCache], bits: int = 0, group_size: int = 0) -> KV
 
 
 def _layout_with_states(cache: list, bits: int, group_size: int) -> KVLayout:
-    kinds, states, layers, dtypes = "", [], [], set()
-    for c in cache:
+    states, layers, kv_dtypes, state_dtypes = [], [], set(), []
+    for c in leaves(cache):
         if isinstance(c, ArraysCache):
             if not c.cache or any(a is None or a.shape[0] != 1 for a in c.cache) or len(c.cache) > 9:
                 raise ValueError("a state layer whose state is not a batch of one array per slot")
-            kinds += str(len(c.cache))
             states += [tuple(int(x) for x in a.shape) for a in c.cache]
-            dtypes |= {a.dtype for a in c.cache}
+            state_dtypes += [dtype_name(a.dtype) for a in c.cache]
         else:
             _, h, _, dk = c.keys.shape
             _, hv, _, dv = c.values.shape
             if h != hv:
                 raise ValueError(f"keys have {h} heads but values {hv}")
-            kinds += "k"
             layers.append((int(h), int(dk), int(dv)))
-            dtypes |= {c.keys.dtype}
-    if len(dtypes) != 1:
-        raise ValueError(f"state and KV arrays of several dtypes {sorted(str(d) for d in dtypes)}")
-    return KVLayout(tuple(layers), dtype_name(dtypes.pop()), bits, group_size, kinds, tuple(states))
+            kv_dtypes |= {c.keys.dtype, c.values.dtype}
+    if len(kv_dtypes) > 1:
+        raise ValueError(f"KV arrays of several dtypes {sorted(str(d) for d in kv_dtypes)}")
+    dtype = dtype_name(kv_dtypes.pop()) if kv_dtypes else (state_dtypes[0] if state_dtypes else "float32")
+    sdt = tuple(state_dtypes) if any(d != dtype for d in state_dtypes) else ()
+    return KVLayout(tuple(layers), dtype, bits, group_size, cache_kinds(cache), tuple(states), sdt)
 
 
 def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
@@ -471,6 +538,7 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
         kv: the namespace layout (None: plain).
     """
     blocks = []
+    cache = leaves(cache)
     for h, parent, ids, off, *state in spans:
         n = len(ids)
         keys: list[mx.array] = []
@@ -483,7 +551,7 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
             values += v
         if state:  # state layers: the entry's state arrays (host copies from the restore)
             assert kv is not None  # state layers exist only in a layout
-            values += [x if isinstance(x, mx.array) else _to_mlx(x, kv.dtype) for x in state[0]]
+            values += [x if isinstance(x, mx.array) else _to_mlx(x) for x in state[0]]
         blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks

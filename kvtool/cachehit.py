@@ -46,6 +46,8 @@ class CacheHit:
         remaining: int32 prompt tokens still to run through the model (never empty).
         ssd_load_ms: wall time of the SSD restore (ms).
         ssd_bytes_read: record bytes read from SSD.
+        uncached_reason: why a cached prefix of this prompt was found but not used (e.g. KV
+            quantisation: it ends where mlx-lm's cache is not quantized alike); None otherwise.
     """
 
     cache: list
@@ -63,6 +65,7 @@ class CacheHit:
     entries_found: int = field(default=0, repr=False)  # chain entries (blocks + tail) in `cache`
     held: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (tier, handle) to release
     promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
+    uncached_reason: str | None = None
 
 
 __all__ = ["CacheHit", "CacheStats"]

@@ -30,12 +30,20 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from kvtool.blocks import HashFn, blake2b_chain, rotating_from_full, state_arrays
+from kvtool import prefill as prefill_mod
+from kvtool.blocks import HashFn, blake2b_chain
 from kvtool.config import KVToolConfig
-from kvtool.model_kv import DEFAULT_KV_GROUP_SIZE, DEFAULT_QUANTIZED_KV_START, KVQuantization
+from kvtool.errors import KVToolError
+from kvtool.model_kv import (
+    DEFAULT_KV_GROUP_SIZE,
+    DEFAULT_QUANTIZED_KV_START,
+    KVQuantization,
+    library_versions,
+    quantized_kv_failure,
+)
 from kvtool.models.loader import LoadedModel, load_model
 from kvtool.prefix import CacheHit, CacheStats, PrefixCache
 from kvtool.store.tiered import ShutdownStatus, WriteTally
@@ -46,6 +54,10 @@ log = logging.getLogger("kvtool")
 DEFAULT_PREFILL_STEP = 2048  # tokens per prefill chunk, as mlx-lm's generate_step
 DEFAULT_MAX_TOKENS = 256
 UNSETTLED_MAX = 4096  # requests whose `blocks_written` waits for a drain (older ones keep the accepted count)
+
+
+class KVBitsUnsupported(KVToolError):
+    """`kv_bits` asked for a model whose mlx-lm code cannot run a quantized KV cache (exit 2)."""
 
 
 @dataclass
@@ -59,6 +71,10 @@ class RequestResult:
     when the request returns with an inline (`--sync`) writer; with a background writer it is
     the count the writer accepted until `Engine.flush` / `close` sets the exact one. Blocks
     kept in RAM only (no SSD tier, a read-only cache, a full disk, evict_only) are not counted.
+    `uncached_reason`: why this request did not use the cache: the model's reason (it runs
+    uncached), or why a cached prefix found for this prompt was not used (KV quantisation: it
+    ends where mlx-lm's cache is not quantized alike); None when the cache was used or simply
+    held nothing for the prompt.
     """
 
     prompt_tokens: int = 0
@@ -80,6 +96,7 @@ class RequestResult:
     blocks_written: int = 0
     writer_queue_depth: int = 0
     backpressure_events: int = 0
+    uncached_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -117,6 +134,11 @@ class Engine:
         kv_group_size: quantisation group size (`--kv-group-size`, default 64).
         quantized_kv_start: cache offset from which the KV is quantized (`--quantized-kv-start`,
             mlx-lm's default 5000).
+
+    Raises:
+        KVBitsUnsupported: `kv_bits` for a model whose mlx-lm code cannot run a quantized KV
+            cache (measured by `kvtool.model_kv.quantized_kv_failure`; mlx-lm would fail mid-request).
+        ValueError: `prefill_step_size < 1` or bad quantisation settings.
     """
 
     def __init__(
@@ -144,6 +166,14 @@ class Engine:
         self.max_kv_size = max_kv_size
         self._lock = threading.Lock()  # one request or reconfiguration at a time (quiesce)
         self._unsettled: deque[tuple[RequestResult, WriteTally, Any]] = deque(maxlen=UNSETTLED_MAX)
+        if self.quant is not None:
+            failure = quantized_kv_failure(self.model, self.quant)
+            if failure is not None:
+                raise KVBitsUnsupported(
+                    f"kv_bits={kv_bits}: mlx-lm {library_versions().split('mlx_lm=')[-1]} cannot run this model "
+                    f"({type(self.model).__module__}) with a quantized KV cache: {failure}",
+                    hint="drop --kv-bits (mlx_lm.generate --kv-bits fails the same way once a prompt reaches "
+                         "--quantized-kv-start)")
         self.cache = PrefixCache.for_model(
             self.model, config, model_id=loaded.model_id, model_name=loaded.name, max_kv_size=max_kv_size,
             hash_fn=hash_fn, fs=fs, quant=self.quant,
@@ -356,7 +386,7 @@ class Engine:
                 pc.persist_found(hit)  # RAM-only blocks (evict_only) reach SSD too
                 cache = hit.cache or self._new_cache()
                 t0 = time.perf_counter()
-                states: dict | None = {} if self.cache.has_states else None
+                states: dict | None = {} if self._blockwise and self.cache.has_states else None
                 self._prefill(cache, hit.remaining, len(ids), hit.cached_tokens, states)
                 res.prefill_ms = (time.perf_counter() - t0) * 1e3
                 res.finish_reason = "prefill"
@@ -365,12 +395,12 @@ class Engine:
             finally:
                 pc.release(hit)
 
-    @staticmethod
-    def _result(hit: CacheHit) -> RequestResult:
+    def _result(self, hit: CacheHit) -> RequestResult:
         return RequestResult(
             prompt_tokens=hit.prompt_tokens, cached_tokens=hit.cached_tokens, ram_hit_tokens=hit.ram_tokens,
             ssd_hit_tokens=hit.ssd_tokens, remote_hit_tokens=hit.remote_tokens, prefill_tokens=int(hit.remaining.size),
             ssd_load_ms=hit.ssd_load_ms, ssd_bytes_read=hit.ssd_bytes_read,
+            uncached_reason=hit.uncached_reason or self.cache.uncached_reason,
         )
 
     def _stream(self, ids, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:
@@ -381,7 +411,7 @@ class Engine:
             cache = hit.cache or self._new_cache()
             t0 = time.perf_counter()
             states: dict | None = None
-            if self.cache.windows or self.cache.has_states:
+            if self._blockwise:
                 # sliding-window layers: prefill the whole prompt into full views (every token's KV,
                 # for the blocks), then hand mlx-lm its own rotating state at the last prompt token;
                 # state layers: checkpoints at block ends (and before the last token) on the way
@@ -400,74 +430,35 @@ class Engine:
             self.cache.release(hit)
 
     def _new_cache(self) -> list:
-        """An empty cache for a prefill: mlx-lm's own, or full views for sliding-window layers."""
-        if self.cache.windows:
-            return self.cache.full_view_cache()
-        return make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+        """An empty cache for a prefill: mlx-lm's own, with full views for sliding-window leaves
+        (`kvtool.prefill.new_cache`) when they are cached."""
+        return prefill_mod.new_cache(self.model, self.cache.windows if self._blockwise else (), self.max_kv_size)
+
+    @property
+    def _blockwise(self) -> bool:
+        """kvtool's own prefill (full views of sliding windows, state snapshots) runs only while
+        such a model's blocks are cached (its self-check passed, tiers attached); otherwise the
+        model runs exactly mlx-lm's way."""
+        pc = self.cache
+        return pc.tiered is not None and bool(pc.windows or pc.has_states)
 
     def _generation_cache(self, full: list, n: int, states: dict | None = None) -> list:
-        """mlx-lm's cache state after its own prefill of the prompt's first `n` tokens, from full
-        views holding the whole prompt: full-attention layers are trimmed to `n` (the last prompt
-        token is forwarded again by generate_step, giving bit-identical KV), sliding layers become
-        the `RotatingKVCache` mlx-lm's chunked prefill leaves (`rotating_from_full`), state layers
-        get the checkpoint taken after `n` tokens."""
-        windows = self.cache.windows or (None,) * len(full)
-        snapshot = list((states or {}).get(n) or [])
-        out: list = []
-        for c, w in zip(full, windows):
-            if isinstance(c, ArraysCache):
-                a = ArraysCache(size=len(c.cache))
-                if snapshot:
-                    a.cache = [snapshot.pop(0) for _ in range(len(c.cache))]
-                out.append(a)
-            elif w is None:
-                c.trim(c.offset - n)
-                out.append(c)
-            else:
-                out.append(rotating_from_full(c, n, w, self.prefill_step_size))
-        mx.eval([c.state for c in out if not isinstance(c, ArraysCache) and c.keys is not None])
-        return out
+        """mlx-lm's cache state after its own prefill of the prompt's first `n` tokens, from the
+        prefill cache holding the whole prompt (`kvtool.prefill.generation_cache`)."""
+        return prefill_mod.generation_cache(full, n, self.cache.windows if self._blockwise else (),
+                                            self.prefill_step_size, states)
 
     def _prefill(self, cache: list, tokens: np.ndarray, n_prompt: int, start: int,
                  states: dict | None = None) -> None:
         """Run the model over `tokens` (the prompt's tokens after the `start` ones `cache` holds)
-        in chunks, filling `cache` (as mlx-lm's generate_step). With `kv_bits` the cache is
-        quantized exactly at mlx-lm's switch point for an `n_prompt`-token prompt. With `states`
-        (state layers), chunks also end at every block end and before the last prompt token, and
-        `states[offset]` receives the state arrays there (chunking is measured bit-exact)."""
-        step = self.prefill_step_size
-        switch = self.quant.switch_point(n_prompt) if self.quant is not None else -1
-        cuts: set[int] = set()
-        if states is not None:
-            bs = self.cache.config.block_size
-            cuts = {b for b in range(bs, n_prompt + 1, bs)} | {n_prompt - 1, n_prompt}
-            snap = state_arrays(cache)
-            if start in cuts and snap and all(a is not None for a in snap):
-                states[start] = snap
-        i = 0
-        while i < len(tokens):
-            n = min(step, len(tokens) - i)
-            if start + i < switch < start + i + n:
-                n = switch - (start + i)
-            nxt = [b for b in cuts if start + i < b < start + i + n]
-            if nxt:
-                n = min(nxt) - (start + i)
-            self.model(mx.array(tokens[i : i + n])[None], cache=cache)
-            mx.eval([c.state for c in cache])
-            i += n
-            if start + i == switch:
-                self._quantize(cache)
-            if states is not None and start + i in cuts:  # (cuts is empty without states)
-                states[start + i] = state_arrays(cache)
+        in chunks as mlx-lm's generate_step, with kvtool's quantisation switch and state
+        checkpoints (`kvtool.prefill.prefill`)."""
+        prefill_mod.prefill(self.model, cache, tokens, n_prompt, start, step=self.prefill_step_size,
+                            quant=self.quant, states=states, block_size=self.cache.config.block_size)
 
     def _quantize(self, cache: list) -> None:
         """mlx-lm's `maybe_quantize_kv_cache` at the switch point (layers already quantized stay)."""
-        q = self.quant
-        assert q is not None  # only called at the switch point of a quantized cache
-        for i, c in enumerate(cache):
-            if hasattr(c, "to_quantized"):
-                cache[i] = c.to_quantized(group_size=q.group_size, bits=q.bits)
-        mx.eval([c.state for c in cache])
+        prefill_mod.quantize(cache, self.quant)
 
     def _decode(self, res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
                 store_cache=None, states=None) -> Iterator[StreamResponse]:

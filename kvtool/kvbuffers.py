@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from kvtool.blocks import _MX_TO_NP_STORAGE, _NAME_TO_MX, Block, _to_mlx, _to_numpy, assemble_layers
+from kvtool.blocks import _MX_TO_NP_STORAGE, _NAME_TO_MX, Block, _to_mlx, _to_numpy, after_restore, assemble_layers
 from kvtool.hostblock import HostBlock
 from kvtool.store.segment import STORAGE_DTYPES, HeadPieces, KVLayout
 
@@ -210,8 +210,7 @@ class KVBuffers:
     def _state_scratch(self, offset: int) -> list[np.ndarray]:
         if self.kv is None or not self.kv.states:
             return []
-        storage = STORAGE_DTYPES[self.kv.dtype]
-        scratch = [np.empty(s, storage) for s in self.kv.states]
+        scratch = [np.empty(s, STORAGE_DTYPES[d]) for s, d in zip(self.kv.states, self.kv.state_dtype_names())]
         self.state_scratch[offset] = scratch
         return scratch
 
@@ -235,13 +234,17 @@ class KVBuffers:
     def caches(self, offset: int, state_at: int | None = None) -> list[KVCache]:
         """mlx-lm caches over the buffers, holding `offset` tokens; drops this object's
         references so the caches own their buffers (in-place updates, no copy on decode).
-        With state layers, their state is the one of the entry placed at token `state_at`."""
+        With state layers, their state is the one of the entry placed at token `state_at`; with
+        state layers or cache lists the result has the model's structure (`assemble_layers`)."""
         self._heads = None  # its byte views hold the buffers too: MLX would copy instead of update in place
-        if self.kv is not None and self.kv.states:
-            state = self.state_scratch.get(state_at) if state_at is not None else None
+        if self.kv is not None and self.kv.kinds:
+            state = self.state_scratch.get(state_at) if state_at is not None and self.kv.states else None
             plain = KVBuffers(self.arrays, self.views, self.staged, None)
             self.arrays, self.views = [], []
-            return assemble_layers(self.kv, plain.caches(offset), state)
+            return after_restore(assemble_layers(self.kv, plain._kv_caches(offset), state))
+        return after_restore(self._kv_caches(offset))
+
+    def _kv_caches(self, offset: int) -> list:
         arrays = self.arrays
         if self.staged:
             arrays = [_to_mlx(v, "bfloat16" if a.dtype == mx.bfloat16 else "") for v, a in zip(self.views, arrays)]

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from kvtool.blocks import kv_layout_of, sliding_windows, unsupported_cache_reason
+from kvtool.blocks import cache_arrays, kv_layout_of, leaves, sliding_windows, unsupported_cache_reason
 from kvtool.store.segment import KVLayout
 
 log = logging.getLogger("kvtool")
@@ -38,57 +38,82 @@ def library_versions() -> str:
     return f"mlx={mx.__version__},mlx_lm={mlx_lm.__version__}"  # type: ignore[attr-defined]  # mlx.core's stub omits __version__
 
 
-# Model code whose sliding-window layers were measured bit-exact through a `WindowedKVCache`
-# prefill + `rotating_from_full` (tests/test_families.py): their masks come from the cache's
-# `make_mask(N, window_size=...)` and nothing else depends on the cache class.
-ROTATING_VERIFIED = ("mlx_lm.models.llama", "mlx_lm.models.gemma3_text")
-# Model code whose state layers (`ArraysCache`) were measured bit-exact under chunked prefill
-# (the state after [0, a) then [a, b) equals the state after [0, b), every array, every bit), so
-# a state checkpoint at a block end continues exactly (tests/test_families.py).
-STATE_VERIFIED = ("mlx_lm.models.mamba", "mlx_lm.models.lfm2")
-
-
 def probe_layout(model, max_kv_size: int | None = None,
                  quant: KVQuantization | None = None) -> tuple[KVLayout | None, str | None]:
     """Find a model's per-layer KV layout by one forward pass of one token.
 
+    Plain `KVCache` leaves, sliding-window `RotatingKVCache` leaves (keep 0), `ArraysCache`
+    state leaves and `CacheList`s of them have a layout; whether kvtool's blocks reproduce a
+    given model's output with them is measured per model (`kvtool.selfcheck`, run by
+    `PrefixCache` when it attaches a namespace), not assumed from the model's code.
+
     Args:
         model: an mlx-lm model.
-        max_kv_size: mlx-lm's rotating-cache size (refused).
+        max_kv_size: mlx-lm's `--max-kv-size`: for a model without its own `make_cache`, mlx-lm
+            then uses `RotatingKVCache(max_kv_size, keep=4)` everywhere (refused, see below);
+            models with one ignore it.
         quant: KV quantisation: the layout of its blocks (packed words, scales, biases).
 
     Returns:
-        `(layout, None)` if every cache layer is a plain `KVCache`, else `(None, reason)`.
+        `(layout, None)`, or `(None, reason)` when kvtool cannot store the cache block-wise.
     """
-    if max_kv_size is not None:
-        return None, f"max_kv_size={max_kv_size} makes mlx-lm use a RotatingKVCache"
-    cache = make_prompt_cache(model)
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    keeps = sorted({c.keep for c in leaves(cache) if type(c) is RotatingKVCache and c.keep > 0})
+    if keeps:
+        # Measured (tests/test_selfcheck.py): with keep > 0 mlx-lm's chunked prefill lets only the
+        # first queries of each chunk attend to the kept tokens, so its own output changes with
+        # prefill_step_size and no block is the same for two differently chunked prompts.
+        return None, (f"max_kv_size={max_kv_size}: mlx-lm's RotatingKVCache(keep={keeps[0]}) attends to a "
+                      "chunk-dependent set of tokens while prefilling (mlx-lm's own output changes with "
+                      "prefill_step_size), so its KV cannot be reused block-wise")
     rotating = any(w is not None for w in sliding_windows(cache))
-    stateful = any(type(c) is ArraysCache for c in cache)
-    module = type(model).__module__
-    verified = module in ROTATING_VERIFIED
-    state_ok = module in STATE_VERIFIED
-    reason = unsupported_cache_reason(cache, allow_rotating=verified, allow_state=state_ok)
+    structured = any(isinstance(c, (ArraysCache, CacheList)) for c in cache)
+    reason = unsupported_cache_reason(cache, allow_rotating=True, allow_state=True, allow_lists=True)
     if reason is None and rotating and quant is not None:
-        reason = "kv_bits with sliding-window (RotatingKVCache) layers: mlx-lm does not quantize them"
-    if reason is None and stateful and quant is not None:
-        reason = "kv_bits with state (ArraysCache) layers is not cached"
-    if reason is None and stateful and rotating:
-        reason = "sliding-window and state layers in one model are not cached"
+        reason = ("kv_bits with sliding-window (RotatingKVCache) layers: mlx-lm cannot quantize them "
+                  "(RotatingKVCache.to_quantized raises NotImplementedError)")
+    if reason is None and structured and quant is not None:
+        reason = "kv_bits with state layers (ArraysCache) or cache lists (CacheList) is not cached by kvtool"
     if reason is not None:
-        if rotating and not verified and "RotatingKVCache" in reason:
-            reason += f" (sliding-window layers are cached for {', '.join(ROTATING_VERIFIED)} only)"
-        if stateful and not state_ok and "ArraysCache" in reason:
-            reason += f" (state layers are cached for {', '.join(STATE_VERIFIED)} only)"
         return None, reason
     model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
+    mx.eval(cache_arrays(cache))
     try:
         if quant is not None:
             return kv_layout_of(cache, quant.bits, quant.group_size), None
         return kv_layout_of(cache), None
     except ValueError as exc:
         return None, str(exc)
+
+
+def quantized_kv_failure(model, quant: KVQuantization) -> str | None:
+    """Why mlx-lm itself cannot run `model` with a quantized KV cache (None: it can).
+
+    Measured, not looked up: mlx-lm's own `maybe_quantize_kv_cache` is applied after a
+    2-token forward (as `generate_step` does once `quantized_kv_start` is reached), then one more
+    token is forwarded. Model code that cannot attend over a `QuantizedKVCache` (gemma2's
+    hand-written attention, attention sinks) or cache classes without quantisation
+    (`RotatingKVCache`: "RotatingKVCache Quantization NYI") raise there; mlx-lm would raise the
+    same error in the middle of a request whose prompt reaches `quantized_kv_start`.
+    """
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    cache = make_prompt_cache(model)
+    try:
+        model(mx.array([[1, 2]]), cache=cache)
+        mx.eval(cache_arrays(cache))
+        dims = {int(c.keys.shape[-1]) for c in leaves(cache) if isinstance(c, KVCache) and c.keys is not None}
+        # a group size mx.quantize supports and every head dim takes (other groups are a settings
+        # problem, reported as the layout's; none at all: nothing to measure)
+        group = next((g for g in (quant.group_size, 64, 32, 128) if g in (32, 64, 128) and not any(d % g for d in dims)),
+                     0)
+        if not group:
+            return None
+        maybe_quantize_kv_cache(cache, 0, group, quant.bits)
+        mx.eval(model(mx.array([[3]]), cache=cache))
+    except Exception as exc:  # noqa: BLE001 - any error here is mlx-lm's limitation for this model
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 DEFAULT_QUANTIZED_KV_START = 5000  # mlx_lm.generate.DEFAULT_QUANTIZED_KV_START
@@ -150,6 +175,18 @@ class KVQuantization:
         """
         q = self.switch_point(n_prompt)
         return cached > 0 and (cached == q or (q == self.canonical_switch and cached >= q))
+
+    def miss_reason(self, cached: int, n_prompt: int) -> str:
+        """Why a cached prefix of `cached` tokens is not used for an `n_prompt`-token prompt
+        (`usable` is False), in words for the request's `uncached_reason`."""
+        q = self.switch_point(n_prompt)
+        if cached < q:
+            return (f"kv_bits: the cached prefix ({cached} tokens) ends before mlx-lm's quantization start for this "
+                    f"{n_prompt}-token prompt (its cache is quantized at token {q}: the first prefill chunk end "
+                    f">= quantized_kv_start {self.start}); up to there mlx-lm's KV is plain, kvtool's blocks are "
+                    f"quantized")
+        return (f"kv_bits: mlx-lm quantizes this {n_prompt}-token prompt's cache at token {q}, not at "
+                f"{self.canonical_switch} where the cached blocks were quantized (prefill chunks of {self.step})")
 
     def storable_until(self, n_prompt: int) -> int:
         """Full blocks ending at or before this offset hold canonical content (tail entries are

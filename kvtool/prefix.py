@@ -36,23 +36,26 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from kvtool import siblings, tail_prefix
+from kvtool import selfcheck, siblings, tail_prefix
 from kvtool.blocks import (
     Block,
     HashFn,
     WindowedKVCache,
-    as_windowed,
     blake2b_chain,
     cache_capacity,
     chain_hashes,
+    kv_offset,
+    leaves,
     promote_slices,
     rebuild_cache,
     root_parent,
     slice_blocks,
     sliding_windows,
     tail_hash,
+    trim_kv,
+    with_windows,
 )
 from kvtool.cachehit import CacheHit, CacheStats
 from kvtool.config import KVToolConfig
@@ -82,8 +85,11 @@ class PrefixCache:
         fs: optional `FileOps` of the SSD tier (fault injection in tests).
         uncached_reason: why this model cannot be cached (then every fetch misses).
         quant: mlx-lm KV quantisation the caches follow (`layout` must be quantized alike).
-        windows: per layer the sliding window of a `RotatingKVCache` layer (None: full
-            attention); such layers are restored as `WindowedKVCache` full views.
+        windows: per cache leaf (`kvtool.blocks.leaves`) the sliding window of a
+            `RotatingKVCache` leaf (None: other leaves); restored as `WindowedKVCache` full views.
+        check_model: the mlx-lm model whose exactness `kvtool.selfcheck` measures before a
+            layout with sliding windows, state layers or cache lists is used (`for_model` passes
+            it; None: the caller vouches for the layout).
     """
 
     def __init__(
@@ -100,6 +106,7 @@ class PrefixCache:
         uncached_reason: str | None = None,
         quant: KVQuantization | None = None,
         windows: Sequence[int | None] | None = None,
+        check_model: Any = None,
     ):
         self.quant = quant
         self.windows = tuple(windows) if windows and any(w is not None for w in windows) else ()
@@ -118,20 +125,23 @@ class PrefixCache:
         self.config = config
         self.tiered: TieredCache | None = None
         self.layout_key: str | None = None
+        self._check_model = check_model
+        self._probed = (self.kv, self.windows)  # a self-check refusal is per namespace: kept for reattach
         self._attach(config)
 
     @classmethod
     def for_model(cls, model, config: KVToolConfig, *, model_id: str, model_name: str = "",
                   max_kv_size: int | None = None, quant: KVQuantization | None = None,
                   **kwargs: Any) -> PrefixCache:
-        """Probe `model`'s KV layout and build its prefix cache (uncached if not cacheable)."""
+        """Probe `model`'s KV layout and build its prefix cache (uncached if not cacheable, or if
+        the self-check of a layout that needs one fails: `kvtool.selfcheck`)."""
         kv, reason = probe_layout(model, max_kv_size, quant)
         if reason is not None:
             log.warning("kvtool: running uncached: %s (a block cache of this model would give wrong KV)", reason)
         windows = sliding_windows(make_prompt_cache(model)) if kv is not None else None
         return cls(config, layout=kv, model_id=model_id, model_name=model_name,
                    model_class=type(model).__module__ + "." + type(model).__name__, uncached_reason=reason,
-                   quant=quant if kv is not None else None, windows=windows, **kwargs)
+                   quant=quant if kv is not None else None, windows=windows, check_model=model, **kwargs)
 
     # ------------------------------------------------------------ lifecycle
     def layout_key_for(self, block_size: int) -> str | None:
@@ -177,11 +187,18 @@ class PrefixCache:
         self.config = config
         self.tiered = None
         self.layout_key = None
+        if self.kv is None and self._probed[0] is not None:  # refused by an earlier namespace's self-check
+            (self.kv, self.windows), self.uncached_reason = self._probed, None
         if self.kv is None or (not config.ssd_enabled and config.ram_bytes == 0 and not config.remote_enabled):
             return
         meta = self._namespace_meta(config.block_size)
         self.layout_key = layout_key_of_meta(meta, FORMAT_VERSION)
         self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
+        reason = selfcheck.gate(self, self._check_model) if self._check_model is not None else None
+        if reason is not None:  # measured inexact: run exactly as mlx-lm, uncached (verdict kept in the namespace)
+            log.warning("kvtool: running uncached: %s", reason)
+            self.tiered.close()
+            self.tiered, self.layout_key, self.kv, self.windows, self.uncached_reason = None, None, None, (), reason
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
         """Drain and detach the tiers, then reattach under `config` (docs/design.md#live-reconfiguration)."""
@@ -299,21 +316,19 @@ class PrefixCache:
         if self.has_states and found and chain[len(found) - 1][3] == ids.size and chain[len(found) - 1][0] != hit.tail:
             found = found[:-1]  # a full hit needs the state before the last token: only a tail entry has it
         if found and not self._quant_usable(chain[len(found) - 1][3], ids.size):
-            found = self._drop(hit)
+            found = self._drop(hit, chain[len(found) - 1][3])
         self._build(ids, chain, found, hit)
         placed = hit.entries_found
         hit.entries_found = min(placed, own)  # an earlier prompt's tail is no entry of this chain
         if hit.cached_tokens and not self._quant_usable(hit.cached_tokens, ids.size):
-            self._drop(hit)  # a cut chain left a hit mlx-lm's quantized trajectory never has
+            self._drop(hit, hit.cached_tokens)  # a cut chain left a hit mlx-lm's quantized trajectory never has
         if self.windows and hit.cache:
-            hit.cache = [as_windowed(c, w) if w is not None else c for c, w in zip(hit.cache, self.windows)]
+            hit.cache = with_windows(hit.cache, self.windows)
         # A full hit re-forwards the last token (docs/design.md#full-hits-and-prompt-encoding); so does a hit ending in an earlier
         # prompt's tail entry on a model with state layers: the tail's state is the one before its
         # last token.
         if hit.cached_tokens and (hit.cached_tokens == ids.size or (self.has_states and placed > own)):
-            for c in hit.cache:
-                if not isinstance(c, ArraysCache):
-                    c.trim(1)
+            trim_kv(hit.cache, 1)
             hit.cached_tokens -= 1
             kind = found[placed - 1][0].kind
             setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") - 1)
@@ -347,8 +362,12 @@ class PrefixCache:
             return True
         return self.quant.usable(cached - 1 if cached == n_prompt else cached, n_prompt)
 
-    def _drop(self, hit: CacheHit) -> list:
-        """Forget what a fetch found (release its tier handles): the request runs as a miss."""
+    def _drop(self, hit: CacheHit, cached: int = 0) -> list:
+        """Forget what a fetch found (release its tier handles): the request runs as a miss;
+        `cached` (tokens found) names why in `hit.uncached_reason` (KV quantisation)."""
+        if cached and self.quant is not None:
+            hit.uncached_reason = self.quant.miss_reason(cached - 1 if cached == hit.prompt_tokens else cached,
+                                                         hit.prompt_tokens)
         self._release_held(hit)
         hit.promote, hit.cache = [], []
         hit.entries_found = hit.cached_tokens = hit.ram_tokens = hit.ssd_tokens = hit.remote_tokens = 0
@@ -513,7 +532,7 @@ class PrefixCache:
         """
         if self.tiered is None:
             return 0
-        if self.windows and any(w is not None and not isinstance(c, KVCache) for c, w in zip(cache, self.windows)):
+        if self.windows and any(w is not None and not isinstance(c, KVCache) for c, w in zip(leaves(cache), self.windows)):
             log.warning("kvtool: not storing: sliding-window layers must be prefilled into full views "
                         "(PrefixCache.full_view_cache(), as Engine does), not mlx-lm's RotatingKVCache")
             return 0
@@ -521,9 +540,9 @@ class PrefixCache:
         full, tail = (hit.hashes, hit.tail) if hit is not None else self.hashes(ids)
         chain = self._chain(ids, full, tail)
         start = hit.entries_found if hit is not None else 0
-        kv_layers = [c for c in cache if not isinstance(c, ArraysCache)]
-        if kv_layers and kv_layers[0].offset < ids.size:
-            chain = [e for e in chain if e[3] <= kv_layers[0].offset]
+        held = kv_offset(cache)
+        if held is not None and held < ids.size:
+            chain = [e for e in chain if e[3] <= held]
         new = chain[start:]
         if self.quant is not None:  # only canonical content (see KVQuantization)
             limit = self.quant.storable_until(int(ids.size))

@@ -5,7 +5,8 @@ the same cache directory) give the tokens of `mlx_lm.generate.generate_step` on 
 `make_prompt_cache(model)`; or the model is refused cleanly: one warning, `uncached_reason`
 set, nothing written, no SSD write failure. A cached family must really use its SSD tier after a
 restart (`ssd_load_hits > 0`, `ssd_save_fail == 0`): never a silent loss of the SSD tier.
-Plus: quantized KV (`kv_bits`) against mlx-lm's generate_step with the same settings; sliding-
+Plus: quantized KV (`kv_bits`) against mlx-lm's generate_step with the same settings, and refused
+up front where mlx-lm's own code cannot run it (sliding windows, gemma2); sliding-
 window layers (RotatingKVCache) in every regime (prompt shorter/longer than the window, hits
 before/after a wrap, one-token last chunks, decode past a wrap); state layers (ArraysCache:
 hybrid lfm2, SSM mamba) with per-block state checkpoints; the writer's pending buffer; bf16.
@@ -46,9 +47,9 @@ SLOW = {"gemma3_text", "deepseek_v2", "lfm2", "mamba"}
 
 
 @pytest.fixture(scope="session")
-def zoo(tmp_path_factory):
-    """family -> model directory, built once per session."""
-    return model_zoo.build_zoo(tmp_path_factory.mktemp("zoo"))
+def zoo():
+    """family -> model directory (the zoo's cache, built on first use)."""
+    return {f: model_zoo.family_dir(f) for f in [*EXPECTED, "gemma2", "qwen3_5"]}
 
 
 _loaded: dict[str, object] = {}
@@ -84,7 +85,6 @@ def make_engine(loaded, tmp_path, **kwargs):
 
 # (case id, family, engine kwargs): cases kvtool refuses to cache; output must still be mlx-lm's
 REFUSED = [
-    ("gemma3_text+kv_bits", "gemma3_text", {"kv_bits": 8, "kv_group_size": 32}),  # rotating + quantized
     ("lfm2+kv_bits", "lfm2", {"kv_bits": 8, "kv_group_size": 32}),  # state layers + quantized
 ]
 
@@ -201,6 +201,43 @@ def test_kv_bits_equal_mlx_lm_generate_step(zoo, family, bits, group, start, ste
     assert stats2.get("ssd_save_fail", 0) == 0
     if replay_ok:
         assert stats2["ssd_load_hits"] > 0
+
+
+@pytest.mark.parametrize("family,needle", [("gemma3_text", "RotatingKVCache Quantization NYI"),
+                                           ("gemma2", "TypeError")])
+def test_kv_bits_refused_up_front_where_mlx_lm_cannot_run_it(zoo, family, needle, tmp_path):
+    """mlx-lm's own error, named before anything runs, instead of a crash once a prompt reaches
+    quantized_kv_start (mlx-lm's generate_step raises it there too)."""
+    from kvtool.engine import KVBitsUnsupported
+
+    loaded = loaded_family(zoo, family)
+    with pytest.raises(KVBitsUnsupported, match="with a quantized KV cache") as err:
+        make_engine(loaded, tmp_path, kv_bits=8, kv_group_size=32)
+    assert needle in str(err.value) and err.value.exit_code == 2
+    with pytest.raises(Exception) as mlx_err:  # mlx-lm itself, once a prompt reaches quantized_kv_start
+        reference_tokens(loaded.model, loaded.tokenizer, prompt_for(loaded, 40), max_tokens=2, kv_bits=8,
+                         kv_group_size=32, quantized_kv_start=8)
+    assert f"{type(mlx_err.value).__name__}: {mlx_err.value}" in str(err.value)
+    assert not (tmp_path / "kv").exists()
+
+
+def test_kv_bits_miss_names_its_reason_per_request(zoo, tmp_path):
+    """A prompt whose shared prefix ends before mlx-lm's quantization start misses, and says why
+    in its own `uncached_reason` (the model is cached: its engine-level reason is None)."""
+    loaded = loaded_family(zoo, "llama")
+    q = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=150, prefill_step_size=64)
+    ids = prompt_for(loaded)
+    eng = make_engine(loaded, tmp_path, **q)
+    assert eng.uncached_reason is None
+    first = eng.generate(ids, max_tokens=2)  # 250 tokens: quantized at token 192, blocks 0..2 stored
+    assert first.uncached_reason is None and first.blocks_written > 0
+    other = ids[:128] + [t + 1 for t in ids[128:180]]  # 180 tokens: mlx-lm's cache is plain up to 179
+    res = eng.generate(other, max_tokens=4)
+    assert res.cached_tokens == 0 and res.token_ids == reference_tokens(
+        loaded.model, loaded.tokenizer, other, max_tokens=4, **q)
+    assert res.uncached_reason and "before mlx-lm's quantization start" in res.uncached_reason
+    assert "RequestResult" not in res.uncached_reason and res.to_dict()["uncached_reason"] == res.uncached_reason
+    eng.close()
 
 
 def test_kv_bits_namespace_differs_by_bits_group_and_switch(zoo, tmp_path):
@@ -446,15 +483,18 @@ def test_pending_writer_buffer_hit(zoo, family, kwargs, tmp_path):
     assert eng.close().shutdown_clean
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2", "qwen3_5"])
 def test_bfloat16_sliding_and_state_layers(zoo, family, tmp_path):
-    """bfloat16 (the usual KV dtype of real models): cold and SSD full hit equal mlx-lm."""
+    """bfloat16 (the usual KV dtype of real models): cold and SSD full hit equal mlx-lm. qwen3_5
+    keeps its gated-delta state in float32 next to bfloat16 KV: records carry each dtype."""
     loaded = load_model(str(zoo[family]))
     loaded.model.set_dtype(mx.bfloat16)
     ids = prompt_for(loaded, 200)
     ref = reference_tokens(loaded.model, loaded.tokenizer, ids)
     eng = make_engine(loaded, tmp_path)
-    assert eng.cache.kv.dtype == "bfloat16"
+    assert eng.uncached_reason is None and eng.cache.kv.dtype == "bfloat16"
+    if family == "qwen3_5":
+        assert "float32" in eng.cache.kv.state_dtype_names() and "@float32" in eng.cache.kv.spec
     assert eng.generate(ids, max_tokens=MAX_TOKENS).token_ids == ref
     eng.close()
     eng = make_engine(loaded, tmp_path)

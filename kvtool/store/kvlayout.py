@@ -30,11 +30,13 @@ class KVLayout:
     (uint32), scales and biases `[1, H, n, Dk/group_size]` (in `dtype`), then the same three
     for the values.
 
-    State layers (hybrid and SSM models, mlx-lm `ArraysCache`): `kinds` names every model layer,
-    `k` for a KV layer (in `layers`) or the number of state arrays of a state layer (`"1k1k"`:
-    conv, attention, conv, attention). A record then ends with the state arrays of every state
-    layer (`states`: their shapes, in layer order, in `dtype`), the recurrent state after the
-    record's last token (a tail entry: before it, see `kvtool.prefix`).
+    State layers (hybrid and SSM models, mlx-lm `ArraysCache`) and per-layer cache lists
+    (mlx-lm `CacheList`): `kinds` names every model cache entry, `k` for a KV layer (in
+    `layers`), the number of state arrays of a state layer, or a parenthesised group for a
+    `CacheList` (`"1k1k"`: conv, attention, conv, attention; `"(2k)(2k)"`: two layers of
+    [state of 2 arrays, attention]). A record then ends with the state arrays of every state
+    layer (`states`: their shapes, in cache order; dtype `state_dtypes[i]` or `dtype`), the
+    recurrent state after the record's last token (a tail entry: before it, see `kvtool.prefix`).
 
     Attributes:
         layers: per KV layer `(n_kv_heads, k_head_dim, v_head_dim)`; layers may differ (MLA,
@@ -42,8 +44,11 @@ class KVLayout:
         dtype: 'float32' | 'float16' | 'bfloat16' (of the KV, or of the scales and biases).
         bits: 0 (plain KV) or the quantisation width (`QUANT_BITS`).
         group_size: quantisation group (elements of the head dim per scale/bias); 0 if plain.
-        kinds: "" (every layer a KV layer) or per model layer `k` / state-array count.
+        kinds: "" (every layer a KV layer) or per model cache entry `k` / state-array count /
+            `(`...`)` for a `CacheList` (see above).
         states: shapes of the state arrays of the state layers, in layer order.
+        state_dtypes: per state array its dtype name where it differs from `dtype` (SSM states
+            are often float32 in a bfloat16 model); () when every state is in `dtype`.
     """
 
     layers: tuple[tuple[int, int, int], ...]
@@ -52,6 +57,7 @@ class KVLayout:
     group_size: int = 0
     kinds: str = ""
     states: tuple[tuple[int, ...], ...] = ()
+    state_dtypes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in STORAGE_DTYPES:
@@ -60,12 +66,15 @@ class KVLayout:
             raise ValueError(f"bad layer shapes {self.layers!r}")
         if self.kinds or self.states:
             n_k = self.kinds.count("k")
-            counts = [int(c) for c in self.kinds if c != "k"] if all(c == "k" or c.isdigit() for c in self.kinds) else None
-            if (counts is None or n_k != len(self.layers) or sum(counts) != len(self.states) or 0 in counts
-                    or any(not s or min(s) <= 0 for s in self.states)):
+            counts = [int(c) for c in self.kinds if c.isdigit()]
+            if (not _kinds_ok(self.kinds) or n_k != len(self.layers) or sum(counts) != len(self.states)
+                    or 0 in counts or any(not s or min(s) <= 0 for s in self.states)):
                 raise ValueError(f"bad state layers kinds={self.kinds!r} states={self.states!r}")
             if self.bits:
-                raise ValueError("quantized KV with state layers is not supported")
+                raise ValueError("quantized KV with state layers or cache lists is not supported")
+        if self.state_dtypes and (len(self.state_dtypes) != len(self.states)
+                                  or any(d not in STORAGE_DTYPES for d in self.state_dtypes)):
+            raise ValueError(f"bad state dtypes {self.state_dtypes!r}")
         if self.bits or self.group_size:
             if self.bits not in QUANT_BITS or self.group_size <= 0:
                 raise ValueError(f"bad quantisation bits={self.bits} group_size={self.group_size}")
@@ -89,15 +98,21 @@ class KVLayout:
             ValueError: malformed text.
         """
         text, *extras = text.split("|")
-        kinds, states = "", tuple[tuple[int, ...], ...]()
+        kinds, states, sdt = "", tuple[tuple[int, ...], ...](), list[str]()
         for part in extras:
             key, sep, val = part.partition("=")
             if key == "kinds" and sep:
                 kinds = val
             elif key == "states" and sep:
-                states = tuple(tuple(int(x) for x in s.split("x")) for s in val.split(",")) if val else ()
+                shapes = []
+                for item in val.split(",") if val else []:
+                    shape, at, name = item.partition("@")
+                    shapes.append(tuple(int(x) for x in shape.split("x")))
+                    sdt.append(name if at else dtype)
+                states = tuple(shapes)
             else:
                 raise ValueError(f"malformed layout part {part!r}")
+        state_dtypes = tuple(sdt) if any(d != dtype for d in sdt) else ()
         bits = group = 0
         if text.startswith("q"):
             quant, sep, text = text.partition(":")
@@ -106,7 +121,7 @@ class KVLayout:
                 raise ValueError(f"malformed quantisation prefix {quant!r}")
             bits, group = int(b), int(g)
         layers = tuple(tuple(int(x) for x in part.split("x")) for part in text.split(",")) if text else ()
-        return cls(layers, dtype, bits, group, kinds, states)  # type: ignore[arg-type]  # 3 ints per layer: __post_init__ checks it
+        return cls(layers, dtype, bits, group, kinds, states, state_dtypes)  # type: ignore[arg-type]  # 3 ints per layer: __post_init__ checks it
 
     @property
     def spec(self) -> str:
@@ -114,7 +129,9 @@ class KVLayout:
         the layout key and of every segment header)."""
         plain = ",".join("x".join(str(x) for x in s) for s in self.layers)
         if self.kinds:
-            plain += f"|kinds={self.kinds}|states=" + ",".join("x".join(str(x) for x in s) for s in self.states)
+            plain += f"|kinds={self.kinds}|states=" + ",".join(
+                "x".join(str(x) for x in s) + (f"@{d}" if d != self.dtype else "")
+                for s, d in zip(self.states, self.state_dtype_names()))
         return f"q{self.bits}g{self.group_size}:{plain}" if self.bits else plain
 
     @property
@@ -130,9 +147,19 @@ class KVLayout:
     def has_states(self) -> bool:
         return bool(self.states)
 
+    @property
+    def has_lists(self) -> bool:
+        """The model's cache has `CacheList` entries (grouped in `kinds`)."""
+        return "(" in self.kinds
+
+    def state_dtype_names(self) -> tuple[str, ...]:
+        """Per state array its dtype name."""
+        return self.state_dtypes or (self.dtype,) * len(self.states)
+
     def state_nbytes(self) -> int:
         """Bytes of the state arrays every record ends with."""
-        return sum(int(np.prod(s)) for s in self.states) * self.itemsize
+        return sum(int(np.prod(s)) * STORAGE_DTYPES[d].itemsize
+                   for s, d in zip(self.states, self.state_dtype_names()))
 
     @property
     def itemsize(self) -> int:
@@ -183,7 +210,7 @@ class KVLayout:
         """numpy storage dtype of each record tensor, in record order (as `shapes`)."""
         st = STORAGE_DTYPES[self.dtype]
         per_layer = [st, st] if not self.bits else [_PACKED_DTYPE, st, st] * 2
-        return per_layer * self.n_layers + [st] * len(self.states)
+        return per_layer * self.n_layers + [STORAGE_DTYPES[d] for d in self.state_dtype_names()]
 
     def interleave(self, keys: Sequence, values: Sequence) -> list:
         """Record order of a block's tensors: `keys`/`values` hold 1 (plain) or 3 (quantized:
@@ -207,3 +234,18 @@ class KVLayout:
         return keys, values + list(tensors[self.n_layers * 2 * k :])
 
 
+def _kinds_ok(kinds: str) -> bool:
+    """`kinds` is a sequence of `k`, digits and balanced, non-empty parenthesised groups."""
+    depth = 0
+    prev = ""
+    for c in kinds:
+        if c == "(":
+            depth += 1
+        elif c == ")":
+            if depth == 0 or prev == "(":
+                return False
+            depth -= 1
+        elif c != "k" and not c.isdigit():
+            return False
+        prev = c
+    return depth == 0

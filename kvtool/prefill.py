@@ -1,0 +1,132 @@
+"""kvtool's prefill of a prompt into a cache it can cut blocks from, and the hand-over to mlx-lm.
+
+mlx-lm prefills a prompt (`generate_step`) in chunks of `prefill_step_size` tokens into the
+caches of `make_prompt_cache(model)`, then forwards the last prompt token alone and decodes.
+kvtool does the same, except where a block cache needs more than mlx-lm keeps:
+
+- sliding-window leaves (`RotatingKVCache`, keep 0) are prefilled into full views
+  (`kvtool.blocks.WindowedKVCache`: every token's KV kept, the window masked), and become
+  mlx-lm's own rotating state (`rotating_from_full`) for the last prompt token;
+- state leaves (`ArraysCache`) are snapshotted at every block end and before the last prompt
+  token (chunks end there too), so each stored block carries the state after its last token;
+- with KV quantisation the cache is quantized exactly where mlx-lm's `generate_step` would.
+
+`CacheList` entries (a layer holding several caches) are walked leaf by leaf. Whether this
+reproduces mlx-lm's own output bit for bit is measured per model (`kvtool.selfcheck`): a
+model whose cache has sliding-window leaves, state leaves or cache lists is cached only after
+that measurement passed. Used by `kvtool.engine.Engine` and `kvtool.selfcheck`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+
+from kvtool.blocks import WindowedKVCache, cache_arrays, map_leaves, rotating_from_full, state_arrays
+from kvtool.model_kv import KVQuantization
+
+
+def new_cache(model, windows: Sequence[int | None] = (), max_kv_size: int | None = None) -> list:
+    """An empty cache for a prefill: mlx-lm's own (`make_prompt_cache`), with every
+    sliding-window leaf replaced by a `WindowedKVCache` full view when `windows` is given
+    (per leaf, as `kvtool.blocks.sliding_windows`)."""
+    cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+    if not windows:
+        return cache
+
+    def view(c, i):
+        w = windows[i] if i < len(windows) else None
+        return WindowedKVCache(w) if w is not None and isinstance(c, RotatingKVCache) else c
+
+    return map_leaves(cache, view)
+
+
+def prefill(model, cache: list, tokens: np.ndarray, n_prompt: int, start: int, *, step: int,
+            quant: KVQuantization | None = None, states: dict | None = None, block_size: int = 0,
+            outputs: list | None = None) -> None:
+    """Run the model over `tokens` (the prompt's tokens after the `start` ones `cache` holds) in
+    chunks of `step`, filling `cache` in place, as mlx-lm's `generate_step` prefill.
+
+    Args:
+        model: the mlx-lm model.
+        cache: the model's cache structure (full views for sliding-window leaves).
+        tokens: int32 token ids `[T]`.
+        n_prompt: tokens in the whole prompt (the quantisation switch and the state cuts
+            depend on it).
+        start: prompt tokens `cache` already holds.
+        step: tokens per prefill chunk (`prefill_step_size`).
+        quant: KV quantisation; the cache is quantized exactly at mlx-lm's switch point
+            (`KVQuantization.switch_point`).
+        states: with state leaves: chunks also end at every block end (`block_size`) and before
+            the last prompt token, and `states[offset]` receives the state arrays there
+            (`kvtool.blocks.state_arrays`); None: no snapshots.
+        block_size: tokens per block (with `states`).
+        outputs: if given, receives the model's output (logits `[1, n, vocab]`) of every chunk
+            (`kvtool.selfcheck` compares them with mlx-lm's).
+    """
+    switch = quant.switch_point(n_prompt) if quant is not None else -1
+    cuts: set[int] = set()
+    if states is not None:
+        cuts = set(range(block_size, n_prompt + 1, block_size)) | {n_prompt - 1, n_prompt}
+        snap = state_arrays(cache)
+        if start in cuts and snap and all(a is not None for a in snap):
+            states[start] = snap
+    i = 0
+    while i < len(tokens):
+        n = min(step, len(tokens) - i)
+        if start + i < switch < start + i + n:
+            n = switch - (start + i)
+        nxt = [b for b in cuts if start + i < b < start + i + n]
+        if nxt:
+            n = min(nxt) - (start + i)
+        out = model(mx.array(tokens[i : i + n])[None], cache=cache)
+        if outputs is not None:
+            outputs.append(out)
+        mx.eval(cache_arrays(cache), out if outputs is not None else [])
+        i += n
+        if start + i == switch:
+            quantize(cache, quant)
+        if states is not None and start + i in cuts:  # (cuts is empty without states)
+            states[start + i] = state_arrays(cache)
+
+
+def quantize(cache: list, quant: KVQuantization | None) -> None:
+    """mlx-lm's `maybe_quantize_kv_cache` at the switch point (layers already quantized stay)."""
+    assert quant is not None  # only called at the switch point of a quantized cache
+    for i, c in enumerate(cache):
+        if hasattr(c, "to_quantized"):
+            cache[i] = c.to_quantized(group_size=quant.group_size, bits=quant.bits)
+    mx.eval(cache_arrays(cache))
+
+
+def generation_cache(full: list, n: int, windows: Sequence[int | None], step: int,
+                     states: dict | None = None) -> list:
+    """mlx-lm's cache after its own prefill of a prompt's first `n` tokens, built from the
+    prefill cache `full` holding the whole prompt (same structure, `CacheList`s kept):
+    full-attention leaves are trimmed to `n` (the last prompt token is forwarded again by
+    `generate_step`, giving bit-identical KV), sliding-window leaves become the
+    `RotatingKVCache` mlx-lm's chunked prefill (chunks of `step`) leaves (`rotating_from_full`),
+    state leaves get the checkpoint taken after `n` tokens (`states[n]`)."""
+    snapshot = list((states or {}).get(n) or [])
+
+    def convert(c, i):
+        w = windows[i] if i < len(windows) else None
+        if isinstance(c, ArraysCache):
+            a = ArraysCache(size=len(c.cache))
+            if snapshot:
+                a.cache = [snapshot.pop(0) for _ in range(len(c.cache))]
+            return a
+        if w is None:
+            c.trim(c.offset - n)
+            return c
+        return rotating_from_full(c, n, w, step)
+
+    out = map_leaves(full, convert)
+    mx.eval(cache_arrays(out))
+    return out
+
+
+__all__ = ["generation_cache", "new_cache", "prefill", "quantize"]

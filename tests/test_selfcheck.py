@@ -1,0 +1,228 @@
+"""The self-check (kvtool/selfcheck.py): measured once per namespace, stored, reused, and the
+only way a model with sliding windows, state layers or cache lists gets cached.
+
+- the verdict is stored in the namespace's index meta and a later engine (a fresh process, or
+  a subprocess) reads it instead of probing again (runs counted);
+- a deliberately broken restore (a test hook perturbing one state / KV value) fails the
+  self-check: the model is refused with the measured mismatch and still serves mlx-lm's tokens;
+- the verdict is measured again when the code digest changes, and per namespace (block size);
+- `kvtool inspect --namespace` shows it.
+No timing assertions: the probe's cost is measured separately (see the report / README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from kvtool import blocks, selfcheck
+from kvtool.config import KVToolConfig
+from kvtool.engine import Engine
+from kvtool.models.loader import load_model
+from tests import model_zoo
+
+BS = 32
+_loaded: dict = {}
+
+
+def loaded(family):
+    if family not in _loaded:
+        _loaded[family] = load_model(str(model_zoo.family_dir(family)))
+    return _loaded[family]
+
+
+def engine(family, cache_dir, **kw):
+    cfg = KVToolConfig(ssd_cache_dir=cache_dir, block_size=kw.pop("block_size", BS), ssd_async_writes=False)
+    return Engine(loaded(family), cfg, **kw)
+
+
+def reference(family, ids, n=6):
+    lm = loaded(family)
+    out = []
+    for tok, _ in generate_step(mx.array(ids), lm.model, max_tokens=n):
+        if tok in lm.tokenizer.eos_token_ids:
+            break
+        out.append(int(tok))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    selfcheck._memo.clear()
+    yield
+    selfcheck._memo.clear()
+    blocks.restore_hook = None
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_next"])
+def test_verdict_is_stored_and_not_run_again(family, tmp_path):
+    runs = selfcheck.RUNS
+    eng = engine(family, tmp_path)
+    assert eng.uncached_reason is None and selfcheck.RUNS == runs + 1
+    ids = model_zoo.zoo_prompt(120)
+    eng.generate(ids, max_tokens=4)
+    verdict = selfcheck.stored_verdict(eng.cache.ssd)
+    assert verdict is not None and verdict.passed and verdict.block_size == BS and verdict.probe_tokens >= 3 * BS
+    eng.close()
+
+    selfcheck._memo.clear()  # a later process: nothing in memory, the verdict on disk
+    eng = engine(family, tmp_path)
+    assert selfcheck.RUNS == runs + 1 and eng.uncached_reason is None
+    res = eng.generate(ids, max_tokens=4)
+    assert res.ssd_hit_tokens == len(ids) - 1 and res.token_ids == reference(family, ids, 4)
+    eng.close()
+
+    eng = engine(family, tmp_path, block_size=2 * BS)  # another namespace: measured for it
+    assert selfcheck.RUNS == runs + 2 and eng.uncached_reason is None
+    eng.close()
+
+
+def test_a_later_process_reuses_the_verdict(tmp_path):
+    """A subprocess over the same cache directory: SSD hit, equal tokens, zero probes run."""
+    family = "gemma4_text"
+    ids = model_zoo.zoo_prompt(120)
+    eng = engine(family, tmp_path)
+    eng.generate(ids, max_tokens=4)
+    assert eng.close().shutdown_clean
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(model_zoo.CACHE_DIR.parent.parent)!r})
+from kvtool import selfcheck
+from kvtool.config import KVToolConfig
+from kvtool.engine import Engine
+from kvtool.models.loader import load_model
+eng = Engine(load_model({str(model_zoo.family_dir(family))!r}),
+             KVToolConfig(ssd_cache_dir={str(tmp_path)!r}, block_size={BS}, ssd_async_writes=False))
+res = eng.generate({ids!r}, max_tokens=4)
+eng.close()
+print(json.dumps({{"runs": selfcheck.RUNS, "ssd": res.ssd_hit_tokens, "tokens": res.token_ids,
+                   "reason": eng.uncached_reason}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(model_zoo.CACHE_DIR.parent.parent)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc == {"runs": 0, "ssd": len(ids) - 1, "tokens": reference(family, ids, 4), "reason": None}
+
+
+def _perturb_first_state(cache):
+    leaf = next(c for c in blocks.leaves(cache) if type(c).__name__ == "ArraysCache" and c.cache[0] is not None)
+    a = leaf.cache[-1]
+    flat = a.reshape(-1)
+    flat[0] = flat[0] + 1e-3  # one value of one state array
+    leaf.cache[-1] = flat.reshape(a.shape)
+
+
+def _perturb_first_kv(cache):
+    """One key value of token 0 in every KV leaf (a sliding layer no longer sees token 0 at the
+    end of the probe: only a full-attention layer's change is visible)."""
+    for leaf in blocks.leaves(cache):
+        if getattr(leaf, "keys", None) is not None:
+            leaf.keys[0, 0, 0, 0] = leaf.keys[0, 0, 0, 0] + 1e-3
+
+
+@pytest.mark.parametrize("family,hook", [("qwen3_next", _perturb_first_state), ("falcon_h1", _perturb_first_state),
+                                         ("gpt_oss", _perturb_first_kv)])
+def test_broken_restore_fails_the_selfcheck_and_the_model_is_refused(family, hook, tmp_path, caplog):
+    """A restore that changes one value: the self-check measures it, the model runs uncached with
+    that reason (stored, so a later start refuses it without probing), output stays mlx-lm's."""
+    import logging
+
+    blocks.restore_hook = hook
+    with caplog.at_level(logging.WARNING, logger="kvtool"):
+        eng = engine(family, tmp_path)
+    reason = eng.uncached_reason
+    assert reason is not None and reason.startswith("self-check failed: "), reason
+    assert "differ" in reason or "raised" in reason
+    if family == "falcon_h1":  # (its block cuts already differ from mlx-lm's chunks: the cold request fails first)
+        assert "cold prompt" in reason
+    else:
+        assert "cold prompt" not in reason  # the cold path is exact: the broken restore is what failed
+    assert sum("running uncached" in r.getMessage() for r in caplog.records) == 1
+    ids = model_zoo.zoo_prompt(120)
+    res = eng.generate(ids, max_tokens=4)
+    assert res.token_ids == reference(family, ids, 4) and res.cached_tokens == 0 and res.uncached_reason == reason
+    ns = next(d for d in tmp_path.iterdir() if d.is_dir())
+    eng.close()
+
+    blocks.restore_hook = None
+    selfcheck._memo.clear()
+    runs = selfcheck.RUNS
+    eng = engine(family, tmp_path)  # the stored verdict: refused again, no probe
+    assert eng.uncached_reason == reason and selfcheck.RUNS == runs
+    eng.close()
+
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app as app_module
+
+    if not any(c.name == "inspect" for c in app_module.app.registered_commands):
+        app_module._register()
+    app = app_module.app
+    out = CliRunner().invoke(app, ["inspect", "--cache-dir", str(tmp_path), "--namespace", ns.name, "--json"])
+    doc = json.loads(out.stdout)
+    assert doc["namespaces"][0]["selfcheck"].startswith("fail: " + reason.removeprefix("self-check failed: "))
+    text = CliRunner().invoke(app, ["inspect", "--cache-dir", str(tmp_path), "--namespace", ns.name]).stdout
+    assert "self-check  fail:" in text
+
+
+def test_verdict_measured_again_when_the_code_changes(tmp_path, monkeypatch):
+    eng = engine("cohere2", tmp_path)
+    eng.close()
+    runs = selfcheck.RUNS
+    monkeypatch.setattr(selfcheck, "code_digest", lambda model: "0" * 16)
+    selfcheck._memo.clear()
+    eng = engine("cohere2", tmp_path)
+    assert selfcheck.RUNS == runs + 1 and selfcheck.stored_verdict(eng.cache.ssd).code == "0" * 16
+    eng.close()
+
+
+def test_plain_kv_models_need_no_selfcheck(tmp_path):
+    runs = selfcheck.RUNS
+    eng = engine("llama", tmp_path)
+    assert eng.uncached_reason is None and selfcheck.RUNS == runs
+    assert selfcheck.stored_verdict(eng.cache.ssd) is None
+    eng.close()
+
+
+def test_without_ssd_the_verdict_is_kept_for_the_process(tmp_path):
+    cfg = KVToolConfig(ssd_enabled=False, block_size=BS)
+    runs = selfcheck.RUNS
+    eng = Engine(loaded("jamba"), cfg)
+    assert eng.uncached_reason is None and selfcheck.RUNS == runs + 1
+    ids = model_zoo.zoo_prompt(100)
+    eng.generate(ids, max_tokens=3)
+    res = eng.generate(ids, max_tokens=3)
+    assert res.ram_hit_tokens == len(ids) - 1 and res.token_ids == reference("jamba", ids, 3)
+    eng.close()
+    Engine(loaded("jamba"), cfg).close()
+    assert selfcheck.RUNS == runs + 1  # same process, same namespace: measured once
+
+
+def test_verdict_json_round_trip_and_malformed():
+    v = selfcheck.Verdict(False, "x differs", "ab" * 8, 112, 32, 12.5, 1.0)
+    assert selfcheck.Verdict.from_json(v.to_json()) == v
+    for bad in ("", "{", "[]", '{"passed": "yes", "reason": null, "code": "x"}', json.dumps({"passed": True})):
+        assert selfcheck.Verdict.from_json(bad) is None
+
+
+def test_max_kv_size_is_refused_with_mlx_lm_s_chunk_dependence(tmp_path):
+    """mlx-lm's RotatingKVCache with keep > 0 (--max-kv-size, models without make_cache): its own
+    output depends on the prefill chunking (measured here), so no block of it is reusable."""
+    lm = loaded("qwen2")
+    ids = model_zoo.zoo_prompt(100)
+    lps = [next(generate_step(mx.array(ids), lm.model, max_tokens=1, max_kv_size=32, prefill_step_size=s))[1]
+           for s in (2048, 40)]
+    assert not mx.array_equal(lps[0], lps[1])
+    eng = engine("qwen2", tmp_path, max_kv_size=32)
+    assert "keep=4" in eng.uncached_reason and "prefill_step_size" in eng.uncached_reason
+    res = eng.generate(ids, max_tokens=4)
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), lm.model, max_tokens=4, max_kv_size=32)]
+    assert res.token_ids == [t for t in ref if t not in lm.tokenizer.eos_token_ids][: len(res.token_ids)]
+    eng.close()
