@@ -399,7 +399,10 @@ def _rebuild_plain(blocks: Sequence[Block], n_layers: int, capacity: int) -> lis
         c.keys = mx.concatenate(ks, axis=2) if len(ks) > 1 else ks[0]
         c.values = mx.concatenate(vs, axis=2) if len(vs) > 1 else vs[0]
         c.offset = n
-    mx.eval([c.keys for c in caches], [c.values for c in caches])
+    # Not evaluated here: the concatenation runs as part of the request's first forward, as the
+    # deep copy of mlx-lm's own prompt cache does. An eval here waits for everything queued on the
+    # stream first (a server's batch decode step in flight): sampled ~8 ms per request more on
+    # the generation thread than mlx_lm.server at 4 clients.
     return caches
 
 
