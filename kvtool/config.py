@@ -228,6 +228,12 @@ def _remote_ttl(value: Any) -> timedelta | None:
     return timedelta(seconds=seconds)
 
 
+def _optional_size(value: Any) -> int | None:
+    """`ssd_max_bytes`: None (no budget) or a size: bytes, or a string with its unit (`"50GB"`,
+    `"512MiB"`; `kvtool.units.parse_size`)."""
+    return None if value is None else parse_size(value)
+
+
 def _choice(enum_cls: type[StrEnum]) -> BeforeValidator:
     values = [m.value for m in enum_cls]
     choices = ", ".join(values)
@@ -340,6 +346,10 @@ class KVToolConfig(BaseModel):
             whatever the umask. 0o700 (owner only) by default; use 0o2770 for a cache shared by
             a group (setgid keeps the group on new directories). TOML: `0o2770` or `"2770"`.
             Other-write (0o002) is refused, and group write (0o020) without setgid too.
+        ssd_max_bytes: the SSD tier's byte budget per namespace, enforced while serving: before a
+            segment that would not fit is written, the least recently used segments are evicted
+            (`kvtool.store.ssd_budget`; the directory as `du` counts it: segment files, index,
+            directories); None (the default): no budget (`kvtool prune` trims from cron).
         ssd_codec: `none` (records stored as they are, the default), or `zstd` / `lz4`: every
             record compressed losslessly (opt-in; a separate namespace, since the codec is part
             of the layout key). A `Codec`.
@@ -375,6 +385,7 @@ class KVToolConfig(BaseModel):
     ram_bytes: Annotated[int, BeforeValidator(parse_size)] = DEFAULT_RAM_BYTES  # no bools, floats, < 0
     ssd_dir_mode: Annotated[int, BeforeValidator(_dir_mode)] = DEFAULT_DIR_MODE
     ssd_codec: Annotated[Codec, _choice(Codec)] = Codec.NONE
+    ssd_max_bytes: Annotated[int | None, BeforeValidator(_optional_size)] = None
     remote_url: Annotated[str | None, BeforeValidator(_remote_url)] = Field(default_factory=_remote_url_default, repr=False)
     remote_policy: Annotated[RemotePolicy, _choice(RemotePolicy)] = RemotePolicy.WRITE_THROUGH
     remote_promote: Flag = True

@@ -188,6 +188,7 @@ def serve_once(
     async_writes: common.AsyncOpt = None,
     block_size: common.BlockSizeOpt = None,
     ram_bytes: common.RamBytesOpt = None,
+    ssd_max_bytes: common.SSDMaxBytesOpt = None,
     remote_url: common.RemoteUrlOpt = None,
     remote_policy: common.RemotePolicyOpt = None,
     no_ssd: common.NoSSDOpt = False,
@@ -202,7 +203,7 @@ def serve_once(
             check_metrics_file(metrics_file)
             reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
             cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
-                                     codec, common.remote_flags(remote_url, remote_policy))
+                                     codec, {**common.remote_flags(remote_url, remote_policy), "ssd_max_bytes": ssd_max_bytes})
             engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                         prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
             encode = _encoder(engine, not ignore_chat_template, system_prompt)

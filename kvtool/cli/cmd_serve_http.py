@@ -200,6 +200,7 @@ def serve_http(
     async_writes: common.AsyncOpt = None,
     block_size: common.BlockSizeOpt = None,
     ram_bytes: common.RamBytesOpt = None,
+    ssd_max_bytes: common.SSDMaxBytesOpt = None,
     remote_url: common.RemoteUrlOpt = None,
     remote_policy: common.RemotePolicyOpt = None,
     no_ssd: common.NoSSDOpt = False,
@@ -230,7 +231,8 @@ def serve_http(
 
             def make_config():
                 return common.build_config(config, cache_dir, policy, durability, async_writes, block_size,
-                                           ram_bytes, no_ssd, extra=common.remote_flags(remote_url, remote_policy))
+                                           ram_bytes, no_ssd, extra={**common.remote_flags(remote_url, remote_policy),
+                                                                           "ssd_max_bytes": ssd_max_bytes})
 
             cfg = make_config()
             server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,

@@ -60,6 +60,7 @@ def warm_cmd(
     async_writes: common.AsyncOpt = None,
     block_size: common.BlockSizeOpt = None,
     ram_bytes: common.RamBytesOpt = None,
+    ssd_max_bytes: common.SSDMaxBytesOpt = None,
     remote_url: common.RemoteUrlOpt = None,
     remote_policy: common.RemotePolicyOpt = None,
     codec: common.CodecOpt = None,
@@ -79,7 +80,7 @@ def warm_cmd(
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
         cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,
-                                 codec=codec, extra=common.remote_flags(remote_url, remote_policy))
+                                 codec=codec, extra={**common.remote_flags(remote_url, remote_policy), "ssd_max_bytes": ssd_max_bytes})
         engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                     prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
         try:

@@ -20,14 +20,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+# the consoles live in kvtool.cli.output (which never imports this module): one import direction
+from kvtool.cli.output import console, err_console, versioned  # noqa: F401  (re-exported)
 from kvtool.errors import EXIT_USAGE, KVToolError
-
-console = Console()
-err_console = Console(stderr=True)
 
 # Exit codes shared by all commands.
 EXIT_OK = 0
@@ -242,8 +240,6 @@ def version() -> str:
 def print_json(doc: Mapping[str, Any]) -> None:
     """Write one JSON document to stdout (no rich markup), `schema_version` first
     (`kvtool.cli.output.versioned`): every JSON document the CLI prints carries it."""
-    from kvtool.cli.output import versioned
-
     sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
     sys.stdout.flush()
 
@@ -332,6 +328,12 @@ RemotePolicyOpt = Annotated[
     typer.Option("--remote-policy", help="When blocks reach the remote tier. \\[default: write_through]",
                  show_default=False, rich_help_panel=CACHE_PANEL),
 ]
+SSDMaxBytesOpt = Annotated[
+    str | None,
+    typer.Option("--ssd-max-bytes", help="Byte budget of the SSD tier (per namespace, as du counts it), kept while "
+                 "serving: least recently used segments are evicted first, e.g. 50GB, 512MiB. \\[default: none]",
+                 show_default=False, rich_help_panel=CACHE_PANEL),
+]
 
 
 def remote_flags(remote_url: str | None, remote_policy: Any) -> dict[str, Any]:
@@ -342,7 +344,7 @@ def remote_flags(remote_url: str | None, remote_policy: Any) -> dict[str, Any]:
 # The flag that sets each config field (`kvtool.settings.Origin` names it in `kvtool config show`).
 CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
                "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec",
-               "remote_url": "--remote-url", "remote_policy": "--remote-policy"}
+               "remote_url": "--remote-url", "remote_policy": "--remote-policy", "ssd_max_bytes": "--ssd-max-bytes"}
 
 
 def build_settings(

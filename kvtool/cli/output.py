@@ -34,6 +34,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
 SCHEMA_VERSION = 1
+console = Console()  # stdout: every command prints through these two (`kvtool.cli.common` re-exports them)
+err_console = Console(stderr=True)
 
 
 class OutputMode(StrEnum):
@@ -54,17 +56,14 @@ class Output:
 
     Args:
         mode: human, json or quiet (`Output.from_flags` maps `--json` / `--quiet`).
-        console: stdout console (default: `kvtool.cli.common.console`).
-        err_console: stderr console (default: `kvtool.cli.common.err_console`).
+        console: stdout console (default: this module's `console`, also `kvtool.cli.common.console`).
+        err_console: stderr console (default: this module's `err_console`).
     """
 
     def __init__(self, mode: OutputMode = OutputMode.HUMAN, *, console: Console | None = None,
                  err_console: Console | None = None):  # fmt: skip
-        if console is None or err_console is None:
-            from kvtool.cli import common
-
-            console = console or common.console
-            err_console = err_console or common.err_console
+        console = console or globals()["console"]  # the module's consoles (the parameters shadow their names)
+        err_console = err_console or globals()["err_console"]
         self.mode = OutputMode(mode)
         self.console = console
         self.err_console = err_console

@@ -48,6 +48,7 @@ class ConfinedDir:
         if not NAMESPACE_RE.match(namespace):
             raise ValueError(f"not a namespace name: {namespace!r}")
         self.namespace = namespace
+        self._subdirs: dict[str, int] = {}  # fan-out directory -> descriptor, for open_segment
         root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
         try:
             self.fd = os.open(namespace, _DIR, dir_fd=root)
@@ -55,6 +56,9 @@ class ConfinedDir:
             os.close(root)
 
     def close(self) -> None:
+        for fd in self._subdirs.values():
+            os.close(fd)
+        self._subdirs.clear()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -116,17 +120,29 @@ class ConfinedDir:
             ValueError: malformed name. OSError: absent, a symlink anywhere below the namespace,
                 not a regular file, unreadable.
         """
-        fd, leaf = self._split(segment_relpath(name))
-        try:  # a FIFO or device is never opened (and O_NONBLOCK, then fstat, if one is swapped in)
-            if not stat.S_ISREG(os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_mode):
-                raise _not_regular(segment_relpath(name))
-            out = os.open(leaf, _READ, dir_fd=fd)
-        finally:
-            self._done(fd)
+        rel = segment_relpath(name)
+        try:
+            return self._open_segment(rel, fresh=False)
+        except FileNotFoundError:  # the fan-out directory may have been replaced: look again
+            return self._open_segment(rel, fresh=True)
+
+    def _open_segment(self, rel: str, fresh: bool) -> tuple[int, int]:
+        """`open_segment` through the fan-out directory's descriptor, opened once per run (each
+        segment then costs one `open`); `fresh`: open the directory again."""
+        sub, leaf = rel.split("/", 1)
+        if fresh and sub in self._subdirs:
+            os.close(self._subdirs.pop(sub))
+        fd = self._subdirs.get(sub)
+        if fd is None:
+            fd = self._subdirs[sub] = os.open(sub, _DIR, dir_fd=self.fd)
+        # a FIFO or device is never opened (and O_NONBLOCK, then fstat, if one is swapped in)
+        if not stat.S_ISREG(os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_mode):
+            raise _not_regular(rel)
+        out = os.open(leaf, _READ, dir_fd=fd)
         st = os.fstat(out)
         if not stat.S_ISREG(st.st_mode):
             os.close(out)
-            raise _not_regular(segment_relpath(name))
+            raise _not_regular(rel)
         return out, st.st_size
 
     def unlink_segment(self, name: str) -> int:

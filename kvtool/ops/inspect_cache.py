@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
+import numpy as np
+
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
 from kvtool.store.fsops import FileOps
 from kvtool.store.segment import KVLayout
@@ -236,21 +238,23 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
     if "shutdown_partial_flush" in meta:
         info.shutdown_partial_flush = meta["shutdown_partial_flush"] == "1"
     _fill_layers(info)
-    info.blocks = len(ns.rows)
-    info.segments = len({r.segment for r in ns.rows})
+    t, forest = ns.table, ns.forest
+    info.blocks = ns.row_count
+    info.segments = len(t.segments) if t is not None else 0
     info.bytes = ns.bytes if ns.usable else ns.file_bytes
-    if info.block_size:
-        info.tail_entries = sum(r.num_tokens < info.block_size for r in ns.rows)
-    if ns.tree is not None and len(ns.tree):
-        times = [n.last_access for n in ns.tree.nodes.values()]
-        info.oldest_access, info.newest_access = min(times), max(times)
-        for t in times:
-            label = next(label for label, bound in AGE_BUCKETS if now - t < bound)
-            info.age_histogram[label] += 1
-        info.chains, info.max_depth = len(ns.tree.tops()), ns.tree.max_depth
+    if info.block_size and t is not None:
+        info.tail_entries = int(np.count_nonzero(t.num_tokens < info.block_size))
+    if forest is not None and len(forest):
+        times = forest.last_access
+        info.oldest_access, info.newest_access = float(times.min()), float(times.max())
+        bounds = np.array([bound for _, bound in AGE_BUCKETS])
+        per = np.bincount(np.searchsorted(bounds, now - times, side="right"), minlength=len(bounds))
+        for (label, _), n in zip(AGE_BUCKETS, per.tolist()):
+            info.age_histogram[label] += n
+        info.chains, info.max_depth = int(forest.tops().size), int(forest.depth.max())
     seen = [t for t in (info.newest_access, ns.last_used) if t is not None]
     info.last_used = min(max(seen), now) if seen else None
-    h = Health(len(ns.rows), len(ns.files), len(ns.missing), len(ns.orphans), len(ns.temps), len(ns.bad_rows) + len(ns.bad_segment_rows),
+    h = Health(ns.row_count, len(ns.files), len(ns.missing), len(ns.orphans), len(ns.temps), len(ns.bad_rows) + len(ns.bad_segment_rows),
                len(ns.symlinks), len(ns.irregular))  # fmt: skip
     h.ok = not (h.missing_files or h.orphan_files or h.bad_rows or h.symlinks or h.irregular)
     info.health = h

@@ -22,6 +22,10 @@ first (readers treat a row whose file is gone as a miss and drop it) and the row
 there is room again. Paths come only from `kvtool.store.names`, resolved without following
 symlinks.
 
+The planner itself (`SegmentPlanner`, `fit_budget`) is `kvtool.store.planner`, shared with the
+SSD tier's byte budget; it works on numbered blocks and segments (`planner_of`), so a plan over a
+million blocks makes no Python object per block.
+
 This module never imports MLX (and never imports `kvtool.ops.inspect_cache`).
 """
 
@@ -29,20 +33,22 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from kvtool.ops.chains import ChainTree
+import numpy as np
+
 from kvtool.ops.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
 from kvtool.ops.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
 from kvtool.store.index import BlockIndex
 from kvtool.store.names import INDEX_FILENAME
+from kvtool.store.planner import Segment, SegmentPlanner, fit_budget
 from kvtool.store.segment import FORMAT_VERSION
 
 prune_lock = cache_lock  # the name callers used before `kvtool.ops.lock`
 LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
+HIDDEN_FIELDS = ("planner", "clamp")
 
 
 @dataclass
@@ -65,8 +71,9 @@ class NamespacePlan:
         index_failed: the rows could not be deleted (files may be gone: run `kvtool validate`).
         access_clamped: access times in the future (clock skew) lowered to the planning time, so
             they cannot keep their chains alive through every TTL.
-        hashes, segment_names, clamp: the chosen blocks and segment files, the rows to clamp
-            (not in `to_dict`).
+        planner: the namespace's planner once planned; the chosen blocks and segment files are
+            its choices (`hashes`, `segment_names`; not in `to_dict`).
+        clamp: the rows whose access time is clamped (not in `to_dict`).
     """
 
     namespace: str
@@ -99,14 +106,28 @@ class NamespacePlan:
     unlink_failed: int = 0
     index_failed: bool = False
     access_clamped: int = 0
-    hashes: list[str] = field(default_factory=list, repr=False)
-    segment_names: list[str] = field(default_factory=list, repr=False)
+    planner: SegmentPlanner | None = field(default=None, repr=False, compare=False)
     clamp: list[str] = field(default_factory=list, repr=False)
 
     @property
     def problems(self) -> int:
         untouched = self.status in LEFT_ALONE_PROBLEMS and not self.by_file_age
         return int(untouched) + self.unlink_failed + int(self.index_failed)
+
+    @property
+    def hashes(self) -> list[str]:
+        """The chosen blocks (hashes, sorted; made when asked: one string per block)."""
+        return sorted(self.planner.removed_block_names()) if self.planner is not None else []
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The chosen segment files (names, sorted)."""
+        p = self.planner
+        return [p.names[i] for i in p.removed_segment_ids().tolist()] if p is not None else []
+
+    def fields_dict(self) -> dict:
+        """The report fields (everything but the planner and the rows to clamp)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in HIDDEN_FIELDS}
 
 
 @dataclass
@@ -144,10 +165,8 @@ class PrunePlan:
 
     def to_dict(self) -> dict:
         """JSON-ready document (the `--json` output)."""
-        doc = asdict(self)
-        for d in doc["namespaces"]:
-            for key in ("hashes", "segment_names", "clamp"):
-                d.pop(key)
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "namespaces"}
+        doc["namespaces"] = [ns.fields_dict() for ns in self.namespaces]
         keys = ("blocks", "segments", "bytes", "prune_blocks", "prune_segments", "prune_bytes", "blocks_after",
                 "segments_after", "bytes_after", "rows_deleted", "files_deleted", "bytes_freed", "unlink_failed")  # fmt: skip
         doc["totals"] = {k: self.total(k) for k in keys}
@@ -156,116 +175,31 @@ class PrunePlan:
 
 
 # ----------------------------------------------------------------------------- planning
-@dataclass
-class Segment:
-    """A removal unit as the planner sees it.
-
-    Attributes:
-        name: segment name.
-        size: file bytes (0 if the file is gone).
-        blocks: hashes of the rows stored in it (empty when planned by file age).
-        access: newest effective access of its blocks (or its file's age).
-        depth: deepest chain depth of its blocks (LRU tie-break: deepest first).
-    """
-
-    name: str
-    size: int
-    blocks: tuple[str, ...]
-    access: float
-    depth: int = 0
-
-
-class SegmentPlanner:
-    """Chooses the segments of one namespace (pure: no I/O; property-tested).
-
-    Args:
-        segments: the namespace's segments.
-        tree: the chain tree of its blocks (None when planned by file age: no blocks known).
-    """
-
-    def __init__(self, segments: Mapping[str, Segment], tree: ChainTree | None):
-        self.segments, self.tree = dict(segments), tree
-        self.block_segment = {b: s.name for s in self.segments.values() for b in s.blocks}
-        self.removed_blocks: dict[str, str] = {}  # hash -> reason
-        self.removed_segments: dict[str, str] = {}  # name -> reason
-        self.kept_bytes = sum(s.size for s in self.segments.values())
-
-    def choose(self, name: str, reason: str) -> None:
-        """Remove segment `name` for `reason`, its blocks, their descendants (any segment), and
-        every segment left with no block."""
-        self._propagate(self._mark(name, reason))
-
-    def _mark(self, name: str, reason: str) -> list[str]:
-        """Remove one segment and its blocks; returns the blocks newly removed."""
-        if name in self.removed_segments:
-            return []
-        self._drop_segment(name, reason)
-        fresh = [b for b in self.segments[name].blocks if b not in self.removed_blocks]
-        for b in fresh:
-            self.removed_blocks[b] = reason
-        return fresh
-
-    def _propagate(self, fresh: list[str]) -> None:
-        touched: set[str] = set()
-        stack = list(fresh)
-        children = self.tree.children if self.tree is not None else {}
-        while stack:  # a removed block's descendants are all removed already: never re-walked
-            for c in children.get(stack.pop(), ()):
-                if c not in self.removed_blocks:
-                    self.removed_blocks[c] = "descendant"
-                    stack.append(c)
-                    if c in self.block_segment:
-                        touched.add(self.block_segment[c])
-        for s in sorted(touched):
-            if s not in self.removed_segments and all(b in self.removed_blocks for b in self.segments[s].blocks):
-                self._drop_segment(s, "descendant")
-
-    def _drop_segment(self, name: str, reason: str) -> None:
-        self.removed_segments[name] = reason
-        self.kept_bytes -= self.segments[name].size
-
-    def apply_ttl(self, cutoff: float) -> None:
-        """Remove every segment last used before `cutoff` (all counted 'ttl'), then what hangs
-        below their blocks."""
-        expired = sorted(s.name for s in self.segments.values() if s.access < cutoff)
-        fresh = [b for name in expired for b in self._mark(name, "ttl")]
-        self._propagate(fresh)
-
-    def lru_order(self) -> list[tuple[float, int, str]]:
-        """`(access, -depth, name)` of the kept segments, least recently used first."""
-        return sorted((s.access, -s.depth, s.name) for s in self.segments.values() if s.name not in self.removed_segments)
-
-
-def fit_budget(planners: Mapping[str, SegmentPlanner], max_bytes: int) -> None:
-    """Remove least recently used segments of `planners` (namespace -> planner, one LRU order)
-    until their kept bytes fit `max_bytes`."""
-    kept = sum(p.kept_bytes for p in planners.values())
-    if kept <= max_bytes:
-        return
-    order = sorted((*key, ns) for ns, p in planners.items() for key in p.lru_order())
-    for _access, _depth, name, ns in order:
-        if kept <= max_bytes:
-            break
-        p = planners[ns]
-        before = p.kept_bytes
-        p.choose(name, "lru")
-        kept -= before - p.kept_bytes
+def planner_of(ns: NamespaceScan) -> SegmentPlanner:
+    """The planner of a scanned namespace: its segments with rows (usable namespaces; a segment's
+    access is the newest effective access of its blocks, its depth their deepest), or its segment
+    files by age (index unreadable on a full disk: no blocks known)."""
+    files = ns.files
+    if not ns.usable or ns.table is None or ns.forest is None:
+        names = sorted(files)
+        return SegmentPlanner.from_arrays(names, np.array([files[n].size for n in names], dtype=np.int64),
+                                          np.array([files[n].mtime for n in names], dtype=np.float64),
+                                          np.zeros(len(names), dtype=np.int64), np.zeros(0, dtype=np.int64), None,
+                                          lambda ids: [])  # fmt: skip
+    t, f = ns.table, ns.forest
+    m = len(t.segments)
+    access = np.full(m, -np.inf)
+    np.maximum.at(access, t.seg, f.effective_access)
+    depth = np.zeros(m, dtype=np.int64)
+    np.maximum.at(depth, t.seg, f.depth)
+    size = np.array([files[n].size if n in files else 0 for n in t.segments], dtype=np.int64)
+    return SegmentPlanner.from_arrays(t.segments, size, access, depth, t.seg, f, t.hashes)
 
 
 def segments_of(ns: NamespaceScan) -> dict[str, Segment]:
-    """The removal units of a scanned namespace: its segments with rows (usable namespaces), or
-    its segment files by age (index unreadable on a full disk)."""
-    if not ns.usable:
-        return {f.name: Segment(f.name, f.size, (), f.mtime) for f in ns.files.values()}
-    tree = ns.tree
-    assert tree is not None  # a usable namespace has its chain tree
-    out = {}
-    for name, blocks in ns.segment_blocks().items():
-        nodes = [tree.nodes[b] for b in blocks]
-        size = ns.files[name].size if name in ns.files else 0
-        out[name] = Segment(name, size, tuple(sorted(blocks)), max(n.effective_access for n in nodes),
-                            max(n.depth for n in nodes))  # fmt: skip
-    return out
+    """The removal units of a scanned namespace as `Segment`s (one string per block: for small
+    namespaces and tests; the commands use `planner_of`)."""
+    return planner_of(ns).segments
 
 
 def check_limits(ttl_s: float | None, max_bytes: int | None, namespace: str | None = None, all_namespaces: bool = False) -> None:
@@ -298,9 +232,8 @@ def plan_prune(scan: CacheScan, ttl_s: float | None = None, max_bytes: int | Non
         plan.namespaces.append(p)
         if ns.usable or (ns.status == NamespaceStatus.UNREADABLE and ns.cause == "disk_full"):
             p.by_file_age = not ns.usable
-            segs = segments_of(ns)
-            planners[ns.name] = SegmentPlanner(segs, ns.tree if ns.usable else None)
-            p.blocks, p.segments, p.bytes = len(ns.rows), len(segs), sum(s.size for s in segs.values())
+            planners[ns.name] = p.planner = planner_of(ns)
+            p.blocks, p.segments, p.bytes = ns.row_count, len(p.planner.names), p.planner.kept_bytes
             p.clamp, p.access_clamped = list(ns.future_rows), len(ns.future_rows)
         elif ns.status == NamespaceStatus.OUTDATED:
             _plan_outdated(scan, ns, p, ttl_s)
@@ -333,15 +266,13 @@ def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: 
 
 
 def _summarise(p: NamespacePlan, planner: SegmentPlanner) -> None:
-    for why in planner.removed_blocks.values():
-        setattr(p, f"{why}_blocks", getattr(p, f"{why}_blocks") + 1)
-    for name, why in planner.removed_segments.items():
-        size = planner.segments[name].size
-        setattr(p, f"{why}_segments", getattr(p, f"{why}_segments") + 1)
-        setattr(p, f"{why}_bytes", getattr(p, f"{why}_bytes") + size)
-    p.hashes = sorted(planner.removed_blocks)
-    p.segment_names = sorted(planner.removed_segments)
-    p.prune_blocks, p.prune_segments = len(p.hashes), len(p.segment_names)
+    for why, (blocks, segments, size) in planner.counts().items():
+        if hasattr(p, f"{why}_blocks"):
+            setattr(p, f"{why}_blocks", getattr(p, f"{why}_blocks") + blocks)
+            setattr(p, f"{why}_segments", getattr(p, f"{why}_segments") + segments)
+            setattr(p, f"{why}_bytes", getattr(p, f"{why}_bytes") + size)
+    p.prune_blocks = int(planner.removed_block_ids().size)
+    p.prune_segments = int(planner.removed_segment_ids().size)
     p.prune_bytes = p.bytes - planner.kept_bytes
     p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
 
@@ -362,7 +293,7 @@ def execute_prune(plan: PrunePlan) -> PrunePlan:
             if p.remove_namespace:
                 p.bytes_freed = remove_namespace_tree(root, p.namespace)
                 p.files_deleted = 1
-            elif p.hashes or p.segment_names:
+            elif p.prune_blocks or p.prune_segments:
                 with ConfinedDir(root, p.namespace) as cdir:
                     _execute_namespace(root / p.namespace, cdir, p)
             if p.clamp and not p.remove_namespace:
@@ -468,5 +399,5 @@ def prune(
 
 __all__ = [
     "prune", "plan_prune", "execute_prune", "check_limits", "cache_lock", "prune_lock", "PrunePlan", "NamespacePlan",
-    "SegmentPlanner", "Segment", "fit_budget", "segments_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
+    "SegmentPlanner", "Segment", "fit_budget", "segments_of", "planner_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
 ]  # fmt: skip

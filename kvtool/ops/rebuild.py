@@ -26,43 +26,21 @@ import sqlite3
 import stat
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from kvtool.hashing import root_parent
-from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.records import SegmentReader, created_of
+from kvtool.ops.repairs import NamespaceRepair, RebuildPlan, unlink_counted
 from kvtool.ops.scan import CacheScan, NamespaceScan, meta_problem
+from kvtool.store.chains import build_chain_tree
 from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
 from kvtool.store.names import INDEX_FILENAME
 from kvtool.store.segment import FORMAT_VERSION
-from kvtool.store.ssd import Expected
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from kvtool.ops.validate import NamespaceRepair
+from kvtool.store.ssd_core import Expected
 
 BUILDING = INDEX_FILENAME + ".rebuilding"
 CORRUPT = INDEX_FILENAME + ".corrupt"
-
-
-@dataclass
-class RebuildPlan:
-    """How to rebuild one namespace's index.
-
-    Attributes:
-        meta: meta to write (complete if salvaged, else only what the files say).
-        complete_meta: `meta` holds a `format_version` and hashes to the namespace's name.
-        segments: per segment to index, its `segments` row and block rows.
-        remove: segment files with nothing recoverable (unusable, or only unreachable blocks).
-    """
-
-    meta: dict[str, str]
-    complete_meta: bool
-    segments: list[tuple[SegmentRow, list[IndexRow]]] = field(default_factory=list)
-    remove: list[str] = field(default_factory=list)
 
 
 def salvage_meta(db: Path) -> dict[str, str]:
@@ -139,8 +117,6 @@ def execute_rebuild(root: Path, cdir: ConfinedDir, plan: RebuildPlan, rep: Names
     Raises:
         sqlite3.Error, OSError: the new index could not be built (the old one is left in place).
     """
-    from kvtool.ops.validate import _unlink
-
     ns_dir = root / cdir.namespace
     for suffix in ("", "-wal", "-shm", "-journal"):  # an earlier, interrupted rebuild
         _remove_regular(cdir, BUILDING + suffix)
@@ -163,7 +139,7 @@ def execute_rebuild(root: Path, cdir: ConfinedDir, plan: RebuildPlan, rep: Names
     _remove_regular(cdir, INDEX_FILENAME + "-shm")
     _replace_regular(cdir, BUILDING, INDEX_FILENAME)
     for name in plan.remove:
-        _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+        unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
 
 
 def _check_regular(cdir: ConfinedDir, name: str) -> bool:

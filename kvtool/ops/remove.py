@@ -29,10 +29,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from kvtool.errors import KVToolError
 from kvtool.ops.confined import tree_bytes
 from kvtool.ops.lock import cache_lock
-from kvtool.ops.prune import NamespacePlan, PrunePlan, SegmentPlanner, execute_prune, segments_of
+from kvtool.ops.prune import NamespacePlan, PrunePlan, execute_prune, planner_of
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
 from kvtool.store.names import NAMESPACE_RE
 
@@ -159,7 +161,7 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
         raise RemoveError(f"{len(matches)} namespaces in {cache_dir} match {prefix!r}: ambiguous, nothing removed",
                           hint="give more of the key (kvtool inspect lists them)")  # fmt: skip
     try:
-        return scan_cache(cache_dir, p, now=now)
+        return scan_cache(cache_dir, p, now=now, rows=False)  # a namespace goes whole: its rows are only counted
     except ScanError:
         links = _symlinks_matching(Path(cache_dir), p)
         if links:
@@ -191,7 +193,7 @@ def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
             p.bytes = tree_bytes(scan.cache_dir, ns.name)
         except OSError:
             p.bytes = ns.file_bytes
-        p.blocks, p.segments = len(ns.rows), len(ns.files)
+        p.blocks, p.segments = ns.row_count, len(ns.files)
         p.prune_blocks, p.prune_segments, p.prune_bytes = p.blocks, p.segments, p.bytes
         if ns.usable and ns.meta.get("shutdown_clean") == "0":
             p.message = "open now, or its last process did not shut down cleanly: a process using it stops caching to it"
@@ -200,21 +202,6 @@ def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
 
 
 # ----------------------------------------------------------------------------- a prompt
-class _BlockPlanner(SegmentPlanner):
-    """The segment planner, choosing blocks instead of whole segments."""
-
-    def choose_blocks(self, hashes: Iterable[str], reason: str) -> None:
-        """Remove the stored `hashes`, their descendants (any segment), and every segment left
-        without a block."""
-        fresh = [h for h in dict.fromkeys(hashes) if h in self.block_segment and h not in self.removed_blocks]
-        for h in fresh:
-            self.removed_blocks[h] = reason
-        self._propagate(fresh)
-        for name in sorted({self.block_segment[h] for h in fresh}):
-            if name not in self.removed_segments and all(b in self.removed_blocks for b in self.segments[name].blocks):
-                self._drop_segment(name, reason)
-
-
 def block_sizes_of(scan: CacheScan) -> set[int]:
     """The block sizes of the scanned namespaces (from their meta)."""
     out = set()
@@ -258,15 +245,15 @@ def _plan_prompt_in(ns: NamespaceScan, keys: PromptKeys) -> NamespaceRemoval:
         p.skipped = True
         p.message = f"{ns.status.value}: left untouched ({ns.message})" if ns.message else f"{ns.status.value}: left untouched"
         return p
-    segs = segments_of(ns)
-    planner = _BlockPlanner(segs, ns.tree)
-    planner.choose_blocks(keys.hashes, "prompt")
-    p.blocks, p.segments, p.bytes = len(ns.rows), len(segs), sum(s.size for s in segs.values())
-    p.hashes = sorted(planner.removed_blocks)
-    p.segment_names = sorted(planner.removed_segments)
-    p.prompt_blocks = sum(1 for why in planner.removed_blocks.values() if why == "prompt")
-    p.descendant_blocks = len(p.hashes) - p.prompt_blocks
-    p.prune_blocks, p.prune_segments = len(p.hashes), len(p.segment_names)
+    planner = p.planner = planner_of(ns)
+    p.blocks, p.segments, p.bytes = ns.row_count, len(planner.names), planner.kept_bytes
+    rows = ns.table.find(list(keys.hashes)) if ns.table is not None and keys.hashes else np.zeros(0, dtype=np.int64)
+    planner.choose_blocks(rows[rows >= 0], "prompt")
+    counts = planner.counts()
+    p.prompt_blocks = counts.get("prompt", (0, 0, 0))[0]
+    p.prune_blocks = int(planner.removed_block_ids().size)
+    p.descendant_blocks = p.prune_blocks - p.prompt_blocks
+    p.prune_segments = int(planner.removed_segment_ids().size)
     p.prune_bytes = p.bytes - planner.kept_bytes
     p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
     return p

@@ -11,9 +11,11 @@ Per namespace, in this order (a row is never inserted before its file exists, so
 before the directory is listed): the index files are checked to be regular files (a symlinked
 `index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
-not hash to its name is `foreign`), every row is read and checked (`IndexRow.from_db`:
-malformed rows are reported by rowid, never used), then the directory is listed without
-following symlinks. No segment file is read.
+not hash to its name is `foreign`), every row is read and checked in one pass of one statement
+(`kvtool.store.rowtable`: columns, no Python object per row; malformed rows are reported by
+rowid, never used), then the directory is listed without following symlinks. No segment file is
+read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
+The chain tree of the rows (`forest`, `tree`) is built on first use, once.
 
 Statuses (`NamespaceStatus`, one vocabulary for every command):
 
@@ -39,13 +41,16 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 
+import numpy as np
+
 from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
-from kvtool.ops.chains import ChainTree, build_chain_tree
 from kvtool.ops.confined import disk_full, free_bytes
+from kvtool.store.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
 from kvtool.store.fsops import (
     FileOps,
     NamespaceSelectError,
@@ -55,10 +60,11 @@ from kvtool.store.fsops import (
     short_path,
     temp_is_leftover,
 )
-from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, IndexRow, SegmentRow
+from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
 from kvtool.store.names import INDEX_FILENAME, LOCK_FILENAME
+from kvtool.store.rowtable import VALID_ROW_SQL, RowTable, bad_rowids, load_rows
 from kvtool.store.segment import FORMAT_VERSION
-from kvtool.store.ssd import Expected
+from kvtool.store.ssd_core import Expected
 
 INDEX_FILES = (INDEX_FILENAME, INDEX_FILENAME + "-wal", INDEX_FILENAME + "-shm")
 REBUILD_HINT = "`kvtool validate --rebuild-index` rebuilds it from the segment files"
@@ -130,7 +136,9 @@ class NamespaceScan:
         meta: the index's meta table ({} if unreadable).
         format_version: meta `format_version` (None if unknown).
         expected: the KV layout and block size blocks must have (usable namespaces only).
-        rows: well-formed block rows (by hash).
+        table: the well-formed block rows as columns (`RowTable`, by hash); None when not read
+            (`rows=False`, or the index could not be read). `rows` is the same, or ().
+        row_count: well-formed block rows (also when only counted).
         segment_rows: well-formed `segments` rows.
         bad_rows, bad_segment_rows: rowids of malformed rows (NULLs, wrong types, bad names).
         files: segment name -> `SegmentFile` for well-named segment files.
@@ -144,8 +152,10 @@ class NamespaceScan:
             under its name is not absent: its rows are corrupt).
         orphans: segment files no block row names (sorted).
         future_rows: hashes whose `last_access` is in the future (beyond the skew allowance).
-        tree: the parent-chain tree of `rows` (access times clamped to the scan time).
         last_used: newest sign of use (index file mtimes, meta open/close times), clamped to now.
+        now: the scan time (access times are clamped to it in the chain tree).
+        forest: the chain forest of the rows (row `i` is node `i`; built on first use).
+        tree: the same by hash (`ChainTree`; one object per block when its nodes are used).
     """
 
     name: str
@@ -156,7 +166,8 @@ class NamespaceScan:
     meta: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     format_version: str | None = None
     expected: Expected | None = None
-    rows: tuple[IndexRow, ...] = ()
+    table: RowTable | None = None
+    row_count: int = 0
     segment_rows: tuple[SegmentRow, ...] = ()
     bad_rows: tuple[int, ...] = ()
     bad_segment_rows: tuple[int, ...] = ()
@@ -168,8 +179,8 @@ class NamespaceScan:
     missing: tuple[str, ...] = ()
     orphans: tuple[str, ...] = ()
     future_rows: tuple[str, ...] = ()
-    tree: ChainTree | None = None
     last_used: float | None = None
+    now: float = 0.0
 
     @property
     def usable(self) -> bool:
@@ -177,9 +188,14 @@ class NamespaceScan:
         return self.status in USABLE
 
     @property
+    def rows(self) -> RowTable | tuple[()]:
+        """The well-formed block rows (`table`; () when not read). Iterating makes `IndexRow`s."""
+        return self.table if self.table is not None else ()
+
+    @property
     def bytes(self) -> int:
         """Bytes of the segment files that rows name (what the blocks occupy)."""
-        named = {r.segment for r in self.rows}
+        named = self.table.segment_numbers if self.table is not None else {}
         return sum(f.size for n, f in self.files.items() if n in named)
 
     @property
@@ -188,11 +204,31 @@ class NamespaceScan:
         return sum(f.size for f in self.files.values())
 
     def segment_blocks(self) -> dict[str, list[str]]:
-        """Segment name -> hashes of the rows stored in it (segments with rows only)."""
+        """Segment name -> hashes of the rows stored in it (segments with rows only; one string
+        per row: for small namespaces)."""
         out: dict[str, list[str]] = {}
-        for r in self.rows:
-            out.setdefault(r.segment, []).append(r.hash)
+        if self.table is not None:
+            for h, s in zip(self.table.hashes(), self.table.seg.tolist()):
+                out.setdefault(self.table.segments[s], []).append(h)
         return out
+
+    @cached_property
+    def forest(self) -> Forest | None:
+        """The chain forest of `table` (access times clamped to `now`), None without rows read."""
+        t = self.table
+        if t is None or not self.usable:
+            return None
+        root = key_of_hex(root_parent(self.name))
+        at_root = (t.parent[:, 0] == root[0]) & (t.parent[:, 1] == root[1])
+        return build_forest(t.parent_rows(), at_root, t.last_access, self.now)
+
+    @cached_property
+    def tree(self) -> ChainTree | None:
+        """`forest` by hash (the hashes are made on first use of its nodes)."""
+        if self.table is None or self.forest is None:
+            return None
+        t = self.table
+        return ChainTree(root_parent(self.name), t.hashes, lambda: hex_of_keys(t.parent), self.forest)
 
 
 @dataclass(frozen=True)
@@ -215,8 +251,9 @@ class CacheScan:
 
 
 def scan_cache(
-    cache_dir: Path, namespace: str | None = None, *, now: float | None = None, fs: FileOps | None = None
-) -> CacheScan:
+    cache_dir: Path, namespace: str | None = None, *, now: float | None = None, fs: FileOps | None = None,
+    rows: bool = True,
+) -> CacheScan:  # fmt: skip
     """Scan an SSD cache (read-only).
 
     Args:
@@ -225,6 +262,8 @@ def scan_cache(
         namespace: only this namespace (a layout key or a unique prefix of one); None = all.
         now: the scan time (unix seconds; injectable for tests).
         fs: file-system operations (listing; fault injection in tests).
+        rows: read every row (`NamespaceScan.table`); False: only count them (no `missing`,
+            `orphans` or `future_rows` then).
 
     Raises:
         ScanError: `cache_dir` is not a directory or cannot be looked at (a name too long, no
@@ -253,19 +292,20 @@ def scan_cache(
                 links.append(n)
             elif n not in picked and n != LOCK_FILENAME:
                 other.append(n)
-    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs) for d in dirs)
+    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows) for d in dirs)
     return CacheScan(cache_dir, now, spaces, tuple(links), tuple(other))
 
 
-def scan_namespace_dir(cache_dir: Path, name: str, *, now: float | None = None, fs: FileOps | None = None) -> NamespaceScan:
+def scan_namespace_dir(cache_dir: Path, name: str, *, now: float | None = None, fs: FileOps | None = None,
+                       rows: bool = True) -> NamespaceScan:  # fmt: skip
     """Scan one namespace directory (see the module docstring). Never raises for its content."""
-    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps()).run()
+    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows).run()
 
 
 class _Scanner:
-    def __init__(self, path: Path, now: float, fs: FileOps):
-        self.path, self.now, self.fs = path, now, fs
-        self.f: dict = {"name": path.name, "path": path}
+    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True):
+        self.path, self.now, self.fs, self.rows = path, now, fs, rows
+        self.f: dict = {"name": path.name, "path": path, "now": now}
 
     def run(self) -> NamespaceScan:
         self.f["last_used"] = self._index_mtime()
@@ -294,13 +334,12 @@ class _Scanner:
             if not self._list_files():
                 return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
             try:  # an index rebuilt without its meta has rows; one killed before its schema has none
-                idx = index.scan()
+                self._read_rows(index)
+                f["meta"] = MappingProxyType(index.get_meta())
             except sqlite3.Error:
-                idx = None
-            if idx is not None:
-                f.update(rows=tuple(idx.rows), meta=MappingProxyType(dict(idx.meta)))
+                pass
             n = len(f.get("files", {}))
-            why = (f"no metadata yet; {n} segment file(s) and {len(f.get('rows', ()))} row(s): completed by the next "
+            why = (f"no metadata yet; {n} segment file(s) and {f.get('row_count', 0)} row(s): completed by the next "
                    f"kvtool process that opens this namespace with its model" if n else
                    "creation interrupted or in progress: nothing stored")  # fmt: skip
             return self._done(NamespaceStatus.UNINITIALIZED, why)
@@ -319,24 +358,47 @@ class _Scanner:
             self._list_files()
             return self._done(NamespaceStatus.FOREIGN, f"{problem}: left untouched (remove the directory if it is not yours)")
         f["expected"] = Expected.from_meta(self.path.name, meta)
-        idx = index.scan()  # every row, checked; malformed ones by rowid
-        f.update(rows=tuple(idx.rows), segment_rows=tuple(idx.segments), bad_rows=tuple(idx.bad_rows),
-                 bad_segment_rows=tuple(idx.bad_segments))  # fmt: skip
+        self._read_rows(index)  # every row, checked; malformed ones by rowid
         if not self._list_files():
             return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
-        rows = f["rows"]
-        named = {r.segment for r in rows} | {s.name for s in f["segment_rows"]}
-        files = f["files"]
-        planted = {Path(rel).name.split(".")[0] for rel in f["irregular"]}
-        f["missing"] = tuple(sorted(n for n in named if n not in files and n not in planted))
-        referenced = {r.segment for r in rows}
-        orphans = [n for n in sorted(files) if n not in referenced]
-        # a writer may have renamed a segment in and inserted its rows since the row snapshot
-        f["orphans"] = tuple(n for n in orphans if not index.segment_rows(n))
-        f["future_rows"] = tuple(r.hash for r in rows if r.last_access > self.now + FUTURE_SKEW_S)
-        f["tree"] = build_chain_tree(((r.hash, r.parent, r.last_access) for r in rows), root_parent(self.path.name), self.now)
+        table, files = f.get("table"), f["files"]
+        if table is not None:
+            planted = {Path(rel).name.split(".")[0] for rel in f["irregular"]}
+            named = set(table.segments) | {s.name for s in f["segment_rows"]}
+            f["missing"] = tuple(sorted(n for n in named if n not in files and n not in planted))
+            referenced = table.segment_numbers
+            orphans = [n for n in sorted(files) if n not in referenced]
+            # a writer may have renamed a segment in and inserted its rows since the row snapshot
+            f["orphans"] = tuple(n for n in orphans if not index.segment_rows(n))
+            future = np.flatnonzero(table.last_access > self.now + FUTURE_SKEW_S)
+            f["future_rows"] = tuple(table.hashes(future)) if future.size else ()
+        rows = f.get("row_count", 0)
         empty = not rows and not files
         return self._done(NamespaceStatus.EMPTY if empty else NamespaceStatus.OK, "")
+
+    def _read_rows(self, index: BlockIndex) -> None:
+        """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot.
+
+        Raises:
+            sqlite3.Error: the index cannot be read.
+        """
+        f = self.f
+        with index.connection() as conn:
+            conn.execute("BEGIN")
+            try:
+                if self.rows:
+                    table = load_rows(conn)
+                    f.update(table=table, row_count=len(table))
+                else:
+                    (f["row_count"],) = conn.execute(f"SELECT COUNT(*) FROM blocks WHERE {VALID_ROW_SQL}").fetchone()
+                f["bad_rows"] = tuple(bad_rowids(conn))
+                segs, bad = [], []
+                for rowid, *vals in conn.execute("SELECT rowid, name, nbytes, n_blocks, created FROM segments ORDER BY name"):
+                    seg = SegmentRow.from_db(vals)
+                    segs.append(seg) if seg else bad.append(rowid)
+                f.update(segment_rows=tuple(segs), bad_segment_rows=tuple(bad))
+            finally:
+                conn.execute("COMMIT")
 
     def _list_files(self) -> bool:
         """List segment files, temps, symlinks, other entries (no symlink followed)."""

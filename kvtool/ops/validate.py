@@ -32,6 +32,13 @@ following symlinks (`kvtool.ops.confined`). A repairing run holds the cache's ma
 (`kvtool.ops.lock`) from the scan to the last change, so it never plans from rows or files that
 a `prune` or `rm` is removing at the same moment; a dry run only reads and takes no lock.
 
+Scale (docs/operations.md): the rows are read once, as columns (`kvtool.store.rowtable`); the
+segment files are visited once each, in name order, each opened once, and the records a check
+needs are read in file order with as few reads as possible (`kvtool.ops.records.SegmentPass`):
+token ids for the digest check, whole records for `deep` and for records without a row; the
+chain tree (rows plus candidate records) is built once. Memory grows with the blocks (numpy
+columns, ~150 bytes per block), never with the bytes of the cache.
+
 This module never imports MLX.
 """
 
@@ -41,166 +48,38 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from kvtool.hashing import root_parent
-from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.lock import cache_lock
-from kvtool.ops.rebuild import RebuildPlan, execute_rebuild, plan_rebuild
-from kvtool.ops.records import Record, SegmentReader, created_of, row_disagrees
+from kvtool.ops.rebuild import execute_rebuild, plan_rebuild
+from kvtool.ops.records import Record, SegmentPass, created_of
+from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
+    MAX_DETAILS,
+    REPAIRS,
+    Actions,
+    NamespaceRepair,
+    RebuildPlan,
+    RepairPlan,
+    ValidateReport,
+    unlink_counted,
+)
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
+from kvtool.store.chains import KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex
 from kvtool.store.fsops import FileOps, resolve_cache_root, short_path
 from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
 from kvtool.store.names import INDEX_FILENAME, segment_relpath
+from kvtool.store.rowtable import RowTable, load_rows
 
-MAX_DETAILS = 50  # per namespace, in the report
 ProgressFn = Callable[[str, int, int], None]  # progress(namespace, segments_done, segments_total)
 ValidateError = ScanError  # what `validate` raises when it cannot run (missing dir, bad namespace)
-
-REPAIRS = (
-    "temp_removed", "bad_rows_dropped", "access_clamped", "rows_repaired", "missing_rows_dropped", "corrupt_removed",
-    "segment_rows_fixed", "orphans_adopted", "orphans_removed", "broken_chain_removed", "irregular_removed",
-)  # fmt: skip
-UNCHECKED_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
-
-
-@dataclass
-class _Actions:
-    """What `execute` does to one namespace (not part of the report)."""
-
-    temps: list[str] = field(default_factory=list)
-    irregular: list[str] = field(default_factory=list)
-    bad_rowids: list[int] = field(default_factory=list)
-    bad_segment_rowids: list[int] = field(default_factory=list)
-    clamp: list[str] = field(default_factory=list)
-    # segment -> (its segments row, rows rewritten from its records, rows adopted from its records)
-    writes: dict[str, tuple[SegmentRow, list[IndexRow], list[IndexRow]]] = field(default_factory=dict)
-    drop: list[str] = field(default_factory=list)
-    broken: list[str] = field(default_factory=list)
-    remove_segments: list[str] = field(default_factory=list)
-    rebuild: RebuildPlan | None = None
-
-    def write(self, seg_row: SegmentRow, rewrite: Sequence[IndexRow] = (), adopt: Sequence[IndexRow] = ()) -> None:
-        _, rw, ad = self.writes.get(seg_row.name, (seg_row, [], []))
-        self.writes[seg_row.name] = (seg_row, rw + list(rewrite), ad + list(adopt))
-
-    def any(self) -> bool:
-        return bool(self.temps or self.irregular or self.bad_rowids or self.bad_segment_rowids or self.clamp or self.writes or self.drop
-                    or self.broken or self.remove_segments or self.rebuild)  # fmt: skip
-
-
-@dataclass
-class NamespaceRepair:
-    """Plan and outcome for one namespace. Under a dry run the counts say what *would* be done.
-
-    Attributes:
-        namespace: layout key.
-        status: the scan's `NamespaceStatus` value (ok | empty | uninitialized | unreadable |
-            outdated | foreign).
-        outcome: clean | repaired | problems (dry run) | skipped (not checked) | failed.
-        format_version: the index's format version (None if unreadable).
-        message: why the namespace was not checked, or what failed.
-        rows: well-formed index rows at the start; files: segment files at the start.
-        temp_removed ... broken_chain_removed: repairs by kind (see the module docstring); counts
-            of blocks (rows), except temp files, segment rows and orphan segment files.
-        duplicates_removed: orphan segments whose records are all stored elsewhere (not a problem).
-        blocks_recovered: rows recreated by an index rebuild.
-        index_rebuilt: the index was (or, dry run, would be) rebuilt from the segment files.
-        unlink_failed: files that could not be removed.
-        bytes_freed: bytes of files removed.
-        ignored_entries: entries that are not kvtool's (left alone).
-        symlinks: symlinks inside the namespace (never followed, never removed: a problem).
-        irregular: entries under a segment or temp file name that are not regular files (FIFO,
-            socket, device: removed, `irregular_removed`; a directory: left, a problem). Their
-            rows are `corrupt_removed`.
-        details: up to `MAX_DETAILS` lines 'kind hash-or-name: reason'.
-    """
-
-    namespace: str
-    status: str = NamespaceStatus.OK.value
-    outcome: str = "clean"
-    format_version: str | None = None
-    message: str = ""
-    rows: int = 0
-    files: int = 0
-    temp_removed: int = 0
-    bad_rows_dropped: int = 0
-    access_clamped: int = 0
-    rows_repaired: int = 0
-    missing_rows_dropped: int = 0
-    corrupt_removed: int = 0
-    segment_rows_fixed: int = 0
-    orphans_adopted: int = 0
-    orphans_removed: int = 0
-    broken_chain_removed: int = 0
-    irregular_removed: int = 0
-    duplicates_removed: int = 0
-    blocks_recovered: int = 0
-    index_rebuilt: bool = False
-    unlink_failed: int = 0
-    bytes_freed: int = 0
-    ignored_entries: int = 0
-    symlinks: list[str] = field(default_factory=list)
-    irregular: list[str] = field(default_factory=list)
-    details: list[str] = field(default_factory=list)
-    actions: _Actions = field(default_factory=_Actions, repr=False)
-
-    @property
-    def problems(self) -> int:
-        """Problems found: repairs, symlinks, irregular entries left, failures, and an unreadable
-        or foreign namespace."""
-        unchecked = self.status in UNCHECKED_PROBLEMS
-        left = len(self.irregular) - self.irregular_removed
-        return (sum(getattr(self, k) for k in REPAIRS) + len(self.symlinks) + left + self.unlink_failed
-                + int(unchecked) + int(self.outcome == "failed" and not unchecked))  # fmt: skip
-
-    def note(self, kind: str, what: str, reason: str) -> None:
-        if len(self.details) < MAX_DETAILS:
-            self.details.append(f"{kind} {what}: {reason}")
-
-
-@dataclass
-class RepairPlan:
-    """Repairs of one `validate` run: planned (`plan_repairs`), then executed (`execute`).
-
-    Attributes:
-        cache_dir: the cache root.
-        deep: every record was read and its checksum verified.
-        dry_run: not executed on purpose.
-        executed: `execute` ran.
-        rebuild_index: unreadable indexes are rebuilt from their segment files.
-        symlinks: symlinks directly under the cache root (never followed; a problem each).
-        namespaces: one entry per namespace.
-    """
-
-    cache_dir: str
-    deep: bool
-    dry_run: bool = True
-    executed: bool = False
-    rebuild_index: bool = False
-    symlinks: list[str] = field(default_factory=list)
-    namespaces: list[NamespaceRepair] = field(default_factory=list)
-
-    @property
-    def problems(self) -> int:
-        return sum(ns.problems for ns in self.namespaces) + len(self.symlinks)
-
-    def to_dict(self) -> dict:
-        """JSON-ready document (the `--json` output)."""
-        doc = asdict(self)
-        for ns, d in zip(self.namespaces, doc["namespaces"]):
-            d.pop("actions")
-            d["problems"] = ns.problems
-        doc["problems"] = self.problems
-        doc["clean"] = self.problems == 0
-        return doc
-
-
-ValidateReport = RepairPlan  # the name callers used before the plan/execute split
+_Actions = Actions  # the name before `kvtool.ops.repairs`
+_unlink = unlink_counted
 
 
 def validate(
@@ -248,7 +127,7 @@ def plan_repairs(
     """
     plan = RepairPlan(str(scan.cache_dir), deep, rebuild_index=rebuild_index, symlinks=list(scan.symlinks))
     for ns in scan.namespaces:
-        rep = NamespaceRepair(ns.name, ns.status.value, format_version=ns.format_version, rows=len(ns.rows),
+        rep = NamespaceRepair(ns.name, ns.status.value, format_version=ns.format_version, rows=ns.row_count,
                               files=len(ns.files), ignored_entries=len(ns.other), symlinks=list(ns.symlinks),
                               irregular=list(ns.irregular))  # fmt: skip
         plan.namespaces.append(rep)
@@ -272,25 +151,43 @@ def plan_repairs(
 def _rebuildable(ns: NamespaceScan) -> bool:
     if ns.status == NamespaceStatus.UNREADABLE:
         return ns.cause == "index"
-    return ns.status == NamespaceStatus.UNINITIALIZED and bool(ns.files) and not ns.rows
+    return ns.status == NamespaceStatus.UNINITIALIZED and bool(ns.files) and not ns.row_count
 
 
 def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress) -> None:
     exp = ns.expected
     assert exp is not None  # a usable namespace has its geometry
     try:
-        with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentReader(cdir, ns.name, exp.kv, exp.block_size) as reader:
+        with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(cdir, ns.name, exp.kv, exp.block_size) as reader:
             _Planner(scan.now, ns, rep, reader, deep).run(progress)
     except OSError as exc:
         rep.outcome, rep.message = "failed", f"cannot open the namespace directory: {exc}"
 
 
-class _Planner:
-    """Plans the repairs of one usable namespace."""
+class _Candidate:
+    """A record that no kept row describes (in a segment of the row snapshot): adopted if a
+    prefix lookup can reach it and it verifies."""
 
-    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentReader, deep: bool):
+    __slots__ = ("segment", "slot", "hash", "parent", "record")
+
+    def __init__(self, segment: str, slot: int, hash_: str, parent: str, record: Record | str):
+        self.segment, self.slot, self.hash, self.parent, self.record = segment, slot, hash_, parent, record
+
+
+class _Planner:
+    """Plans the repairs of one usable namespace: one pass over its segment files (`_visit`, in
+    name order), then the decisions (`_resolve`, `_adopt_and_finish`) on one chain tree."""
+
+    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool):
         self.now, self.ns, self.rep, self.reader, self.deep = now, ns, rep, reader, deep
         self.act = rep.actions
+        self.table: RowTable = ns.table if ns.table is not None else RowTable.empty()
+        self.fail: dict[int, str] = {}  # row number -> why it does not match its record
+        self.own: dict[int, Record] = {}  # row number -> its own record, verified (a failed row's)
+        self.copies: dict[str, list[Record]] = {}  # hash -> verified records no row describes
+        self.candidates: list[_Candidate] = []  # records of snapshot segments that may lack a row
+        self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (not the header)
+        self.errors: dict[str, str] = {}  # segment -> why it is unusable
 
     def run(self, progress: ProgressFn | None) -> None:
         ns, rep, act = self.ns, self.rep, self.act
@@ -314,180 +211,241 @@ class _Planner:
             rep.note("bad_row", f"rowid {rowid}", "NULL, wrongly typed or malformed value")
         act.clamp = list(ns.future_rows)
         rep.access_clamped = len(act.clamp)
-        for i, name in enumerate(sorted(ns.files), 1):
-            self.reader.header(name)
+        self.known = (set(self.table.segments) | set(ns.orphans)) & set(ns.files)
+        names = sorted(set(ns.files) | set(self.table.segments))
+        for i, name in enumerate(names, 1):
+            self._visit(name)
             if progress is not None:
-                progress(ns.name, i, len(ns.files))
-        final = self._resolve_rows()
-        adopted, bad = self._adopt(final)
-        self._finish(final, adopted, bad)
+                progress(ns.name, i, len(names))
+        self.reader.close()
+        final, dropped = self._resolve()
+        self._adopt_and_finish(final, dropped)
 
-    # ------------------------------------------------------------------ rows
-    def _resolve_rows(self) -> dict[str, IndexRow]:
-        """Rows that stay (some rewritten from their record); the others are dropped."""
-        final: dict[str, IndexRow] = {}
-        for row in self.ns.rows:
-            why = self._check_row(row)
-            if why is None:
-                final[row.hash] = row
+    # ------------------------------------------------------------------ the pass
+    def _visit(self, name: str) -> None:
+        """Check segment `name` against its rows: one open, then its records in file order."""
+        t, ns = self.table, self.ns
+        s = t.segment_numbers.get(name)
+        rows = t.by_segment[0][t.by_segment[1][s] : t.by_segment[1][s + 1]] if s is not None else np.zeros(0, np.int64)
+        if name not in ns.files:
+            why = self._no_file(name)
+            for r in rows.tolist():
+                self.fail[r] = why
+            return
+        chk = self.reader.open(name)
+        if chk.header is None:
+            self.errors[name] = chk.error or "unusable"
+            for r in rows.tolist():
+                self.fail[r] = f"segment {name} unusable: {self.errors[name]}"
+            return
+        slots = chk.header.slots
+        self.checked[name] = _SegInfo(chk.size, len(slots), created_of(chk.header))
+        rl = rows.tolist()
+        hashes, parents, digests = (hex_of_keys(k[rows]) for k in (t.hash, t.parent, t.digest))
+        slot_of, n_tok, nbytes = (t.slot[rows].tolist(), t.num_tokens[rows].tolist(), t.nbytes[rows].tolist())
+        claimed: dict[int, int] = {}  # slot -> position in `rows` of the row it holds
+        to_check: list[int] = []  # positions whose record must match their digest
+        for k, r in enumerate(rl):
+            i = slot_of[k]
+            if i >= len(slots):
+                self.fail[r] = f"segment {name} has no slot {i}"
                 continue
-            rec = self._relocate(row)
-            if rec is not None:
-                new = rec.row(row.created, min(row.last_access, self.now))
-                final[row.hash] = new
-                self.act.write(self.reader.verified_segment_row(rec.segment), rewrite=[new])
-                self.rep.rows_repaired += 1
-                self.rep.note("repaired", row.hash, f"{why}; rewritten from its record in {rec.segment} slot {rec.slot.index}")
+            sl = slots[i]
+            if sl.block_hash != hashes[k]:
+                self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
                 continue
-            self.act.drop.append(row.hash)
-            if row.segment in self.ns.missing or self.reader.errors.get(row.segment) == "missing":
-                self.rep.missing_rows_dropped += 1
-                self.rep.note("missing", row.hash, why)
+            claimed[i] = k
+            for what, mine, theirs in (("parent", parents[k], sl.parent_hash), ("num_tokens", n_tok[k], sl.n_tokens),
+                                       ("nbytes", nbytes[k], sl.nbytes)):  # fmt: skip
+                if mine != theirs:
+                    self.fail[r] = f"{what} {mine!r} differs from its record ({theirs!r})"
+                    break
             else:
-                self.rep.corrupt_removed += 1
-                self.rep.note("corrupt", row.hash, why)
-        return final
+                to_check.append(k)
+        unclaimed = [i for i in range(len(slots)) if i not in claimed]
+        failed_own = [i for i, k in claimed.items() if rl[k] in self.fail]
+        verify = set(range(len(slots))) if self.deep else {*unclaimed, *failed_own}
+        self.reader.read(verify=verify, digest=[slot_of[k] for k in to_check if slot_of[k] not in verify])
+        again = []
+        for k in to_check:
+            i, r = slot_of[k], rl[k]
+            got = chk.records.get(i) if i in verify else chk.digests.get(i)
+            if isinstance(got, str) and i in verify:
+                self.fail[r] = f"record unusable: {got}"
+                continue
+            digest = got.tokens_digest if isinstance(got, Record) else got
+            if digest != digests[k]:
+                self.fail[r] = "tokens_digest differs from its record"
+                if i not in verify:
+                    again.append(i)
+        if again:  # their own records, verified whole: they may rewrite their rows
+            self.reader.read(verify=again)
+        for i, k in claimed.items():
+            r = rl[k]
+            rec = chk.records.get(i)
+            if r in self.fail and isinstance(rec, Record):
+                self.own[r] = rec
+        for i in unclaimed:
+            rec = chk.records[i]
+            if isinstance(rec, Record):
+                self.copies.setdefault(rec.slot.block_hash, []).append(rec)
+        if name in self.known:
+            for i, sl in enumerate(slots):
+                at = claimed.get(i)
+                if at is None or rl[at] in self.fail:
+                    self.candidates.append(_Candidate(name, i, sl.block_hash, sl.parent_hash, chk.records.get(i, "not read")))
 
-    def _check_row(self, row: IndexRow) -> str | None:
-        if row.segment not in self.ns.files:
-            if segment_relpath(row.segment) in self.ns.irregular:
-                return f"segment {row.segment} is not a regular file (never opened)"
-            link = row.segment[:2] in self.ns.symlinks
-            return f"segment {row.segment} " + ("is behind a symlinked directory (never followed)" if link else "has no file")
-        header = self.reader.header(row.segment)
-        if header is None:
-            return f"segment {row.segment} unusable: {self.reader.errors.get(row.segment)}"
-        if row.slot >= len(header.slots):
-            return f"segment {row.segment} has no slot {row.slot}"
-        differs = row_disagrees(row, header.slots[row.slot])
-        if differs:
-            return differs
-        digest: str | None
-        if self.deep:
-            rec = self.reader.record(row.segment, row.slot)
-            if rec is None:
-                return f"record unusable: {self.reader.record_error(row.segment, row.slot)}"
-            digest = rec.tokens_digest
-        else:
-            digest = self.reader.tokens_digest(row.segment, row.slot)
-        if digest != row.tokens_digest:
-            return "tokens_digest differs from its record"
-        return None
+    def _no_file(self, name: str) -> str:
+        if segment_relpath(name) in self.ns.irregular:
+            return f"segment {name} is not a regular file (never opened)"
+        link = name[:2] in self.ns.symlinks
+        return f"segment {name} " + ("is behind a symlinked directory (never followed)" if link else "has no file")
 
-    def _known(self) -> set[str]:
-        """Segment files of the snapshot: named by a row, or orphans (not files written since)."""
-        return ({r.segment for r in self.ns.rows} | set(self.ns.orphans)) & set(self.ns.files)
-
-    def _where(self) -> dict[str, list[tuple[str, int]]]:
-        if not hasattr(self, "_where_cache"):
-            where: dict[str, list[tuple[str, int]]] = {}
-            for name in sorted(self.ns.files):
-                header = self.reader.header(name)
-                for s in header.slots if header is not None else ():
-                    where.setdefault(s.block_hash, []).append((name, s.index))
-            self._where_cache = where
-        return self._where_cache
-
-    def _relocate(self, row: IndexRow) -> Record | None:
-        """A verified record of `row.hash` (its own segment first), or None."""
-        spots = sorted(self._where().get(row.hash, ()), key=lambda s: (s[0] != row.segment, s))
-        for name, idx in spots:
-            rec = self.reader.record(name, idx)
-            if rec is not None and rec.slot.block_hash == row.hash:
-                return rec
-        return None
-
-    # ------------------------------------------------------------------ orphans and chains
-    def _adopt(self, final: dict[str, IndexRow]) -> tuple[dict[str, IndexRow], dict[str, int]]:
-        """Records without a row (every slot of an orphan segment, the unreferenced slots of the
-        others) that a prefix lookup could reach and that verify: they get their rows back.
+    # ------------------------------------------------------------------ decisions
+    def _resolve(self) -> tuple[dict[int, IndexRow], np.ndarray]:
+        """Failed rows: rewritten from a verified record of their hash (their own first, then one in
+        their segment, then elsewhere), or dropped.
 
         Returns:
-            `(hash -> adopted row, segment -> records that failed verification)`. Only rooted
-            candidates are read, so blocks a prune removed (their chain ends at a removed file)
-            are never read nor resurrected.
+            `(row number -> rewritten row, dropped mask [N])`.
         """
-        spare: dict[str, tuple[str, int, str]] = {}  # hash -> (segment, slot, parent)
-        for name in sorted(self._known()):
-            header = self.reader.header(name)
-            for s in header.slots if header is not None else ():
-                if s.block_hash not in final:
-                    spare.setdefault(s.block_hash, (name, s.index, s.parent_hash))
-        root = root_parent(self.ns.name)
-        adopted: dict[str, IndexRow] = {}
-        bad: dict[str, int] = {}
-        while True:
-            entries = [(r.hash, r.parent, 0.0) for r in final.values()]
-            entries += [(h, parent, 0.0) for h, (_, _, parent) in spare.items()]
-            tree = build_chain_tree(entries, root)
-            failed = False
-            for h in sorted(h for h in spare if tree.nodes[h].rooted and h not in adopted):
-                name, idx, _ = spare[h]
-                rec = self.reader.record(name, idx)
-                if rec is None:
-                    del spare[h]
-                    bad[name] = bad.get(name, 0) + 1
-                    failed = True
-                    continue
-                t = min(created_of(self.reader.verified_header(name)), self.now)
-                adopted[h] = rec.row(t, t)
-            if not failed:  # a failure can unroot other candidates: look again
-                return {h: r for h, r in adopted.items() if tree.nodes[h].rooted}, bad
+        t, rep, act = self.table, self.rep, self.act
+        rewritten: dict[int, IndexRow] = {}
+        dropped = np.zeros(len(t), dtype=bool)
+        for r in sorted(self.fail):  # row numbers follow the hashes' order
+            row, why = t.row(r), self.fail[r]
+            spots = [self.own[r]] if r in self.own else []
+            others = self.copies.get(row.hash, [])
+            spots += [c for c in others if c.segment == row.segment] + [c for c in others if c.segment != row.segment]
+            if spots:
+                rec = spots[0]
+                new = rec.row(row.created, min(row.last_access, self.now))
+                rewritten[r] = new
+                act.write(self._segment_row(rec.segment), rewrite=[new])
+                rep.rows_repaired += 1
+                rep.note("repaired", row.hash, f"{why}; rewritten from its record in {rec.segment} slot {rec.slot.index}")
+                continue
+            dropped[r] = True
+            act.drop.append(row.hash)
+            if row.segment in self.ns.missing or self.errors.get(row.segment) == "missing":
+                rep.missing_rows_dropped += 1
+                rep.note("missing", row.hash, why)
+            else:
+                rep.corrupt_removed += 1
+                rep.note("corrupt", row.hash, why)
+        return rewritten, dropped
 
-    def _finish(self, final: dict[str, IndexRow], adopted: dict[str, IndexRow], bad: dict[str, int]) -> None:
-        ns, rep, act, reader = self.ns, self.rep, self.act, self.reader
-        every = {**final, **adopted}
-        tree = build_chain_tree(((r.hash, r.parent, r.last_access) for r in every.values()), root_parent(ns.name), self.now)
-        unrooted = set(tree.unrooted())
-        for h in sorted(unrooted & set(final)):
-            act.broken.append(h)
-            rep.broken_chain_removed += 1
-            rep.note("broken_chain", h, f"parent {final[h].parent} is not stored (or the chain loops)")
+    def _segment_row(self, name: str) -> SegmentRow:
+        """The `segments` row a verified segment file should have."""
+        info = self.checked[name]
+        return SegmentRow(name, info.size, info.n_slots, info.created)
+
+    def _adopt_and_finish(self, rewritten: dict[int, IndexRow], dropped: np.ndarray) -> None:
+        """One chain tree over the kept rows and the records no kept row describes: records a
+        lookup can reach and that verify are adopted; kept rows it cannot reach are removed;
+        orphans nothing came back from go; `segments` rows are fixed."""
+        t, ns, rep, act = self.table, self.ns, self.rep, self.act
+        keep = np.flatnonzero(~dropped)
+        parent = t.parent[keep].copy()
+        for r, new in rewritten.items():
+            parent[int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
+        # records no kept row describes, first copy of each hash (file order)
+        found = t.index.find(keys_from_hex([c.hash for c in self.candidates])) if self.candidates else np.zeros(0, np.int64)
+        in_final = (found >= 0) & ~dropped[np.maximum(found, 0)] if found.size else np.zeros(0, dtype=bool)
+        spare: list[_Candidate] = []
+        seen: set[str] = set()
+        outside: dict[str, int] = {}  # segment -> its records whose hash no kept row has
+        for c, kept in zip(self.candidates, in_final.tolist()):
+            if kept:
+                continue
+            outside[c.segment] = outside.get(c.segment, 0) + 1
+            if c.hash not in seen:
+                seen.add(c.hash)
+                spare.append(c)
+        n = keep.size
+        nodes = np.concatenate([t.hash[keep], keys_from_hex([c.hash for c in spare])])
+        parents = np.concatenate([parent, keys_from_hex([c.parent for c in spare])])
+        root = key_of_hex(root_parent(ns.name))
+        forest = build_forest(KeyIndex(nodes).find(parents), (parents == root).all(axis=1), np.zeros(len(nodes)))
+        rooted = forest.rooted.copy()
+        failed = [n + j for j, c in enumerate(spare) if rooted[n + j] and not isinstance(c.record, Record)]
+        bad: dict[str, int] = {}
+        for j in failed:  # a record that fails unroots what hangs below it
+            bad[spare[j - n].segment] = bad.get(spare[j - n].segment, 0) + 1
+        if failed:
+            rooted &= ~forest.descendants(np.array(failed, dtype=np.int64))
         by_segment: dict[str, list[IndexRow]] = {}
-        for r in adopted.values():
-            by_segment.setdefault(r.segment, []).append(r)
-        referenced = {r.segment for r in final.values()}
+        for j, c in enumerate(spare):
+            if rooted[n + j] and isinstance(c.record, Record):
+                when = min(self.checked[c.segment].created, self.now)
+                by_segment.setdefault(c.segment, []).append(c.record.row(when, when))
+        unrooted = keep[~rooted[:n]]
+        for r in unrooted.tolist():
+            row = rewritten.get(r) or t.row(r)
+            act.broken.append(row.hash)
+            rep.broken_chain_removed += 1
+            rep.note("broken_chain", row.hash, f"parent {row.parent} is not stored (or the chain loops)")
+        plain = np.setdiff1d(keep, np.array(sorted(rewritten), dtype=np.int64)) if rewritten else keep
+        referenced = {t.segments[i] for i in np.unique(t.seg[plain]).tolist()} | {new.segment for new in rewritten.values()}
         for name, rows in sorted(by_segment.items()):
-            act.write(reader.verified_segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
+            act.write(self._segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
             rep.orphans_adopted += len(rows)
             what = "an orphan segment" if name not in referenced else "a segment whose rows lost them"
             rep.note("adopted", name, f"{len(rows)} verified record(s) of {what}")
-        for name in sorted(self._known() - referenced - set(by_segment)):  # orphans nothing came back from
-            header = reader.header(name)
+        for name in sorted(self.known - referenced - set(by_segment)):  # orphans nothing came back from
             act.remove_segments.append(name)
-            if header is not None and all(s.block_hash in final for s in header.slots):
+            if name in self.checked and not outside.get(name):
                 rep.duplicates_removed += 1
                 rep.note("orphan", name, "every record is stored in another segment")
                 continue
             rep.orphans_removed += 1
-            why = (f"unusable: {reader.errors.get(name)}" if header is None else
+            why = (f"unusable: {self.errors.get(name)}" if name not in self.checked else
                    f"{bad[name]} corrupt record(s)" if bad.get(name) else "no block a lookup can reach")  # fmt: skip
             rep.note("orphan", name, why)
-        self._segment_rows(final, unrooted)
-        after = {r.segment for h, r in final.items() if h not in unrooted}
-        after |= {name for name, (_, rw, ad) in act.writes.items() if rw or ad}
-        rep.bytes_freed += sum(ns.files[n].size for n in self._known() if n not in after)
+        kept = self._kept_segments(keep, rooted[:n], rewritten)
+        self._segment_rows(kept)
+        after = kept | {name for name, (_, rw, ad) in act.writes.items() if rw or ad}
+        rep.bytes_freed += sum(ns.files[name].size for name in self.known if name not in after)
 
-    def _segment_rows(self, final: dict[str, IndexRow], unrooted: set[str]) -> None:
+    def _kept_segments(self, keep: np.ndarray, rooted: np.ndarray, rewritten: dict[int, IndexRow]) -> set[str]:
+        """Segments of the kept rows that a lookup can reach (rewritten rows: their record's)."""
+        t = self.table
+        plain = keep[rooted]
+        if rewritten:
+            plain = np.setdiff1d(plain, np.array(sorted(rewritten), dtype=np.int64))
+        out = {t.segments[i] for i in np.unique(t.seg[plain]).tolist()}
+        for r, new in rewritten.items():
+            if rooted[int(np.searchsorted(keep, r))]:
+                out.add(new.segment)
+        return out
+
+    def _segment_rows(self, kept: set[str]) -> None:
         """`segments` rows: rewrite wrong or missing ones of kept segments; drop ones without file."""
         seg_rows = {s.name: s for s in self.ns.segment_rows}
-        kept = {r.segment for h, r in final.items() if h not in unrooted}
         for name in sorted(kept):
-            want = self.reader.segment_row(name)
-            have = seg_rows.get(name)
-            if want is None or name in self.act.writes:
+            if name not in self.checked or name in self.act.writes:
                 continue
+            want, have = self._segment_row(name), seg_rows.get(name)
             if have is None or (have.nbytes, have.n_blocks) != (want.nbytes, want.n_blocks):
                 self.act.write(want)
                 self.rep.segment_rows_fixed += 1
                 self.rep.note("segment_row", name, "missing" if have is None else "size or block count differs from the file")
-        named = {r.segment for r in self.ns.rows}
+        named = self.table.segment_numbers
         for name in sorted(set(seg_rows) - set(self.ns.files)):
             if name not in self.act.remove_segments:
                 self.act.remove_segments.append(name)
                 if name not in named:  # else part of dropping the rows of a missing segment
                     self.rep.segment_rows_fixed += 1
                     self.rep.note("segment_row", name, "no file")
+
+
+class _SegInfo:
+    """What a segment file's verified header said (the header itself is not kept)."""
+
+    __slots__ = ("size", "n_slots", "created")
+
+    def __init__(self, size: int, n_slots: int, created: float):
+        self.size, self.n_slots, self.created = size, n_slots, created
 
 
 # ----------------------------------------------------------------------------- execute
@@ -537,9 +495,7 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
         for rel in act.irregular:  # their rows are gone (dropped above, or rewritten to a copy)
             _unlink(rep, lambda: cdir.unlink_irregular(rel), rel)  # noqa: B023  (called at once, inside the loop)
         if act.broken:  # re-check on a fresh read: a live writer may have stored a missing parent
-            fresh = index.scan()
-            tree = build_chain_tree(((r.hash, r.parent, r.last_access) for r in fresh.rows), root_parent(rep.namespace))
-            act.broken = [h for h in act.broken if h in tree.nodes and not tree.nodes[h].rooted]
+            act.broken = _still_unrooted(index, rep.namespace, act.broken)
             emptied += index.delete(act.broken)[1] if act.broken else []
         for name in emptied:
             _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
@@ -552,20 +508,21 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
         index.close()
 
 
+def _still_unrooted(index: BlockIndex, namespace: str, hashes: list[str]) -> list[str]:
+    """Those of `hashes` whose rows a prefix lookup still cannot reach, on a fresh read."""
+    with index.connection() as conn:
+        t = load_rows(conn)
+    root = key_of_hex(root_parent(namespace))
+    forest = build_forest(t.parent_rows(), (t.parent == root).all(axis=1), t.last_access)
+    rows = t.find(hashes)
+    return [h for h, r in zip(hashes, rows.tolist()) if r >= 0 and not forest.rooted[r]]
+
+
 def _is_dir(path: Path) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def _unlink(rep: NamespaceRepair, fn: Callable[[], int], what: str) -> int:
-    try:
-        return fn()
-    except (OSError, ValueError) as exc:
-        rep.unlink_failed += 1
-        rep.note("unlink_failed", what, str(exc))
-        return 0
 
 
 __all__ = [

@@ -60,6 +60,12 @@ CREATE TABLE IF NOT EXISTS segments (
     created REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS reservations (
+    name TEXT PRIMARY KEY NOT NULL,
+    nbytes INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    created REAL NOT NULL
+);
 CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
 CREATE INDEX IF NOT EXISTS blocks_segment ON blocks(segment);
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent, last_access);
@@ -112,7 +118,7 @@ class IndexRow:
         out of range, a hash or segment name that is not 32 lowercase hex digits)."""
         h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
         try:  # one regex over the four names joined: 4 x 32 hex digits (this is the hot path)
-            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest):  # type: ignore[operator]  # non-str: TypeError, caught
+            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest) or not len(h) == len(parent) == len(seg) == 32:  # type: ignore[operator, arg-type]  # non-str: TypeError, caught
                 return None
         except TypeError:
             return None
@@ -288,6 +294,13 @@ class BlockIndex:
                 self._conn.close()
                 self._conn = None  # type: ignore[assignment]  # closed: every other use runs while open
 
+    @contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        """The connection, under the index's lock: for a statement the methods here do not make
+        (`kvtool.store.rowtable.load_rows`, one pass over many rows). Do not commit through it."""
+        with self._lock:
+            yield self._conn
+
     def _select_rows(self, where: str, args: Sequence[object]) -> list[IndexRow]:
         rows = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE {where}", list(args)).fetchall()
         return [r for r in (IndexRow.from_db(v) for v in rows) if r is not None]
@@ -389,12 +402,30 @@ class BlockIndex:
         with self._lock, self._transaction() as cur:
             cur.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(values.items()))
 
-    def insert_segment(self, segment: SegmentRow, rows: Sequence[IndexRow]) -> None:
+    def insert_segment(self, segment: SegmentRow, rows: Sequence[IndexRow], release: bool = False) -> None:
         """Insert a segment and its block rows in one transaction (call after the file is in
-        place). A block row replaces an existing row of the same hash."""
+        place). A block row replaces an existing row of the same hash. `release`: the segment's
+        byte reservation (`kvtool.store.ssd_budget`) ends in the same transaction."""
         with self._lock, self._transaction() as cur:
             cur.execute(f"INSERT OR REPLACE INTO segments({_SEG_COLUMNS}) VALUES (?,?,?,?)", astuple(segment))
             cur.executemany(f"INSERT OR REPLACE INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows])
+            if release:
+                cur.execute("DELETE FROM reservations WHERE name=?", (segment.name,))
+
+    @contextmanager
+    def write_transaction(self) -> Iterator[sqlite3.Cursor]:
+        """One `BEGIN IMMEDIATE` transaction under the index's lock: the database's write lock is
+        held (every process sharing the index waits) from the first statement to the commit, so
+        a read-decide-write sequence (`kvtool.store.ssd_budget`) sees no other writer. Buffered
+        access times are committed first. Rolled back if the body raises.
+
+        Raises:
+            sqlite3.Error: the transaction could not start or commit (busy past the timeout).
+        """
+        with self._lock:
+            self._flush_locked()
+            with self._transaction() as cur:
+                yield cur
 
     def delete(self, hashes: Iterable[str]) -> tuple[int, list[str]]:
         """Delete block rows in one transaction; segments left without rows go too.

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -39,10 +38,12 @@ import numpy as np
 
 from kvtool.store import segment as seg
 from kvtool.store.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
-from kvtool.store.index import BlockIndex, IndexRow
-from kvtool.store.names import is_hash, segment_relpath
+from kvtool.store.index import IndexRow
+from kvtool.store.names import is_hash
 from kvtool.store.segment import BlockFileError
-from kvtool.store.ssd_open import Expected, Recent, ReconcileReport, open_index, reconcile
+from kvtool.store.ssd_budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
+from kvtool.store.ssd_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore
+from kvtool.store.ssd_open import open_index, reconcile
 from kvtool.store.ssd_save import SegmentSaver
 
 if TYPE_CHECKING:
@@ -50,10 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NONCACHEABLE_TTL_S = 3600.0  # a colliding hash is not cached for one hour (docs/design.md#chain-hash)
 SEGMENT_MAX_BYTES = 64 << 20  # a write batch is split into segments of at most this size
-SUSPECT_MAX = 4096  # segments remembered as having failed verification (oldest forgotten first)
-SAVED_MAX = 1 << 16  # hashes remembered as saved by this process, for `saved_count` (oldest first)
 REQUIRED_META = ("model_id", "model_name", "block_size", "kv_dtype", "kv_layers")
 
 COUNTERS = (
@@ -62,10 +60,11 @@ COUNTERS = (
     "ssd_load_hits", "ssd_load_miss", "ssd_load_corrupt", "ssd_load_missing", "ssd_load_fail",
     "ssd_load_noncacheable", "ssd_bytes_read", "ssd_namespace_refused", "ssd_index_errors",
     "ssd_reconcile_temp_removed", "ssd_reconcile_missing_dropped", "ssd_reconcile_orphan_files",
+    "ssd_budget_evictions", "ssd_budget_evicted_bytes", "ssd_budget_evicted_blocks", "ssd_budget_refused",
 )  # fmt: skip
 
 
-class SSDStore:
+class SSDStore(StoreCore):
     """The SSD tier of one namespace. Thread-safe; never raises on I/O trouble.
 
     Args:
@@ -108,33 +107,15 @@ class SSDStore:
         noncacheable: dict[str, float] | None = None,
         dir_mode: int = DEFAULT_DIR_MODE,
         segment_max_bytes: int = SEGMENT_MAX_BYTES,
+        max_bytes: int | None = None,
     ):
         missing = [k for k in REQUIRED_META if k not in meta]
         if missing:
             raise ValueError(f"SSDStore meta lacks {missing}")
         if str(durability) not in ("best_effort", "persistent", "durable"):
             raise ValueError(f"unknown durability {durability!r}")
-        self.cache_dir = Path(cache_dir)
-        self.layout_key = layout_key
-        self.namespace_dir = self.cache_dir / layout_key
-        self.durable = str(durability) == "durable"
-        self.enabled = False
-        self.read_only = False
-        self.disabled_reason: str | None = None
-        self.previous_shutdown_clean: bool | None = None
-        self.reconcile_report = ReconcileReport()
-        self.index: BlockIndex | None = None
-        self.expected: Expected | None = None
-        self.segment_max_bytes = segment_max_bytes
-        self._dir_mode = dir_mode
-        self._fs = fs or FileOps()
-        self._clock = clock
-        self._noncacheable = {} if noncacheable is None else noncacheable
-        self._lock = threading.Lock()  # saves, removals, close
-        self._stats_lock = threading.Lock()
-        self._stats = dict.fromkeys(COUNTERS, 0)
-        self._suspect = Recent(SUSPECT_MAX)  # segments a record of which failed verification
-        self._saved = Recent(SAVED_MAX)  # hashes this process saved (`saved_count`)
+        super().__init__(cache_dir, layout_key, durability=durability, fs=fs, clock=clock, noncacheable=noncacheable,
+                         dir_mode=dir_mode, segment_max_bytes=segment_max_bytes, counters=COUNTERS)  # fmt: skip
         self._saver = SegmentSaver(self)  # the save path (kvtool.store.ssd_save)
         try:
             self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
@@ -144,30 +125,40 @@ class SSDStore:
             return
         if self.enabled and not self.read_only:
             reconcile(self)
+        self.set_max_bytes(max_bytes)
+
+    def set_max_bytes(self, max_bytes: int | None, protect_s: float = DEFAULT_PROTECT_S) -> None:
+        """Keep the namespace directory within `max_bytes` (as `du` counts it) while writing:
+        least recently used segments are evicted before a segment that would not fit is written
+        (`kvtool.store.ssd_budget`; the budget is the namespace's, shared by every process
+        through its index). None: no budget. A disabled or read-only store writes nothing: no
+        budget either.
+
+        Args:
+            max_bytes: the budget in bytes, or None.
+            protect_s: segments whose rows were used this many seconds ago or less are never evicted.
+
+        Raises:
+            ValueError: `max_bytes` is negative.
+        """
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        index = self.index
+        if max_bytes is None or index is None or not self.enabled or self.read_only:
+            self.budget = None
+            return
+        self.budget = SSDBudget(max_bytes, self.namespace_dir, index, self._fs, self._seg_path, clock=self._clock,
+                                protect_s=protect_s, on_evict=self._evicted)  # fmt: skip
+
+    def _evicted(self, ev: Eviction) -> None:
+        self._inc("ssd_budget_evictions", ev.segments)
+        self._inc("ssd_budget_evicted_bytes", ev.nbytes)
+        self._inc("ssd_budget_evicted_blocks", ev.blocks)
 
     # ------------------------------------------------------------------ open/close
     def _open(self, meta: dict[str, str], flush_interval_s: float) -> None:
         """Open (or create) the namespace and its index: `kvtool.store.ssd_open.open_index`."""
         open_index(self, meta, flush_interval_s)
-
-    @property
-    def _geometry(self) -> Expected:
-        """`expected`, once the index is open (every read and write path runs only then)."""
-        assert self.expected is not None, "SSD store used before its index was opened"
-        return self.expected
-
-    def _disable(self, reason: str) -> None:
-        self.enabled = False
-        self.disabled_reason = reason
-        log.warning("SSD tier disabled: %s", reason)
-
-    def _close_index_quietly(self) -> None:
-        if self.index is not None:
-            try:
-                self.index.close()
-            except sqlite3.Error:
-                pass
-            self.index = None
 
     def close(self, shutdown_clean: bool = True, partial_flush: bool = False) -> None:
         """Flush access times, record the shutdown state in the index meta, close. Never raises.
@@ -468,16 +459,6 @@ class SSDStore:
             self.suspect(row.segment)
         self.remove([h])
 
-    def suspect(self, segment: str) -> None:
-        """Remember that a record of `segment` failed verification (a record swap damages two):
-        a save of a block whose row points into it replaces that row instead of being dropped as
-        a duplicate (`kvtool.store.ssd_save`), so a recomputed block is stored again."""
-        self._suspect.add([segment])
-
-    def is_suspect(self, segment: str) -> bool:
-        """True if a record of `segment` failed verification in this process (`suspect`)."""
-        return segment in self._suspect
-
     def saved_count(self, hashes: Iterable[str]) -> int:
         """How many of `hashes` this process saved to SSD (file written and rows committed;
         the last `SAVED_MAX` saves are remembered): a request's blocks that reached the disk."""
@@ -494,31 +475,6 @@ class SSDStore:
                 self._index_error("drop segment", exc)
                 return
             self._unlink_quiet(self._seg_path(name))
-
-    def _unlink_quiet(self, path: Path) -> None:
-        try:
-            self._fs.unlink(path)
-        except OSError as exc:
-            log.warning("could not remove %s: %s", path, exc)
-
-    # -------------------------------------------------------------- isolation
-    def _is_noncacheable(self, h: str) -> bool:
-        until = self._noncacheable.get(h)
-        if until is None:
-            return False
-        if self._clock() < until:
-            return True
-        self._noncacheable.pop(h, None)
-        return False
-
-    def collision(self, h: str, where: str) -> None:
-        """An intact block holds other token ids than asked for: isolate its hash for 1 h."""
-        self._isolate(h, where)
-
-    def _isolate(self, h: str, where: str) -> None:
-        self._noncacheable[h] = self._clock() + NONCACHEABLE_TTL_S
-        self._inc("ssd_hash_collision_detected")
-        log.warning("HASH COLLISION on %s: hash=%s holds other tokens; non-cacheable for %ds", where, h, NONCACHEABLE_TTL_S)
 
     # ------------------------------------------------------------------- misc
     def flush(self) -> None:
@@ -559,31 +515,6 @@ class SSDStore:
         if self.enabled and self.index is not None:
             self._touch(h)
 
-    def _touch(self, h: str) -> None:
-        """Batched access-time update; a failed auto-flush costs only freshness."""
-        index = self.index
-        if self.read_only or index is None:  # None: closed concurrently
-            return
-        try:
-            index.touch(h, self._clock())
-        except (sqlite3.Error, AttributeError) as exc:  # AttributeError: closed concurrently
-            self._index_error("touch", exc)
-
-    def _seg_path(self, name: str, check: bool = True) -> Path:
-        """Path of a segment (raises ValueError for a malformed name)."""
-        return self.namespace_dir / segment_relpath(name)
-
-    def inc(self, key: str, n: int = 1) -> None:
-        """Add to one of the `ssd_` counters (for the restore path)."""
-        self._inc(key, n)
-
-    def _inc(self, key: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[key] += n
-
-    def _index_error(self, what: str, exc: Exception) -> None:
-        self._inc("ssd_index_errors")
-        log.warning("SSD index %s failed in %s: %s", what, self.namespace_dir, exc)
 
 
 __all__ = ["SSDStore", "Expected", "ReconcileReport", "COUNTERS", "NONCACHEABLE_TTL_S", "REQUIRED_META"]

@@ -1,9 +1,10 @@
-"""Opening one namespace of the SSD tier: what its blocks must look like (`Expected`), when an
-existing index must not be used (`refusal`), the index files' own check, and the startup
-reconcile (`reconcile`, `ReconcileReport`).
+"""Opening one namespace of the SSD tier: when an existing index must not be used (`refusal`),
+the index files' own check, and the startup reconcile (`reconcile`).
 
-Split out of `kvtool.store.ssd` (which re-exports `Expected` and `ReconcileReport`). Logs go to
-the `kvtool.store.ssd` logger. This module never imports MLX (the SSD writer thread calls it).
+Split out of `kvtool.store.ssd`; the types it fills in (`Expected`, `ReconcileReport`) and the
+state it works on (`StoreCore`) are `kvtool.store.ssd_core`'s (re-exported here and by
+`kvtool.store.ssd`). Logs go to the `kvtool.store.ssd` logger. This module never imports MLX (the
+SSD writer thread calls it).
 """
 
 from __future__ import annotations
@@ -13,20 +14,14 @@ import logging
 import os
 import sqlite3
 import stat
-import threading
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvtool.store import segment as seg
 from kvtool.store.fsops import scan_namespace, temp_is_leftover, temp_path_for
 from kvtool.store.index import BlockIndex
 from kvtool.store.names import INDEX_FILENAME, NAMESPACE_RE, is_segment_name
-from kvtool.store.segment import KVLayout
-
-if TYPE_CHECKING:
-    from kvtool.store.ssd import SSDStore
+from kvtool.store.ssd_core import Expected, Recent, ReconcileReport, StoreCore
 
 log = logging.getLogger("kvtool.store.ssd")
 
@@ -35,53 +30,7 @@ INDEX_FILES = (INDEX_FILENAME, INDEX_FILENAME + "-wal", INDEX_FILENAME + "-shm")
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
-@dataclass
-class ReconcileReport:
-    """Startup reconcile of one namespace (the fast part of crash recovery: no row is loaded; docs/design.md#durability-modes).
-
-    Attributes:
-        temp_removed: leftover temp files removed.
-        missing_rows_dropped: block rows whose segment file was gone, dropped.
-        orphan_files: segment files without a segment row (for `kvtool validate` to adopt).
-        rows: block rows after reconcile.
-    """
-
-    temp_removed: int = 0
-    missing_rows_dropped: int = 0
-    orphan_files: int = 0
-    rows: int = 0
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the blocks of one namespace must look like.
-
-    Attributes:
-        layout_key: the namespace's layout key.
-        kv: per-layer KV shapes and dtype.
-        block_size: tokens per full block (tail entries hold fewer).
-        codec: how records are stored: 'none' or a `segment.CODECS` codec (meta `kv_codec`).
-    """
-
-    layout_key: str
-    kv: KVLayout
-    block_size: int
-    codec: str = "none"
-
-    @classmethod
-    def from_meta(cls, layout_key: str, meta: dict[str, str]) -> Expected:
-        """Build from namespace index metadata (string values).
-
-        Raises:
-            KeyError, ValueError: a key is missing or malformed.
-        """
-        codec = meta.get("kv_codec") or "none"
-        if codec not in seg.CODECS:
-            raise ValueError(f"unknown kv_codec {codec!r}")
-        return cls(layout_key, KVLayout.parse(meta["kv_layers"], meta["kv_dtype"]), int(meta["block_size"]), codec)
-
-
-def open_index(store: SSDStore, meta: dict[str, str], flush_interval_s: float) -> None:
+def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) -> None:
     """Open `store`'s namespace: create its directory (exact mode), probe whether it is writable,
     open its index (read-only where it is not: `BlockIndex(read_only=True)`), check the stored
     meta against `meta`, and set `store.index`, `expected`, `enabled`, `read_only`.
@@ -123,7 +72,7 @@ def open_index(store: SSDStore, meta: dict[str, str], flush_interval_s: float) -
         log.warning("SSD tier read-only: %s", store.disabled_reason)
 
 
-def probe_writable(store: SSDStore) -> bool:
+def probe_writable(store: StoreCore) -> bool:
     """Create the namespace directory (exact mode) and try a temp file in it.
 
     Returns:
@@ -142,37 +91,6 @@ def probe_writable(store: SSDStore) -> bool:
         if exc.errno in READ_ONLY_ERRNOS and store._fs.is_dir(store.namespace_dir):
             return False
         raise
-
-
-class Recent:
-    """A set that remembers its last `limit` members (oldest forgotten first). Thread-safe.
-
-    Args:
-        limit: how many members are kept.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._items: dict[str, None] = {}
-        self._lock = threading.Lock()
-
-    def add(self, items: Iterable[str]) -> None:
-        """Add (or refresh) members."""
-        with self._lock:
-            for item in items:
-                self._items.pop(item, None)
-                self._items[item] = None
-            while len(self._items) > self.limit:
-                del self._items[next(iter(self._items))]
-
-    def __contains__(self, item: object) -> bool:
-        with self._lock:
-            return item in self._items
-
-    def count(self, items: Iterable[str]) -> int:
-        """How many distinct members of `items` are remembered."""
-        with self._lock:
-            return sum(item in self._items for item in set(items))
 
 
 def refusal(layout_key: str, stored: dict[str, str], meta: dict[str, str]) -> str | None:
@@ -203,7 +121,7 @@ def check_index_files(ns_dir: Path) -> None:
             raise OSError(errno.ELOOP, f"{name} is not a regular file (symlink?): never opened", str(ns_dir / name))
 
 
-def reconcile(store: SSDStore) -> None:
+def reconcile(store: StoreCore) -> None:
     """Remove leftover temp files and drop segments whose file is missing (`store.reconcile_report`).
 
     Cheap at any size: one directory listing and the `segments` table (one row per write

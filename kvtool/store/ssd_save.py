@@ -51,10 +51,10 @@ from kvtool.store.fsops import temp_path_for
 from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
 from kvtool.store.names import is_hash
 from kvtool.store.segment import BlockFileError
+from kvtool.store.ssd_core import StoreCore
 
 if TYPE_CHECKING:
     from kvtool.hostblock import HostBlock
-    from kvtool.store.ssd import SSDStore
 
 log = logging.getLogger("kvtool.store.ssd")
 
@@ -66,7 +66,7 @@ class SegmentSaver:
         store: the store it writes for; read at call time, never copied.
     """
 
-    def __init__(self, store: SSDStore):
+    def __init__(self, store: StoreCore):
         self._store = store
         self._made_dirs: set[str] = set()  # segment subdirectories this process has created
 
@@ -195,15 +195,24 @@ class SegmentSaver:
         name = secrets.token_hex(16)
         path = store._seg_path(name)
         size = sum(b.nbytes for b in buffers)
-        self._write_file(path, name, buffers)
-        rows = [
-            IndexRow(b.block_hash, b.parent_hash, name, s.index, s.n_tokens, s.nbytes, seg.tokens_digest(b.token_ids), now, now)
-            for b, s in zip(blocks, slots)
-        ]
+        budget = store.budget
+        if budget is not None and not budget.reserve(name, size):  # the byte budget: no room even after eviction
+            store._inc("ssd_budget_refused", len(blocks))
+            return ["error"] * len(blocks)
         try:
-            index.insert_segment(SegmentRow(name, size, len(blocks), now), rows)
+            self._write_file(path, name, buffers)
+            rows = [
+                IndexRow(b.block_hash, b.parent_hash, name, s.index, s.n_tokens, s.nbytes, seg.tokens_digest(b.token_ids), now, now)
+                for b, s in zip(blocks, slots)
+            ]
+            try:
+                index.insert_segment(SegmentRow(name, size, len(blocks), now), rows, release=budget is not None)
+            except BaseException:
+                store._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
+                raise
         except BaseException:
-            store._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
+            if budget is not None:
+                budget.release(name)
             raise
         store._saved.add(b.block_hash for b in blocks)
         store._inc("ssd_save_success", len(blocks))

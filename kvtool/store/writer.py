@@ -115,6 +115,7 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # the one drain timeout (writer stop, tier close
 DEFAULT_FLUSH_TIMEOUT_S = 60.0
 ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
 QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field read by make_writer
+MAX_BYTES_CONFIG_FIELD = "ssd_max_bytes"  # the SSD tier's byte budget, handed to the store by make_writer
 
 
 class BlockSink(Protocol):
@@ -579,8 +580,15 @@ def make_writer(store: BlockSink, config: KVToolConfig) -> Writer:
     """The writer the config asks for (`ssd_async_writes`, queue size, durability, retries).
 
     The byte bound is `DEFAULT_MAX_QUEUE_BYTES` unless the config has a
-    `ssd_writer_queue_bytes` field (bytes), which is then used.
+    `ssd_writer_queue_bytes` field (bytes), which is then used. With `ssd_max_bytes` set, the
+    store evicts least recently used segments before each write that would not fit
+    (`SSDStore.set_max_bytes`, `kvtool.store.ssd_budget`): the writer's saves keep the namespace
+    directory within that many bytes.
     """
+    max_bytes = getattr(config, MAX_BYTES_CONFIG_FIELD, None)
+    set_max_bytes = getattr(store, "set_max_bytes", None)
+    if max_bytes is not None and set_max_bytes is not None:
+        set_max_bytes(int(max_bytes))
     if config.ssd_async_writes:
         return AsyncWriter(
             store,
