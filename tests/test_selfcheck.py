@@ -83,6 +83,7 @@ def test_verdict_is_stored_and_not_run_again(family, tmp_path):
     eng.close()
 
 
+@pytest.mark.slow
 def test_a_later_process_reuses_the_verdict(tmp_path):
     """A subprocess over the same cache directory: SSD hit, equal tokens, zero probes run."""
     family = "gemma4_text"

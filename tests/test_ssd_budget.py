@@ -167,6 +167,7 @@ def test_recently_used_segments_are_never_evicted_the_write_is_refused(tmp_path)
     store.close()
 
 
+@pytest.mark.slow
 def test_a_reservation_of_a_dead_process_is_dropped(tmp_path):
     store = open_budgeted(tmp_path, None)
     store.save_blocks(chain(0))
@@ -241,6 +242,7 @@ def _sample(path: Path, stop: threading.Event, peak: list[int]) -> None:
             pass
 
 
+@pytest.mark.slow
 def test_two_processes_share_one_budget(tmp_path):
     """Two writer processes, 5x the budget of distinct segments between them: the directory never
     holds more than the budget plus one segment at any sampled moment."""
