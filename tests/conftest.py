@@ -21,6 +21,7 @@ for _name in [n for n in os.environ if n.startswith("KVTOOL_") and n not in ("KV
               and not n.startswith("KVTOOL_TEST_") and n not in ("KVTOOL_SOAK_SECONDS",)]:
     del os.environ[_name]
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="kvtool-test-xdg-")
+os.chmod(os.environ["XDG_CONFIG_HOME"], 0o755)  # empty; tests that run kvtool as another user look in it too
 
 
 @pytest.fixture(scope="session")

@@ -155,9 +155,13 @@ def test_every_json_document_is_versioned_and_quiet_is_silent(cache, command):
 
 def test_validate_reads_config_and_quiet_prints_only_problems(cache, monkeypatch):
     cache_dir, store, cfg = cache
-    monkeypatch.setenv("KVTOOL_CACHE_DIR", str(cache_dir.parent / "elsewhere"))
     cli = _cli()
-    res = cli("validate", "--config", str(cfg), "--json")  # the config's cache dir, not the environment's
+    monkeypatch.setenv("KVTOOL_CACHE_DIR", str(cache_dir.parent / "elsewhere"))  # the environment wins over the file
+    res = cli("validate", "--config", str(cfg), "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["cache_dir"] == str(cache_dir.parent / "elsewhere")
+    monkeypatch.delenv("KVTOOL_CACHE_DIR")
+    res = cli("validate", "--config", str(cfg), "--json")  # no variable: the config's cache dir
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["cache_dir"] == str(cache_dir)
     assert cli("validate", "--config", str(cfg.parent / "absent.toml")).exit_code == 2
