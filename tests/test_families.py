@@ -43,7 +43,7 @@ EXPECTED = {
     "lfm2": "cached",
     "mamba": "cached",
 }
-SLOW = {"gemma3_text", "deepseek_v2", "lfm2", "mamba"}
+SLOW = {"gemma3_text", "deepseek_v2", "lfm2", "mamba", "mistral_swa", "openelm", "phi3"}
 
 
 @pytest.fixture(scope="session")

@@ -293,7 +293,8 @@ def test_cli_errors_are_one_line(tmp_path):
     assert r.exit_code == 2 and r.stderr.strip().startswith("error: give the prompt")
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "lfm2", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["gemma3_text", pytest.param("lfm2", marks=pytest.mark.slow),
+                                    pytest.param("deepseek_v2", marks=pytest.mark.slow)])
 def test_export_equals_mlx_cache_of_other_families(tmp_path, family):
     """Sliding-window layers (RotatingKVCache), state layers (ArraysCache) and K/V head dims that
     differ: the exported file equals mlx-lm's own prompt cache of the same tokens, every array."""
