@@ -30,7 +30,13 @@ from kvtool.hashing import (  # noqa: F401  (re-exported)
 )
 from kvtool.hostblock import HostBlock  # noqa: F401  (re-exported: the MLX-free half of a block)
 from kvtool.store.kvlayout import KVLayout
-from kvtool.windows import WindowedKVCache, as_windowed, rotating_from_full, rotating_layout  # noqa: F401  (re-exported)
+from kvtool.windows import (  # noqa: F401  (re-exported)
+    WindowedKVCache,
+    as_rotating,
+    as_windowed,
+    rotating_from_full,
+    rotating_layout,
+)
 
 CACHE_STEP = KVCache.step  # mlx-lm grows a KVCache in steps of this many tokens (256)
 
@@ -324,6 +330,20 @@ def slice_blocks(
         blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks
+
+
+def patch_last_token(blocks: Sequence[Block], spans: Sequence[tuple[Any, ...]], n: int,
+                     last_kv: Sequence[tuple[int, mx.array, mx.array]]) -> None:
+    """In the block whose span ends at token `n` (a prompt's last), replace the last token's KV
+    of the given KV leaves (`(KV leaf index, keys [1, H, 1, Dk], values [1, H, 1, Dv])`, plain
+    layouts) by these; the arrays are new (blocks of one run share views of one copy)."""
+    for b, span in zip(blocks, spans):
+        if span[3] != n:
+            continue
+        for j, k, v in last_kv:
+            b.keys[j] = mx.concatenate([b.keys[j][..., :-1, :], k.astype(b.keys[j].dtype)], axis=2)
+            b.values[j] = mx.concatenate([b.values[j][..., :-1, :], v.astype(b.values[j].dtype)], axis=2)
+        mx.eval(b.keys, b.values)
 
 
 def _one_copy_per_layer(cache, spans, kv, states) -> bool:

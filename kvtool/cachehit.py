@@ -66,6 +66,7 @@ class CacheHit:
     held: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (tier, handle) to release
     promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
     uncached_reason: str | None = None
+    views: list = field(default_factory=list, repr=False)  # full views behind `cache`'s rotating leaves (promotion)
 
 
 __all__ = ["CacheHit", "CacheStats"]

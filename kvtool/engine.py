@@ -380,7 +380,7 @@ class Engine:
             if pc.ssd is not None and pc.probe(ids) == len(ids):
                 return RequestResult(prompt_tokens=len(ids), cached_tokens=len(ids), ssd_hit_tokens=len(ids),
                                      prefill_tokens=0, finish_reason="skipped")
-            hit = pc.fetch(ids)
+            hit = pc.fetch(ids, full_views=True)
             try:
                 res = self._result(hit)
                 pc.persist_found(hit)  # RAM-only blocks (evict_only) reach SSD too
@@ -405,25 +405,23 @@ class Engine:
 
     def _stream(self, ids, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:
         t_start = time.perf_counter()
-        hit = self.cache.fetch(ids)
+        hit = self.cache.fetch(ids, full_views=True)
         try:
             res = self._result(hit)
             cache = hit.cache or self._new_cache()
             t0 = time.perf_counter()
-            states: dict | None = None
-            if self._blockwise:
-                # sliding-window layers: prefill the whole prompt into full views (every token's KV,
-                # for the blocks), then hand mlx-lm its own rotating state at the last prompt token;
-                # state layers: checkpoints at block ends (and before the last token) on the way
-                states = {} if self.cache.has_states else None
-                self._prefill(cache, hit.remaining, len(ids), hit.cached_tokens, states)
-                gen_cache = self._generation_cache(cache, len(ids) - 1, states)
-            else:
-                self._prefill(cache, hit.remaining[:-1], len(ids), hit.cached_tokens)
-                gen_cache = cache
+            # sliding-window layers: the whole prompt into full views (every token's KV, for the
+            # blocks), then mlx-lm's own rotating state at the last prompt token; state layers:
+            # checkpoints at block ends (and before the last token) on the way; the last token's
+            # prefilled KV is what its block / tail entry stores (`kvtool.prefill.for_generation`)
+            states: dict | None = {} if self._blockwise and self.cache.has_states else None
+            gen_cache, last_kv, _ = prefill_mod.for_generation(
+                self.model, cache, ids, hit.cached_tokens, step=self.prefill_step_size,
+                windows=self.cache.windows if self._blockwise else (), states=states, quant=self.quant,
+                block_size=self.cache.config.block_size, stored=self.cache.tiered is not None)
             res.prefill_ms = (time.perf_counter() - t0) * 1e3
             yield from self._decode(res, gen_cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
-                                    store_cache=cache, states=states)
+                                    store_cache=cache, states=states, last_kv=last_kv)
         finally:
             if not hit.cache:
                 hit.cache = []
@@ -461,7 +459,7 @@ class Engine:
         prefill_mod.quantize(cache, self.quant)
 
     def _decode(self, res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
-                store_cache=None, states=None) -> Iterator[StreamResponse]:
+                store_cache=None, states=None, last_kv=None) -> Iterator[StreamResponse]:
         if seed is not None:
             mx.random.seed(seed)
         sampler = make_sampler(temp=temp, top_p=top_p)
@@ -482,7 +480,7 @@ class Engine:
                 t_first = time.perf_counter()
                 res.ttft_ms = (t_first - t_start) * 1e3
                 self._store(res, ids, store_cache if store_cache is not None else cache, hit, persist=False,
-                            states=states)
+                            states=states, last_kv=last_kv)
             if token in eos:
                 res.finish_reason = "stop"
                 break
@@ -513,7 +511,8 @@ class Engine:
         res.finish_reason = "stop"
         return True
 
-    def _store(self, res: RequestResult, ids, cache: list, hit: CacheHit, persist: bool, states=None) -> None:
+    def _store(self, res: RequestResult, ids, cache: list, hit: CacheHit, persist: bool, states=None,
+               last_kv=None) -> None:
         """Hand the prompt's new blocks to the prefix cache (prompt KV only).
 
         `write_path_ms` is all request-thread time of storing: slicing the blocks, RAM insert and,
@@ -526,7 +525,7 @@ class Engine:
         fallbacks_before = self._sync_fallbacks()
         tiered.tally = tally = WriteTally()
         try:
-            self.cache.store(ids, cache, hit, persist=persist, states=states)
+            self.cache.store(ids, cache, hit, persist=persist, states=states, last_kv=last_kv)
         finally:
             tiered.tally = None
         # blocks that reached the SSD: known now with an inline writer; with a background one,

@@ -23,9 +23,17 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from kvtool.blocks import WindowedKVCache, cache_arrays, map_leaves, rotating_from_full, state_arrays
+from kvtool.blocks import (
+    WindowedKVCache,
+    cache_arrays,
+    leaves,
+    map_leaves,
+    rotating_from_full,
+    state_arrays,
+    trim_kv,
+)
 from kvtool.model_kv import KVQuantization
 
 
@@ -102,6 +110,73 @@ def quantize(cache: list, quant: KVQuantization | None) -> None:
     mx.eval(cache_arrays(cache))
 
 
+def last_token_kv(full: list, n: int, windows: Sequence[int | None]) -> list[tuple[int, mx.array, mx.array]]:
+    """The prefilled KV of an `n`-token prompt's last token in the KV leaves `generation_cache`
+    hands to mlx-lm as they are (full attention, next to sliding-window leaves), as evaluated
+    copies `(KV leaf index, keys [1, H, 1, Dk], values [1, H, 1, Dv])`.
+
+    mlx-lm's decode forwards the last prompt token again, alone (some attention code takes
+    another path for one token, e.g. MLA) and through rotating sliding layers, either of which
+    can round the next layers' KV of that token differently from a prefill chunk (where a
+    longer prompt computes it); `PrefixCache.store(last_kv=...)` stores these copies instead, so
+    a block or tail entry ending there is what a longer prompt's prefill gives."""
+    out: list[tuple[int, mx.array, mx.array]] = []
+    j = 0
+    for i, c in enumerate(leaves(full)):
+        if isinstance(c, ArraysCache):
+            continue
+        if (windows[i] if i < len(windows) else None) is None and c.keys is not None and c.offset >= n:
+            out.append((j, mx.contiguous(c.keys[..., n - 1 : n, :]), mx.contiguous(c.values[..., n - 1 : n, :])))
+        j += 1
+    mx.eval([a for _, k, v in out for a in (k, v)])
+    return out
+
+
+def for_generation(model, cache: list, ids: np.ndarray, start: int, *, step: int, windows: Sequence[int | None],
+                   states: dict | None, quant: KVQuantization | None, block_size: int, stored: bool = True,
+                   outputs: list | None = None) -> tuple[list, list | None, int]:
+    """Prefill a prompt's tokens after the `start` ones `cache` holds and hand over to mlx-lm's
+    `generate_step`, which forwards the last prompt token (as it does without a cache).
+
+    Blockwise (full views of sliding windows, or `states` for state leaves): the whole rest is
+    prefilled, then `generation_cache` gives mlx-lm its own cache at `n - 1`. Plain KV without
+    quantisation: the rest is prefilled too, its last chunk holding at least 2 tokens (one more
+    cached token is recomputed if needed), and the KV leaves are trimmed by one. Either way the
+    last token's prefilled KV is returned for storing (`last_token_kv`), so a block or tail entry
+    ending there holds what a longer prompt computes. With quantisation, a cache that is not
+    stored (`stored` False: the model runs uncached) or leaves other than plain `KVCache`:
+    mlx-lm's own schedule (the rest but the last token; nothing to patch).
+
+    Args:
+        ids: int32 prompt token ids `[n]` (n >= 1).
+        start: prompt tokens `cache` holds.
+        windows: per leaf sliding windows (full views), () if none.
+        states: {} to collect state snapshots (state leaves), else None.
+        stored: the prompt's blocks will be stored (False: the model runs uncached, exactly
+            mlx-lm's schedule).
+        outputs: collects the model's outputs (see `prefill`).
+
+    Returns:
+        (generation cache, last_kv or None, the token offset where `outputs` begin).
+    """
+    n = int(ids.size)
+    if windows or states is not None:
+        prefill(model, cache, ids[start:], n, start, step=step, quant=quant, states=states, block_size=block_size,
+                outputs=outputs)
+        last_kv = last_token_kv(cache, n, windows)
+        return generation_cache(cache, n - 1, windows, step, states), last_kv, start
+    if quant is not None or n < 2 or not stored or any(type(c) is not KVCache for c in leaves(cache)):
+        prefill(model, cache, ids[start:-1], n, start, step=step, quant=quant, outputs=outputs)
+        return cache, None, start
+    if n - start < 2:  # the last chunk recomputes the token before the last as well
+        trim_kv(cache, start - (n - 2))
+        start = n - 2
+    prefill(model, cache, ids[start:], n, start, step=step, outputs=outputs)
+    last_kv = last_token_kv(cache, n, ())
+    trim_kv(cache, 1)  # mlx-lm's generate_step forwards the last token again, alone
+    return cache, last_kv, start
+
+
 def generation_cache(full: list, n: int, windows: Sequence[int | None], step: int,
                      states: dict | None = None) -> list:
     """mlx-lm's cache after its own prefill of a prompt's first `n` tokens, built from the
@@ -129,4 +204,4 @@ def generation_cache(full: list, n: int, windows: Sequence[int | None], step: in
     return out
 
 
-__all__ = ["generation_cache", "new_cache", "prefill", "quantize"]
+__all__ = ["for_generation", "generation_cache", "last_token_kv", "new_cache", "prefill", "quantize"]

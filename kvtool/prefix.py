@@ -42,12 +42,13 @@ from kvtool import selfcheck, siblings, tail_prefix
 from kvtool.blocks import (
     Block,
     HashFn,
-    WindowedKVCache,
+    as_rotating,
     blake2b_chain,
     cache_capacity,
     chain_hashes,
     kv_offset,
     leaves,
+    patch_last_token,
     promote_slices,
     rebuild_cache,
     root_parent,
@@ -287,11 +288,15 @@ class PrefixCache:
         return cached
 
     # ---------------------------------------------------------------- fetch
-    def fetch(self, tokens: Sequence[int] | np.ndarray) -> CacheHit:
+    def fetch(self, tokens: Sequence[int] | np.ndarray, *, full_views: bool = False) -> CacheHit:
         """The longest cached prefix of a prompt as ready-to-use mlx-lm caches.
 
         Args:
             tokens: prompt token ids (at least one).
+            full_views: sliding-window leaves as `WindowedKVCache` full views, for a caller that
+                prefills the rest with kvtool's prefill and stores its blocks (`Engine`); by
+                default they are mlx-lm's own `RotatingKVCache` state at the hit's end, for a
+                caller that hands the cache to mlx-lm (its server, `stream_generate`).
 
         Returns:
             A `CacheHit`; call `release(hit)` when the request is done.
@@ -332,11 +337,15 @@ class PrefixCache:
             hit.cached_tokens -= 1
             kind = found[placed - 1][0].kind
             setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") - 1)
+        if self.windows and hit.promote and hit.cached_tokens < hit.promote[-1][3] + len(hit.promote[-1][2]):
+            hit.promote.pop()  # its last token is re-forwarded through mlx-lm's rotating layers: keep the SSD copy
+        if self.windows and hit.cache and not full_views:  # (the views stay for promotion at release)
+            hit.views, hit.cache = hit.cache, as_rotating(hit.cache, hit.cached_tokens)
         hit.remaining = ids[hit.cached_tokens :]
         return hit
 
     def _empty_cache(self) -> list:
-        return []  # the engine makes mlx-lm's own cache (or `full_view_cache`)
+        return []  # the engine makes mlx-lm's own cache (or full views: `kvtool.prefill.new_cache`)
 
     @property
     def has_states(self) -> bool:
@@ -349,11 +358,6 @@ class PrefixCache:
         the token before its end (a tail is only used on a full hit, whose last token is
         re-forwarded)."""
         return entry[3] - 1 if entry[0] == tail else entry[3]
-
-    def full_view_cache(self) -> list:
-        """An empty prefill cache of a model with sliding-window layers: `KVCache` for full
-        attention, `WindowedKVCache` for sliding layers (every token kept, window masked)."""
-        return [WindowedKVCache(w) if w is not None else KVCache() for w in self.windows]
 
     def _quant_usable(self, cached: int, n_prompt: int) -> bool:
         """Plain KV: always. Quantized: only where mlx-lm's cache is quantized alike (a full hit
@@ -514,7 +518,7 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- store
     def store(self, tokens: Sequence[int] | np.ndarray, cache: list, hit: CacheHit | None = None,
-              *, persist: bool = False, states: dict[int, list] | None = None) -> int:
+              *, persist: bool = False, states: dict[int, list] | None = None, last_kv: Sequence | None = None) -> int:
         """Hand the prompt's new full blocks and its tail entry to the tiers (prompt KV only).
 
         Args:
@@ -526,6 +530,9 @@ class PrefixCache:
             states: with state layers (`ArraysCache`), token offset -> the state arrays of every
                 state layer after that many tokens (`kvtool.blocks.state_arrays` snapshots taken
                 while prefilling); an entry is stored only with its state (`state_offset`).
+            last_kv: the prompt's last token's prefilled KV where the cache now holds mlx-lm's
+                decode re-forward of it (`kvtool.prefill.last_token_kv`); the entry ending there
+                stores these.
 
         Returns:
             Entries handed over.
@@ -534,7 +541,7 @@ class PrefixCache:
             return 0
         if self.windows and any(w is not None and not isinstance(c, KVCache) for c, w in zip(leaves(cache), self.windows)):
             log.warning("kvtool: not storing: sliding-window layers must be prefilled into full views "
-                        "(PrefixCache.full_view_cache(), as Engine does), not mlx-lm's RotatingKVCache")
+                        "(kvtool.prefill.new_cache(model, windows), as Engine does), not mlx-lm's RotatingKVCache")
             return 0
         ids = np.asarray(tokens, dtype=np.int32)
         full, tail = (hit.hashes, hit.tail) if hit is not None else self.hashes(ids)
@@ -560,6 +567,8 @@ class PrefixCache:
         if not new:
             return 0
         blocks = slice_blocks(cache, ids, new, self.kv, span_states)
+        if last_kv:
+            patch_last_token(blocks, new, int(ids.size), last_kv)
         (self.tiered.persist if persist else self.tiered.insert)(blocks)
         return len(blocks)
 
@@ -574,12 +583,12 @@ class PrefixCache:
         tier as views of the cache."""
         if self.tiered is None:
             return
-        if hit.promote and hit.cache and self.config.ram_bytes > 0:
+        if hit.promote and (hit.views or hit.cache) and self.config.ram_bytes > 0:
             try:
-                self.tiered.promote(promote_slices(hit.cache, hit.promote, self.kv))
+                self.tiered.promote(promote_slices(hit.views or hit.cache, hit.promote, self.kv))
             except Exception:  # promotion is an optimisation: never fail the request
                 log.exception("promotion of %d block(s) into RAM failed", len(hit.promote))
-        hit.promote = []
+        hit.promote, hit.views = [], []
         self._release_held(hit)
 
 

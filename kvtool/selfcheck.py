@@ -12,13 +12,18 @@ results both ways:
   with their block-boundary states) and handed to the same `generate_step`.
 
 The probe is `n_full` blocks (at least 3, more if a sliding window needs them to wrap) plus a
-partial block; four requests are compared: the cold prompt (one prefill chunk), its RAM full
-hit, its SSD full hit in a fresh cache, and a prompt sharing its first 2 blocks, restored from
-SSD with the state at block 2 and prefilled on from there in chunks of `small_step` (no
-multiple of the block size: mlx-lm's chunks then cross block ends). For each,
-the log-probabilities of `DECODE_STEPS` greedy tokens and every cache array at the end (keys,
-values, rotating offsets, state arrays) must be equal bit for bit. The first difference found is
-the verdict's reason, and the model then runs uncached, exactly as mlx-lm.
+partial block; six requests are compared: the cold prompt (one prefill chunk), its RAM full
+hit, its SSD full hit in a fresh cache; a 2-block prompt stored cold, then extended: its 2
+blocks (the last token of the second was that prompt's last) and the state at block 2 restored
+from SSD and prefilled on in chunks of `small_step` (no multiple of the block size), once as the
+engine serves it and once with the restored cache handed to mlx-lm's `generate_step` as it is
+(what `kvtool serve` and the Python API do); and the first prompt extended (a hit ending in its
+tail entry, whose last token the cold request computed; the rest crosses a block end). The
+log-probabilities of `DECODE_STEPS` greedy tokens, (engine path) every cache array at the end
+(keys, values, rotating offsets, state arrays) and, for the cold prompt, the logits of every
+prompt token (a state cut at a block end may change later tokens' rounding while the final
+state happens to agree) must be equal bit for bit. The first difference found is the verdict's
+reason, and the model then runs uncached, exactly as mlx-lm.
 
 The verdict is stored with the namespace (index meta key `selfcheck`, JSON) and reused by later
 processes, so the probe runs once per namespace: the layout key covers the model (weights
@@ -51,7 +56,7 @@ log = logging.getLogger("kvtool")
 
 META_KEY = "selfcheck"  # namespace index meta key holding the verdict (JSON)
 VERDICT_VERSION = 1
-DECODE_STEPS = 3  # greedy tokens whose log-probabilities are compared per request
+DECODE_STEPS = 2  # greedy tokens whose log-probabilities are compared per request
 BIG_STEP = 2048  # mlx-lm's default prefill chunk: the probe prompt is one chunk
 SEED = 0x5C  # probe token ids
 # kvtool modules on the path from a prefill to a restored cache (their source is in the digest)
@@ -219,11 +224,11 @@ def _greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def _reference(model, ids: np.ndarray, step: int) -> tuple[list, list, mx.array]:
+def _reference(model, ids: np.ndarray, step: int, with_logits: bool = True) -> tuple[list, list, mx.array | None]:
     """mlx-lm's own generation on a fresh cache: its prefill loop (`generate_step`'s: chunks of
     `step` over all but the last token), then `generate_step` from the last token. Returns per
-    decode step (token, log-probabilities), the cache, and the logits of every prefilled token
-    `[1, n - 1, vocab]`."""
+    decode step (token, log-probabilities), the cache, and (`with_logits`) the logits of every
+    prefilled token `[1, n - 1, vocab]` (the lm_head over every token: mlx-lm skips it)."""
     from mlx_lm.generate import generate_step
 
     cache = make_prompt_cache(model)
@@ -231,39 +236,58 @@ def _reference(model, ids: np.ndarray, step: int) -> tuple[list, list, mx.array]
     pos, n = 0, int(ids.size)
     while n - pos > 1:
         k = min(step, n - 1 - pos)
-        logits.append(model(mx.array(ids[pos : pos + k])[None], cache=cache))
-        mx.eval([c.state for c in cache], logits[-1])
+        out = model(mx.array(ids[pos : pos + k])[None], cache=cache)
+        if with_logits:
+            logits.append(out)
+        mx.eval([c.state for c in cache], logits[-1] if with_logits else [])
         pos += k
-    out = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=_greedy,
-                             prompt_cache=cache, prefill_step_size=step))
-    return out, cache, mx.concatenate(logits, axis=1)
+    steps = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=_greedy,
+                               prompt_cache=cache, prefill_step_size=step))
+    return steps, cache, mx.concatenate(logits, axis=1) if logits else None
 
 
-def _through_kvtool(pc, model, ids: np.ndarray, step: int) -> tuple[list, list, int, mx.array | None]:
+def _through_kvtool(pc, model, ids: np.ndarray, step: int,
+                    with_logits: bool = True) -> tuple[list, list, int, mx.array | None]:
     """One request as `kvtool.engine.Engine` serves it: fetch, prefill the rest, store, decode.
     Returns what `_reference` does (logits of the prefilled tokens only, None if none) and the
     tokens the fetch found."""
     from mlx_lm.generate import generate_step
 
-    hit = pc.fetch(ids)
+    hit = pc.fetch(ids, full_views=True)
     try:
-        n = int(ids.size)
         cache = hit.cache or prefill.new_cache(model, pc.windows)
         states: dict | None = {} if pc.has_states else None
-        bs = pc.config.block_size
         outputs: list = []
-        if pc.windows or pc.has_states:
-            prefill.prefill(model, cache, hit.remaining, n, hit.cached_tokens, step=step, states=states,
-                            block_size=bs, outputs=outputs)
-            gen = prefill.generation_cache(cache, n - 1, pc.windows, step, states)
-        else:
-            prefill.prefill(model, cache, hit.remaining[:-1], n, hit.cached_tokens, step=step, outputs=outputs)
-            gen = cache
+        gen, last_kv, first = prefill.for_generation(model, cache, ids, hit.cached_tokens, step=step,
+                                                     windows=pc.windows, states=states, quant=pc.quant,
+                                                     block_size=pc.config.block_size,
+                                                     outputs=outputs if with_logits else None)
         out = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=_greedy,
                                  prompt_cache=gen, prefill_step_size=step))
-        pc.store(ids, cache, hit, states=states)
+        pc.store(ids, cache, hit, states=states, last_kv=last_kv)
+        if outputs and first < hit.cached_tokens:  # (a recomputed token before the hit's end: not compared)
+            outputs[0] = outputs[0][:, hit.cached_tokens - first :]
         logits = mx.concatenate(outputs, axis=1) if outputs else None
         return out, gen, hit.cached_tokens, logits
+    finally:
+        pc.release(hit)
+
+
+AS_IS = "SSD hit of the 2-block prompt's blocks used as-is by mlx-lm (its server, the Python API)"
+SETUP = "a 2-block prompt, cold (stores blocks whose last token was a prompt's last)"
+
+
+def _as_is(pc, model, ids: np.ndarray, step: int) -> tuple[list, None, int, None]:
+    """A hit as `kvtool serve` and the documented Python use take it: `hit.cache` (full views of
+    sliding windows, restored states) handed to mlx-lm's `generate_step` with the rest of the
+    prompt. Its cache classes differ from mlx-lm's own, so only the outputs are compared."""
+    from mlx_lm.generate import generate_step
+
+    hit = pc.fetch(ids)
+    try:
+        out = list(generate_step(mx.array(hit.remaining), model, max_tokens=DECODE_STEPS, sampler=_greedy,
+                                 prompt_cache=hit.cache or None, prefill_step_size=step))
+        return out, None, hit.cached_tokens, None
     finally:
         pc.release(hit)
 
@@ -307,9 +331,9 @@ def _diff_caches(ref: list, got: list) -> str | None:
     return None
 
 
-def _diff_prefill(ref: mx.array, got: mx.array | None, start: int) -> str | None:
+def _diff_prefill(ref: mx.array | None, got: mx.array | None, start: int) -> str | None:
     """Logits of the prompt tokens kvtool prefilled (from token `start`) against mlx-lm's."""
-    if got is None:
+    if got is None or ref is None:
         return None
     n = ref.shape[1] - start  # kvtool's prefill may include the last prompt token: not compared here
     if got.shape[1] < n:
@@ -359,32 +383,44 @@ def run(model, pc, code: str = "") -> Verdict:
         rng = np.random.default_rng(SEED)
         vocab = _vocab(model)
         probe = _ids(rng, vocab, n)
-        other = np.concatenate([probe[: 2 * bs], _ids(rng, vocab, n - 2 * bs)])
-        if other[2 * bs] == probe[2 * bs]:  # the prompts part at block 2's first token
-            other[2 * bs] = 1 if probe[2 * bs] != 1 else 2
+        extra = bs // 2 + 3
+        longer = np.concatenate([probe, _ids(rng, vocab, extra)])  # ends in the probe's tail entry, crosses a block end
+        short = _ids(rng, vocab, 2 * bs)  # its last token is its last block's last token
+        short_ext = np.concatenate([short, _ids(rng, vocab, extra)])
         kw = dict(layout=pc.kv, model_id=pc.model_id, model_name=pc.model_name, model_class=pc.model_class,
                   quant=pc.quant, windows=pc.windows)
+        states = 1 if pc.has_states else 0  # a hit ending in a tail entry re-forwards its last token
         with tempfile.TemporaryDirectory(prefix="kvtool-selfcheck-") as tmp:
             requests = [("cold prompt", probe, BIG_STEP, 0, True), ("RAM full hit", probe, BIG_STEP, n - 1, True),
+                        (SETUP, short, BIG_STEP, 0, True),
                         ("SSD full hit", probe, BIG_STEP, n - 1, False),
-                        ("SSD hit of 2 blocks + prefill", other, small, 2 * bs, False)]
-            refs: dict[tuple[int, int], tuple[list, list, mx.array]] = {}
+                        (AS_IS, short_ext, small, 2 * bs, False),  # (stores nothing: the next one finds 2 blocks too)
+                        ("SSD hit of the 2-block prompt's blocks, extended", short_ext, small, 2 * bs, False),
+                        ("SSD hit of the prompt's tail entry, extended", longer, small, n - states, False)]
+            refs: dict[tuple[int, int], tuple[list, list, mx.array | None]] = {}
             caches: dict[bool, Any] = {}
             try:
                 for name, ids, step, expect, ram in requests:
                     if ram not in caches:
                         caches[ram] = PrefixCache(_config(pc.config, Path(tmp), ram), **kw)
+                    if name == SETUP:  # (its cold path is the first request's: only its blocks matter)
+                        _through_kvtool(caches[ram], model, ids, step)
+                        continue
                     key = (id(ids), step)
+                    cold = expect == 0  # prompt logits compared for the cold prefill (the lm_head over every token)
                     if key not in refs:
-                        refs[key] = _reference(model, ids, step)
+                        refs[key] = _reference(model, ids, step, with_logits=cold)
                     ref_out, ref_cache, ref_logits = refs[key]
-                    out, gen, cached, logits = _through_kvtool(caches[ram], model, ids, step)
+                    if name == AS_IS:
+                        out, gen, cached, logits = _as_is(caches[ram], model, ids, step)
+                    else:
+                        out, gen, cached, logits = _through_kvtool(caches[ram], model, ids, step, with_logits=cold)
                     where = f"{name} ({cached} of {ids.size} tokens from kvtool's blocks, chunks of {step})"
                     if cached != expect:
                         verdict.reason = f"{where}: expected {expect} cached tokens"
                         break
                     why = (_diff_prefill(ref_logits, logits, cached) or _diff_outputs(ref_out, out)
-                           or _diff_caches(ref_cache, gen))
+                           or (_diff_caches(ref_cache, gen) if gen is not None else None))
                     if why is not None:
                         verdict.reason = f"{where}: {why}"
                         break

@@ -81,4 +81,18 @@ def rotating_from_full(c: KVCache, n: int, max_size: int, step: int) -> Rotating
     return r
 
 
-__all__ = ["WindowedKVCache", "as_windowed", "rotating_from_full", "rotating_layout"]
+DEFAULT_STEP = 2048  # mlx-lm's prefill_step_size default
+
+
+def as_rotating(cache: list, n: int, step: int = DEFAULT_STEP) -> list:
+    """A restored cache of `n` tokens as mlx-lm's own classes: every `WindowedKVCache` leaf (a
+    `CacheList` walked) becomes the `RotatingKVCache` mlx-lm leaves after prefilling `n` tokens
+    (`rotating_from_full`), so mlx-lm's own prefill and decode continue from it exactly as from
+    its own cache (measured by the self-check's "used as-is" request); other leaves stay."""
+    from kvtool.blocks import map_leaves
+
+    return map_leaves(cache, lambda c, i: rotating_from_full(c, n, c.max_size, step)
+                      if isinstance(c, WindowedKVCache) else c)
+
+
+__all__ = ["DEFAULT_STEP", "WindowedKVCache", "as_rotating", "as_windowed", "rotating_from_full", "rotating_layout"]

@@ -227,3 +227,51 @@ def test_max_kv_size_is_refused_with_mlx_lm_s_chunk_dependence(tmp_path):
     ref = [int(t) for t, _ in generate_step(mx.array(ids), lm.model, max_tokens=4, max_kv_size=32)]
     assert res.token_ids == [t for t in ref if t not in lm.tokenizer.eos_token_ids][: len(res.token_ids)]
     eng.close()
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4_text", "recurrent_gemma", "falcon_h1"])
+def test_a_hit_handed_to_mlx_lm_as_is_is_bit_exact(family, tmp_path):
+    """`PrefixCache.fetch` (the default, what `kvtool serve` and the Python API use) returns
+    mlx-lm's own RotatingKVCache state for sliding leaves, so mlx-lm's generate_step continues
+    from it with the log-probabilities of a run without the cache, bit for bit (full views used
+    as-is differ in the last bits: the self-check's "used as-is" request measures this)."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    ids = model_zoo.zoo_prompt(150)
+    eng = engine(family, tmp_path)
+    eng.generate(ids[:100], max_tokens=2)
+    lm = loaded(family)
+    hit = eng.cache.fetch(ids)
+    try:
+        if eng.uncached_reason is not None:  # refused (falcon_h1: measured): nothing to hand over
+            assert hit.cached_tokens == 0 and not hit.cache
+            return
+        assert hit.cached_tokens >= 64
+        if eng.cache.windows:
+            assert any(isinstance(c, RotatingKVCache) for c in blocks.leaves(hit.cache))
+        got = [lp for _, lp in generate_step(mx.array(hit.remaining), lm.model, max_tokens=4, prompt_cache=hit.cache)]
+    finally:
+        eng.cache.release(hit)
+    ref = [lp for _, lp in generate_step(mx.array(ids), lm.model, max_tokens=4)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ref, got)) and len(got) == len(ref)
+    eng.close()
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v32"])
+def test_a_prompts_last_token_is_stored_as_a_prefill_computes_it(family, tmp_path, monkeypatch):
+    """mlx-lm's decode forwards a prompt's last token again (alone; through rotating sliding
+    layers), which can round its KV differently from a prefill chunk: the block or tail entry
+    ending there must hold the prefilled KV (`kvtool.prefill.last_token_kv`), or a longer prompt
+    using it is no longer bit-identical. Without it the self-check fails; with it a longer prompt
+    after a 100-token and after a 64-token prompt is bit-identical (logits, cache arrays)."""
+    from kvtool import prefill
+    from tests import zoo_matrix
+
+    lm = loaded(family)
+    assert zoo_matrix.bitwise(lm, tmp_path / "with") is None
+    selfcheck._memo.clear()
+    monkeypatch.setattr(prefill, "last_token_kv", lambda *a, **k: [])
+    eng = engine(family, tmp_path / "without")
+    reason = eng.uncached_reason or ""
+    assert reason.startswith("self-check failed: ") and ("extended" in reason or "as-is" in reason), reason
+    eng.close()

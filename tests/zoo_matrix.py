@@ -3,7 +3,9 @@
 `check_family` runs one family: a cold request, its RAM hit, then (a new Engine over the same
 cache directory: empty RAM, the stored self-check verdict) its SSD hit, a prompt sharing 60 % of
 it, and a prompt extending it. Every request's greedy tokens must equal mlx-lm's own
-(`generate_step` on a fresh `make_prompt_cache(model)`), and a cached family must really hit
+(`generate_step` on a fresh `make_prompt_cache(model)`); a cached family is also compared bit
+for bit (`bitwise`: logits, log-probabilities, cache arrays) after hits ending in an earlier
+prompt's tail entry and in a block that ended a prompt; and a cached family must really hit
 (RAM, SSD, the shared blocks, the earlier prompt's tail entry); a refused one must name a
 measured mismatch (the self-check), mlx-lm's limitation or the cache class kvtool does not
 store, and never use the cache. `render` turns the results into docs/models.md
@@ -135,6 +137,8 @@ def check_family(family: str, path: Path, workdir: Path) -> FamilyResult:
                          ("60% shared prefix", r60, "p60"), ("extended prompt", rext, "ext")):
         assert r.token_ids == refs[ref], f"{family}: {name}: {r.token_ids} != mlx-lm's {refs[ref]} (cached {r.cached_tokens})"
     if reason is None:
+        why = bitwise(loaded, workdir)
+        assert why is None, f"{family}: {why}"
         res.status = "cached"
         res.selfcheck = verdict.describe() if verdict is not None else ""
         assert not needed or res.selfcheck == "pass", f"{family}: cached without a passed self-check"
@@ -157,7 +161,7 @@ CACHE_TYPES = """\
 
 | mlx-lm cache class | what a kvtool block holds | cached when |
 |---|---|---|
-| `KVCache` | per layer the K/V slices of the block's tokens (layers may differ in heads and head dims) | always (no self-check: a token's KV is measured independent of how the prompt is chunked) |
+| `KVCache` | per layer the K/V slices of the block's tokens (layers may differ in heads and head dims); a prompt's last token as prefilled, not as mlx-lm's decode re-forwards it | always (no self-check; the matrix compares these families bit for bit after hits ending in a tail entry and in a block that ended a prompt) |
 | `QuantizedKVCache` (`--kv-bits`) | per layer packed words + scales + biases | where mlx-lm's cache is quantized alike; a request that misses for this says why in its own `uncached_reason`; refused up front (mlx-lm's own error named) where mlx-lm cannot run the model quantized: sliding-window layers (`RotatingKVCache Quantization NYI`), gemma2's attention |
 | `RotatingKVCache`, keep 0 (sliding windows, sinks, mixed window sizes, shared-KV layers) | every token's KV (prefilled into a full view, window masked); restored as mlx-lm's own rotating state | the self-check passed |
 | `RotatingKVCache`, keep > 0 (`--max-kv-size` on models without `make_cache`) | - | never: mlx-lm's own output then depends on `prefill_step_size` (measured), so no block is reusable |
@@ -167,11 +171,37 @@ CACHE_TYPES = """\
 
 The self-check (`kvtool/selfcheck.py`, docs/design.md) runs once per namespace: a probe of
 3+ blocks and a partial block (longer than every window) is prefilled by mlx-lm straight through
-and by kvtool, stored, restored from RAM and SSD (with the block-boundary states) and continued;
-every prompt logit, decode log-probability and cache array must be bit-identical. The verdict is
-kept in the namespace (`kvtool inspect --namespace` shows it); a failing model runs uncached,
+and by kvtool, stored, restored from RAM and SSD (with the block-boundary states) and continued,
+also as extensions of earlier prompts and handed to mlx-lm as `fetch` returns it; decode
+log-probabilities, cache arrays and the cold prompt's logits must be bit-identical. The verdict
+is kept in the namespace (`kvtool inspect --namespace` shows it); a failing model runs uncached,
 exactly as mlx-lm, with the first difference as its `uncached_reason`.
 """
+
+
+def bitwise(loaded, workdir: Path) -> str | None:
+    """Bit for bit (logits of every prefilled prompt token, decode log-probabilities, every cache
+    array at the end; the self-check's comparison): the prompt after a 100-token prompt (a hit
+    ending in its tail entry) and after a 64-token prompt (a hit ending in a block whose last
+    token was that prompt's last), each against mlx-lm's own run. None if identical."""
+    import numpy as np
+
+    from kvtool import selfcheck
+    from kvtool.config import KVToolConfig
+    from kvtool.prefix import PrefixCache
+
+    ids = np.asarray(prompts()[0], dtype=np.int32)
+    ref_out, ref_cache, ref_logits = selfcheck._reference(loaded.model, ids, 2048)
+    for first in (100, 2 * BS):
+        cfg = KVToolConfig(ssd_cache_dir=workdir / f"bits{first}", block_size=BS, ssd_async_writes=False)
+        with PrefixCache.for_model(loaded.model, cfg, model_id=loaded.model_id, model_name=loaded.name) as pc:
+            selfcheck._through_kvtool(pc, loaded.model, ids[:first], 2048)
+            out, gen, cached, logits = selfcheck._through_kvtool(pc, loaded.model, ids, 2048)
+        why = (selfcheck._diff_prefill(ref_logits, logits, cached) or selfcheck._diff_outputs(ref_out, out)
+               or selfcheck._diff_caches(ref_cache, gen))
+        if why is not None or cached < first - 1:
+            return f"after a {first}-token prompt ({cached} cached): {why or 'no hit'}"
+    return None
 
 
 def render(results: list[FamilyResult]) -> str:

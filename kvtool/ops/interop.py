@@ -520,7 +520,7 @@ def export_cache_file(
         raise InteropError(f"this model is not cached by kvtool: {engine.uncached_reason}")
     pc = engine.cache
     report = ExportReport(out=str(out), metadata_model=metadata_model, prompt_tokens=n, layout_key=pc.layout_key)
-    hit = pc.fetch(ids)
+    hit = pc.fetch(ids, full_views=True)
     try:
         # Every entry found (blocks and tail): trimmed to n-1, the last token is re-forwarded.
         # All but the last token (no tail entry): the same, as the last token is recomputed anyway.
