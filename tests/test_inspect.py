@@ -39,6 +39,7 @@ NAMESPACE_KEYS = {
     "chains", "max_depth", "oldest_access", "newest_access", "age_histogram", "shutdown_clean",
     "shutdown_partial_flush", "created", "last_open", "last_close", "last_used", "health",
 }  # fmt: skip
+NAMESPACE_KEYS = NAMESPACE_KEYS | {"selfcheck"}  # the self-check verdict (kvtool.selfcheck), added later
 HEALTH_KEYS = {"rows", "files", "missing_files", "orphan_files", "temp_files", "bad_rows", "symlinks", "irregular", "ok"}
 PROBE_KEYS = {
     "schema_version", "cache_dir", "model", "namespace", "namespace_exists", "block_size", "prompt_tokens", "full_blocks",

@@ -346,6 +346,7 @@ def _print_details(ns, out: Output) -> None:
         f"access      oldest {_when(ns.oldest_access)} | newest {_when(ns.newest_access)} | last used {_when(ns.last_used)}",
         f"ages        {hist}",
         f"shutdown    clean: {clean[ns.shutdown_clean]}",
+        *([f"self-check  {escape(ns.selfcheck)}"] if ns.selfcheck else []),
         f"health      {'[green]ok[/]' if h.ok else '[red]mismatch[/]'}: {_health_text(h)}",
     ]
     if ns.status == "outdated":

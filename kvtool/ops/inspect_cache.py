@@ -13,6 +13,7 @@ The CLI builds the engine; this module only holds the result type and never impo
 from __future__ import annotations
 
 import errno
+import json
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -93,6 +94,9 @@ class NamespaceInfo:
         shutdown_clean: the last process closed it cleanly (False also while one has it open).
         shutdown_partial_flush: the last shutdown flushed the index after an incomplete drain.
         created, last_open, last_close: from the index meta (None if absent).
+        selfcheck: the namespace's self-check verdict (`kvtool.selfcheck`, meta `selfcheck`):
+            "pass" or "fail: <first mismatch>", with the probe's size and time; None if the
+            layout needs none or it was never run.
         last_used: the newest sign of use: a block's last access, the index's last write, or a
             process opening or closing the namespace (clamped to now; None if none is known).
         health: index vs files.
@@ -126,6 +130,7 @@ class NamespaceInfo:
     created: float | None = None
     last_open: float | None = None
     last_close: float | None = None
+    selfcheck: str | None = None
     last_used: float | None = None
     health: Health = field(default_factory=Health)
 
@@ -237,6 +242,7 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
         info.shutdown_clean = meta["shutdown_clean"] == "1"
     if "shutdown_partial_flush" in meta:
         info.shutdown_partial_flush = meta["shutdown_partial_flush"] == "1"
+    info.selfcheck = _verdict(meta.get("selfcheck"))
     _fill_layers(info)
     t, forest = ns.table, ns.forest
     info.blocks = ns.row_count
@@ -259,6 +265,18 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
     h.ok = not (h.missing_files or h.orphan_files or h.bad_rows or h.symlinks or h.irregular)
     info.health = h
     return info
+
+
+def _verdict(text: str | None) -> str | None:
+    """The self-check verdict stored as JSON (`kvtool.selfcheck.Verdict`) in words (MLX-free)."""
+    if not text:
+        return None
+    try:
+        doc = json.loads(text)
+        what = "pass" if doc["passed"] is True else f"fail: {doc['reason']}"
+        return f"{what} (probe of {int(doc['probe_tokens'])} tokens, {float(doc['ms']):.0f} ms)"
+    except (ValueError, TypeError, KeyError):
+        return "unreadable verdict (measured again at the next start)"
 
 
 def _fill_layers(info: NamespaceInfo) -> None:
