@@ -128,6 +128,7 @@ class PrefixCache:
         self.layout_key: str | None = None
         self._check_model = check_model
         self._probed = (self.kv, self.windows)  # a self-check refusal is per namespace: kept for reattach
+        self.alone_exact = True  # a prompt's last token forwarded alone gets its prefill KV (measured: selfcheck)
         self._attach(config)
 
     @classmethod
@@ -195,11 +196,8 @@ class PrefixCache:
         meta = self._namespace_meta(config.block_size)
         self.layout_key = layout_key_of_meta(meta, FORMAT_VERSION)
         self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
-        reason = selfcheck.gate(self, self._check_model) if self._check_model is not None else None
-        if reason is not None:  # measured inexact: run exactly as mlx-lm, uncached (verdict kept in the namespace)
-            log.warning("kvtool: running uncached: %s", reason)
-            self.tiered.close()
-            self.tiered, self.layout_key, self.kv, self.windows, self.uncached_reason = None, None, None, (), reason
+        if self._check_model is not None:  # measured inexact: detached, uncached (`kvtool.selfcheck.attach`)
+            selfcheck.attach(self, self._check_model)
 
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
         """Drain and detach the tiers, then reattach under `config` (docs/design.md#live-reconfiguration)."""
@@ -569,6 +567,8 @@ class PrefixCache:
         blocks = slice_blocks(cache, ids, new, self.kv, span_states)
         if last_kv:
             patch_last_token(blocks, new, int(ids.size), last_kv)
+        elif not self.alone_exact:  # its last token's KV is mlx-lm's decode re-forward: not what a prefill gives
+            blocks = [b for b, e in zip(blocks, new) if e[3] != ids.size]
         (self.tiered.persist if persist else self.tiered.insert)(blocks)
         return len(blocks)
 

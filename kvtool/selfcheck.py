@@ -47,7 +47,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from kvtool import blocks, prefill
 from kvtool.store.segment import KVLayout
@@ -154,6 +154,41 @@ def gate(pc, model) -> str | None:
         return None
     verdict = ensure(pc, model)
     return None if verdict.passed else f"self-check failed: {verdict.reason}"
+
+
+def attach(pc, model) -> None:
+    """What `PrefixCache` runs when it attaches a namespace for `model`: measure whether a token
+    forwarded alone gets the KV a prefill chunk gives it (`alone_exact`), then the self-check
+    (`gate`); a failed one detaches the tiers and sets the measured `uncached_reason` (one
+    warning): the model then runs exactly as mlx-lm."""
+    pc.alone_exact = alone_exact(model)
+    reason = gate(pc, model)
+    if reason is not None:
+        log.warning("kvtool: running uncached: %s", reason)
+        pc.tiered.close()
+        pc.tiered, pc.layout_key, pc.kv, pc.windows, pc.uncached_reason = None, None, None, (), reason
+
+
+def alone_exact(model) -> bool:
+    """Whether the KV (every plain `KVCache` leaf) of a token forwarded alone, as mlx-lm's
+    `generate_step` forwards a prompt's last token, equals its KV inside a prefill chunk, bit for
+    bit (16 tokens: two forwards of a few milliseconds, at every attach). False for attention code
+    that takes another path for one token (MLA): a cache holding mlx-lm's own decode re-forward of
+    a prompt's last token (the server's, the Python API's) is then stored without that entry
+    (`PrefixCache.store`)."""
+    ids = mx.array([[3 + (7 * i) % 97 for i in range(16)]])
+    whole, split = make_prompt_cache(model), make_prompt_cache(model)
+    try:
+        model(ids, cache=whole)
+        model(ids[:, :-1], cache=split)
+        model(ids[:, -1:], cache=split)
+        pairs = [(a, b) for a, b in zip(blocks.leaves(whole), blocks.leaves(split)) if type(a) is KVCache]
+        mx.eval([c.state for c in whole], [c.state for c in split])
+        return all(_same(a.keys[..., 15, :], b.keys[..., 15, :]) and _same(a.values[..., 15, :], b.values[..., 15, :])
+                   for a, b in pairs)
+    except Exception:  # noqa: BLE001 - a model this cannot run: store conservatively
+        log.debug("alone_exact raised", exc_info=True)
+        return False
 
 
 def stored_verdict(ssd) -> Verdict | None:
@@ -436,5 +471,5 @@ def run(model, pc, code: str = "") -> Verdict:
     return verdict
 
 
-__all__ = ["META_KEY", "Verdict", "code_digest", "ensure", "gate", "needed", "probe_length", "run",
-           "stored_verdict"]
+__all__ = ["META_KEY", "Verdict", "alone_exact", "attach", "code_digest", "ensure", "gate", "needed", "probe_length",
+           "run", "stored_verdict"]

@@ -275,3 +275,33 @@ def test_a_prompts_last_token_is_stored_as_a_prefill_computes_it(family, tmp_pat
     reason = eng.uncached_reason or ""
     assert reason.startswith("self-check failed: ") and ("extended" in reason or "as-is" in reason), reason
     eng.close()
+
+
+@pytest.mark.parametrize("family,alone", [("llama", True), ("deepseek_v3", False)])
+def test_a_cache_from_mlx_lm_s_own_decode_is_stored_only_where_exact(family, alone, tmp_path):
+    """The Python API / server path: mlx-lm decodes (re-forwarding the prompt's last token alone)
+    and hands the cache to `store`. Where a token alone gets other KV than in a prefill chunk
+    (deepseek_v3's MLA, measured at attach: `alone_exact`), the entry holding that last token is
+    not stored, so a longer prompt stays bit-identical; elsewhere it is (tail entries, chat)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvtool.prefix import PrefixCache
+
+    lm = loaded(family)
+    cfg = KVToolConfig(ssd_cache_dir=tmp_path, block_size=BS, ssd_async_writes=False)
+    ids = model_zoo.zoo_prompt(150)
+    with PrefixCache.for_model(lm.model, cfg, model_id=lm.model_id, model_name=family) as pc:
+        assert pc.alone_exact is alone
+        first = ids[:100]
+        hit = pc.fetch(first)
+        cache = hit.cache or make_prompt_cache(lm.model)
+        list(generate_step(mx.array(hit.remaining), lm.model, max_tokens=2, prompt_cache=cache))
+        stored = pc.store(first, cache, hit)
+        pc.release(hit)
+        assert stored == (4 if alone else 3)  # 3 blocks + the tail entry holding token 99
+        hit = pc.fetch(ids)
+        assert hit.cached_tokens == (100 if alone else 96)
+        got = [lp for _, lp in generate_step(mx.array(hit.remaining), lm.model, max_tokens=3, prompt_cache=hit.cache)]
+        pc.release(hit)
+    ref = [lp for _, lp in generate_step(mx.array(ids), lm.model, max_tokens=3)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ref, got))
