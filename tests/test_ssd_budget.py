@@ -263,3 +263,67 @@ def test_two_processes_share_one_budget(tmp_path):
     assert sum(o["saved"] for o in outs) > n  # the budget made room: most writes were stored
     assert sum(o["stats"]["ssd_budget_evictions"] for o in outs) > 0
     assert validate(tmp_path, deep=True).problems == 0
+
+
+# ----------------------------------------------------------------------------- acceptance
+def _serve_once(cache: Path, requests: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvtool.cli.app", "serve-once", "--json", "--requests", str(requests), "--max-tokens", "2",
+           "--cache-dir", str(cache), "--ram-bytes", "0", *extra]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _segment_max(path: Path) -> int:
+    return max((os.lstat(p).st_blocks * 512 for p in path.glob("*/??/*.safetensors")), default=0)
+
+
+@pytest.mark.slow
+def test_serving_five_times_the_budget_from_two_processes(tmp_path):
+    """Two `kvtool serve-once` processes serve 5x the budget of distinct prompts (groups share a
+    two-block prefix) into one cache with `--ssd-max-bytes`: the cache directory as `du` counts
+    it never holds more than the budget plus one segment at any sampled moment, every output
+    equals a run without cache, and the evictions show in the stats."""
+    budget = 6 << 20
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+    rng = np.random.default_rng(7)
+    prompts = []
+    for i in range(100):  # ~230 tokens each: 3 blocks and a tail, ~200 KiB a segment (tiny's KV)
+        prefix = " ".join(rng.choice(words, 90, replace=True).tolist()) if i % 5 == 0 else prompts[-1][0]
+        prompts.append((prefix, f"{prefix} request {i}: " + " ".join(rng.choice(words, 80).tolist())))
+    files = []
+    for k in range(2):  # each process its own half, interleaved in time
+        f = tmp_path / f"requests{k}.jsonl"
+        f.write_text("".join(json.dumps({"prompt": p}) + "\n" for _, p in prompts[k::2]))
+        files.append(f)
+    cache = tmp_path / "kv"
+    stop, peak, seg = threading.Event(), [0], [0]
+
+    def sample() -> None:
+        while not stop.wait(0.005):
+            if cache.exists():
+                peak[0] = max(peak[0], du(cache))
+                seg[0] = max(seg[0], _segment_max(cache))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    procs = [_serve_once(cache, f, "--ssd-max-bytes", str(budget)) for f in files]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    stop.set()
+    sampler.join()
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    docs = [json.loads(out) for out, _ in outs]
+    assert peak[0] <= budget + seg[0], (peak[0], budget, seg[0])
+    evictions = sum(d["stats"]["ssd_budget_evictions"] for d in docs)
+    written = sum(d["stats"]["ssd_segments_written"] for d in docs)
+    assert evictions > 0 and written * seg[0] > 3 * budget  # the budget was passed several times over
+    print(f"budget {budget} B, largest segment {seg[0]} B, peak du {peak[0]} B, segments written {written}, "
+          f"evicted {evictions}, refused blocks {sum(d['stats']['ssd_budget_refused'] for d in docs)}")  # shown with -s
+    # every output equals a run without cache; a replay in a third process hits what is left
+    baseline = [_serve_once(tmp_path / "none", f, "--no-ssd") for f in files]
+    base = [json.loads(p.communicate(timeout=1200)[0]) for p in baseline]
+    for d, b in zip(docs, base):
+        assert [r["token_ids"] for r in d["requests"]] == [r["token_ids"] for r in b["requests"]]
+    replay = _serve_once(cache, files[1], "--ssd-max-bytes", str(budget))
+    again = json.loads(replay.communicate(timeout=1200)[0])
+    assert [r["token_ids"] for r in again["requests"]] == [r["token_ids"] for r in base[1]["requests"]]
+    assert sum(r["ssd_hit_tokens"] for r in again["requests"]) > 0
+    assert du(cache) <= budget + seg[0]

@@ -74,7 +74,7 @@ def prune_cmd(
         # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.cli.progress)
         with common.maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
             task = bar.add_task("scanning the cache", total=None) if bar is not None else None
-            plan = plan_prune(scan_cache(root, namespace), ttl_s, budget, all_namespaces)
+            plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run
             code = _confirm_and_execute(plan, yes, out, _reporting(execute_prune, bar, task))
     raise typer.Exit(code)

@@ -131,7 +131,7 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
         return PromptKeys(layout, bs, tuple(full) + ((tail,) if tail else ()))
 
     def plan():
-        scan = scan_cache(cfg.ssd_cache_dir)
+        scan = scan_cache(cfg.ssd_cache_dir, full=False)
         sizes = [block_size] if block_size is not None else sorted(block_sizes_of(scan) | {cfg.block_size})
         return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=int(ids.size))
 

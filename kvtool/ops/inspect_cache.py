@@ -219,7 +219,7 @@ def inspect_cache(cache_dir: Path, namespace: str | None = None, now: float | No
     Raises:
         ScanError: missing cache dir, unknown or ambiguous namespace.
     """
-    return render(scan_cache(cache_dir, namespace, now=now, fs=fs))
+    return render(scan_cache(cache_dir, namespace, now=now, fs=fs, full=False))
 
 
 def render(scan: CacheScan) -> InspectReport:

@@ -186,14 +186,9 @@ def planner_of(ns: NamespaceScan) -> SegmentPlanner:
                                           np.array([files[n].mtime for n in names], dtype=np.float64),
                                           np.zeros(len(names), dtype=np.int64), np.zeros(0, dtype=np.int64), None,
                                           lambda ids: [])  # fmt: skip
-    t, f = ns.table, ns.forest
-    m = len(t.segments)
-    access = np.full(m, -np.inf)
-    np.maximum.at(access, t.seg, f.effective_access)
-    depth = np.zeros(m, dtype=np.int64)
-    np.maximum.at(depth, t.seg, f.depth)
+    t = ns.table
     size = np.array([files[n].size if n in files else 0 for n in t.segments], dtype=np.int64)
-    return SegmentPlanner.from_arrays(t.segments, size, access, depth, t.seg, f, t.hashes)
+    return SegmentPlanner.from_forest(t.segments, size, t.seg, ns.forest, t.hashes)
 
 
 def segments_of(ns: NamespaceScan) -> dict[str, Segment]:
@@ -389,12 +384,12 @@ def prune(
     if not Path(cache_dir).is_dir():
         raise PruneError(f"cache directory {cache_dir} does not exist or is not a directory")
     if dry_run:  # only reads: no lock, nothing written
-        plan = plan_prune(scan_cache(cache_dir, namespace, now=now), ttl_s, max_bytes, all_namespaces)
+        plan = plan_prune(scan_cache(cache_dir, namespace, now=now, full=False), ttl_s, max_bytes, all_namespaces)
         plan.dry_run = True
         return plan
     with cache_lock(cache_dir):
         now = time.time() if now is None else now
-        return execute_prune(plan_prune(scan_cache(cache_dir, namespace, now=now), ttl_s, max_bytes, all_namespaces))
+        return execute_prune(plan_prune(scan_cache(cache_dir, namespace, now=now, full=False), ttl_s, max_bytes, all_namespaces))
 
 
 __all__ = [

@@ -298,13 +298,13 @@ def remove_prompt(
         ScanError: missing cache dir. PruneLocked: a prune or rm holds the lock.
     """
     if dry_run:
-        plan = plan_prompt_removal(scan_cache(cache_dir, now=now), keys_for, block_sizes)
+        plan = plan_prompt_removal(scan_cache(cache_dir, now=now, full=False), keys_for, block_sizes)
         plan.dry_run = True
         return plan
     _check_dir(cache_dir)
     with cache_lock(cache_dir):
         now = time.time() if now is None else now
-        return execute_removal(plan_prompt_removal(scan_cache(cache_dir, now=now), keys_for, block_sizes))
+        return execute_removal(plan_prompt_removal(scan_cache(cache_dir, now=now, full=False), keys_for, block_sizes))
 
 
 def _check_dir(cache_dir: Path) -> None:

@@ -62,7 +62,7 @@ from kvtool.store.fsops import (
 )
 from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
 from kvtool.store.names import INDEX_FILENAME, LOCK_FILENAME
-from kvtool.store.rowtable import VALID_ROW_SQL, RowTable, bad_rowids, load_rows
+from kvtool.store.rowtable import RowTable, load_rows
 from kvtool.store.segment import FORMAT_VERSION
 from kvtool.store.ssd_core import Expected
 
@@ -89,7 +89,7 @@ class ScanError(KVToolError):
     """The cache cannot be scanned: missing cache dir, unknown or ambiguous namespace (exit 2)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
 class SegmentFile:
     """A segment file on disk (name and place checked, never followed).
 
@@ -106,7 +106,7 @@ class SegmentFile:
     mtime: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
 class TempFile:
     """A kvtool temp file (`.<name>.<pid>.<hex>.tmp`): a write in progress or a leftover.
 
@@ -252,7 +252,7 @@ class CacheScan:
 
 def scan_cache(
     cache_dir: Path, namespace: str | None = None, *, now: float | None = None, fs: FileOps | None = None,
-    rows: bool = True,
+    rows: bool = True, full: bool = True,
 ) -> CacheScan:  # fmt: skip
     """Scan an SSD cache (read-only).
 
@@ -262,8 +262,10 @@ def scan_cache(
         namespace: only this namespace (a layout key or a unique prefix of one); None = all.
         now: the scan time (unix seconds; injectable for tests).
         fs: file-system operations (listing; fault injection in tests).
-        rows: read every row (`NamespaceScan.table`); False: only count them (no `missing`,
-            `orphans` or `future_rows` then).
+        rows: read every row (`NamespaceScan.table`); False: only count them (malformed rows
+            included; no `bad_rows`, `missing`, `orphans` or `future_rows` then).
+        full: keep every column of the rows; False: not their token digests and creation times
+            (`inspect`, `prune` and `rm --prompt` plan without them: less memory).
 
     Raises:
         ScanError: `cache_dir` is not a directory or cannot be looked at (a name too long, no
@@ -292,19 +294,19 @@ def scan_cache(
                 links.append(n)
             elif n not in picked and n != LOCK_FILENAME:
                 other.append(n)
-    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows) for d in dirs)
+    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows, full=full) for d in dirs)
     return CacheScan(cache_dir, now, spaces, tuple(links), tuple(other))
 
 
 def scan_namespace_dir(cache_dir: Path, name: str, *, now: float | None = None, fs: FileOps | None = None,
-                       rows: bool = True) -> NamespaceScan:  # fmt: skip
+                       rows: bool = True, full: bool = True) -> NamespaceScan:  # fmt: skip
     """Scan one namespace directory (see the module docstring). Never raises for its content."""
-    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows).run()
+    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows, full).run()
 
 
 class _Scanner:
-    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True):
-        self.path, self.now, self.fs, self.rows = path, now, fs, rows
+    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True, full: bool = True):
+        self.path, self.now, self.fs, self.rows, self.full = path, now, fs, rows, full
         self.f: dict = {"name": path.name, "path": path, "now": now}
 
     def run(self) -> NamespaceScan:
@@ -387,11 +389,10 @@ class _Scanner:
             conn.execute("BEGIN")
             try:
                 if self.rows:
-                    table = load_rows(conn)
-                    f.update(table=table, row_count=len(table))
-                else:
-                    (f["row_count"],) = conn.execute(f"SELECT COUNT(*) FROM blocks WHERE {VALID_ROW_SQL}").fetchone()
-                f["bad_rows"] = tuple(bad_rowids(conn))
+                    table = load_rows(conn, full=self.full)
+                    f.update(table=table, row_count=len(table), bad_rows=tuple(table.bad_rowids))
+                else:  # counted, not checked: malformed rows included
+                    (f["row_count"],) = conn.execute("SELECT COUNT(*) FROM blocks").fetchone()
                 segs, bad = [], []
                 for rowid, *vals in conn.execute("SELECT rowid, name, nbytes, n_blocks, created FROM segments ORDER BY name"):
                     seg = SegmentRow.from_db(vals)
@@ -403,14 +404,13 @@ class _Scanner:
     def _list_files(self) -> bool:
         """List segment files, temps, symlinks, other entries (no symlink followed)."""
         try:
-            listing = scan_namespace(self.path, self.fs)
+            listing = scan_namespace(self.path, self.fs, with_stat=True)
         except OSError:
             return False
         files, irregular = {}, []
         for name, rel in sorted(listing.files.items()):
-            try:
-                st = os.lstat(self.path / rel)
-            except OSError:
+            st = listing.stats.get(rel)
+            if st is None:
                 continue
             if stat.S_ISREG(st.st_mode):
                 files[name] = SegmentFile(name, rel, st.st_size, st.st_mtime)
@@ -419,9 +419,8 @@ class _Scanner:
         temps = []
         for p in listing.temps:
             rel = str(p.relative_to(self.path))
-            try:
-                st = os.lstat(p)
-            except OSError:
+            st = listing.stats.get(rel)
+            if st is None:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 irregular.append(rel)

@@ -188,6 +188,7 @@ class _Planner:
         self.candidates: list[_Candidate] = []  # records of snapshot segments that may lack a row
         self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (not the header)
         self.errors: dict[str, str] = {}  # segment -> why it is unusable
+        self.rows = _SegmentRows(self.table)
 
     def run(self, progress: ProgressFn | None) -> None:
         ns, rep, act = self.ns, self.rep, self.act
@@ -224,26 +225,23 @@ class _Planner:
     # ------------------------------------------------------------------ the pass
     def _visit(self, name: str) -> None:
         """Check segment `name` against its rows: one open, then its records in file order."""
-        t, ns = self.table, self.ns
-        s = t.segment_numbers.get(name)
-        rows = t.by_segment[0][t.by_segment[1][s] : t.by_segment[1][s + 1]] if s is not None else np.zeros(0, np.int64)
+        ns = self.ns
+        s = self.table.segment_numbers.get(name)
+        rl, hashes, parents, digests, slot_of, n_tok, nbytes = self.rows.of(s) if s is not None else ([],) * 7
         if name not in ns.files:
             why = self._no_file(name)
-            for r in rows.tolist():
+            for r in rl:
                 self.fail[r] = why
             return
         chk = self.reader.open(name)
         if chk.header is None:
             self.errors[name] = chk.error or "unusable"
-            for r in rows.tolist():
+            for r in rl:
                 self.fail[r] = f"segment {name} unusable: {self.errors[name]}"
             return
         slots = chk.header.slots
         self.checked[name] = _SegInfo(chk.size, len(slots), created_of(chk.header))
-        rl = rows.tolist()
-        hashes, parents, digests = (hex_of_keys(k[rows]) for k in (t.hash, t.parent, t.digest))
-        slot_of, n_tok, nbytes = (t.slot[rows].tolist(), t.num_tokens[rows].tolist(), t.nbytes[rows].tolist())
-        claimed: dict[int, int] = {}  # slot -> position in `rows` of the row it holds
+        claimed: dict[int, int] = {}  # slot -> position in `rl` of the row it holds
         to_check: list[int] = []  # positions whose record must match their digest
         for k, r in enumerate(rl):
             i = slot_of[k]
@@ -255,11 +253,12 @@ class _Planner:
                 self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
                 continue
             claimed[i] = k
-            for what, mine, theirs in (("parent", parents[k], sl.parent_hash), ("num_tokens", n_tok[k], sl.n_tokens),
-                                       ("nbytes", nbytes[k], sl.nbytes)):  # fmt: skip
-                if mine != theirs:
-                    self.fail[r] = f"{what} {mine!r} differs from its record ({theirs!r})"
-                    break
+            if parents[k] != sl.parent_hash:
+                self.fail[r] = f"parent {parents[k]!r} differs from its record ({sl.parent_hash!r})"
+            elif n_tok[k] != sl.n_tokens:
+                self.fail[r] = f"num_tokens {n_tok[k]!r} differs from its record ({sl.n_tokens!r})"
+            elif nbytes[k] != sl.nbytes:
+                self.fail[r] = f"nbytes {nbytes[k]!r} differs from its record ({sl.nbytes!r})"
             else:
                 to_check.append(k)
         unclaimed = [i for i in range(len(slots)) if i not in claimed]
@@ -345,10 +344,11 @@ class _Planner:
         lookup can reach and that verify are adopted; kept rows it cannot reach are removed;
         orphans nothing came back from go; `segments` rows are fixed."""
         t, ns, rep, act = self.table, self.ns, self.rep, self.act
-        keep = np.flatnonzero(~dropped)
-        parent = t.parent[keep].copy()
+        keep = np.flatnonzero(~dropped) if dropped.any() else None  # None: every row (no copy of the table)
+        hashes = t.hash[keep] if keep is not None else t.hash
+        parent = t.parent[keep] if keep is not None else (t.parent.copy() if rewritten else t.parent)
         for r, new in rewritten.items():
-            parent[int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
+            parent[r if keep is None else int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
         # records no kept row describes, first copy of each hash (file order)
         found = t.index.find(keys_from_hex([c.hash for c in self.candidates])) if self.candidates else np.zeros(0, np.int64)
         in_final = (found >= 0) & ~dropped[np.maximum(found, 0)] if found.size else np.zeros(0, dtype=bool)
@@ -362,11 +362,16 @@ class _Planner:
             if c.hash not in seen:
                 seen.add(c.hash)
                 spare.append(c)
-        n = keep.size
-        nodes = np.concatenate([t.hash[keep], keys_from_hex([c.hash for c in spare])])
-        parents = np.concatenate([parent, keys_from_hex([c.parent for c in spare])])
+        n = len(hashes)
+        if spare:
+            nodes = np.concatenate([hashes, keys_from_hex([c.hash for c in spare])])
+            parents = np.concatenate([parent, keys_from_hex([c.parent for c in spare])])
+            index = KeyIndex(nodes)
+        else:  # the kept rows alone, still in hash order: no sort, no copy
+            nodes, parents, index = hashes, parent, KeyIndex(hashes, is_sorted=True)
         root = key_of_hex(root_parent(ns.name))
-        forest = build_forest(KeyIndex(nodes).find(parents), (parents == root).all(axis=1), np.zeros(len(nodes)))
+        forest = build_forest(index.find(parents), (parents == root).all(axis=1), None)  # reachability only
+        del index, nodes
         rooted = forest.rooted.copy()
         failed = [n + j for j, c in enumerate(spare) if rooted[n + j] and not isinstance(c.record, Record)]
         bad: dict[str, int] = {}
@@ -379,13 +384,16 @@ class _Planner:
             if rooted[n + j] and isinstance(c.record, Record):
                 when = min(self.checked[c.segment].created, self.now)
                 by_segment.setdefault(c.segment, []).append(c.record.row(when, when))
-        unrooted = keep[~rooted[:n]]
+        unrooted = np.flatnonzero(~rooted[:n])
+        if keep is not None:
+            unrooted = keep[unrooted]
         for r in unrooted.tolist():
             row = rewritten.get(r) or t.row(r)
             act.broken.append(row.hash)
             rep.broken_chain_removed += 1
             rep.note("broken_chain", row.hash, f"parent {row.parent} is not stored (or the chain loops)")
-        plain = np.setdiff1d(keep, np.array(sorted(rewritten), dtype=np.int64)) if rewritten else keep
+        plain = ~dropped
+        plain[list(rewritten)] = False  # a rewritten row's segment is its record's
         referenced = {t.segments[i] for i in np.unique(t.seg[plain]).tolist()} | {new.segment for new in rewritten.values()}
         for name, rows in sorted(by_segment.items()):
             act.write(self._segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
@@ -402,21 +410,21 @@ class _Planner:
             why = (f"unusable: {self.errors.get(name)}" if name not in self.checked else
                    f"{bad[name]} corrupt record(s)" if bad.get(name) else "no block a lookup can reach")  # fmt: skip
             rep.note("orphan", name, why)
-        kept = self._kept_segments(keep, rooted[:n], rewritten)
+        alive = ~dropped  # rows kept that a lookup can reach
+        alive[alive] = rooted[:n]
+        kept = self._kept_segments(alive, rewritten)
         self._segment_rows(kept)
         after = kept | {name for name, (_, rw, ad) in act.writes.items() if rw or ad}
         rep.bytes_freed += sum(ns.files[name].size for name in self.known if name not in after)
 
-    def _kept_segments(self, keep: np.ndarray, rooted: np.ndarray, rewritten: dict[int, IndexRow]) -> set[str]:
-        """Segments of the kept rows that a lookup can reach (rewritten rows: their record's)."""
+    def _kept_segments(self, alive: np.ndarray, rewritten: dict[int, IndexRow]) -> set[str]:
+        """Segments of the kept rows that a lookup can reach (`alive`, by row number; a rewritten
+        row's segment is its record's)."""
         t = self.table
-        plain = keep[rooted]
-        if rewritten:
-            plain = np.setdiff1d(plain, np.array(sorted(rewritten), dtype=np.int64))
+        plain = alive.copy()
+        plain[list(rewritten)] = False
         out = {t.segments[i] for i in np.unique(t.seg[plain]).tolist()}
-        for r, new in rewritten.items():
-            if rooted[int(np.searchsorted(keep, r))]:
-                out.add(new.segment)
+        out |= {new.segment for r, new in rewritten.items() if alive[r]}
         return out
 
     def _segment_rows(self, kept: set[str]) -> None:
@@ -437,6 +445,33 @@ class _Planner:
                 if name not in named:  # else part of dropping the rows of a missing segment
                     self.rep.segment_rows_fixed += 1
                     self.rep.note("segment_row", name, "no file")
+
+
+class _SegmentRows:
+    """The rows of each segment as Python values (row numbers, hashes, parents, digests, slots,
+    token counts, sizes), by slot; converted `GROUP` segments at a time, in segment order (the
+    order `_Planner.run` visits them): a few numpy calls per group, not per segment."""
+
+    GROUP = 512
+
+    def __init__(self, table: RowTable):
+        self.t = table
+        self.order, self.start = table.by_segment
+        self.group = -1
+        self.cols: tuple = ()
+        self.base = 0
+
+    def of(self, s: int) -> tuple[list, ...]:
+        g = s // self.GROUP
+        if g != self.group:
+            t, start = self.t, self.start
+            self.base = int(start[g * self.GROUP])
+            rows = self.order[self.base : int(start[min((g + 1) * self.GROUP, len(start) - 1)])]
+            self.cols = (rows.tolist(), hex_of_keys(t.hash[rows]), hex_of_keys(t.parent[rows]), hex_of_keys(t.digest[rows]),
+                         t.slot[rows].tolist(), t.num_tokens[rows].tolist(), t.nbytes[rows].tolist())  # fmt: skip
+            self.group = g
+        a, b = int(self.start[s]) - self.base, int(self.start[s + 1]) - self.base
+        return tuple(c[a:b] for c in self.cols)
 
 
 class _SegInfo:
@@ -513,7 +548,7 @@ def _still_unrooted(index: BlockIndex, namespace: str, hashes: list[str]) -> lis
     with index.connection() as conn:
         t = load_rows(conn)
     root = key_of_hex(root_parent(namespace))
-    forest = build_forest(t.parent_rows(), (t.parent == root).all(axis=1), t.last_access)
+    forest = build_forest(t.parent_rows(), (t.parent == root).all(axis=1), None)
     rows = t.find(hashes)
     return [h for h, r in zip(hashes, rows.tolist()) if r >= 0 and not forest.rooted[r]]
 

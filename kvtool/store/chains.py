@@ -62,6 +62,10 @@ def hex_of_keys(keys: np.ndarray) -> list[str]:
     return [text[i : i + 32] for i in range(0, len(text), 32)]
 
 
+FIND_BATCH = 1 << 17  # queries looked up at a time
+INDEX_DTYPE = np.int32  # node numbers in a forest (4 bytes: a namespace holds far fewer than 2**31 blocks)
+
+
 class KeyIndex:
     """Exact lookup of keys among `N` distinct keys (sorted once: O(N log N); each query
     O(log N), vectorised).
@@ -70,30 +74,49 @@ class KeyIndex:
         keys: `[N, 2]` uint64, distinct.
     """
 
-    def __init__(self, keys: np.ndarray):
+    def __init__(self, keys: np.ndarray, is_sorted: bool = False):
         keys = np.asarray(keys, dtype=np.uint64).reshape(-1, 2)
-        self.order = np.lexsort((keys[:, 1], keys[:, 0]))
-        self.hi = keys[self.order, 0]
-        self.lo = keys[self.order, 1]
+        if is_sorted:  # already in key order (a `RowTable`'s hashes): views, no copy
+            self.order: np.ndarray | None = None
+            self.hi, self.lo = keys[:, 0], keys[:, 1]
+        else:
+            self.order = np.lexsort((keys[:, 1], keys[:, 0]))
+            self.hi = keys[self.order, 0]
+            self.lo = keys[self.order, 1]
+
+    @cached_property
+    def _unique_hi(self) -> bool:
+        return not bool((self.hi[1:] == self.hi[:-1]).any()) if self.hi.shape[0] > 1 else True
 
     def find(self, queries: np.ndarray) -> np.ndarray:
-        """Positions (in the keys given) of `queries` (`[Q, 2]`), -1 where absent."""
+        """Positions (in the keys given) of `queries` (`[Q, 2]`), -1 where absent (in slices of
+        `FIND_BATCH` queries, each searched in sorted order: the temporaries stay small and the
+        search walks the keys in order, whatever `Q`)."""
         q = np.asarray(queries, dtype=np.uint64).reshape(-1, 2)
+        if q.shape[0] > FIND_BATCH:
+            return np.concatenate([self.find(q[i : i + FIND_BATCH]) for i in range(0, q.shape[0], FIND_BATCH)])
         n = self.hi.shape[0]
         out = np.full(q.shape[0], -1, dtype=np.int64)
         if n == 0 or q.shape[0] == 0:
             return out
-        left = np.searchsorted(self.hi, q[:, 0], side="left")
-        right = np.searchsorted(self.hi, q[:, 0], side="right")
-        single = right - left == 1
+        by = np.argsort(q[:, 0], kind="stable")
+        qhi, qlo = q[by, 0], q[by, 1]
+        left = np.searchsorted(self.hi, qhi, side="left")
         at = np.minimum(left, n - 1)
-        hit = single & (self.lo[at] == q[:, 1])
-        out[hit] = self.order[at[hit]]
+        if self._unique_hi:  # one search: the high half names at most one key
+            hit = (self.hi[at] == qhi) & (self.lo[at] == qlo)
+            found = at[hit]
+            out[by[hit]] = found if self.order is None else self.order[found]
+            return out
+        right = np.searchsorted(self.hi, qhi, side="right")
+        hit = (right - left == 1) & (self.lo[at] == qlo)
+        found = at[hit]
+        out[by[hit]] = found if self.order is None else self.order[found]
         for i in np.flatnonzero(right - left > 1):  # equal high halves: rare, searched exactly
             a, b = int(left[i]), int(right[i])
-            j = a + int(np.searchsorted(self.lo[a:b], q[i, 1]))
-            if j < b and self.lo[j] == q[i, 1]:
-                out[i] = self.order[j]
+            j = a + int(np.searchsorted(self.lo[a:b], qlo[i]))
+            if j < b and self.lo[j] == qlo[i]:
+                out[by[i]] = j if self.order is None else self.order[j]
         return out
 
 
@@ -101,12 +124,12 @@ class KeyIndex:
 def csr(groups: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """Members grouped: `(start, members)` where group `g`'s members (indices `i` with
     `groups[i] == g`, ascending) are `members[start[g]:start[g + 1]]`; negative groups are left out."""
-    groups = np.asarray(groups, dtype=np.int64)
-    valid = np.flatnonzero(groups >= 0)
+    groups = np.asarray(groups)
+    valid = np.flatnonzero(groups >= 0).astype(INDEX_DTYPE)
     members = valid[np.argsort(groups[valid], kind="stable")]
-    counts = np.bincount(groups[valid], minlength=n_groups)
+    del valid
     start = np.zeros(n_groups + 1, dtype=np.int64)
-    np.cumsum(counts, out=start[1:])
+    np.cumsum(np.bincount(groups[members], minlength=n_groups), out=start[1:])
     return start, members
 
 
@@ -127,9 +150,9 @@ class Forest:
     """The chain forest of `n` nodes (numbered `0..n-1`), as arrays.
 
     Attributes:
-        parent: `[n]` int64, the stored parent's number, -1 if the parent is not stored.
+        parent: `[n]` int32, the stored parent's number, -1 if the parent is not stored.
         last_access: `[n]` float64 (clamped to `now` if one was given).
-        depth: `[n]` int64 (see the module docstring).
+        depth: `[n]` int32 (see the module docstring).
         rooted: `[n]` bool.
         in_cycle: `[n]` bool.
         effective_access: `[n]` float64.
@@ -172,24 +195,28 @@ class Forest:
         return np.flatnonzero(self.parent < 0)
 
 
-def build_forest(parent: np.ndarray, at_root: np.ndarray, last_access: np.ndarray, now: float | None = None) -> Forest:
+def build_forest(parent: np.ndarray, at_root: np.ndarray, last_access: np.ndarray | None, now: float | None = None) -> Forest:
     """The forest of `n` nodes.
 
     Args:
         parent: `[n]` int64, each node's stored parent (-1: its parent is not stored).
         at_root: `[n]` bool, the node's parent is the namespace's root parent.
-        last_access: `[n]` float64 (unix seconds).
+        last_access: `[n]` float64 (unix seconds); None: only depths and reachability are wanted
+            (`last_access` and `effective_access` are then zeros, and cost no memory).
         now: access times later than this are clamped to it (clock skew, tampering); None = no clamp.
 
     Returns:
         The forest. O(n) time and memory plus one numpy step per BFS level (the longest chain).
     """
-    parent = np.asarray(parent, dtype=np.int64)
+    parent = np.asarray(parent, dtype=INDEX_DTYPE)
     n = parent.shape[0]
-    access = np.array(last_access, dtype=np.float64)
-    if now is not None:
-        np.minimum(access, now, out=access)
-    depth = np.full(n, -1, dtype=np.int64)
+    if last_access is None:
+        access = np.broadcast_to(np.float64(0.0), (n,))
+    else:
+        access = np.array(last_access, dtype=np.float64)
+        if now is not None:
+            np.minimum(access, now, out=access)
+    depth = np.full(n, -1, dtype=INDEX_DTYPE)
     rooted = np.zeros(n, dtype=bool)
     in_cycle = np.zeros(n, dtype=bool)
     start, members = csr(parent, n)
@@ -205,6 +232,8 @@ def build_forest(parent: np.ndarray, at_root: np.ndarray, last_access: np.ndarra
         in_cycle[bases] = True
         depth[bases] = 0
         levels += _bfs(bases, depth, rooted, parent, start, members)
+    if last_access is None:
+        return Forest(parent, access, depth, rooted, in_cycle, access, levels)
     eff = access.copy()
     for level in reversed(levels):  # children before parents
         up = level[(parent[level] >= 0) & ~in_cycle[level]]

@@ -291,6 +291,11 @@ class FileOps:
         """Names of the entries of a directory (unsorted)."""
         return os.listdir(path)
 
+    def scandir(self, path: Path) -> list[os.DirEntry]:
+        """The entries of a directory (unsorted), with their types (no `stat` per entry)."""
+        with os.scandir(path) as it:
+            return list(it)
+
     def is_dir(self, path: Path) -> bool:
         """True if `path` is a real directory (not a symlink to one)."""
         try:
@@ -363,16 +368,25 @@ class NamespaceScan:
         other: relative paths of entries that are none of these (ignored, reported); symlinks
             and foreign `*.tmp` files land here.
         symlinks: relative paths of symlinks found (never followed, never removed).
+        stats: relative path -> `lstat` of each segment and temp file (`with_stat` only; a file
+            gone meanwhile has none).
     """
 
     files: dict[str, str] = field(default_factory=dict)
     temps: list[Path] = field(default_factory=list)
     other: list[str] = field(default_factory=list)
     symlinks: list[str] = field(default_factory=list)
+    stats: dict[str, os.stat_result] = field(default_factory=dict)
 
 
-def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
-    """List the segment files and temp files of a namespace (one listdir per fan-out subdir).
+def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = False) -> NamespaceScan:
+    """List the segment files and temp files of a namespace (one listing per fan-out subdir;
+    `os.scandir`: a symlink is told by the entry's type, without a system call).
+
+    Args:
+        ns_dir: the namespace directory.
+        fs: file-system operations.
+        with_stat: also `lstat` each segment and temp file, once (`NamespaceScan.stats`).
 
     Raises:
         OSError: the namespace directory cannot be listed.
@@ -387,26 +401,43 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None) -> NamespaceScan:
         if not SUBDIR_RE.match(sub):
             if TEMP_RE.match(sub):
                 scan.temps.append(path)
+                if with_stat:
+                    _stat_into(scan.stats, sub, path)
             elif not sub.startswith(INDEX_FILENAME):
                 scan.other.append(sub)
             continue
         try:
-            names = fs.listdir(path)
+            entries = fs.scandir(path)
         except (NotADirectoryError, FileNotFoundError):
             scan.other.append(sub)
             continue
-        for name in sorted(names):
-            rel, full = f"{sub}/{name}", path / name
+        for entry in sorted(entries, key=lambda e: e.name):
+            name = entry.name
+            rel = f"{sub}/{name}"
             stem = name[: -len(SEGMENT_SUFFIX)] if name.endswith(SEGMENT_SUFFIX) else None
-            if os.path.islink(full):
+            if entry.is_symlink():
                 scan.symlinks.append(rel)
-            elif TEMP_RE.match(name):
-                scan.temps.append(full)
+                continue
+            if TEMP_RE.match(name):
+                scan.temps.append(path / name)
             elif stem and SEGMENT_RE.match(stem) and stem[:2] == sub:
                 scan.files[stem] = rel
             else:
                 scan.other.append(rel)
+                continue
+            if with_stat:
+                try:
+                    scan.stats[rel] = entry.stat(follow_symlinks=False)
+                except OSError:
+                    pass
     return scan
+
+
+def _stat_into(stats: dict[str, os.stat_result], rel: str, path: Path) -> None:
+    try:
+        stats[rel] = os.lstat(path)
+    except OSError:
+        pass
 
 
 def short_path(path: Path | str, limit: int = 80) -> str:

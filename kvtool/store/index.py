@@ -86,7 +86,7 @@ def _time(v: object) -> float | None:
     return float(v)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
 class IndexRow:
     """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment.
 
@@ -128,7 +128,7 @@ class IndexRow:
         return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
 class SegmentRow:
     """One row of `segments`: a segment file.
 

@@ -108,12 +108,46 @@ class SegmentPlanner:
                     np.asarray(depth, dtype=np.int64), np.asarray(block_seg, dtype=np.int64), children, block_names)  # fmt: skip
         return self
 
+    @classmethod
+    def from_forest(
+        cls, names: Sequence[str], size: np.ndarray, block_seg: np.ndarray, forest: Forest,
+        block_names: Callable[[np.ndarray], list[str]],
+    ) -> SegmentPlanner:  # fmt: skip
+        """A planner whose segments' access times and depths come from their blocks: a segment's
+        access is the newest effective access of its blocks, its depth their deepest.
+
+        Args:
+            names: segment names, sorted; size: `[m]` their file bytes.
+            block_seg: `[n]` each block's segment number (every block has one).
+            forest: the chain forest of the `n` blocks.
+            block_names: block numbers -> their hashes (for reports).
+        """
+        start, members = csr(block_seg, len(names))
+        access = np.full(len(names), -np.inf)
+        depth = np.zeros(len(names), dtype=np.int64)
+        has = np.flatnonzero(np.diff(start) > 0)
+        if has.size:  # per segment, the max over its run of `members` (segments without blocks: -inf / 0)
+            access[has] = np.maximum.reduceat(forest.effective_access[members], start[has])
+            depth[has] = np.maximum.reduceat(forest.depth[members], start[has])
+        self = cls.__new__(cls)
+        self._setup(list(names), np.asarray(size, dtype=np.int64), access, depth, np.asarray(block_seg), forest.children,
+                    block_names, (start, members))  # fmt: skip
+        return self
+
     def _setup(self, names: list[str], size: np.ndarray, access: np.ndarray, depth: np.ndarray, block_seg: np.ndarray,
-               children: tuple[np.ndarray, np.ndarray], block_names: Callable[[np.ndarray], list[str]]) -> None:  # fmt: skip
+               children: tuple[np.ndarray, np.ndarray], block_names: Callable[[np.ndarray], list[str]],
+               blocks_of: tuple[np.ndarray, np.ndarray] | None = None) -> None:  # fmt: skip
         self.names, self.size, self.access, self.depth = names, size, access, depth
         self.block_seg = block_seg
-        self._blocks_of = csr(block_seg, len(names))
+        self._blocks_of = blocks_of if blocks_of is not None else csr(block_seg, len(names))
         self._children = children
+        # a block with a child in another segment: only those can take a kept block with them
+        # when their whole segment goes (the rest of a chain in the same segment goes anyway)
+        cs, kids = children
+        parents = np.repeat(np.arange(len(block_seg)), np.diff(cs)) if len(block_seg) else np.zeros(0, np.int64)
+        self._outside = np.zeros(len(block_seg), dtype=bool)
+        if len(kids):
+            self._outside[parents[block_seg[kids] != block_seg[parents]]] = True
         self._block_names = block_names
         self.block_reason = np.zeros(len(block_seg), dtype=np.int8)
         self.seg_reason = np.zeros(len(names), dtype=np.int8)
@@ -149,8 +183,7 @@ class SegmentPlanner:
         self.seg_reason[s] = code
         self._left[s] = 0
         self.kept_bytes -= int(self.size[s])
-        cs = self._children[0]
-        if fresh.size and (cs[fresh + 1] - cs[fresh]).any():
+        if fresh.size and self._outside[fresh].any():
             self._propagate(fresh)
 
     def choose_blocks(self, blocks: np.ndarray, reason: str) -> None:

@@ -5,21 +5,26 @@ One `IndexRow` per row costs ~1 us and ~300 bytes; at a million blocks the comma
 seconds and hundreds of MB on them. Here the rows are streamed from a cursor in chunks and kept
 as numpy columns: hashes, parents and token digests as `[N, 2]` uint64 keys
 (`kvtool.store.chains`), segments as numbers into a sorted name list, the numbers as int / float
-arrays: 92 bytes per row, no Python object per row. `IndexRow`s are made on demand (`row(i)`,
+arrays: 88 bytes per row, no Python object per row. `IndexRow`s are made on demand (`row(i)`,
 iteration) for the few rows a command reports or rewrites.
 
-A malformed row (NULL, wrong type, out of range, a name that is not 32 lowercase hex digits) is
-never loaded: `VALID_ROW_SQL` is exactly `IndexRow.from_db`'s check, evaluated by SQLite, and
-`bad_rowids` lists the others (for `kvtool validate`).
+Each row crosses into Python as one string (its four names, joined by SQLite), its three
+integers and two times; a chunk of rows becomes one `bytes.fromhex` and a few numpy arrays. A malformed row
+(NULL, wrong type, out of range, a name that is not 32 lowercase hex digits) is never loaded,
+exactly as `IndexRow.from_db` decides, and its rowid is kept (`bad_rowids`, for `kvtool
+validate`): the check runs on whole chunks (one regex, numpy comparisons); only a chunk that
+fails it is checked row by row.
 
 This module never imports MLX.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import sqlite3
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -27,26 +32,10 @@ import numpy as np
 from kvtool.store.chains import KeyIndex, hex_of_keys, keys_from_hex
 from kvtool.store.index import IndexRow
 
-CHUNK_ROWS = 1 << 16  # rows converted at a time (bounds the Python objects alive while loading)
+CHUNK_ROWS = 1 << 14  # rows converted at a time (bounds the Python objects alive while loading)
+INT32_MAX = (1 << 31) - 1
 
 
-def _name_ok(col: str) -> str:
-    return f"typeof({col})='text' AND length({col})=32 AND {col} NOT GLOB '*[^0-9a-f]*'"
-
-
-def _int_ok(col: str, lo: int) -> str:
-    return f"typeof({col})='integer' AND {col}>={lo}"
-
-
-def _time_ok(col: str) -> str:
-    return f"typeof({col}) IN ('integer','real') AND {col}>=0 AND {col}<9e999"  # 9e999: +infinity
-
-
-VALID_ROW_SQL = " AND ".join([
-    *(_name_ok(c) for c in ("hash", "parent", "segment", "tokens_digest")),
-    _int_ok("slot", 0), _int_ok("num_tokens", 1), _int_ok("nbytes", 1), _time_ok("created"), _time_ok("last_access"),
-])  # fmt: skip
-_COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
 
 
 @dataclass
@@ -59,9 +48,10 @@ class RowTable:
         hash, parent, digest: `[N, 2]` uint64 keys of the hash, parent hash and tokens digest.
         seg: `[N]` int64, the row's segment as a number into `segments`.
         segments: the names of the segments rows point at, sorted.
-        slot, num_tokens: `[N]` int64.
-        nbytes: `[N]` int64, the record size.
+        slot, num_tokens: `[N]` int32 (values past 2**31 - 1, well-formed but impossible, as that).
+        nbytes: `[N]` int32, the record size (as `slot`).
         created, last_access: `[N]` float64.
+        bad_rowids: rowids of the malformed rows left out.
     """
 
     hash: np.ndarray
@@ -74,6 +64,7 @@ class RowTable:
     nbytes: np.ndarray
     created: np.ndarray
     last_access: np.ndarray
+    bad_rowids: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.seg.shape[0])
@@ -82,7 +73,7 @@ class RowTable:
     def empty(cls) -> RowTable:
         """A table without rows."""
         keys, ints, floats = np.zeros((0, 2), np.uint64), np.zeros(0, np.int64), np.zeros(0, np.float64)
-        return cls(keys, keys, keys, ints, [], ints, ints, ints, floats, floats)
+        return cls(keys, keys, keys, ints, [], ints, ints, ints, floats, floats, [])
 
     def __iter__(self) -> Iterator[IndexRow]:
         for i in range(len(self)):
@@ -103,8 +94,8 @@ class RowTable:
 
     @cached_property
     def index(self) -> KeyIndex:
-        """Lookup of rows by hash key."""
-        return KeyIndex(self.hash)
+        """Lookup of rows by hash key (the rows are in hash order: no copy)."""
+        return KeyIndex(self.hash, is_sorted=True)
 
     def find(self, hashes: list[str]) -> np.ndarray:
         """Row numbers of `hashes` (32-hex strings), -1 where absent."""
@@ -123,56 +114,155 @@ class RowTable:
     def by_segment(self) -> tuple[np.ndarray, np.ndarray]:
         """`(order, start)`: the row numbers sorted by (segment, slot), and where each segment's
         rows begin in it: segment `s`'s rows are `order[start[s]:start[s + 1]]`."""
-        order = np.lexsort((self.slot, self.seg))
+        order = np.lexsort((self.slot, self.seg)).astype(np.int32)
         start = np.zeros(len(self.segments) + 1, dtype=np.int64)
         np.cumsum(np.bincount(self.seg, minlength=len(self.segments)), out=start[1:])
         return order, start
 
 
-def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = ()) -> RowTable:
-    """Read the well-formed rows of `blocks` (those matching `where`, SQL over its columns) in
-    one pass of one statement (one snapshot), `CHUNK_ROWS` at a time.
+_NAMES_OK = " AND ".join([f"typeof({c})='text' AND length({c})=32" for c in ("hash", "parent", "segment", "tokens_digest")]
+                         + [f"typeof({c})='integer'" for c in ("slot", "num_tokens", "nbytes")])  # fmt: skip
+# Per row: the hash, parent and token digest as one string (or NULL when a value has the wrong
+# type or length), the segment name, the three integers and the two times. A chunk of rows
+# becomes one `bytes.fromhex`; small integers are shared objects.
+_PACKED = (f"SELECT rowid, CASE WHEN {_NAMES_OK} THEN hash || parent || tokens_digest END, segment, slot, num_tokens,"
+           " nbytes, created, last_access FROM blocks")  # fmt: skip
+_PACKED_HEX = 3 * 32  # hex digits of one row's packed names
+_HEX_ROW = re.compile(rf"[0-9a-f]{{{_PACKED_HEX}}}")
+_HEX_NAME = re.compile(r"[0-9a-f]{32}")
+_UPPER = "ABCDEF"  # `bytes.fromhex` takes them; a name must be lowercase
+
+
+def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = (), *, full: bool = True) -> RowTable:
+    """Read the rows of `blocks` (those matching `where`, SQL over its columns) in one pass of
+    one statement (one snapshot), `CHUNK_ROWS` at a time; malformed rows (as `IndexRow.from_db`
+    decides) are left out and their rowids kept in `bad_rowids`.
+
+    Args:
+        conn: the index's connection (inside a transaction, the count and the rows agree).
+        where, args: which rows.
+        full: keep every column; False keeps only what a plan needs (hash, parent, segment,
+            num_tokens, last_access: 52 bytes a row instead of 88); the others read as zeros.
 
     Raises:
         sqlite3.Error: the read failed.
     """
-    cur = conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE ({VALID_ROW_SQL}) AND ({where})", args)
-    parts: list[list[np.ndarray]] = []
-    seg_number: dict[str, int] = {}
+    (expect,) = conn.execute(f"SELECT COUNT(*) FROM blocks WHERE ({where})", args).fetchone()
+    cols = _Columns(int(expect), full)
+    cur = conn.execute(f"{_PACKED} WHERE ({where})", args)
     while True:
         chunk = cur.fetchmany(CHUNK_ROWS)
         if not chunk:
             break
-        h, p, s, slot, n_tok, nbytes, digest, created, last = zip(*chunk)
+        columns = list(zip(*chunk))
         del chunk
-        number = seg_number.setdefault
-        segs = np.fromiter((number(x, len(seg_number)) for x in s), dtype=np.int64, count=len(s))
-        parts.append([keys_from_hex(h), keys_from_hex(p), keys_from_hex(digest), segs, np.array(slot, dtype=np.int64),
-                      np.array(n_tok, dtype=np.int64), np.array(nbytes, dtype=np.int64),
-                      np.array(created, dtype=np.float64), np.array(last, dtype=np.float64)])  # fmt: skip
-    cols: list[np.ndarray]
-    if parts:
-        cols = [np.concatenate(c) for c in zip(*parts)]
-        del parts
-    else:
-        cols = [np.zeros((0, 2), np.uint64)] * 3 + [np.zeros(0, np.int64)] * 4 + [np.zeros(0, np.float64)] * 2
-    names = sorted(seg_number)
-    remap = np.zeros(len(names), dtype=np.int64)
-    for new, name in enumerate(names):
-        remap[seg_number[name]] = new
-    cols[3] = remap[cols[3]] if len(names) else cols[3]
-    order = np.lexsort((cols[0][:, 1], cols[0][:, 0]))  # by hash
-    out = [c[order] for c in cols]
-    return RowTable(out[0], out[1], out[2], out[3], names, out[4], out[5], out[6], out[7], out[8])
+        got = _convert(columns[1:])
+        if got is None:  # some row is malformed: sort them out one by one
+            ok = [i for i, row in enumerate(zip(*columns[1:])) if _row_ok(row)]
+            cols.bad += [columns[0][i] for i in sorted(set(range(len(columns[0]))) - set(ok))]
+            got = _convert([[c[i] for i in ok] for c in columns[1:]]) if ok else None
+            if got is None:
+                continue
+        cols.add(*got)
+    return cols.table()
 
 
-def bad_rowids(conn: sqlite3.Connection) -> list[int]:
-    """rowids of the malformed rows of `blocks` (what `load_rows` leaves out).
+class _Columns:
+    """The columns being filled, each allocated once for the rows counted (grown if more come),
+    then put in hash order one at a time (the peak is the table plus one column)."""
 
-    Raises:
-        sqlite3.Error: the read failed.
-    """
-    return [r for (r,) in conn.execute(f"SELECT rowid FROM blocks WHERE NOT ({VALID_ROW_SQL}) OR ({VALID_ROW_SQL}) IS NULL")]
+    def __init__(self, n: int, full: bool):
+        self.n, self.full = 0, full
+        self.bad: list[int] = []
+        self.segments: dict[str, int] = {}  # segment name -> number in order of appearance
+        self.cols: dict[str, np.ndarray] = {"hash": np.zeros((n, 2), np.uint64), "parent": np.zeros((n, 2), np.uint64),
+                                            "seg": np.zeros(n, np.int32), "num_tokens": np.zeros(n, np.int32),
+                                            "last_access": np.zeros(n, np.float64)}  # fmt: skip
+        if full:
+            self.cols.update(digest=np.zeros((n, 2), np.uint64), slot=np.zeros(n, np.int32), nbytes=np.zeros(n, np.int32),
+                             created=np.zeros(n, np.float64))  # fmt: skip
+
+    def add(self, raw: np.ndarray, segs: tuple, seg_raw: np.ndarray, ints: np.ndarray, times: np.ndarray) -> None:
+        m = len(raw)
+        c = self.cols
+        if self.n + m > len(c["hash"]):  # rows inserted after the count (no enclosing transaction)
+            grow = max(m, len(c["hash"]) // 4)
+            for k, a in c.items():
+                c[k] = np.concatenate([a, np.zeros((grow, *a.shape[1:]), a.dtype)])
+        at = slice(self.n, self.n + m)
+        # a segment's rows are inserted together, so they come in runs: one dict lookup per run
+        keys = seg_raw.view(">u8").reshape(m, 2)
+        starts = np.flatnonzero(np.concatenate([[True], (keys[1:] != keys[:-1]).any(axis=1)]))
+        number = self.segments.setdefault
+        runs = np.array([number(segs[i], len(self.segments)) for i in starts.tolist()], dtype=np.int32)
+        c["seg"][at] = np.repeat(runs, np.diff(np.append(starts, m)))
+        names = raw.view(">u8").reshape(m, 3, 2)
+        c["hash"][at], c["parent"][at] = names[:, 0], names[:, 1]
+        # int32: larger values (a tampered row; still well-formed) are kept as INT32_MAX, which no
+        # slot, block or record reaches: every comparison with a header answers as for the value
+        np.minimum(ints, INT32_MAX, out=ints)
+        c["num_tokens"][at], c["last_access"][at] = ints[1], times[1]
+        if self.full:
+            c["digest"][at], c["slot"][at], c["nbytes"][at], c["created"][at] = names[:, 2], ints[0], ints[2], times[0]
+        self.n += m
+
+    def table(self) -> RowTable:
+        n, c = self.n, self.cols
+        order = np.lexsort((c["hash"][:n, 1], c["hash"][:n, 0]))  # by hash
+        out: dict[str, np.ndarray] = {}
+        for k in list(c):
+            out[k] = c.pop(k)[:n][order]  # one column copied at a time, the old one freed
+        names = sorted(self.segments)
+        renumber = np.zeros(max(len(names), 1), dtype=np.int32)
+        renumber[[self.segments[x] for x in names]] = np.arange(len(names), dtype=np.int32)
+        seg = renumber[out.pop("seg")] if n else out.pop("seg")
+        ints0, floats0 = np.broadcast_to(np.int32(0), (n,)), np.broadcast_to(np.float64(0.0), (n,))  # not read: no memory
+        if self.full:
+            digest, slot, nbytes, created = out["digest"], out["slot"], out["nbytes"], out["created"]
+        else:
+            digest, slot, nbytes, created = np.broadcast_to(np.zeros(2, np.uint64), (n, 2)), ints0, ints0, floats0
+        return RowTable(out["hash"], out["parent"], digest, seg, names, slot, out["num_tokens"], nbytes, created,
+                        out["last_access"], self.bad)  # fmt: skip
 
 
-__all__ = ["RowTable", "load_rows", "bad_rowids", "VALID_ROW_SQL", "CHUNK_ROWS"]
+def _convert(columns: list) -> tuple[np.ndarray, tuple, np.ndarray, np.ndarray, np.ndarray] | None:
+    """`([n, 48] bytes of hash, parent, digest; segment names; [n, 16] their bytes; [3, n] ints;
+    [2, n] times)` of
+    columns `packed names, segment, slot, num_tokens, nbytes, created, last_access`, or None if
+    a row is malformed."""
+    packed, segs, slot, n_tok, nbytes, created, last = columns
+    if None in packed:  # a name or number of the wrong type or length (see _NAMES_OK)
+        return None
+    joined, seg_joined = "".join(packed), "".join(segs)
+    try:
+        raw, seg_raw = bytes.fromhex(joined), bytes.fromhex(seg_joined)
+    except ValueError:  # not hex
+        return None
+    if len(raw) * 2 != _PACKED_HEX * len(packed) or len(seg_raw) != 16 * len(segs):  # whitespace inside a name
+        return None
+    if any(c in joined or c in seg_joined for c in _UPPER):
+        return None
+    ints = np.array([slot, n_tok, nbytes], dtype=np.int64)
+    if not ((ints[0] >= 0).all() and (ints[1:] >= 1).all()):
+        return None
+    if not (set(map(type, created)) | set(map(type, last))) <= {int, float}:
+        return None
+    times = np.array([created, last], dtype=np.float64)
+    if not (np.isfinite(times).all() and (times >= 0).all()):
+        return None
+    return (np.frombuffer(raw, dtype=np.uint8).reshape(len(packed), _PACKED_HEX // 2), segs,
+            np.frombuffer(seg_raw, dtype=np.uint8).reshape(len(segs), 16), ints, times)  # fmt: skip
+
+
+def _row_ok(row: tuple) -> bool:
+    """One row (`packed names, segment, slot, num_tokens, nbytes, created, last_access`) is
+    well-formed, as `IndexRow.from_db` requires."""
+    packed, seg, slot, n_tok, nbytes, created, last = row
+    if packed is None or _HEX_ROW.fullmatch(packed) is None or _HEX_NAME.fullmatch(seg) is None:
+        return False
+    if slot < 0 or n_tok < 1 or nbytes < 1:  # ints: the SQL checked their type
+        return False
+    return all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in (created, last))
+
+
+__all__ = ["RowTable", "load_rows", "CHUNK_ROWS"]

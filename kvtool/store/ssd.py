@@ -3,7 +3,10 @@
 A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
 `<name[:2]>/<name>.safetensors` (format: `kvtool.store.segment`), each holding the blocks of one
 write batch. The index maps every block to `(segment, slot)`. The save path (dedup, segment
-packing, atomic write, one index transaction) is `kvtool.store.ssd_save`.
+packing, atomic write, one index transaction) is `kvtool.store.ssd_save`, the open path
+`kvtool.store.ssd_open`, the state all three share `kvtool.store.ssd_core`, and the optional byte
+budget (`set_max_bytes`: least recently used segments evicted before a write that would not fit,
+agreed between processes through the index) `kvtool.store.ssd_budget`.
 
 Correctness rules (a wrong block served is worse than none):
 - A segment is written to a temp file in its final directory, then renamed into place; under

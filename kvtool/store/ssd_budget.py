@@ -241,18 +241,13 @@ class SSDBudget:
             Names of the segment files to unlink (their bytes stay reserved until then).
         """
         conn = cur.connection
-        table = load_rows(conn)
+        table = load_rows(conn, full=False)
         sizes = {name: self.allocated(n) for name, n in cur.execute(
             "SELECT name, nbytes FROM segments WHERE typeof(nbytes)='integer' AND nbytes > 0") if is_segment_name(name)}  # fmt: skip
         at_root = (table.parent == self._root).all(axis=1)
         forest = build_forest(table.parent_rows(), at_root, table.last_access, now)
-        m = len(table.segments)
-        access = np.full(m, -np.inf)
-        np.maximum.at(access, table.seg, forest.effective_access)
-        depth = np.zeros(m, dtype=np.int64)
-        np.maximum.at(depth, table.seg, forest.depth)
         size = np.array([sizes.get(n, 0) for n in table.segments], dtype=np.int64)
-        planner = SegmentPlanner.from_arrays(table.segments, size, access, depth, table.seg, forest, table.hashes)
+        planner = SegmentPlanner.from_forest(table.segments, size, table.seg, forest, table.hashes)
         rowless = sorted(set(sizes) - set(table.segment_numbers))  # a `segments` row without blocks: nothing to keep
         free_rowless = sum(sizes[n] for n in rowless)
         others = used - int(size.sum()) - free_rowless  # reservations, index, directories

@@ -27,8 +27,14 @@ Split out of `kvtool.store.ssd`; `SSDStore.save_blocks` / `save_block` delegate 
 A block whose dtype or token count (0 < n <= block_size) does not match the namespace makes
 its whole segment 'error' (`ssd_save_fail`), the other segments of the call go ahead.
 
+With a byte budget (`SSDStore.set_max_bytes`) each segment's bytes are reserved before its temp
+file is created (`kvtool.store.ssd_budget`: least recently used segments may be evicted to make
+room); the reservation ends in the transaction that inserts its rows, or when the write fails. A
+segment that cannot fit answers 'error' for its blocks (`ssd_budget_refused`).
+
 Counters (the store's): `ssd_save_success`, `ssd_save_fail`, `ssd_save_dedup_skip`,
-`ssd_save_disabled`, `ssd_bytes_written`, `ssd_segments_written`, `ssd_hash_collision_detected`.
+`ssd_save_disabled`, `ssd_bytes_written`, `ssd_segments_written`, `ssd_hash_collision_detected`,
+`ssd_budget_refused`.
 Nothing here raises to the caller. The saver reads the store's state (file ops, clock, lock,
 geometry, durability, `segment_max_bytes`) at call time. Logs go to the `kvtool.store.ssd` logger.
 This module never imports MLX (the SSD writer thread calls it).

@@ -1,0 +1,291 @@
+"""Operator commands at a million blocks: `validate`, `validate --deep`, `inspect`, `prune
+--dry-run` and `rm NAMESPACE` timed in fresh processes, with their peak RSS, against the floor of
+the same cache (`find | wc -l`, `du -s`, SQLite `count(*)`, one sequential read of the bytes),
+at each size given (default 100k and 1M blocks), and the growth exponent between them.
+
+The cache is built synthetically, no model: small records (block_size 16, one layer, one KV head
+of 8 dims, float32: 1,088 bytes a record), since the cost under test is per block and per
+segment. Prompts are chains of 16 blocks from the namespace root, one segment each (as a
+request's write batch); every fourth prompt continues an earlier one (chains to depth 64).
+Segments are written with the real `segment.encode` and the index rows with the real
+`BlockIndex`, a thousand segments per transaction.
+
+    .venv/bin/python bench_configs/million_blocks.py                      # 100k and 1M blocks
+    .venv/bin/python bench_configs/million_blocks.py --sizes 20000 --out /tmp/mb   # a quick look
+
+Output: `<out>/million_blocks.json` (every measurement) and `<out>/report.md` (the table), by
+default under `results/summaries/<date>-million-blocks/`. The caches are built under `--root`
+(default: a temporary directory) and deleted afterwards (the last command timed, `rm`, removes
+the namespace; the directory goes after it). Page cache: warm (the cache was just written; the
+floor's read is warm too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shutil
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from kvtool.hashing import chain_hashes, layout_key, root_parent  # noqa: E402
+from kvtool.hostblock import HostBlock  # noqa: E402
+from kvtool.store import segment as seg  # noqa: E402
+from kvtool.store.index import _COLUMNS, _SEG_COLUMNS, BlockIndex  # noqa: E402
+from kvtool.store.kvlayout import KVLayout  # noqa: E402
+from kvtool.store.names import INDEX_FILENAME, segment_relpath  # noqa: E402
+from kvtool.store.ssd import SSDStore  # noqa: E402
+
+BLOCK = 16  # tokens per block
+PER_PROMPT = 16  # blocks per prompt = per segment
+DTYPE = "float32"
+KV = KVLayout.uniform(1, 1, 8, DTYPE)
+MODEL_ID = "million-blocks-bench"
+SEGMENTS_PER_TXN = 1000
+TARGETS = {"validate": 30.0, "inspect": 10.0, "prune --dry-run": 10.0, "rm": 10.0}  # seconds at 1M
+DEEP_VS_READ = 1.3
+RSS_MB = 300.0
+EXPONENT = 1.05
+KVTOOL = [sys.executable, "-m", "kvtool.cli.app"]
+
+
+def build(cache_dir: Path, n_blocks: int, seed: int = 0) -> dict:
+    """A namespace of `n_blocks` blocks under `cache_dir`; returns its name and sizes."""
+    layout = layout_key(MODEL_ID, KV.spec, DTYPE, BLOCK, format_version=seg.FORMAT_VERSION)
+    meta = {"model_id": MODEL_ID, "model_name": "million-blocks", "kv_dtype": DTYPE, "block_size": str(BLOCK),
+            "kv_layers": KV.spec}  # fmt: skip
+    SSDStore(cache_dir, layout, meta).close()  # the namespace and its meta, as a real process makes them
+    ns_dir = cache_dir / layout
+    root = root_parent(layout)
+    rng = np.random.default_rng(seed)
+    pool = [rng.standard_normal((1, 1, BLOCK, 8)).astype(np.float32) for _ in range(64)]  # KV bytes (content is not under test)
+    index = BlockIndex(ns_dir / INDEX_FILENAME)
+    made: set[str] = set()
+    prompts: list[np.ndarray] = []  # token ids of each prompt so far (continuations extend one)
+    t0 = time.perf_counter()
+    pending_segments: list[tuple] = []
+    pending_rows: list[tuple] = []
+    written = files_bytes = 0
+    now = time.time()
+    while written < n_blocks:
+        p = len(prompts)
+        n = min(PER_PROMPT, n_blocks - written)
+        new = rng.integers(0, 1 << 30, size=n * BLOCK, dtype=np.int32)
+        base = prompts[p // 2] if p % 4 == 3 and prompts[p // 2].size <= 48 * BLOCK else np.zeros(0, np.int32)
+        ids = np.concatenate([base, new])
+        hashes = chain_hashes(ids, BLOCK, layout)
+        first = base.size // BLOCK
+        parents = [hashes[first - 1] if first else root, *hashes[first:-1]]
+        blocks = [HostBlock(h, par, ids[(first + i) * BLOCK : (first + i + 1) * BLOCK], [pool[(p + i) % 64]],
+                            [pool[(p + i + 7) % 64]], DTYPE) for i, (h, par) in enumerate(zip(hashes[first:], parents))]  # fmt: skip
+        prompts.append(ids)
+        buffers, slots = seg.encode(blocks, layout, KV, now)
+        name = f"{rng.integers(0, 1 << 63):016x}{rng.integers(0, 1 << 63):016x}"
+        path = ns_dir / segment_relpath(name)
+        sub = path.parent.name
+        if sub not in made:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            made.add(sub)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.writev(fd, buffers)
+        finally:
+            os.close(fd)
+        size = sum(b.nbytes for b in buffers)
+        files_bytes += size
+        pending_segments.append((name, size, len(blocks), now))  # a SegmentRow's columns
+        ages = rng.uniform(0, 30 * 86400, size=len(blocks)).tolist()  # last uses spread over a month
+        pending_rows += [(b.block_hash, b.parent_hash, name, s.index, s.n_tokens, s.nbytes, seg.tokens_digest(b.token_ids),
+                          now, now - age) for b, s, age in zip(blocks, slots, ages)]  # an IndexRow's columns  # fmt: skip
+        written += len(blocks)
+        if len(pending_segments) >= SEGMENTS_PER_TXN or written >= n_blocks:
+            with index.write_transaction() as cur:  # big transactions of the real index
+                cur.executemany(f"INSERT INTO segments({_SEG_COLUMNS}) VALUES (?,?,?,?)", pending_segments)
+                cur.executemany(f"INSERT INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", pending_rows)
+            pending_segments, pending_rows = [], []
+    index.close()
+    with sqlite3.connect(ns_dir / INDEX_FILENAME) as conn:  # as a server leaves it: checkpointed
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return {"namespace": layout, "blocks": written, "segments": len(prompts), "segment_bytes": files_bytes,
+            "build_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+
+
+def run(cmd: list[str] | str, shell: bool = False) -> dict:
+    """Run a command in a fresh process: wall seconds, the peak RSS of exactly that process
+    (`wait4`: MB), exit code and the ends of its output."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    out = proc.stdout.read() if proc.stdout else b""
+    err = proc.stderr.read() if proc.stderr else b""
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return {"s": round(wall, 3), "rc": proc.returncode, "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
+            "stdout_all": out.decode(errors="replace"), "stderr_tail": err.decode(errors="replace")[-600:]}  # fmt: skip
+
+
+def floor(cache: Path, ns: str) -> dict:
+    db = cache / ns / INDEX_FILENAME
+    out = _floor(cache, ns, db)
+    for r in out.values():
+        r["stdout_tail"] = r.pop("stdout_all")[-200:]
+    return out
+
+
+def _floor(cache: Path, ns: str, db: Path) -> dict:
+    return {
+        "find | wc -l": run(f"find {cache} | wc -l", shell=True),
+        "du -s": run(["du", "-s", str(cache)]),
+        "sqlite count(*)": run(["sqlite3", str(db), "SELECT count(*) FROM blocks"]),
+        "sequential read": run(f"find {cache}/{ns} -name '*.safetensors' -print0 | xargs -0 cat > /dev/null", shell=True),
+    }
+
+
+def commands(cache: Path, ns: str, budget: int) -> dict:
+    c = str(cache)
+    out = {
+        "validate": run([*KVTOOL, "validate", "--cache-dir", c, "--json"]),
+        "validate --deep": run([*KVTOOL, "validate", "--deep", "--cache-dir", c, "--json"]),
+        "inspect": run([*KVTOOL, "inspect", "--cache-dir", c, "--json"]),
+        "prune --dry-run": run([*KVTOOL, "prune", "--dry-run", "--ttl", "none", "--max-bytes", str(budget), "--cache-dir", c,
+                                "--json"]),  # fmt: skip
+    }
+    out["rm"] = run([*KVTOOL, "rm", ns[:12], "--yes", "--cache-dir", c, "--json"])  # last: it removes the namespace
+    for r in out.values():  # what each found: a clean cache must stay clean
+        try:
+            doc = json.loads(r.pop("stdout_all"))
+        except ValueError:
+            continue
+        r["found"] = {k: doc[k] for k in ("problems", "clean", "totals") if k in doc}
+    return out
+
+
+def syscalls(cache: Path) -> dict:
+    """openat / preadv / pread64 counts of one `validate` (strace -c; Python's imports included),
+    where strace exists."""
+    if shutil.which("strace") is None:
+        return {}
+    res = subprocess.run(["strace", "-f", "-c", "-e", "trace=openat,preadv,preadv2,pread64", "-o", "/dev/stdout", *KVTOOL,
+                          "validate", "--cache-dir", str(cache), "--json"], capture_output=True, text=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    counts = {}
+    for line in res.stdout.splitlines():
+        parts = line.split()
+        if parts and parts[-1] in ("openat", "preadv", "preadv2", "pread64") and len(parts) >= 4:
+            counts[parts[-1]] = int(parts[3]) if parts[3].isdigit() else int(parts[2])
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="100000,1000000", help="block counts, comma-separated")
+    ap.add_argument("--root", type=Path, default=None, help="where the caches are built (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None, help="report directory")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    out = args.out or REPO / "results" / "summaries" / f"{dt.date.today():%Y%m%d}-million-blocks"
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="kvtool-million-", dir=args.root))
+    doc: dict = {"sizes": sizes, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                 "load_before": os.getloadavg()}, "commit": _commit(), "runs": []}  # fmt: skip
+    try:
+        for n in sizes:
+            cache = root / f"cache-{n}"
+            built = build(cache, n)
+            print(f"{n:,} blocks: built in {built['build_s']} s ({built['segments']:,} segments)", flush=True)
+            ns = built["namespace"]
+            run_doc = {"blocks": n, "built": built, "floor": floor(cache, ns), "syscalls": syscalls(cache) if n == sizes[0] else {}}
+            run_doc["commands"] = commands(cache, ns, built["segment_bytes"] // 2)
+            run_doc["load_after"] = os.getloadavg()
+            doc["runs"].append(run_doc)
+            for name, r in {**run_doc["floor"], **run_doc["commands"]}.items():
+                print(f"  {name:18s} {r['s']:8.2f} s  {r['peak_rss_mb']:7.1f} MB  rc={r['rc']}", flush=True)
+            shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    doc["verdict"] = verdict(doc)
+    (out / "million_blocks.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "report.md").write_text(report(doc))
+    print((out / "report.md").read_text())
+    return 0
+
+
+def verdict(doc: dict) -> dict:
+    runs = {r["blocks"]: r for r in doc["runs"]}
+    big = runs[max(runs)]
+    v: dict = {}
+    for name, limit in TARGETS.items():
+        v[name] = {"s": big["commands"][name]["s"], "target_s": limit, "met": big["commands"][name]["s"] <= limit}
+    deep, read = big["commands"]["validate --deep"]["s"], big["floor"]["sequential read"]["s"]
+    v["validate --deep"] = {"s": deep, "ratio_to_read": round(deep / read, 2), "target_ratio": DEEP_VS_READ,
+                            "met": deep <= DEEP_VS_READ * read}  # fmt: skip
+    rss = {k: c["peak_rss_mb"] for k, c in big["commands"].items()}
+    v["peak_rss_mb"] = {"max": max(rss.values()), "target": RSS_MB, "met": max(rss.values()) <= RSS_MB, "by_command": rss}
+    if len(runs) >= 2:
+        lo, hi = min(runs), max(runs)
+        exps = {k: round(math.log(runs[hi]["commands"][k]["s"] / max(runs[lo]["commands"][k]["s"], 1e-3)) / math.log(hi / lo), 3)
+                for k in runs[hi]["commands"]}  # fmt: skip
+        v["exponent"] = {"by_command": exps, "target": EXPONENT, "met": max(exps.values()) <= EXPONENT}
+    return v
+
+
+def report(doc: dict) -> str:
+    lines = ["# Operator commands at a million blocks", "",
+             f"`.venv/bin/python bench_configs/million_blocks.py --sizes {','.join(map(str, doc['sizes']))}` "
+             f"(commit {doc['commit']}, {doc['machine']['cpus']} CPUs, load {doc['machine']['load_before'][0]:.1f} before). "
+             "Fresh process per command, warm page cache, peak RSS of the process (`wait4`).", ""]  # fmt: skip
+    names = list(doc["runs"][0]["floor"]) + list(doc["runs"][0]["commands"])
+    head = "| command | " + " | ".join(f"{r['blocks']:,} blocks: s / MB" for r in doc["runs"]) + " |"
+    lines += [head, "|---|" + "---:|" * len(doc["runs"])]
+    for name in names:
+        cells = []
+        for r in doc["runs"]:
+            m = r["floor"].get(name) or r["commands"][name]
+            cells.append(f"{m['s']:.2f} / {m['peak_rss_mb']:.0f}" + ("" if m["rc"] == 0 else f" (rc {m['rc']})"))
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    v = doc["verdict"]
+    lines += ["", "Targets at the largest size:", ""]
+    for name in TARGETS:
+        lines.append(f"- `{name}` {v[name]['s']:.2f} s, target <= {v[name]['target_s']:.0f} s: {'met' if v[name]['met'] else 'NOT met'}")
+    d = v["validate --deep"]
+    lines.append(f"- `validate --deep` {d['s']:.2f} s = {d['ratio_to_read']}x one sequential read, target <= {DEEP_VS_READ}x: "
+                 f"{'met' if d['met'] else 'NOT met'}")  # fmt: skip
+    r = v["peak_rss_mb"]
+    lines.append(f"- peak RSS {r['max']:.0f} MB (worst command), target <= {RSS_MB:.0f} MB: {'met' if r['met'] else 'NOT met'}")
+    if "exponent" in v:
+        e = v["exponent"]
+        worst = max(e["by_command"], key=e["by_command"].get)
+        lines.append(f"- growth exponent {min(doc['sizes']):,} -> {max(doc['sizes']):,}: worst {e['by_command'][worst]} "
+                     f"(`{worst}`), target <= {EXPONENT}: {'met' if e['met'] else 'NOT met'}; all: "
+                     + ", ".join(f"`{k}` {x}" for k, x in e["by_command"].items()))  # fmt: skip
+    for r_ in doc["runs"]:
+        if r_.get("syscalls"):
+            lines.append(f"- `validate` system calls at {r_['blocks']:,} blocks (strace -c): {r_['syscalls']}")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    if os.environ.get("KVTOOL_BENCH_COMMIT"):  # run from an exported tree (no .git)
+        return os.environ["KVTOOL_BENCH_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

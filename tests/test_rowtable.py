@@ -1,0 +1,87 @@
+"""kvtool.store.rowtable: every row of an index read in one pass as columns. A row is loaded
+exactly when `IndexRow.from_db` accepts it (hostile values of every kind), with its values
+intact; the others are reported by rowid."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sqlite3
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtool.store.index import SCHEMA, IndexRow
+from kvtool.store.rowtable import INT32_MAX, load_rows
+
+HEX = "0123456789abcdef"
+name_ok = st.text(HEX, min_size=32, max_size=32)
+name_any = st.one_of(
+    name_ok, name_ok, name_ok,
+    st.none(), st.text(HEX, min_size=31, max_size=31), st.text(HEX, min_size=33, max_size=33),
+    name_ok.map(str.upper), st.text(min_size=32, max_size=32), st.binary(min_size=16, max_size=16),
+    st.integers(0, 10**12), st.just("0" * 16 + " " * 16),
+)  # fmt: skip
+int_any = st.one_of(st.integers(-5, 1 << 20), st.integers(-(1 << 63), (1 << 63) - 1), st.none(), st.just("3"), st.floats(0, 9),
+                    st.binary(max_size=2))  # fmt: skip
+time_any = st.one_of(st.floats(0, 2e9), st.integers(0, 1 << 40), st.floats(allow_nan=False), st.none(), st.just("1.5"),
+                     st.just(float("inf")), st.just(-1.0))  # fmt: skip
+row = st.tuples(name_any, name_any, name_any, int_any, int_any, int_any, name_any, time_any, time_any)
+
+
+def _db(rows) -> sqlite3.Connection:
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    # a tampered index may hold anything: no NOT NULL left (hashes stay unique, as the primary key makes them)
+    conn.executescript("".join(stmt.replace("NOT NULL", "") + ";" for stmt in SCHEMA.split(";") if stmt.strip()))
+    conn.executemany("INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", rows)
+    return conn
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(row, max_size=30, unique_by=lambda r: r[0]))
+def test_a_row_is_loaded_exactly_when_from_db_accepts_it(rows):
+    conn = _db(rows)
+    stored = conn.execute("SELECT rowid, * FROM blocks").fetchall()  # as SQLite keeps them (type affinity)
+    want = {rid: IndexRow.from_db(vals) for rid, *vals in stored}
+    table = load_rows(conn)
+    assert sorted(table.bad_rowids) == sorted(rid for rid, r in want.items() if r is None)
+    clamp = lambda v: min(v, INT32_MAX)  # noqa: E731  (the table keeps int32: larger values as INT32_MAX)
+    good = sorted((dataclasses.replace(r, slot=clamp(r.slot), num_tokens=clamp(r.num_tokens), nbytes=clamp(r.nbytes))
+                   for r in want.values() if r is not None), key=lambda r: r.hash)  # fmt: skip
+    got = list(table)
+    assert [r.hash for r in got] == [r.hash for r in good]  # by hash
+    for a, b in zip(got, good):
+        assert a == b and math.isclose(a.last_access, b.last_access, rel_tol=0, abs_tol=0)
+
+
+def test_many_rows_and_chunks(monkeypatch):
+    from kvtool.store import rowtable
+
+    monkeypatch.setattr(rowtable, "CHUNK_ROWS", 7)
+    rng = np.random.default_rng(0)
+    rows = [(f"{rng.integers(1 << 62):032x}", f"{i:032x}", f"{i % 5:032x}", i % 16, 16, 1088, "d" * 32, 1.0 * i, 2.0 * i)
+            for i in range(100)]  # fmt: skip
+    rows[13] = rows[13][:3] + (-1,) + rows[13][4:]  # one bad row in one chunk
+    table = load_rows(_db(rows))
+    assert len(table) == 99 and table.bad_rowids == [14]
+    assert table.segments == [f"{i:032x}" for i in range(5)]
+    assert sorted(table.hashes()) == sorted(r[0] for i, r in enumerate(rows) if i != 13)
+    for r in table:
+        assert r.segment == f"{int(r.parent, 16) % 5:032x}" and r.slot == int(r.parent, 16) % 16
+
+
+def test_key_index_finds_keys_whose_high_halves_collide():
+    from kvtool.store.chains import KeyIndex, hex_of_keys, keys_from_hex
+
+    pairs = [(1, 5), (2, 5), (2, 9), (2, 7), (7, 5), (0, 0), ((1 << 64) - 1, (1 << 64) - 1)]  # three share their high half
+    hashes = [f"{hi:016x}{lo:016x}" for hi, lo in pairs]
+    keys = keys_from_hex(hashes)
+    assert hex_of_keys(keys) == hashes
+    queries = keys_from_hex([*hashes[::-1], f"{2:016x}{6:016x}", f"{3:016x}{5:016x}"])
+    for index in (KeyIndex(keys), KeyIndex(keys[np.lexsort((keys[:, 1], keys[:, 0]))], is_sorted=True)):
+        found = index.find(queries)
+        assert found[-2:].tolist() == [-1, -1]  # absent: a shared high half, and no high half at all
+        got = [hex_of_keys((keys if index.order is not None else keys[np.lexsort((keys[:, 1], keys[:, 0]))])[[i]])[0]
+               for i in found[:-2].tolist()]  # fmt: skip
+        assert got == hashes[::-1]
