@@ -193,11 +193,17 @@ class ConfinedDir:
         return self._unlink_regular(relpath)
 
 
-def remove_namespace_tree(cache_dir: Path, namespace: str) -> int:
+def remove_namespace_tree(cache_dir: Path, namespace: str, size: int | None = None) -> int:
     """Remove a whole namespace directory without following any symlink inside it.
 
+    Args:
+        cache_dir: the cache root.
+        namespace: the namespace directory name.
+        size: its bytes if already counted (`tree_bytes`, when the removal was planned); None:
+            counted here, before the removal.
+
     Returns:
-        Bytes of the regular files removed.
+        Bytes of the regular files removed (as counted).
 
     Raises:
         ValueError: not a namespace name. OSError: the namespace is a symlink or the removal failed
@@ -209,7 +215,7 @@ def remove_namespace_tree(cache_dir: Path, namespace: str) -> int:
     try:
         if not stat.S_ISDIR(os.stat(namespace, dir_fd=root, follow_symlinks=False).st_mode):
             raise OSError(errno.ENOTDIR, "not a real directory (symlink?): never followed", namespace)
-        size = tree_bytes(cache_dir, namespace)
+        size = tree_bytes(cache_dir, namespace) if size is None else size
         shutil.rmtree(namespace, dir_fd=root)  # fd-based: never follows a symlink inside
         return size
     finally:

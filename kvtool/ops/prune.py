@@ -286,7 +286,7 @@ def execute_prune(plan: PrunePlan) -> PrunePlan:
     for p in plan.namespaces:
         try:
             if p.remove_namespace:
-                p.bytes_freed = remove_namespace_tree(root, p.namespace)
+                p.bytes_freed = remove_namespace_tree(root, p.namespace, p.bytes or None)  # counted when planned
                 p.files_deleted = 1
             elif p.prune_blocks or p.prune_segments:
                 with ConfinedDir(root, p.namespace) as cdir:

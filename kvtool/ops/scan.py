@@ -263,7 +263,9 @@ def scan_cache(
         now: the scan time (unix seconds; injectable for tests).
         fs: file-system operations (listing; fault injection in tests).
         rows: read every row (`NamespaceScan.table`); False: only count them (malformed rows
-            included; no `bad_rows`, `missing`, `orphans` or `future_rows` then).
+            included) and list the segment files by name (sizes 0, `irregular` not told apart):
+            no `bad_rows`, `segment_rows`, `missing`, `orphans` or `future_rows` then (what `kvtool
+            rm NAMESPACE` needs: it removes the whole directory).
         full: keep every column of the rows; False: not their token digests and creation times
             (`inspect`, `prune` and `rm --prompt` plan without them: less memory).
 
@@ -394,7 +396,8 @@ class _Scanner:
                 else:  # counted, not checked: malformed rows included
                     (f["row_count"],) = conn.execute("SELECT COUNT(*) FROM blocks").fetchone()
                 segs, bad = [], []
-                for rowid, *vals in conn.execute("SELECT rowid, name, nbytes, n_blocks, created FROM segments ORDER BY name"):
+                query = "SELECT rowid, name, nbytes, n_blocks, created FROM segments ORDER BY name" if self.rows else ""
+                for rowid, *vals in conn.execute(query) if query else ():
                     seg = SegmentRow.from_db(vals)
                     segs.append(seg) if seg else bad.append(rowid)
                 f.update(segment_rows=tuple(segs), bad_segment_rows=tuple(bad))
@@ -404,11 +407,14 @@ class _Scanner:
     def _list_files(self) -> bool:
         """List segment files, temps, symlinks, other entries (no symlink followed)."""
         try:
-            listing = scan_namespace(self.path, self.fs, with_stat=True)
+            listing = scan_namespace(self.path, self.fs, with_stat=self.rows)
         except OSError:
             return False
         files, irregular = {}, []
         for name, rel in sorted(listing.files.items()):
+            if not self.rows:  # only counted: names, no stat (sizes 0)
+                files[name] = SegmentFile(name, rel, 0, 0.0)
+                continue
             st = listing.stats.get(rel)
             if st is None:
                 continue
@@ -419,7 +425,7 @@ class _Scanner:
         temps = []
         for p in listing.temps:
             rel = str(p.relative_to(self.path))
-            st = listing.stats.get(rel)
+            st = listing.stats.get(rel) if self.rows else os.lstat(p) if os.path.lexists(p) else None
             if st is None:
                 continue
             if not stat.S_ISREG(st.st_mode):
