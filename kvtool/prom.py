@@ -118,8 +118,15 @@ STATS_METRICS: tuple[Spec, ...] = (
     _c("write_retries", "Write attempts retried by the SSD writer.", key="writer_retry_attempts"),
     _c("backpressure_waits", "Times a request waited for room in the SSD writer queue.",
        key="writer_backpressure_waits"),
-    _c("evictions", "Blocks evicted from this tier.", T, ram="kv_ram_evictions"),
-    _c("evicted_bytes", "Bytes of the blocks evicted from this tier (bytes).", T, ram="kv_ram_evicted_bytes"),
+    _c("evictions", "Blocks evicted from this tier (ssd: by the byte budget, ssd_max_bytes).", T,
+       ram="kv_ram_evictions", ssd="ssd_budget_evicted_blocks"),
+    _c("evicted_bytes", "Bytes of the blocks evicted from this tier (ssd: segment files) (bytes).", T,
+       ram="kv_ram_evicted_bytes", ssd="ssd_budget_evicted_bytes"),
+    _c("evicted_segments", "SSD segment files evicted by the byte budget (ssd_max_bytes).",
+       key="ssd_budget_evictions"),
+    _c("ssd_budget_refused_blocks", "Blocks of SSD segment writes refused because they did not fit under the byte "
+       "budget even after evicting every unprotected segment (each attempt; a refused write that runs out of "
+       "retries is also a failed dropped write).", key="ssd_budget_refused"),
     _c("evict_to_ssd", "RAM evictions written to SSD first (policy evict_only).", key="kv_evict_to_ssd"),
     _c("corrupt_records", "Records that failed verification (checksum, token ids, layout): a miss, removed.", T,
        ssd="ssd_load_corrupt", remote="remote_corrupt"),

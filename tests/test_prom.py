@@ -13,9 +13,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
@@ -56,6 +58,7 @@ STATS = {
     "remote_lookups": 4, "remote_hit_blocks": 3, "remote_bytes_read": 3000, "remote_bytes_written": 7000,
     "remote_corrupt": 1, "remote_dropped_writes": 2, "remote_writer_queue_bytes": 100, "remote_breaker_open": 0,
     "remote_something_new": 11,
+    "ssd_budget_evictions": 2, "ssd_budget_evicted_bytes": 81920, "ssd_budget_evicted_blocks": 8, "ssd_budget_refused": 3,
 }  # fmt: skip
 RECORDS = [
     {"prompt_tokens": 100, "cached_tokens": 64, "ram_hit_tokens": 0, "ssd_hit_tokens": 64, "prefill_tokens": 36,
@@ -77,7 +80,10 @@ def test_collector_maps_every_counter_once():
     assert tiers(parsed, "kvtool_writer_queue_bytes") == {"ssd": 512, "remote": 100}
     assert value(parsed, "kvtool_dropped_writes_total", tier="ssd", reason="shed") == 2
     assert value(parsed, "kvtool_dropped_writes_total", tier="remote", reason="dropped") == 2
-    assert value(parsed, "kvtool_evictions_total", tier="ram") == 3
+    assert tiers(parsed, "kvtool_evictions_total") == {"ram": 3, "ssd": 8}  # ssd: the byte budget's, in blocks
+    assert tiers(parsed, "kvtool_evicted_bytes_total") == {"ram": 3000, "ssd": 81920}
+    assert value(parsed, "kvtool_evicted_segments_total") == 2
+    assert value(parsed, "kvtool_ssd_budget_refused_blocks_total") == 3
     assert tiers(parsed, "kvtool_corrupt_records_total") == {"ssd": 1, "remote": 1}
     assert value(parsed, "kvtool_hash_collisions_total", tier="ssd", op="load") == 1
     assert value(parsed, "kvtool_ram_bytes") == 4096
@@ -134,6 +140,32 @@ def test_serve_once_metrics_file(tmp_path):
     assert tiers(second, "kvtool_read_bytes_total")["ssd"] == st2["ssd_bytes_read"] > 0
     assert value(second, "kvtool_restore_seconds_count", tier="ssd") == 1
     assert value(second, "kvtool_prompt_tokens_total") == req["prompt_tokens"]
+
+
+@pytest.mark.slow
+def test_serve_once_metrics_file_counts_the_ssd_budget_evictions(tmp_path):
+    """A `serve-once` with a small `--ssd-max-bytes` on a cache a first run (no budget) filled past
+    it: the byte budget's evictions in its metrics file are the `ssd_budget_*` counters of its
+    stats, and > 0."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau".split()
+    rng = np.random.default_rng(3)
+    runs = []
+    for name, n, budget in (("fill", 16, []), ("budget", 4, ["--ssd-max-bytes", str(1 << 20)])):
+        requests = tmp_path / f"{name}.jsonl"  # ~170 tokens each: 2 blocks and a tail, ~150 KiB a segment (tiny's KV)
+        requests.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words, 120).tolist())}) + "\n" for _ in range(n)))
+        out = tmp_path / f"{name}.prom"
+        res = kvtool("serve-once", "--json", "--requests", str(requests), "--max-tokens", "1", "--cache-dir",
+                     str(tmp_path / "kv"), "--ram-bytes", "0", "--sync", *budget, "--metrics-file", str(out))  # fmt: skip
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs.append((json.loads(res.stdout)["stats"], samples(out.read_text())))
+        if name == "fill":
+            time.sleep(3.5)  # past the budget's protection of recently used segments (3 s)
+    (st0, _), (st, parsed) = runs
+    assert st0["ssd_bytes_written"] > 2 << 20
+    assert tiers(parsed, "kvtool_evictions_total")["ssd"] == st["ssd_budget_evicted_blocks"] > 0
+    assert tiers(parsed, "kvtool_evicted_bytes_total")["ssd"] == st["ssd_budget_evicted_bytes"] > 0
+    assert value(parsed, "kvtool_evicted_segments_total") == st["ssd_budget_evictions"] > 0
+    assert value(parsed, "kvtool_ssd_budget_refused_blocks_total") == st["ssd_budget_refused"]
 
 
 @pytest.mark.slow
