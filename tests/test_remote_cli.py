@@ -1,8 +1,9 @@
-"""`kvtool remote inspect|validate|rm|prune` and `kvtool.ops.remote_ops` against real
-redis-server processes: JSON and human output, repairs, removal, budgets and idle times, one
-`error:` line for bad URLs, unreachable hosts, wrong passwords and TLS failures (the password
-never printed), the config's remote fields; and writers in 4 processes beside prune / validate
-loops (no error, every readable value verifies)."""
+"""`kvtool remote inspect|validate|rm|prune`, `kvtool inspect|validate|prune|rm --remote` and
+`kvtool.ops.remote_ops` against real redis-server processes: JSON and human output, repairs,
+removal, budgets and idle times, one `error:` line for bad URLs, unreachable hosts, wrong
+passwords and TLS failures (the password never printed), and for serving one warning and no tier
+(the answer exact); the config's remote fields; and writers in 4 processes beside prune /
+validate loops (no error, every readable value verifies)."""
 
 from __future__ import annotations
 
@@ -190,11 +191,122 @@ def test_bad_urls_unreachable_hosts_wrong_passwords_tls_are_one_error_line(redis
     _one_error_line(_kvtool("remote", "inspect", "--url", f"rediss://:{AUTH_PASSWORD}@127.0.0.1:{redis_node.port}?ssl_cert_reqs=none",
                             "--timeout", "1s"), "TLS")  # fmt: skip
     _one_error_line(_kvtool("remote", "inspect", "--url", redis_node.url, "--cluster"), "cluster")
+    # the same through the ordinary commands' --remote / --remote-url
+    _one_error_line(_kvtool("inspect", "--remote-url", f"http://:{AUTH_PASSWORD}@host"), "scheme", "***")
+    _one_error_line(_kvtool("inspect", "--remote"), "no remote server", "--remote-url")
+    _one_error_line(_kvtool("validate", "--remote-url", f"redis://127.0.0.1:{free_port()}"), "cannot connect")
+    _one_error_line(_kvtool("prune", "--remote", "--max-bytes", "1GB", "--yes",
+                            env={"KVTOOL_REMOTE_URL": f"redis://127.0.0.1:{redis_auth.port}",
+                                 "KVTOOL_REMOTE_PASSWORD": AUTH_PASSWORD + "x"}), "authentication")  # fmt: skip
+    _one_error_line(_kvtool("rm", "0123abcd", "--remote-url", wrong, "--yes"), "authentication")
+    _one_error_line(_kvtool("inspect", "--remote-url", f"rediss://:{AUTH_PASSWORD}@127.0.0.1:{redis_node.port}"
+                            "?ssl_cert_reqs=none"), "TLS", "***")  # fmt: skip
     ok = _kvtool("remote", "inspect", "--json", env={"KVTOOL_REMOTE_URL": f"redis://127.0.0.1:{redis_auth.port}",
                                                      "KVTOOL_REMOTE_PASSWORD": AUTH_PASSWORD})  # fmt: skip
     assert ok.exit_code == 0 and AUTH_PASSWORD not in ok.output
     shown = _json(_kvtool("remote", "inspect", "--url", redis_auth.url, "--json"))
     assert shown["url"] == f"redis://:***@127.0.0.1:{redis_auth.port}/0" and AUTH_PASSWORD not in json.dumps(shown)
+
+
+@pytest.mark.slow
+def test_serving_with_a_tls_url_on_a_plain_server_warns_once_and_answers_exactly(tiny_model, redis_node, tmp_path):
+    from tests.test_families import reference_tokens
+
+    url = f"rediss://:{AUTH_PASSWORD}@127.0.0.1:{redis_node.port}/0?ssl_cert_reqs=none"
+    text = "The remote tier is off when its server does not speak TLS."
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVTOOL_REMOTE")}
+    r = subprocess.run([sys.executable, "-m", "kvtool.cli.app", "serve-once", "--model", "tiny", "--json", "-n", "6",
+                        "--prompt", text, "--ignore-chat-template", "--cache-dir", str(tmp_path / "c"), "--remote-url", url],
+                       capture_output=True, text=True, env={**env, "COLUMNS": "200"}, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert AUTH_PASSWORD not in r.stdout + r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("WARNING") == 1 and "TLS" in r.stderr and "***" in r.stderr, r.stderr
+    doc = json.loads(r.stdout)
+    res = doc["requests"][0]
+    assert res["remote_hit_tokens"] == 0 and doc["stats"]["remote_bytes_written"] == 0
+    ids = tiny_model.tokenizer.encode(text)
+    assert res["token_ids"] == reference_tokens(tiny_model.model, tiny_model.tokenizer, ids, max_tokens=6)[:6]
+
+
+# ----------------------------------------------------------------------------- --remote on the ordinary commands
+@pytest.mark.slow
+def test_inspect_validate_prune_rm_take_remote(fresh_redis, tmp_path):
+    url = fresh_redis.url
+    a, b = make_chain(6, model_id="cli-flag-a", seed=11), _split_chain("cli-flag-b", seed=12)
+    _fill(url, a)
+    _fill(url, b, max_value_bytes=4096)
+    client = fresh_redis.client()
+    conf = tmp_path / "kvtool.toml"
+    conf.write_text(f'remote_url = "{url}"\n')
+
+    def namespaces(doc: dict) -> dict:
+        return {ns["namespace"]: (ns["blocks"], ns["split_values"], ns["parts"]) for ns in doc["namespaces"]}
+
+    sub = _json(_kvtool("remote", "inspect", "--url", url, "--json"))
+    for how in (("--remote-url", url), ("--remote", "--config", str(conf))):
+        assert namespaces(_json(_kvtool("inspect", *how, "--json"))) == namespaces(sub)
+    by_env = _json(_kvtool("inspect", "--remote", "--namespace", a.layout_key[:6], "--json", env={"KVTOOL_REMOTE_URL": url}))
+    assert namespaces(by_env) == {a.layout_key: (6, 0, 0)} and by_env["url"] == url
+    human = _kvtool("inspect", "--remote-url", url)
+    assert human.exit_code == 0 and a.layout_key in human.stdout and "key(s) scanned" in human.stdout
+    _one_error_line(_kvtool("inspect", "--remote-url", url, "--sort", "size"), "--sort", "--remote")
+    _one_error_line(_kvtool("validate", "--remote-url", url, "--deep"), "--deep")
+
+    k0 = rv.value_key(a.layout_key, a.hashes[0])
+    client.setrange(k0, client.strlen(k0) - 2, b"\x00\x01")  # a flipped record byte
+    dry = _kvtool("validate", "--remote-url", url, "--dry-run", "--json")
+    assert dry.exit_code == 1 and [p["key"] for p in _json(dry)["problems"]] == [k0] and client.exists(k0)
+    quiet = _kvtool("validate", "--remote", "--quiet", env={"KVTOOL_REMOTE_URL": url})
+    assert quiet.exit_code == 1 and quiet.stdout == "" and "1 failed" in quiet.stderr and not client.exists(k0)
+    clean = _kvtool("validate", "--remote-url", url, "--quiet")
+    assert clean.exit_code == 0 and clean.stdout == clean.stderr == ""
+
+    kept = _json(_kvtool("prune", "--remote-url", url, "--dry-run", "--json"))  # default TTL (7d): nothing idle that long
+    assert kept["values"] == 0 and kept["kept_values"] == 5 + 2
+    _one_error_line(_kvtool("prune", "--remote-url", url, "--ttl", "none", "--yes"), "--ttl, --max-bytes")
+    _one_error_line(_kvtool("prune", "--remote-url", url, "--max-bytes", "1MB", "--all", "--yes"), "--all")
+    _one_error_line(_kvtool("prune", "--remote-url", url, "--max-bytes", "1"), "--yes")
+    pruned = _json(_kvtool("prune", "--remote-url", url, "--ttl", "none", "--max-bytes", "1", "--namespace", b.layout_key,
+                           "--yes", "--json"))  # fmt: skip
+    assert pruned["values"] == 2 and pruned["removed_keys"] == pruned["keys"] >= 6
+    assert not list(client.scan_iter(match=f"*{b.layout_key}*"))
+
+    _one_error_line(_kvtool("rm", a.layout_key[:8], "--remote-url", url), "--yes")
+    _one_error_line(_kvtool("rm", a.layout_key[:4], "--remote-url", url, "--yes"), "too short")
+    dry_rm = _json(_kvtool("rm", a.layout_key[:8], "--remote", "--config", str(conf), "--dry-run", "--json"))
+    assert dry_rm["values"] == 5 and dry_rm["removed_keys"] == 0 and dry_rm["namespace"] == a.layout_key
+    done = _json(_kvtool("rm", a.layout_key[:8], "--remote-url", url, "--yes", "--json"))
+    assert done["removed_keys"] == 5 and not list(client.scan_iter(match="kvtool:*"))
+
+
+@pytest.mark.slow
+def test_rm_remote_removes_a_prompts_blocks(tiny_model, redis_node, tmp_path):
+    from kvtool.engine import Engine
+
+    text = open("kvtool/assets/demo_prompt.txt", encoding="utf-8").read()[:1500]
+    eng = Engine(tiny_model, KVToolConfig(ssd_cache_dir=tmp_path / "c", ssd_async_writes=False, remote_url=redis_node.url,
+                                          block_size=32))  # fmt: skip
+    try:
+        eng.generate(eng.encode(prompt=text), max_tokens=2)
+        other = eng.encode(prompt="An unrelated prompt about sailing boats. " * 8)
+        eng.generate(other, max_tokens=2)
+        eng.flush()
+        layout = eng.layout_key
+    finally:
+        eng.close()
+    client = redis_node.client()
+    before = len(list(client.scan_iter(match=f"kvtool:*:{layout}:*")))
+    assert before > 4
+    doc = _json(_kvtool("rm", "--remote-url", redis_node.url, "--model", "tiny", "--prompt", text, "--ignore-chat-template",
+                        "--block-size", "32", "--yes", "--json"))  # fmt: skip
+    full_blocks = len(tiny_model.tokenizer.encode(text)) // 32
+    assert doc["namespace"] == layout and full_blocks - 1 <= doc["values"] <= full_blocks + 1
+    assert doc["removed_keys"] == doc["keys"]
+    left = len(list(client.scan_iter(match=f"kvtool:*:{layout}:*")))
+    assert 0 < left == before - doc["keys"]  # the other prompt's blocks stay
+    again = _json(_kvtool("rm", "--remote-url", redis_node.url, "--model", "tiny", "--prompt", text, "--ignore-chat-template",
+                          "--block-size", "32", "--yes", "--json"))  # fmt: skip
+    assert again["values"] == 0 and again["removed_keys"] == 0
 
 
 def test_config_remote_fields(monkeypatch):

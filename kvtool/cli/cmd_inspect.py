@@ -15,12 +15,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
+from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, inspect_remote, refuse_options
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
 HELP = """List the SSD cache, one row per namespace: key prefix, model name and class (from the namespace's index), status, size, blocks, segment files, and when it was last used. Problems (unreadable or foreign namespaces, index and files that disagree, symlinks) are listed under the table. With --namespace, the namespace's details follow: KV layout, block size, chains, oldest and newest access, an age histogram, format version, last shutdown, index health. Read-only.
 
 --sort size|blocks|last-used list the largest / most recently used first; --sort name (the default) sorts by model name. --filter keeps namespaces whose model name or key contains the text; --limit keeps the first N. The JSON shows the same selection.
+
+With --remote (or --remote-url URL), list the remote tier's server instead (Redis / Valkey, as `kvtool remote inspect`): per namespace its blocks, split values and memory; per server its version, memory, maxmemory policy, evicted and expired keys. --namespace keeps one namespace; --json prints one document.
 
 With --prompt / --prompt-file / --messages, tell instead how many leading tokens of that prompt are on SSD (would it hit?), by hashing only: the model is loaded for its tokenizer and identity, the cache is opened read-only, no block is read and the prompt is not run.
 
@@ -36,7 +39,9 @@ Examples:
 
   kvtool inspect --model tiny --prompt-file doc.txt --json
 
-Exit codes: 0 ok; 1 a namespace shown is unreadable or foreign, or its index and files disagree; 2 bad input (cache dir, namespace, model, prompt).
+  kvtool inspect --remote-url redis://cache-host:6379/0
+
+Exit codes: 0 ok; 1 a namespace shown is unreadable or foreign, or its index and files disagree; 2 bad input (cache dir, namespace, model, prompt), or with --remote: bad URL, unreachable server, wrong password, TLS failure, unknown namespace.
 """
 
 SORT_METAVAR = "[size|last-used|name|blocks]"  # kvtool.ops.inspect_cache.InspectSort (imported lazily: startup time)
@@ -92,10 +97,19 @@ def inspect_cmd(
     prefill_step_size: common.OptionalPrefillStepOpt = None,
     block_size: common.BlockSizeOpt = None,
     config: common.ConfigOpt = None,
+    remote: RemoteOpt = False,
+    remote_url: RemoteUrlOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.inspect_cache import InspectSort, inspect_cache
+
+        if remote or remote_url is not None:
+            refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
+                            "--model": model, "--prompt": prompt, "--prompt-file": prompt_file, "--messages": messages,
+                            "--adapter-path": adapter_path, "--kv-bits": kv_bits, "--block-size": block_size,
+                            "--prefill-step-size": prefill_step_size}, "with --remote")  # fmt: skip
+            raise typer.Exit(inspect_remote(out, Server(remote_url, config, flag="--remote-url"), namespace))
 
         cfg = common.build_config(config, cache_dir, block_size=block_size)
         model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits, "prefill_step_size": prefill_step_size}

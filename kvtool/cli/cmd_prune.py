@@ -9,6 +9,7 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
+from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, prune_remote, refuse_options
 from kvtool.cli.output import Output
 from kvtool.cli.progress import progress
 from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
@@ -31,9 +32,13 @@ Examples:
 
   17 3 * * *  kvtool prune --ttl 7d --max-bytes 50GB --yes --quiet   # crontab line
 
+  kvtool prune --remote --ttl 14d --max-bytes 20GB --yes              # the remote tier's server
+
+With --remote (or --remote-url URL), prune the remote tier's server instead (as `kvtool remote prune`): values unused for --ttl (OBJECT IDLETIME; default: the config's ssd_ttl), then the least recently used values of each namespace until it fits --max-bytes (server memory, MEMORY USAGE); parts no manifest names always go.
+
 Durations carry their unit: 7d, 12h, 30m, 45s, or combined: 1d12h. A bare number (--ttl 7) is refused: it would be ambiguous.
 
-Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir), or no terminal and no --yes; 3 another prune, rm or validate is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
+Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir; with --remote: bad URL, unreachable server, wrong password, TLS failure), or no terminal and no --yes; 3 another prune, rm or validate is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
 """
 
 TtlOpt = Annotated[
@@ -58,6 +63,8 @@ def prune_cmd(
     quiet: QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
     config: common.ConfigOpt = None,
+    remote: RemoteOpt = False,
+    remote_url: RemoteUrlOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
@@ -65,6 +72,9 @@ def prune_cmd(
         from kvtool.ops.scan import scan_cache
 
         ttl_s, budget = _parse_limits(ttl, max_bytes)
+        if remote or remote_url is not None:
+            raise typer.Exit(_prune_remote(out, remote_url, config, cache_dir, ttl, ttl_s, budget, namespace,
+                                           all_namespaces, dry_run, yes))  # fmt: skip
         cfg = common.build_config(config, cache_dir)
         if ttl is None:
             ttl_s = cfg.ttl_s
@@ -78,6 +88,19 @@ def prune_cmd(
             plan.dry_run = dry_run
             code = _confirm_and_execute(plan, yes, out, _reporting(execute_prune, bar, task))
     raise typer.Exit(code)
+
+
+def _prune_remote(out: Output, url: str | None, config, cache_dir, ttl: str | None, ttl_s: float | None,
+                  budget: int | None, namespace: str | None, all_namespaces: bool, dry_run: bool, yes: bool) -> int:  # fmt: skip
+    """`prune --remote`: --ttl is the idle time (default: the config's ssd_ttl), --max-bytes the
+    budget of each namespace on the server."""
+    refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
+    if ttl is None:
+        ttl_s = common.build_config(config).ttl_s
+    if ttl_s is None and budget is None:
+        raise common.CLIError("give --ttl, --max-bytes or both (--ttl none and no --max-bytes prunes nothing)")
+    return prune_remote(out, Server(url, config, flag="--remote-url"), idle_s=ttl_s, max_bytes=budget,
+                        namespace=namespace, dry_run=dry_run, yes=yes)  # fmt: skip
 
 
 def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None, int | None]:

@@ -1,13 +1,20 @@
-"""`kvtool remote inspect|validate|rm|prune`: the remote tier's store (Redis / Valkey) for operators.
+"""`kvtool remote inspect|validate|rm|prune|push`: the remote tier's store (Redis / Valkey) for operators.
 
 Every sub-command takes the server from `--url`, else the config's `remote_url` (`--config`),
 else `$KVTOOL_REMOTE_URL`; the password from the URL or `$KVTOOL_REMOTE_PASSWORD`. The URL is
 shown with its password masked, everywhere. Bad URLs, unreachable hosts, wrong passwords and TLS
 failures end the command with one `error:` line (exit 2). The work is `kvtool.ops.remote_ops`.
+
+The same operations back `kvtool inspect|validate|prune|rm --remote` (`Server`, `inspect_remote`,
+`validate_remote`, `rm_remote`, `prune_remote`): one connection, confirmation and output path for both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -19,11 +26,15 @@ from kvtool.cli import common
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
+DEFAULT_TIMEOUT = "5s"  # operator commands: a SCAN of a large server needs more than the serving deadline
+DEFAULT_MAX_KEYS = 10_000_000
+
 remote_app = typer.Typer(
     name="remote",
     help=(
         "The remote tier's store: kvtool blocks shared between hosts on Redis (>= 6.2) or Valkey, one node or a "
-        "Redis Cluster. SCAN only (never KEYS); safe beside live servers and kvtool processes.\n\n"
+        "Redis Cluster. SCAN only (never KEYS); safe beside live servers and kvtool processes. "
+        "`kvtool inspect|validate|prune|rm --remote` run the same operations.\n\n"
         "The server: --url, else remote_url in --config, else $KVTOOL_REMOTE_URL. Put the password in "
         "$KVTOOL_REMOTE_PASSWORD rather than in --url (a command line is visible to other users).\n\n"
         "Example:\n\n"
@@ -48,42 +59,180 @@ NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Only this
                                                   show_default=False)]  # fmt: skip
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 
+# The options `kvtool inspect|validate|prune|rm` take to act on the remote tier instead of the SSD tier.
+REMOTE_PANEL = "Remote tier"
+RemoteOpt = Annotated[bool, typer.Option(
+    "--remote", help="Act on the remote tier's server (Redis / Valkey) instead of the SSD cache: --remote-url, else "
+    "remote_url of the config, else $KVTOOL_REMOTE_URL (password: in the URL or $KVTOOL_REMOTE_PASSWORD).",
+    rich_help_panel=REMOTE_PANEL)]  # fmt: skip
+RemoteUrlOpt = Annotated[str | None, typer.Option(
+    "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
+    "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
 
-def _connect(url: str | None, cluster: bool, timeout: str, config: Any) -> Any:
-    """Resolve the URL (flag, config, environment), check the timeout, connect and PING.
 
-    Raises:
-        CLIError: no URL anywhere, a bad --timeout. RemoteURLError / RemoteConnectError: see
-            `kvtool.ops.remote_ops.connect`.
+@dataclass(frozen=True)
+class Server:
+    """Where a remote command connects: its flags, resolved when it connects.
+
+    Attributes:
+        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`).
+        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
+        cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
+        timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
+        flag: the URL flag's name, for messages (`--url`, `--remote-url`).
     """
-    from kvtool.config import ConfigError
-    from kvtool.ops.remote_ops import connect
-    from kvtool.settings import resolve_settings
 
-    if config is not None and not config.is_file():
-        raise common.CLIError(f"config file not found: {config}")
-    cfg = resolve_settings({"remote_url": url}, config, {"remote_url": "--url"}).config  # flag > env > file
-    try:
-        timeout_s = cfg.replace(remote_timeout=timeout).remote_timeout_s
-    except ConfigError as exc:
-        raise common.CLIError(f"--timeout: {exc.reason}") from None
-    if cfg.remote_url is None:
-        raise common.CLIError("no remote server: give --url, set remote_url in --config, or set $KVTOOL_REMOTE_URL")
-    return connect(cfg.remote_url, cluster=True if (cluster or cfg.remote_cluster) else None, timeout_s=timeout_s)
+    url: str | None = None
+    config: Path | None = None
+    cluster: bool = False
+    timeout: str = DEFAULT_TIMEOUT
+    flag: str = "--url"
+
+    def resolve(self) -> tuple[str, bool | None, float]:
+        """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
+        config file (`kvtool.settings`); `cluster` True or None (the URL decides).
+
+        Raises:
+            CLIError: no URL anywhere, a bad timeout, a `--config` that does not exist.
+            ConfigError: a bad `remote_url` in a layer (its password masked).
+        """
+        from kvtool.config import ConfigError
+        from kvtool.settings import resolve_settings
+
+        if self.config is not None and not self.config.is_file():
+            raise common.CLIError(f"config file not found: {self.config}")
+        cfg = resolve_settings({"remote_url": self.url}, self.config, {"remote_url": self.flag}).config
+        try:
+            timeout_s = cfg.replace(remote_timeout=self.timeout).remote_timeout_s
+        except ConfigError as exc:
+            raise common.CLIError(f"--timeout: {exc.reason}") from None
+        if cfg.remote_url is None:
+            raise common.CLIError(f"no remote server: give {self.flag}, set remote_url in the config file, "
+                                  "or set $KVTOOL_REMOTE_URL")  # fmt: skip
+        return cfg.remote_url, True if (self.cluster or cfg.remote_cluster) else None, timeout_s
+
+    @contextmanager
+    def connect(self) -> Iterator[Any]:
+        """A checked `kvtool.ops.remote_ops.Connection` (PING answered), closed on exit.
+
+        Raises:
+            CLIError, ConfigError: see `resolve`. RemoteURLError, RemoteConnectError: a malformed
+                URL; unreachable, wrong password, TLS failure, not a cluster (one line each).
+        """
+        from kvtool.ops.remote_ops import connect
+
+        url, cluster, timeout_s = self.resolve()
+        conn = connect(url, cluster=cluster, timeout_s=timeout_s)
+        try:
+            yield conn
+        finally:
+            conn.close()
 
 
-def _confirm(out: Output, question: str, yes: bool, dry_run: bool) -> bool:
-    """True to go on: --yes or --dry-run, else the answer on a terminal."""
-    if yes or dry_run:
-        return True
-    return out.confirm(question)
-
-
-def _refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
+def refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
+    """Raises CLIError unless --yes, --dry-run or a terminal to ask on."""
     from kvtool.cli.removal import interactive
 
     if not (yes or dry_run or interactive()):
         raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; add --yes or use --dry-run")
+
+
+def refuse_options(given: dict[str, Any], why: str) -> None:
+    """Raises CLIError naming the first option of `given` (flag -> value) that is set (not None,
+    not False): it does not apply `why` (`with --remote`)."""
+    for flag, value in given.items():
+        if value is not None and value is not False:
+            raise common.CLIError(f"{flag} does not apply {why}")
+
+
+def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:
+    """Plan (`plan_fn(True)`), show it and ask unless --yes / --dry-run, then remove (`plan_fn(False)`)
+    and report. Returns the exit code: 0, or 1 when declined at the prompt."""
+    plan = plan_fn(True)
+    if not dry_run and plan.keys:
+        if not yes:
+            _print_removal(plan, out.interaction.print if not out.json else out.note)
+            if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
+                return common.EXIT_PROBLEMS
+        plan = plan_fn(False)
+    out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
+    return common.EXIT_OK
+
+
+# ----------------------------------------------------------------------------- operations
+def inspect_remote(out: Output, server: Server, namespace: str | None = None, max_keys: int = DEFAULT_MAX_KEYS) -> int:
+    """`inspect` on the server, printed (or one JSON document). Returns the exit code (0).
+
+    Raises:
+        CLIError, ConfigError, RemoteURLError, RemoteConnectError, RemoteOpsError: one line each.
+    """
+    from kvtool.ops.remote_ops import inspect
+
+    with server.connect() as conn:
+        report = inspect(conn, namespace, max_keys)
+    out.emit(report.to_dict, lambda: _print_inspect(report, out))
+    return common.EXIT_OK
+
+
+def validate_remote(out: Output, server: Server, namespace: str | None = None, *, dry_run: bool = False,
+                    max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+    """`validate` on the server (delete what fails unless `dry_run`), printed. Returns the exit
+    code: 0 every value verified, 1 problems found. With `out.quiet`, only problems (stderr).
+
+    Raises:
+        CLIError, ConfigError, RemoteURLError, RemoteConnectError, RemoteOpsError: one line each.
+    """
+    from kvtool.ops.remote_ops import validate
+
+    with server.connect() as conn:
+        report = validate(conn, namespace, dry_run=dry_run, max_keys=max_keys)
+    bad = bool(report.problems or report.orphan_parts)
+    out.emit(report.to_dict, lambda: _print_validate(report, out.print))
+    if out.quiet and bad:
+        _print_validate(report, out.problem)
+    return common.EXIT_PROBLEMS if bad else common.EXIT_OK
+
+
+def rm_remote(out: Output, server: Server, namespace: str, hashes: Sequence[str] | None = None, *,
+              dry_run: bool = False, yes: bool = False, max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+    """Remove a namespace (`hashes` None: every key of it) or its blocks `hashes` (32 hex
+    characters each, with their parts; an empty list removes nothing) from the server: plan,
+    confirm, remove, report. Returns the exit code: 0, or 1 when declined at the prompt.
+
+    Raises:
+        CLIError: no terminal and neither --yes nor --dry-run; and as `inspect_remote`.
+    """
+    from kvtool.ops.remote_ops import RemovalReport, rm
+
+    refuse_without_terminal(yes, dry_run, "remove")
+    with server.connect() as conn:
+        def plan(dry: bool) -> Any:
+            if hashes is not None and not hashes:
+                return RemovalReport(conn.remote.masked, namespace, dry)
+            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=max_keys)
+
+        return _remove(out, plan, yes, dry_run)
+
+
+def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, max_bytes: int | None = None,
+                 namespace: str | None = None, dry_run: bool = False, yes: bool = False,
+                 max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+    """Remove values idle for `idle_s` seconds, then each namespace's least recently used values
+    beyond `max_bytes` (bytes of server memory): plan, confirm, remove, report. Returns the exit
+    code: 0, or 1 when declined at the prompt.
+
+    Raises:
+        CLIError: no terminal and neither --yes nor --dry-run; and as `inspect_remote`.
+        RemoteOpsError: neither rule given, or `idle_s` under an LFU policy.
+    """
+    from kvtool.ops.remote_ops import prune
+
+    refuse_without_terminal(yes, dry_run, "prune")
+    with server.connect() as conn:
+        def plan(dry: bool) -> Any:
+            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry, max_keys=max_keys)
+
+        return _remove(out, plan, yes, dry_run)
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -93,8 +242,8 @@ def inspect_cmd(
     namespace: NamespaceOpt = None,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = "5s",
-    max_keys: MaxKeysOpt = 10_000_000,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
     config: common.ConfigOpt = None,
 ) -> None:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
@@ -111,15 +260,8 @@ def inspect_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        from kvtool.ops.remote_ops import inspect
-
-        conn = _connect(url, cluster, timeout, config)
-        try:
-            report = inspect(conn, namespace, max_keys)
-        finally:
-            conn.close()
-        out.emit(report.to_dict, lambda: _print_inspect(report, out))
-    raise typer.Exit(common.EXIT_OK)
+        code = inspect_remote(out, Server(url, config, cluster, timeout), namespace, max_keys)
+    raise typer.Exit(code)
 
 
 def _print_inspect(report: Any, out: Output) -> None:
@@ -153,7 +295,7 @@ def push_cmd(
     url: UrlOpt = None,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = "5s",
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     config: common.ConfigOpt = None,
 ) -> None:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
@@ -176,18 +318,19 @@ def push_cmd(
         from kvtool.store.names import NAMESPACE_RE
 
         root = common.build_config(config, cache_dir).ssd_cache_dir
-        conn = _connect(url, cluster, timeout, config)  # checks the URL and that the server answers
-        conn.close()
+        server = Server(url, config, cluster, timeout)
+        with server.connect():  # checks the URL and that the server answers
+            pass
+        url_used, cluster_used, timeout_s = server.resolve()
         names = sorted(p.name for p in root.iterdir() if p.is_dir() and NAMESPACE_RE.fullmatch(p.name)) \
             if root.is_dir() else []
         if namespace is not None:
             names = [n for n in names if n.startswith(namespace)]
             if len(names) != 1:
                 raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
-        url_used = url or common.build_config(config, cache_dir).remote_url
         reports = []
         for name in names:
-            store = open_store_for(root / name, url_used, timeout_s=_timeout_s(timeout), cluster=True if cluster else None)
+            store = open_store_for(root / name, url_used, timeout_s=timeout_s, cluster=cluster_used)
             try:
                 reports.append(push_namespace(root / name, store))
             finally:
@@ -207,12 +350,6 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
                   "unreadable segment(s)")
 
 
-def _timeout_s(timeout: str) -> float:
-    from kvtool.config import KVToolConfig
-
-    return KVToolConfig(remote_timeout=timeout).remote_timeout_s
-
-
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
 def validate_cmd(
@@ -221,8 +358,8 @@ def validate_cmd(
     dry_run: common.DryRunOpt = False,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = "5s",
-    max_keys: MaxKeysOpt = 10_000_000,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
     config: common.ConfigOpt = None,
 ) -> None:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
@@ -240,29 +377,22 @@ def validate_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        from kvtool.ops.remote_ops import validate
-
-        conn = _connect(url, cluster, timeout, config)
-        try:
-            report = validate(conn, namespace, dry_run=dry_run, max_keys=max_keys)
-        finally:
-            conn.close()
-        out.emit(report.to_dict, lambda: _print_validate(report, out))
-    raise typer.Exit(common.EXIT_PROBLEMS if report.problems or report.orphan_parts else common.EXIT_OK)
+        code = validate_remote(out, Server(url, config, cluster, timeout), namespace, dry_run=dry_run, max_keys=max_keys)
+    raise typer.Exit(code)
 
 
-def _print_validate(report: Any, out: Output) -> None:
+def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
     verb = "would delete" if report.dry_run else "deleted"
     for p in report.problems[:50]:
-        out.print(f"[red]{escape(p.key)}[/]: {p.kind}: {escape(p.message)}")
+        emit(f"[red]{escape(p.key)}[/]: {p.kind}: {escape(p.message)}")
     if len(report.problems) > 50:
-        out.print(f"... and {len(report.problems) - 50} more")
-    out.print(f"{report.checked} value(s) checked ({format_bytes(report.bytes_checked)}): {report.ok} ok, "
-              f"{len(report.problems)} failed, {report.orphan_parts} orphan part(s); {verb} "
-              f"{report.removed_keys if not report.dry_run else len(report.problems) + report.orphan_parts} key(s)"
-              + (f"; {report.vanished} vanished meanwhile (evicted, expired or removed)" if report.vanished else "")
-              + (f"; {report.incomplete} split value(s) missing a part ({verb})" if report.incomplete else "")
-              + (" (listing truncated at --max-keys)" if report.truncated else ""))  # fmt: skip
+        emit(f"... and {len(report.problems) - 50} more")
+    emit(f"{report.checked} value(s) checked ({format_bytes(report.bytes_checked)}): {report.ok} ok, "
+         f"{len(report.problems)} failed, {report.orphan_parts} orphan part(s); {verb} "
+         f"{report.removed_keys if not report.dry_run else len(report.problems) + report.orphan_parts} key(s)"
+         + (f"; {report.vanished} vanished meanwhile (evicted, expired or removed)" if report.vanished else "")
+         + (f"; {report.incomplete} split value(s) missing a part ({verb})" if report.incomplete else "")
+         + (" (listing truncated at --max-keys)" if report.truncated else ""))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- rm
@@ -276,8 +406,8 @@ def rm_cmd(
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = "5s",
-    max_keys: MaxKeysOpt = 10_000_000,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
     config: common.ConfigOpt = None,
 ) -> None:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
@@ -295,21 +425,9 @@ def rm_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        from kvtool.ops.remote_ops import rm
-
-        _refuse_without_terminal(yes, dry_run, "remove")
-        conn = _connect(url, cluster, timeout, config)
-        try:
-            plan = rm(conn, namespace, hashes or (), dry_run=True, max_keys=max_keys)
-            if not dry_run and plan.keys:
-                _print_removal(plan, out.interaction.print if not out.json else out.note)
-                if not _confirm(out, f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?", yes, dry_run):
-                    raise typer.Exit(common.EXIT_PROBLEMS)
-                plan = rm(conn, namespace, hashes or (), dry_run=False, max_keys=max_keys)
-        finally:
-            conn.close()
-        out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
-    raise typer.Exit(common.EXIT_OK)
+        code = rm_remote(out, Server(url, config, cluster, timeout), namespace, hashes or None, dry_run=dry_run, yes=yes,
+                         max_keys=max_keys)  # fmt: skip
+    raise typer.Exit(code)
 
 
 def _print_removal(report: Any, emit: Any) -> None:
@@ -340,8 +458,8 @@ def prune_cmd(
     json_out: common.JsonOpt = False,
     quiet: QuietOpt = False,
     cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = "5s",
-    max_keys: MaxKeysOpt = 10_000_000,
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
     config: common.ConfigOpt = None,
 ) -> None:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
@@ -361,7 +479,6 @@ def prune_cmd(
     """
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
-        from kvtool.ops.remote_ops import prune
         from kvtool.units import parse_duration, parse_size
 
         try:
@@ -374,23 +491,9 @@ def prune_cmd(
             raise common.CLIError(f"--max-bytes: {exc}") from None
         if idle_s is None and budget is None:
             raise common.CLIError("give --idle, --max-bytes or both")
-        _refuse_without_terminal(yes, dry_run, "prune")
-        conn = _connect(url, cluster, timeout, config)
-        try:
-            def run(dry: bool) -> Any:
-                return prune(conn, idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry, max_keys=max_keys)
-
-            plan = run(True)
-            if not dry_run and plan.keys:
-                if not yes:
-                    _print_removal(plan, out.interaction.print)
-                if not _confirm(out, f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?", yes, dry_run):
-                    raise typer.Exit(common.EXIT_PROBLEMS)
-                plan = run(False)
-        finally:
-            conn.close()
-        out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
-    raise typer.Exit(common.EXIT_OK)
+        code = prune_remote(out, Server(url, config, cluster, timeout), idle_s=idle_s, max_bytes=budget,
+                            namespace=namespace, dry_run=dry_run, yes=yes, max_keys=max_keys)  # fmt: skip
+    raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:

@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 
 from kvtool.cli import common
+from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, rm_remote
 from kvtool.cli.output import Output
 from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes
@@ -25,6 +26,8 @@ kvtool rm --prompt TEXT (or --prompt-file, --messages) [--model/-m M] removes th
 
 The plan is shown, then executed after confirmation (--yes skips it; without a terminal --yes is required). rm holds prune's lock: an rm and a prune never run at once. Safe while serve-once or warm use the cache (a removed block is a miss); a process that has a removed namespace open caches nothing more to it until restarted. Symlinks are never followed.
 
+With --remote (or --remote-url URL), remove from the remote tier's server instead (as `kvtool remote rm`): NAMESPACE removes every key of that namespace; a prompt removes its blocks (and their parts) from the namespace of its model at --block-size (default: the config's block_size). A kvtool process reading a removed value gets a miss.
+
 Examples:
 
   kvtool rm 3fa2c1d0 --dry-run
@@ -33,7 +36,9 @@ Examples:
 
   kvtool rm --model qwen0.5b --prompt-file secret.txt --yes --json
 
-Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt, or something could not be removed (or a namespace of the prompt is unreadable); 2 bad input (namespace prefix, prompt, model, cache dir), or no terminal and no --yes; 3 a prune, a validate or another rm is running on this cache; 130/143 interrupted (deferred until the removal finished).
+  kvtool rm 3fa2c1d0 --remote --yes      # the server of remote_url / $KVTOOL_REMOTE_URL
+
+Exit codes: 0 removed, nothing to remove, or --dry-run; 1 declined at the prompt, or something could not be removed (or a namespace of the prompt is unreadable); 2 bad input (namespace prefix, prompt, model, cache dir; with --remote: bad URL, unreachable server, wrong password, TLS failure, unknown namespace), or no terminal and no --yes; 3 a prune, a validate or another rm is running on this cache; 130/143 interrupted (deferred until the removal finished).
 """
 
 NamespaceArg = Annotated[
@@ -72,6 +77,8 @@ def rm_cmd(
     quiet: QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
     config: common.ConfigOpt = None,
+    remote: RemoteOpt = False,
+    remote_url: RemoteUrlOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
@@ -86,6 +93,17 @@ def rm_cmd(
             raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
         if namespace is not None:
             check_prefix(namespace)
+        if remote or remote_url is not None:
+            refuse_options({"--cache-dir": cache_dir}, "with --remote")
+            server = Server(remote_url, config, flag="--remote-url")
+            if not by_prompt:
+                raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
+            from kvtool.cli.cmd_inspect import PromptSource
+
+            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
+                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
+            layout, hashes = _prompt_hashes(common.build_config(config, block_size=block_size), source)
+            raise typer.Exit(rm_remote(out, server, layout, hashes, dry_run=dry_run, yes=yes))
         cfg = common.build_config(config, cache_dir)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
@@ -136,6 +154,23 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
         return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=int(ids.size))
 
     return plan
+
+
+def _prompt_hashes(cfg, source) -> tuple[str, list[str]]:
+    """The namespace (layout key) of the prompt's model at `cfg.block_size` and the chain hashes
+    of the prompt's full blocks and tail entry there (the model is loaded, closed again at once)."""
+    import numpy as np
+
+    from kvtool.cli.cmd_inspect import prompt_engine
+    from kvtool.hashing import chain_hashes, tail_hash
+
+    with prompt_engine(cfg, source) as (engine, tokens):
+        prefix = engine.cache
+    ids = np.asarray(tokens, dtype=np.int32)
+    layout = prefix.layout_key_for(cfg.block_size)
+    full = chain_hashes(ids, cfg.block_size, layout, prefix.hash_fn)
+    tail = tail_hash(ids, cfg.block_size, layout, full, prefix.hash_fn)
+    return layout, [*full, *([tail] if tail else [])]
 
 
 def _confirm_and_execute(plan, yes: bool, out: Output) -> int:

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
+from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, validate_remote
 from kvtool.cli.output import Output
 from kvtool.cli.progress import progress
 from kvtool.units import format_bytes
@@ -16,6 +17,8 @@ from kvtool.units import format_bytes
 HELP = """Check every namespace of the SSD cache and repair it, without losing a block that verifies.
 
 Removes leftover temp files and malformed index rows, clamps access times in the future, rewrites a row that disagrees with its segment record from the record, re-adopts the verified records of orphan segment files, drops rows whose segment file is gone or damaged (with --deep every record's checksum is verified), and removes blocks whose parent chain is broken. An unreadable index is rebuilt from the segment files with --rebuild-index. Outdated (older format) and foreign (meta contradicting the namespace name) namespaces and symlinks are left untouched and reported. Safe to run while another kvtool process serves from the same cache (--rebuild-index: only while none uses that namespace). A repairing run holds the cache's maintenance lock, so it never runs at the same time as a prune, an rm or another validate (--dry-run takes no lock).
+
+With --remote (or --remote-url URL), validate the remote tier's server instead (as `kvtool remote validate`): every value is read and verified (header, namespace, checksums, codec, the chain hash of its parent and token ids); the ones that fail and parts no manifest names are deleted (--dry-run: only reported). Safe beside live kvtool processes.
 
 Examples:
 
@@ -25,9 +28,11 @@ Examples:
 
   kvtool validate --rebuild-index --namespace 3fa2
 
+  kvtool validate --remote --dry-run --json      # the server of remote_url / $KVTOOL_REMOTE_URL
+
   17 4 * * *  kvtool validate --quiet      # crontab line: silent unless something was found
 
-Exit codes: 0 clean; 1 problems found (repaired unless --dry-run); 2 could not run; 3 a prune, rm or validate is running on this cache (try again, or use --dry-run).
+Exit codes: 0 clean; 1 problems found (repaired unless --dry-run); 2 could not run (with --remote: bad URL, unreachable server, wrong password, TLS failure, unknown namespace); 3 a prune, rm or validate is running on this cache (try again, or use --dry-run).
 """
 
 DeepOpt = Annotated[bool, typer.Option("--deep", help="Read every record and verify its checksum (slow).")]
@@ -64,10 +69,17 @@ def validate_cmd(
     quiet: QuietOpt = False,
     rebuild_index: RebuildOpt = False,
     config: common.ConfigOpt = None,
+    remote: RemoteOpt = False,
+    remote_url: RemoteUrlOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.validate import validate
+
+        if remote or remote_url is not None:
+            refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
+            raise typer.Exit(validate_remote(out, Server(remote_url, config, flag="--remote-url"), namespace,
+                                             dry_run=dry_run))  # fmt: skip
 
         root = common.build_config(config, cache_dir).ssd_cache_dir
         with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
