@@ -23,13 +23,14 @@ import pandas as pd
 
 ID_COLUMNS: list[tuple[str, str]] = [
     ("workload", "workload name (shared-prefix, multi-turn, long-doc-qa, restart, ram-pressure)"),
-    ("cell", "cell name: `<ssd_policy>/<writer>/<ssd_durability>[/bs<block_size>][/ram<ram_bytes>]` or a baseline"),
+    ("cell", "cell name: `<ssd_policy>/<writer>/<ssd_durability>[/bs<block_size>][/ram<ram_bytes>][/remote-<remote_policy>]` or a baseline"),
     ("kind", "`kvtool`, `no-cache` or `mlx-lm-prompt-cache`"),
     ("ssd_policy", "evict_only | write_through (empty for baselines)"),
     ("writer", "sync | async (empty for baselines)"),
     ("ssd_durability", "best_effort | persistent | durable (empty for baselines)"),
     ("block_size", "tokens per block"),
     ("ram_bytes", "RAM tier budget (bytes; 0 for baselines)"),
+    ("remote_policy", "off | write_through | on_evict: the remote tier (empty for baselines)"),
 ]
 
 REQUEST_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
@@ -42,6 +43,7 @@ REQUEST_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
     ("cached_tokens", "prompt tokens reused from the cache (tokens)"),
     ("ram_hit_tokens", "cached tokens found in the RAM tier (tokens)"),
     ("ssd_hit_tokens", "cached tokens loaded from SSD (tokens; prompt-cache file for the mlx-lm baseline)"),
+    ("remote_hit_tokens", "cached tokens read from the remote tier (tokens)"),
     ("prefill_tokens", "prompt tokens computed by prefill (tokens)"),
     ("generated_tokens", "decoded tokens (tokens)"),
     ("ttft_ms", "time to first token, from the request start (ms)"),
@@ -86,6 +88,7 @@ CELL_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + _with_spread([
     ("decode_tokens_per_s", f"mean decode speed, {_REP} (tokens/s)"),
     ("ram_hit_rate", "RAM hit tokens / prompt tokens of the measured requests (all repeats pooled)"),
     ("ssd_hit_rate", "SSD hit tokens / prompt tokens of the measured requests (all repeats pooled)"),
+    ("remote_hit_rate", "remote hit tokens / prompt tokens of the measured requests (all repeats pooled)"),
     ("hit_rate", "cached tokens / prompt tokens of the measured requests (all repeats pooled)"),
     ("prefill_saved_pct", "100 x (1 - prefill tokens / prompt tokens) over all requests (%)"),
     ("ssd_load_ms_total", "SSD load time summed over all requests of a repeat, median over the repeats (ms)"),
@@ -177,9 +180,10 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
     for name in SPREAD_METRICS:
         out[f"{name}_min"] = across[name].min()
         out[f"{name}_max"] = across[name].max()
-    msum = mg[["prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens"]].sum()
+    msum = mg[["prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "remote_hit_tokens"]].sum()
     out["ram_hit_rate"] = _ratio(msum["ram_hit_tokens"], msum["prompt_tokens"])
     out["ssd_hit_rate"] = _ratio(msum["ssd_hit_tokens"], msum["prompt_tokens"])
+    out["remote_hit_rate"] = _ratio(msum["remote_hit_tokens"], msum["prompt_tokens"])
     out["hit_rate"] = _ratio(msum["cached_tokens"], msum["prompt_tokens"])
     asum = ag[["prompt_tokens", "prefill_tokens"]].sum()
     out["prefill_saved_pct"] = 100.0 * (1.0 - _ratio(asum["prefill_tokens"], asum["prompt_tokens"]))

@@ -8,6 +8,12 @@ blocks. After a cell the engine is *parked* (no tier), which closes the cell's t
 the index and the files on disk. Workloads that measure cold SSD reads drop the page cache of the
 block files (`posix_fadvise(POSIX_FADV_DONTNEED)`).
 
+Cells with a remote tier (`remote_policy` not `off`) share one server: `[cache] remote_url`, else a
+redis-server the runner starts on loopback for the sweep (`kvtool.bench.redis_local`). The cell's
+namespace is removed from it before and after each cell run (after the tier closed, so its writer
+drained), so cells never share remote blocks either. With `restart_host = "new"` a `Restart` opens
+the tier on a new, empty directory `<cell run dir>-host<n>` (another host on the same server).
+
 Python API::
 
     from kvtool.bench.sweep import load_sweep
@@ -23,7 +29,7 @@ import os
 import shutil
 import sqlite3
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -66,6 +72,9 @@ class _Context:
     engine: Any
     cache_root: Path
     parked: Any  # KVToolConfig with no tier
+    base: Any = None  # the [cache] KVToolConfig, remote_url set to the sweep's server
+    remote: Any = None  # kvtool.ops.remote_ops.Connection to that server (None: no cell uses it)
+    remote_own: bool = False  # the runner started the server
     progress: Progress | None = None
     request_task: Any = None
     page_cache_drops: list[dict[str, Any]] = field(default_factory=list)
@@ -114,14 +123,18 @@ def run_sweep(
     cache_root = (spec.cache_root / run_id) if spec.cache_root else run_dir / "cache"
     started = time.time()
     own_engine = engine is None
+    parked = spec.base_config(cache_root).replace(ssd_enabled=False, ram_bytes=0, remote_url=None)
     if own_engine:
         from kvtool.engine import Engine
 
-        engine = Engine.from_spec(spec.model, spec.base_config(cache_root).replace(ssd_enabled=False, ram_bytes=0))
+        engine = Engine.from_spec(spec.model, parked)
     try:
-        ctx = _Context(spec, engine, cache_root, spec.base_config(cache_root).replace(ssd_enabled=False, ram_bytes=0))
-        engine.reconfigure(ctx.parked)
-        rows, runs = _run_all(ctx, progress)
+        with ExitStack() as stack:
+            ctx = _Context(spec, engine, cache_root, parked, base=spec.base_config(cache_root))
+            if spec.needs_remote:
+                _remote_server(ctx, stack)
+            engine.reconfigure(ctx.parked)
+            rows, runs = _run_all(ctx, progress)
     finally:
         if own_engine:
             engine.close()
@@ -139,6 +152,36 @@ def run_sweep(
 
         write_report(run_dir)
     return RunResult(run_dir=run_dir, requests=requests, cells=cells, run=run_doc)
+
+
+def _remote_server(ctx: _Context, stack: ExitStack) -> None:
+    """Point `ctx.base` at the sweep's server (`[cache] remote_url`, else one started here for
+    the sweep, stopped by `stack`) and open `ctx.remote` on it.
+
+    Raises:
+        RedisNotFoundError: no server given and no redis-server binary to start.
+        RemoteURLError, RemoteConnectError: the server cannot be used (one line).
+    """
+    from kvtool.ops.remote_ops import connect
+
+    url = ctx.base.remote_url
+    if url is None:
+        from kvtool.bench.redis_local import LocalRedis
+
+        url = stack.enter_context(LocalRedis()).url
+        ctx.remote_own = True
+        ctx.base = ctx.base.replace(remote_url=url)
+    ctx.remote = connect(url, cluster=True if ctx.base.remote_cluster else None)
+    stack.callback(ctx.remote.close)
+
+
+def _flush_remote(ctx: _Context, layout_key: str | None) -> int:
+    """Remove the namespace `layout_key` from the sweep's server; returns the keys removed."""
+    from kvtool.ops.remote_ops import rm
+
+    if ctx.remote is None or layout_key is None:
+        return 0
+    return rm(ctx.remote, layout_key).removed_keys
 
 
 def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]]:
@@ -192,15 +235,18 @@ def run_cell(ctx: _Context, workload: Workload, cell: Cell, repeat: int) -> tupl
     """
     engine, spec = ctx.engine, ctx.spec
     directory = cell_dir(ctx.cache_root, workload, cell, repeat)
+    dirs = [directory]  # one per host: a restart with restart_host = "new" adds one
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    config = cell.config(spec.base_config(ctx.cache_root), directory)
+    config = cell.config(ctx.base, directory)
     ids_base = {"workload": workload.name, **cell.columns(), "repeat": repeat}
     closed: list = []  # (ShutdownStatus, final tier counters) per tier closed
     drops: list[dict] = []
     rows: list[dict] = []
     t0 = time.perf_counter()
     backend = _open_backend(ctx, cell, config, directory)
+    layout_key = engine.layout_key if cell.remote else None
+    flushed = _flush_remote(ctx, layout_key)
     for step in workload.steps:
         if isinstance(step, Request):
             res = backend.generate(list(step.ids), max_tokens=spec.max_tokens)
@@ -210,18 +256,27 @@ def run_cell(ctx: _Context, workload: Workload, cell: Cell, repeat: int) -> tupl
             if ctx.progress:
                 ctx.progress.advance(ctx.request_task)
         elif isinstance(step, Restart):
+            if spec.restart_host == "new":  # another host: an empty directory, the same remote server
+                dirs.append(directory.with_name(f"{directory.name}-host{len(dirs) + 1}"))
+                shutil.rmtree(dirs[-1], ignore_errors=True)
+                dirs[-1].mkdir(parents=True)
+                config = cell.config(ctx.base, dirs[-1])
             if cell.kind == BASELINE_MLXLM:
-                backend = PromptCacheBaseline(engine.model, directory)  # a new process would rescan
+                backend = PromptCacheBaseline(engine.model, dirs[-1])  # a new process would rescan
             else:
                 closed.append(_switch(engine, config))
-                # a fresh tier on the same directory: the RAM tier starts empty
+                # a fresh tier (on the same directory, or a new host's): the RAM tier starts empty
         elif isinstance(step, DropPageCache):
-            drops.append({**ids_base, **drop_page_cache(directory)})
+            drops.append({**ids_base, **drop_page_cache(dirs[-1])})
     if cell.kind != BASELINE_MLXLM:
         closed.append(_switch(engine, ctx.parked))
     wall_s = time.perf_counter() - t0
+    left = _flush_remote(ctx, layout_key)  # the cell's tier is closed: its remote writer drained
     ctx.page_cache_drops += drops
-    return rows, _facts(ids_base, directory, cell, [c for c in closed if c is not None], drops, wall_s)
+    fact = _facts(ids_base, dirs, cell, [c for c in closed if c is not None], drops, wall_s)
+    if cell.remote:
+        fact["remote"] = {"keys_before": flushed, "keys_after": left}
+    return rows, fact
 
 
 def _open_backend(ctx: _Context, cell: Cell, config: Any, directory: Path) -> Any:
@@ -239,12 +294,13 @@ def _switch(engine: Any, config: Any) -> tuple[Any, dict] | None:
     return (status, tier.stats()) if tier is not None else None
 
 
-def _facts(ids_base: dict, directory: Path, cell: Cell, closed: list, drops: list, wall_s: float) -> dict:
-    disk = scan_cache_dir(directory)
+def _facts(ids_base: dict, dirs: list[Path], cell: Cell, closed: list, drops: list, wall_s: float) -> dict:
+    scans = [scan_cache_dir(d) for d in dirs]
+    disk = {key: sum(scan[key] for scan in scans) for key in scans[0]}
     counters: dict[str, float] = {}  # (ints, but a float counter is summed too)
     for _, stats in closed:
         for key, value in stats.items():
-            if isinstance(value, (int, float)) and key.startswith(("writer_", "ssd_", "kv_")):
+            if isinstance(value, (int, float)) and key.startswith(("writer_", "ssd_", "kv_", "remote_")):
                 counters[key] = counters.get(key, 0) + value
     fact = {
         **ids_base,
@@ -327,6 +383,16 @@ def drop_page_cache(directory: Path) -> dict[str, Any]:
     return {"files": len(files), "ok": error is None, "error": error}
 
 
+def _masked(raw: dict[str, Any]) -> dict[str, Any]:
+    """The sweep document with the password of `[cache] remote_url` masked."""
+    url = raw.get("cache", {}).get("remote_url") if isinstance(raw.get("cache"), dict) else None
+    if not isinstance(url, str):
+        return raw
+    from kvtool.store.remote_url import parse_remote_url
+
+    return {**raw, "cache": {**raw["cache"], "remote_url": parse_remote_url(url).masked}}
+
+
 def _run_document(ctx: _Context, run_id: str, config_path: Path | None, started: float, runs: list) -> dict:
     engine = ctx.engine
     loaded = getattr(engine, "loaded", None)
@@ -336,7 +402,9 @@ def _run_document(ctx: _Context, run_id: str, config_path: Path | None, started:
         "started": datetime.fromtimestamp(started, UTC).isoformat(),
         "duration_s": round(time.time() - started, 3),
         "config_path": str(config_path) if config_path else None,
-        "sweep": ctx.spec.raw,
+        "sweep": _masked(ctx.spec.raw),
+        "remote": None if ctx.remote is None else {"url": ctx.remote.remote.masked, "started_by_bench": ctx.remote_own,
+                                                   "restart_host": ctx.spec.restart_host},
         "cells": [c.columns() for c in ctx.spec.cells()],
         "git_commit": machine.git_commit(),
         "machine": machine.machine_info(ctx.cache_root),

@@ -17,9 +17,18 @@ A sweep file (see `bench_configs/quick.toml` for a commented example)::
     ssd_policy = ["evict_only", "write_through"]
     writer = ["sync", "async"]
     ssd_durability = ["best_effort", "persistent", "durable"]
+    remote_policy = ["off", "write_through", "on_evict"]   # optional: the remote tier (default off)
 
     [workloads.shared-prefix] # one table per workload; keys override WORKLOAD_DEFAULTS
     requests = 6
+
+The remote dimension (`remote_policy`, from the grid or `[cache]`; `off` unless the sweep names
+it) runs against `[cache] remote_url` when given, else against a redis-server the bench starts on
+loopback (`kvtool.bench.redis_local`); `$KVTOOL_REMOTE_URL` is never used. Before and after each
+cell run the cell's namespace is removed from the server, as each cell run starts from an empty
+cache directory. `restart_host = "new"` makes a workload's restart another host: the tier reopens
+on an empty cache directory sharing the remote server (without a remote tier it starts cold);
+`"same"` (the default) reopens the cell's own directory.
 
 Errors are `ConfigError`s naming the field (`grid.writer`, `workloads.restart.prompts`, ...).
 """
@@ -41,9 +50,11 @@ BASELINE_NO_CACHE = "no-cache"
 BASELINE_MLXLM = "mlx-lm-prompt-cache"
 BASELINES = (BASELINE_NO_CACHE, BASELINE_MLXLM)
 WRITERS = ("sync", "async")
-GRID_AXES = ("ssd_policy", "writer", "ssd_durability", "block_size", "ram_bytes")
+GRID_AXES = ("ssd_policy", "writer", "ssd_durability", "block_size", "ram_bytes", "remote_policy")
+REMOTE_OFF = "off"
+RESTART_HOSTS = ("same", "new")
 TOP_LEVEL_KEYS = (
-    "name", "model", "seed", "repeats", "max_tokens", "baselines", "cache_root", "keep_cache",
+    "name", "model", "seed", "repeats", "max_tokens", "baselines", "cache_root", "keep_cache", "restart_host",
     "cache", "grid", "workloads",
 )
 DEFAULT_BENCH_MAX_TOKENS = 8  # short decodes: the bench measures TTFT and the write path
@@ -60,6 +71,7 @@ class Cell:
         ssd_policy, writer, ssd_durability: the tier settings (None for baselines).
         block_size: tokens per block.
         ram_bytes: RAM tier budget (bytes; 0 for the baselines).
+        remote_policy: `off`, `write_through` or `on_evict` (None for baselines).
     """
 
     name: str
@@ -69,6 +81,12 @@ class Cell:
     ssd_durability: str | None = None
     block_size: int = 0
     ram_bytes: int = 0
+    remote_policy: str | None = None
+
+    @property
+    def remote(self) -> bool:
+        """The cell uses the remote tier."""
+        return self.kind == KIND_KVTOOL and self.remote_policy not in (None, REMOTE_OFF)
 
     @property
     def slug(self) -> str:
@@ -79,11 +97,14 @@ class Cell:
         """The engine configuration of this cell with its SSD tier rooted at `cache_dir`.
 
         For `mlx-lm-prompt-cache` this is the engine's parked configuration (no tier), since
-        the baseline does not use kvtool's tier.
+        the baseline does not use kvtool's tier. The remote tier uses `base.remote_url` (the
+        runner sets it) in a cell whose `remote_policy` is not `off`.
         """
         if self.kind != KIND_KVTOOL:
-            return base.replace(ssd_enabled=False, ram_bytes=0, ssd_cache_dir=cache_dir)
+            return base.replace(ssd_enabled=False, ram_bytes=0, ssd_cache_dir=cache_dir, remote_url=None)
         return base.replace(
+            remote_url=base.remote_url if self.remote else None,
+            remote_policy=self.remote_policy or REMOTE_OFF,
             ssd_enabled=True,
             ssd_policy=self.ssd_policy,
             ssd_async_writes=self.writer == "async",
@@ -98,6 +119,7 @@ class Cell:
         return {
             "cell": self.name, "kind": self.kind, "ssd_policy": self.ssd_policy, "writer": self.writer,
             "ssd_durability": self.ssd_durability, "block_size": self.block_size, "ram_bytes": self.ram_bytes,
+            "remote_policy": self.remote_policy,
         }
 
 
@@ -117,6 +139,8 @@ class SweepSpec:
         workloads: workload name -> complete parameters, in file order.
         cache_root: where cell caches go (None: `<run_dir>/cache`).
         keep_cache: keep each cell's cache directory after it ran (default: delete it).
+        restart_host: `same` (a restart reopens the cell's directory) or `new` (an empty one:
+            another host sharing the remote server).
         raw: the TOML document as read (recorded in run.json).
     """
 
@@ -131,11 +155,19 @@ class SweepSpec:
     workloads: dict[str, dict[str, Any]]
     cache_root: Path | None = None
     keep_cache: bool = False
+    restart_host: str = "same"
     raw: dict[str, Any] = field(default_factory=dict)
 
     def base_config(self, cache_dir: Path) -> KVToolConfig:
-        """The `[cache]` settings over the KVToolConfig defaults, rooted at `cache_dir`."""
-        return KVToolConfig(**{**self.cache, "ssd_cache_dir": cache_dir})
+        """The `[cache]` settings over the KVToolConfig defaults, rooted at `cache_dir`; the remote
+        URL only from `[cache]` (never `$KVTOOL_REMOTE_URL`), the remote policy `off` unless set."""
+        return KVToolConfig(**{"remote_policy": REMOTE_OFF, **self.cache, "remote_url": self.cache.get("remote_url"),
+                               "ssd_cache_dir": cache_dir})  # fmt: skip
+
+    @property
+    def needs_remote(self) -> bool:
+        """Some cell uses the remote tier."""
+        return any(c.remote for c in self.cells())
 
     def cells(self) -> list[Cell]:
         """Baselines first, then the grid's cartesian product (axes in `GRID_AXES` order)."""
@@ -143,6 +175,7 @@ class SweepSpec:
         defaults = {
             "ssd_policy": base.ssd_policy, "writer": "async" if base.ssd_async_writes else "sync",
             "ssd_durability": base.ssd_durability, "block_size": base.block_size, "ram_bytes": base.ram_bytes,
+            "remote_policy": str(base.remote_policy),
         }
         cells = [Cell(name=b, kind=b, block_size=base.block_size) for b in self.baselines]
         axes = [self.grid.get(axis, (defaults[axis],)) for axis in GRID_AXES]
@@ -153,6 +186,8 @@ class SweepSpec:
                 parts.append(f"bs{values['block_size']}")
             if len(self.grid.get("ram_bytes", ())) > 1:
                 parts.append(f"ram{_human_bytes(values['ram_bytes'])}")
+            if "remote_policy" in self.grid or values["remote_policy"] != REMOTE_OFF:
+                parts.append(f"remote-{values['remote_policy']}")
             cells.append(Cell(name="/".join(parts), kind=KIND_KVTOOL, **values))
         return cells
 
@@ -197,6 +232,9 @@ def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
     keep_cache = data.get("keep_cache", False)
     if not isinstance(keep_cache, bool):
         raise ConfigError("keep_cache", "must be true or false")
+    restart_host = data.get("restart_host", "same")
+    if restart_host not in RESTART_HOSTS:
+        raise ConfigError("restart_host", f"must be one of {', '.join(RESTART_HOSTS)}, got {restart_host!r}")
     name = data.get("name", default_name)
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ConfigError("name", "must be a non-empty string of letters, digits, '_', '.', '-'")
@@ -213,6 +251,7 @@ def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
         workloads=_parse_workloads(data.get("workloads")),
         cache_root=Path(cache_root).expanduser() if cache_root else None,
         keep_cache=keep_cache,
+        restart_host=restart_host,
         raw=data,
     )
 
