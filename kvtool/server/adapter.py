@@ -31,6 +31,23 @@ Mapping onto `PrefixCache` (prompt KV only, exact):
   memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
   blocks (under `evict_only` they are written to SSD first, as on any eviction).
 
+Models whose cache has sliding-window (`RotatingKVCache`) or state (`ArraysCache`, in
+`CacheList`s too) layers that passed the self-check (`kvtool.selfcheck`): mlx-lm's cache after
+its own prefill has lost what a block needs (a rotating window overwrote early positions; a
+state exists only at its end, not at block ends), so a cache given back by `insert_cache` cannot
+be cut into blocks. For them fetch does the prefill itself, as `kvtool serve-once` does
+(`kvtool.prefill`): the rest of the prompt after the hit is prefilled into full views of the
+windows with state snapshots at block ends, the prompt's new blocks and tail entry are stored
+(the last token's KV as a prefill computes it), and the server gets mlx-lm's own cache state
+after `len(prompt) - 1` tokens (rotating windows laid out as mlx-lm's chunked prefill leaves
+them, the state before the last token), so it forwards only the last prompt token, as it does
+after its own prefill. The tokens kvtool prefilled are in the request's record
+(`prefill_tokens`, `prefill_ms`); mlx-lm's `cached_tokens` counts them as cached
+(`reported_cached` gives the true count for the response's usage). This prefill runs on the
+generation thread, as mlx-lm's own does, but in one go: while it runs no other request decodes
+(mlx-lm's batch generator would interleave its prefill chunks with decode steps and prefill
+concurrent prompts together). Later inserts of such a request store nothing.
+
 A request whose final insert never comes (a client that disconnected mid-generation: mlx-lm drops
 it silently) keeps its hit waiting; waiting hits are released after `pending_ttl_s` or beyond
 `max_pending`, unstored. A key that is not `model_key` (a request naming another model, adapter
@@ -51,15 +68,18 @@ from typing import Any
 
 import numpy as np
 
+from kvtool import prefill
 from kvtool.blocks import unsupported_cache_reason
 from kvtool.prefix import CacheHit, PrefixCache
 from kvtool.store.tiered import ShutdownStatus
+from kvtool.windows import DEFAULT_STEP
 
 log = logging.getLogger("kvtool.server")
 
 MAX_PENDING = 256  # requests fetched whose final insert has not come (yet)
 PENDING_TTL_S = 900.0  # a waiting hit older than this is released (its request is presumed gone)
 RECENT_REQUESTS = 100  # records kept for `stats()`
+MAX_REPORTED = 1024  # true cached counts kept for `reported_cached` (prompts kvtool prefilled at fetch)
 
 
 @dataclass
@@ -83,6 +103,7 @@ class RequestRecord:
     uncached_reason: str | None = None
     blocks_stored: int = 0  # chain entries handed to the tiers (segment ends + the request's end)
     store_ms: float = 0.0  # generation-thread time spent storing them (slicing, RAM insert, SSD hand-over)
+    prefill_ms: float = 0.0  # generation-thread time of kvtool's own prefill (windowed / state-layer models)
     generated_tokens: int | None = None  # known once the request finished
     finished: bool = False
 
@@ -110,6 +131,7 @@ class _Waiting:
     hit: CacheHit
     since: float
     stored: int  # leading chain entries of the prompt already in the tiers (found, or stored at a segment end)
+    prefilled: bool = False  # kvtool prefilled and stored the prompt at fetch (its inserts store nothing)
 
 
 class KVToolPromptCache:
@@ -124,14 +146,23 @@ class KVToolPromptCache:
         pending_ttl_s: a waiting hit older than this is released.
         on_record: called with each request's `RequestRecord` after its fetch (outside the
             lock; e.g. `kvtool.prom.CacheMetrics.observe`); its exceptions are logged.
+        model: the mlx-lm model (`ModelProvider.model`), for kvtool's own prefill of models with
+            sliding-window or state layers (see the module docstring); None: such models are
+            served uncached.
+        prefill_step: tokens per prefill chunk, mlx-lm's server's `--prefill-step-size` (the
+            rotating layout mlx-lm's prefill leaves depends on it).
 
     Thread-safe: one lock around every call (the server calls from its generation thread; the
     stats route, signal handlers and shutdown from others).
     """
 
     def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
-                 pending_ttl_s: float = PENDING_TTL_S, on_record: Callable[[RequestRecord], None] | None = None):
+                 pending_ttl_s: float = PENDING_TTL_S, on_record: Callable[[RequestRecord], None] | None = None,
+                 model: Any = None, prefill_step: int = DEFAULT_STEP):
         self.prefix_cache = prefix_cache
+        self.model = model
+        self.prefill_step = max(1, int(prefill_step))
+        self._reported: OrderedDict[bytes, deque[int]] = OrderedDict()  # prompt digest -> true cached counts
         self.model_key = model_key
         self.max_pending = max_pending
         self.pending_ttl_s = pending_ttl_s
@@ -143,6 +174,7 @@ class KVToolPromptCache:
         self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
                         "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0,
                         "inserts": 0, "inserts_segment": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
+                        "requests_prefilled": 0,
                         "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
 
     # ------------------------------------------------------------------ protocol
@@ -307,15 +339,79 @@ class KVToolPromptCache:
             return None, tokens
         ids = np.asarray(tokens, dtype=np.int32)
         self._expire()
-        hit = self.prefix_cache.fetch(ids)
+        blockwise = self._blockwise
+        hit = self.prefix_cache.fetch(ids, full_views=blockwise)
         rec.cached_tokens, rec.ram_hit_tokens, rec.ssd_hit_tokens = hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens
         rec.remote_hit_tokens = hit.remote_tokens
         rec.prefill_tokens = int(hit.remaining.size)
         rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
+        if blockwise:
+            return self._prefill_and_store(ids, tokens, hit, rec)
         cache = hit.cache if hit.cached_tokens > 0 and hit.cache else None
         hit.cache = []  # the server owns the cache now (no reference kept: in-place decode stays possible)
         self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), hit.entries_found)
         return cache, tokens[hit.cached_tokens :]
+
+    @property
+    def _blockwise(self) -> bool:
+        """kvtool prefills at fetch: the model has sliding-window or state layers, it passed the
+        self-check (the tiers are attached) and the model is known."""
+        pc = self.prefix_cache
+        return self.model is not None and pc.tiered is not None and bool(pc.windows or pc.has_states)
+
+    def _prefill_and_store(self, ids: np.ndarray, tokens: Sequence[int], hit: CacheHit,
+                           rec: RequestRecord) -> tuple[list, Sequence[int]]:
+        """kvtool's prefill of the prompt after the hit (`hit.cache`: full views, restored state)
+        as `kvtool.prefill.for_generation` does it for serve-once; the prompt's new entries are
+        stored while the cache holds every prompt token as prefilled; the server gets mlx-lm's
+        cache after `n - 1` tokens and the last token."""
+        pc = self.prefix_cache
+        n = int(ids.size)
+        w = _Waiting(rec, ids, hit, time.monotonic(), hit.entries_found, prefilled=True)
+        try:
+            cache = hit.cache or prefill.new_cache(self.model, pc.windows)
+            states: dict | None = {} if pc.has_states else None
+            t0 = time.perf_counter()
+            prefill.prefill(self.model, cache, ids[hit.cached_tokens :], n, hit.cached_tokens, step=self.prefill_step,
+                            quant=pc.quant, states=states, block_size=pc.config.block_size)
+            t1 = time.perf_counter()
+            rec.prefill_ms = (t1 - t0) * 1e3
+            stored = pc.store(ids, cache, hit, states=states)
+            rec.store_ms = (time.perf_counter() - t1) * 1e3
+            rec.blocks_stored = stored
+            self._counts["blocks_stored"] += stored
+            w.stored = len(hit.hashes)
+            hit.cache = cache  # SSD blocks enter RAM as views of the prompt positions
+            pc.release(hit)
+            gen = prefill.generation_cache(cache, n - 1, pc.windows, self.prefill_step, states)
+        except BaseException:
+            hit.cache = []
+            pc.release(hit)
+            raise
+        hit.cache = []
+        self._counts["requests_prefilled"] += 1
+        self._waiting[rec.request] = w  # (for its final insert: the record's generated tokens)
+        key = ids.tobytes()
+        self._reported.setdefault(key, deque()).append(rec.cached_tokens)
+        self._reported.move_to_end(key)
+        while len(self._reported) > MAX_REPORTED:
+            self._reported.popitem(last=False)
+        return gen, tokens[n - 1 :]
+
+    def reported_cached(self, prompt: Sequence[int], reported: int) -> int:
+        """The prompt tokens a request really took from the cache, for the `cached_tokens` of its
+        response: mlx-lm reports `len(prompt) - len(rest)`, which for a prompt kvtool prefilled at
+        fetch counts the tokens kvtool prefilled. `reported` is returned for other prompts.
+        Identical prompts in flight together are answered in fetch order."""
+        with self._lock:
+            key = np.asarray(prompt, dtype=np.int32).tobytes()
+            counts = self._reported.get(key)
+            if not counts:
+                return reported
+            true = counts.popleft()
+            if not counts:
+                del self._reported[key]
+            return true
 
     def _insert(self, model: Any, tokens: Sequence[int], cache: list) -> None:
         if self._closed or (self.model_key is not None and model != self.model_key):
@@ -354,7 +450,7 @@ class KVToolPromptCache:
 
     def _store_segment(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
         n_full = ids.size // self.prefix_cache.config.block_size
-        if n_full <= w.stored or self.prefix_cache.tiered is None:
+        if n_full <= w.stored or self.prefix_cache.tiered is None or w.prefilled:
             return
         if self._cache_reason(cache) is not None:
             self._counts["inserts_uncacheable"] += 1
@@ -371,6 +467,8 @@ class KVToolPromptCache:
     def _finish(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
         w.record.generated_tokens = int(ids.size - w.prompt.size)
         w.record.finished = True
+        if w.prefilled:  # stored at fetch; the hit is released
+            return
         storable = self.prefix_cache.tiered is not None and self._cache_reason(cache) is None
         try:
             if storable:
@@ -401,7 +499,7 @@ class KVToolPromptCache:
     def _release_waiting(self, keys: list[int]) -> None:
         for key in keys:
             w = self._waiting.pop(key, None)
-            if w is None:
+            if w is None or w.prefilled:  # (a prefilled request's hit was released at fetch)
                 continue
             w.hit.cache = []  # no promotion: the request's cache is not ours
             try:

@@ -144,7 +144,8 @@ class RequestGuard:
 
 class _Capture:
     """The shared generator, seen by one handler: remembers the exception `generate` raised, so
-    that the handler answers it with its own status instead of mlx-lm's 404."""
+    that the handler answers it with its own status instead of mlx-lm's 404; and makes the
+    response's `cached_tokens` the tokens the cache gave (`KVToolPromptCache.reported_cached`)."""
 
     def __init__(self, generator: Any, handler: Any):
         self._generator = generator
@@ -152,10 +153,30 @@ class _Capture:
 
     def generate(self, *args, **kwargs):
         try:
-            return self._generator.generate(*args, **kwargs)
+            ctx, response = self._generator.generate(*args, **kwargs)
         except Exception as exc:
             self._handler.kvtool_error = exc
             raise
+        return ctx, self._true_cached(ctx, response)
+
+    def _true_cached(self, ctx: Any, response):
+        """`response`, with `ctx.prompt_cache_count` corrected once the fetch has run (mlx-lm
+        reads it when it writes the usage, after the last token)."""
+        fixed = False
+        for item in response:
+            if not fixed:
+                fixed = self._fix(ctx)
+            yield item
+        if not fixed:
+            self._fix(ctx)
+
+    def _fix(self, ctx: Any) -> bool:
+        cache = getattr(self._handler, "kvtool_cache", None)
+        count = getattr(ctx, "prompt_cache_count", -1)
+        if cache is None or count is None or count < 0 or not hasattr(cache, "reported_cached"):
+            return False
+        ctx.prompt_cache_count = cache.reported_cached(ctx.prompt, count)
+        return True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._generator, name)
