@@ -99,10 +99,13 @@ def rm_cmd(
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
             from kvtool.cli.cmd_inspect import PromptSource
+            from kvtool.cli.cmd_remote import refuse_without_terminal
 
+            refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
             source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
                                   {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
-            layout, hashes = _prompt_hashes(common.build_config(config, block_size=block_size), source)
+            cfg = common.build_config(config, block_size=block_size).replace(remote_url=None)  # hashing only
+            layout, hashes = _prompt_hashes(cfg, source)
             raise typer.Exit(rm_remote(out, server, layout, hashes, dry_run=dry_run, yes=yes))
         cfg = common.build_config(config, cache_dir)
         root = cfg.ssd_cache_dir
