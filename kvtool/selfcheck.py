@@ -233,10 +233,15 @@ def ensure(pc, model) -> Verdict:
 
 # ----------------------------------------------------------------------------- the probe
 def probe_length(block_size: int, windows) -> tuple[int, int]:
-    """(full blocks, tokens) of the probe: >= 3 blocks and more than every window, + a partial block."""
+    """(full blocks, tokens) of the probe: >= 3 full blocks and a partial block, the whole at
+    least 2 tokens longer than every window, so that the full hits restore a wrapped window
+    (`n - 1` tokens) and the extension continues one. Longer probes only cost time: the
+    self-check's cost is model compute, proportional to the probe's tokens
+    (bench_configs/selfcheck_cost.py)."""
     w = max((x for x in windows or () if x is not None), default=0)
-    n_full = max(3, math.ceil((w + 1) / block_size))
-    return n_full, n_full * block_size + (block_size // 2 if block_size > 1 else 0)
+    tail = block_size // 2 if block_size > 1 else 0
+    n_full = max(3, math.ceil((w + 2 - tail) / block_size))
+    return n_full, n_full * block_size + tail
 
 
 def small_step(block_size: int) -> int:
