@@ -132,3 +132,47 @@ def test_adapter_prefills_and_stores_at_fetch(tmp_path):
         assert mlx_lm_tokens(got, np.asarray(rest)) == expected
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "lfm2"])
+def test_adapter_stores_the_kv_a_prefill_computes(family, tmp_path):
+    """What the adapter stores at fetch (before mlx-lm forwards the last token) is bit for bit
+    the KV and states kvtool's prefill computes for the prompt, which the self-check measured
+    equal to mlx-lm's own: the prompt restored from the tiers (every token but the last, the
+    state before the last token) equals a fresh prefill's cache, every array."""
+    from kvtool import blocks, prefill
+    from kvtool.config import KVToolConfig
+    from kvtool.models.loader import compute_model_id, load_model
+    from kvtool.prefix import PrefixCache
+    from kvtool.selfcheck import _same
+    from kvtool.server.adapter import KVToolPromptCache
+
+    path = model_zoo.family_dir(family)
+    lm = load_model(str(path))
+    cfg = KVToolConfig(ssd_cache_dir=tmp_path, block_size=32, ssd_async_writes=False)
+    pc = PrefixCache.for_model(lm.model, cfg, model_id=compute_model_id(path, None), model_name=family)
+    assert pc.uncached_reason is None and (pc.windows or pc.has_states)
+    cache = KVToolPromptCache(pc, model_key="M", model=lm.model, prefill_step=2048)
+    ids = np.asarray(model_zoo.zoo_prompt(150), dtype=np.int32)
+    try:
+        cache.fetch_nearest_cache("M", ids.tolist())
+        hit = pc.fetch(ids, full_views=True)
+        try:
+            assert hit.cached_tokens == ids.size - 1
+            states: dict = {}
+            fresh = prefill.new_cache(lm.model, pc.windows)
+            prefill.prefill(lm.model, fresh, ids, int(ids.size), 0, step=2048, states=states if pc.has_states else None,
+                            block_size=32)
+            n = ids.size - 1
+            kv = [(a, b) for a, b in zip(blocks.leaves(fresh), blocks.leaves(hit.cache)) if hasattr(a, "keys")]
+            assert len(blocks.leaves(hit.cache)) == len(blocks.leaves(fresh)) and kv
+            for i, (a, b) in enumerate(kv):
+                assert int(b.offset) == n
+                assert _same(a.keys[..., :n, :], b.keys[..., :n, :]), f"KV leaf {i} keys"
+                assert _same(a.values[..., :n, :], b.values[..., :n, :]), f"KV leaf {i} values"
+            got = blocks.state_arrays(hit.cache)
+            assert len(got) == len(states.get(n, [])) and all(_same(x, y) for x, y in zip(states.get(n, []), got))
+        finally:
+            pc.release(hit)
+    finally:
+        cache.close()
