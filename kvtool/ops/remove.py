@@ -1,13 +1,17 @@
 """`kvtool rm`: remove one namespace, or the blocks of one prompt and what hangs below them.
 
-Both are plans executed by prune's machinery (`kvtool.ops.prune.execute_prune`), under the same
-lock (`kvtool.ops.lock.cache_lock`), so an `rm` and a `prune` never run at once and both obey the
-same confinement rules: no symlink is followed, no path is built from an unchecked name.
+Both are plans (prune's `PrunePlan`), executed under prune's lock (`kvtool.ops.lock.cache_lock`),
+so an `rm` and a `prune` never run at once, and both obey the same confinement rules
+(`kvtool.ops.confined`): no symlink is followed, no path is built from an unchecked name.
 
 - **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix (at
   least `MIN_PREFIX_HEX` hex digits; a prefix that several keys share removes nothing) is
   removed whole, whatever its status (an unreadable or foreign namespace included: the user named
-  it), without following any symlink inside it (`kvtool.ops.confined.remove_namespace_tree`).
+  it), without following any symlink inside it (`kvtool.ops.confined.remove_namespace_tree`):
+  segment files first, several fan-out directories at once (unlinks wait on the file system, not
+  the CPU), the index last, so an `rm` killed half-way leaves a namespace whose rows name missing
+  files (`validate` drops them) or that a second `rm` finishes. The planning scan only counts the
+  rows and lists the file names.
   A symlink in the cache root that looks like a namespace is never followed: `rm` refuses it.
 - **A prompt** (`plan_prompt_removal`): the caller hashes the prompt for the namespace(s) its
   model uses (`PromptKeys`: full blocks, then the tail entry); in each such namespace the stored
@@ -32,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.errors import KVToolError
-from kvtool.ops.confined import tree_bytes
+from kvtool.ops.confined import REMOVE_WORKERS, remove_namespace_tree, tree_bytes
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.prune import NamespacePlan, PrunePlan, execute_prune, planner_of
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
@@ -261,11 +265,22 @@ def _plan_prompt_in(ns: NamespaceScan, keys: PromptKeys) -> NamespaceRemoval:
 
 # ----------------------------------------------------------------------------- execute
 def execute_removal(plan: RemovePlan) -> RemovePlan:
-    """Carry out a plan (hold `cache_lock` around scanning, planning and executing): prune's
-    execution; a namespace removed whole counts its rows and segment files as deleted.
+    """Carry out a plan (hold `cache_lock` around scanning, planning and executing). A namespace
+    goes whole (`remove_namespace_tree`: segment files first, `REMOVE_WORKERS` fan-out directories
+    at once, the index last; its rows and segment files count as deleted); a prompt's blocks go by
+    prune's execution (rows first, then files).
 
     Never raises for I/O trouble: failures are counted (`unlink_failed`, `index_failed`)."""
-    execute_prune(plan)
+    if plan.target != "namespace":
+        execute_prune(plan)
+    else:
+        for p in plan.namespaces:
+            try:
+                p.bytes_freed = remove_namespace_tree(Path(plan.cache_dir), p.namespace, p.bytes or None, REMOVE_WORKERS)
+            except (OSError, ValueError) as exc:
+                p.unlink_failed += 1
+                p.message = f"{p.message}; not removed: {exc}".lstrip("; ")
+        plan.executed = True
     for p in plan.namespaces:
         if isinstance(p, NamespaceRemoval) and p.remove_namespace and not p.unlink_failed:
             p.namespace_removed = True
