@@ -4,9 +4,12 @@ It stands last in the tier stack (after RAM, the pending buffer and SSD), so a p
 host has never seen, but another host has, is served from the shared store:
 - `longest_prefix`: one pipelined round trip of EXISTS for the rest of the chain (nothing while
   the store's circuit breaker is open, so a dead server costs no request more than its deadline);
-- `read_into`: the values fetched in pipelined batches, each verified exactly like an SSD record
-  (header, layout, parent, token ids, checksum: `kvtool.store.remote_value`), then placed into the
-  request's buffers; a bad value is a miss (deleted and counted by the store) and cuts the chain;
+  the values of what it found start coming at once, in pipelined batches on the store's reader
+  threads (`RemoteStore.read`), while the request allocates its buffers;
+- `read_into`: each batch, as it arrives, verified exactly like an SSD record (header, layout,
+  parent, token ids, checksum: `kvtool.store.remote_value`) on the request thread, then placed
+  into the request's buffers while the next batch is on the wire; a bad value is a miss (deleted
+  and counted by the store) and cuts the chain; `release` cancels what was not placed;
 - verified blocks are handed to `on_read` (the tiered cache writes them to the local SSD tier when
   `remote_promote` is on) and promoted into RAM like SSD hits, as views of the request's cache.
 Tail-entry candidates and siblings are not looked up remotely: that would add a round trip to every
@@ -18,7 +21,7 @@ This module never imports MLX.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -28,6 +31,16 @@ from kvtool.tiers import ChainEntry, ReadResult
 if TYPE_CHECKING:
     from kvtool.kvbuffers import KVBuffers
     from kvtool.store.remote import RemoteStore
+    from kvtool.store.remote_read import ValueRead
+
+
+class RemoteHandle(NamedTuple):
+    """A chain entry the remote tier holds: the entry, and its position in the read that
+    `longest_prefix` started."""
+
+    entry: ChainEntry
+    read: ValueRead
+    pos: int
 
 
 class RemoteBlockTier:
@@ -44,11 +57,15 @@ class RemoteBlockTier:
         self.store = store
         self._on_read = on_read
 
-    def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[ChainEntry]:
+    def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[RemoteHandle]:
         if not chain or not self.store.available:
             return []
         n = self.store.longest_prefix([e.hash for e in chain])
-        return list(chain[:n])
+        if not n:
+            return []
+        run = chain[:n]
+        reading = self.store.read([e.hash for e in run], [e.parent for e in run], [ids[e.start : e.stop] for e in run])
+        return [RemoteHandle(e, reading, i) for i, e in enumerate(run)]
 
     def find_any(self, cands: Sequence[tuple[str, int]], ids: np.ndarray, start: int) -> tuple[Any, str, int] | None:
         return None  # see the module docstring
@@ -56,23 +73,37 @@ class RemoteBlockTier:
     def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[HostBlock, int]]:
         return iter(())  # see the module docstring
 
-    def read_into(self, chain: Sequence[ChainEntry], handles: Sequence[Any], ids: np.ndarray,
+    def read_into(self, chain: Sequence[ChainEntry], handles: Sequence[RemoteHandle], ids: np.ndarray,
                   buffers: KVBuffers) -> ReadResult:
-        blocks = self.store.get_blocks([e.hash for e in chain], [e.parent for e in chain],
-                                       [ids[e.start : e.stop] for e in chain])
-        buffers.ready()
+        reading = handles[0].read if handles else None
+        if reading is None or len(handles) != len(chain) or any(h.read is not reading or h.pos != i or h.entry != e
+                                  for i, (h, e) in enumerate(zip(handles, chain))):  # fmt: skip
+            self.release(handles)  # not the run longest_prefix found (never so in PrefixCache): read anew
+            reading = self.store.read([e.hash for e in chain], [e.parent for e in chain],
+                                      [ids[e.start : e.stop] for e in chain])  # fmt: skip
+        keep = self._on_read is not None  # else each batch's bytes are freed once placed (reused memory)
         good: list[HostBlock] = []
-        for e, block in zip(chain, blocks):
-            if block is None:
-                break
-            buffers.place_host(e.start, block)
-            good.append(block)
+        n_ok = nbytes = 0
+        try:
+            for k, block in reading.blocks(len(chain)):
+                if block is None or k != n_ok:
+                    break
+                if not n_ok:
+                    buffers.ready()
+                buffers.place_host(chain[k].start, block)
+                n_ok, nbytes = n_ok + 1, nbytes + block.nbytes
+                if keep:
+                    good.append(block)
+        finally:
+            reading.cancel()
+        buffers.ready()
         if good and self._on_read is not None:
             self._on_read(good)
-        return ReadResult(len(good), sum(b.nbytes for b in good))
+        return ReadResult(n_ok, nbytes)
 
     def release(self, handles: Sequence[Any]) -> None:
-        pass
+        for reading in {id(h.read): h.read for h in handles if isinstance(h, RemoteHandle)}.values():
+            reading.cancel()
 
 
 def open_remote(config: Any, layout_key: str, meta: dict[str, str]) -> tuple[Any, Any]:

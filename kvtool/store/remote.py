@@ -21,6 +21,9 @@ Failure isolation: the remote tier can only make requests miss, never fail or ha
 - kvtool never lists keys (no KEYS, no SCAN) on the request path: only EXISTS, GETRANGE, SET NX,
   UNLINK on named keys, pipelined. Listing is for `kvtool remote` (`kvtool.ops.remote_ops`).
 
+Reads: `read` fetches a run of values in pipelined batches on reader threads, ahead of the
+request thread that verifies them (`kvtool.store.remote_read`); `get_blocks` collects it.
+
 Writes are first-writer-wins (`SET NX`, optional `EX` TTL): the same chain hash always names the
 same KV, so a second writer has nothing to add. `RemoteWriter` moves writes off the request
 thread (one thread, a queue bounded in bytes; a full queue drops blocks, counted).
@@ -45,6 +48,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -52,6 +56,7 @@ import numpy as np
 from kvtool.hostblock import HostBlock
 from kvtool.store import remote_value as rv
 from kvtool.store.kvlayout import KVLayout
+from kvtool.store.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead
 from kvtool.store.remote_url import RemoteURL, describe_error, make_client, mask_url, parse_remote_url
 from kvtool.store.remote_writer import RemoteWriter
 
@@ -61,7 +66,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 0.25
-DEFAULT_BATCH_BYTES = 8 << 20  # bytes of values per pipelined round trip (expected sizes)
+DEFAULT_BATCH_BYTES = 8 << 20  # bytes of values per pipelined write
 COUNTER_NAMES = ("remote_lookups", "remote_hit_blocks", "remote_bytes_read", "remote_bytes_written", "remote_errors",
                  "remote_corrupt", "remote_dropped_writes", "remote_breaker_open", "remote_breaker_trips",
                  "remote_put_exists")  # fmt: skip
@@ -141,7 +146,10 @@ class RemoteStore:
             eviction policy, or `kvtool remote prune`, removes them).
         cluster: True: a Redis Cluster; None: the URL's scheme decides (`redis+cluster://`).
         max_value_bytes: largest string stored (bytes); larger values are split into parts.
-        batch_bytes: values per pipelined round trip, by expected size (bytes).
+        batch_bytes: values per pipelined write, by size (bytes).
+        read_batch_bytes: values per pipelined read, by expected size (bytes).
+        read_ahead: read batches in flight ahead of the thread that verifies them.
+        read_threads: reader threads (each batch in flight uses a connection).
         breaker_failures: consecutive failed calls that open the breaker.
         breaker_backoff_s, breaker_max_backoff_s: its first and longest back-off (seconds).
         clock: monotonic clock (tests).
@@ -164,6 +172,9 @@ class RemoteStore:
         cluster: bool | None = None,
         max_value_bytes: int = rv.DEFAULT_MAX_VALUE_BYTES,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+        read_ahead: int = DEFAULT_READ_AHEAD,
+        read_threads: int = DEFAULT_READ_AHEAD,
         breaker_failures: int = 3,
         breaker_backoff_s: float = 1.0,
         breaker_max_backoff_s: float = 30.0,
@@ -185,6 +196,9 @@ class RemoteStore:
         self.ttl_ex = None if ttl_s is None else max(1, math.ceil(ttl_s))
         self.max_value_bytes = max_value_bytes
         self.batch_bytes = max(1, batch_bytes)
+        self.read_batch_bytes, self.read_ahead = max(1, read_batch_bytes), max(1, read_ahead)
+        self.read_threads = max(1, read_threads)
+        self._readers: ThreadPoolExecutor | None = None
         self._breaker = _Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -312,6 +326,23 @@ class RemoteStore:
 
         return self._call(op, 0)
 
+    def read(self, hashes: Sequence[str], parents: Sequence[str],
+             token_ids_per_block: Sequence[np.ndarray | Sequence[int]]) -> ValueRead:  # fmt: skip
+        """Start reading and verifying the values of a run of chain entries ahead, on the store's
+        reader threads (`kvtool.store.remote_read`); take them with `ValueRead.blocks`, and
+        `cancel()` what is not used.
+
+        Args:
+            hashes: chain hashes, in chain order.
+            parents: each block's expected parent hash.
+            token_ids_per_block: each block's exact token ids.
+
+        Raises:
+            ValueError: the three sequences differ in length.
+        """
+        return ValueRead(self, hashes, parents, token_ids_per_block, batch_bytes=self.read_batch_bytes,
+                         ahead=self.read_ahead)  # fmt: skip
+
     def get_blocks(
         self,
         hashes: Sequence[str],
@@ -320,7 +351,7 @@ class RemoteStore:
         *,
         stop_at_miss: bool = True,
     ) -> list[HostBlock | None]:
-        """Fetch and verify blocks (pipelined GETRANGE batches of `batch_bytes`).
+        """Fetch and verify blocks (`read` + `ValueRead.blocks`, collected).
 
         Args:
             hashes: chain hashes, in chain order.
@@ -335,100 +366,29 @@ class RemoteStore:
         Raises:
             ValueError: the three sequences differ in length.
         """
-        if not len(hashes) == len(parents) == len(token_ids_per_block):
-            raise ValueError("hashes, parents and token_ids_per_block must have the same length")
         out: list[HostBlock | None] = [None] * len(hashes)
-        expected = [self._expected_bytes(len(t)) for t in token_ids_per_block]
-        counted = False
-        i = 0
-        while i < len(hashes):
-            j, size = i, 0
-            while j < len(hashes) and (j == i or size + expected[j] <= self.batch_bytes):
-                size += expected[j]
-                j += 1
-            items = list(range(i, j))
-            ok = self._call(functools.partial(self._get_batch, items=items, hashes=hashes, parents=parents,
-                                              tokens=token_ids_per_block, out=out), False)  # fmt: skip
-            if ok and not counted:
-                self._count("remote_lookups")
-                counted = True
-            if not ok or (stop_at_miss and any(out[k] is None for k in items)):
-                break
-            i = j
-        self._count("remote_hit_blocks", sum(b is not None for b in out))
+        reading = self.read(hashes, parents, token_ids_per_block)
+        try:
+            for k, block in reading.blocks(stop_at_miss=stop_at_miss):
+                out[k] = block
+        finally:
+            reading.cancel()
         return out
 
     def _expected_bytes(self, n_tokens: int) -> int:
         return rv.value_bound(self.kv, n_tokens, self.codec)
 
-
-    def _get_batch(self, client: Any, items: list[int], hashes: Sequence[str], parents: Sequence[str],
-                   tokens: Sequence[Any], out: list[HostBlock | None]) -> bool:  # fmt: skip
-        keys = {k: self._key(hashes[k]) for k in items}
-        asked = [k for k in items if keys[k] is not None]
-        if not asked:
-            return True
-        pipe = client.pipeline(transaction=False)
-        for k in asked:
-            pipe.getrange(keys[k], 0, self._expected_bytes(len(tokens[k])))  # a byte more than allowed: oversize shows
-        results = pipe.execute(raise_on_error=False)
-        self._raise_connection_errors(results)
-        bad: list[tuple[str, rv.Manifest | None]] = []
-        split: list[tuple[int, rv.Manifest]] = []
-        values: dict[int, bytes] = {}
-        for k, data in zip(asked, results):
-            key = keys[k]
-            assert key is not None
-            if isinstance(data, Exception):
-                if "WRONGTYPE" in str(data):  # another type of key under our name: ours to replace
-                    self._corrupt(key, rv.RemoteValueError("header", "not a string value"), bad)
-                else:  # e.g. an ACL refusal: not the value's fault
-                    self._count("remote_errors")
-            elif isinstance(data, bytes) and data:
-                self._count("remote_bytes_read", len(data))
-                if rv.is_manifest(data):
-                    try:
-                        split.append((k, rv.parse_manifest(data, self._expected_bytes(len(tokens[k])))))
-                    except rv.RemoteValueError as exc:
-                        self._corrupt(key, exc, bad)
-                else:
-                    values[k] = data  # decode_value checks its size first
-        if split:
-            values.update(self._get_parts(client, [(k, keys[k], m) for k, m in split], bad))  # type: ignore[misc]
-        for k, data in values.items():
-            key = keys[k]
-            assert key is not None
-            try:
-                out[k] = rv.decode_value(data, self.layout_key, self.kv, self.codec, hashes[k], parents[k],
-                                         expected_tokens=tokens[k], max_bytes=len(data))  # fmt: skip
-            except rv.RemoteValueError as exc:
-                self._corrupt(key, exc, bad, dict(split).get(k))
-        if bad:
-            self._unlink(client, bad)
-        return True
-
-    def _get_parts(self, client: Any, split: list[tuple[int, str, rv.Manifest]],
-                   bad: list[tuple[str, rv.Manifest | None]]) -> dict[int, bytes]:  # fmt: skip
-        pipe = client.pipeline(transaction=False)
-        for _, key, m in split:
-            for part in m.part_keys(key):
-                pipe.getrange(part, 0, m.part_bytes)
-        results = pipe.execute(raise_on_error=False)
-        self._raise_connection_errors(results)
-        out, at = {}, 0
-        for k, key, m in split:
-            parts = [r if isinstance(r, bytes) and r else None for r in results[at : at + m.n_parts]]
-            at += m.n_parts
-            self._count("remote_bytes_read", sum(len(p) for p in parts if p))
-            try:
-                out[k] = rv.join_parts(m, parts)
-            except rv.RemoteValueError as exc:
-                if any(p is None for p in parts):  # evicted or expired part: a miss; drop the rest
-                    logger.debug("remote value %s: %s", key, exc)
-                    bad.append((key, m))
-                else:
-                    self._corrupt(key, exc, bad, m)
-        return out
+    def _submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]:
+        """Run `fn(arg)` on a reader thread (created on first use); after `close()`, a future
+        already holding None (a miss)."""
+        with self._client_lock:
+            if self._closed:
+                done: Future[Any] = Future()
+                done.set_result(None)
+                return done
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kvtool-remote-read")
+            return self._readers.submit(fn, arg)
 
     def _corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
         self._count("remote_corrupt")
@@ -585,6 +545,9 @@ class RemoteStore:
         self._closed = True
         with self._client_lock:
             client, self._client = self._client, None
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=False, cancel_futures=True)
         if client is not None:
             try:
                 client.close()

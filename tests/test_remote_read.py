@@ -1,0 +1,118 @@
+"""Reading a chain ahead from the remote tier (`kvtool.store.remote_read.ValueRead`) against a
+real redis-server: values come back in chain order across many small batches, each verified; a
+bad value in a later batch is a miss there (deleted, counted) and cuts the read; a read taken in
+part, cancelled, or cut by a closed store leaves no error; a hit through `RemoteBlockTier` places
+exactly the verified blocks and stops reading at the first bad one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvtool.remote_tier import RemoteBlockTier
+from kvtool.store import remote_value as rv
+from kvtool.store.remote import RemoteStore
+from kvtool.tiers import ChainEntry
+from tests import redis_servers
+from tests.redis_servers import make_chain, same_block
+
+redis_node = redis_servers.redis_node
+
+N = 24
+
+
+def _store(url: str, chain, **kw) -> RemoteStore:
+    one = rv.value_bound(chain.kv, len(chain.tokens[0]), "none")
+    kw.setdefault("read_batch_bytes", 3 * one)  # 3 values per batch: 8 batches
+    return RemoteStore(url, chain.layout_key, chain.kv, "none", timeout_s=0.25, **kw)
+
+
+@pytest.mark.parametrize("ahead,threads", [(1, 1), (2, 2), (4, 3)])
+def test_read_ahead_yields_every_block_in_chain_order(redis_node, ahead, threads):
+    chain = make_chain(N, model_id=f"read-ahead-{ahead}-{threads}", seed=21)
+    with _store(redis_node.url, chain, read_ahead=ahead, read_threads=threads) as store:
+        assert store.put_blocks(chain.blocks) == N
+        reading = store.read(chain.hashes, chain.parents, chain.tokens)
+        assert len(reading.batches) == 8
+        got = list(reading.blocks())
+        assert [k for k, _ in got] == list(range(N))
+        assert all(b is not None and same_block(b, want) for (_, b), want in zip(got, chain.blocks))
+        stats = store.stats()
+        assert stats["remote_hit_blocks"] == N and stats["remote_lookups"] == 1 and stats["remote_errors"] == 0
+
+
+def test_a_bad_value_in_a_later_batch_cuts_the_read_there(redis_node):
+    chain = make_chain(N, model_id="read-ahead-corrupt", seed=22)
+    client = redis_node.client()
+    with _store(redis_node.url, chain) as store:
+        assert store.put_blocks(chain.blocks) == N
+        bad = 13  # the second value of the fifth batch
+        key = rv.value_key(chain.layout_key, chain.hashes[bad])
+        client.setrange(key, client.strlen(key) - 5, b"\xff\x00")
+        got = list(store.read(chain.hashes, chain.parents, chain.tokens).blocks())
+        assert [k for k, _ in got] == list(range(15))  # stops after the batch with the miss
+        assert all(b is not None for _, b in got[:bad]) and got[bad][1] is None and got[bad + 1][1] is not None
+        assert client.exists(key) == 0
+        assert store.stats()["remote_corrupt"] == 1
+        # the same through get_blocks without stopping: only the bad one is missing
+        assert store.put_blocks(chain.blocks[bad : bad + 1]) == 1
+        client.set(rv.value_key(chain.layout_key, chain.hashes[3]), b"garbage")
+        blocks = store.get_blocks(chain.hashes, chain.parents, chain.tokens, stop_at_miss=False)
+        assert [b is None for b in blocks] == [k == 3 for k in range(N)]
+
+
+def test_a_read_taken_in_part_cancelled_or_closed_is_quiet(redis_node):
+    chain = make_chain(N, model_id="read-ahead-cancel", seed=23)
+    with _store(redis_node.url, chain, read_ahead=3, read_threads=3) as store:
+        assert store.put_blocks(chain.blocks) == N
+        reading = store.read(chain.hashes, chain.parents, chain.tokens)
+        got = list(reading.blocks(5))
+        assert [k for k, _ in got] == list(range(5)) and all(b is not None for _, b in got)
+        reading.cancel()
+        reading.cancel()
+        assert all(b is not None and same_block(b, chain.blocks[k]) for k, b in reading.blocks())  # what had come
+        assert store.stats()["remote_errors"] == 0
+        reading = store.read(chain.hashes, chain.parents, chain.tokens)
+        store.close()  # batches in flight end as misses (or errors), never as exceptions
+        assert all(b is None or same_block(b, chain.blocks[k]) for k, b in reading.blocks())
+        assert store.get_blocks(chain.hashes, chain.parents, chain.tokens) == [None] * N
+
+
+class _Buffers:
+    """What `RemoteBlockTier.read_into` needs of `KVBuffers`: host blocks placed at offsets."""
+
+    def __init__(self):
+        self.placed: dict[int, object] = {}
+
+    def ready(self) -> None:
+        pass
+
+    def place_host(self, offset: int, block) -> None:
+        self.placed[offset] = block
+
+
+def test_tier_places_verified_blocks_and_stops_at_the_first_bad_one(redis_node):
+    chain = make_chain(N, model_id="read-ahead-tier", seed=24)
+    ids = np.concatenate(chain.tokens)
+    bs = len(chain.tokens[0])
+    entries = [ChainEntry(h, p, i * bs, (i + 1) * bs) for i, (h, p) in enumerate(zip(chain.hashes, chain.parents))]
+    client = redis_node.client()
+    with _store(redis_node.url, chain) as store:
+        assert store.put_blocks(chain.blocks) == N
+        client.set(rv.value_key(chain.layout_key, chain.hashes[17]), b"not a value")
+        promoted: list = []
+        tier = RemoteBlockTier(store, on_read=promoted.extend)
+        handles = tier.longest_prefix(entries, ids)
+        assert len(handles) == N
+        buffers = _Buffers()
+        res = tier.read_into(entries, handles, ids, buffers)  # type: ignore[arg-type]
+        tier.release(handles)
+        assert res.n_ok == 17 and sorted(buffers.placed) == [i * bs for i in range(17)]
+        assert all(same_block(b, chain.blocks[i]) for i, b in enumerate(promoted)) and len(promoted) == 17
+        # a shorter run than the lookup found (a trimmed hit): only those are placed
+        handles = tier.longest_prefix(entries[:10], ids)
+        buffers = _Buffers()
+        assert tier.read_into(entries[:4], handles[:4], ids, buffers).n_ok == 4  # type: ignore[arg-type]
+        tier.release(handles)
+        assert sorted(buffers.placed) == [i * bs for i in range(4)]
+        assert store.stats()["remote_corrupt"] == 1
