@@ -144,8 +144,8 @@ class KVToolServer:
         own = dict(model=self.provider.model, prefill_step=cli_args.prefill_step_size)
         if self.provider.draft_model is not None:
             self.cache: KVToolPromptCache = SpeculativePromptCache(
-                self.prefix_cache, self.provider, cli_args.prefill_step_size, model_key=self.provider.model_key,
-                on_record=self.metrics.observe, **own)
+                self.prefix_cache, self.provider, model_key=self.provider.model_key, on_record=self.metrics.observe,
+                **own)
         else:
             self.cache = KVToolPromptCache(self.prefix_cache, model_key=self.provider.model_key,
                                            on_record=self.metrics.observe, **own)
@@ -299,18 +299,18 @@ class SpeculativePromptCache(KVToolPromptCache):
     (speculative decoding verifies every drafted token).
 
     Args:
-        prefix_cache, model_key, **kwargs: as `KVToolPromptCache`.
+        prefix_cache, model_key, prefill_step, **kwargs: as `KVToolPromptCache`; `prefill_step`
+            (`--prefill-step-size`) is also the tokens per draft prefill call.
         provider: the `ModelProvider` holding `model` and `draft_model` (loaded).
-        prefill_step: tokens per draft prefill call (`--prefill-step-size`).
     """
 
-    def __init__(self, prefix_cache, provider, prefill_step: int, **kwargs: Any):
+    def __init__(self, prefix_cache, provider, **kwargs: Any):
         from mlx_lm.models.cache import make_prompt_cache
 
         super().__init__(prefix_cache, **kwargs)
         self._provider = provider
         self._n_layers = len(make_prompt_cache(provider.model))
-        self._step = max(1, int(prefill_step))
+        self._step = self.prefill_step
 
     def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[list | None, Sequence[int]]:
         cache, rest = super().fetch_nearest_cache(model, tokens)
