@@ -128,7 +128,8 @@ def test_adapter_prefills_and_stores_at_fetch(tmp_path):
 
         got, rest = cache.fetch_nearest_cache("M", ids)
         rec = cache.stats()["requests"][-1]
-        assert rec["cached_tokens"] == 99 and list(rest) == ids[-1:]  # the first prompt's tail entry (state before its last token)
+        # the first prompt's tail entry (its state is the one before its last token)
+        assert rec["cached_tokens"] == 99 and list(rest) == ids[-1:]
         assert mlx_lm_tokens(got, np.asarray(rest)) == expected
     finally:
         cache.close()
@@ -174,5 +175,57 @@ def test_adapter_stores_the_kv_a_prefill_computes(family, tmp_path):
             assert len(got) == len(states.get(n, [])) and all(_same(x, y) for x, y in zip(states.get(n, []), got))
         finally:
             pc.release(hit)
+    finally:
+        cache.close()
+
+
+def test_stats_answer_during_kvtool_s_prefill_and_a_reconfiguration_meanwhile_stores_nothing(tmp_path):
+    """The model's forward passes of kvtool's prefill run outside the adapter's lock (the stats
+    route answers meanwhile); a reconfiguration during them: the request is still served (its
+    cache is its own), nothing is stored under the new layout."""
+    import threading
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kvtool.config import KVToolConfig
+    from kvtool.models.loader import compute_model_id, load_model
+    from kvtool.prefix import PrefixCache
+    from kvtool.server.adapter import KVToolPromptCache
+
+    path = model_zoo.family_dir("gemma3_text")
+    lm = load_model(str(path))
+    entered, go = threading.Event(), threading.Event()
+
+    class Gated:  # the model, held at its first forward pass until `go`
+        def __call__(self, *args, **kwargs):
+            entered.set()
+            assert go.wait(60)
+            return lm.model(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(lm.model, name)
+
+    cfg = KVToolConfig(ssd_cache_dir=tmp_path, block_size=32, ssd_async_writes=False)
+    pc = PrefixCache.for_model(lm.model, cfg, model_id=compute_model_id(path, None), model_name="gemma3_text")
+    cache = KVToolPromptCache(pc, model_key="M", model=Gated(), prefill_step=2048)
+    ids = model_zoo.zoo_prompt(150)
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(cache.fetch_nearest_cache("M", ids)))
+    worker.start()
+    try:
+        assert entered.wait(60)
+        assert cache.stats()["adapter"]["requests"] == 1  # answered while the prefill runs
+        cache.reconfigure(KVToolConfig(ssd_cache_dir=tmp_path, block_size=16, ssd_async_writes=False))
+    finally:
+        go.set()
+        worker.join(60)
+    try:
+        got, rest = out[0]
+        rec = cache.stats()["requests"][-1]
+        assert rec["blocks_stored"] == 0 and cache.stats()["cache"].get("kv_ram_inserts", 0) == 0
+        expected = [int(t) for t, _ in generate_step(mx.array(ids), lm.model, max_tokens=4,
+                                                     prompt_cache=make_prompt_cache(lm.model))]
+        assert [int(t) for t, _ in generate_step(mx.array(rest), lm.model, max_tokens=4, prompt_cache=got)] == expected
     finally:
         cache.close()

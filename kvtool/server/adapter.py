@@ -125,6 +125,16 @@ class RequestRecord:
 
 
 @dataclass
+class _Prefill:
+    """A fetch of a model kvtool prefills itself: what the prefill, outside the lock, needs."""
+
+    ids: np.ndarray
+    hit: CacheHit
+    record: RequestRecord
+    epoch: int  # the adapter's tiers generation at fetch (a reconfiguration changes it)
+
+
+@dataclass
 class _Waiting:
     record: RequestRecord
     prompt: np.ndarray
@@ -153,7 +163,8 @@ class KVToolPromptCache:
             rotating layout mlx-lm's prefill leaves depends on it).
 
     Thread-safe: one lock around every call (the server calls from its generation thread; the
-    stats route, signal handlers and shutdown from others).
+    stats route, signal handlers and shutdown from others), except the model's forward passes of
+    kvtool's own prefill at fetch, which touch only that request's cache.
     """
 
     def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
@@ -171,6 +182,7 @@ class KVToolPromptCache:
         self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
         self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
         self._closed = False
+        self._epoch = 0  # tiers generation: +1 at every reconfiguration and at close
         self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
                         "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0,
                         "inserts": 0, "inserts_segment": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
@@ -191,13 +203,13 @@ class KVToolPromptCache:
             rec = RequestRecord(request=self._counts["requests"], prompt_tokens=len(tokens),
                                 prefill_tokens=len(tokens))
             try:
-                cache, rest = self._fetch(model, tokens, rec)
+                out = self._fetch(model, tokens, rec)
             except Exception as exc:  # the cache never fails a request: serve it uncached
-                log.exception("fetch failed; request %d runs uncached", rec.request)
-                self._counts["errors"] += 1
-                rec = RequestRecord(request=rec.request, prompt_tokens=len(tokens), prefill_tokens=len(tokens),
-                                    uncached_reason=f"fetch failed: {exc}")
-                cache, rest = None, tokens
+                rec, out = self._failed(rec, tokens, exc), (None, tokens)
+        if isinstance(out, _Prefill):  # kvtool's prefill runs outside the lock: stats and metrics stay answerable
+            rec, out = self._prefill_and_store(out, tokens)
+        cache, rest = out
+        with self._lock:
             rec.fetch_ms = (time.perf_counter() - t0) * 1e3
             self._recent.append(rec)
             for key in ("prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "remote_hit_tokens",
@@ -289,6 +301,7 @@ class KVToolPromptCache:
             if self._closed:
                 raise RuntimeError("the cache is closed")
             self._release_waiting(list(self._waiting))
+            self._epoch += 1
             return self.prefix_cache.reconfigure(config)
 
     def close(self) -> ShutdownStatus:
@@ -299,6 +312,7 @@ class KVToolPromptCache:
                 return ShutdownStatus()
             self._release_waiting(list(self._waiting))
             self._closed = True
+            self._epoch += 1
             return self.prefix_cache.close()
 
     # ----------------------------------------------------------------- internals
@@ -332,7 +346,15 @@ class KVToolPromptCache:
             reason = f"{len(cache)} cache layers, the model has {self.prefix_cache.kv.n_layers}"
         return reason
 
-    def _fetch(self, model: Any, tokens: Sequence[int], rec: RequestRecord) -> tuple[list | None, Sequence[int]]:
+    def _failed(self, rec: RequestRecord, tokens: Sequence[int], exc: Exception) -> RequestRecord:
+        """The record of a request whose fetch raised (it runs uncached). Under the lock."""
+        log.exception("fetch failed; request %d runs uncached", rec.request)
+        self._counts["errors"] += 1
+        return RequestRecord(request=rec.request, prompt_tokens=len(tokens), prefill_tokens=len(tokens),
+                             uncached_reason=f"fetch failed: {exc}")
+
+    def _fetch(self, model: Any, tokens: Sequence[int],
+               rec: RequestRecord) -> tuple[list | None, Sequence[int]] | _Prefill:
         reason = self._uncached_reason(model) or (None if len(tokens) else "empty prompt")
         if reason is not None:
             rec.uncached_reason = reason
@@ -346,7 +368,7 @@ class KVToolPromptCache:
         rec.prefill_tokens = int(hit.remaining.size)
         rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
         if blockwise:
-            return self._prefill_and_store(ids, tokens, hit, rec)
+            return _Prefill(ids, hit, rec, self._epoch)
         cache = hit.cache if hit.cached_tokens > 0 and hit.cache else None
         hit.cache = []  # the server owns the cache now (no reference kept: in-place decode stays possible)
         self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), hit.entries_found)
@@ -359,44 +381,65 @@ class KVToolPromptCache:
         pc = self.prefix_cache
         return self.model is not None and pc.tiered is not None and bool(pc.windows or pc.has_states)
 
-    def _prefill_and_store(self, ids: np.ndarray, tokens: Sequence[int], hit: CacheHit,
-                           rec: RequestRecord) -> tuple[list, Sequence[int]]:
+    def _prefill_and_store(self, job: _Prefill,
+                           tokens: Sequence[int]) -> tuple[RequestRecord, tuple[list | None, Sequence[int]]]:
         """kvtool's prefill of the prompt after the hit (`hit.cache`: full views, restored state)
         as `kvtool.prefill.for_generation` does it for serve-once; the prompt's new entries are
         stored while the cache holds every prompt token as prefilled; the server gets mlx-lm's
-        cache after `n - 1` tokens and the last token."""
-        pc = self.prefix_cache
+        cache after `n - 1` tokens and the last token. The model runs outside the lock (only this
+        request's cache is touched); a reconfiguration or close meanwhile: nothing is stored.
+
+        Returns:
+            (the request's record, (cache, rest)); on a failure the request runs uncached."""
+        pc, ids, hit, rec = self.prefix_cache, job.ids, job.hit, job.record
         n = int(ids.size)
-        w = _Waiting(rec, ids, hit, time.monotonic(), hit.entries_found, prefilled=True)
         try:
             cache = hit.cache or prefill.new_cache(self.model, pc.windows)
             states: dict | None = {} if pc.has_states else None
             t0 = time.perf_counter()
             prefill.prefill(self.model, cache, ids[hit.cached_tokens :], n, hit.cached_tokens, step=self.prefill_step,
                             quant=pc.quant, states=states, block_size=pc.config.block_size)
-            t1 = time.perf_counter()
-            rec.prefill_ms = (t1 - t0) * 1e3
-            stored = pc.store(ids, cache, hit, states=states)
-            rec.store_ms = (time.perf_counter() - t1) * 1e3
-            rec.blocks_stored = stored
-            self._counts["blocks_stored"] += stored
-            w.stored = len(hit.hashes)
+            rec.prefill_ms = (time.perf_counter() - t0) * 1e3
+            with self._lock:
+                self._store_prefilled(job, cache, states)
+            gen = prefill.generation_cache(cache, n - 1, pc.windows, self.prefill_step, states)
+        except Exception as exc:  # the cache never fails a request: serve it uncached
+            with self._lock:
+                self._release_quietly(hit)
+                return self._failed(rec, tokens, exc), (None, tokens)
+        return rec, (gen, tokens[n - 1 :])
+
+    def _store_prefilled(self, job: _Prefill, cache: list, states: dict | None) -> None:
+        """Store a prefilled prompt's new entries, release its hit, wait for its final insert.
+        Under the lock."""
+        pc, ids, hit, rec = self.prefix_cache, job.ids, job.hit, job.record
+        if job.epoch != self._epoch or self._closed:  # the tiers changed during the prefill
+            self._release_quietly(hit)
+            return
+        t0 = time.perf_counter()
+        try:
+            rec.blocks_stored = pc.store(ids, cache, hit, states=states)
+            rec.store_ms = (time.perf_counter() - t0) * 1e3
+            self._counts["blocks_stored"] += rec.blocks_stored
             hit.cache = cache  # SSD blocks enter RAM as views of the prompt positions
             pc.release(hit)
-            gen = prefill.generation_cache(cache, n - 1, pc.windows, self.prefill_step, states)
-        except BaseException:
+        finally:
             hit.cache = []
-            pc.release(hit)
-            raise
-        hit.cache = []
+            self._release_quietly(hit)  # (a no-op after release)
         self._counts["requests_prefilled"] += 1
-        self._waiting[rec.request] = w  # (for its final insert: the record's generated tokens)
+        self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), len(hit.hashes), prefilled=True)
         key = ids.tobytes()
         self._reported.setdefault(key, deque()).append(rec.cached_tokens)
         self._reported.move_to_end(key)
         while len(self._reported) > MAX_REPORTED:
             self._reported.popitem(last=False)
-        return gen, tokens[n - 1 :]
+
+    def _release_quietly(self, hit: CacheHit) -> None:
+        hit.cache = []
+        try:
+            self.prefix_cache.release(hit)
+        except Exception:  # noqa: BLE001 - releasing is bookkeeping: never fail the request
+            log.exception("releasing a prefilled request's hit failed")
 
     def reported_cached(self, prompt: Sequence[int], reported: int) -> int:
         """The prompt tokens a request really took from the cache, for the `cached_tokens` of its
