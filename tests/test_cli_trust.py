@@ -189,6 +189,10 @@ def test_help_has_no_type_tag_on_switches_and_no_stray_spaces(path):
     assert "<bool>" not in text
     stray = re.findall(r"\S+ [.,;:)](?:\s|$)|\( \S+", text)
     assert not stray, stray
+    # rich markup eats an unescaped `[table]` of the help text: every one must show
+    markup = {"[bold]", "[dim]", "[red]", "[green]", "[yellow]", "[cyan]"}
+    brackets = [b for b in re.findall(r"(?<!\\)\[[\w.]+\]", _command(path).help or "") if b not in markup]
+    assert all(b in text for b in brackets), [b for b in brackets if b not in text]
 
 
 CACHE_DEFAULTS = {"--policy": KVToolConfig().ssd_policy.value, "--durability": KVToolConfig().ssd_durability.value,

@@ -11,9 +11,9 @@ from kvtool.cli import common
 from kvtool.cli.cmd_serve import MetricsFileOpt, check_metrics_file, write_metrics_file
 from kvtool.cli.progress import stderr_is_terminal
 
-BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget x remote policy: off, write_through, on_evict, against [cache] remote_url or a redis-server the bench starts) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
+BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget x remote policy: off, write_through, on_evict, against \\[cache] remote_url or a redis-server the bench starts) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
 
-A config with a [serve_load] table instead drives real servers: concurrent streamed clients against kvtool serve and plain mlx_lm.server on the same model, 95 % bootstrap intervals over repeats, greedy outputs compared (kvtool/bench/loadcell.py; exit 1 on a mismatch, a failed request or an unclean stop).
+A config with a \\[serve_load] table instead drives real servers: concurrent streamed clients against kvtool serve and plain mlx_lm.server on the same model, 95 % bootstrap intervals over repeats, greedy outputs compared (kvtool/bench/loadcell.py; exit 1 on a mismatch, a failed request or an unclean stop).
 
 Examples:
 
