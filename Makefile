@@ -29,13 +29,13 @@ lint: $(STAMP)
 	$(BIN)/ruff check kvtool tests bench_configs scripts
 	$(BIN)/mypy
 
-## test: install, lint, then run the whole test suite
+## test: install, lint, then run the whole test suite (two pytest-xdist workers: the machine's 2 cores)
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 ## test-fast: the suite without the tests marked slow (subprocesses, servers, sleeps), for development
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 ## soak: both soaks below (storage 300 s, then 10 minutes of hostile HTTP beside 4 normal clients)
 soak: soak-storage soak-http
