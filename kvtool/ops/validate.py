@@ -33,9 +33,13 @@ following symlinks (`kvtool.ops.confined`). A repairing run holds the cache's ma
 a `prune` or `rm` is removing at the same moment; a dry run only reads and takes no lock.
 
 Scale (docs/operations.md): the rows are read once, as columns (`kvtool.store.rowtable`); the
-segment files are visited once each, in name order, each opened once, and the records a check
-needs are read in file order with as few reads as possible (`kvtool.ops.records.SegmentPass`):
-token ids for the digest check, whole records for `deep` and for records without a row; the
+segment files are visited once each, in name order, each opened once. A clean segment (every
+slot held by a row that matches it) takes the fast path: one read of the whole file (small files;
+with `deep` any up to 64 MiB), its header and each record checked over slices of that buffer, no
+object kept per record (`SegmentPass.check_clean`). Any other segment is checked the general way:
+the records a check needs read in file order with as few reads as possible
+(`kvtool.ops.records.SegmentPass`): token ids for the digest check, whole records for `deep` and
+for records without a row; the
 chain tree (rows plus candidate records) is built once. Memory grows with the blocks (numpy
 columns, ~150 bytes per block), never with the bytes of the cache.
 
@@ -48,7 +52,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -58,7 +62,7 @@ from kvtool.hashing import root_parent
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import execute_rebuild, plan_rebuild
-from kvtool.ops.records import Record, SegmentPass, created_of
+from kvtool.ops.records import Record, SegmentCheck, SegmentPass, created_of
 from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     MAX_DETAILS,
     REPAIRS,
@@ -214,8 +218,8 @@ class _Planner:
         rep.access_clamped = len(act.clamp)
         self.known = (set(self.table.segments) | set(ns.orphans)) & set(ns.files)
         names = sorted(set(ns.files) | set(self.table.segments))
-        for i, name in enumerate(names, 1):
-            self._visit(name)
+        for i, (name, rows, clean) in enumerate(self._fast_checks(names), 1):
+            self._visit(name, rows, clean)
             if progress is not None:
                 progress(ns.name, i, len(names))
         self.reader.close()
@@ -223,15 +227,29 @@ class _Planner:
         self._adopt_and_finish(final, dropped)
 
     # ------------------------------------------------------------------ the pass
-    def _visit(self, name: str) -> None:
-        """Check segment `name` against its rows: one open, then its records in file order."""
+    def _fast_checks(self, names: list[str]) -> Iterator[tuple[str, tuple, SegmentCheck | None]]:
+        """`(name, its rows, fast check)` for each segment, in order: the fast check of a segment
+        with rows and a file (`SegmentPass.check_clean`), else None. (Checking two segments at once
+        in threads measured no faster on 2 loaded cores, with 1 KiB or 64 KiB records: the
+        header parse holds the GIL.)"""
+        files = self.ns.files
+        for name in names:
+            s = self.table.segment_numbers.get(name)
+            rows = self.rows.of(s) if s is not None else ([],) * 7
+            yield name, rows, self.reader.check_clean(name, rows[1:], self.deep) if rows[0] and name in files else None
+
+    def _visit(self, name: str, rows: tuple, clean: SegmentCheck | None) -> None:
+        """Check segment `name` against its `rows` (`_SegmentRows.of`): done if its fast check
+        (`clean`) passed, else one open, then its records in file order."""
         ns = self.ns
-        s = self.table.segment_numbers.get(name)
-        rl, hashes, parents, digests, slot_of, n_tok, nbytes = self.rows.of(s) if s is not None else ([],) * 7
+        rl, hashes, parents, digests, slot_of, n_tok, nbytes = rows
         if name not in ns.files:
             why = self._no_file(name)
             for r in rl:
                 self.fail[r] = why
+            return
+        if clean is not None and clean.header is not None:  # the common case: nothing kept per record
+            self.checked[name] = _SegInfo(clean.size, len(clean.header.slots), created_of(clean.header))
             return
         chk = self.reader.open(name)
         if chk.header is None:
