@@ -203,7 +203,7 @@ def row_disagrees(row: IndexRow, slot: Slot) -> str | None:
 SPAN_GAP = 64 << 10  # ranges closer than this are read with one preadv (bytes)
 HEADER_READ = 64 << 10  # what `segment.read_header` reads first: a smaller file is read whole anyway (bytes)
 WHOLE_FILE_MAX = 64 << 20  # a deep check reads a clean segment whole, in one read, up to this size (bytes)
-RowsOfSegment = tuple[list[str], list[str], list[str], list[int], list[int], list[int]]
+RowsOfSegment = tuple[list, ...]  # hashes, parents, digests (hex str), slots, token counts, record bytes (int)
 SPAN_MAX = 16 << 20  # the most one read takes at a time (bytes): bounds the buffer
 
 
