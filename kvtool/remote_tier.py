@@ -4,12 +4,14 @@ It stands last in the tier stack (after RAM, the pending buffer and SSD), so a p
 host has never seen, but another host has, is served from the shared store:
 - `longest_prefix`: one pipelined round trip of EXISTS for the rest of the chain (nothing while
   the store's circuit breaker is open, so a dead server costs no request more than its deadline);
-  the values of what it found start coming at once, in pipelined batches on the store's reader
-  threads (`RemoteStore.read`), while the request allocates its buffers;
-- `read_into`: each batch, as it arrives, verified exactly like an SSD record (header, layout,
-  parent, token ids, checksum: `kvtool.store.remote_value`) on the request thread, then placed
-  into the request's buffers while the next batch is on the wire; a bad value is a miss (deleted
-  and counted by the store) and cuts the chain; `release` cancels what was not placed;
+  the read of what it found starts there (`RemoteStore.read`: where cores are to spare, its
+  first batches are fetched and verified on the store's reader threads while the request
+  allocates its buffers);
+- `read_into`: the values in pipelined batches, each verified exactly like an SSD record
+  (header, layout, parent, token ids, checksum: `kvtool.store.remote_value`), then placed into
+  the request's buffers (with reader threads: while the next batch is on the wire); a bad value
+  is a miss (deleted and counted by the store) and cuts the chain; `release` cancels what was
+  not placed;
 - verified blocks are handed to `on_read` (the tiered cache writes them to the local SSD tier when
   `remote_promote` is on) and promoted into RAM like SSD hits, as views of the request's cache.
 Tail-entry candidates and siblings are not looked up remotely: that would add a round trip to every

@@ -27,7 +27,7 @@ def _store(url: str, chain, **kw) -> RemoteStore:
     return RemoteStore(url, chain.layout_key, chain.kv, "none", timeout_s=0.25, **kw)
 
 
-@pytest.mark.parametrize("ahead,threads", [(1, 1), (2, 2), (4, 3)])
+@pytest.mark.parametrize("ahead,threads", [(0, 1), (1, 1), (2, 2), (4, 3)])
 def test_read_ahead_yields_every_block_in_chain_order(redis_node, ahead, threads):
     chain = make_chain(N, model_id=f"read-ahead-{ahead}-{threads}", seed=21)
     with _store(redis_node.url, chain, read_ahead=ahead, read_threads=threads) as store:
@@ -41,10 +41,11 @@ def test_read_ahead_yields_every_block_in_chain_order(redis_node, ahead, threads
         assert stats["remote_hit_blocks"] == N and stats["remote_lookups"] == 1 and stats["remote_errors"] == 0
 
 
-def test_a_bad_value_in_a_later_batch_cuts_the_read_there(redis_node):
-    chain = make_chain(N, model_id="read-ahead-corrupt", seed=22)
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_a_bad_value_in_a_later_batch_cuts_the_read_there(redis_node, ahead):
+    chain = make_chain(N, model_id=f"read-ahead-corrupt-{ahead}", seed=22)
     client = redis_node.client()
-    with _store(redis_node.url, chain) as store:
+    with _store(redis_node.url, chain, read_ahead=ahead) as store:
         assert store.put_blocks(chain.blocks) == N
         bad = 13  # the second value of the fifth batch
         key = rv.value_key(chain.layout_key, chain.hashes[bad])
@@ -91,13 +92,14 @@ class _Buffers:
         self.placed[offset] = block
 
 
-def test_tier_places_verified_blocks_and_stops_at_the_first_bad_one(redis_node):
-    chain = make_chain(N, model_id="read-ahead-tier", seed=24)
+@pytest.mark.parametrize("ahead", [0, 2])
+def test_tier_places_verified_blocks_and_stops_at_the_first_bad_one(redis_node, ahead):
+    chain = make_chain(N, model_id=f"read-ahead-tier-{ahead}", seed=24)
     ids = np.concatenate(chain.tokens)
     bs = len(chain.tokens[0])
     entries = [ChainEntry(h, p, i * bs, (i + 1) * bs) for i, (h, p) in enumerate(zip(chain.hashes, chain.parents))]
     client = redis_node.client()
-    with _store(redis_node.url, chain) as store:
+    with _store(redis_node.url, chain, read_ahead=ahead) as store:
         assert store.put_blocks(chain.blocks) == N
         client.set(rv.value_key(chain.layout_key, chain.hashes[17]), b"not a value")
         promoted: list = []

@@ -21,8 +21,9 @@ Failure isolation: the remote tier can only make requests miss, never fail or ha
 - kvtool never lists keys (no KEYS, no SCAN) on the request path: only EXISTS, GETRANGE, SET NX,
   UNLINK on named keys, pipelined. Listing is for `kvtool remote` (`kvtool.ops.remote_ops`).
 
-Reads: `read` fetches a run of values in pipelined batches on reader threads, ahead of the
-request thread that verifies them (`kvtool.store.remote_read`); `get_blocks` collects it.
+Reads: `read` fetches and verifies a run of values in pipelined batches, where cores are to
+spare on reader threads ahead of the request thread (`kvtool.store.remote_read`); `get_blocks`
+collects it.
 
 Writes are first-writer-wins (`SET NX`, optional `EX` TTL): the same chain hash always names the
 same KV, so a second writer has nothing to add. `RemoteWriter` moves writes off the request
@@ -148,7 +149,8 @@ class RemoteStore:
         max_value_bytes: largest string stored (bytes); larger values are split into parts.
         batch_bytes: values per pipelined write, by size (bytes).
         read_batch_bytes: values per pipelined read, by expected size (bytes).
-        read_ahead: read batches in flight ahead of the thread that verifies them.
+        read_ahead: read batches fetched and verified on reader threads ahead of the thread that
+            takes them (0: each batch on the taking thread, when taken).
         read_threads: reader threads (each batch in flight uses a connection).
         breaker_failures: consecutive failed calls that open the breaker.
         breaker_backoff_s, breaker_max_backoff_s: its first and longest back-off (seconds).
@@ -174,7 +176,7 @@ class RemoteStore:
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
         read_ahead: int = DEFAULT_READ_AHEAD,
-        read_threads: int = DEFAULT_READ_AHEAD,
+        read_threads: int = 2,
         breaker_failures: int = 3,
         breaker_backoff_s: float = 1.0,
         breaker_max_backoff_s: float = 30.0,
@@ -196,7 +198,7 @@ class RemoteStore:
         self.ttl_ex = None if ttl_s is None else max(1, math.ceil(ttl_s))
         self.max_value_bytes = max_value_bytes
         self.batch_bytes = max(1, batch_bytes)
-        self.read_batch_bytes, self.read_ahead = max(1, read_batch_bytes), max(1, read_ahead)
+        self.read_batch_bytes, self.read_ahead = max(1, read_batch_bytes), max(0, read_ahead)
         self.read_threads = max(1, read_threads)
         self._readers: ThreadPoolExecutor | None = None
         self._breaker = _Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)

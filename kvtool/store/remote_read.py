@@ -4,11 +4,12 @@ threads (`ValueRead`, made by `RemoteStore.read`), handed to the request thread 
 A remote hit is bound by the socket: the client's CPU is idle for much of a pipelined GET, while
 verifying a value (header, checksum, token ids) and placing it into the request's buffers is
 CPU work. So the values are read in pipelined batches of `batch_bytes` (by their expected sizes)
-on the store's reader threads, at most `ahead` batches in flight, each verified on its reader
-thread as soon as it arrives (`remote_value.decode_value`: exactly the checks of an SSD hit, with
+and, where cores are to spare (`DEFAULT_READ_AHEAD`), on the store's reader threads, at most
+`ahead` batches in flight, each verified on its reader thread as soon as it arrives (`remote_value.decode_value`: exactly the checks of an SSD hit, with
 the request's own chain hashes, parents and token ids), while the request thread places the
 previous batch (numpy copies, which release the GIL, as redis-py does while it waits on the
-socket). Only verified blocks leave `blocks`; a bad value is a miss, deleted and counted.
+socket). With `ahead` 0 each batch is fetched and verified on the thread that takes it. Only
+verified blocks leave `blocks`; a bad value is a miss, deleted and counted.
 
 Every batch is one `RemoteStore` call (the store's deadline on each socket operation, its
 circuit breaker; a failed batch is a miss for it and the rest of the chain). `cancel()` stops
@@ -20,6 +21,7 @@ MLX-free.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Future
@@ -35,8 +37,14 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "Got", "ValueRead", "fetch_values"]
 
-DEFAULT_READ_BATCH_BYTES = 1 << 20  # bytes of values per pipelined read (expected sizes)
-DEFAULT_READ_AHEAD = 2  # batches in flight ahead of the verifying thread
+DEFAULT_READ_BATCH_BYTES = 2 << 20  # bytes of values per pipelined read (expected sizes)
+# Batches read and verified ahead on reader threads: only where cores are to spare. On 2 shared
+# cores (redis-server, the request thread and other work on them) reader threads cost more CPU
+# than they hide: a 16k-token `tiny` hit (17 MB, 256 values) in a fresh process took ~87 ms of
+# CPU read on the request thread vs ~100-125 ms with 1-2 reader threads, at equal TTFT within
+# noise (load average 4-5); with idle cores the ~20 ms of verifying and placing overlap the
+# socket reads instead.
+DEFAULT_READ_AHEAD = 2 if (os.cpu_count() or 1) >= 4 else 0
 
 
 class Got(NamedTuple):
@@ -138,7 +146,8 @@ class ValueRead:
         parents: each entry's expected parent hash.
         token_ids: each entry's exact token ids (int32 `[n]`; `n` also bounds its value size).
         batch_bytes: values per pipelined read, by expected size (bytes).
-        ahead: batches in flight ahead of the consumer (>= 1).
+        ahead: batches in flight ahead of the consumer on the store's reader threads; 0: none,
+            each batch is fetched and verified on the consumer's thread when it is taken.
 
     Raises:
         ValueError: the three sequences differ in length.
@@ -168,7 +177,7 @@ class ValueRead:
                 j += 1
             self.batches.append(range(i, j))
             i = j
-        self.ahead = max(1, ahead)
+        self.ahead = max(0, ahead)
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._stopped = False
@@ -178,6 +187,8 @@ class ValueRead:
         return len(self.keys)
 
     def _submit_upto(self, n: int) -> None:
+        if not self.ahead:
+            return
         with self._lock:
             while not self._stopped and len(self._futures) < min(n, len(self.batches)):
                 batch = self.batches[len(self._futures)]
@@ -231,6 +242,8 @@ class ValueRead:
                 return
 
     def _result(self, b: int) -> list[HostBlock | None] | None:
+        if not self.ahead:
+            return self._fetch(self.batches[b])
         with self._lock:
             fut = self._futures[b] if b < len(self._futures) else None
         if fut is None:
