@@ -12,8 +12,6 @@ check the bounded reading of prompt sources: one `error:` line and exit 2.
 from __future__ import annotations
 
 import json
-import os
-import re
 import signal
 import socket
 import subprocess
@@ -26,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.server_procs import REPO, START_TIMEOUT_S, ServerProc, free_port
+
 openai = pytest.importorskip("openai")
 
-REPO = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60.0
 HTTP_TIMEOUT_S = 120.0  # generous: the machine is shared
 FAULT = "KVTOOL-TEST-FAULT-7f3e"  # the stop string that makes the generation loop raise (watchdog test seam)
 MAX_BODY = 1 << 20  # --max-body-bytes of the shared server
@@ -39,55 +37,14 @@ NO_EOS = {"2": -100.0, "0": -100.0}  # the tiny model's EOS ids: a request that 
 
 
 # ----------------------------------------------------------------------------- processes
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProc):
+    """A server subprocess (`tests.server_procs.ServerProc`); `baseline` holds the greedy output of
+    NORMAL before any hostile request. `stop` SIGKILLs a server that does not exit in time."""
 
+    baseline = ""
 
-class Server:
-    """A server subprocess, stderr in a file; `url` once it listens."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
-        self.log = log
-        self._fh = open(log, "w")
-        self.p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._fh, cwd=REPO,
-                                  env={**os.environ, **(env or {})})
-        self.url = ""
-        self.port = 0
-        self.baseline = ""  # the greedy output of NORMAL before any hostile request
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.text())
-            if m:
-                return m
-            if self.p.poll() is not None:
-                raise AssertionError(f"server exited {self.p.returncode}:\n{self.text()[-3000:]}")
-            time.sleep(0.05)
-        raise AssertionError(f"timeout waiting for {pattern!r}:\n{self.text()[-3000:]}")
-
-    def stop(self, timeout: float = 60.0) -> int:
-        try:
-            if self.p.poll() is None:
-                self.p.send_signal(signal.SIGTERM)
-            return self.p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            return self.p.wait(10)
-        finally:
-            self._fh.close()
-
-    def vm_rss_kib(self) -> int:
-        """The server's resident set (KiB, /proc/<pid>/status VmRSS)."""
-        for line in Path(f"/proc/{self.p.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0, kill_late: bool = True) -> int:
+        return super().stop(sig, timeout, kill_late)
 
 
 def start_kvtool(tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None) -> Server:

@@ -11,7 +11,6 @@ mlx-lm server options it fills in.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import socket
@@ -25,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.server_procs import REPO, START_TIMEOUT_S, ServerProc, free_port
+
 openai = pytest.importorskip("openai")
 
-REPO = Path(__file__).resolve().parent.parent
 DEMO = (REPO / "kvtool" / "assets" / "demo_prompt.txt").read_text()
-START_TIMEOUT_S = 30.0
 MAX_TOKENS = 16
 REQUEST_LINE = re.compile(
     r"kvtool request (\d+): prompt (\d+) tok \| cached (\d+) \(RAM (\d+), SSD (\d+)\) \| prefilled (\d+)"
@@ -37,48 +36,8 @@ REQUEST_LINE = re.compile(
 
 
 # --------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    """A server subprocess with stderr in a file (read while it runs)."""
-
-    def __init__(self, args: list[str], log: Path):
-        self.log = log
-        self._fh = open(log, "w")
-        self.p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._fh, cwd=REPO, env=dict(os.environ))
-        self.url: str | None = None
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.text())
-            if m:
-                return m
-            if self.p.poll() is not None:
-                raise AssertionError(f"server exited {self.p.returncode}:\n{self.text()[-3000:]}")
-            time.sleep(0.05)
-        raise AssertionError(f"timeout waiting for {pattern!r}:\n{self.text()[-3000:]}")
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.p.poll() is None:
-            self.p.send_signal(sig)
-        try:
-            return self.p.wait(timeout)
-        finally:
-            self._fh.close()
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(10)
-        self._fh.close()
+class Proc(ServerProc):
+    """A server subprocess (`tests.server_procs.ServerProc`) whose request lines can be read."""
 
     def requests(self) -> list[tuple[int, ...]]:
         return [tuple(int(g) for g in m.groups()) for m in REQUEST_LINE.finditer(self.text())]
@@ -93,7 +52,7 @@ def start_kvtool(tmp: Path, name: str, *extra: str) -> Proc:
 
 
 def start_oracle(tmp: Path, model_path: str) -> Proc:
-    port = _free_port()
+    port = free_port()
     proc = Proc([sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(port)],
                 tmp / "oracle.log")
     proc.url = f"http://127.0.0.1:{port}"

@@ -147,7 +147,8 @@ def test_trust_remote_code_reaches_the_tokenizer(tmp_path):
 
 @pytest.mark.slow
 def test_kv_bits_matches_mlx_lm_server(tmp_path):
-    from tests.test_serve_http import Proc, _free_port, kvtool_cli, start_kvtool
+    from tests.server_procs import free_port
+    from tests.test_serve_http import Proc, kvtool_cli, start_kvtool
 
     quant = ("--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0")
     proc = start_kvtool(tmp_path, "kvbits", *quant)
@@ -159,7 +160,7 @@ def test_kv_bits_matches_mlx_lm_server(tmp_path):
         assert proc.stop() == 143
     assert second[0] == first[0] and first[2] == 0 and second[2] == second[1] - 1
     assert doc["uncached_reason"] is None and doc["adapter"]["inserts_uncacheable"] == 0
-    port = _free_port()
+    port = free_port()
     oracle = Proc([sys.executable, "-m", "mlx_lm.server", "--model", kvtool_cli("model", "path", "tiny").stdout.strip(),
                    "--port", str(port), *quant], tmp_path / "oracle.log")
     oracle.url = f"http://127.0.0.1:{port}"
