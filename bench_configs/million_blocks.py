@@ -140,15 +140,25 @@ def build(cache_dir: Path, n_blocks: int, seed: int = 0) -> dict:
             "build_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
 
 
-def run(cmd: list[str] | str, shell: bool = False) -> dict:
+def repeated(fn, repeats: int) -> dict:
+    """`fn()` (a `run`) `repeats` times: the median run, with every time (`runs_s`) and the
+    spread (`min_s`, `max_s`); peak RSS the largest."""
+    got = [fn() for _ in range(max(1, repeats))]
+    times = sorted(g["s"] for g in got)
+    mid = sorted(got, key=lambda g: g["s"])[len(got) // 2]
+    return {**mid, "runs_s": [g["s"] for g in got], "min_s": times[0], "max_s": times[-1],
+            "peak_rss_mb": max(g["peak_rss_mb"] for g in got)}  # fmt: skip
+
+
+def run(cmd: list[str] | str, shell: bool = False, tree: Path = REPO) -> dict:
     """Run a command in a fresh process: wall seconds, the peak RSS of exactly that process
     (`wait4`: MB; for a shell pipeline this is the forked benchmark's own size, not a
     measurement), exit code and the ends of its output. Dirty pages are written back first
     (`sync`), so no command pays for the writes of the one before."""
     os.sync()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.Popen(cmd, shell=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tree,
+                            env={**os.environ, "PYTHONPATH": str(tree)})  # fmt: skip
     out = proc.stdout.read() if proc.stdout else b""
     err = proc.stderr.read() if proc.stderr else b""
     _, status, ru = os.wait4(proc.pid, 0)
@@ -158,32 +168,41 @@ def run(cmd: list[str] | str, shell: bool = False) -> dict:
             "stdout_all": out.decode(errors="replace"), "stderr_tail": err.decode(errors="replace")[-600:]}  # fmt: skip
 
 
-def floor(cache: Path, ns: str) -> dict:
+def floor(cache: Path, ns: str, repeats: int = 1) -> dict:
     db = cache / ns / INDEX_FILENAME
-    out = _floor(cache, ns, db)
+    out = {
+        "find | wc -l": repeated(lambda: run(f"find {cache} | wc -l", shell=True), repeats),
+        "du -s": repeated(lambda: run(["du", "-s", str(cache)]), repeats),
+        "sqlite count(*)": repeated(lambda: run(["sqlite3", str(db), "SELECT count(*) FROM blocks"]), repeats),
+        "sequential read": repeated(lambda: run(f"find {cache}/{ns} -name '*.safetensors' -print0 | xargs -0 cat > /dev/null",
+                                                shell=True), repeats),  # fmt: skip
+    }
     for r in out.values():
         r["stdout_tail"] = r.pop("stdout_all")[-200:]
     return out
 
 
-def _floor(cache: Path, ns: str, db: Path) -> dict:
-    return {
-        "find | wc -l": run(f"find {cache} | wc -l", shell=True),
-        "du -s": run(["du", "-s", str(cache)]),
-        "sqlite count(*)": run(["sqlite3", str(db), "SELECT count(*) FROM blocks"]),
-        "sequential read": run(f"find {cache}/{ns} -name '*.safetensors' -print0 | xargs -0 cat > /dev/null", shell=True),
-    }
-
-
-def commands(cache: Path, ns: str, budget: int) -> dict:
+def commands(cache: Path, ns: str, budget: int, repeats: int = 1, compare: Path | None = None) -> dict:
+    """Every command (`rm` once, last: it removes the namespace; the others `repeats` times);
+    with `compare` (another checkout, e.g. a worktree of an earlier commit) each of those also
+    runs from it, alternating with this one, as `<command> @compare`."""
     c = str(cache)
-    out = {
-        "validate": run([*KVTOOL, "validate", "--cache-dir", c, "--json"]),
-        "validate --deep": run([*KVTOOL, "validate", "--deep", "--cache-dir", c, "--json"]),
-        "inspect": run([*KVTOOL, "inspect", "--cache-dir", c, "--json"]),
-        "prune --dry-run": run([*KVTOOL, "prune", "--dry-run", "--ttl", "none", "--max-bytes", str(budget), "--cache-dir", c,
-                                "--json"]),  # fmt: skip
+    argv = {
+        "validate": ["validate", "--cache-dir", c, "--json"],
+        "validate --deep": ["validate", "--deep", "--cache-dir", c, "--json"],
+        "inspect": ["inspect", "--cache-dir", c, "--json"],
+        "prune --dry-run": ["prune", "--dry-run", "--ttl", "none", "--max-bytes", str(budget), "--cache-dir", c, "--json"],
     }
+    out: dict = {}
+    runs: dict[str, list[dict]] = {}
+    for _ in range(max(1, repeats)):  # interleaved: this checkout, then the other, command by command
+        for name, args in argv.items():
+            runs.setdefault(name, []).append(run([*KVTOOL, *args]))
+            if compare is not None:
+                runs.setdefault(f"{name} @compare", []).append(run([*KVTOOL, *args], tree=compare))
+    for name, got in runs.items():
+        it = iter(got)
+        out[name] = repeated(lambda it=it: next(it), len(got))
     out["rm"] = run([*KVTOOL, "rm", ns[:12], "--yes", "--cache-dir", c, "--json"])  # last: it removes the namespace
     for r in out.values():  # what each found: a clean cache must stay clean
         try:
@@ -216,6 +235,9 @@ def main() -> int:
     ap.add_argument("--root", type=Path, default=None, help="where the caches are built (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=None, help="report directory")
     ap.add_argument("--no-rm-floor", action="store_true", help="skip building each cache twice for `rm -rf`'s time")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each floor and read-only command (median, spread)")
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="another checkout (a worktree of an earlier commit): its read-only commands too, interleaved")
     ap.add_argument("--record", choices=sorted(RECORDS), default="small",
                     help="record geometry: small (1,088 B, the default) or tiny (65,792 B, a real tiny-preset block)")  # fmt: skip
     args = ap.parse_args()
@@ -226,15 +248,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="kvtool-million-", dir=args.root))
     doc: dict = {"sizes": sizes, "record": args.record, "record_bytes": KV.record_nbytes(BLOCK), "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                 "load_before": os.getloadavg()}, "commit": _commit(), "runs": []}  # fmt: skip
+                 "load_before": os.getloadavg()}, "commit": _commit(), "repeats": args.repeats,
+                 "compare": _commit(args.compare) if args.compare else None, "runs": []}  # fmt: skip
     try:
         for n in sizes:
             cache = root / f"cache-{n}"
             built = build(cache, n)
             print(f"{n:,} blocks: built in {built['build_s']} s ({built['segments']:,} segments)", flush=True)
             ns = built["namespace"]
-            run_doc = {"blocks": n, "built": built, "floor": floor(cache, ns), "syscalls": syscalls(cache) if n == sizes[0] else {}}
-            run_doc["commands"] = commands(cache, ns, built["segment_bytes"] // 2)
+            run_doc = {"blocks": n, "built": built, "floor": floor(cache, ns, args.repeats),
+                       "syscalls": syscalls(cache) if n == sizes[0] else {}}  # fmt: skip
+            run_doc["commands"] = commands(cache, ns, built["segment_bytes"] // 2, args.repeats, args.compare)
             if not args.no_rm_floor:  # the floor of `rm`: `rm -rf` of an identical namespace
                 shutil.rmtree(cache, ignore_errors=True)
                 build(cache, n)
@@ -264,12 +288,12 @@ def verdict(doc: dict) -> dict:
     v["validate --deep"] = {"s": deep, "ratio_to_read": round(deep / read, 2), "target_ratio": DEEP_VS_READ,
                             "met": deep <= DEEP_VS_READ * read, "extra_over_validate_s": round(extra, 2),
                             "extra_ratio_to_read": round(extra / read, 2)}  # fmt: skip
-    rss = {k: c["peak_rss_mb"] for k, c in big["commands"].items()}
+    rss = {k: c["peak_rss_mb"] for k, c in big["commands"].items() if not k.endswith("@compare")}
     v["peak_rss_mb"] = {"max": max(rss.values()), "target": RSS_MB, "met": max(rss.values()) <= RSS_MB, "by_command": rss}
     if len(runs) >= 2:
         lo, hi = min(runs), max(runs)
         exps = {k: round(math.log(runs[hi]["commands"][k]["s"] / max(runs[lo]["commands"][k]["s"], 1e-3)) / math.log(hi / lo), 3)
-                for k in runs[hi]["commands"]}  # fmt: skip
+                for k in runs[hi]["commands"] if not k.endswith("@compare")}  # fmt: skip
         v["exponent"] = {"by_command": exps, "target": EXPONENT, "met": max(exps.values()) <= EXPONENT}
     return v
 
@@ -281,8 +305,11 @@ def report(doc: dict) -> str:
              + (f" --record {record}" if record != "small" else "") + "` "
              f"(commit {doc['commit']}, {doc['machine']['cpus']} CPUs, load {doc['machine']['load_before'][0]:.1f} before). "
              f"Records of {doc.get('record_bytes', 1088):,} bytes ({record}), 16 blocks a segment. "
-             "Fresh process per command, warm page cache, peak RSS of the process (`wait4`).", ""]  # fmt: skip
-    names = list(doc["runs"][0]["floor"]) + list(doc["runs"][0]["commands"])
+             "Fresh process per command, warm page cache, peak RSS of the process (`wait4`)."
+             + (f" Each floor and read-only command run {doc['repeats']} times: median (min-max)." if doc.get("repeats", 1) > 1 else "")
+             + (f" `@compare`: the same command from commit {doc['compare']}, interleaved." if doc.get("compare") else ""),
+             ""]  # fmt: skip
+    names = list(doc["runs"][0]["floor"]) + sorted(doc["runs"][0]["commands"], key=lambda k: (k == "rm", k.removesuffix(" @compare"), k))
     floor_rm = [r["floor"].get("rm -rf (a second copy)") for r in doc["runs"]]
     head = "| command | " + " | ".join(f"{r['blocks']:,} blocks: s / MB" for r in doc["runs"]) + " |"
     lines += [head, "|---|" + "---:|" * len(doc["runs"])]
@@ -290,7 +317,8 @@ def report(doc: dict) -> str:
         cells = []
         for r in doc["runs"]:
             m = r["floor"].get(name) or r["commands"][name]
-            cells.append(f"{m['s']:.2f} / {m['peak_rss_mb']:.0f}" + ("" if m["rc"] == 0 else f" (rc {m['rc']})"))
+            spread = f" ({m['min_s']:.2f}-{m['max_s']:.2f})" if len(m.get("runs_s", ())) > 1 else ""
+            cells.append(f"{m['s']:.2f}{spread} / {m['peak_rss_mb']:.0f}" + ("" if m["rc"] == 0 else f" (rc {m['rc']})"))
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     v = doc["verdict"]
     lines += ["", "Targets at the largest size:", ""]
@@ -316,11 +344,12 @@ def report(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _commit() -> str:
-    if os.environ.get("KVTOOL_BENCH_COMMIT"):  # run from an exported tree (no .git)
+def _commit(tree: Path | None = None) -> str:
+    if tree is None and os.environ.get("KVTOOL_BENCH_COMMIT"):  # run from an exported tree (no .git)
         return os.environ["KVTOOL_BENCH_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=tree or REPO).stdout.strip()  # fmt: skip
     except OSError:
         return "unknown"
 
