@@ -58,6 +58,7 @@ ever fails a request: it is logged and the request runs uncached.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -122,6 +123,11 @@ class RequestRecord:
         if self.uncached_reason:
             line += f" | uncached: {self.uncached_reason}"
         return line
+
+
+def _prompt_digest(ids: np.ndarray) -> bytes:
+    """16-byte BLAKE2b digest of int32 token ids (a key that does not keep the prompt alive)."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
 
 
 @dataclass
@@ -428,7 +434,7 @@ class KVToolPromptCache:
             self._release_quietly(hit)  # (a no-op after release)
         self._counts["requests_prefilled"] += 1
         self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), len(hit.hashes), prefilled=True)
-        key = ids.tobytes()
+        key = _prompt_digest(ids)
         self._reported.setdefault(key, deque()).append(rec.cached_tokens)
         self._reported.move_to_end(key)
         while len(self._reported) > MAX_REPORTED:
@@ -447,7 +453,7 @@ class KVToolPromptCache:
         fetch counts the tokens kvtool prefilled. `reported` is returned for other prompts.
         Identical prompts in flight together are answered in fetch order."""
         with self._lock:
-            key = np.asarray(prompt, dtype=np.int32).tobytes()
+            key = _prompt_digest(np.asarray(prompt, dtype=np.int32))
             counts = self._reported.get(key)
             if not counts:
                 return reported

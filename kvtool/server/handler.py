@@ -402,6 +402,22 @@ BUSY_RESPONSE = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application
                  b"Content-Length: 44\r\n\r\n" + b'{"error": "too many connections, try again"}')
 
 
+class _Slot:
+    """One connection's hold on the server's connection semaphore, released at most once."""
+
+    def __init__(self, slots: threading.BoundedSemaphore):
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            if not self._held:
+                return
+            self._held = False
+        self._slots.release()
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # a request in flight never keeps the process alive after shutdown
     # listen() backlog: socketserver's default of 5 overflows when 16 clients connect at once
@@ -411,6 +427,7 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._held: dict[int, _Slot] = {}  # id(request socket) -> its connection slot
         super().__init__(*args, **kwargs)
 
     def process_request(self, request, client_address):
@@ -421,17 +438,23 @@ class _HTTPServer(ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
+        slot = self._held[id(request)] = _Slot(self._slots)
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            # the thread may have started (SIGTERM's `Interrupted` can land after `start()`): the
+            # slot is released once, whoever comes first, and the exception goes on unchanged
+            slot.release()
+            self._held.pop(id(request), None)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            slot = self._held.pop(id(request), None)
+            if slot is not None:
+                slot.release()
 
     def handle_error(self, request, client_address):
         """One log line (socketserver prints a traceback); the traceback at DEBUG."""
