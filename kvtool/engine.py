@@ -415,10 +415,13 @@ class Engine:
             # checkpoints at block ends (and before the last token) on the way; the last token's
             # prefilled KV is what its block / tail entry stores (`kvtool.prefill.for_generation`)
             states: dict | None = {} if self._blockwise and self.cache.has_states else None
+            # every entry of the prompt's chain found: nothing to store, so no prefilled KV of the
+            # last token is needed and mlx-lm forwards it once, as after its own prompt cache
+            complete = hit.entries_found == len(hit.hashes) + (hit.tail is not None)
             gen_cache, last_kv, _ = prefill_mod.for_generation(
                 self.model, cache, ids, hit.cached_tokens, step=self.prefill_step_size,
                 windows=self.cache.windows if self._blockwise else (), states=states, quant=self.quant,
-                block_size=self.cache.config.block_size, stored=self.cache.tiered is not None)
+                block_size=self.cache.config.block_size, stored=self.cache.tiered is not None and not complete)
             res.prefill_ms = (time.perf_counter() - t0) * 1e3
             yield from self._decode(res, gen_cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
                                     store_cache=cache, states=states, last_kv=last_kv)
