@@ -5,16 +5,21 @@ The buffers are allocated once per restore, without a fill for large KV (CPU bac
 reader threads' writes are the only pass over that memory; `ready()` waits for the allocation
 and makes writable numpy views of their memory (CPU backend: zero copy; elsewhere numpy staging
 copied in once). `caches()` hands them to mlx-lm caches, which then own them (in-place decode,
-no copy).
+no copy). On Linux a daemon thread faults their pages in (`prefault`) while the request thread waits
+for headers, sockets or reader threads.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import logging
+import mmap
 import os
 import struct
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import BinaryIO, cast
 
@@ -111,6 +116,49 @@ class _BlankStream(io.RawIOBase):
         return self._pos
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (include/uapi/asm-generic/mman-common.h)
+_populate_unusable: list[str] = []  # why prefault is off (set once: old kernel, no libc, not Linux)
+
+
+def prefault(views: list[np.ndarray]) -> threading.Thread | None:
+    """Fault in the pages of fresh restore buffers on a daemon thread (`madvise(MADV_POPULATE_WRITE)`,
+    one call per buffer, the GIL released), so the readers' first writes do not each take a page
+    fault on the request path (~12 ms for 17 MB of KV in a fresh process, measured). Contents are
+    unchanged (pages already present are left alone). A no-op where the call is not available
+    (not Linux, kernel < 5.14: logged once at DEBUG).
+
+    Returns:
+        The thread (joined by nobody: it only touches memory the views keep alive), or None.
+    """
+    if _populate_unusable or sys.platform != "linux" or os.environ.get("KVTOOL_NO_PREFAULT"):
+        return None
+    spans = [(v.ctypes.data, v.nbytes) for v in views if v.nbytes >= 1 << 20]
+    if not spans:
+        return None
+    thread = threading.Thread(target=_populate, args=(spans, list(views)), name="kvtool-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def _populate(spans: list[tuple[int, int]], keep: list[np.ndarray]) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        for addr, n in spans:
+            start = addr - addr % page
+            if madvise(start, addr + n - start, _MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                _populate_unusable.append(os.strerror(err))
+                log.debug("restore buffers are not prefaulted: madvise: %s", os.strerror(err))
+                return
+    except (OSError, AttributeError) as exc:
+        _populate_unusable.append(str(exc))
+    finally:
+        del keep
+
+
 _blank_unusable: list[str] = []  # why `_blank_arrays` fell back once (then it is not tried again)
 
 
@@ -189,6 +237,7 @@ class KVBuffers:
         views = _host_views(self.arrays)  # evaluates the arrays (waits for an async allocation)
         if all(v is not None for v in views):
             self.views = views  # type: ignore[assignment]  # no None view: checked just above
+            prefault(self.views)
         else:
             self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
             self.staged = True
