@@ -189,15 +189,15 @@ def test_unfilled_arrays_have_their_shapes_dtypes_and_own_buffers():
 
 def test_prefault_keeps_contents_and_faults_pages_in(monkeypatch):
     """`prefault` populates fresh buffers on a thread: what readers wrote before or while it runs
-    stays; on Linux >= 5.14 the untouched pages are resident afterwards (the process's resident
-    set grows by about the buffers' size)."""
+    stays; on Linux >= 5.14 every page is resident afterwards (/proc/self/pagemap's present bit;
+    the memory is a fresh anonymous mapping, so none of it was before the first write)."""
+    import mmap
     import sys
 
     monkeypatch.setattr(kvbuffers, "_populate_unusable", [])
-    arrays = _blank_arrays([((1, 4, 16384, 64), mx.float32)] * 2)  # 2 x 16 MiB, never touched
-    views = [kvbuffers._host_view(a) for a in arrays]
+    maps = [mmap.mmap(-1, 16 << 20) for _ in range(2)]  # fresh, untouched pages
+    views = [np.frombuffer(m, dtype=np.float32).reshape(1, 4, 16384, 64) for m in maps]
     views[0][0, 0, :8, :] = 7.0  # a reader's write before the prefault
-    rss_before = _rss_kib()
     thread = kvbuffers.prefault(views)
     if sys.platform != "linux":
         assert thread is None
@@ -207,17 +207,24 @@ def test_prefault_keeps_contents_and_faults_pages_in(monkeypatch):
     thread.join(30)
     assert not thread.is_alive()
     assert (views[0][0, 0, :8, :] == 7.0).all() and (views[1][0, 3, -8:, :] == 5.0).all()
+    assert (views[0][0, 1:] == 0).all() and (views[1][0, :3] == 0).all()  # nothing else written
     if kvbuffers._populate_unusable:  # a kernel without MADV_POPULATE_WRITE: a no-op, said once
         assert kvbuffers.prefault(views) is None
         return
-    assert _rss_kib() - rss_before >= 0.9 * sum(v.nbytes for v in views) / 1024 - 8 * 1024
+    assert all(_resident_fraction(v) == 1.0 for v in views)
+    fresh = mmap.mmap(-1, 4 << 20)  # the instrument: an untouched mapping is not resident
+    assert _resident_fraction(np.frombuffer(fresh, dtype=np.uint8)) < 0.5
 
 
-def _rss_kib() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+def _resident_fraction(a: np.ndarray) -> float:
+    """Fraction of `a`'s pages present in RAM (/proc/self/pagemap: bit 63 of each entry)."""
+    import mmap
+
+    first, last = a.ctypes.data // mmap.PAGESIZE, (a.ctypes.data + a.nbytes - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), dtype=np.uint64)
+    return float(((entries >> np.uint64(63)) & np.uint64(1)).mean())
 
 
 def test_unfilled_allocation_that_mlx_refuses_falls_back_to_zeros(monkeypatch, caplog):
