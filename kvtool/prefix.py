@@ -335,8 +335,12 @@ class PrefixCache:
             hit.cached_tokens -= 1
             kind = found[placed - 1][0].kind
             setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") - 1)
-        if self.windows and hit.promote and hit.cached_tokens < hit.promote[-1][3] + len(hit.promote[-1][2]):
-            hit.promote.pop()  # its last token is re-forwarded through mlx-lm's rotating layers: keep the SSD copy
+        # the entry holding a re-forwarded last token: mlx-lm's decode writes that token's KV again
+        # (through rotating layers; alone, where that rounds otherwise: `alone_exact`), so the
+        # cache no longer holds what was read: keep the SSD copy, promote the rest
+        reforward_differs = bool(self.windows) or not self.alone_exact
+        if reforward_differs and hit.promote and hit.cached_tokens < hit.promote[-1][3] + len(hit.promote[-1][2]):
+            hit.promote.pop()
         if self.windows and hit.cache and not full_views:  # (the views stay for promotion at release)
             hit.views, hit.cache = hit.cache, as_rotating(hit.cache, hit.cached_tokens)
         hit.remaining = ids[hit.cached_tokens :]
