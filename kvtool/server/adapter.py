@@ -453,6 +453,8 @@ class KVToolPromptCache:
         fetch counts the tokens kvtool prefilled. `reported` is returned for other prompts.
         Identical prompts in flight together are answered in fetch order."""
         with self._lock:
+            if not self._reported:  # no prompt kvtool prefilled is waiting for its answer (plain models)
+                return reported
             key = _prompt_digest(np.asarray(prompt, dtype=np.int32))
             counts = self._reported.get(key)
             if not counts:
