@@ -422,11 +422,8 @@ class KVToolPromptCache:
         if job.epoch != self._epoch or self._closed:  # the tiers changed during the prefill
             self._release_quietly(hit)
             return
-        t0 = time.perf_counter()
         try:
-            rec.blocks_stored = pc.store(ids, cache, hit, states=states)
-            rec.store_ms = (time.perf_counter() - t0) * 1e3
-            self._counts["blocks_stored"] += rec.blocks_stored
+            self._store(rec, ids, cache, hit, states=states)
             hit.cache = cache  # SSD blocks enter RAM as views of the prompt positions
             pc.release(hit)
         finally:
@@ -508,11 +505,15 @@ class KVToolPromptCache:
             return
         n_tok = n_full * self.prefix_cache.config.block_size
         sub = CacheHit(cache=[], prompt_tokens=n_tok, hashes=w.hit.hashes[:n_full], tail=None, entries_found=w.stored)
-        t0 = time.perf_counter()
-        n = self.prefix_cache.store(w.prompt[:n_tok], cache, sub)
-        w.record.store_ms += (time.perf_counter() - t0) * 1e3
+        self._store(w.record, w.prompt[:n_tok], cache, sub)
         w.stored = n_full
-        w.record.blocks_stored += n
+
+    def _store(self, rec: RequestRecord, prompt: np.ndarray, cache: list, hit: CacheHit, **kw: Any) -> None:
+        """`PrefixCache.store`, timed and counted into the request's record. Under the lock."""
+        t0 = time.perf_counter()
+        n = self.prefix_cache.store(prompt, cache, hit, **kw)
+        rec.store_ms += (time.perf_counter() - t0) * 1e3
+        rec.blocks_stored += n
         self._counts["blocks_stored"] += n
 
     def _finish(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
@@ -523,12 +524,8 @@ class KVToolPromptCache:
         storable = self.prefix_cache.tiered is not None and self._cache_reason(cache) is None
         try:
             if storable:
-                hit = dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored))
-                t0 = time.perf_counter()
-                n = self.prefix_cache.store(w.prompt, cache, hit)
-                w.record.store_ms += (time.perf_counter() - t0) * 1e3
-                w.record.blocks_stored += n
-                self._counts["blocks_stored"] += n
+                self._store(w.record, w.prompt, cache,
+                            dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored)))
             else:
                 self._counts["inserts_uncacheable"] += 1
         finally:
