@@ -10,10 +10,11 @@ prompt once: its TTFT is the recompute figure. Then, alternated, each in a fresh
 - `floor`: a pipelined redis-py GET of every value of the prompt (the same keys, so the same
   bytes), timed, plus the forward of the last token over a cache of the same length (allocated
   and filled before the clock starts). The client connects (PING) before the clock starts, as
-  kvtool's store connects when the engine loads, outside TTFT. Two batchings, each its own
-  fresh process: `floor` (round trips of 8 MiB, fewest round trips) and `floor-read-batches`
-  (round trips of kvtool's read batch size, one after another on one connection); the ratio
-  uses the faster of the two medians (the stricter floor).
+  kvtool's store connects when the engine loads, outside TTFT. Several batchings, each its own
+  fresh process: `floor-8M`, `floor-2M`, `floor-512k` (one `pipeline().execute()` of that many
+  bytes after another); the ratio uses the fastest of their medians (the stricter floor). And
+  `floor-wire`: GETs in kvtool's read batches sent `DEFAULT_WIRE_WINDOW` batches ahead on one
+  connection, as kvtool's own reader sends its GETRANGEs; its ratio is reported beside.
 Then the write-through price: fresh prompts served cold with `remote_policy = write_through` and
 with the remote tier off (fresh cache directories), request time = TTFT + write path (ms).
 Hit rows also keep `load_ms` (serve-once's `ssd_load_ms`: the hit's buffers filled from its
@@ -49,10 +50,15 @@ from kvtool.bench.restore import (  # noqa: E402
     prompt_ids,
     rotated,
 )
-from kvtool.store.remote_read import DEFAULT_READ_BATCH_BYTES  # noqa: E402
+from kvtool.store.remote_read import DEFAULT_READ_BATCH_BYTES, DEFAULT_WIRE_WINDOW  # noqa: E402
 from tests.redis_servers import RedisServer  # noqa: E402
 
-FLOORS = {"floor": 8 << 20, "floor-read-batches": DEFAULT_READ_BATCH_BYTES}  # bytes per round trip
+# The floors: (bytes of values per pipelined batch, batches sent ahead on one connection; 0: one
+# `pipeline().execute()` after another). The ratio uses the fastest pipeline floor; `floor-wire`
+# sends GETs ahead on one connection as kvtool's own reader does (stricter, reported beside it).
+FLOORS = {"floor-8M": (8 << 20, 0), "floor-2M": (2 << 20, 0), "floor-512k": (512 << 10, 0),
+          "floor-wire": (DEFAULT_READ_BATCH_BYTES, DEFAULT_WIRE_WINDOW)}
+PIPELINE_FLOORS = [m for m, (_, w) in FLOORS.items() if not w]
 
 FLOOR_WORKER = r"""
 import json, sys, time
@@ -71,14 +77,22 @@ for c in cache:  # a cache of the same length (not timed): the floor's forward a
     c.keys = mx.zeros((1, h, n + 256, d)); c.values = mx.zeros((1, h, n + 256, d)); c.offset = n
     mx.eval(c.keys, c.values)
 mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))  # warm-up
+per = max(1, batch_bytes // args["value_bytes"])
+batches = [keys[i : i + per] for i in range(0, len(keys), per)]
+window = args["window"]
 t0 = time.perf_counter()
-got, batch, size = 0, [], 0
-for k in keys:
-    batch.append(k); size += args["value_bytes"]
-    if size >= batch_bytes:
-        p = r.pipeline(transaction=False); [p.get(x) for x in batch]; got += sum(len(v) for v in p.execute()); batch, size = [], 0
-if batch:
-    p = r.pipeline(transaction=False); [p.get(x) for x in batch]; got += sum(len(v) for v in p.execute())
+got = 0
+if not window:
+    for batch in batches:
+        p = r.pipeline(transaction=False); [p.get(x) for x in batch]; got += sum(len(v) for v in p.execute())
+else:  # GETs sent `window` batches ahead on one connection, replies read batch by batch
+    conn = r.connection_pool.get_connection()
+    sent = 0
+    for b, batch in enumerate(batches):
+        while sent < min(len(batches), b + window):
+            conn.send_packed_command(conn.pack_commands([("GET", x) for x in batches[sent]])); sent += 1
+        got += sum(len(conn.read_response()) for _ in batch)
+    r.connection_pool.release(conn)
 t1 = time.perf_counter()
 mx.eval(loaded.model(mx.array([[args["last"]]]), cache=cache))
 t2 = time.perf_counter()
@@ -139,7 +153,7 @@ def main() -> int:
                 else:
                     args = {"model": a.model, "port": server.port, "keys": [k.decode() for k in keys],
                             "value_bytes": value_bytes, "cached": int(len(ids) - 1), "last": int(ids[-1]),
-                            "batch_bytes": FLOORS[method]}
+                            "batch_bytes": FLOORS[method][0], "window": FLOORS[method][1]}
                     p = subprocess.run([sys.executable, "-c", FLOOR_WORKER, json.dumps(args)], capture_output=True,
                                        text=True, env=child_env(), timeout=600)
                     if p.returncode != 0:
@@ -170,10 +184,11 @@ def main() -> int:
         xs = [r["ms"] for r in rows if r["part"] == part and r["method"] == method]
         med[f"{part}/{method}"] = {"median_ms": statistics.median(xs), "min_ms": min(xs), "max_ms": max(xs), "n": len(xs)}
     hit, rec = med["hit/remote-hit"], med["hit/recompute"]
-    floor = min((med[f"hit/{m}"] for m in FLOORS), key=lambda v: v["median_ms"])
+    floor = min((med[f"hit/{m}"] for m in PIPELINE_FLOORS), key=lambda v: v["median_ms"])
     wt, off = med["write/write-through"], med["write/remote-off"]
     summary = {"model": a.model, "tokens": a.tokens, "repeats": a.repeats, "medians": med,
                "remote_hit_over_floor": hit["median_ms"] / floor["median_ms"],
+               "remote_hit_over_wire_floor": hit["median_ms"] / med["hit/floor-wire"]["median_ms"],
                "remote_hit_over_recompute": hit["median_ms"] / rec["median_ms"],
                "remote_hit_over_local_ssd": hit["median_ms"] / med["hit/local-ssd-hit"]["median_ms"],
                "write_through_over_off": wt["median_ms"] / off["median_ms"],
@@ -186,8 +201,10 @@ def main() -> int:
              f"commit {commit})", "", f"`{summary['command']}`", "",
              "| figure | median ms | min-max ms |", "|---|---:|---|"]
     lines += [f"| {k} | {v['median_ms']:.1f} | {v['min_ms']:.1f}-{v['max_ms']:.1f} |" for k, v in med.items()]
-    lines += ["", f"- remote hit / floor (pipelined GET + last-token forward, the faster floor): "
+    lines += ["", f"- remote hit / floor (pipelined GET + last-token forward, the fastest pipeline batching): "
               f"{summary['remote_hit_over_floor']:.2f}x",
+              f"- remote hit / wire floor (GETs sent ahead on one connection + last-token forward): "
+              f"{summary['remote_hit_over_wire_floor']:.2f}x",
               f"- load_ms (hit buffers filled, median): remote {summary['load_ms_medians']['remote-hit']:.1f}, "
               f"local SSD {summary['load_ms_medians']['local-ssd-hit']:.1f}",
               f"- remote hit / recompute: {summary['remote_hit_over_recompute']:.3f}x",

@@ -12,6 +12,7 @@ import pytest
 from kvtool.remote_tier import RemoteBlockTier
 from kvtool.store import remote_value as rv
 from kvtool.store.remote import RemoteStore
+from kvtool.store.remote_read import DEFAULT_WIRE_WINDOW
 from kvtool.tiers import ChainEntry
 from tests import redis_servers
 from tests.redis_servers import make_chain, same_block
@@ -34,6 +35,7 @@ def test_read_ahead_yields_every_block_in_chain_order(redis_node, ahead, threads
         assert store.put_blocks(chain.blocks) == N
         reading = store.read(chain.hashes, chain.parents, chain.tokens)
         assert len(reading.batches) == 8
+        assert reading.window == (DEFAULT_WIRE_WINDOW if ahead == 0 else 0)  # one node: requests sent ahead
         got = list(reading.blocks())
         assert [k for k, _ in got] == list(range(N))
         assert all(b is not None and same_block(b, want) for (_, b), want in zip(got, chain.blocks))
@@ -77,6 +79,48 @@ def test_a_read_taken_in_part_cancelled_or_closed_is_quiet(redis_node):
         store.close()  # batches in flight end as misses (or errors), never as exceptions
         assert all(b is None or same_block(b, chain.blocks[k]) for k, b in reading.blocks())
         assert store.get_blocks(chain.hashes, chain.parents, chain.tokens) == [None] * N
+
+
+def _in_use(store: RemoteStore) -> int:
+    """Connections the store's pool has handed out and not taken back."""
+    return len(store._get_client().connection_pool._in_use_connections)
+
+
+def test_wire_read_cancelled_with_replies_on_the_wire_drops_its_connection(redis_node):
+    chain = make_chain(N, model_id="read-wire-cancel", seed=25)
+    with _store(redis_node.url, chain) as store:
+        assert store.put_blocks(chain.blocks) == N
+        for taken in (0, 2, 5, 7):  # batches 1-4 (and more) on the wire when it is cancelled
+            reading = store.read(chain.hashes, chain.parents, chain.tokens)
+            assert reading.window and len(reading.batches) == 8
+            got = list(reading.blocks(taken))
+            assert [k for k, _ in got] == list(range(taken)) and all(b is not None for _, b in got)
+            reading.cancel()
+            assert _in_use(store) == 0
+        # had a connection with unread replies gone back to the pool, these would read stale replies
+        assert store.longest_prefix(chain.hashes) == N
+        blocks = store.get_blocks(chain.hashes, chain.parents, chain.tokens)
+        assert all(b is not None and same_block(b, want) for b, want in zip(blocks, chain.blocks))
+        stats = store.stats()
+        assert stats["remote_errors"] == 0 and stats["remote_corrupt"] == 0 and _in_use(store) == 0
+
+
+def test_wire_read_stays_in_step_past_a_key_of_another_type(redis_node):
+    chain = make_chain(N, model_id="read-wire-wrongtype", seed=26)
+    client = redis_node.client()
+    with _store(redis_node.url, chain) as store:
+        assert store.put_blocks(chain.blocks) == N
+        for k in (4, 10):  # replies of the server's error in the middle of batches 2 and 4
+            key = rv.value_key(chain.layout_key, chain.hashes[k])
+            client.unlink(key)
+            client.rpush(key, b"not a string")
+        assert store.longest_prefix(chain.hashes) == N  # the keys exist
+        blocks = store.get_blocks(chain.hashes, chain.parents, chain.tokens, stop_at_miss=False)
+        assert [b is None for b in blocks] == [k in (4, 10) for k in range(N)]
+        assert all(same_block(b, want) for b, want in zip(blocks, chain.blocks) if b is not None)
+        assert client.exists(rv.value_key(chain.layout_key, chain.hashes[4])) == 0  # ours to replace: deleted
+        assert store.longest_prefix(chain.hashes) == 4
+        assert store.stats()["remote_errors"] == 0 and _in_use(store) == 0
 
 
 class _Buffers:

@@ -150,7 +150,9 @@ class RemoteStore:
         batch_bytes: values per pipelined write, by size (bytes).
         read_batch_bytes: values per pipelined read, by expected size (bytes).
         read_ahead: read batches fetched and verified on reader threads ahead of the thread that
-            takes them (0: each batch on the taking thread, when taken).
+            takes them (0: each batch on the taking thread, when taken; on one node its requests
+            sent ahead on one connection, `kvtool.store.remote_read`); None: 0 on one node,
+            `DEFAULT_READ_AHEAD` on a cluster.
         read_threads: reader threads (each batch in flight uses a connection).
         breaker_failures: consecutive failed calls that open the breaker.
         breaker_backoff_s, breaker_max_backoff_s: its first and longest back-off (seconds).
@@ -175,7 +177,7 @@ class RemoteStore:
         max_value_bytes: int = rv.DEFAULT_MAX_VALUE_BYTES,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
-        read_ahead: int = DEFAULT_READ_AHEAD,
+        read_ahead: int | None = None,
         read_threads: int = 2,
         breaker_failures: int = 3,
         breaker_backoff_s: float = 1.0,
@@ -198,7 +200,8 @@ class RemoteStore:
         self.ttl_ex = None if ttl_s is None else max(1, math.ceil(ttl_s))
         self.max_value_bytes = max_value_bytes
         self.batch_bytes = max(1, batch_bytes)
-        self.read_batch_bytes, self.read_ahead = max(1, read_batch_bytes), max(0, read_ahead)
+        self.read_batch_bytes = max(1, read_batch_bytes)
+        self.read_ahead = (DEFAULT_READ_AHEAD if self.remote.cluster else 0) if read_ahead is None else max(0, read_ahead)
         self.read_threads = max(1, read_threads)
         self._readers: ThreadPoolExecutor | None = None
         self._breaker = _Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
@@ -294,8 +297,10 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ reads
     def longest_prefix(self, hashes: Sequence[str]) -> int:
-        """How many leading entries of a chain the server holds (one pipelined round trip of
-        EXISTS; a value whose parts were evicted still counts: `get_blocks` then misses).
+        """How many leading entries of a chain the server holds: one multi-key EXISTS, which
+        answers a whole hit (or a whole miss) with one count; a count in between, one pipelined
+        round trip of EXISTS per key. A value whose parts were evicted still counts
+        (`get_blocks` then misses).
 
         Args:
             hashes: chain hashes, in chain order.
@@ -313,12 +318,15 @@ class RemoteStore:
             return 0
 
         def op(client: Any) -> int:
+            self._count("remote_lookups")
+            have = client.exists(*keys)
+            if have in (0, len(keys)):
+                return have
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(key)
             results = pipe.execute(raise_on_error=False)
             self._raise_connection_errors(results)
-            self._count("remote_lookups")
             n = 0
             for r in results:
                 if not (isinstance(r, int) and r > 0):

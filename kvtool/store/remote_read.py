@@ -1,20 +1,26 @@
-"""Reading a chain's values from the remote tier: batches fetched and verified ahead on reader
-threads (`ValueRead`, made by `RemoteStore.read`), handed to the request thread as they are ready.
+"""Reading a chain's values from the remote tier (`ValueRead`, made by `RemoteStore.read`):
+pipelined batches of GETRANGE, each value verified (`remote_value.decode_value`: exactly the
+checks of an SSD hit, with the request's own chain hashes, parents and token ids) and handed to
+the request thread batch by batch. Only verified blocks leave `blocks`; a bad value is a miss,
+deleted and counted.
 
-A remote hit is bound by the socket: the client's CPU is idle for much of a pipelined GET, while
-verifying a value (header, checksum, token ids) and placing it into the request's buffers is
-CPU work. So the values are read in pipelined batches of `batch_bytes` (by their expected sizes)
-and, where cores are to spare (`DEFAULT_READ_AHEAD`), on the store's reader threads, at most
-`ahead` batches in flight, each verified on its reader thread as soon as it arrives (`remote_value.decode_value`: exactly the checks of an SSD hit, with
-the request's own chain hashes, parents and token ids), while the request thread places the
-previous batch (numpy copies, which release the GIL, as redis-py does while it waits on the
-socket). With `ahead` 0 each batch is fetched and verified on the thread that takes it. Only
-verified blocks leave `blocks`; a bad value is a miss, deleted and counted.
+Verifying a value and placing it into the request's buffers is client CPU work; the server's
+work (copying values into the socket) runs on another core meanwhile, if the client has asked
+for them. Two ways keep both busy:
+- one node (the default): the batches' requests go out on one pooled connection `window`
+  batches ahead of the batch being verified (`_Wire`), so the server sends the next batches
+  while the client verifies this one: no thread, no lock. A 16k-token `tiny` hit (17 MB, 256
+  values) read this way took 16.6 ms against 30.8 ms for batches sent one after another, and
+  less than a raw `pipeline().execute()` of the same GETs in 512 KiB batches (23 ms) in the same
+  run (2 cores; `bench_configs/remote_two_hosts.py`);
+- a cluster (values on several nodes, so no one connection): `ahead` batches fetched and
+  verified on the store's reader threads while the request thread places the previous batch,
+  where cores are to spare (`DEFAULT_READ_AHEAD`); with `ahead` 0 each batch is one
+  `pipeline().execute()` on the thread that takes it.
 
 Every batch is one `RemoteStore` call (the store's deadline on each socket operation, its
 circuit breaker; a failed batch is a miss for it and the rest of the chain). `cancel()` stops
-what has not started (a batch already on the wire ends within its deadline; its bytes are
-dropped).
+what has not started; replies still on the wire are dropped with their connection.
 
 MLX-free.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -35,15 +42,19 @@ from kvtool.store import remote_value as rv
 if TYPE_CHECKING:
     from kvtool.store.remote import RemoteStore
 
-__all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "Got", "ValueRead", "fetch_values"]
+__all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDOW", "Got", "ValueRead", "fetch_values"]
 
-DEFAULT_READ_BATCH_BYTES = 2 << 20  # bytes of values per pipelined read (expected sizes)
-# Batches read and verified ahead on reader threads: only where cores are to spare. On 2 shared
-# cores (redis-server, the request thread and other work on them) reader threads cost more CPU
-# than they hide: a 16k-token `tiny` hit (17 MB, 256 values) in a fresh process took ~87 ms of
-# CPU read on the request thread vs ~100-125 ms with 1-2 reader threads, at equal TTFT within
-# noise (load average 4-5); with idle cores the ~20 ms of verifying and placing overlap the
-# socket reads instead.
+# Bytes of values per pipelined batch (expected sizes). Smaller batches came back faster from a
+# local redis-server: 256-512 KiB batches of 66 KB values 17-19 ms for 17 MB, 1 MiB 26 ms,
+# 2 MiB 25-28 ms, one pipeline of all 30 ms (GET or GETRANGE alike, 2 cores).
+DEFAULT_READ_BATCH_BYTES = 512 << 10
+# One node: batches whose requests are on the wire ahead of the one being verified (`_Wire`):
+# at most this many batches of replies wait in the socket and the server's output buffer.
+DEFAULT_WIRE_WINDOW = 4
+# A cluster: batches read and verified ahead on reader threads, only where cores are to spare.
+# On 2 shared cores reader threads cost more CPU than they hid: a 16k-token `tiny` hit in a
+# fresh process took ~87 ms of CPU with none vs ~100-125 ms with 1-2 reader threads, at equal
+# TTFT within noise (load average 4-5).
 DEFAULT_READ_AHEAD = 2 if (os.cpu_count() or 1) >= 4 else 0
 
 
@@ -88,6 +99,12 @@ def fetch_values(store: RemoteStore, client: Any, keys: Sequence[str], bounds: S
     for key, bound in zip(keys, bounds):
         pipe.getrange(key, 0, bound)
     results = pipe.execute(raise_on_error=False)
+    return _gots(store, client, keys, bounds, results)
+
+
+def _gots(store: RemoteStore, client: Any, keys: Sequence[str], bounds: Sequence[int], results: Sequence[Any]) -> list[Got]:
+    """`Got`s of a batch's GETRANGE replies (bytes, None, or the server's error for one key);
+    split values' parts fetched in one more pipeline. Raises as `fetch_values`."""
     store._raise_connection_errors(results)
     out: list[Got] = []
     split: list[tuple[int, rv.Manifest]] = []
@@ -136,6 +153,54 @@ def _fetch_parts(store: RemoteStore, client: Any, keys: Sequence[str], split: li
             out[i] = Got(None, m, None if any(p is None for p in parts) else exc)
 
 
+class _Wire:
+    """One pooled connection of a single-node client carrying a read's batches in order: requests
+    sent ahead (`send`), replies taken batch by batch (`recv`), with redis-py's own command
+    packing and reply parsing (`Connection.pack_commands`, `read_response`), as its pipelines do.
+
+    Args:
+        client: a `redis.Redis` (its connection pool).
+
+    Raises:
+        redis.exceptions.ConnectionError, TimeoutError, OSError: connecting failed.
+    """
+
+    def __init__(self, client: Any):
+        self.pool = client.connection_pool
+        self.conn: Any = self.pool.get_connection()
+        self.pending: deque[int] = deque()  # replies of each batch sent and not taken yet
+        self.sent = 0  # batches sent
+
+    def send(self, keys: Sequence[str], bounds: Sequence[int]) -> None:
+        """Send one batch's GETRANGEs (a byte more than each bound, as `fetch_values`)."""
+        self.conn.send_packed_command(self.conn.pack_commands([("GETRANGE", k, 0, b) for k, b in zip(keys, bounds)]))
+        self.pending.append(len(keys))
+        self.sent += 1
+
+    def recv(self) -> list[Any]:
+        """The replies of the oldest batch sent: bytes, None, or the server's error for one key."""
+        from redis.exceptions import ResponseError
+
+        n = self.pending.popleft()
+        out: list[Any] = []
+        for _ in range(n):
+            try:
+                out.append(self.conn.read_response())
+            except ResponseError as exc:  # one key's error (WRONGTYPE, an ACL refusal): the reply was read
+                out.append(exc)
+        return out
+
+    def close(self, broken: bool = False) -> None:
+        """Give the connection back; dropped instead when replies are left on it or it failed
+        (idempotent)."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        if broken or self.pending:
+            conn.disconnect()
+        self.pool.release(conn)
+
+
 class ValueRead:
     """The values of a run of chain entries being read ahead and verified on reader threads
     (see the module docstring).
@@ -148,6 +213,8 @@ class ValueRead:
         batch_bytes: values per pipelined read, by expected size (bytes).
         ahead: batches in flight ahead of the consumer on the store's reader threads; 0: none,
             each batch is fetched and verified on the consumer's thread when it is taken.
+        window: with `ahead` 0 on one node, batches whose requests are sent ahead on one
+            connection (`_Wire`; the first ones at once); 0: one `pipeline().execute()` a batch.
 
     Raises:
         ValueError: the three sequences differ in length.
@@ -155,7 +222,7 @@ class ValueRead:
 
     def __init__(self, store: RemoteStore, hashes: Sequence[str], parents: Sequence[str],
                  token_ids: Sequence[np.ndarray | Sequence[int]], *, batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
-                 ahead: int = DEFAULT_READ_AHEAD):  # fmt: skip
+                 ahead: int = DEFAULT_READ_AHEAD, window: int = DEFAULT_WIRE_WINDOW):  # fmt: skip
         if not len(hashes) == len(parents) == len(token_ids):
             raise ValueError("hashes, parents and token_ids must have the same length")
         keys: list[str] = []
@@ -181,7 +248,11 @@ class ValueRead:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._stopped = False
+        self.window = max(0, window) if not self.ahead and not store.remote.cluster else 0
+        self._wire: _Wire | None = None
         self._submit_upto(self.ahead)
+        if self.window and self.batches:
+            self._stopped = not store._call(lambda client: self._send_upto(client, self.window), False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -193,6 +264,52 @@ class ValueRead:
             while not self._stopped and len(self._futures) < min(n, len(self.batches)):
                 batch = self.batches[len(self._futures)]
                 self._futures.append(self.store._submit_read(self._fetch, batch))
+
+    def _send_upto(self, client: Any, n: int) -> bool:
+        """Send the requests of the batches before `n` that are not on the wire yet (the
+        store's call: failures close the connection and propagate)."""
+        try:
+            wire = self._wire
+            if wire is None:
+                wire = self._wire = _Wire(client)
+            while wire.sent < min(n, len(self.batches)):
+                batch = self.batches[wire.sent]
+                wire.send(self.keys[batch.start : batch.stop], self.bounds[batch.start : batch.stop])
+        except BaseException:
+            self._close_wire(broken=True)
+            raise
+        return True
+
+    def _fetch_wire(self, b: int) -> list[HostBlock | None] | None:
+        """Batch `b` (the next one) from the wire, the following ones sent first; verified."""
+        batch = self.batches[b]
+        keys, bounds = self.keys[batch.start : batch.stop], self.bounds[batch.start : batch.stop]
+
+        def op(client: Any) -> list[Got]:
+            self._send_upto(client, b + self.window)
+            wire = self._wire
+            assert wire is not None and wire.sent - len(wire.pending) == b  # batches are taken in order
+            try:
+                results = wire.recv()
+            except BaseException:
+                self._close_wire(broken=True)
+                raise
+            if b + 1 == len(self.batches):
+                self._close_wire()
+            return _gots(self.store, client, keys, bounds, results)
+
+        if self._stopped:
+            return None
+        got = self.store._call(op, None)
+        if got is None:
+            self._close_wire(broken=True)
+            return None
+        return self._verify(batch, got)
+
+    def _close_wire(self, broken: bool = False) -> None:
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close(broken)
 
     def _fetch(self, batch: range) -> list[HostBlock | None] | None:
         """A reader thread: one batch fetched and verified, or None (stopped, or the call failed)."""
@@ -208,6 +325,7 @@ class ValueRead:
             self._stopped = True
             for fut in self._futures:
                 fut.cancel()
+        self._close_wire()
 
     def blocks(self, n: int | None = None, *, stop_at_miss: bool = True) -> Iterator[tuple[int, HostBlock | None]]:
         """Verified blocks in chain order, a batch at a time as they arrive.
@@ -242,6 +360,8 @@ class ValueRead:
                 return
 
     def _result(self, b: int) -> list[HostBlock | None] | None:
+        if self.window:
+            return self._fetch_wire(b)
         if not self.ahead:
             return self._fetch(self.batches[b])
         with self._lock:

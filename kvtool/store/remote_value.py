@@ -231,16 +231,45 @@ def _decode(view: memoryview, layout_key: str, kv: KVLayout | None, codec: str |
     if len(record) != kv.record_nbytes(slot.n_tokens):
         raise RemoteValueError("checksum", "record size differs from the layout's")
     tokens = np.frombuffer(record, dtype=_TOKENS, count=slot.n_tokens)
-    if expected_tokens is not None and not np.array_equal(tokens, np.asarray(expected_tokens)):
+    if expected_tokens is not None and not _same_tokens(tokens, expected_tokens):
         raise RemoteValueError("tokens", f"block {slot.block_hash} holds other token ids (chain-hash collision?)")
-    arrays = []
-    at = tokens.nbytes
-    for shape, st in zip(kv.shapes(slot.n_tokens), kv.storage_dtypes()):
-        count = math.prod(shape)
-        arrays.append(np.frombuffer(record, dtype=st, count=count, offset=at).reshape(shape))
-        at += count * st.itemsize
-    keys, values = kv.split(arrays)
+    keys, values = _tensors(kv, slot.n_tokens, record, tokens.nbytes)
     return HostBlock(slot.block_hash, slot.parent_hash, tokens.astype(np.int32, copy=False), keys, values, kv.dtype)
+
+
+def _same_tokens(tokens: np.ndarray, expected: np.ndarray | Sequence[int]) -> bool:
+    """Exactly the expected token ids (int32 arrays compared as bytes; anything else by value)."""
+    if isinstance(expected, np.ndarray) and expected.dtype == _TOKENS and expected.shape == tokens.shape:
+        return tokens.tobytes() == expected.tobytes()
+    return bool(np.array_equal(tokens, np.asarray(expected)))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(kv: KVLayout, n_tokens: int) -> tuple[tuple[np.dtype, int, tuple[int, ...]], ...] | None:
+    """How a record of `n_tokens` tokens of layout `kv` is cut into its tensors, memoized (a
+    remote hit cuts one record per block): `(dtype, count, shape)` in record order; None when
+    every tensor has one shape and dtype (plain K/V, no state arrays: one cut, `_tensors`)."""
+    shapes, dtypes = kv.shapes(n_tokens), kv.storage_dtypes()
+    if not kv.states and not kv.bits and len(set(shapes)) == 1 and len(set(dtypes)) == 1:
+        return None
+    return tuple((st, math.prod(shape), shape) for shape, st in zip(shapes, dtypes))
+
+
+def _tensors(kv: KVLayout, n_tokens: int, record: memoryview | bytes, at: int) -> tuple[list, list]:
+    """(keys, values) of a record: read-only views of `record` from byte `at` (after the token
+    ids), shapes and dtypes as `kv.shapes(n_tokens)` / `kv.storage_dtypes()`, split as `kv.split`."""
+    plan = _plan(kv, n_tokens)
+    if plan is None:  # K0, V0, K1, V1, ... of one shape: one view, cut along its first axis
+        shapes = kv.shapes(n_tokens)
+        whole = np.frombuffer(record, dtype=kv.storage_dtypes()[0], count=len(shapes) * math.prod(shapes[0]),
+                              offset=at).reshape((len(shapes), *shapes[0]))  # fmt: skip
+        arrays = list(whole)
+    else:
+        arrays = []
+        for st, count, shape in plan:
+            arrays.append(np.frombuffer(record, dtype=st, count=count, offset=at).reshape(shape))
+            at += count * st.itemsize
+    return kv.split(arrays)
 
 
 # ----------------------------------------------------------------------------- split values
