@@ -7,9 +7,9 @@ over the whole record, token digest).
 - `SegmentPass` (validate): one segment at a time, in file order: the file is opened once, its
   header read, then the records asked for are read in as few `preadv` calls as possible (the
   token ids of a record when only its digest is needed; whole records to verify them), in file
-  order. Nothing is kept once the caller moves on: memory does not grow with the cache.
-  `check_clean` is the fast path of a segment whose rows all match: the whole file in one read
-  into a reused buffer, header parsed from it, each record hashed over a slice of it.
+  order. Nothing is kept once the caller moves on: memory does not grow with the cache. (Clean
+  segments, almost all of a healthy cache, are checked in batches by `kvtool.ops.clean_segments`
+  and never come here.)
 - `SegmentReader` (`--rebuild-index`): random access by (segment, slot), results cached.
 
 This module never imports MLX.
@@ -201,9 +201,6 @@ def row_disagrees(row: IndexRow, slot: Slot) -> str | None:
 
 
 SPAN_GAP = 64 << 10  # ranges closer than this are read with one preadv (bytes)
-HEADER_READ = 64 << 10  # what `segment.read_header` reads first: a smaller file is read whole anyway (bytes)
-WHOLE_FILE_MAX = 64 << 20  # a deep check reads a clean segment whole, in one read, up to this size (bytes)
-RowsOfSegment = tuple[list, ...]  # hashes, parents, digests (hex str), slots, token counts, record bytes (int)
 SPAN_MAX = 16 << 20  # the most one read takes at a time (bytes): bounds the buffer
 
 
@@ -278,59 +275,6 @@ class SegmentPass:
             return chk
         chk.header = header
         return chk
-
-    def check_clean(self, name: str, rows: RowsOfSegment, deep: bool) -> SegmentCheck | None:
-        """The fast path of a clean segment: one open, one read of the whole file, its header
-        verified, every row matching its own slot (hash, parent, tokens, bytes, token digest;
-        `deep`: every record's checksum, over slices of that one buffer), every slot claimed by a
-        row. Returns the check (header set, nothing read per record kept) or None: anything else,
-        including a file too large to read whole (`WHOLE_FILE_MAX`; without `deep`: larger than
-        the header read would be), which the caller checks the general way (`open`, `read`).
-
-        Args:
-            name: segment name.
-            rows: its rows, by slot order of no importance: hashes, parents, digests (hex), slot
-                numbers, token counts, record bytes (lists of equal length).
-            deep: verify every record's checksum too.
-        """
-        hashes, parents, digests, slot_of, n_tok, nbytes = rows
-        try:
-            fd, size = self.cdir.open_segment(name)
-        except (OSError, ValueError):
-            return None
-        try:
-            if size > (WHOLE_FILE_MAX if deep else HEADER_READ):
-                return None
-            if len(self._buf) < size:
-                self._buf = bytearray(size)
-            view = memoryview(self._buf)[:size]  # one buffer for the whole pass: no page faults per file
-            if os.preadv(fd, [view], 0) != size:
-                return None
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
-        try:
-            header = seg.parse_header(view, size)
-            seg.check_header(header, self.layout_key, self.kv)
-        except (BlockFileError, ValueError):
-            return None
-        slots = header.slots
-        if len(slots) != len(hashes) or len(set(slot_of)) != len(slots):  # a slot without a row, or shared
-            return None
-        digest, limit = xxhash.xxh3_128_hexdigest, self.block_size
-        for k, i in enumerate(slot_of):
-            if not 0 <= i < len(slots):
-                return None
-            s = slots[i]
-            if (s.codec != "none" or s.block_hash != hashes[k] or s.parent_hash != parents[k] or s.n_tokens != n_tok[k]
-                    or s.nbytes != nbytes[k] or s.n_tokens > limit):  # fmt: skip
-                return None
-            if digest(view[s.offset : s.offset + 4 * s.n_tokens]) != digests[k]:
-                return None
-            if deep and digest(view[s.offset : s.offset + s.nbytes]) != s.checksum:
-                return None
-        return SegmentCheck(name, size, header)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -11,10 +11,11 @@ Per namespace, in this order (a row is never inserted before its file exists, so
 before the directory is listed): the index files are checked to be regular files (a symlinked
 `index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
-not hash to its name is `foreign`), every row is read and checked in one pass of one statement
+not hash to its name is `foreign`), every row is read and checked in one read transaction
 (`kvtool.store.rowtable`: columns, no Python object per row; malformed rows are reported by
-rowid, never used), then the directory is listed without following symlinks. No segment file is
-read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
+rowid, never used), and the directory is listed without following symlinks: by this thread once
+the rows' snapshot is fixed, while another reads them (SQLite reads without the GIL), so the
+listing still sees every file a row of the snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
 The chain tree of the rows (`forest`, `tree`) is built on first use, once.
 
 Statuses (`NamespaceStatus`, one vocabulary for every command):
@@ -37,6 +38,7 @@ import math
 import os
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -362,8 +364,7 @@ class _Scanner:
             self._list_files()
             return self._done(NamespaceStatus.FOREIGN, f"{problem}: left untouched (remove the directory if it is not yours)")
         f["expected"] = Expected.from_meta(self.path.name, meta)
-        self._read_rows(index)  # every row, checked; malformed ones by rowid
-        if not self._list_files():
+        if not self._read_rows_and_list(index):  # every row, checked; malformed ones by rowid
             return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
         table, files = f.get("table"), f["files"]
         if table is not None:
@@ -380,8 +381,36 @@ class _Scanner:
         empty = not rows and not files
         return self._done(NamespaceStatus.EMPTY if empty else NamespaceStatus.OK, "")
 
-    def _read_rows(self, index: BlockIndex) -> None:
-        """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot.
+    def _read_rows_and_list(self, index: BlockIndex) -> bool:
+        """`_read_rows` in a thread, `_list_files` here as soon as the rows' snapshot is fixed
+        (files are listed after it, as if one came after the other). Returns what `_list_files` does.
+
+        Raises:
+            sqlite3.Error: the index cannot be read.
+        """
+        fixed = threading.Event()
+        failed: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                self._read_rows(index, fixed)
+            except BaseException as exc:  # handed to the caller below
+                failed.append(exc)
+            finally:
+                fixed.set()
+
+        reader = threading.Thread(target=read, name="kvtool-scan-rows", daemon=True)
+        reader.start()
+        fixed.wait()
+        listed = self._list_files() if not failed else False
+        reader.join()
+        if failed:
+            raise failed[0]
+        return listed
+
+    def _read_rows(self, index: BlockIndex, fixed: threading.Event | None = None) -> None:
+        """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot;
+        `fixed` is set once the snapshot is (its first read done).
 
         Raises:
             sqlite3.Error: the index cannot be read.
@@ -390,6 +419,9 @@ class _Scanner:
         with index.connection() as conn:
             conn.execute("BEGIN")
             try:
+                conn.execute("SELECT COUNT(*) FROM meta").fetchone()  # the first read fixes the snapshot
+                if fixed is not None:
+                    fixed.set()
                 if self.rows:
                     table = load_rows(conn, full=self.full)
                     f.update(table=table, row_count=len(table), bad_rows=tuple(table.bad_rowids))

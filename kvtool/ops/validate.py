@@ -52,17 +52,18 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import numpy as np
 
 from kvtool.hashing import root_parent
+from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import execute_rebuild, plan_rebuild
-from kvtool.ops.records import Record, SegmentCheck, SegmentPass, created_of
+from kvtool.ops.records import Record, SegmentPass, created_of
 from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     MAX_DETAILS,
     REPAIRS,
@@ -193,6 +194,7 @@ class _Planner:
         self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (not the header)
         self.errors: dict[str, str] = {}  # segment -> why it is unusable
         self.rows = _SegmentRows(self.table)
+        self.shown = 0  # segments reported done (`progress`)
 
     def run(self, progress: ProgressFn | None) -> None:
         ns, rep, act = self.ns, self.rep, self.act
@@ -218,38 +220,49 @@ class _Planner:
         rep.access_clamped = len(act.clamp)
         self.known = (set(self.table.segments) | set(ns.orphans)) & set(ns.files)
         names = sorted(set(ns.files) | set(self.table.segments))
-        for i, (name, rows, clean) in enumerate(self._fast_checks(names), 1):
-            self._visit(name, rows, clean)
-            if progress is not None:
-                progress(ns.name, i, len(names))
+        self.shown = 0  # segments reported done (`progress`)
+        fast = self._clean(progress, len(names))
+        count = np.diff(self.table.by_segment[1]).tolist()
+        numbers = self.table.segment_numbers
+        done = int(fast.clean.sum())
+        for name in names:
+            s = numbers.get(name)
+            if s is not None and fast.clean[s]:  # the common case: nothing kept per record
+                self.checked[name] = _SegInfo(int(fast.size[s]), count[s], float(fast.created[s]))
+                continue
+            self._visit(name, self.rows.of(s) if s is not None else ([],) * 7)
+            done += 1
+            self._progress(progress, done, len(names))
+        self._progress(progress, len(names), len(names))
         self.reader.close()
         final, dropped = self._resolve()
         self._adopt_and_finish(final, dropped)
 
     # ------------------------------------------------------------------ the pass
-    def _fast_checks(self, names: list[str]) -> Iterator[tuple[str, tuple, SegmentCheck | None]]:
-        """`(name, its rows, fast check)` for each segment, in order: the fast check of a segment
-        with rows and a file (`SegmentPass.check_clean`), else None. (Checking two segments at once
-        in threads measured no faster on 2 loaded cores, with 1 KiB or 64 KiB records: the
-        header parse holds the GIL.)"""
-        files = self.ns.files
-        for name in names:
-            s = self.table.segment_numbers.get(name)
-            rows = self.rows.of(s) if s is not None else ([],) * 7
-            yield name, rows, self.reader.check_clean(name, rows[1:], self.deep) if rows[0] and name in files else None
+    def _clean(self, progress: ProgressFn | None, total: int) -> CleanSegments:
+        """Which segments with rows and a file are clean (`kvtool.ops.clean_segments`): checked
+        in batches, over the CPUs for a large cache; progress is reported as it goes."""
+        exp = self.ns.expected
+        assert exp is not None
+        report = (lambda done, _n: self._progress(progress, done, total)) if progress is not None else None
+        return find_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, dict(self.ns.files),
+                          self.deep, progress=report)  # fmt: skip
 
-    def _visit(self, name: str, rows: tuple, clean: SegmentCheck | None) -> None:
-        """Check segment `name` against its `rows` (`_SegmentRows.of`): done if its fast check
-        (`clean`) passed, else one open, then its records in file order."""
+    def _progress(self, progress: ProgressFn | None, done: int, total: int) -> None:
+        """Report `done` of `total` segments, never fewer than reported before, each count once."""
+        if progress is not None and done > self.shown:
+            self.shown = done
+            progress(self.ns.name, done, total)
+
+    def _visit(self, name: str, rows: tuple) -> None:
+        """Check segment `name` (not clean) against its `rows` (`_SegmentRows.of`) the general
+        way: one open, then its records in file order."""
         ns = self.ns
         rl, hashes, parents, digests, slot_of, n_tok, nbytes = rows
         if name not in ns.files:
             why = self._no_file(name)
             for r in rl:
                 self.fail[r] = why
-            return
-        if clean is not None and clean.header is not None:  # the common case: nothing kept per record
-            self.checked[name] = _SegInfo(clean.size, len(clean.header.slots), created_of(clean.header))
             return
         chk = self.reader.open(name)
         if chk.header is None:
@@ -466,30 +479,18 @@ class _Planner:
 
 
 class _SegmentRows:
-    """The rows of each segment as Python values (row numbers, hashes, parents, digests, slots,
-    token counts, sizes), by slot; converted `GROUP` segments at a time, in segment order (the
-    order `_Planner.run` visits them): a few numpy calls per group, not per segment."""
-
-    GROUP = 512
+    """The rows of one segment as Python values (row numbers, hashes, parents, digests, slots,
+    token counts, sizes), by slot: made only for the segments checked the general way."""
 
     def __init__(self, table: RowTable):
         self.t = table
         self.order, self.start = table.by_segment
-        self.group = -1
-        self.cols: tuple = ()
-        self.base = 0
 
     def of(self, s: int) -> tuple[list, ...]:
-        g = s // self.GROUP
-        if g != self.group:
-            t, start = self.t, self.start
-            self.base = int(start[g * self.GROUP])
-            rows = self.order[self.base : int(start[min((g + 1) * self.GROUP, len(start) - 1)])]
-            self.cols = (rows.tolist(), hex_of_keys(t.hash[rows]), hex_of_keys(t.parent[rows]), hex_of_keys(t.digest[rows]),
-                         t.slot[rows].tolist(), t.num_tokens[rows].tolist(), t.nbytes[rows].tolist())  # fmt: skip
-            self.group = g
-        a, b = int(self.start[s]) - self.base, int(self.start[s + 1]) - self.base
-        return tuple(c[a:b] for c in self.cols)
+        t = self.t
+        rows = self.order[int(self.start[s]) : int(self.start[s + 1])]
+        return (rows.tolist(), hex_of_keys(t.hash[rows]), hex_of_keys(t.parent[rows]), hex_of_keys(t.digest[rows]),
+                t.slot[rows].tolist(), t.num_tokens[rows].tolist(), t.nbytes[rows].tolist())  # fmt: skip
 
 
 class _SegInfo:

@@ -1,0 +1,378 @@
+"""The fast path of `kvtool validate`: which segments are clean, checked in batches, as columns.
+
+A segment is *clean* when its file verifies and its rows describe it exactly: one row per slot,
+each matching its own slot (hash, parent, token count, record size, token digest; `deep`: every
+record's checksum too). Almost every segment of a healthy cache is; `validate` then keeps nothing
+of it but its size, slot count and creation time, and checks every other segment the general way
+(`kvtool.ops.records.SegmentPass`).
+
+Per segment the work left in Python is constant, whatever its slot count: one confined open and
+one read of the whole file, a few digests of its records over slices of that buffer (`map` over
+precomputed slices), and a copy of its header bytes. Everything else runs on whole batches of
+segments with numpy:
+
+- The header must be byte for byte the one `segment.encode` writes for the slot table the rows
+  describe (`_Template`: `encode` itself renders it once per shape, with placeholders where the
+  digests and the creation time go). Such a header is what `segment.parse_header` accepts, read
+  exactly as it reads it: the format, layout key, KV layout, slot count, offsets and record sizes
+  are in the template's fixed bytes; the placeholders must hold lowercase hex digits (the
+  creation time: characters that need no JSON escape). A header of any other shape (an older
+  writer, a compressed namespace, a repair of a hand-edited file) is no fault: the general path
+  parses it.
+- Then, vectorised over the batch: the header checksum (xxh3-128 of the header with its own value
+  zeroed), each slot's hash and parent against its row's, each record's token digest against the
+  row's, and with `deep` each record's checksum against its slot's.
+
+Large caches are split over worker processes (`fork`, where the platform has it: they share the
+row table with the parent without copying it); each checks consecutive segments and sends back
+only the verdicts, so memory does not grow with the workers. The result is the same with one
+process or several.
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import xxhash
+
+from kvtool.hostblock import HostBlock
+from kvtool.ops.confined import ConfinedDir
+from kvtool.store import segment as seg
+from kvtool.store.kvlayout import KVLayout
+from kvtool.store.rowtable import RowTable
+
+SHALLOW_MAX = 64 << 10  # without `deep`, a segment file larger than this is checked the general way (bytes)
+DEEP_MAX = 64 << 20  # with `deep`, the largest file read whole in one read (bytes)
+BATCH_SEGMENTS = 256  # segments whose headers are checked together
+BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay small (bytes)
+PARALLEL_MIN = 4096  # segments below which one process does all (a fork costs more than it saves)
+CHUNKS_PER_WORKER = 8  # pieces of work per worker process (a loaded core finishes fewer)
+_HOLE = ord("#")  # placeholder byte in a template: where the digests and the creation time go
+_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_PAIRS = np.full(1 << 16, 256, dtype=np.uint16)  # two ASCII bytes (one native uint16) -> their byte; 256: not hex
+_PAIRS[np.stack(np.meshgrid(_DIGITS, _DIGITS, indexing="ij"), -1).reshape(-1, 2).copy().view(np.uint16).ravel()] = (
+    np.arange(256)  # a pair of lowercase hex digits, first the high nibble
+)
+_CREATED_OK = np.zeros(256, dtype=bool)  # what a creation time may hold in the fast path (no JSON escape)
+_CREATED_OK[np.frombuffer(b"0123456789.eE+-infaINFA", dtype=np.uint8)] = True
+_CREATED_KEY = b'"created":"'
+_ZERO = seg._ZERO_CHECKSUM.encode()
+_MISSING = object()
+
+
+@dataclass
+class CleanSegments:
+    """Verdicts of `find_clean`, by segment number of the row table.
+
+    Attributes:
+        clean: `[S]` bool, the segment is clean (see the module docstring).
+        size: `[S]` int64, its file size (bytes; 0 where not clean).
+        created: `[S]` float64, its header's creation time (`records.created_of`; 0 where not clean).
+    """
+
+    clean: np.ndarray
+    size: np.ndarray
+    created: np.ndarray
+
+    @classmethod
+    def none(cls, n: int) -> CleanSegments:
+        """No segment clean (of `n`)."""
+        return cls(np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float64))
+
+
+class _Template:
+    """The canonical header of one segment shape (token count per slot, length of the creation
+    time), with placeholders (`#`) where per-file values go.
+
+    Attributes:
+        hlen: header length N (the u64 at the file's start), padding included.
+        file_size: bytes of the whole file.
+        arr: the header (without its 8-byte length) as uint8; holes: `[N]` bool, its placeholders.
+        created_idx: positions of the creation time; hck_idx: of the header checksum (32 hex).
+        hex_idx: positions of the per-slot hex digits: `[n, 3, 32]`, hash, parent, checksum.
+        hck_at: where the header checksum's value starts in the header.
+        tokens, records: per slot, the `slice` of its token ids and of its whole record (file offsets).
+    """
+
+    def __init__(self, header: bytes, n_tokens: tuple[int, ...], sizes: list[int], created_len: int):
+        arr = np.frombuffer(header, dtype=np.uint8)
+        holes = np.flatnonzero(arr == _HOLE)
+        n = len(n_tokens)
+        if holes.size != created_len + 32 + 96 * n:
+            raise ValueError("placeholder count differs from the template's fields")
+        self.hlen = len(header)
+        start = 8 + self.hlen
+        offsets = np.concatenate([[0], np.cumsum(sizes)]) + start
+        self.file_size = int(offsets[-1])
+        self.arr = arr
+        self.holes = arr == _HOLE  # [N] bool: where a header may differ from `arr`
+        self.created_idx = holes[:created_len]
+        self.hck_idx = holes[created_len : created_len + 32]
+        self.hck_at = int(self.hck_idx[0])
+        self.hex_idx = holes[created_len + 32 :].reshape(n, 3, 32)
+        for pos in (self.created_idx, self.hck_idx, *self.hex_idx.reshape(-1, 32)):
+            if pos[-1] - pos[0] != len(pos) - 1:  # every field is one run of placeholders
+                raise ValueError("a template field is not contiguous")
+        self.tokens = [slice(int(a), int(a) + 4 * t) for a, t in zip(offsets[:-1], n_tokens)]
+        self.records = [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+@lru_cache(maxsize=256)
+def _template(layout_key: str, kv: KVLayout, n_tokens: tuple[int, ...], created_len: int) -> _Template | None:
+    """The template of a shape, rendered by `segment.encode` itself (zero-filled records, placeholder
+    hashes), or None if the shape cannot have one (a layout whose spec holds a `#`)."""
+    hole = "#" * 32
+    blocks = []
+    for t in n_tokens:
+        arrays = [np.zeros(s, dtype=d) for s, d in zip(kv.shapes(t), kv.storage_dtypes())]
+        keys, values = kv.split(arrays)
+        blocks.append(HostBlock(hole, hole, np.zeros(t, dtype=np.int32), keys, values, kv.dtype))
+    try:
+        if seg._parse_layout(kv.spec, kv.dtype) != kv:  # a header names its layout by spec and dtype
+            return None
+        buffers, slots = seg.encode(blocks, layout_key, kv, 0.0)
+    except (seg.BlockFileError, ValueError):
+        return None
+    header = bytes(buffers[0])[8:].rstrip(b" ")
+    for s in slots:
+        header = header.replace(s.checksum.encode(), hole.encode())
+    at = header.find(seg._HEADER_CK_KEY) + len(seg._HEADER_CK_KEY)
+    header = header[:at] + hole.encode() + header[at + 32 :]
+    old = _CREATED_KEY + b'0.0"'
+    if header.count(old) != 1:
+        return None
+    header = header.replace(old, _CREATED_KEY + b"#" * created_len + b'"')
+    header += b" " * (-(8 + len(header)) % 8)
+    try:
+        return _Template(header, n_tokens, [s.nbytes for s in slots], created_len)
+    except ValueError:
+        return None
+
+
+@dataclass
+class _Context:
+    """What every batch needs (shared with forked workers as it is)."""
+
+    cdir: ConfinedDir
+    layout_key: str
+    kv: KVLayout
+    table: RowTable
+    order: np.ndarray  # row numbers by (segment, slot)
+    start: np.ndarray  # where each segment's rows begin in `order`
+    shape: list[bytes]  # per segment: its rows' token counts (int32 bytes, slot order)
+    names: list[str]
+    deep: bool
+    templates: dict = field(default_factory=dict)  # (shape, length of the creation time) -> `_Template` or None
+
+
+_SHARED: _Context | None = None  # the context forked workers inherit
+
+
+def find_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int, table: RowTable, files: dict,
+               deep: bool, workers: int | None = None, progress=None) -> CleanSegments:  # fmt: skip
+    """Which segments of `table` are clean (see the module docstring); reads their files once.
+
+    Args:
+        cdir: the namespace directory, opened confined.
+        layout_key, kv, block_size: the namespace's geometry.
+        table: its rows.
+        files: segment name -> its listed file (`scan.SegmentFile`: `size` in bytes); a segment
+            not listed is not clean.
+        deep: verify every record's checksum too.
+        workers: processes to use (None: one per CPU, for a cache of `PARALLEL_MIN` segments or
+            more, where `fork` exists; else 1).
+        progress: called as `progress(segments_done, segments_total)` as segments are checked
+            (after each one in this process, after each piece of work with workers).
+
+    Returns:
+        The verdicts (`CleanSegments`), by segment number of `table`.
+    """
+    n_seg = len(table.segments)
+    out = CleanSegments.none(n_seg)
+    if n_seg == 0:
+        return out
+    order, start = table.by_segment
+    candidates = _candidates(table, order, start, kv, block_size, files, deep)
+    if not candidates.size:
+        return out
+    nt = table.num_tokens[order]
+    shape = [nt[a:b].tobytes() for a, b in zip(start[:-1].tolist(), start[1:].tolist())]
+    ctx = _Context(cdir, layout_key, kv, table, order, start, shape, table.segments, deep)
+    if workers is None:
+        workers = (os.cpu_count() or 1) if candidates.size >= PARALLEL_MIN and _can_fork() else 1
+    pieces = np.array_split(candidates, max(1, workers * CHUNKS_PER_WORKER if workers > 1 else 1))
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, int(candidates.size))
+
+    for part, (clean, size, created) in zip(pieces, _run(ctx, pieces, workers, tick)):
+        out.clean[part], out.size[part], out.created[part] = clean, size, created
+    return out
+
+
+def _can_fork() -> bool:
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, tick):
+    """Each piece's verdicts, in order: in this process (`tick(1)` after each segment), or in
+    `workers` forked ones (`tick(len(piece))` after each piece)."""
+    global _SHARED
+    if workers <= 1:
+        for part in pieces:
+            yield _check(ctx, part, tick)
+        return
+    _SHARED = ctx
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            for part, got in zip(pieces, pool.imap(_check_shared, pieces)):
+                tick(len(part))
+                yield got
+    finally:
+        _SHARED = None
+
+
+def _check_shared(part: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    assert _SHARED is not None
+    return _check(_SHARED, part)
+
+
+def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLayout, block_size: int, files: dict,
+                deep: bool) -> np.ndarray:  # fmt: skip
+    """Segment numbers worth a fast check: a listed file small enough, rows holding slots 0..n-1
+    once each, token counts of a block or less, record sizes of uncompressed records."""
+    n_seg = len(table.segments)
+    count = np.diff(start)
+    seg_of = np.repeat(np.arange(n_seg), count)
+    slot, nt, nb = table.slot[order], table.num_tokens[order], table.nbytes[order]
+    pos = np.arange(len(order)) - start[seg_of]
+    sizes = np.array([0] + [kv.record_nbytes(t) for t in range(1, block_size + 1)], dtype=np.int64)
+    fine = (nt >= 1) & (nt <= block_size)
+    bad = (slot != pos) | ~fine | (nb != sizes[np.where(fine, nt, 0)])
+    ok = (np.bincount(seg_of[bad], minlength=n_seg) == 0) & (count > 0)
+    limit = DEEP_MAX if deep else SHALLOW_MAX
+    listed = [(f := files.get(name)) is not None and 0 < f.size <= limit for name in table.segments]
+    return np.flatnonzero(ok & np.array(listed, dtype=bool))
+
+
+def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Verdicts of segments `segs`: `(clean [k] bool, size [k] int64, created [k] float64)`;
+    `tick(1)` after each segment read."""
+    k = len(segs)
+    clean, size, created = np.zeros(k, dtype=bool), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.float64)
+    limit = DEEP_MAX if ctx.deep else SHALLOW_MAX
+    buf = bytearray(0)
+    groups: dict[_Template, list] = {}
+    held = 0
+    for j, s in enumerate(segs.tolist()):
+        got = _read(ctx, s, buf, limit)
+        if tick is not None:
+            tick(1)
+        if got is None:
+            continue
+        buf, tpl, header, digests, when = got
+        groups.setdefault(tpl, []).append((j, header, digests, when))
+        held += len(header)
+        if held >= BATCH_BYTES or sum(map(len, groups.values())) >= BATCH_SEGMENTS:
+            _judge(ctx, segs, groups, clean, size, created)
+            groups, held = {}, 0
+    _judge(ctx, segs, groups, clean, size, created)
+    return clean, size, created
+
+
+def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
+    """Read segment `s` whole: `(buffer, its template, header bytes, token digests, record digests)`,
+    or None (unreadable, too large, a header of no known shape: the general path decides)."""
+    try:
+        fd, size = ctx.cdir.open_segment(ctx.names[s])
+    except (OSError, ValueError):
+        return None
+    try:
+        if not 8 < size <= limit:
+            return None
+        if len(buf) < size:
+            buf = bytearray(max(size, 2 * len(buf)))
+        view = memoryview(buf)[:size]
+        if os.preadv(fd, [view], 0) != size:
+            return None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    at = buf.find(_CREATED_KEY, 8, 8 + 512)
+    end = buf.find(b'"', at + len(_CREATED_KEY), at + 64) if at >= 0 else -1
+    if end < 0:
+        return None
+    key = (ctx.shape[s], end - at - len(_CREATED_KEY))
+    tpl = ctx.templates.get(key, _MISSING)
+    if tpl is _MISSING:
+        n_tok = tuple(np.frombuffer(key[0], dtype=np.int32).tolist())
+        tpl = ctx.templates[key] = _template(ctx.layout_key, ctx.kv, n_tok, key[1])
+    if tpl is None or tpl.file_size != size or int.from_bytes(buf[:8], "little") != tpl.hlen:
+        return None
+    digest = xxhash.xxh3_128_digest
+    toks = b"".join(map(digest, map(view.__getitem__, tpl.tokens)))
+    recs = b"".join(map(digest, map(view.__getitem__, tpl.records))) if ctx.deep else b""
+    head = bytes(view[8 : 8 + tpl.hlen])
+    sealed = digest(head[: tpl.hck_at] + _ZERO + head[tpl.hck_at + 32 :])  # the header checksum it must hold
+    return buf, tpl, head, toks + recs + sealed, _created(buf[at + len(_CREATED_KEY) : end])
+
+
+def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, size: np.ndarray,
+           created: np.ndarray) -> None:  # fmt: skip
+    """Decide the segments read (`_read`), one numpy pass per template."""
+    t = ctx.table
+    for tpl, items in groups.items():
+        at = np.array([j for j, _, _, _ in items], dtype=np.int64)
+        k, n = len(items), tpl.hex_idx.shape[0]
+        heads = np.frombuffer(b"".join(h for _, h, _, _ in items), dtype=np.uint8).reshape(k, tpl.hlen)
+        ok = ~((heads != tpl.arr) & ~tpl.holes).any(axis=1)  # every fixed byte as `encode` writes it
+        ok &= _CREATED_OK[heads[:, tpl.created_idx]].all(axis=1)
+        stored, hex_ok = _unhex(heads[:, np.concatenate([tpl.hck_idx, tpl.hex_idx.reshape(-1)])])
+        ok &= hex_ok
+        fields = stored[:, 16:].reshape(k, n, 3, 16)  # per slot: hash, parent, checksum
+        computed = np.frombuffer(b"".join(d for _, _, d, _ in items), dtype=np.uint8).reshape(k, -1, 16)
+        rows = ctx.order[ctx.start[segs[at]][:, None] + np.arange(n)]  # [k, n] row numbers, slot order
+        ok &= (_keys(fields[:, :, 0]) == t.hash[rows]).all(axis=(1, 2))
+        ok &= (_keys(fields[:, :, 1]) == t.parent[rows]).all(axis=(1, 2))
+        ok &= (_keys(computed[:, :n]) == t.digest[rows]).all(axis=(1, 2))  # token digests
+        if ctx.deep:
+            ok &= (computed[:, n : 2 * n] == fields[:, :, 2]).all(axis=(1, 2))  # record checksums
+        ok &= (computed[:, -1] == stored[:, :16]).all(axis=1)  # header checksum
+        good = at[ok]
+        clean[good], size[good] = True, tpl.file_size
+        created[good] = np.array([w for _, _, _, w in items], dtype=np.float64)[ok]
+
+
+def _unhex(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`[k, 2m]` ASCII lowercase hex digits -> (`[k, m]` uint8 bytes, `[k]` bool: all were such digits)."""
+    got = _PAIRS[np.ascontiguousarray(chars).view(np.uint16)]
+    return got.astype(np.uint8), (got < 256).all(axis=1)
+
+
+def _keys(raw: np.ndarray) -> np.ndarray:
+    """`[..., 16]` uint8 (a hash's bytes) -> `[..., 2]` uint64 keys (`kvtool.store.chains`)."""
+    return np.ascontiguousarray(raw).view(">u8").astype(np.uint64)
+
+
+def _created(text: bytes) -> float:
+    """`records.created_of` of a header whose creation time is `text`."""
+    try:
+        t = float(text)
+    except ValueError:
+        return 0.0
+    return t if t == t and 0.0 <= t < float("inf") else 0.0
+
+
+__all__ = ["find_clean", "CleanSegments", "SHALLOW_MAX", "DEEP_MAX", "PARALLEL_MIN"]
