@@ -274,7 +274,7 @@ def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.n
     limit = DEEP_MAX if ctx.deep else SHALLOW_MAX
     buf = bytearray(0)
     groups: dict[_Template, list] = {}
-    held = 0
+    held = waiting = 0
     for j, s in enumerate(segs.tolist()):
         got = _read(ctx, s, buf, limit)
         if tick is not None:
@@ -283,10 +283,10 @@ def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.n
             continue
         buf, tpl, header, digests, when = got
         groups.setdefault(tpl, []).append((j, header, digests, when))
-        held += len(header)
-        if held >= BATCH_BYTES or sum(map(len, groups.values())) >= BATCH_SEGMENTS:
+        held, waiting = held + len(header), waiting + 1
+        if held >= BATCH_BYTES or waiting >= BATCH_SEGMENTS:
             _judge(ctx, segs, groups, clean, size, created)
-            groups, held = {}, 0
+            groups, held, waiting = {}, 0, 0
     _judge(ctx, segs, groups, clean, size, created)
     return clean, size, created
 

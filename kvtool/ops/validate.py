@@ -225,10 +225,11 @@ class _Planner:
         count = np.diff(self.table.by_segment[1]).tolist()
         numbers = self.table.segment_numbers
         done = int(fast.clean.sum())
+        clean, size, created = fast.clean.tolist(), fast.size.tolist(), fast.created.tolist()
         for name in names:
             s = numbers.get(name)
-            if s is not None and fast.clean[s]:  # the common case: nothing kept per record
-                self.checked[name] = _SegInfo(int(fast.size[s]), count[s], float(fast.created[s]))
+            if s is not None and clean[s]:  # the common case: nothing kept per record
+                self.checked[name] = _SegInfo(size[s], count[s], created[s])
                 continue
             self._visit(name, self.rows.of(s) if s is not None else ([],) * 7)
             done += 1
@@ -464,9 +465,9 @@ class _Planner:
         for name in sorted(kept):
             if name not in self.checked or name in self.act.writes:
                 continue
-            want, have = self._segment_row(name), seg_rows.get(name)
-            if have is None or (have.nbytes, have.n_blocks) != (want.nbytes, want.n_blocks):
-                self.act.write(want)
+            info, have = self.checked[name], seg_rows.get(name)
+            if have is None or (have.nbytes, have.n_blocks) != (info.size, info.n_slots):
+                self.act.write(self._segment_row(name))
                 self.rep.segment_rows_fixed += 1
                 self.rep.note("segment_row", name, "missing" if have is None else "size or block count differs from the file")
         named = self.table.segment_numbers
