@@ -54,7 +54,7 @@ SHALLOW_MAX = 64 << 10  # without `deep`, a segment file larger than this is che
 DEEP_MAX = 64 << 20  # with `deep`, the largest file read whole in one read (bytes)
 BATCH_SEGMENTS = 256  # segments whose headers are checked together
 BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay small (bytes)
-PARALLEL_MIN = 4096  # segments below which one process does all (a fork costs more than it saves)
+PARALLEL_MIN = 16384  # segments below which one process does all (starting workers costs more than they save)
 CHUNKS_PER_WORKER = 8  # pieces of work per worker process (a loaded core finishes fewer)
 _HOLE = ord("#")  # placeholder byte in a template: where the digests and the creation time go
 _DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)

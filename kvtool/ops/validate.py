@@ -426,7 +426,7 @@ class _Planner:
             rep.note("broken_chain", row.hash, f"parent {row.parent} is not stored (or the chain loops)")
         plain = ~dropped
         plain[list(rewritten)] = False  # a rewritten row's segment is its record's
-        referenced = {t.segments[i] for i in np.unique(t.seg[plain]).tolist()} | {new.segment for new in rewritten.values()}
+        referenced = _segments_of(t, plain) | {new.segment for new in rewritten.values()}
         for name, rows in sorted(by_segment.items()):
             act.write(self._segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
             rep.orphans_adopted += len(rows)
@@ -455,7 +455,7 @@ class _Planner:
         t = self.table
         plain = alive.copy()
         plain[list(rewritten)] = False
-        out = {t.segments[i] for i in np.unique(t.seg[plain]).tolist()}
+        out = _segments_of(t, plain)
         out |= {new.segment for r, new in rewritten.items() if alive[r]}
         return out
 
@@ -477,6 +477,11 @@ class _Planner:
                 if name not in named:  # else part of dropping the rows of a missing segment
                     self.rep.segment_rows_fixed += 1
                     self.rep.note("segment_row", name, "no file")
+
+
+def _segments_of(t: RowTable, rows: np.ndarray) -> set[str]:
+    """Names of the segments holding the rows of mask `rows` (`[N]` bool)."""
+    return {t.segments[i] for i in np.flatnonzero(np.bincount(t.seg[rows], minlength=len(t.segments))).tolist()}
 
 
 class _SegmentRows:
