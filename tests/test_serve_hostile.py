@@ -278,6 +278,24 @@ def test_oversized_prompt_gets_413_quickly(hostile):
 
 
 @pytest.mark.slow
+def test_prompts_are_tokenized_once_on_the_handler_thread(hostile):
+    """The handler tokenizes a prompt for the generation thread (same output); one that the
+    length check already tokenized (its byte bound is over the limit, its tokens are not) is
+    left to the generation thread, so no handler tokenizes a prompt twice."""
+    pretokenized = lambda: server_stats(hostile)["server"]["prompts_pretokenized"]  # noqa: E731
+    before = pretokenized()
+    still_serves(hostile)
+    assert pretokenized() == before + 1
+    limit = server_stats(hostile)["server"]["max_prompt_tokens"]
+    text = "hello world " * (limit // 24 + 100)  # ~2 tokens per 12 bytes: a bound of ~2x the limit, half its tokens
+    status, doc = post(hostile, {**NORMAL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
+    assert status == 200, doc
+    assert pretokenized() == before + 1
+    still_serves(hostile)
+    assert pretokenized() == before + 2
+
+
+@pytest.mark.slow
 def test_client_gone_mid_stream_is_one_line_and_the_server_goes_on(hostile):
     body = json.dumps({**NORMAL, "stream": True, "max_tokens": 3000, "logit_bias": NO_EOS}).encode()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -156,6 +156,8 @@ def test_serve_matches_mlx_lm_server_across_restart_sighup_and_sigterm(tmp_path)
         assert len(reqs) == 3 and reqs[0][2] == 0  # one log line per request; the first one cold
         _, prompt, cached, ram, ssd, prefilled = reqs[2]
         assert cached == ram > 0 and ssd == 0 and prompt == cached + prefilled
+        # the handlers tokenized every prompt for the generation thread (same outputs as above)
+        assert stats(a)["server"]["prompts_pretokenized"] == 3
         assert a.stop(signal.SIGTERM) == 143
         assert "shutdown_clean=True" in a.text()
 

@@ -34,6 +34,7 @@ from mlx_lm.server import ResponseGenerator
 
 log = logging.getLogger("kvtool.server")
 
+PRETOKENIZED = "_kvtool_pretokenized"  # a request's attribute: (tokenizer, `_tokenize` result)
 MAX_RESTARTS = 5  # generation loop failures tolerated within RESTART_WINDOW_S
 RESTART_WINDOW_S = 60.0
 FAULT_ENV = "KVTOOL_TEST_GENERATION_FAULT"
@@ -74,6 +75,7 @@ class KVToolResponseGenerator(ResponseGenerator):
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.restarts = 0
+        self.pretokenized = 0  # prompts the handlers tokenized for this thread (`RequestGuard.pretokenize`)
         self.last_failure: str | None = None
         self._failures: deque[float] = deque()
         self._registry_lock = threading.Lock()
@@ -127,7 +129,11 @@ class KVToolResponseGenerator(ResponseGenerator):
 
     # ------------------------------------------------------------ mlx-lm hooks
     def _tokenize(self, tokenizer, request, args):
-        out = super()._tokenize(tokenizer, request, args)
+        out = take_pretokenized(request, tokenizer)
+        if out is None:
+            out = super()._tokenize(tokenizer, request, args)
+        else:
+            self.pretokenized += 1
         if len(out[0]) > self.max_prompt_tokens:
             raise PromptTooLong(len(out[0]), self.max_prompt_tokens)
         return out
@@ -174,9 +180,20 @@ class KVToolResponseGenerator(ResponseGenerator):
 
     def stats(self) -> dict[str, Any]:
         """Watchdog counters (JSON-able)."""
-        return {"generation_restarts": self.restarts, "generation_available": self.generation_available(),
+        return {"generation_restarts": self.restarts, "prompts_pretokenized": self.pretokenized,
+                "generation_available": self.generation_available(),
                 "last_generation_failure": self.last_failure}
 
 
-__all__ = ["KVToolResponseGenerator", "GenerationFailed", "GenerationUnavailable", "PromptTooLong",
+def take_pretokenized(request: Any, tokenizer: Any) -> tuple | None:
+    """The `_tokenize` result a handler thread left on `request` (`RequestGuard.pretokenize`),
+    removed from it; None when there is none or it was made for another tokenizer than the one
+    the generation thread holds (e.g. after the model provider loaded another model)."""
+    got = request.__dict__.pop(PRETOKENIZED, None) if hasattr(request, "__dict__") else None
+    if got is None or got[0] is not tokenizer:
+        return None
+    return got[1]
+
+
+__all__ = ["KVToolResponseGenerator", "take_pretokenized", "PRETOKENIZED", "GenerationFailed", "GenerationUnavailable", "PromptTooLong",
            "MAX_RESTARTS", "RESTART_WINDOW_S", "FAULT_ENV"]
