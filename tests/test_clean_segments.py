@@ -11,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 
+from kvtool.ops import clean_segments
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.scan import scan_cache
@@ -195,3 +196,18 @@ def test_workers_give_the_same_verdicts(cache):
     two, got2 = verdicts(cache_dir, deep=True, workers=2)
     assert one == two and sum(one.values()) == 3
     assert np.array_equal(got1.size, got2.size) and np.array_equal(got1.created, got2.created)
+
+
+@pytest.mark.parametrize("gap, fast", [(1 << 16, True), (8, False)])
+def test_shallow_reads_a_large_file_whole_only_where_the_general_way_would(cache, monkeypatch, gap, fast):
+    """Without `deep`, a file over `SHALLOW_MAX` is checked fast only if its records' token ids lie
+    within `SHALLOW_GAP` of each other (the general way would read it whole too); else the general
+    way reads just its header and token ids. Either way validate finds it clean."""
+    cache_dir, store, (a, b, c) = cache
+    monkeypatch.setattr(clean_segments, "SHALLOW_MAX", 64)  # every test segment is larger
+    monkeypatch.setattr(clean_segments, "SHALLOW_GAP", gap)
+    clean, _ = verdicts(cache_dir, deep=False)
+    assert all(clean.values()) == fast and (any(clean.values()) == fast)
+    assert all(verdicts(cache_dir, deep=True)[0].values())  # `deep` reads every byte anyway
+    rep = validate(cache_dir, dry_run=True).namespaces[0]
+    assert (rep.outcome, rep.problems) == ("clean", 0)

@@ -50,7 +50,8 @@ from kvtool.store import segment as seg
 from kvtool.store.kvlayout import KVLayout
 from kvtool.store.rowtable import RowTable
 
-SHALLOW_MAX = 64 << 10  # without `deep`, a segment file larger than this is checked the general way (bytes)
+SHALLOW_MAX = 64 << 10  # without `deep`, a larger segment file is read whole only if ... (bytes)
+SHALLOW_GAP = 64 << 10  # ... its token ids lie this close (`records.SPAN_GAP`: one read there too), else the general way
 DEEP_MAX = 64 << 20  # with `deep`, the largest file read whole in one read (bytes)
 BATCH_SEGMENTS = 256  # segments whose headers are checked together
 BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay small (bytes)
@@ -252,8 +253,9 @@ def _check_shared(part: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLayout, block_size: int, files: dict,
                 deep: bool) -> np.ndarray:  # fmt: skip
-    """Segment numbers worth a fast check: a listed file small enough, rows holding slots 0..n-1
-    once each, token counts of a block or less, record sizes of uncompressed records."""
+    """Segment numbers worth a fast check: a listed file small enough (without `deep`: a larger one
+    only if the general way would read it whole too), rows holding slots 0..n-1 once each, token
+    counts of a block or less, record sizes of uncompressed records."""
     n_seg = len(table.segments)
     count = np.diff(start)
     seg_of = np.repeat(np.arange(n_seg), count)
@@ -263,9 +265,14 @@ def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLay
     fine = (nt >= 1) & (nt <= block_size)
     bad = (slot != pos) | ~fine | (nb != sizes[np.where(fine, nt, 0)])
     ok = (np.bincount(seg_of[bad], minlength=n_seg) == 0) & (count > 0)
-    limit = DEEP_MAX if deep else SHALLOW_MAX
-    listed = [(f := files.get(name)) is not None and 0 < f.size <= limit for name in table.segments]
-    return np.flatnonzero(ok & np.array(listed, dtype=bool))
+    limit = np.full(n_seg, DEEP_MAX, dtype=np.int64)
+    if not deep:  # the bytes between two records' token ids, at most (a record's KV)
+        gap = np.zeros(n_seg, dtype=np.int64)
+        held = np.flatnonzero(count > 0)
+        gap[held] = np.maximum.reduceat(nb.astype(np.int64) - 4 * nt.astype(np.int64), start[held])
+        limit[gap > SHALLOW_GAP] = SHALLOW_MAX
+    size = np.array([f.size if (f := files.get(name)) is not None else 0 for name in table.segments], dtype=np.int64)
+    return np.flatnonzero(ok & (size > 0) & (size <= limit))
 
 
 def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -273,7 +280,7 @@ def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.n
     `tick(1)` after each segment read."""
     k = len(segs)
     clean, size, created = np.zeros(k, dtype=bool), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.float64)
-    limit = DEEP_MAX if ctx.deep else SHALLOW_MAX
+    limit = DEEP_MAX  # what a candidate may hold (`_candidates` chose them by their listed size)
     buf = bytearray(0)
     groups: dict[_Template, list] = {}
     held = waiting = 0

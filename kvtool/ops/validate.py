@@ -33,15 +33,16 @@ following symlinks (`kvtool.ops.confined`). A repairing run holds the cache's ma
 a `prune` or `rm` is removing at the same moment; a dry run only reads and takes no lock.
 
 Scale (docs/operations.md): the rows are read once, as columns (`kvtool.store.rowtable`); the
-segment files are visited once each, in name order, each opened once. A clean segment (every
-slot held by a row that matches it) takes the fast path: one read of the whole file (small files;
-with `deep` any up to 64 MiB), its header and each record checked over slices of that buffer, no
-object kept per record (`SegmentPass.check_clean`). Any other segment is checked the general way:
-the records a check needs read in file order with as few reads as possible
-(`kvtool.ops.records.SegmentPass`): token ids for the digest check, whole records for `deep` and
-for records without a row; the
-chain tree (rows plus candidate records) is built once. Memory grows with the blocks (numpy
-columns, ~150 bytes per block), never with the bytes of the cache.
+segment files are opened once each. Clean segments (every slot held by a row that matches it,
+almost all of a healthy cache) are found first, in batches (`kvtool.ops.clean_segments`: one read
+of each whole file, its header byte-compared with the one `segment.encode` writes for the rows'
+slot table, digests and row comparisons vectorised; over the CPUs in forked workers for a large
+cache); nothing is kept of them but size, slot count and creation time. Every other segment is
+then checked the general way, in name order: the records a check needs read in file order with as
+few reads as possible (`kvtool.ops.records.SegmentPass`): token ids for the digest check, whole
+records for `deep` and for records without a row. The chain tree (rows plus candidate records) is
+built once. Memory grows with the blocks (numpy columns, ~150 bytes per block), never with the
+bytes of the cache.
 
 This module never imports MLX.
 """
