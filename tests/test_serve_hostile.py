@@ -279,20 +279,23 @@ def test_oversized_prompt_gets_413_quickly(hostile):
 
 @pytest.mark.slow
 def test_prompts_are_tokenized_once_on_the_handler_thread(hostile):
-    """The handler tokenizes a prompt for the generation thread (same output); one that the
-    length check already tokenized (its byte bound is over the limit, its tokens are not) is
-    left to the generation thread, so no handler tokenizes a prompt twice."""
+    """The handler tokenizes every text prompt for the generation thread (same output), long ones
+    too; one over the limit is refused there (413) and never reaches the generation thread."""
     pretokenized = lambda: server_stats(hostile)["server"]["prompts_pretokenized"]  # noqa: E731
     before = pretokenized()
     still_serves(hostile)
     assert pretokenized() == before + 1
     limit = server_stats(hostile)["server"]["max_prompt_tokens"]
-    text = "hello world " * (limit // 24 + 100)  # ~2 tokens per 12 bytes: a bound of ~2x the limit, half its tokens
+    text = "hello world " * (limit // 24 + 100)  # 2 tokens a repeat: over a tenth of the limit
     status, doc = post(hostile, {**NORMAL, "max_tokens": 1, "messages": [{"role": "user", "content": text}]})
     assert status == 200, doc
-    assert pretokenized() == before + 1
-    still_serves(hostile)
     assert pretokenized() == before + 2
+    fetched = server_stats(hostile)["adapter"]["requests"]  # prompts that reached the cache
+    too_long = "hello world " * (limit // 2 + 100)
+    assert_refused(post(hostile, {**NORMAL, "messages": [{"role": "user", "content": too_long}]}), 413,
+                   "--max-prompt-tokens")
+    assert pretokenized() == before + 2 and server_stats(hostile)["adapter"]["requests"] == fetched
+    still_serves(hostile)
 
 
 @pytest.mark.slow
@@ -409,14 +412,3 @@ def test_prompt_sources_over_the_limit_and_deep_json(tmp_path):
     jsonl.write_text('{"prompt": "x"}\n' + "[" * 5000 + "]" * 5000 + "\n")
     assert_one_error(kvtool("serve-once", "--requests", str(jsonl), *cache), "deep.jsonl:2")
     assert_one_error(kvtool("serve-once", "-p", "x", "--max-prompt-bytes", "lots", *cache), "--max-prompt-bytes")
-
-
-@pytest.mark.parametrize("text", ["plain ascii words " * 200, "ünïcödé 漢字 🙂 " * 150, "x" * 5000, ""])
-def test_token_bound_bounds_the_chat_prompt_tokens(tiny_model, text):
-    """The handler skips its own tokenization below this bound: it must never undercount."""
-    from kvtool.server.handler import token_bound
-
-    messages = [{"role": "system", "content": text}, {"role": "user", "content": text[:100] or "hi"}]
-    n = len(tiny_model.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    assert token_bound({"messages": messages}) >= n
-    assert token_bound({"prompt": text}) >= len(tiny_model.tokenizer.encode(text))

@@ -3,9 +3,10 @@
 `make_handler_class(cache, guard, metrics)` subclasses `mlx_lm.server.APIHandler`:
 
 - `POST` completions: the body is read with a size limit and a deadline, parsed and checked
-  (`kvtool.server.validation`) and the prompt tokenized against `max_prompt_tokens`
-  (`RequestGuard`) before mlx-lm's own `do_POST` sees it; refusals are answered 4xx with
-  `{"error": message}` (mlx-lm's error body) and one log line;
+  (`kvtool.server.validation`) before mlx-lm's own `do_POST` sees it; refusals are answered 4xx
+  with `{"error": message}` (mlx-lm's error body) and one log line; the prompt is tokenized on
+  the handler's thread, checked against `max_prompt_tokens` and handed to the generation thread
+  (`RequestGuard.pretokenize`);
 - an exception of the generator is answered with its own status (`error_status`: 413 prompt too
   long, 500 generation failed, 503 generation stopped, 400 the prompt could not be built)
   instead of mlx-lm's 404, and a failure after the answer started ends the stream with an error
@@ -28,7 +29,6 @@ import socket
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from types import SimpleNamespace
 from typing import Any
 from urllib.parse import unquote
 
@@ -66,32 +66,6 @@ def error_status(exc: BaseException) -> int:
     return 500
 
 
-TEMPLATE_TOKENS_PER_MESSAGE = 64  # chat-template tokens allowed per message in `token_bound`
-TEMPLATE_TOKENS_FIXED = 1024  # and per prompt (system preamble, generation prompt)
-
-
-def _utf8_bytes(value: Any) -> int:
-    """UTF-8 bytes of every string inside a JSON value (keys included)."""
-    if isinstance(value, str):
-        return len(value.encode("utf-8", "surrogatepass"))
-    if isinstance(value, dict):
-        return sum(_utf8_bytes(k) + _utf8_bytes(v) for k, v in value.items())
-    if isinstance(value, list):
-        return sum(_utf8_bytes(v) for v in value)
-    return 8
-
-
-def token_bound(body: dict[str, Any]) -> int:
-    """An upper bound of the prompt's tokens (tokens) without tokenizing: a token of a byte-level
-    BPE covers at least one byte, a SentencePiece one at least one byte or an inserted word
-    boundary, so twice the UTF-8 bytes of the text, plus what a chat template adds per message
-    and per prompt, bounds it. Tokenizing a 2,047-token chat prompt of the `tiny` preset costs ~4 ms
-    here, which a second tokenization would add to every request's TTFT."""
-    parts = [body.get("prompt"), body.get("messages"), body.get("tools")]
-    n_messages = len(body["messages"]) if isinstance(body.get("messages"), list) else 1
-    return 2 * _utf8_bytes(parts) + TEMPLATE_TOKENS_PER_MESSAGE * n_messages + TEMPLATE_TOKENS_FIXED
-
-
 class RequestGuard:
     """What the handler checks a request against: `limits` and a private copy of the tokenizer
     (the prompt is tokenized in the handler thread, under a lock, as the generation thread will)."""
@@ -108,76 +82,38 @@ class RequestGuard:
         with self._count_lock:
             self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
 
-    def check_prompt(self, generator: Any, body: dict[str, Any], path: str) -> bool:
-        """Tokenize the prompt as mlx-lm's generation thread will (`_tokenize`, with the chat
-        template) and refuse it over `max_prompt_tokens`. Prompts with images are left to the
-        generation thread's own check.
-
-        Returns:
-            Whether the prompt was tokenized here (only a prompt that might be too long is:
-            `token_bound`).
-
-        Raises:
-            RequestError: 413 too many tokens; 400 the chat template or tokenizer refused it.
-        """
-        from mlx_lm.server import CompletionRequest
-
-        from kvtool.server.watchdog import PromptTooLong
-
-        if token_bound(body) <= self.limits.max_prompt_tokens:
-            return False  # cannot be too long: no second tokenization on the hot path (the
-            # generation thread's `_tokenize` still checks, `PromptTooLong`)
-        if path == "/v1/completions":
-            request = CompletionRequest("text", body["prompt"], [], None, None)
-        else:
-            messages = body["messages"]
-            if any(isinstance(m.get("content"), list) and any(p.get("type") != "text" for p in m["content"])
-                   for m in messages):
-                return False
-            request = CompletionRequest("chat", "", copy.deepcopy(messages), body.get("tools") or None,
-                                        body.get("role_mapping"))
-        args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
-        with self._lock:
-            try:
-                generator._tokenize(self._tokenizer, request, args)
-            except PromptTooLong as exc:
-                raise RequestError(413, str(exc)) from None
-            except Exception as exc:  # noqa: BLE001 - a template/tokenizer error is the request's
-                raise RequestError(400, f"cannot build the prompt: {type(exc).__name__}: "
-                                        f"{' '.join(str(exc).split())[:300]}") from None
-        return True
-
-
     def pretokenize(self, generator: Any, request: Any, args: Any) -> None:
-        """Tokenize a request here, on its handler's thread, exactly as the generation thread
-        would (mlx-lm's `ResponseGenerator._tokenize`: chat template, system / user segments,
-        initial state), and leave the result on the request for the generation thread's
-        `_tokenize` (`kvtool.server.watchdog.take_pretokenized`), which then only checks it.
-        Not for a prompt `check_prompt` already tokenized (a long one: the generation thread
-        tokenizes it, as before, rather than this thread twice).
+        """Tokenize a request on its handler's thread exactly as the generation thread would
+        (mlx-lm's `ResponseGenerator._tokenize`: chat template, system / user segments, initial
+        state), refuse it over `max_prompt_tokens`, and leave the result on the request for the
+        generation thread's `_tokenize` (`kvtool.server.watchdog.take_pretokenized`), which then
+        only checks it: every text prompt is tokenized once, here.
 
         mlx-lm tokenizes on its single generation thread, between decode steps: a chat request
         with a system message is two template renders and encodes (~6 ms for a 2k-token prompt of
-        `tiny`), 36 % of that thread's samples at 16 clients (py-spy). The tokenizers library
-        releases the GIL while it encodes, so here it overlaps decoding instead. A request with
-        images, or one the template refuses, is left alone: the generation thread tokenizes it
-        (and raises) as before. The work is on a copy of the request (mlx-lm's message
-        processing rewrites its messages) with this guard's copy of the tokenizer, one at a time.
+        `tiny`, 36 % of that thread's py-spy samples at 16 clients; ~120 ms for a 23k-token one).
+        The tokenizers library releases the GIL while it encodes, so here it overlaps decoding.
+        The work is on a copy of the request (mlx-lm's message processing rewrites its messages)
+        with this guard's copy of the tokenizer, one request at a time. A request with images is
+        left to the generation thread (which checks the limit too, `PromptTooLong`).
+
+        Raises:
+            PromptTooLong: more tokens than `max_prompt_tokens` (answered 413).
+            Exception: what `_tokenize` raised (a chat template or tokenizer error: 400).
         """
         from mlx_lm.server import ResponseGenerator
 
-        from kvtool.server.watchdog import PRETOKENIZED
+        from kvtool.server.watchdog import PRETOKENIZED, PromptTooLong
 
         if request.request_type == "chat" and any(
-                isinstance(m, dict) and isinstance(m.get("content"), list)
-                and any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"])
+                not isinstance(m, dict) or (isinstance(m.get("content"), list)
+                and any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]))
                 for m in request.messages):  # fmt: skip
             return
-        try:
-            with self._lock:
-                out = ResponseGenerator._tokenize(generator, self._tokenizer, copy.deepcopy(request), args)
-        except Exception:  # noqa: BLE001 - the generation thread tokenizes it again and answers the error
-            return
+        with self._lock:
+            out = ResponseGenerator._tokenize(generator, self._tokenizer, copy.deepcopy(request), args)
+        if len(out[0]) > self.limits.max_prompt_tokens:
+            raise PromptTooLong(len(out[0]), self.limits.max_prompt_tokens)
         setattr(request, PRETOKENIZED, (self.source, out))
 
 
@@ -191,10 +127,10 @@ class _Capture:
         self._handler = handler
 
     def generate(self, request, generation_args, *args, **kwargs):
-        guard = getattr(self._handler, "kvtool_guard", None)
-        if guard is not None and not getattr(self._handler, "kvtool_tokenized", False):
-            guard.pretokenize(self._generator, request, generation_args)  # not twice on this thread
         try:
+            guard = getattr(self._handler, "kvtool_guard", None)
+            if guard is not None:
+                guard.pretokenize(self._generator, request, generation_args)
             ctx, response = self._generator.generate(request, generation_args, *args, **kwargs)
         except Exception as exc:
             self._handler.kvtool_error = exc
@@ -237,7 +173,6 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: C
         kvtool_error: BaseException | None = None
         kvtool_headers_sent = False
         kvtool_body_read = False
-        kvtool_tokenized = False  # check_prompt tokenized this request's prompt (no second time here)
 
         # ------------------------------------------------------------- routes
         def do_GET(self):  # noqa: N802 - http.server naming
@@ -273,14 +208,12 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: C
 
         def do_POST(self):  # noqa: N802 - http.server naming
             self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
-            self.kvtool_tokenized = False
             if self.path not in validation.COMPLETION_PATHS:
                 self._refuse(RequestError(404, f"no such route: POST {self.path[:100]}"))
                 return
             try:
                 body = self._read_body()
                 validation.check_request(body, self.path, self.kvtool_guard.limits)
-                self.kvtool_tokenized = self.kvtool_guard.check_prompt(self.response_generator, body, self.path)
             except RequestError as exc:
                 self._refuse(exc)
                 return
