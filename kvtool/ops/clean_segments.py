@@ -239,7 +239,12 @@ def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, tick):
         return
     _SHARED = ctx
     try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
+        try:
+            pool = multiprocessing.get_context("fork").Pool(workers)
+        except OSError:  # no process to be had (a limit): this one does all
+            yield from _run(ctx, pieces, 1, tick)
+            return
+        with pool:
             for part, got in zip(pieces, pool.imap(_check_shared, pieces)):
                 tick(len(part))
                 yield got
@@ -320,7 +325,7 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
         return None
     finally:
         os.close(fd)
-    at = buf.find(_CREATED_KEY, 8, 8 + 512)
+    at = buf.find(_CREATED_KEY, 8, min(size, 8 + seg.MAX_HEADER_BYTES))  # early in the metadata
     end = buf.find(b'"', at + len(_CREATED_KEY), at + 64) if at >= 0 else -1
     if end < 0:
         return None
