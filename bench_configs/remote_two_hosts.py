@@ -16,7 +16,8 @@ prompt once: its TTFT is the recompute figure. Then, alternated, each in a fresh
   `floor-wire`: GETs in kvtool's read batches sent `DEFAULT_WIRE_WINDOW` batches ahead on one
   connection, as kvtool's own reader sends its GETRANGEs; its ratio is reported beside. Each
   floor worker also times mlx-lm's `generate_step` to its first token on a same-length cache
-  (reported, not in the floor): kvtool's TTFT has that in place of the bare forward.
+  (reported, not in the floor): kvtool's TTFT has that in place of the bare forward; and the
+  time it took to allocate and fill that cache in a fresh process (reported, not in the floor).
 Then the write-through price: fresh prompts served cold with `remote_policy = write_through` and
 with the remote tier off (fresh cache directories), request time = TTFT + write path (ms).
 Hit rows also keep `load_ms` (serve-once's `ssd_load_ms`: the hit's buffers filled from its
@@ -74,10 +75,12 @@ r.ping()  # connected before the clock starts (kvtool's store connects when the 
 keys, batch_bytes = args["keys"], args["batch_bytes"]
 cache = make_prompt_cache(loaded.model)
 n = args["cached"]
-for c in cache:  # a cache of the same length (not timed): the floor's forward attends over it
+t_alloc = time.perf_counter()
+for c in cache:  # a cache of the same length (not in the floor): the floor's forward attends over it
     h, d = loaded.model.args.num_key_value_heads, loaded.model.args.hidden_size // loaded.model.args.num_attention_heads
     c.keys = mx.zeros((1, h, n + 256, d)); c.values = mx.zeros((1, h, n + 256, d)); c.offset = n
     mx.eval(c.keys, c.values)
+alloc_ms = (time.perf_counter() - t_alloc) * 1e3  # fresh memory: the page faults kvtool's restore pays in its TTFT
 mx.eval(loaded.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(loaded.model)))  # warm-up
 per = max(1, batch_bytes // args["value_bytes"])
 batches = [keys[i : i + per] for i in range(0, len(keys), per)]
@@ -110,7 +113,7 @@ t3 = time.perf_counter()
 next(generate_step(mx.array([args["last"]]), loaded.model, max_tokens=1, sampler=make_sampler(temp=0.0), prompt_cache=cache))
 t4 = time.perf_counter()
 print(json.dumps({"get_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "generate_step_first_ms": (t4 - t3) * 1e3,
-                  "bytes": got}))
+                  "alloc_ms": alloc_ms, "bytes": got}))
 """
 
 
@@ -175,7 +178,7 @@ def main() -> int:
                     f = json.loads(p.stdout.strip().splitlines()[-1])
                     rows.append({"part": "hit", "method": method, "repeat": rep, "ms": f["get_ms"] + f["forward_ms"],
                                  "get_ms": f["get_ms"], "forward_ms": f["forward_ms"], "bytes": f["bytes"],
-                                 "generate_step_first_ms": f["generate_step_first_ms"]})
+                                 "generate_step_first_ms": f["generate_step_first_ms"], "alloc_ms": f["alloc_ms"]})
         for rep in range(a.repeats):
             start = (rep + 1) * 97
             sub = ids[start : start + a.write_tokens]
@@ -213,6 +216,7 @@ def main() -> int:
                "floor_forward_ms_median": statistics.median(r["forward_ms"] for r in rows if "forward_ms" in r),
                "generate_step_first_ms_median": statistics.median(r["generate_step_first_ms"] for r in rows
                                                                   if "generate_step_first_ms" in r),
+               "floor_cache_alloc_ms_median": statistics.median(r["alloc_ms"] for r in rows if "alloc_ms" in r),
                "date": time.strftime("%Y-%m-%d %H:%M:%S"), "load_average": os.getloadavg()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     lines = [f"# Two hosts, one Redis: `{a.model}`, {a.tokens} tokens, {a.repeats} repeats ({summary['date']}, "
@@ -228,6 +232,8 @@ def main() -> int:
               f"- the floor's forward of the last token {summary['floor_forward_ms_median']:.1f} ms; mlx-lm's "
               f"`generate_step` to its first token on the same cache {summary['generate_step_first_ms_median']:.1f} ms "
               "(what kvtool's TTFT includes in its place; not in the floor)",
+              f"- allocating and zero-filling a KV cache of that length in the floor's fresh process (before "
+              f"its clock; kvtool's TTFT allocates and fills its buffers): {summary['floor_cache_alloc_ms_median']:.1f} ms",
               f"- remote hit / recompute: {summary['remote_hit_over_recompute']:.3f}x",
               f"- remote hit / local SSD hit: {summary['remote_hit_over_local_ssd']:.2f}x",
               f"- write-through / remote off (TTFT + write path of a cold {a.write_tokens}-token prompt): "
