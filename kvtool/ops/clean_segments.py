@@ -12,7 +12,7 @@ precomputed slices), and a copy of its header bytes. Everything else runs on who
 segments with numpy:
 
 - The header must be byte for byte the one `segment.encode` writes for the slot table the rows
-  describe (`_Template`: `encode` itself renders it once per shape, with placeholders where the
+  describe (`Template`: `encode` itself renders it once per shape, with placeholders where the
   digests and the creation time go). Such a header is what `segment.parse_header` accepts, read
   exactly as it reads it: the format, layout key, KV layout, slot count, offsets and record sizes
   are in the template's fixed bytes; the placeholders must hold lowercase hex digits (the
@@ -38,17 +38,16 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import cast
 
 import numpy as np
 import xxhash
 
-from kvtool.hostblock import HostBlock
 from kvtool.ops.confined import ConfinedDir
 from kvtool.store import segment as seg
 from kvtool.store.kvlayout import KVLayout
 from kvtool.store.rowtable import RowTable
+from kvtool.store.segment_template import CREATED_OK, Template, created_span, template
 
 SHALLOW_MAX = 64 << 10  # without `deep`, a larger segment file is read whole only if ... (bytes)
 SHALLOW_GAP = 64 << 10  # ... its token ids lie this close (`records.SPAN_GAP`: one read there too), else the general way
@@ -57,16 +56,12 @@ BATCH_SEGMENTS = 256  # segments whose headers are checked together
 BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay small (bytes)
 PARALLEL_MIN = 16384  # segments below which one process does all (starting workers costs more than they save)
 CHUNKS_PER_WORKER = 8  # pieces of work per worker process (a loaded core finishes fewer)
-_HOLE = ord("#")  # placeholder byte in a template: where the digests and the creation time go
 _DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _PAIRS = np.full(1 << 16, 256, dtype=np.uint16)  # two ASCII bytes (one native uint16) -> their byte; 256: not hex
 _PAIRS[np.stack(np.meshgrid(_DIGITS, _DIGITS, indexing="ij"), -1).reshape(-1, 2).copy().view(np.uint16).ravel()] = (
     np.arange(256)  # a pair of lowercase hex digits, first the high nibble
 )
-_CREATED_OK = np.zeros(256, dtype=bool)  # what a creation time may hold in the fast path (no JSON escape)
-_CREATED_OK[np.frombuffer(b"0123456789.eE+-infaINFA", dtype=np.uint8)] = True
-_CREATED_KEY = b'"created":"'
-_ZERO = seg._ZERO_CHECKSUM.encode()
+_ZERO = seg.ZERO_CHECKSUM.encode()
 _MISSING = object()
 _Slicer = Callable[[slice], memoryview]  # made once: a subscripted type costs ~1.5 us a call
 
@@ -91,75 +86,6 @@ class CleanSegments:
         return cls(np.zeros(n, dtype=bool), np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.float64))
 
 
-class _Template:
-    """The canonical header of one segment shape (token count per slot, length of the creation
-    time), with placeholders (`#`) where per-file values go.
-
-    Attributes:
-        hlen: header length N (the u64 at the file's start), padding included.
-        file_size: bytes of the whole file.
-        arr: the header (without its 8-byte length) as uint8; holes: `[N]` bool, its placeholders.
-        created_idx: positions of the creation time; hck_idx: of the header checksum (32 hex).
-        hex_idx: positions of the per-slot hex digits: `[n, 3, 32]`, hash, parent, checksum.
-        hck_at: where the header checksum's value starts in the header.
-        tokens, records: per slot, the `slice` of its token ids and of its whole record (file offsets).
-    """
-
-    def __init__(self, header: bytes, n_tokens: tuple[int, ...], sizes: list[int], created_len: int):
-        arr = np.frombuffer(header, dtype=np.uint8)
-        holes = np.flatnonzero(arr == _HOLE)
-        n = len(n_tokens)
-        if holes.size != created_len + 32 + 96 * n:
-            raise ValueError("placeholder count differs from the template's fields")
-        self.hlen = len(header)
-        start = 8 + self.hlen
-        offsets = np.concatenate([[0], np.cumsum(sizes)]) + start
-        self.file_size = int(offsets[-1])
-        self.arr = arr
-        self.holes = arr == _HOLE  # [N] bool: where a header may differ from `arr`
-        self.created_idx = holes[:created_len]
-        self.hck_idx = holes[created_len : created_len + 32]
-        self.hck_at = int(self.hck_idx[0])
-        self.hex_idx = holes[created_len + 32 :].reshape(n, 3, 32)
-        for pos in (self.created_idx, self.hck_idx, *self.hex_idx.reshape(-1, 32)):
-            if pos[-1] - pos[0] != len(pos) - 1:  # every field is one run of placeholders
-                raise ValueError("a template field is not contiguous")
-        self.tokens = [slice(int(a), int(a) + 4 * t) for a, t in zip(offsets[:-1], n_tokens)]
-        self.records = [slice(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]
-
-
-@lru_cache(maxsize=256)
-def _template(layout_key: str, kv: KVLayout, n_tokens: tuple[int, ...], created_len: int) -> _Template | None:
-    """The template of a shape, rendered by `segment.encode` itself (zero-filled records, placeholder
-    hashes), or None if the shape cannot have one (a layout whose spec holds a `#`)."""
-    hole = "#" * 32
-    blocks = []
-    for t in n_tokens:
-        arrays = [np.zeros(s, dtype=d) for s, d in zip(kv.shapes(t), kv.storage_dtypes())]
-        keys, values = kv.split(arrays)
-        blocks.append(HostBlock(hole, hole, np.zeros(t, dtype=np.int32), keys, values, kv.dtype))
-    try:
-        if seg._parse_layout(kv.spec, kv.dtype) != kv:  # a header names its layout by spec and dtype
-            return None
-        buffers, slots = seg.encode(blocks, layout_key, kv, 0.0)
-    except (seg.BlockFileError, ValueError):
-        return None
-    header = bytes(buffers[0])[8:].rstrip(b" ")
-    for s in slots:
-        header = header.replace(s.checksum.encode(), hole.encode())
-    at = header.find(seg._HEADER_CK_KEY) + len(seg._HEADER_CK_KEY)
-    header = header[:at] + hole.encode() + header[at + 32 :]
-    old = _CREATED_KEY + b'0.0"'
-    if header.count(old) != 1:
-        return None
-    header = header.replace(old, _CREATED_KEY + b"#" * created_len + b'"')
-    header += b" " * (-(8 + len(header)) % 8)
-    try:
-        return _Template(header, n_tokens, [s.nbytes for s in slots], created_len)
-    except ValueError:
-        return None
-
-
 @dataclass
 class _Context:
     """What every batch needs (shared with forked workers as it is)."""
@@ -173,7 +99,7 @@ class _Context:
     shape: list[bytes]  # per segment: its rows' token counts (int32 bytes, slot order)
     names: list[str]
     deep: bool
-    templates: dict = field(default_factory=dict)  # (shape, length of the creation time) -> `_Template` or None
+    templates: dict = field(default_factory=dict)  # (shape, length of the creation time) -> `Template` or None
 
 
 _SHARED: _Context | None = None  # the context forked workers inherit
@@ -288,7 +214,7 @@ def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.n
     clean, size, created = np.zeros(k, dtype=bool), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.float64)
     limit = DEEP_MAX  # what a candidate may hold (`_candidates` chose them by their listed size)
     buf = bytearray(0)
-    groups: dict[_Template, list] = {}
+    groups: dict[Template, list] = {}
     held = waiting = 0
     for j, s in enumerate(segs.tolist()):
         got = _read(ctx, s, buf, limit)
@@ -325,15 +251,14 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
         return None
     finally:
         os.close(fd)
-    at = buf.find(_CREATED_KEY, 8, min(size, 8 + seg.MAX_HEADER_BYTES))  # early in the metadata
-    end = buf.find(b'"', at + len(_CREATED_KEY), at + 64) if at >= 0 else -1
-    if end < 0:
+    span = created_span(buf, min(size, 8 + seg.MAX_HEADER_BYTES))  # early in the metadata
+    if span is None:
         return None
-    key = (ctx.shape[s], end - at - len(_CREATED_KEY))
+    key = (ctx.shape[s], span[1] - span[0])
     tpl = ctx.templates.get(key, _MISSING)
     if tpl is _MISSING:
         n_tok = tuple(np.frombuffer(key[0], dtype=np.int32).tolist())
-        tpl = ctx.templates[key] = _template(ctx.layout_key, ctx.kv, n_tok, key[1])
+        tpl = ctx.templates[key] = template(ctx.layout_key, ctx.kv, n_tok, key[1])
     if tpl is None or tpl.file_size != size or int.from_bytes(buf[:8], "little") != tpl.hlen:
         return None
     digest = xxhash.xxh3_128_digest
@@ -342,7 +267,7 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
     recs = b"".join(map(digest, map(part, tpl.records))) if ctx.deep else b""
     head = bytes(view[8 : 8 + tpl.hlen])
     sealed = digest(head[: tpl.hck_at] + _ZERO + head[tpl.hck_at + 32 :])  # the header checksum it must hold
-    return buf, tpl, head, toks + recs + sealed, _created(buf[at + len(_CREATED_KEY) : end])
+    return buf, tpl, head, toks + recs + sealed, _created(buf[span[0] : span[1]])
 
 
 def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, size: np.ndarray,
@@ -354,7 +279,7 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
         k, n = len(items), tpl.hex_idx.shape[0]
         heads = np.frombuffer(b"".join(h for _, h, _, _ in items), dtype=np.uint8).reshape(k, tpl.hlen)
         ok = ~((heads != tpl.arr) & ~tpl.holes).any(axis=1)  # every fixed byte as `encode` writes it
-        ok &= _CREATED_OK[heads[:, tpl.created_idx]].all(axis=1)
+        ok &= CREATED_OK[heads[:, tpl.created_idx]].all(axis=1)
         stored, hex_ok = _unhex(heads[:, np.concatenate([tpl.hck_idx, tpl.hex_idx.reshape(-1)])])
         ok &= hex_ok
         fields = stored[:, 16:].reshape(k, n, 3, 16)  # per slot: hash, parent, checksum

@@ -45,12 +45,13 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import xxhash
 
 from kvtool.hostblock import HostBlock
-from kvtool.store import segment
+from kvtool.store import segment, segment_template
 from kvtool.store.kvlayout import KVLayout
 from kvtool.store.segment import BlockFileError, CodecError
 
@@ -58,6 +59,8 @@ VALUE_FORMAT = f"s{segment.FORMAT_VERSION}"
 KEY_PREFIX = "kvtool"
 DEFAULT_MAX_VALUE_BYTES = 16 << 20  # bytes per stored string; larger values are split into parts
 MIN_MAX_VALUE_BYTES = 1 << 10
+_CREATED_SEARCH = 4096  # header bytes searched for the creation time (`_decode_canonical`)
+_ZERO_CK = segment.ZERO_CHECKSUM.encode()
 MAX_PARTS = 4096
 HEADER_SLACK = 16 << 10  # bytes: a one-slot header is ~0.5 KiB plus the layout spec
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -207,6 +210,10 @@ def decode_value(
 
 def _decode(view: memoryview, layout_key: str, kv: KVLayout | None, codec: str | None, expected_hash: str,
             expected_parent: str | None, expected_tokens) -> HostBlock:  # fmt: skip
+    if kv is not None and codec == "none" and expected_parent is not None and expected_tokens is not None:
+        block = _decode_canonical(view, layout_key, kv, expected_hash, expected_parent, expected_tokens)
+        if block is not None:
+            return block
     header = segment.parse_header(view, len(view))
     segment.check_header(header, layout_key, kv or header.kv, codec)
     kv = header.kv
@@ -237,6 +244,72 @@ def _decode(view: memoryview, layout_key: str, kv: KVLayout | None, codec: str |
     return HostBlock(slot.block_hash, slot.parent_hash, tokens.astype(np.int32, copy=False), keys, values, kv.dtype)
 
 
+class _Canon(NamedTuple):
+    """Where a canonical one-slot value of a shape (`segment_template.Template`) holds what varies:
+    header positions of the block hash, parent and record checksum, the creation time and the
+    header checksum, the fixed runs between them (`(start, stop, bytes)`), and the record's span
+    in the value."""
+
+    t: segment_template.Template
+    hash_at: int
+    parent_at: int
+    ck_at: int
+    created: slice
+    fixed: tuple[tuple[int, int, bytes], ...]
+    record: slice
+
+
+@functools.lru_cache(maxsize=64)
+def _canon(layout_key: str, kv: KVLayout, n_tokens: int, created_len: int) -> _Canon | None:
+    t = segment_template.template(layout_key, kv, (n_tokens,), created_len)
+    if t is None:
+        return None
+    (h, p, c), c_idx = t.hex_idx[0], t.created_idx
+    return _Canon(t, int(h[0]), int(p[0]), int(c[0]), slice(int(c_idx[0]), int(c_idx[-1]) + 1),
+                  tuple((a, b, t.header[a:b]) for a, b in t.fixed), t.records[0])  # fmt: skip
+
+
+def _decode_canonical(view: memoryview, layout_key: str, kv: KVLayout, expected_hash: str, expected_parent: str,
+                      expected_tokens) -> HostBlock | None:  # fmt: skip
+    """A value whose header is byte for byte the one `segment.encode` writes for this block (the
+    namespace, the expected hash, parent and token count: `segment_template`), checked by
+    comparing bytes; its checksums and token ids are verified as `_decode` verifies them (about
+    half the microseconds a value of parsing its JSON header). Returns None for any other header
+    (the general parse then decides, with its precise error) and raises `RemoteValueError` only
+    where the general path would too: a checksum or the token ids differ.
+
+    Args:
+        view: the value's bytes (`[len]` uint8 memoryview).
+        expected_tokens: the block's token ids (int32 `[n]`, or a sequence of ints).
+    """
+    n_tok = len(expected_tokens)
+    head = bytes(view[: 8 + _CREATED_SEARCH])
+    span = segment_template.created_span(head, len(head))
+    if span is None or len(expected_hash) != 32 or len(expected_parent) != 32:
+        return None
+    c = _canon(layout_key, kv, n_tok, span[1] - span[0])
+    if c is None or c.t.file_size != len(view) or int.from_bytes(head[:8], "little") != c.t.hlen:
+        return None
+    header = bytes(view[8 : 8 + c.t.hlen])
+    for a, b, fixed in c.fixed:
+        if header[a:b] != fixed:
+            return None
+    h, p, at = c.hash_at, c.parent_at, c.t.hck_at
+    if (header[h : h + 32] != expected_hash.encode() or header[p : p + 32] != expected_parent.encode()
+            or header[c.created].translate(None, segment_template.CREATED_CHARS)):  # fmt: skip
+        return None
+    if xxhash.xxh3_128_hexdigest(header[:at] + _ZERO_CK + header[at + 32 :]).encode() != header[at : at + 32]:
+        return None  # (the general path says which field)
+    record = view[c.record]
+    if xxhash.xxh3_128_hexdigest(record).encode() != header[c.ck_at : c.ck_at + 32]:
+        raise RemoteValueError("checksum", f"record of {expected_hash} does not match its checksum")
+    tokens = np.frombuffer(record, dtype=_TOKENS, count=n_tok)
+    if not _same_tokens(tokens, expected_tokens):
+        raise RemoteValueError("tokens", f"block {expected_hash} holds other token ids (chain-hash collision?)")
+    keys, values = _tensors(kv, n_tok, record, tokens.nbytes)
+    return HostBlock(expected_hash, expected_parent, tokens.astype(np.int32, copy=False), keys, values, kv.dtype)
+
+
 def _same_tokens(tokens: np.ndarray, expected: np.ndarray | Sequence[int]) -> bool:
     """Exactly the expected token ids (int32 arrays compared as bytes; anything else by value)."""
     if isinstance(expected, np.ndarray) and expected.dtype == _TOKENS and expected.shape == tokens.shape:
@@ -245,30 +318,29 @@ def _same_tokens(tokens: np.ndarray, expected: np.ndarray | Sequence[int]) -> bo
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(kv: KVLayout, n_tokens: int) -> tuple[tuple[np.dtype, int, tuple[int, ...]], ...] | None:
+def _plan(kv: KVLayout, n_tokens: int) -> tuple[bool, tuple[tuple[np.dtype, int, tuple[int, ...]], ...]]:
     """How a record of `n_tokens` tokens of layout `kv` is cut into its tensors, memoized (a
-    remote hit cuts one record per block): `(dtype, count, shape)` in record order; None when
-    every tensor has one shape and dtype (plain K/V, no state arrays: one cut, `_tensors`)."""
+    remote hit cuts one record per block): `(uniform, entries)`, entries `(dtype, count, shape)`
+    in record order; `uniform` when every tensor has one shape and dtype (plain K/V, no state
+    arrays): then one entry for them all, of shape `[2 * n_layers, *shape]` (one cut, `_tensors`)."""
     shapes, dtypes = kv.shapes(n_tokens), kv.storage_dtypes()
     if not kv.states and not kv.bits and len(set(shapes)) == 1 and len(set(dtypes)) == 1:
-        return None
-    return tuple((st, math.prod(shape), shape) for shape, st in zip(shapes, dtypes))
+        return True, ((dtypes[0], len(shapes) * math.prod(shapes[0]), (len(shapes), *shapes[0])),)
+    return False, tuple((st, math.prod(shape), shape) for shape, st in zip(shapes, dtypes))
 
 
 def _tensors(kv: KVLayout, n_tokens: int, record: memoryview | bytes, at: int) -> tuple[list, list]:
     """(keys, values) of a record: read-only views of `record` from byte `at` (after the token
     ids), shapes and dtypes as `kv.shapes(n_tokens)` / `kv.storage_dtypes()`, split as `kv.split`."""
-    plan = _plan(kv, n_tokens)
-    if plan is None:  # K0, V0, K1, V1, ... of one shape: one view, cut along its first axis
-        shapes = kv.shapes(n_tokens)
-        whole = np.frombuffer(record, dtype=kv.storage_dtypes()[0], count=len(shapes) * math.prod(shapes[0]),
-                              offset=at).reshape((len(shapes), *shapes[0]))  # fmt: skip
-        arrays = list(whole)
-    else:
-        arrays = []
-        for st, count, shape in plan:
-            arrays.append(np.frombuffer(record, dtype=st, count=count, offset=at).reshape(shape))
-            at += count * st.itemsize
+    uniform, plan = _plan(kv, n_tokens)
+    if uniform:  # K0, V0, K1, V1, ... of one shape: one view, cut along its first axis
+        st, count, shape = plan[0]
+        whole = np.frombuffer(record, dtype=st, count=count, offset=at).reshape(shape)
+        return list(whole[0::2]), list(whole[1::2])
+    arrays = []
+    for st, count, shape in plan:
+        arrays.append(np.frombuffer(record, dtype=st, count=count, offset=at).reshape(shape))
+        at += count * st.itemsize
     return kv.split(arrays)
 
 

@@ -64,8 +64,8 @@ FILE_SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot)
 MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
-_ZERO_CHECKSUM = "0" * 32
-_HEADER_CK_KEY = b'"header_checksum":"'
+ZERO_CHECKSUM = "0" * 32
+HEADER_CK_KEY = b'"header_checksum":"'
 CODECS = ("none", "zstd", "lz4")
 ZSTD_LEVEL = 3  # zstd's default; level 1 measured no faster on KV here (docs/design.md#segments-format-2-why-and-what)
 
@@ -240,7 +240,7 @@ def encode(
         "layers": kv.spec,
         "n_blocks": str(len(blocks)),
         "created": repr(float(created)),
-        "header_checksum": _ZERO_CHECKSUM,
+        "header_checksum": ZERO_CHECKSUM,
     }
     tensors: dict[str, object] = {"__metadata__": meta}
     pos = 0
@@ -263,15 +263,15 @@ def encode(
 
 def _header_digest(header: bytes) -> str:
     """xxh3-128 of a header whose `header_checksum` value is zeroed."""
-    pos = header.find(_HEADER_CK_KEY)
-    if pos < 0 or header.find(_HEADER_CK_KEY, pos + 1) >= 0:
+    pos = header.find(HEADER_CK_KEY)
+    if pos < 0 or header.find(HEADER_CK_KEY, pos + 1) >= 0:
         raise BlockFileError("header", "header_checksum not found exactly once")
-    at = pos + len(_HEADER_CK_KEY)
-    return xxhash.xxh3_128_hexdigest(header[:at] + _ZERO_CHECKSUM.encode() + header[at + 32 :])
+    at = pos + len(HEADER_CK_KEY)
+    return xxhash.xxh3_128_hexdigest(header[:at] + ZERO_CHECKSUM.encode() + header[at + 32 :])
 
 
 def _seal_header(header: bytes) -> bytes:
-    at = header.find(_HEADER_CK_KEY) + len(_HEADER_CK_KEY)
+    at = header.find(HEADER_CK_KEY) + len(HEADER_CK_KEY)
     return header[:at] + _header_digest(header).encode() + header[at + 32 :]
 
 
@@ -298,7 +298,7 @@ class SegmentHeader:
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_layout(text: str, dtype: str) -> KVLayout:
+def parse_layout(text: str, dtype: str) -> KVLayout:
     """`KVLayout.parse`, memoized: every header of a namespace names the same layout, and a remote
     hit parses one header per block (`kvtool.store.remote_value`). Raises as `KVLayout.parse`."""
     return KVLayout.parse(text, dtype)
@@ -334,7 +334,7 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int) -> Segmen
     if meta.get("checksum_algo") != CHECKSUM_ALGO or _header_digest(raw) != meta.get("header_checksum"):
         raise BlockFileError("header", "header does not match its checksum")
     try:
-        kv = _parse_layout(meta["layers"], meta["dtype"])
+        kv = parse_layout(meta["layers"], meta["dtype"])
         slots = _parse_slots(doc, meta, 8 + n, kv)
     except (ValueError, KeyError, TypeError) as exc:
         raise BlockFileError("header", f"malformed slot table: {exc}") from None
