@@ -1,7 +1,8 @@
 """The kvtool engine: an mlx-lm model served through a `PrefixCache`.
 
 Per request: `PrefixCache.fetch` gives the longest cached prefix as mlx-lm caches (RAM, pending
-writes, SSD), the engine prefills only the rest, decodes with mlx-lm's `generate_step`, and hands
+writes, SSD), the engine prefills only the rest, decodes with mlx-lm's `generate_step` (its first token
+handed out as soon as it is sampled: `kvtool.decode`), and hands
 the prompt's new blocks and tail entry to the cache right after the first token. Only prompt KV
 is stored, never the KV of generated tokens.
 
@@ -29,10 +30,10 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from kvtool import decode
 from kvtool import prefill as prefill_mod
 from kvtool.blocks import HashFn, blake2b_chain
 from kvtool.config import KVToolConfig
@@ -473,12 +474,12 @@ class Engine:
         if self.quant is not None:
             quant = dict(kv_bits=self.quant.bits, kv_group_size=self.quant.group_size,
                          quantized_kv_start=self.quant.start)
-        gen = generate_step(mx.array(ids[-1:]), self.model, max_tokens=max_tokens, sampler=sampler, prompt_cache=cache,
-                            prefill_step_size=self.prefill_step_size, **quant)
+        gen = decode.tokens(self.model, cache, int(ids[-1]), max_tokens=max_tokens, sampler=sampler,
+                            prefill_step_size=self.prefill_step_size, quant=quant)
         t_first = None
         res.finish_reason = "length"
         cut = False
-        for n, (token, _) in enumerate(gen):
+        for n, token in enumerate(gen):
             if n == 0:
                 t_first = time.perf_counter()
                 res.ttft_ms = (t_first - t_start) * 1e3
