@@ -16,8 +16,9 @@ prompt once: its TTFT is the recompute figure. Then, alternated, each in a fresh
   `floor-wire`: GETs in kvtool's read batches sent `DEFAULT_WIRE_WINDOW` batches ahead on one
   connection, as kvtool's own reader sends its GETRANGEs; its ratio is reported beside. Each
   floor worker also times mlx-lm's `generate_step` to its first token on a same-length cache
-  (reported, not in the floor): kvtool's TTFT has that in place of the bare forward; and the
-  time it took to allocate and fill that cache in a fresh process (reported, not in the floor).
+  (reported, not in the floor; kvtool's TTFT had that in place of the bare forward until its
+  engine sampled the first token itself, `kvtool.decode`); and the time it took to allocate and
+  fill that cache in a fresh process (reported, not in the floor).
 Then the write-through price: fresh prompts served cold with `remote_policy = write_through` and
 with the remote tier off (fresh cache directories), request time = TTFT + write path (ms).
 Hit rows also keep `load_ms` (serve-once's `ssd_load_ms`: the hit's buffers filled from its
@@ -229,9 +230,9 @@ def main() -> int:
               f"{summary['remote_hit_over_wire_floor']:.2f}x",
               f"- load_ms (hit buffers filled, median): remote {summary['load_ms_medians']['remote-hit']:.1f}, "
               f"local SSD {summary['load_ms_medians']['local-ssd-hit']:.1f}",
-              f"- the floor's forward of the last token {summary['floor_forward_ms_median']:.1f} ms; mlx-lm's "
-              f"`generate_step` to its first token on the same cache {summary['generate_step_first_ms_median']:.1f} ms "
-              "(what kvtool's TTFT includes in its place; not in the floor)",
+              f"- the floor's forward of the last token {summary['floor_forward_ms_median']:.1f} ms (kvtool's engine "
+              "samples its first token from that same forward, `kvtool.decode`); mlx-lm's `generate_step` to its first "
+              f"token on the same cache, for comparison: {summary['generate_step_first_ms_median']:.1f} ms",
               f"- allocating and zero-filling a KV cache of that length in the floor's fresh process (before "
               f"its clock; kvtool's TTFT allocates and fills its buffers): {summary['floor_cache_alloc_ms_median']:.1f} ms",
               f"- remote hit / recompute: {summary['remote_hit_over_recompute']:.3f}x",

@@ -14,8 +14,10 @@ and reads one JSON object from the last line of stdout. Modes:
 - `ttft_seed_synthetic`: both caches of a prompt seeded with the same synthetic KV (no prefill).
 - `mlxlm_ttft_save` / `mlxlm_ttft`: mlx-lm's own prompt cache on a real model: save the KV of
   `ids[:-1]`; later, in a fresh process after a warm-up forward, time `load_prompt_cache` + the
-  first (greedy) token of mlx-lm's `generate_step` over the last token: the decode loop that
-  `kvtool serve-once` runs too, so both TTFTs include the same scheduling of the second step.
+  first (greedy) token of mlx-lm's `generate_step` over the last token: what an mlx-lm user
+  runs. (`kvtool serve-once` ran `generate_step` too until its engine sampled the first token
+  before `generate_step` takes over, `kvtool.decode`: kvtool's TTFT no longer includes the
+  dispatch of the second step that this one does, ~4 ms at 16k tokens on `tiny`.)
 
 Peak RSS of a restore: `/proc/self/clear_refs` ← "5" resets VmHWM to the current RSS just before
 the timed region; `peak_rss_bytes` = VmHWM after it − VmRSS before it (Linux; None elsewhere).
@@ -356,8 +358,8 @@ def mode_ttft_seed_synthetic(args: dict) -> dict:
 
 def mode_mlxlm_ttft(args: dict) -> dict:
     """Warm-up forward, then time load_prompt_cache (+ token check) + the first token of
-    `generate_step` (mlx-lm's decode loop, the path `kvtool serve-once` runs: its first token also
-    schedules the second step), `max_tokens=1`, greedy."""
+    `generate_step` (mlx-lm's decode loop: its first token also schedules the second step; see
+    the module docstring for kvtool's), `max_tokens=1`, greedy."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
