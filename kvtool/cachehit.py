@@ -67,6 +67,7 @@ class CacheHit:
     promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
     uncached_reason: str | None = None
     views: list = field(default_factory=list, repr=False)  # full views behind `cache`'s rotating leaves (promotion)
+    to_ssd: set[str] = field(default_factory=set, repr=False)  # promoted hashes also written to SSD (remote hits)
 
 
 __all__ = ["CacheHit", "CacheStats"]

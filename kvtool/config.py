@@ -360,8 +360,8 @@ class KVToolConfig(BaseModel):
         remote_policy: `off`, `write_through` (new blocks go to the remote store too, the
             default) or `on_evict` (blocks go there when RAM evicts them). A `RemotePolicy`;
             the tier is used when `remote_url` is set and this is not `off`.
-        remote_promote: a remote hit is inserted into the RAM tier (and written to SSD by the
-            SSD policy) like a fresh block.
+        remote_promote: a remote hit is also written to the local SSD tier (from the request's
+            cache when the request is released; it enters RAM either way, as SSD hits do).
         remote_ttl: expiry of the values kvtool stores (a duration such as `"7d"`, held as a
             `timedelta`); None (the default): no expiry.
         remote_timeout: deadline of every remote socket operation (`"250ms"`, `"1s"`; a

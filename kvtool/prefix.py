@@ -507,6 +507,8 @@ class PrefixCache:
                 setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") + e.stop - e.start)
                 if tier.promote:
                     hit.promote.append((e.hash, e.parent, ids[e.start : e.stop], e.start, *self._scratch(buffers, e.start)))
+                if getattr(tier, "to_ssd", False):
+                    hit.to_ssd.add(e.hash)
             if res.n_ok < j - i:
                 return i + res.n_ok
             i = j
@@ -584,15 +586,22 @@ class PrefixCache:
 
     def release(self, hit: CacheHit) -> None:
         """Release the hit's tier handles (RAM unpins); its SSD / remote blocks enter the RAM
-        tier as views of the cache."""
+        tier as views of the cache, and its remote blocks the SSD tier too (`remote_promote`:
+        host copies of those views)."""
         if self.tiered is None:
             return
-        if hit.promote and (hit.views or hit.cache) and self.config.ram_bytes > 0:
+        to_ram = self.config.ram_bytes > 0
+        to_ssd = [p for p in hit.promote if p[0] in hit.to_ssd]
+        if hit.promote and (hit.views or hit.cache) and (to_ram or to_ssd):
             try:
-                self.tiered.promote(promote_slices(hit.views or hit.cache, hit.promote, self.kv))
+                blocks = promote_slices(hit.views or hit.cache, hit.promote if to_ram else to_ssd, self.kv)
+                if to_ssd:
+                    self.tiered.remote_to_ssd([b for b in blocks if b.block_hash in hit.to_ssd])
+                if to_ram:
+                    self.tiered.promote(blocks)
             except Exception:  # promotion is an optimisation: never fail the request
-                log.exception("promotion of %d block(s) into RAM failed", len(hit.promote))
-        hit.promote, hit.views = [], []
+                log.exception("promotion of %d block(s) failed", len(hit.promote))
+        hit.promote, hit.views, hit.to_ssd = [], [], set()
         self._release_held(hit)
 
 

@@ -90,6 +90,12 @@ def _share(loaded, ids, url, tmp_path, **kw):
     stats = b.stats()
     b.close()
     assert res.token_ids == ref
+    # B's SSD got the remote hits (`remote_promote`, written from the request's cache at release):
+    # B again without the server serves them from its SSD, equal to mlx-lm
+    again = engine(loaded, tmp_path / "b", None, **dict(kw))
+    res2 = again.generate(ids, max_tokens=MAX_TOKENS)
+    again.close()
+    assert res2.token_ids == ref and res2.ssd_hit_tokens > 0 and res2.remote_hit_tokens == 0
     return res, stats
 
 

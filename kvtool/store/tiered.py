@@ -95,7 +95,7 @@ class TieredCache:
             self.tiers.append(SsdBlockTier(self.ssd))
         self.remote, self.remote_writer = open_remote(config, layout, meta)
         if self.remote is not None:
-            self.tiers.append(RemoteBlockTier(self.remote, on_read=self._remote_to_ssd if config.remote_promote else None))
+            self.tiers.append(RemoteBlockTier(self.remote, to_ssd=bool(config.remote_promote) and self.writer is not None))
         self._stats = {
             "kv_lookup_hits": 0,
             "kv_lookup_miss": 0,
@@ -159,11 +159,12 @@ class TieredCache:
         except Exception:  # the cache must never fail a request
             log.exception("remote write of %d block(s) failed", len(blocks))
 
-    def _remote_to_ssd(self, blocks: list[HostBlock]) -> None:
-        """Verified remote hits into the local SSD tier (`remote_promote`): the writer's queue,
-        shed like any write when full."""
-        if self.writer is not None:
-            self._inc("kv_remote_promoted_to_ssd", self.writer.enqueue_many(blocks))
+    def remote_to_ssd(self, blocks: Sequence[Block]) -> None:
+        """Verified remote hits into the local SSD tier (`remote_promote`; views of the request's
+        cache, `PrefixCache.release`): host copies to the writer's queue, shed like any write
+        when full."""
+        if self.writer is not None and blocks:
+            self._inc("kv_remote_promoted_to_ssd", self._send_to_writer(blocks))
 
     def _tally(self, blocks: Sequence[Block], accepted: int = 0) -> None:
         """Note a request's own blocks and how many of them the writer accepted (`tally`)."""
