@@ -6,6 +6,8 @@ $KVTOOL_TEST_REDIS_SERVER, redis-server / valkey-server on PATH, else the redisl
 Host A (`kvtool serve-once`, its own cache directory, `remote_policy = write_through`) prefills a
 prompt once: its TTFT is the recompute figure. Then, alternated, each in a fresh process:
 - `remote hit`: host B, an empty cache directory (`remote_promote = false`, so it stays empty);
+- `remote hit, promote`: the same with the default `remote_promote = true` (its SSD copy is
+  written when the request is released; a fresh directory every repeat);
 - `local SSD hit`: host A again, with no remote tier (its blocks in its page cache);
 - `floor`: a pipelined redis-py GET of every value of the prompt (the same keys, so the same
   bytes), timed, plus the forward of the last token over a cache of the same length (allocated
@@ -160,9 +162,10 @@ def main() -> int:
         keys = sorted(client.scan_iter(match="kvtool:*", count=1000))
         value_bytes = max(1, sum(client.strlen(k) for k in keys) // max(1, len(keys)))
         for rep in range(a.repeats):
-            for method in rotated(("remote-hit", "local-ssd-hit", *FLOORS), rep):
-                if method == "remote-hit":
-                    r = serve_once(a.model, prompt, work / f"b{rep}", server.url, "--config", str(no_promote))
+            for method in rotated(("remote-hit", "remote-hit-promote", "local-ssd-hit", *FLOORS), rep):
+                if method in ("remote-hit", "remote-hit-promote"):
+                    extra = ("--config", str(no_promote)) if method == "remote-hit" else ()
+                    r = serve_once(a.model, prompt, work / f"b{rep}-{method}", server.url, *extra)
                     rows.append({"part": "hit", "method": method, "repeat": rep, "ms": r["ttft_ms"],
                                  "load_ms": r["ssd_load_ms"], "remote_hit_tokens": r["remote_hit_tokens"],
                                  "first_token": r["token_ids"][:1]})
@@ -217,7 +220,9 @@ def main() -> int:
                "write_through_over_off": wt["median_ms"] / off["median_ms"],
                "command": " ".join(["bench_configs/remote_two_hosts.py", *sys.argv[1:]]), "commit": commit,
                "load_ms_medians": {m: statistics.median(r["load_ms"] for r in rows if r["method"] == m)
-                                   for m in ("remote-hit", "local-ssd-hit")},
+                                   for m in ("remote-hit", "remote-hit-promote", "local-ssd-hit")},
+               "remote_hit_promote_over_one_pipeline_floor": med["hit/remote-hit-promote"]["median_ms"]
+               / med["hit/floor-one"]["median_ms"],
                "floor_forward_ms_median": statistics.median(r["forward_ms"] for r in rows if "forward_ms" in r),
                "generate_step_first_ms_median": statistics.median(r["generate_step_first_ms"] for r in rows
                                                                   if "generate_step_first_ms" in r),
@@ -234,7 +239,10 @@ def main() -> int:
               f"{summary['remote_hit_over_floor']:.2f}x",
               f"- remote hit / wire floor (GETs sent ahead on one connection + last-token forward): "
               f"{summary['remote_hit_over_wire_floor']:.2f}x",
+              f"- the same with the default `remote_promote = true` (remote-hit-promote) / one-pipeline floor: "
+              f"{summary['remote_hit_promote_over_one_pipeline_floor']:.2f}x",
               f"- load_ms (hit buffers filled, median): remote {summary['load_ms_medians']['remote-hit']:.1f}, "
+              f"remote with promotion {summary['load_ms_medians']['remote-hit-promote']:.1f}, "
               f"local SSD {summary['load_ms_medians']['local-ssd-hit']:.1f}",
               f"- the floor's forward of the last token {summary['floor_forward_ms_median']:.1f} ms (kvtool's engine "
               "samples its first token from that same forward, `kvtool.decode`); mlx-lm's `generate_step` to its first "
