@@ -507,7 +507,7 @@ class PrefixCache:
                 setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") + e.stop - e.start)
                 if tier.promote:
                     hit.promote.append((e.hash, e.parent, ids[e.start : e.stop], e.start, *self._scratch(buffers, e.start)))
-                if getattr(tier, "to_ssd", False):
+                if tier.to_ssd:
                     hit.to_ssd.add(e.hash)
             if res.n_ok < j - i:
                 return i + res.n_ok
@@ -591,12 +591,11 @@ class PrefixCache:
         if self.tiered is None:
             return
         to_ram = self.config.ram_bytes > 0
-        to_ssd = [p for p in hit.promote if p[0] in hit.to_ssd]
-        if hit.promote and (hit.views or hit.cache) and (to_ram or to_ssd):
+        spans = hit.promote if to_ram else [p for p in hit.promote if p[0] in hit.to_ssd]
+        if spans and (hit.views or hit.cache):
             try:
-                blocks = promote_slices(hit.views or hit.cache, hit.promote if to_ram else to_ssd, self.kv)
-                if to_ssd:
-                    self.tiered.remote_to_ssd([b for b in blocks if b.block_hash in hit.to_ssd])
+                blocks = promote_slices(hit.views or hit.cache, spans, self.kv)
+                self.tiered.remote_to_ssd([b for b in blocks if b.block_hash in hit.to_ssd])
                 if to_ram:
                     self.tiered.promote(blocks)
             except Exception:  # promotion is an optimisation: never fail the request

@@ -23,7 +23,9 @@ writes flow down (RAM, then the writer per `ssd_policy`); hits in a lower tier a
 
 Attributes every tier has: `kind` ('ram' | 'ssd' | 'remote': which hit counter its tokens go
 to; the pending buffer counts as SSD, as before), `in_memory` (handles are MLX `Block`s a hit
-made only of such can be concatenated without buffers) and `promote`.
+made only of such can be concatenated without buffers), `promote`, and `to_ssd` (its hits are
+also written to the local SSD tier at `PrefixCache.release`, from the same views: the remote
+tier with `remote_promote`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class BlockTier(Protocol):
     kind: str
     in_memory: bool
     promote: bool
+    to_ssd: bool
 
     def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[Any]: ...
 
@@ -94,7 +97,7 @@ class RamBlockTier:
     """The RAM tier (`RamTier`): evaluated MLX blocks, token ids compared on lookup, pinned
     while a request uses them."""
 
-    kind, in_memory, promote = "ram", True, False
+    kind, in_memory, promote, to_ssd = "ram", True, False, False
 
     def __init__(self, ram: RamTier, on_hit=None, on_mismatch=None):
         self.ram = ram
@@ -147,7 +150,7 @@ class RamBlockTier:
 class PendingTier:
     """Blocks accepted by the SSD writer and not written yet (host arrays): a hit like SSD."""
 
-    kind, in_memory, promote = "ssd", False, True
+    kind, in_memory, promote, to_ssd = "ssd", False, True, False
 
     def __init__(self, writer: Writer, on_hit=None):
         self.writer = writer
@@ -195,7 +198,7 @@ class SsdBlockTier:
     """The SSD tier (`SSDStore`): index rows on lookup (one query for the rest of a chain),
     records restored and verified straight into the buffers (`kvtool.store.restore`)."""
 
-    kind, in_memory, promote = "ssd", False, True
+    kind, in_memory, promote, to_ssd = "ssd", False, True, False
 
     def __init__(self, ssd: SSDStore):
         self.ssd = ssd
@@ -232,7 +235,7 @@ class PlacedBlock:
     """A block already in hand (a sibling truncated to the tokens it serves): placed as it is,
     never promoted (its hash names the whole sibling, not this prompt's tokens)."""
 
-    promote = False
+    promote = to_ssd = False
 
     def __init__(self, kind: str, block: Block | HostBlock):
         self.kind = kind

@@ -59,7 +59,6 @@ VALUE_FORMAT = f"s{segment.FORMAT_VERSION}"
 KEY_PREFIX = "kvtool"
 DEFAULT_MAX_VALUE_BYTES = 16 << 20  # bytes per stored string; larger values are split into parts
 MIN_MAX_VALUE_BYTES = 1 << 10
-_CREATED_SEARCH = 4096  # header bytes searched for the creation time (`_decode_canonical`)
 _ZERO_CK = segment.ZERO_CHECKSUM.encode()
 MAX_PARTS = 4096
 HEADER_SLACK = 16 << 10  # bytes: a one-slot header is ~0.5 KiB plus the layout spec
@@ -237,23 +236,35 @@ def _decode(view: memoryview, layout_key: str, kv: KVLayout | None, codec: str |
             raise RemoteValueError("checksum", str(exc)) from None
     if len(record) != kv.record_nbytes(slot.n_tokens):
         raise RemoteValueError("checksum", "record size differs from the layout's")
-    tokens = np.frombuffer(record, dtype=_TOKENS, count=slot.n_tokens)
+    return _block(kv, record, slot.n_tokens, slot.block_hash, slot.parent_hash, expected_tokens)
+
+
+def _block(kv: KVLayout, record: memoryview | bytes, n_tokens: int, block_hash: str, parent_hash: str,
+           expected_tokens) -> HostBlock:  # fmt: skip
+    """The block of a verified record (views of `record`), its token ids checked against
+    `expected_tokens` (None: not checked).
+
+    Raises:
+        RemoteValueError: 'tokens' if they differ.
+    """
+    tokens = np.frombuffer(record, dtype=_TOKENS, count=n_tokens)
     if expected_tokens is not None and not _same_tokens(tokens, expected_tokens):
-        raise RemoteValueError("tokens", f"block {slot.block_hash} holds other token ids (chain-hash collision?)")
-    keys, values = _tensors(kv, slot.n_tokens, record, tokens.nbytes)
-    return HostBlock(slot.block_hash, slot.parent_hash, tokens.astype(np.int32, copy=False), keys, values, kv.dtype)
+        raise RemoteValueError("tokens", f"block {block_hash} holds other token ids (chain-hash collision?)")
+    keys, values = _tensors(kv, n_tokens, record, tokens.nbytes)
+    return HostBlock(block_hash, parent_hash, tokens.astype(np.int32, copy=False), keys, values, kv.dtype)
 
 
 class _Canon(NamedTuple):
-    """Where a canonical one-slot value of a shape (`segment_template.Template`) holds what varies:
-    header positions of the block hash, parent and record checksum, the creation time and the
-    header checksum, the fixed runs between them (`(start, stop, bytes)`), and the record's span
-    in the value."""
+    """Where a canonical one-slot value of a shape (`segment_template.Template`) holds what varies,
+    as positions in the value (its 8-byte header length included): the block hash, parent and
+    record checksum (32 hex digits each), the header checksum, the creation time; the fixed runs
+    between them (`(start, stop, bytes)`); and the record's span."""
 
     t: segment_template.Template
     hash_at: int
     parent_at: int
     ck_at: int
+    hck_at: int
     created: slice
     fixed: tuple[tuple[int, int, bytes], ...]
     record: slice
@@ -264,9 +275,9 @@ def _canon(layout_key: str, kv: KVLayout, n_tokens: int, created_len: int) -> _C
     t = segment_template.template(layout_key, kv, (n_tokens,), created_len)
     if t is None:
         return None
-    (h, p, c), c_idx = t.hex_idx[0], t.created_idx
-    return _Canon(t, int(h[0]), int(p[0]), int(c[0]), slice(int(c_idx[0]), int(c_idx[-1]) + 1),
-                  tuple((a, b, t.header[a:b]) for a, b in t.fixed), t.records[0])  # fmt: skip
+    (h, p, c), c_idx = t.hex_idx[0] + 8, t.created_idx + 8
+    return _Canon(t, int(h[0]), int(p[0]), int(c[0]), t.hck_at + 8, slice(int(c_idx[0]), int(c_idx[-1]) + 1),
+                  tuple((a + 8, b + 8, t.header[a:b]) for a, b in t.fixed), t.records[0])  # fmt: skip
 
 
 def _decode_canonical(view: memoryview, layout_key: str, kv: KVLayout, expected_hash: str, expected_parent: str,
@@ -282,32 +293,29 @@ def _decode_canonical(view: memoryview, layout_key: str, kv: KVLayout, expected_
         view: the value's bytes (`[len]` uint8 memoryview).
         expected_tokens: the block's token ids (int32 `[n]`, or a sequence of ints).
     """
-    n_tok = len(expected_tokens)
-    head = bytes(view[: 8 + _CREATED_SEARCH])
+    if len(view) < 8 or len(expected_hash) != 32 or len(expected_parent) != 32:
+        return None
+    hlen = int.from_bytes(view[:8], "little")
+    if 8 + hlen > min(len(view), 8 + segment.MAX_HEADER_BYTES):
+        return None
+    head = bytes(view[: 8 + hlen])  # the header length and the header: the one copy made
     span = segment_template.created_span(head, len(head))
-    if span is None or len(expected_hash) != 32 or len(expected_parent) != 32:
+    c = None if span is None else _canon(layout_key, kv, len(expected_tokens), span[1] - span[0])
+    if c is None or c.t.file_size != len(view) or c.t.hlen != hlen:
         return None
-    c = _canon(layout_key, kv, n_tok, span[1] - span[0])
-    if c is None or c.t.file_size != len(view) or int.from_bytes(head[:8], "little") != c.t.hlen:
-        return None
-    header = bytes(view[8 : 8 + c.t.hlen])
     for a, b, fixed in c.fixed:
-        if header[a:b] != fixed:
+        if head[a:b] != fixed:
             return None
-    h, p, at = c.hash_at, c.parent_at, c.t.hck_at
-    if (header[h : h + 32] != expected_hash.encode() or header[p : p + 32] != expected_parent.encode()
-            or header[c.created].translate(None, segment_template.CREATED_CHARS)):  # fmt: skip
+    h, p, at = c.hash_at, c.parent_at, c.hck_at
+    if (head[h : h + 32] != expected_hash.encode() or head[p : p + 32] != expected_parent.encode()
+            or head[c.created].translate(None, segment_template.CREATED_CHARS)):  # fmt: skip
         return None
-    if xxhash.xxh3_128_hexdigest(header[:at] + _ZERO_CK + header[at + 32 :]).encode() != header[at : at + 32]:
+    if xxhash.xxh3_128_hexdigest(head[8:at] + _ZERO_CK + head[at + 32 :]).encode() != head[at : at + 32]:
         return None  # (the general path says which field)
     record = view[c.record]
-    if xxhash.xxh3_128_hexdigest(record).encode() != header[c.ck_at : c.ck_at + 32]:
+    if xxhash.xxh3_128_hexdigest(record).encode() != head[c.ck_at : c.ck_at + 32]:
         raise RemoteValueError("checksum", f"record of {expected_hash} does not match its checksum")
-    tokens = np.frombuffer(record, dtype=_TOKENS, count=n_tok)
-    if not _same_tokens(tokens, expected_tokens):
-        raise RemoteValueError("tokens", f"block {expected_hash} holds other token ids (chain-hash collision?)")
-    keys, values = _tensors(kv, n_tok, record, tokens.nbytes)
-    return HostBlock(expected_hash, expected_parent, tokens.astype(np.int32, copy=False), keys, values, kv.dtype)
+    return _block(kv, record, len(expected_tokens), expected_hash, expected_parent, expected_tokens)
 
 
 def _same_tokens(tokens: np.ndarray, expected: np.ndarray | Sequence[int]) -> bool:
