@@ -190,12 +190,16 @@ def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLay
     counts of a block or less, record sizes of uncompressed records."""
     n_seg = len(table.segments)
     count = np.diff(start)
-    seg_of = np.repeat(np.arange(n_seg), count)
+    seg_of = np.repeat(np.arange(n_seg, dtype=np.int32), count)  # int32 here: a million rows' arrays stay small
     slot, nt, nb = table.slot[order], table.num_tokens[order], table.nbytes[order]
-    pos = np.arange(len(order)) - start[seg_of]
+    pos = np.arange(len(order), dtype=np.int32)
+    pos -= start.astype(np.int32)[seg_of]
+    bad = slot != pos
+    del pos
     sizes = np.array([0] + [kv.record_nbytes(t) for t in range(1, block_size + 1)], dtype=np.int64)
     fine = (nt >= 1) & (nt <= block_size)
-    bad = (slot != pos) | ~fine | (nb != sizes[np.where(fine, nt, 0)])
+    bad |= ~fine
+    bad |= nb != sizes[np.where(fine, nt, 0)]
     ok = (np.bincount(seg_of[bad], minlength=n_seg) == 0) & (count > 0)
     limit = np.full(n_seg, DEEP_MAX, dtype=np.int64)
     if not deep:  # the bytes between two records' token ids, at most (a record's KV)

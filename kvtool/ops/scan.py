@@ -40,7 +40,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -65,6 +65,7 @@ from kvtool.store.fsops import (
 from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
 from kvtool.store.names import INDEX_FILENAME, LOCK_FILENAME
 from kvtool.store.rowtable import RowTable, load_rows
+from kvtool.store.rowtable_arrow import ArrowUnusable, read_snapshot
 from kvtool.store.segment import FORMAT_VERSION
 from kvtool.store.ssd_core import Expected
 
@@ -382,18 +383,33 @@ class _Scanner:
         return self._done(NamespaceStatus.EMPTY if empty else NamespaceStatus.OK, "")
 
     def _read_rows_and_list(self, index: BlockIndex) -> bool:
-        """`_read_rows` in a thread, `_list_files` here as soon as the rows' snapshot is fixed
-        (files are listed after it, as if one came after the other). Returns what `_list_files` does.
+        """Rows and listing (`_read_and_list`): the rows through Arrow (`rowtable_arrow`) where
+        that can decide them, else (it found something unusual) both again the `sqlite3` way.
 
         Raises:
             sqlite3.Error: the index cannot be read.
+        """
+        if self.rows:
+            try:
+                return self._read_and_list(lambda fixed: self._read_rows_arrow(index, fixed))
+            except ArrowUnusable:
+                pass
+        return self._read_and_list(lambda fixed: self._read_rows(index, fixed))
+
+    def _read_and_list(self, read_rows: Callable[[threading.Event], None]) -> bool:
+        """`read_rows(fixed)` in a thread, `_list_files` here as soon as the rows' snapshot is
+        fixed (files are listed after it, as if one came after the other). Returns what
+        `_list_files` does.
+
+        Raises:
+            what `read_rows` raised.
         """
         fixed = threading.Event()
         failed: list[BaseException] = []
 
         def read() -> None:
             try:
-                self._read_rows(index, fixed)
+                read_rows(fixed)
             except BaseException as exc:  # handed to the caller below
                 failed.append(exc)
             finally:
@@ -407,6 +423,18 @@ class _Scanner:
         if failed:
             raise failed[0]
         return listed
+
+    def _read_rows_arrow(self, index: BlockIndex, fixed: threading.Event) -> None:
+        """`_read_rows` through Arrow (`rowtable_arrow.read_snapshot`), the same results.
+
+        Raises:
+            ArrowUnusable: a row it cannot decide (read the `sqlite3` way).
+        """
+        snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed.set)
+        segs = tuple(seg for _, seg in snap.segments if seg is not None)
+        bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
+        self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,
+                      bad_segment_rows=bad)  # fmt: skip
 
     def _read_rows(self, index: BlockIndex, fixed: threading.Event | None = None) -> None:
         """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot;
