@@ -52,6 +52,7 @@ import numpy as np
 from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.confined import disk_full, free_bytes
+from kvtool.ops.heap import release_free_heap
 from kvtool.store.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
 from kvtool.store.fsops import (
     FileOps,
@@ -300,6 +301,7 @@ def scan_cache(
             elif n not in picked and n != LOCK_FILENAME:
                 other.append(n)
     spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows, full=full) for d in dirs)
+    release_free_heap()  # what reading the rows freed (a million rows: batches, sort orders)
     return CacheScan(cache_dir, now, spaces, tuple(links), tuple(other))
 
 

