@@ -2,33 +2,43 @@
 
 from __future__ import annotations
 
+import json
 import platform
+import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from kvtool.ops import heap
 
+# Run in a fresh interpreter: its heap is laid out the same way every time (a test worker's is not).
+PROBE = """
+import json, numpy as np
+from kvtool.ops.heap import release_free_heap
+
+def rss_kb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 // 1024
+
+keep = [np.ones(1 << 20, np.uint8)]  # a freed mmapped block raises glibc's threshold to 1 MiB ...
+keep.clear()
+small = [np.ones((1 << 20) - 4096, np.uint8) for _ in range(48)]  # ... so these come from the heap
+last = np.ones(300_000, np.uint8)  # above them in the heap, in use: freeing them trims nothing by itself
+before = rss_kb()
+del small
+freed = rss_kb()
+released = release_free_heap()
+print(json.dumps({"before": before, "freed": freed, "after": rss_kb(), "released": released}))
+"""
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
 def test_memory_freed_in_the_heap_goes_back():
-    def rss_kb() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096 // 1024
-
-    heap.release_free_heap()
-    keep = [np.ones(1 << 20, np.uint8)]  # a freed mmapped block raises glibc's threshold to 1 MiB ...
-    keep.clear()
-    small = [np.ones((1 << 20) - 4096, np.uint8) for _ in range(48)]  # ... so these come from the heap
-    last = np.ones(300_000, np.uint8)  # above them in the heap, in use: freeing them trims nothing by itself
-    before = rss_kb()
-    del small
-    freed = rss_kb()
-    assert before - freed < 16 * 1024  # freed into the heap: still in the process
-    assert heap.release_free_heap() is True
-    assert freed - rss_kb() > 32 * 1024  # most of the ~48 MiB is back
-    del last
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout)
+    assert got["before"] - got["freed"] < 16 * 1024  # freed into the heap: still in the process
+    assert got["released"] is True
+    assert got["freed"] - got["after"] > 32 * 1024  # most of the ~48 MiB is back
 
 
 def test_elsewhere_it_does_nothing(monkeypatch):
