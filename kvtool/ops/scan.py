@@ -12,10 +12,11 @@ before the directory is listed): the index files are checked to be regular files
 `index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
 not hash to its name is `foreign`), every row is read and checked in one read transaction
-(`kvtool.store.rowtable`: columns, no Python object per row; malformed rows are reported by
-rowid, never used), and the directory is listed without following symlinks: by this thread once
-the rows' snapshot is fixed, while another reads them (SQLite reads without the GIL), so the
-listing still sees every file a row of the snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
+(`kvtool.store.rowtable_arrow`, else `kvtool.store.rowtable`: columns, no Python object per row;
+malformed rows are reported by rowid, never used), and the directory is listed without following
+symlinks once the rows' snapshot is fixed, while the rows are read (by a forked child on Linux,
+`kvtool.ops.listing_fork`, else by a thread), so the listing still sees every file a row of the
+snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
 The chain tree of the rows (`forest`, `tree`) is built on first use, once.
 
 Statuses (`NamespaceStatus`, one vocabulary for every command):
@@ -53,6 +54,7 @@ from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.confined import disk_full, free_bytes
 from kvtool.ops.heap import release_free_heap
+from kvtool.ops.listing_fork import ForkedListing
 from kvtool.store.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
 from kvtool.store.fsops import (
     FileOps,
@@ -393,10 +395,27 @@ class _Scanner:
         """
         if self.rows:
             try:
-                return self._read_and_list(lambda fixed: self._read_rows_arrow(index, fixed))
+                return self._read_arrow_and_list(index)
             except ArrowUnusable:
                 pass
         return self._read_and_list(lambda fixed: self._read_rows(index, fixed))
+
+    def _read_arrow_and_list(self, index: BlockIndex) -> bool:
+        """The Arrow read here, the listing in a forked child (`listing_fork`) where one can be
+        made, else in a thread (`_read_and_list`). Raises `ArrowUnusable` as `_read_rows_arrow`."""
+        try:
+            lister = ForkedListing(self, SegmentFile) if ForkedListing.usable(self) else None
+        except OSError:  # no process to be had
+            lister = None
+        if lister is None:
+            return self._read_and_list(lambda fixed: self._read_rows_arrow(index, fixed.set))
+        try:
+            self._read_rows_arrow(index, lister.go)
+        except BaseException:
+            lister.cancel()
+            raise
+        listed = lister.result()
+        return self._list_files() if listed is None else listed
 
     def _read_and_list(self, read_rows: Callable[[threading.Event], None]) -> bool:
         """`read_rows(fixed)` in a thread, `_list_files` here as soon as the rows' snapshot is
@@ -426,13 +445,13 @@ class _Scanner:
             raise failed[0]
         return listed
 
-    def _read_rows_arrow(self, index: BlockIndex, fixed: threading.Event) -> None:
+    def _read_rows_arrow(self, index: BlockIndex, fixed: Callable[[], None]) -> None:
         """`_read_rows` through Arrow (`rowtable_arrow.read_snapshot`), the same results.
 
         Raises:
             ArrowUnusable: a row it cannot decide (read the `sqlite3` way).
         """
-        snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed.set)
+        snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
         segs = tuple(seg for _, seg in snap.segments if seg is not None)
         bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
         self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,
