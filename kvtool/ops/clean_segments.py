@@ -45,6 +45,7 @@ import xxhash
 
 from kvtool.ops.confined import ConfinedDir
 from kvtool.store import segment as seg
+from kvtool.store.chains import unhex_lower
 from kvtool.store.kvlayout import KVLayout
 from kvtool.store.rowtable import RowTable
 from kvtool.store.segment_template import CREATED_OK, Template, created_span, template
@@ -56,11 +57,6 @@ BATCH_SEGMENTS = 256  # segments whose headers are checked together
 BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay small (bytes)
 PARALLEL_MIN = 16384  # segments below which one process does all (starting workers costs more than they save)
 CHUNKS_PER_WORKER = 8  # pieces of work per worker process (a loaded core finishes fewer)
-_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-_PAIRS = np.full(1 << 16, 256, dtype=np.uint16)  # two ASCII bytes (one native uint16) -> their byte; 256: not hex
-_PAIRS[np.stack(np.meshgrid(_DIGITS, _DIGITS, indexing="ij"), -1).reshape(-1, 2).copy().view(np.uint16).ravel()] = (
-    np.arange(256)  # a pair of lowercase hex digits, first the high nibble
-)
 _ZERO = seg.ZERO_CHECKSUM.encode()
 _MISSING = object()
 _Slicer = Callable[[slice], memoryview]  # made once: a subscripted type costs ~1.5 us a call
@@ -284,7 +280,7 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
         heads = np.frombuffer(b"".join(h for _, h, _, _ in items), dtype=np.uint8).reshape(k, tpl.hlen)
         ok = ~((heads != tpl.arr) & ~tpl.holes).any(axis=1)  # every fixed byte as `encode` writes it
         ok &= CREATED_OK[heads[:, tpl.created_idx]].all(axis=1)
-        stored, hex_ok = _unhex(heads[:, np.concatenate([tpl.hck_idx, tpl.hex_idx.reshape(-1)])])
+        stored, hex_ok = unhex_lower(heads[:, np.concatenate([tpl.hck_idx, tpl.hex_idx.reshape(-1)])])
         ok &= hex_ok
         fields = stored[:, 16:].reshape(k, n, 3, 16)  # per slot: hash, parent, checksum
         computed = np.frombuffer(b"".join(d for _, _, d, _ in items), dtype=np.uint8).reshape(k, -1, 16)
@@ -298,12 +294,6 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
         good = at[ok]
         clean[good], size[good] = True, tpl.file_size
         created[good] = np.array([w for _, _, _, w in items], dtype=np.float64)[ok]
-
-
-def _unhex(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`[k, 2m]` ASCII lowercase hex digits -> (`[k, m]` uint8 bytes, `[k]` bool: all were such digits)."""
-    got = _PAIRS[np.ascontiguousarray(chars).view(np.uint16)]
-    return got.astype(np.uint8), np.asarray((got < 256).all(axis=1))
 
 
 def _keys(raw: np.ndarray) -> np.ndarray:

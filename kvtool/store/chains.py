@@ -56,6 +56,21 @@ def key_of_hex(h: str) -> np.ndarray:
     return keys_from_hex([h])[0]
 
 
+_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_PAIRS = np.full(1 << 16, 256, dtype=np.uint16)  # two ASCII bytes (one native uint16) -> their byte; 256: not hex
+_PAIRS[np.stack(np.meshgrid(_DIGITS, _DIGITS, indexing="ij"), -1).reshape(-1, 2).copy().view(np.uint16).ravel()] = (
+    np.arange(256)  # a pair of lowercase hex digits, first the high nibble
+)
+
+
+def unhex_lower(chars: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`[k, 2m]` uint8 ASCII characters -> (`[k, m]` uint8 bytes, `[k]` bool: every character was a
+    lowercase hex digit), one table lookup per pair (`bytes.fromhex` also takes uppercase and
+    spaces, and stops at the first bad row)."""
+    got = _PAIRS[np.ascontiguousarray(chars, dtype=np.uint8).view(np.uint16)]
+    return got.astype(np.uint8), np.asarray((got < 256).all(axis=1))
+
+
 def hex_of_keys(keys: np.ndarray) -> list[str]:
     """The hex strings of `[N, 2]` keys."""
     text = np.ascontiguousarray(keys, dtype=np.uint64).astype(">u8").tobytes().hex()

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtool.store.chains import unhex_lower
 from kvtool.store.index import SegmentRow
 from kvtool.store.rowtable import INT32_MAX, RowTable, _Columns, _SegmentNames
 
@@ -39,9 +40,6 @@ BATCH_ROWS = 8192  # rows per Arrow batch (bounds the memory of one batch)
 _BLOCKS = ("SELECT max(hash, parent, tokens_digest, segment) < x'' AS ok, hash, parent, tokens_digest, segment, "
            "slot, num_tokens, nbytes, created, last_access FROM blocks")  # fmt: skip
 _SEGMENTS = "SELECT rowid, name < x'' AS ok, name, nbytes, n_blocks, created FROM segments ORDER BY name"
-_HEX = np.full(1 << 16, 256, dtype=np.uint16)  # two ASCII bytes (one native uint16) -> their byte; 256: not hex
-_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-_HEX[np.stack(np.meshgrid(_DIGITS, _DIGITS, indexing="ij"), -1).reshape(-1, 2).copy().view(np.uint16).ravel()] = np.arange(256)
 
 
 class ArrowUnusable(Exception):
@@ -168,10 +166,10 @@ def _names(col) -> np.ndarray:
     if m and not (np.diff(offsets) == 32).all():
         raise ArrowUnusable("a name that is not 32 characters")
     chars = np.frombuffer(bufs[2], dtype=np.uint8)[offsets[0] : offsets[0] + 32 * m]
-    got = _HEX[chars.view(np.uint16)].reshape(m, 16)
-    if (got > 255).any():
+    got, ok = unhex_lower(chars.reshape(m, 32))
+    if not ok.all():
         raise ArrowUnusable("a name that is not lowercase hex")
-    return got.astype(np.uint8)
+    return got
 
 
 def _convert(view) -> tuple[np.ndarray, _SegmentNames, np.ndarray, np.ndarray, np.ndarray]:
