@@ -125,3 +125,11 @@ def test_scan_takes_the_arrow_way_and_falls_back_alike(tmp_path, monkeypatch):
     (a,), (b,) = fast.namespaces, slow.namespaces
     assert (a.status, a.row_count, dict(a.files), a.segment_rows, a.bad_rows) == (b.status, b.row_count, dict(b.files), b.segment_rows, b.bad_rows)
     _same_tables(a.table, b.table)
+
+
+def test_any_driver_error_is_handed_back(tmp_path):
+    (tmp_path / "garbage.sqlite").write_bytes(b"not a database" * 100)
+    for path in (tmp_path / "garbage.sqlite", tmp_path / "absent.sqlite"):
+        with pytest.raises(ArrowUnusable):
+            read_snapshot(path)
+    assert not (tmp_path / "absent.sqlite").exists()  # mode=ro: nothing is created

@@ -35,7 +35,7 @@ from kvtool.store.chains import unhex_lower
 from kvtool.store.index import SegmentRow
 from kvtool.store.rowtable import INT32_MAX, RowTable, _Columns, _SegmentNames
 
-BATCH_ROWS = 8192  # rows per Arrow batch (bounds the memory of one batch)
+BATCH_ROWS = 1 << 14  # rows per Arrow batch (bounds the memory of one batch: ~4 MB)
 # every column is read and checked, whatever the caller keeps: the verdicts are the same either way
 _BLOCKS = ("SELECT max(hash, parent, tokens_digest, segment) < x'' AS ok, hash, parent, tokens_digest, segment, "
            "slot, num_tokens, nbytes, created, last_access FROM blocks")  # fmt: skip
@@ -100,8 +100,10 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
                     segments = _segments(batches)
             finally:
                 conn.rollback()
-    except (adbc.Error, OSError, ValueError) as exc:  # the driver refused a value, or could not read
-        raise ArrowUnusable(f"ADBC read failed: {exc}") from None
+    except ArrowUnusable:
+        raise
+    except Exception as exc:  # the driver refused a value or could not read: any error, the sqlite3 way decides
+        raise ArrowUnusable(f"ADBC read failed: {exc!r}") from None
     if cols.n != count[0]:  # rows the driver skipped: never expected, but the count is known
         raise ArrowUnusable("row count differs")
     return Snapshot(cols.table(), segments)
