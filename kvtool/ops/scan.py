@@ -387,8 +387,9 @@ class _Scanner:
         return self._done(NamespaceStatus.EMPTY if empty else NamespaceStatus.OK, "")
 
     def _read_rows_and_list(self, index: BlockIndex) -> bool:
-        """Rows and listing (`_read_and_list`): the rows through Arrow (`rowtable_arrow`) where
-        that can decide them, else (it found something unusual) both again the `sqlite3` way.
+        """Rows and listing: the rows through Arrow (`_read_arrow_and_list`) where that can decide
+        them, else (it found something unusual) both again, the rows the `sqlite3` way
+        (`_read_and_list`).
 
         Raises:
             sqlite3.Error: the index cannot be read.

@@ -27,7 +27,9 @@ import urllib.parse
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -74,29 +76,24 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
     Raises:
         ArrowUnusable: the rows cannot be decided this way (see the module docstring).
     """
-    try:
-        import adbc_driver_manager as adbc
-        import adbc_driver_sqlite
-        import nanoarrow as na
-    except ImportError as exc:  # an install without them: the sqlite3 way
-        raise ArrowUnusable(f"ADBC SQLite driver unavailable: {exc}") from None
+    adbc, adbc_driver_sqlite, _ = _driver()
     uri = f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
     try:
         with adbc_driver_sqlite.connect(uri) as db, adbc.AdbcConnection(db) as conn:
             conn.set_autocommit(False)  # BEGIN: every statement below reads one snapshot
             try:
-                with closing(_rows(conn, "SELECT COUNT(*) FROM meta", na)) as batches:  # the first read fixes the snapshot
+                with closing(_rows(conn, "SELECT COUNT(*) FROM meta")) as batches:  # the first read fixes the snapshot
                     for _ in batches:
                         pass
                 if fixed is not None:
                     fixed()
-                with closing(_rows(conn, "SELECT COUNT(*) FROM blocks", na)) as batches:
+                with closing(_rows(conn, "SELECT COUNT(*) FROM blocks")) as batches:
                     (count,) = _column_values(batches, "int64")
                 cols = _Columns(int(count[0]), full)
-                with closing(_rows(conn, _BLOCKS, na)) as batches:
+                with closing(_rows(conn, _BLOCKS)) as batches:
                     for batch in batches:
                         cols.add(*_convert(batch))
-                with closing(_rows(conn, _SEGMENTS, na)) as batches:
+                with closing(_rows(conn, _SEGMENTS)) as batches:
                     segments = _segments(batches)
             finally:
                 conn.rollback()
@@ -109,12 +106,28 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
     return Snapshot(cols.table(), segments)
 
 
-def _rows(conn, sql: str, na) -> Generator:
+@cache
+def _driver() -> tuple[Any, Any, Any]:
+    """`(adbc_driver_manager, adbc_driver_sqlite, nanoarrow)`, imported on first use (only the
+    operator commands read this way).
+
+    Raises:
+        ArrowUnusable: an install without them (the sqlite3 way then reads).
+    """
+    try:
+        import adbc_driver_manager
+        import adbc_driver_sqlite
+        import nanoarrow
+    except ImportError as exc:
+        raise ArrowUnusable(f"ADBC SQLite driver unavailable: {exc}") from None
+    return adbc_driver_manager, adbc_driver_sqlite, nanoarrow
+
+
+def _rows(conn, sql: str) -> Generator:
     """The result of `sql` as nanoarrow struct array views, one per batch (each valid until the
     next is asked for). The result stream is released before its statement is closed (the
     driver's statement must outlive its stream)."""
-    import adbc_driver_manager as adbc
-
+    adbc, _, na = _driver()
     with adbc.AdbcStatement(conn) as stmt:
         stmt.set_options(**{"adbc.sqlite.query.batch_rows": str(BATCH_ROWS)})
         stmt.set_sql_query(sql)
