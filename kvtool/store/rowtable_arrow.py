@@ -211,21 +211,32 @@ def _times(col) -> np.ndarray:
 
 def _segments(batches: Iterator) -> list[tuple[int, SegmentRow | None]]:
     """`segments` rows (`Snapshot.segments`), each made into its `SegmentRow` at once (no
-    intermediate object per row is kept)."""
+    intermediate object per row is kept). Rows are checked as columns; a row that fails a check
+    is decided by `SegmentRow.from_db` itself."""
     out: list[tuple[int, SegmentRow | None]] = []
     for view in batches:
         ch = list(view.children)
-        rowid, ok = _numbers(ch[0], "int64").tolist(), _numbers(ch[1], "int64").tolist()
+        rowid, ok = _numbers(ch[0], "int64"), _numbers(ch[1], "int64")
         if ch[2].storage_type != "string":
             raise ArrowUnusable("segment names of another type")
-        bufs = _buffers(ch[2])
-        offsets = np.frombuffer(bufs[1], dtype=np.int32)[ch[2].offset : ch[2].offset + ch[2].length + 1].tolist()
+        bufs, m = _buffers(ch[2]), ch[2].length
+        offsets = np.frombuffer(bufs[1], dtype=np.int32)[ch[2].offset : ch[2].offset + m + 1].astype(np.int64)
+        nbytes, n_blocks = (_numbers(c, "int64") for c in ch[3:5])
+        created = _numbers(ch[5], "double")
+        fine = (ok == 1) & (np.diff(offsets) == 32) & (nbytes >= 1) & (n_blocks >= 1)
+        fine &= np.isfinite(created) & (created >= 0)
+        chars = np.frombuffer(bufs[2], dtype=np.uint8)
+        held = np.flatnonzero(fine)
+        if held.size:  # names of 32 lowercase hex digits, as `is_segment_name`
+            fine[held[~unhex_lower(chars[offsets[held][:, None] + np.arange(32)])[1]]] = False
         text = bytes(bufs[2])
-        nbytes, n_blocks = (_numbers(c, "int64").tolist() for c in ch[3:5])
-        created = _numbers(ch[5], "double").tolist()
-        for r, good, a, b, nb, n, c in zip(rowid, ok, offsets[:-1], offsets[1:], nbytes, n_blocks, created, strict=True):
-            name = text[a:b].decode(errors="replace") if good == 1 else None  # a BLOB name: refused below
-            out.append((r, SegmentRow.from_db((name, nb, n, c))))
+        cols = zip(rowid.tolist(), fine.tolist(), offsets[:-1].tolist(), offsets[1:].tolist(), nbytes.tolist(),
+                   n_blocks.tolist(), created.tolist(), ok.tolist(), strict=True)  # fmt: skip
+        for r, good, a, b, nb, n, c, text_name in cols:
+            if good:
+                out.append((r, SegmentRow(text[a:b].decode("ascii"), nb, n, c)))
+            else:  # a BLOB name (`text_name` 0) is refused there
+                out.append((r, SegmentRow.from_db((text[a:b].decode(errors="replace") if text_name == 1 else None, nb, n, c))))
     return out
 
 
