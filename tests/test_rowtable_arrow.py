@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvtool.ops import scan as scan_mod
 from kvtool.ops.scan import scan_cache
-from kvtool.store import rowtable_arrow
+from kvtool.store import rowtable_arrow, rowtable_native
 from kvtool.store.index import SCHEMA, SegmentRow
 from kvtool.store.rowtable import load_rows
 from kvtool.store.rowtable_arrow import ArrowUnusable, read_snapshot
@@ -107,6 +107,7 @@ def test_scan_takes_the_arrow_way_and_falls_back_alike(tmp_path, monkeypatch):
     for i in range(3):
         assert set(store.save_blocks(make_chain(store.layout_key, np.arange(30 * i, 30 * i + 18), seed=i, tail=True))) == {"saved"}
     store.close()
+    monkeypatch.setattr(rowtable_native, "available", lambda: False)  # the Arrow way, as where the compiled reader is not built
     called = []
     real = scan_mod.read_snapshot
     monkeypatch.setattr(scan_mod, "read_snapshot", lambda *a, **k: called.append(1) or real(*a, **k))
@@ -120,6 +121,7 @@ def test_scan_takes_the_arrow_way_and_falls_back_alike(tmp_path, monkeypatch):
             fixed()
         raise ArrowUnusable("test")
 
+    monkeypatch.setattr(rowtable_native, "available", lambda: False)
     monkeypatch.setattr(scan_mod, "read_snapshot", refuse)
     slow = scan_cache(tmp_path)
     (a,), (b,) = fast.namespaces, slow.namespaces

@@ -12,7 +12,8 @@ before the directory is listed): the index files are checked to be regular files
 `index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
 not hash to its name is `foreign`), every row is read and checked in one read transaction
-(`kvtool.store.rowtable_arrow`, else `kvtool.store.rowtable`: columns, no Python object per row;
+(`kvtool.store.rowtable_native`, compiled; where it is not built `kvtool.store.rowtable_arrow`; for
+an index either cannot decide, `kvtool.store.rowtable`: columns, no Python object per row;
 malformed rows are reported by rowid, never used), and the directory is listed without following
 symlinks once the rows' snapshot is fixed, while the rows are read (by a forked child on Linux,
 `kvtool.ops.listing_fork`, else by a thread), so the listing still sees every file a row of the
@@ -55,6 +56,7 @@ from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.confined import disk_full, free_bytes
 from kvtool.ops.heap import release_free_heap
 from kvtool.ops.listing_fork import ForkedListing
+from kvtool.store import rowtable_native
 from kvtool.store.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
 from kvtool.store.fsops import (
     FileOps,
@@ -447,12 +449,14 @@ class _Scanner:
         return listed
 
     def _read_rows_arrow(self, index: BlockIndex, fixed: Callable[[], None]) -> None:
-        """`_read_rows` through Arrow (`rowtable_arrow.read_snapshot`), the same results.
+        """`_read_rows` through the compiled reader (`rowtable_native.read_snapshot`), else (not
+        built) through Arrow (`rowtable_arrow.read_snapshot`): the same results.
 
         Raises:
             ArrowUnusable: a row it cannot decide (read the `sqlite3` way).
         """
-        snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
+        read = rowtable_native.read_snapshot if rowtable_native.available() else read_snapshot
+        snap = read(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
         segs = tuple(seg for _, seg in snap.segments if seg is not None)
         bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
         self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,

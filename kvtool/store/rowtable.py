@@ -250,8 +250,8 @@ class _Columns:
         n, c = self.n, self.cols
         order = _hash_order(c["hash"][:n])
         out: dict[str, np.ndarray] = {}
-        for k in list(c):
-            out[k] = c.pop(k)[:n][order]  # one column copied at a time, the old one freed
+        for k in list(c):  # one column copied at a time, the old one freed (`take`: [N, 2] keys ~3x faster than `[order]`)
+            out[k] = np.take(c.pop(k)[:n], order, axis=0)
         names = sorted(self.segments)
         renumber = np.zeros(max(len(names), 1), dtype=np.int32)
         renumber[[self.segments[x] for x in names]] = np.arange(len(names), dtype=np.int32)
