@@ -5,19 +5,31 @@ several; and `validate --deep` finds each damage through it."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import struct
 
 import numpy as np
 import pytest
 
-from kvtool.ops import clean_segments
+from kvtool.ops import clean_native, clean_segments
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store import segment as seg
 from tests.store_helpers import block_path, flip_record_byte, make_chain, open_store, record_span
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def check_path(request, monkeypatch):
+    """Every test runs through both checks: the compiled one (`clean_native`, where built) and
+    the Python one; they must decide alike."""
+    if request.param == "python":
+        monkeypatch.setattr(clean_native, "available", lambda: False)
+    elif not clean_native.available():
+        pytest.skip("the compiled check was not built (no C compiler or libxxhash)")
+    return request.param
 
 
 @pytest.fixture
@@ -211,3 +223,23 @@ def test_shallow_reads_a_large_file_whole_only_where_the_general_way_would(cache
     assert all(verdicts(cache_dir, deep=True)[0].values())  # `deep` reads every byte anyway
     rep = validate(cache_dir, dry_run=True).namespaces[0]
     assert (rep.outcome, rep.problems) == ("clean", 0)
+
+
+@pytest.mark.parametrize("swap", ["fifo", "symlink", "gone"])
+def test_a_file_swapped_after_the_listing_is_never_opened_nor_clean(cache, swap):
+    """Between the listing and the check, a segment file becomes a FIFO (never opened: no hang),
+    a symlink to a good copy (never followed) or nothing: that segment is not clean, the others are."""
+    cache_dir, store, (a, b, c) = cache
+    scan = scan_cache(cache_dir)
+    (ns,) = scan.namespaces
+    path = block_path(store, c[0].block_hash)
+    copy = path.with_name("copy")
+    path.rename(copy)
+    if swap == "fifo":
+        os.mkfifo(path)
+    elif swap == "symlink":
+        path.symlink_to(copy)
+    with ConfinedDir(scan.cache_dir, ns.name) as cdir:
+        got = find_clean(cdir, ns.name, ns.expected.kv, ns.expected.block_size, ns.table, dict(ns.files), True)
+    clean = dict(zip(ns.table.segments, got.clean.tolist()))
+    assert [name for name, ok in clean.items() if not ok] == [path.name.split(".")[0]]

@@ -43,12 +43,13 @@ from typing import cast
 import numpy as np
 import xxhash
 
+from kvtool.ops import clean_native
 from kvtool.ops.confined import ConfinedDir
 from kvtool.store import segment as seg
 from kvtool.store.chains import unhex_lower
 from kvtool.store.kvlayout import KVLayout
 from kvtool.store.rowtable import RowTable
-from kvtool.store.segment_template import CREATED_OK, Template, created_span, template
+from kvtool.store.segment_template import CREATED_OK, Template, created_of_text, created_span, template
 
 SHALLOW_MAX = 64 << 10  # without `deep`, a larger segment file is read whole only if ... (bytes)
 SHALLOW_GAP = 64 << 10  # ... its token ids lie this close (`records.SPAN_GAP`: one read there too), else the general way
@@ -95,7 +96,9 @@ class _Context:
     shape: list[bytes]  # per segment: its rows' token counts (int32 bytes, slot order)
     names: list[str]
     deep: bool
+    listed: np.ndarray  # per segment: its listed file size (bytes; 0: none)
     templates: dict = field(default_factory=dict)  # (shape, length of the creation time) -> `Template` or None
+    native: dict = field(default_factory=dict)  # `Template` -> its arrays for the compiled check (`clean_native`)
 
 
 _SHARED: _Context | None = None  # the context forked workers inherit
@@ -125,12 +128,12 @@ def find_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int
     if n_seg == 0:
         return out
     order, start = table.by_segment
-    candidates = _candidates(table, order, start, kv, block_size, files, deep)
+    candidates, listed = _candidates(table, order, start, kv, block_size, files, deep)
     if not candidates.size:
         return out
     nt = table.num_tokens[order]
     shape = [nt[a:b].tobytes() for a, b in zip(start[:-1].tolist(), start[1:].tolist())]
-    ctx = _Context(cdir, layout_key, kv, table, order, start, shape, table.segments, deep)
+    ctx = _Context(cdir, layout_key, kv, table, order, start, shape, table.segments, deep, listed)
     if workers is None:
         workers = (os.cpu_count() or 1) if candidates.size >= PARALLEL_MIN and _can_fork() else 1
     pieces = np.array_split(candidates, max(1, workers * CHUNKS_PER_WORKER if workers > 1 else 1))
@@ -180,10 +183,11 @@ def _check_shared(part: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLayout, block_size: int, files: dict,
-                deep: bool) -> np.ndarray:  # fmt: skip
+                deep: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     """Segment numbers worth a fast check: a listed file small enough (without `deep`: a larger one
     only if the general way would read it whole too), rows holding slots 0..n-1 once each, token
-    counts of a block or less, record sizes of uncompressed records."""
+    counts of a block or less, record sizes of uncompressed records; and every segment's listed
+    file size (`[S]` int64 bytes, 0: not listed)."""
     n_seg = len(table.segments)
     count = np.diff(start)
     seg_of = np.repeat(np.arange(n_seg, dtype=np.int32), count)  # int32 here: a million rows' arrays stay small
@@ -204,12 +208,15 @@ def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLay
         gap[held] = np.maximum.reduceat(nb.astype(np.int64) - 4 * nt.astype(np.int64), start[held])
         limit[gap > SHALLOW_GAP] = SHALLOW_MAX
     size = np.array([f.size if (f := files.get(name)) is not None else 0 for name in table.segments], dtype=np.int64)
-    return np.flatnonzero(ok & (size > 0) & (size <= limit))
+    return np.flatnonzero(ok & (size > 0) & (size <= limit)), size
 
 
 def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Verdicts of segments `segs`: `(clean [k] bool, size [k] int64, created [k] float64)`;
-    `tick(1)` after each segment read."""
+    `tick(1)` after each segment read (after each batch through the compiled check, where built:
+    `clean_native`, the same verdicts)."""
+    if clean_native.available():
+        return clean_native.check(ctx, segs, tick)
     k = len(segs)
     clean, size, created = np.zeros(k, dtype=bool), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.float64)
     limit = DEEP_MAX  # what a candidate may hold (`_candidates` chose them by their listed size)
@@ -267,7 +274,7 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
     recs = b"".join(map(digest, map(part, tpl.records))) if ctx.deep else b""
     head = bytes(view[8 : 8 + tpl.hlen])
     sealed = digest(head[: tpl.hck_at] + _ZERO + head[tpl.hck_at + 32 :])  # the header checksum it must hold
-    return buf, tpl, head, toks + recs + sealed, _created(buf[span[0] : span[1]])
+    return buf, tpl, head, toks + recs + sealed, created_of_text(buf[span[0] : span[1]])
 
 
 def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, size: np.ndarray,
@@ -300,15 +307,6 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
 def _keys(raw: np.ndarray) -> np.ndarray:
     """`[..., 16]` uint8 (a hash's bytes) -> `[..., 2]` uint64 keys (`kvtool.store.chains`)."""
     return np.ascontiguousarray(raw).view(">u8").astype(np.uint64)
-
-
-def _created(text: bytes | bytearray) -> float:
-    """`records.created_of` of a header whose creation time is `text`."""
-    try:
-        t = float(text)
-    except ValueError:
-        return 0.0
-    return t if t == t and 0.0 <= t < float("inf") else 0.0
 
 
 __all__ = ["find_clean", "CleanSegments", "SHALLOW_MAX", "DEEP_MAX", "PARALLEL_MIN"]

@@ -27,7 +27,7 @@ from kvtool.hostblock import HostBlock
 from kvtool.store import segment as seg
 from kvtool.store.kvlayout import KVLayout
 
-__all__ = ["CREATED_CHARS", "CREATED_KEY", "CREATED_OK", "HOLE", "Template", "created_span", "template"]
+__all__ = ["CREATED_CHARS", "CREATED_KEY", "CREATED_OK", "HOLE", "Template", "created_of_text", "created_span", "template"]
 
 HOLE = ord("#")  # placeholder byte in a template: where the digests and the creation time go
 CREATED_KEY = b'"created":"'
@@ -128,3 +128,13 @@ def created_span(buf: bytes | bytearray, limit: int) -> tuple[int, int] | None:
     at = buf.find(CREATED_KEY, 8, limit)
     end = buf.find(b'"', at + len(CREATED_KEY), at + 64) if at >= 0 else -1
     return None if end < 0 else (at + len(CREATED_KEY), end)
+
+
+def created_of_text(text: bytes | bytearray | memoryview) -> float:
+    """The creation time (unix seconds) a header holds as `text` (`created_span`), as
+    `records.created_of` reads it: 0.0 where it is no finite number >= 0."""
+    try:
+        t = float(bytes(text))
+    except ValueError:
+        return 0.0
+    return t if t == t and 0.0 <= t < float("inf") else 0.0
