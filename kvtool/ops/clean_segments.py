@@ -105,7 +105,8 @@ _SHARED: _Context | None = None  # the context forked workers inherit
 
 
 def find_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int, table: RowTable, files: dict,
-               deep: bool, workers: int | None = None, progress=None) -> CleanSegments:  # fmt: skip
+               deep: bool, workers: int | None = None, progress=None,
+               meanwhile: Callable[[], None] | None = None) -> CleanSegments:  # fmt: skip
     """Which segments of `table` are clean (see the module docstring); reads their files once.
 
     Args:
@@ -119,6 +120,8 @@ def find_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int
             more, where `fork` exists; else 1).
         progress: called as `progress(segments_done, segments_total)` as segments are checked
             (after each one in this process, after each piece of work with workers).
+        meanwhile: called once while forked workers check (this process would only wait), or
+            before the check where it runs here; not called when no segment needs a check.
 
     Returns:
         The verdicts (`CleanSegments`), by segment number of `table`.
@@ -145,7 +148,7 @@ def find_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int
         if progress is not None:
             progress(done, int(candidates.size))
 
-    for part, (clean, size, created) in zip(pieces, _run(ctx, pieces, workers, tick)):
+    for part, (clean, size, created) in zip(pieces, _run(ctx, pieces, workers, tick, meanwhile)):
         out.clean[part], out.size[part], out.created[part] = clean, size, created
     return out
 
@@ -154,11 +157,14 @@ def _can_fork() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, tick):
+def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, tick, meanwhile=None):
     """Each piece's verdicts, in order: in this process (`tick(1)` after each segment), or in
-    `workers` forked ones (`tick(len(piece))` after each piece)."""
+    `workers` forked ones (`tick(len(piece))` after each piece); `meanwhile()` once, while the
+    workers run (before the check, in this process)."""
     global _SHARED
     if workers <= 1:
+        if meanwhile is not None:
+            meanwhile()
         for part in pieces:
             yield _check(ctx, part, tick)
         return
@@ -167,10 +173,13 @@ def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, tick):
         try:
             pool = multiprocessing.get_context("fork").Pool(workers)
         except OSError:  # no process to be had (a limit): this one does all
-            yield from _run(ctx, pieces, 1, tick)
+            yield from _run(ctx, pieces, 1, tick, meanwhile)
             return
         with pool:
-            for part, got in zip(pieces, pool.imap(_check_shared, pieces)):
+            results = pool.imap(_check_shared, pieces)
+            if meanwhile is not None:
+                meanwhile()
+            for part, got in zip(pieces, results):
                 tick(len(part))
                 yield got
     finally:

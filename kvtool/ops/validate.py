@@ -50,9 +50,7 @@ This module never imports MLX.
 from __future__ import annotations
 
 import os
-import sqlite3
 import stat
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -64,8 +62,9 @@ from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.heap import release_free_heap
 from kvtool.ops.lock import cache_lock
-from kvtool.ops.rebuild import execute_rebuild, plan_rebuild
+from kvtool.ops.rebuild import plan_rebuild
 from kvtool.ops.records import Record, SegmentPass, created_of
+from kvtool.ops.repair_execute import execute
 from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     MAX_DETAILS,
     REPAIRS,
@@ -77,11 +76,11 @@ from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     unlink_counted,
 )
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
-from kvtool.store.chains import KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex
+from kvtool.store.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex
 from kvtool.store.fsops import FileOps, resolve_cache_root, short_path
-from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.store.names import INDEX_FILENAME, segment_relpath
-from kvtool.store.rowtable import RowTable, load_rows
+from kvtool.store.index import IndexRow, SegmentRow
+from kvtool.store.names import segment_relpath
+from kvtool.store.rowtable import RowTable
 
 ProgressFn = Callable[[str, int, int], None]  # progress(namespace, segments_done, segments_total)
 ValidateError = ScanError  # what `validate` raises when it cannot run (missing dir, bad namespace)
@@ -196,6 +195,7 @@ class _Planner:
         self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (not the header)
         self.errors: dict[str, str] = {}  # segment -> why it is unusable
         self.rows = _SegmentRows(self.table)
+        self.whole: Forest | None = None  # `_whole_forest`
         self.shown = 0  # segments reported done (`progress`)
 
     def run(self, progress: ProgressFn | None) -> None:
@@ -249,7 +249,7 @@ class _Planner:
         assert exp is not None
         report = (lambda done, _n: self._progress(progress, done, total)) if progress is not None else None
         clean = find_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, dict(self.ns.files),
-                           self.deep, progress=report)  # fmt: skip
+                           self.deep, progress=report, meanwhile=self._whole_forest)  # fmt: skip
         release_free_heap()  # its batches' memory, before the chain tree
         return clean
 
@@ -399,15 +399,18 @@ class _Planner:
                 seen.add(c.hash)
                 spare.append(c)
         n = len(hashes)
-        if spare:
-            nodes = np.concatenate([hashes, keys_from_hex([c.hash for c in spare])])
-            parents = np.concatenate([parent, keys_from_hex([c.parent for c in spare])])
-            index = KeyIndex(nodes)
-        else:  # the kept rows alone, still in hash order: no sort, no copy
-            nodes, parents, index = hashes, parent, KeyIndex(hashes, is_sorted=True)
-        root = key_of_hex(root_parent(ns.name))
-        forest = build_forest(index.find(parents), (parents == root).all(axis=1), None)  # reachability only
-        del index, nodes
+        if not spare and keep is None and not rewritten and self.whole is not None:
+            forest = self.whole  # every row as read: built while the segment files were checked
+        else:
+            if spare:
+                nodes = np.concatenate([hashes, keys_from_hex([c.hash for c in spare])])
+                parents = np.concatenate([parent, keys_from_hex([c.parent for c in spare])])
+                index = KeyIndex(nodes)
+            else:  # the kept rows alone, still in hash order: no sort, no copy
+                nodes, parents, index = hashes, parent, KeyIndex(hashes, is_sorted=True)
+            forest = self._forest(index, parents)
+            del index, nodes
+        self.whole = None
         rooted = forest.rooted.copy()
         failed = [n + j for j, c in enumerate(spare) if rooted[n + j] and not isinstance(c.record, Record)]
         bad: dict[str, int] = {}
@@ -452,6 +455,18 @@ class _Planner:
         self._segment_rows(kept)
         after = kept | {name for name, (_, rw, ad) in act.writes.items() if rw or ad}
         rep.bytes_freed += sum(ns.files[name].size for name in self.known if name not in after)
+
+    def _forest(self, index: KeyIndex, parents: np.ndarray) -> Forest:
+        """The chain forest of nodes `index` with `parents` (`[n, 2]` keys): reachability only."""
+        root = key_of_hex(root_parent(self.ns.name))
+        return build_forest(index.find(parents), (parents == root).all(axis=1), None)
+
+    def _whole_forest(self) -> None:
+        """`self.whole`: the forest of every row as read (what `_adopt_and_finish` needs when no
+        row is dropped, rewritten or adopted: a healthy cache), built while `find_clean`'s
+        workers read the segment files."""
+        t = self.table
+        self.whole = self._forest(KeyIndex(t.hash, is_sorted=True), t.parent)
 
     def _kept_segments(self, alive: np.ndarray, rewritten: dict[int, IndexRow]) -> set[str]:
         """Segments of the kept rows that a lookup can reach (`alive`, by row number; a rewritten
@@ -510,76 +525,6 @@ class _SegInfo:
 
     def __init__(self, size: int, n_slots: int, created: float):
         self.size, self.n_slots, self.created = size, n_slots, created
-
-
-# ----------------------------------------------------------------------------- execute
-def execute(plan: RepairPlan) -> RepairPlan:
-    """Carry out a repair plan (see the module docstring for the order). Never raises for I/O
-    trouble: a namespace whose index cannot be written gets outcome 'failed' and a message."""
-    root = Path(plan.cache_dir)
-    for rep in plan.namespaces:
-        if rep.outcome == "skipped" or not rep.actions.any():
-            continue
-        try:
-            with ConfinedDir(root, rep.namespace) as cdir:
-                if rep.actions.rebuild is not None:
-                    execute_rebuild(root, cdir, rep.actions.rebuild, rep)
-                else:
-                    _execute_namespace(root / rep.namespace, cdir, rep)
-        except (sqlite3.Error, OSError, ValueError) as exc:
-            rep.outcome, rep.message = "failed", f"repair stopped: {exc}; nothing after that point was changed"
-            continue
-        repaired = any(getattr(rep, k) for k in REPAIRS) or rep.index_rebuilt or rep.duplicates_removed
-        rep.outcome = "repaired" if repaired else ("problems" if rep.problems else "clean")
-    plan.dry_run, plan.executed = False, True
-    return plan
-
-
-def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) -> None:
-    act = rep.actions
-    for rel in act.temps:
-        _unlink(rep, lambda: cdir.unlink_temp(rel), rel)  # noqa: B023  (called at once, inside the loop)
-    index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-    try:
-        if act.bad_rowids or act.bad_segment_rowids:
-            index.delete_rowids(act.bad_rowids, act.bad_segment_rowids)
-        if act.clamp:
-            now = time.time()
-            for h in act.clamp:
-                index.touch(h, now)  # a touch lowers an access time beyond the skew allowance to `now`
-            index.flush()
-        for seg_row, rewrite, adopt in act.writes.values():
-            if adopt:  # a live writer may have stored them meanwhile: never replace its rows
-                present = index.present([r.hash for r in adopt])
-                adopt = [r for r in adopt if r.hash not in present]
-                if not adopt and not rewrite:
-                    continue
-            index.insert_segment(seg_row, rewrite + adopt)
-        emptied = index.delete(act.drop)[1] if act.drop else []
-        for rel in act.irregular:  # their rows are gone (dropped above, or rewritten to a copy)
-            _unlink(rep, lambda: cdir.unlink_irregular(rel), rel)  # noqa: B023  (called at once, inside the loop)
-        if act.broken:  # re-check on a fresh read: a live writer may have stored a missing parent
-            act.broken = _still_unrooted(index, rep.namespace, act.broken)
-            emptied += index.delete(act.broken)[1] if act.broken else []
-        for name in emptied:
-            _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
-        for name in act.remove_segments:
-            if index.segment_rows(name):  # rows appeared meanwhile (a live writer): keep it
-                continue
-            index.delete_segments([name])
-            _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
-    finally:
-        index.close()
-
-
-def _still_unrooted(index: BlockIndex, namespace: str, hashes: list[str]) -> list[str]:
-    """Those of `hashes` whose rows a prefix lookup still cannot reach, on a fresh read."""
-    with index.connection() as conn:
-        t = load_rows(conn)
-    root = key_of_hex(root_parent(namespace))
-    forest = build_forest(t.parent_rows(), (t.parent == root).all(axis=1), None)
-    rows = t.find(hashes)
-    return [h for h, r in zip(hashes, rows.tolist()) if r >= 0 and not forest.rooted[r]]
 
 
 def _is_dir(path: Path) -> bool:
