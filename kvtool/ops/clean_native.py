@@ -23,14 +23,11 @@ from __future__ import annotations
 import importlib
 from functools import cache
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from kvtool.store.segment_template import Template, created_of_text, template
-
-if TYPE_CHECKING:
-    from kvtool.ops.clean_segments import _Context
 
 BATCH_SEGMENTS = 256  # segments read per call
 BATCH_BYTES = 8 << 20  # ... or fewer, so one batch's buffer stays small (bytes, by listed size)
@@ -50,8 +47,9 @@ def available() -> bool:
     return _module() is not None
 
 
-def check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`clean_segments._check` through the compiled check: `(clean [k] bool, size [k] int64,
+def check(ctx: Any, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`clean_segments._check` through the compiled check (`ctx`: its `_Context`, not imported
+    here: that module imports this one): `(clean [k] bool, size [k] int64,
     created [k] float64)` of segments `segs` (numbers of `ctx.table`); `tick(1)` for each segment
     once its batch is checked.
 
@@ -119,7 +117,7 @@ def _batches(listed: np.ndarray) -> list[tuple[int, int]]:
     return out
 
 
-def _layout(ctx: _Context, tpl: Template) -> tuple:
+def _layout(ctx: Any, tpl: Template) -> tuple:
     """The template as the C judge takes it: `(header, fixed [r, 2], fields [n, 3], tokens [n, 2],
     records [n, 2], created start, created length, header checksum position, file size)` (int64
     arrays; made once per template)."""
