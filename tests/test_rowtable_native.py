@@ -151,3 +151,17 @@ def test_scan_takes_it_and_falls_back_alike(tmp_path, monkeypatch):
     (a,), (b,) = fast.namespaces, slow.namespaces
     assert (a.status, a.row_count, dict(a.files), a.segment_rows, a.bad_rows) == (b.status, b.row_count, dict(b.files), b.segment_rows, b.bad_rows)
     _same_tables(a.table, b.table)
+
+
+@built
+@settings(max_examples=60, deadline=None)
+@given(keys=st.lists(st.integers(0, (1 << 64) - 1), max_size=300), shift=st.sampled_from([0, 11, 32, 53]))
+def test_the_radix_order_is_numpys_stable_order(keys, shift):
+    """`rowtable.argsort_stable` (the compiled radix sort) equals numpy's stable argsort: random
+    keys, many equal ones, keys that differ only in one digit."""
+    from kvtool.store.rowtable import argsort_stable
+
+    arr = np.array([k >> shift << shift for k in keys], dtype=np.uint64)
+    assert np.array_equal(argsort_stable(arr), np.argsort(arr, kind="stable"))
+    dup = np.repeat(arr[: len(arr) // 3], 3)
+    assert np.array_equal(argsort_stable(dup), np.argsort(dup, kind="stable"))

@@ -252,7 +252,60 @@ cleanup:
     return out;
 }
 
+/* argsort(keys) -> bytearray of int64 [N]: the stable order of `keys` (a C-contiguous buffer of
+ * N uint64), by LSD radix sort on RADIX_BITS-bit digits (a pass whose digit is the same for every
+ * key is skipped). What `RowTable` sorts by: the high halves of the hashes, (segment << 32 | slot). */
+#define RADIX_BITS 11 /* 6 passes for 64 bits; 2,048 buckets stay in cache */
+#define RADIX_SIZE (1 << RADIX_BITS)
+#define RADIX_MASK (RADIX_SIZE - 1)
+
+static PyObject *indexread_argsort(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer in;
+    if (!PyArg_ParseTuple(args, "y*", &in)) return NULL;
+    Py_ssize_t n = in.len / 8;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, n * 8);
+    uint64_t *ka = malloc((size_t)(n ? n : 1) * 8), *kb = malloc((size_t)(n ? n : 1) * 8);
+    int64_t *ib = malloc((size_t)(n ? n : 1) * 8);
+    size_t *count = malloc(RADIX_SIZE * sizeof(size_t));
+    if (out == NULL || !ka || !kb || !ib || !count) {
+        Py_XDECREF(out);
+        free(ka), free(kb), free(ib), free(count);
+        PyBuffer_Release(&in);
+        return out == NULL ? NULL : PyErr_NoMemory();
+    }
+    int64_t *ia = (int64_t *)PyByteArray_AS_STRING(out), *result = ia;
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(ka, in.buf, (size_t)n * 8);
+    for (Py_ssize_t i = 0; i < n; i++) ia[i] = i;
+    for (int shift = 0; shift < 64; shift += RADIX_BITS) {
+        memset(count, 0, RADIX_SIZE * sizeof(size_t));
+        for (Py_ssize_t i = 0; i < n; i++) count[(ka[i] >> shift) & RADIX_MASK]++;
+        if (n == 0 || count[(ka[0] >> shift) & RADIX_MASK] == (size_t)n) continue; /* one digit: order kept */
+        size_t at = 0;
+        for (int d = 0; d < RADIX_SIZE; d++) {
+            size_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            size_t j = count[(ka[i] >> shift) & RADIX_MASK]++;
+            kb[j] = ka[i];
+            ib[j] = ia[i];
+        }
+        uint64_t *kt = ka; ka = kb; kb = kt;
+        int64_t *it = ia; ia = ib; ib = it;
+    }
+    if (ia != result) memcpy(result, ia, (size_t)n * 8); /* an odd number of passes left it in `ib`'s buffer */
+    Py_END_ALLOW_THREADS
+    if (ia != result) ib = ia; /* free the scratch buffer, never `out`'s */
+    free(ka), free(kb), free(ib), free(count);
+    PyBuffer_Release(&in);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"argsort", indexread_argsort, METH_VARARGS, "argsort(uint64 keys) -> bytearray of the stable int64 order."},
     {"read", indexread_read, METH_VARARGS,
      "read(uri, fixed) -> dict of column bytearrays, or None (a value that is not well-formed, an SQLite error)."},
     {NULL, NULL, 0, NULL},

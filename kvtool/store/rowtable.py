@@ -22,12 +22,14 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import importlib
 import math
 import re
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
+from types import ModuleType
 
 import numpy as np
 
@@ -116,7 +118,8 @@ class RowTable:
     def by_segment(self) -> tuple[np.ndarray, np.ndarray]:
         """`(order, start)`: the row numbers sorted by (segment, slot), and where each segment's
         rows begin in it: segment `s`'s rows are `order[start[s]:start[s + 1]]`."""
-        order = np.lexsort((self.slot, self.seg)).astype(np.int32)
+        key = (self.seg.astype(np.uint64) << np.uint64(32)) | self.slot.astype(np.uint64)  # both >= 0: lexsort's order
+        order = argsort_stable(key).astype(np.int32)
         start = np.zeros(len(self.segments) + 1, dtype=np.int64)
         np.cumsum(np.bincount(self.seg, minlength=len(self.segments)), out=start[1:])
         return order, start
@@ -265,10 +268,28 @@ class _Columns:
                         out["last_access"], self.bad)  # fmt: skip
 
 
+@cache
+def _radix() -> ModuleType | None:
+    try:
+        return importlib.import_module("kvtool.store._indexread")
+    except ImportError:
+        return None
+
+
+def argsort_stable(keys: np.ndarray) -> np.ndarray:
+    """The stable order of `[N]` uint64 `keys` (`[N]` int64): a radix sort in kvtool's compiled
+    reader (`kvtool/store/_indexread.c`) where it is built (~0.03 s for a million keys against
+    ~0.13 s), else numpy's."""
+    mod = _radix()
+    if mod is None:
+        return np.argsort(keys, kind="stable")
+    return np.frombuffer(mod.argsort(np.ascontiguousarray(keys, dtype=np.uint64)), dtype=np.int64)
+
+
 def _hash_order(keys: np.ndarray) -> np.ndarray:
     """The order of `[N, 2]` keys: by their high halves alone (one sort of N numbers) when those
     are distinct, as they are but by a 1-in-2**64 chance; else by both."""
-    order = np.argsort(keys[:, 0])
+    order = argsort_stable(keys[:, 0])
     high = keys[order, 0]
     if (high[1:] == high[:-1]).any():
         order = np.lexsort((keys[:, 1], keys[:, 0]))
