@@ -243,3 +243,18 @@ def test_a_file_swapped_after_the_listing_is_never_opened_nor_clean(cache, swap)
         got = find_clean(cdir, ns.name, ns.expected.kv, ns.expected.block_size, ns.table, dict(ns.files), True)
     clean = dict(zip(ns.table.segments, got.clean.tolist()))
     assert [name for name, ok in clean.items() if not ok] == [path.name.split(".")[0]]
+
+
+def test_the_compiled_judge_refuses_inconsistent_arguments(check_path):
+    """Arrays of lengths that do not fit together are refused (ValueError), never read past."""
+    if check_path != "compiled":
+        pytest.skip("the compiled judge only")
+    mod = clean_native._module()
+    keys = np.zeros((2, 2), dtype=np.uint64)
+    one = np.zeros((1, 2), dtype=np.int64)
+    args = [bytearray(64), np.zeros(1, np.int64), np.arange(2, dtype=np.int64), keys, keys, keys, b"#" * 40,
+            np.zeros((0, 2), np.int64), np.zeros((2, 3), np.int64), np.tile(one, (2, 1)), np.tile(one, (2, 1)), 0, 0, 0, 64, True]  # fmt: skip
+    assert len(mod.judge(*args)) == 1  # consistent: one verdict (not clean: its fields are no hex)
+    for at, bad in ((4, keys[:1]), (5, keys[:1]), (8, np.zeros((3, 3), np.int64)), (2, np.arange(3, dtype=np.int64)), (13, 30)):
+        with pytest.raises(ValueError):
+            mod.judge(*args[:at], bad, *args[at + 1 :])

@@ -202,6 +202,7 @@ static PyObject *segcheck_judge(PyObject *self, PyObject *args) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, k);
     unsigned char *scratch = PyMem_Malloc((size_t)(hlen ? hlen : 1));
     if (out == NULL || scratch == NULL || v.rows.len != (Py_ssize_t)(k * n * 8) || v.tokens.len != n * 16 ||
+        v.parent.len != v.hash.len || v.digest.len != v.hash.len || v.fields.len != n * 24 ||
         v.records.len != n * 16 || created_start < 0 || created_start + created_len > hlen || hck_at < 0 ||
         hck_at + 32 > hlen) {
         if (out != NULL && scratch != NULL) PyErr_SetString(PyExc_ValueError, "inconsistent judge arguments");
