@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtool.ops import clean_native
 from kvtool.ops import scan as scan_mod
 from kvtool.ops.scan import scan_cache
 from kvtool.store import rowtable_arrow, rowtable_native
@@ -35,13 +36,16 @@ built = pytest.mark.skipif(not rowtable_native.available(), reason="the compiled
 
 def test_built_where_it_can_be():
     """Where a C compiler, Python's headers and sqlite3.h are (this machine, CI), the optional
-    extension must have been built: a failed build would otherwise pass unseen (slower scans)."""
+    extensions must have been built (the segment check where libxxhash is too): a failed build
+    would otherwise pass unseen (slower commands)."""
     include = Path(sysconfig.get_paths()["include"])
     can = (sys.platform.startswith("linux") and os.path.exists("/usr/bin/cc") and (include / "Python.h").exists()
            and os.path.exists("/usr/include/sqlite3.h"))  # fmt: skip
     if not can:
         pytest.skip("no toolchain for the extension here: the Arrow way reads")
     assert rowtable_native.available()
+    if any(Path(d, "libxxhash.so.0").exists() for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib")):
+        assert clean_native.available()  # validate's compiled segment check, which links libxxhash
 
 
 @built
