@@ -248,7 +248,7 @@ def test_a_file_swapped_after_the_listing_is_never_opened_nor_clean(cache, swap)
 def test_the_compiled_judge_refuses_inconsistent_arguments(check_path):
     """Arrays of lengths that do not fit together are refused (ValueError), never read past."""
     if check_path != "compiled":
-        pytest.skip("the compiled judge only")
+        pytest.skip("only the compiled check has a judge function to call (the Python path judges in numpy)")
     mod = clean_native._module()
     keys = np.zeros((2, 2), dtype=np.uint64)
     one = np.zeros((1, 2), dtype=np.int64)

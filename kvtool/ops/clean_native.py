@@ -20,26 +20,21 @@ This module never imports MLX.
 
 from __future__ import annotations
 
-import importlib
-from functools import cache
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from kvtool.store.segment_template import Template, created_of_text, template
+from kvtool.store import compiled
+from kvtool.store.segment_template import Template, created_of_text
 
 BATCH_SEGMENTS = 256  # segments read per call
 BATCH_BYTES = 8 << 20  # ... or fewer, so one batch's buffer stays small (bytes, by listed size)
 LIMIT = 64 << 20  # the largest file read (`clean_segments.DEEP_MAX`: candidates are chosen by it)
 
 
-@cache
 def _module() -> ModuleType | None:
-    try:
-        return importlib.import_module("kvtool.ops._segcheck")
-    except ImportError:
-        return None
+    return compiled.load("kvtool.ops._segcheck")
 
 
 def available() -> bool:
@@ -72,9 +67,7 @@ def check(ctx: Any, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray
         for j in np.flatnonzero((sizes > 8) & (c0 >= 0)).tolist():
             groups.setdefault((shape[seg_of[j]], clen[j]), []).append(j)
         for key, members in groups.items():
-            tpl = ctx.templates.get(key, _MISSING)
-            if tpl is _MISSING:
-                tpl = ctx.templates[key] = template(ctx.layout_key, ctx.kv, tuple(np.frombuffer(key[0], dtype=np.int32).tolist()), key[1])
+            tpl = ctx.template_of(key)
             if tpl is None:
                 continue
             idx = np.array(members, dtype=np.int64)
@@ -98,9 +91,6 @@ def check(ctx: Any, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray
             for _ in range(b - a):
                 tick(1)
     return clean, size, created
-
-
-_MISSING = object()
 
 
 def _batches(listed: np.ndarray) -> list[tuple[int, int]]:

@@ -100,6 +100,14 @@ class _Context:
     templates: dict = field(default_factory=dict)  # (shape, length of the creation time) -> `Template` or None
     native: dict = field(default_factory=dict)  # `Template` -> its arrays for the compiled check (`clean_native`)
 
+    def template_of(self, key: tuple[bytes, int]) -> Template | None:
+        """The template of `(shape, length of the creation time)`, rendered once per key."""
+        tpl = self.templates.get(key, _MISSING)
+        if tpl is _MISSING:
+            n_tok = tuple(np.frombuffer(key[0], dtype=np.int32).tolist())
+            tpl = self.templates[key] = template(self.layout_key, self.kv, n_tok, key[1])
+        return tpl
+
 
 _SHARED: _Context | None = None  # the context forked workers inherit
 
@@ -270,11 +278,7 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
     span = created_span(buf, min(size, 8 + seg.MAX_HEADER_BYTES))  # early in the metadata
     if span is None:
         return None
-    key = (ctx.shape[s], span[1] - span[0])
-    tpl = ctx.templates.get(key, _MISSING)
-    if tpl is _MISSING:
-        n_tok = tuple(np.frombuffer(key[0], dtype=np.int32).tolist())
-        tpl = ctx.templates[key] = template(ctx.layout_key, ctx.kv, n_tok, key[1])
+    tpl = ctx.template_of((ctx.shape[s], span[1] - span[0]))
     if tpl is None or tpl.file_size != size or int.from_bytes(buf[:8], "little") != tpl.hlen:
         return None
     digest = xxhash.xxh3_128_digest

@@ -28,6 +28,7 @@ from kvtool.ops.confined import ConfinedDir
 from kvtool.store import segment as seg
 from kvtool.store.index import IndexRow, SegmentRow
 from kvtool.store.segment import BlockFileError, KVLayout, SegmentHeader, Slot
+from kvtool.store.segment_template import created_of_text
 
 
 @dataclass(frozen=True)
@@ -182,11 +183,7 @@ class SegmentReader:
 
 def created_of(header: SegmentHeader) -> float:
     """A segment's creation time from its header (0.0 if absent or malformed)."""
-    try:
-        t = float(header.meta.get("created", "0"))
-    except ValueError:
-        return 0.0
-    return t if t == t and 0.0 <= t < float("inf") else 0.0
+    return created_of_text(header.meta.get("created", "0"))
 
 
 def row_disagrees(row: IndexRow, slot: Slot) -> str | None:

@@ -405,15 +405,15 @@ class _Scanner:
 
     def _read_arrow_and_list(self, index: BlockIndex) -> bool:
         """The Arrow read here, the listing in a forked child (`listing_fork`) where one can be
-        made, else in a thread (`_read_and_list`). Raises `ArrowUnusable` as `_read_rows_arrow`."""
+        made, else in a thread (`_read_and_list`). Raises `ArrowUnusable` as `_read_rows_columns`."""
         try:
             lister = ForkedListing(self, SegmentFile) if ForkedListing.usable(self) else None
         except OSError:  # no process to be had
             lister = None
         if lister is None:
-            return self._read_and_list(lambda fixed: self._read_rows_arrow(index, fixed.set))
+            return self._read_and_list(lambda fixed: self._read_rows_columns(index, fixed.set))
         try:
-            self._read_rows_arrow(index, lister.go)
+            self._read_rows_columns(index, lister.go)
         except BaseException:
             lister.cancel()
             raise
@@ -448,7 +448,7 @@ class _Scanner:
             raise failed[0]
         return listed
 
-    def _read_rows_arrow(self, index: BlockIndex, fixed: Callable[[], None]) -> None:
+    def _read_rows_columns(self, index: BlockIndex, fixed: Callable[[], None]) -> None:
         """`_read_rows` through the compiled reader (`rowtable_native.read_snapshot`), else (not
         built) through Arrow (`rowtable_arrow.read_snapshot`): the same results.
 

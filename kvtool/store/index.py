@@ -76,6 +76,12 @@ _SEG_COLUMNS = "name, nbytes, n_blocks, created"
 __all__ = ["BlockIndex", "IndexRow", "SegmentRow", "IndexScan", "INDEX_FILENAME"]
 
 
+def read_only_uri(path: Path, immutable: bool = False) -> str:
+    """The SQLite URI that opens index `path` read-only (`mode=ro`; `immutable=1`: no -wal / -shm
+    used); the path is percent-quoted ('?' or '#' in a directory name)."""
+    return f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
 def _int(v: object, lo: int = 0) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else None
 
@@ -246,9 +252,7 @@ class BlockIndex:
 
     def _connect(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
         """A connection: read-write, or read-only (`mode=ro`; `immutable=1`: no -wal / -shm used)."""
-        target = str(self.path)
-        if read_only:  # a URI: the path is percent-quoted ('?' or '#' in a directory name)
-            target = f"file:{urllib.parse.quote(target)}?mode=ro" + ("&immutable=1" if immutable else "")
+        target = read_only_uri(self.path, immutable) if read_only else str(self.path)
         return sqlite3.connect(target, timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                check_same_thread=False, uri=read_only)  # fmt: skip
 

@@ -23,7 +23,6 @@ This module never imports MLX.
 
 from __future__ import annotations
 
-import urllib.parse
 from collections.abc import Callable, Generator, Iterator
 from contextlib import closing
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.store.chains import unhex_lower
-from kvtool.store.index import SegmentRow
+from kvtool.store.index import SegmentRow, read_only_uri
 from kvtool.store.rowtable import INT32_MAX, RowTable, _Columns, _SegmentNames
 
 BATCH_ROWS = 1 << 14  # rows per Arrow batch (bounds the memory of one batch: ~4 MB)
@@ -77,7 +76,7 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
         ArrowUnusable: the rows cannot be decided this way (see the module docstring).
     """
     adbc, adbc_driver_sqlite, _ = _driver()
-    uri = f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
+    uri = read_only_uri(path, immutable)
     try:
         with adbc_driver_sqlite.connect(uri) as db, adbc.AdbcConnection(db) as conn:
             conn.set_autocommit(False)  # BEGIN: every statement below reads one snapshot

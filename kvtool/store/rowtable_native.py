@@ -24,17 +24,15 @@ This module never imports MLX.
 
 from __future__ import annotations
 
-import importlib
-import urllib.parse
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
+from kvtool.store import compiled
 from kvtool.store.chains import hex_of_keys
-from kvtool.store.index import SegmentRow
+from kvtool.store.index import SegmentRow, read_only_uri
 from kvtool.store.rowtable import _Columns
 from kvtool.store.rowtable_arrow import ArrowUnusable, Snapshot
 
@@ -46,12 +44,8 @@ class NativeUnusable(ArrowUnusable):
     error, the extension missing): read it the `sqlite3` way."""
 
 
-@cache
 def _module() -> ModuleType | None:
-    try:
-        return importlib.import_module("kvtool.store._indexread")
-    except ImportError:
-        return None
+    return compiled.load("kvtool.store._indexread")
 
 
 def available() -> bool:
@@ -77,8 +71,7 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
     mod = _module()
     if mod is None:
         raise NativeUnusable("the compiled index reader is not built")
-    uri = f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
-    got = mod.read(uri, fixed)
+    got = mod.read(read_only_uri(path, immutable), fixed)
     if got is None:
         raise NativeUnusable("a value the compiled reader does not decide, or an SQLite error")
     return Snapshot(_table(got, full), _segment_rows(got))

@@ -130,11 +130,11 @@ def created_span(buf: bytes | bytearray, limit: int) -> tuple[int, int] | None:
     return None if end < 0 else (at + len(CREATED_KEY), end)
 
 
-def created_of_text(text: bytes | bytearray | memoryview) -> float:
-    """The creation time (unix seconds) a header holds as `text` (`created_span`), as
-    `records.created_of` reads it: 0.0 where it is no finite number >= 0."""
+def created_of_text(text: str | bytes | bytearray | memoryview) -> float:
+    """The creation time (unix seconds) a header holds as `text` (its metadata's value, or the
+    bytes at `created_span`): 0.0 where it is no finite number >= 0."""
     try:
-        t = float(bytes(text))
+        t = float(text if isinstance(text, str) else bytes(text))
     except ValueError:
         return 0.0
     return t if t == t and 0.0 <= t < float("inf") else 0.0
