@@ -5,9 +5,11 @@ several; and `validate --deep` finds each damage through it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import struct
+import threading
 
 import numpy as np
 import pytest
@@ -16,8 +18,9 @@ from kvtool.ops import clean_native, clean_segments
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.scan import scan_cache
-from kvtool.ops.validate import validate
+from kvtool.ops.validate import plan_repairs, validate
 from kvtool.store import segment as seg
+from kvtool.store.fsops import FileOps
 from tests.store_helpers import block_path, flip_record_byte, make_chain, open_store, record_span
 
 
@@ -258,3 +261,110 @@ def test_the_compiled_judge_refuses_inconsistent_arguments(check_path):
     for at, bad in ((4, keys[:1]), (5, keys[:1]), (8, np.zeros((3, 3), np.int64)), (2, np.arange(3, dtype=np.int64)), (13, 30)):
         with pytest.raises(ValueError):
             mod.judge(*args[:at], bad, *args[at + 1 :])
+
+
+# ------------------------------------------------------------------ started early, buffers
+def test_a_check_started_before_the_listing_keeps_only_files_listed_as_read(cache):
+    """`start_clean` reads the files from the rows alone; `result(files)` calls a segment clean
+    only if the listing has it, with the size of the file judged (a file listed with another
+    size, or not listed, goes the general way)."""
+    cache_dir, store, (a, b, c) = cache
+    scan = scan_cache(cache_dir)
+    (ns,) = scan.namespaces
+    exp = ns.expected
+    names = ns.table.segments
+    files = dict(ns.files)
+    changed, gone = names[0], names[1]
+    files[changed] = dataclasses.replace(files[changed], size=files[changed].size + 1)
+    del files[gone]
+    with ConfinedDir(scan.cache_dir, ns.name) as cdir:
+        with clean_segments.start_clean(cdir, ns.name, exp.kv, exp.block_size, ns.table, True) as started:
+            got = started.result(files)
+    clean = dict(zip(names, got.clean.tolist()))
+    assert [n for n, ok in clean.items() if not ok] == sorted([changed, gone])
+    assert all(got.size[i] == 0 and got.created[i] == 0 for i in (0, 1))
+
+
+def test_validate_plans_alike_with_the_check_started_in_the_scan_or_after(cache):
+    """`validate` starts the check from the scan's `on_rows`; planned after the scan instead, the
+    report is the same, on a damaged cache too."""
+    cache_dir, store, (a, b, c) = cache
+    flip_record_byte(store, b[1].block_hash)
+    early = validate(cache_dir, deep=True, dry_run=True)
+    late = plan_repairs(scan_cache(cache_dir), deep=True)
+    assert early.problems == late.problems > 0
+    assert early.to_dict() == late.to_dict()
+    assert early.namespaces[0].actions == late.namespaces[0].actions
+
+
+def test_files_beyond_the_batch_buffer_are_read_in_later_batches(cache, monkeypatch, check_path):
+    """A buffer too small for a batch: the files that fit are judged, the rest go to the next
+    batch; one file larger than the whole buffer gets a buffer of its own. Same verdicts."""
+    if check_path != "compiled":
+        pytest.skip("only the compiled check reads into a batch buffer")
+    cache_dir, store, (a, b, c) = cache
+    flip_record_byte(store, c[2].block_hash)
+    want, _ = verdicts(cache_dir, deep=True)
+    sizes = sorted(f.stat().st_size for f in cache_dir.rglob("*.safetensors"))
+    for room in (sizes[0] + 1, sizes[-1] + 1, sizes[0] + sizes[1] + 1):
+        monkeypatch.setattr(clean_native, "BATCH_BYTES", room)
+        assert verdicts(cache_dir, deep=True)[0] == want
+    assert sum(want.values()) == len(want) - 1
+
+
+def test_the_compiled_read_refuses_a_limit_per_name_of_another_length(check_path):
+    if check_path != "compiled":
+        pytest.skip("only the compiled check has a read function to call")
+    mod = clean_native._module()
+    fd = os.open(".", os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError):
+            mod.read(fd, ["0" * 32, "1" * 32], np.zeros(1, dtype=np.int64), bytearray(64))
+    finally:
+        os.close(fd)
+
+
+class _NoListing(FileOps):
+    """Lists nothing inside a namespace directory (the listing fails after the rows are read)."""
+
+    def listdir(self, path):
+        if len(path.name) == 32:
+            raise PermissionError(13, "listing refused", str(path))
+        return super().listdir(path)
+
+
+def test_a_check_started_for_a_namespace_never_planned_is_stopped(cache, monkeypatch):
+    """The scan starts the check once the rows are read; the listing then fails, so the namespace
+    is unreadable and never planned: validate still stops the check, its threads end and its
+    directory is closed (no descriptor or thread left behind)."""
+    cache_dir, store, chains = cache
+    fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    threads = {t.name for t in threading.enumerate()}
+    started = []
+    start = clean_segments.StartedChecks.start
+    monkeypatch.setattr(clean_segments.StartedChecks, "start", lambda self, *a: started.append(start(self, *a)))
+    plan = validate(cache_dir, deep=True, dry_run=True, fs=_NoListing())
+    assert len(started) == 1
+    (rep,) = plan.namespaces
+    assert rep.status == "unreadable" and "cannot list" in rep.message
+    assert {t.name for t in threading.enumerate()} <= threads
+    if fds is not None:
+        assert set(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_a_started_check_is_handed_over_only_for_the_table_it_reads(cache):
+    """`StartedChecks.take` gives the check of a namespace once, and only to a planner holding the
+    very table it was started on (rows read again another way would number segments otherwise)."""
+    cache_dir, store, chains = cache
+    with clean_segments.StartedChecks(deep=True) as started:
+        scan = scan_cache(cache_dir, on_rows=started.start)
+        (ns,) = scan.namespaces
+        assert started.take(ns.name, scan_cache(cache_dir).namespaces[0].table) is None  # another table
+        assert started.take(ns.name, ns.table) is None  # stopped, and taken once only
+    with clean_segments.StartedChecks(deep=True) as started:
+        scan = scan_cache(cache_dir, on_rows=started.start)
+        (ns,) = scan.namespaces
+        check = started.take(ns.name, ns.table)
+        assert check is not None
+        with check:
+            assert check.result(ns.files).clean.all()

@@ -1,7 +1,9 @@
-"""kvtool.ops.heap: free heap memory handed back to the system (glibc's malloc_trim)."""
+"""kvtool.ops.heap: free heap memory handed back to the system (glibc's malloc_trim), and the cyclic
+collector held off while the operator commands build their tables."""
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import subprocess
@@ -49,3 +51,33 @@ def test_elsewhere_it_does_nothing(monkeypatch):
         assert heap.release_free_heap() is False
     finally:
         heap._malloc_trim.cache_clear()
+
+
+def test_the_collector_waits_inside_and_comes_back_as_it_was():
+    """`paused_gc`: no cyclic collection inside (nested too); afterwards the collector is on again
+    only if it was on before; `gc_paused` runs a function inside it, exceptions included."""
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with heap.paused_gc():
+            assert not gc.isenabled()
+            with heap.paused_gc():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the outer block still holds it off
+        assert gc.isenabled()
+        gc.disable()
+        with heap.paused_gc():
+            pass
+        assert not gc.isenabled()  # it was off: it stays off
+
+        @heap.gc_paused
+        def boom() -> None:
+            assert not gc.isenabled()
+            raise KeyError("x")
+
+        gc.enable()
+        with pytest.raises(KeyError):
+            boom()
+        assert gc.isenabled() and boom.__name__ == "boom"
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvtool.hashing import root_parent
 from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.scan import NamespaceStatus, ScanError, meta_problem, scan_cache
+from kvtool.store.chains import build_forest, rooted_nodes
 from kvtool.store.index import BlockIndex
 from tests.store_helpers import make_chain, make_layout, make_meta, open_store, segment_files
 
@@ -97,6 +98,27 @@ def test_unreadable_outdated_foreign(cache):
     sql(store.namespace_dir, "UPDATE meta SET value='8' WHERE key='block_size'")
     ns = scan_cache(cache_dir, store.layout_key).namespaces[0]
     assert ns.status == S.FOREIGN and "does not hash" in ns.message and ns.rows == ()
+
+
+def test_on_rows_is_called_once_per_namespace_whose_meta_checks_out(cache):
+    """`on_rows` gets a namespace's rows as soon as they are read (before its listing is taken in),
+    once per usable namespace; never for an unreadable, outdated or foreign one."""
+    cache_dir, store, _ = cache
+    garbage = cache_dir / ("ab" * 16)
+    garbage.mkdir()
+    (garbage / "index.sqlite").write_bytes(b"this is not a database at all" * 100)
+    calls = []
+
+    def on_rows(path, expected, table):
+        calls.append((path.name, expected.block_size, len(table), sorted(table.segments)))
+
+    scan = scan_cache(cache_dir, on_rows=on_rows)
+    ns = {n.name: n for n in scan.namespaces}[store.layout_key]
+    assert calls == [(store.layout_key, ns.expected.block_size, len(ns.table), sorted(ns.files))]
+    sql(store.namespace_dir, "UPDATE meta SET value='8' WHERE key='block_size'")  # foreign now
+    calls.clear()
+    scan_cache(cache_dir, on_rows=on_rows)
+    assert calls == []
 
 
 @pytest.mark.parametrize(
@@ -228,6 +250,24 @@ def test_chain_tree_properties(entries):
             assert node.depth == tree.nodes[parent[h]].depth + 1
         if parent[h] in parent:
             assert tree.nodes[parent[h]].effective_access >= node.effective_access
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 40), data=st.data())
+def test_rooted_nodes_by_pointer_jumping_equals_the_forest(n, data):
+    """`rooted_nodes` (validate's reachability) is `build_forest(...).rooted` on any parent links:
+    chains, cycles, self-loops, nodes below a cycle, tops at the root or not."""
+    parent = np.array(data.draw(st.lists(st.integers(-1, max(n - 1, -1)), min_size=n, max_size=n)), dtype=np.int64)
+    at_root = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    assert np.array_equal(rooted_nodes(parent, at_root), build_forest(parent, at_root, None).rooted)
+
+
+def test_rooted_nodes_of_a_long_chain_and_a_long_cycle():
+    n = 5000
+    chain = np.arange(-1, n - 1)  # node i's parent is i - 1: depth n - 1
+    assert rooted_nodes(chain, np.arange(n) == 0).all() and not rooted_nodes(chain, np.zeros(n, bool)).any()
+    cycle = np.roll(np.arange(n), 1)  # one cycle through every node
+    assert not rooted_nodes(cycle, np.ones(n, bool)).any()
 
 
 def test_chain_tree_big_cycle_and_long_chain_are_linear():

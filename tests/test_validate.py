@@ -371,11 +371,16 @@ def test_validate_while_a_store_serves(cache):
     assert only(validate(cache_dir, deep=True)).problems == 0
 
 
-def test_progress_reports_every_segment(cache):
-    cache_dir, _, _ = cache
+@pytest.mark.parametrize("damage", [None, dmg_missing])
+def test_progress_reports_every_segment(cache, damage):
+    """Counts only grow, none past the total, and end at every segment (the fast check reports
+    piece by piece, the general way segment by segment)."""
+    cache_dir, store, chains = cache
+    if damage is not None:
+        damage(store, chains)
     seen = []
-    validate(cache_dir, progress=lambda ns, done, total: seen.append((done, total)))
-    assert seen[-1] == (4, 4) and len(seen) == 4
+    validate(cache_dir, dry_run=True, progress=lambda ns, done, total: seen.append((done, total)))
+    assert seen[-1] == (4, 4) and all(a < b <= t == 4 for (a, _), (b, t) in zip(seen, seen[1:]))
 
 
 # ------------------------------------------------------------------ maintenance lock

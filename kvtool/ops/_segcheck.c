@@ -1,14 +1,16 @@
 /* kvtool.ops._segcheck: the clean-segment check of `kvtool validate` (kvtool/ops/clean_segments.py,
  * which is the only caller and documents the rules) for a batch of segment files, in C.
  *
- * read(ns_fd, names, limit, buf): each segment file `<name[:2]>/<name>.safetensors` below the
+ * read(ns_fd, names, limits, buf): each segment file `<name[:2]>/<name>.safetensors` below the
  * namespace directory `ns_fd`, resolved without following symlinks (the fan-out directory opened
  * O_DIRECTORY | O_NOFOLLOW, the file looked at with fstatat(AT_SYMLINK_NOFOLLOW) before it is
  * opened O_NOFOLLOW | O_NONBLOCK, then fstat: a FIFO or device is never opened, a swapped-in one
- * never read), read whole into `buf` one after the other. Per file: offset in `buf`, size (-1:
- * absent, not a regular file, unreadable, larger than `limit` or than what is left of `buf`),
- * the header length (the u64 at its start) and where the creation time's text lies
- * (`segment_template.created_span`; -1 where there is none).
+ * never read), read whole into `buf` one after the other, until one does not fit in what is left
+ * of `buf`. Per file: offset in `buf`, size (-1: absent, not a regular file, unreadable, of 8 bytes
+ * or less or larger than its `limits` entry (int64 bytes); -2: not read, because it or a file
+ * before it did not fit), the header length (the u64 at its start; for the file that did not
+ * fit, its size) and where the creation time's text lies (`segment_template.created_span`; -1
+ * where there is none).
  *
  * judge(...): for files of one template (`segment_template.Template`), the verdicts
  * `clean_segments._judge` computes with numpy: every fixed byte of the header as the template
@@ -51,13 +53,19 @@ static void init_tables(void) {
 
 /* ------------------------------------------------------------------ read */
 
-static int64_t read_one(int sub, const char *leaf, char *dst, int64_t room, int64_t limit) {
+/* The size read (-1: not a regular file of 9..limit bytes, or unreadable; -2: it would not fit
+ * in `room` bytes, its size in *need). */
+static int64_t read_one(int sub, const char *leaf, char *dst, int64_t room, int64_t limit, int64_t *need) {
     struct stat st;
     if (fstatat(sub, leaf, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode)) return -1;
     int fd = openat(sub, leaf, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return -1;
     int64_t size = -1;
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 8 && st.st_size <= limit && st.st_size <= room) {
+    int usable = fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 8 && st.st_size <= limit;
+    if (usable && st.st_size > room) {
+        *need = st.st_size;
+        size = -2;
+    } else if (usable) {
         int64_t got = 0;
         while (got < st.st_size) {
             ssize_t r = pread(fd, dst + got, (size_t)(st.st_size - got), got);
@@ -74,10 +82,9 @@ static int64_t read_one(int sub, const char *leaf, char *dst, int64_t room, int6
 static PyObject *segcheck_read(PyObject *self, PyObject *args) {
     (void)self;
     int ns_fd;
-    PyObject *names;
-    long long limit;
-    Py_buffer buf;
-    if (!PyArg_ParseTuple(args, "iO!Lw*", &ns_fd, &PyList_Type, &names, &limit, &buf)) return NULL;
+    PyObject *names, *limits_obj;
+    Py_buffer buf, limits = {0};
+    if (!PyArg_ParseTuple(args, "iO!Ow*", &ns_fd, &PyList_Type, &names, &limits_obj, &buf)) return NULL;
     Py_ssize_t k = PyList_GET_SIZE(names);
     PyObject *out = NULL;
     char(*leaf)[48] = PyMem_Malloc((size_t)(k ? k : 1) * 48);
@@ -86,6 +93,12 @@ static PyObject *segcheck_read(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
+    if (PyObject_GetBuffer(limits_obj, &limits, PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (limits.len != (Py_ssize_t)(k * (Py_ssize_t)sizeof(int64_t))) {
+        PyErr_SetString(PyExc_ValueError, "one int64 limit per name");
+        goto done;
+    }
+    const int64_t *limit = limits.buf;
     for (Py_ssize_t i = 0; i < k; i++) {
         Py_ssize_t len;
         const char *s = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(names, i), &len);
@@ -103,9 +116,11 @@ static PyObject *segcheck_read(PyObject *self, PyObject *args) {
     char sub_name[3] = {0, 0, 0};
     int sub = -1;
     int64_t used = 0;
+    int full = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         int64_t *r = rows + 5 * i;
-        r[0] = used, r[1] = -1, r[2] = 0, r[3] = -1, r[4] = -1;
+        r[0] = used, r[1] = full ? -2 : -1, r[2] = 0, r[3] = -1, r[4] = -1;
+        if (full) continue;
         if (sub < 0 || sub_name[0] != leaf[i][0] || sub_name[1] != leaf[i][1]) {
             if (sub >= 0) close(sub);
             sub_name[0] = leaf[i][0], sub_name[1] = leaf[i][1];
@@ -113,7 +128,11 @@ static PyObject *segcheck_read(PyObject *self, PyObject *args) {
         }
         if (sub < 0) continue;
         char *dst = (char *)buf.buf + used;
-        int64_t size = read_one(sub, leaf[i], dst, (int64_t)buf.len - used, limit);
+        int64_t need = 0, size = read_one(sub, leaf[i], dst, (int64_t)buf.len - used, limit[i], &need);
+        if (size == -2) {
+            r[1] = -2, r[2] = need, full = 1;
+            continue;
+        }
         if (size < 0) continue;
         r[1] = size;
         uint64_t hlen;
@@ -135,6 +154,7 @@ static PyObject *segcheck_read(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(leaf);
     PyMem_Free(rows);
+    if (limits.obj != NULL) PyBuffer_Release(&limits);
     PyBuffer_Release(&buf);
     return out;
 }
@@ -264,7 +284,7 @@ static PyObject *segcheck_judge(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"read", segcheck_read, METH_VARARGS, "read(ns_fd, names, limit, buf) -> bytes of int64 [k, 5]."},
+    {"read", segcheck_read, METH_VARARGS, "read(ns_fd, names, limits, buf) -> bytes of int64 [k, 5]."},
     {"judge", segcheck_judge, METH_VARARGS, "judge(...) -> bytes of k verdicts (see the module comment)."},
     {NULL, NULL, 0, NULL},
 };

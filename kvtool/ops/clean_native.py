@@ -1,8 +1,8 @@
 """The clean-segment check of `kvtool validate` (`kvtool.ops.clean_segments`) through kvtool's
 compiled part for it (`kvtool/ops/_segcheck.c`): the same verdicts, without Python per file.
 
-Per batch of segments (at most `BATCH_SEGMENTS`, and files of at most `BATCH_BYTES` together, by
-their listed sizes): one C call opens and reads every file whole into one buffer, confined as
+Per batch of segments (at most `BATCH_SEGMENTS`, and the files that fit in one reused buffer of
+`BATCH_BYTES`, or one larger file alone): one C call opens and reads every file whole, confined as
 `ConfinedDir.open_segment` opens it (fan-out directory and file `O_NOFOLLOW`, `lstat` before the
 open, `fstat` after: no FIFO or device is ever opened), and finds each header's creation time.
 The files are grouped by template (their rows' shape and the length of that creation time, as
@@ -29,8 +29,7 @@ from kvtool.store import compiled
 from kvtool.store.segment_template import Template, created_of_text
 
 BATCH_SEGMENTS = 256  # segments read per call
-BATCH_BYTES = 8 << 20  # ... or fewer, so one batch's buffer stays small (bytes, by listed size)
-LIMIT = 64 << 20  # the largest file read (`clean_segments.DEEP_MAX`: candidates are chosen by it)
+BATCH_BYTES = 4 << 20  # ... or fewer: the files that fit in a buffer of this size (bytes; a larger file alone)
 
 
 def _module() -> ModuleType | None:
@@ -42,11 +41,13 @@ def available() -> bool:
     return _module() is not None
 
 
-def check(ctx: Any, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def check(ctx: Any, segs: np.ndarray, tick=None, buf: bytearray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`clean_segments._check` through the compiled check (`ctx`: its `_Context`, not imported
-    here: that module imports this one): `(clean [k] bool, size [k] int64,
-    created [k] float64)` of segments `segs` (numbers of `ctx.table`); `tick(1)` for each segment
-    once its batch is checked.
+    here: that module imports this one): `(clean [k] bool, size [k] int64, created [k] float64)`
+    of segments `segs` (numbers of `ctx.table`), each file read if it is at most `ctx.limit[s]`
+    bytes; `tick(1)` for each segment once its batch is checked. Safe to run on several threads
+    at once (the GIL is released while files are read and judged), each with its own `buf`
+    (the batch buffer; None: one of `BATCH_BYTES` is made).
 
     Raises:
         RuntimeError: the extension is not built (callers ask `available()` first).
@@ -56,55 +57,58 @@ def check(ctx: Any, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray
         raise RuntimeError("kvtool.ops._segcheck is not built")
     k = len(segs)
     clean, size, created = np.zeros(k, dtype=bool), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.float64)
-    listed = ctx.listed[segs]
-    for a, b in _batches(listed):
-        part = segs[a:b]
-        buf = bytearray(int(listed[a:b].sum()))
-        got = np.frombuffer(mod.read(ctx.cdir.fd, [ctx.names[s] for s in part.tolist()], LIMIT, buf), dtype=np.int64)
-        offs, sizes, hlens, c0, c1 = got.reshape(-1, 5).T
-        groups: dict[tuple[bytes, int], list[int]] = {}
-        shape, seg_of, clen = ctx.shape, part.tolist(), (c1 - c0).tolist()
-        for j in np.flatnonzero((sizes > 8) & (c0 >= 0)).tolist():
-            groups.setdefault((shape[seg_of[j]], clen[j]), []).append(j)
-        for key, members in groups.items():
-            tpl = ctx.template_of(key)
-            if tpl is None:
-                continue
-            idx = np.array(members, dtype=np.int64)
-            idx = idx[(sizes[idx] == tpl.file_size) & (hlens[idx] == tpl.hlen)]
-            if not idx.size:
-                continue
-            n = tpl.hex_idx.shape[0]
-            rows = ctx.order[ctx.start[part[idx]][:, None] + np.arange(n)].reshape(-1)  # row numbers, slot order
-            t = ctx.table  # their keys gathered here (numpy's `take` overlaps the random reads), then read in order
-            want = [np.take(keys, rows, axis=0) for keys in (t.hash, t.parent, t.digest)]
-            verdict = np.frombuffer(
-                mod.judge(buf, np.ascontiguousarray(offs[idx]), np.arange(len(rows), dtype=np.int64), *want,
-                          *_layout(ctx, tpl), ctx.deep),
-                dtype=np.uint8).astype(bool)  # fmt: skip
-            good = idx[verdict]
-            at = a + good
-            clean[at], size[at] = True, tpl.file_size
-            view = memoryview(buf)
-            created[at] = [created_of_text(view[o + s : o + e]) for o, s, e in zip(offs[good].tolist(), c0[good].tolist(), c1[good].tolist())]
+    limits = np.ascontiguousarray(ctx.limit[segs], dtype=np.int64)
+    if buf is None:
+        buf = bytearray(BATCH_BYTES)  # reused batch after batch: files are read until it is full
+    a = 0
+    while a < k:
+        part = segs[a : a + BATCH_SEGMENTS]
+        got = np.frombuffer(mod.read(ctx.cdir.fd, [ctx.names[s] for s in part.tolist()], limits[a : a + len(part)], buf),
+                            dtype=np.int64).reshape(-1, 5)  # fmt: skip
+        short = np.flatnonzero(got[:, 1] == -2)  # from the first file that did not fit on: the next batch
+        if short.size and short[0] == 0:  # one file larger than the buffer (at most its limit): room for it
+            buf = bytearray(int(got[0, 2]))
+            continue
+        if short.size:
+            part, got = part[: short[0]], got[: short[0]]
+        _judge_batch(ctx, mod, part, got, buf, a, clean, size, created)
+        a += len(part)
         if tick is not None:  # each segment once, as the Python path counts them
-            for _ in range(b - a):
+            for _ in range(len(part)):
                 tick(1)
     return clean, size, created
 
 
-def _batches(listed: np.ndarray) -> list[tuple[int, int]]:
-    """`(start, stop)` of consecutive segments: at most `BATCH_SEGMENTS` and `BATCH_BYTES` of
-    listed size each (a larger file alone)."""
-    out, a, held = [], 0, 0
-    for j, n in enumerate(listed.tolist()):
-        if j > a and (j - a >= BATCH_SEGMENTS or held + n > BATCH_BYTES):
-            out.append((a, j))
-            a, held = j, 0
-        held += n
-    if a < len(listed):
-        out.append((a, len(listed)))
-    return out
+def _judge_batch(ctx: Any, mod: ModuleType, part: np.ndarray, got: np.ndarray, buf: bytearray, a: int,
+                 clean: np.ndarray, size: np.ndarray, created: np.ndarray) -> None:  # fmt: skip
+    """Judge the files of segments `part` as read into `buf` (`got`: `read`'s `[k, 5]` rows), per
+    template; their verdicts go to `clean`, `size`, `created` from position `a` on."""
+    offs, sizes, hlens, c0, c1 = got.T
+    groups: dict[tuple[bytes, int], list[int]] = {}
+    shape_of, seg_of, clen = ctx.shape_of, part.tolist(), (c1 - c0).tolist()
+    for j in np.flatnonzero((sizes > 8) & (c0 >= 0)).tolist():
+        groups.setdefault((shape_of(seg_of[j]), clen[j]), []).append(j)
+    view = memoryview(buf)
+    for key, members in groups.items():
+        tpl = ctx.template_of(key)
+        if tpl is None:
+            continue
+        idx = np.array(members, dtype=np.int64)
+        idx = idx[(sizes[idx] == tpl.file_size) & (hlens[idx] == tpl.hlen)]
+        if not idx.size:
+            continue
+        n = tpl.hex_idx.shape[0]
+        rows = ctx.order[ctx.start[part[idx]][:, None] + np.arange(n)].reshape(-1)  # row numbers, slot order
+        t = ctx.table  # their keys gathered here (numpy's `take` overlaps the random reads), then read in order
+        want = [np.take(keys, rows, axis=0) for keys in (t.hash, t.parent, t.digest)]
+        verdict = np.frombuffer(
+            mod.judge(buf, np.ascontiguousarray(offs[idx]), np.arange(len(rows), dtype=np.int64), *want,
+                      *_layout(ctx, tpl), ctx.deep),
+            dtype=np.uint8).astype(bool)  # fmt: skip
+        good = idx[verdict]
+        at = a + good
+        clean[at], size[at] = True, tpl.file_size
+        created[at] = [created_of_text(view[o + s : o + e]) for o, s, e in zip(offs[good].tolist(), c0[good].tolist(), c1[good].tolist())]
 
 
 def _layout(ctx: Any, tpl: Template) -> tuple:

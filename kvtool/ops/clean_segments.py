@@ -23,10 +23,16 @@ segments with numpy:
   zeroed), each slot's hash and parent against its row's, each record's token digest against the
   row's, and with `deep` each record's checksum against its slot's.
 
-Large caches are split over worker processes (`fork`, where the platform has it: they share the
-row table with the parent without copying it); each checks consecutive segments and sends back
-only the verdicts, so memory does not grow with the workers. The result is the same with one
-process or several.
+Where kvtool's compiled check is built (`clean_native`: the same verdicts, in C, without the GIL)
+the check starts as soon as the rows are read (`start_clean`; `validate` starts it from the scan,
+`scan_cache(on_rows=...)`, while the directory listing is still being taken in and the plan made):
+threads, one per CPU for a large cache, take ranges of consecutive segments, each finding its own
+candidates from the rows and reading their files (at most their limit, confined). The listing
+confirms afterwards (`CleanCheck.result(files)`): a segment is clean only if it is listed with
+the size of the file judged, so a file that changed between the two goes the general way.
+The Python check runs once the listing is known, over worker processes for a large cache (`fork`,
+where the platform has it: they share the row table without copying it, and send back only the
+verdicts). The result is the same with one thread or process or several.
 
 This module never imports MLX.
 """
@@ -35,9 +41,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import cast
 
 import numpy as np
@@ -50,6 +60,7 @@ from kvtool.store.chains import unhex_lower
 from kvtool.store.kvlayout import KVLayout
 from kvtool.store.rowtable import RowTable
 from kvtool.store.segment_template import CREATED_OK, Template, created_of_text, created_span, template
+from kvtool.store.ssd_core import Expected
 
 SHALLOW_MAX = 64 << 10  # without `deep`, a larger segment file is read whole only if ... (bytes)
 SHALLOW_GAP = 64 << 10  # ... its token ids lie this close (`records.SPAN_GAP`: one read there too), else the general way
@@ -57,7 +68,8 @@ DEEP_MAX = 64 << 20  # with `deep`, the largest file read whole in one read (byt
 BATCH_SEGMENTS = 256  # segments whose headers are checked together
 BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay small (bytes)
 PARALLEL_MIN = 16384  # segments below which one process does all (starting workers costs more than they save)
-CHUNKS_PER_WORKER = 8  # pieces of work per worker process (a loaded core finishes fewer)
+CHUNKS_PER_WORKER = 8  # pieces of work per worker (a loaded core finishes fewer)
+PIECE_MAX = 2048  # segments per piece at most (progress is reported piece by piece)
 _ZERO = seg.ZERO_CHECKSUM.encode()
 _MISSING = object()
 _Slicer = Callable[[slice], memoryview]  # made once: a subscripted type costs ~1.5 us a call
@@ -71,11 +83,13 @@ class CleanSegments:
         clean: `[S]` bool, the segment is clean (see the module docstring).
         size: `[S]` int64, its file size (bytes; 0 where not clean).
         created: `[S]` float64, its header's creation time (`records.created_of`; 0 where not clean).
+        listed: `[S]` int64, its listed file size (bytes; -1: not listed); None where not known.
     """
 
     clean: np.ndarray
     size: np.ndarray
     created: np.ndarray
+    listed: np.ndarray | None = None
 
     @classmethod
     def none(cls, n: int) -> CleanSegments:
@@ -90,15 +104,26 @@ class _Context:
     cdir: ConfinedDir
     layout_key: str
     kv: KVLayout
+    block_size: int
     table: RowTable
     order: np.ndarray  # row numbers by (segment, slot)
     start: np.ndarray  # where each segment's rows begin in `order`
-    shape: list[bytes]  # per segment: its rows' token counts (int32 bytes, slot order)
+    nt: np.ndarray  # the rows' token counts (int32) in `order`: segment by segment, slot by slot
     names: list[str]
     deep: bool
-    listed: np.ndarray  # per segment: its listed file size (bytes; 0: none)
+    limit: np.ndarray  # per segment: the largest file read whole (bytes; filled by `_candidates`' callers)
     templates: dict = field(default_factory=dict)  # (shape, length of the creation time) -> `Template` or None
     native: dict = field(default_factory=dict)  # `Template` -> its arrays for the compiled check (`clean_native`)
+
+    @cached_property
+    def bounds(self) -> list[int]:
+        """`start` as Python ints."""
+        return self.start.tolist()
+
+    def shape_of(self, s: int) -> bytes:
+        """Segment `s`'s shape: its rows' token counts, slot by slot (int32 bytes)."""
+        bounds = self.bounds
+        return self.nt[bounds[s] : bounds[s + 1]].tobytes()
 
     def template_of(self, key: tuple[bytes, int]) -> Template | None:
         """The template of `(shape, length of the creation time)`, rendered once per key."""
@@ -116,80 +141,241 @@ def find_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int
                deep: bool, workers: int | None = None, progress=None,
                meanwhile: Callable[[], None] | None = None) -> CleanSegments:  # fmt: skip
     """Which segments of `table` are clean (see the module docstring); reads their files once.
+    `start_clean(...).result(files, ...)` in one step.
 
     Args:
         cdir: the namespace directory, opened confined.
         layout_key, kv, block_size: the namespace's geometry.
         table: its rows.
         files: segment name -> its listed file (`scan.SegmentFile`: `size` in bytes); a segment
-            not listed is not clean.
+            not listed, or listed with another size than the file read, is not clean.
         deep: verify every record's checksum too.
-        workers: processes to use (None: one per CPU, for a cache of `PARALLEL_MIN` segments or
-            more, where `fork` exists; else 1).
-        progress: called as `progress(segments_done, segments_total)` as segments are checked
-            (after each one in this process, after each piece of work with workers).
-        meanwhile: called once while forked workers check (this process would only wait), or
+        workers: threads (compiled check) or processes to use (None: one per CPU, for a cache of
+            `PARALLEL_MIN` segments or more, where `fork` exists; else 1).
+        progress: called as `progress(segments_done, segments_total)` as each piece of work (at
+            most `PIECE_MAX` segments) is done.
+        meanwhile: called once while the workers check (this process would only wait), or
             before the check where it runs here; not called when no segment needs a check.
 
     Returns:
         The verdicts (`CleanSegments`), by segment number of `table`.
     """
-    n_seg = len(table.segments)
-    out = CleanSegments.none(n_seg)
-    if n_seg == 0:
-        return out
-    order, start = table.by_segment
-    candidates, listed = _candidates(table, order, start, kv, block_size, files, deep)
-    if not candidates.size:
-        return out
-    nt = table.num_tokens[order]
-    shape = [nt[a:b].tobytes() for a, b in zip(start[:-1].tolist(), start[1:].tolist())]
-    ctx = _Context(cdir, layout_key, kv, table, order, start, shape, table.segments, deep, listed)
+    with start_clean(cdir, layout_key, kv, block_size, table, deep, workers) as started:
+        return started.result(files, progress, meanwhile)
+
+
+def start_clean(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int, table: RowTable, deep: bool,
+                workers: int | None = None) -> CleanCheck:  # fmt: skip
+    """Start the check as soon as the rows are read: the compiled check (`clean_native`, where
+    built) prepares, reads and judges on threads from now on, while the caller lists the
+    directory and plans; `CleanCheck.result(files)` then keeps the segments whose listed file is
+    the one read. The Python check starts in `result`. Arguments as `find_clean`'s; `cdir` must
+    stay open until the check is closed (`CleanCheck.close`, or a `with` block)."""
+    many = len(table.segments) >= PARALLEL_MIN
+    native = clean_native.available()
     if workers is None:
-        workers = (os.cpu_count() or 1) if candidates.size >= PARALLEL_MIN and _can_fork() else 1
-    pieces = np.array_split(candidates, max(1, workers * CHUNKS_PER_WORKER if workers > 1 else 1))
-    done = 0
+        workers = (os.cpu_count() or 1) if many and (native or _can_fork()) else 1
+    return CleanCheck(table, lambda: _prepare(cdir, layout_key, kv, block_size, table, deep), workers, native)
 
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, int(candidates.size))
 
-    for part, (clean, size, created) in zip(pieces, _run(ctx, pieces, workers, tick, meanwhile)):
-        out.clean[part], out.size[part], out.created[part] = clean, size, created
-    return out
+def _prepare(cdir: ConfinedDir, layout_key: str, kv: KVLayout, block_size: int, table: RowTable,
+             deep: bool) -> _Context | None:  # fmt: skip
+    """The check's context (candidates and limits are found piece by piece), or None for a table
+    without rows."""
+    n_seg = len(table.segments)
+    if not n_seg:
+        return None
+    order, start = table.by_segment
+    limit = np.full(n_seg, DEEP_MAX, dtype=np.int64)
+    return _Context(cdir, layout_key, kv, block_size, table, order, start, table.num_tokens[order], table.segments,
+                    deep, limit)  # fmt: skip
+
+
+def _candidates_of(ctx: _Context, a: int = 0, b: int | None = None) -> np.ndarray:
+    """`_candidates` of segments `a..b-1` of `ctx`, their limits put into `ctx.limit`."""
+    b = len(ctx.names) if b is None else b
+    cand, limit = _candidates(ctx.table, ctx.order, ctx.start, ctx.kv, ctx.block_size, ctx.deep, a, b)
+    ctx.limit[a:b] = limit
+    return cand
+
+
+class CleanCheck:
+    """A clean-segment check under way (`start_clean`). The compiled one is prepared (`prepare()`:
+    the rows by segment) and run on `workers` threads from the start, in ranges of consecutive
+    segments, each finding its own candidates; the Python one (in `workers` forked processes)
+    starts once `result` has the listing."""
+
+    def __init__(self, table: RowTable, prepare: Callable[[], _Context | None], workers: int, native: bool):
+        self.table, self.workers = table, workers
+        self.ranges: list[tuple[int, int]] = []
+        self.futures: list[Future] = []
+        self.pool: ThreadPoolExecutor | None = None
+        if native:
+            # one batch buffer per thread, made here: in the threads' own malloc arenas they would
+            # stay beside this thread's free memory (at a million blocks ~20 MB more peak RSS)
+            self.buffers: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
+            for _ in range(workers):
+                self.buffers.put(bytearray(clean_native.BATCH_BYTES))
+            self.pool = ThreadPoolExecutor(workers, thread_name_prefix="kvtool-clean")
+            self.prepared: Future = self.pool.submit(self._dispatch, prepare)
+        else:
+            self.prepared = Future()
+            self.prepared.set_result(prepare())
+
+    def _dispatch(self, prepare: Callable[[], _Context | None]) -> _Context | None:
+        """(On a pool thread.) Prepare, then hand the ranges to the pool."""
+        ctx = prepare()
+        if ctx is not None and self.pool is not None:
+            self.ranges = _ranges(len(ctx.names), self.workers)
+            self.futures = [self.pool.submit(self._check, ctx, a, b) for a, b in self.ranges]
+        return ctx
+
+    def _check(self, ctx: _Context, a: int, b: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(On a pool thread.) The candidates of segments `a..b-1` and their verdicts
+        (`clean_native.check`), with a batch buffer of the pool's."""
+        segs = _candidates_of(ctx, a, b)
+        buf = self.buffers.get()
+        try:
+            return segs, clean_native.check(ctx, segs, buf=buf)
+        finally:
+            self.buffers.put(buf)
+
+    def __enter__(self) -> CleanCheck:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop: ranges not begun are dropped, the threads end (their files are closed)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def result(self, files: Mapping, progress=None, meanwhile: Callable[[], None] | None = None) -> CleanSegments:
+        """The verdicts, by segment number (`find_clean`'s arguments); a segment is clean only if
+        `files` lists it with the size of the file judged.
+
+        Raises:
+            what preparing or checking raised.
+        """
+        native = self.pool is not None
+        if native and meanwhile is not None:
+            meanwhile()
+        ctx = self.prepared.result()
+        if ctx is None:
+            return CleanSegments.none(0)
+        n_seg = len(ctx.names)
+        out = CleanSegments.none(n_seg)
+        listed = np.array([f.size if (f := files.get(name)) is not None else -1 for name in ctx.names], dtype=np.int64)
+        results: Iterable[tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]]
+        if native:
+            results = (f.result() for f in self.futures)
+            spans = [b - a for a, b in self.ranges]
+        else:  # the Python check: listed files only, within their limit
+            cand = _candidates_of(ctx)
+            cand = cand[(listed[cand] > 0) & (listed[cand] <= ctx.limit[cand])]
+            pieces = _pieces(cand, self.workers)
+            results = zip(pieces, _run(ctx, pieces, self.workers, meanwhile) if cand.size else iter(()))
+            spans = [len(p) for p in pieces]
+            n_seg = int(cand.size)
+        done = 0
+        for span, (segs, (clean, size, created)) in zip(spans, results):
+            out.clean[segs], out.size[segs], out.created[segs] = clean, size, created
+            done += span
+            if progress is not None:  # once per piece: a progress bar's update costs ~5 us a call
+                progress(done, n_seg)
+        self.close()
+        same = out.clean & (listed == out.size)  # the file judged is the one listed
+        out.size[~same], out.created[~same] = 0, 0.0
+        out.clean, out.listed = same, listed
+        return out
+
+
+class StartedChecks:
+    """Clean-segment checks started from `scan_cache`'s `on_rows` hook (`start`: one per namespace,
+    each on its own confined directory), handed to the planner by namespace (`take`); `close`
+    stops what is left and closes the directories."""
+
+    def __init__(self, deep: bool):
+        self.deep = deep
+        self.checks: dict[str, CleanCheck] = {}
+        self.dirs: list[ConfinedDir] = []
+
+    def __enter__(self) -> StartedChecks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self, path: Path, expected: Expected, table: RowTable) -> None:
+        """Start the check of namespace directory `path` (`scan.RowsHook`); nothing if it cannot
+        be opened (the planner then checks the usual way, and reports why)."""
+        try:
+            cdir = ConfinedDir(path.parent, path.name)
+        except (OSError, ValueError):
+            return
+        self.dirs.append(cdir)
+        self.checks[path.name] = start_clean(cdir, path.name, expected.kv, expected.block_size, table, self.deep)
+
+    def take(self, name: str, table: RowTable) -> CleanCheck | None:
+        """The check started for namespace `name` on this very `table` (once), or None (none was
+        started, or on rows the scan then read again another way: that one is stopped)."""
+        check = self.checks.pop(name, None)
+        if check is not None and check.table is not table:
+            check.close()
+            return None
+        return check
+
+    def close(self) -> None:
+        for check in self.checks.values():
+            check.close()
+        self.checks.clear()
+        for cdir in self.dirs:
+            cdir.close()
+        self.dirs.clear()
+
+
+def _ranges(n_seg: int, workers: int) -> list[tuple[int, int]]:
+    """Segments `0..n_seg-1` in consecutive ranges `(a, b)`: `CHUNKS_PER_WORKER` per worker (one
+    with one worker), of at most `PIECE_MAX` segments."""
+    cuts = np.linspace(0, n_seg, max(workers * CHUNKS_PER_WORKER if workers > 1 else 1, -(-n_seg // PIECE_MAX)) + 1)
+    bounds = np.unique(cuts.round().astype(np.int64)).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _pieces(segs: np.ndarray, workers: int) -> list[np.ndarray]:
+    """`segs` in consecutive pieces: `CHUNKS_PER_WORKER` per worker (one with one worker), of at
+    most `PIECE_MAX` segments."""
+    return np.array_split(segs, max(workers * CHUNKS_PER_WORKER if workers > 1 else 1, -(-len(segs) // PIECE_MAX)))
 
 
 def _can_fork() -> bool:
     return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
 
 
-def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, tick, meanwhile=None):
-    """Each piece's verdicts, in order: in this process (`tick(1)` after each segment), or in
-    `workers` forked ones (`tick(len(piece))` after each piece); `meanwhile()` once, while the
-    workers run (before the check, in this process)."""
+def _run(ctx: _Context, pieces: list[np.ndarray], workers: int, meanwhile=None):
+    """Each piece's verdicts through the Python check, in order: in this process, or in `workers`
+    forked ones; `meanwhile()` once, while the workers run (before the check, in this process)."""
     global _SHARED
     if workers <= 1:
         if meanwhile is not None:
             meanwhile()
         for part in pieces:
-            yield _check(ctx, part, tick)
+            yield _check(ctx, part)
         return
     _SHARED = ctx
     try:
         try:
             pool = multiprocessing.get_context("fork").Pool(workers)
         except OSError:  # no process to be had (a limit): this one does all
-            yield from _run(ctx, pieces, 1, tick, meanwhile)
+            yield from _run(ctx, pieces, 1, meanwhile)
             return
         with pool:
             results = pool.imap(_check_shared, pieces)
             if meanwhile is not None:
                 meanwhile()
-            for part, got in zip(pieces, results):
-                tick(len(part))
-                yield got
+            yield from results
     finally:
         _SHARED = None
 
@@ -199,41 +385,40 @@ def _check_shared(part: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return _check(_SHARED, part)
 
 
-def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLayout, block_size: int, files: dict,
-                deep: bool) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """Segment numbers worth a fast check: a listed file small enough (without `deep`: a larger one
-    only if the general way would read it whole too), rows holding slots 0..n-1 once each, token
-    counts of a block or less, record sizes of uncompressed records; and every segment's listed
-    file size (`[S]` int64 bytes, 0: not listed)."""
-    n_seg = len(table.segments)
-    count = np.diff(start)
-    seg_of = np.repeat(np.arange(n_seg, dtype=np.int32), count)  # int32 here: a million rows' arrays stay small
-    slot, nt, nb = table.slot[order], table.num_tokens[order], table.nbytes[order]
-    pos = np.arange(len(order), dtype=np.int32)
-    pos -= start.astype(np.int32)[seg_of]
+def _candidates(table: RowTable, order: np.ndarray, start: np.ndarray, kv: KVLayout, block_size: int,
+                deep: bool, a: int = 0, b: int | None = None) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Segment numbers in `a..b-1` (None: to the last) worth a fast check by their rows (slots
+    0..n-1 once each, token counts of a block or less, record sizes of uncompressed records), and
+    the largest file read whole of each segment `a..b-1` (`[b - a]` int64 bytes: `DEEP_MAX`;
+    without `deep`, `SHALLOW_MAX` where the general way would not read it whole either)."""
+    b = len(table.segments) if b is None else b
+    lo, hi = int(start[a]), int(start[b])
+    first = start[a : b + 1] - lo  # where each segment's rows begin among `rows`
+    rows = order[lo:hi]
+    count = np.diff(first)
+    seg_of = np.repeat(np.arange(b - a, dtype=np.int32), count)  # int32 here: a million rows' arrays stay small
+    slot, nt, nb = table.slot[rows], table.num_tokens[rows], table.nbytes[rows]
+    pos = np.arange(hi - lo, dtype=np.int32)
+    pos -= first.astype(np.int32)[seg_of]
     bad = slot != pos
     del pos
     sizes = np.array([0] + [kv.record_nbytes(t) for t in range(1, block_size + 1)], dtype=np.int64)
     fine = (nt >= 1) & (nt <= block_size)
     bad |= ~fine
     bad |= nb != sizes[np.where(fine, nt, 0)]
-    ok = (np.bincount(seg_of[bad], minlength=n_seg) == 0) & (count > 0)
-    limit = np.full(n_seg, DEEP_MAX, dtype=np.int64)
+    ok = (np.bincount(seg_of[bad], minlength=b - a) == 0) & (count > 0)
+    limit = np.full(b - a, DEEP_MAX, dtype=np.int64)
     if not deep:  # the bytes between two records' token ids, at most (a record's KV)
-        gap = np.zeros(n_seg, dtype=np.int64)
+        gap = np.zeros(b - a, dtype=np.int64)
         held = np.flatnonzero(count > 0)
-        gap[held] = np.maximum.reduceat(nb.astype(np.int64) - 4 * nt.astype(np.int64), start[held])
+        gap[held] = np.maximum.reduceat(nb.astype(np.int64) - 4 * nt.astype(np.int64), first[held])
         limit[gap > SHALLOW_GAP] = SHALLOW_MAX
-    size = np.array([f.size if (f := files.get(name)) is not None else 0 for name in table.segments], dtype=np.int64)
-    return np.flatnonzero(ok & (size > 0) & (size <= limit)), size
+    return a + np.flatnonzero(ok), limit
 
 
-def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Verdicts of segments `segs`: `(clean [k] bool, size [k] int64, created [k] float64)`;
-    `tick(1)` after each segment read (after each batch through the compiled check, where built:
-    `clean_native`, the same verdicts)."""
-    if clean_native.available():
-        return clean_native.check(ctx, segs, tick)
+def _check(ctx: _Context, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Verdicts of segments `segs` through the Python check: `(clean [k] bool, size [k] int64,
+    created [k] float64)` (`clean_native.check` gives the same)."""
     k = len(segs)
     clean, size, created = np.zeros(k, dtype=bool), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.float64)
     limit = DEEP_MAX  # what a candidate may hold (`_candidates` chose them by their listed size)
@@ -242,8 +427,6 @@ def _check(ctx: _Context, segs: np.ndarray, tick=None) -> tuple[np.ndarray, np.n
     held = waiting = 0
     for j, s in enumerate(segs.tolist()):
         got = _read(ctx, s, buf, limit)
-        if tick is not None:
-            tick(1)
         if got is None:
             continue
         buf, tpl, header, digests, when = got
@@ -278,7 +461,7 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
     span = created_span(buf, min(size, 8 + seg.MAX_HEADER_BYTES))  # early in the metadata
     if span is None:
         return None
-    tpl = ctx.template_of((ctx.shape[s], span[1] - span[0]))
+    tpl = ctx.template_of((ctx.shape_of(s), span[1] - span[0]))
     if tpl is None or tpl.file_size != size or int.from_bytes(buf[:8], "little") != tpl.hlen:
         return None
     digest = xxhash.xxh3_128_digest
@@ -322,4 +505,4 @@ def _keys(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(">u8").astype(np.uint64)
 
 
-__all__ = ["find_clean", "CleanSegments", "SHALLOW_MAX", "DEEP_MAX", "PARALLEL_MIN"]
+__all__ = ["find_clean", "start_clean", "CleanCheck", "StartedChecks", "CleanSegments", "SHALLOW_MAX", "DEEP_MAX", "PARALLEL_MIN"]

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.ops.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
+from kvtool.ops.heap import gc_paused
 from kvtool.ops.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
 from kvtool.store.index import BlockIndex
@@ -207,6 +208,7 @@ def check_limits(ttl_s: float | None, max_bytes: int | None, namespace: str | No
         raise PruneError(f"max bytes must be >= 0, got {max_bytes}")
 
 
+@gc_paused
 def plan_prune(scan: CacheScan, ttl_s: float | None = None, max_bytes: int | None = None, all_namespaces: bool = False) -> PrunePlan:
     """Decide what to prune from a scan (changes nothing).
 

@@ -37,6 +37,7 @@ import numpy as np
 
 from kvtool.errors import KVToolError
 from kvtool.ops.confined import REMOVE_WORKERS, remove_namespace_tree, tree_bytes
+from kvtool.ops.heap import gc_paused
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.prune import NamespacePlan, PrunePlan, execute_prune, planner_of
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
@@ -219,6 +220,7 @@ def block_sizes_of(scan: CacheScan) -> set[int]:
     return out
 
 
+@gc_paused
 def plan_prompt_removal(
     scan: CacheScan, keys_for: Callable[[int], PromptKeys], block_sizes: Iterable[int] | None = None,
     *, model: str | None = None, prompt_tokens: int | None = None,

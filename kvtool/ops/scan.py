@@ -54,7 +54,7 @@ import numpy as np
 from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.confined import disk_full, free_bytes
-from kvtool.ops.heap import release_free_heap
+from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.listing_fork import ForkedListing
 from kvtool.store import rowtable_native
 from kvtool.store.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
@@ -258,9 +258,13 @@ class CacheScan:
     other: tuple[str, ...] = ()
 
 
+RowsHook = Callable[[Path, Expected, RowTable], None]  # on_rows(namespace directory, its geometry, its rows)
+
+
+@gc_paused
 def scan_cache(
     cache_dir: Path, namespace: str | None = None, *, now: float | None = None, fs: FileOps | None = None,
-    rows: bool = True, full: bool = True,
+    rows: bool = True, full: bool = True, on_rows: RowsHook | None = None,
 ) -> CacheScan:  # fmt: skip
     """Scan an SSD cache (read-only).
 
@@ -276,6 +280,10 @@ def scan_cache(
             rm NAMESPACE` needs: it removes the whole directory).
         full: keep every column of the rows; False: not their token digests and creation times
             (`inspect`, `prune` and `rm --prompt` plan without them: less memory).
+        on_rows: called as `on_rows(namespace directory, its Expected, its RowTable)` once the rows
+            of a namespace whose meta checked out are read (through the compiled or the Arrow
+            reader), before its listing is taken in: `validate` starts reading segment files
+            then. Not called for a namespace read the `sqlite3` way.
 
     Raises:
         ScanError: `cache_dir` is not a directory or cannot be looked at (a name too long, no
@@ -304,20 +312,21 @@ def scan_cache(
                 links.append(n)
             elif n not in picked and n != LOCK_FILENAME:
                 other.append(n)
-    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows, full=full) for d in dirs)
+    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows, full=full, on_rows=on_rows) for d in dirs)
     release_free_heap()  # what reading the rows freed (a million rows: batches, sort orders)
     return CacheScan(cache_dir, now, spaces, tuple(links), tuple(other))
 
 
 def scan_namespace_dir(cache_dir: Path, name: str, *, now: float | None = None, fs: FileOps | None = None,
-                       rows: bool = True, full: bool = True) -> NamespaceScan:  # fmt: skip
+                       rows: bool = True, full: bool = True, on_rows: RowsHook | None = None) -> NamespaceScan:  # fmt: skip
     """Scan one namespace directory (see the module docstring). Never raises for its content."""
-    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows, full).run()
+    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows, full, on_rows).run()
 
 
 class _Scanner:
-    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True, full: bool = True):
-        self.path, self.now, self.fs, self.rows, self.full = path, now, fs, rows, full
+    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True, full: bool = True,
+                 on_rows: RowsHook | None = None):  # fmt: skip
+        self.path, self.now, self.fs, self.rows, self.full, self.on_rows = path, now, fs, rows, full, on_rows
         self.f: dict = {"name": path.name, "path": path, "now": now}
 
     def run(self) -> NamespaceScan:
@@ -455,12 +464,26 @@ class _Scanner:
         Raises:
             ArrowUnusable: a row it cannot decide (read the `sqlite3` way).
         """
-        read = rowtable_native.read_snapshot if rowtable_native.available() else read_snapshot
-        snap = read(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
+        hook = self.on_rows
+        expected = self.f.get("expected")
+        told = []
+
+        def on_table(table: RowTable) -> None:
+            if hook is not None and expected is not None:
+                hook(self.path, expected, table)
+                told.append(True)
+
+        if rowtable_native.available():
+            snap = rowtable_native.read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed,
+                                                 on_table=on_table)  # fmt: skip
+        else:
+            snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
         segs = tuple(seg for _, seg in snap.segments if seg is not None)
         bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
         self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,
                       bad_segment_rows=bad)  # fmt: skip
+        if not told:
+            on_table(snap.table)
 
     def _read_rows(self, index: BlockIndex, fixed: threading.Event | None = None) -> None:
         """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot;
@@ -604,5 +627,5 @@ def _newest(now: float, *times: float | None) -> float | None:
 
 __all__ = [
     "scan_cache", "scan_namespace_dir", "meta_problem", "CacheScan", "NamespaceScan", "NamespaceStatus",
-    "SegmentFile", "TempFile", "ScanError", "USABLE", "REBUILD_HINT", "OUTDATED_HINT",
+    "SegmentFile", "TempFile", "ScanError", "USABLE", "REBUILD_HINT", "OUTDATED_HINT", "RowsHook",
 ]  # fmt: skip

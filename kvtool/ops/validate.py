@@ -36,8 +36,9 @@ Scale (docs/operations.md): the rows are read once, as columns (`kvtool.store.ro
 segment files are opened once each. Clean segments (every slot held by a row that matches it,
 almost all of a healthy cache) are found first, in batches (`kvtool.ops.clean_segments`: one read
 of each whole file, its header byte-compared with the one `segment.encode` writes for the rows'
-slot table, digests and row comparisons vectorised; over the CPUs in forked workers for a large
-cache); nothing is kept of them but size, slot count and creation time. Every other segment is
+slot table, digests and row comparisons vectorised; compiled, it starts on threads as soon as the
+scan has read the rows, `StartedChecks`); nothing is kept of them but size, slot count and
+creation time, as arrays (sets of segments are masks, `kvtool.ops.segment_sets`). Every other segment is
 then checked the general way, in name order: the records a check needs read in file order with as
 few reads as possible (`kvtool.ops.records.SegmentPass`): token ids for the digest check, whole
 records for `deep` and for records without a row. The chain tree (rows plus candidate records) is
@@ -58,9 +59,9 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.hashing import root_parent
-from kvtool.ops.clean_segments import CleanSegments, find_clean
+from kvtool.ops.clean_segments import CleanCheck, CleanSegments, StartedChecks, start_clean
 from kvtool.ops.confined import ConfinedDir
-from kvtool.ops.heap import release_free_heap
+from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import plan_rebuild
 from kvtool.ops.records import Record, SegmentPass, created_of
@@ -76,7 +77,8 @@ from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     unlink_counted,
 )
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
-from kvtool.store.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex
+from kvtool.ops.segment_sets import SegmentSet
+from kvtool.store.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
 from kvtool.store.fsops import FileOps, resolve_cache_root, short_path
 from kvtool.store.index import IndexRow, SegmentRow
 from kvtool.store.names import segment_relpath
@@ -115,14 +117,17 @@ def validate(
         raise ScanError(f"cannot use cache directory {short_path(cache_dir)}: {exc.strerror or exc}") from None
     lock: AbstractContextManager = nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
     with lock:  # a cache dir that does not exist yet: an empty cache, nothing to lock
-        plan = plan_repairs(scan_cache(root, namespace, now=now, fs=fs), deep=deep, rebuild_index=rebuild_index,
-                            progress=progress)  # fmt: skip
+        with StartedChecks(deep) as started:  # segment files are read as soon as their rows are
+            scan = scan_cache(root, namespace, now=now, fs=fs, on_rows=started.start)
+            plan = plan_repairs(scan, deep=deep, rebuild_index=rebuild_index, progress=progress, started=started)
         return plan if dry_run else execute(plan)
 
 
+@gc_paused
 def plan_repairs(
-    scan: CacheScan, *, deep: bool = False, rebuild_index: bool = False, progress: ProgressFn | None = None
-) -> RepairPlan:
+    scan: CacheScan, *, deep: bool = False, rebuild_index: bool = False, progress: ProgressFn | None = None,
+    started: StartedChecks | None = None,
+) -> RepairPlan:  # fmt: skip
     """Decide every repair (reads segment headers, and records where needed; changes nothing).
 
     Args:
@@ -130,6 +135,8 @@ def plan_repairs(
         deep: read every record whole and verify its checksum (reads everything).
         rebuild_index: plan the rebuild of unreadable indexes from their segment files.
         progress: called as `progress(namespace, segments_done, segments_total)`.
+        started: clean-segment checks started during the scan (`StartedChecks.start` as its
+            `on_rows`, with the same `deep`); the others start here.
     """
     plan = RepairPlan(str(scan.cache_dir), deep, rebuild_index=rebuild_index, symlinks=list(scan.symlinks))
     for ns in scan.namespaces:
@@ -140,7 +147,7 @@ def plan_repairs(
         for link in ns.symlinks:
             rep.note("symlink", link, "never followed")
         if ns.usable:
-            _plan_namespace(scan, ns, rep, deep, progress)
+            _plan_namespace(scan, ns, rep, deep, progress, started.take(ns.name, ns.table) if started is not None and ns.table is not None else None)
         elif rebuild_index and _rebuildable(ns):
             try:
                 rep.actions.rebuild = plan_rebuild(scan, ns, rep)
@@ -160,14 +167,18 @@ def _rebuildable(ns: NamespaceScan) -> bool:
     return ns.status == NamespaceStatus.UNINITIALIZED and bool(ns.files) and not ns.row_count
 
 
-def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress) -> None:
+def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress,
+                    started: CleanCheck | None = None) -> None:  # fmt: skip
     exp = ns.expected
     assert exp is not None  # a usable namespace has its geometry
     try:
         with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(cdir, ns.name, exp.kv, exp.block_size) as reader:
-            _Planner(scan.now, ns, rep, reader, deep).run(progress)
+            _Planner(scan.now, ns, rep, reader, deep, started).run(progress)
     except OSError as exc:
         rep.outcome, rep.message = "failed", f"cannot open the namespace directory: {exc}"
+    finally:
+        if started is not None:
+            started.close()
 
 
 class _Candidate:
@@ -184,18 +195,23 @@ class _Planner:
     """Plans the repairs of one usable namespace: one pass over its segment files (`_visit`, in
     name order), then the decisions (`_resolve`, `_adopt_and_finish`) on one chain tree."""
 
-    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool):
+    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool,
+                 started: CleanCheck | None = None):  # fmt: skip
         self.now, self.ns, self.rep, self.reader, self.deep = now, ns, rep, reader, deep
+        self.started = started  # the clean-segment check, if the scan started it
         self.act = rep.actions
         self.table: RowTable = ns.table if ns.table is not None else RowTable.empty()
         self.fail: dict[int, str] = {}  # row number -> why it does not match its record
         self.own: dict[int, Record] = {}  # row number -> its own record, verified (a failed row's)
         self.copies: dict[str, list[Record]] = {}  # hash -> verified records no row describes
         self.candidates: list[_Candidate] = []  # records of snapshot segments that may lack a row
-        self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (not the header)
+        self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (general way; see `_info`)
+        self.fast = CleanSegments.none(len(self.table.segments))  # the clean segments (`_clean`)
+        self.count = np.zeros(len(self.table.segments), dtype=np.int64)  # rows per segment
+        self.known = SegmentSet(self.table)  # segments of the row snapshot and orphans, with a file
         self.errors: dict[str, str] = {}  # segment -> why it is unusable
         self.rows = _SegmentRows(self.table)
-        self.whole: Forest | None = None  # `_whole_forest`
+        self.whole: np.ndarray | None = None  # `_whole_forest`: `[N]` bool, the rows a lookup can reach
         self.shown = 0  # segments reported done (`progress`)
 
     def run(self, progress: ProgressFn | None) -> None:
@@ -220,23 +236,26 @@ class _Planner:
             rep.note("bad_row", f"rowid {rowid}", "NULL, wrongly typed or malformed value")
         act.clamp = list(ns.future_rows)
         rep.access_clamped = len(act.clamp)
-        self.known = (set(self.table.segments) | set(ns.orphans)) & set(ns.files)
-        names = sorted(set(ns.files) | set(self.table.segments))
+        table = self.table
+        numbers = table.segment_numbers
+        unnamed = [name for name in ns.files if name not in numbers]  # files no row names
+        total = len(table.segments) + len(unnamed)
         self.shown = 0  # segments reported done (`progress`)
-        fast = self._clean(progress, len(names))
-        count = np.diff(self.table.by_segment[1]).tolist()
-        numbers = self.table.segment_numbers
-        done = int(fast.clean.sum())
-        clean, size, created = fast.clean.tolist(), fast.size.tolist(), fast.created.tolist()
-        for name in names:
+        self.fast = self._clean(progress, total)
+        self.count = np.diff(table.by_segment[1])
+        listed = self.fast.listed
+        has_file = (listed >= 0 if listed is not None else
+                    np.fromiter((name in ns.files for name in table.segments), dtype=bool, count=len(table.segments)))  # fmt: skip
+        self.known = SegmentSet(table, has_file, (name for name in ns.orphans if name in ns.files))
+        # the common case, a clean segment, keeps nothing per segment; the others, in name order:
+        todo = sorted([table.segments[s] for s in np.flatnonzero(~self.fast.clean).tolist()] + unnamed)
+        done = total - len(todo)
+        for name in todo:
             s = numbers.get(name)
-            if s is not None and clean[s]:  # the common case: nothing kept per record
-                self.checked[name] = _SegInfo(size[s], count[s], created[s])
-                continue
             self._visit(name, self.rows.of(s) if s is not None else ([],) * 7)
             done += 1
-            self._progress(progress, done, len(names))
-        self._progress(progress, len(names), len(names))
+            self._progress(progress, done, total)
+        self._progress(progress, total, total)
         self.reader.close()
         final, dropped = self._resolve()
         self._adopt_and_finish(final, dropped)
@@ -248,8 +267,9 @@ class _Planner:
         exp = self.ns.expected
         assert exp is not None
         report = (lambda done, _n: self._progress(progress, done, total)) if progress is not None else None
-        clean = find_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, dict(self.ns.files),
-                           self.deep, progress=report, meanwhile=self._whole_forest)  # fmt: skip
+        check = self.started or start_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, self.deep)
+        with check:
+            clean = check.result(self.ns.files, progress=report, meanwhile=self._whole_forest)
         release_free_heap()  # its batches' memory, before the chain tree
         return clean
 
@@ -370,9 +390,19 @@ class _Planner:
                 rep.note("corrupt", row.hash, why)
         return rewritten, dropped
 
+    def _info(self, name: str) -> _SegInfo | None:
+        """What segment `name`'s verified header said (checked the general way, or clean), or
+        None: not verified."""
+        info = self.checked.get(name)
+        s = self.table.segment_numbers.get(name) if info is None else None
+        if s is not None and self.fast.clean[s]:
+            info = _SegInfo(int(self.fast.size[s]), int(self.count[s]), float(self.fast.created[s]))
+        return info
+
     def _segment_row(self, name: str) -> SegmentRow:
         """The `segments` row a verified segment file should have."""
-        info = self.checked[name]
+        info = self._info(name)
+        assert info is not None  # only verified segments are written
         return SegmentRow(name, info.size, info.n_slots, info.created)
 
     def _adopt_and_finish(self, rewritten: dict[int, IndexRow], dropped: np.ndarray) -> None:
@@ -399,8 +429,9 @@ class _Planner:
                 seen.add(c.hash)
                 spare.append(c)
         n = len(hashes)
+        forest: Forest | None = None
         if not spare and keep is None and not rewritten and self.whole is not None:
-            forest = self.whole  # every row as read: built while the segment files were checked
+            rooted = self.whole  # every row as read: found while the segment files were checked
         else:
             if spare:
                 nodes = np.concatenate([hashes, keys_from_hex([c.hash for c in spare])])
@@ -409,19 +440,22 @@ class _Planner:
             else:  # the kept rows alone, still in hash order: no sort, no copy
                 nodes, parents, index = hashes, parent, KeyIndex(hashes, is_sorted=True)
             forest = self._forest(index, parents)
+            rooted = forest.rooted.copy()
             del index, nodes
         self.whole = None
-        rooted = forest.rooted.copy()
         failed = [n + j for j, c in enumerate(spare) if rooted[n + j] and not isinstance(c.record, Record)]
         bad: dict[str, int] = {}
         for j in failed:  # a record that fails unroots what hangs below it
             bad[spare[j - n].segment] = bad.get(spare[j - n].segment, 0) + 1
-        if failed:
+        if failed:  # only with spare records: never on the whole forest's path
+            assert forest is not None
             rooted &= ~forest.descendants(np.array(failed, dtype=np.int64))
         by_segment: dict[str, list[IndexRow]] = {}
         for j, c in enumerate(spare):
             if rooted[n + j] and isinstance(c.record, Record):
-                when = min(self.checked[c.segment].created, self.now)
+                info = self._info(c.segment)
+                assert info is not None  # a candidate's segment was verified (`_visit`)
+                when = min(info.created, self.now)
                 by_segment.setdefault(c.segment, []).append(c.record.row(when, when))
         unrooted = np.flatnonzero(~rooted[:n])
         if keep is not None:
@@ -433,28 +467,31 @@ class _Planner:
             rep.note("broken_chain", row.hash, f"parent {row.parent} is not stored (or the chain loops)")
         plain = ~dropped
         plain[list(rewritten)] = False  # a rewritten row's segment is its record's
-        referenced = _segments_of(t, plain) | {new.segment for new in rewritten.values()}
+        referenced = SegmentSet.of_rows(t, plain).add(new.segment for new in rewritten.values())
         for name, rows in sorted(by_segment.items()):
             act.write(self._segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
             rep.orphans_adopted += len(rows)
             what = "an orphan segment" if name not in referenced else "a segment whose rows lost them"
             rep.note("adopted", name, f"{len(rows)} verified record(s) of {what}")
-        for name in sorted(self.known - referenced - set(by_segment)):  # orphans nothing came back from
+        for name in (self.known - referenced).names():  # orphans nothing came back from
+            if name in by_segment:
+                continue
             act.remove_segments.append(name)
-            if name in self.checked and not outside.get(name):
+            verified = self._info(name) is not None
+            if verified and not outside.get(name):
                 rep.duplicates_removed += 1
                 rep.note("orphan", name, "every record is stored in another segment")
                 continue
             rep.orphans_removed += 1
-            why = (f"unusable: {self.errors.get(name)}" if name not in self.checked else
+            why = (f"unusable: {self.errors.get(name)}" if not verified else
                    f"{bad[name]} corrupt record(s)" if bad.get(name) else "no block a lookup can reach")  # fmt: skip
             rep.note("orphan", name, why)
         alive = ~dropped  # rows kept that a lookup can reach
         alive[alive] = rooted[:n]
         kept = self._kept_segments(alive, rewritten)
         self._segment_rows(kept)
-        after = kept | {name for name, (_, rw, ad) in act.writes.items() if rw or ad}
-        rep.bytes_freed += sum(ns.files[name].size for name in self.known if name not in after)
+        after = SegmentSet(t, kept.mask.copy(), kept.extra).add(name for name, (_, rw, ad) in act.writes.items() if rw or ad)
+        rep.bytes_freed += sum(ns.files[name].size for name in (self.known - after).names())
 
     def _forest(self, index: KeyIndex, parents: np.ndarray) -> Forest:
         """The chain forest of nodes `index` with `parents` (`[n, 2]` keys): reachability only."""
@@ -462,29 +499,44 @@ class _Planner:
         return build_forest(index.find(parents), (parents == root).all(axis=1), None)
 
     def _whole_forest(self) -> None:
-        """`self.whole`: the forest of every row as read (what `_adopt_and_finish` needs when no
-        row is dropped, rewritten or adopted: a healthy cache), built while `find_clean`'s
-        workers read the segment files."""
+        """`self.whole`: which rows a lookup can reach, of every row as read (what
+        `_adopt_and_finish` needs when no row is dropped, rewritten or adopted: a healthy cache),
+        found while the segment files are checked (`chains.rooted_nodes`: reachability only)."""
         t = self.table
-        self.whole = self._forest(KeyIndex(t.hash, is_sorted=True), t.parent)
+        root = key_of_hex(root_parent(self.ns.name))
+        self.whole = rooted_nodes(KeyIndex(t.hash, is_sorted=True).find(t.parent), (t.parent == root).all(axis=1))
 
-    def _kept_segments(self, alive: np.ndarray, rewritten: dict[int, IndexRow]) -> set[str]:
+    def _kept_segments(self, alive: np.ndarray, rewritten: dict[int, IndexRow]) -> SegmentSet:
         """Segments of the kept rows that a lookup can reach (`alive`, by row number; a rewritten
         row's segment is its record's)."""
-        t = self.table
         plain = alive.copy()
         plain[list(rewritten)] = False
-        out = _segments_of(t, plain)
-        out |= {new.segment for r, new in rewritten.items() if alive[r]}
-        return out
+        return SegmentSet.of_rows(self.table, plain).add(new.segment for r, new in rewritten.items() if alive[r])
 
-    def _segment_rows(self, kept: set[str]) -> None:
+    def _rows_agree(self) -> np.ndarray:
+        """`[S]` bool by segment number: clean, with a `segments` row of its file's size and slot
+        count (nothing to fix; compared as arrays)."""
+        t, rows = self.table, self.ns.segment_rows
+        nbytes, n_blocks = np.full(len(t.segments), -1, dtype=np.int64), np.full(len(t.segments), -1, dtype=np.int64)
+        if [r.name for r in rows] == t.segments:  # the usual case: one row per segment, both in name order
+            at = np.arange(len(rows))
+        else:
+            numbers = t.segment_numbers
+            have = [(numbers[r.name], r) for r in rows if r.name in numbers]
+            at, rows = np.array([s for s, _ in have], dtype=np.int64), tuple(r for _, r in have)
+        if len(rows):
+            nbytes[at] = [r.nbytes for r in rows]
+            n_blocks[at] = [r.n_blocks for r in rows]
+        return self.fast.clean & (nbytes == self.fast.size) & (n_blocks == self.count)
+
+    def _segment_rows(self, kept: SegmentSet) -> None:
         """`segments` rows: rewrite wrong or missing ones of kept segments; drop ones without file."""
         seg_rows = {s.name: s for s in self.ns.segment_rows}
-        for name in sorted(kept):
-            if name not in self.checked or name in self.act.writes:
+        for name in (kept - SegmentSet(self.table, self._rows_agree())).names():
+            info = self._info(name)
+            if info is None or name in self.act.writes:
                 continue
-            info, have = self.checked[name], seg_rows.get(name)
+            have = seg_rows.get(name)
             if have is None or (have.nbytes, have.n_blocks) != (info.size, info.n_slots):
                 self.act.write(self._segment_row(name))
                 self.rep.segment_rows_fixed += 1
@@ -496,11 +548,6 @@ class _Planner:
                 if name not in named:  # else part of dropping the rows of a missing segment
                     self.rep.segment_rows_fixed += 1
                     self.rep.note("segment_row", name, "no file")
-
-
-def _segments_of(t: RowTable, rows: np.ndarray) -> set[str]:
-    """Names of the segments holding the rows of mask `rows` (`[N]` bool)."""
-    return {t.segments[i] for i in np.flatnonzero(np.bincount(t.seg[rows], minlength=len(t.segments))).tolist()}
 
 
 class _SegmentRows:

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtool.store import compiled
+
 # ----------------------------------------------------------------------------- keys
 # A key is a 128-bit hash as two native uint64 (the big-endian halves of its 16 bytes), so
 # numeric order is byte order and numpy sorts and searches it without Python objects.
@@ -114,7 +116,7 @@ class KeyIndex:
         out = np.full(q.shape[0], -1, dtype=np.int64)
         if n == 0 or q.shape[0] == 0:
             return out
-        by = np.argsort(q[:, 0], kind="stable")
+        by = argsort_stable(q[:, 0])
         qhi, qlo = q[by, 0], q[by, 1]
         left = np.searchsorted(self.hi, qhi, side="left")
         at = np.minimum(left, n - 1)
@@ -135,13 +137,24 @@ class KeyIndex:
         return out
 
 
+def argsort_stable(keys: np.ndarray) -> np.ndarray:
+    """The stable order of `[N]` non-negative integer `keys` (taken as uint64; `[N]` int64): a
+    radix sort in kvtool's compiled reader (`kvtool/store/_indexread.c`) where it is built
+    (0.06-0.08 s for a million uint64 keys against 0.11-0.13 s; a pass whose digit is the same
+    for every key is skipped, so small numbers take two), else numpy's."""
+    mod = compiled.load("kvtool.store._indexread")
+    if mod is None:
+        return np.argsort(keys, kind="stable")
+    return np.frombuffer(mod.argsort(np.ascontiguousarray(keys, dtype=np.uint64)), dtype=np.int64)
+
+
 # ----------------------------------------------------------------------------- forest
 def csr(groups: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """Members grouped: `(start, members)` where group `g`'s members (indices `i` with
     `groups[i] == g`, ascending) are `members[start[g]:start[g + 1]]`; negative groups are left out."""
     groups = np.asarray(groups)
     valid = np.flatnonzero(groups >= 0).astype(INDEX_DTYPE)
-    members = valid[np.argsort(groups[valid], kind="stable")]
+    members = valid[argsort_stable(groups[valid])]
     del valid
     start = np.zeros(n_groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(groups[members], minlength=n_groups), out=start[1:])
@@ -257,6 +270,30 @@ def build_forest(parent: np.ndarray, at_root: np.ndarray, last_access: np.ndarra
     for cyc in cycles:  # every node of a cycle sees the whole component
         eff[cyc] = eff[cyc].max()
     return Forest(parent, access, depth, rooted, in_cycle, eff, levels)
+
+
+def rooted_nodes(parent: np.ndarray, at_root: np.ndarray) -> np.ndarray:
+    """`[n]` bool: the nodes whose chain of stored parents ends, without a cycle, at a node whose
+    parent is the namespace's root parent: `build_forest(parent, at_root, None).rooted`, found by
+    pointer jumping (each round doubles how far a node looks up its chain, so a chain of depth `d`
+    takes ~log2(d) rounds over the nodes not yet at their top; a node in or below a cycle never
+    reaches one, and stops after log2(n) rounds). No depths, levels or children: for a caller that
+    needs only reachability (O(n log d) time, three `[n]` arrays).
+
+    Args:
+        parent: `[n]` int, each node's stored parent (-1: its parent is not stored).
+        at_root: `[n]` bool, the node's parent is the namespace's root parent.
+    """
+    parent = np.asarray(parent, dtype=INDEX_DTYPE)
+    n = parent.shape[0]
+    jump = np.where(parent >= 0, parent, np.arange(n, dtype=INDEX_DTYPE)).astype(INDEX_DTYPE)  # a node's top is itself
+    active = np.flatnonzero(parent[jump] >= 0)  # nodes whose jump is not yet a top
+    for _ in range(max(1, n.bit_length())):
+        if not active.size:
+            break
+        jump[active] = jump[jump[active]]
+        active = active[parent[jump[active]] >= 0]
+    return (parent[jump] < 0) & np.asarray(at_root, dtype=bool)[jump]
 
 
 def _bfs(bases: np.ndarray, depth: np.ndarray, rooted: np.ndarray, parent: np.ndarray, start: np.ndarray,
@@ -427,5 +464,5 @@ def build_chain_tree(entries: Iterable[tuple[str, str, float]], root: str, now: 
 
 __all__ = [
     "ChainNode", "ChainTree", "Forest", "KeyIndex", "build_chain_tree", "build_forest", "csr", "gather",
-    "keys_from_hex", "key_of_hex", "hex_of_keys",
+    "keys_from_hex", "key_of_hex", "hex_of_keys", "rooted_nodes", "argsort_stable",
 ]  # fmt: skip

@@ -33,7 +33,7 @@ import numpy as np
 from kvtool.store import compiled
 from kvtool.store.chains import hex_of_keys
 from kvtool.store.index import SegmentRow, read_only_uri
-from kvtool.store.rowtable import _Columns
+from kvtool.store.rowtable import RowTable, _Columns
 from kvtool.store.rowtable_arrow import ArrowUnusable, Snapshot
 
 _FULL_ONLY = ("digest", "slot", "nbytes", "created")  # columns kept only with `full` (as `_Columns`)
@@ -54,9 +54,11 @@ def available() -> bool:
 
 
 def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
-                  fixed: Callable[[], None] | None = None) -> Snapshot:  # fmt: skip
+                  fixed: Callable[[], None] | None = None,
+                  on_table: Callable[[RowTable], None] | None = None) -> Snapshot:  # fmt: skip
     """Read index `path`'s block rows and `segments` rows in one read transaction (`mode=ro`),
-    as `rowtable_arrow.read_snapshot` does.
+    as `rowtable_arrow.read_snapshot` does; `on_table(table)` is called as soon as the block rows
+    are a table, before the `segments` rows are made.
 
     Args:
         path: the index file (`index.sqlite`).
@@ -74,7 +76,10 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
     got = mod.read(read_only_uri(path, immutable), fixed)
     if got is None:
         raise NativeUnusable("a value the compiled reader does not decide, or an SQLite error")
-    return Snapshot(_table(got, full), _segment_rows(got))
+    table = _table(got, full)
+    if on_table is not None:
+        on_table(table)
+    return Snapshot(table, _segment_rows(got))
 
 
 def _table(got: dict, full: bool):
