@@ -211,15 +211,6 @@ class NamespaceScan:
         """Bytes of every segment file (orphans included)."""
         return sum(f.size for f in self.files.values())
 
-    def segment_blocks(self) -> dict[str, list[str]]:
-        """Segment name -> hashes of the rows stored in it (segments with rows only; one string
-        per row: for small namespaces)."""
-        out: dict[str, list[str]] = {}
-        if self.table is not None:
-            for h, s in zip(self.table.hashes(), self.table.seg.tolist()):
-                out.setdefault(self.table.segments[s], []).append(h)
-        return out
-
     @cached_property
     def forest(self) -> Forest | None:
         """The chain forest of `table` (access times clamped to `now`), None without rows read."""
@@ -464,26 +455,19 @@ class _Scanner:
         Raises:
             ArrowUnusable: a row it cannot decide (read the `sqlite3` way).
         """
-        hook = self.on_rows
-        expected = self.f.get("expected")
-        told = []
-
-        def on_table(table: RowTable) -> None:
-            if hook is not None and expected is not None:
-                hook(self.path, expected, table)
-                told.append(True)
-
-        if rowtable_native.available():
+        hook, expected = self.on_rows, self.f.get("expected")
+        tell = None if hook is None or expected is None else lambda table: hook(self.path, expected, table)
+        if rowtable_native.available():  # told before its `segments` rows are made
             snap = rowtable_native.read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed,
-                                                 on_table=on_table)  # fmt: skip
+                                                 on_table=tell)  # fmt: skip
         else:
             snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
+            if tell is not None:
+                tell(snap.table)
         segs = tuple(seg for _, seg in snap.segments if seg is not None)
         bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
         self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,
                       bad_segment_rows=bad)  # fmt: skip
-        if not told:
-            on_table(snap.table)
 
     def _read_rows(self, index: BlockIndex, fixed: threading.Event | None = None) -> None:
         """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot;
