@@ -29,7 +29,9 @@ the check starts as soon as the rows are read (`start_clean`; `validate` starts 
 threads, one per CPU for a large cache, take ranges of consecutive segments, each finding its own
 candidates from the rows and reading their files (at most their limit, confined). The listing
 confirms afterwards (`CleanCheck.result(files)`): a segment is clean only if it is listed with
-the size of the file judged, so a file that changed between the two goes the general way.
+the size of the file judged, so a file gone or resized between the two goes the general way.
+(Segment files are written once, under a new name, by rename; an edit in place that keeps the
+size is no more seen than one made after the check in the order used before.)
 The Python check runs once the listing is known, over worker processes for a large cache (`fork`,
 where the platform has it: they share the row table without copying it, and send back only the
 verdicts). The result is the same with one thread or process or several.
