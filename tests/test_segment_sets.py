@@ -27,7 +27,7 @@ def table(seg: list[int]) -> RowTable:
 @given(a=names, b=names, probe=st.sampled_from(TABLE_NAMES + OTHER_NAMES))
 def test_it_behaves_as_a_set_of_names(a, b, probe):
     t = table([0])
-    sa, sb = SegmentSet(t).add(a), SegmentSet(t, extra=b)
+    sa, sb = SegmentSet(t).add(a), SegmentSet(t, names=b)
     assert sa.names() == sorted(a) and sb.names() == sorted(b) and len(sa) == len(a)
     assert (sa | sb).names() == sorted(a | b)
     assert (sa - sb).names() == sorted(a - b)

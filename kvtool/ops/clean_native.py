@@ -41,13 +41,12 @@ def available() -> bool:
     return _module() is not None
 
 
-def check(ctx: Any, segs: np.ndarray, tick=None, buf: bytearray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def check(ctx: Any, segs: np.ndarray, buf: bytearray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`clean_segments._check` through the compiled check (`ctx`: its `_Context`, not imported
     here: that module imports this one): `(clean [k] bool, size [k] int64, created [k] float64)`
     of segments `segs` (numbers of `ctx.table`), each file read if it is at most `ctx.limit[s]`
-    bytes; `tick(1)` for each segment once its batch is checked. Safe to run on several threads
-    at once (the GIL is released while files are read and judged), each with its own `buf`
-    (the batch buffer; None: one of `BATCH_BYTES` is made).
+    bytes. Safe to run on several threads at once (the GIL is released while files are read and
+    judged), each with its own `buf` (the batch buffer; None: one of `BATCH_BYTES` is made).
 
     Raises:
         RuntimeError: the extension is not built (callers ask `available()` first).
@@ -73,9 +72,6 @@ def check(ctx: Any, segs: np.ndarray, tick=None, buf: bytearray | None = None) -
             part, got = part[: short[0]], got[: short[0]]
         _judge_batch(ctx, mod, part, got, buf, a, clean, size, created)
         a += len(part)
-        if tick is not None:  # each segment once, as the Python path counts them
-            for _ in range(len(part)):
-                tick(1)
     return clean, size, created
 
 

@@ -320,11 +320,11 @@ class StartedChecks:
         self.dirs.append(cdir)
         self.checks[path.name] = start_clean(cdir, path.name, expected.kv, expected.block_size, table, self.deep)
 
-    def take(self, name: str, table: RowTable) -> CleanCheck | None:
+    def take(self, name: str, table: RowTable | None) -> CleanCheck | None:
         """The check started for namespace `name` on this very `table` (once), or None (none was
         started, or on rows the scan then read again another way: that one is stopped)."""
         check = self.checks.pop(name, None)
-        if check is not None and check.table is not table:
+        if check is not None and (table is None or check.table is not table):
             check.close()
             return None
         return check
@@ -339,11 +339,8 @@ class StartedChecks:
 
 
 def _ranges(n_seg: int, workers: int) -> list[tuple[int, int]]:
-    """Segments `0..n_seg-1` in consecutive ranges `(a, b)`: `CHUNKS_PER_WORKER` per worker (one
-    with one worker), of at most `PIECE_MAX` segments."""
-    cuts = np.linspace(0, n_seg, max(workers * CHUNKS_PER_WORKER if workers > 1 else 1, -(-n_seg // PIECE_MAX)) + 1)
-    bounds = np.unique(cuts.round().astype(np.int64)).tolist()
-    return list(zip(bounds[:-1], bounds[1:]))
+    """Segments `0..n_seg-1` as `_pieces` splits them, each piece as its range `(a, b)`."""
+    return [(int(p[0]), int(p[-1]) + 1) for p in _pieces(np.arange(n_seg), workers) if p.size]
 
 
 def _pieces(segs: np.ndarray, workers: int) -> list[np.ndarray]:

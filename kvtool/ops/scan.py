@@ -457,13 +457,8 @@ class _Scanner:
         """
         hook, expected = self.on_rows, self.f.get("expected")
         tell = None if hook is None or expected is None else lambda table: hook(self.path, expected, table)
-        if rowtable_native.available():  # told before its `segments` rows are made
-            snap = rowtable_native.read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed,
-                                                 on_table=tell)  # fmt: skip
-        else:
-            snap = read_snapshot(index.path, full=self.full, immutable=index.immutable, fixed=fixed)
-            if tell is not None:
-                tell(snap.table)
+        read = rowtable_native.read_snapshot if rowtable_native.available() else read_snapshot
+        snap = read(index.path, full=self.full, immutable=index.immutable, fixed=fixed, on_table=tell)
         segs = tuple(seg for _, seg in snap.segments if seg is not None)
         bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
         self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,

@@ -25,16 +25,19 @@ class SegmentSet:
     Args:
         table: the namespace's rows (its `segments` name the mask's positions).
         mask: `[S]` bool by segment number of `table` (None: none of them).
-        extra: names that are not among `table.segments`.
+        names: more members, by name (those among `table.segments` go into the mask).
+
+    Attributes:
+        extra: the members that are not among `table.segments`.
     """
 
     __slots__ = ("table", "mask", "extra")
 
-    def __init__(self, table: RowTable, mask: np.ndarray | None = None, extra: Iterable[str] = ()):
+    def __init__(self, table: RowTable, mask: np.ndarray | None = None, names: Iterable[str] = ()):
         self.table = table
         self.mask = np.zeros(len(table.segments), dtype=bool) if mask is None else mask
         self.extra: set[str] = set()
-        self.add(extra)
+        self.add(names)
 
     @classmethod
     def of_rows(cls, table: RowTable, rows: np.ndarray) -> SegmentSet:

@@ -147,7 +147,8 @@ def plan_repairs(
         for link in ns.symlinks:
             rep.note("symlink", link, "never followed")
         if ns.usable:
-            _plan_namespace(scan, ns, rep, deep, progress, started.take(ns.name, ns.table) if started is not None and ns.table is not None else None)
+            check = started.take(ns.name, ns.table) if started is not None else None
+            _plan_namespace(scan, ns, rep, deep, progress, check)
         elif rebuild_index and _rebuildable(ns):
             try:
                 rep.actions.rebuild = plan_rebuild(scan, ns, rep)
@@ -246,7 +247,7 @@ class _Planner:
         listed = self.fast.listed
         has_file = (listed >= 0 if listed is not None else
                     np.fromiter((name in ns.files for name in table.segments), dtype=bool, count=len(table.segments)))  # fmt: skip
-        self.known = SegmentSet(table, has_file, (name for name in ns.orphans if name in ns.files))
+        self.known = SegmentSet(table, has_file, names=(name for name in ns.orphans if name in ns.files))
         # the common case, a clean segment, keeps nothing per segment; the others, in name order:
         todo = sorted([table.segments[s] for s in np.flatnonzero(~self.fast.clean).tolist()] + unnamed)
         done = total - len(todo)
@@ -490,21 +491,23 @@ class _Planner:
         alive[alive] = rooted[:n]
         kept = self._kept_segments(alive, rewritten)
         self._segment_rows(kept)
-        after = SegmentSet(t, kept.mask.copy(), kept.extra).add(name for name, (_, rw, ad) in act.writes.items() if rw or ad)
+        after = kept | SegmentSet(t, names=(name for name, (_, rw, ad) in act.writes.items() if rw or ad))
         rep.bytes_freed += sum(ns.files[name].size for name in (self.known - after).names())
+
+    def _at_root(self, parents: np.ndarray) -> np.ndarray:
+        """`[n]` bool: which of `parents` (`[n, 2]` keys) is the namespace's root parent."""
+        return (parents == key_of_hex(root_parent(self.ns.name))).all(axis=1)
 
     def _forest(self, index: KeyIndex, parents: np.ndarray) -> Forest:
         """The chain forest of nodes `index` with `parents` (`[n, 2]` keys): reachability only."""
-        root = key_of_hex(root_parent(self.ns.name))
-        return build_forest(index.find(parents), (parents == root).all(axis=1), None)
+        return build_forest(index.find(parents), self._at_root(parents), None)
 
     def _whole_forest(self) -> None:
         """`self.whole`: which rows a lookup can reach, of every row as read (what
         `_adopt_and_finish` needs when no row is dropped, rewritten or adopted: a healthy cache),
         found while the segment files are checked (`chains.rooted_nodes`: reachability only)."""
         t = self.table
-        root = key_of_hex(root_parent(self.ns.name))
-        self.whole = rooted_nodes(KeyIndex(t.hash, is_sorted=True).find(t.parent), (t.parent == root).all(axis=1))
+        self.whole = rooted_nodes(KeyIndex(t.hash, is_sorted=True).find(t.parent), self._at_root(t.parent))
 
     def _kept_segments(self, alive: np.ndarray, rewritten: dict[int, IndexRow]) -> SegmentSet:
         """Segments of the kept rows that a lookup can reach (`alive`, by row number; a rewritten

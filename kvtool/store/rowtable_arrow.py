@@ -63,7 +63,8 @@ class Snapshot:
 
 
 def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
-                  fixed: Callable[[], None] | None = None) -> Snapshot:  # fmt: skip
+                  fixed: Callable[[], None] | None = None,
+                  on_table: Callable[[RowTable], None] | None = None) -> Snapshot:  # fmt: skip
     """Read index `path`'s block rows and `segments` rows in one read transaction (`mode=ro`).
 
     Args:
@@ -71,6 +72,7 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
         full: every column (else only what a plan needs, as `rowtable.load_rows(full=False)`).
         immutable: open it `immutable=1` (an index whose -shm cannot be created).
         fixed: called once the snapshot is fixed (after the transaction's first read).
+        on_table: called with the block rows' table once it is made, before this returns.
 
     Raises:
         ArrowUnusable: the rows cannot be decided this way (see the module docstring).
@@ -102,7 +104,10 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
         raise ArrowUnusable(f"ADBC read failed: {exc!r}") from None
     if cols.n != count[0]:  # rows the driver skipped: never expected, but the count is known
         raise ArrowUnusable("row count differs")
-    return Snapshot(cols.table(), segments)
+    table = cols.table()
+    if on_table is not None:
+        on_table(table)
+    return Snapshot(table, segments)
 
 
 @cache

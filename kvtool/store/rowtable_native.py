@@ -57,14 +57,8 @@ def read_snapshot(path: Path, *, full: bool = True, immutable: bool = False,
                   fixed: Callable[[], None] | None = None,
                   on_table: Callable[[RowTable], None] | None = None) -> Snapshot:  # fmt: skip
     """Read index `path`'s block rows and `segments` rows in one read transaction (`mode=ro`),
-    as `rowtable_arrow.read_snapshot` does; `on_table(table)` is called as soon as the block rows
-    are a table, before the `segments` rows are made.
-
-    Args:
-        path: the index file (`index.sqlite`).
-        full: every column (else only what a plan needs, as `rowtable.load_rows(full=False)`).
-        immutable: open it `immutable=1` (an index whose -shm cannot be created).
-        fixed: called once the snapshot is fixed (after the transaction's first read).
+    as `rowtable_arrow.read_snapshot` does (the same arguments); `on_table(table)` is called as
+    soon as the block rows are a table, before the `segments` rows are made.
 
     Raises:
         NativeUnusable: a value that is not well-formed, an SQLite error, or no compiled reader.
