@@ -154,6 +154,12 @@ def block_path(store: SSDStore, block_hash: str) -> Path:
     return segment_path(store, name)
 
 
+def free_fan_out(ns_dir: Path) -> str:
+    """A two-hex-digit fan-out directory name not present in `ns_dir` (segment names are random,
+    so any fixed name may already be taken)."""
+    return next(f"{i:02x}" for i in range(256) if not (ns_dir / f"{i:02x}").exists())
+
+
 def segment_files(store_or_dir) -> list[Path]:
     """Every segment file of a namespace (a store or its namespace directory), sorted."""
     ns = store_or_dir.namespace_dir if isinstance(store_or_dir, SSDStore) else Path(store_or_dir)

@@ -23,7 +23,7 @@ from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.store.index import BlockIndex
 from kvtool.store.segment import FORMAT_VERSION
 from kvtool.store.ssd import SSDStore
-from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, segment_files
+from tests.store_helpers import block_path, free_fan_out, make_chain, make_layout, make_meta, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
@@ -112,7 +112,7 @@ def test_health_counts_missing_orphan_temp_bad_and_symlinks(cache, tmp_path):
     seg = block_path(store, chain[0].block_hash)
     (seg.parent / f".{seg.stem}.1.abcdef01.tmp").write_bytes(b"x")
     (seg.parent / "someone-elses.tmp").write_bytes(b"x")  # not a kvtool temp file
-    free = next(f"{i:02x}" for i in range(256) if not (store.namespace_dir / f"{i:02x}").exists())  # segment names are random
+    free = free_fan_out(store.namespace_dir)
     (store.namespace_dir / free).symlink_to(tmp_path)
     (ns,) = inspect_cache(cache_dir, now=NOW).namespaces
     h = ns.health

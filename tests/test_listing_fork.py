@@ -14,7 +14,7 @@ from kvtool.ops import listing_fork
 from kvtool.ops import scan as scan_mod
 from kvtool.ops.scan import scan_cache
 from kvtool.store.rowtable_arrow import ArrowUnusable
-from tests.store_helpers import make_chain, open_store, segment_files
+from tests.store_helpers import free_fan_out, make_chain, open_store, segment_files
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -38,7 +38,7 @@ def cache(tmp_path):
     (sub / f".{'a' * 32}.4194305.deadbeef.tmp").write_bytes(b"x")
     os.mkfifo(sub / f"{sub.name}{'b' * 30}.safetensors")  # a FIFO under a segment name: never opened
     (sub / "notes.txt").write_bytes(b"x")
-    (ns_dir / "ee").symlink_to(tmp_path)
+    (ns_dir / free_fan_out(ns_dir)).symlink_to(tmp_path)  # segment names are random: a name not taken
     return cache_dir
 
 

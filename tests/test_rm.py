@@ -30,7 +30,7 @@ from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store.names import LOCK_FILENAME
 from kvtool.store.ssd import SSDStore
-from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, stored
+from tests.store_helpers import block_path, free_fan_out, make_chain, make_layout, make_meta, open_store, stored
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
@@ -295,7 +295,7 @@ def test_symlinked_namespace_is_not_followed(cache, tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "keep.txt").write_text("mine")
-    free = next(f"{i:02x}" for i in range(256) if not (store.namespace_dir / f"{i:02x}").exists())  # a fan-out dir name
+    free = free_fan_out(store.namespace_dir)  # a fan-out dir name
     (store.namespace_dir / free).symlink_to(outside, target_is_directory=True)
     res = run_cli("--cache-dir", str(cache_dir), store.layout_key[:8], "--yes")
     assert res.exit_code == 0, res.output

@@ -21,7 +21,7 @@ from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
 from kvtool.store.names import INDEX_FILENAME, SUBDIR_RE
 from kvtool.store.ssd import SSDStore
-from tests.store_helpers import make_chain, make_layout, make_meta, open_store
+from tests.store_helpers import free_fan_out, make_chain, make_layout, make_meta, open_store
 
 REPO = Path(__file__).resolve().parent.parent
 SEGMENTS = 2000  # one two-block prompt each: ~8 files per fan-out directory
@@ -105,7 +105,7 @@ def test_parallel_removal_never_follows_a_symlink(tmp_path):
     (victim / "sub" / "keep.txt").write_text("keep")
     ns_dir = cache_dir / ns
     some = sorted(fan_out(ns_dir))[0]
-    free = next(f"{i:02x}" for i in range(256) if not (ns_dir / f"{i:02x}").exists())
+    free = free_fan_out(ns_dir)
     (ns_dir / "zz").symlink_to(victim)  # not a fan-out name
     (ns_dir / free).symlink_to(victim)  # a fan-out name
     (ns_dir / some / ("f" * 32 + ".safetensors")).symlink_to(victim / "keep.txt")
