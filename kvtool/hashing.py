@@ -69,6 +69,27 @@ def blake2b_chain(parent: bytes, token_ids: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def blake2b_chain_prefixes(parent: bytes, token_ids: np.ndarray) -> list[str]:
+    """`[blake2b_chain(parent, token_ids[:k]) for k in 1..len(token_ids)]` in one pass: each
+    hash extends the previous one's state by one token (`hashlib` state copies), O(len) instead
+    of O(len^2) bytes hashed, and one Python step per token instead of a whole hash call.
+
+    Args:
+        parent: the parent digest (bytes).
+        token_ids: int token ids `[k]`.
+
+    Returns:
+        `len(token_ids)` hex digests, shortest prefix first.
+    """
+    data = np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
+    h = hashlib.blake2b(parent, digest_size=HASH_DIGEST_BYTES)
+    out = []
+    for i in range(0, len(data), 4):
+        h.update(data[i : i + 4])
+        out.append(h.copy().hexdigest())
+    return out
+
+
 def chain_hashes(
     token_ids: Sequence[int] | np.ndarray,
     block_size: int,

@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from kvtool.tiers import BlockTier
 
 
+NO_TOKEN = -(1 << 40)  # pads a shorter sibling's row: equal to no int32 token id
+
+
 @dataclass
 class Sibling:
     """The best sibling of a lookup, truncated to the tokens it serves.
@@ -73,18 +76,39 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def _usable_len(ids: np.ndarray, start: int, limit: int, tokens: np.ndarray, block_size: int, quantized: bool) -> int:
-    """Tokens of a sibling holding `tokens` that may serve the prompt at `start` (0: none)."""
-    cap = limit
-    if quantized and tokens.size < block_size:
-        cap = min(cap, tokens.size - 1)  # a tail entry's last token may be off the canonical trajectory
-    return common_prefix(ids[start : start + cap], tokens[:cap]) if cap > 0 else 0
+def usable_lens(ids: np.ndarray, start: int, limit: int, token_ids: Sequence[np.ndarray], block_size: int,
+                quantized: bool) -> np.ndarray:
+    """Tokens of each sibling that may serve the prompt at `start`: the common prefix of its token
+    ids and `ids[start : start + limit]`, capped for a quantized tail (see the module docstring).
+
+    Args:
+        ids: int32 prompt token ids `[T]`; `start + limit <= T`.
+        start: token offset where the chain walk stopped.
+        limit: tokens a sibling may give at most (>= 1).
+        token_ids: each sibling's int32 token ids `[n_i]`, `n_i <= block_size`.
+        block_size: tokens per block.
+        quantized: the namespace holds quantized KV.
+
+    Returns:
+        int64 `[len(token_ids)]`, each in `[0, limit]` (tokens); one comparison for all siblings.
+    """
+    rows = np.full((len(token_ids), limit), NO_TOKEN, dtype=np.int64)
+    for i, t in enumerate(token_ids):
+        cap = min(limit, t.size - 1) if quantized and t.size < block_size else limit  # a tail's last token may be off
+        if cap > 0:
+            rows[i, : min(cap, t.size)] = t[:cap]
+    same = rows == ids[start : start + limit]
+    return np.where(same.all(axis=1), limit, same.argmin(axis=1))
 
 
 def find(tiers: Sequence[BlockTier], block_size: int, parent: str, ids: np.ndarray, start: int, *,
          longer_than: int = 0, quantized: bool = False, count: bool = True) -> Sibling | None:
     """The sibling of `parent` sharing the longest token prefix with `ids[start:]`, if longer
-    than `longer_than` tokens.
+    than `longer_than` tokens (the first such candidate on ties, tiers fastest first).
+
+    Candidates already in memory (RAM, the pending buffer) are compared all at once
+    (`usable_lens`); a candidate that cost a read (SSD, remote) is compared as soon as it is
+    read, so that a longest possible match stops the reads.
 
     Args:
         tiers: the tier stack, fastest first (`BlockTier.sibling_candidates`): RAM, the pending
@@ -106,17 +130,29 @@ def find(tiers: Sequence[BlockTier], block_size: int, parent: str, ids: np.ndarr
     best: Sibling | None = None
     seen: set[str] = set()
     read = 0
+
+    def judge(tier: Any, blocks: list) -> None:
+        nonlocal best
+        lens = usable_lens(ids, start, limit, [b.token_ids for b in blocks], block_size, quantized)
+        i = int(lens.argmax())  # the first of the longest
+        if lens[i] > max(longer_than, best.n if best else 0):
+            best = Sibling(tier.kind, blocks[i], blocks[i].block_hash, int(lens[i]), tier=tier)
+
     for tier in tiers:
         if best is not None and best.n == limit:
             break
+        held: list = []
         for block, nbytes in tier.sibling_candidates(parent, seen):
             seen.add(block.block_hash)
             read += nbytes
-            n = _usable_len(ids, start, limit, block.token_ids, block_size, quantized)
-            if n > max(longer_than, best.n if best else 0):
-                best = Sibling(tier.kind, block, block.block_hash, n, tier=tier)
-                if n == limit:
+            held.append(block)
+            if nbytes:  # it was read: judge it now, the next one costs another read
+                judge(tier, held)
+                held = []
+                if best is not None and best.n == limit:
                     break
+        if held:
+            judge(tier, held)
     if best is None:
         return None
     best.nbytes_read = read
@@ -138,4 +174,4 @@ def truncate(block: Any, n: int) -> Any:
     return type(block)(block.block_hash, block.parent_hash, block.token_ids[:n], keys, values)
 
 
-__all__ = ["Sibling", "common_prefix", "find", "truncate"]
+__all__ = ["Sibling", "find", "truncate", "usable_lens"]

@@ -17,8 +17,8 @@ from SSD it is verified like every record (parent, exact token ids, checksum) an
 the chain there. It is not an entry of the new prompt's own chain, so `PrefixCache.store` still
 writes the prompt's own block over those tokens.
 
-A miss costs up to 63 blake2b hashes of <= 252 bytes and one primary-key `SELECT`: 0.15 ms
-here (a 2,000-token miss with 200 prompts stored; the whole `fetch` took 0.25 ms).
+A miss costs up to 63 keys (with the default hash, one blake2b pass over <= 252 bytes, a
+state copy per length: `kvtool.hashing.blake2b_chain_prefixes`) and one primary-key `SELECT`.
 
 With state layers (`ArraysCache`), a tail entry's state checkpoint is the one before its last
 token (taken for a full hit), so a hit that ends in an earlier prompt's tail re-forwards that
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvtool.hashing import HashFn
+from kvtool.hashing import HashFn, blake2b_chain, blake2b_chain_prefixes
 
 if TYPE_CHECKING:
     from kvtool.tiers import BlockTier
@@ -58,6 +58,8 @@ def candidates(hash_fn: HashFn, block_size: int, ids: np.ndarray, parent: str, s
     """
     key = bytes.fromhex(parent)
     kmax = min(block_size - 1, int(ids.size) - start - 1)
+    if hash_fn is blake2b_chain:  # the default hash: the keys of all lengths in one pass
+        return [(h, k) for k, h in reversed(list(enumerate(blake2b_chain_prefixes(key, ids[start : start + kmax]), 1)))]
     return [(hash_fn(key, ids[start : start + k]), k) for k in range(kmax, 0, -1)]
 
 

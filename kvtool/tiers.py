@@ -101,7 +101,7 @@ class RamBlockTier:
 
     def __init__(self, ram: RamTier, on_hit=None, on_mismatch=None):
         self.ram = ram
-        self._on_hit = on_hit  # called with the hash of every block found (touch on SSD)
+        self._on_hit = on_hit  # called with the hashes of the blocks a lookup found (touch on SSD)
         self._on_mismatch = on_mismatch
 
     def _get(self, h: str, expected: np.ndarray) -> Block | None:
@@ -112,9 +112,12 @@ class RamBlockTier:
             if self._on_mismatch is not None:
                 self._on_mismatch()
             return None
-        if self._on_hit is not None:
-            self._on_hit(h)
         return block
+
+    def _found(self, hashes: list[str]) -> None:
+        self.ram.pin(hashes)
+        if self._on_hit is not None and hashes:
+            self._on_hit(hashes)
 
     def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[Block]:
         out = []
@@ -123,14 +126,14 @@ class RamBlockTier:
             if block is None:
                 break
             out.append(block)
-        self.ram.pin([b.block_hash for b in out])
+        self._found([b.block_hash for b in out])
         return out
 
     def find_any(self, cands: Sequence[tuple[str, int]], ids: np.ndarray, start: int) -> tuple[Any, str, int] | None:
         for h, k in cands:
             block = self._get(h, ids[start : start + k])
             if block is not None:
-                self.ram.pin([h])
+                self._found([h])
                 return block, h, k
         return None
 

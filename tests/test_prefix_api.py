@@ -67,6 +67,26 @@ def test_stream_generate_over_prefix_cache_equals_mlx_lm(tiny, ids, tmp_path, bl
     assert pc.stats()["ssd_save_success"] > 0  # counters stay readable after close
 
 
+def test_ram_hits_touch_their_ssd_rows(tiny, ids, tmp_path):
+    """A prompt served from RAM moves the last access of its blocks' SSD rows (prune's TTL and LRU
+    view of hot blocks), and of those blocks only."""
+    cfg = KVToolConfig(ssd_cache_dir=tmp_path, ssd_async_writes=False)
+    with PrefixCache.for_model(tiny.model, cfg, model_id=tiny.model_id) as pc:
+        serve(pc, tiny, ids)
+        other = ids[:100]
+        serve(pc, tiny, ids[200:] + ids[:50])  # blocks of another chain: not touched below
+        pc.flush()
+        ssd = pc.tiered.ssd
+        rows = {r.hash: r.last_access for r in ssd.index.rows()}
+        ssd._clock = lambda: max(rows.values()) + 100.0
+        _, hit = serve(pc, tiny, other)
+        assert hit.ram_tokens == 99  # block 0 by its hash, then 35 tokens of the first prompt's block 1 (a sibling)
+        pc.flush()
+        after = {r.hash: r.last_access for r in ssd.index.rows()}
+        first = pc.hashes(other)[0][0]
+    assert {h for h in rows if after[h] != rows[h]} == {first} and after[first] == max(rows.values()) + 100.0
+
+
 def test_uncached_model_fetch_returns_the_whole_prompt(tiny, ids, tmp_path):
     pc = PrefixCache(KVToolConfig(ssd_cache_dir=tmp_path), model_id="x", uncached_reason="test")
     hit = pc.fetch(ids)

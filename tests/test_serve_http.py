@@ -329,6 +329,38 @@ def test_adapter_protocol_stores_prompt_blocks_only(adapter, tiny_model):
     assert set(adapter.stats_by_type()) == {"kvtool RAM blocks", "kvtool requests in flight"}
 
 
+def test_a_segment_of_one_new_block_is_stored_by_the_final_insert(adapter, tiny_model):
+    """A warm prompt's last segment (a cached system prompt, then a short user turn) completes one
+    new block: its insert stores nothing (no copy of the whole cache before the first token); the
+    final insert stores that block with the rest, and the output of a repeat equals the first."""
+    model = tiny_model.model
+    rng = np.random.default_rng(1)
+    system = [int(t) for t in rng.integers(3, 4000, 40)]  # 2 full blocks + 8 tokens
+    adapter.fetch_nearest_cache("M", system + [7])
+    adapter.insert_cache("M", system + [7, 8], _run(model, system + [7, 8]))
+    prompt = system + [int(t) for t in rng.integers(3, 4000, 12)] + [5, 6]  # user turn ends at 52: block 3 completes
+    cache, rest = adapter.fetch_nearest_cache("M", prompt)
+    assert len(prompt) - len(rest) == 40  # 2 blocks + the 8-token tail entry of the first prompt
+    before = adapter.stats()["adapter"]["blocks_stored"]
+    seg = _run(model, rest[:-2], cache)
+    adapter.insert_cache("M", prompt[:-2], seg, cache_type="user")
+    st = adapter.stats()["adapter"]
+    assert (st["blocks_stored"], st["inserts_segment_deferred"]) == (before, 1)
+    full = _run(model, rest[-2:] + [9], seg)
+    adapter.insert_cache("M", prompt + [9], full, cache_type="assistant")
+    assert adapter.stats()["adapter"]["blocks_stored"] == before + 2  # block 3 and the 6-token tail entry
+    again, rest2 = adapter.fetch_nearest_cache("M", prompt)
+    assert rest2 == prompt[-1:] and again[0].offset == len(prompt) - 1  # a full hit
+    adapter.insert_cache("M", prompt + [9], _run(model, rest2 + [9], again), cache_type="assistant")
+    # a segment that completes two new blocks is stored at once (requests sharing it find it now)
+    longer = prompt + [int(t) for t in rng.integers(3, 4000, 40)] + [5, 6]
+    cache3, rest3 = adapter.fetch_nearest_cache("M", longer)
+    seg3 = _run(model, rest3[:-2], cache3)
+    n = adapter.stats()["adapter"]["blocks_stored"]
+    adapter.insert_cache("M", longer[:-2], seg3, cache_type="user")
+    assert adapter.stats()["adapter"]["blocks_stored"] == n + (len(longer) - 2) // 16 - 3
+
+
 def test_adapter_skips_caches_it_cannot_slice(adapter, tiny_model):
     model = tiny_model.model
     prompt = list(range(10, 50))

@@ -13,10 +13,12 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvtool import KVToolConfig, PrefixCache
 from kvtool.hashing import chain_hashes
-from kvtool.siblings import common_prefix, truncate
+from kvtool.siblings import truncate, usable_lens
 from kvtool.store.fsops import FileOps
 from tests.store_helpers import flip_record_byte
 from tests.test_prefix_api import generate as _generate
@@ -44,11 +46,37 @@ def config(tmp_path, **kw) -> KVToolConfig:
     return KVToolConfig(ssd_cache_dir=tmp_path, block_size=BS, **kw)
 
 
-def test_common_prefix_and_truncate():
+def _usable_len(ids, start: int, limit: int, t, block_size: int, quantized: bool) -> int:
+    """One sibling, token by token: the rule `usable_lens` applies to all at once."""
+    cap = min(limit, t.size - 1) if quantized and t.size < block_size else limit
+    n = 0
+    while n < min(cap, t.size) and t[n] == ids[start + n]:
+        n += 1
+    return n
+
+
+TOKENS = st.integers(-2, 2)  # few values: long common prefixes; -1 and -2 stand for any id, padding is no id
+
+
+@given(st.data())
+def test_usable_lens_is_each_siblings_common_prefix(data):
+    block_size = data.draw(st.integers(1, 8))
+    ids = np.array(data.draw(st.lists(TOKENS, min_size=2, max_size=3 * block_size)), np.int32)
+    start = data.draw(st.integers(0, ids.size - 2))
+    limit = data.draw(st.integers(1, min(block_size, ids.size - start - 1)))
+    sibs = [np.array(t, np.int32) for t in data.draw(st.lists(st.lists(TOKENS, min_size=1, max_size=block_size),
+                                                              min_size=1, max_size=6))]
+    quantized = data.draw(st.booleans())
+    got = usable_lens(ids, start, limit, sibs, block_size, quantized)
+    assert got.tolist() == [_usable_len(ids, start, limit, t, block_size, quantized) for t in sibs]
+
+
+def test_usable_lens_and_truncate():
     a = np.array([1, 2, 3, 4], np.int32)
-    assert common_prefix(a, np.array([1, 2, 9], np.int32)) == 2
-    assert common_prefix(a, a[:3]) == 3
-    assert common_prefix(a, np.array([7], np.int32)) == 0
+    ids = np.concatenate([a, [0]]).astype(np.int32)
+    sibs = [np.array([1, 2, 9], np.int32), a[:3], np.array([7], np.int32), a]
+    assert usable_lens(ids, 0, 4, sibs, 4, False).tolist() == [2, 3, 0, 4]
+    assert usable_lens(ids, 0, 4, sibs, 4, True).tolist() == [2, 2, 0, 4]  # a quantized tail gives n - 1 at most
     from kvtool.hostblock import HostBlock
     k = np.arange(2 * 4 * 3, dtype=np.float32).reshape(1, 2, 4, 3)
     host = HostBlock("a" * 32, "b" * 32, a, [k], [k + 1], "float32")

@@ -10,10 +10,13 @@ tail's tokens is still stored.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvtool import KVToolConfig, PrefixCache
-from kvtool.hashing import chain_hashes, tail_hash
+from kvtool import KVToolConfig, PrefixCache, tail_prefix
+from kvtool.hashing import blake2b_chain, chain_hashes, tail_hash
 from tests.store_helpers import flip_record_byte
 from tests.test_prefix_api import generate as _generate
 from tests.test_prefix_api import serve
@@ -88,3 +91,18 @@ def test_corrupt_tail_record_is_cut_and_recomputed(tiny_model, prompts, tmp_path
         assert out == generate(tiny_model, b)
         assert (hit.cached_tokens, hit.ssd_tokens) == (256, 256)
         assert pc.stats()["ssd_load_corrupt"] >= 1
+
+
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=80), st.integers(1, 64), st.data())
+def test_candidate_keys_in_one_pass_are_the_hash_of_each_length(tokens, block_size, data):
+    ids = np.array(tokens, np.int32)
+    start = data.draw(st.integers(0, ids.size - 2))
+    parent = "ab" * 16
+    got = tail_prefix.candidates(blake2b_chain, block_size, ids, parent, start)
+    kmax = min(block_size - 1, ids.size - start - 1)
+    assert got == [(blake2b_chain(bytes.fromhex(parent), ids[start : start + k]), k) for k in range(kmax, 0, -1)]
+    # any other hash function is called once per length, as given
+    calls = []
+    other = tail_prefix.candidates(lambda p, t: calls.append(t.size) or f"{t.size:032x}", block_size, ids, parent, start)
+    assert other == [(f"{k:032x}", k) for k in range(kmax, 0, -1)] and calls == list(range(kmax, 0, -1))
+

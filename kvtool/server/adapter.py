@@ -22,7 +22,13 @@ Mapping onto `PrefixCache` (prompt KV only, exact):
   `hit.remaining` (never empty: on a full hit the last prompt token is re-forwarded). The hit
   (its hashes and RAM pins) waits, keyed by the request's prompt, for the request's inserts.
 - insert of a segment (a proper prefix of a waiting prompt) -> `PrefixCache.store` of the full
-  blocks that segment completes (no tail entry: no longer prompt would ever look one up there).
+  blocks that segment completes (no tail entry: no longer prompt would ever look one up there),
+  so that requests sharing it find it while this one still runs. A segment that completes at most
+  `SEGMENT_DEFER_BLOCKS` new blocks stores nothing: the next segment's insert or the final one
+  stores them. Storing evaluates mlx-lm's lazy copy of the request's whole cache (its
+  `BatchKVCache.extract`); for the segment that ends a warm prompt (a cached system prompt, then
+  a user turn of a block or less) that copy sat between the prefill and the first token, and it
+  bought nothing a request that finishes does not store anyway (measured in docs/benchmarks.md).
 - final insert (`tokens` starts with a waiting prompt) -> `PrefixCache.store(prompt, cache, hit)`:
   the prompt's new full blocks and its tail entry, sliced by token position out of the returned
   cache, so the KV of generated tokens is never stored; then `PrefixCache.release(hit)` (unpin
@@ -81,6 +87,7 @@ MAX_PENDING = 256  # requests fetched whose final insert has not come (yet)
 PENDING_TTL_S = 900.0  # a waiting hit older than this is released (its request is presumed gone)
 RECENT_REQUESTS = 100  # records kept for `stats()`
 MAX_REPORTED = 1024  # true cached counts kept for `reported_cached` (prompts kvtool prefilled at fetch)
+SEGMENT_DEFER_BLOCKS = 1  # a segment insert adding this many new full blocks or fewer stores nothing
 
 
 @dataclass
@@ -191,7 +198,7 @@ class KVToolPromptCache:
         self._epoch = 0  # tiers generation: +1 at every reconfiguration and at close
         self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
                         "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0,
-                        "inserts": 0, "inserts_segment": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
+                        "inserts": 0, "inserts_segment": 0, "inserts_segment_deferred": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
                         "requests_prefilled": 0,
                         "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
 
@@ -499,6 +506,9 @@ class KVToolPromptCache:
     def _store_segment(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
         n_full = ids.size // self.prefix_cache.config.block_size
         if n_full <= w.stored or self.prefix_cache.tiered is None or w.prefilled:
+            return
+        if n_full - w.stored <= SEGMENT_DEFER_BLOCKS:  # left to the next segment's or the final insert
+            self._counts["inserts_segment_deferred"] += 1
             return
         if self._cache_reason(cache) is not None:
             self._counts["inserts_uncacheable"] += 1

@@ -111,6 +111,12 @@ class RamTier:
             entry = self._entries.get(block_hash)
             return entry is not None and entry.persisted
 
+    def persisted(self, hashes: Iterable[str]) -> list[str]:
+        """Those of `hashes` that are held and known to be on SSD (or handed to the writer)."""
+        with self._lock:
+            entries = self._entries
+            return [h for h in hashes if (e := entries.get(h)) is not None and e.persisted]
+
     def pin(self, hashes: Iterable[str]) -> None:
         with self._lock:
             for h in hashes:

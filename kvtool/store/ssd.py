@@ -515,8 +515,12 @@ class SSDStore(StoreCore):
         Keeps `prune --ttl` and the LRU order honest for blocks a long-running process serves
         from RAM. Never raises.
         """
-        if self.enabled and self.index is not None:
-            self._touch(h)
+        self.touch_many([h])
+
+    def touch_many(self, hashes: list[str]) -> None:
+        """`touch` for several blocks: one buffered update (one lock). Never raises."""
+        if hashes and self.enabled and self.index is not None:
+            self._touch(hashes)
 
 
 

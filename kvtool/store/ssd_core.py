@@ -220,13 +220,13 @@ class StoreCore:
         self._inc("ssd_hash_collision_detected")
         log.warning("HASH COLLISION on %s: hash=%s holds other tokens; non-cacheable for %ds", where, h, NONCACHEABLE_TTL_S)
 
-    def _touch(self, h: str) -> None:
-        """Batched access-time update; a failed auto-flush costs only freshness."""
+    def _touch(self, hashes: list[str]) -> None:
+        """Batched access-time update of blocks; a failed auto-flush costs only freshness."""
         index = self.index
         if self.read_only or index is None:  # None: closed concurrently
             return
         try:
-            index.touch(h, self._clock())
+            index.touch_many(hashes, self._clock())
         except (sqlite3.Error, AttributeError) as exc:  # AttributeError: closed concurrently
             self._index_error("touch", exc)
 

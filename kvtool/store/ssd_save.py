@@ -168,7 +168,7 @@ class SegmentSaver:
             store._isolate(h, "save")
             return "collision"
         if row is not None:
-            store._touch(h)
+            store._touch([h])
         store._inc("ssd_save_dedup_skip")
         return "dedup"
 

@@ -112,11 +112,11 @@ class TieredCache:
         }
 
     # ----------------------------------------------------------------- lookup
-    def _touch_persisted(self, h: str) -> None:
-        """A RAM hit on a block that is also on SSD: touch its row (batched), so prune's TTL /
+    def _touch_persisted(self, hashes: list[str]) -> None:
+        """RAM hits on blocks that are also on SSD: touch their rows (batched), so prune's TTL /
         LRU view of hot blocks stays current."""
-        if self.ssd is not None and self.ram.is_persisted(h):
-            self.ssd.touch(h)
+        if self.ssd is not None:
+            self.ssd.touch_many(self.ram.persisted(hashes))
 
     def count_hits(self, n: int) -> None:
         self._inc("kv_lookup_hits", n)
