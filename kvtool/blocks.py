@@ -294,8 +294,6 @@ def slice_blocks(
     spans: Sequence[tuple[str, str, int, int]],
     kv: KVLayout | None = None,
     states: Sequence[Sequence[mx.array]] | None = None,
-    *,
-    wait: bool = True,
 ) -> list[Block]:
     """Cut blocks (or a tail entry) out of a filled prompt cache, as copies.
 
@@ -309,17 +307,14 @@ def slice_blocks(
         kv: the namespace layout; a quantized one quantizes plain layers (None: plain).
         states: with state layers (`ArraysCache`, skipped in `cache`), per span the state arrays
             the record ends with (appended to `Block.values`).
-        wait: False: the copies are only started (`mx.async_eval`) and the call returns at once;
-            evaluate the blocks' arrays before they leave the thread (`mx.eval`).
 
     Returns:
-        Evaluated blocks (started ones with `wait=False`), each holding copies (not views) of
-        the cache's KV.
+        Evaluated blocks, each holding copies (not views) of the cache's KV.
     """
     ids = np.asarray(token_ids, dtype=np.int32)
     cache = leaves(cache)
     if _one_copy_per_layer(cache, spans, kv, states):
-        return _slice_run(cache, ids, spans, wait)
+        return _slice_run(cache, ids, spans)
     blocks: list[Block] = []
     for i, (h, parent, lo, hi) in enumerate(spans):
         keys: list[mx.array] = []
@@ -333,13 +328,8 @@ def slice_blocks(
         if states is not None:
             values += list(states[i])
         blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
-    (mx.eval if wait else mx.async_eval)([b.keys for b in blocks], [b.values for b in blocks])
-    return blocks
-
-
-def wait_blocks(blocks: Sequence[Block]) -> None:
-    """Wait for the copies `slice_blocks(wait=False)` started (on the thread that started them)."""
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
+    return blocks
 
 
 def patch_last_token(blocks: Sequence[Block], spans: Sequence[tuple[Any, ...]], n: int,
@@ -365,22 +355,20 @@ def _one_copy_per_layer(cache, spans, kv, states) -> bool:
     return all(a[3] == b[2] for a, b in zip(spans, spans[1:]))
 
 
-def _slice_run(cache: list[KVCache], ids: np.ndarray, spans: Sequence[tuple[str, str, int, int]],
-               wait: bool = True) -> list[Block]:
+def _slice_run(cache: list[KVCache], ids: np.ndarray, spans: Sequence[tuple[str, str, int, int]]) -> list[Block]:
     """Blocks of back-to-back spans from ONE contiguous copy per layer and tensor (2 x layers
     copies instead of 2 x layers x blocks): each block views its part of the copy. The copy is
     shared by the run's blocks, so its memory is freed when the last of them leaves RAM."""
     lo0, hi0 = spans[0][2], spans[-1][3]
     runs_k = [mx.contiguous(c.keys[..., lo0:hi0, :]) for c in cache]
     runs_v = [mx.contiguous(c.values[..., lo0:hi0, :]) for c in cache]
-    if wait:
-        mx.eval(runs_k, runs_v)
+    mx.eval(runs_k, runs_v)
     blocks = []
     for h, parent, lo, hi in spans:
         a, b = lo - lo0, hi - lo0
         blocks.append(Block(h, parent, ids[lo:hi].copy(), [k[..., a:b, :] for k in runs_k],
                             [v[..., a:b, :] for v in runs_v]))
-    (mx.eval if wait else mx.async_eval)([b.keys for b in blocks], [b.values for b in blocks])
+    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks
 
 

@@ -56,7 +56,6 @@ from kvtool.blocks import (
     sliding_windows,
     tail_hash,
     trim_kv,
-    wait_blocks,
     with_windows,
 )
 from kvtool.cachehit import CacheHit, CacheStats
@@ -542,28 +541,12 @@ class PrefixCache:
         Returns:
             Entries handed over.
         """
-        return self.hand_over(self.cut(tokens, cache, hit, persist=persist, states=states, last_kv=last_kv))
-
-    def cut(self, tokens: Sequence[int] | np.ndarray, cache: list, hit: CacheHit | None = None,
-            *, persist: bool = False, states: dict[int, list] | None = None, last_kv: Sequence | None = None,
-            wait: bool = True) -> PendingStore:
-        """The first half of `store` (same arguments): the prompt's new entries cut out of the
-        cache as blocks, not yet handed to the tiers (`hand_over`).
-
-        Args:
-            wait: False (plain caches, no `last_kv`): the copies are only started
-                (`mx.async_eval`), so that the calling thread goes on while they run; `hand_over`
-                on the same thread waits for them.
-
-        Returns:
-            The blocks, for `hand_over`; empty: nothing new.
-        """
         if self.tiered is None:
-            return PendingStore()
+            return 0
         if self.windows and any(w is not None and not isinstance(c, KVCache) for c, w in zip(leaves(cache), self.windows)):
             log.warning("kvtool: not storing: sliding-window layers must be prefilled into full views "
                         "(kvtool.prefill.new_cache(model, windows), as Engine does), not mlx-lm's RotatingKVCache")
-            return PendingStore()
+            return 0
         ids = np.asarray(tokens, dtype=np.int32)
         full, tail = (hit.hashes, hit.tail) if hit is not None else self.hashes(ids)
         chain = self._chain(ids, full, tail)
@@ -586,22 +569,14 @@ class PrefixCache:
             new = keep
             span_states = [states[self.state_offset(e, tail)] for e in new]
         if not new:
-            return PendingStore()
-        blocks = slice_blocks(cache, ids, new, self.kv, span_states, wait=wait or bool(last_kv))
+            return 0
+        blocks = slice_blocks(cache, ids, new, self.kv, span_states)
         if last_kv:
             patch_last_token(blocks, new, int(ids.size), last_kv)
         elif not self.alone_exact:  # its last token's KV is mlx-lm's decode re-forward: not what a prefill gives
             blocks = [b for b, e in zip(blocks, new) if e[3] != ids.size]
-        return PendingStore(blocks, persist)
-
-    def hand_over(self, pending: PendingStore) -> int:
-        """The second half of `store`: wait for the blocks' copies (`cut(wait=False)`; call on
-        the thread that cut them) and hand them to the tiers. Returns entries handed over."""
-        if not pending or self.tiered is None:
-            return 0
-        wait_blocks(pending)
-        (self.tiered.persist if pending.persist else self.tiered.insert)(list(pending))
-        return len(pending)
+        (self.tiered.persist if persist else self.tiered.insert)(blocks)
+        return len(blocks)
 
     def persist_found(self, hit: CacheHit) -> None:
         """Make sure the RAM blocks a hit used are on SSD too (`kvtool warm` under evict_only)."""
@@ -629,15 +604,6 @@ class PrefixCache:
         self._release_held(hit)
 
 
-class PendingStore(list):
-    """Blocks `PrefixCache.cut` made for `hand_over` (a list of `Block`), and whether they go to
-    SSD whatever the policy (`persist`)."""
-
-    def __init__(self, blocks: Sequence[Block] = (), persist: bool = False):
-        super().__init__(blocks)
-        self.persist = persist
-
-
-__all__ = ["PrefixCache", "PendingStore", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "KVQuantization", "probe_layout",
+__all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "KVQuantization", "probe_layout",
            "library_versions",
            "HostBlock", "Block", "KVCache"]

@@ -32,12 +32,7 @@ Mapping onto `PrefixCache` (prompt KV only, exact):
 - final insert (`tokens` starts with a waiting prompt) -> `PrefixCache.store(prompt, cache, hit)`:
   the prompt's new full blocks and its tail entry, sliced by token position out of the returned
   cache, so the KV of generated tokens is never stored; then `PrefixCache.release(hit)` (unpin
-  RAM blocks, promote SSD blocks into RAM as views of that cache). The insert only starts the
-  copies (`PrefixCache.cut(wait=False)`: mlx-lm's returned cache depends on the decode step its
-  batch already started, so waiting there would stall the loop for that step); the blocks are
-  handed to the tiers at the next call on the same thread (a fetch settles first, so it finds
-  them) or when the loop goes idle (`settle`, `KVToolResponseGenerator`), and at `close`. A
-  reconfiguration drops the stores the generation thread has not settled yet.
+  RAM blocks, promote SSD blocks into RAM as views of that cache).
 - `nbytes` / `len` / `trim_to` -> the RAM tier (the memory kvtool holds; the SSD tier is not
   memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
   blocks (under `evict_only` they are written to SSD first, as on any eviction).
@@ -82,8 +77,7 @@ import numpy as np
 
 from kvtool import prefill
 from kvtool.blocks import unsupported_cache_reason
-from kvtool.prefix import CacheHit, PendingStore, PrefixCache
-from kvtool.server.request_record import RequestRecord
+from kvtool.prefix import CacheHit, PrefixCache
 from kvtool.store.tiered import ShutdownStatus
 from kvtool.windows import DEFAULT_STEP
 
@@ -94,6 +88,48 @@ PENDING_TTL_S = 900.0  # a waiting hit older than this is released (its request 
 RECENT_REQUESTS = 100  # records kept for `stats()`
 MAX_REPORTED = 1024  # true cached counts kept for `reported_cached` (prompts kvtool prefilled at fetch)
 SEGMENT_DEFER_BLOCKS = 1  # a segment insert adding this many new full blocks or fewer stores nothing
+
+
+@dataclass
+class RequestRecord:
+    """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms.
+
+    `prompt_tokens == cached_tokens + prefill_tokens`,
+    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`.
+    """
+
+    request: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ram_hit_tokens: int = 0
+    ssd_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    ssd_load_ms: float = 0.0
+    ssd_bytes_read: int = 0
+    fetch_ms: float = 0.0
+    uncached_reason: str | None = None
+    blocks_stored: int = 0  # chain entries handed to the tiers (segment ends + the request's end)
+    store_ms: float = 0.0  # generation-thread time spent storing them (slicing, RAM insert, SSD hand-over)
+    prefill_ms: float = 0.0  # generation-thread time of kvtool's own prefill (windowed / state-layer models)
+    generated_tokens: int | None = None  # known once the request finished
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def log_line(self) -> str:
+        line = (
+            f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} "
+            f"(RAM {self.ram_hit_tokens}, SSD {self.ssd_hit_tokens}) | prefilled {self.prefill_tokens}"
+        )
+        if self.remote_hit_tokens:
+            line += f" | remote {self.remote_hit_tokens} tok"
+        if self.ssd_hit_tokens:
+            line += f" | SSD load {self.ssd_load_ms:.1f} ms, {self.ssd_bytes_read} B"
+        if self.uncached_reason:
+            line += f" | uncached: {self.uncached_reason}"
+        return line
 
 
 def _prompt_digest(ids: np.ndarray) -> bytes:
@@ -109,16 +145,6 @@ class _Prefill:
     hit: CacheHit
     record: RequestRecord
     epoch: int  # the adapter's tiers generation at fetch (a reconfiguration changes it)
-
-
-@dataclass
-class _Deferred:
-    """A finished request whose blocks' copies its final insert started (`PrefixCache.cut`)."""
-
-    waiting: _Waiting
-    pending: PendingStore
-    cache: list  # the request's cache: its hit's SSD blocks enter RAM as views of it at release
-    thread: threading.Thread  # the thread that started the copies: only it waits for them (MLX)
 
 
 @dataclass
@@ -168,14 +194,13 @@ class KVToolPromptCache:
         self._lock = threading.RLock()
         self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
         self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
-        self._deferred: deque[_Deferred] = deque()
         self._closed = False
         self._epoch = 0  # tiers generation: +1 at every reconfiguration and at close
         self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
                         "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0,
                         "inserts": 0, "inserts_segment": 0, "inserts_segment_deferred": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
                         "requests_prefilled": 0,
-                        "blocks_stored": 0, "stores_dropped": 0, "waiting_expired": 0, "errors": 0}
+                        "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
 
     # ------------------------------------------------------------------ protocol
     def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[list | None, Sequence[int]]:
@@ -187,7 +212,6 @@ class KVToolPromptCache:
         """
         t0 = time.perf_counter()
         with self._lock:
-            self._settle()
             self._counts["requests"] += 1
             rec = RequestRecord(request=self._counts["requests"], prompt_tokens=len(tokens),
                                 prefill_tokens=len(tokens))
@@ -217,7 +241,6 @@ class KVToolPromptCache:
                      cache_type: str = "assistant") -> None:
         """Store the prompt part of a returned cache (see the module docstring); never raises."""
         with self._lock:
-            self._settle()
             self._counts["inserts"] += 1
             try:
                 self._insert(model, tokens, prompt_cache)
@@ -229,7 +252,6 @@ class KVToolPromptCache:
         """Evict least recently used (unpinned) RAM blocks until at most `n_sequences` blocks and
         `n_bytes` bytes are held (`LRUPromptCache.trim_to`; a sequence is a block here)."""
         with self._lock:
-            self._settle()
             ram = self._ram()
             if ram is None:
                 return
@@ -237,15 +259,13 @@ class KVToolPromptCache:
                      None if n_sequences is None else max(0, int(n_sequences)))
 
     def __len__(self) -> int:
-        """Blocks held in the RAM tier (this thread's started stores settled first)."""
-        self.settle()
+        """Blocks held in the RAM tier."""
         ram = self._ram()
         return len(ram) if ram is not None else 0
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in the RAM tier (sum of block nbytes; this thread's started stores settled first)."""
-        self.settle()
+        """Bytes held in the RAM tier (sum of block nbytes)."""
         ram = self._ram()
         return ram.nbytes if ram is not None else 0
 
@@ -267,10 +287,8 @@ class KVToolPromptCache:
 
     # ------------------------------------------------------------ kvtool extras
     def stats(self) -> dict[str, Any]:
-        """Counters of the adapter and of every tier, the layout, the last requests (JSON-able).
-        The stores this thread started are settled first (`settle`)."""
+        """Counters of the adapter and of every tier, the layout, the last requests (JSON-able)."""
         with self._lock:
-            self._settle()
             pc = self.prefix_cache
             return {
                 "adapter": dict(self._counts, waiting=len(self._waiting), closed=self._closed),
@@ -283,41 +301,28 @@ class KVToolPromptCache:
                 "requests": [r.to_dict() for r in self._recent],
             }
 
-    def settle(self) -> None:
-        """Hand the blocks whose copies this thread started at final inserts to the tiers, and
-        release those requests' hits. The generation thread calls it when it goes idle; every
-        cache call on that thread does it first. Never raises."""
-        with self._lock:
-            self._settle()
-
     def flush(self) -> bool:
-        """Settle this thread's stores (`settle`), wait until every accepted SSD write was
-        attempted; flush the index."""
+        """Wait until every accepted SSD write was attempted; flush the index."""
         with self._lock:
-            self._settle()
             return self.prefix_cache.flush()
 
     def reconfigure(self, config) -> ShutdownStatus:
         """Live reconfiguration (docs/design.md#live-reconfiguration) between two cache calls: waiting hits are released
-        (their requests finish but are not stored: their hashes belong to the old layout), and so
-        are finished requests whose stores a running generation thread has not settled; then
+        (their requests finish but are not stored: their hashes belong to the old layout), then
         the prefix cache drains the writer, flushes and detaches, drops RAM and reattaches."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the cache is closed")
-            self._settle(stop=True)
             self._release_waiting(list(self._waiting))
             self._epoch += 1
             return self.prefix_cache.reconfigure(config)
 
     def close(self) -> ShutdownStatus:
-        """Settle the started stores (those of a generation thread that still runs are dropped),
-        release waiting hits, drain the writer, flush and close the index. Idempotent; later
+        """Release waiting hits, drain the writer, flush and close the index. Idempotent; later
         fetches run uncached and inserts are ignored."""
         with self._lock:
             if self._closed:
                 return ShutdownStatus()
-            self._settle(stop=True)
             self._release_waiting(list(self._waiting))
             self._closed = True
             self._epoch += 1
@@ -522,63 +527,21 @@ class KVToolPromptCache:
         self._counts["blocks_stored"] += n
 
     def _finish(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
-        """A final insert: start the copies of the prompt's new entries; `_settle` hands them over."""
         w.record.generated_tokens = int(ids.size - w.prompt.size)
         w.record.finished = True
         if w.prefilled:  # stored at fetch; the hit is released
             return
-        if self.prefix_cache.tiered is None or self._cache_reason(cache) is not None:
-            self._counts["inserts_uncacheable"] += 1
-            self.prefix_cache.release(w.hit)
-            return
-        hit = dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored))
-        t0 = time.perf_counter()
+        storable = self.prefix_cache.tiered is not None and self._cache_reason(cache) is None
         try:
-            pending = self.prefix_cache.cut(w.prompt, cache, hit, wait=False)
-        except BaseException:
-            self._release_promoting(w, cache)
-            raise
-        w.record.store_ms += (time.perf_counter() - t0) * 1e3
-        self._deferred.append(_Deferred(w, pending, cache, threading.current_thread()))
-
-    def _settle(self, stop: bool = False) -> None:
-        """Settle the started stores this thread may wait for (its own; a stopped thread's); with
-        `stop`, drop the others (their requests' hits are released, nothing is stored). Under the lock."""
-        me, keep = threading.current_thread(), deque[_Deferred]()
-        while self._deferred:
-            d = self._deferred.popleft()
-            if d.thread is me or not d.thread.is_alive():
-                self._hand_over(d)
-            elif stop:
-                self._counts["stores_dropped"] += 1
-                self._release_waiting_hit(d.waiting)
+            if storable:
+                self._store(w.record, w.prompt, cache,
+                            dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored)))
             else:
-                keep.append(d)
-        self._deferred = keep
-
-    def _hand_over(self, d: _Deferred) -> None:
-        w = d.waiting
-        try:
-            t0 = time.perf_counter()
-            n = self.prefix_cache.hand_over(d.pending)
-            w.record.store_ms += (time.perf_counter() - t0) * 1e3
-            w.record.blocks_stored += n
-            self._counts["blocks_stored"] += n
-        except Exception:  # noqa: BLE001 - storing is an optimisation: never fail the server
-            self._counts["errors"] += 1
-            log.exception("storing the blocks of request %d failed", w.record.request)
+                self._counts["inserts_uncacheable"] += 1
         finally:
-            try:
-                self._release_promoting(w, d.cache)
-            except Exception:  # noqa: BLE001
-                self._counts["errors"] += 1
-                log.exception("releasing request %d failed", w.record.request)
-
-    def _release_promoting(self, w: _Waiting, cache: list) -> None:
-        w.hit.cache = cache  # SSD blocks enter RAM as views of the prompt positions
-        try:
+            if storable:
+                w.hit.cache = cache  # SSD blocks enter RAM as views of the prompt positions
             self.prefix_cache.release(w.hit)
-        finally:
             w.hit.cache = []
 
     def _expire(self) -> None:
@@ -594,15 +557,13 @@ class KVToolPromptCache:
     def _release_waiting(self, keys: list[int]) -> None:
         for key in keys:
             w = self._waiting.pop(key, None)
-            if w is not None and not w.prefilled:  # (a prefilled request's hit was released at fetch)
-                self._release_waiting_hit(w)
-
-    def _release_waiting_hit(self, w: _Waiting) -> None:
-        w.hit.cache = []  # no promotion: the request's cache is not ours
-        try:
-            self.prefix_cache.release(w.hit)
-        except Exception:  # noqa: BLE001
-            log.exception("releasing request %d failed", w.record.request)
+            if w is None or w.prefilled:  # (a prefilled request's hit was released at fetch)
+                continue
+            w.hit.cache = []  # no promotion: the request's cache is not ours
+            try:
+                self.prefix_cache.release(w.hit)
+            except Exception:  # noqa: BLE001
+                log.exception("releasing request %d failed", w.record.request)
 
 
 __all__ = ["KVToolPromptCache", "RequestRecord", "MAX_PENDING", "PENDING_TTL_S"]

@@ -128,16 +128,6 @@ class KVToolResponseGenerator(ResponseGenerator):
         return not give_up
 
     # ------------------------------------------------------------ mlx-lm hooks
-    def _next_request(self, timeout=None):
-        """mlx-lm's loop asks for the next request, with a timeout when no batch is running:
-        then the prompt cache first settles the stores that final inserts started
-        (`KVToolPromptCache.settle`), on this thread, before the loop waits."""
-        if timeout is not None:
-            settle = getattr(self.prompt_cache, "settle", None)
-            if settle is not None:
-                settle()
-        return super()._next_request(timeout)
-
     def _tokenize(self, tokenizer, request, args):
         out = take_pretokenized(request, tokenizer)
         if out is None:
