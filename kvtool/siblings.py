@@ -69,13 +69,6 @@ class Sibling:
     tier: Any = None
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two int32 token arrays (tokens)."""
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
-
 def usable_lens(ids: np.ndarray, start: int, limit: int, token_ids: Sequence[np.ndarray], block_size: int,
                 quantized: bool) -> np.ndarray:
     """Tokens of each sibling that may serve the prompt at `start`: the common prefix of its token

@@ -59,7 +59,8 @@ def candidates(hash_fn: HashFn, block_size: int, ids: np.ndarray, parent: str, s
     key = bytes.fromhex(parent)
     kmax = min(block_size - 1, int(ids.size) - start - 1)
     if hash_fn is blake2b_chain:  # the default hash: the keys of all lengths in one pass
-        return [(h, k) for k, h in reversed(list(enumerate(blake2b_chain_prefixes(key, ids[start : start + kmax]), 1)))]
+        keys = blake2b_chain_prefixes(key, ids[start : start + kmax])
+        return [(keys[k - 1], k) for k in range(kmax, 0, -1)]
     return [(hash_fn(key, ids[start : start + k]), k) for k in range(kmax, 0, -1)]
 
 

@@ -107,9 +107,7 @@ class RamTier:
 
     def is_persisted(self, block_hash: str) -> bool:
         """True if the block is held and known to be on SSD (or handed to the writer)."""
-        with self._lock:
-            entry = self._entries.get(block_hash)
-            return entry is not None and entry.persisted
+        return bool(self.persisted([block_hash]))
 
     def persisted(self, hashes: Iterable[str]) -> list[str]:
         """Those of `hashes` that are held and known to be on SSD (or handed to the writer)."""
