@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo lint test test-fast soak soak-storage soak-http bench clean
 
-$(STAMP): pyproject.toml setup.py kvtool/store/_indexread.c kvtool/ops/_segcheck.c requirements.lock requirements-test.lock
+$(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c requirements.lock -c requirements-test.lock -e ".[test]"

@@ -30,10 +30,10 @@ import mlx.core as mx
 import numpy as np
 
 from kvtool.bench.runner import drop_page_cache
-from kvtool.blocks import chain_hashes, from_host, layout_key, rebuild_cache
-from kvtool.hostblock import HostBlock
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.namespace import SSDStore
+from kvtool.kv.blocks import chain_hashes, from_host, layout_key, rebuild_cache
 from kvtool.models.embedded import get_preset
-from kvtool.store.ssd import SSDStore
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024)
 

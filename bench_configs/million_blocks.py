@@ -49,13 +49,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from kvtool.disk import segment as seg  # noqa: E402
+from kvtool.disk.hostblock import HostBlock  # noqa: E402
+from kvtool.disk.index import _COLUMNS, _SEG_COLUMNS, BlockIndex  # noqa: E402
+from kvtool.disk.kvlayout import KVLayout  # noqa: E402
+from kvtool.disk.names import INDEX_FILENAME, segment_relpath  # noqa: E402
+from kvtool.disk.namespace import SSDStore  # noqa: E402
 from kvtool.hashing import chain_hashes, layout_key, root_parent  # noqa: E402
-from kvtool.hostblock import HostBlock  # noqa: E402
-from kvtool.store import segment as seg  # noqa: E402
-from kvtool.store.index import _COLUMNS, _SEG_COLUMNS, BlockIndex  # noqa: E402
-from kvtool.store.kvlayout import KVLayout  # noqa: E402
-from kvtool.store.names import INDEX_FILENAME, segment_relpath  # noqa: E402
-from kvtool.store.ssd import SSDStore  # noqa: E402
 
 PER_PROMPT = 16  # blocks per prompt = per segment
 DTYPE = "float32"

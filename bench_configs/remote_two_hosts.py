@@ -21,7 +21,7 @@ prompt once: its TTFT is the recompute figure. Then, alternated, each in a fresh
   connection, as kvtool's own reader sends its GETRANGEs; its ratio is reported beside. Each
   floor worker also times mlx-lm's `generate_step` to its first token on a same-length cache
   (reported, not in the floor; kvtool's TTFT had that in place of the bare forward until its
-  engine sampled the first token itself, `kvtool.decode`); and the time it took to allocate and
+  engine sampled the first token itself, `kvtool.kv.decode`); and the time it took to allocate and
   fill that cache in a fresh process (reported, not in the floor).
 Then the write-through price: fresh prompts served cold with `remote_policy = write_through` and
 with the remote tier off (fresh cache directories), request time = TTFT + write path (ms).
@@ -58,7 +58,7 @@ from kvtool.bench.restore import (  # noqa: E402
     prompt_ids,
     rotated,
 )
-from kvtool.store.remote_read import DEFAULT_READ_BATCH_BYTES, DEFAULT_WIRE_WINDOW  # noqa: E402
+from kvtool.tiers.remote_read import DEFAULT_READ_BATCH_BYTES, DEFAULT_WIRE_WINDOW  # noqa: E402
 from tests.redis_servers import RedisServer  # noqa: E402
 
 # The floors: (bytes of values per pipelined batch, batches sent ahead on one connection; 0: one
@@ -245,7 +245,7 @@ def main() -> int:
               f"remote with promotion {summary['load_ms_medians']['remote-hit-promote']:.1f}, "
               f"local SSD {summary['load_ms_medians']['local-ssd-hit']:.1f}",
               f"- the floor's forward of the last token {summary['floor_forward_ms_median']:.1f} ms (kvtool's engine "
-              "samples its first token from that same forward, `kvtool.decode`); mlx-lm's `generate_step` to its first "
+              "samples its first token from that same forward, `kvtool.kv.decode`); mlx-lm's `generate_step` to its first "
               f"token on the same cache, for comparison: {summary['generate_step_first_ms_median']:.1f} ms",
               f"- allocating and zero-filling a KV cache of that length in the floor's fresh process (before "
               f"its clock; kvtool's TTFT allocates and fills its buffers): {summary['floor_cache_alloc_ms_median']:.1f} ms",

@@ -43,7 +43,7 @@ def child(args: argparse.Namespace) -> None:
     import xxhash
 
     sys.path.insert(0, str(ROOT))
-    from kvtool.kvbuffers import _blank_arrays, _host_view
+    from kvtool.kv.buffers import _blank_arrays, _host_view
 
     dtype = {"float32": mx.float32, "bfloat16": mx.bfloat16}[args.dtype]
     row = args.head_dim * dtype.size

@@ -1,4 +1,4 @@
-"""What the self-check costs per family, and where the time goes (kvtool/selfcheck.py).
+"""What the self-check costs per family, and where the time goes (kvtool/cache/selfcheck.py).
 
 The self-check runs once per namespace, the first time a process attaches a model whose cache
 has sliding windows, state layers or cache lists. This measures it as a user meets it: every
@@ -7,7 +7,7 @@ weights) and builds its `PrefixCache` over an empty cache directory, timing
 
 - `attach_ms`: `PrefixCache.for_model` wall time (namespace, `alone_exact`, the self-check);
 - `selfcheck_ms`: the probe itself (`Verdict.ms`, what `kvtool inspect` shows);
-- a breakdown of the probe by phase (functions of kvtool.selfcheck wrapped with timers):
+- a breakdown of the probe by phase (functions of kvtool.cache.selfcheck wrapped with timers):
   `alone_exact`, `code_digest`, `vocab`, `reference` (mlx-lm's own runs), `through_kvtool`
   (kvtool's runs: fetch, prefill, store, decode), `as_is`, `cache_setup` (the probe's
   temporary `PrefixCache`s: SQLite index, segment files) and `close`;
@@ -44,7 +44,7 @@ PHASES = ("alone_exact", "code_digest", "vocab", "reference", "through_kvtool", 
 def _child(family: str, block_size: int) -> dict:
     """One sample, in this (fresh) process."""
     t_start = time.perf_counter()
-    from kvtool import prefix, selfcheck
+    from kvtool.cache import prefix, selfcheck
     from kvtool.config import KVToolConfig
     from kvtool.models.loader import compute_model_id, load_model
     from tests import model_zoo

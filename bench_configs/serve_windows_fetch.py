@@ -34,9 +34,9 @@ sys.path.insert(0, str(REPO))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
+from kvtool.cache.prefix import PrefixCache  # noqa: E402
 from kvtool.config import KVToolConfig  # noqa: E402
 from kvtool.models.loader import compute_model_id, load_model  # noqa: E402
-from kvtool.prefix import PrefixCache  # noqa: E402
 from kvtool.server.adapter import KVToolPromptCache  # noqa: E402
 from tests import model_zoo  # noqa: E402
 

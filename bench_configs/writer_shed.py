@@ -50,12 +50,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvtool.bench.machine import git_commit  # noqa: E402
+from kvtool.disk.hostblock import HostBlock  # noqa: E402
+from kvtool.disk.kvlayout import KVLayout  # noqa: E402
+from kvtool.disk.namespace import SSDStore  # noqa: E402
+from kvtool.disk.segment import FORMAT_VERSION  # noqa: E402
 from kvtool.hashing import chain_hashes, layout_key, root_parent  # noqa: E402
-from kvtool.hostblock import HostBlock  # noqa: E402
-from kvtool.store.kvlayout import KVLayout  # noqa: E402
-from kvtool.store.segment import FORMAT_VERSION  # noqa: E402
-from kvtool.store.ssd import SSDStore  # noqa: E402
-from kvtool.store.writer import DEFAULT_BATCH_MAX_BYTES, DEFAULT_MAX_QUEUE_BYTES, AsyncWriter  # noqa: E402
+from kvtool.tiers.writer import DEFAULT_BATCH_MAX_BYTES, DEFAULT_MAX_QUEUE_BYTES, AsyncWriter  # noqa: E402
 
 MiB = 1 << 20
 DRAIN_TIMEOUT_S = 300.0

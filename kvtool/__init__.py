@@ -17,14 +17,14 @@ except _metadata.PackageNotFoundError:  # running from a source tree without ins
     __version__ = "0.0.0+source"
 
 if TYPE_CHECKING:
+    from kvtool.cache.prefix import CacheHit, CacheStats, PrefixCache
     from kvtool.config import KVToolConfig
     from kvtool.engine import Engine
-    from kvtool.prefix import CacheHit, CacheStats, PrefixCache
 
 _LAZY = {
-    "PrefixCache": "kvtool.prefix",
-    "CacheHit": "kvtool.prefix",
-    "CacheStats": "kvtool.prefix",
+    "PrefixCache": "kvtool.cache.prefix",
+    "CacheHit": "kvtool.cache.prefix",
+    "CacheStats": "kvtool.cache.prefix",
     "Engine": "kvtool.engine",
     "KVToolConfig": "kvtool.config",
 }

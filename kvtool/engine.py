@@ -2,7 +2,7 @@
 
 Per request: `PrefixCache.fetch` gives the longest cached prefix as mlx-lm caches (RAM, pending
 writes, SSD), the engine prefills only the rest, decodes with mlx-lm's `generate_step` (its first token
-handed out as soon as it is sampled: `kvtool.decode`), and hands
+handed out as soon as it is sampled: `kvtool.kv.decode`), and hands
 the prompt's new blocks and tail entry to the cache right after the first token. Only prompt KV
 is stored, never the KV of generated tokens.
 
@@ -33,12 +33,13 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from kvtool import decode
-from kvtool import prefill as prefill_mod
-from kvtool.blocks import HashFn, blake2b_chain
+from kvtool.cache.prefix import CacheHit, CacheStats, PrefixCache
 from kvtool.config import KVToolConfig
 from kvtool.errors import KVToolError
-from kvtool.model_kv import (
+from kvtool.kv import decode
+from kvtool.kv import prefill as prefill_mod
+from kvtool.kv.blocks import HashFn, blake2b_chain
+from kvtool.kv.model_kv import (
     DEFAULT_KV_GROUP_SIZE,
     DEFAULT_QUANTIZED_KV_START,
     KVQuantization,
@@ -46,9 +47,8 @@ from kvtool.model_kv import (
     quantized_kv_failure,
 )
 from kvtool.models.loader import LoadedModel, load_model
-from kvtool.prefix import CacheHit, CacheStats, PrefixCache
-from kvtool.store.tiered import ShutdownStatus, WriteTally
-from kvtool.store.writer import AsyncWriter
+from kvtool.tiers.stack import ShutdownStatus, WriteTally
+from kvtool.tiers.writer import AsyncWriter
 
 log = logging.getLogger("kvtool")
 
@@ -138,7 +138,7 @@ class Engine:
 
     Raises:
         KVBitsUnsupported: `kv_bits` for a model whose mlx-lm code cannot run a quantized KV
-            cache (measured by `kvtool.model_kv.quantized_kv_failure`; mlx-lm would fail mid-request).
+            cache (measured by `kvtool.kv.model_kv.quantized_kv_failure`; mlx-lm would fail mid-request).
         ValueError: `prefill_step_size < 1` or bad quantisation settings.
     """
 
@@ -414,7 +414,7 @@ class Engine:
             # sliding-window layers: the whole prompt into full views (every token's KV, for the
             # blocks), then mlx-lm's own rotating state at the last prompt token; state layers:
             # checkpoints at block ends (and before the last token) on the way; the last token's
-            # prefilled KV is what its block / tail entry stores (`kvtool.prefill.for_generation`)
+            # prefilled KV is what its block / tail entry stores (`kvtool.kv.prefill.for_generation`)
             states: dict | None = {} if self._blockwise and self.cache.has_states else None
             # every entry of the prompt's chain found: nothing to store, so no prefilled KV of the
             # last token is needed and mlx-lm forwards it once, as after its own prompt cache
@@ -433,7 +433,7 @@ class Engine:
 
     def _new_cache(self) -> list:
         """An empty cache for a prefill: mlx-lm's own, with full views for sliding-window leaves
-        (`kvtool.prefill.new_cache`) when they are cached."""
+        (`kvtool.kv.prefill.new_cache`) when they are cached."""
         return prefill_mod.new_cache(self.model, self.cache.windows if self._blockwise else (), self.max_kv_size)
 
     @property
@@ -446,7 +446,7 @@ class Engine:
 
     def _generation_cache(self, full: list, n: int, states: dict | None = None) -> list:
         """mlx-lm's cache state after its own prefill of the prompt's first `n` tokens, from the
-        prefill cache holding the whole prompt (`kvtool.prefill.generation_cache`)."""
+        prefill cache holding the whole prompt (`kvtool.kv.prefill.generation_cache`)."""
         return prefill_mod.generation_cache(full, n, self.cache.windows if self._blockwise else (),
                                             self.prefill_step_size, states)
 
@@ -454,7 +454,7 @@ class Engine:
                  states: dict | None = None) -> None:
         """Run the model over `tokens` (the prompt's tokens after the `start` ones `cache` holds)
         in chunks as mlx-lm's generate_step, with kvtool's quantisation switch and state
-        checkpoints (`kvtool.prefill.prefill`)."""
+        checkpoints (`kvtool.kv.prefill.prefill`)."""
         prefill_mod.prefill(self.model, cache, tokens, n_prompt, start, step=self.prefill_step_size,
                             quant=self.quant, states=states, block_size=self.cache.config.block_size)
 

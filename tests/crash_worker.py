@@ -93,10 +93,10 @@ def main(argv: list[str]) -> int:
     emit("start")
 
     from kvtool.config import KVToolConfig
+    from kvtool.disk.fsops import FileOps
+    from kvtool.disk.index import BlockIndex
     from kvtool.engine import Engine
     from kvtool.models.loader import load_model
-    from kvtool.store.fsops import FileOps
-    from kvtool.store.index import BlockIndex
 
     class TracingFS(FileOps):
         """The real file operations, each announced on stdout before it runs."""

@@ -27,9 +27,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtool.bench import redis_local
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.kvlayout import KVLayout
 from kvtool.hashing import chain_hashes, root_parent
-from kvtool.hostblock import HostBlock
-from kvtool.store.kvlayout import KVLayout
 from tests.store_helpers import kv_layout, make_block, make_layout
 
 START_TIMEOUT_S = 15.0

@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvtool.disk import segment as seg
+from kvtool.disk.fsops import FileOps
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.names import segment_relpath
+from kvtool.disk.namespace import SSDStore
+from kvtool.disk.segment import FORMAT_VERSION, KVLayout
 from kvtool.hashing import chain_hashes, layout_key, root_parent, tail_hash
-from kvtool.hostblock import HostBlock
-from kvtool.store import segment as seg
-from kvtool.store.fsops import FileOps
-from kvtool.store.index import BlockIndex
-from kvtool.store.names import segment_relpath
-from kvtool.store.segment import FORMAT_VERSION, KVLayout
-from kvtool.store.ssd import SSDStore
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 GEOMETRY = dict(n_layers=2, n_kv_heads=2, head_dim=8, block_size=4)

@@ -19,9 +19,9 @@ from kvtool.bench.baseline_mlxlm import PromptCacheBaseline
 from kvtool.bench.machine import git_commit, machine_info
 from kvtool.bench.sweep import load_sweep, parse_sweep
 from kvtool.config import ConfigError, KVToolConfig
+from kvtool.disk.fsops import FileOps
 from kvtool.engine import Engine
 from kvtool.models.loader import load_model
-from kvtool.store.fsops import FileOps
 
 REPO = Path(__file__).resolve().parent.parent
 BS = 32

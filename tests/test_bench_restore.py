@@ -2,7 +2,7 @@
 
 The tiniest configuration end to end, checking the output's structure and that every summary
 number and ratio is computed from the measured rows. No timing assertion: times belong to the
-benchmark, not to the tests. The kvtool side of the load path needs `kvtool.prefix` (skipped until
+benchmark, not to the tests. The kvtool side of the load path needs `kvtool.cache.prefix` (skipped until
 it exists); the baselines, the TTFT part (current CLI) and dd run now.
 """
 

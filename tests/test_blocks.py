@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from kvtool import kvbuffers
-from kvtool.blocks import (
+from kvtool.disk.segment import KVLayout
+from kvtool.kv import buffers as kvbuffers
+from kvtool.kv.blocks import (
     cache_capacity,
     chain_hashes,
     from_host,
@@ -22,8 +23,7 @@ from kvtool.blocks import (
     to_host,
     unsupported_cache_reason,
 )
-from kvtool.kvbuffers import KVBuffers, _blank_arrays
-from kvtool.store.segment import KVLayout
+from kvtool.kv.buffers import KVBuffers, _blank_arrays
 
 LAYOUT = layout_key("model-x", "2x8x8,2x8x8", "float32", 4, format_version=2)
 token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=0, max_size=64)

@@ -14,13 +14,13 @@ import threading
 import numpy as np
 import pytest
 
+from kvtool.disk import segment as seg
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.fsops import FileOps
 from kvtool.ops import clean_native, clean_segments
 from kvtool.ops.clean_segments import CleanSegments, find_clean
-from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import plan_repairs, validate
-from kvtool.store import segment as seg
-from kvtool.store.fsops import FileOps
 from tests.store_helpers import block_path, flip_record_byte, make_chain, open_store, record_span
 
 

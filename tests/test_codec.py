@@ -21,13 +21,13 @@ from mlx_lm.generate import generate_step
 
 from kvtool.cli import common
 from kvtool.config import ConfigError, KVToolConfig
+from kvtool.disk import restore
+from kvtool.disk import segment as seg
+from kvtool.disk.namespace import SSDStore
+from kvtool.disk.segment import BlockFileError
 from kvtool.engine import Engine
 from kvtool.hashing import key_extra_of_meta, layout_key_of_meta, root_parent
 from kvtool.models.loader import load_model
-from kvtool.store import restore
-from kvtool.store import segment as seg
-from kvtool.store.segment import BlockFileError
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import (
     assert_same_block,
     flip_record_byte,

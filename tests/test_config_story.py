@@ -20,7 +20,7 @@ from kvtool.cli import common
 from kvtool.cli.cmd_config import duration_text, shown_value
 from kvtool.cli.output import SCHEMA_VERSION
 from kvtool.config import FIELD_NAMES, KVToolConfig
-from kvtool.settings import CONFIG_ENV, env_names, from_text
+from kvtool.config.settings import CONFIG_ENV, env_names, from_text
 
 if not app_module.app.registered_commands:
     app_module._register()

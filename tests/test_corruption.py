@@ -19,11 +19,11 @@ import struct
 import numpy as np
 import pytest
 
-from kvtool import kvbuffers
-from kvtool.blocks import chain_hashes
 from kvtool.config import KVToolConfig
+from kvtool.disk.names import segment_relpath
 from kvtool.engine import Engine
-from kvtool.store.names import segment_relpath
+from kvtool.kv import buffers as kvbuffers
+from kvtool.kv.blocks import chain_hashes
 from tests.store_helpers import read_segment_header, record_span
 from tests.test_engine import BS, MAX_TOKENS, reference_tokens
 

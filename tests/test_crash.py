@@ -41,9 +41,9 @@ from pathlib import Path
 import pytest
 
 from kvtool.config import KVToolConfig
+from kvtool.disk.fsops import NAMESPACE_RE
 from kvtool.engine import Engine
 from kvtool.ops.validate import validate
-from kvtool.store.fsops import NAMESPACE_RE
 from tests import crash_worker
 from tests.test_engine import reference_tokens
 
@@ -265,8 +265,8 @@ def test_sigkill_at_random_moments_then_validate_and_serve(tiny_model, tmp_path,
 
 _KILL_DURING_OPEN = """
 import os, signal, sys
-from kvtool.store.index import BlockIndex
-from kvtool.store.ssd import SSDStore
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.namespace import SSDStore
 from tests.store_helpers import make_layout, make_meta
 
 def die(*args, **kwargs):

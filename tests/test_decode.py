@@ -1,4 +1,4 @@
-"""`kvtool.decode.tokens` yields what mlx-lm's `generate_step` yields on the same cache: greedy,
+"""`kvtool.kv.decode.tokens` yields what mlx-lm's `generate_step` yields on the same cache: greedy,
 sampled with a seed (the same random draws in the same order), with KV quantisation, for one
 token and for many."""
 
@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
-from kvtool import decode
+from kvtool.kv import decode
 from kvtool.models.loader import load_model
 
 

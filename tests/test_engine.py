@@ -18,9 +18,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from kvtool.blocks import Block, chain_hashes, rebuild_cache
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
+from kvtool.kv.blocks import Block, chain_hashes, rebuild_cache
 from kvtool.models.loader import load_model
 
 BS = 64  # small blocks keep the tiny-model tests fast
@@ -77,7 +77,7 @@ def test_cold_ram_ssd_and_full_hit_equal_mlx_lm(tiny, prompt_ids, tmp_path):
     assert ssd.ssd_hit_tokens == len(prompt_ids) - 1 and ssd.ram_hit_tokens == 0
     assert ssd.prompt_tokens == ssd.cached_tokens + ssd.prefill_tokens
     # a changed last token misses the tail entry, but the stored tail (a sibling under the same
-    # parent, kvtool.siblings) still serves every token before the change
+    # parent, kvtool.tiers.siblings) still serves every token before the change
     changed = list(prompt_ids[:-1]) + [prompt_ids[-1] + 1]
     res = eng2.generate(changed, max_tokens=MAX_TOKENS)
     assert res.cached_tokens == len(prompt_ids) - 1 > n_full
@@ -220,7 +220,7 @@ def _damage_record(eng, block_hash: str) -> None:
     path = eng.cache.ssd.namespace_dir / row.segment[:2] / f"{row.segment}.safetensors"
     import os
 
-    from kvtool.store import segment as seg
+    from kvtool.disk import segment as seg
 
     fd = os.open(path, os.O_RDWR)
     try:

@@ -265,9 +265,9 @@ def test_kv_bits_unquantisable_head_dim_is_refused_once(zoo, tmp_path, caplog):
 
 def test_quantized_layout_spec_bytes_and_segment_round_trip(tmp_path):
 
-    from kvtool.hostblock import HostBlock
-    from kvtool.store import segment as seg
-    from kvtool.store.segment import KVLayout
+    from kvtool.disk import segment as seg
+    from kvtool.disk.hostblock import HostBlock
+    from kvtool.disk.segment import KVLayout
 
     plain = KVLayout(((2, 64, 64), (4, 192, 128)), "bfloat16")
     assert plain.spec == "2x64x64,4x192x128" and plain.tensors_per_layer == 2
@@ -345,7 +345,7 @@ def test_rotating_from_full_is_mlx_lm_state():
     chunks are written in place, others concatenated), slot by slot."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    from kvtool.blocks import rotating_from_full
+    from kvtool.kv.windows import rotating_from_full
 
     for w in (3, 8):
         for step in (1, 2, 5, 8, 13):
@@ -416,7 +416,7 @@ def test_state_checkpoints_equal_mlx_lm(zoo, family, step, tmp_path):
 @pytest.mark.parametrize("family", ["lfm2", "mamba"])
 def test_state_checkpoint_is_what_continues(zoo, family, tmp_path, monkeypatch):
     """The restored checkpoint matters: zeroing it changes the tokens (2 tokens after the hit)."""
-    import kvtool.blocks as kb
+    import kvtool.kv.blocks as kb
 
     loaded = loaded_family(zoo, family)
     ids = prompt_for(loaded, 200)
@@ -448,7 +448,7 @@ def test_pending_writer_buffer_hit(zoo, family, kwargs, tmp_path):
     from the writer's pending host blocks (states, full views, quantized records alike)."""
     import threading
 
-    from kvtool.store.fsops import FileOps
+    from kvtool.disk.fsops import FileOps
 
     class BlockedWriteFS(FileOps):
         def __init__(self):

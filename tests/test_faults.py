@@ -21,8 +21,8 @@ import threading
 import pytest
 
 from kvtool.config import KVToolConfig
+from kvtool.disk.fsops import FileOps
 from kvtool.engine import Engine
-from kvtool.store.fsops import FileOps
 from tests.store_helpers import FaultFS
 from tests.test_engine import BS, MAX_TOKENS, reference_tokens
 
@@ -284,6 +284,6 @@ def test_read_only_cache_is_not_retried_like_a_failing_disk(tiny_model, prompt, 
     assert eng.flush()
     st = eng.stats()
     eng.close()
-    # Regression (found in review, fixed): kvtool/store/writer.py, _WriterBase._store_enabled.
+    # Regression (found in review, fixed): kvtool/tiers/writer.py, _WriterBase._store_enabled.
     assert st["writer_retry_attempts"] == 0 and st["writer_retry_final_fail"] == 0, st
     assert st["writer_enqueue_total"] == 0 and st["writer_enqueue_rejected"] > 0, st

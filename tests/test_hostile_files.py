@@ -29,11 +29,11 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
 from kvtool.config import ConfigError, KVToolConfig
-from kvtool.ops.confined import ConfinedDir
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.fsops import FileOps, NotRegularFileError
+from kvtool.disk.names import segment_relpath
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
-from kvtool.store.fsops import FileOps, NotRegularFileError
-from kvtool.store.names import segment_relpath
 from tests.store_helpers import make_chain, mounted_tmpfs, open_store, record_span, segment_path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -438,7 +438,7 @@ def test_record_swap_recomputed_blocks_replace_the_damaged_rows(tmp_path):
     """Records k and k+1 swapped in a segment (header intact): k fails its checksum and is
     dropped; k+1's row still points at the swapped bytes. The recomputed blocks must replace
     those rows, so that validate then loses no intact descendant."""
-    from kvtool.store.restore import restore_chain
+    from kvtool.disk.restore import restore_chain
 
     cache = tmp_path / "kv"
     store = open_store(cache)
@@ -456,7 +456,7 @@ def test_record_swap_recomputed_blocks_replace_the_damaged_rows(tmp_path):
     ids = np.arange(4 * 40, dtype=np.int32)
     kv = store.expected.kv
     bufs = [np.zeros((1, *s[1:2], 4 * 40, s[3]), dtype=st) for s, st in zip(kv.shapes(1), kv.storage_dtypes())]
-    from kvtool.store.segment import HeadPieces
+    from kvtool.disk.segment import HeadPieces
 
     pieces = HeadPieces(bufs)
     rows_ = store.lookup([blk.block_hash for blk in chain])
@@ -500,7 +500,7 @@ def test_root_writing_into_a_users_cache_leaves_it_prunable(prompts, reference, 
 
 
 def test_dir_owner_is_only_for_root(tmp_path):
-    from kvtool.store.fsops import dir_owner
+    from kvtool.disk.fsops import dir_owner
 
     owned = dir_owner(tmp_path)
     if os.geteuid() != 0:

@@ -9,7 +9,7 @@ module, including
 - imports under `if TYPE_CHECKING:`: a class named in a signature is part of the module's
   contract, and mypy follows the import. Two modules whose contracts name each other are one
   module split in two files: the shared part belongs in a third module both import (for example
-  `kvtool.store.ssd_core` for `ssd`, `ssd_open` and `ssd_save`).
+  `kvtool.disk.namespace_core` for `ssd`, `ssd_open` and `ssd_save`).
 
 `from a.b import c` is an edge to `a.b.c` when that is a module, else to `a.b`; `import a.b.c` is
 an edge to `a.b.c`. Importing a module is not counted as depending on its parent packages (every
@@ -19,24 +19,31 @@ import runs them, which would make each package a cycle with its own modules).
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Cycles that exist in modules other engineers are changing right now, each with why it is
-# there. The list may only shrink: any other cycle fails the test, and so does a listed one
-# that gains a module.
-KNOWN_CYCLES = {
-    frozenset({"kvtool.prefix", "kvtool.selfcheck"}):
-        "selfcheck imports PrefixCache inside a function and prefix imports selfcheck (model-family work)",
-    frozenset({"kvtool.blocks", "kvtool.windows"}):
-        "windows imports blocks.map_leaves inside a function and blocks re-exports windows (model-family work)",
-    frozenset({"kvtool.store.remote", "kvtool.store.remote_writer", "kvtool.store.remote_read"}):
-        "remote_writer and remote_read (the store's background writer and its pipelined reads) name "
-        "RemoteStore under TYPE_CHECKING only, and remote imports both (remote tier)",
-}  # fmt: skip
+# The layers, lowest first: a module imports only modules of its own package (folder) or of a
+# lower layer (docs/design.md#layout). Root modules are leaves; the package `kvtool` itself
+# (its lazy `__init__`) is no layer.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors", "units"),
+    ("hashing", "prom", "prompts", "progress"),
+    ("config",),
+    ("disk",),
+    ("kv", "models"),
+    ("tiers",),
+    ("cache",),
+    ("engine",),
+    ("server", "ops", "jobs"),
+    ("bench",),
+    ("cli",),
+]
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+MLX_FREE = ("kvtool.disk", "kvtool.ops")  # never import MLX, directly or through another module
 
 
 def module_graph(root: Path, package: str = "kvtool") -> dict[str, set[str]]:
@@ -125,30 +132,74 @@ def _describe(comp: frozenset[str], graph: dict[str, set[str]]) -> str:
     return "{" + ", ".join(sorted(comp)) + "}: " + "; ".join(edges)
 
 
+@functools.cache
+def _repo_graph() -> dict[str, set[str]]:
+    return module_graph(REPO)
+
+
+def part_of(module: str) -> str | None:
+    """The layer member a module belongs to: `kvtool.disk.index` -> `disk`, `kvtool.engine` ->
+    `engine`; None for the package `kvtool` itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that point to the module's own layer in another package, or up (see `LAYERS`)."""
+    wrong = []
+    for m, deps in graph.items():
+        a = part_of(m)
+        for d in deps:
+            b = part_of(d)
+            if a is not None and b is not None and a != b and RANK[b] >= RANK[a]:
+                wrong.append(f"{m} -> {d}")
+    return sorted(wrong)
+
+
 def test_no_import_cycles():
-    graph = module_graph(REPO)
-    assert "kvtool.store.ssd" in graph and len(graph) > 50  # the walk saw the package
-    new = [c for c in cycles(graph) if c not in KNOWN_CYCLES]
-    assert not new, "import cycles:\n" + "\n".join(_describe(c, graph) for c in new)
+    graph = _repo_graph()
+    assert "kvtool.disk.namespace" in graph and len(graph) > 50  # the walk saw the package
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
+
+
+def test_every_package_has_a_layer():
+    graph = _repo_graph()
+    unknown = sorted({p for m in graph if (p := part_of(m)) is not None} - set(RANK))
+    assert not unknown, f"modules or packages with no layer in LAYERS: {unknown}"
+
+
+def test_layers_point_down():
+    wrong = upward(_repo_graph())
+    assert not wrong, "imports up a layer (or sideways into another package of the same layer):\n" + "\n".join(wrong)
 
 
 def test_the_cycles_this_work_removed_stay_removed():
-    graph = module_graph(REPO)
+    graph = _repo_graph()
     assert "kvtool.ops.validate" not in graph["kvtool.ops.rebuild"]
-    assert "kvtool.store.ssd" not in graph["kvtool.store.ssd_save"] | graph["kvtool.store.ssd_open"]
+    assert "kvtool.disk.namespace" not in graph["kvtool.disk.namespace_save"] | graph["kvtool.disk.namespace_open"]
     assert "kvtool.cli.common" not in graph["kvtool.cli.output"]
     # blocks.py takes KVLayout from where it lives, not through the segment file format
-    assert "kvtool.store.segment" not in graph["kvtool.blocks"] and "kvtool.store.kvlayout" in graph["kvtool.blocks"]
+    assert "kvtool.disk.segment" not in graph["kvtool.kv.blocks"] and "kvtool.disk.kvlayout" in graph["kvtool.kv.blocks"]
 
 
-def test_the_store_never_imports_the_commands():
-    """The SSD tier (its byte budget included) depends on nothing above it: operator commands,
-    CLI, server and benchmarks build on the store, never the other way round."""
-    graph = module_graph(REPO)
-    above = ("kvtool.ops", "kvtool.cli", "kvtool.server", "kvtool.bench")
-    wrong = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("kvtool.store.")
-                   for d in deps if d.startswith(above))  # fmt: skip
-    assert not wrong, wrong
+def _mlx_free_modules() -> list[str]:
+    return sorted(m for m in _repo_graph() if m.startswith(MLX_FREE))
+
+
+def test_disk_and_ops_never_import_mlx():
+    """Every module of `kvtool.disk` and `kvtool.ops`, imported in a fresh interpreter, leaves
+    `mlx` and `mlx_lm` out of `sys.modules` (so `validate`, `prune`, `inspect` run without MLX)."""
+    import subprocess
+    import sys
+
+    mods = _mlx_free_modules()
+    assert len(mods) > 20
+    code = ("import importlib, sys\n"
+            f"for m in {mods!r}:\n    importlib.import_module(m)\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('mlx', 'mlx_lm')))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -179,3 +230,14 @@ def test_the_detector_ignores_parent_packages_and_other_packages(tmp_path):
     })  # fmt: skip
     graph = module_graph(root)
     assert graph["kvtool.sub.m"] == {"kvtool.sub.n"} and cycles(graph) == []
+
+
+def test_the_layer_rule_sees_an_upward_import(tmp_path):
+    root = _write(tmp_path, {
+        "kvtool/__init__.py": "",
+        "kvtool/disk/__init__.py": "",
+        "kvtool/disk/index.py": "def f():\n    from kvtool.cache.prefix import PrefixCache\n",
+        "kvtool/cache/__init__.py": "",
+        "kvtool/cache/prefix.py": "from kvtool.disk import index\n",
+    })  # fmt: skip
+    assert upward(module_graph(root)) == ["kvtool.disk.index -> kvtool.cache.prefix"]

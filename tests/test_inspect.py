@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
 from kvtool.config import KVToolConfig
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.namespace import SSDStore
+from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.engine import Engine
 from kvtool.hashing import layout_key
 from kvtool.ops.inspect_cache import AGE_BUCKETS, inspect_cache, render
 from kvtool.ops.scan import ScanError, scan_cache
-from kvtool.store.index import BlockIndex
-from kvtool.store.segment import FORMAT_VERSION
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import block_path, free_fan_out, make_chain, make_layout, make_meta, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ NAMESPACE_KEYS = {
     "chains", "max_depth", "oldest_access", "newest_access", "age_histogram", "shutdown_clean",
     "shutdown_partial_flush", "created", "last_open", "last_close", "last_used", "health",
 }  # fmt: skip
-NAMESPACE_KEYS = NAMESPACE_KEYS | {"selfcheck"}  # the self-check verdict (kvtool.selfcheck), added later
+NAMESPACE_KEYS = NAMESPACE_KEYS | {"selfcheck"}  # the self-check verdict (kvtool.cache.selfcheck), added later
 HEALTH_KEYS = {"rows", "files", "missing_files", "orphan_files", "temp_files", "bad_rows", "symlinks", "irregular", "ok"}
 PROBE_KEYS = {
     "schema_version", "cache_dir", "model", "namespace", "namespace_exists", "block_size", "prompt_tokens", "full_blocks",

@@ -1,4 +1,4 @@
-"""Interop with mlx-lm prompt-cache files (`kvtool import` / `kvtool export`, kvtool.ops.interop).
+"""Interop with mlx-lm prompt-cache files (`kvtool import` / `kvtool export`, kvtool.jobs.interop).
 
 Against mlx-lm's own tools in subprocesses: a file written by `mlx_lm.cache_prompt` imports as
 verified blocks that a new `serve-once` process hits on SSD with the uncached output, and exports
@@ -32,8 +32,8 @@ from typer.testing import CliRunner
 from kvtool.cli import app as app_module
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
-from kvtool.ops import interop
-from kvtool.ops.interop import InteropError
+from kvtool.jobs import interop
+from kvtool.jobs.interop import InteropError
 
 REPO = Path(__file__).resolve().parent.parent
 BS = 16
@@ -187,7 +187,7 @@ def test_chat_prompt_export_needs_fill_then_continues_in_mlx_generate(tmp_path, 
     args = ["export", str(out), "--model", "tiny", "--prompt", PREFIX, "--cache-dir", str(cache_dir),
             "--block-size", str(BS)]
     # The stored prompt's tail differs from the export prompt's, but only after the tokens both
-    # share: its last block (a sibling, kvtool.siblings) serves all of them but the last token.
+    # share: its last block (a sibling, kvtool.tiers.siblings) serves all of them but the last token.
     r = runner.invoke(app_module.app, [*args, "--json"])
     assert r.exit_code == 0, r.output
     exp = json.loads(r.stdout)

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
+from kvtool.disk.rowtable_arrow import ArrowUnusable
 from kvtool.ops import listing_fork
 from kvtool.ops import scan as scan_mod
 from kvtool.ops.scan import scan_cache
-from kvtool.store.rowtable_arrow import ArrowUnusable
 from tests.store_helpers import free_fan_out, make_chain, open_store, segment_files
 
 pytestmark = pytest.mark.skipif(

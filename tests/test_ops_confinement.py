@@ -21,13 +21,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.lock import PruneError, cache_lock
+from kvtool.disk.namespace import SSDStore
 from kvtool.ops.inspect_cache import inspect_cache
-from kvtool.ops.lock import PruneError, cache_lock
 from kvtool.ops.prune import prune
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
-from kvtool.store.index import BlockIndex
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import block_path, make_chain, make_meta, mounted_tmpfs, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,7 +11,8 @@ import pytest
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from kvtool import KVToolConfig, PrefixCache, kvbuffers
+from kvtool import KVToolConfig, PrefixCache
+from kvtool.kv import buffers as kvbuffers
 from kvtool.models.loader import load_model
 
 MAX_TOKENS = 10

@@ -1,5 +1,5 @@
 """Progress without a terminal: `kvtool warm`, `validate` and `prune` with stderr in a file print
-plain progress lines (`kvtool.cli.progress`), at most every `KVTOOL_PROGRESS_INTERVAL_S` seconds
+plain progress lines (`kvtool.progress`), at most every `KVTOOL_PROGRESS_INTERVAL_S` seconds
 (0 here: a line at every update, so that the lines do not depend on timing)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtool.cli.progress import INTERVAL_ENV, LineProgress, interval_s
+from kvtool.progress import INTERVAL_ENV, LineProgress, interval_s
 
 REPO = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"^\[kvtool (\w+) \d+\.\d s\] (done: )?(.+)$")

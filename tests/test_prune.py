@@ -20,8 +20,10 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
 from kvtool.cli import cmd_prune, removal
+from kvtool.disk.chains import build_chain_tree
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.namespace import SSDStore
 from kvtool.hashing import root_parent
-from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.prune import (
     LOCK_FILENAME,
     PruneError,
@@ -36,8 +38,6 @@ from kvtool.ops.prune import (
 )
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
-from kvtool.store.index import BlockIndex
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, segment_files, stored
 
 REPO = Path(__file__).resolve().parent.parent

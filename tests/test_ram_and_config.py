@@ -4,9 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kvtool.blocks import Block
 from kvtool.config import ConfigError, KVToolConfig, load_config
-from kvtool.store.ram import RamTier
+from kvtool.kv.blocks import Block
+from kvtool.tiers.ram import RamTier
 from kvtool.units import parse_duration, parse_size
 
 
@@ -78,7 +78,7 @@ def test_bad_units_raise(bad):
 
 
 def test_ram_trim_evicts_lru_unpinned_blocks_and_keeps_the_budget():
-    from kvtool.store.ram import RamTier
+    from kvtool.tiers.ram import RamTier
 
     evicted = []
     ram = RamTier(1 << 30, on_evict=lambda b, p: evicted.append(b.block_hash))

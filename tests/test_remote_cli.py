@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from kvtool.cli import app as app_module
 from kvtool.config import ConfigError, KVToolConfig
 from kvtool.ops import remote_ops
-from kvtool.store import remote_value as rv
-from kvtool.store.remote import RemoteStore
+from kvtool.tiers import remote_value as rv
+from kvtool.tiers.remote_store import RemoteStore
 from tests import redis_servers
 from tests.redis_servers import AUTH_PASSWORD, free_port, make_chain
 
@@ -330,7 +330,7 @@ def test_config_remote_fields(monkeypatch):
 WORKER = r"""
 import json, sys, time
 import numpy as np
-from kvtool.store.remote import RemoteStore
+from kvtool.tiers.remote_store import RemoteStore
 from tests.redis_servers import make_chain, same_block
 url, worker, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 chains = [make_chain(12, model_id="concurrent", seed=s) for s in range(3)]          # shared by every worker

@@ -1,4 +1,4 @@
-"""Reading a chain ahead from the remote tier (`kvtool.store.remote_read.ValueRead`) against a
+"""Reading a chain ahead from the remote tier (`kvtool.tiers.remote_read.ValueRead`) against a
 real redis-server: values come back in chain order across many small batches, each verified; a
 bad value in a later batch is a miss there (deleted, counted) and cuts the read; a read taken in
 part, cancelled, or cut by a closed store leaves no error; a hit through `RemoteBlockTier` places
@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtool.remote_tier import RemoteBlockTier
-from kvtool.store import remote_value as rv
-from kvtool.store.remote import RemoteStore
-from kvtool.store.remote_read import DEFAULT_WIRE_WINDOW
-from kvtool.tiers import ChainEntry
+from kvtool.tiers import remote_value as rv
+from kvtool.tiers.protocol import ChainEntry
+from kvtool.tiers.remote import RemoteBlockTier
+from kvtool.tiers.remote_read import DEFAULT_WIRE_WINDOW
+from kvtool.tiers.remote_store import RemoteStore
 from tests import redis_servers
 from tests.redis_servers import make_chain, same_block
 

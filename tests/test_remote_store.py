@@ -1,4 +1,4 @@
-"""The remote tier's store (`kvtool.store.remote`) against real redis-server processes: round
+"""The remote tier's store (`kvtool.tiers.remote_store`) against real redis-server processes: round
 trips of real host blocks (one node, a 3-node cluster, split values), corruption of every kind
 (a miss, deleted, counted), faults (SIGKILL, SIGSTOP, down at start: misses within the deadline,
 the breaker, recovery), eviction under maxmemory, passwords, the async writer. Also the value
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import redis
 
-from kvtool.store import remote_value as rv
-from kvtool.store.remote import RemoteStore, RemoteWriter
-from kvtool.store.remote_url import RemoteURLError, mask_url, parse_remote_url
+from kvtool.config.remote_url import RemoteURLError, mask_url, parse_remote_url
+from kvtool.tiers import remote_value as rv
+from kvtool.tiers.remote_store import RemoteStore, RemoteWriter
 from tests import redis_servers
 from tests.redis_servers import AUTH_PASSWORD, RedisServer, free_port, make_chain, same_block
 
@@ -177,7 +177,7 @@ def test_decode_value_raises_only_its_error_on_mutations():
 
 
 def test_value_format_is_a_one_record_segment():
-    from kvtool.store import segment
+    from kvtool.disk import segment
 
     chain = make_chain(1, seed=9)
     value = rv.encode_value(chain.blocks[0], chain.layout_key, chain.kv)

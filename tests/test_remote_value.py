@@ -10,8 +10,8 @@ import struct
 import numpy as np
 import pytest
 
-from kvtool.store import remote_value as rv
-from kvtool.store import segment, segment_template
+from kvtool.disk import segment, segment_template
+from kvtool.tiers import remote_value as rv
 from tests.redis_servers import make_chain, same_block
 
 

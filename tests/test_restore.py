@@ -1,4 +1,4 @@
-"""Tests of kvtool.store.restore.restore_chain: batched, verified restore of SSD chains straight
+"""Tests of kvtool.disk.restore.restore_chain: batched, verified restore of SSD chains straight
 into per-layer buffers (docs/design.md#restore-path-kvtoolprefix--kvtoolstorerestore).
 
 - a batched restore (reader threads, several segments, several reader tasks) places exactly the
@@ -22,11 +22,11 @@ import time
 import numpy as np
 import pytest
 
+from kvtool.disk import restore
+from kvtool.disk import segment as seg
+from kvtool.disk.namespace import SSDStore
+from kvtool.disk.segment import STORAGE_DTYPES
 from kvtool.hashing import root_parent
-from kvtool.store import restore
-from kvtool.store import segment as seg
-from kvtool.store.segment import STORAGE_DTYPES
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import (
     FaultFS,
     block_path,

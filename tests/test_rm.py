@@ -15,8 +15,10 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
 from kvtool.cli import removal
+from kvtool.disk.lock import cache_lock
+from kvtool.disk.names import LOCK_FILENAME
+from kvtool.disk.namespace import SSDStore
 from kvtool.hashing import chain_hashes, tail_hash
-from kvtool.ops.lock import cache_lock
 from kvtool.ops.remove import (
     PromptKeys,
     RemoveError,
@@ -28,8 +30,6 @@ from kvtool.ops.remove import (
 )  # fmt: skip
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
-from kvtool.store.names import LOCK_FILENAME
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import block_path, free_fan_out, make_chain, make_layout, make_meta, open_store, stored
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtool.ops.confined import remove_namespace_tree
+from kvtool.disk.confined import remove_namespace_tree
+from kvtool.disk.names import INDEX_FILENAME, SUBDIR_RE
+from kvtool.disk.namespace import SSDStore
 from kvtool.ops.remove import remove_namespace
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
-from kvtool.store.names import INDEX_FILENAME, SUBDIR_RE
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import free_fan_out, make_chain, make_layout, make_meta, open_store
 
 REPO = Path(__file__).resolve().parent.parent

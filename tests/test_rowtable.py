@@ -1,4 +1,4 @@
-"""kvtool.store.rowtable: every row of an index read in one pass as columns. A row is loaded
+"""kvtool.disk.rowtable: every row of an index read in one pass as columns. A row is loaded
 exactly when `IndexRow.from_db` accepts it (hostile values of every kind), with its values
 intact; the others are reported by rowid."""
 
@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtool.store.index import SCHEMA, IndexRow
-from kvtool.store.rowtable import INT32_MAX, load_rows
+from kvtool.disk.index import SCHEMA, IndexRow
+from kvtool.disk.rowtable import INT32_MAX, load_rows
 
 HEX = "0123456789abcdef"
 name_ok = st.text(HEX, min_size=32, max_size=32)
@@ -56,7 +56,7 @@ def test_a_row_is_loaded_exactly_when_from_db_accepts_it(rows):
 
 
 def test_many_rows_and_chunks(monkeypatch):
-    from kvtool.store import rowtable
+    from kvtool.disk import rowtable
 
     monkeypatch.setattr(rowtable, "CHUNK_ROWS", 7)
     rng = np.random.default_rng(0)
@@ -72,7 +72,7 @@ def test_many_rows_and_chunks(monkeypatch):
 
 
 def test_key_index_finds_keys_whose_high_halves_collide():
-    from kvtool.store.chains import KeyIndex, hex_of_keys, keys_from_hex
+    from kvtool.disk.chains import KeyIndex, hex_of_keys, keys_from_hex
 
     pairs = [(1, 5), (2, 5), (2, 9), (2, 7), (7, 5), (0, 0), ((1 << 64) - 1, (1 << 64) - 1)]  # three share their high half
     hashes = [f"{hi:016x}{lo:016x}" for hi, lo in pairs]

@@ -1,4 +1,4 @@
-"""kvtool.store.rowtable_arrow: the block and segment rows of an index through ADBC's SQLite
+"""kvtool.disk.rowtable_arrow: the block and segment rows of an index through ADBC's SQLite
 driver. It decides a table only when every row is well-formed, and then exactly as the
 `sqlite3` way (`rowtable.load_rows`, `SegmentRow.from_db`); any other table it hands back
 (`ArrowUnusable`), whatever the hostile values. It reads one snapshot, and the scan falls back
@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtool.disk import rowtable_arrow, rowtable_native
+from kvtool.disk.index import SCHEMA, SegmentRow
+from kvtool.disk.rowtable import load_rows
+from kvtool.disk.rowtable_arrow import ArrowUnusable, read_snapshot
 from kvtool.ops import scan as scan_mod
 from kvtool.ops.scan import scan_cache
-from kvtool.store import rowtable_arrow, rowtable_native
-from kvtool.store.index import SCHEMA, SegmentRow
-from kvtool.store.rowtable import load_rows
-from kvtool.store.rowtable_arrow import ArrowUnusable, read_snapshot
 from tests.store_helpers import make_chain, open_store
 from tests.test_rowtable import row
 

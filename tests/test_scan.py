@@ -1,4 +1,4 @@
-"""Tests of kvtool.ops.scan and kvtool.ops.chains: one read-only scan shared by inspect, validate
+"""Tests of kvtool.ops.scan and kvtool.disk.chains: one read-only scan shared by inspect, validate
 and prune (statuses, rows vs files, temps, symlinks, malformed rows), the chain tree (property
 tests: effective access, depth, reachability, termination on cycles), and the MLX boundary of
 the operator commands (a subprocess never imports mlx)."""
@@ -15,11 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtool.disk.chains import build_chain_tree, build_forest, rooted_nodes
+from kvtool.disk.index import BlockIndex
 from kvtool.hashing import root_parent
-from kvtool.ops.chains import build_chain_tree
 from kvtool.ops.scan import NamespaceStatus, ScanError, meta_problem, scan_cache
-from kvtool.store.chains import build_forest, rooted_nodes
-from kvtool.store.index import BlockIndex
 from tests.store_helpers import make_chain, make_layout, make_meta, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -334,9 +333,9 @@ def test_the_three_commands_share_the_scan_and_prune_never_imports_inspect():
 def test_layout_key_recipe_is_shared_with_prefix_cache(tmp_path):
     """A namespace written by PrefixCache (incl. sliding-window and quantisation meta) scans as ok:
     `kvtool.hashing.layout_key_of_meta` is the one recipe both use."""
+    from kvtool.cache.prefix import KVGeometry, PrefixCache
     from kvtool.config import KVToolConfig
     from kvtool.hashing import layout_key_of_meta
-    from kvtool.prefix import KVGeometry, PrefixCache
 
     pc = PrefixCache(KVToolConfig(ssd_cache_dir=tmp_path, ram_bytes=0), geometry=KVGeometry(2, 2, 8), model_id="m" * 32,
                      model_class="x.Model")

@@ -7,8 +7,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtool.disk.rowtable import RowTable
 from kvtool.ops.segment_sets import SegmentSet
-from kvtool.store.rowtable import RowTable
 
 TABLE_NAMES = [f"{i:032x}" for i in range(0, 40, 3)]  # sorted, as a RowTable's segments are
 OTHER_NAMES = [f"{i:032x}" for i in range(1, 40, 3)]

@@ -1,4 +1,4 @@
-"""The self-check (kvtool/selfcheck.py): measured once per namespace, stored, reused, and the
+"""The self-check (kvtool/cache/selfcheck.py): measured once per namespace, stored, reused, and the
 only way a model with sliding windows, state layers or cache lists gets cached.
 
 - the verdict is stored in the namespace's index meta and a later engine (a fresh process, or
@@ -21,9 +21,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kvtool import blocks, selfcheck
+from kvtool.cache import selfcheck
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
+from kvtool.kv import blocks
 from kvtool.models.loader import load_model
 from tests import model_zoo
 
@@ -94,7 +95,7 @@ def test_a_later_process_reuses_the_verdict(tmp_path):
     code = f"""
 import json, sys
 sys.path.insert(0, {str(model_zoo.CACHE_DIR.parent.parent)!r})
-from kvtool import selfcheck
+from kvtool.cache import selfcheck
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
 from kvtool.models.loader import load_model
@@ -261,10 +262,10 @@ def test_a_hit_handed_to_mlx_lm_as_is_is_bit_exact(family, tmp_path):
 def test_a_prompts_last_token_is_stored_as_a_prefill_computes_it(family, tmp_path, monkeypatch):
     """mlx-lm's decode forwards a prompt's last token again (alone; through rotating sliding
     layers), which can round its KV differently from a prefill chunk: the block or tail entry
-    ending there must hold the prefilled KV (`kvtool.prefill.last_token_kv`), or a longer prompt
+    ending there must hold the prefilled KV (`kvtool.kv.prefill.last_token_kv`), or a longer prompt
     using it is no longer bit-identical. Without it the self-check fails; with it a longer prompt
     after a 100-token and after a 64-token prompt is bit-identical (logits, cache arrays)."""
-    from kvtool import prefill
+    from kvtool.kv import prefill
     from tests import zoo_matrix
 
     lm = loaded(family)
@@ -285,7 +286,7 @@ def test_a_cache_from_mlx_lm_s_own_decode_is_stored_only_where_exact(family, alo
     not stored, so a longer prompt stays bit-identical; elsewhere it is (tail entries, chat)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvtool.prefix import PrefixCache
+    from kvtool.cache.prefix import PrefixCache
 
     lm = loaded(family)
     cfg = KVToolConfig(ssd_cache_dir=tmp_path, block_size=BS, ssd_async_writes=False)

@@ -256,8 +256,8 @@ def test_server_options_are_mlx_lm_servers(monkeypatch):
 
 @pytest.fixture()
 def adapter(tiny_model, tmp_path):
+    from kvtool.cache.prefix import PrefixCache
     from kvtool.config import KVToolConfig
-    from kvtool.prefix import PrefixCache
     from kvtool.server import KVToolPromptCache
 
     cfg = KVToolConfig(ssd_cache_dir=tmp_path / "cache", block_size=16, ssd_async_writes=False)

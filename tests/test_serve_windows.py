@@ -98,9 +98,9 @@ def test_adapter_prefills_and_stores_at_fetch(tmp_path):
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
+    from kvtool.cache.prefix import PrefixCache
     from kvtool.config import KVToolConfig
     from kvtool.models.loader import compute_model_id, load_model
-    from kvtool.prefix import PrefixCache
     from kvtool.server.adapter import KVToolPromptCache
 
     path = model_zoo.family_dir("lfm2")
@@ -141,11 +141,11 @@ def test_adapter_stores_the_kv_a_prefill_computes(family, tmp_path):
     the KV and states kvtool's prefill computes for the prompt, which the self-check measured
     equal to mlx-lm's own: the prompt restored from the tiers (every token but the last, the
     state before the last token) equals a fresh prefill's cache, every array."""
-    from kvtool import blocks, prefill
+    from kvtool.cache.prefix import PrefixCache
+    from kvtool.cache.selfcheck import _same
     from kvtool.config import KVToolConfig
+    from kvtool.kv import blocks, prefill
     from kvtool.models.loader import compute_model_id, load_model
-    from kvtool.prefix import PrefixCache
-    from kvtool.selfcheck import _same
     from kvtool.server.adapter import KVToolPromptCache
 
     path = model_zoo.family_dir(family)
@@ -188,9 +188,9 @@ def test_stats_answer_during_kvtool_s_prefill_and_a_reconfiguration_meanwhile_st
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
+    from kvtool.cache.prefix import PrefixCache
     from kvtool.config import KVToolConfig
     from kvtool.models.loader import compute_model_id, load_model
-    from kvtool.prefix import PrefixCache
     from kvtool.server.adapter import KVToolPromptCache
 
     path = model_zoo.family_dir("gemma3_text")

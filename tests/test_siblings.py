@@ -17,9 +17,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtool import KVToolConfig, PrefixCache
+from kvtool.disk.fsops import FileOps
 from kvtool.hashing import chain_hashes
-from kvtool.siblings import truncate, usable_lens
-from kvtool.store.fsops import FileOps
+from kvtool.tiers.siblings import truncate, usable_lens
 from tests.store_helpers import flip_record_byte
 from tests.test_prefix_api import generate as _generate
 from tests.test_prefix_api import serve
@@ -77,7 +77,7 @@ def test_usable_lens_and_truncate():
     sibs = [np.array([1, 2, 9], np.int32), a[:3], np.array([7], np.int32), a]
     assert usable_lens(ids, 0, 4, sibs, 4, False).tolist() == [2, 3, 0, 4]
     assert usable_lens(ids, 0, 4, sibs, 4, True).tolist() == [2, 2, 0, 4]  # a quantized tail gives n - 1 at most
-    from kvtool.hostblock import HostBlock
+    from kvtool.disk.hostblock import HostBlock
     k = np.arange(2 * 4 * 3, dtype=np.float32).reshape(1, 2, 4, 3)
     host = HostBlock("a" * 32, "b" * 32, a, [k], [k + 1], "float32")
     cut = truncate(host, 2)

@@ -1,4 +1,4 @@
-"""The SSD tier's byte budget (`ssd_max_bytes`, kvtool.store.ssd_budget): the namespace directory
+"""The SSD tier's byte budget (`ssd_max_bytes`, kvtool.disk.budget): the namespace directory
 stays within its bytes (as `du` counts them) while serving, across processes; least recently used
 segments go first, with their descendants; recently used ones never; a restore reads a segment
 evicted under it; evictions are counted. Real files and processes, no mocks."""
@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from kvtool.config import KVToolConfig
+from kvtool.disk import restore
+from kvtool.disk.namespace import SSDStore
+from kvtool.disk.segment import FORMAT_VERSION, KVLayout
 from kvtool.hashing import chain_hashes, layout_key, root_parent
 from kvtool.ops.validate import validate
-from kvtool.store import restore
-from kvtool.store.segment import FORMAT_VERSION, KVLayout
-from kvtool.store.ssd import SSDStore
-from kvtool.store.writer import make_writer
+from kvtool.tiers.writer import make_writer
 from tests.store_helpers import make_block
 from tests.test_restore import Buffers, expected_bytes, offsets
 

@@ -1,4 +1,4 @@
-"""Tests of kvtool.store.segment: the segment file format (format 2, real safetensors bytes).
+"""Tests of kvtool.disk.segment: the segment file format (format 2, real safetensors bytes).
 
 A segment holds several block records; each record is verified alone (xxh3-128), and the header
 checksum covers the tensor table and the metadata, so a same-length header edit (two records'
@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from kvtool.hostblock import HostBlock
-from kvtool.store import segment as seg
-from kvtool.store.segment import BlockFileError, KVLayout
+from kvtool.disk import segment as seg
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.segment import BlockFileError, KVLayout
 from tests.store_helpers import (
     assert_same_block,
     encode_segment,

@@ -1,4 +1,4 @@
-"""Tests of kvtool.store.ssd.SSDStore on segment files (real files, real SQLite; faults injected
+"""Tests of kvtool.disk.namespace.SSDStore on segment files (real files, real SQLite; faults injected
 through FileOps, tampered index rows written with raw sqlite3)."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 
+from kvtool.disk import index as index_mod
+from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.disk.namespace import COUNTERS, NONCACHEABLE_TTL_S, SSDStore
 from kvtool.hashing import chain_hashes, root_parent, tail_hash
-from kvtool.store import index as index_mod
-from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.store.ssd import COUNTERS, NONCACHEABLE_TTL_S, SSDStore
 from tests.store_helpers import (
     ERRNOS,
     FaultFS,
@@ -462,7 +462,7 @@ def test_directory_fsync_failure_after_the_rename_leaves_no_orphan(tmp_path):
     assert store.save_blocks(chain) == ["error"] * 3
     assert fs.calls.get("fsync_dir_fail") == 1
     assert store.lookup(hashes_of(chain)) == []
-    # Regression (found in review, fixed): kvtool/store/ssd_save.py, SegmentSaver._write_file (was SSDStore._write_file).
+    # Regression (found in review, fixed): kvtool/disk/namespace_save.py, SegmentSaver._write_file (was SSDStore._write_file).
     assert segment_files(store) == [] and no_temp_files(store)
     store.close()
 
@@ -514,7 +514,7 @@ def test_read_error_is_a_miss_that_keeps_the_rows(store, monkeypatch, where):
     """EIO from a read (a bad sector, a flaky network disk) is not evidence that the block is
     corrupt: the request misses, the rows and the file stay (as the restore path does for a
     record read error, and as a failing open does)."""
-    from kvtool.store import segment as seg
+    from kvtool.disk import segment as seg
 
     chain = make_chain(store.layout_key, np.arange(8))
     store.save_blocks(chain)
@@ -526,7 +526,7 @@ def test_read_error_is_a_miss_that_keeps_the_rows(store, monkeypatch, where):
     monkeypatch.setattr(seg.os, "preadv" if where == "record" else "pread", eio)
     assert store.load_block(chain[0].block_hash, chain[0].token_ids) is None
     monkeypatch.undo()
-    # Regression (found in review, fixed): kvtool/store/ssd.py.
+    # Regression (found in review, fixed): kvtool/disk/namespace.py.
     assert path.exists() and len(store.lookup(hashes_of(chain))) == 2
     assert store.stats()["ssd_load_fail"] == 1 and store.stats()["ssd_load_corrupt"] == 0
     assert store.load_block(chain[0].block_hash, chain[0].token_ids) is not None
@@ -722,7 +722,7 @@ def test_reconcile_drops_missing_segments_despite_malformed_segment_rows(tmp_pat
         con.execute("INSERT INTO segments VALUES (NULL, 10, 1, 1.0)")
         con.execute("INSERT INTO segments VALUES ('../../etc', 10, 1, 1.0)")
     again = open_store(tmp_path)
-    # Regression (found in review, fixed): kvtool/store/ssd.py, SSDStore._reconcile.
+    # Regression (found in review, fixed): kvtool/disk/namespace.py, SSDStore._reconcile.
     assert again.reconcile_report.missing_rows_dropped == 2
     assert len(again.lookup(hashes_of(chain))) == 2
     again.close()

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtool import KVToolConfig, PrefixCache, tail_prefix
+from kvtool import KVToolConfig, PrefixCache
 from kvtool.hashing import blake2b_chain, chain_hashes, tail_hash
+from kvtool.tiers import tail_prefix
 from tests.store_helpers import flip_record_byte
 from tests.test_prefix_api import generate as _generate
 from tests.test_prefix_api import serve
@@ -57,7 +58,7 @@ def test_extended_prompt_reuses_the_tail_from_ram_and_from_ssd(tiny_model, promp
         c = a + more[:10]  # 310 tokens, A's tail entry (44 tokens) is a prefix of it, from SSD ...
         out, hit = serve(pc, tiny_model, c)
         assert out == generate(tiny_model, c)
-        # ... but B's block 4 (a sibling, kvtool.siblings) holds all of c's tokens but the last
+        # ... but B's block 4 (a sibling, kvtool.tiers.siblings) holds all of c's tokens but the last
         assert (hit.cached_tokens, hit.ssd_tokens, hit.ram_tokens) == (309, 309, 0)
         assert pc.stats()["kv_partial_block_hits"] == 1
 

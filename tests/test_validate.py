@@ -16,11 +16,11 @@ import typer
 from typer.testing import CliRunner
 
 from kvtool.cli import cmd_validate
-from kvtool.ops.lock import LOCK_FILENAME, PruneLocked
+from kvtool.disk.lock import LOCK_FILENAME, PruneLocked
+from kvtool.disk.namespace import SSDStore
 from kvtool.ops.prune import prune
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import REPAIRS, execute, plan_repairs, validate
-from kvtool.store.ssd import SSDStore
 from tests.store_helpers import (
     block_path,
     encode_segment,
@@ -387,7 +387,7 @@ def test_progress_reports_every_segment(cache, damage):
 LOCK_HOLDER = """
 import sys, time
 from pathlib import Path
-from kvtool.ops.lock import cache_lock
+from kvtool.disk.lock import cache_lock
 with cache_lock(Path(sys.argv[1])):
     print("locked", flush=True)
     sys.stdin.readline()  # hold the lock until the test closes stdin

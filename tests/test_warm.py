@@ -1,4 +1,4 @@
-"""Tests of kvtool.ops.warm and `kvtool warm`: sources, write-through whatever the policy, a warm
+"""Tests of kvtool.jobs.warm and `kvtool warm`: sources, write-through whatever the policy, a warm
 run then `serve-once` in a new process (all SSD hits, same tokens as uncached), the second run
 writing nothing, interruption, bad input."""
 
@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from kvtool.cli import app as app_module
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
+from kvtool.jobs.warm import WarmError, load_sources, warm
 from kvtool.ops.validate import validate
-from kvtool.ops.warm import WarmError, load_sources, warm
 from kvtool.prompts import Request
 
 REPO = Path(__file__).resolve().parent.parent

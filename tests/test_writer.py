@@ -1,4 +1,4 @@
-"""Tests of kvtool.store.writer: the writer protocol (docs/design.md#writer-protocol) with batches as the unit of work,
+"""Tests of kvtool.tiers.writer: the writer protocol (docs/design.md#writer-protocol) with batches as the unit of work,
 byte-bounded backpressure, coalescing of queued batches, and per-block retries.
 
 Interleavings are forced with `threading.Event` / `threading.Barrier` (and the writer's counter
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtool.blocks import HostBlock
 from kvtool.config import KVToolConfig
-from kvtool.store.writer import (
+from kvtool.kv.blocks import HostBlock
+from kvtool.tiers.writer import (
     COUNTER_NAMES,
     DEFAULT_BATCH_MAX_BYTES,
     DEFAULT_MAX_QUEUE_BYTES,
@@ -630,7 +630,7 @@ def test_retry_modes_retry_exactly_n_times_then_give_up(writers, caplog, kind, d
     w = writers(sink, kind, durability=durability, max_retries=max_retries, retry_backoff_s=0.01,
                 sleep=delays.append)
     block = make_block("r")
-    with caplog.at_level(logging.WARNING, logger="kvtool.store.writer"):
+    with caplog.at_level(logging.WARNING, logger="kvtool.tiers.writer"):
         assert w.enqueue(block)
         assert w.flush(WAIT)
     assert sink.hashes == [block.block_hash] * (1 + max_retries)
@@ -674,7 +674,7 @@ def test_partial_batch_retries_only_failed_blocks(writers, kind):
 def test_partial_batch_final_failure_counts_blocks(writers, kind, caplog):
     sink = Sink(outcomes=[["error", "saved", "collision"]], default="error")
     w = writers(sink, kind, durability="durable", max_retries=2, sleep=no_sleep)
-    with caplog.at_level(logging.WARNING, logger="kvtool.store.writer"):
+    with caplog.at_level(logging.WARNING, logger="kvtool.tiers.writer"):
         assert w.enqueue_many([make_block(c) for c in "abc"]) == 3
         assert w.flush(WAIT)
     assert sink.batches == [hashes_of(*"abc"), hashes_of("a"), hashes_of("a")]

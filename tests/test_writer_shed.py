@@ -19,11 +19,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvtool.hostblock import HostBlock
-from kvtool.store.fsops import FileOps
-from kvtool.store.ssd import SSDStore
-from kvtool.store.writer import AsyncWriter
-from kvtool.store.writer_batch import ShedLog
+from kvtool.disk.fsops import FileOps
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.namespace import SSDStore
+from kvtool.tiers.writer import AsyncWriter
+from kvtool.tiers.writer_batch import ShedLog
 from tests.store_helpers import make_chain, make_layout, open_store
 
 WAIT = 5.0  # seconds: upper bound of every wait in these tests
@@ -115,7 +115,7 @@ def test_full_queue_sheds_at_once_and_accepted_blocks_are_written(gated, caplog,
         fill_queue(w, fs, chain)
         assert w.queue_peak_bytes() == nbytes(chain[:3])  # one being written + two queued
 
-        with caplog.at_level(logging.WARNING, logger="kvtool.store.writer"):
+        with caplog.at_level(logging.WARNING, logger="kvtool.tiers.writer"):
             producer, returned = in_thread(w.enqueue_many, chain[3:5])
             producer.join(WAIT)  # would take NEVER seconds if the writer waited for room
             assert not producer.is_alive(), "enqueue blocked on a full queue"
@@ -211,7 +211,7 @@ def test_room_again_after_the_worker_catches_up(gated):
 def test_shed_log_rate_limit_and_counts_since_last_line(caplog):
     clock = FakeClock()
     log = ShedLog(interval_s=60.0, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="kvtool.store.writer"):
+    with caplog.at_level(logging.WARNING, logger="kvtool.tiers.writer"):
         assert log.flush() is False  # nothing shed: no line
         assert log.add(1, 10) is True  # the first shed is logged at once
         clock.now += 59.0

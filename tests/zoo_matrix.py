@@ -106,7 +106,7 @@ def check_family(family: str, path: Path, workdir: Path) -> FamilyResult:
     difference from mlx-lm or a cached family that does not hit."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kvtool import selfcheck
+    from kvtool.cache import selfcheck
     from kvtool.config import KVToolConfig
     from kvtool.engine import Engine
     from kvtool.models.loader import load_model
@@ -169,7 +169,7 @@ CACHE_TYPES = """\
 | `CacheList` (several caches per layer) | its leaves, as above | the self-check passed |
 | other classes (`ChunkedKVCache`, model-specific caches) | - | never (named in `uncached_reason`) |
 
-The self-check (`kvtool/selfcheck.py`, docs/design.md) runs once per namespace: a probe of
+The self-check (`kvtool/cache/selfcheck.py`, docs/design.md) runs once per namespace: a probe of
 3+ blocks and a partial block (longer than every window) is prefilled by mlx-lm straight through
 and by kvtool, stored, restored from RAM and SSD (with the block-boundary states) and continued,
 also as extensions of earlier prompts and handed to mlx-lm as `fetch` returns it; decode
@@ -186,9 +186,9 @@ def bitwise(loaded, workdir: Path) -> str | None:
     token was that prompt's last), each against mlx-lm's own run. None if identical."""
     import numpy as np
 
-    from kvtool import selfcheck
+    from kvtool.cache import selfcheck
+    from kvtool.cache.prefix import PrefixCache
     from kvtool.config import KVToolConfig
-    from kvtool.prefix import PrefixCache
 
     ids = np.asarray(prompts()[0], dtype=np.int32)
     ref_out, ref_cache, ref_logits = selfcheck._reference(loaded.model, ids, 2048)

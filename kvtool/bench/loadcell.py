@@ -495,31 +495,6 @@ def _write_raw(ctx: _Ctx) -> None:
     (ctx.run_dir / "batches.json").write_text(json.dumps(ctx.batches, indent=2, default=str) + "\n")
 
 
-# ------------------------------------------------------------------------------------------ CLI
-def bench_serve_load(config: Path, out: Path | None, json_out: bool) -> int:
-    """`kvtool bench CONFIG` for a `[serve_load]` config: run, print a summary, return the exit
-    code (0 all checks passed; 1 an output mismatch, a failed request or an unclean server stop).
-
-    Raises:
-        ConfigError: a bad config (exit 2 through the CLI's error handling).
-    """
-    from kvtool.cli import common
-
-    spec = load_serve_load(config)
-    try:
-        run = run_serve_load(spec, out, progress=True, config_path=config)
-    except (RuntimeError, OSError) as exc:
-        raise common.CLIError(f"serve_load run failed: {exc}", code=common.EXIT_PROBLEMS) from None
-    if json_out:
-        common.print_json({"run_dir": str(run.run_dir), "report": str(run.run_dir / "report.md"), "ok": run.ok,
-                           "comparison": run.report.summary_records()})
-    else:
-        for line in run.report.summary_lines():
-            common.console.print(line, highlight=False, markup=False, soft_wrap=True)
-        common.console.print(f"report: {run.run_dir / 'report.md'}", highlight=False, markup=False)
-    return common.EXIT_OK if run.ok else common.EXIT_PROBLEMS
-
-
-__all__ = ["LoadRun", "Progress", "ServeLoadSpec", "bench_serve_load", "is_serve_load_config", "load_serve_load",
+__all__ = ["LoadRun", "Progress", "ServeLoadSpec", "is_serve_load_config", "load_serve_load",
            "parse_serve_load", "run_batch", "run_serve_load"]
 

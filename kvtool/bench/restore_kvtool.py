@@ -1,7 +1,7 @@
 """The restore benchmark's one door into kvtool's store/restore API.
 
 `open_prefix_cache` is the only function of the benchmark that knows how kvtool stores and
-restores a prompt's KV. It targets the public `kvtool.prefix.PrefixCache` API (a full hit comes
+restores a prompt's KV. It targets the public `kvtool.cache.prefix.PrefixCache` API (a full hit comes
 back trimmed by one token, `cached_tokens = T - 1`, the last one being re-forwarded):
 
     pc = PrefixCache(config, geometry=KVGeometry(...), model_id=...)
@@ -12,7 +12,7 @@ back trimmed by one token, `cached_tokens = T - 1`, the last one being re-forwar
 `LegacyPrefixCache` offers the same methods over the tiered cache of the trees before the
 PrefixCache rewrite (up to commit e058dc9: chain hashes, `TieredCache.lookup`, `rebuild_cache`),
 for before/after runs: copy the benchmark files into an export of such a tree and pass
-`--kvtool-api legacy`. `api="auto"` picks `prefix` whenever `kvtool.prefix` exists. Rows
+`--kvtool-api legacy`. `api="auto"` picks `prefix` whenever `kvtool.cache.prefix` exists. Rows
 record which API ran.
 """
 
@@ -54,7 +54,7 @@ class KVShape:
 
 @dataclass
 class Hit:
-    """What a restore returned, whatever the API (fields as `kvtool.prefix`'s hit)."""
+    """What a restore returned, whatever the API (fields as `kvtool.cache.prefix`'s hit)."""
 
     cache: list
     cached_tokens: int
@@ -65,7 +65,7 @@ class Hit:
 
 
 def resolve_api(api: str = "auto") -> str:
-    """`prefix` if `kvtool.prefix` is importable (or asked for), else `legacy`.
+    """`prefix` if `kvtool.cache.prefix` is importable (or asked for), else `legacy`.
 
     Raises:
         ValueError: unknown `api`.
@@ -74,7 +74,7 @@ def resolve_api(api: str = "auto") -> str:
         raise ValueError(f"api must be one of {', '.join(API_CHOICES)}, got {api!r}")
     if api != "auto":
         return api
-    return "prefix" if importlib.util.find_spec("kvtool.prefix") is not None else "legacy"
+    return "prefix" if importlib.util.find_spec("kvtool.cache.prefix") is not None else "legacy"
 
 
 def open_prefix_cache(
@@ -90,7 +90,7 @@ def open_prefix_cache(
     Args:
         cache_dir: SSD tier root.
         shape: KV layout; its `model_id` names the namespace.
-        api: `prefix` (kvtool.prefix.PrefixCache), `legacy` (today's tiered cache) or `auto`.
+        api: `prefix` (kvtool.cache.prefix.PrefixCache), `legacy` (today's tiered cache) or `auto`.
         async_writes: background writer (True) or inline writes (False).
         block_size: tokens per block; None keeps kvtool's default.
 
@@ -110,12 +110,12 @@ def open_prefix_cache(
 
 
 class _PrefixAdapter:
-    """`kvtool.prefix.PrefixCache`, with its hit wrapped in a `Hit`."""
+    """`kvtool.cache.prefix.PrefixCache`, with its hit wrapped in a `Hit`."""
 
     api = "prefix"
 
     def __init__(self, config, shape: KVShape):
-        from kvtool.prefix import KVGeometry, PrefixCache
+        from kvtool.cache.prefix import KVGeometry, PrefixCache
 
         geometry = KVGeometry(shape.n_layers, shape.n_kv_heads, shape.head_dim, dtype=shape.dtype)
         self.pc = PrefixCache(config, geometry=geometry, model_id=shape.model_id)
@@ -139,7 +139,7 @@ class _PrefixAdapter:
 
 
 class LegacyPrefixCache:
-    """The `kvtool.prefix` methods over today's `TieredCache` (as `Engine` drives it).
+    """The `kvtool.cache.prefix` methods over today's `TieredCache` (as `Engine` drives it).
 
     It runs only in a pre-rewrite tree, against that tree's API; the `type: ignore`s below are
     where this tree's own signatures (which mypy checks against) differ.
@@ -149,8 +149,8 @@ class LegacyPrefixCache:
 
     def __init__(self, config, shape: KVShape):
         try:
-            from kvtool.blocks import layout_key, rebuild_cache  # noqa: F401
-            from kvtool.store.tiered import LookupResult, TieredCache  # type: ignore[attr-defined]  # noqa: F401  (LookupResult: pre-rewrite trees only)
+            from kvtool.kv.blocks import layout_key, rebuild_cache  # noqa: F401
+            from kvtool.tiers.stack import LookupResult, TieredCache  # type: ignore[attr-defined]  # noqa: F401  (LookupResult: pre-rewrite trees only)
         except ImportError as exc:
             raise RuntimeError(f"--kvtool-api legacy needs a tree before the PrefixCache rewrite ({exc})") from None
 
@@ -167,12 +167,12 @@ class LegacyPrefixCache:
         self.tiered: Any = TieredCache(config, self.layout, meta)  # the pre-rewrite class (lookup, release)
 
     def _hashes(self, ids: np.ndarray) -> list[str]:
-        from kvtool.blocks import chain_hashes
+        from kvtool.kv.blocks import chain_hashes
 
         return chain_hashes(ids, self.config.block_size, self.layout)
 
     def store(self, token_ids: Sequence[int] | np.ndarray, cache: list) -> None:
-        from kvtool.blocks import slice_blocks
+        from kvtool.kv.blocks import slice_blocks
 
         ids = np.asarray(token_ids, dtype=np.int32)
         hashes = self._hashes(ids)
@@ -185,7 +185,7 @@ class LegacyPrefixCache:
         self.tiered.flush()
 
     def fetch(self, token_ids: Sequence[int] | np.ndarray) -> Hit:
-        from kvtool.blocks import rebuild_cache
+        from kvtool.kv.blocks import rebuild_cache
 
         ids = np.asarray(token_ids, dtype=np.int32)
         found = self.tiered.lookup(self._hashes(ids), ids)

@@ -16,7 +16,7 @@ and reads one JSON object from the last line of stdout. Modes:
   `ids[:-1]`; later, in a fresh process after a warm-up forward, time `load_prompt_cache` + the
   first (greedy) token of mlx-lm's `generate_step` over the last token: what an mlx-lm user
   runs. (`kvtool serve-once` ran `generate_step` too until its engine sampled the first token
-  before `generate_step` takes over, `kvtool.decode`: kvtool's TTFT no longer includes the
+  before `generate_step` takes over, `kvtool.kv.decode`: kvtool's TTFT no longer includes the
   dispatch of the second step that this one does, ~4 ms at 16k tokens on `tiny`.)
 
 Peak RSS of a restore: `/proc/self/clear_refs` ← "5" resets VmHWM to the current RSS just before

@@ -214,8 +214,8 @@ def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]
 
 
 def _progress_bar() -> Progress:
-    """A rich bar on a terminal; without one, a progress line at most every 10 s (kvtool.cli.progress)."""
-    from kvtool.cli.progress import make_progress
+    """A rich bar on a terminal; without one, a progress line at most every 10 s (kvtool.progress)."""
+    from kvtool.progress import make_progress
 
     return make_progress("kvtool bench", TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                          TimeElapsedColumn(), console=Console(stderr=True), transient=False)
@@ -388,7 +388,7 @@ def _masked(raw: dict[str, Any]) -> dict[str, Any]:
     url = raw.get("cache", {}).get("remote_url") if isinstance(raw.get("cache"), dict) else None
     if not isinstance(url, str):
         return raw
-    from kvtool.store.remote_url import parse_remote_url
+    from kvtool.config.remote_url import parse_remote_url
 
     return {**raw, "cache": {**raw["cache"], "remote_url": parse_remote_url(url).masked}}
 

@@ -9,7 +9,7 @@ import typer
 
 from kvtool.cli import common
 from kvtool.cli.cmd_serve import MetricsFileOpt, check_metrics_file, write_metrics_file
-from kvtool.cli.progress import stderr_is_terminal
+from kvtool.progress import stderr_is_terminal
 
 BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget x remote policy: off, write_through, on_evict, against \\[cache] remote_url or a redis-server the bench starts) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
 
@@ -65,13 +65,13 @@ def bench(
 
         if not config.is_file():
             raise common.CLIError(f"sweep file not found: {config}")
-        from kvtool.bench.loadcell import bench_serve_load, is_serve_load_config
+        from kvtool.bench.loadcell import is_serve_load_config
 
         if is_serve_load_config(config):  # load through real servers (kvtool serve vs mlx_lm.server)
             if metrics_file is not None:
                 raise common.CLIError("--metrics-file: a [serve_load] run drives real kvtool serve processes; "
                                       "scrape their GET /metrics instead")
-            code = bench_serve_load(config, out, json_out)
+            code = _bench_serve_load(config, out, json_out)
     if code is not None:
         raise typer.Exit(code)
     with common.cli_errors():
@@ -193,3 +193,27 @@ def _ratio(value: float) -> str:
 def register(app: typer.Typer) -> None:
     app.command("bench", help=BENCH_HELP)(bench)
     app.command("report", help=REPORT_HELP)(report)
+
+
+def _bench_serve_load(config: Path, out: Path | None, json_out: bool) -> int:
+    """`kvtool bench CONFIG` for a `[serve_load]` config: run, print a summary, return the exit
+    code (0 all checks passed; 1 an output mismatch, a failed request or an unclean server stop).
+
+    Raises:
+        ConfigError: a bad config (exit 2 through the CLI's error handling).
+    """
+    from kvtool.bench.loadcell import load_serve_load, run_serve_load
+
+    spec = load_serve_load(config)
+    try:
+        run = run_serve_load(spec, out, progress=True, config_path=config)
+    except (RuntimeError, OSError) as exc:
+        raise common.CLIError(f"serve_load run failed: {exc}", code=common.EXIT_PROBLEMS) from None
+    if json_out:
+        common.print_json({"run_dir": str(run.run_dir), "report": str(run.run_dir / "report.md"), "ok": run.ok,
+                           "comparison": run.report.summary_records()})
+    else:
+        for line in run.report.summary_lines():
+            common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        common.console.print(f"report: {run.run_dir / 'report.md'}", highlight=False, markup=False)
+    return common.EXIT_OK if run.ok else common.EXIT_PROBLEMS

@@ -3,7 +3,7 @@
 The values are those every command would use with the same flags and environment
 (`common.build_settings`: flag > `KVTOOL_<FIELD>` variable > config file > default). Each is shown
 as a config file would hold it (sizes in bytes, durations with their unit, `ssd_dir_mode` in
-octal), `remote_url` with its password masked (`kvtool.store.remote_url.mask_url`).
+octal), `remote_url` with its password masked (`kvtool.config.remote_url.mask_url`).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def show_cmd(
 
 
 def settings_document(settings: Any) -> dict[str, Any]:
-    """The `--json` document (without `schema_version`) of a `kvtool.settings.Settings`."""
-    from kvtool.settings import env_names
+    """The `--json` document (without `schema_version`) of a `kvtool.config.settings.Settings`."""
+    from kvtool.config.settings import env_names
 
     cfg = settings.config
     file = None if settings.config_file is None else {"path": str(settings.config_file),
@@ -100,7 +100,7 @@ def settings_document(settings: Any) -> dict[str, Any]:
 def shown_value(field: str, value: Any) -> Any:
     """`value` of `field` as a config file would hold it, JSON-ready: None, a bool, a number or
     a string (paths; durations with their unit; `ssd_dir_mode` in octal; `remote_url` masked)."""
-    from kvtool.store.remote_url import mask_url
+    from kvtool.config.remote_url import mask_url
 
     if field == "ssd_dir_mode":
         return oct(value)
@@ -127,7 +127,7 @@ def duration_text(seconds: float) -> str:
 
 
 def _print_human(out: Output, settings: Any, doc: dict[str, Any]) -> None:
-    """The settings as a table: field, value (`-` for none), source (`kvtool.settings.Origin`)."""
+    """The settings as a table: field, value (`-` for none), source (`kvtool.config.settings.Origin`)."""
     file = doc["config_file"]
     out.print(f"config file: {file['path']} ({file['found_by']})" if file else "config file: none", highlight=False)
     table = Table(box=box.SIMPLE, show_edge=False)

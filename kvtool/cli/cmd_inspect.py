@@ -190,9 +190,9 @@ def prompt_engine(cfg, source: PromptSource) -> Iterator[tuple[Any, Any]]:
 
 
 def _probe(cfg, source: PromptSource, out: Output) -> int:
+    from kvtool.disk.fsops import is_namespace_dir
     from kvtool.ops.inspect_cache import PromptProbe
     from kvtool.ops.scan import ScanError
-    from kvtool.store.fsops import is_namespace_dir
 
     source.check()
     if cfg.ssd_cache_dir.exists() and not cfg.ssd_cache_dir.is_dir():  # one that does not exist yet: empty
@@ -225,7 +225,7 @@ def read_only_engine(model: str, cfg, model_opts: dict):
     from kvtool.models.loader import ModelLoadError
     from kvtool.ops.inspect_cache import ReadOnlyFileOps
 
-    store_log = logging.getLogger("kvtool.store.ssd")  # "read-only"/"disabled" is the point here
+    store_log = logging.getLogger("kvtool.disk.namespace")  # "read-only"/"disabled" is the point here
     level = store_log.level
     store_log.setLevel(logging.ERROR)
     adapter = model_opts.get("adapter_path")

@@ -1,6 +1,6 @@
 """`kvtool import` / `kvtool export`: mlx-lm prompt-cache files in and out of the tiers.
 
-Logic in `kvtool.ops.interop` (files, token ids: `kvtool.ops.interop_files`); this module parses
+Logic in `kvtool.jobs.interop` (files, token ids: `kvtool.jobs.interop_files`); this module parses
 options, loads the engine, prints.
 """
 
@@ -72,7 +72,7 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 def _tokens(engine: Engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required: bool):
     """(token ids or None, source)."""
-    from kvtool.ops.interop_files import cache_prompt_tokens, read_token_ids
+    from kvtool.jobs.interop_files import cache_prompt_tokens, read_token_ids
 
     given = sum(x is not None for x in (prompt, prompt_file, token_ids))
     if given > 1:
@@ -141,8 +141,8 @@ def import_cmd(
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
-        from kvtool.ops.interop import import_cache_file
-        from kvtool.ops.interop_files import file_quantization, load_cache_file
+        from kvtool.jobs.interop import import_cache_file
+        from kvtool.jobs.interop_files import file_quantization, load_cache_file
 
         loaded = load_cache_file(file)  # fail fast (before the model loads) and learn the quantisation
         quant = file_quantization(loaded[0])
@@ -224,8 +224,8 @@ def export_cmd(
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
-        from kvtool.ops.interop import export_cache_file
-        from kvtool.ops.interop_files import SUFFIX, metadata_model_for
+        from kvtool.jobs.interop import export_cache_file
+        from kvtool.jobs.interop_files import SUFFIX, metadata_model_for
 
         if out.suffix != SUFFIX:
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")

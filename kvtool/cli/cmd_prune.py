@@ -11,11 +11,11 @@ from rich.table import Table
 from kvtool.cli import common
 from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, prune_remote, refuse_options
 from kvtool.cli.output import Output
-from kvtool.cli.progress import progress
 from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
+from kvtool.progress import progress
 from kvtool.units import format_bytes, parse_duration, parse_size
 
-EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.ops.lock.EXIT_LOCKED)
+EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.disk.lock.EXIT_LOCKED)
 NO_TTL = ("none", "off", "never")
 
 HELP = """Remove old and least recently used segment files from the SSD tier.
@@ -81,7 +81,7 @@ def prune_cmd(
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
-        # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.cli.progress)
+        # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
         with common.maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
             task = bar.add_task("scanning the cache", total=None) if bar is not None else None
             plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)

@@ -90,14 +90,14 @@ class Server:
 
     def resolve(self) -> tuple[str, bool | None, float]:
         """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
-        config file (`kvtool.settings`); `cluster` True or None (the URL decides).
+        config file (`kvtool.config.settings`); `cluster` True or None (the URL decides).
 
         Raises:
             CLIError: no URL anywhere, a bad timeout, a `--config` that does not exist.
             ConfigError: a bad `remote_url` in a layer (its password masked).
         """
         from kvtool.config import ConfigError
-        from kvtool.settings import resolve_settings
+        from kvtool.config.settings import resolve_settings
 
         if self.config is not None and not self.config.is_file():
             raise common.CLIError(f"config file not found: {self.config}")
@@ -314,8 +314,8 @@ def push_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        from kvtool.ops.remote_push import open_store_for, push_namespace
-        from kvtool.store.names import NAMESPACE_RE
+        from kvtool.disk.names import NAMESPACE_RE
+        from kvtool.jobs.remote_push import open_store_for, push_namespace
 
         root = common.build_config(config, cache_dir).ssd_cache_dir
         server = Server(url, config, cluster, timeout)

@@ -21,7 +21,7 @@ from kvtool.prompts import (
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
-    from kvtool.store.tiered import ShutdownStatus
+    from kvtool.tiers.stack import ShutdownStatus
 
 HELP = """Serve one request (or a JSONL file of requests) through the tiered KV cache, then exit.
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from kvtool.cli import common
 from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, validate_remote
 from kvtool.cli.output import Output
-from kvtool.cli.progress import progress
+from kvtool.progress import progress
 from kvtool.units import format_bytes
 
 HELP = """Check every namespace of the SSD cache and repair it, without losing a block that verifies.

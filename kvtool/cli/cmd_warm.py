@@ -1,5 +1,5 @@
 """`kvtool warm`: prefill prompts into the SSD tier (no decode), with a progress bar on a terminal
-and a progress line at most every 10 s without one (`kvtool.cli.progress`)."""
+and a progress line at most every 10 s without one (`kvtool.progress`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from kvtool.cli import common
-from kvtool.cli.progress import make_progress, stderr_is_terminal
+from kvtool.progress import make_progress, stderr_is_terminal
 from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def warm_cmd(
     common.setup_logging(verbose)
     with common.cli_errors():
         from kvtool.cli.cmd_serve import parse_max_prompt_bytes
-        from kvtool.ops.warm import WarmError, check_engine, load_sources
+        from kvtool.jobs.warm import WarmError, check_engine, load_sources
 
         try:
             prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
@@ -102,7 +102,7 @@ def _push(namespace_dir: Path, cfg) -> int:
     """`--to-remote`: the namespace's verified SSD blocks to the remote tier; one stderr line."""
     import sys
 
-    from kvtool.ops.remote_push import open_store_for, push_namespace
+    from kvtool.jobs.remote_push import open_store_for, push_namespace
 
     store = open_store_for(namespace_dir, cfg.remote_url, timeout_s=cfg.remote_timeout_s,
                            cluster=True if cfg.remote_cluster else None)
@@ -118,7 +118,7 @@ def _push(namespace_dir: Path, cfg) -> int:
 
 
 def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None) -> int:
-    from kvtool.ops.warm import WarmError, WarmReport, warm
+    from kvtool.jobs.warm import WarmError, WarmReport, warm
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
     with common.signals_raise():
@@ -147,7 +147,7 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
 
 class _RichProgress:
     """Adapter from warm's `progress(report)` to one rich bar (prompts, tokens, blocks, bytes), or
-    without a terminal to progress lines (`kvtool.cli.progress.LineProgress`)."""
+    without a terminal to progress lines (`kvtool.progress.LineProgress`)."""
 
     def __init__(self, total: int) -> None:
         self._bar = make_progress(

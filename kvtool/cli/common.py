@@ -341,7 +341,7 @@ def remote_flags(remote_url: str | None, remote_policy: Any) -> dict[str, Any]:
     return {"remote_url": remote_url, "remote_policy": remote_policy}
 
 
-# The flag that sets each config field (`kvtool.settings.Origin` names it in `kvtool config show`).
+# The flag that sets each config field (`kvtool.config.settings.Origin` names it in `kvtool config show`).
 CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
                "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec",
                "remote_url": "--remote-url", "remote_policy": "--remote-policy", "ssd_max_bytes": "--ssd-max-bytes"}
@@ -359,7 +359,7 @@ def build_settings(
     codec: str | None = None,
     extra: dict[str, Any] | None = None,
 ):
-    """The effective settings (`kvtool.settings.Settings`: the config and where each value came
+    """The effective settings (`kvtool.config.settings.Settings`: the config and where each value came
     from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
     `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
 
@@ -370,7 +370,7 @@ def build_settings(
         CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
             config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
     """
-    from kvtool.settings import resolve_settings
+    from kvtool.config.settings import resolve_settings
     from kvtool.units import parse_size
 
     try:
@@ -418,7 +418,7 @@ def build_config(
 
 def cache_root(path: Path) -> Path:
     """The cache directory every command uses and reports: a symlink on its path followed once,
-    here (`kvtool.store.fsops.resolve_cache_root`); nothing inside the cache is followed. A path
+    here (`kvtool.disk.fsops.resolve_cache_root`); nothing inside the cache is followed. A path
     that cannot be looked at for another reason (no permission, a component that is a file) is
     kept as given: the command reports it.
 
@@ -427,7 +427,7 @@ def cache_root(path: Path) -> Path:
     """
     import errno
 
-    from kvtool.store.fsops import resolve_cache_root, short_path
+    from kvtool.disk.fsops import resolve_cache_root, short_path
 
     try:
         return resolve_cache_root(path)
@@ -438,7 +438,7 @@ def cache_root(path: Path) -> Path:
 
 
 def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
-    """The cache's maintenance lock for prune / rm (`kvtool.ops.lock.cache_lock`); none for a
+    """The cache's maintenance lock for prune / rm (`kvtool.disk.lock.cache_lock`); none for a
     dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
 
     Raises:
@@ -446,7 +446,7 @@ def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
     """
     import os
 
-    from kvtool.ops.lock import cache_lock
+    from kvtool.disk.lock import cache_lock
 
     return nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
 

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.store import compiled
-from kvtool.store.segment_template import Template, created_of_text
+from kvtool.disk import compiled
+from kvtool.disk.segment_template import Template, created_of_text
 
 BATCH_SEGMENTS = 256  # segments read per call
 BATCH_BYTES = 4 << 20  # ... or fewer: the files that fit in a buffer of this size (bytes; a larger file alone)

@@ -55,14 +55,14 @@ from typing import cast
 import numpy as np
 import xxhash
 
+from kvtool.disk import segment as seg
+from kvtool.disk.chains import unhex_lower
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.kvlayout import KVLayout
+from kvtool.disk.namespace_core import Expected
+from kvtool.disk.rowtable import RowTable
+from kvtool.disk.segment_template import CREATED_OK, Template, created_of_text, created_span, template
 from kvtool.ops import clean_native
-from kvtool.ops.confined import ConfinedDir
-from kvtool.store import segment as seg
-from kvtool.store.chains import unhex_lower
-from kvtool.store.kvlayout import KVLayout
-from kvtool.store.rowtable import RowTable
-from kvtool.store.segment_template import CREATED_OK, Template, created_of_text, created_span, template
-from kvtool.store.ssd_core import Expected
 
 SHALLOW_MAX = 64 << 10  # without `deep`, a larger segment file is read whole only if ... (bytes)
 SHALLOW_GAP = 64 << 10  # ... its token ids lie this close (`records.SPAN_GAP`: one read there too), else the general way
@@ -500,7 +500,7 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
 
 
 def _keys(raw: np.ndarray) -> np.ndarray:
-    """`[..., 16]` uint8 (a hash's bytes) -> `[..., 2]` uint64 keys (`kvtool.store.chains`)."""
+    """`[..., 16]` uint8 (a hash's bytes) -> `[..., 2]` uint64 keys (`kvtool.disk.chains`)."""
     return np.ascontiguousarray(raw).view(">u8").astype(np.uint64)
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtool.disk.fsops import FileOps
+from kvtool.disk.segment import KVLayout
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
-from kvtool.store.fsops import FileOps
-from kvtool.store.segment import KVLayout
 
 InspectError = ScanError  # what `inspect_cache` raises (missing cache dir, bad namespace)
 
@@ -94,7 +94,7 @@ class NamespaceInfo:
         shutdown_clean: the last process closed it cleanly (False also while one has it open).
         shutdown_partial_flush: the last shutdown flushed the index after an incomplete drain.
         created, last_open, last_close: from the index meta (None if absent).
-        selfcheck: the namespace's self-check verdict (`kvtool.selfcheck`, meta `selfcheck`):
+        selfcheck: the namespace's self-check verdict (`kvtool.cache.selfcheck`, meta `selfcheck`):
             "pass" or "fail: <first mismatch>", with the probe's size and time; None if the
             layout needs none or it was never run.
         last_used: the newest sign of use: a block's last access, the index's last write, or a
@@ -268,7 +268,7 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
 
 
 def _verdict(text: str | None) -> str | None:
-    """The self-check verdict stored as JSON (`kvtool.selfcheck.Verdict`) in words (MLX-free)."""
+    """The self-check verdict stored as JSON (`kvtool.cache.selfcheck.Verdict`) in words (MLX-free)."""
     if not text:
         return None
     try:

@@ -2,7 +2,7 @@
 
 The scan reads the rows first and lists the files once the rows' snapshot is fixed (a row is never
 inserted before its file exists, so the listing then sees every file a row names). The Arrow way
-of reading the rows (`kvtool.store.rowtable_arrow`) holds the GIL, so a listing in a thread beside
+of reading the rows (`kvtool.disk.rowtable_arrow`) holds the GIL, so a listing in a thread beside
 it slows both: at a million blocks the listing (0.4 s alone) took 1.2-1.7 s. Here it runs in a
 child forked before the read starts, which waits until `go()` (the snapshot is fixed), lists with
 the scanner's own code (`_Scanner._list_files`), and sends the result back through a pipe as
@@ -23,7 +23,7 @@ import sys
 from types import MappingProxyType
 from typing import Any
 
-from kvtool.store.fsops import FileOps
+from kvtool.disk.fsops import FileOps
 
 _KEYS = ("temps", "symlinks", "irregular", "other")  # the listing's fields besides `files`
 

@@ -19,10 +19,10 @@ full disk are planned from their segment files' ages (no index needed); `foreign
 Execution, per namespace: the rows in one transaction, then the segment files with no row left.
 If the index cannot be written because the disk is full, the planned segment files are removed
 first (readers treat a row whose file is gone as a miss and drop it) and the rows after, when
-there is room again. Paths come only from `kvtool.store.names`, resolved without following
+there is room again. Paths come only from `kvtool.disk.names`, resolved without following
 symlinks.
 
-The planner itself (`SegmentPlanner`, `fit_budget`) is `kvtool.store.planner`, shared with the
+The planner itself (`SegmentPlanner`, `fit_budget`) is `kvtool.disk.planner`, shared with the
 SSD tier's byte budget; it works on numbered blocks and segments (`planner_of`), so a plan over a
 million blocks makes no Python object per block.
 
@@ -38,16 +38,16 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtool.ops.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
+from kvtool.disk.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
+from kvtool.disk.names import INDEX_FILENAME
+from kvtool.disk.planner import Segment, SegmentPlanner, fit_budget
+from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.ops.heap import gc_paused
-from kvtool.ops.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
-from kvtool.store.index import BlockIndex
-from kvtool.store.names import INDEX_FILENAME
-from kvtool.store.planner import Segment, SegmentPlanner, fit_budget
-from kvtool.store.segment import FORMAT_VERSION
 
-prune_lock = cache_lock  # the name callers used before `kvtool.ops.lock`
+prune_lock = cache_lock  # the name callers used before `kvtool.disk.lock`
 LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
 HIDDEN_FIELDS = ("planner", "clamp")
 

@@ -28,16 +28,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from kvtool.disk.chains import build_chain_tree
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.disk.names import INDEX_FILENAME
+from kvtool.disk.namespace_core import Expected
+from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.hashing import root_parent
-from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.records import SegmentReader, created_of
 from kvtool.ops.repairs import NamespaceRepair, RebuildPlan, unlink_counted
 from kvtool.ops.scan import CacheScan, NamespaceScan, meta_problem
-from kvtool.store.chains import build_chain_tree
-from kvtool.store.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.store.names import INDEX_FILENAME
-from kvtool.store.segment import FORMAT_VERSION
-from kvtool.store.ssd_core import Expected
 
 BUILDING = INDEX_FILENAME + ".rebuilding"
 CORRUPT = INDEX_FILENAME + ".corrupt"

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from kvtool.ops.confined import ConfinedDir
-from kvtool.store import segment as seg
-from kvtool.store.index import IndexRow, SegmentRow
-from kvtool.store.segment import BlockFileError, KVLayout, SegmentHeader, Slot
-from kvtool.store.segment_template import created_of_text
+from kvtool.disk import segment as seg
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.index import IndexRow, SegmentRow
+from kvtool.disk.segment import BlockFileError, KVLayout, SegmentHeader, Slot
+from kvtool.disk.segment_template import created_of_text
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtool.config.remote_url import RemoteConnectError, RemoteURL, describe_error, make_client, parse_remote_url
 from kvtool.errors import KVToolError
 from kvtool.hashing import blake2b_chain
-from kvtool.store import remote_value as rv
-from kvtool.store.remote_url import RemoteConnectError, RemoteURL, describe_error, make_client, parse_remote_url
+from kvtool.tiers import remote_value as rv
 
 DEFAULT_OPS_TIMEOUT_S = 5.0
 DEFAULT_MAX_KEYS = 10_000_000

@@ -1,13 +1,13 @@
 """`kvtool rm`: remove one namespace, or the blocks of one prompt and what hangs below them.
 
-Both are plans (prune's `PrunePlan`), executed under prune's lock (`kvtool.ops.lock.cache_lock`),
+Both are plans (prune's `PrunePlan`), executed under prune's lock (`kvtool.disk.lock.cache_lock`),
 so an `rm` and a `prune` never run at once, and both obey the same confinement rules
-(`kvtool.ops.confined`): no symlink is followed, no path is built from an unchecked name.
+(`kvtool.disk.confined`): no symlink is followed, no path is built from an unchecked name.
 
 - **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix (at
   least `MIN_PREFIX_HEX` hex digits; a prefix that several keys share removes nothing) is
   removed whole, whatever its status (an unreadable or foreign namespace included: the user named
-  it), without following any symlink inside it (`kvtool.ops.confined.remove_namespace_tree`):
+  it), without following any symlink inside it (`kvtool.disk.confined.remove_namespace_tree`):
   segment files first, several fan-out directories at once (unlinks wait on the file system, not
   the CPU), the index last, so an `rm` killed half-way leaves a namespace whose rows name missing
   files (`validate` drops them) or that a second `rm` finishes. The planning scan only counts the
@@ -35,13 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtool.disk.confined import REMOVE_WORKERS, remove_namespace_tree, tree_bytes
+from kvtool.disk.lock import cache_lock
+from kvtool.disk.names import NAMESPACE_RE
 from kvtool.errors import KVToolError
-from kvtool.ops.confined import REMOVE_WORKERS, remove_namespace_tree, tree_bytes
 from kvtool.ops.heap import gc_paused
-from kvtool.ops.lock import cache_lock
 from kvtool.ops.prune import NamespacePlan, PrunePlan, execute_prune, planner_of
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
-from kvtool.store.names import NAMESPACE_RE
 
 _HEX = set("0123456789abcdef")
 MIN_PREFIX_HEX = 8  # a shorter key prefix is refused: `rm 0` must never pick a namespace by luck

@@ -1,6 +1,6 @@
 """`kvtool validate`'s second half: carry out a repair plan (`execute`) that
 `kvtool.ops.validate.plan_repairs` made, namespace by namespace, each change a transaction and
-every file removed confined (`kvtool.ops.confined`). The order and the re-checks that make it safe
+every file removed confined (`kvtool.disk.confined`). The order and the re-checks that make it safe
 beside live writers are in `kvtool.ops.validate`'s docstring.
 
 This module never imports MLX.
@@ -12,14 +12,14 @@ import sqlite3
 import time
 from pathlib import Path
 
+from kvtool.disk.chains import build_forest, key_of_hex
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.names import INDEX_FILENAME
+from kvtool.disk.rowtable import load_rows
 from kvtool.hashing import root_parent
-from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.rebuild import execute_rebuild
 from kvtool.ops.repairs import REPAIRS, NamespaceRepair, RepairPlan, unlink_counted
-from kvtool.store.chains import build_forest, key_of_hex
-from kvtool.store.index import BlockIndex
-from kvtool.store.names import INDEX_FILENAME
-from kvtool.store.rowtable import load_rows
 
 _unlink = unlink_counted
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
+from kvtool.disk.index import IndexRow, SegmentRow
 from kvtool.ops.scan import NamespaceStatus
-from kvtool.store.index import IndexRow, SegmentRow
 
 MAX_DETAILS = 50  # per namespace, in the report
 REPAIRS = (

@@ -12,8 +12,8 @@ before the directory is listed): the index files are checked to be regular files
 `index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
 not hash to its name is `foreign`), every row is read and checked in one read transaction
-(`kvtool.store.rowtable_native`, compiled; where it is not built `kvtool.store.rowtable_arrow`; for
-an index either cannot decide, `kvtool.store.rowtable`: columns, no Python object per row;
+(`kvtool.disk.rowtable_native`, compiled; where it is not built `kvtool.disk.rowtable_arrow`; for
+an index either cannot decide, `kvtool.disk.rowtable`: columns, no Python object per row;
 malformed rows are reported by rowid, never used), and the directory is listed without following
 symlinks once the rows' snapshot is fixed, while the rows are read (by a forked child on Linux,
 `kvtool.ops.listing_fork`, else by a thread), so the listing still sees every file a row of the
@@ -51,14 +51,10 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvtool.errors import KVToolError
-from kvtool.hashing import layout_key_of_meta, root_parent
-from kvtool.ops.confined import disk_full, free_bytes
-from kvtool.ops.heap import gc_paused, release_free_heap
-from kvtool.ops.listing_fork import ForkedListing
-from kvtool.store import rowtable_native
-from kvtool.store.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
-from kvtool.store.fsops import (
+from kvtool.disk import rowtable_native
+from kvtool.disk.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
+from kvtool.disk.confined import disk_full, free_bytes
+from kvtool.disk.fsops import (
     FileOps,
     NamespaceSelectError,
     resolve_cache_root,
@@ -67,12 +63,16 @@ from kvtool.store.fsops import (
     short_path,
     temp_is_leftover,
 )
-from kvtool.store.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
-from kvtool.store.names import INDEX_FILENAME, LOCK_FILENAME
-from kvtool.store.rowtable import RowTable, load_rows
-from kvtool.store.rowtable_arrow import ArrowUnusable, read_snapshot
-from kvtool.store.segment import FORMAT_VERSION
-from kvtool.store.ssd_core import Expected
+from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
+from kvtool.disk.names import INDEX_FILENAME, LOCK_FILENAME
+from kvtool.disk.namespace_core import Expected
+from kvtool.disk.rowtable import RowTable, load_rows
+from kvtool.disk.rowtable_arrow import ArrowUnusable, read_snapshot
+from kvtool.disk.segment import FORMAT_VERSION
+from kvtool.errors import KVToolError
+from kvtool.hashing import layout_key_of_meta, root_parent
+from kvtool.ops.heap import gc_paused, release_free_heap
+from kvtool.ops.listing_fork import ForkedListing
 
 INDEX_FILES = (INDEX_FILENAME, INDEX_FILENAME + "-wal", INDEX_FILENAME + "-shm")
 REBUILD_HINT = "`kvtool validate --rebuild-index` rebuilds it from the segment files"
@@ -567,7 +567,7 @@ def meta_problem(name: str, meta: Mapping[str, str]) -> str | None:
 
     The layout key is a digest of the model id, KV layout, dtype, block size, format version,
     model class, library versions and KV quantisation (`kvtool.hashing.layout_key`, fed from the
-    meta exactly as `kvtool.prefix.PrefixCache` writes it), so a meta with, e.g., a wrong
+    meta exactly as `kvtool.cache.prefix.PrefixCache` writes it), so a meta with, e.g., a wrong
     `block_size` no longer hashes to its directory name.
     """
     if meta.get("layout_key") != name:

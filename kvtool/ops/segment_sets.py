@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvtool.store.rowtable import RowTable
+from kvtool.disk.rowtable import RowTable
 
 
 class SegmentSet:

@@ -27,12 +27,12 @@ that verifies is ever lost:
 Safe while other processes serve from the same cache: every index change is a transaction, a
 segment file is unlinked only once no row names it (re-checked just before), orphans are
 re-checked before adoption, broken chains are re-checked on a fresh read, and temp files of
-live writers are kept. Every path comes from `kvtool.store.names` and is resolved without
-following symlinks (`kvtool.ops.confined`). A repairing run holds the cache's maintenance lock
-(`kvtool.ops.lock`) from the scan to the last change, so it never plans from rows or files that
+live writers are kept. Every path comes from `kvtool.disk.names` and is resolved without
+following symlinks (`kvtool.disk.confined`). A repairing run holds the cache's maintenance lock
+(`kvtool.disk.lock`) from the scan to the last change, so it never plans from rows or files that
 a `prune` or `rm` is removing at the same moment; a dry run only reads and takes no lock.
 
-Scale (docs/operations.md): the rows are read once, as columns (`kvtool.store.rowtable`); the
+Scale (docs/operations.md): the rows are read once, as columns (`kvtool.disk.rowtable`); the
 segment files are opened once each. Clean segments (every slot held by a row that matches it,
 almost all of a healthy cache) are found first, in batches (`kvtool.ops.clean_segments`: one read
 of each whole file, its header byte-compared with the one `segment.encode` writes for the rows'
@@ -58,11 +58,16 @@ from pathlib import Path
 
 import numpy as np
 
+from kvtool.disk.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
+from kvtool.disk.confined import ConfinedDir
+from kvtool.disk.fsops import FileOps, resolve_cache_root, short_path
+from kvtool.disk.index import IndexRow, SegmentRow
+from kvtool.disk.lock import cache_lock
+from kvtool.disk.names import segment_relpath
+from kvtool.disk.rowtable import RowTable
 from kvtool.hashing import root_parent
 from kvtool.ops.clean_segments import CleanCheck, CleanSegments, StartedChecks, start_clean
-from kvtool.ops.confined import ConfinedDir
 from kvtool.ops.heap import gc_paused, release_free_heap
-from kvtool.ops.lock import cache_lock
 from kvtool.ops.rebuild import plan_rebuild
 from kvtool.ops.records import Record, SegmentPass, created_of
 from kvtool.ops.repair_execute import execute
@@ -78,11 +83,6 @@ from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
 )
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
 from kvtool.ops.segment_sets import SegmentSet
-from kvtool.store.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
-from kvtool.store.fsops import FileOps, resolve_cache_root, short_path
-from kvtool.store.index import IndexRow, SegmentRow
-from kvtool.store.names import segment_relpath
-from kvtool.store.rowtable import RowTable
 
 ProgressFn = Callable[[str, int, int], None]  # progress(namespace, segments_done, segments_total)
 ValidateError = ScanError  # what `validate` raises when it cannot run (missing dir, bad namespace)
@@ -102,7 +102,7 @@ def validate(
     now: float | None = None,
 ) -> RepairPlan:
     """Scan, plan and (unless `dry_run`) repair: a whole `kvtool validate`. A repairing run
-    holds the maintenance lock (`kvtool.ops.lock.cache_lock`) from the scan to the last change.
+    holds the maintenance lock (`kvtool.disk.lock.cache_lock`) from the scan to the last change.
 
     Raises:
         ScanError: the cache dir is not a directory or cannot be looked at, or `namespace`

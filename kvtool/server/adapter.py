@@ -38,11 +38,11 @@ Mapping onto `PrefixCache` (prompt KV only, exact):
   blocks (under `evict_only` they are written to SSD first, as on any eviction).
 
 Models whose cache has sliding-window (`RotatingKVCache`) or state (`ArraysCache`, in
-`CacheList`s too) layers that passed the self-check (`kvtool.selfcheck`): mlx-lm's cache after
+`CacheList`s too) layers that passed the self-check (`kvtool.cache.selfcheck`): mlx-lm's cache after
 its own prefill has lost what a block needs (a rotating window overwrote early positions; a
 state exists only at its end, not at block ends), so a cache given back by `insert_cache` cannot
 be cut into blocks. For them fetch does the prefill itself, as `kvtool serve-once` does
-(`kvtool.prefill`): the rest of the prompt after the hit is prefilled into full views of the
+(`kvtool.kv.prefill`): the rest of the prompt after the hit is prefilled into full views of the
 windows with state snapshots at block ends, the prompt's new blocks and tail entry are stored
 (the last token's KV as a prefill computes it), and the server gets mlx-lm's own cache state
 after `len(prompt) - 1` tokens (rotating windows laid out as mlx-lm's chunked prefill leaves
@@ -75,11 +75,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtool import prefill
-from kvtool.blocks import unsupported_cache_reason
-from kvtool.prefix import CacheHit, PrefixCache
-from kvtool.store.tiered import ShutdownStatus
-from kvtool.windows import DEFAULT_STEP
+from kvtool.cache.prefix import CacheHit, PrefixCache
+from kvtool.kv import prefill
+from kvtool.kv.blocks import unsupported_cache_reason
+from kvtool.kv.windows import DEFAULT_STEP
+from kvtool.tiers.stack import ShutdownStatus
 
 log = logging.getLogger("kvtool.server")
 
@@ -397,7 +397,7 @@ class KVToolPromptCache:
     def _prefill_and_store(self, job: _Prefill,
                            tokens: Sequence[int]) -> tuple[RequestRecord, tuple[list | None, Sequence[int]]]:
         """kvtool's prefill of the prompt after the hit (`hit.cache`: full views, restored state)
-        as `kvtool.prefill.for_generation` does it for serve-once; the prompt's new entries are
+        as `kvtool.kv.prefill.for_generation` does it for serve-once; the prompt's new entries are
         stored while the cache holds every prompt token as prefilled; the server gets mlx-lm's
         cache after `n - 1` tokens and the last token. The model runs outside the lock (only this
         request's cache is touched); a reconfiguration or close meanwhile: nothing is stored.

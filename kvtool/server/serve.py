@@ -46,7 +46,7 @@ from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.handler import MAX_CONNECTIONS, STATS_PATH, RequestGuard, _HTTPServer, make_handler_class
 from kvtool.server.validation import Limits
-from kvtool.store.tiered import ShutdownStatus
+from kvtool.tiers.stack import ShutdownStatus
 
 log = logging.getLogger("kvtool.server")
 
@@ -109,8 +109,8 @@ class KVToolServer:
                  max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, **server_options: Any):
         from mlx_lm.server import ModelProvider
 
+        from kvtool.cache.prefix import PrefixCache
         from kvtool.models.loader import ModelLoadError, compute_model_id, resolve_spec
-        from kvtool.prefix import PrefixCache
         from kvtool.server.watchdog import KVToolResponseGenerator
 
         self.spec = model
@@ -278,7 +278,7 @@ def _quantization(cli_args: argparse.Namespace):
     """
     if cli_args.kv_bits is None:
         return None
-    from kvtool.model_kv import KVQuantization
+    from kvtool.kv.model_kv import KVQuantization
 
     try:
         return KVQuantization(cli_args.kv_bits, cli_args.kv_group_size, cli_args.quantized_kv_start,

@@ -1,0 +1,551 @@
+"""SQLite index of one namespace: which blocks exist, in which segment, and when they were used.
+
+One database per namespace (`<cache_dir>/<layout_key>/index.sqlite`), in WAL mode so readers
+never block the writer and several processes can share it (`busy_timeout`). A segment's rows
+and its `segments` row are inserted in one transaction, after the file is in place; a crash
+loses at most the last uncommitted transaction (`synchronous=NORMAL`) or nothing that was
+committed (`synchronous=FULL`, the `durable` mode).
+
+Every value read from the database is checked in one place (`IndexRow.from_db`): a row whose
+hash, parent or segment is not well-formed, or whose numbers are NULL, text or out of range,
+is never returned as a row (`scan()` reports it), so no tampered value reaches a path or a
+calculation (docs/design.md#threat-model).
+
+Access-time updates are the hot path of a cache hit, so they are buffered in memory and
+committed in one transaction by `flush()`, or by the next `touch()` once the oldest buffered
+update is older than `flush_interval_s` (batched index flush). A stored access time
+in the future (clock skew, tampering) is clamped to now on the next touch.
+
+This module never imports MLX (the SSD writer thread calls it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sqlite3
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import astuple, dataclass, field
+from pathlib import Path
+
+from kvtool.disk.fsops import dir_owner, give_to
+from kvtool.disk.names import INDEX_FILENAME, is_segment_name
+
+DEFAULT_BUSY_TIMEOUT_MS = 10_000
+_FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
+FUTURE_SKEW_S = 60.0  # an access time further ahead than this is clamped to now
+_MAX_VARS = 500  # host parameters per statement (well below SQLite's limit)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS blocks (
+    hash TEXT PRIMARY KEY NOT NULL,
+    parent TEXT NOT NULL,
+    segment TEXT NOT NULL,
+    slot INTEGER NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL,
+    tokens_digest TEXT NOT NULL,
+    created REAL NOT NULL,
+    last_access REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS segments (
+    name TEXT PRIMARY KEY NOT NULL,
+    nbytes INTEGER NOT NULL,
+    n_blocks INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS reservations (
+    name TEXT PRIMARY KEY NOT NULL,
+    nbytes INTEGER NOT NULL,
+    pid INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
+CREATE INDEX IF NOT EXISTS blocks_segment ON blocks(segment);
+CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent, last_access);
+"""
+_COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
+_SEG_COLUMNS = "name, nbytes, n_blocks, created"
+
+__all__ = ["BlockIndex", "IndexRow", "SegmentRow", "IndexScan", "INDEX_FILENAME"]
+
+
+def read_only_uri(path: Path, immutable: bool = False) -> str:
+    """The SQLite URI that opens index `path` read-only (`mode=ro`; `immutable=1`: no -wal / -shm
+    used); the path is percent-quoted ('?' or '#' in a directory name)."""
+    return f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
+
+
+def _int(v: object, lo: int = 0) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else None
+
+
+def _time(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return None
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
+class IndexRow:
+    """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment.
+
+    Attributes:
+        hash: block chain hash (32 hex, primary key).
+        parent: parent block hash (32 hex); the layout's root parent for a first block.
+        segment: name of the segment file holding it (32 hex).
+        slot: its record number in the segment.
+        num_tokens: tokens in the block (< block_size only for a tail entry).
+        nbytes: size of its record in the segment (bytes).
+        tokens_digest: `segment.tokens_digest` of its token ids (32 hex).
+        created: unix seconds when it was written.
+        last_access: unix seconds of the last save/load (batched, may lag by flush_interval_s).
+    """
+
+    hash: str
+    parent: str
+    segment: str
+    slot: int
+    num_tokens: int
+    nbytes: int
+    tokens_digest: str
+    created: float
+    last_access: float
+
+    @classmethod
+    def from_db(cls, values: Sequence[object]) -> IndexRow | None:
+        """A row from raw column values, or None if any value is malformed (NULL, wrong type,
+        out of range, a hash or segment name that is not 32 lowercase hex digits)."""
+        h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
+        try:  # one regex over the four names joined: 4 x 32 hex digits (this is the hot path)
+            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest) or not len(h) == len(parent) == len(seg) == 32:  # type: ignore[operator, arg-type]  # non-str: TypeError, caught
+                return None
+        except TypeError:
+            return None
+        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
+        if None in nums:
+            return None
+        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
+
+
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
+class SegmentRow:
+    """One row of `segments`: a segment file.
+
+    Attributes:
+        name: segment name (32 hex).
+        nbytes: file size (bytes).
+        n_blocks: records in the file.
+        created: unix seconds when it was written.
+    """
+
+    name: str
+    nbytes: int
+    n_blocks: int
+    created: float
+
+    @classmethod
+    def from_db(cls, values: Sequence[object]) -> SegmentRow | None:
+        name, nbytes, n_blocks, created = values
+        nums = (_int(nbytes, 1), _int(n_blocks, 1), _time(created))
+        if not is_segment_name(name) or None in nums:
+            return None
+        return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
+
+
+@dataclass
+class IndexScan:
+    """Everything in an index, checked (see `BlockIndex.scan`).
+
+    Attributes:
+        rows: well-formed block rows.
+        segments: well-formed segment rows.
+        bad_rows: rowids of malformed block rows (NULLs, wrong types, bad hashes).
+        bad_segments: rowids of malformed segment rows.
+        meta: the meta table.
+    """
+
+    rows: list[IndexRow] = field(default_factory=list)
+    segments: list[SegmentRow] = field(default_factory=list)
+    bad_rows: list[int] = field(default_factory=list)
+    bad_segments: list[int] = field(default_factory=list)
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+class BlockIndex:
+    """The SQLite index of one namespace. Thread-safe: one connection guarded by a lock.
+
+    Args:
+        path: the database file (created with the schema if absent, unless `create=False`).
+        durable: `synchronous=FULL` (every commit reaches stable storage) instead of NORMAL.
+        flush_interval_s: max age of a buffered access-time update before `touch` commits.
+        create: create the schema; False opens an existing index without writing to it.
+        clock: time source for access times and the flush interval (seconds).
+        initial_meta: meta written in the same transaction as the schema, only if the index
+            has no `format_version` yet; a namespace is then never visible half-created.
+            `created_meta` tells whether this open wrote it.
+        read_only: open with `mode=ro` (a cache the process cannot write), or `immutable=1`
+            where even the -wal / -shm files cannot be created (`immutable` tells).
+
+    Raises:
+        sqlite3.Error: the database cannot be opened (locked past the busy timeout, corrupt,
+            not a database, unwritable directory).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        durable: bool = False,
+        *,
+        flush_interval_s: float = 1.0,
+        create: bool = True,
+        clock: Callable[[], float] = time.time,
+        initial_meta: dict[str, str] | None = None,
+        read_only: bool = False,
+    ):
+        self.path = Path(path)
+        self.created_meta = False
+        self.read_only = read_only
+        self.flush_interval_s = flush_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: dict[str, float] = {}
+        self._pending_since: float | None = None
+        self.immutable = False
+        self._conn = self._connect(read_only)
+        if read_only:
+            self._conn = self._read_only_fallback()
+        try:
+            self._conn.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")
+            if create and not read_only:
+                self._conn.execute("PRAGMA journal_mode=WAL")
+                with self._transaction() as cur:
+                    for stmt in SCHEMA.split(";"):
+                        if stmt.strip():
+                            cur.execute(stmt)
+                    if initial_meta and cur.execute("SELECT 1 FROM meta WHERE key='format_version'").fetchone() is None:
+                        cur.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(initial_meta.items()))
+                        self.created_meta = True
+            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            if not read_only:  # root writing into a user's cache: the user keeps owning the index
+                self._give_to(dir_owner(self.path.parent))
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def _give_to(self, owner: tuple[int, int] | None) -> None:
+        """chown the index and its -wal / -shm to `owner` where they belong to someone else."""
+        if owner is None:
+            return
+        for name in ("", "-wal", "-shm"):
+            try:
+                if os.lstat(f"{self.path}{name}").st_uid != owner[0]:
+                    give_to(owner, f"{self.path}{name}")
+            except FileNotFoundError:
+                pass
+
+    def _connect(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
+        """A connection: read-write, or read-only (`mode=ro`; `immutable=1`: no -wal / -shm used)."""
+        target = read_only_uri(self.path, immutable) if read_only else str(self.path)
+        return sqlite3.connect(target, timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None,
+                               check_same_thread=False, uri=read_only)  # fmt: skip
+
+    def _read_only_fallback(self) -> sqlite3.Connection:
+        """The read-only connection, checked with one read. A WAL index whose `-shm` cannot be
+        created (a read-only mount, a directory of another user) cannot be read `mode=ro`: it is
+        then opened `immutable=1` (its -wal, if any, is ignored: at worst rows are stale, and
+        every block read is verified anyway), and `immutable` is set.
+
+        Raises:
+            sqlite3.Error: neither way reads it (not a database, corrupt, absent).
+        """
+        try:
+            self._conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            return self._conn
+        except sqlite3.OperationalError as exc:
+            code = getattr(exc, "sqlite_errorcode", None)
+            self._conn.close()
+            if not isinstance(code, int) or code & 0xFF not in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN):
+                raise
+        conn = self._connect(True, immutable=True)
+        try:
+            conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+        except BaseException:
+            conn.close()
+            raise
+        self.immutable = True
+        return conn
+
+    # ------------------------------------------------------------------ plumbing
+    def _transaction(self):
+        return _transaction(self._conn)
+
+    def close(self) -> None:
+        """Commit buffered touches (best effort) and close the connection. Idempotent."""
+        with self._lock:
+            if self._conn is None:
+                return
+            try:
+                if not self.read_only:
+                    self._flush_locked()
+            finally:
+                self._conn.close()
+                self._conn = None  # type: ignore[assignment]  # closed: every other use runs while open
+
+    @contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        """The connection, under the index's lock: for a statement the methods here do not make
+        (`kvtool.disk.rowtable.load_rows`, one pass over many rows). Do not commit through it."""
+        with self._lock:
+            yield self._conn
+
+    def _select_rows(self, where: str, args: Sequence[object]) -> list[IndexRow]:
+        rows = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE {where}", list(args)).fetchall()
+        return [r for r in (IndexRow.from_db(v) for v in rows) if r is not None]
+
+    # --------------------------------------------------------------------- reads
+    def get(self, block_hash: str) -> IndexRow | None:
+        """The well-formed row of `block_hash`, or None."""
+        with self._lock:
+            rows = self._select_rows("hash=?", (block_hash,))
+        return rows[0] if rows else None
+
+    def get_many(self, hashes: Sequence[str]) -> dict[str, IndexRow]:
+        """Well-formed rows of `hashes` (one query per 500 hashes): hash -> row."""
+        out: dict[str, IndexRow] = {}
+        with self._lock:
+            for i in range(0, len(hashes), _MAX_VARS):
+                chunk = list(hashes[i : i + _MAX_VARS])
+                for row in self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk):
+                    out[row.hash] = row
+        return out
+
+    def children(self, parent: str, limit: int) -> list[IndexRow]:
+        """Up to `limit` well-formed rows whose parent is `parent`, most recently used first
+        (one query on the `blocks_parent` index): the siblings of a partial-block prefix hit."""
+        with self._lock:
+            return self._select_rows("parent=? ORDER BY last_access DESC LIMIT ?", (parent, int(limit)))
+
+    def contains(self, block_hash: str) -> bool:
+        """True if `block_hash` has a well-formed row."""
+        return self.get(block_hash) is not None
+
+    def present(self, hashes: Sequence[str]) -> set[str]:
+        """The subset of `hashes` that have well-formed rows."""
+        return set(self.get_many(hashes))
+
+    def count_prefix(self, hashes: Sequence[str]) -> int:
+        """How many leading `hashes` have rows (stops at the first absent one)."""
+        found = self.present(hashes)
+        n = 0
+        for h in hashes:
+            if h not in found:
+                break
+            n += 1
+        return n
+
+    def rows(self) -> Iterator[IndexRow]:
+        """Every well-formed row (a snapshot taken when called, ordered by hash)."""
+        with self._lock:
+            rows = self._select_rows("1 ORDER BY hash", ())
+        return iter(rows)
+
+    def segment_rows(self, name: str) -> list[IndexRow]:
+        """The well-formed rows stored in segment `name`, by slot."""
+        with self._lock:
+            return self._select_rows("segment=? ORDER BY slot", (name,))
+
+    def scan(self) -> IndexScan:
+        """Every row and segment, checked; malformed ones reported by rowid (one snapshot)."""
+        out = IndexScan()
+        with self._lock:
+            cur = self._conn.execute("BEGIN")
+            try:
+                for rowid, *vals in cur.execute(f"SELECT rowid, {_COLUMNS} FROM blocks ORDER BY hash"):
+                    row = IndexRow.from_db(vals)
+                    out.rows.append(row) if row else out.bad_rows.append(rowid)
+                for rowid, *vals in cur.execute(f"SELECT rowid, {_SEG_COLUMNS} FROM segments ORDER BY name"):
+                    seg = SegmentRow.from_db(vals)
+                    out.segments.append(seg) if seg else out.bad_segments.append(rowid)
+                out.meta = {str(k): str(v) for k, v in cur.execute("SELECT key, value FROM meta") if k is not None}
+            finally:
+                self._conn.execute("COMMIT")
+        return out
+
+    def totals(self) -> tuple[int, int]:
+        """(number of block rows, sum of segment file sizes in bytes)."""
+        with self._lock:
+            (n,) = self._conn.execute("SELECT COUNT(*) FROM blocks").fetchone()
+            (size,) = self._conn.execute(
+                "SELECT COALESCE(SUM(CASE WHEN typeof(nbytes)='integer' AND nbytes > 0 THEN nbytes END), 0) FROM segments"
+            ).fetchone()
+        return int(n), int(size)
+
+    def initialized(self) -> bool:
+        """True if the schema exists and the meta holds a `format_version` (read-only check)."""
+        with self._lock:
+            has_meta = self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
+            return bool(has_meta) and self._conn.execute(
+                "SELECT 1 FROM meta WHERE key='format_version'"
+            ).fetchone() is not None
+
+    def get_meta(self) -> dict[str, str]:
+        """All meta key/values (non-string values are turned into strings)."""
+        with self._lock:
+            return {str(k): str(v) for k, v in self._conn.execute("SELECT key, value FROM meta").fetchall() if k is not None}
+
+    # -------------------------------------------------------------------- writes
+    def set_meta(self, values: dict[str, str]) -> None:
+        """Upsert meta keys in one transaction."""
+        with self._lock, self._transaction() as cur:
+            cur.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", list(values.items()))
+
+    def insert_segment(self, segment: SegmentRow, rows: Sequence[IndexRow], release: bool = False) -> None:
+        """Insert a segment and its block rows in one transaction (call after the file is in
+        place). A block row replaces an existing row of the same hash. `release`: the segment's
+        byte reservation (`kvtool.disk.budget`) ends in the same transaction."""
+        with self._lock, self._transaction() as cur:
+            cur.execute(f"INSERT OR REPLACE INTO segments({_SEG_COLUMNS}) VALUES (?,?,?,?)", astuple(segment))
+            cur.executemany(f"INSERT OR REPLACE INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows])
+            if release:
+                cur.execute("DELETE FROM reservations WHERE name=?", (segment.name,))
+
+    @contextmanager
+    def write_transaction(self) -> Iterator[sqlite3.Cursor]:
+        """One `BEGIN IMMEDIATE` transaction under the index's lock: the database's write lock is
+        held (every process sharing the index waits) from the first statement to the commit, so
+        a read-decide-write sequence (`kvtool.disk.budget`) sees no other writer. Buffered
+        access times are committed first. Rolled back if the body raises.
+
+        Raises:
+            sqlite3.Error: the transaction could not start or commit (busy past the timeout).
+        """
+        with self._lock:
+            self._flush_locked()
+            with self._transaction() as cur:
+                yield cur
+
+    def delete(self, hashes: Iterable[str]) -> tuple[int, list[str]]:
+        """Delete block rows in one transaction; segments left without rows go too.
+
+        Returns:
+            `(rows deleted, names of the segments removed from the index)`; unlink their files
+            after this returns (a row never outlives its file's index entry).
+        """
+        hashes = list(hashes)
+        with self._lock:
+            for h in hashes:
+                self._pending.pop(h, None)
+            with self._transaction() as cur:
+                n, touched = 0, set[str]()
+                for i in range(0, len(hashes), _MAX_VARS):
+                    chunk = hashes[i : i + _MAX_VARS]
+                    marks = ",".join("?" * len(chunk))
+                    touched.update(r[0] for r in cur.execute(f"SELECT DISTINCT segment FROM blocks WHERE hash IN ({marks})", chunk))
+                    cur.execute(f"DELETE FROM blocks WHERE hash IN ({marks})", chunk)
+                    n += cur.rowcount
+                emptied = self._drop_empty_segments(cur, touched)
+        return n, emptied
+
+    def delete_rowids(self, block_rowids: Sequence[int], segment_rowids: Sequence[int] = ()) -> int:
+        """Delete malformed rows by rowid (see `scan`); returns block rows deleted."""
+        with self._lock, self._transaction() as cur:
+            cur.executemany("DELETE FROM blocks WHERE rowid=?", [(r,) for r in block_rowids])
+            n = cur.rowcount
+            cur.executemany("DELETE FROM segments WHERE rowid=?", [(r,) for r in segment_rowids])
+        return max(n, 0)
+
+    def delete_segments(self, names: Iterable[str]) -> int:
+        """Delete segments and every block row stored in them, in one transaction.
+
+        Returns:
+            Block rows deleted.
+        """
+        names = list(names)
+        with self._lock:
+            with self._transaction() as cur:
+                gone = [r[0] for name in names for r in cur.execute("SELECT hash FROM blocks WHERE segment=?", (name,))]
+                cur.executemany("DELETE FROM blocks WHERE segment=?", [(s,) for s in names])
+                cur.executemany("DELETE FROM segments WHERE name=?", [(s,) for s in names])
+            for h in gone:
+                self._pending.pop(h, None)
+        return len(gone)
+
+    @staticmethod
+    def _drop_empty_segments(cur: sqlite3.Cursor, names: Iterable[object]) -> list[str]:
+        emptied = []
+        for name in names:
+            if cur.execute("SELECT 1 FROM blocks WHERE segment=? LIMIT 1", (name,)).fetchone() is None:
+                cur.execute("DELETE FROM segments WHERE name=?", (name,))
+                if is_segment_name(name):
+                    emptied.append(str(name))
+        return emptied
+
+    def touch(self, block_hash: str, t: float | None = None) -> None:
+        """Buffer an access-time update; commits the buffer if its oldest entry is overdue.
+
+        Raises:
+            sqlite3.Error: only from an automatic flush (the buffer is kept for a retry).
+        """
+        self.touch_many([block_hash], t)
+
+    def touch_many(self, hashes: Iterable[str], t: float | None = None) -> None:
+        """`touch` for several blocks at once (one lock, one overdue check)."""
+        with self._lock:
+            now = self._clock()
+            t = now if t is None else t
+            pending = self._pending
+            for h in hashes:
+                old = pending.get(h)
+                pending[h] = t if old is None or old < t else old
+            if self._pending_since is None:
+                self._pending_since = now
+            elif now - self._pending_since >= self.flush_interval_s:
+                self._flush_locked()
+
+    def flush(self) -> int:
+        """Commit buffered access-time updates in one transaction; returns how many.
+
+        Raises:
+            sqlite3.Error: the commit failed (the buffer is kept for a retry).
+        """
+        with self._lock:
+            return self._flush_locked()
+
+    def _flush_locked(self) -> int:
+        if not self._pending or self.read_only:
+            self._pending.clear()
+            return 0
+        limit = self._clock() + FUTURE_SKEW_S
+        items = [(t, limit, h) for h, t in self._pending.items()]
+        with self._transaction() as cur:
+            cur.executemany(
+                "UPDATE blocks SET last_access = CASE WHEN typeof(last_access) NOT IN ('real', 'integer')"
+                " OR last_access < ?1 OR last_access > ?2 THEN ?1 ELSE last_access END WHERE hash=?3",
+                items,
+            )
+        self._pending.clear()
+        self._pending_since = None
+        return len(items)
+
+
+@contextmanager
+def _transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
+    """`BEGIN IMMEDIATE` ... `COMMIT`; `ROLLBACK` if the body or the commit fails."""
+    cur = conn.cursor()
+    cur.execute("BEGIN IMMEDIATE")
+    try:
+        yield cur
+        conn.execute("COMMIT")
+    except BaseException:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+        raise

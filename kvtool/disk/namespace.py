@@ -1,0 +1,527 @@
+"""SSDStore: the SSD tier of one namespace (segment files + SQLite index), docs/design.md#namespaces-and-files.
+
+A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
+`<name[:2]>/<name>.safetensors` (format: `kvtool.disk.segment`), each holding the blocks of one
+write batch. The index maps every block to `(segment, slot)`. The save path (dedup, segment
+packing, atomic write, one index transaction) is `kvtool.disk.namespace_save`, the open path
+`kvtool.disk.namespace_open`, the state all three share `kvtool.disk.namespace_core`, and the optional byte
+budget (`set_max_bytes`: least recently used segments evicted before a write that would not fit,
+agreed between processes through the index) `kvtool.disk.budget`.
+
+Correctness rules (a wrong block served is worse than none):
+- A segment is written to a temp file in its final directory, then renamed into place; under
+  `durable` the file and the directory are fsynced (once per segment, not per block). Only then
+  are its rows inserted, in one transaction; if that fails, the file is unlinked again. A file
+  is unlinked only after its last row is deleted.
+- Every read re-verifies: header checksum and namespace, slot hash, parent and length, record
+  checksum, and the exact token ids. Any doubt -> that block's row is dropped, a miss.
+  Same hash with other token ids is a collision: the hash is isolated (non-cacheable) for 1 h.
+- Nothing here raises to the caller on I/O trouble: loads miss, saves return 'error', and a
+  store that cannot open its directory or index is *disabled* (all misses, all 'error'). A
+  directory this process cannot write is opened *read-only*: hits are served, nothing written.
+- No path is built from an unchecked name (`kvtool.disk.names`); symlinks are never followed.
+
+Several processes may share a namespace: SQLite WAL + busy timeout for the index, atomic
+renames for files, and a reader whose segment was just removed by another process misses.
+
+This module never imports MLX (the SSD writer thread calls it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtool.disk import segment as seg
+from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
+from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
+from kvtool.disk.index import IndexRow
+from kvtool.disk.names import is_hash
+from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore
+from kvtool.disk.namespace_open import open_index, reconcile
+from kvtool.disk.namespace_save import SegmentSaver
+from kvtool.disk.segment import BlockFileError
+
+if TYPE_CHECKING:
+    from kvtool.disk.hostblock import HostBlock
+
+log = logging.getLogger(__name__)
+
+SEGMENT_MAX_BYTES = 64 << 20  # a write batch is split into segments of at most this size
+REQUIRED_META = ("model_id", "model_name", "block_size", "kv_dtype", "kv_layers")
+
+COUNTERS = (
+    "ssd_save_success", "ssd_save_fail", "ssd_save_dedup_skip", "ssd_save_disabled",
+    "ssd_stale_index_cleaned", "ssd_hash_collision_detected", "ssd_bytes_written", "ssd_segments_written",
+    "ssd_load_hits", "ssd_load_miss", "ssd_load_corrupt", "ssd_load_missing", "ssd_load_fail",
+    "ssd_load_noncacheable", "ssd_bytes_read", "ssd_namespace_refused", "ssd_index_errors",
+    "ssd_reconcile_temp_removed", "ssd_reconcile_missing_dropped", "ssd_reconcile_orphan_files",
+    "ssd_budget_evictions", "ssd_budget_evicted_bytes", "ssd_budget_evicted_blocks", "ssd_budget_refused",
+)  # fmt: skip
+
+
+class SSDStore(StoreCore):
+    """The SSD tier of one namespace. Thread-safe; never raises on I/O trouble.
+
+    Args:
+        cache_dir: root of the SSD tier.
+        layout_key: the namespace (32 hex characters).
+        meta: namespace metadata, string values for `REQUIRED_META` (model_id, model_name,
+            block_size, kv_dtype, kv_layers = `KVLayout.spec`); extra keys are stored too.
+        durability: 'best_effort' | 'persistent' (both: rename only; retries are the writer's)
+            or 'durable' (fsync file + directory before the rows commit; SQLite synchronous=FULL).
+        flush_interval_s: max delay of batched access-time updates (seconds).
+        fs: file-system operations (inject faults in tests).
+        clock: time source (unix seconds) for created/last_access and collision isolation.
+        noncacheable: hash -> isolation expiry (unix seconds); pass a dict to share or inspect it.
+        dir_mode: mode of the directories it creates (0o700; 0o2770 for a group-shared cache).
+        segment_max_bytes: largest segment a save writes (bytes).
+
+    Attributes:
+        namespace_dir: `<cache_dir>/<layout_key>`.
+        expected: the namespace's `Expected` layout (None until opened).
+        enabled: False if the store could not open (every load misses, every save is 'error').
+        read_only: True if the directory is not writable here: loads work, saves are refused.
+        disabled_reason: why it is disabled (or read-only), or None.
+        previous_shutdown_clean: the previous run's `shutdown_clean` (None for a new namespace).
+        reconcile_report: what the startup reconcile did.
+
+    Raises:
+        ValueError: `meta` lacks a required key or `durability` is unknown (caller bugs only).
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        layout_key: str,
+        meta: dict[str, str],
+        *,
+        durability: str = "best_effort",
+        flush_interval_s: float = 1.0,
+        fs: FileOps | None = None,
+        clock: Callable[[], float] = time.time,
+        noncacheable: dict[str, float] | None = None,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        segment_max_bytes: int = SEGMENT_MAX_BYTES,
+        max_bytes: int | None = None,
+    ):
+        missing = [k for k in REQUIRED_META if k not in meta]
+        if missing:
+            raise ValueError(f"SSDStore meta lacks {missing}")
+        if str(durability) not in ("best_effort", "persistent", "durable"):
+            raise ValueError(f"unknown durability {durability!r}")
+        super().__init__(cache_dir, layout_key, durability=durability, fs=fs, clock=clock, noncacheable=noncacheable,
+                         dir_mode=dir_mode, segment_max_bytes=segment_max_bytes, counters=COUNTERS)  # fmt: skip
+        self._saver = SegmentSaver(self)  # the save path (kvtool.disk.namespace_save)
+        try:
+            self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
+        except Exception as exc:  # any trouble opening costs the tier, never the request (docs/design.md#failure-isolation)
+            self._close_index_quietly()
+            self._disable(f"cannot open {self.namespace_dir}: {exc}")
+            return
+        if self.enabled and not self.read_only:
+            reconcile(self)
+        self.set_max_bytes(max_bytes)
+
+    def set_max_bytes(self, max_bytes: int | None, protect_s: float = DEFAULT_PROTECT_S) -> None:
+        """Keep the namespace directory within `max_bytes` (as `du` counts it) while writing:
+        least recently used segments are evicted before a segment that would not fit is written
+        (`kvtool.disk.budget`; the budget is the namespace's, shared by every process
+        through its index). None: no budget. A disabled or read-only store writes nothing: no
+        budget either.
+
+        Args:
+            max_bytes: the budget in bytes, or None.
+            protect_s: segments whose rows were used this many seconds ago or less are never evicted.
+
+        Raises:
+            ValueError: `max_bytes` is negative.
+        """
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        index = self.index
+        if max_bytes is None or index is None or not self.enabled or self.read_only:
+            self.budget = None
+            return
+        self.budget = SSDBudget(max_bytes, self.namespace_dir, index, self._fs, self._seg_path, clock=self._clock,
+                                protect_s=protect_s, on_evict=self._evicted)  # fmt: skip
+
+    def _evicted(self, ev: Eviction) -> None:
+        self._inc("ssd_budget_evictions", ev.segments)
+        self._inc("ssd_budget_evicted_bytes", ev.nbytes)
+        self._inc("ssd_budget_evicted_blocks", ev.blocks)
+
+    # ------------------------------------------------------------------ open/close
+    def _open(self, meta: dict[str, str], flush_interval_s: float) -> None:
+        """Open (or create) the namespace and its index: `kvtool.disk.namespace_open.open_index`."""
+        open_index(self, meta, flush_interval_s)
+
+    def close(self, shutdown_clean: bool = True, partial_flush: bool = False) -> None:
+        """Flush access times, record the shutdown state in the index meta, close. Never raises.
+
+        Args:
+            shutdown_clean: every accepted write was attempted (docs/design.md#tier-policies).
+            partial_flush: the index was flushed after an incomplete writer shutdown.
+        """
+        with self._lock:
+            if self.index is None:
+                return
+            try:
+                if not self.read_only:
+                    self.index.flush()
+                    self.index.set_meta(
+                        {
+                            "shutdown_clean": "1" if shutdown_clean else "0",
+                            "shutdown_partial_flush": "1" if partial_flush else "0",
+                            "last_close": repr(self._clock()),
+                        }
+                    )
+            except sqlite3.Error as exc:
+                self._inc("ssd_index_errors")
+                log.error("could not record shutdown state in %s: %s", self.namespace_dir, exc)
+            finally:
+                self._close_index_quietly()
+                self.enabled = False
+
+    # ----------------------------------------------------------------- lookups
+    def contains(self, block_hash: str) -> bool:
+        """True if the index has a usable row for `block_hash` (the file is not read)."""
+        return self.count_prefix([block_hash]) == 1
+
+    def count_prefix(self, hashes: Sequence[str]) -> int:
+        """How many leading `hashes` the index holds (stops at the first absent/isolated one)."""
+        return len(self.lookup(hashes))
+
+    def lookup(self, hashes: Sequence[str]) -> list[IndexRow]:
+        """Rows of the longest leading run of `hashes` that the index holds (one query).
+
+        Stops at the first hash that is absent, isolated, or not a well-formed hash. Never raises.
+        """
+        found = self.rows_of(hashes)
+        out = []
+        for h in hashes:
+            row = found.get(h)
+            if row is None:
+                break
+            out.append(row)
+        return out
+
+    def rows_of(self, hashes: Sequence[str]) -> dict[str, IndexRow]:
+        """hash -> row for those of `hashes` the index holds (not isolated, well-formed), in one
+        query per 500 hashes; any order (e.g. a tail entry's candidate keys). Never raises."""
+        index = self.index
+        if not self.enabled or index is None or not hashes:
+            return {}
+        try:
+            found = index.get_many([h for h in hashes if is_hash(h)])
+        except (sqlite3.Error, AttributeError) as exc:
+            self._index_error("lookup", exc)
+            return {}
+        return {h: row for h, row in found.items() if not self._is_noncacheable(h)}
+
+    def children(self, parent: str, limit: int) -> list[IndexRow]:
+        """Rows whose parent is `parent` (not isolated), most recently used first, at most
+        `limit` (one index query). Never raises."""
+        index = self.index
+        if not self.enabled or index is None or not is_hash(parent):
+            return []
+        try:
+            rows = index.children(parent, limit)
+        except (sqlite3.Error, AttributeError) as exc:
+            self._index_error("lookup", exc)
+            return []
+        return [r for r in rows if not self._is_noncacheable(r.hash)]
+
+    def read_row(self, row: IndexRow, parent: str | None = None) -> HostBlock | None:
+        """Read one record into fresh host arrays, verified (header, slot, parent, checksum over
+        the whole record) but not compared with any prompt's token ids: the caller compares.
+        A damaged record loses its row; a read error is a miss. Never raises."""
+        try:
+            opened = self.open_segment(row.segment)
+            if opened is None:
+                return None
+            fd, header = opened
+            try:
+                slot = self.check_slot(row, header, parent)
+                if slot is None:
+                    self.discard(row.hash, "slot does not hold the block")
+                    return None
+                return seg.read_block(fd, slot, header.kv)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("SSD read of block %s failed: %s", row.hash, exc)
+            self._inc("ssd_load_fail")
+        except BlockFileError as exc:
+            self.discard(row.hash, str(exc))
+        except Exception:  # a bug here must cost a miss, never a request
+            log.exception("SSD read of %s failed", row.hash)
+            self._inc("ssd_load_fail")
+        return None
+
+    def get_row(self, block_hash: str) -> IndexRow | None:
+        """The index row of one block (tail entries included), or None. Never raises."""
+        rows = self.lookup([block_hash])
+        return rows[0] if rows else None
+
+    def open_segment(self, name: str) -> tuple[int, seg.SegmentHeader] | None:
+        """Open a segment file and verify its header against the namespace.
+
+        Returns:
+            `(fd, header)` (close `fd` with `os.close`), or None if the segment is unusable: its
+            rows are then dropped (`corrupt`) or it vanished (`missing`). A FIFO, socket, device
+            or directory under the segment's name is never read: a corrupt entry (counted, its
+            rows marked suspect and left for `kvtool validate`). Never raises.
+        """
+        try:
+            path = self._seg_path(name)
+            fd = self._fs.open_read(path)
+        except FileNotFoundError:
+            self._segment_vanished(name)
+            return None
+        except NotRegularFileError as exc:
+            self._not_regular(name, exc)
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("SSD segment %s unreadable: %s", name, exc)
+            self._inc("ssd_load_fail")
+            return None
+        try:
+            header = seg.read_header(fd, check_regular(fd, path).st_size)
+            seg.check_header(header, self.layout_key, self._geometry.kv, self._geometry.codec)
+            return fd, header
+        except NotRegularFileError as exc:
+            os.close(fd)
+            self._not_regular(name, exc)
+            return None
+        except OSError as exc:  # a read error is not corruption: miss, keep the rows
+            os.close(fd)
+            log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
+            self._inc("ssd_load_fail")
+            return None
+        except BlockFileError as exc:
+            os.close(fd)
+            log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
+            self._inc("ssd_load_corrupt")
+            self._drop_segment(name)
+            return None
+
+    def _not_regular(self, name: str, exc: OSError) -> None:
+        """A segment name taken by something else than a regular file: a corrupt entry, a miss.
+        Nothing is removed here (`kvtool validate` does); its blocks may be stored anew."""
+        log.warning("SSD segment %s is %s: never read; a miss (kvtool validate removes it)", name, exc.strerror)
+        self._inc("ssd_load_corrupt")
+        self.suspect(name)
+
+    def check_slot(self, row: IndexRow, header: seg.SegmentHeader, parent: str | None) -> seg.Slot | None:
+        """The header's slot for `row` if it is the block asked for (hash, parent, length)."""
+        if row.slot >= len(header.slots):
+            return None
+        slot = header.slots[row.slot]
+        if slot.block_hash != row.hash or slot.n_tokens != row.num_tokens:
+            return None
+        if parent is not None and slot.parent_hash != parent:
+            return None
+        return slot
+
+    def load_block(self, block_hash: str, expected_token_ids: np.ndarray, parent: str | None = None) -> HostBlock | None:
+        """Read, verify and return one block (full or tail entry) in fresh host arrays, or None.
+
+        For tests and tools; the request path restores whole chains with `kvtool.disk.restore`.
+        Never raises.
+        """
+        if not self.enabled:
+            return None
+        try:
+            return self._load_one(block_hash, np.asarray(expected_token_ids, dtype=np.int32), parent)
+        except Exception:  # a bug here must cost a miss, never a request
+            log.exception("SSD load of %s failed", block_hash)
+            self._inc("ssd_load_fail")
+            return None
+
+    def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> HostBlock | None:
+        row = self.get_row(h)
+        if row is None or row.num_tokens != expected.shape[0]:
+            self._inc("ssd_load_noncacheable" if self._is_noncacheable(h) else "ssd_load_miss")
+            return None
+        opened = self.open_segment(row.segment)
+        if opened is None:
+            return None
+        fd, header = opened
+        try:
+            slot = self.check_slot(row, header, parent)
+            if slot is None:
+                self.discard(h, "slot does not hold the block")
+                return None
+            block = seg.read_block(fd, slot, header.kv)
+        except OSError as exc:  # a read error is not corruption: miss, keep the row
+            log.warning("SSD read of block %s failed: %s", h, exc)
+            self._inc("ssd_load_fail")
+            return None
+        except BlockFileError as exc:
+            self.discard(h, str(exc))
+            return None
+        finally:
+            os.close(fd)
+        if not np.array_equal(block.token_ids, expected):
+            self.collision(h, "load")
+            return None
+        self.record_hits([h], slot.nbytes)
+        return block
+
+    def record_hits(self, hashes: Sequence[str], nbytes: int) -> None:
+        """Count verified loads and touch their rows (batched access-time update)."""
+        if not self.read_only and self.index is not None:
+            try:
+                self.index.touch_many(hashes, self._clock())
+            except (sqlite3.Error, AttributeError) as exc:
+                self._index_error("touch", exc)
+        self._inc("ssd_load_hits", len(hashes))
+        self._inc("ssd_bytes_read", nbytes)
+
+    def _segment_vanished(self, name: str) -> None:
+        """A segment file is gone: another process's removal (miss) or a stale row (drop)."""
+        with self._lock:
+            index = self.index
+            if index is None or self.read_only or self._fs.exists(self._seg_path(name, check=False)):
+                self._inc("ssd_load_miss")
+                return
+            try:
+                n = index.delete_segments([name])
+            except sqlite3.Error as exc:
+                self._index_error("drop vanished segment", exc)
+                return
+        if n:
+            log.warning("SSD segment %s had no file; %d row(s) dropped", name, n)
+            self._inc("ssd_load_missing")
+            self._inc("ssd_stale_index_cleaned", n)
+        else:
+            self._inc("ssd_load_miss")
+
+    # ------------------------------------------------------------------- saves
+    def save_block(self, block: HostBlock) -> str:
+        """Store one block; see `save_blocks`."""
+        return self.save_blocks([block])[0]
+
+    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]:
+        """Store blocks as one write batch (one segment per `segment_max_bytes`). Never raises.
+
+        The save path is `kvtool.disk.namespace_save.SegmentSaver`.
+
+        Args:
+            blocks: blocks (or tail entries) whose geometry matches the namespace.
+
+        Returns:
+            Per block, in order: 'saved' (file + row written), 'dedup' (already stored; access
+            time touched), 'collision' (same hash with other tokens, or hash isolated),
+            'error' (not stored).
+        """
+        return self._saver.save_blocks(blocks)
+
+    # ----------------------------------------------------------------- removal
+    def remove(self, hashes: Iterable[str]) -> int:
+        """Delete blocks: rows in one transaction, then segment files left without rows.
+
+        Returns:
+            Rows deleted. Never raises.
+        """
+        hashes = [h for h in hashes if is_hash(h)]
+        if not self.enabled or self.read_only or not hashes:
+            return 0
+        with self._lock:
+            if self.index is None:  # closed meanwhile (close() takes the same lock)
+                return 0
+            try:
+                n, emptied = self.index.delete(hashes)
+            except sqlite3.Error as exc:
+                self._index_error("remove", exc)
+                return 0
+            for name in emptied:
+                self._unlink_quiet(self._seg_path(name))
+        return n
+
+    def discard(self, h: str, why: str) -> None:
+        """Drop an unusable block: its row first, then its segment's file if now empty. Its
+        segment becomes suspect (`suspect`): its other blocks were not verified either."""
+        log.warning("SSD block %s unusable (%s); removed", h, why)
+        self._inc("ssd_load_corrupt")
+        if self.read_only:
+            return
+        try:
+            row = self.index.get(h) if self.index is not None else None
+        except sqlite3.Error:
+            row = None
+        if row is not None:
+            self.suspect(row.segment)
+        self.remove([h])
+
+    def saved_count(self, hashes: Iterable[str]) -> int:
+        """How many of `hashes` this process saved to SSD (file written and rows committed;
+        the last `SAVED_MAX` saves are remembered): a request's blocks that reached the disk."""
+        return self._saved.count(hashes)
+
+    def _drop_segment(self, name: str) -> None:
+        if self.read_only:
+            return
+        with self._lock:
+            try:
+                if self.index is not None:
+                    self.index.delete_segments([name])
+            except sqlite3.Error as exc:
+                self._index_error("drop segment", exc)
+                return
+            self._unlink_quiet(self._seg_path(name))
+
+    # ------------------------------------------------------------------- misc
+    def flush(self) -> None:
+        """Commit batched access-time updates. Never raises."""
+        index = self.index
+        if index is None:
+            return
+        try:
+            index.flush()
+        except (sqlite3.Error, AttributeError) as exc:
+            self._index_error("flush", exc)
+
+    def totals(self) -> tuple[int, int]:
+        """(blocks, bytes of segment files) in the index; (0, 0) if disabled or unreadable."""
+        try:
+            return self.index.totals() if self.index is not None else (0, 0)
+        except sqlite3.Error:
+            return (0, 0)
+
+    def stats(self) -> dict[str, int]:
+        """Counters (all prefixed `ssd_`), a snapshot, plus what the startup reconcile did."""
+        rec = self.reconcile_report
+        with self._stats_lock:
+            out = dict(self._stats)
+        out.update(
+            ssd_reconcile_temp_removed=rec.temp_removed,
+            ssd_reconcile_missing_dropped=rec.missing_rows_dropped,
+            ssd_reconcile_orphan_files=rec.orphan_files,
+        )
+        return out
+
+    def touch(self, h: str) -> None:
+        """Record a use of block `h` (e.g. a RAM-tier hit) in its row's last access, batched.
+
+        Keeps `prune --ttl` and the LRU order honest for blocks a long-running process serves
+        from RAM. Never raises.
+        """
+        self.touch_many([h])
+
+    def touch_many(self, hashes: list[str]) -> None:
+        """`touch` for several blocks: one buffered update (one lock). Never raises."""
+        if hashes and self.enabled and self.index is not None:
+            self._touch(hashes)
+
+
+
+__all__ = ["SSDStore", "Expected", "ReconcileReport", "COUNTERS", "NONCACHEABLE_TTL_S", "REQUIRED_META"]

@@ -1,0 +1,244 @@
+"""The state every part of one namespace's SSD tier shares: `StoreCore`, and the small types
+of its open path (`Expected`, `ReconcileReport`, `Recent`).
+
+`SSDStore` (`kvtool.disk.namespace`) is a `StoreCore`; its save path (`kvtool.disk.namespace_save`) and
+open path (`kvtool.disk.namespace_open`) take a `StoreCore`. This module imports none of them, so
+the three depend on it and never on each other in a cycle. Logs go to the `kvtool.disk.namespace`
+logger. This module never imports MLX (the SSD writer thread calls it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtool.disk import segment as seg
+from kvtool.disk.budget import SSDBudget
+from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.kvlayout import KVLayout
+from kvtool.disk.names import segment_relpath
+
+log = logging.getLogger("kvtool.disk.namespace")
+
+NONCACHEABLE_TTL_S = 3600.0  # a colliding hash is not cached for one hour (docs/design.md#chain-hash)
+SUSPECT_MAX = 4096  # segments remembered as having failed verification (oldest forgotten first)
+SAVED_MAX = 1 << 16  # hashes remembered as saved by this process, for `saved_count` (oldest first)
+
+
+@dataclass
+class ReconcileReport:
+    """Startup reconcile of one namespace (the fast part of crash recovery: no row is loaded; docs/design.md#durability-modes).
+
+    Attributes:
+        temp_removed: leftover temp files removed.
+        missing_rows_dropped: block rows whose segment file was gone, dropped.
+        orphan_files: segment files without a segment row (for `kvtool validate` to adopt).
+        rows: block rows after reconcile.
+    """
+
+    temp_removed: int = 0
+    missing_rows_dropped: int = 0
+    orphan_files: int = 0
+    rows: int = 0
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the blocks of one namespace must look like.
+
+    Attributes:
+        layout_key: the namespace's layout key.
+        kv: per-layer KV shapes and dtype.
+        block_size: tokens per full block (tail entries hold fewer).
+        codec: how records are stored: 'none' or a `segment.CODECS` codec (meta `kv_codec`).
+    """
+
+    layout_key: str
+    kv: KVLayout
+    block_size: int
+    codec: str = "none"
+
+    @classmethod
+    def from_meta(cls, layout_key: str, meta: dict[str, str]) -> Expected:
+        """Build from namespace index metadata (string values).
+
+        Raises:
+            KeyError, ValueError: a key is missing or malformed.
+        """
+        codec = meta.get("kv_codec") or "none"
+        if codec not in seg.CODECS:
+            raise ValueError(f"unknown kv_codec {codec!r}")
+        return cls(layout_key, KVLayout.parse(meta["kv_layers"], meta["kv_dtype"]), int(meta["block_size"]), codec)
+
+
+class Recent:
+    """A set that remembers its last `limit` members (oldest forgotten first). Thread-safe.
+
+    Args:
+        limit: how many members are kept.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._items: dict[str, None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, items: Iterable[str]) -> None:
+        """Add (or refresh) members."""
+        with self._lock:
+            for item in items:
+                self._items.pop(item, None)
+                self._items[item] = None
+            while len(self._items) > self.limit:
+                del self._items[next(iter(self._items))]
+
+    def __contains__(self, item: object) -> bool:
+        with self._lock:
+            return item in self._items
+
+    def count(self, items: Iterable[str]) -> int:
+        """How many distinct members of `items` are remembered."""
+        with self._lock:
+            return sum(item in self._items for item in set(items))
+
+
+class StoreCore:
+    """State and helpers of one namespace's SSD tier, shared by `SSDStore` and its open and
+    save paths. Not used alone: `SSDStore` is the public class.
+
+    Args:
+        cache_dir: root of the SSD tier.
+        layout_key: the namespace (32 hex characters).
+        durability: 'best_effort' | 'persistent' | 'durable' (checked by `SSDStore`).
+        fs: file-system operations (inject faults in tests).
+        clock: time source (unix seconds).
+        noncacheable: hash -> isolation expiry (unix seconds); pass a dict to share or inspect it.
+        dir_mode: mode of the directories it creates.
+        segment_max_bytes: largest segment a save writes (bytes).
+        counters: the names of its counters (all start at 0).
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        layout_key: str,
+        *,
+        durability: str,
+        fs: FileOps | None,
+        clock: Callable[[], float] = time.time,
+        noncacheable: dict[str, float] | None = None,
+        dir_mode: int = DEFAULT_DIR_MODE,
+        segment_max_bytes: int,
+        counters: Iterable[str] = (),
+    ):
+        self.cache_dir = Path(cache_dir)
+        self.layout_key = layout_key
+        self.namespace_dir = self.cache_dir / layout_key
+        self.durable = str(durability) == "durable"
+        self.enabled = False
+        self.read_only = False
+        self.disabled_reason: str | None = None
+        self.previous_shutdown_clean: bool | None = None
+        self.reconcile_report = ReconcileReport()
+        self.index: BlockIndex | None = None
+        self.expected: Expected | None = None
+        self.segment_max_bytes = segment_max_bytes
+        self._dir_mode = dir_mode
+        self._fs = fs or FileOps()
+        self._clock = clock
+        self._noncacheable = {} if noncacheable is None else noncacheable
+        self._lock = threading.Lock()  # saves, removals, close
+        self._stats_lock = threading.Lock()
+        self._stats = dict.fromkeys(counters, 0)
+        self._suspect = Recent(SUSPECT_MAX)  # segments a record of which failed verification
+        self._saved = Recent(SAVED_MAX)  # hashes this process saved (`saved_count`)
+        self.budget: SSDBudget | None = None  # the byte budget (`SSDStore.set_max_bytes`)
+
+    @property
+    def _geometry(self) -> Expected:
+        """`expected`, once the index is open (every read and write path runs only then)."""
+        assert self.expected is not None, "SSD store used before its index was opened"
+        return self.expected
+
+    def _disable(self, reason: str) -> None:
+        self.enabled = False
+        self.disabled_reason = reason
+        log.warning("SSD tier disabled: %s", reason)
+
+    def _close_index_quietly(self) -> None:
+        if self.index is not None:
+            try:
+                self.index.close()
+            except sqlite3.Error:
+                pass
+            self.index = None
+
+    def _seg_path(self, name: str, check: bool = True) -> Path:
+        """Path of a segment (raises ValueError for a malformed name)."""
+        return self.namespace_dir / segment_relpath(name)
+
+    def _unlink_quiet(self, path: Path) -> None:
+        try:
+            self._fs.unlink(path)
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
+
+    def inc(self, key: str, n: int = 1) -> None:
+        """Add to one of the `ssd_` counters (for the restore path)."""
+        self._inc(key, n)
+
+    def _inc(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[key] += n
+
+    def _index_error(self, what: str, exc: Exception) -> None:
+        self._inc("ssd_index_errors")
+        log.warning("SSD index %s failed in %s: %s", what, self.namespace_dir, exc)
+
+    # -------------------------------------------------------------- isolation
+    def _is_noncacheable(self, h: str) -> bool:
+        until = self._noncacheable.get(h)
+        if until is None:
+            return False
+        if self._clock() < until:
+            return True
+        self._noncacheable.pop(h, None)
+        return False
+
+    def collision(self, h: str, where: str) -> None:
+        """An intact block holds other token ids than asked for: isolate its hash for 1 h."""
+        self._isolate(h, where)
+
+    def _isolate(self, h: str, where: str) -> None:
+        self._noncacheable[h] = self._clock() + NONCACHEABLE_TTL_S
+        self._inc("ssd_hash_collision_detected")
+        log.warning("HASH COLLISION on %s: hash=%s holds other tokens; non-cacheable for %ds", where, h, NONCACHEABLE_TTL_S)
+
+    def _touch(self, hashes: list[str]) -> None:
+        """Batched access-time update of blocks; a failed auto-flush costs only freshness."""
+        index = self.index
+        if self.read_only or index is None:  # None: closed concurrently
+            return
+        try:
+            index.touch_many(hashes, self._clock())
+        except (sqlite3.Error, AttributeError) as exc:  # AttributeError: closed concurrently
+            self._index_error("touch", exc)
+
+    def suspect(self, segment: str) -> None:
+        """Remember that a record of `segment` failed verification (a record swap damages two):
+        a save of a block whose row points into it replaces that row instead of being dropped as
+        a duplicate (`kvtool.disk.namespace_save`), so a recomputed block is stored again."""
+        self._suspect.add([segment])
+
+    def is_suspect(self, segment: str) -> bool:
+        """True if a record of `segment` failed verification in this process (`suspect`)."""
+        return segment in self._suspect
+
+
+__all__ = ["StoreCore", "Expected", "ReconcileReport", "Recent", "NONCACHEABLE_TTL_S", "SUSPECT_MAX", "SAVED_MAX"]

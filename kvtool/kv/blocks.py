@@ -1,0 +1,560 @@
+"""Blocks in MLX: slicing mlx-lm caches into blocks, and building caches from blocks and restores.
+
+A *block* is `block_size` consecutive prompt tokens together with the KV of every layer for those
+positions: per layer a keys and a values tensor `[1, n_kv_heads, n, head_dim]`, i.e. a slice of
+mlx-lm's `KVCache.state` along the sequence axis (axis 2). A prompt's *tail entry* is the same
+with `n < block_size`. In a quantized layout (`KVLayout.bits` > 0) each layer's keys and values
+are three tensors each, mlx-lm `QuantizedKVCache` slices (packed uint32 words, scales, biases):
+`Block.keys`/`Block.values` are then flat lists of 3 tensors per layer. Hashing and layout keys
+live in the MLX-free `kvtool.hashing`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCache, RotatingKVCache
+
+from kvtool.disk.hostblock import HostBlock  # noqa: F401  (re-exported: the MLX-free half of a block)
+from kvtool.disk.kvlayout import KVLayout
+from kvtool.hashing import (  # noqa: F401  (re-exported)
+    HASH_DIGEST_BYTES,
+    HashFn,
+    blake2b_chain,
+    chain_hashes,
+    layout_key,
+    root_parent,
+    tail_hash,
+)
+
+CACHE_STEP = KVCache.step  # mlx-lm grows a KVCache in steps of this many tokens (256)
+
+_MX_TO_NP_STORAGE = {
+    mx.float32: np.float32,
+    mx.float16: np.float16,
+    mx.bfloat16: np.uint16,  # numpy has no bfloat16: the bit pattern travels as uint16
+    mx.uint32: np.uint32,  # packed words of quantized KV
+}
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+_NAME_TO_MX = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """Name of a supported KV dtype ('float32' | 'float16' | 'bfloat16').
+
+    Raises:
+        ValueError: the dtype is not a supported floating KV dtype.
+    """
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported KV dtype {dtype}") from None
+
+
+def leaves(cache: Sequence) -> list:
+    """The leaf caches of a model's prompt cache, in order: every `CacheList` (a layer holding
+    several caches, e.g. a state and an attention cache) is flattened, recursively."""
+    out: list = []
+    for c in cache:
+        if isinstance(c, CacheList):
+            out += leaves(c.caches)
+        else:
+            out.append(c)
+    return out
+
+
+def cache_kinds(cache: Sequence) -> str:
+    """The structure of a prompt cache as `KVLayout.kinds`: per entry `k` (a KV leaf), the
+    number of arrays of an `ArraysCache`, or `(`...`)` around the leaves of a `CacheList`."""
+    out = ""
+    for c in cache:
+        if isinstance(c, CacheList):
+            out += "(" + cache_kinds(c.caches) + ")"
+        elif isinstance(c, ArraysCache):
+            out += str(len(c.cache))
+        else:
+            out += "k"
+    return out
+
+
+def unsupported_cache_reason(cache: list, allow_rotating: bool = False, allow_state: bool = False,
+                             allow_lists: bool = False) -> str | None:
+    """Why a model's prompt cache cannot be stored block-wise, or None if it can.
+
+    Plain full-attention `KVCache` layers are supported; with `allow_rotating`, also
+    sliding-window `RotatingKVCache` layers with `keep == 0` (stored from a full-attention view,
+    see `WindowedKVCache`); with `allow_state`, `ArraysCache` state layers (checkpointed at
+    block ends); with `allow_lists`, `CacheList` entries whose leaves are supported. Quantized
+    caches, `ChunkedKVCache`, rotating layers with `keep > 0` or any other class would give
+    wrong KV if sliced. Whether a supported structure is exact for a given model is measured by
+    `kvtool.cache.selfcheck`, not assumed here.
+    """
+    if not allow_lists and any(isinstance(c, CacheList) for c in cache):
+        return "cache layers of type CacheList are not plain KVCache"
+    flat = leaves(cache)
+
+    def ok(c) -> bool:
+        return (type(c) is KVCache or (allow_rotating and type(c) is RotatingKVCache and c.keep == 0)
+                or (allow_state and type(c) is ArraysCache))
+
+    bad = [c for c in flat if not ok(c)]
+    kinds = sorted({type(c).__name__ for c in bad})
+    if kinds:
+        if allow_rotating and any(type(c) is RotatingKVCache for c in bad):
+            keeps = sorted({c.keep for c in bad if type(c) is RotatingKVCache})
+            return (f"cache layers of type {', '.join(kinds)} are not plain KVCache (or RotatingKVCache with "
+                    f"keep=0; here keep={','.join(map(str, keeps))})")
+        return f"cache layers of type {', '.join(kinds)} are not plain KVCache"
+    if not flat:
+        return "the model has no KV cache layers"
+    return None
+
+
+def sliding_windows(cache: list) -> tuple[int | None, ...]:
+    """Per leaf (`leaves`) the window (`max_size`) of a `RotatingKVCache`, None for other leaves."""
+    return tuple(c.max_size if type(c) is RotatingKVCache else None for c in leaves(cache))
+
+
+def map_leaves(cache: Sequence, fn) -> list:
+    """The same structure (`CacheList`s rebuilt) with every leaf replaced by `fn(leaf, i)`, `i`
+    its index in `leaves(cache)`."""
+    counter = iter(range(1 << 30))
+
+    def walk(entries):
+        out = []
+        for c in entries:
+            if isinstance(c, CacheList):
+                out.append(CacheList(*walk(c.caches)))
+            else:
+                out.append(fn(c, next(counter)))
+        return out
+
+    return walk(cache)
+
+
+def trim_kv(cache: Sequence, n: int) -> None:
+    """Trim `n` tokens off every KV leaf (state leaves hold no tokens; see `kvtool.cache.prefix`)."""
+    for c in leaves(cache):
+        if not isinstance(c, ArraysCache):
+            c.trim(n)
+
+
+def kv_offset(cache: Sequence) -> int | None:
+    """Tokens held by the first KV leaf (None: no KV leaf)."""
+    for c in leaves(cache):
+        if not isinstance(c, ArraysCache):
+            return int(c.offset)
+    return None
+
+
+def cache_arrays(cache: Sequence) -> list:
+    """Every array a prompt cache holds (for `mx.eval`), `CacheList`s flattened."""
+    out: list = []
+    for c in leaves(cache):
+        if isinstance(c, ArraysCache):
+            out += [a for a in c.cache if a is not None]
+        elif isinstance(c, QuantizedKVCache):
+            if c.keys is not None:
+                out += list(c.keys) + list(c.values)
+        elif getattr(c, "keys", None) is not None:
+            out += [c.keys, c.values]
+    return out
+
+
+@dataclass
+class Block:
+    """A block in MLX arrays, as held by the RAM tier.
+
+    Attributes:
+        block_hash, parent_hash: as in `HostBlock`.
+        token_ids: int32 numpy `[block_size]`.
+        keys, values: per layer mx arrays `[1, n_kv_heads, block_size, head_dim]`, evaluated.
+    """
+
+    block_hash: str
+    parent_hash: str
+    token_ids: np.ndarray
+    keys: list[mx.array]
+    values: list[mx.array]
+    nbytes: int = field(default=0)
+
+    def __post_init__(self) -> None:
+        if not self.nbytes:
+            self.nbytes = int(sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values)) + self.token_ids.nbytes)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def dtype(self) -> str:
+        """KV dtype name (of the scales and biases in a quantized block)."""
+        return dtype_name(next(a.dtype for a in (*self.keys, *self.values) if a.dtype != mx.uint32))
+
+
+def _to_numpy(a: mx.array) -> np.ndarray:
+    """A numpy view of an MLX array's memory (zero copy on the CPU backend, where MLX exports
+    its buffer; a copy elsewhere). bfloat16 is viewed as its uint16 bit pattern. The view keeps
+    the array alive; blocks are never written in place, so sharing their memory is safe."""
+    storage = _MX_TO_NP_STORAGE.get(a.dtype)
+    if storage is None:
+        raise ValueError(f"unsupported KV dtype {a.dtype}")
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.asarray(a)
+
+
+def _to_mlx(a: np.ndarray, dtype: str = "") -> mx.array:
+    """An MLX array of a host array; uint16 is always a bfloat16 bit pattern (no KV or state
+    dtype is uint16), packed uint32 words stay uint32. `dtype` is accepted for callers' clarity."""
+    arr = mx.array(a)
+    if a.dtype == np.uint16:
+        arr = arr.view(mx.bfloat16)
+    return arr
+
+
+def to_host(block: Block) -> HostBlock:
+    """A RAM block as host arrays for the SSD writer: numpy views of the block's own (immutable)
+    MLX arrays, no copy on the CPU backend (the block is already a copy of the cache: see
+    `slice_blocks`). Call on the MLX (request) thread."""
+    return HostBlock(
+        block_hash=block.block_hash,
+        parent_hash=block.parent_hash,
+        token_ids=np.array(block.token_ids, dtype=np.int32, copy=True),
+        keys=[_to_numpy(k) for k in block.keys],
+        values=[_to_numpy(v) for v in block.values],
+        dtype=block.dtype,
+    )
+
+
+def from_host(host: HostBlock) -> Block:
+    """Turn a host block into evaluated MLX arrays. Call on the MLX (request) thread.
+
+    Raises:
+        ValueError: unknown dtype name.
+    """
+    if host.dtype not in _NAME_TO_MX:
+        raise ValueError(f"unsupported KV dtype {host.dtype!r}")
+    keys = [_to_mlx(k, host.dtype) for k in host.keys]
+    values = [_to_mlx(v, host.dtype) for v in host.values]
+    mx.eval(keys, values)
+    return Block(host.block_hash, host.parent_hash, np.asarray(host.token_ids, dtype=np.int32), keys, values)
+
+
+def _layer_slices(c, lo: int, hi: int, kv: KVLayout | None, copy: bool) -> tuple[list[mx.array], list[mx.array]]:
+    """One layer's keys and values for tokens `[lo, hi)` in the block form of layout `kv`.
+
+    A plain `KVCache` layer of a quantized layout is quantized here (`mx.quantize` works per
+    group of one token's head dim, so a quantized slice equals the slice of the quantized cache).
+    """
+    def cut(a):
+        a = a[..., lo:hi, :]
+        return mx.contiguous(a) if copy else a
+
+    if not isinstance(c, (KVCache, QuantizedKVCache)):  # RotatingKVCache: a ring buffer, not token order
+        raise ValueError(f"cannot cut blocks from a {type(c).__name__} layer (use a full view)")
+    if isinstance(c, QuantizedKVCache):
+        if kv is None or not kv.quantized or (c.bits, c.group_size) != (kv.bits, kv.group_size):
+            raise ValueError("a quantized cache layer in a layout of another quantisation")
+        return [cut(a) for a in c.keys], [cut(a) for a in c.values]
+    if kv is not None and kv.quantized:
+        k = mx.quantize(mx.contiguous(c.keys[..., lo:hi, :]), group_size=kv.group_size, bits=kv.bits)
+        v = mx.quantize(mx.contiguous(c.values[..., lo:hi, :]), group_size=kv.group_size, bits=kv.bits)
+        return list(k), list(v)
+    return [cut(c.keys)], [cut(c.values)]
+
+
+def slice_blocks(
+    cache: list[KVCache],
+    token_ids: Sequence[int] | np.ndarray,
+    spans: Sequence[tuple[str, str, int, int]],
+    kv: KVLayout | None = None,
+    states: Sequence[Sequence[mx.array]] | None = None,
+) -> list[Block]:
+    """Cut blocks (or a tail entry) out of a filled prompt cache, as copies.
+
+    Args:
+        cache: per-layer `KVCache` (or `QuantizedKVCache`) whose `offset` covers every span, in
+            a model's structure (`CacheList`s are flattened, `ArraysCache`s skipped); buffers may
+            be padded past `offset` (mlx-lm grows them in 256-token steps): only
+            `[..., :offset, :]` is read.
+        token_ids: the prompt token ids.
+        spans: `(block_hash, parent_hash, start, stop)` token ranges.
+        kv: the namespace layout; a quantized one quantizes plain layers (None: plain).
+        states: with state layers (`ArraysCache`, skipped in `cache`), per span the state arrays
+            the record ends with (appended to `Block.values`).
+
+    Returns:
+        Evaluated blocks, each holding copies (not views) of the cache's KV.
+    """
+    ids = np.asarray(token_ids, dtype=np.int32)
+    cache = leaves(cache)
+    if _one_copy_per_layer(cache, spans, kv, states):
+        return _slice_run(cache, ids, spans)
+    blocks: list[Block] = []
+    for i, (h, parent, lo, hi) in enumerate(spans):
+        keys: list[mx.array] = []
+        values: list[mx.array] = []
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                continue
+            k, v = _layer_slices(c, lo, hi, kv, copy=True)
+            keys += k
+            values += v
+        if states is not None:
+            values += list(states[i])
+        blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
+    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
+    return blocks
+
+
+def patch_last_token(blocks: Sequence[Block], spans: Sequence[tuple[Any, ...]], n: int,
+                     last_kv: Sequence[tuple[int, mx.array, mx.array]]) -> None:
+    """In the block whose span ends at token `n` (a prompt's last), replace the last token's KV
+    of the given KV leaves (`(KV leaf index, keys [1, H, 1, Dk], values [1, H, 1, Dv])`, plain
+    layouts) by these; the arrays are new (blocks of one run share views of one copy)."""
+    for b, span in zip(blocks, spans):
+        if span[3] != n:
+            continue
+        for j, k, v in last_kv:
+            b.keys[j] = mx.concatenate([b.keys[j][..., :-1, :], k.astype(b.keys[j].dtype)], axis=2)
+            b.values[j] = mx.concatenate([b.values[j][..., :-1, :], v.astype(b.values[j].dtype)], axis=2)
+        mx.eval(b.keys, b.values)
+
+
+def _one_copy_per_layer(cache, spans, kv, states) -> bool:
+    """True for the common case: plain KVCache layers and back-to-back spans."""
+    if states is not None or (kv is not None and kv.quantized) or not spans:
+        return False
+    if any(type(c) is not KVCache for c in cache):
+        return False
+    return all(a[3] == b[2] for a, b in zip(spans, spans[1:]))
+
+
+def _slice_run(cache: list[KVCache], ids: np.ndarray, spans: Sequence[tuple[str, str, int, int]]) -> list[Block]:
+    """Blocks of back-to-back spans from ONE contiguous copy per layer and tensor (2 x layers
+    copies instead of 2 x layers x blocks): each block views its part of the copy. The copy is
+    shared by the run's blocks, so its memory is freed when the last of them leaves RAM."""
+    lo0, hi0 = spans[0][2], spans[-1][3]
+    runs_k = [mx.contiguous(c.keys[..., lo0:hi0, :]) for c in cache]
+    runs_v = [mx.contiguous(c.values[..., lo0:hi0, :]) for c in cache]
+    mx.eval(runs_k, runs_v)
+    blocks = []
+    for h, parent, lo, hi in spans:
+        a, b = lo - lo0, hi - lo0
+        blocks.append(Block(h, parent, ids[lo:hi].copy(), [k[..., a:b, :] for k in runs_k],
+                            [v[..., a:b, :] for v in runs_v]))
+    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
+    return blocks
+
+
+def cache_capacity(prompt_tokens: int) -> int:
+    """Tokens a rebuilt cache holds room for: the prompt plus at least one decode step, rounded
+    up to mlx-lm's 256-token step (as a cold prefill would leave it), so that neither the
+    prefill of the uncached rest nor the first decode step reallocates (copies) the cache."""
+    return (prompt_tokens // CACHE_STEP + 1) * CACHE_STEP
+
+
+def rebuild_cache(blocks: Sequence[Block], n_layers: int, capacity: int = 0,
+                  kv: KVLayout | None = None) -> list:
+    """A fresh cache holding the concatenation of `blocks` along the sequence axis.
+
+    Args:
+        blocks: a chain of blocks, in prompt order, starting at the first block.
+        n_layers: number of KV layers of the model.
+        capacity: buffer length in tokens (>= the blocks' tokens); the rest is decode room.
+        kv: the layout; a quantized one gives `QuantizedKVCache`s; one with state layers or
+            cache lists gives the model's structure (`assemble_layers`; None: plain).
+
+    Returns:
+        Per KV layer a cache with `offset == sum(block tokens)` (in the model's structure);
+        empty caches if `blocks` is empty.
+    """
+    if kv is not None and kv.quantized:
+        return after_restore(_rebuild_quantized(blocks, kv, capacity))
+    if kv is not None and kv.kinds:
+        kv_caches = _rebuild_plain(blocks, kv.n_layers, capacity) if kv.n_layers else []
+        state = [b for b in blocks[-1].values[kv.n_layers:]] if blocks and kv.has_states else None
+        return after_restore(assemble_layers(kv, kv_caches, state))
+    return after_restore(_rebuild_plain(blocks, n_layers, capacity))
+
+
+def _rebuild_plain(blocks: Sequence[Block], n_layers: int, capacity: int) -> list:
+    caches = [KVCache() for _ in range(n_layers)]
+    if not blocks:
+        return caches
+    n = sum(b.num_tokens for b in blocks)
+    room = max(capacity - n, 0)
+    for layer, c in enumerate(caches):
+        ks = [b.keys[layer] for b in blocks]
+        vs = [b.values[layer] for b in blocks]
+        if room:
+            k0, v0 = ks[0], vs[0]
+            ks.append(mx.zeros((*k0.shape[:2], room, k0.shape[3]), k0.dtype))
+            vs.append(mx.zeros((*v0.shape[:2], room, v0.shape[3]), v0.dtype))
+        c.keys = mx.concatenate(ks, axis=2) if len(ks) > 1 else ks[0]
+        c.values = mx.concatenate(vs, axis=2) if len(vs) > 1 else vs[0]
+        c.offset = n
+    # Not evaluated here: the concatenation runs as part of the request's first forward, as the
+    # deep copy of mlx-lm's own prompt cache does. An eval here waits for everything queued on the
+    # stream first (a server's batch decode step in flight): sampled ~8 ms per request more on
+    # the generation thread than mlx_lm.server at 4 clients.
+    return caches
+
+
+def _rebuild_quantized(blocks: Sequence[Block], kv: KVLayout, capacity: int) -> list:
+    caches = [QuantizedKVCache(group_size=kv.group_size, bits=kv.bits) for _ in range(kv.n_layers)]
+    if not blocks:
+        return caches
+    n = sum(b.num_tokens for b in blocks)
+    room = max(capacity - n, 0)
+
+    def cat(parts):
+        if room:
+            p0 = parts[0]
+            parts = [*parts, mx.zeros((*p0.shape[:2], room, p0.shape[3]), p0.dtype)]
+        return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+
+    for layer, c in enumerate(caches):
+        sl = slice(3 * layer, 3 * layer + 3)
+        c.keys = [cat([b.keys[sl][i] for b in blocks]) for i in range(3)]
+        c.values = [cat([b.values[sl][i] for b in blocks]) for i in range(3)]
+        c.offset = n
+    mx.eval([c.keys for c in caches], [c.values for c in caches])
+    return caches
+
+
+def assemble_layers(kv: KVLayout, kv_caches: list, state: Sequence | None) -> list:
+    """The model's cache structure (`kv.kinds`) over restored leaves: the KV caches (in order),
+    an `ArraysCache` per state layer holding its part of `state` (the state arrays of every state
+    layer, in order; None: empty), and a `CacheList` per parenthesised group."""
+    kv_iter = iter(kv_caches)
+    names = kv.state_dtype_names()
+    pos = 0
+
+    def parse(i: int) -> tuple[list, int]:
+        nonlocal pos
+        out: list = []
+        while i < len(kv.kinds):
+            ch = kv.kinds[i]
+            if ch == "(":
+                inner, i = parse(i + 1)
+                out.append(CacheList(*inner))
+                continue
+            if ch == ")":
+                return out, i + 1
+            if ch == "k":
+                out.append(next(kv_iter))
+            else:
+                n = int(ch)
+                a = ArraysCache(size=n)
+                if state is not None:
+                    a.cache = [x if isinstance(x, mx.array) else _to_mlx(x, names[pos + j])
+                               for j, x in enumerate(state[pos : pos + n])]
+                pos += n
+                out.append(a)
+            i += 1
+        return out, i
+
+    return parse(0)[0] if kv.kinds else list(kv_caches)
+
+
+# A test hook: `after_restore` calls it with every cache a fetch rebuilt from blocks (RAM
+# rebuilds and SSD restores), before the cache is used. Tests set it to break a restore on
+# purpose (the self-check must then fail); never set otherwise.
+restore_hook = None
+
+
+def after_restore(cache: list) -> list:
+    """`cache`, after `restore_hook` (if set) saw it."""
+    if restore_hook is not None:
+        restore_hook(cache)
+    return cache
+
+
+def state_arrays(cache: list) -> list[mx.array]:
+    """The state arrays of a cache's state layers (`ArraysCache`, `CacheList`s flattened), in
+    order (references: mlx-lm replaces them with new arrays at every step, so this is a snapshot)."""
+    return [a for c in leaves(cache) if isinstance(c, ArraysCache) for a in c.cache]
+
+
+# ------------------------------------------------------------------ restore buffers
+def kv_layout_of(cache: list[KVCache], bits: int = 0, group_size: int = 0) -> KVLayout:
+    """The per-layer KV layout of a filled cache (keys/values `[B, H, T, D]`).
+
+    Args:
+        cache: a model's prompt cache after one token (KV leaves, `ArraysCache` state layers,
+            `CacheList`s of them).
+        bits, group_size: quantisation of the layout (0: plain), see `KVLayout`.
+
+    Raises:
+        ValueError: unsupported dtype, keys and values with different head counts, head dims
+            that do not quantise with `bits`/`group_size`, or a state layer that is not a batch of
+            one array per slot.
+    """
+    if any(isinstance(c, (ArraysCache, CacheList)) for c in cache):
+        return _layout_with_states(cache, bits, group_size)
+    layers = []
+    for c in cache:
+        _, h, _, dk = c.keys.shape
+        _, hv, _, dv = c.values.shape
+        if h != hv:
+            raise ValueError(f"keys have {h} heads but values {hv}")
+        layers.append((int(h), int(dk), int(dv)))
+    return KVLayout(tuple(layers), dtype_name(cache[0].keys.dtype), bits, group_size)
+
+
+def _layout_with_states(cache: list, bits: int, group_size: int) -> KVLayout:
+    states, layers, kv_dtypes, state_dtypes = [], [], set(), []
+    for c in leaves(cache):
+        if isinstance(c, ArraysCache):
+            if not c.cache or any(a is None or a.shape[0] != 1 for a in c.cache) or len(c.cache) > 9:
+                raise ValueError("a state layer whose state is not a batch of one array per slot")
+            states += [tuple(int(x) for x in a.shape) for a in c.cache]
+            state_dtypes += [dtype_name(a.dtype) for a in c.cache]
+        else:
+            _, h, _, dk = c.keys.shape
+            _, hv, _, dv = c.values.shape
+            if h != hv:
+                raise ValueError(f"keys have {h} heads but values {hv}")
+            layers.append((int(h), int(dk), int(dv)))
+            kv_dtypes |= {c.keys.dtype, c.values.dtype}
+    if len(kv_dtypes) > 1:
+        raise ValueError(f"KV arrays of several dtypes {sorted(str(d) for d in kv_dtypes)}")
+    dtype = dtype_name(kv_dtypes.pop()) if kv_dtypes else (state_dtypes[0] if state_dtypes else "float32")
+    sdt = tuple(state_dtypes) if any(d != dtype for d in state_dtypes) else ()
+    return KVLayout(tuple(layers), dtype, bits, group_size, cache_kinds(cache), tuple(states), sdt)
+
+
+def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
+                   kv: KVLayout | None = None) -> list[Block]:
+    """Blocks that are views into a finished request's cache (no copy), for the RAM tier.
+
+    Args:
+        cache: the request's caches after generation (their prompt positions are final).
+        spans: `(block_hash, parent_hash, token_ids, offset)` per block, plus the block's state
+            arrays with state layers.
+        kv: the namespace layout (None: plain).
+    """
+    blocks = []
+    cache = leaves(cache)
+    for h, parent, ids, off, *state in spans:
+        n = len(ids)
+        keys: list[mx.array] = []
+        values: list[mx.array] = []
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                continue
+            k, v = _layer_slices(c, off, off + n, kv, copy=False)
+            keys += k
+            values += v
+        if state:  # state layers: the entry's state arrays (host copies from the restore)
+            assert kv is not None  # state layers exist only in a layout
+            values += [x if isinstance(x, mx.array) else _to_mlx(x) for x in state[0]]
+        blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
+    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
+    return blocks

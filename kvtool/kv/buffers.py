@@ -1,0 +1,314 @@
+"""Destination buffers of an SSD restore: per-layer MLX arrays with decode room, and the host
+views reader threads fill (`KVBuffers`).
+
+The buffers are allocated once per restore, without a fill for large KV (CPU backend), so the
+reader threads' writes are the only pass over that memory; `ready()` waits for the allocation
+and makes writable numpy views of their memory (CPU backend: zero copy; elsewhere numpy staging
+copied in once). `caches()` hands them to mlx-lm caches, which then own them (in-place decode,
+no copy). On Linux a daemon thread faults their pages in (`prefault`) while the request thread waits
+for headers, sockets or reader threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import logging
+import mmap
+import os
+import struct
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import BinaryIO, cast
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.segment import STORAGE_DTYPES, HeadPieces, KVLayout
+from kvtool.kv.blocks import _MX_TO_NP_STORAGE, _NAME_TO_MX, Block, _to_mlx, _to_numpy, after_restore, assemble_layers
+
+__all__ = ["KVBuffers"]
+
+log = logging.getLogger(__name__)
+
+
+def _host_views(arrays: list[mx.array]) -> list[np.ndarray | None]:
+    """Writable numpy views of MLX arrays' memory (bfloat16 as uint16), each None where MLX
+    does not share it with the host (then the restore stages in numpy and copies once). One
+    `mx.eval` for all of them (48 bf16 tensors: ~0.3 ms instead of ~1-2.5 ms one by one)."""
+    srcs = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
+    mx.eval(srcs)
+    out: list[np.ndarray | None] = []
+    for a, src in zip(arrays, srcs):
+        try:
+            view = np.asarray(src)
+        except (TypeError, ValueError, RuntimeError):
+            view = None
+        if view is not None and (view.dtype != _MX_TO_NP_STORAGE[a.dtype] or not view.flags.writeable
+                                 or view.shape != tuple(a.shape)):
+            view = None
+        out.append(view)
+    return out
+
+
+def _host_view(a: mx.array) -> np.ndarray | None:
+    """`_host_views` of one array."""
+    return _host_views([a])[0]
+
+
+# Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
+# its I/O threads, one GIL hand-off per tensor); a zero fill costs a pass over the memory, and
+# in a fresh process its page faults too. Measured on 2 cores: `qwen0.5b` bf16, 32k tokens
+# (8 MiB per tensor), fetch in a fresh process, median of 5: 158 ms unfilled vs 280 ms
+# zero-filled on MLX's stream (mlx-lm's load: 137 ms); `tiny` at 1k-4k tokens (0.25-1 MiB per
+# tensor), in-process: 0-40 % slower unfilled.
+BLANK_MIN_TENSOR_BYTES = 1 << 20
+
+_SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
+
+
+class _BlankStream(io.RawIOBase):
+    """A read-only file-like object that `mx.load` takes for a safetensors file of the given
+    tensors, but whose data reads leave MLX's buffers as they are (`readinto` writes only the
+    header). Loading it allocates the tensors without a fill: MLX has no uninitialised
+    allocation (`mx.empty` is `mx.zeros`), and a zero fill of a restore's buffers is a pass over
+    memory that the restore then overwrites.
+    """
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], mx.Dtype]]):
+        super().__init__()
+        meta, at = {}, 0
+        for i, (shape, dtype) in enumerate(specs):
+            n = int(np.prod(shape)) * dtype.size
+            meta[f"{i:06d}"] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + n]}
+            at += n
+        header = json.dumps(meta).encode()
+        header += b" " * (-len(header) % 8)
+        self._head = struct.pack("<Q", len(header)) + header
+        self._size = len(self._head) + at
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(view.nbytes, self._size - self._pos)
+        if self._pos < len(self._head):
+            k = min(n, len(self._head) - self._pos)
+            view[:k] = self._head[self._pos : self._pos + k]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (include/uapi/asm-generic/mman-common.h)
+_populate_unusable: list[str] = []  # why prefault is off (set once: old kernel, no libc, not Linux)
+
+
+def prefault(views: list[np.ndarray]) -> threading.Thread | None:
+    """Fault in the pages of fresh restore buffers on a daemon thread (`madvise(MADV_POPULATE_WRITE)`,
+    one call per buffer, the GIL released), so the readers' first writes do not each take a page
+    fault on the request path (~12 ms for 17 MB of KV in a fresh process, measured). Contents are
+    unchanged (pages already present are left alone). A no-op where the call is not available
+    (not Linux, kernel < 5.14: logged once at DEBUG).
+
+    Returns:
+        The thread (joined by nobody: it only touches memory the views keep alive), or None.
+    """
+    if _populate_unusable or sys.platform != "linux" or os.environ.get("KVTOOL_NO_PREFAULT"):
+        return None
+    spans = [(v.ctypes.data, v.nbytes) for v in views if v.nbytes >= 1 << 20]
+    if not spans:
+        return None
+    thread = threading.Thread(target=_populate, args=(spans, list(views)), name="kvtool-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def _populate(spans: list[tuple[int, int]], keep: list[np.ndarray]) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page = mmap.PAGESIZE
+        for addr, n in spans:
+            start = addr - addr % page
+            if madvise(start, addr + n - start, _MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                _populate_unusable.append(os.strerror(err))
+                log.debug("restore buffers are not prefaulted: madvise: %s", os.strerror(err))
+                return
+    except (OSError, AttributeError) as exc:
+        _populate_unusable.append(str(exc))
+    finally:
+        del keep
+
+
+_blank_unusable: list[str] = []  # why `_blank_arrays` fell back once (then it is not tried again)
+
+
+def _blank_arrays(specs: list[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
+    """MLX arrays of the given shapes and dtypes, allocated without a fill (contents undefined,
+    one buffer each; see `_BlankStream`). `mx.load` of a Python stream evaluates them before it
+    returns, calling `readinto` on its I/O threads: ~0.1 ms per tensor. Should an MLX version
+    refuse the stream or return something else, this logs it once and returns `mx.zeros`."""
+    if not _blank_unusable:
+        try:
+            loaded = mx.load(cast(BinaryIO, _BlankStream(specs)), format="safetensors")
+            arrays = [loaded[f"{i:06d}"] for i in range(len(specs))] if isinstance(loaded, dict) else []
+            if [(tuple(a.shape), a.dtype) for a in arrays] == [(tuple(s), d) for s, d in specs]:
+                return arrays
+            reason = "mx.load returned other arrays"
+        except (ValueError, RuntimeError, TypeError, KeyError, OSError) as exc:
+            reason = f"mx.load refused the stream: {exc}"
+        _blank_unusable.append(reason)
+        log.warning("restore buffers are zero-filled (unfilled allocation unusable: %s)", reason)
+    return [mx.zeros(shape, dtype) for shape, dtype in specs]
+
+
+@dataclass
+class KVBuffers:
+    """Per-layer destination buffers of a restore: `[1, H_l, capacity, D_l]` keys and values.
+
+    Reader threads fill `views` (numpy, storage dtype) at token offsets; `caches()` then hands
+    mlx-lm `KVCache`s over the same memory (CPU: zero copy) with decode room after `offset`.
+
+    Attributes:
+        arrays: MLX arrays in record order (K0, V0, K1, V1, ...).
+        views: writable numpy views of `arrays` (or host staging arrays, see `_host_view`).
+        staged: True if `views` are separate host arrays to copy in at `caches()`.
+    """
+
+    arrays: list[mx.array]
+    views: list[np.ndarray]
+    staged: bool = False
+    kv: KVLayout | None = None
+    # state layers: per restored entry (by token offset) host arrays of its state (small)
+    state_scratch: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    _heads: HeadPieces | None = field(default=None, repr=False)
+
+    @classmethod
+    def allocate(cls, kv: KVLayout, capacity: int, wait: bool = True) -> KVBuffers:
+        """Allocate buffers for `capacity` tokens (call on the request thread).
+
+        On the CPU backend the buffers are allocated without a fill (`_blank_arrays`: contents
+        undefined until written; a cache only reads its first `offset` tokens), so the readers'
+        writes are the only pass over them. Elsewhere, and for tensors under
+        `BLANK_MIN_TENSOR_BYTES` on average, they are `mx.zeros`.
+        With `wait=False` their evaluation runs on MLX's stream while the caller goes on (reading
+        segment headers); `ready()` waits for it and must come before `dest`, `pieces` or
+        `place`.
+        """
+        dtype = _NAME_TO_MX[kv.dtype]
+        n_kv = len(kv.shapes(0)) - len(kv.states)
+        specs = [(tuple(shape), mx.uint32 if st == np.dtype("<u4") else dtype)
+                 for shape, st in list(zip(kv.shapes(capacity), kv.storage_dtypes()))[:n_kv]]
+        total = sum(int(np.prod(shape)) * dt.size for shape, dt in specs)
+        if mx.default_device() == mx.cpu and total >= BLANK_MIN_TENSOR_BYTES * len(specs):
+            arrays = _blank_arrays(specs)
+        else:
+            arrays = [mx.zeros(shape, dt) for shape, dt in specs]
+        out = cls(arrays, [], kv=kv)
+        if wait:
+            out.ready()
+        else:
+            mx.async_eval(arrays)
+        return out
+
+    def ready(self) -> None:
+        """Wait for the allocation and make the host views (request thread; idempotent)."""
+        if self._heads is not None:
+            return
+        views = _host_views(self.arrays)  # evaluates the arrays (waits for an async allocation)
+        if all(v is not None for v in views):
+            self.views = views  # type: ignore[assignment]  # no None view: checked just above
+            prefault(self.views)
+        else:
+            self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
+            self.staged = True
+        self._heads = HeadPieces(self.views)
+
+    def dest(self, offset: int, n: int) -> list[np.ndarray]:
+        """Views `[1, H, n, D]` of every tensor at token `offset` (for `place`); with state
+        layers, then fresh host arrays for the record's state (kept per entry)."""
+        out = [v[:, :, offset : offset + n, :] for v in self.views]
+        return out + self._state_scratch(offset)
+
+    def pieces(self, offset: int, n: int) -> list[memoryview]:
+        """Where a record of `n` tokens placed at token `offset` goes, as byte buffers in file
+        order (`segment.HeadPieces`; for `restore_chain`, safe on reader threads: no MLX call)."""
+        assert self._heads is not None, "ready() first"
+        out = self._heads(offset, n)
+        return out + [a.data.cast("B") for a in self._state_scratch(offset)]
+
+    def _state_scratch(self, offset: int) -> list[np.ndarray]:
+        if self.kv is None or not self.kv.states:
+            return []
+        scratch = [np.empty(s, STORAGE_DTYPES[d]) for s, d in zip(self.kv.states, self.kv.state_dtype_names())]
+        self.state_scratch[offset] = scratch
+        return scratch
+
+    def place(self, offset: int, block: Block) -> None:
+        """Copy an MLX block (RAM tier) into the buffers at token `offset`."""
+        n = block.num_tokens
+        for dst, src in zip(self.dest(offset, n), self._order(block.keys, block.values)):
+            dst[...] = _to_numpy(src).reshape(dst.shape)
+
+    def place_host(self, offset: int, block: HostBlock) -> None:
+        """Copy a host block (writer's pending buffer) into the buffers at token `offset`."""
+        n = block.num_tokens
+        for dst, src in zip(self.dest(offset, n), self._order(block.keys, block.values)):
+            dst[...] = src
+
+    def _order(self, keys, values) -> list:
+        if self.kv is not None:
+            return self.kv.interleave(keys, values)
+        return [a for pair in zip(keys, values) for a in pair]
+
+    def caches(self, offset: int, state_at: int | None = None) -> list[KVCache]:
+        """mlx-lm caches over the buffers, holding `offset` tokens; drops this object's
+        references so the caches own their buffers (in-place updates, no copy on decode).
+        With state layers, their state is the one of the entry placed at token `state_at`; with
+        state layers or cache lists the result has the model's structure (`assemble_layers`)."""
+        self._heads = None  # its byte views hold the buffers too: MLX would copy instead of update in place
+        if self.kv is not None and self.kv.kinds:
+            state = self.state_scratch.get(state_at) if state_at is not None and self.kv.states else None
+            plain = KVBuffers(self.arrays, self.views, self.staged, None)
+            self.arrays, self.views = [], []
+            return after_restore(assemble_layers(self.kv, plain._kv_caches(offset), state))
+        return after_restore(self._kv_caches(offset))
+
+    def _kv_caches(self, offset: int) -> list:
+        arrays = self.arrays
+        if self.staged:
+            arrays = [_to_mlx(v, "bfloat16" if a.dtype == mx.bfloat16 else "") for v, a in zip(self.views, arrays)]
+            mx.eval(arrays)
+        self.arrays, self.views = [], []
+        out: list = []
+        if self.kv is not None and self.kv.quantized:
+            for layer in range(self.kv.n_layers):
+                q = QuantizedKVCache(group_size=self.kv.group_size, bits=self.kv.bits)
+                q.keys, q.values = arrays[6 * layer : 6 * layer + 3], arrays[6 * layer + 3 : 6 * layer + 6]
+                q.offset = offset
+                out.append(q)
+            return out
+        for k, v in zip(arrays[0::2], arrays[1::2]):
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, offset
+            out.append(c)
+        return out

@@ -1,0 +1,205 @@
+"""The RAM tier: evaluated MLX blocks under a byte budget, LRU eviction, pins for requests in flight."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kvtool.kv.blocks import Block
+
+EvictCallback = Callable[[Block, bool], None]
+
+
+@dataclass
+class _Entry:
+    block: Block
+    pins: int = 0
+    persisted: bool = False  # already on SSD (loaded from it, or handed to the writer)
+
+
+class RamTier:
+    """LRU map block hash -> `Block` with a byte budget.
+
+    Args:
+        capacity_bytes: budget over the sum of `Block.nbytes` (bytes). 0 keeps nothing that
+            is not pinned.
+        on_evict: called as `on_evict(block, persisted)` for every block dropped by the budget
+            (not by `clear()`); under `evict_only` the tiered cache writes it to SSD there.
+
+    Pinned blocks (those of the request in flight) are never evicted; while pins hold the tier
+    above budget, eviction resumes at `unpin`.
+    """
+
+    def __init__(self, capacity_bytes: int, on_evict: EvictCallback | None = None):
+        self.capacity_bytes = int(capacity_bytes)
+        self._on_evict = on_evict
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._children: dict[str, dict[str, None]] = {}  # parent hash -> child hashes, oldest first
+        self._nbytes = 0
+        self._lock = threading.Lock()
+        self._stats = {"kv_ram_evictions": 0, "kv_ram_evicted_bytes": 0, "kv_ram_inserts": 0}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, block_hash: str) -> bool:
+        return block_hash in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (sum of block nbytes)."""
+        return self._nbytes
+
+    def get(self, block_hash: str) -> Block | None:
+        """The block, marked most recently used, or None."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is None:
+                return None
+            self._entries.move_to_end(block_hash)
+            return entry.block
+
+    def put(self, block: Block, *, persisted: bool = False, pin: bool = False) -> None:
+        """Insert (or refresh) a block as most recently used, then evict down to the budget."""
+        with self._lock:
+            entry = self._entries.get(block.block_hash)
+            if entry is None:
+                entry = _Entry(block, persisted=persisted)
+                self._entries[block.block_hash] = entry
+                self._children.setdefault(block.parent_hash, {})[block.block_hash] = None
+                self._nbytes += block.nbytes
+                self._stats["kv_ram_inserts"] += 1
+            else:
+                entry.persisted = entry.persisted or persisted
+                self._entries.move_to_end(block.block_hash)
+            if pin:
+                entry.pins += 1
+            victims = self._collect_victims()
+        self._notify(victims)
+
+    def children(self, parent_hash: str, limit: int) -> list[Block]:
+        """Up to `limit` held blocks whose parent is `parent_hash`, newest first (not marked used).
+
+        The siblings a partial-block prefix hit chooses from (`kvtool.tiers.siblings`): O(limit).
+        """
+        with self._lock:
+            kids = self._children.get(parent_hash)
+            if not kids:
+                return []
+            out = []
+            for h in reversed(kids):
+                out.append(self._entries[h].block)
+                if len(out) >= limit:
+                    break
+            return out
+
+    def _forget(self, h: str, entry: _Entry) -> None:
+        """Drop one entry and its child link (lock held)."""
+        del self._entries[h]
+        self._nbytes -= entry.block.nbytes
+        kids = self._children.get(entry.block.parent_hash)
+        if kids is not None:
+            kids.pop(h, None)
+            if not kids:
+                del self._children[entry.block.parent_hash]
+
+    def is_persisted(self, block_hash: str) -> bool:
+        """True if the block is held and known to be on SSD (or handed to the writer)."""
+        return bool(self.persisted([block_hash]))
+
+    def persisted(self, hashes: Iterable[str]) -> list[str]:
+        """Those of `hashes` that are held and known to be on SSD (or handed to the writer)."""
+        with self._lock:
+            entries = self._entries
+            return [h for h in hashes if (e := entries.get(h)) is not None and e.persisted]
+
+    def pin(self, hashes: Iterable[str]) -> None:
+        with self._lock:
+            for h in hashes:
+                entry = self._entries.get(h)
+                if entry is not None:
+                    entry.pins += 1
+
+    def unpin(self, hashes: Iterable[str]) -> None:
+        """Release pins, then evict down to the budget."""
+        with self._lock:
+            for h in hashes:
+                entry = self._entries.get(h)
+                if entry is not None and entry.pins > 0:
+                    entry.pins -= 1
+            victims = self._collect_victims()
+        self._notify(victims)
+
+    def trim(self, max_bytes: int | None = None, max_blocks: int | None = None) -> int:
+        """Evict least recently used unpinned blocks until at most `max_bytes` bytes and
+        `max_blocks` blocks are held (the budget itself is unchanged); evicted blocks go through
+        `on_evict` (write-back under `evict_only`). Pinned blocks stay.
+
+        Returns:
+            Blocks evicted.
+        """
+        with self._lock:
+            victims: list[tuple[str, _Entry]] = []
+            nbytes, count = self._nbytes, len(self._entries)
+            for h, entry in self._entries.items():
+                over_bytes = max_bytes is not None and nbytes > max_bytes
+                over_count = max_blocks is not None and count > max_blocks
+                if not (over_bytes or over_count):
+                    break
+                if entry.pins:
+                    continue
+                victims.append((h, entry))
+                nbytes -= entry.block.nbytes
+                count -= 1
+            for h, entry in victims:
+                self._forget(h, entry)
+                self._stats["kv_ram_evictions"] += 1
+                self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
+        self._notify([e for _, e in victims])
+        return len(victims)
+
+    def clear(self) -> list[Block]:
+        """Drop every block (no eviction callbacks); returns the blocks that were held."""
+        with self._lock:
+            blocks = [e.block for e in self._entries.values()]
+            self._entries.clear()
+            self._children.clear()
+            self._nbytes = 0
+        return blocks
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._stats)
+            out.update(kv_ram_blocks=len(self._entries), kv_ram_bytes=self._nbytes)
+            return out
+
+    def _collect_victims(self) -> list[_Entry]:
+        """Pop least recently used unpinned entries until the budget holds.
+
+        Walks from the LRU end and stops as soon as the budget holds, so an insert costs
+        O(evicted + pinned entries skipped), not O(entries).
+        """
+        victims: list[tuple[str, _Entry]] = []
+        excess = self._nbytes - self.capacity_bytes
+        if excess <= 0:
+            return []
+        for h, entry in self._entries.items():
+            if excess <= 0:
+                break
+            if entry.pins:
+                continue
+            victims.append((h, entry))
+            excess -= entry.block.nbytes
+        for h, entry in victims:
+            self._forget(h, entry)
+            self._stats["kv_ram_evictions"] += 1
+            self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
+        return [e for _, e in victims]
+
+    def _notify(self, victims: list[_Entry]) -> None:
+        if self._on_evict is None:
+            return
+        for entry in victims:
+            self._on_evict(entry.block, entry.persisted)

@@ -1,0 +1,398 @@
+"""Reading a chain's values from the remote tier (`ValueRead`, made by `RemoteStore.read`):
+pipelined batches of GETRANGE, each value verified (`remote_value.decode_value`: exactly the
+checks of an SSD hit, with the request's own chain hashes, parents and token ids) and handed to
+the request thread batch by batch. Only verified blocks leave `blocks`; a bad value is a miss,
+deleted and counted.
+
+Verifying a value and placing it into the request's buffers is client CPU work; the server's
+work (copying values into the socket) runs on another core meanwhile, if the client has asked
+for them. Two ways keep both busy:
+- one node (the default): the batches' requests go out on one pooled connection `window`
+  batches ahead of the batch being verified (`_Wire`), so the server sends the next batches
+  while the client verifies this one: no thread, no lock. A 16k-token `tiny` hit (17 MB, 256
+  values) read this way took 16.6 ms against 30.8 ms for batches sent one after another, and
+  less than a raw `pipeline().execute()` of the same GETs in 512 KiB batches (23 ms) in the same
+  run (2 cores; `bench_configs/remote_two_hosts.py`);
+- a cluster (values on several nodes, so no one connection): `ahead` batches fetched and
+  verified on the store's reader threads while the request thread places the previous batch,
+  where cores are to spare (`DEFAULT_READ_AHEAD`); with `ahead` 0 each batch is one
+  `pipeline().execute()` on the thread that takes it.
+
+Every batch is one `RemoteStore` call (the store's deadline on each socket operation, its
+circuit breaker; a failed batch is a miss for it and the rest of the chain). `cancel()` stops
+what has not started; replies still on the wire are dropped with their connection.
+
+MLX-free.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import CancelledError, Future
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from kvtool.disk.hostblock import HostBlock
+from kvtool.tiers import remote_value as rv
+
+if TYPE_CHECKING:
+    from kvtool.tiers.remote_store import RemoteStore
+
+__all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDOW", "Got", "ValueRead", "fetch_values"]
+
+# Bytes of values per pipelined batch (expected sizes). Smaller batches came back faster from a
+# local redis-server: 256-512 KiB batches of 66 KB values 17-19 ms for 17 MB, 1 MiB 26 ms,
+# 2 MiB 25-28 ms, one pipeline of all 30 ms (GET or GETRANGE alike, 2 cores).
+DEFAULT_READ_BATCH_BYTES = 512 << 10
+# One node: batches whose requests are on the wire ahead of the one being verified (`_Wire`):
+# at most this many batches of replies wait in the socket and the server's output buffer.
+DEFAULT_WIRE_WINDOW = 4
+# A cluster: batches read and verified ahead on reader threads, only where cores are to spare.
+# On 2 shared cores reader threads cost more CPU than they hid: a 16k-token `tiny` hit in a
+# fresh process took ~87 ms of CPU with none vs ~100-125 ms with 1-2 reader threads, at equal
+# TTFT within noise (load average 4-5).
+DEFAULT_READ_AHEAD = 2 if (os.cpu_count() or 1) >= 4 else 0
+
+
+class Got(NamedTuple):
+    """What a reader thread fetched for one key.
+
+    Attributes:
+        data: the value's bytes (a split value's parts joined), or None (absent, evicted, a
+            server error for that key, or refused: see `error`).
+        manifest: the split value's manifest, if it was one (its parts go with a bad value).
+        error: why the value is bad before any parse (not a string, a malformed manifest, parts
+            of the wrong size), or None.
+    """
+
+    data: bytes | None
+    manifest: rv.Manifest | None = None
+    error: rv.RemoteValueError | None = None
+
+
+_ABSENT = Got(None)
+
+
+def fetch_values(store: RemoteStore, client: Any, keys: Sequence[str], bounds: Sequence[int]) -> list[Got]:
+    """One pipelined GETRANGE per key (a byte more than `bounds[i]`, so an oversized value shows),
+    then one pipeline for the parts of split values. Runs on a reader thread; counts
+    `remote_bytes_read` and per-key server errors.
+
+    Args:
+        store: the store (its counters).
+        client: a redis-py client (node or cluster).
+        keys: value keys.
+        bounds: the largest value each may have (bytes).
+
+    Returns:
+        One `Got` per key.
+
+    Raises:
+        redis.exceptions.ConnectionError, TimeoutError, OSError: the call failed (a miss for the
+            whole batch, counted by the store's `_call`).
+    """
+    pipe = client.pipeline(transaction=False)
+    for key, bound in zip(keys, bounds):
+        pipe.getrange(key, 0, bound)
+    results = pipe.execute(raise_on_error=False)
+    return _gots(store, client, keys, bounds, results)
+
+
+def _gots(store: RemoteStore, client: Any, keys: Sequence[str], bounds: Sequence[int], results: Sequence[Any]) -> list[Got]:
+    """`Got`s of a batch's GETRANGE replies (bytes, None, or the server's error for one key);
+    split values' parts fetched in one more pipeline. Raises as `fetch_values`."""
+    store._raise_connection_errors(results)
+    out: list[Got] = []
+    split: list[tuple[int, rv.Manifest]] = []
+    nbytes = 0
+    for i, data in enumerate(results):
+        if isinstance(data, bytes) and data:
+            nbytes += len(data)
+            if rv.is_manifest(data):
+                try:
+                    split.append((i, rv.parse_manifest(data, bounds[i])))
+                except rv.RemoteValueError as exc:
+                    out.append(Got(None, None, exc))
+                    continue
+            out.append(Got(data))
+        elif isinstance(data, Exception):
+            if "WRONGTYPE" in str(data):  # another type of key under our name: ours to replace
+                out.append(Got(None, None, rv.RemoteValueError("header", "not a string value")))
+                continue
+            store._count("remote_errors")  # e.g. an ACL refusal: not the value's fault
+            out.append(_ABSENT)
+        else:
+            out.append(_ABSENT)
+    store._count("remote_bytes_read", nbytes)
+    if split:
+        _fetch_parts(store, client, keys, split, out)
+    return out
+
+
+def _fetch_parts(store: RemoteStore, client: Any, keys: Sequence[str], split: list[tuple[int, rv.Manifest]],
+                 out: list[Got]) -> None:  # fmt: skip
+    pipe = client.pipeline(transaction=False)
+    for i, m in split:
+        for part in m.part_keys(keys[i]):
+            pipe.getrange(part, 0, m.part_bytes)
+    results = pipe.execute(raise_on_error=False)
+    store._raise_connection_errors(results)
+    at = 0
+    for i, m in split:
+        parts = [r if isinstance(r, bytes) and r else None for r in results[at : at + m.n_parts]]
+        at += m.n_parts
+        store._count("remote_bytes_read", sum(len(p) for p in parts if p))
+        try:
+            out[i] = Got(rv.join_parts(m, parts), m)
+        except rv.RemoteValueError as exc:
+            # an evicted or expired part: a miss, its remains deleted but not counted as corrupt
+            out[i] = Got(None, m, None if any(p is None for p in parts) else exc)
+
+
+class _Wire:
+    """One pooled connection of a single-node client carrying a read's batches in order: requests
+    sent ahead (`send`), replies taken batch by batch (`recv`), with redis-py's own command
+    packing and reply parsing (`Connection.pack_commands`, `read_response`), as its pipelines do.
+
+    Args:
+        client: a `redis.Redis` (its connection pool).
+
+    Raises:
+        redis.exceptions.ConnectionError, TimeoutError, OSError: connecting failed.
+    """
+
+    def __init__(self, client: Any):
+        self.pool = client.connection_pool
+        self.conn: Any = self.pool.get_connection()
+        self.pending: deque[int] = deque()  # replies of each batch sent and not taken yet
+        self.sent = 0  # batches sent
+
+    def send(self, keys: Sequence[str], bounds: Sequence[int]) -> None:
+        """Send one batch's GETRANGEs (a byte more than each bound, as `fetch_values`)."""
+        self.conn.send_packed_command(self.conn.pack_commands([("GETRANGE", k, 0, b) for k, b in zip(keys, bounds)]))
+        self.pending.append(len(keys))
+        self.sent += 1
+
+    def recv(self) -> list[Any]:
+        """The replies of the oldest batch sent: bytes, None, or the server's error for one key."""
+        from redis.exceptions import ResponseError
+
+        n = self.pending.popleft()
+        out: list[Any] = []
+        for _ in range(n):
+            try:
+                out.append(self.conn.read_response())
+            except ResponseError as exc:  # one key's error (WRONGTYPE, an ACL refusal): the reply was read
+                out.append(exc)
+        return out
+
+    def close(self, broken: bool = False) -> None:
+        """Give the connection back; dropped instead when replies are left on it or it failed
+        (idempotent)."""
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        if broken or self.pending:
+            conn.disconnect()
+        self.pool.release(conn)
+
+
+class ValueRead:
+    """The values of a run of chain entries being read ahead and verified on reader threads
+    (see the module docstring).
+
+    Args:
+        store: the namespace's store.
+        hashes: chain hashes, in chain order (cut before the first that is not a chain hash).
+        parents: each entry's expected parent hash.
+        token_ids: each entry's exact token ids (int32 `[n]`; `n` also bounds its value size).
+        batch_bytes: values per pipelined read, by expected size (bytes).
+        ahead: batches in flight ahead of the consumer on the store's reader threads; 0: none,
+            each batch is fetched and verified on the consumer's thread when it is taken.
+        window: with `ahead` 0 on one node, batches whose requests are sent ahead on one
+            connection (`_Wire`; the first ones at once); 0: one `pipeline().execute()` a batch.
+
+    Raises:
+        ValueError: the three sequences differ in length.
+    """
+
+    def __init__(self, store: RemoteStore, hashes: Sequence[str], parents: Sequence[str],
+                 token_ids: Sequence[np.ndarray | Sequence[int]], *, batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+                 ahead: int = DEFAULT_READ_AHEAD, window: int = DEFAULT_WIRE_WINDOW):  # fmt: skip
+        if not len(hashes) == len(parents) == len(token_ids):
+            raise ValueError("hashes, parents and token_ids must have the same length")
+        keys: list[str] = []
+        for h in hashes:
+            key = store._key(h)
+            if key is None:
+                break
+            keys.append(key)
+        n = len(keys)
+        self.store, self.keys = store, keys
+        self.hashes, self.parents, self.token_ids = list(hashes[:n]), list(parents[:n]), list(token_ids[:n])
+        self.bounds = [store._expected_bytes(len(t)) for t in self.token_ids]
+        self.batches: list[range] = []
+        i = 0
+        while i < n:
+            j, size = i + 1, self.bounds[i]
+            while j < n and size + self.bounds[j] <= batch_bytes:
+                size += self.bounds[j]
+                j += 1
+            self.batches.append(range(i, j))
+            i = j
+        self.ahead = max(0, ahead)
+        self._futures: list[Future] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.window = max(0, window) if not self.ahead and not store.remote.cluster else 0
+        self._wire: _Wire | None = None
+        self._submit_upto(self.ahead)
+        if self.window and self.batches:
+            self._stopped = not store._call(lambda client: self._send_upto(client, self.window), False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def _submit_upto(self, n: int) -> None:
+        if not self.ahead:
+            return
+        with self._lock:
+            while not self._stopped and len(self._futures) < min(n, len(self.batches)):
+                batch = self.batches[len(self._futures)]
+                self._futures.append(self.store._submit_read(self._fetch, batch))
+
+    def _send_upto(self, client: Any, n: int) -> bool:
+        """Send the requests of the batches before `n` that are not on the wire yet (the
+        store's call: failures close the connection and propagate)."""
+        try:
+            wire = self._wire
+            if wire is None:
+                wire = self._wire = _Wire(client)
+            while wire.sent < min(n, len(self.batches)):
+                batch = self.batches[wire.sent]
+                wire.send(self.keys[batch.start : batch.stop], self.bounds[batch.start : batch.stop])
+        except BaseException:
+            self._close_wire(broken=True)
+            raise
+        return True
+
+    def _fetch_wire(self, b: int) -> list[HostBlock | None] | None:
+        """Batch `b` (the next one) from the wire, the following ones sent first; verified."""
+        batch = self.batches[b]
+        keys, bounds = self.keys[batch.start : batch.stop], self.bounds[batch.start : batch.stop]
+
+        def op(client: Any) -> list[Got]:
+            self._send_upto(client, b + self.window)
+            wire = self._wire
+            assert wire is not None and wire.sent - len(wire.pending) == b  # batches are taken in order
+            try:
+                results = wire.recv()
+            except BaseException:
+                self._close_wire(broken=True)
+                raise
+            if b + 1 == len(self.batches):
+                self._close_wire()
+            return _gots(self.store, client, keys, bounds, results)
+
+        if self._stopped:
+            return None
+        got = self.store._call(op, None)
+        if got is None:
+            self._close_wire(broken=True)
+            return None
+        return self._verify(batch, got)
+
+    def _close_wire(self, broken: bool = False) -> None:
+        wire, self._wire = self._wire, None
+        if wire is not None:
+            wire.close(broken)
+
+    def _fetch(self, batch: range) -> list[HostBlock | None] | None:
+        """A reader thread: one batch fetched and verified, or None (stopped, or the call failed)."""
+        if self._stopped:
+            return None
+        keys, bounds = self.keys[batch.start : batch.stop], self.bounds[batch.start : batch.stop]
+        got = self.store._call(lambda client: fetch_values(self.store, client, keys, bounds), None)
+        return None if got is None else self._verify(batch, got)
+
+    def cancel(self) -> None:
+        """Stop reading ahead (idempotent; batches on the wire end within their deadline)."""
+        with self._lock:
+            self._stopped = True
+            for fut in self._futures:
+                fut.cancel()
+        self._close_wire()
+
+    def blocks(self, n: int | None = None, *, stop_at_miss: bool = True) -> Iterator[tuple[int, HostBlock | None]]:
+        """Verified blocks in chain order, a batch at a time as they arrive.
+
+        Args:
+            n: yield at most the first `n` entries (None: all).
+            stop_at_miss: end after the first batch with a miss (a chain is cut there; the rest
+                is cancelled); else every entry is yielded.
+
+        Yields:
+            `(index, block or None)`: None is absent, evicted, or bad (deleted and counted
+            `remote_corrupt`). Stops at the first batch whose call failed.
+        """
+        store, counted = self.store, False
+        n = len(self.keys) if n is None else min(n, len(self.keys))
+        for b, batch in enumerate(self.batches):
+            if batch.start >= n:
+                break
+            self._submit_upto(b + 1 + self.ahead)
+            out = self._result(b)
+            if out is None:
+                self.cancel()
+                return
+            if not counted:
+                store._count("remote_lookups")
+                counted = True
+            out = out[: n - batch.start]
+            store._count("remote_hit_blocks", sum(x is not None for x in out))
+            yield from zip(batch, out)
+            if stop_at_miss and any(x is None for x in out):
+                self.cancel()
+                return
+
+    def _result(self, b: int) -> list[HostBlock | None] | None:
+        if self.window:
+            return self._fetch_wire(b)
+        if not self.ahead:
+            return self._fetch(self.batches[b])
+        with self._lock:
+            fut = self._futures[b] if b < len(self._futures) else None
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        except CancelledError:
+            return None
+
+    def _verify(self, batch: range, got: list[Got]) -> list[HostBlock | None]:
+        """Decode and verify a batch (`remote_value.decode_value`); bad values are counted and
+        deleted."""
+        store = self.store
+        out: list[HostBlock | None] = []
+        bad: list[tuple[str, rv.Manifest | None]] = []
+        for k, g in zip(batch, got):
+            key = self.keys[k]
+            block = None
+            if g.error is not None:
+                store._corrupt(key, g.error, bad, g.manifest)
+            elif g.data is not None:
+                try:
+                    block = rv.decode_value(g.data, store.layout_key, store.kv, store.codec, self.hashes[k],
+                                            self.parents[k], expected_tokens=self.token_ids[k], max_bytes=len(g.data))  # fmt: skip
+                except rv.RemoteValueError as exc:
+                    store._corrupt(key, exc, bad, g.manifest)
+            elif g.manifest is not None:  # an evicted part: drop the rest of the value
+                bad.append((key, g.manifest))
+            out.append(block)
+        if bad:
+            store._call(lambda client: store._unlink(client, bad), None)
+        return out

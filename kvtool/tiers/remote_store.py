@@ -1,0 +1,574 @@
+"""The remote tier's store: blocks shared between hosts through Redis OSS >= 6.2 or Valkey.
+
+kvtool runs no server of its own: it uses the Redis / Valkey its users already run, one node or a
+Redis Cluster, over RESP with redis-py (hiredis parser). Values are the verified bytes of a
+one-record segment, keys `kvtool:s2:<layout key>:{<chain hash>}` (`kvtool.tiers.remote_value`:
+format, key schema, split values). Every hit is verified as an SSD hit is; a value that fails
+(checksum, token ids, size, layout, parent) is a miss, is deleted, and counts `remote_corrupt`.
+
+Failure isolation: the remote tier can only make requests miss, never fail or hang them.
+- Every socket operation (connect, each read) has the deadline `timeout_s` (250 ms by default);
+  redis-py's own retries are off.
+- No method raises for a server problem (unreachable, refused, timed out, wrong password, TLS,
+  out of memory, cluster down, a key of another type): the call returns a miss (`None`, 0,
+  False) and counts `remote_errors`. Only programming errors raise (`ValueError` on arguments of
+  different lengths; `RemoteURLError` at construction).
+- A circuit breaker: after `breaker_failures` consecutive failed calls (or a failed start) the
+  store stops calling the server for a back-off that doubles from `breaker_backoff_s` up to
+  `breaker_max_backoff_s`; then one call probes it (half-open). Opening is logged once per
+  outage (WARNING), the recovery once (INFO); `remote_breaker_open` is 1 while open. A server
+  down at start leaves the store unavailable (`available` False) and it reconnects by itself.
+- kvtool never lists keys (no KEYS, no SCAN) on the request path: only EXISTS, GETRANGE, SET NX,
+  UNLINK on named keys, pipelined. Listing is for `kvtool remote` (`kvtool.ops.remote_ops`).
+
+Reads: `read` fetches and verifies a run of values in pipelined batches, where cores are to
+spare on reader threads ahead of the request thread (`kvtool.tiers.remote_read`); `get_blocks`
+collects it.
+
+Writes are first-writer-wins (`SET NX`, optional `EX` TTL): the same chain hash always names the
+same KV, so a second writer has nothing to add. `RemoteWriter` moves writes off the request
+thread (one thread, a queue bounded in bytes; a full queue drops blocks, counted).
+
+Counters (`stats()`): `remote_lookups` (longest_prefix / get_blocks calls that reached the
+server), `remote_hit_blocks`, `remote_bytes_read`, `remote_bytes_written` (bytes of values
+stored), `remote_errors` (failed calls, and per-key server errors), `remote_corrupt` (values
+that failed verification, deleted), `remote_dropped_writes` (blocks that never reached the
+server: breaker open, failed call, full writer queue, writer stopped), `remote_breaker_open`
+(gauge, 0/1), `remote_breaker_trips` (times it opened), `remote_put_exists` (blocks another
+writer had stored first).
+
+MLX-free; redis-py is imported when a store is built.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvtool.config.remote_url import RemoteURL, describe_error, make_client, mask_url, parse_remote_url
+from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.kvlayout import KVLayout
+from kvtool.tiers import remote_value as rv
+from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead
+from kvtool.tiers.remote_writer import RemoteWriter
+
+__all__ = ["COUNTER_NAMES", "RemoteStore", "RemoteWriter", "mask_url"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 0.25
+DEFAULT_BATCH_BYTES = 8 << 20  # bytes of values per pipelined write
+COUNTER_NAMES = ("remote_lookups", "remote_hit_blocks", "remote_bytes_read", "remote_bytes_written", "remote_errors",
+                 "remote_corrupt", "remote_dropped_writes", "remote_breaker_open", "remote_breaker_trips",
+                 "remote_put_exists")  # fmt: skip
+
+
+class _Breaker:
+    """Consecutive-failure circuit breaker with exponential back-off (thread-safe).
+
+    Closed: every call goes through. After `threshold` consecutive failures (or `trip()`) it is
+    open for `backoff_s` seconds, doubling up to `max_s` at each failed probe; after the back-off
+    one caller at a time probes (half-open); a success closes it and resets the back-off.
+    """
+
+    def __init__(self, threshold: int, base_s: float, max_s: float, clock: Callable[[], float]):
+        self.threshold, self.base_s, self.max_s, self.clock = threshold, base_s, max_s, clock
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until: float | None = None
+        self._backoff_s = base_s
+        self._probing = False
+        self.trips = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open_until is not None
+
+    def allow(self) -> bool:
+        """May a call go to the server now?"""
+        with self._lock:
+            if self._open_until is None:
+                return True
+            if self._probing or self.clock() < self._open_until:
+                return False
+            self._probing = True
+            return True
+
+    def success(self) -> bool:
+        """Record a good call; True if this closed an open breaker."""
+        with self._lock:
+            was_open = self._open_until is not None
+            self._failures, self._open_until, self._backoff_s, self._probing = 0, None, self.base_s, False
+            return was_open
+
+    def failure(self, trip: bool = False) -> bool:
+        """Record a failed call (`trip`: open at once); True if the breaker has just opened (it
+        was closed: the start of an outage)."""
+        with self._lock:
+            self._failures += 1
+            was_open = self._open_until is not None
+            if was_open:  # a failed probe: wait longer
+                self._backoff_s = min(self._backoff_s * 2, self.max_s)
+            elif not trip and self._failures < self.threshold:
+                return False
+            self._open_until = self.clock() + self._backoff_s
+            self._probing = False
+            if not was_open:
+                self.trips += 1
+            return not was_open
+
+    def release_probe(self) -> None:
+        """A probe that neither succeeded nor failed (nothing was sent)."""
+        with self._lock:
+            self._probing = False
+
+
+class RemoteStore:
+    """One namespace (layout key) of the remote tier on a Redis / Valkey server or cluster.
+
+    Args:
+        url: `redis://`, `rediss://`, `unix://`, `redis+cluster://` (see `kvtool.config.remote_url`);
+            the password may come from `$KVTOOL_REMOTE_PASSWORD`.
+        layout_key: the namespace (32 hex characters).
+        kv: the namespace's KV layout.
+        codec: the namespace's record codec ('none', 'zstd', 'lz4').
+        timeout_s: deadline of every socket operation, connect included (seconds).
+        ttl_s: expiry of stored values (seconds, rounded up; `EX`); None: no expiry (the server's
+            eviction policy, or `kvtool remote prune`, removes them).
+        cluster: True: a Redis Cluster; None: the URL's scheme decides (`redis+cluster://`).
+        max_value_bytes: largest string stored (bytes); larger values are split into parts.
+        batch_bytes: values per pipelined write, by size (bytes).
+        read_batch_bytes: values per pipelined read, by expected size (bytes).
+        read_ahead: read batches fetched and verified on reader threads ahead of the thread that
+            takes them (0: each batch on the taking thread, when taken; on one node its requests
+            sent ahead on one connection, `kvtool.tiers.remote_read`); None: 0 on one node,
+            `DEFAULT_READ_AHEAD` on a cluster.
+        read_threads: reader threads (each batch in flight uses a connection).
+        breaker_failures: consecutive failed calls that open the breaker.
+        breaker_backoff_s, breaker_max_backoff_s: its first and longest back-off (seconds).
+        clock: monotonic clock (tests).
+
+    Raises:
+        RemoteURLError: a malformed URL (never a server problem: a server down at start leaves
+            the store unavailable, and it reconnects later).
+        ValueError: a bad layout key, timeout, TTL or size.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        layout_key: str,
+        kv: KVLayout,
+        codec: str = "none",
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        ttl_s: float | None = None,
+        cluster: bool | None = None,
+        max_value_bytes: int = rv.DEFAULT_MAX_VALUE_BYTES,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+        read_batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
+        read_ahead: int | None = None,
+        read_threads: int = 2,
+        breaker_failures: int = 3,
+        breaker_backoff_s: float = 1.0,
+        breaker_max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.remote: RemoteURL = parse_remote_url(url, cluster=cluster)
+        if not rv.is_hex32(layout_key):
+            raise ValueError("layout_key must be 32 lower-case hex characters")
+        if not (isinstance(timeout_s, (int, float)) and 0 < timeout_s <= 3600):
+            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if ttl_s is not None and not (isinstance(ttl_s, (int, float)) and 0 < ttl_s < 2**31):
+            raise ValueError(f"ttl_s must be None or > 0 seconds, got {ttl_s!r}")
+        if not isinstance(max_value_bytes, int) or max_value_bytes < rv.MIN_MAX_VALUE_BYTES:
+            raise ValueError(f"max_value_bytes must be an integer >= {rv.MIN_MAX_VALUE_BYTES}")
+        if codec not in ("none", "zstd", "lz4"):
+            raise ValueError(f"unknown codec {codec!r}")
+        self.layout_key, self.kv, self.codec = layout_key, kv, codec
+        self.timeout_s = float(timeout_s)
+        self.ttl_ex = None if ttl_s is None else max(1, math.ceil(ttl_s))
+        self.max_value_bytes = max_value_bytes
+        self.batch_bytes = max(1, batch_bytes)
+        self.read_batch_bytes = max(1, read_batch_bytes)
+        self.read_ahead = (DEFAULT_READ_AHEAD if self.remote.cluster else 0) if read_ahead is None else max(0, read_ahead)
+        self.read_threads = max(1, read_threads)
+        self._readers: ThreadPoolExecutor | None = None
+        self._breaker = _Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+        self._known_nodes: list[tuple[str, int]] = []
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._count_lock = threading.Lock()
+        self._closed = False
+        if not self._call(lambda c: bool(c.ping()), False, trip=True):
+            logger.debug("remote tier %s not reachable at start", self.remote.masked)
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def url(self) -> str:
+        """The server's URL, password masked."""
+        return self.remote.masked
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open (the server failed recently; calls are misses)."""
+        return not self._breaker.is_open and not self._closed
+
+    def _count(self, name: str, n: int = 1) -> None:
+        if n:
+            with self._count_lock:
+                self._counts[name] += n
+
+    def count_dropped(self, n: int) -> None:
+        """Count `n` blocks that will not be written (the writer's full queue)."""
+        self._count("remote_dropped_writes", n)
+
+    def _get_client(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                if self.remote.cluster and self._known_nodes:
+                    from redis.cluster import ClusterNode, RedisCluster
+
+                    kw = self.remote.client_kwargs(self.timeout_s)
+                    kw.pop("host", None), kw.pop("port", None)
+                    self._client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self._known_nodes],
+                                                require_full_coverage=False, **kw)  # fmt: skip
+                else:
+                    self._client = make_client(self.remote, self.timeout_s)
+                if self.remote.cluster:
+                    self._known_nodes = [(n.host, n.port) for n in self._client.get_nodes()]
+            return self._client
+
+    def _drop_cluster_client(self) -> None:
+        """A cluster client is rebuilt after a failure (its slot map may be stale, a node gone)."""
+        if not self.remote.cluster:
+            return
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client: nothing to do about it
+                pass
+
+    def _call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
+        """`op(client)`, or `default` if the breaker is open or it fails (counted, logged)."""
+        if self._closed or not self._breaker.allow():
+            return default
+        try:
+            result = op(self._get_client())
+        except Exception as exc:  # noqa: BLE001 - any failure of the remote tier is a miss
+            self._count("remote_errors")
+            self._drop_cluster_client()
+            if self._breaker.failure(trip=trip):
+                self._count("remote_breaker_trips")
+                logger.warning("remote tier unavailable, requests go on without it (retrying in the background): %s",
+                               describe_error(exc, self.remote, self.timeout_s))  # fmt: skip
+            else:
+                logger.debug("remote tier call failed: %s", describe_error(exc, self.remote, self.timeout_s))
+            return default
+        if self._breaker.success():
+            logger.info("remote tier %s reachable again", self.remote.masked)
+        return result
+
+    def _key(self, chain_hash: str) -> str | None:
+        return rv.value_key(self.layout_key, chain_hash) if rv.is_hex32(chain_hash) else None
+
+    @staticmethod
+    def _raise_connection_errors(results: Sequence[Any]) -> None:
+        """Per-command results of a pipeline: a connection-level error fails the whole call."""
+        from redis.exceptions import ConnectionError as RConnectionError
+        from redis.exceptions import TimeoutError as RTimeoutError
+
+        for r in results:
+            if isinstance(r, (RConnectionError, RTimeoutError, OSError)):
+                raise r
+
+    # ------------------------------------------------------------------ reads
+    def longest_prefix(self, hashes: Sequence[str]) -> int:
+        """How many leading entries of a chain the server holds: one multi-key EXISTS, which
+        answers a whole hit (or a whole miss) with one count; a count in between, one pipelined
+        round trip of EXISTS per key. A value whose parts were evicted still counts
+        (`get_blocks` then misses).
+
+        Args:
+            hashes: chain hashes, in chain order.
+
+        Returns:
+            The number of leading hashes whose key exists; 0 on any failure.
+        """
+        keys = []
+        for h in hashes:
+            key = self._key(h)
+            if key is None:
+                break
+            keys.append(key)
+        if not keys:
+            return 0
+
+        def op(client: Any) -> int:
+            self._count("remote_lookups")
+            have = client.exists(*keys)
+            if have in (0, len(keys)):
+                return have
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            results = pipe.execute(raise_on_error=False)
+            self._raise_connection_errors(results)
+            n = 0
+            for r in results:
+                if not (isinstance(r, int) and r > 0):
+                    break
+                n += 1
+            return n
+
+        return self._call(op, 0)
+
+    def read(self, hashes: Sequence[str], parents: Sequence[str],
+             token_ids_per_block: Sequence[np.ndarray | Sequence[int]]) -> ValueRead:  # fmt: skip
+        """Start reading and verifying the values of a run of chain entries ahead, on the store's
+        reader threads (`kvtool.tiers.remote_read`); take them with `ValueRead.blocks`, and
+        `cancel()` what is not used.
+
+        Args:
+            hashes: chain hashes, in chain order.
+            parents: each block's expected parent hash.
+            token_ids_per_block: each block's exact token ids.
+
+        Raises:
+            ValueError: the three sequences differ in length.
+        """
+        return ValueRead(self, hashes, parents, token_ids_per_block, batch_bytes=self.read_batch_bytes,
+                         ahead=self.read_ahead)  # fmt: skip
+
+    def get_blocks(
+        self,
+        hashes: Sequence[str],
+        parents: Sequence[str],
+        token_ids_per_block: Sequence[np.ndarray | Sequence[int]],
+        *,
+        stop_at_miss: bool = True,
+    ) -> list[HostBlock | None]:
+        """Fetch and verify blocks (`read` + `ValueRead.blocks`, collected).
+
+        Args:
+            hashes: chain hashes, in chain order.
+            parents: each block's expected parent hash.
+            token_ids_per_block: each block's exact token ids.
+            stop_at_miss: fetch no further batch once a batch had a miss (a chain is cut there).
+
+        Returns:
+            One entry per hash: the verified block (arrays are read-only views of the received
+            bytes) or None (absent, evicted, corrupt: then deleted and counted, or any failure).
+
+        Raises:
+            ValueError: the three sequences differ in length.
+        """
+        out: list[HostBlock | None] = [None] * len(hashes)
+        reading = self.read(hashes, parents, token_ids_per_block)
+        try:
+            for k, block in reading.blocks(stop_at_miss=stop_at_miss):
+                out[k] = block
+        finally:
+            reading.cancel()
+        return out
+
+    def _expected_bytes(self, n_tokens: int) -> int:
+        return rv.value_bound(self.kv, n_tokens, self.codec)
+
+    def _submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]:
+        """Run `fn(arg)` on a reader thread (created on first use); after `close()`, a future
+        already holding None (a miss)."""
+        with self._client_lock:
+            if self._closed:
+                done: Future[Any] = Future()
+                done.set_result(None)
+                return done
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kvtool-remote-read")
+            return self._readers.submit(fn, arg)
+
+    def _corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
+        self._count("remote_corrupt")
+        logger.warning("remote value %s failed verification (%s: %s); deleted, a miss", key, exc.kind,
+                       str(exc).partition(": ")[2][:200])  # fmt: skip
+        bad.append((key, manifest))
+
+    def _unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for key, manifest in keys:
+            pipe.unlink(key)
+            for part in manifest.part_keys(key) if manifest else ():
+                pipe.unlink(part)
+        self._raise_connection_errors(pipe.execute(raise_on_error=False))
+
+    # ------------------------------------------------------------------ writes
+    def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
+        """Store blocks not stored yet (`SET NX`, `EX ttl_s` if set; pipelined batches; a value
+        over `max_value_bytes` as parts in one MULTI transaction).
+
+        Returns:
+            How many blocks this call stored (a block already there counts `remote_put_exists`;
+            one that could not be sent counts `remote_dropped_writes`). Never raises for the
+            server or for a block of another layout (counted `remote_errors`).
+        """
+        stored = 0
+        batch: list[tuple[str, bytes]] = []
+        size = 0
+        for n, b in enumerate(blocks):
+            key = self._key(b.block_hash)
+            try:
+                if key is None or not rv.is_hex32(b.parent_hash):
+                    raise ValueError(f"block hash {b.block_hash[:40]!r} / parent are not chain hashes")
+                value = rv.encode_value(b, self.layout_key, self.kv, self.codec)
+            except (ValueError, rv.BlockFileError) as exc:
+                self._count("remote_errors")
+                logger.debug("remote tier: block not stored: %s", exc)
+                continue
+            batch.append((key, value))
+            size += len(value)
+            if size >= self.batch_bytes:  # encoded and sent one batch at a time
+                done = self._send(batch, len(blocks) - n - 1)
+                if done is None:
+                    return stored
+                stored += done
+                batch, size = [], 0
+        if batch:
+            stored += self._send(batch, 0) or 0
+        return stored
+
+    def _send(self, batch: list[tuple[str, bytes]], not_sent: int) -> int | None:
+        """One batch of `put_blocks`: blocks stored, or None if the call failed (the batch and
+        the `not_sent` blocks after it count as dropped writes)."""
+        done: int | None = self._call(functools.partial(self._put_batch, batch=batch), None)
+        if done is None:
+            self._count("remote_dropped_writes", len(batch) + not_sent)
+        return done
+
+    def _put_batch(self, client: Any, batch: list[tuple[str, bytes]]) -> int:
+        whole = [(k, v) for k, v in batch if len(v) <= self.max_value_bytes]
+        stored = 0
+        if whole:
+            pipe = client.pipeline(transaction=False)
+            for key, value in whole:
+                pipe.set(key, value, nx=True, ex=self.ttl_ex)
+            results = pipe.execute(raise_on_error=False)
+            self._raise_connection_errors(results)
+            for (_, value), r in zip(whole, results):
+                stored += self._set_result(r, len(value))
+        for key, value in batch:
+            if len(value) > self.max_value_bytes:
+                stored += self._put_split(client, key, value)
+        return stored
+
+    def _set_result(self, result: Any, nbytes: int) -> int:
+        if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
+            self._count("remote_errors")
+            logger.debug("remote SET refused: %s", describe_error(result, self.remote))
+            return 0
+        if result:
+            self._count("remote_bytes_written", nbytes)
+            return 1
+        self._count("remote_put_exists")
+        return 0
+
+    def _put_split(self, client: Any, key: str, value: bytes) -> int:
+        """Parts, then the manifest with NX, in one transaction (one slot: the hash tag); if the
+        manifest was there already, this writer's parts are removed again."""
+        split = rv.split_value(value, self.max_value_bytes)
+        assert split is not None
+        manifest, parts = split
+        part_keys = manifest.part_keys(key)
+        pipe = client.pipeline(transaction=True)
+        for part, data in zip(part_keys, parts):
+            pipe.set(part, data, ex=self.ttl_ex)
+        pipe.set(key, manifest.encode(), nx=True, ex=self.ttl_ex)
+        results = pipe.execute(raise_on_error=False)
+        self._raise_connection_errors(results)
+        won = self._set_result(results[-1], len(value))
+        if not won or any(isinstance(r, Exception) for r in results[:-1]):
+            cleanup = client.pipeline(transaction=False)
+            for part in part_keys:
+                cleanup.unlink(part)
+            if won:  # a part failed: the manifest must not stay
+                cleanup.unlink(key)
+                won = 0
+            cleanup.execute(raise_on_error=False)
+        return won
+
+    def delete(self, hashes: Sequence[str]) -> int:
+        """Delete the values of `hashes` (and their parts).
+
+        Returns:
+            How many value keys were deleted; 0 on any failure.
+        """
+        keys = [k for k in (self._key(h) for h in hashes) if k is not None]
+        if not keys:
+            return 0
+
+        def op(client: Any) -> int:
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.getrange(key, 0, 127)  # a manifest names its parts
+            heads = pipe.execute(raise_on_error=False)
+            self._raise_connection_errors(heads)
+            pipe = client.pipeline(transaction=False)
+            mains = []
+            for key, head in zip(keys, heads):
+                mains.append(len(pipe))
+                pipe.unlink(key)
+                if isinstance(head, bytes) and rv.is_manifest(head):
+                    try:
+                        for part in rv.parse_manifest(head, 1 << 62).part_keys(key):
+                            pipe.unlink(part)
+                    except rv.RemoteValueError:
+                        pass
+            results = pipe.execute(raise_on_error=False)
+            self._raise_connection_errors(results)
+            return sum(1 for i in mains if results[i] == 1)
+
+        return self._call(op, 0)
+
+    # ------------------------------------------------------------------ life
+    def stats(self) -> dict[str, int]:
+        """The `remote_*` counters (see the module docstring); `remote_breaker_open` is a gauge."""
+        with self._count_lock:
+            out = {name: int(self._counts[name]) for name in COUNTER_NAMES}
+        out["remote_breaker_open"] = int(self._breaker.is_open)
+        out["remote_breaker_trips"] = self._breaker.trips
+        return out
+
+    def close(self) -> None:
+        """Close the connections; later calls are misses. Idempotent."""
+        self._closed = True
+        with self._client_lock:
+            client, self._client = self._client, None
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=False, cancel_futures=True)
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
+                pass
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.remote.masked!r}, {self.layout_key!r})"

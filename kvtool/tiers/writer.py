@@ -1,0 +1,600 @@
+"""SSD block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
+
+Both take batches of `HostBlock`s (numpy, already materialised on the request thread) and hand
+each batch to `SSDStore.save_blocks` in one call — one segment file per batch (per 64 MiB of it),
+not one file per block — so this module never imports MLX. They share one interface, so the
+tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue_depth`, `flush`,
+`stop`, `get_stats`. The batch plumbing (counters, retry policy, queue) is in `writer_batch`.
+
+`AsyncWriter` follows docs/design.md#writer-protocol, with a batch as the queue item:
+- a bounded queue fed by `enqueue_many` (one item per call), drained by one non-daemon worker
+  thread. When the worker takes an item it also takes the batches queued right behind it, up to
+  `batch_max_bytes` in all, and saves them with one `save_blocks` call, so concurrent small
+  enqueues coalesce into one segment. Blocks keep their order.
+- the queue is bounded in bytes: the sum of `HostBlock.nbytes` of the blocks queued and being
+  written stays within `max_queue_bytes` (and the blocks queued within `queue_size`). One batch
+  larger than a bound is accepted when the queue holds nothing (it could never be queued
+  otherwise), so the writer holds at most `max(max_queue_bytes, largest batch)` bytes; blocks
+  saved on a caller's thread (durable, below) are held by that thread meanwhile.
+- `_pending` (hash -> block) de-duplicates a hash already queued and serves `get_pending`, so a
+  block queued but not yet written is still a cache hit; an entry leaves only after its save
+  attempt (retries included) has finished.
+- backpressure per batch: a batch that fits is queued at once. One that finds the queue full:
+  * `best_effort`, `persistent`: is SHED at once — no wait, no write on the caller's (request)
+    thread. Its blocks are not written to SSD (the RAM tier still holds what it inserted; a block
+    shed on its way out of RAM under `evict_only` is in neither tier); `enqueue_many` returns 0
+    for them, they count as `writer_shed_blocks` / `writer_shed_bytes`, and a WARNING gives the
+    counts at most once per `SHED_LOG_INTERVAL_S` (60 s) (plus once at `stop()` for the rest).
+  * `durable`, or a call with `must_write=True` (warm, import: the caller promised the blocks
+    reach SSD): the caller WAITS up to `ENQUEUE_WAIT_S` (50 ms; `enqueue_wait_s`) for room
+    (`writer_backpressure_waits`), then, if there is still none, saves the batch itself, on its
+    own thread (`writer_queue_full_sync_fallback`). That can stall the request for the wait plus
+    one batch save (tens to hundreds of ms for a 64 MiB batch with fsync): the price of the
+    durable guarantee that every accepted block is written.
+- deterministic shutdown: `stop()` sets `_closing` under `_life_lock`, waits for the in-flight
+  `enqueue_many` calls to leave, then puts the sentinel, which is therefore always last in the
+  queue. The sentinel is exempt from the bounds (it holds no bytes), so it can always be put.
+
+To keep the non-daemon thread from outliving a timed-out `stop()`:
+the sentinel is placed by whoever sees "closing and no enqueue in flight" first — `stop()`, or the
+last in-flight `enqueue_many` if `stop()` already gave up.
+
+Durability (docs/design.md#durability-modes): `best_effort` makes one attempt per batch; `persistent` and `durable`
+retry the blocks of a batch whose outcome was `'error'` (the whole batch after an exception) up to
+`max_retries` more rounds with exponential backoff from `retry_backoff_s`, inline on the thread
+doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'collision'` or
+`'dedup'` answer is final, never retried. The RAM copy is never rolled back. Fsync under `durable`
+is the store's job. Once a `stop()` has timed out, no new retry round starts (and a backoff wait
+is cut short), so a dead disk cannot keep the non-daemon thread alive through backoff series.
+
+Counters (`writer_` prefix, docs/design.md#counters); every one counts BLOCKS unless it says otherwise:
+    writer_enqueue_total             blocks accepted by `enqueue_many`
+    writer_enqueue_dedup_skip        blocks skipped: hash already pending (or twice in one batch)
+    writer_enqueue_rejected          blocks offered after `stop()` or while the store is disabled
+    writer_save_success              blocks the store answered 'saved'
+    writer_dedup                     blocks the store answered 'dedup' (already on SSD)
+    writer_collision                 blocks the store answered 'collision'
+    writer_save_fail                 blocks whose last attempt failed ('error' or exception)
+    writer_queue_full_sync_fallback  queue full, durable / must_write: blocks saved on the caller's
+                                     thread (always 0 otherwise)
+    writer_backpressure_waits        queue full, durable / must_write: enqueue calls (batches) that
+                                     waited for room
+    writer_shed_blocks               queue full, best_effort / persistent: blocks shed (not written)
+    writer_shed_bytes                their bytes (sum of `HostBlock.nbytes`)
+    writer_retry_attempts            block retries made (not counting first attempts)
+    writer_retry_final_fail          blocks given up after all retries (persistent / durable)
+`writer_enqueue_total` counts blocks accepted (queued or saved by their caller), never shed ones.
+`get_stats()` adds four gauges: `writer_queue_depth` (blocks queued), `writer_pending` (blocks
+accepted, not yet attempted), `writer_pending_bytes` (their `nbytes`) and `writer_queue_peak_bytes`
+(the highest bytes queued plus being written by the worker since the writer started).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvtool.tiers.writer_batch import (
+    COUNTER_NAMES,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_RETRY_BACKOFF_S,
+    RETRY_MODES,
+    SAVE_OUTCOMES,
+    SHED_LOG_INTERVAL_S,
+    SHED_MODES,
+    Batch,
+    BatchQueue,
+    Counters,
+    RetryPolicy,
+    ShedLog,
+    batch_nbytes,
+    describe,
+)
+
+if TYPE_CHECKING:
+    from kvtool.config import KVToolConfig
+    from kvtool.disk.hostblock import HostBlock
+
+__all__ = [
+    "COUNTER_NAMES", "DEFAULT_BATCH_MAX_BYTES", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_RETRIES",
+    "DEFAULT_QUEUE_SIZE", "DEFAULT_RETRY_BACKOFF_S", "ENQUEUE_WAIT_S", "RETRY_MODES", "SAVE_OUTCOMES",
+    "SHED_LOG_INTERVAL_S", "SHED_MODES", "AsyncWriter", "BlockSink", "RetryPolicy", "SyncWriter", "Writer", "make_writer",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_SIZE = 512  # blocks queued (`ssd_writer_queue_size`)
+DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of HostBlock.nbytes)
+DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # the one drain timeout (writer stop, tier close)
+DEFAULT_FLUSH_TIMEOUT_S = 60.0
+ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
+QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field read by make_writer
+MAX_BYTES_CONFIG_FIELD = "ssd_max_bytes"  # the SSD tier's byte budget, handed to the store by make_writer
+
+
+class BlockSink(Protocol):
+    """What a writer needs from `SSDStore`: `save_blocks` (one call per batch, one outcome per
+    block, in order), `enabled` and `stats`."""
+
+    enabled: bool
+
+    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]: ...
+
+    def stats(self) -> dict: ...
+
+
+class _WriterBase:
+    """State and stats common to both writers."""
+
+    def __init__(self, store: BlockSink, policy: RetryPolicy) -> None:
+        self._store = store
+        self._policy = policy
+        self._counters = Counters()
+
+    @property
+    def durability(self) -> str:
+        return self._policy.durability
+
+    def _store_enabled(self) -> bool:
+        """A store that can take writes: enabled and not read-only (a read-only cache would
+        answer 'error' to every block, and retrying that is only latency)."""
+        return bool(getattr(self._store, "enabled", True)) and not getattr(self._store, "read_only", False)
+
+    def _save(self, blocks: list[HostBlock], abort: threading.Event | None = None) -> list[str]:
+        return self._policy.save_batch(self._store, blocks, self._counters, abort)
+
+    def enqueue(self, block: HostBlock, *, must_write: bool = False) -> bool:
+        """`enqueue_many([block], must_write=must_write) == 1`: True if `block` was accepted."""
+        return self.enqueue_many([block], must_write=must_write) == 1
+
+    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def get_stats(self) -> dict[str, int]:
+        """Snapshot of the `writer_*` counters (blocks, bytes where named) plus the gauges
+        `writer_queue_depth` (blocks), `writer_pending` (blocks), `writer_pending_bytes` and
+        `writer_queue_peak_bytes` (bytes)."""
+        stats: dict[str, Any] = self._counters.snapshot()
+        stats["writer_queue_depth"] = self.queue_depth()
+        stats["writer_pending"] = self._pending_count()
+        stats["writer_pending_bytes"] = self.pending_bytes()
+        stats["writer_queue_peak_bytes"] = self.queue_peak_bytes()
+        return stats
+
+    def queue_peak_bytes(self) -> int:
+        """Highest bytes held by the writer's queue (queued plus being written) so far; 0 for a
+        writer without a queue."""
+        return 0
+
+    def queue_depth(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _pending_count(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def pending_bytes(self) -> int:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _unique(blocks: Sequence[HostBlock], skip: Callable[[str], bool] = lambda h: False) -> list[HostBlock]:
+    """`blocks` in order without repeated hashes, nor hashes for which `skip` is true."""
+    seen: set[str] = set()
+    out = []
+    for b in blocks:
+        if b.block_hash not in seen and not skip(b.block_hash):
+            seen.add(b.block_hash)
+            out.append(b)
+    return out
+
+
+class SyncWriter(_WriterBase):
+    """Writes each batch on the caller's thread, with the same retry policy as `AsyncWriter`."""
+
+    def __init__(
+        self,
+        store: BlockSink,
+        durability: str = "best_effort",
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep))
+        self._closed = False
+
+    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:
+        """Save `blocks` now with one `save_blocks` call (retries included).
+
+        Args:
+            blocks: the batch, in write order; a hash repeated in it is saved once (the
+                repeats count as `writer_enqueue_dedup_skip`).
+            must_write: accepted for interface parity with `AsyncWriter`; every batch is
+                written here anyway (nothing is ever shed).
+
+        Returns:
+            How many blocks were accepted (and attempted); 0 if stopped or the store is disabled.
+        """
+        blocks = list(blocks)
+        if not blocks:
+            return 0
+        if self._closed or not self._store_enabled():
+            self._counters.inc("writer_enqueue_rejected", len(blocks))
+            return 0
+        batch = _unique(blocks)
+        if len(batch) < len(blocks):
+            self._counters.inc("writer_enqueue_dedup_skip", len(blocks) - len(batch))
+        self._counters.inc("writer_enqueue_total", len(batch))
+        self._save(batch)
+        return len(batch)
+
+    def get_pending(self, block_hash: str) -> HostBlock | None:
+        """Nothing is ever pending: always None."""
+        return None
+
+    def pending_children(self, parent_hash: str, limit: int) -> list[HostBlock]:
+        """Nothing is ever pending: always []."""
+        return []
+
+    def queue_depth(self) -> int:
+        return 0
+
+    def _pending_count(self) -> int:
+        return 0
+
+    def pending_bytes(self) -> int:
+        return 0
+
+    def flush(self, timeout: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> bool:
+        """Every accepted block has been attempted already: True."""
+        return True
+
+    def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
+        """Refuse further blocks; True (nothing to drain). Idempotent."""
+        self._closed = True
+        return True
+
+
+@dataclass
+class _Pending:
+    block: HostBlock
+    ticket: int  # acceptance order (per batch), for flush()
+
+
+_LIVE_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+EXIT_DRAIN_TIMEOUT_S = 30.0
+
+
+_exit_watch_lock = threading.Lock()
+_exit_watch: threading.Thread | None = None
+
+
+def _drain_at_exit() -> None:
+    """Interpreter exit: drain writers their owner never stopped.
+
+    The writer thread is non-daemon (so accepted blocks are written before the process ends),
+    so a program that forgets `stop()` would hang at exit. The main thread counts as finished
+    when the interpreter starts its shutdown, before it joins non-daemon threads: a daemon
+    watcher that joins the main thread then stops every live writer, so accepted blocks are
+    still written and the writer threads end (docs/design.md#writer-protocol).
+    """
+    threading.main_thread().join()
+    for writer in list(_LIVE_WRITERS):
+        writer.stop(EXIT_DRAIN_TIMEOUT_S)
+
+
+def _watch_exit() -> None:
+    """Start the exit watcher once (daemon: it never keeps the process alive)."""
+    global _exit_watch
+    with _exit_watch_lock:
+        if _exit_watch is None:
+            _exit_watch = threading.Thread(target=_drain_at_exit, name="kvtool-writer-exit", daemon=True)
+            _exit_watch.start()
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be an integer > 0, got {value!r}")
+    return value
+
+
+class AsyncWriter(_WriterBase):
+    """Writes batches from one background (non-daemon) thread; see the module docstring.
+
+    Args:
+        store: the SSD store (`save_blocks`, `enabled`, `stats`).
+        queue_size: bound of the blocks waiting in the queue (blocks; `ssd_writer_queue_size`).
+        durability: 'best_effort' | 'persistent' | 'durable'.
+        max_retries: retry rounds of a batch's failed blocks under persistent / durable.
+        retry_backoff_s: delay before the first retry round (seconds, doubling after).
+        max_queue_bytes: bound of the bytes queued and being written (sum of `HostBlock.nbytes`);
+            a batch larger than it is accepted when the queue holds nothing.
+        batch_max_bytes: the worker merges queued batches into one `save_blocks` call up to
+            this many bytes (a single larger batch is saved whole).
+        enqueue_wait_s: how long `enqueue_many` waits for room before saving on the caller's
+            thread (seconds), under `durable` or with `must_write`; the shedding modes never wait.
+        sleep: wait between retries (injectable for tests); by default a wait that a timed-out
+            `stop()` interrupts.
+    """
+
+    def __init__(
+        self,
+        store: BlockSink,
+        queue_size: int = DEFAULT_QUEUE_SIZE,
+        durability: str = "best_effort",
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
+        *,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
+        enqueue_wait_s: float = ENQUEUE_WAIT_S,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        _positive_int("queue_size", queue_size)
+        _positive_int("max_queue_bytes", max_queue_bytes)
+        _positive_int("batch_max_bytes", batch_max_bytes)
+        if not enqueue_wait_s >= 0:
+            raise ValueError(f"enqueue_wait_s must be >= 0, got {enqueue_wait_s!r}")
+        # set when stop() times out: no new retries, so a dead disk cannot keep the
+        # non-daemon thread (and the process) alive for the whole queue x the backoff series
+        self._give_up = threading.Event()
+        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait))
+        self._queue = BatchQueue(queue_size, max_queue_bytes)
+        self._batch_max_bytes = batch_max_bytes
+        self._enqueue_wait_s = enqueue_wait_s
+        self._sentinel = object()
+        self._sheds = self._policy.durability in SHED_MODES
+        self._shed_log = ShedLog()
+
+        self._pending: dict[str, _Pending] = {}
+        self._pending_lock = threading.Lock()
+        self._settled = threading.Condition(self._pending_lock)  # a pending entry has left
+        self._next_ticket = 0
+
+        self._life_lock = threading.Lock()
+        self._no_inflight = threading.Condition(self._life_lock)
+        self._closing = False
+        self._sealed = False  # closing, no enqueue in flight: the sentinel is queued
+        self._inflight_enqueues = 0
+
+        self._thread = threading.Thread(target=self._run, name="kvtool-ssd-writer", daemon=False)
+        self._thread.start()
+        _LIVE_WRITERS.add(self)
+        _watch_exit()
+
+    @property
+    def max_queue_bytes(self) -> int:
+        """Bound of the bytes queued and being written."""
+        return self._queue.max_bytes
+
+    # ---- producer side -------------------------------------------------------------------
+
+    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:
+        """Queue `blocks` as one batch; if the queue is full, shed them or save them here.
+
+        A full queue (see the module docstring) sheds the batch at once under `best_effort` /
+        `persistent` (no wait, no write on this thread); under `durable`, or with
+        `must_write`, this call waits up to `enqueue_wait_s` seconds for room and then saves
+        the batch on this thread.
+
+        Args:
+            blocks: the batch, in write order. Blocks whose hash is already pending (or
+                repeated in the batch) are skipped and counted as `writer_enqueue_dedup_skip`.
+            must_write: the caller promised these blocks reach SSD (`kvtool warm`, import):
+                never shed them, whatever the durability.
+
+        Returns:
+            How many blocks were accepted (each will be attempted before `stop()` returns
+            True); 0 if the writer is closing, the store is disabled, or the batch was shed.
+            Never raises for store failures.
+        """
+        blocks = list(blocks)
+        if not blocks:
+            return 0
+        if not self._store_enabled() or not self._enter():
+            self._counters.inc("writer_enqueue_rejected", len(blocks))
+            return 0
+        try:
+            return self._accept(blocks, shed=self._sheds and not must_write)
+        finally:
+            self._leave()
+
+    def _enter(self) -> bool:
+        with self._life_lock:
+            if self._closing:
+                return False
+            self._inflight_enqueues += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._life_lock:
+            self._inflight_enqueues -= 1
+            if self._closing and self._inflight_enqueues == 0:
+                self._seal_locked()
+                self._no_inflight.notify_all()
+
+    def _accept(self, blocks: list[HostBlock], shed: bool) -> int:
+        with self._pending_lock:
+            batch = _unique(blocks, self._pending.__contains__)
+            for b in batch:
+                self._pending[b.block_hash] = _Pending(b, self._next_ticket)
+            self._next_ticket += 1
+        if len(batch) < len(blocks):
+            self._counters.inc("writer_enqueue_dedup_skip", len(blocks) - len(batch))
+        if not batch:
+            return 0
+        self._counters.inc("writer_enqueue_total", len(batch))
+        item = Batch(batch, batch_nbytes(batch))
+        try:
+            if self._queue.put(item):
+                return len(batch)
+            if shed:
+                self._settle(batch)
+                self._counters.add({
+                    "writer_enqueue_total": -len(batch),  # not accepted after all
+                    "writer_shed_blocks": len(batch),
+                    "writer_shed_bytes": item.nbytes,
+                })
+                self._shed_log.add(len(batch), item.nbytes)
+                return 0
+            self._counters.inc("writer_backpressure_waits")
+            if self._queue.put(item, timeout=self._enqueue_wait_s):
+                return len(batch)
+            self._counters.inc("writer_queue_full_sync_fallback", len(batch))
+        except BaseException:
+            self._settle(batch)
+            raise
+        self._save_and_settle(batch)
+        return len(batch)
+
+    def _seal_locked(self) -> None:
+        """Under `_life_lock`, closing and no enqueue in flight: put the sentinel, last."""
+        if not self._sealed:
+            self._sealed = True
+            self._queue.put_final(self._sentinel)
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get(self._batch_max_bytes)
+            if item is self._sentinel:
+                break
+            try:
+                self._save_and_settle(item.blocks)
+            except Exception:  # never let the worker die: the queue would never drain
+                logger.exception("SSD writer: unexpected error on %s", describe(item.blocks))
+            finally:
+                self._queue.release(item)  # after settling: pending bytes never exceed the bound
+        logger.debug("SSD writer thread exiting")
+
+    def _save_and_settle(self, blocks: list[HostBlock]) -> None:
+        try:
+            self._save(blocks, self._give_up)
+        finally:
+            self._settle(blocks)
+
+    def _settle(self, blocks: list[HostBlock]) -> None:
+        with self._settled:
+            for b in blocks:
+                self._pending.pop(b.block_hash, None)
+            self._settled.notify_all()
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def get_pending(self, block_hash: str) -> HostBlock | None:
+        """The block with this hash if accepted but its save attempt has not finished."""
+        with self._pending_lock:
+            entry = self._pending.get(block_hash)
+            return entry.block if entry is not None else None
+
+    def pending_children(self, parent_hash: str, limit: int) -> list[HostBlock]:
+        """Up to `limit` pending blocks whose parent is `parent_hash`, newest first (a scan of
+        the pending buffer, which the queue bounds): siblings for a partial-block prefix hit."""
+        out: list[HostBlock] = []
+        with self._pending_lock:
+            for entry in reversed(self._pending.values()):
+                if entry.block.parent_hash == parent_hash:
+                    out.append(entry.block)
+                    if len(out) >= limit:
+                        break
+        return out
+
+    def queue_depth(self) -> int:
+        """Blocks waiting in the queue (not counting the batch being written)."""
+        return self._queue.queued_blocks
+
+    def queue_bytes(self) -> int:
+        """Bytes queued plus bytes being written by the worker (the bounded quantity)."""
+        return self._queue.held_bytes
+
+    def queue_peak_bytes(self) -> int:
+        """Highest `queue_bytes()` since the writer started (bytes)."""
+        return self._queue.peak_bytes
+
+    def _pending_count(self) -> int:
+        with self._pending_lock:
+            return len(self._pending)
+
+    def pending_bytes(self) -> int:
+        """Bytes of the blocks accepted and not yet attempted: queued, being written by the
+        worker, or being saved on a caller's thread (durable / must_write, queue full)."""
+        with self._pending_lock:
+            return sum(p.block.nbytes for p in self._pending.values())
+
+    # ---- flush / stop --------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> bool:
+        """Wait until every block accepted before this call has been attempted (retries included).
+
+        Blocks accepted while waiting are not waited for, so steady producers cannot starve
+        it. Must not be called from the writer thread (e.g. from inside `save_blocks`).
+
+        Returns:
+            False if `timeout` (seconds; None = no limit) passed first.
+        """
+        with self._settled:
+            target = self._next_ticket
+            return self._settled.wait_for(
+                lambda: all(p.ticket >= target for p in self._pending.values()), timeout
+            )
+
+    def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
+        """Refuse new blocks, write every accepted one, end the thread. Idempotent.
+
+        Returns:
+            True if the thread has ended (all accepted blocks attempted) within
+            `drain_timeout` seconds; False otherwise — the caller reports
+            `shutdown_clean=false`. After a False the thread still makes one attempt per
+            remaining batch, without retries, then ends.
+        """
+        deadline = time.monotonic() + drain_timeout
+        with self._life_lock:
+            self._closing = True
+            if not self._no_inflight.wait_for(lambda: self._inflight_enqueues == 0, timeout=drain_timeout):
+                logger.error("SSD writer stop: enqueue calls still in flight after %.1fs", drain_timeout)
+                self._give_up.set()
+                return False  # the last enqueue to leave seals the queue
+            self._seal_locked()
+        self._shed_log.flush()  # no enqueue in flight any more: report sheds not logged yet
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._thread.is_alive():
+            logger.error(
+                "SSD writer did not drain within %.1fs; %d blocks not yet written",
+                drain_timeout, self._pending_count(),
+            )
+            self._give_up.set()
+            return False
+        return True
+
+
+Writer = AsyncWriter | SyncWriter
+
+
+def make_writer(store: BlockSink, config: KVToolConfig) -> Writer:
+    """The writer the config asks for (`ssd_async_writes`, queue size, durability, retries).
+
+    The byte bound is `DEFAULT_MAX_QUEUE_BYTES` unless the config has a
+    `ssd_writer_queue_bytes` field (bytes), which is then used. With `ssd_max_bytes` set, the
+    store evicts least recently used segments before each write that would not fit
+    (`SSDStore.set_max_bytes`, `kvtool.disk.budget`): the writer's saves keep the namespace
+    directory within that many bytes.
+    """
+    max_bytes = getattr(config, MAX_BYTES_CONFIG_FIELD, None)
+    set_max_bytes = getattr(store, "set_max_bytes", None)
+    if max_bytes is not None and set_max_bytes is not None:
+        set_max_bytes(int(max_bytes))
+    if config.ssd_async_writes:
+        return AsyncWriter(
+            store,
+            queue_size=config.ssd_writer_queue_size,
+            durability=config.ssd_durability,
+            max_retries=config.ssd_persistent_max_retries,
+            max_queue_bytes=int(getattr(config, QUEUE_BYTES_CONFIG_FIELD, None) or DEFAULT_MAX_QUEUE_BYTES),
+        )
+    return SyncWriter(store, durability=config.ssd_durability, max_retries=config.ssd_persistent_max_retries)
