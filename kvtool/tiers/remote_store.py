@@ -26,8 +26,8 @@ spare on reader threads ahead of the request thread (`kvtool.tiers.remote_read`)
 collects it.
 
 Writes are first-writer-wins (`SET NX`, optional `EX` TTL): the same chain hash always names the
-same KV, so a second writer has nothing to add. `RemoteWriter` moves writes off the request
-thread (one thread, a queue bounded in bytes; a full queue drops blocks, counted).
+same KV, so a second writer has nothing to add. The remote tier's writer (`kvtool.tiers.writer.
+AsyncWriter`, `when_full="shed"`; `save_blocks` is its sink) moves writes off the request thread.
 
 Counters (`stats()`): `remote_lookups` (longest_prefix / get_blocks calls that reached the
 server), `remote_hit_blocks`, `remote_bytes_read`, `remote_bytes_written` (bytes of values
@@ -59,9 +59,8 @@ from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
 from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead
-from kvtool.tiers.remote_writer import RemoteWriter
 
-__all__ = ["COUNTER_NAMES", "RemoteStore", "RemoteWriter", "mask_url"]
+__all__ = ["COUNTER_NAMES", "RemoteStore", "mask_url"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -415,6 +414,15 @@ class RemoteStore:
         self._raise_connection_errors(pipe.execute(raise_on_error=False))
 
     # ------------------------------------------------------------------ writes
+    enabled = True  # as a writer's sink: a server problem is a miss per call, never a refusal
+
+    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]:
+        """`put_blocks` as a writer's sink (`kvtool.tiers.writer.BlockSink`): 'saved' for as many
+        blocks as it stored, 'dedup' for the others (stored before, or not sent: counted here).
+        A count, not per block: the remote writer only counts them."""
+        stored = self.put_blocks(blocks)
+        return ["saved"] * stored + ["dedup"] * (len(blocks) - stored)
+
     def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
         """Store blocks not stored yet (`SET NX`, `EX ttl_s` if set; pipelined batches; a value
         over `max_value_bytes` as parts in one MULTI transaction).

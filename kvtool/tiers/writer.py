@@ -1,4 +1,10 @@
-"""SSD block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
+"""Block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
+
+The one writer of every tier that wants one: the SSD tier (`SSDStore.save_blocks`) and the remote
+tier (`RemoteStore.save_blocks`, `when_full="shed"`, a daemon thread: it never keeps a process
+alive). What a full queue does is the writer's `when_full` policy: `"shed"` (drop the batch at
+once, counted; the request thread never waits) or `"wait"` (wait for room, then save on the
+caller's thread); by default the durability decides (below).
 
 Both take batches of `HostBlock`s (numpy, already materialised on the request thread) and hand
 each batch to `SSDStore.save_blocks` in one call — one segment file per batch (per 64 MiB of it),
@@ -320,6 +326,12 @@ class AsyncWriter(_WriterBase):
             thread (seconds), under `durable` or with `must_write`; the shedding modes never wait.
         sleep: wait between retries (injectable for tests); by default a wait that a timed-out
             `stop()` interrupts.
+        when_full: `"shed"` | `"wait"`: what a batch that finds the queue full does (`must_write`
+            always waits); None: `"shed"` under best_effort / persistent, `"wait"` under durable.
+        daemon: the worker is a daemon thread (it never keeps the process alive; not drained at
+            exit): for a sink that promises nothing (the remote tier).
+        name: the sink's name in the thread name and log lines ('SSD', 'remote').
+        on_drop: called with the number of blocks shed or refused (closing, store disabled).
     """
 
     def __init__(
@@ -334,12 +346,18 @@ class AsyncWriter(_WriterBase):
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         enqueue_wait_s: float = ENQUEUE_WAIT_S,
         sleep: Callable[[float], None] | None = None,
+        when_full: str | None = None,
+        daemon: bool = False,
+        name: str = "SSD",
+        on_drop: Callable[[int], None] | None = None,
     ) -> None:
         _positive_int("queue_size", queue_size)
         _positive_int("max_queue_bytes", max_queue_bytes)
         _positive_int("batch_max_bytes", batch_max_bytes)
         if not enqueue_wait_s >= 0:
             raise ValueError(f"enqueue_wait_s must be >= 0, got {enqueue_wait_s!r}")
+        if when_full not in (None, "shed", "wait"):
+            raise ValueError(f"when_full must be 'shed' or 'wait', got {when_full!r}")
         # set when stop() times out: no new retries, so a dead disk cannot keep the
         # non-daemon thread (and the process) alive for the whole queue x the backoff series
         self._give_up = threading.Event()
@@ -348,8 +366,10 @@ class AsyncWriter(_WriterBase):
         self._batch_max_bytes = batch_max_bytes
         self._enqueue_wait_s = enqueue_wait_s
         self._sentinel = object()
-        self._sheds = self._policy.durability in SHED_MODES
-        self._shed_log = ShedLog()
+        self._sheds = self._policy.durability in SHED_MODES if when_full is None else when_full == "shed"
+        self._shed_log = ShedLog(sink=name)
+        self._name = name
+        self._on_drop = on_drop
 
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()
@@ -362,10 +382,11 @@ class AsyncWriter(_WriterBase):
         self._sealed = False  # closing, no enqueue in flight: the sentinel is queued
         self._inflight_enqueues = 0
 
-        self._thread = threading.Thread(target=self._run, name="kvtool-ssd-writer", daemon=False)
+        self._thread = threading.Thread(target=self._run, name=f"kvtool-{name.lower()}-writer", daemon=daemon)
         self._thread.start()
-        _LIVE_WRITERS.add(self)
-        _watch_exit()
+        if not daemon:
+            _LIVE_WRITERS.add(self)
+            _watch_exit()
 
     @property
     def max_queue_bytes(self) -> int:
@@ -398,6 +419,7 @@ class AsyncWriter(_WriterBase):
             return 0
         if not self._store_enabled() or not self._enter():
             self._counters.inc("writer_enqueue_rejected", len(blocks))
+            self._dropped(len(blocks))
             return 0
         try:
             return self._accept(blocks, shed=self._sheds and not must_write)
@@ -441,6 +463,7 @@ class AsyncWriter(_WriterBase):
                     "writer_shed_bytes": item.nbytes,
                 })
                 self._shed_log.add(len(batch), item.nbytes)
+                self._dropped(len(batch))
                 return 0
             self._counters.inc("writer_backpressure_waits")
             if self._queue.put(item, timeout=self._enqueue_wait_s):
@@ -451,6 +474,10 @@ class AsyncWriter(_WriterBase):
             raise
         self._save_and_settle(batch)
         return len(batch)
+
+    def _dropped(self, n: int) -> None:
+        if self._on_drop is not None and n:
+            self._on_drop(n)
 
     def _seal_locked(self) -> None:
         """Under `_life_lock`, closing and no enqueue in flight: put the sentinel, last."""
@@ -468,10 +495,10 @@ class AsyncWriter(_WriterBase):
             try:
                 self._save_and_settle(item.blocks)
             except Exception:  # never let the worker die: the queue would never drain
-                logger.exception("SSD writer: unexpected error on %s", describe(item.blocks))
+                logger.exception("%s writer: unexpected error on %s", self._name, describe(item.blocks))
             finally:
                 self._queue.release(item)  # after settling: pending bytes never exceed the bound
-        logger.debug("SSD writer thread exiting")
+        logger.debug("%s writer thread exiting", self._name)
 
     def _save_and_settle(self, blocks: list[HostBlock]) -> None:
         try:
