@@ -102,6 +102,7 @@ class Caps:
         finds_tails: `find_any` can answer (else it returns None at no cost).
         lists_siblings: `sibling_candidates` can yield (else it yields nothing at no cost).
         promotes: its hits are promoted into the tiers above that take promotions.
+        removes: `remove` drops blocks (the pending buffer cannot: its blocks leave when written).
         persistent: what it holds survives a restart of the process (reopened from its store).
         backs_ram: the local persistent tier: RAM's `persisted` flag means "handed to this
             tier"; RAM hits on persisted blocks touch it; `Put.PERSIST` goes to it.
@@ -112,6 +113,7 @@ class Caps:
     finds_tails: bool = True
     lists_siblings: bool = True
     promotes: bool = True
+    removes: bool = True
     persistent: bool = False
     backs_ram: bool = False
 

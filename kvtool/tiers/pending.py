@@ -25,14 +25,15 @@ class PendingTier(TierBase):
     """
 
     name = "ssd"
-    caps = Caps(verifies_on_read=False)
+    caps = Caps(verifies_on_read=False, removes=False)
 
     def __init__(self, writer: Writer):
         self.writer = writer
         self._counts = Counts("kv_pending_hits")
+        self._closed = False  # the writer is the SSD tier's to stop: after close, lookups miss
 
     def _get(self, h: str, expected: np.ndarray) -> HostBlock | None:
-        host = self.writer.get_pending(h)
+        host = None if self._closed else self.writer.get_pending(h)
         if host is None or not np.array_equal(host.token_ids, expected):
             return None
         self._counts.inc("kv_pending_hits")
@@ -54,18 +55,22 @@ class PendingTier(TierBase):
                 return host, h, k
         return None
 
-    def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[HostBlock, int]]:
-        pending = self.writer.pending_children(parent, MAX_MEMORY_SIBLINGS)
-        yield from ((b, 0) for b in pending if b.block_hash not in skip)
-
     def read_into(self, chain, handles, ids, buffers) -> ReadResult:
         buffers.ready()
         for e, host in zip(chain, handles):
             buffers.place_host(e.start, host)
         return ReadResult(len(handles))
 
+    def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[HostBlock, int]]:
+        pending = [] if self._closed else self.writer.pending_children(parent, MAX_MEMORY_SIBLINGS)
+        yield from ((b, 0) for b in pending if b.block_hash not in skip)
+
     def stats(self) -> dict[str, int]:
         return self._counts.snapshot()
+
+    def close(self, timeout_s: float) -> bool:
+        self._closed = True
+        return True
 
 
 __all__ = ["PendingTier"]
