@@ -248,10 +248,7 @@ class RamBlockTier(TierBase):
         self.on_hit = on_hit
         self.new_persisted = self.has_backing = False
         self._counts = Counts("kv_ram_token_mismatch", "kv_promote_hits")
-
-    @property
-    def takes_promotions(self) -> bool:  # type: ignore[override]
-        return self.ram.capacity_bytes > 0
+        self.takes_promotions = ram.capacity_bytes > 0  # hits of lower tiers enter RAM (a budget of 0 keeps none)
 
     def _get(self, h: str, expected: np.ndarray) -> Block | None:
         block = self.ram.get(h)
