@@ -39,6 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvtool.cache import selfcheck
+from kvtool.cache.extend import chain_entries, extend, quant_usable
 from kvtool.cache.hit import CacheHit, CacheStats
 from kvtool.config import KVToolConfig
 from kvtool.disk.fsops import FileOps
@@ -56,7 +57,6 @@ from kvtool.kv.blocks import (
     patch_last_token,
     promote_slices,
     rebuild_cache,
-    root_parent,
     slice_blocks,
     sliding_windows,
     tail_hash,
@@ -65,8 +65,7 @@ from kvtool.kv.blocks import (
 from kvtool.kv.buffers import KVBuffers
 from kvtool.kv.model_kv import KVGeometry, KVQuantization, library_versions, probe_layout  # noqa: F401  (re-exported)
 from kvtool.kv.windows import as_rotating, with_windows
-from kvtool.tiers import siblings, tail_prefix
-from kvtool.tiers.base import ChainEntry, PlacedBlock
+from kvtool.tiers.base import ChainEntry
 from kvtool.tiers.stack import ShutdownStatus, TierStack
 
 log = logging.getLogger("kvtool")
@@ -273,15 +272,9 @@ class PrefixCache:
         rows = ssd.longest_prefix(chain, ids)
         cached = sum(r.num_tokens for r in rows)
         if len(rows) < len(chain):  # as fetch: an earlier prompt's tail entry, or a sibling's prefix
-            e = chain[len(rows)]
-            k = 0
-            if self._tail_prefix_ok:
-                got = ssd.find_any(self._tail_candidates(ids, e), ids, e.start)
-                k = got[2] if got is not None else 0
-            if not self.has_states:
-                sib = siblings.find([ssd], self.config.block_size, e.parent, ids, e.start, longer_than=k,
-                                    quantized=self.quant is not None, count=False)
-                k = sib.n if sib is not None else k
+            ext = extend([ssd], chain[len(rows)], ids, hash_fn=self.hash_fn, block_size=self.config.block_size,
+                         quant=self.quant, has_states=self.has_states, count=False)  # fmt: skip
+            k = ext.entry.stop - ext.entry.start if ext is not None else 0
             cached += k - 1 if self.has_states and k else k  # states: the one before the tail's last token
         return cached
 
@@ -362,11 +355,7 @@ class PrefixCache:
         return entry[3] - 1 if entry[0] == tail else entry[3]
 
     def _quant_usable(self, cached: int, n_prompt: int) -> bool:
-        """Plain KV: always. Quantized: only where mlx-lm's cache is quantized alike (a full hit
-        is used with its last token trimmed)."""
-        if self.quant is None:
-            return True
-        return self.quant.usable(cached - 1 if cached == n_prompt else cached, n_prompt)
+        return quant_usable(self.quant, cached, n_prompt)
 
     def _drop(self, hit: CacheHit, cached: int = 0) -> list:
         """Forget what a fetch found (release its tier handles): the request runs as a miss;
@@ -374,86 +363,31 @@ class PrefixCache:
         if cached and self.quant is not None:
             hit.uncached_reason = self.quant.miss_reason(cached - 1 if cached == hit.prompt_tokens else cached,
                                                          hit.prompt_tokens)
-        self._release_held(hit)
-        hit.promote, hit.cache, hit.tier_tokens = [], [], {}
+        self._tier.release(hit.held)
+        hit.held, hit.promote, hit.cache, hit.tier_tokens = [], [], [], {}
         hit.entries_found = hit.cached_tokens = 0
         return []
 
-    @staticmethod
-    def _release_held(hit: CacheHit) -> None:
-        """Release every tier handle the hit holds (RAM unpins), one call per tier."""
-        groups: dict[int, tuple[Any, list]] = {}
-        for tier, handle in hit.held:
-            groups.setdefault(id(tier), (tier, []))[1].append(handle)
-        hit.held = []
-        for tier, handles in groups.values():
-            tier.release(handles)
-
     def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[ChainEntry]:
-        """Chain entries: the full blocks, then the tail entry."""
-        bs = self.config.block_size
-        parent = root_parent(self._key)
-        out = []
-        for i, h in enumerate(full):
-            out.append(ChainEntry(h, parent, i * bs, (i + 1) * bs))
-            parent = h
-        if tail is not None:
-            out.append(ChainEntry(tail, parent, len(full) * bs, int(ids.size)))
-        return out
+        return chain_entries(self._key, self.config.block_size, int(ids.size), full, tail)
 
     def _partial(self, ids: np.ndarray, chain: list[ChainEntry], found: list, hit: CacheHit) -> list[ChainEntry]:
-        """Extend a partial hit where the chain walk stopped (entry `m = len(found)`) with the
-        longest of: an earlier prompt's tail entry (`kvtool.tiers.tail_prefix`, exact key match) and a
-        sibling block's common token prefix (`kvtool.tiers.siblings`; not with state layers, whose
-        state exists only at block ends).
-
-        Returns:
-            `chain` cut after entry `m`, which is replaced by what was found (appended to
-            `found`), or `chain` unchanged.
-        """
+        """Extend a partial hit where the chain walk stopped (entry `m = len(found)`; see
+        `kvtool.cache.extend`). Returns `chain` cut after entry `m`, which is replaced by what was
+        found (appended to `found`), or `chain` unchanged."""
         t = self._tier
-        e = chain[len(found)]
-        best = t.find_tail(self._tail_candidates(ids, e), ids, e.start) if self._tail_prefix_ok else None
-        k = best[3] if best is not None else 0
-        sib = None if self.has_states else t.find_sibling(e.parent, ids, e.start, longer_than=k,
-                                                          quantized=self.quant is not None)
-        if sib is not None and self.quant is not None:
-            sib = self._quant_sibling(sib, e.start, int(ids.size))
-        if sib is not None:
-            if best is not None:
-                best[0].release([best[1]])
-            hit.tier_bytes[sib.kind] = hit.tier_bytes.get(sib.kind, 0) + sib.nbytes_read
-            found.append((PlacedBlock(sib.tier, sib.block), sib.block))
-            t.count_partial_block()
-            return [*chain[: len(found) - 1], ChainEntry(sib.key, e.parent, e.start, e.start + sib.n)]
-        if best is None:
+        ext = extend(t.tiers, chain[len(found)], ids, hash_fn=self.hash_fn, block_size=self.config.block_size,
+                     quant=self.quant, has_states=self.has_states)  # fmt: skip
+        if ext is None:
             return chain
-        tier, handle, h, k = best
-        hit.held.append((tier, handle))
-        found.append((tier, handle))
-        t.count_tail_prefix()
-        return [*chain[: len(found) - 1], ChainEntry(h, e.parent, e.start, e.start + k)]
-
-    def _quant_sibling(self, sib: siblings.Sibling, start: int, n_prompt: int) -> siblings.Sibling | None:
-        """A sibling hit where mlx-lm's quantized cache would be in the same state: its whole
-        length, or cut to the switch point when that lies inside it, or none."""
-        assert self.quant is not None
-        if self._quant_usable(start + sib.n, n_prompt):
-            return sib
-        q = self.quant.switch_point(n_prompt)
-        if start < q < start + sib.n and self._quant_usable(q, n_prompt):
-            sib.block, sib.n = siblings.truncate(sib.block, q - start), q - start
-            return sib
-        return None
-
-    @property
-    def _tail_prefix_ok(self) -> bool:
-        """Tail prefix hits apply: no KV quantization (`kvtool.tiers.tail_prefix`)."""
-        return self.quant is None
-
-    def _tail_candidates(self, ids: np.ndarray, entry: tuple[str, str, int, int]) -> list[tuple[str, int]]:
-        _, parent, start, _ = entry
-        return tail_prefix.candidates(self.hash_fn, self.config.block_size, ids, parent, start)
+        if ext.sibling:
+            hit.tier_bytes[ext.tier.name] = hit.tier_bytes.get(ext.tier.name, 0) + ext.nbytes_read
+            t.count_partial_block()
+        else:
+            hit.held.append((ext.tier, ext.handle))
+            t.count_tail_prefix()
+        found.append((ext.tier, ext.handle))
+        return [*chain[: len(found) - 1], ext.entry]
 
     def _build(self, ids: np.ndarray, chain: list[ChainEntry], found: list, hit: CacheHit) -> None:
         kv = self._layout
@@ -556,7 +490,8 @@ class PrefixCache:
             except Exception:  # promotion is an optimisation: never fail the request
                 log.exception("promotion of %d block(s) failed", len(hit.promote))
         hit.promote, hit.views, hit.sources = [], [], {}
-        self._release_held(hit)
+        self.tiered.release(hit.held)
+        hit.held = []
 
 
 __all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "KVQuantization", "probe_layout",

@@ -58,7 +58,7 @@ from kvtool.config.remote_url import RemoteURL, describe_error, make_client, mas
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
-from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead
+from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead, raise_connection_errors
 
 __all__ = ["COUNTER_NAMES", "RemoteStore", "mask_url"]
 
@@ -210,7 +210,7 @@ class RemoteStore:
         self._counts: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
         self._closed = False
-        if not self._call(lambda c: bool(c.ping()), False, trip=True):
+        if not self.call(lambda c: bool(c.ping()), False, trip=True):
             logger.debug("remote tier %s not reachable at start", self.remote.masked)
 
     # ------------------------------------------------------------------ plumbing
@@ -224,14 +224,20 @@ class RemoteStore:
         """False while the breaker is open (the server failed recently; calls are misses)."""
         return not self._breaker.is_open and not self._closed
 
-    def _count(self, name: str, n: int = 1) -> None:
+    @property
+    def cluster(self) -> bool:
+        """The server is a Redis Cluster (values on several nodes)."""
+        return self.remote.cluster
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name` (see the module docstring)."""
         if n:
             with self._count_lock:
                 self._counts[name] += n
 
     def count_dropped(self, n: int) -> None:
         """Count `n` blocks that will not be written (the writer's full queue)."""
-        self._count("remote_dropped_writes", n)
+        self.count("remote_dropped_writes", n)
 
     def _get_client(self) -> Any:
         with self._client_lock:
@@ -261,17 +267,17 @@ class RemoteStore:
             except Exception:  # noqa: BLE001 - closing a broken client: nothing to do about it
                 pass
 
-    def _call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
+    def call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
         """`op(client)`, or `default` if the breaker is open or it fails (counted, logged)."""
         if self._closed or not self._breaker.allow():
             return default
         try:
             result = op(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of the remote tier is a miss
-            self._count("remote_errors")
+            self.count("remote_errors")
             self._drop_cluster_client()
             if self._breaker.failure(trip=trip):
-                self._count("remote_breaker_trips")
+                self.count("remote_breaker_trips")
                 logger.warning("remote tier unavailable, requests go on without it (retrying in the background): %s",
                                describe_error(exc, self.remote, self.timeout_s))  # fmt: skip
             else:
@@ -281,18 +287,9 @@ class RemoteStore:
             logger.info("remote tier %s reachable again", self.remote.masked)
         return result
 
-    def _key(self, chain_hash: str) -> str | None:
+    def key_of(self, chain_hash: str) -> str | None:
+        """The value key of a chain hash in this namespace; None if it is no chain hash."""
         return rv.value_key(self.layout_key, chain_hash) if rv.is_hex32(chain_hash) else None
-
-    @staticmethod
-    def _raise_connection_errors(results: Sequence[Any]) -> None:
-        """Per-command results of a pipeline: a connection-level error fails the whole call."""
-        from redis.exceptions import ConnectionError as RConnectionError
-        from redis.exceptions import TimeoutError as RTimeoutError
-
-        for r in results:
-            if isinstance(r, (RConnectionError, RTimeoutError, OSError)):
-                raise r
 
     # ------------------------------------------------------------------ reads
     def longest_prefix(self, hashes: Sequence[str]) -> int:
@@ -309,7 +306,7 @@ class RemoteStore:
         """
         keys = []
         for h in hashes:
-            key = self._key(h)
+            key = self.key_of(h)
             if key is None:
                 break
             keys.append(key)
@@ -317,7 +314,7 @@ class RemoteStore:
             return 0
 
         def op(client: Any) -> int:
-            self._count("remote_lookups")
+            self.count("remote_lookups")
             have = client.exists(*keys)
             if have in (0, len(keys)):
                 return have
@@ -325,7 +322,7 @@ class RemoteStore:
             for key in keys:
                 pipe.exists(key)
             results = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(results)
+            raise_connection_errors(results)
             n = 0
             for r in results:
                 if not (isinstance(r, int) and r > 0):
@@ -333,7 +330,7 @@ class RemoteStore:
                 n += 1
             return n
 
-        return self._call(op, 0)
+        return self.call(op, 0)
 
     def read(self, hashes: Sequence[str], parents: Sequence[str],
              token_ids_per_block: Sequence[np.ndarray | Sequence[int]]) -> ValueRead:  # fmt: skip
@@ -384,10 +381,11 @@ class RemoteStore:
             reading.cancel()
         return out
 
-    def _expected_bytes(self, n_tokens: int) -> int:
+    def expected_bytes(self, n_tokens: int) -> int:
+        """The largest value a block of `n_tokens` tokens may have in this namespace (bytes)."""
         return rv.value_bound(self.kv, n_tokens, self.codec)
 
-    def _submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]:
+    def submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]:
         """Run `fn(arg)` on a reader thread (created on first use); after `close()`, a future
         already holding None (a miss)."""
         with self._client_lock:
@@ -399,19 +397,21 @@ class RemoteStore:
                 self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kvtool-remote-read")
             return self._readers.submit(fn, arg)
 
-    def _corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
-        self._count("remote_corrupt")
+    def corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
+        """A value failed verification: count and log it, and add it to `bad` (to `unlink`)."""
+        self.count("remote_corrupt")
         logger.warning("remote value %s failed verification (%s: %s); deleted, a miss", key, exc.kind,
                        str(exc).partition(": ")[2][:200])  # fmt: skip
         bad.append((key, manifest))
 
-    def _unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
+    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
+        """Delete values and their parts in one pipeline (inside a `call`)."""
         pipe = client.pipeline(transaction=False)
         for key, manifest in keys:
             pipe.unlink(key)
             for part in manifest.part_keys(key) if manifest else ():
                 pipe.unlink(part)
-        self._raise_connection_errors(pipe.execute(raise_on_error=False))
+        raise_connection_errors(pipe.execute(raise_on_error=False))
 
     # ------------------------------------------------------------------ writes
     enabled = True  # as a writer's sink: a server problem is a miss per call, never a refusal
@@ -436,13 +436,13 @@ class RemoteStore:
         batch: list[tuple[str, bytes]] = []
         size = 0
         for n, b in enumerate(blocks):
-            key = self._key(b.block_hash)
+            key = self.key_of(b.block_hash)
             try:
                 if key is None or not rv.is_hex32(b.parent_hash):
                     raise ValueError(f"block hash {b.block_hash[:40]!r} / parent are not chain hashes")
                 value = rv.encode_value(b, self.layout_key, self.kv, self.codec)
             except (ValueError, rv.BlockFileError) as exc:
-                self._count("remote_errors")
+                self.count("remote_errors")
                 logger.debug("remote tier: block not stored: %s", exc)
                 continue
             batch.append((key, value))
@@ -460,9 +460,9 @@ class RemoteStore:
     def _send(self, batch: list[tuple[str, bytes]], not_sent: int) -> int | None:
         """One batch of `put_blocks`: blocks stored, or None if the call failed (the batch and
         the `not_sent` blocks after it count as dropped writes)."""
-        done: int | None = self._call(functools.partial(self._put_batch, batch=batch), None)
+        done: int | None = self.call(functools.partial(self._put_batch, batch=batch), None)
         if done is None:
-            self._count("remote_dropped_writes", len(batch) + not_sent)
+            self.count("remote_dropped_writes", len(batch) + not_sent)
         return done
 
     def _put_batch(self, client: Any, batch: list[tuple[str, bytes]]) -> int:
@@ -473,7 +473,7 @@ class RemoteStore:
             for key, value in whole:
                 pipe.set(key, value, nx=True, ex=self.ttl_ex)
             results = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(results)
+            raise_connection_errors(results)
             for (_, value), r in zip(whole, results):
                 stored += self._set_result(r, len(value))
         for key, value in batch:
@@ -483,13 +483,13 @@ class RemoteStore:
 
     def _set_result(self, result: Any, nbytes: int) -> int:
         if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
-            self._count("remote_errors")
+            self.count("remote_errors")
             logger.debug("remote SET refused: %s", describe_error(result, self.remote))
             return 0
         if result:
-            self._count("remote_bytes_written", nbytes)
+            self.count("remote_bytes_written", nbytes)
             return 1
-        self._count("remote_put_exists")
+        self.count("remote_put_exists")
         return 0
 
     def _put_split(self, client: Any, key: str, value: bytes) -> int:
@@ -504,7 +504,7 @@ class RemoteStore:
             pipe.set(part, data, ex=self.ttl_ex)
         pipe.set(key, manifest.encode(), nx=True, ex=self.ttl_ex)
         results = pipe.execute(raise_on_error=False)
-        self._raise_connection_errors(results)
+        raise_connection_errors(results)
         won = self._set_result(results[-1], len(value))
         if not won or any(isinstance(r, Exception) for r in results[:-1]):
             cleanup = client.pipeline(transaction=False)
@@ -522,7 +522,7 @@ class RemoteStore:
         Returns:
             How many value keys were deleted; 0 on any failure.
         """
-        keys = [k for k in (self._key(h) for h in hashes) if k is not None]
+        keys = [k for k in (self.key_of(h) for h in hashes) if k is not None]
         if not keys:
             return 0
 
@@ -531,7 +531,7 @@ class RemoteStore:
             for key in keys:
                 pipe.getrange(key, 0, 127)  # a manifest names its parts
             heads = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(heads)
+            raise_connection_errors(heads)
             pipe = client.pipeline(transaction=False)
             mains = []
             for key, head in zip(keys, heads):
@@ -544,10 +544,10 @@ class RemoteStore:
                     except rv.RemoteValueError:
                         pass
             results = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(results)
+            raise_connection_errors(results)
             return sum(1 for i in mains if results[i] == 1)
 
-        return self._call(op, 0)
+        return self.call(op, 0)
 
     # ------------------------------------------------------------------ life
     def stats(self) -> dict[str, int]:

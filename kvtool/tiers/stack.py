@@ -29,7 +29,6 @@ import numpy as np
 from kvtool.config import KVToolConfig
 from kvtool.disk.fsops import FileOps
 from kvtool.kv.blocks import Block
-from kvtool.tiers import siblings, tail_prefix
 from kvtool.tiers.base import BlockTier, ChainEntry, Put, WritePolicy
 from kvtool.tiers.ram import RamBlockTier, RamTier
 from kvtool.tiers.remote import open_remote
@@ -153,14 +152,13 @@ class TierStack:
             i = j
         return i
 
-    def find_tail(self, cands: list[tuple[str, int]], ids: np.ndarray, start: int) -> tail_prefix.Found | None:
-        """The longest earlier prompt's tail entry any tier holds (`kvtool.tiers.tail_prefix.find`)."""
-        return tail_prefix.find([t for t in self.tiers if t.caps.finds_tails], cands, ids, start)
-
-    def find_sibling(self, parent: str, ids: np.ndarray, start: int, **kw: Any) -> siblings.Sibling | None:
-        """The sibling block with the longest common token prefix (`kvtool.tiers.siblings.find`)."""
-        tiers = [t for t in self.tiers if t.caps.lists_siblings]
-        return siblings.find(tiers, self.block_size, parent, ids, start, **kw)
+    def release(self, held: Sequence[tuple[Any, Any]]) -> None:
+        """Release `(tier, handle)` pairs a request held (RAM unpins), one call per tier."""
+        groups: dict[int, tuple[Any, list]] = {}
+        for tier, handle in held:
+            groups.setdefault(id(tier), (tier, []))[1].append(handle)
+        for tier, handles in groups.values():
+            tier.release(handles)
 
     def count_tail_prefix(self) -> None:
         """A fetch extended its hit with an earlier prompt's tail entry (`PrefixCache`)."""
