@@ -58,6 +58,8 @@ from kvtool.config.remote_url import RemoteURL, describe_error, make_client, mas
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
+from kvtool.tiers import remote_write as rw
+from kvtool.tiers.breaker import Breaker
 from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead, raise_connection_errors
 
 __all__ = ["COUNTER_NAMES", "RemoteStore", "mask_url"]
@@ -70,66 +72,6 @@ DEFAULT_BATCH_BYTES = 8 << 20  # bytes of values per pipelined write
 COUNTER_NAMES = ("remote_lookups", "remote_hit_blocks", "remote_bytes_read", "remote_bytes_written", "remote_errors",
                  "remote_corrupt", "remote_dropped_writes", "remote_breaker_open", "remote_breaker_trips",
                  "remote_put_exists")  # fmt: skip
-
-
-class _Breaker:
-    """Consecutive-failure circuit breaker with exponential back-off (thread-safe).
-
-    Closed: every call goes through. After `threshold` consecutive failures (or `trip()`) it is
-    open for `backoff_s` seconds, doubling up to `max_s` at each failed probe; after the back-off
-    one caller at a time probes (half-open); a success closes it and resets the back-off.
-    """
-
-    def __init__(self, threshold: int, base_s: float, max_s: float, clock: Callable[[], float]):
-        self.threshold, self.base_s, self.max_s, self.clock = threshold, base_s, max_s, clock
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._open_until: float | None = None
-        self._backoff_s = base_s
-        self._probing = False
-        self.trips = 0
-
-    @property
-    def is_open(self) -> bool:
-        return self._open_until is not None
-
-    def allow(self) -> bool:
-        """May a call go to the server now?"""
-        with self._lock:
-            if self._open_until is None:
-                return True
-            if self._probing or self.clock() < self._open_until:
-                return False
-            self._probing = True
-            return True
-
-    def success(self) -> bool:
-        """Record a good call; True if this closed an open breaker."""
-        with self._lock:
-            was_open = self._open_until is not None
-            self._failures, self._open_until, self._backoff_s, self._probing = 0, None, self.base_s, False
-            return was_open
-
-    def failure(self, trip: bool = False) -> bool:
-        """Record a failed call (`trip`: open at once); True if the breaker has just opened (it
-        was closed: the start of an outage)."""
-        with self._lock:
-            self._failures += 1
-            was_open = self._open_until is not None
-            if was_open:  # a failed probe: wait longer
-                self._backoff_s = min(self._backoff_s * 2, self.max_s)
-            elif not trip and self._failures < self.threshold:
-                return False
-            self._open_until = self.clock() + self._backoff_s
-            self._probing = False
-            if not was_open:
-                self.trips += 1
-            return not was_open
-
-    def release_probe(self) -> None:
-        """A probe that neither succeeded nor failed (nothing was sent)."""
-        with self._lock:
-            self._probing = False
 
 
 class RemoteStore:
@@ -203,7 +145,7 @@ class RemoteStore:
         self.read_ahead = (DEFAULT_READ_AHEAD if self.remote.cluster else 0) if read_ahead is None else max(0, read_ahead)
         self.read_threads = max(1, read_threads)
         self._readers: ThreadPoolExecutor | None = None
-        self._breaker = _Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
+        self._breaker = Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._known_nodes: list[tuple[str, int]] = []
@@ -417,23 +359,18 @@ class RemoteStore:
     enabled = True  # as a writer's sink: a server problem is a miss per call, never a refusal
 
     def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]:
-        """`put_blocks` as a writer's sink (`kvtool.tiers.writer.BlockSink`): 'saved' for as many
-        blocks as it stored, 'dedup' for the others (stored before, or not sent: counted here).
-        A count, not per block: the remote writer only counts them."""
-        stored = self.put_blocks(blocks)
-        return ["saved"] * stored + ["dedup"] * (len(blocks) - stored)
-
-    def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
-        """Store blocks not stored yet (`SET NX`, `EX ttl_s` if set; pipelined batches; a value
-        over `max_value_bytes` as parts in one MULTI transaction).
+        """Store blocks not stored yet (`SET NX`, `EX ttl_s` if set; pipelined batches of
+        `batch_bytes`; a value over `max_value_bytes` as parts in one MULTI transaction). Also
+        the remote writer's sink (`kvtool.tiers.writer.BlockSink`).
 
         Returns:
-            How many blocks this call stored (a block already there counts `remote_put_exists`;
-            one that could not be sent counts `remote_dropped_writes`). Never raises for the
-            server or for a block of another layout (counted `remote_errors`).
+            Per block, in order: 'saved', 'dedup' (stored before; counted `remote_put_exists`) or
+            'error' (not a chain hash or not of this layout, refused by the server: counted
+            `remote_errors`; not sent because a call failed: `remote_dropped_writes`). Never
+            raises for the server or for a block.
         """
-        stored = 0
-        batch: list[tuple[str, bytes]] = []
+        out = ["error"] * len(blocks)
+        batch: list[tuple[int, str, bytes]] = []
         size = 0
         for n, b in enumerate(blocks):
             key = self.key_of(b.block_hash)
@@ -445,76 +382,30 @@ class RemoteStore:
                 self.count("remote_errors")
                 logger.debug("remote tier: block not stored: %s", exc)
                 continue
-            batch.append((key, value))
+            batch.append((n, key, value))
             size += len(value)
             if size >= self.batch_bytes:  # encoded and sent one batch at a time
-                done = self._send(batch, len(blocks) - n - 1)
-                if done is None:
-                    return stored
-                stored += done
+                if not self._send(batch, len(blocks) - n - 1, out):
+                    return out
                 batch, size = [], 0
         if batch:
-            stored += self._send(batch, 0) or 0
-        return stored
+            self._send(batch, 0, out)
+        return out
 
-    def _send(self, batch: list[tuple[str, bytes]], not_sent: int) -> int | None:
-        """One batch of `put_blocks`: blocks stored, or None if the call failed (the batch and
-        the `not_sent` blocks after it count as dropped writes)."""
-        done: int | None = self.call(functools.partial(self._put_batch, batch=batch), None)
+    def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
+        """`save_blocks`; returns how many blocks this call stored."""
+        return self.save_blocks(blocks).count("saved")
+
+    def _send(self, batch: list[tuple[int, str, bytes]], not_sent: int, out: list[str]) -> bool:
+        """One batch of `save_blocks`, its outcomes into `out`; False if the call failed (the batch
+        and the `not_sent` blocks after it count as dropped writes)."""
+        done = self.call(functools.partial(rw.put_batch, self, batch=[(k, v) for _, k, v in batch]), None)
         if done is None:
             self.count("remote_dropped_writes", len(batch) + not_sent)
-        return done
-
-    def _put_batch(self, client: Any, batch: list[tuple[str, bytes]]) -> int:
-        whole = [(k, v) for k, v in batch if len(v) <= self.max_value_bytes]
-        stored = 0
-        if whole:
-            pipe = client.pipeline(transaction=False)
-            for key, value in whole:
-                pipe.set(key, value, nx=True, ex=self.ttl_ex)
-            results = pipe.execute(raise_on_error=False)
-            raise_connection_errors(results)
-            for (_, value), r in zip(whole, results):
-                stored += self._set_result(r, len(value))
-        for key, value in batch:
-            if len(value) > self.max_value_bytes:
-                stored += self._put_split(client, key, value)
-        return stored
-
-    def _set_result(self, result: Any, nbytes: int) -> int:
-        if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
-            self.count("remote_errors")
-            logger.debug("remote SET refused: %s", describe_error(result, self.remote))
-            return 0
-        if result:
-            self.count("remote_bytes_written", nbytes)
-            return 1
-        self.count("remote_put_exists")
-        return 0
-
-    def _put_split(self, client: Any, key: str, value: bytes) -> int:
-        """Parts, then the manifest with NX, in one transaction (one slot: the hash tag); if the
-        manifest was there already, this writer's parts are removed again."""
-        split = rv.split_value(value, self.max_value_bytes)
-        assert split is not None
-        manifest, parts = split
-        part_keys = manifest.part_keys(key)
-        pipe = client.pipeline(transaction=True)
-        for part, data in zip(part_keys, parts):
-            pipe.set(part, data, ex=self.ttl_ex)
-        pipe.set(key, manifest.encode(), nx=True, ex=self.ttl_ex)
-        results = pipe.execute(raise_on_error=False)
-        raise_connection_errors(results)
-        won = self._set_result(results[-1], len(value))
-        if not won or any(isinstance(r, Exception) for r in results[:-1]):
-            cleanup = client.pipeline(transaction=False)
-            for part in part_keys:
-                cleanup.unlink(part)
-            if won:  # a part failed: the manifest must not stay
-                cleanup.unlink(key)
-                won = 0
-            cleanup.execute(raise_on_error=False)
-        return won
+            return False
+        for (i, _, _), outcome in zip(batch, done):
+            out[i] = outcome
+        return True
 
     def delete(self, hashes: Sequence[str]) -> int:
         """Delete the values of `hashes` (and their parts).

@@ -329,7 +329,8 @@ class AsyncWriter(_WriterBase):
         when_full: `"shed"` | `"wait"`: what a batch that finds the queue full does (`must_write`
             always waits); None: `"shed"` under best_effort / persistent, `"wait"` under durable.
         daemon: the worker is a daemon thread (it never keeps the process alive; not drained at
-            exit): for a sink that promises nothing (the remote tier).
+            exit), and blocks given up are the sink's to report (logged at DEBUG only): for a sink
+            that promises nothing and counts its own failures (the remote tier).
         name: the sink's name in the thread name and log lines ('SSD', 'remote').
         on_drop: called with the number of blocks shed or refused (closing, store disabled).
     """
@@ -361,7 +362,8 @@ class AsyncWriter(_WriterBase):
         # set when stop() times out: no new retries, so a dead disk cannot keep the
         # non-daemon thread (and the process) alive for the whole queue x the backoff series
         self._give_up = threading.Event()
-        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait))
+        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait,
+                                            report=not daemon, sink=name))
         self._queue = BatchQueue(queue_size, max_queue_bytes)
         self._batch_max_bytes = batch_max_bytes
         self._enqueue_wait_s = enqueue_wait_s

@@ -194,12 +194,16 @@ class RetryPolicy:
             only the blocks whose last outcome was 'error'.
         backoff_s: delay before the first retry round (seconds); doubles for each further round.
         sleep: how to wait between rounds (injectable for tests).
+        report: log blocks given up as a WARNING (False: the sink counts and reports its own
+            failures, as the remote store does; logged at DEBUG).
     """
 
     durability: str = "best_effort"
     max_retries: int = DEFAULT_MAX_RETRIES
     backoff_s: float = DEFAULT_RETRY_BACKOFF_S
     sleep: Callable[[float], object] = field(default=time.sleep, compare=False)  # the result is ignored
+    report: bool = True
+    sink: str = "SSD"  # names the sink in log lines
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITY_MODES:
@@ -268,7 +272,8 @@ class RetryPolicy:
                 "" if retries_done == self.retries else ", retries cut short by shutdown",
             )
         else:
-            logger.warning("SSD write of %s failed (best_effort); kept in RAM only", describe(failed))
+            (logger.warning if self.report else logger.debug)("%s write of %s failed (best_effort); kept in RAM only",
+                                                              self.sink, describe(failed))
 
 
 @dataclass
