@@ -52,18 +52,15 @@ from kvtool.kv.blocks import (
     blake2b_chain,
     cache_capacity,
     chain_hashes,
-    kv_offset,
-    leaves,
     patch_last_token,
     promote_slices,
     rebuild_cache,
     slice_blocks,
-    sliding_windows,
     tail_hash,
-    trim_kv,
 )
 from kvtool.kv.buffers import KVBuffers
 from kvtool.kv.model_kv import KVGeometry, KVQuantization, library_versions, probe_layout  # noqa: F401  (re-exported)
+from kvtool.kv.tree import kv_offset, leaves, sliding_windows, trim_kv
 from kvtool.kv.windows import as_rotating, with_windows
 from kvtool.tiers.base import ChainEntry
 from kvtool.tiers.stack import ShutdownStatus, TierStack
