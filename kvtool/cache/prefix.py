@@ -393,8 +393,11 @@ class PrefixCache:
             hit.cache = rebuild_cache(blocks, kv.n_layers, cache_capacity(int(ids.size)), kv=kv) if blocks else []
             hit.entries_found = len(blocks)
             hit.cached_tokens = chain[len(blocks) - 1].stop if blocks else 0
-            for (tier, _), e in zip(found, chain):
-                hit.tier_tokens[tier.name] = hit.tier_tokens.get(tier.name, 0) + e.stop - e.start
+            if blocks and all(t.name == found[0][0].name for t, _ in found):  # one tier (RAM): no per-block count
+                hit.tier_tokens[found[0][0].name] = hit.cached_tokens
+            else:
+                for (tier, _), e in zip(found, chain):
+                    hit.tier_tokens[tier.name] = hit.tier_tokens.get(tier.name, 0) + e.stop - e.start
             return
         t0 = time.perf_counter()
         buffers = KVBuffers.allocate(kv, cache_capacity(int(ids.size)), wait=False)  # overlaps header reads
