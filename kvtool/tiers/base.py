@@ -216,6 +216,44 @@ class Counts:
             return dict(self._n)
 
 
+class MemoryTier(TierBase):
+    """A tier whose blocks are in memory (RAM, the pending buffer): `_get` gives a block only if
+    its token ids equal the prompt's exactly (else a miss), so lookups verify and `read_into`
+    copies."""
+
+    caps = Caps(verifies_on_read=False)
+
+    def _get(self, h: str, expected: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def _found(self, hashes: list[str]) -> None:
+        """A lookup found these blocks (RAM pins them)."""
+
+    def _children(self, parent: str) -> list[Any]:
+        return []
+
+    def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[Any]:
+        out = []
+        for e in chain:
+            block = self._get(e.hash, ids[e.start : e.stop])
+            if block is None:
+                break
+            out.append(block)
+        self._found([b.block_hash for b in out])
+        return out
+
+    def find_any(self, cands: Sequence[tuple[str, int]], ids: np.ndarray, start: int) -> tuple[Any, str, int] | None:
+        for h, k in cands:
+            block = self._get(h, ids[start : start + k])
+            if block is not None:
+                self._found([h])
+                return block, h, k
+        return None
+
+    def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[Any, int]]:
+        yield from ((b, 0) for b in self._children(parent) if b.block_hash not in skip)
+
+
 def place_held(chain: Sequence[ChainEntry], handles: Sequence[Any], buffers: KVBuffers) -> ReadResult:
     """`read_into` of blocks already in hand and checked (MLX `Block`s or `HostBlock`s): each
     placed at its entry's first token."""
@@ -242,5 +280,5 @@ class PlacedBlock(TierBase):
         return place_held(chain, handles, buffers)
 
 
-__all__ = ["BlockTier", "Caps", "ChainEntry", "Counts", "PlacedBlock", "Put", "ReadResult", "TierBase", "WritePolicy",
+__all__ = ["BlockTier", "Caps", "ChainEntry", "Counts", "MemoryTier", "PlacedBlock", "Put", "ReadResult", "TierBase", "WritePolicy",
            "place_held"]

@@ -5,18 +5,15 @@ saves them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
-
 import numpy as np
 
 from kvtool.disk.hostblock import HostBlock
-from kvtool.tiers.base import Caps, ChainEntry, Counts, ReadResult, TierBase
+from kvtool.tiers.base import Caps, Counts, MemoryTier, ReadResult
 from kvtool.tiers.ram import MAX_MEMORY_SIBLINGS
 from kvtool.tiers.writer import Writer
 
 
-class PendingTier(TierBase):
+class PendingTier(MemoryTier):
     """`BlockTier` over a writer's pending buffer (`Writer.get_pending`, `pending_children`):
     exact token ids compared on lookup; hits counted `kv_pending_hits` (blocks).
 
@@ -39,31 +36,14 @@ class PendingTier(TierBase):
         self._counts.inc("kv_pending_hits")
         return host
 
-    def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[HostBlock]:
-        out = []
-        for e in chain:
-            host = self._get(e.hash, ids[e.start : e.stop])
-            if host is None:
-                break
-            out.append(host)
-        return out
-
-    def find_any(self, cands: Sequence[tuple[str, int]], ids: np.ndarray, start: int) -> tuple[Any, str, int] | None:
-        for h, k in cands:
-            host = self._get(h, ids[start : start + k])
-            if host is not None:
-                return host, h, k
-        return None
-
     def read_into(self, chain, handles, ids, buffers) -> ReadResult:
         buffers.ready()
         for e, host in zip(chain, handles):
             buffers.place_host(e.start, host)
         return ReadResult(len(handles))
 
-    def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[HostBlock, int]]:
-        pending = [] if self._closed else self.writer.pending_children(parent, MAX_MEMORY_SIBLINGS)
-        yield from ((b, 0) for b in pending if b.block_hash not in skip)
+    def _children(self, parent: str) -> list[HostBlock]:
+        return [] if self._closed else self.writer.pending_children(parent, MAX_MEMORY_SIBLINGS)
 
     def stats(self) -> dict[str, int]:
         return self._counts.snapshot()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtool.kv.blocks import Block
-from kvtool.tiers.base import Caps, ChainEntry, Counts, Put, ReadResult, TierBase, WritePolicy
+from kvtool.tiers.base import Caps, Counts, MemoryTier, Put, ReadResult, WritePolicy
 
 MAX_MEMORY_SIBLINGS = 64  # RAM / pending siblings compared per partial-block lookup (newest first)
 
@@ -224,7 +224,7 @@ class RamTier:
             self._on_evict(entry.block, entry.persisted)
 
 
-class RamBlockTier(TierBase):
+class RamBlockTier(MemoryTier):
     """`BlockTier` over a `RamTier`: evaluated MLX blocks, exact token ids compared on lookup (a
     mismatch is a miss, counted `kv_ram_token_mismatch`), pinned while a request uses them.
 
@@ -264,26 +264,8 @@ class RamBlockTier(TierBase):
         if self.on_hit is not None and hashes:
             self.on_hit(self.ram.persisted(hashes))
 
-    def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[Block]:
-        out = []
-        for e in chain:
-            block = self._get(e.hash, ids[e.start : e.stop])
-            if block is None:
-                break
-            out.append(block)
-        self._found([b.block_hash for b in out])
-        return out
-
-    def find_any(self, cands: Sequence[tuple[str, int]], ids: np.ndarray, start: int) -> tuple[Any, str, int] | None:
-        for h, k in cands:
-            block = self._get(h, ids[start : start + k])
-            if block is not None:
-                self._found([h])
-                return block, h, k
-        return None
-
-    def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[Block, int]]:
-        yield from ((b, 0) for b in self.ram.children(parent, MAX_MEMORY_SIBLINGS) if b.block_hash not in skip)
+    def _children(self, parent: str) -> list[Block]:
+        return self.ram.children(parent, MAX_MEMORY_SIBLINGS)
 
     def read_into(self, chain, handles, ids, buffers) -> ReadResult:
         buffers.ready()
