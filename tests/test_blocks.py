@@ -13,7 +13,6 @@ from kvtool.kv.blocks import (
     cache_capacity,
     chain_hashes,
     from_host,
-    kv_layout_of,
     layout_key,
     promote_slices,
     rebuild_cache,
@@ -21,9 +20,9 @@ from kvtool.kv.blocks import (
     slice_blocks,
     tail_hash,
     to_host,
-    unsupported_cache_reason,
 )
 from kvtool.kv.buffers import KVBuffers, _blank_arrays
+from kvtool.kv.tree import kv_layout_of, unsupported_cache_reason
 
 LAYOUT = layout_key("model-x", "2x8x8,2x8x8", "float32", 4, format_version=2)
 token_lists = st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=0, max_size=64)

@@ -284,6 +284,6 @@ def test_read_only_cache_is_not_retried_like_a_failing_disk(tiny_model, prompt, 
     assert eng.flush()
     st = eng.stats()
     eng.close()
-    # Regression (found in review, fixed): kvtool/tiers/writer.py, _WriterBase._store_enabled.
+    # Regression (found in review, fixed): kvtool/tiers/writer_sync.py, WriterBase._store_enabled.
     assert st["writer_retry_attempts"] == 0 and st["writer_retry_final_fail"] == 0, st
     assert st["writer_enqueue_total"] == 0 and st["writer_enqueue_rejected"] > 0, st

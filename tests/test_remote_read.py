@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvtool.tiers import remote_value as rv
-from kvtool.tiers.protocol import ChainEntry
+from kvtool.tiers.base import ChainEntry
 from kvtool.tiers.remote import RemoteBlockTier
 from kvtool.tiers.remote_read import DEFAULT_WIRE_WINDOW
 from kvtool.tiers.remote_store import RemoteStore

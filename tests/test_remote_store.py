@@ -16,7 +16,8 @@ import redis
 
 from kvtool.config.remote_url import RemoteURLError, mask_url, parse_remote_url
 from kvtool.tiers import remote_value as rv
-from kvtool.tiers.remote_store import RemoteStore, RemoteWriter
+from kvtool.tiers.remote import remote_writer
+from kvtool.tiers.remote_store import RemoteStore
 from tests import redis_servers
 from tests.redis_servers import AUTH_PASSWORD, RedisServer, free_port, make_chain, same_block
 
@@ -285,9 +286,9 @@ def test_eviction_under_maxmemory_gives_misses_not_errors(redis_lru):
     nbytes = sum(len(rv.encode_value(b, chain.layout_key, chain.kv)) for b in chain.blocks)
     assert nbytes > 3 * 2 * 1024 * 1024  # 3x maxmemory
     with _store(redis_lru.url, chain, timeout_s=2.0) as store:
-        writer = RemoteWriter(store, max_queue_bytes=64 << 20)
+        writer = remote_writer(store, max_queue_bytes=64 << 20)
         for i in range(0, 400, 20):
-            assert writer.enqueue(chain.blocks[i : i + 20]) == 20
+            assert writer.enqueue_many(chain.blocks[i : i + 20]) == 20
         assert writer.stop(60)
         got = _get(store, chain, stop_at_miss=False)
         hits = [g for g in got if g is not None]
@@ -319,21 +320,19 @@ def test_password_from_url_or_env_and_never_shown(redis_auth, monkeypatch, caplo
 
 # ----------------------------------------------------------------------------- writer
 @pytest.mark.slow
-def test_writer_drops_what_does_not_fit_and_drains(redis_node):
+def test_writer_drains_skips_queued_hashes_and_drops_after_stop(redis_node):
+    """The remote tier's writer (the one `AsyncWriter`, `when_full="shed"`: the shedding itself is
+    `tests/test_writer_shed.py::test_when_full_shed_drops_at_once_whatever_the_durability`)."""
     chain = make_chain(10, model_id="writer", seed=16)
-    size = chain.blocks[0].nbytes
     with _store(redis_node.url, chain) as store:
-        tiny = RemoteWriter(store, max_queue_bytes=size - 1)  # no block fits
-        assert tiny.enqueue(chain.blocks[:4]) == 0 and store.stats()["remote_dropped_writes"] == 4
-        assert tiny.stop(10)
-        writer = RemoteWriter(store, max_queue_bytes=3 * size)
-        queued = writer.enqueue(chain.blocks)
-        assert writer.flush(10)
-        assert queued >= 3 and store.stats()["remote_dropped_writes"] == 4 + 10 - queued
-        assert writer.enqueue(chain.blocks[:3]) == 3 and writer.enqueue(chain.blocks[:3]) in (0, 3)  # queued hashes skipped
-        assert writer.stop(10) and writer.stats()["remote_writer_queue_bytes"] == 0
-        assert writer.enqueue(chain.blocks) == 0  # stopped: dropped
-        assert store.longest_prefix(chain.hashes) >= 3
+        writer = remote_writer(store)
+        assert writer.enqueue_many(chain.blocks) == 10
+        assert writer.enqueue_many(chain.blocks[:3]) in (0, 3)  # hashes still queued are skipped
+        assert writer.flush(10) and store.longest_prefix(chain.hashes) == 10
+        assert writer.stop(10) and writer.queue_bytes() == 0
+        assert writer.get_stats()["writer_save_success"] == 10
+        assert writer.enqueue_many(chain.blocks) == 0  # stopped: dropped, counted by the store
+        assert store.stats()["remote_dropped_writes"] == 10
 
 
 # ----------------------------------------------------------------------------- URLs

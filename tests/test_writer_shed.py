@@ -103,6 +103,25 @@ def fill_queue(w: AsyncWriter, fs: GatedFS, chain: list[HostBlock]) -> None:
     assert w.queue_depth() == 2
 
 
+def test_when_full_shed_drops_at_once_whatever_the_durability(gated):
+    """`when_full="shed"` (the remote tier's policy) sheds under `durable` too, tells `on_drop`,
+    and its daemon worker still writes what it accepted."""
+    factory, fs = gated
+    store = factory("durable")
+    chain = make_chain(make_layout(), np.arange(4 * 8), block_size=4)
+    dropped: list[int] = []
+    w = AsyncWriter(store, queue_size=2, durability="durable", enqueue_wait_s=NEVER, when_full="shed", daemon=True,
+                    name="remote", on_drop=dropped.append)
+    fill_queue(w, fs, chain)
+    producer, returned = in_thread(w.enqueue_many, chain[3:5])
+    producer.join(WAIT)
+    assert not producer.is_alive() and returned == [0] and dropped == [2]
+    assert w._thread.daemon and fs.writers == [w._thread.ident]
+    fs.gate.set()
+    assert w.stop(WAIT) and store.saved_count(b.block_hash for b in chain[:3]) == 3
+    assert w.enqueue_many(chain[5:6]) == 0 and dropped == [2, 1]  # stopped: refused, told
+
+
 @pytest.mark.parametrize("durability", ["best_effort", "persistent"])
 def test_full_queue_sheds_at_once_and_accepted_blocks_are_written(gated, caplog, durability):
     factory, fs = gated

@@ -40,12 +40,12 @@ class CacheHit:
         cache: per-layer mlx-lm caches holding `cached_tokens` tokens (plus decode room).
         prompt_tokens: tokens in the prompt.
         cached_tokens: leading prompt tokens whose KV is in `cache`.
-        ram_tokens, ssd_tokens, remote_tokens: how many of them came from RAM / from SSD (incl.
-            the writer's pending buffer) / from the remote tier;
-            `cached_tokens == ram_tokens + ssd_tokens + remote_tokens`.
+        tier_tokens: tier name ('ram', 'ssd' incl. the writer's pending buffer, 'remote') -> how
+            many of them came from it; they sum to `cached_tokens`. Read as `ram_tokens`,
+            `ssd_tokens`, `remote_tokens` (the JSON's `<name>_hit_tokens`).
+        tier_bytes: tier name -> record bytes read from it (`ssd_bytes_read`, `remote_bytes_read`).
         remaining: int32 prompt tokens still to run through the model (never empty).
-        ssd_load_ms: wall time of the SSD restore (ms).
-        ssd_bytes_read: record bytes read from SSD.
+        ssd_load_ms: wall time of the restore into buffers (ms).
         uncached_reason: why a cached prefix of this prompt was found but not used (e.g. KV
             quantisation: it ends where mlx-lm's cache is not quantized alike); None otherwise.
     """
@@ -53,21 +53,38 @@ class CacheHit:
     cache: list
     prompt_tokens: int
     cached_tokens: int = 0
-    ram_tokens: int = 0
-    ssd_tokens: int = 0
-    remote_tokens: int = 0
+    tier_tokens: dict[str, int] = field(default_factory=dict)
+    tier_bytes: dict[str, int] = field(default_factory=dict)
     remaining: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     ssd_load_ms: float = 0.0
-    ssd_bytes_read: int = 0
-    remote_bytes_read: int = 0
     hashes: list[str] = field(default_factory=list, repr=False)
     tail: str | None = field(default=None, repr=False)
     entries_found: int = field(default=0, repr=False)  # chain entries (blocks + tail) in `cache`
     held: list[tuple[Any, Any]] = field(default_factory=list, repr=False)  # (tier, handle) to release
     promote: list[tuple[Any, ...]] = field(default_factory=list, repr=False)  # (hash, parent, ids, offset[, states])
+    sources: dict[str, Any] = field(default_factory=dict, repr=False)  # promoted hash -> the tier it came from
     uncached_reason: str | None = None
     views: list = field(default_factory=list, repr=False)  # full views behind `cache`'s rotating leaves (promotion)
-    to_ssd: set[str] = field(default_factory=set, repr=False)  # promoted hashes also written to SSD (remote hits)
+
+    @property
+    def ram_tokens(self) -> int:
+        return self.tier_tokens.get("ram", 0)
+
+    @property
+    def ssd_tokens(self) -> int:
+        return self.tier_tokens.get("ssd", 0)
+
+    @property
+    def remote_tokens(self) -> int:
+        return self.tier_tokens.get("remote", 0)
+
+    @property
+    def ssd_bytes_read(self) -> int:
+        return self.tier_bytes.get("ssd", 0)
+
+    @property
+    def remote_bytes_read(self) -> int:
+        return self.tier_bytes.get("remote", 0)
 
 
 __all__ = ["CacheHit", "CacheStats"]

@@ -39,6 +39,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvtool.cache import selfcheck
+from kvtool.cache.extend import chain_entries, extend, quant_usable
 from kvtool.cache.hit import CacheHit, CacheStats
 from kvtool.config import KVToolConfig
 from kvtool.disk.fsops import FileOps
@@ -51,23 +52,18 @@ from kvtool.kv.blocks import (
     blake2b_chain,
     cache_capacity,
     chain_hashes,
-    kv_offset,
-    leaves,
     patch_last_token,
     promote_slices,
     rebuild_cache,
-    root_parent,
     slice_blocks,
-    sliding_windows,
     tail_hash,
-    trim_kv,
 )
 from kvtool.kv.buffers import KVBuffers
 from kvtool.kv.model_kv import KVGeometry, KVQuantization, library_versions, probe_layout  # noqa: F401  (re-exported)
+from kvtool.kv.tree import kv_offset, leaves, sliding_windows, trim_kv
 from kvtool.kv.windows import as_rotating, with_windows
-from kvtool.tiers import siblings, tail_prefix
-from kvtool.tiers.protocol import ChainEntry, PlacedBlock, SsdBlockTier
-from kvtool.tiers.stack import ShutdownStatus, TieredCache
+from kvtool.tiers.base import ChainEntry
+from kvtool.tiers.stack import ShutdownStatus, TierStack
 
 log = logging.getLogger("kvtool")
 
@@ -124,7 +120,7 @@ class PrefixCache:
         self._fs = fs
         self._final_stats: dict[str, int] = {}
         self.config = config
-        self.tiered: TieredCache | None = None
+        self.tiered: TierStack | None = None
         self.layout_key: str | None = None
         self._check_model = check_model
         self._probed = (self.kv, self.windows)  # a self-check refusal is per namespace: kept for reattach
@@ -176,7 +172,7 @@ class PrefixCache:
         return self.kv
 
     @property
-    def _tier(self) -> TieredCache:
+    def _tier(self) -> TierStack:
         assert self.tiered is not None, "tiers not attached (uncached or closed)"
         return self.tiered
 
@@ -195,7 +191,7 @@ class PrefixCache:
             return
         meta = self._namespace_meta(config.block_size)
         self.layout_key = layout_key_of_meta(meta, FORMAT_VERSION)
-        self.tiered = TieredCache(config, self.layout_key, meta, fs=self._fs)
+        self.tiered = TierStack(config, self.layout_key, meta, fs=self._fs)
         if self._check_model is not None:  # measured inexact: detached, uncached (`kvtool.cache.selfcheck.attach`)
             selfcheck.attach(self, self._check_model)
 
@@ -265,23 +261,17 @@ class PrefixCache:
         blocks, its tail entry, an earlier prompt's tail entry or a sibling's common prefix):
         hashing and index queries; siblings are read and verified, nothing else is read."""
         full, tail = self.hashes(tokens)
-        if self.ssd is None:
+        ssd = self.tiered.backing if self.tiered is not None else None
+        if ssd is None:
             return 0
         ids = np.asarray(tokens, dtype=np.int32)
         chain = self._chain(ids, full, tail)
-        ssd = SsdBlockTier(self.ssd)
         rows = ssd.longest_prefix(chain, ids)
         cached = sum(r.num_tokens for r in rows)
         if len(rows) < len(chain):  # as fetch: an earlier prompt's tail entry, or a sibling's prefix
-            e = chain[len(rows)]
-            k = 0
-            if self._tail_prefix_ok:
-                got = ssd.find_any(self._tail_candidates(ids, e), ids, e.start)
-                k = got[2] if got is not None else 0
-            if not self.has_states:
-                sib = siblings.find([ssd], self.config.block_size, e.parent, ids, e.start, longer_than=k,
-                                    quantized=self.quant is not None, count=False)
-                k = sib.n if sib is not None else k
+            ext = extend([ssd], chain[len(rows)], ids, hash_fn=self.hash_fn, block_size=self.config.block_size,
+                         quant=self.quant, has_states=self.has_states, count=False)  # fmt: skip
+            k = ext.entry.stop - ext.entry.start if ext is not None else 0
             cached += k - 1 if self.has_states and k else k  # states: the one before the tail's last token
         return cached
 
@@ -312,7 +302,8 @@ class PrefixCache:
             hit.remaining = ids
             return hit
         chain = self._chain(ids, hit.hashes, hit.tail)
-        found = self._collect(ids, chain, hit)
+        found = self._tier.collect(chain, ids)
+        hit.held += found
         own = len(found)  # entries of this prompt's own chain
         if own < len(chain):
             chain = self._partial(ids, chain, found, hit)
@@ -333,8 +324,7 @@ class PrefixCache:
         if hit.cached_tokens and (hit.cached_tokens == ids.size or (self.has_states and placed > own)):
             trim_kv(hit.cache, 1)
             hit.cached_tokens -= 1
-            kind = found[placed - 1][0].kind
-            setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") - 1)
+            hit.tier_tokens[found[placed - 1][0].name] -= 1
         # the entry holding a re-forwarded last token: mlx-lm's decode writes that token's KV again
         # (through rotating layers; alone, where that rounds otherwise: `alone_exact`), so the
         # cache no longer holds what was read: keep the SSD copy, promote the rest
@@ -362,11 +352,7 @@ class PrefixCache:
         return entry[3] - 1 if entry[0] == tail else entry[3]
 
     def _quant_usable(self, cached: int, n_prompt: int) -> bool:
-        """Plain KV: always. Quantized: only where mlx-lm's cache is quantized alike (a full hit
-        is used with its last token trimmed)."""
-        if self.quant is None:
-            return True
-        return self.quant.usable(cached - 1 if cached == n_prompt else cached, n_prompt)
+        return quant_usable(self.quant, cached, n_prompt)
 
     def _drop(self, hit: CacheHit, cached: int = 0) -> list:
         """Forget what a fetch found (release its tier handles): the request runs as a miss;
@@ -374,145 +360,52 @@ class PrefixCache:
         if cached and self.quant is not None:
             hit.uncached_reason = self.quant.miss_reason(cached - 1 if cached == hit.prompt_tokens else cached,
                                                          hit.prompt_tokens)
-        self._release_held(hit)
-        hit.promote, hit.cache = [], []
-        hit.entries_found = hit.cached_tokens = hit.ram_tokens = hit.ssd_tokens = hit.remote_tokens = 0
+        self._tier.release(hit.held)
+        hit.held, hit.promote, hit.cache, hit.tier_tokens = [], [], [], {}
+        hit.entries_found = hit.cached_tokens = 0
         return []
 
-    @staticmethod
-    def _release_held(hit: CacheHit) -> None:
-        """Release every tier handle the hit holds (RAM unpins), one call per tier."""
-        groups: dict[int, tuple[Any, list]] = {}
-        for tier, handle in hit.held:
-            groups.setdefault(id(tier), (tier, []))[1].append(handle)
-        hit.held = []
-        for tier, handles in groups.values():
-            tier.release(handles)
-
     def _chain(self, ids: np.ndarray, full: list[str], tail: str | None) -> list[ChainEntry]:
-        """Chain entries: the full blocks, then the tail entry."""
-        bs = self.config.block_size
-        parent = root_parent(self._key)
-        out = []
-        for i, h in enumerate(full):
-            out.append(ChainEntry(h, parent, i * bs, (i + 1) * bs))
-            parent = h
-        if tail is not None:
-            out.append(ChainEntry(tail, parent, len(full) * bs, int(ids.size)))
-        return out
-
-    def _collect(self, ids: np.ndarray, chain: list[ChainEntry], hit: CacheHit) -> list[tuple[Any, Any]]:
-        """`(tier, handle)` of the leading chain entries: at each position the first tier of
-        the stack that holds the next entries gives its longest run (`BlockTier.longest_prefix`)."""
-        t = self._tier
-        found: list[tuple[Any, Any]] = []
-        i = 0
-        while i < len(chain):
-            for tier in t.tiers:
-                got = tier.longest_prefix(chain[i:], ids)
-                if got:
-                    found += [(tier, g) for g in got]
-                    i += len(got)
-                    break
-            else:
-                t.count_miss()
-                break
-        hit.held += found
-        t.count_hits(len(found))
-        return found
+        return chain_entries(self._key, self.config.block_size, int(ids.size), full, tail)
 
     def _partial(self, ids: np.ndarray, chain: list[ChainEntry], found: list, hit: CacheHit) -> list[ChainEntry]:
-        """Extend a partial hit where the chain walk stopped (entry `m = len(found)`) with the
-        longest of: an earlier prompt's tail entry (`kvtool.tiers.tail_prefix`, exact key match) and a
-        sibling block's common token prefix (`kvtool.tiers.siblings`; not with state layers, whose
-        state exists only at block ends).
-
-        Returns:
-            `chain` cut after entry `m`, which is replaced by what was found (appended to
-            `found`), or `chain` unchanged.
-        """
+        """Extend a partial hit where the chain walk stopped (entry `m = len(found)`; see
+        `kvtool.cache.extend`). Returns `chain` cut after entry `m`, which is replaced by what was
+        found (appended to `found`), or `chain` unchanged."""
         t = self._tier
-        e = chain[len(found)]
-        best = tail_prefix.find(t.tiers, self._tail_candidates(ids, e), ids, e.start) if self._tail_prefix_ok else None
-        k = best[3] if best is not None else 0
-        sib = None if self.has_states else siblings.find(t.tiers, self.config.block_size, e.parent, ids, e.start,
-                                                         longer_than=k, quantized=self.quant is not None)
-        if sib is not None and self.quant is not None:
-            sib = self._quant_sibling(sib, e.start, int(ids.size))
-        if sib is not None:
-            if best is not None:
-                best[0].release([best[1]])
-            setattr(hit, f"{sib.kind}_bytes_read", getattr(hit, f"{sib.kind}_bytes_read", 0) + sib.nbytes_read)
-            found.append((PlacedBlock(sib.kind, sib.block), sib.block))
-            t.count_partial_block()
-            return [*chain[: len(found) - 1], ChainEntry(sib.key, e.parent, e.start, e.start + sib.n)]
-        if best is None:
+        ext = extend(t.tiers, chain[len(found)], ids, hash_fn=self.hash_fn, block_size=self.config.block_size,
+                     quant=self.quant, has_states=self.has_states)  # fmt: skip
+        if ext is None:
             return chain
-        tier, handle, h, k = best
-        hit.held.append((tier, handle))
-        found.append((tier, handle))
-        t.count_tail_prefix()
-        return [*chain[: len(found) - 1], ChainEntry(h, e.parent, e.start, e.start + k)]
-
-    def _quant_sibling(self, sib: siblings.Sibling, start: int, n_prompt: int) -> siblings.Sibling | None:
-        """A sibling hit where mlx-lm's quantized cache would be in the same state: its whole
-        length, or cut to the switch point when that lies inside it, or none."""
-        assert self.quant is not None
-        if self._quant_usable(start + sib.n, n_prompt):
-            return sib
-        q = self.quant.switch_point(n_prompt)
-        if start < q < start + sib.n and self._quant_usable(q, n_prompt):
-            sib.block, sib.n = siblings.truncate(sib.block, q - start), q - start
-            return sib
-        return None
-
-    @property
-    def _tail_prefix_ok(self) -> bool:
-        """Tail prefix hits apply: no KV quantization (`kvtool.tiers.tail_prefix`)."""
-        return self.quant is None
-
-    def _tail_candidates(self, ids: np.ndarray, entry: tuple[str, str, int, int]) -> list[tuple[str, int]]:
-        _, parent, start, _ = entry
-        return tail_prefix.candidates(self.hash_fn, self.config.block_size, ids, parent, start)
+        if ext.sibling:
+            hit.tier_bytes[ext.tier.name] = hit.tier_bytes.get(ext.tier.name, 0) + ext.nbytes_read
+            t.count_partial_block()
+        else:
+            hit.held.append((ext.tier, ext.handle))
+            t.count_tail_prefix()
+        found.append((ext.tier, ext.handle))
+        return [*chain[: len(found) - 1], ext.entry]
 
     def _build(self, ids: np.ndarray, chain: list[ChainEntry], found: list, hit: CacheHit) -> None:
         kv = self._layout
-        if all(tier.in_memory for tier, _ in found):  # MLX blocks only: one concatenation per layer
+        if all(tier.caps.in_memory for tier, _ in found):  # MLX blocks only: one concatenation per layer
             blocks = [b for _, b in found]
             hit.cache = rebuild_cache(blocks, kv.n_layers, cache_capacity(int(ids.size)), kv=kv) if blocks else []
             hit.entries_found = len(blocks)
-            hit.cached_tokens = hit.ram_tokens = chain[len(blocks) - 1].stop if blocks else 0
+            hit.cached_tokens = chain[len(blocks) - 1].stop if blocks else 0
+            if blocks and all(t.name == found[0][0].name for t, _ in found):  # one tier (RAM): no per-block count
+                hit.tier_tokens[found[0][0].name] = hit.cached_tokens
+            else:
+                for (tier, _), e in zip(found, chain):
+                    hit.tier_tokens[tier.name] = hit.tier_tokens.get(tier.name, 0) + e.stop - e.start
             return
         t0 = time.perf_counter()
         buffers = KVBuffers.allocate(kv, cache_capacity(int(ids.size)), wait=False)  # overlaps header reads
-        n_ok = self._fill(ids, chain, found, buffers, hit)
+        n_ok = self._tier.fill(chain, found, ids, buffers, hit, lambda lo: self._scratch(buffers, lo))
         hit.entries_found = n_ok
         hit.cached_tokens = chain[n_ok - 1].stop if n_ok else 0
         hit.cache = buffers.caches(hit.cached_tokens, state_at=chain[n_ok - 1].start if n_ok else None) if n_ok else []
         hit.ssd_load_ms = (time.perf_counter() - t0) * 1e3
-
-    def _fill(self, ids: np.ndarray, chain: list[ChainEntry], found: list, buffers: KVBuffers, hit: CacheHit) -> int:
-        """Place every found entry into `buffers`, run by run of the same tier, each tier
-        verifying what it reads; count tokens per tier kind; returns the entries placed."""
-        i = 0
-        while i < len(found):
-            tier = found[i][0]
-            j = i
-            while j < len(found) and found[j][0] is tier:
-                j += 1
-            res = tier.read_into(chain[i:j], [h for _, h in found[i:j]], ids, buffers)
-            kind = tier.kind
-            setattr(hit, f"{kind}_bytes_read", getattr(hit, f"{kind}_bytes_read", 0) + res.bytes_read)
-            for e in chain[i : i + res.n_ok]:
-                setattr(hit, f"{kind}_tokens", getattr(hit, f"{kind}_tokens") + e.stop - e.start)
-                if tier.promote:
-                    hit.promote.append((e.hash, e.parent, ids[e.start : e.stop], e.start, *self._scratch(buffers, e.start)))
-                if tier.to_ssd:
-                    hit.to_ssd.add(e.hash)
-            if res.n_ok < j - i:
-                return i + res.n_ok
-            i = j
-        return i
 
     def _scratch(self, buffers: KVBuffers, lo: int) -> list:
         """[the state arrays of the entry restored at `lo`] with state layers, else []."""
@@ -585,23 +478,20 @@ class PrefixCache:
             self.tiered.persist(blocks)
 
     def release(self, hit: CacheHit) -> None:
-        """Release the hit's tier handles (RAM unpins); its SSD / remote blocks enter the RAM
-        tier as views of the cache, and its remote blocks the SSD tier too (`remote_promote`:
-        host copies of those views)."""
+        """Release the hit's tier handles (RAM unpins); its blocks from lower tiers enter the
+        tiers above them that take promotions (`TierStack.promote`: RAM as views of the cache,
+        SSD from those views with `remote_promote`)."""
         if self.tiered is None:
             return
-        to_ram = self.config.ram_bytes > 0
-        spans = hit.promote if to_ram else [p for p in hit.promote if p[0] in hit.to_ssd]
-        if spans and (hit.views or hit.cache):
+        if hit.promote and (hit.views or hit.cache):
             try:
-                blocks = promote_slices(hit.views or hit.cache, spans, self.kv)
-                self.tiered.remote_to_ssd([b for b in blocks if b.block_hash in hit.to_ssd])
-                if to_ram:
-                    self.tiered.promote(blocks)
+                blocks = promote_slices(hit.views or hit.cache, hit.promote, self.kv)
+                self.tiered.promote(blocks, [hit.sources[b.block_hash] for b in blocks])
             except Exception:  # promotion is an optimisation: never fail the request
                 log.exception("promotion of %d block(s) failed", len(hit.promote))
-        hit.promote, hit.views, hit.to_ssd = [], [], set()
-        self._release_held(hit)
+        hit.promote, hit.views, hit.sources = [], [], {}
+        self.tiered.release(hit.held)
+        hit.held = []
 
 
 __all__ = ["PrefixCache", "CacheHit", "CacheStats", "KVGeometry", "KVLayout", "KVQuantization", "probe_layout",

@@ -406,6 +406,25 @@ def _config(config, tmp: Path, ram: bool):
     return KVToolConfig(**fields)
 
 
+def _requests(vocab: int, bs: int, n: int, states: int) -> list[tuple[str, np.ndarray, int, int, bool]]:
+    """The probe's requests, in order: (name, int32 token ids, prefill step, cached tokens
+    expected, in the RAM cache (else a fresh SSD-only one)). `states`: 1 with state layers (a hit
+    ending in a tail entry re-forwards its last token)."""
+    rng = np.random.default_rng(SEED)
+    small = small_step(bs)
+    probe = _ids(rng, vocab, n)
+    extra = bs // 2 + 3
+    longer = np.concatenate([probe, _ids(rng, vocab, extra)])  # ends in the probe's tail entry, crosses a block end
+    short = _ids(rng, vocab, 2 * bs)  # its last token is its last block's last token
+    short_ext = np.concatenate([short, _ids(rng, vocab, extra)])
+    return [("cold prompt", probe, BIG_STEP, 0, True), ("RAM full hit", probe, BIG_STEP, n - 1, True),
+            (SETUP, short, BIG_STEP, 0, True),
+            ("SSD full hit", probe, BIG_STEP, n - 1, False),
+            (AS_IS, short_ext, small, 2 * bs, False),  # (stores nothing: the next one finds 2 blocks too)
+            ("SSD hit of the 2-block prompt's blocks, extended", short_ext, small, 2 * bs, False),
+            ("SSD hit of the prompt's tail entry, extended", longer, small, n - states, False)]
+
+
 def run(model, pc, code: str = "") -> Verdict:
     """Measure `pc`'s layout on `model` (see the module docstring). Never raises: an error is a
     failed verdict naming it."""
@@ -415,25 +434,11 @@ def run(model, pc, code: str = "") -> Verdict:
     bs = pc.config.block_size
     n_full, n = probe_length(bs, pc.windows)
     verdict = Verdict(False, None, code or code_digest(model), n, bs, checked=time.time())
-    small = small_step(bs)
     try:
-        rng = np.random.default_rng(SEED)
-        vocab = _vocab(model)
-        probe = _ids(rng, vocab, n)
-        extra = bs // 2 + 3
-        longer = np.concatenate([probe, _ids(rng, vocab, extra)])  # ends in the probe's tail entry, crosses a block end
-        short = _ids(rng, vocab, 2 * bs)  # its last token is its last block's last token
-        short_ext = np.concatenate([short, _ids(rng, vocab, extra)])
+        requests = _requests(_vocab(model), bs, n, 1 if pc.has_states else 0)
         kw = dict(layout=pc.kv, model_id=pc.model_id, model_name=pc.model_name, model_class=pc.model_class,
                   quant=pc.quant, windows=pc.windows)
-        states = 1 if pc.has_states else 0  # a hit ending in a tail entry re-forwards its last token
         with tempfile.TemporaryDirectory(prefix="kvtool-selfcheck-") as tmp:
-            requests = [("cold prompt", probe, BIG_STEP, 0, True), ("RAM full hit", probe, BIG_STEP, n - 1, True),
-                        (SETUP, short, BIG_STEP, 0, True),
-                        ("SSD full hit", probe, BIG_STEP, n - 1, False),
-                        (AS_IS, short_ext, small, 2 * bs, False),  # (stores nothing: the next one finds 2 blocks too)
-                        ("SSD hit of the 2-block prompt's blocks, extended", short_ext, small, 2 * bs, False),
-                        ("SSD hit of the prompt's tail entry, extended", longer, small, n - states, False)]
             refs: dict[tuple[int, int], tuple[list, list, mx.array | None]] = {}
             caches: dict[bool, Any] = {}
             try:

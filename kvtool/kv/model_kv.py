@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from kvtool.disk.segment import KVLayout
-from kvtool.kv.blocks import cache_arrays, kv_layout_of, leaves, sliding_windows, unsupported_cache_reason
+from kvtool.kv.tree import cache_arrays, kv_layout_of, leaves, sliding_windows, unsupported_cache_reason
 
 log = logging.getLogger("kvtool")
 

@@ -25,14 +25,9 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from kvtool.kv.blocks import (
-    cache_arrays,
-    leaves,
-    map_leaves,
-    state_arrays,
-    trim_kv,
-)
+from kvtool.kv.blocks import state_arrays
 from kvtool.kv.model_kv import KVQuantization
+from kvtool.kv.tree import cache_arrays, leaves, map_leaves, trim_kv
 from kvtool.kv.windows import WindowedKVCache, rotating_from_full
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from kvtool.kv.blocks import map_leaves
+from kvtool.kv.tree import map_leaves
 
 
 class WindowedKVCache(KVCache):

@@ -1,13 +1,20 @@
-"""The RAM tier: evaluated MLX blocks under a byte budget, LRU eviction, pins for requests in flight."""
+"""The RAM tier: evaluated MLX blocks under a byte budget, LRU eviction, pins for requests in
+flight (`RamTier`), and its `BlockTier` (`RamBlockTier`): token ids compared on lookup."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from kvtool.kv.blocks import Block
+from kvtool.tiers.base import Caps, Counts, MemoryTier, Put, ReadResult, WritePolicy
+
+MAX_MEMORY_SIBLINGS = 64  # RAM / pending siblings compared per partial-block lookup (newest first)
 
 EvictCallback = Callable[[Block, bool], None]
 
@@ -160,6 +167,18 @@ class RamTier:
         self._notify([e for _, e in victims])
         return len(victims)
 
+    def remove(self, hashes: Iterable[str]) -> int:
+        """Drop blocks, pinned or not (no eviction callbacks; a request holding one keeps its
+        arrays). Returns how many were held."""
+        n = 0
+        with self._lock:
+            for h in hashes:
+                entry = self._entries.get(h)
+                if entry is not None:
+                    self._forget(h, entry)
+                    n += 1
+        return n
+
     def clear(self) -> list[Block]:
         """Drop every block (no eviction callbacks); returns the blocks that were held."""
         with self._lock:
@@ -203,3 +222,74 @@ class RamTier:
             return
         for entry in victims:
             self._on_evict(entry.block, entry.persisted)
+
+
+class RamBlockTier(MemoryTier):
+    """`BlockTier` over a `RamTier`: evaluated MLX blocks, exact token ids compared on lookup (a
+    mismatch is a miss, counted `kv_ram_token_mismatch`), pinned while a request uses them.
+
+    Args:
+        ram: the RAM tier.
+        on_hit: called with the hashes a lookup found that are persisted (the stack touches them
+            on the local persistent tier); None: nothing.
+
+    Attributes:
+        new_persisted: new blocks (`Put.NEW`) count as handed to the local persistent tier (it is
+            written through); set by the stack.
+        has_backing: a local persistent tier exists (`Put.PERSIST` blocks are handed to it).
+    """
+
+    name = "ram"
+    caps = Caps(in_memory=True, verifies_on_read=False, promotes=False)
+    policy = WritePolicy.THROUGH
+
+    def __init__(self, ram: RamTier, on_hit: Callable[[list[str]], None] | None = None):
+        self.ram = ram
+        self.on_hit = on_hit
+        self.new_persisted = self.has_backing = False
+        self._counts = Counts("kv_ram_token_mismatch", "kv_promote_hits")
+        self.takes_promotions = ram.capacity_bytes > 0  # hits of lower tiers enter RAM (a budget of 0 keeps none)
+
+    def _get(self, h: str, expected: np.ndarray) -> Block | None:
+        block = self.ram.get(h)
+        if block is None:
+            return None
+        if not np.array_equal(block.token_ids, expected):
+            self._counts.inc("kv_ram_token_mismatch")
+            return None
+        return block
+
+    def _found(self, hashes: list[str]) -> None:
+        self.ram.pin(hashes)
+        if self.on_hit is not None and hashes:
+            self.on_hit(self.ram.persisted(hashes))
+
+    def _children(self, parent: str) -> list[Block]:
+        return self.ram.children(parent, MAX_MEMORY_SIBLINGS)
+
+    def read_into(self, chain, handles, ids, buffers) -> ReadResult:
+        buffers.ready()
+        for e, block in zip(chain, handles):
+            buffers.place(e.start, block)
+        return ReadResult(len(handles))
+
+    def release(self, handles: Sequence[Any]) -> None:
+        self.ram.unpin([b.block_hash for b in handles if isinstance(b, Block)])
+
+    def put(self, blocks: Sequence[Block], why: Put) -> int:
+        persisted = {Put.NEW: self.new_persisted, Put.PROMOTED: True, Put.PERSIST: self.has_backing}.get(why, False)
+        for block in blocks:
+            self.ram.put(block, persisted=persisted)
+        if why is Put.PROMOTED:
+            self._counts.inc("kv_promote_hits", len(blocks))
+        return len(blocks)
+
+    def remove(self, hashes: Sequence[str]) -> int:
+        return self.ram.remove(hashes)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.ram.stats(), **self._counts.snapshot()}
+
+    def close(self, timeout_s: float) -> bool:
+        self.ram.clear()
+        return True

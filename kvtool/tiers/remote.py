@@ -19,23 +19,35 @@ host has never seen, but another host has, is served from the shared store:
 Tail-entry candidates and siblings are not looked up remotely: that would add a round trip to every
 miss and needs key listing, which kvtool never does on the request path.
 
-This module never imports MLX.
+Writes (`put`, per `remote_policy`: every new block, or blocks RAM evicts) go through the one
+writer (`kvtool.tiers.writer.AsyncWriter`) with `when_full="shed"` on a daemon thread: the request
+thread never waits on the network, a batch that finds the queue full is dropped (counted
+`remote_dropped_writes`), values are `SET NX` (first writer wins).
+
+MLX is used only to turn a block into host views on the request thread (`put`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvtool.disk.hostblock import HostBlock
-from kvtool.tiers.protocol import ChainEntry, ReadResult
+from kvtool.kv.blocks import Block, to_host
+from kvtool.tiers.base import BlockTier, Caps, ChainEntry, Counts, Put, ReadResult, TierBase, WritePolicy
+from kvtool.tiers.writer import AsyncWriter
 
 if TYPE_CHECKING:
     from kvtool.kv.buffers import KVBuffers
     from kvtool.tiers.remote_read import ValueRead
     from kvtool.tiers.remote_store import RemoteStore
+
+log = logging.getLogger("kvtool")
+
+DEFAULT_WRITER_QUEUE_BYTES = 64 << 20  # bytes queued and being written
+DEFAULT_WRITER_BATCH_BYTES = 8 << 20  # bytes of blocks per `put_blocks` call
 
 
 class RemoteHandle(NamedTuple):
@@ -47,23 +59,35 @@ class RemoteHandle(NamedTuple):
     pos: int
 
 
-class RemoteBlockTier:
+def remote_writer(store: RemoteStore, max_queue_bytes: int = DEFAULT_WRITER_QUEUE_BYTES,
+                  batch_bytes: int = DEFAULT_WRITER_BATCH_BYTES) -> AsyncWriter:
+    """The one writer (`AsyncWriter`) as the remote tier runs it: one attempt per batch, a daemon
+    thread, a queue bounded in bytes only, and a batch that finds it full dropped at once
+    (`when_full="shed"`; counted `remote_dropped_writes`, as blocks offered after `stop`)."""
+    return AsyncWriter(store, queue_size=1 << 30, durability="best_effort", max_queue_bytes=max_queue_bytes,
+                       batch_max_bytes=batch_bytes, when_full="shed", daemon=True, name="remote",
+                       on_drop=store.count_dropped)  # fmt: skip
+
+
+class RemoteBlockTier(TierBase):
     """`BlockTier` over a `RemoteStore`.
 
     Args:
         store: the namespace's remote store.
-        to_ssd: its hits are also written to the local SSD tier (`remote_promote`), from the
-            request's cache when it is released (`PrefixCache.release`), as RAM promotion is.
-
-    Attributes:
-        to_ssd: as the argument.
+        policy: `THROUGH` (`remote_policy = write_through`), `ON_EVICT` (`on_evict`) or `OFF`.
+        max_queue_bytes: the writer's queue bound (bytes); a batch that does not fit is dropped.
+        batch_bytes: blocks per `put_blocks` call (bytes).
     """
 
-    kind, in_memory, promote = "remote", False, True
+    name = "remote"
+    caps = Caps(finds_tails=False, lists_siblings=False, persistent=True)
 
-    def __init__(self, store: RemoteStore, to_ssd: bool = False):
+    def __init__(self, store: RemoteStore, policy: WritePolicy = WritePolicy.THROUGH, *,
+                 max_queue_bytes: int = DEFAULT_WRITER_QUEUE_BYTES, batch_bytes: int = DEFAULT_WRITER_BATCH_BYTES):  # fmt: skip
         self.store = store
-        self.to_ssd = to_ssd
+        self.policy = policy
+        self.writer = remote_writer(store, max_queue_bytes, batch_bytes)
+        self._counts = Counts("kv_remote_enqueued")
 
     def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[RemoteHandle]:
         if not chain or not self.store.available:
@@ -74,12 +98,6 @@ class RemoteBlockTier:
         run = chain[:n]
         reading = self.store.read([e.hash for e in run], [e.parent for e in run], [ids[e.start : e.stop] for e in run])
         return [RemoteHandle(e, reading, i) for i, e in enumerate(run)]
-
-    def find_any(self, cands: Sequence[tuple[str, int]], ids: np.ndarray, start: int) -> tuple[Any, str, int] | None:
-        return None  # see the module docstring
-
-    def sibling_candidates(self, parent: str, skip: set[str]) -> Iterator[tuple[HostBlock, int]]:
-        return iter(())  # see the module docstring
 
     def read_into(self, chain: Sequence[ChainEntry], handles: Sequence[RemoteHandle], ids: np.ndarray,
                   buffers: KVBuffers) -> ReadResult:
@@ -107,19 +125,47 @@ class RemoteBlockTier:
         for reading in {id(h.read): h.read for h in handles if isinstance(h, RemoteHandle)}.values():
             reading.cancel()
 
+    def put(self, blocks: Sequence[Block], why: Put) -> int:
+        """Host views of the blocks to the writer (never waits: a full queue drops them)."""
+        try:
+            accepted = self.writer.enqueue_many([to_host(b) for b in blocks])
+        except Exception:  # the cache must never fail a request
+            log.exception("remote write of %d block(s) failed", len(blocks))
+            return 0
+        self._counts.inc("kv_remote_enqueued", accepted)
+        return accepted
 
-def open_remote(config: Any, layout_key: str, meta: dict[str, str]) -> tuple[Any, Any]:
-    """The namespace's `RemoteStore` and its `RemoteWriter` when `config.remote_enabled`, else
-    `(None, None)`. A server that is down leaves the store unavailable (it reconnects later);
-    a configuration it cannot use (layout, URL) is logged once and leaves the tier off."""
+    def remove(self, hashes: Sequence[str]) -> int:
+        return self.store.delete(hashes)
+
+    def stats(self) -> dict[str, int]:
+        """The store's `remote_*` counters, `kv_remote_enqueued`, and the writer's
+        `remote_writer_queue_bytes`, `remote_writer_queue_blocks` (gauges) and
+        `remote_writer_stored` (blocks it stored)."""
+        w = self.writer
+        return {**self._counts.snapshot(), **self.store.stats(), "remote_writer_queue_bytes": w.queue_bytes(),
+                "remote_writer_queue_blocks": w.queue_depth(),
+                "remote_writer_stored": w.get_stats()["writer_save_success"]}  # fmt: skip
+
+    def flush(self, timeout_s: float) -> bool:
+        self.writer.flush(timeout_s)
+        return True  # best effort: the remote tier promises nothing
+
+    def close(self, timeout_s: float) -> bool:
+        self.writer.stop(timeout_s)
+        self.store.close()
+        return True
+
+
+def open_remote(config: Any, layout_key: str, meta: dict[str, str]) -> list[BlockTier]:
+    """The namespace's remote tier when `config.remote_enabled` (`[]` otherwise). A server that
+    is down leaves the store unavailable (it reconnects later); a configuration it cannot use
+    (layout, URL) is logged once and leaves the tier off."""
     if not getattr(config, "remote_enabled", False):
-        return None, None
-    import logging
-
+        return []
     from kvtool.config.remote_url import RemoteURLError
     from kvtool.disk.kvlayout import KVLayout
     from kvtool.tiers.remote_store import RemoteStore
-    from kvtool.tiers.remote_writer import RemoteWriter
 
     try:
         kv = KVLayout.parse(meta["kv_layers"], meta["kv_dtype"])
@@ -127,9 +173,11 @@ def open_remote(config: Any, layout_key: str, meta: dict[str, str]) -> tuple[Any
                             timeout_s=config.remote_timeout_s, ttl_s=config.remote_ttl_s,
                             cluster=True if config.remote_cluster else None)
     except (RemoteURLError, ValueError, KeyError) as exc:
-        logging.getLogger("kvtool").warning("kvtool: remote tier off: %s", exc)
-        return None, None
-    return store, RemoteWriter(store)
+        log.warning("kvtool: remote tier off: %s", exc)
+        return []
+    policy = {"write_through": WritePolicy.THROUGH, "on_evict": WritePolicy.ON_EVICT}.get(config.remote_policy,
+                                                                                           WritePolicy.OFF)
+    return [RemoteBlockTier(store, policy)]
 
 
-__all__ = ["RemoteBlockTier", "open_remote"]
+__all__ = ["RemoteBlockTier", "open_remote", "remote_writer"]

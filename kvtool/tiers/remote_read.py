@@ -30,19 +30,20 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
 from kvtool.disk.hostblock import HostBlock
+from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
 
-if TYPE_CHECKING:
-    from kvtool.tiers.remote_store import RemoteStore
+__all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDOW", "Got", "ValueRead", "ValueSource",
+           "fetch_values", "raise_connection_errors"]
 
-__all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDOW", "Got", "ValueRead", "fetch_values"]
+T = TypeVar("T")
 
 # Bytes of values per pipelined batch (expected sizes). Smaller batches came back faster from a
 # local redis-server: 256-512 KiB batches of 66 KB values 17-19 ms for 17 MB, 1 MiB 26 ms,
@@ -56,6 +57,43 @@ DEFAULT_WIRE_WINDOW = 4
 # fresh process took ~87 ms of CPU with none vs ~100-125 ms with 1-2 reader threads, at equal
 # TTFT within noise (load average 4-5).
 DEFAULT_READ_AHEAD = 2 if (os.cpu_count() or 1) >= 4 else 0
+
+
+class ValueSource(Protocol):
+    """What a read needs of the remote store (`kvtool.tiers.remote_store.RemoteStore`): its
+    namespace, its guarded calls (deadline, circuit breaker: a failure is `default`), its counters,
+    key names and value bounds, its reader threads, and the removal of bad values."""
+
+    layout_key: str
+    kv: KVLayout
+    codec: str
+
+    @property
+    def cluster(self) -> bool: ...
+
+    def call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T: ...
+
+    def count(self, name: str, n: int = 1) -> None: ...
+
+    def key_of(self, chain_hash: str) -> str | None: ...
+
+    def expected_bytes(self, n_tokens: int) -> int: ...
+
+    def submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]: ...
+
+    def corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None: ...
+
+    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None: ...
+
+
+def raise_connection_errors(results: Sequence[Any]) -> None:
+    """Per-command results of a pipeline: a connection-level error fails the whole call."""
+    from redis.exceptions import ConnectionError as RConnectionError
+    from redis.exceptions import TimeoutError as RTimeoutError
+
+    for r in results:
+        if isinstance(r, (RConnectionError, RTimeoutError, OSError)):
+            raise r
 
 
 class Got(NamedTuple):
@@ -77,7 +115,7 @@ class Got(NamedTuple):
 _ABSENT = Got(None)
 
 
-def fetch_values(store: RemoteStore, client: Any, keys: Sequence[str], bounds: Sequence[int]) -> list[Got]:
+def fetch_values(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence[int]) -> list[Got]:
     """One pipelined GETRANGE per key (a byte more than `bounds[i]`, so an oversized value shows),
     then one pipeline for the parts of split values. Runs on a reader thread; counts
     `remote_bytes_read` and per-key server errors.
@@ -102,10 +140,10 @@ def fetch_values(store: RemoteStore, client: Any, keys: Sequence[str], bounds: S
     return _gots(store, client, keys, bounds, results)
 
 
-def _gots(store: RemoteStore, client: Any, keys: Sequence[str], bounds: Sequence[int], results: Sequence[Any]) -> list[Got]:
+def _gots(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence[int], results: Sequence[Any]) -> list[Got]:
     """`Got`s of a batch's GETRANGE replies (bytes, None, or the server's error for one key);
     split values' parts fetched in one more pipeline. Raises as `fetch_values`."""
-    store._raise_connection_errors(results)
+    raise_connection_errors(results)
     out: list[Got] = []
     split: list[tuple[int, rv.Manifest]] = []
     nbytes = 0
@@ -123,29 +161,29 @@ def _gots(store: RemoteStore, client: Any, keys: Sequence[str], bounds: Sequence
             if "WRONGTYPE" in str(data):  # another type of key under our name: ours to replace
                 out.append(Got(None, None, rv.RemoteValueError("header", "not a string value")))
                 continue
-            store._count("remote_errors")  # e.g. an ACL refusal: not the value's fault
+            store.count("remote_errors")  # e.g. an ACL refusal: not the value's fault
             out.append(_ABSENT)
         else:
             out.append(_ABSENT)
-    store._count("remote_bytes_read", nbytes)
+    store.count("remote_bytes_read", nbytes)
     if split:
         _fetch_parts(store, client, keys, split, out)
     return out
 
 
-def _fetch_parts(store: RemoteStore, client: Any, keys: Sequence[str], split: list[tuple[int, rv.Manifest]],
+def _fetch_parts(store: ValueSource, client: Any, keys: Sequence[str], split: list[tuple[int, rv.Manifest]],
                  out: list[Got]) -> None:  # fmt: skip
     pipe = client.pipeline(transaction=False)
     for i, m in split:
         for part in m.part_keys(keys[i]):
             pipe.getrange(part, 0, m.part_bytes)
     results = pipe.execute(raise_on_error=False)
-    store._raise_connection_errors(results)
+    raise_connection_errors(results)
     at = 0
     for i, m in split:
         parts = [r if isinstance(r, bytes) and r else None for r in results[at : at + m.n_parts]]
         at += m.n_parts
-        store._count("remote_bytes_read", sum(len(p) for p in parts if p))
+        store.count("remote_bytes_read", sum(len(p) for p in parts if p))
         try:
             out[i] = Got(rv.join_parts(m, parts), m)
         except rv.RemoteValueError as exc:
@@ -220,21 +258,21 @@ class ValueRead:
         ValueError: the three sequences differ in length.
     """
 
-    def __init__(self, store: RemoteStore, hashes: Sequence[str], parents: Sequence[str],
+    def __init__(self, store: ValueSource, hashes: Sequence[str], parents: Sequence[str],
                  token_ids: Sequence[np.ndarray | Sequence[int]], *, batch_bytes: int = DEFAULT_READ_BATCH_BYTES,
                  ahead: int = DEFAULT_READ_AHEAD, window: int = DEFAULT_WIRE_WINDOW):  # fmt: skip
         if not len(hashes) == len(parents) == len(token_ids):
             raise ValueError("hashes, parents and token_ids must have the same length")
         keys: list[str] = []
         for h in hashes:
-            key = store._key(h)
+            key = store.key_of(h)
             if key is None:
                 break
             keys.append(key)
         n = len(keys)
         self.store, self.keys = store, keys
         self.hashes, self.parents, self.token_ids = list(hashes[:n]), list(parents[:n]), list(token_ids[:n])
-        self.bounds = [store._expected_bytes(len(t)) for t in self.token_ids]
+        self.bounds = [store.expected_bytes(len(t)) for t in self.token_ids]
         self.batches: list[range] = []
         i = 0
         while i < n:
@@ -248,11 +286,11 @@ class ValueRead:
         self._futures: list[Future] = []
         self._lock = threading.Lock()
         self._stopped = False
-        self.window = max(0, window) if not self.ahead and not store.remote.cluster else 0
+        self.window = max(0, window) if not self.ahead and not store.cluster else 0
         self._wire: _Wire | None = None
         self._submit_upto(self.ahead)
         if self.window and self.batches:
-            self._stopped = not store._call(lambda client: self._send_upto(client, self.window), False)
+            self._stopped = not store.call(lambda client: self._send_upto(client, self.window), False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -263,7 +301,7 @@ class ValueRead:
         with self._lock:
             while not self._stopped and len(self._futures) < min(n, len(self.batches)):
                 batch = self.batches[len(self._futures)]
-                self._futures.append(self.store._submit_read(self._fetch, batch))
+                self._futures.append(self.store.submit_read(self._fetch, batch))
 
     def _send_upto(self, client: Any, n: int) -> bool:
         """Send the requests of the batches before `n` that are not on the wire yet (the
@@ -300,7 +338,7 @@ class ValueRead:
 
         if self._stopped:
             return None
-        got = self.store._call(op, None)
+        got = self.store.call(op, None)
         if got is None:
             self._close_wire(broken=True)
             return None
@@ -316,7 +354,7 @@ class ValueRead:
         if self._stopped:
             return None
         keys, bounds = self.keys[batch.start : batch.stop], self.bounds[batch.start : batch.stop]
-        got = self.store._call(lambda client: fetch_values(self.store, client, keys, bounds), None)
+        got = self.store.call(lambda client: fetch_values(self.store, client, keys, bounds), None)
         return None if got is None else self._verify(batch, got)
 
     def cancel(self) -> None:
@@ -350,10 +388,10 @@ class ValueRead:
                 self.cancel()
                 return
             if not counted:
-                store._count("remote_lookups")
+                store.count("remote_lookups")
                 counted = True
             out = out[: n - batch.start]
-            store._count("remote_hit_blocks", sum(x is not None for x in out))
+            store.count("remote_hit_blocks", sum(x is not None for x in out))
             yield from zip(batch, out)
             if stop_at_miss and any(x is None for x in out):
                 self.cancel()
@@ -383,16 +421,16 @@ class ValueRead:
             key = self.keys[k]
             block = None
             if g.error is not None:
-                store._corrupt(key, g.error, bad, g.manifest)
+                store.corrupt(key, g.error, bad, g.manifest)
             elif g.data is not None:
                 try:
                     block = rv.decode_value(g.data, store.layout_key, store.kv, store.codec, self.hashes[k],
                                             self.parents[k], expected_tokens=self.token_ids[k], max_bytes=len(g.data))  # fmt: skip
                 except rv.RemoteValueError as exc:
-                    store._corrupt(key, exc, bad, g.manifest)
+                    store.corrupt(key, exc, bad, g.manifest)
             elif g.manifest is not None:  # an evicted part: drop the rest of the value
                 bad.append((key, g.manifest))
             out.append(block)
         if bad:
-            store._call(lambda client: store._unlink(client, bad), None)
+            store.call(lambda client: store.unlink(client, bad), None)
         return out

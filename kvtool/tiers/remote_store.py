@@ -26,8 +26,8 @@ spare on reader threads ahead of the request thread (`kvtool.tiers.remote_read`)
 collects it.
 
 Writes are first-writer-wins (`SET NX`, optional `EX` TTL): the same chain hash always names the
-same KV, so a second writer has nothing to add. `RemoteWriter` moves writes off the request
-thread (one thread, a queue bounded in bytes; a full queue drops blocks, counted).
+same KV, so a second writer has nothing to add. The remote tier's writer (`kvtool.tiers.writer.
+AsyncWriter`, `when_full="shed"`; `save_blocks` is its sink) moves writes off the request thread.
 
 Counters (`stats()`): `remote_lookups` (longest_prefix / get_blocks calls that reached the
 server), `remote_hit_blocks`, `remote_bytes_read`, `remote_bytes_written` (bytes of values
@@ -58,10 +58,11 @@ from kvtool.config.remote_url import RemoteURL, describe_error, make_client, mas
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
-from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead
-from kvtool.tiers.remote_writer import RemoteWriter
+from kvtool.tiers import remote_write as rw
+from kvtool.tiers.breaker import Breaker
+from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead, raise_connection_errors
 
-__all__ = ["COUNTER_NAMES", "RemoteStore", "RemoteWriter", "mask_url"]
+__all__ = ["COUNTER_NAMES", "RemoteStore", "mask_url"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,66 +72,6 @@ DEFAULT_BATCH_BYTES = 8 << 20  # bytes of values per pipelined write
 COUNTER_NAMES = ("remote_lookups", "remote_hit_blocks", "remote_bytes_read", "remote_bytes_written", "remote_errors",
                  "remote_corrupt", "remote_dropped_writes", "remote_breaker_open", "remote_breaker_trips",
                  "remote_put_exists")  # fmt: skip
-
-
-class _Breaker:
-    """Consecutive-failure circuit breaker with exponential back-off (thread-safe).
-
-    Closed: every call goes through. After `threshold` consecutive failures (or `trip()`) it is
-    open for `backoff_s` seconds, doubling up to `max_s` at each failed probe; after the back-off
-    one caller at a time probes (half-open); a success closes it and resets the back-off.
-    """
-
-    def __init__(self, threshold: int, base_s: float, max_s: float, clock: Callable[[], float]):
-        self.threshold, self.base_s, self.max_s, self.clock = threshold, base_s, max_s, clock
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._open_until: float | None = None
-        self._backoff_s = base_s
-        self._probing = False
-        self.trips = 0
-
-    @property
-    def is_open(self) -> bool:
-        return self._open_until is not None
-
-    def allow(self) -> bool:
-        """May a call go to the server now?"""
-        with self._lock:
-            if self._open_until is None:
-                return True
-            if self._probing or self.clock() < self._open_until:
-                return False
-            self._probing = True
-            return True
-
-    def success(self) -> bool:
-        """Record a good call; True if this closed an open breaker."""
-        with self._lock:
-            was_open = self._open_until is not None
-            self._failures, self._open_until, self._backoff_s, self._probing = 0, None, self.base_s, False
-            return was_open
-
-    def failure(self, trip: bool = False) -> bool:
-        """Record a failed call (`trip`: open at once); True if the breaker has just opened (it
-        was closed: the start of an outage)."""
-        with self._lock:
-            self._failures += 1
-            was_open = self._open_until is not None
-            if was_open:  # a failed probe: wait longer
-                self._backoff_s = min(self._backoff_s * 2, self.max_s)
-            elif not trip and self._failures < self.threshold:
-                return False
-            self._open_until = self.clock() + self._backoff_s
-            self._probing = False
-            if not was_open:
-                self.trips += 1
-            return not was_open
-
-    def release_probe(self) -> None:
-        """A probe that neither succeeded nor failed (nothing was sent)."""
-        with self._lock:
-            self._probing = False
 
 
 class RemoteStore:
@@ -204,14 +145,14 @@ class RemoteStore:
         self.read_ahead = (DEFAULT_READ_AHEAD if self.remote.cluster else 0) if read_ahead is None else max(0, read_ahead)
         self.read_threads = max(1, read_threads)
         self._readers: ThreadPoolExecutor | None = None
-        self._breaker = _Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
+        self._breaker = Breaker(max(1, breaker_failures), breaker_backoff_s, breaker_max_backoff_s, clock)
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._known_nodes: list[tuple[str, int]] = []
         self._counts: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
         self._closed = False
-        if not self._call(lambda c: bool(c.ping()), False, trip=True):
+        if not self.call(lambda c: bool(c.ping()), False, trip=True):
             logger.debug("remote tier %s not reachable at start", self.remote.masked)
 
     # ------------------------------------------------------------------ plumbing
@@ -225,14 +166,20 @@ class RemoteStore:
         """False while the breaker is open (the server failed recently; calls are misses)."""
         return not self._breaker.is_open and not self._closed
 
-    def _count(self, name: str, n: int = 1) -> None:
+    @property
+    def cluster(self) -> bool:
+        """The server is a Redis Cluster (values on several nodes)."""
+        return self.remote.cluster
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add `n` to counter `name` (see the module docstring)."""
         if n:
             with self._count_lock:
                 self._counts[name] += n
 
     def count_dropped(self, n: int) -> None:
         """Count `n` blocks that will not be written (the writer's full queue)."""
-        self._count("remote_dropped_writes", n)
+        self.count("remote_dropped_writes", n)
 
     def _get_client(self) -> Any:
         with self._client_lock:
@@ -262,17 +209,17 @@ class RemoteStore:
             except Exception:  # noqa: BLE001 - closing a broken client: nothing to do about it
                 pass
 
-    def _call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
+    def call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
         """`op(client)`, or `default` if the breaker is open or it fails (counted, logged)."""
         if self._closed or not self._breaker.allow():
             return default
         try:
             result = op(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of the remote tier is a miss
-            self._count("remote_errors")
+            self.count("remote_errors")
             self._drop_cluster_client()
             if self._breaker.failure(trip=trip):
-                self._count("remote_breaker_trips")
+                self.count("remote_breaker_trips")
                 logger.warning("remote tier unavailable, requests go on without it (retrying in the background): %s",
                                describe_error(exc, self.remote, self.timeout_s))  # fmt: skip
             else:
@@ -282,18 +229,9 @@ class RemoteStore:
             logger.info("remote tier %s reachable again", self.remote.masked)
         return result
 
-    def _key(self, chain_hash: str) -> str | None:
+    def key_of(self, chain_hash: str) -> str | None:
+        """The value key of a chain hash in this namespace; None if it is no chain hash."""
         return rv.value_key(self.layout_key, chain_hash) if rv.is_hex32(chain_hash) else None
-
-    @staticmethod
-    def _raise_connection_errors(results: Sequence[Any]) -> None:
-        """Per-command results of a pipeline: a connection-level error fails the whole call."""
-        from redis.exceptions import ConnectionError as RConnectionError
-        from redis.exceptions import TimeoutError as RTimeoutError
-
-        for r in results:
-            if isinstance(r, (RConnectionError, RTimeoutError, OSError)):
-                raise r
 
     # ------------------------------------------------------------------ reads
     def longest_prefix(self, hashes: Sequence[str]) -> int:
@@ -310,7 +248,7 @@ class RemoteStore:
         """
         keys = []
         for h in hashes:
-            key = self._key(h)
+            key = self.key_of(h)
             if key is None:
                 break
             keys.append(key)
@@ -318,7 +256,7 @@ class RemoteStore:
             return 0
 
         def op(client: Any) -> int:
-            self._count("remote_lookups")
+            self.count("remote_lookups")
             have = client.exists(*keys)
             if have in (0, len(keys)):
                 return have
@@ -326,7 +264,7 @@ class RemoteStore:
             for key in keys:
                 pipe.exists(key)
             results = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(results)
+            raise_connection_errors(results)
             n = 0
             for r in results:
                 if not (isinstance(r, int) and r > 0):
@@ -334,7 +272,7 @@ class RemoteStore:
                 n += 1
             return n
 
-        return self._call(op, 0)
+        return self.call(op, 0)
 
     def read(self, hashes: Sequence[str], parents: Sequence[str],
              token_ids_per_block: Sequence[np.ndarray | Sequence[int]]) -> ValueRead:  # fmt: skip
@@ -385,10 +323,11 @@ class RemoteStore:
             reading.cancel()
         return out
 
-    def _expected_bytes(self, n_tokens: int) -> int:
+    def expected_bytes(self, n_tokens: int) -> int:
+        """The largest value a block of `n_tokens` tokens may have in this namespace (bytes)."""
         return rv.value_bound(self.kv, n_tokens, self.codec)
 
-    def _submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]:
+    def submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]:
         """Run `fn(arg)` on a reader thread (created on first use); after `close()`, a future
         already holding None (a miss)."""
         with self._client_lock:
@@ -400,113 +339,73 @@ class RemoteStore:
                 self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kvtool-remote-read")
             return self._readers.submit(fn, arg)
 
-    def _corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
-        self._count("remote_corrupt")
+    def corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
+        """A value failed verification: count and log it, and add it to `bad` (to `unlink`)."""
+        self.count("remote_corrupt")
         logger.warning("remote value %s failed verification (%s: %s); deleted, a miss", key, exc.kind,
                        str(exc).partition(": ")[2][:200])  # fmt: skip
         bad.append((key, manifest))
 
-    def _unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
+    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
+        """Delete values and their parts in one pipeline (inside a `call`)."""
         pipe = client.pipeline(transaction=False)
         for key, manifest in keys:
             pipe.unlink(key)
             for part in manifest.part_keys(key) if manifest else ():
                 pipe.unlink(part)
-        self._raise_connection_errors(pipe.execute(raise_on_error=False))
+        raise_connection_errors(pipe.execute(raise_on_error=False))
 
     # ------------------------------------------------------------------ writes
-    def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
-        """Store blocks not stored yet (`SET NX`, `EX ttl_s` if set; pipelined batches; a value
-        over `max_value_bytes` as parts in one MULTI transaction).
+    enabled = True  # as a writer's sink: a server problem is a miss per call, never a refusal
+
+    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]:
+        """Store blocks not stored yet (`SET NX`, `EX ttl_s` if set; pipelined batches of
+        `batch_bytes`; a value over `max_value_bytes` as parts in one MULTI transaction). Also
+        the remote writer's sink (`kvtool.tiers.writer.BlockSink`).
 
         Returns:
-            How many blocks this call stored (a block already there counts `remote_put_exists`;
-            one that could not be sent counts `remote_dropped_writes`). Never raises for the
-            server or for a block of another layout (counted `remote_errors`).
+            Per block, in order: 'saved', 'dedup' (stored before; counted `remote_put_exists`) or
+            'error' (not a chain hash or not of this layout, refused by the server: counted
+            `remote_errors`; not sent because a call failed: `remote_dropped_writes`). Never
+            raises for the server or for a block.
         """
-        stored = 0
-        batch: list[tuple[str, bytes]] = []
+        out = ["error"] * len(blocks)
+        batch: list[tuple[int, str, bytes]] = []
         size = 0
         for n, b in enumerate(blocks):
-            key = self._key(b.block_hash)
+            key = self.key_of(b.block_hash)
             try:
                 if key is None or not rv.is_hex32(b.parent_hash):
                     raise ValueError(f"block hash {b.block_hash[:40]!r} / parent are not chain hashes")
                 value = rv.encode_value(b, self.layout_key, self.kv, self.codec)
             except (ValueError, rv.BlockFileError) as exc:
-                self._count("remote_errors")
+                self.count("remote_errors")
                 logger.debug("remote tier: block not stored: %s", exc)
                 continue
-            batch.append((key, value))
+            batch.append((n, key, value))
             size += len(value)
             if size >= self.batch_bytes:  # encoded and sent one batch at a time
-                done = self._send(batch, len(blocks) - n - 1)
-                if done is None:
-                    return stored
-                stored += done
+                if not self._send(batch, len(blocks) - n - 1, out):
+                    return out
                 batch, size = [], 0
         if batch:
-            stored += self._send(batch, 0) or 0
-        return stored
+            self._send(batch, 0, out)
+        return out
 
-    def _send(self, batch: list[tuple[str, bytes]], not_sent: int) -> int | None:
-        """One batch of `put_blocks`: blocks stored, or None if the call failed (the batch and
-        the `not_sent` blocks after it count as dropped writes)."""
-        done: int | None = self._call(functools.partial(self._put_batch, batch=batch), None)
+    def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
+        """`save_blocks`; returns how many blocks this call stored."""
+        return self.save_blocks(blocks).count("saved")
+
+    def _send(self, batch: list[tuple[int, str, bytes]], not_sent: int, out: list[str]) -> bool:
+        """One batch of `save_blocks`, its outcomes into `out`; False if the call failed (the batch
+        and the `not_sent` blocks after it count as dropped writes)."""
+        done = self.call(functools.partial(rw.put_batch, self, batch=[(k, v) for _, k, v in batch]), None)
         if done is None:
-            self._count("remote_dropped_writes", len(batch) + not_sent)
-        return done
-
-    def _put_batch(self, client: Any, batch: list[tuple[str, bytes]]) -> int:
-        whole = [(k, v) for k, v in batch if len(v) <= self.max_value_bytes]
-        stored = 0
-        if whole:
-            pipe = client.pipeline(transaction=False)
-            for key, value in whole:
-                pipe.set(key, value, nx=True, ex=self.ttl_ex)
-            results = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(results)
-            for (_, value), r in zip(whole, results):
-                stored += self._set_result(r, len(value))
-        for key, value in batch:
-            if len(value) > self.max_value_bytes:
-                stored += self._put_split(client, key, value)
-        return stored
-
-    def _set_result(self, result: Any, nbytes: int) -> int:
-        if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
-            self._count("remote_errors")
-            logger.debug("remote SET refused: %s", describe_error(result, self.remote))
-            return 0
-        if result:
-            self._count("remote_bytes_written", nbytes)
-            return 1
-        self._count("remote_put_exists")
-        return 0
-
-    def _put_split(self, client: Any, key: str, value: bytes) -> int:
-        """Parts, then the manifest with NX, in one transaction (one slot: the hash tag); if the
-        manifest was there already, this writer's parts are removed again."""
-        split = rv.split_value(value, self.max_value_bytes)
-        assert split is not None
-        manifest, parts = split
-        part_keys = manifest.part_keys(key)
-        pipe = client.pipeline(transaction=True)
-        for part, data in zip(part_keys, parts):
-            pipe.set(part, data, ex=self.ttl_ex)
-        pipe.set(key, manifest.encode(), nx=True, ex=self.ttl_ex)
-        results = pipe.execute(raise_on_error=False)
-        self._raise_connection_errors(results)
-        won = self._set_result(results[-1], len(value))
-        if not won or any(isinstance(r, Exception) for r in results[:-1]):
-            cleanup = client.pipeline(transaction=False)
-            for part in part_keys:
-                cleanup.unlink(part)
-            if won:  # a part failed: the manifest must not stay
-                cleanup.unlink(key)
-                won = 0
-            cleanup.execute(raise_on_error=False)
-        return won
+            self.count("remote_dropped_writes", len(batch) + not_sent)
+            return False
+        for (i, _, _), outcome in zip(batch, done):
+            out[i] = outcome
+        return True
 
     def delete(self, hashes: Sequence[str]) -> int:
         """Delete the values of `hashes` (and their parts).
@@ -514,7 +413,7 @@ class RemoteStore:
         Returns:
             How many value keys were deleted; 0 on any failure.
         """
-        keys = [k for k in (self._key(h) for h in hashes) if k is not None]
+        keys = [k for k in (self.key_of(h) for h in hashes) if k is not None]
         if not keys:
             return 0
 
@@ -523,7 +422,7 @@ class RemoteStore:
             for key in keys:
                 pipe.getrange(key, 0, 127)  # a manifest names its parts
             heads = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(heads)
+            raise_connection_errors(heads)
             pipe = client.pipeline(transaction=False)
             mains = []
             for key, head in zip(keys, heads):
@@ -536,10 +435,10 @@ class RemoteStore:
                     except rv.RemoteValueError:
                         pass
             results = pipe.execute(raise_on_error=False)
-            self._raise_connection_errors(results)
+            raise_connection_errors(results)
             return sum(1 for i in mains if results[i] == 1)
 
-        return self._call(op, 0)
+        return self.call(op, 0)
 
     # ------------------------------------------------------------------ life
     def stats(self) -> dict[str, int]:

@@ -10,8 +10,8 @@ This is what mlx-lm's in-memory prompt cache does when it trims its nearest entr
 prefix; without it a block cache re-prefills up to `block_size - 1` shared tokens per request.
 
 `find` asks the tier stack fastest first (`BlockTier.sibling_candidates`): the siblings of `P`
-in RAM (`RamTier.children`, newest first, up to `kvtool.tiers.protocol.MAX_MEMORY_SIBLINGS`), in the writer's pending
-buffer, and — if neither gave the longest possible prefix — the `kvtool.tiers.protocol.MAX_SSD_SIBLINGS`
+in RAM (`RamTier.children`, newest first, up to `kvtool.tiers.ram.MAX_MEMORY_SIBLINGS`), in the writer's pending
+buffer, and — if neither gave the longest possible prefix — the `kvtool.tiers.ssd.MAX_SSD_SIBLINGS`
 most recently used sibling rows of the SSD index (one query on the parent column). SSD siblings are read whole and verified like every record (header, slot,
 parent, checksum over the whole record; `SSDStore.read_row`), then compared and sliced. The
 winner is returned *truncated* to its `L` tokens (views, no copy), so it is placed like any chain
@@ -41,7 +41,7 @@ import numpy as np
 from kvtool.disk.hostblock import HostBlock
 
 if TYPE_CHECKING:
-    from kvtool.tiers.protocol import BlockTier
+    from kvtool.tiers.base import BlockTier
 
 
 NO_TOKEN = -(1 << 40)  # pads a shorter sibling's row: equal to no int32 token id
@@ -129,7 +129,7 @@ def find(tiers: Sequence[BlockTier], block_size: int, parent: str, ids: np.ndarr
         lens = usable_lens(ids, start, limit, [b.token_ids for b in blocks], block_size, quantized)
         i = int(lens.argmax())  # the first of the longest
         if lens[i] > max(longer_than, best.n if best else 0):
-            best = Sibling(tier.kind, blocks[i], blocks[i].block_hash, int(lens[i]), tier=tier)
+            best = Sibling(tier.name, blocks[i], blocks[i].block_hash, int(lens[i]), tier=tier)
 
     for tier in tiers:
         if best is not None and best.n == limit:
@@ -149,7 +149,7 @@ def find(tiers: Sequence[BlockTier], block_size: int, parent: str, ids: np.ndarr
     if best is None:
         return None
     best.nbytes_read = read
-    if count and hasattr(best.tier, "sibling_used"):
+    if count:
         best.tier.sibling_used(best.key, best.nbytes_read)
     best.block = truncate(best.block, best.n)
     return best

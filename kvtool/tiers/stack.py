@@ -1,42 +1,48 @@
-"""The tiered cache: RAM over SSD for one namespace (layout key).
+"""`TierStack`: the tiers of one namespace (layout key), fastest first, and the walk, promotion and
+write policies as loops over them (docs/design.md#tier-policies).
 
-The prefix walk itself lives in `kvtool.cache.prefix.PrefixCache`; this layer owns the tiers: RAM
-blocks and the writer's pending buffer (queued, not yet on disk) are checked against the
-request's token ids (a mismatch is a miss), SSD blocks are restored in batches, and restored
-blocks are promoted into RAM as views of the request's cache.
-
-Policies (docs/design.md#tier-policies): `write_through` sends every new block to RAM and to the SSD writer;
-`evict_only` (write-back) sends a block to the writer only when RAM evicts it.
+The stack is RAM (the memory front: evaluated MLX blocks, LRU under a byte budget) followed by the
+tiers its builder opens from the config, one line each (`open_ssd`: the writer's pending buffer and
+the SSD namespace; `open_remote`: a shared Redis / Valkey). It names none of them; it reads their
+capabilities (`kvtool.tiers.base.Caps`), write policy and whether they take promotions:
+- the walk (`collect`): at each chain position the first tier that holds the next entries gives
+  its longest run; `fill` places the runs, each tier verifying what it reads, and counts tokens
+  per tier (`CacheHit.tier_tokens`, the JSON's `ram_hit_tokens`, `ssd_hit_tokens`, ...);
+- writes: new blocks go to every tier whose policy is write-through (`WritePolicy.THROUGH`);
+  blocks RAM evicts go to the write-back (`ON_EVICT`) tiers, except the local persistent tier
+  (`caps.backs_ram`) when RAM knows them handed to it already (`persisted`);
+- promotion: a hit from a tier that `promotes` is put, at `PrefixCache.release`, into every tier
+  above it that `takes_promotions` (RAM, as views of the request's cache; SSD with
+  `remote_promote`, for remote hits).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from kvtool.config import KVToolConfig
 from kvtool.disk.fsops import FileOps
-from kvtool.disk.hostblock import HostBlock
-from kvtool.disk.namespace import SSDStore
-from kvtool.kv.blocks import Block, to_host
-from kvtool.tiers.protocol import BlockTier, PendingTier, RamBlockTier, SsdBlockTier
-from kvtool.tiers.ram import RamTier
-from kvtool.tiers.remote import RemoteBlockTier, open_remote
-from kvtool.tiers.writer import DEFAULT_DRAIN_TIMEOUT_S, make_writer
+from kvtool.kv.blocks import Block
+from kvtool.tiers.base import BlockTier, ChainEntry, Put, WritePolicy
+from kvtool.tiers.ram import RamBlockTier, RamTier
+from kvtool.tiers.remote import open_remote
+from kvtool.tiers.ssd import open_ssd
+from kvtool.tiers.writer import DEFAULT_DRAIN_TIMEOUT_S
 
 log = logging.getLogger("kvtool")
-
-WRITE_BATCH_BYTES = 64 << 20  # = the store's segment size cap
 
 
 @dataclass
 class WriteTally:
-    """One request's own blocks handed to the tiers (`TieredCache.insert` / `persist` while
-    `TieredCache.tally` is set), and how many of them the SSD writer accepted. Which of them
-    reached the disk is `SSDStore.saved_count(hashes)` once the writer has drained.
+    """One request's own blocks handed to the tiers (`TierStack.insert` / `persist` while
+    `TierStack.tally` is set), and how many of them the local persistent tier's writer accepted.
+    Which of them reached the disk is `SSDStore.saved_count(hashes)` once the writer has drained.
 
     Attributes:
         hashes: the request's blocks (and tail entry), by chain hash.
@@ -55,15 +61,26 @@ class ShutdownStatus:
     shutdown_partial_flush: bool = False
 
 
-class TieredCache:
-    """RAM tier + optional SSD tier + writer for one namespace.
+STACK_COUNTERS = ("kv_lookup_hits", "kv_lookup_miss", "kv_promote_fail", "kv_tail_prefix_hits", "kv_partial_block_hits")
+
+
+class TierStack:
+    """RAM + the configured tiers of one namespace.
 
     Args:
-        config: cache settings (policy, budgets, durability, writer).
+        config: cache settings (policies, budgets, durability, writer, remote).
         layout: layout key = namespace name.
-        meta: namespace metadata for the SSD index (model_id, model_name, block_size,
-            kv_dtype, n_layers, n_kv_heads, head_dim; all strings).
+        meta: namespace metadata for the SSD index (model_id, model_name, block_size, kv_dtype,
+            kv_layers, ...; all strings).
         fs: optional `FileOps` for fault injection in tests.
+
+    Attributes:
+        tiers: the read order, fastest first (`BlockTier`s).
+        ram: the RAM front (`RamTier`).
+        backing: the local persistent tier (`caps.backs_ram`), or None.
+        ssd, writer: the backing tier's store and writer (None without one), for callers that
+            read its counters or wait on it.
+        tally: set by the request thread around one request's store (`WriteTally`).
     """
 
     def __init__(self, config: KVToolConfig, layout: str, meta: dict[str, str], fs: FileOps | None = None):
@@ -71,196 +88,154 @@ class TieredCache:
         self.layout = layout
         self.block_size = config.block_size
         self.ram = RamTier(config.ram_bytes, on_evict=self._on_evict)
-        self.ssd: SSDStore | None = None
-        self.writer = None
-        if config.ssd_enabled:
-            self.ssd = SSDStore(
-                Path(config.ssd_cache_dir),
-                layout,
-                meta,
-                durability=config.ssd_durability,
-                flush_interval_s=config.ssd_flush_interval_s,
-                fs=fs,
-                dir_mode=getattr(config, "ssd_dir_mode", 0o700),
-            )
-            self.writer = make_writer(self.ssd, config)
-        self.tally: WriteTally | None = None  # set by the request thread around one request's store
+        front = RamBlockTier(self.ram)
+        self.tiers: list[BlockTier] = [
+            front,
+            *open_ssd(config, layout, meta, fs),
+            *open_remote(config, layout, meta),
+        ]
+        self.backing: Any = next((t for t in self.tiers if t.caps.backs_ram), None)
+        if self.backing is not None:
+            front.has_backing, front.on_hit = True, self.backing.touch
+            front.new_persisted = self.backing.policy is WritePolicy.THROUGH
+        self.ssd = getattr(self.backing, "ssd", None)
+        self.writer = getattr(self.backing, "writer", None)
+        # promotion targets of each tier's hits: the tiers above it that take promotions
+        self._up = {id(t): [u for u in self.tiers[:i] if u.takes_promotions] for i, t in enumerate(self.tiers)}
+        self.tally: WriteTally | None = None
         self._lock = threading.Lock()
-        # The read-side tier stack, fastest first (`kvtool.tiers.protocol`): PrefixCache walks it.
-        self.tiers: list[BlockTier] = [RamBlockTier(self.ram, on_hit=self._touch_persisted,
-                                                    on_mismatch=lambda: self._inc("kv_ram_token_mismatch"))]
-        if self.writer is not None:
-            self.tiers.append(PendingTier(self.writer, on_hit=lambda: self._inc("kv_pending_hits")))
-        if self.ssd is not None:
-            self.tiers.append(SsdBlockTier(self.ssd))
-        self.remote, self.remote_writer = open_remote(config, layout, meta)
-        if self.remote is not None:
-            self.tiers.append(RemoteBlockTier(self.remote, to_ssd=bool(config.remote_promote) and self.writer is not None))
-        self._stats = {
-            "kv_lookup_hits": 0,
-            "kv_lookup_miss": 0,
-            "kv_promote_hits": 0,
-            "kv_promote_fail": 0,
-            "kv_pending_hits": 0,
-            "kv_tail_prefix_hits": 0,
-            "kv_partial_block_hits": 0,
-            "kv_ram_token_mismatch": 0,
-            "kv_write_through_enqueued": 0,
-            "kv_evict_to_ssd": 0,
-            "kv_remote_enqueued": 0,
-            "kv_remote_promoted_to_ssd": 0,
-        }
+        self._stats = dict.fromkeys(STACK_COUNTERS, 0)
 
-    # ----------------------------------------------------------------- lookup
-    def _touch_persisted(self, hashes: list[str]) -> None:
-        """RAM hits on blocks that are also on SSD: touch their rows (batched), so prune's TTL /
-        LRU view of hot blocks stays current."""
-        if self.ssd is not None:
-            self.ssd.touch_many(self.ram.persisted(hashes))
+    # ------------------------------------------------------------------- walk
+    def collect(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[tuple[Any, Any]]:
+        """`(tier, handle)` of the leading chain entries: at each position the first tier that
+        holds the next entries gives its longest run (`BlockTier.longest_prefix`)."""
+        found: list[tuple[Any, Any]] = []
+        i = 0
+        while i < len(chain):
+            for tier in self.tiers:
+                got = tier.longest_prefix(chain[i:], ids)
+                if got:
+                    found += [(tier, g) for g in got]
+                    i += len(got)
+                    break
+            else:
+                self._inc("kv_lookup_miss")
+                break
+        self._inc("kv_lookup_hits", len(found))
+        return found
 
-    def count_hits(self, n: int) -> None:
-        self._inc("kv_lookup_hits", n)
+    def fill(self, chain: Sequence[ChainEntry], found: list, ids: np.ndarray, buffers: Any, hit: Any,
+             scratch: Callable[[int], list]) -> int:  # fmt: skip
+        """Place every found entry into `buffers` (`KVBuffers`), run by run of the same tier, each
+        tier verifying what it reads; tokens and bytes read per tier go to `hit.tier_tokens` /
+        `hit.tier_bytes`, entries to promote to `hit.promote` / `hit.sources`
+        (`(hash, parent, ids, offset, *scratch(offset))`). Returns the entries placed (a failed
+        entry cuts the chain)."""
+        i = 0
+        while i < len(found):
+            tier = found[i][0]
+            j = i
+            while j < len(found) and found[j][0] is tier:
+                j += 1
+            res = tier.read_into(chain[i:j], [h for _, h in found[i:j]], ids, buffers)
+            name = tier.name
+            hit.tier_bytes[name] = hit.tier_bytes.get(name, 0) + res.bytes_read
+            placed = chain[i : i + res.n_ok]
+            hit.tier_tokens[name] = hit.tier_tokens.get(name, 0) + sum(e.stop - e.start for e in placed)
+            if tier.caps.promotes and self._up.get(id(tier)):
+                for e in placed:
+                    hit.promote.append((e.hash, e.parent, ids[e.start : e.stop], e.start, *scratch(e.start)))
+                    hit.sources[e.hash] = tier
+            if res.n_ok < j - i:
+                return i + res.n_ok
+            i = j
+        return i
 
-    def count_miss(self) -> None:
-        self._inc("kv_lookup_miss")
+    def release(self, held: Sequence[tuple[Any, Any]]) -> None:
+        """Release `(tier, handle)` pairs a request held (RAM unpins), one call per tier."""
+        groups: dict[int, tuple[Any, list]] = {}
+        for tier, handle in held:
+            groups.setdefault(id(tier), (tier, []))[1].append(handle)
+        for tier, handles in groups.values():
+            tier.release(handles)
 
     def count_tail_prefix(self) -> None:
         """A fetch extended its hit with an earlier prompt's tail entry (`PrefixCache`)."""
         self._inc("kv_tail_prefix_hits")
 
     def count_partial_block(self) -> None:
-        """A fetch extended its hit with a sibling block's common token prefix (`kvtool.tiers.siblings`)."""
+        """A fetch extended its hit with a sibling block's common token prefix."""
         self._inc("kv_partial_block_hits")
 
-    def promote(self, blocks: Sequence[Block]) -> None:
-        """Put blocks restored from SSD into RAM (already persisted)."""
-        for block in blocks:
-            self.ram.put(block, persisted=True)
-        self._inc("kv_promote_hits", len(blocks))
+    # ------------------------------------------------------------------ writes
+    def promote(self, blocks: Sequence[Block], sources: Sequence[Any]) -> None:
+        """Verified hits (views of the request's cache) into every tier above their source tier
+        that takes promotions (`Put.PROMOTED`)."""
+        targets: dict[int, tuple[Any, list[Block]]] = {}
+        for block, src in zip(blocks, sources):
+            for t in self._up.get(id(src), ()):
+                targets.setdefault(id(t), (t, []))[1].append(block)
+        for tier, group in targets.values():
+            tier.put(group, Put.PROMOTED)
 
-    # ----------------------------------------------------------------- insert
     def insert(self, blocks: Sequence[Block]) -> None:
-        """Add a request's new full blocks (policy decides whether they go to SSD now)."""
-        write_through = self.config.ssd_policy == "write_through" and self.writer is not None
+        """A request's new blocks: to every write-through tier (RAM first)."""
         self._tally(blocks)
-        for block in blocks:
-            self.ram.put(block, persisted=write_through)
-        if write_through:
-            self._tally((), self._send_to_writer(blocks))
-            self._inc("kv_write_through_enqueued", len(blocks))
-        if self.remote_writer is not None and self.config.remote_policy == "write_through":
-            self._send_to_remote(blocks)
+        for tier in self.tiers:
+            if tier.policy is WritePolicy.THROUGH:
+                accepted = tier.put(blocks, Put.NEW)
+                if tier is self.backing:
+                    self._tally((), accepted)
 
-    def _send_to_remote(self, blocks: Sequence[Block]) -> None:
-        """Host views of the blocks to the remote writer (never waits: a full queue drops them)."""
-        try:
-            assert self.remote_writer is not None  # callers check it
-            self._inc("kv_remote_enqueued", self.remote_writer.enqueue([to_host(b) for b in blocks]))
-        except Exception:  # the cache must never fail a request
-            log.exception("remote write of %d block(s) failed", len(blocks))
-
-    def remote_to_ssd(self, blocks: Sequence[Block]) -> None:
-        """Verified remote hits into the local SSD tier (`remote_promote`; views of the request's
-        cache, `PrefixCache.release`): host copies to the writer's queue, shed like any write
-        when full."""
-        if self.writer is not None and blocks:
-            self._inc("kv_remote_promoted_to_ssd", self._send_to_writer(blocks))
+    def persist(self, blocks: Sequence[Block]) -> None:
+        """Put blocks in RAM and hand those RAM does not know persisted to the local persistent
+        tier, whatever the policy, never shed (`kvtool warm`)."""
+        self._tally(blocks)
+        todo = [b for b in blocks if not self.ram.is_persisted(b.block_hash)]
+        self.tiers[0].put(blocks, Put.PERSIST)
+        if self.backing is not None and todo:
+            self._tally((), self.backing.put(todo, Put.PERSIST))
 
     def _tally(self, blocks: Sequence[Block], accepted: int = 0) -> None:
-        """Note a request's own blocks and how many of them the writer accepted (`tally`)."""
         if self.tally is not None:
             self.tally.hashes += [b.block_hash for b in blocks]
             self.tally.accepted += accepted
 
-    def persist(self, blocks: Sequence[Block]) -> None:
-        """Put blocks in RAM and write those not yet on SSD, whatever the policy (`kvtool warm`)."""
-        todo = []
-        self._tally(blocks)
-        for block in blocks:
-            if not self.ram.is_persisted(block.block_hash):
-                todo.append(block)
-            self.ram.put(block, persisted=self.writer is not None)
-        if self.writer is not None and todo:
-            self._tally((), self._send_to_writer(todo, must_write=True))  # never shed: warm promises SSD
-
-    def _send_to_writer(self, blocks: Sequence[Block], must_write: bool = False) -> int:
-        """Host copies of the blocks, handed to the writer in batches of at most
-        `WRITE_BATCH_BYTES` (each becomes one segment; a batch never exceeds the writer's queue).
-        A full async queue sheds a batch (best_effort, persistent) unless `must_write`.
-        Returns how many blocks the writer accepted (none from a read-only or disabled store)."""
-        accepted = 0
-        try:
-            writer = self.writer
-            assert writer is not None  # callers check it
-            batch: list[HostBlock] = []
-            size = 0
-            for b in blocks:
-                if batch and size + b.nbytes > WRITE_BATCH_BYTES:
-                    accepted += writer.enqueue_many(batch, must_write=must_write)
-                    batch, size = [], 0
-                batch.append(to_host(b))
-                size += b.nbytes
-            if batch:
-                accepted += writer.enqueue_many(batch, must_write=must_write)
-        except Exception:  # the cache must never fail a request
-            log.exception("SSD write of %d block(s) failed", len(blocks))
-        return accepted
-
     def _on_evict(self, block: Block, persisted: bool) -> None:
-        if self.remote_writer is not None and self.config.remote_policy == "on_evict":
-            self._send_to_remote([block])  # SET NX: a block the store holds already is not rewritten
-        if persisted or self.writer is None or self.config.ssd_policy != "evict_only":
-            return
-        self._inc("kv_evict_to_ssd")
-        self._send_to_writer([block])
+        """RAM evicted `block`: write it back to the `ON_EVICT` tiers (not to the local
+        persistent tier if RAM knows it handed there already)."""
+        for tier in self.tiers:
+            if tier.policy is WritePolicy.ON_EVICT and not (persisted and tier.caps.backs_ram):
+                tier.put([block], Put.EVICTED)
 
     # -------------------------------------------------------------- lifecycle
     def flush(self, timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
-        """Wait until every accepted write was attempted and the index is flushed."""
+        """Wait until every accepted write was attempted and indexes are flushed."""
         ok = True
-        if self.writer is not None:
-            ok = self.writer.flush(timeout)
-        if self.ssd is not None:
-            self.ssd.flush()
-        if self.remote_writer is not None:
-            self.remote_writer.flush(timeout)  # best effort: the remote tier promises nothing
+        for tier in self.tiers:
+            ok = tier.flush(timeout) and ok
         return ok
 
     def close(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> ShutdownStatus:
-        """Drain the writer, flush and close the index, drop RAM blocks (docs/design.md#tier-policies)."""
-        status = ShutdownStatus()
-        if self.writer is not None and not self.writer.stop(drain_timeout):
-            status.shutdown_clean = False
-            log.critical("SSD writer did not stop cleanly; validate will reconcile the cache")
-        if self.ssd is not None:
-            if not status.shutdown_clean:
-                status.shutdown_partial_flush = True
-            self.ssd.close(status.shutdown_clean, status.shutdown_partial_flush)
-        if self.remote_writer is not None:
-            self.remote_writer.stop(drain_timeout)
-            self.remote.close()
-        self.ram.clear()
-        return status
+        """Drain the writers, flush and close the stores, drop RAM blocks (RAM last)."""
+        clean = all([tier.close(drain_timeout) for tier in [*self.tiers[1:], self.tiers[0]]])
+        return ShutdownStatus(shutdown_clean=clean, shutdown_partial_flush=not clean)
 
     def queue_depth(self) -> int:
         return self.writer.queue_depth() if self.writer is not None else 0
 
     def stats(self) -> dict:
-        """Counters of every owner merged (prefixes kv_, ssd_, writer_ never collide)."""
-        out: dict = {}
+        """Counters of every tier merged (prefixes kv_, ssd_, writer_, remote_ never collide)."""
         with self._lock:
-            out.update(self._stats)
-        out.update(self.ram.stats())
-        if self.ssd is not None:
-            out.update(self.ssd.stats())
-        if self.writer is not None:
-            out.update(self.writer.get_stats())
-        if self.remote is not None:
-            out.update(self.remote.stats())
-        if self.remote_writer is not None:
-            out.update(self.remote_writer.stats())
+            out: dict = dict(self._stats)
+        for tier in self.tiers:
+            out.update(tier.stats())
         return out
 
     def _inc(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._stats[key] += n
+
+
+__all__ = ["ShutdownStatus", "TierStack", "WriteTally"]

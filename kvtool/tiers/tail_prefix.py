@@ -38,7 +38,7 @@ import numpy as np
 from kvtool.hashing import HashFn, blake2b_chain, blake2b_chain_prefixes
 
 if TYPE_CHECKING:
-    from kvtool.tiers.protocol import BlockTier
+    from kvtool.tiers.base import BlockTier
 
 Found = tuple[Any, Any, str, int]  # (tier, its handle: Block | HostBlock | IndexRow, key, k)
 

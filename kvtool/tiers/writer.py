@@ -1,10 +1,17 @@
-"""SSD block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
+"""Block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
+
+The one writer of every tier that wants one: the SSD tier (`SSDStore.save_blocks`) and the remote
+tier (`RemoteStore.save_blocks`, `when_full="shed"`, a daemon thread: it never keeps a process
+alive). What a full queue does is the writer's `when_full` policy: `"shed"` (drop the batch at
+once, counted; the request thread never waits) or `"wait"` (wait for room, then save on the
+caller's thread); by default the durability decides (below).
 
 Both take batches of `HostBlock`s (numpy, already materialised on the request thread) and hand
 each batch to `SSDStore.save_blocks` in one call — one segment file per batch (per 64 MiB of it),
 not one file per block — so this module never imports MLX. They share one interface, so the
 tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue_depth`, `flush`,
-`stop`, `get_stats`. The batch plumbing (counters, retry policy, queue) is in `writer_batch`.
+`stop`, `get_stats`. The batch plumbing (counters, retry policy, queue) is in `writer_batch`, the
+shared base and `SyncWriter` in `writer_sync`.
 
 `AsyncWriter` follows docs/design.md#writer-protocol, with a batch as the queue item:
 - a bounded queue fed by `enqueue_many` (one item per call), drained by one non-daemon worker
@@ -77,7 +84,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from kvtool.tiers.writer_batch import (
     COUNTER_NAMES,
@@ -89,11 +96,18 @@ from kvtool.tiers.writer_batch import (
     SHED_MODES,
     Batch,
     BatchQueue,
-    Counters,
     RetryPolicy,
     ShedLog,
     batch_nbytes,
     describe,
+)
+from kvtool.tiers.writer_sync import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_FLUSH_TIMEOUT_S,
+    BlockSink,
+    SyncWriter,
+    WriterBase,
+    unique_blocks,
 )
 
 if TYPE_CHECKING:
@@ -101,7 +115,7 @@ if TYPE_CHECKING:
     from kvtool.disk.hostblock import HostBlock
 
 __all__ = [
-    "COUNTER_NAMES", "DEFAULT_BATCH_MAX_BYTES", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_RETRIES",
+    "COUNTER_NAMES", "DEFAULT_BATCH_MAX_BYTES", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_FLUSH_TIMEOUT_S", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_RETRIES",
     "DEFAULT_QUEUE_SIZE", "DEFAULT_RETRY_BACKOFF_S", "ENQUEUE_WAIT_S", "RETRY_MODES", "SAVE_OUTCOMES",
     "SHED_LOG_INTERVAL_S", "SHED_MODES", "AsyncWriter", "BlockSink", "RetryPolicy", "SyncWriter", "Writer", "make_writer",
 ]
@@ -111,153 +125,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_QUEUE_SIZE = 512  # blocks queued (`ssd_writer_queue_size`)
 DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of HostBlock.nbytes)
 DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
-DEFAULT_DRAIN_TIMEOUT_S = 30.0  # the one drain timeout (writer stop, tier close)
-DEFAULT_FLUSH_TIMEOUT_S = 60.0
 ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
 QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field read by make_writer
 MAX_BYTES_CONFIG_FIELD = "ssd_max_bytes"  # the SSD tier's byte budget, handed to the store by make_writer
-
-
-class BlockSink(Protocol):
-    """What a writer needs from `SSDStore`: `save_blocks` (one call per batch, one outcome per
-    block, in order), `enabled` and `stats`."""
-
-    enabled: bool
-
-    def save_blocks(self, blocks: Sequence[HostBlock]) -> list[str]: ...
-
-    def stats(self) -> dict: ...
-
-
-class _WriterBase:
-    """State and stats common to both writers."""
-
-    def __init__(self, store: BlockSink, policy: RetryPolicy) -> None:
-        self._store = store
-        self._policy = policy
-        self._counters = Counters()
-
-    @property
-    def durability(self) -> str:
-        return self._policy.durability
-
-    def _store_enabled(self) -> bool:
-        """A store that can take writes: enabled and not read-only (a read-only cache would
-        answer 'error' to every block, and retrying that is only latency)."""
-        return bool(getattr(self._store, "enabled", True)) and not getattr(self._store, "read_only", False)
-
-    def _save(self, blocks: list[HostBlock], abort: threading.Event | None = None) -> list[str]:
-        return self._policy.save_batch(self._store, blocks, self._counters, abort)
-
-    def enqueue(self, block: HostBlock, *, must_write: bool = False) -> bool:
-        """`enqueue_many([block], must_write=must_write) == 1`: True if `block` was accepted."""
-        return self.enqueue_many([block], must_write=must_write) == 1
-
-    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:  # pragma: no cover
-        raise NotImplementedError
-
-    def get_stats(self) -> dict[str, int]:
-        """Snapshot of the `writer_*` counters (blocks, bytes where named) plus the gauges
-        `writer_queue_depth` (blocks), `writer_pending` (blocks), `writer_pending_bytes` and
-        `writer_queue_peak_bytes` (bytes)."""
-        stats: dict[str, Any] = self._counters.snapshot()
-        stats["writer_queue_depth"] = self.queue_depth()
-        stats["writer_pending"] = self._pending_count()
-        stats["writer_pending_bytes"] = self.pending_bytes()
-        stats["writer_queue_peak_bytes"] = self.queue_peak_bytes()
-        return stats
-
-    def queue_peak_bytes(self) -> int:
-        """Highest bytes held by the writer's queue (queued plus being written) so far; 0 for a
-        writer without a queue."""
-        return 0
-
-    def queue_depth(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _pending_count(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def pending_bytes(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-
-def _unique(blocks: Sequence[HostBlock], skip: Callable[[str], bool] = lambda h: False) -> list[HostBlock]:
-    """`blocks` in order without repeated hashes, nor hashes for which `skip` is true."""
-    seen: set[str] = set()
-    out = []
-    for b in blocks:
-        if b.block_hash not in seen and not skip(b.block_hash):
-            seen.add(b.block_hash)
-            out.append(b)
-    return out
-
-
-class SyncWriter(_WriterBase):
-    """Writes each batch on the caller's thread, with the same retry policy as `AsyncWriter`."""
-
-    def __init__(
-        self,
-        store: BlockSink,
-        durability: str = "best_effort",
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
-        *,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep))
-        self._closed = False
-
-    def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:
-        """Save `blocks` now with one `save_blocks` call (retries included).
-
-        Args:
-            blocks: the batch, in write order; a hash repeated in it is saved once (the
-                repeats count as `writer_enqueue_dedup_skip`).
-            must_write: accepted for interface parity with `AsyncWriter`; every batch is
-                written here anyway (nothing is ever shed).
-
-        Returns:
-            How many blocks were accepted (and attempted); 0 if stopped or the store is disabled.
-        """
-        blocks = list(blocks)
-        if not blocks:
-            return 0
-        if self._closed or not self._store_enabled():
-            self._counters.inc("writer_enqueue_rejected", len(blocks))
-            return 0
-        batch = _unique(blocks)
-        if len(batch) < len(blocks):
-            self._counters.inc("writer_enqueue_dedup_skip", len(blocks) - len(batch))
-        self._counters.inc("writer_enqueue_total", len(batch))
-        self._save(batch)
-        return len(batch)
-
-    def get_pending(self, block_hash: str) -> HostBlock | None:
-        """Nothing is ever pending: always None."""
-        return None
-
-    def pending_children(self, parent_hash: str, limit: int) -> list[HostBlock]:
-        """Nothing is ever pending: always []."""
-        return []
-
-    def queue_depth(self) -> int:
-        return 0
-
-    def _pending_count(self) -> int:
-        return 0
-
-    def pending_bytes(self) -> int:
-        return 0
-
-    def flush(self, timeout: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> bool:
-        """Every accepted block has been attempted already: True."""
-        return True
-
-    def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
-        """Refuse further blocks; True (nothing to drain). Idempotent."""
-        self._closed = True
-        return True
 
 
 @dataclass
@@ -303,7 +173,7 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
-class AsyncWriter(_WriterBase):
+class AsyncWriter(WriterBase):
     """Writes batches from one background (non-daemon) thread; see the module docstring.
 
     Args:
@@ -320,6 +190,13 @@ class AsyncWriter(_WriterBase):
             thread (seconds), under `durable` or with `must_write`; the shedding modes never wait.
         sleep: wait between retries (injectable for tests); by default a wait that a timed-out
             `stop()` interrupts.
+        when_full: `"shed"` | `"wait"`: what a batch that finds the queue full does (`must_write`
+            always waits); None: `"shed"` under best_effort / persistent, `"wait"` under durable.
+        daemon: the worker is a daemon thread (it never keeps the process alive; not drained at
+            exit), and blocks given up are the sink's to report (logged at DEBUG only): for a sink
+            that promises nothing and counts its own failures (the remote tier).
+        name: the sink's name in the thread name and log lines ('SSD', 'remote').
+        on_drop: called with the number of blocks shed or refused (closing, store disabled).
     """
 
     def __init__(
@@ -334,22 +211,31 @@ class AsyncWriter(_WriterBase):
         batch_max_bytes: int = DEFAULT_BATCH_MAX_BYTES,
         enqueue_wait_s: float = ENQUEUE_WAIT_S,
         sleep: Callable[[float], None] | None = None,
+        when_full: str | None = None,
+        daemon: bool = False,
+        name: str = "SSD",
+        on_drop: Callable[[int], None] | None = None,
     ) -> None:
         _positive_int("queue_size", queue_size)
         _positive_int("max_queue_bytes", max_queue_bytes)
         _positive_int("batch_max_bytes", batch_max_bytes)
         if not enqueue_wait_s >= 0:
             raise ValueError(f"enqueue_wait_s must be >= 0, got {enqueue_wait_s!r}")
+        if when_full not in (None, "shed", "wait"):
+            raise ValueError(f"when_full must be 'shed' or 'wait', got {when_full!r}")
         # set when stop() times out: no new retries, so a dead disk cannot keep the
         # non-daemon thread (and the process) alive for the whole queue x the backoff series
         self._give_up = threading.Event()
-        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait))
+        super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait,
+                                            report=not daemon, sink=name))
         self._queue = BatchQueue(queue_size, max_queue_bytes)
         self._batch_max_bytes = batch_max_bytes
         self._enqueue_wait_s = enqueue_wait_s
         self._sentinel = object()
-        self._sheds = self._policy.durability in SHED_MODES
-        self._shed_log = ShedLog()
+        self._sheds = self._policy.durability in SHED_MODES if when_full is None else when_full == "shed"
+        self._shed_log = ShedLog(sink=name)
+        self._name = name
+        self._on_drop = on_drop
 
         self._pending: dict[str, _Pending] = {}
         self._pending_lock = threading.Lock()
@@ -362,10 +248,11 @@ class AsyncWriter(_WriterBase):
         self._sealed = False  # closing, no enqueue in flight: the sentinel is queued
         self._inflight_enqueues = 0
 
-        self._thread = threading.Thread(target=self._run, name="kvtool-ssd-writer", daemon=False)
+        self._thread = threading.Thread(target=self._run, name=f"kvtool-{name.lower()}-writer", daemon=daemon)
         self._thread.start()
-        _LIVE_WRITERS.add(self)
-        _watch_exit()
+        if not daemon:
+            _LIVE_WRITERS.add(self)
+            _watch_exit()
 
     @property
     def max_queue_bytes(self) -> int:
@@ -398,6 +285,7 @@ class AsyncWriter(_WriterBase):
             return 0
         if not self._store_enabled() or not self._enter():
             self._counters.inc("writer_enqueue_rejected", len(blocks))
+            self._dropped(len(blocks))
             return 0
         try:
             return self._accept(blocks, shed=self._sheds and not must_write)
@@ -420,7 +308,7 @@ class AsyncWriter(_WriterBase):
 
     def _accept(self, blocks: list[HostBlock], shed: bool) -> int:
         with self._pending_lock:
-            batch = _unique(blocks, self._pending.__contains__)
+            batch = unique_blocks(blocks, self._pending.__contains__)
             for b in batch:
                 self._pending[b.block_hash] = _Pending(b, self._next_ticket)
             self._next_ticket += 1
@@ -441,6 +329,7 @@ class AsyncWriter(_WriterBase):
                     "writer_shed_bytes": item.nbytes,
                 })
                 self._shed_log.add(len(batch), item.nbytes)
+                self._dropped(len(batch))
                 return 0
             self._counters.inc("writer_backpressure_waits")
             if self._queue.put(item, timeout=self._enqueue_wait_s):
@@ -451,6 +340,10 @@ class AsyncWriter(_WriterBase):
             raise
         self._save_and_settle(batch)
         return len(batch)
+
+    def _dropped(self, n: int) -> None:
+        if self._on_drop is not None and n:
+            self._on_drop(n)
 
     def _seal_locked(self) -> None:
         """Under `_life_lock`, closing and no enqueue in flight: put the sentinel, last."""
@@ -468,10 +361,10 @@ class AsyncWriter(_WriterBase):
             try:
                 self._save_and_settle(item.blocks)
             except Exception:  # never let the worker die: the queue would never drain
-                logger.exception("SSD writer: unexpected error on %s", describe(item.blocks))
+                logger.exception("%s writer: unexpected error on %s", self._name, describe(item.blocks))
             finally:
                 self._queue.release(item)  # after settling: pending bytes never exceed the bound
-        logger.debug("SSD writer thread exiting")
+        logger.debug("%s writer thread exiting", self._name)
 
     def _save_and_settle(self, blocks: list[HostBlock]) -> None:
         try:

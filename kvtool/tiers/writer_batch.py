@@ -1,4 +1,4 @@
-"""Batch plumbing of the SSD writers: counters, the per-batch retry policy, the byte-bounded queue.
+"""Batch plumbing of the block writers: counters, the per-batch retry policy, the byte-bounded queue.
 
 Split out of `kvtool.tiers.writer`, which re-exports what callers use. The unit of work is a
 *batch*: a list of `HostBlock`s handed to `SSDStore.save_blocks` in one call (one segment file per
@@ -104,8 +104,10 @@ class ShedLog:
         clock: monotonic time source in seconds (injectable for tests).
     """
 
-    def __init__(self, interval_s: float = SHED_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, interval_s: float = SHED_LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic,
+                 sink: str = "SSD") -> None:  # fmt: skip
         self.interval_s = interval_s
+        self.sink = sink  # names the writer and where the blocks are not written
         self._clock = clock
         self._lock = threading.Lock()
         self._blocks = 0
@@ -123,14 +125,14 @@ class ShedLog:
                 return False
             self._last = now
             counts = self._take()
-        return self._log(*counts)
+        return self._log(self.sink, *counts)
 
     def flush(self) -> bool:
         """Log the counts not reported yet, whatever the interval (at writer stop). Returns True
         if a line was written (False: nothing shed since the last line)."""
         with self._lock:
             counts = self._take()
-        return self._log(*counts)
+        return self._log(self.sink, *counts)
 
     def _take(self) -> tuple[int, int]:
         counts = (self._blocks, self._bytes)
@@ -138,13 +140,13 @@ class ShedLog:
         return counts
 
     @staticmethod
-    def _log(blocks: int, nbytes: int) -> bool:
+    def _log(sink: str, blocks: int, nbytes: int) -> bool:
         # outside the lock: a slow log handler must not hold up another shedding thread
         if not blocks:
             return False
         logger.warning(
-            "SSD writer queue full: shed %d block(s) (%d bytes) since the last report; "
-            "they stay in RAM only, not written to SSD", blocks, nbytes,
+            "%s writer queue full: shed %d block(s) (%d bytes) since the last report; "
+            "they stay in RAM only, not written to %s", sink, blocks, nbytes, sink,
         )
         return True
 
@@ -192,12 +194,16 @@ class RetryPolicy:
             only the blocks whose last outcome was 'error'.
         backoff_s: delay before the first retry round (seconds); doubles for each further round.
         sleep: how to wait between rounds (injectable for tests).
+        report: log blocks given up as a WARNING (False: the sink counts and reports its own
+            failures, as the remote store does; logged at DEBUG).
     """
 
     durability: str = "best_effort"
     max_retries: int = DEFAULT_MAX_RETRIES
     backoff_s: float = DEFAULT_RETRY_BACKOFF_S
     sleep: Callable[[float], object] = field(default=time.sleep, compare=False)  # the result is ignored
+    report: bool = True
+    sink: str = "SSD"  # names the sink in log lines
 
     def __post_init__(self) -> None:
         if self.durability not in DURABILITY_MODES:
@@ -266,7 +272,8 @@ class RetryPolicy:
                 "" if retries_done == self.retries else ", retries cut short by shutdown",
             )
         else:
-            logger.warning("SSD write of %s failed (best_effort); kept in RAM only", describe(failed))
+            (logger.warning if self.report else logger.debug)("%s write of %s failed (best_effort); kept in RAM only",
+                                                              self.sink, describe(failed))
 
 
 @dataclass
