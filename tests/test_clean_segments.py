@@ -17,6 +17,7 @@ import pytest
 from kvtool.disk import segment as seg
 from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.fsops import FileOps
+from kvtool.disk.verify import header_digest
 from kvtool.ops import clean_segments
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.scan import scan_cache
@@ -64,7 +65,7 @@ def reseal(path, edit) -> None:
     assert len(header) == n and header != bytes(data[8 : 8 + n])
     key = b'"header_checksum":"'
     at = header.find(key) + len(key)
-    header = header[:at] + seg._header_digest(header).encode() + header[at + 32 :]
+    header = header[:at] + header_digest(header).encode() + header[at + 32 :]
     data[8 : 8 + n] = header
     path.write_bytes(bytes(data))
 

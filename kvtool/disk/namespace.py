@@ -48,6 +48,7 @@ from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileRe
 from kvtool.disk.namespace_open import open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
 from kvtool.disk.segment import BlockFileError
+from kvtool.disk.verify import slot_problem
 
 if TYPE_CHECKING:
     from kvtool.disk.hostblock import HostBlock
@@ -321,15 +322,12 @@ class SSDStore(StoreCore):
         self.suspect(name)
 
     def check_slot(self, row: IndexRow, header: seg.SegmentHeader, parent: str | None) -> seg.Slot | None:
-        """The header's slot for `row` if it is the block asked for (hash, parent, length)."""
+        """The header's slot for `row` if it is the block asked for (`verify.slot_problem`: hash,
+        parent, length), else None."""
         if row.slot >= len(header.slots):
             return None
         slot = header.slots[row.slot]
-        if slot.block_hash != row.hash or slot.n_tokens != row.num_tokens:
-            return None
-        if parent is not None and slot.parent_hash != parent:
-            return None
-        return slot
+        return slot if slot_problem(slot, row.hash, parent, row.num_tokens) is None else None
 
     def load_block(self, block_hash: str, expected_token_ids: np.ndarray, parent: str | None = None) -> HostBlock | None:
         """Read, verify and return one block (full or tail entry) in fresh host arrays, or None.

@@ -42,7 +42,6 @@ from functools import cached_property
 from typing import cast
 
 import numpy as np
-import xxhash
 
 from kvtool.disk import segment as seg
 from kvtool.disk.chains import unhex_lower
@@ -50,6 +49,7 @@ from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.disk.rowtable import RowTable
 from kvtool.disk.segment_template import CREATED_OK, Template, created_of_text, created_span, template
+from kvtool.disk.verify import raw_digest, sealed_header_digest
 
 SHALLOW_MAX = 64 << 10  # without `deep`, a larger segment file is read whole only if ... (bytes)
 SHALLOW_GAP = 64 << 10  # ... its token ids lie this close (`records.SPAN_GAP`: one read there too), else the general way
@@ -59,7 +59,6 @@ BATCH_BYTES = 8 << 20  # ... or fewer, so the headers kept for a batch stay smal
 PARALLEL_MIN = 16384  # segments below which one process does all (starting workers costs more than they save)
 CHUNKS_PER_WORKER = 8  # pieces of work per worker (a loaded core finishes fewer)
 PIECE_MAX = 2048  # segments per piece at most (progress is reported piece by piece)
-_ZERO = seg.ZERO_CHECKSUM.encode()
 _MISSING = object()
 _Slicer = Callable[[slice], memoryview]  # made once: a subscripted type costs ~1.5 us a call
 
@@ -265,7 +264,8 @@ def _check(ctx: _Context, segs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
 
 def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
     """Read segment `s` whole: `(buffer, its template, header bytes, token digests, record digests)`,
-    or None (unreadable, too large, a header of no known shape: the general path decides)."""
+    or None (unreadable, too large, a header of no known shape or that fails its checksum: the general
+    path decides)."""
     try:
         fd, size = ctx.cdir.open_segment(ctx.names[s])
     except (OSError, ValueError):
@@ -288,13 +288,13 @@ def _read(ctx: _Context, s: int, buf: bytearray, limit: int):
     tpl = ctx.template_of((ctx.shape_of(s), span[1] - span[0]))
     if tpl is None or tpl.file_size != size or int.from_bytes(buf[:8], "little") != tpl.hlen:
         return None
-    digest = xxhash.xxh3_128_digest
-    part = cast(_Slicer, view.__getitem__)  # the loops run in C: `map`, not a comprehension
-    toks = b"".join(map(digest, map(part, tpl.tokens)))
-    recs = b"".join(map(digest, map(part, tpl.records))) if ctx.deep else b""
     head = bytes(view[8 : 8 + tpl.hlen])
-    sealed = digest(head[: tpl.hck_at] + _ZERO + head[tpl.hck_at + 32 :])  # the header checksum it must hold
-    return buf, tpl, head, toks + recs + sealed, created_of_text(buf[span[0] : span[1]])
+    if sealed_header_digest(head, tpl.hck_at) != head[tpl.hck_at : tpl.hck_at + 32]:  # the header checksum
+        return None
+    part = cast(_Slicer, view.__getitem__)  # the loops run in C: `map`, not a comprehension
+    toks = b"".join(map(raw_digest, map(part, tpl.tokens)))
+    recs = b"".join(map(raw_digest, map(part, tpl.records))) if ctx.deep else b""
+    return buf, tpl, head, toks + recs, created_of_text(buf[span[0] : span[1]])
 
 
 def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, size: np.ndarray,
@@ -307,9 +307,9 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
         heads = np.frombuffer(b"".join(h for _, h, _, _ in items), dtype=np.uint8).reshape(k, tpl.hlen)
         ok = ~((heads != tpl.arr) & ~tpl.holes).any(axis=1)  # every fixed byte as `encode` writes it
         ok &= CREATED_OK[heads[:, tpl.created_idx]].all(axis=1)
-        stored, hex_ok = unhex_lower(heads[:, np.concatenate([tpl.hck_idx, tpl.hex_idx.reshape(-1)])])
+        stored, hex_ok = unhex_lower(heads[:, tpl.hex_idx.reshape(-1)])
         ok &= hex_ok
-        fields = stored[:, 16:].reshape(k, n, 3, 16)  # per slot: hash, parent, checksum
+        fields = stored.reshape(k, n, 3, 16)  # per slot: hash, parent, checksum
         computed = np.frombuffer(b"".join(d for _, _, d, _ in items), dtype=np.uint8).reshape(k, -1, 16)
         rows = ctx.order[ctx.start[segs[at]][:, None] + np.arange(n)]  # [k, n] row numbers, slot order
         # `np.take` along the rows: a gather of [N, 2] keys ~3x faster than fancy indexing
@@ -318,7 +318,6 @@ def _judge(ctx: _Context, segs: np.ndarray, groups: dict, clean: np.ndarray, siz
         ok &= (_keys(computed[:, :n]) == np.take(t.digest, rows, axis=0)).all(axis=(1, 2))  # token digests
         if ctx.deep:
             ok &= (computed[:, n : 2 * n] == fields[:, :, 2]).all(axis=(1, 2))  # record checksums
-        ok &= (computed[:, -1] == stored[:, :16]).all(axis=1)  # header checksum
         good = at[ok]
         clean[good], size[good] = True, tpl.file_size
         created[good] = np.array([w for _, _, _, w in items], dtype=np.float64)[ok]

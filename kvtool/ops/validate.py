@@ -64,6 +64,7 @@ from kvtool.disk.index import IndexRow, SegmentRow
 from kvtool.disk.lock import cache_lock
 from kvtool.disk.names import segment_relpath
 from kvtool.disk.rowtable import RowTable
+from kvtool.disk.verify import slot_problem
 from kvtool.hashing import root_parent
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.heap import gc_paused, release_free_heap
@@ -297,12 +298,9 @@ class _Planner:
                 self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
                 continue
             claimed[i] = k
-            if parents[k] != sl.parent_hash:
-                self.fail[r] = f"parent {parents[k]!r} differs from its record ({sl.parent_hash!r})"
-            elif n_tok[k] != sl.n_tokens:
-                self.fail[r] = f"num_tokens {n_tok[k]!r} differs from its record ({sl.n_tokens!r})"
-            elif nbytes[k] != sl.nbytes:
-                self.fail[r] = f"nbytes {nbytes[k]!r} differs from its record ({sl.nbytes!r})"
+            problem = slot_problem(sl, hashes[k], parents[k], n_tok[k], nbytes[k])
+            if problem is not None:
+                self.fail[r] = problem
             else:
                 to_check.append(k)
         unclaimed = [i for i in range(len(slots)) if i not in claimed]
