@@ -78,7 +78,6 @@ from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     NamespaceRepair,
     RebuildPlan,
     RepairPlan,
-    ValidateReport,
     unlink_counted,
 )
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
@@ -570,6 +569,6 @@ def _is_dir(path: Path) -> bool:
 
 
 __all__ = [
-    "validate", "plan_repairs", "execute", "RepairPlan", "NamespaceRepair", "ValidateReport", "ValidateError",
+    "validate", "plan_repairs", "execute", "RepairPlan", "NamespaceRepair", "ValidateError",
     "MAX_DETAILS", "REPAIRS",
 ]  # fmt: skip
