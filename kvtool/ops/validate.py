@@ -271,7 +271,7 @@ class _Planner:
         """Check segment `name` (not clean) against its `rows` (`_SegmentRows.of`) the general
         way: one open, then its records in file order."""
         ns = self.ns
-        rl, hashes, parents, digests, slot_of, n_tok, nbytes = rows
+        rl, _, _, digests, slot_of, _, _ = rows
         if name not in ns.files:
             why = self._no_file(name)
             for r in rl:
@@ -285,23 +285,7 @@ class _Planner:
             return
         slots = chk.header.slots
         self.checked[name] = _SegInfo(chk.size, len(slots), created_of(chk.header))
-        claimed: dict[int, int] = {}  # slot -> position in `rl` of the row it holds
-        to_check: list[int] = []  # positions whose record must match their digest
-        for k, r in enumerate(rl):
-            i = slot_of[k]
-            if i >= len(slots):
-                self.fail[r] = f"segment {name} has no slot {i}"
-                continue
-            sl = slots[i]
-            if sl.block_hash != hashes[k]:
-                self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
-                continue
-            claimed[i] = k
-            problem = slot_problem(sl, hashes[k], parents[k], n_tok[k], nbytes[k])
-            if problem is not None:
-                self.fail[r] = problem
-            else:
-                to_check.append(k)
+        claimed, to_check = self._claim(name, slots, rows)
         unclaimed = [i for i in range(len(slots)) if i not in claimed]
         failed_own = [i for i, k in claimed.items() if rl[k] in self.fail]
         verify = set(range(len(slots))) if self.deep else {*unclaimed, *failed_own}
@@ -334,6 +318,31 @@ class _Planner:
                 at = claimed.get(i)
                 if at is None or rl[at] in self.fail:
                     self.candidates.append(_Candidate(name, i, sl.block_hash, sl.parent_hash, chk.records.get(i, "not read")))
+
+    def _claim(self, name: str, slots: tuple, rows: tuple) -> tuple[dict[int, int], list[int]]:
+        """Which slot of segment `name` each of its `rows` holds (`slot -> position in the rows`;
+        a row whose slot holds another hash claims none), and the positions whose slot agrees
+        with the row (`verify.slot_problem`): their records must match their token digests. The
+        others fail here."""
+        rl, hashes, parents, _, slot_of, n_tok, nbytes = rows
+        claimed: dict[int, int] = {}
+        to_check: list[int] = []
+        for k, r in enumerate(rl):
+            i = slot_of[k]
+            if i >= len(slots):
+                self.fail[r] = f"segment {name} has no slot {i}"
+                continue
+            sl = slots[i]
+            if sl.block_hash != hashes[k]:
+                self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
+                continue
+            claimed[i] = k
+            problem = slot_problem(sl, hashes[k], parents[k], n_tok[k], nbytes[k])
+            if problem is not None:
+                self.fail[r] = problem
+            else:
+                to_check.append(k)
+        return claimed, to_check
 
     def _no_file(self, name: str) -> str:
         if segment_relpath(name) in self.ns.irregular:
