@@ -244,6 +244,11 @@ class SSDStore(StoreCore):
         """Read one record into fresh host arrays, verified (header, slot, parent, checksum over
         the whole record) but not compared with any prompt's token ids: the caller compares.
         A damaged record loses its row; a read error is a miss. Never raises."""
+        got = self._read_verified(row, parent)
+        return got[0] if got is not None else None
+
+    def _read_verified(self, row: IndexRow, parent: str | None) -> tuple[HostBlock, seg.Slot] | None:
+        """`read_row`, with the slot read."""
         try:
             opened = self.open_segment(row.segment)
             if opened is None:
@@ -254,10 +259,10 @@ class SSDStore(StoreCore):
                 if slot is None:
                     self.discard(row.hash, "slot does not hold the block")
                     return None
-                return seg.read_block(fd, slot, header.kv)
+                return seg.read_block(fd, slot, header.kv), slot
             finally:
                 os.close(fd)
-        except OSError as exc:
+        except OSError as exc:  # a read error is not corruption: miss, keep the row
             log.warning("SSD read of block %s failed: %s", row.hash, exc)
             self.inc("ssd_load_fail")
         except BlockFileError as exc:
@@ -349,25 +354,10 @@ class SSDStore(StoreCore):
         if row is None or row.num_tokens != expected.shape[0]:
             self.inc("ssd_load_noncacheable" if self.is_noncacheable(h) else "ssd_load_miss")
             return None
-        opened = self.open_segment(row.segment)
-        if opened is None:
+        got = self._read_verified(row, parent)
+        if got is None:
             return None
-        fd, header = opened
-        try:
-            slot = self.check_slot(row, header, parent)
-            if slot is None:
-                self.discard(h, "slot does not hold the block")
-                return None
-            block = seg.read_block(fd, slot, header.kv)
-        except OSError as exc:  # a read error is not corruption: miss, keep the row
-            log.warning("SSD read of block %s failed: %s", h, exc)
-            self.inc("ssd_load_fail")
-            return None
-        except BlockFileError as exc:
-            self.discard(h, str(exc))
-            return None
-        finally:
-            os.close(fd)
+        block, slot = got
         if not np.array_equal(block.token_ids, expected):
             self.collision(h, "load")
             return None
