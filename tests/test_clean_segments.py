@@ -17,27 +17,12 @@ import pytest
 from kvtool.disk import segment as seg
 from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.fsops import FileOps
-from kvtool.ops import clean_native, clean_segments
+from kvtool.disk.verify import header_digest
+from kvtool.ops import clean_segments
 from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.scan import scan_cache
-from kvtool.ops.validate import plan_repairs, validate
+from kvtool.ops.validate import validate
 from tests.store_helpers import block_path, flip_record_byte, make_chain, open_store, record_span
-
-
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def check_path(request, monkeypatch):
-    """Every test runs through both checks: the compiled one (`clean_native`, where built) and
-    the Python one; they must decide alike."""
-    if request.param == "python":
-        monkeypatch.setattr(clean_native, "available", lambda: False)
-    elif not clean_native.available():
-        pytest.skip("the compiled check was not built (no C compiler or libxxhash)")
-    return request.param
-
-
-# a test of the compiled check's own functions: only its half of `check_path` (which still skips
-# where the extension was not built)
-compiled_only = pytest.mark.parametrize("check_path", ["compiled"], indirect=True)
 
 
 @pytest.fixture
@@ -80,7 +65,7 @@ def reseal(path, edit) -> None:
     assert len(header) == n and header != bytes(data[8 : 8 + n])
     key = b'"header_checksum":"'
     at = header.find(key) + len(key)
-    header = header[:at] + seg._header_digest(header).encode() + header[at + 32 :]
+    header = header[:at] + header_digest(header).encode() + header[at + 32 :]
     data[8 : 8 + n] = header
     path.write_bytes(bytes(data))
 
@@ -253,25 +238,10 @@ def test_a_file_swapped_after_the_listing_is_never_opened_nor_clean(cache, swap)
     assert [name for name, ok in clean.items() if not ok] == [path.name.split(".")[0]]
 
 
-@compiled_only
-def test_the_compiled_judge_refuses_inconsistent_arguments(check_path):
-    """Arrays of lengths that do not fit together are refused (ValueError), never read past."""
-    mod = clean_native._module()
-    keys = np.zeros((2, 2), dtype=np.uint64)
-    one = np.zeros((1, 2), dtype=np.int64)
-    args = [bytearray(64), np.zeros(1, np.int64), np.arange(2, dtype=np.int64), keys, keys, keys, b"#" * 40,
-            np.zeros((0, 2), np.int64), np.zeros((2, 3), np.int64), np.tile(one, (2, 1)), np.tile(one, (2, 1)), 0, 0, 0, 64, True]  # fmt: skip
-    assert len(mod.judge(*args)) == 1  # consistent: one verdict (not clean: its fields are no hex)
-    for at, bad in ((4, keys[:1]), (5, keys[:1]), (8, np.zeros((3, 3), np.int64)), (2, np.arange(3, dtype=np.int64)), (13, 30)):
-        with pytest.raises(ValueError):
-            mod.judge(*args[:at], bad, *args[at + 1 :])
-
-
-# ------------------------------------------------------------------ started early, buffers
-def test_a_check_started_before_the_listing_keeps_only_files_listed_as_read(cache):
-    """`start_clean` reads the files from the rows alone; `result(files)` calls a segment clean
-    only if the listing has it, with the size of the file judged (a file listed with another
-    size, or not listed, goes the general way)."""
+# ------------------------------------------------------------------ the listing, batches
+def test_only_files_listed_as_read_are_clean(cache):
+    """A segment is clean only if the listing has it, with the size of the file judged (a file
+    listed with another size, or not listed, goes the general way)."""
     cache_dir, store, (a, b, c) = cache
     scan = scan_cache(cache_dir)
     (ns,) = scan.namespaces
@@ -282,48 +252,22 @@ def test_a_check_started_before_the_listing_keeps_only_files_listed_as_read(cach
     files[changed] = dataclasses.replace(files[changed], size=files[changed].size + 1)
     del files[gone]
     with ConfinedDir(scan.cache_dir, ns.name) as cdir:
-        with clean_segments.start_clean(cdir, ns.name, exp.kv, exp.block_size, ns.table, True) as started:
-            got = started.result(files)
+        got = find_clean(cdir, ns.name, exp.kv, exp.block_size, ns.table, files, True)
     clean = dict(zip(names, got.clean.tolist()))
     assert [n for n, ok in clean.items() if not ok] == sorted([changed, gone])
     assert all(got.size[i] == 0 and got.created[i] == 0 for i in (0, 1))
 
 
-def test_validate_plans_alike_with_the_check_started_in_the_scan_or_after(cache):
-    """`validate` starts the check from the scan's `on_rows`; planned after the scan instead, the
-    report is the same, on a damaged cache too."""
-    cache_dir, store, (a, b, c) = cache
-    flip_record_byte(store, b[1].block_hash)
-    early = validate(cache_dir, deep=True, dry_run=True)
-    late = plan_repairs(scan_cache(cache_dir), deep=True)
-    assert early.problems == late.problems > 0
-    assert early.to_dict() == late.to_dict()
-    assert early.namespaces[0].actions == late.namespaces[0].actions
-
-
-@compiled_only
-def test_files_beyond_the_batch_buffer_are_read_in_later_batches(cache, monkeypatch, check_path):
-    """A buffer too small for a batch: the files that fit are judged, the rest go to the next
-    batch; one file larger than the whole buffer gets a buffer of its own. Same verdicts."""
+def test_batches_of_any_size_give_the_same_verdicts(cache, monkeypatch):
+    """Headers judged in batches of any byte size (one file, two, all): the same verdicts."""
     cache_dir, store, (a, b, c) = cache
     flip_record_byte(store, c[2].block_hash)
     want, _ = verdicts(cache_dir, deep=True)
     sizes = sorted(f.stat().st_size for f in cache_dir.rglob("*.safetensors"))
     for room in (sizes[0] + 1, sizes[-1] + 1, sizes[0] + sizes[1] + 1):
-        monkeypatch.setattr(clean_native, "BATCH_BYTES", room)
+        monkeypatch.setattr(clean_segments, "BATCH_BYTES", room)
         assert verdicts(cache_dir, deep=True)[0] == want
     assert sum(want.values()) == len(want) - 1
-
-
-@compiled_only
-def test_the_compiled_read_refuses_a_limit_per_name_of_another_length(check_path):
-    mod = clean_native._module()
-    fd = os.open(".", os.O_RDONLY)
-    try:
-        with pytest.raises(ValueError):
-            mod.read(fd, ["0" * 32, "1" * 32], np.zeros(1, dtype=np.int64), bytearray(64))
-    finally:
-        os.close(fd)
 
 
 class _NoListing(FileOps):
@@ -335,38 +279,15 @@ class _NoListing(FileOps):
         return super().listdir(path)
 
 
-def test_a_check_started_for_a_namespace_never_planned_is_stopped(cache, monkeypatch):
-    """The scan starts the check once the rows are read; the listing then fails, so the namespace
-    is unreadable and never planned: validate still stops the check, its threads end and its
-    directory is closed (no descriptor or thread left behind)."""
+def test_a_namespace_whose_listing_fails_leaves_nothing_behind(cache):
+    """The rows are read, the listing then fails, so the namespace is unreadable and never
+    planned: no descriptor or thread is left behind."""
     cache_dir, store, chains = cache
     fds = set(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     threads = {t.name for t in threading.enumerate()}
-    started = []
-    start = clean_segments.StartedChecks.start
-    monkeypatch.setattr(clean_segments.StartedChecks, "start", lambda self, *a: started.append(start(self, *a)))
     plan = validate(cache_dir, deep=True, dry_run=True, fs=_NoListing())
-    assert len(started) == 1
     (rep,) = plan.namespaces
     assert rep.status == "unreadable" and "cannot list" in rep.message
     assert {t.name for t in threading.enumerate()} <= threads
     if fds is not None:
         assert set(os.listdir("/proc/self/fd")) <= fds
-
-
-def test_a_started_check_is_handed_over_only_for_the_table_it_reads(cache):
-    """`StartedChecks.take` gives the check of a namespace once, and only to a planner holding the
-    very table it was started on (rows read again another way would number segments otherwise)."""
-    cache_dir, store, chains = cache
-    with clean_segments.StartedChecks(deep=True) as started:
-        scan = scan_cache(cache_dir, on_rows=started.start)
-        (ns,) = scan.namespaces
-        assert started.take(ns.name, scan_cache(cache_dir).namespaces[0].table) is None  # another table
-        assert started.take(ns.name, ns.table) is None  # stopped, and taken once only
-    with clean_segments.StartedChecks(deep=True) as started:
-        scan = scan_cache(cache_dir, on_rows=started.start)
-        (ns,) = scan.namespaces
-        check = started.take(ns.name, ns.table)
-        assert check is not None
-        with check:
-            assert check.result(ns.files).clean.all()

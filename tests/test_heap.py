@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from kvtool.disk import restore
 from kvtool.ops import heap
 
 # Run in a fresh interpreter: its heap is laid out the same way every time (a test worker's is not).
@@ -54,19 +55,19 @@ def test_elsewhere_it_does_nothing(monkeypatch):
 
 
 def test_the_collector_waits_inside_and_comes_back_as_it_was():
-    """`paused_gc`: no cyclic collection inside (nested too); afterwards the collector is on again
+    """`restore.gc_paused`: no cyclic collection inside (nested too); afterwards the collector is on again
     only if it was on before; `gc_paused` runs a function inside it, exceptions included."""
     was = gc.isenabled()
     try:
         gc.enable()
-        with heap.paused_gc():
+        with restore.gc_paused():
             assert not gc.isenabled()
-            with heap.paused_gc():
+            with restore.gc_paused():
                 assert not gc.isenabled()
             assert not gc.isenabled()  # the outer block still holds it off
         assert gc.isenabled()
         gc.disable()
-        with heap.paused_gc():
+        with restore.gc_paused():
             pass
         assert not gc.isenabled()  # it was off: it stays off
 

@@ -79,7 +79,7 @@ def test_ram_hits_touch_their_ssd_rows(tiny, ids, tmp_path):
         pc.flush()
         ssd = pc.tiered.ssd
         rows = {r.hash: r.last_access for r in ssd.index.rows()}
-        ssd._clock = lambda: max(rows.values()) + 100.0
+        ssd.clock = lambda: max(rows.values()) + 100.0
         _, hit = serve(pc, tiny, other)
         assert hit.ram_tokens == 99  # block 0 by its hash, then 35 tokens of the first prompt's block 1 (a sibling)
         pc.flush()

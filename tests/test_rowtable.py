@@ -85,3 +85,31 @@ def test_key_index_finds_keys_whose_high_halves_collide():
         got = [hex_of_keys((keys if index.order is not None else keys[np.lexsort((keys[:, 1], keys[:, 0]))])[[i]])[0]
                for i in found[:-2].tolist()]  # fmt: skip
         assert got == hashes[::-1]
+
+
+def test_a_plan_table_keeps_the_plan_columns_of_the_full_one():
+    """`full=False` (inspect, prune, rm, the byte budget): the same rows and plan columns, the
+    others read as zeros."""
+    rows = [(f"{i * 7919:032x}", f"{i:032x}", f"{i % 3:032x}", i % 4, 16, 1088, f"{i:032x}", 1.0 + i, 2.5 * i) for i in range(50)]
+    full, part = load_rows(_db(rows)), load_rows(_db(rows), full=False)
+    for k in ("hash", "parent", "seg", "num_tokens", "last_access"):
+        assert np.array_equal(getattr(full, k), getattr(part, k)), k
+    assert part.segments == full.segments and not part.slot.any() and not part.created.any()
+
+
+def test_rows_are_read_in_one_snapshot(tmp_path):
+    """Inside the caller's read transaction, a commit made after its first read is not seen (the
+    scan lists the directory once that read fixed the snapshot)."""
+    path = tmp_path / "index.sqlite"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.executescript("".join(stmt + ";" for stmt in SCHEMA.split(";") if stmt.strip()))
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.executemany("INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?)",
+                     [(f"{i:032x}", "0" * 32, f"{i:032x}", 0, 16, 1088, "d" * 32, 1.0, 1.0) for i in range(10)])  # fmt: skip
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM meta").fetchone()  # fixes the snapshot
+    conn.execute("INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", ("f" * 32, "0" * 32, "e" * 32, 0, 16, 1088, "d" * 32, 1.0, 1.0))
+    assert len(load_rows(reader)) == 10
+    reader.execute("COMMIT")
+    assert len(load_rows(reader)) == 11

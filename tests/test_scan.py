@@ -99,27 +99,6 @@ def test_unreadable_outdated_foreign(cache):
     assert ns.status == S.FOREIGN and "does not hash" in ns.message and ns.rows == ()
 
 
-def test_on_rows_is_called_once_per_namespace_whose_meta_checks_out(cache):
-    """`on_rows` gets a namespace's rows as soon as they are read (before its listing is taken in),
-    once per usable namespace; never for an unreadable, outdated or foreign one."""
-    cache_dir, store, _ = cache
-    garbage = cache_dir / ("ab" * 16)
-    garbage.mkdir()
-    (garbage / "index.sqlite").write_bytes(b"this is not a database at all" * 100)
-    calls = []
-
-    def on_rows(path, expected, table):
-        calls.append((path.name, expected.block_size, len(table), sorted(table.segments)))
-
-    scan = scan_cache(cache_dir, on_rows=on_rows)
-    ns = {n.name: n for n in scan.namespaces}[store.layout_key]
-    assert calls == [(store.layout_key, ns.expected.block_size, len(ns.table), sorted(ns.files))]
-    sql(store.namespace_dir, "UPDATE meta SET value='8' WHERE key='block_size'")  # foreign now
-    calls.clear()
-    scan_cache(cache_dir, on_rows=on_rows)
-    assert calls == []
-
-
 @pytest.mark.parametrize(
     "change, why",
     [

@@ -190,7 +190,7 @@ def test_remove_keeps_a_segment_until_its_last_block_goes(store):
     assert store.load_block(hashes[2], chain[2].token_ids) is not None  # its neighbours still load
     assert store.remove([hashes[0], hashes[2], "../x", "ff" * 16]) == 2
     assert not path.exists() and store.totals() == (0, 0)
-    assert store.index.scan().segments == []
+    assert store.index.segments() == []
 
 
 @pytest.mark.parametrize("bad", ["geometry", "too_long", "dtype", "hash"])
@@ -204,7 +204,7 @@ def test_save_of_a_block_that_does_not_fit_the_namespace_is_error(store, bad):
     }[bad]
     assert store.save_block(block) == "error"
     assert store.stats()["ssd_save_fail"] == (0 if bad == "hash" else 1)
-    assert store.index.scan().rows == [] and segment_files(store) == [] and no_temp_files(store)
+    assert list(store.index.rows()) == [] and segment_files(store) == [] and no_temp_files(store)
 
 
 def test_one_bad_block_in_a_batch_does_not_stop_the_others_being_deduped(store):
@@ -319,7 +319,7 @@ def test_missing_segment_drops_all_its_rows(store):
     stats = store.stats()
     assert stats["ssd_load_missing"] == 1 and stats["ssd_stale_index_cleaned"] == 2
     assert store.lookup(hashes_of(chain)) == store.lookup(hashes_of(chain[:2])) and len(store.lookup(hashes_of(chain))) == 2
-    assert len(store.index.scan().segments) == 1
+    assert len(store.index.segments()) == 1
 
 
 def test_segment_removed_by_another_process_mid_load_is_a_plain_miss(tmp_path):
@@ -484,7 +484,7 @@ def test_failed_index_insert_after_the_rename_unlinks_the_segment(tmp_path, monk
     assert store.save_blocks(chain) == ["error"] * 3
     assert fs.calls["replace"] == 1  # it got as far as the rename
     assert segment_files(store) == [] and no_temp_files(store)
-    assert store.index.scan().rows == [] and store.index.scan().segments == []
+    assert list(store.index.rows()) == [] and store.index.segments() == []
     assert store.stats()["ssd_save_fail"] == 3
     if how == "trigger":
         with raw(store) as con:
@@ -791,7 +791,7 @@ def test_startup_reconcile_does_not_load_every_row(tmp_path, monkeypatch):
         return real(cls, values)
 
     monkeypatch.setattr(index_mod.IndexRow, "from_db", classmethod(counting))
-    for name in ("rows", "scan", "get_many", "get", "segment_rows"):
+    for name in ("rows", "get_many", "get", "segment_rows"):
         monkeypatch.setattr(BlockIndex, name, lambda *a, _n=name, **k: pytest.fail(f"reconcile called {_n}"))
     again = open_store(tmp_path)
     assert again.enabled

@@ -32,8 +32,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvtool.disk import compiled
-
 # ----------------------------------------------------------------------------- keys
 # A key is a 128-bit hash as two native uint64 (the big-endian halves of its 16 bytes), so
 # numeric order is byte order and numpy sorts and searches it without Python objects.
@@ -116,7 +114,7 @@ class KeyIndex:
         out = np.full(q.shape[0], -1, dtype=np.int64)
         if n == 0 or q.shape[0] == 0:
             return out
-        by = argsort_stable(q[:, 0])
+        by = np.argsort(q[:, 0], kind="stable")
         qhi, qlo = q[by, 0], q[by, 1]
         left = np.searchsorted(self.hi, qhi, side="left")
         at = np.minimum(left, n - 1)
@@ -137,24 +135,13 @@ class KeyIndex:
         return out
 
 
-def argsort_stable(keys: np.ndarray) -> np.ndarray:
-    """The stable order of `[N]` non-negative integer `keys` (taken as uint64; `[N]` int64): a
-    radix sort in kvtool's compiled reader (`kvtool/disk/_indexread.c`) where it is built
-    (0.06-0.08 s for a million uint64 keys against 0.11-0.13 s; a pass whose digit is the same
-    for every key is skipped, so small numbers take two), else numpy's."""
-    mod = compiled.load("kvtool.disk._indexread")
-    if mod is None:
-        return np.argsort(keys, kind="stable")
-    return np.frombuffer(mod.argsort(np.ascontiguousarray(keys, dtype=np.uint64)), dtype=np.int64)
-
-
 # ----------------------------------------------------------------------------- forest
 def csr(groups: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
     """Members grouped: `(start, members)` where group `g`'s members (indices `i` with
     `groups[i] == g`, ascending) are `members[start[g]:start[g + 1]]`; negative groups are left out."""
     groups = np.asarray(groups)
     valid = np.flatnonzero(groups >= 0).astype(INDEX_DTYPE)
-    members = valid[argsort_stable(groups[valid])]
+    members = valid[np.argsort(groups[valid], kind="stable")]
     del valid
     start = np.zeros(n_groups + 1, dtype=np.int64)
     np.cumsum(np.bincount(groups[members], minlength=n_groups), out=start[1:])
@@ -464,5 +451,5 @@ def build_chain_tree(entries: Iterable[tuple[str, str, float]], root: str, now: 
 
 __all__ = [
     "ChainNode", "ChainTree", "Forest", "KeyIndex", "build_chain_tree", "build_forest", "csr", "gather",
-    "keys_from_hex", "key_of_hex", "hex_of_keys", "rooted_nodes", "argsort_stable",
+    "keys_from_hex", "key_of_hex", "hex_of_keys", "rooted_nodes",
 ]  # fmt: skip

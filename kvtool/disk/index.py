@@ -30,7 +30,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from kvtool.disk.fsops import dir_owner, give_to
@@ -73,7 +73,7 @@ CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent, last_access);
 _COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
 _SEG_COLUMNS = "name, nbytes, n_blocks, created"
 
-__all__ = ["BlockIndex", "IndexRow", "SegmentRow", "IndexScan", "INDEX_FILENAME"]
+__all__ = ["BlockIndex", "IndexRow", "SegmentRow", "INDEX_FILENAME"]
 
 
 def read_only_uri(path: Path, immutable: bool = False) -> str:
@@ -157,25 +157,6 @@ class SegmentRow:
         if not is_segment_name(name) or None in nums:
             return None
         return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
-
-
-@dataclass
-class IndexScan:
-    """Everything in an index, checked (see `BlockIndex.scan`).
-
-    Attributes:
-        rows: well-formed block rows.
-        segments: well-formed segment rows.
-        bad_rows: rowids of malformed block rows (NULLs, wrong types, bad hashes).
-        bad_segments: rowids of malformed segment rows.
-        meta: the meta table.
-    """
-
-    rows: list[IndexRow] = field(default_factory=list)
-    segments: list[SegmentRow] = field(default_factory=list)
-    bad_rows: list[int] = field(default_factory=list)
-    bad_segments: list[int] = field(default_factory=list)
-    meta: dict[str, str] = field(default_factory=dict)
 
 
 class BlockIndex:
@@ -361,22 +342,11 @@ class BlockIndex:
         with self._lock:
             return self._select_rows("segment=? ORDER BY slot", (name,))
 
-    def scan(self) -> IndexScan:
-        """Every row and segment, checked; malformed ones reported by rowid (one snapshot)."""
-        out = IndexScan()
+    def segments(self) -> list[SegmentRow]:
+        """The well-formed `segments` rows, in name order (malformed ones left out)."""
         with self._lock:
-            cur = self._conn.execute("BEGIN")
-            try:
-                for rowid, *vals in cur.execute(f"SELECT rowid, {_COLUMNS} FROM blocks ORDER BY hash"):
-                    row = IndexRow.from_db(vals)
-                    out.rows.append(row) if row else out.bad_rows.append(rowid)
-                for rowid, *vals in cur.execute(f"SELECT rowid, {_SEG_COLUMNS} FROM segments ORDER BY name"):
-                    seg = SegmentRow.from_db(vals)
-                    out.segments.append(seg) if seg else out.bad_segments.append(rowid)
-                out.meta = {str(k): str(v) for k, v in cur.execute("SELECT key, value FROM meta") if k is not None}
-            finally:
-                self._conn.execute("COMMIT")
-        return out
+            rows = self._conn.execute(f"SELECT {_SEG_COLUMNS} FROM segments ORDER BY name").fetchall()
+        return [s for s in map(SegmentRow.from_db, rows) if s is not None]
 
     def totals(self) -> tuple[int, int]:
         """(number of block rows, sum of segment file sizes in bytes)."""

@@ -48,6 +48,7 @@ from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileRe
 from kvtool.disk.namespace_open import open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
 from kvtool.disk.segment import BlockFileError
+from kvtool.disk.verify import slot_problem
 
 if TYPE_CHECKING:
     from kvtool.disk.hostblock import HostBlock
@@ -123,8 +124,8 @@ class SSDStore(StoreCore):
         try:
             self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
         except Exception as exc:  # any trouble opening costs the tier, never the request (docs/design.md#failure-isolation)
-            self._close_index_quietly()
-            self._disable(f"cannot open {self.namespace_dir}: {exc}")
+            self.close_index_quietly()
+            self.disable(f"cannot open {self.namespace_dir}: {exc}")
             return
         if self.enabled and not self.read_only:
             reconcile(self)
@@ -150,13 +151,13 @@ class SSDStore(StoreCore):
         if max_bytes is None or index is None or not self.enabled or self.read_only:
             self.budget = None
             return
-        self.budget = SSDBudget(max_bytes, self.namespace_dir, index, self._fs, self._seg_path, clock=self._clock,
+        self.budget = SSDBudget(max_bytes, self.namespace_dir, index, self.fs, self.seg_path, clock=self.clock,
                                 protect_s=protect_s, on_evict=self._evicted)  # fmt: skip
 
     def _evicted(self, ev: Eviction) -> None:
-        self._inc("ssd_budget_evictions", ev.segments)
-        self._inc("ssd_budget_evicted_bytes", ev.nbytes)
-        self._inc("ssd_budget_evicted_blocks", ev.blocks)
+        self.inc("ssd_budget_evictions", ev.segments)
+        self.inc("ssd_budget_evicted_bytes", ev.nbytes)
+        self.inc("ssd_budget_evicted_blocks", ev.blocks)
 
     # ------------------------------------------------------------------ open/close
     def _open(self, meta: dict[str, str], flush_interval_s: float) -> None:
@@ -170,7 +171,7 @@ class SSDStore(StoreCore):
             shutdown_clean: every accepted write was attempted (docs/design.md#tier-policies).
             partial_flush: the index was flushed after an incomplete writer shutdown.
         """
-        with self._lock:
+        with self.lock:
             if self.index is None:
                 return
             try:
@@ -180,14 +181,14 @@ class SSDStore(StoreCore):
                         {
                             "shutdown_clean": "1" if shutdown_clean else "0",
                             "shutdown_partial_flush": "1" if partial_flush else "0",
-                            "last_close": repr(self._clock()),
+                            "last_close": repr(self.clock()),
                         }
                     )
             except sqlite3.Error as exc:
-                self._inc("ssd_index_errors")
+                self.inc("ssd_index_errors")
                 log.error("could not record shutdown state in %s: %s", self.namespace_dir, exc)
             finally:
-                self._close_index_quietly()
+                self.close_index_quietly()
                 self.enabled = False
 
     # ----------------------------------------------------------------- lookups
@@ -224,7 +225,7 @@ class SSDStore(StoreCore):
         except (sqlite3.Error, AttributeError) as exc:
             self._index_error("lookup", exc)
             return {}
-        return {h: row for h, row in found.items() if not self._is_noncacheable(h)}
+        return {h: row for h, row in found.items() if not self.is_noncacheable(h)}
 
     def children(self, parent: str, limit: int) -> list[IndexRow]:
         """Rows whose parent is `parent` (not isolated), most recently used first, at most
@@ -237,12 +238,17 @@ class SSDStore(StoreCore):
         except (sqlite3.Error, AttributeError) as exc:
             self._index_error("lookup", exc)
             return []
-        return [r for r in rows if not self._is_noncacheable(r.hash)]
+        return [r for r in rows if not self.is_noncacheable(r.hash)]
 
     def read_row(self, row: IndexRow, parent: str | None = None) -> HostBlock | None:
         """Read one record into fresh host arrays, verified (header, slot, parent, checksum over
         the whole record) but not compared with any prompt's token ids: the caller compares.
         A damaged record loses its row; a read error is a miss. Never raises."""
+        got = self._read_verified(row, parent)
+        return got[0] if got is not None else None
+
+    def _read_verified(self, row: IndexRow, parent: str | None) -> tuple[HostBlock, seg.Slot] | None:
+        """`read_row`, with the slot read."""
         try:
             opened = self.open_segment(row.segment)
             if opened is None:
@@ -253,17 +259,17 @@ class SSDStore(StoreCore):
                 if slot is None:
                     self.discard(row.hash, "slot does not hold the block")
                     return None
-                return seg.read_block(fd, slot, header.kv)
+                return seg.read_block(fd, slot, header.kv), slot
             finally:
                 os.close(fd)
-        except OSError as exc:
+        except OSError as exc:  # a read error is not corruption: miss, keep the row
             log.warning("SSD read of block %s failed: %s", row.hash, exc)
-            self._inc("ssd_load_fail")
+            self.inc("ssd_load_fail")
         except BlockFileError as exc:
             self.discard(row.hash, str(exc))
         except Exception:  # a bug here must cost a miss, never a request
             log.exception("SSD read of %s failed", row.hash)
-            self._inc("ssd_load_fail")
+            self.inc("ssd_load_fail")
         return None
 
     def get_row(self, block_hash: str) -> IndexRow | None:
@@ -281,8 +287,8 @@ class SSDStore(StoreCore):
             rows marked suspect and left for `kvtool validate`). Never raises.
         """
         try:
-            path = self._seg_path(name)
-            fd = self._fs.open_read(path)
+            path = self.seg_path(name)
+            fd = self.fs.open_read(path)
         except FileNotFoundError:
             self._segment_vanished(name)
             return None
@@ -291,11 +297,11 @@ class SSDStore(StoreCore):
             return None
         except (OSError, ValueError) as exc:
             log.warning("SSD segment %s unreadable: %s", name, exc)
-            self._inc("ssd_load_fail")
+            self.inc("ssd_load_fail")
             return None
         try:
             header = seg.read_header(fd, check_regular(fd, path).st_size)
-            seg.check_header(header, self.layout_key, self._geometry.kv, self._geometry.codec)
+            seg.check_header(header, self.layout_key, self.geometry.kv, self.geometry.codec)
             return fd, header
         except NotRegularFileError as exc:
             os.close(fd)
@@ -304,12 +310,12 @@ class SSDStore(StoreCore):
         except OSError as exc:  # a read error is not corruption: miss, keep the rows
             os.close(fd)
             log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
-            self._inc("ssd_load_fail")
+            self.inc("ssd_load_fail")
             return None
         except BlockFileError as exc:
             os.close(fd)
             log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
-            self._inc("ssd_load_corrupt")
+            self.inc("ssd_load_corrupt")
             self._drop_segment(name)
             return None
 
@@ -317,19 +323,16 @@ class SSDStore(StoreCore):
         """A segment name taken by something else than a regular file: a corrupt entry, a miss.
         Nothing is removed here (`kvtool validate` does); its blocks may be stored anew."""
         log.warning("SSD segment %s is %s: never read; a miss (kvtool validate removes it)", name, exc.strerror)
-        self._inc("ssd_load_corrupt")
+        self.inc("ssd_load_corrupt")
         self.suspect(name)
 
     def check_slot(self, row: IndexRow, header: seg.SegmentHeader, parent: str | None) -> seg.Slot | None:
-        """The header's slot for `row` if it is the block asked for (hash, parent, length)."""
+        """The header's slot for `row` if it is the block asked for (`verify.slot_problem`: hash,
+        parent, length), else None."""
         if row.slot >= len(header.slots):
             return None
         slot = header.slots[row.slot]
-        if slot.block_hash != row.hash or slot.n_tokens != row.num_tokens:
-            return None
-        if parent is not None and slot.parent_hash != parent:
-            return None
-        return slot
+        return slot if slot_problem(slot, row.hash, parent, row.num_tokens) is None else None
 
     def load_block(self, block_hash: str, expected_token_ids: np.ndarray, parent: str | None = None) -> HostBlock | None:
         """Read, verify and return one block (full or tail entry) in fresh host arrays, or None.
@@ -343,33 +346,18 @@ class SSDStore(StoreCore):
             return self._load_one(block_hash, np.asarray(expected_token_ids, dtype=np.int32), parent)
         except Exception:  # a bug here must cost a miss, never a request
             log.exception("SSD load of %s failed", block_hash)
-            self._inc("ssd_load_fail")
+            self.inc("ssd_load_fail")
             return None
 
     def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> HostBlock | None:
         row = self.get_row(h)
         if row is None or row.num_tokens != expected.shape[0]:
-            self._inc("ssd_load_noncacheable" if self._is_noncacheable(h) else "ssd_load_miss")
+            self.inc("ssd_load_noncacheable" if self.is_noncacheable(h) else "ssd_load_miss")
             return None
-        opened = self.open_segment(row.segment)
-        if opened is None:
+        got = self._read_verified(row, parent)
+        if got is None:
             return None
-        fd, header = opened
-        try:
-            slot = self.check_slot(row, header, parent)
-            if slot is None:
-                self.discard(h, "slot does not hold the block")
-                return None
-            block = seg.read_block(fd, slot, header.kv)
-        except OSError as exc:  # a read error is not corruption: miss, keep the row
-            log.warning("SSD read of block %s failed: %s", h, exc)
-            self._inc("ssd_load_fail")
-            return None
-        except BlockFileError as exc:
-            self.discard(h, str(exc))
-            return None
-        finally:
-            os.close(fd)
+        block, slot = got
         if not np.array_equal(block.token_ids, expected):
             self.collision(h, "load")
             return None
@@ -380,18 +368,18 @@ class SSDStore(StoreCore):
         """Count verified loads and touch their rows (batched access-time update)."""
         if not self.read_only and self.index is not None:
             try:
-                self.index.touch_many(hashes, self._clock())
+                self.index.touch_many(hashes, self.clock())
             except (sqlite3.Error, AttributeError) as exc:
                 self._index_error("touch", exc)
-        self._inc("ssd_load_hits", len(hashes))
-        self._inc("ssd_bytes_read", nbytes)
+        self.inc("ssd_load_hits", len(hashes))
+        self.inc("ssd_bytes_read", nbytes)
 
     def _segment_vanished(self, name: str) -> None:
         """A segment file is gone: another process's removal (miss) or a stale row (drop)."""
-        with self._lock:
+        with self.lock:
             index = self.index
-            if index is None or self.read_only or self._fs.exists(self._seg_path(name, check=False)):
-                self._inc("ssd_load_miss")
+            if index is None or self.read_only or self.fs.exists(self.seg_path(name, check=False)):
+                self.inc("ssd_load_miss")
                 return
             try:
                 n = index.delete_segments([name])
@@ -400,10 +388,10 @@ class SSDStore(StoreCore):
                 return
         if n:
             log.warning("SSD segment %s had no file; %d row(s) dropped", name, n)
-            self._inc("ssd_load_missing")
-            self._inc("ssd_stale_index_cleaned", n)
+            self.inc("ssd_load_missing")
+            self.inc("ssd_stale_index_cleaned", n)
         else:
-            self._inc("ssd_load_miss")
+            self.inc("ssd_load_miss")
 
     # ------------------------------------------------------------------- saves
     def save_block(self, block: HostBlock) -> str:
@@ -435,7 +423,7 @@ class SSDStore(StoreCore):
         hashes = [h for h in hashes if is_hash(h)]
         if not self.enabled or self.read_only or not hashes:
             return 0
-        with self._lock:
+        with self.lock:
             if self.index is None:  # closed meanwhile (close() takes the same lock)
                 return 0
             try:
@@ -444,14 +432,14 @@ class SSDStore(StoreCore):
                 self._index_error("remove", exc)
                 return 0
             for name in emptied:
-                self._unlink_quiet(self._seg_path(name))
+                self.unlink_quiet(self.seg_path(name))
         return n
 
     def discard(self, h: str, why: str) -> None:
         """Drop an unusable block: its row first, then its segment's file if now empty. Its
         segment becomes suspect (`suspect`): its other blocks were not verified either."""
         log.warning("SSD block %s unusable (%s); removed", h, why)
-        self._inc("ssd_load_corrupt")
+        self.inc("ssd_load_corrupt")
         if self.read_only:
             return
         try:
@@ -465,19 +453,19 @@ class SSDStore(StoreCore):
     def saved_count(self, hashes: Iterable[str]) -> int:
         """How many of `hashes` this process saved to SSD (file written and rows committed;
         the last `SAVED_MAX` saves are remembered): a request's blocks that reached the disk."""
-        return self._saved.count(hashes)
+        return self.saved.count(hashes)
 
     def _drop_segment(self, name: str) -> None:
         if self.read_only:
             return
-        with self._lock:
+        with self.lock:
             try:
                 if self.index is not None:
                     self.index.delete_segments([name])
             except sqlite3.Error as exc:
                 self._index_error("drop segment", exc)
                 return
-            self._unlink_quiet(self._seg_path(name))
+            self.unlink_quiet(self.seg_path(name))
 
     # ------------------------------------------------------------------- misc
     def flush(self) -> None:
@@ -520,7 +508,7 @@ class SSDStore(StoreCore):
     def touch_many(self, hashes: list[str]) -> None:
         """`touch` for several blocks: one buffered update (one lock). Never raises."""
         if hashes and self.enabled and self.index is not None:
-            self._touch(hashes)
+            self.touch_rows(hashes)
 
 
 

@@ -122,6 +122,15 @@ class StoreCore:
         dir_mode: mode of the directories it creates.
         segment_max_bytes: largest segment a save writes (bytes).
         counters: the names of its counters (all start at 0).
+
+    Attributes (besides the arguments kept as given: `cache_dir`, `layout_key`, `fs`, `clock`,
+    `dir_mode`, `segment_max_bytes`):
+        namespace_dir: the namespace's directory.
+        enabled, read_only, disabled_reason: whether it serves, and why not.
+        index, expected: the open index and the namespace's geometry (None until opened).
+        lock: held by saves, removals and close.
+        saved: hashes this process saved (`saved_count`).
+        budget: the byte budget (`SSDStore.set_max_bytes`), or None.
     """
 
     def __init__(
@@ -149,29 +158,29 @@ class StoreCore:
         self.index: BlockIndex | None = None
         self.expected: Expected | None = None
         self.segment_max_bytes = segment_max_bytes
-        self._dir_mode = dir_mode
-        self._fs = fs or FileOps()
-        self._clock = clock
+        self.dir_mode = dir_mode
+        self.fs = fs or FileOps()
+        self.clock = clock
         self._noncacheable = {} if noncacheable is None else noncacheable
-        self._lock = threading.Lock()  # saves, removals, close
+        self.lock = threading.Lock()  # saves, removals, close
         self._stats_lock = threading.Lock()
         self._stats = dict.fromkeys(counters, 0)
         self._suspect = Recent(SUSPECT_MAX)  # segments a record of which failed verification
-        self._saved = Recent(SAVED_MAX)  # hashes this process saved (`saved_count`)
+        self.saved = Recent(SAVED_MAX)  # hashes this process saved (`saved_count`)
         self.budget: SSDBudget | None = None  # the byte budget (`SSDStore.set_max_bytes`)
 
     @property
-    def _geometry(self) -> Expected:
+    def geometry(self) -> Expected:
         """`expected`, once the index is open (every read and write path runs only then)."""
         assert self.expected is not None, "SSD store used before its index was opened"
         return self.expected
 
-    def _disable(self, reason: str) -> None:
+    def disable(self, reason: str) -> None:
         self.enabled = False
         self.disabled_reason = reason
         log.warning("SSD tier disabled: %s", reason)
 
-    def _close_index_quietly(self) -> None:
+    def close_index_quietly(self) -> None:
         if self.index is not None:
             try:
                 self.index.close()
@@ -179,54 +188,48 @@ class StoreCore:
                 pass
             self.index = None
 
-    def _seg_path(self, name: str, check: bool = True) -> Path:
+    def seg_path(self, name: str, check: bool = True) -> Path:
         """Path of a segment (raises ValueError for a malformed name)."""
         return self.namespace_dir / segment_relpath(name)
 
-    def _unlink_quiet(self, path: Path) -> None:
+    def unlink_quiet(self, path: Path) -> None:
         try:
-            self._fs.unlink(path)
+            self.fs.unlink(path)
         except OSError as exc:
             log.warning("could not remove %s: %s", path, exc)
 
     def inc(self, key: str, n: int = 1) -> None:
-        """Add to one of the `ssd_` counters (for the restore path)."""
-        self._inc(key, n)
-
-    def _inc(self, key: str, n: int = 1) -> None:
+        """Add `n` to one of the `ssd_` counters."""
         with self._stats_lock:
             self._stats[key] += n
 
     def _index_error(self, what: str, exc: Exception) -> None:
-        self._inc("ssd_index_errors")
+        self.inc("ssd_index_errors")
         log.warning("SSD index %s failed in %s: %s", what, self.namespace_dir, exc)
 
     # -------------------------------------------------------------- isolation
-    def _is_noncacheable(self, h: str) -> bool:
+    def is_noncacheable(self, h: str) -> bool:
         until = self._noncacheable.get(h)
         if until is None:
             return False
-        if self._clock() < until:
+        if self.clock() < until:
             return True
         self._noncacheable.pop(h, None)
         return False
 
     def collision(self, h: str, where: str) -> None:
         """An intact block holds other token ids than asked for: isolate its hash for 1 h."""
-        self._isolate(h, where)
-
-    def _isolate(self, h: str, where: str) -> None:
-        self._noncacheable[h] = self._clock() + NONCACHEABLE_TTL_S
-        self._inc("ssd_hash_collision_detected")
+        self._noncacheable[h] = self.clock() + NONCACHEABLE_TTL_S
+        self.inc("ssd_hash_collision_detected")
         log.warning("HASH COLLISION on %s: hash=%s holds other tokens; non-cacheable for %ds", where, h, NONCACHEABLE_TTL_S)
 
-    def _touch(self, hashes: list[str]) -> None:
+    def touch_rows(self, hashes: list[str]) -> None:
         """Batched access-time update of blocks; a failed auto-flush costs only freshness."""
         index = self.index
         if self.read_only or index is None:  # None: closed concurrently
             return
         try:
-            index.touch_many(hashes, self._clock())
+            index.touch_many(hashes, self.clock())
         except (sqlite3.Error, AttributeError) as exc:  # AttributeError: closed concurrently
             self._index_error("touch", exc)
 

@@ -42,24 +42,24 @@ def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) 
     if not NAMESPACE_RE.match(store.layout_key):
         raise ValueError(f"layout key {store.layout_key!r} is not 32 hex characters")
     writable = probe_writable(store)
-    now = repr(store._clock())
+    now = repr(store.clock())
     fresh = {**meta, "format_version": str(seg.FORMAT_VERSION), "layout_key": store.layout_key,
              "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip
     db = store.namespace_dir / INDEX_FILENAME
-    if not writable and not store._fs.exists(db):
+    if not writable and not store.fs.exists(db):
         raise OSError(errno.EROFS, "read-only cache directory without an index", str(store.namespace_dir))
     check_index_files(store.namespace_dir)
     store.index = BlockIndex(
-        db, store.durable, flush_interval_s=flush_interval_s, clock=store._clock, initial_meta=fresh,
+        db, store.durable, flush_interval_s=flush_interval_s, clock=store.clock, initial_meta=fresh,
         read_only=not writable, create=writable,
     )  # fmt: skip
     stored = store.index.get_meta()
     if not store.index.created_meta:
         refused = refusal(store.layout_key, stored, meta)
         if refused:
-            store._inc("ssd_namespace_refused")
-            store._close_index_quietly()
-            store._disable(refused)
+            store.inc("ssd_namespace_refused")
+            store.close_index_quietly()
+            store.disable(refused)
             return
         store.previous_shutdown_clean = stored.get("shutdown_clean") == "1"
         if writable:
@@ -82,13 +82,13 @@ def probe_writable(store: StoreCore) -> bool:
         OSError: the directory cannot be created or is not a real directory.
     """
     try:
-        store._fs.makedirs(store.namespace_dir, store._dir_mode)
+        store.fs.makedirs(store.namespace_dir, store.dir_mode)
         probe = temp_path_for(store.namespace_dir / "probe", "probe")
-        store._fs.close(store._fs.open_new(probe))
-        store._fs.unlink(probe)
+        store.fs.close(store.fs.open_new(probe))
+        store.fs.unlink(probe)
         return True
     except OSError as exc:
-        if exc.errno in READ_ONLY_ERRNOS and store._fs.is_dir(store.namespace_dir):
+        if exc.errno in READ_ONLY_ERRNOS and store.fs.is_dir(store.namespace_dir):
             return False
         raise
 
@@ -131,22 +131,22 @@ def reconcile(store: StoreCore) -> None:
     index = store.index
     assert index is not None  # called only right after a successful open
     try:
-        with index._lock:  # noqa: SLF001  (one read of a small table)
-            names = [r[0] for r in index._conn.execute("SELECT name FROM segments")]  # noqa: SLF001
+        with index.connection() as conn:  # one read of a small table
+            names = [r[0] for r in conn.execute("SELECT name FROM segments")]
         names = [n for n in names if is_segment_name(n)]  # malformed rows: validate reports them
-        scan = scan_namespace(store.namespace_dir, store._fs)
+        scan = scan_namespace(store.namespace_dir, store.fs)
         for tmp in scan.temps:
-            if temp_is_leftover(store._fs, tmp):
-                store._unlink_quiet(tmp)
+            if temp_is_leftover(store.fs, tmp):
+                store.unlink_quiet(tmp)
                 rep.temp_removed += 1
         gone = [n for n in names if n not in scan.files]
-        gone = [n for n in gone if not store._fs.exists(store._seg_path(n, check=False))]  # re-check just before
+        gone = [n for n in gone if not store.fs.exists(store.seg_path(n, check=False))]  # re-check just before
         rep.missing_rows_dropped = index.delete_segments(gone) if gone else 0
         rep.orphan_files = len(set(scan.files) - set(names))
         rep.rows = index.totals()[0]
     except (OSError, sqlite3.Error, ValueError) as exc:
         log.warning("startup reconcile of %s incomplete: %s", store.namespace_dir, exc)
-    store._inc("ssd_stale_index_cleaned", rep.missing_rows_dropped)
+    store.inc("ssd_stale_index_cleaned", rep.missing_rows_dropped)
     if rep.temp_removed or rep.missing_rows_dropped or rep.orphan_files:
         log.info("SSD reconcile %s: %s", store.layout_key, asdict(rep))
 

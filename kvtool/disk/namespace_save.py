@@ -80,15 +80,15 @@ class SegmentSaver:
         """`SSDStore.save_blocks`: store blocks as one write batch. Never raises."""
         store = self._store
         if not store.enabled or store.read_only:
-            store._inc("ssd_save_disabled", len(blocks))
+            store.inc("ssd_save_disabled", len(blocks))
             return ["error"] * len(blocks)
-        with store._lock:
+        with store.lock:
             try:
                 return self._save_locked(list(blocks))
             except Exception as exc:
                 level = logging.WARNING if isinstance(exc, (OSError, sqlite3.Error)) else logging.ERROR
                 log.log(level, "SSD save of %d block(s) failed: %s", len(blocks), exc)
-                store._inc("ssd_save_fail", len(blocks))
+                store.inc("ssd_save_fail", len(blocks))
                 return ["error"] * len(blocks)
 
     def _save_locked(self, blocks: list[HostBlock]) -> list[str]:
@@ -104,7 +104,7 @@ class SegmentSaver:
             h = b.block_hash
             if not is_hash(h) or not is_hash(b.parent_hash):
                 outcome[i] = "error"
-            elif store._is_noncacheable(h):
+            elif store.is_noncacheable(h):
                 outcome[i] = "collision"
             elif h not in seen and self._replaces(existing.get(h), b):
                 seen.add(h)  # its row points into a segment that failed verification: written anew
@@ -117,7 +117,7 @@ class SegmentSaver:
         full = False
         for batch in self._batches(fresh):
             if full:  # the disk filled up: what follows would not fit either (nor be reachable)
-                store._inc("ssd_save_fail", len(batch))
+                store.inc("ssd_save_fail", len(batch))
                 results = ["error"] * len(batch)
             else:
                 results, full = self._write_fitting(index, [b for _, b in batch])
@@ -152,12 +152,12 @@ class SegmentSaver:
                 raise
             if len(blocks) == 1:
                 log.warning("SSD save of block %s failed: %s", blocks[0].block_hash, exc)
-                store._inc("ssd_save_fail")
+                store.inc("ssd_save_fail")
                 return ["error"], True
         half = (len(blocks) + 1) // 2
         first, _ = self._write_fitting(index, blocks[:half])
         if first[-1] != "saved":  # the first half did not fit whole: the rest is not attempted
-            store._inc("ssd_save_fail", len(blocks) - half)
+            store.inc("ssd_save_fail", len(blocks) - half)
             return first + ["error"] * (len(blocks) - half), True
         rest, _ = self._write_fitting(index, blocks[half:])
         return first + rest, True
@@ -165,11 +165,11 @@ class SegmentSaver:
     def _dedup(self, h: str, row: IndexRow | None, b: HostBlock, seen: set[str]) -> str:
         store = self._store
         if row is not None and row.tokens_digest != seg.tokens_digest(b.token_ids):
-            store._isolate(h, "save")
+            store.collision(h, "save")
             return "collision"
         if row is not None:
-            store._touch([h])
-        store._inc("ssd_save_dedup_skip")
+            store.touch_rows([h])
+        store.inc("ssd_save_dedup_skip")
         return "dedup"
 
     def _batches(self, items: list[tuple[int, HostBlock]]) -> Iterable[list[tuple[int, HostBlock]]]:
@@ -177,7 +177,7 @@ class SegmentSaver:
         batch: list[tuple[int, HostBlock]] = []
         size = 0
         for item in items:
-            n = store._geometry.kv.record_nbytes(int(item[1].token_ids.shape[0]))
+            n = store.geometry.kv.record_nbytes(int(item[1].token_ids.shape[0]))
             if batch and size + n > store.segment_max_bytes:
                 yield batch
                 batch, size = [], 0
@@ -192,18 +192,18 @@ class SegmentSaver:
         try:
             for b in blocks:
                 self._check_block(b)
-            now = store._clock()
-            buffers, slots = seg.encode(blocks, store.layout_key, store._geometry.kv, now, store._geometry.codec)
+            now = store.clock()
+            buffers, slots = seg.encode(blocks, store.layout_key, store.geometry.kv, now, store.geometry.codec)
         except (BlockFileError, ValueError) as exc:
             log.error("SSD save refused: %s", exc)
-            store._inc("ssd_save_fail", len(blocks))
+            store.inc("ssd_save_fail", len(blocks))
             return ["error"] * len(blocks)
         name = secrets.token_hex(16)
-        path = store._seg_path(name)
+        path = store.seg_path(name)
         size = sum(b.nbytes for b in buffers)
         budget = store.budget
         if budget is not None and not budget.reserve(name, size):  # the byte budget: no room even after eviction
-            store._inc("ssd_budget_refused", len(blocks))
+            store.inc("ssd_budget_refused", len(blocks))
             return ["error"] * len(blocks)
         try:
             self._write_file(path, name, buffers)
@@ -214,20 +214,20 @@ class SegmentSaver:
             try:
                 index.insert_segment(SegmentRow(name, size, len(blocks), now), rows, release=budget is not None)
             except BaseException:
-                store._unlink_quiet(path)  # no row will ever point at it: never leave an orphan
+                store.unlink_quiet(path)  # no row will ever point at it: never leave an orphan
                 raise
         except BaseException:
             if budget is not None:
                 budget.release(name)
             raise
-        store._saved.add(b.block_hash for b in blocks)
-        store._inc("ssd_save_success", len(blocks))
-        store._inc("ssd_segments_written")
-        store._inc("ssd_bytes_written", size)
+        store.saved.add(b.block_hash for b in blocks)
+        store.inc("ssd_save_success", len(blocks))
+        store.inc("ssd_segments_written")
+        store.inc("ssd_bytes_written", size)
         return ["saved"] * len(blocks)
 
     def _check_block(self, block: HostBlock) -> None:
-        e = self._store._geometry
+        e = self._store.geometry
         n = int(np.asarray(block.token_ids).shape[0])
         if block.dtype != e.kv.dtype or not 0 < n <= e.block_size:
             raise BlockFileError("shape", f"block {block.block_hash} does not match namespace geometry")
@@ -235,10 +235,10 @@ class SegmentSaver:
     def _write_file(self, path: Path, name: str, buffers: Sequence) -> None:
         """Temp file in the final directory, fsync (durable), rename, fsync dir (durable)."""
         store = self._store
-        fs = store._fs
+        fs = store.fs
         sub = path.parent
         if sub.name not in self._made_dirs:
-            fs.makedirs(sub, store._dir_mode)
+            fs.makedirs(sub, store.dir_mode)
             if store.durable:
                 fs.fsync_dir(store.namespace_dir)
             self._made_dirs.add(sub.name)
@@ -248,7 +248,7 @@ class SegmentSaver:
             try:
                 fd = fs.open_new(tmp)
             except FileNotFoundError:  # subdir removed by someone: recreate once
-                fs.makedirs(sub, store._dir_mode)
+                fs.makedirs(sub, store.dir_mode)
                 fd = fs.open_new(tmp)
             try:
                 fs.write_all(fd, list(buffers))
@@ -261,7 +261,7 @@ class SegmentSaver:
             if store.durable:
                 fs.fsync_dir(sub)
         except BaseException:
-            store._unlink_quiet(path if renamed else tmp)  # no row will point at it: never an orphan
+            store.unlink_quiet(path if renamed else tmp)  # no row will point at it: never an orphan
             raise
 
 

@@ -31,7 +31,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvtool.disk.chains import KeyIndex, argsort_stable, hex_of_keys, keys_from_hex
+from kvtool.disk.chains import KeyIndex, hex_of_keys, keys_from_hex
 from kvtool.disk.index import IndexRow
 
 CHUNK_ROWS = 1 << 14  # rows converted at a time (bounds the Python objects alive while loading)
@@ -117,7 +117,7 @@ class RowTable:
         """`(order, start)`: the row numbers sorted by (segment, slot), and where each segment's
         rows begin in it: segment `s`'s rows are `order[start[s]:start[s + 1]]`."""
         key = (self.seg.astype(np.uint64) << np.uint64(32)) | self.slot.astype(np.uint64)  # both >= 0: lexsort's order
-        order = argsort_stable(key).astype(np.int32)
+        order = np.argsort(key, kind="stable").astype(np.int32)
         start = np.zeros(len(self.segments) + 1, dtype=np.int64)
         np.cumsum(np.bincount(self.seg, minlength=len(self.segments)), out=start[1:])
         return order, start
@@ -269,7 +269,7 @@ class _Columns:
 def _hash_order(keys: np.ndarray) -> np.ndarray:
     """The order of `[N, 2]` keys: by their high halves alone (one sort of N numbers) when those
     are distinct, as they are but by a 1-in-2**64 chance; else by both."""
-    order = argsort_stable(keys[:, 0])
+    order = np.argsort(keys[:, 0], kind="stable")
     high = keys[order, 0]
     if (high[1:] == high[:-1]).any():
         order = np.lexsort((keys[:, 1], keys[:, 0]))

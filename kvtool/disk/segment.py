@@ -46,16 +46,23 @@ import json
 import operator
 import os
 import struct
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import xxhash
 
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import _PACKED_DTYPE, QUANT_BITS, STORAGE_DTYPES, KVLayout  # noqa: F401  (re-exported)
+from kvtool.disk.verify import (  # noqa: F401  (the rules: re-exported under the names callers use)
+    HEADER_CK_KEY,
+    ZERO_CHECKSUM,
+    BlockFileError,
+    check_header,
+    header_digest,
+    record_checksum,
+    tokens_digest,
+)
 
 FORMAT_NAME = "kvtool-segment"
 FORMAT_VERSION = 2
@@ -64,29 +71,10 @@ FILE_SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot)
 MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
-ZERO_CHECKSUM = "0" * 32
-HEADER_CK_KEY = b'"header_checksum":"'
 CODECS = ("none", "zstd", "lz4")
 ZSTD_LEVEL = 3  # zstd's default; level 1 measured no faster on KV here (docs/design.md#segments-format-2-why-and-what)
 
 _TOKENS_DTYPE = np.dtype("<i4")
-
-
-class BlockFileError(Exception):
-    """A segment file or record that must not be used.
-
-    Attributes:
-        kind: 'truncated' (file shorter/longer than its header says), 'header' (unparseable
-            header or metadata, or header checksum mismatch), 'version' (unknown format),
-            'layout' (another namespace's file), 'shape' (KV layout differs from the
-            namespace's), 'slot' (no such slot, or its hash/parent/length is not the one
-            asked for), 'checksum' (record data does not match its checksum), 'tokens'
-            (intact record holding other token ids: a chain-hash collision).
-    """
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(f"{kind}: {message}")
-        self.kind = kind
 
 
 class Slot(NamedTuple):
@@ -194,12 +182,6 @@ def _c_pieces(arr: np.ndarray, storage: np.dtype) -> list[np.ndarray]:
     return [p for sub in arr for p in _c_pieces(sub, storage)]
 
 
-def _checksum(pieces: Sequence) -> str:
-    h = xxhash.xxh3_128()
-    deque(map(h.update, pieces), maxlen=0)  # the loop in C: ~100 pieces per record on a restore
-    return h.hexdigest()
-
-
 def encode(
     blocks: Sequence[HostBlock], layout_key: str, kv: KVLayout, created: float, codec: str = "none"
 ) -> tuple[list[memoryview], list[Slot]]:
@@ -228,7 +210,7 @@ def encode(
     raw_sizes = [sum(p.nbytes for p in pieces) for pieces in records]
     if codec != "none":
         records = [[compress(codec, b"".join(p.data.cast("B") for p in pieces))] for pieces in records]
-    sums = [_checksum(p) for p in records]
+    sums = [record_checksum(p) for p in records]
     sizes = [sum(memoryview(p).nbytes for p in pieces) for pieces in records]
     suffix = [f":{codec}:{raw}" if codec != "none" else "" for raw in raw_sizes]
     meta = {
@@ -261,18 +243,9 @@ def encode(
     return buffers, slots
 
 
-def _header_digest(header: bytes) -> str:
-    """xxh3-128 of a header whose `header_checksum` value is zeroed."""
-    pos = header.find(HEADER_CK_KEY)
-    if pos < 0 or header.find(HEADER_CK_KEY, pos + 1) >= 0:
-        raise BlockFileError("header", "header_checksum not found exactly once")
-    at = pos + len(HEADER_CK_KEY)
-    return xxhash.xxh3_128_hexdigest(header[:at] + ZERO_CHECKSUM.encode() + header[at + 32 :])
-
-
 def _seal_header(header: bytes) -> bytes:
     at = header.find(HEADER_CK_KEY) + len(HEADER_CK_KEY)
-    return header[:at] + _header_digest(header).encode() + header[at + 32 :]
+    return header[:at] + header_digest(header).encode() + header[at + 32 :]
 
 
 # ----------------------------------------------------------------------------- read
@@ -331,7 +304,7 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int) -> Segmen
         raise BlockFileError("header", f"malformed header: {exc}") from None
     if meta.get("format") != FORMAT_NAME or meta.get("format_version") != str(FORMAT_VERSION):
         raise BlockFileError("version", f"not a {FORMAT_NAME} v{FORMAT_VERSION} file")
-    if meta.get("checksum_algo") != CHECKSUM_ALGO or _header_digest(raw) != meta.get("header_checksum"):
+    if meta.get("checksum_algo") != CHECKSUM_ALGO or header_digest(raw) != meta.get("header_checksum"):
         raise BlockFileError("header", "header does not match its checksum")
     try:
         kv = parse_layout(meta["layers"], meta["dtype"])
@@ -389,21 +362,6 @@ def read_header(fd: int, file_size: int) -> SegmentHeader:
         if len(head) < 8 + n <= min(file_size, 8 + MAX_HEADER_BYTES):
             head += os.pread(fd, 8 + n - len(head), len(head))
     return parse_header(head, file_size)
-
-
-def check_header(header: SegmentHeader, layout_key: str, kv: KVLayout, codec: str | None = None) -> None:
-    """The file must belong to namespace `layout_key` with KV layout `kv` (and, if given, every
-    record stored with `codec`).
-
-    Raises:
-        BlockFileError: 'layout', 'shape' or 'header' (a record of another codec).
-    """
-    if header.layout_key != layout_key:
-        raise BlockFileError("layout", f"segment of namespace {header.layout_key}, not {layout_key}")
-    if header.kv != kv:
-        raise BlockFileError("shape", f"KV layout {header.kv.spec}/{header.kv.dtype}, namespace has {kv.spec}/{kv.dtype}")
-    if codec is not None and any(s.codec != codec for s in header.slots):
-        raise BlockFileError("header", f"records stored with another codec than the namespace's ({codec})")
 
 
 def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarray]) -> None:
@@ -495,7 +453,7 @@ def read_records(fd: int, slots: Sequence[Slot], tokens: np.ndarray, pieces: Seq
     flat = [m for iov in iovs for m in iov]
     _preadv_all(fd, flat, slots[0].offset, sum(sl.nbytes for sl in slots))
     for pos, (slot, iov) in enumerate(zip(slots, iovs)):
-        if _checksum(iov) != slot.checksum:
+        if record_checksum(iov) != slot.checksum:
             return pos
     return None
 
@@ -513,7 +471,7 @@ def _read_compressed(fd: int, slots: Sequence[Slot], iovs: Sequence[list[memoryv
     for pos, (slot, iov) in enumerate(zip(slots, iovs)):
         stored = view[at : at + slot.nbytes]
         at += slot.nbytes
-        if xxhash.xxh3_128_hexdigest(stored) != slot.checksum:
+        if record_checksum((stored,)) != slot.checksum:
             return pos
         try:
             raw = memoryview(decompress(slot.codec, stored, slot.raw_nbytes))
@@ -567,8 +525,3 @@ def read_block(fd: int, slot: Slot, kv: KVLayout, dtype_name: str | None = None)
     read_record(fd, slot, tokens, arrays)
     keys, values = kv.split(arrays)
     return HostBlock(slot.block_hash, slot.parent_hash, tokens, keys, values, dtype_name or kv.dtype)
-
-
-def tokens_digest(token_ids: np.ndarray) -> str:
-    """xxh3-128 hex of token ids as little-endian int32 (the index's `tokens_digest`)."""
-    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(token_ids, dtype=_TOKENS_DTYPE).tobytes())

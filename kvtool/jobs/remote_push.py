@@ -88,7 +88,7 @@ def push_namespace(namespace_dir: Path, store, *, progress: Callable[[int, int],
     report = PushReport(layout_key)
     index = BlockIndex(namespace_dir / INDEX_FILENAME, read_only=True, create=False)
     try:
-        names = [s.name for s in index.scan().segments]
+        names = [s.name for s in index.segments()]
     finally:
         index.close()
     fs = FileOps()

@@ -24,12 +24,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import gc
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import cache
 from typing import ParamSpec, TypeVar
+
+from kvtool.disk import restore
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -60,28 +60,16 @@ def release_free_heap() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection inside (nested uses are fine: the outermost one turns it
-    back on, and only if it was on)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
-
-
 def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """`fn` run inside `paused_gc` (a decorator for the operator commands' scans and plans)."""
+    """`fn` run with the cyclic collector paused (`kvtool.disk.restore.gc_paused`: nests, across
+    threads too): a decorator for the operator commands' scans and plans."""
 
     @functools.wraps(fn)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with paused_gc():
+        with restore.gc_paused():
             return fn(*args, **kwargs)
 
     return run
 
 
-__all__ = ["release_free_heap", "paused_gc", "gc_paused"]
+__all__ = ["release_free_heap", "gc_paused"]

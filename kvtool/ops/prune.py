@@ -47,7 +47,6 @@ from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.ops.heap import gc_paused
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
 
-prune_lock = cache_lock  # the name callers used before `kvtool.disk.lock`
 LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
 HIDDEN_FIELDS = ("planner", "clamp")
 
@@ -395,6 +394,6 @@ def prune(
 
 
 __all__ = [
-    "prune", "plan_prune", "execute_prune", "check_limits", "cache_lock", "prune_lock", "PrunePlan", "NamespacePlan",
+    "prune", "plan_prune", "execute_prune", "check_limits", "cache_lock", "PrunePlan", "NamespacePlan",
     "SegmentPlanner", "Segment", "fit_budget", "segments_of", "planner_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
 ]  # fmt: skip

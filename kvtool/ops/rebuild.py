@@ -35,7 +35,7 @@ from kvtool.disk.names import INDEX_FILENAME
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.hashing import root_parent
-from kvtool.ops.records import SegmentReader, created_of
+from kvtool.ops.records import Record, SegmentPass, created_of
 from kvtool.ops.repairs import NamespaceRepair, RebuildPlan, unlink_counted
 from kvtool.ops.scan import CacheScan, NamespaceScan, meta_problem
 
@@ -67,24 +67,32 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> Re
     recovered: dict[str, IndexRow] = {}
     segment_rows: dict[str, SegmentRow] = {}
     remove: list[str] = []
-    with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentReader(
+    with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(
         cdir, ns.name, exp.kv if exp else None, exp.block_size if exp else None
     ) as reader:
-        headers = {n: hd for n in sorted(ns.files) if (hd := reader.header(n)) is not None}
+        checks = {n: reader.open(n) for n in sorted(ns.files)}  # every header, verified
+        headers = {n: c.header for n, c in checks.items() if c.header is not None}
         kv = exp.kv if exp else (Counter(h.kv for h in headers.values()).most_common(1)[0][0] if headers else None)
         for name in sorted(set(ns.files) - set(headers)):
             remove.append(name)
-            rep.note("unusable", name, reader.errors.get(name, ""))
+            rep.note("unusable", name, checks[name].error or "")
         for name, header in sorted(headers.items(), key=lambda kv_: (-created_of(kv_[1]), kv_[0])):  # newest copy wins
             if header.kv != kv:
                 remove.append(name)
                 rep.note("unusable", name, "KV layout differs from the namespace's other segments")
                 continue
-            segment_rows[name] = reader.verified_segment_row(name)
+            chk = reader.open(name)
+            seg_row = chk.segment_row()
+            if seg_row is None or chk.header != header:  # changed since its header was read
+                remove.append(name)
+                rep.note("unusable", name, chk.error or "changed while it was read")
+                continue
+            segment_rows[name] = seg_row
             t = min(created_of(header), scan.now)
+            reader.read(verify=[s.index for s in header.slots if s.block_hash not in recovered])
             for s in header.slots:
-                rec = reader.record(name, s.index) if s.block_hash not in recovered else None
-                if rec is not None:
+                rec = chk.records.get(s.index) if s.block_hash not in recovered else None
+                if isinstance(rec, Record):
                     recovered[s.block_hash] = rec.row(t, t)
     tree = build_chain_tree(((r.hash, r.parent, r.last_access) for r in recovered.values()), root_parent(ns.name), scan.now)
     by_segment: dict[str, list[IndexRow]] = {}

@@ -174,7 +174,6 @@ class RepairPlan:
         return doc
 
 
-ValidateReport = RepairPlan  # the name callers used before the plan/execute split
 
 
 def unlink_counted(rep: NamespaceRepair, fn: Callable[[], int], what: str) -> int:
@@ -189,6 +188,6 @@ def unlink_counted(rep: NamespaceRepair, fn: Callable[[], int], what: str) -> in
 
 
 __all__ = [
-    "Actions", "NamespaceRepair", "RepairPlan", "RebuildPlan", "ValidateReport", "unlink_counted", "MAX_DETAILS",
+    "Actions", "NamespaceRepair", "RepairPlan", "RebuildPlan", "unlink_counted", "MAX_DETAILS",
     "REPAIRS", "UNCHECKED_PROBLEMS",
 ]  # fmt: skip

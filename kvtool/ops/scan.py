@@ -12,12 +12,10 @@ before the directory is listed): the index files are checked to be regular files
 `index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
 not hash to its name is `foreign`), every row is read and checked in one read transaction
-(`kvtool.disk.rowtable_native`, compiled; where it is not built `kvtool.disk.rowtable_arrow`; for
-an index either cannot decide, `kvtool.disk.rowtable`: columns, no Python object per row;
+(`kvtool.disk.rowtable.load_rows`, the one index reader: columns, no Python object per row;
 malformed rows are reported by rowid, never used), and the directory is listed without following
-symlinks once the rows' snapshot is fixed, while the rows are read (by a forked child on Linux,
-`kvtool.ops.listing_fork`, else by a thread), so the listing still sees every file a row of the
-snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
+symlinks once the rows' snapshot is fixed, while a thread reads the rows (SQLite runs without the
+GIL), so the listing still sees every file a row of the snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
 The chain tree of the rows (`forest`, `tree`) is built on first use, once.
 
 Statuses (`NamespaceStatus`, one vocabulary for every command):
@@ -42,7 +40,7 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
@@ -51,7 +49,6 @@ from types import MappingProxyType
 
 import numpy as np
 
-from kvtool.disk import rowtable_native
 from kvtool.disk.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
 from kvtool.disk.confined import disk_full, free_bytes
 from kvtool.disk.fsops import (
@@ -67,12 +64,10 @@ from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
 from kvtool.disk.names import INDEX_FILENAME, LOCK_FILENAME
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.rowtable import RowTable, load_rows
-from kvtool.disk.rowtable_arrow import ArrowUnusable, read_snapshot
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.errors import KVToolError
 from kvtool.hashing import layout_key_of_meta, root_parent
 from kvtool.ops.heap import gc_paused, release_free_heap
-from kvtool.ops.listing_fork import ForkedListing
 
 INDEX_FILES = (INDEX_FILENAME, INDEX_FILENAME + "-wal", INDEX_FILENAME + "-shm")
 REBUILD_HINT = "`kvtool validate --rebuild-index` rebuilds it from the segment files"
@@ -249,13 +244,10 @@ class CacheScan:
     other: tuple[str, ...] = ()
 
 
-RowsHook = Callable[[Path, Expected, RowTable], None]  # on_rows(namespace directory, its geometry, its rows)
-
-
 @gc_paused
 def scan_cache(
     cache_dir: Path, namespace: str | None = None, *, now: float | None = None, fs: FileOps | None = None,
-    rows: bool = True, full: bool = True, on_rows: RowsHook | None = None,
+    rows: bool = True, full: bool = True,
 ) -> CacheScan:  # fmt: skip
     """Scan an SSD cache (read-only).
 
@@ -271,10 +263,6 @@ def scan_cache(
             rm NAMESPACE` needs: it removes the whole directory).
         full: keep every column of the rows; False: not their token digests and creation times
             (`inspect`, `prune` and `rm --prompt` plan without them: less memory).
-        on_rows: called as `on_rows(namespace directory, its Expected, its RowTable)` once the rows
-            of a namespace whose meta checked out are read (through the compiled or the Arrow
-            reader), before its listing is taken in: `validate` starts reading segment files
-            then. Not called for a namespace read the `sqlite3` way.
 
     Raises:
         ScanError: `cache_dir` is not a directory or cannot be looked at (a name too long, no
@@ -303,21 +291,20 @@ def scan_cache(
                 links.append(n)
             elif n not in picked and n != LOCK_FILENAME:
                 other.append(n)
-    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows, full=full, on_rows=on_rows) for d in dirs)
+    spaces = tuple(scan_namespace_dir(cache_dir, d.name, now=now, fs=fs, rows=rows, full=full) for d in dirs)
     release_free_heap()  # what reading the rows freed (a million rows: batches, sort orders)
     return CacheScan(cache_dir, now, spaces, tuple(links), tuple(other))
 
 
 def scan_namespace_dir(cache_dir: Path, name: str, *, now: float | None = None, fs: FileOps | None = None,
-                       rows: bool = True, full: bool = True, on_rows: RowsHook | None = None) -> NamespaceScan:  # fmt: skip
+                       rows: bool = True, full: bool = True) -> NamespaceScan:  # fmt: skip
     """Scan one namespace directory (see the module docstring). Never raises for its content."""
-    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows, full, on_rows).run()
+    return _Scanner(Path(cache_dir) / name, time.time() if now is None else now, fs or FileOps(), rows, full).run()
 
 
 class _Scanner:
-    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True, full: bool = True,
-                 on_rows: RowsHook | None = None):  # fmt: skip
-        self.path, self.now, self.fs, self.rows, self.full, self.on_rows = path, now, fs, rows, full, on_rows
+    def __init__(self, path: Path, now: float, fs: FileOps, rows: bool = True, full: bool = True):
+        self.path, self.now, self.fs, self.rows, self.full = path, now, fs, rows, full
         self.f: dict = {"name": path.name, "path": path, "now": now}
 
     def run(self) -> NamespaceScan:
@@ -389,51 +376,19 @@ class _Scanner:
         return self._done(NamespaceStatus.EMPTY if empty else NamespaceStatus.OK, "")
 
     def _read_rows_and_list(self, index: BlockIndex) -> bool:
-        """Rows and listing: the rows through Arrow (`_read_arrow_and_list`) where that can decide
-        them, else (it found something unusual) both again, the rows the `sqlite3` way
-        (`_read_and_list`).
+        """`_read_rows` in a thread, `_list_files` here as soon as the rows' snapshot is fixed
+        (files are listed after it, as if one came after the other). Returns what `_list_files`
+        does.
 
         Raises:
             sqlite3.Error: the index cannot be read.
-        """
-        if self.rows:
-            try:
-                return self._read_arrow_and_list(index)
-            except ArrowUnusable:
-                pass
-        return self._read_and_list(lambda fixed: self._read_rows(index, fixed))
-
-    def _read_arrow_and_list(self, index: BlockIndex) -> bool:
-        """The Arrow read here, the listing in a forked child (`listing_fork`) where one can be
-        made, else in a thread (`_read_and_list`). Raises `ArrowUnusable` as `_read_rows_columns`."""
-        try:
-            lister = ForkedListing(self, SegmentFile) if ForkedListing.usable(self) else None
-        except OSError:  # no process to be had
-            lister = None
-        if lister is None:
-            return self._read_and_list(lambda fixed: self._read_rows_columns(index, fixed.set))
-        try:
-            self._read_rows_columns(index, lister.go)
-        except BaseException:
-            lister.cancel()
-            raise
-        listed = lister.result()
-        return self._list_files() if listed is None else listed
-
-    def _read_and_list(self, read_rows: Callable[[threading.Event], None]) -> bool:
-        """`read_rows(fixed)` in a thread, `_list_files` here as soon as the rows' snapshot is
-        fixed (files are listed after it, as if one came after the other). Returns what
-        `_list_files` does.
-
-        Raises:
-            what `read_rows` raised.
         """
         fixed = threading.Event()
         failed: list[BaseException] = []
 
         def read() -> None:
             try:
-                read_rows(fixed)
+                self._read_rows(index, fixed)
             except BaseException as exc:  # handed to the caller below
                 failed.append(exc)
             finally:
@@ -447,22 +402,6 @@ class _Scanner:
         if failed:
             raise failed[0]
         return listed
-
-    def _read_rows_columns(self, index: BlockIndex, fixed: Callable[[], None]) -> None:
-        """`_read_rows` through the compiled reader (`rowtable_native.read_snapshot`), else (not
-        built) through Arrow (`rowtable_arrow.read_snapshot`): the same results.
-
-        Raises:
-            ArrowUnusable: a row it cannot decide (read the `sqlite3` way).
-        """
-        hook, expected = self.on_rows, self.f.get("expected")
-        tell = None if hook is None or expected is None else lambda table: hook(self.path, expected, table)
-        read = rowtable_native.read_snapshot if rowtable_native.available() else read_snapshot
-        snap = read(index.path, full=self.full, immutable=index.immutable, fixed=fixed, on_table=tell)
-        segs = tuple(seg for _, seg in snap.segments if seg is not None)
-        bad = tuple(rowid for rowid, seg in snap.segments if seg is None)
-        self.f.update(table=snap.table, row_count=len(snap.table), bad_rows=(), segment_rows=segs,
-                      bad_segment_rows=bad)  # fmt: skip
 
     def _read_rows(self, index: BlockIndex, fixed: threading.Event | None = None) -> None:
         """Rows (columns, or a count), malformed rowids and `segments` rows, in one snapshot;
@@ -606,5 +545,5 @@ def _newest(now: float, *times: float | None) -> float | None:
 
 __all__ = [
     "scan_cache", "scan_namespace_dir", "meta_problem", "CacheScan", "NamespaceScan", "NamespaceStatus",
-    "SegmentFile", "TempFile", "ScanError", "USABLE", "REBUILD_HINT", "OUTDATED_HINT", "RowsHook",
+    "SegmentFile", "TempFile", "ScanError", "USABLE", "REBUILD_HINT", "OUTDATED_HINT",
 ]  # fmt: skip

@@ -36,8 +36,7 @@ Scale (docs/operations.md): the rows are read once, as columns (`kvtool.disk.row
 segment files are opened once each. Clean segments (every slot held by a row that matches it,
 almost all of a healthy cache) are found first, in batches (`kvtool.ops.clean_segments`: one read
 of each whole file, its header byte-compared with the one `segment.encode` writes for the rows'
-slot table, digests and row comparisons vectorised; compiled, it starts on threads as soon as the
-scan has read the rows, `StartedChecks`); nothing is kept of them but size, slot count and
+slot table, digests and row comparisons vectorised); nothing is kept of them but size, slot count and
 creation time, as arrays (sets of segments are masks, `kvtool.ops.segment_sets`). Every other segment is
 then checked the general way, in name order: the records a check needs read in file order with as
 few reads as possible (`kvtool.ops.records.SegmentPass`): token ids for the digest check, whole
@@ -65,8 +64,9 @@ from kvtool.disk.index import IndexRow, SegmentRow
 from kvtool.disk.lock import cache_lock
 from kvtool.disk.names import segment_relpath
 from kvtool.disk.rowtable import RowTable
+from kvtool.disk.verify import slot_problem
 from kvtool.hashing import root_parent
-from kvtool.ops.clean_segments import CleanCheck, CleanSegments, StartedChecks, start_clean
+from kvtool.ops.clean_segments import CleanSegments, find_clean
 from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.rebuild import plan_rebuild
 from kvtool.ops.records import Record, SegmentPass, created_of
@@ -78,7 +78,6 @@ from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     NamespaceRepair,
     RebuildPlan,
     RepairPlan,
-    ValidateReport,
     unlink_counted,
 )
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
@@ -117,16 +116,14 @@ def validate(
         raise ScanError(f"cannot use cache directory {short_path(cache_dir)}: {exc.strerror or exc}") from None
     lock: AbstractContextManager = nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
     with lock:  # a cache dir that does not exist yet: an empty cache, nothing to lock
-        with StartedChecks(deep) as started:  # segment files are read as soon as their rows are
-            scan = scan_cache(root, namespace, now=now, fs=fs, on_rows=started.start)
-            plan = plan_repairs(scan, deep=deep, rebuild_index=rebuild_index, progress=progress, started=started)
+        scan = scan_cache(root, namespace, now=now, fs=fs)
+        plan = plan_repairs(scan, deep=deep, rebuild_index=rebuild_index, progress=progress)
         return plan if dry_run else execute(plan)
 
 
 @gc_paused
 def plan_repairs(
     scan: CacheScan, *, deep: bool = False, rebuild_index: bool = False, progress: ProgressFn | None = None,
-    started: StartedChecks | None = None,
 ) -> RepairPlan:  # fmt: skip
     """Decide every repair (reads segment headers, and records where needed; changes nothing).
 
@@ -135,8 +132,6 @@ def plan_repairs(
         deep: read every record whole and verify its checksum (reads everything).
         rebuild_index: plan the rebuild of unreadable indexes from their segment files.
         progress: called as `progress(namespace, segments_done, segments_total)`.
-        started: clean-segment checks started during the scan (`StartedChecks.start` as its
-            `on_rows`, with the same `deep`); the others start here.
     """
     plan = RepairPlan(str(scan.cache_dir), deep, rebuild_index=rebuild_index, symlinks=list(scan.symlinks))
     for ns in scan.namespaces:
@@ -147,8 +142,7 @@ def plan_repairs(
         for link in ns.symlinks:
             rep.note("symlink", link, "never followed")
         if ns.usable:
-            check = started.take(ns.name, ns.table) if started is not None else None
-            _plan_namespace(scan, ns, rep, deep, progress, check)
+            _plan_namespace(scan, ns, rep, deep, progress)
         elif rebuild_index and _rebuildable(ns):
             try:
                 rep.actions.rebuild = plan_rebuild(scan, ns, rep)
@@ -168,18 +162,14 @@ def _rebuildable(ns: NamespaceScan) -> bool:
     return ns.status == NamespaceStatus.UNINITIALIZED and bool(ns.files) and not ns.row_count
 
 
-def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress,
-                    started: CleanCheck | None = None) -> None:  # fmt: skip
+def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress) -> None:
     exp = ns.expected
     assert exp is not None  # a usable namespace has its geometry
     try:
         with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(cdir, ns.name, exp.kv, exp.block_size) as reader:
-            _Planner(scan.now, ns, rep, reader, deep, started).run(progress)
+            _Planner(scan.now, ns, rep, reader, deep).run(progress)
     except OSError as exc:
         rep.outcome, rep.message = "failed", f"cannot open the namespace directory: {exc}"
-    finally:
-        if started is not None:
-            started.close()
 
 
 class _Candidate:
@@ -196,10 +186,8 @@ class _Planner:
     """Plans the repairs of one usable namespace: one pass over its segment files (`_visit`, in
     name order), then the decisions (`_resolve`, `_adopt_and_finish`) on one chain tree."""
 
-    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool,
-                 started: CleanCheck | None = None):  # fmt: skip
+    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool):
         self.now, self.ns, self.rep, self.reader, self.deep = now, ns, rep, reader, deep
-        self.started = started  # the clean-segment check, if the scan started it
         self.act = rep.actions
         self.table: RowTable = ns.table if ns.table is not None else RowTable.empty()
         self.fail: dict[int, str] = {}  # row number -> why it does not match its record
@@ -268,9 +256,8 @@ class _Planner:
         exp = self.ns.expected
         assert exp is not None
         report = (lambda done, _n: self._progress(progress, done, total)) if progress is not None else None
-        check = self.started or start_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, self.deep)
-        with check:
-            clean = check.result(self.ns.files, progress=report, meanwhile=self._whole_forest)
+        clean = find_clean(self.reader.cdir, self.ns.name, exp.kv, exp.block_size, self.table, self.ns.files, self.deep,
+                           progress=report, meanwhile=self._whole_forest)  # fmt: skip
         release_free_heap()  # its batches' memory, before the chain tree
         return clean
 
@@ -284,7 +271,7 @@ class _Planner:
         """Check segment `name` (not clean) against its `rows` (`_SegmentRows.of`) the general
         way: one open, then its records in file order."""
         ns = self.ns
-        rl, hashes, parents, digests, slot_of, n_tok, nbytes = rows
+        rl, _, _, digests, slot_of, _, _ = rows
         if name not in ns.files:
             why = self._no_file(name)
             for r in rl:
@@ -298,26 +285,7 @@ class _Planner:
             return
         slots = chk.header.slots
         self.checked[name] = _SegInfo(chk.size, len(slots), created_of(chk.header))
-        claimed: dict[int, int] = {}  # slot -> position in `rl` of the row it holds
-        to_check: list[int] = []  # positions whose record must match their digest
-        for k, r in enumerate(rl):
-            i = slot_of[k]
-            if i >= len(slots):
-                self.fail[r] = f"segment {name} has no slot {i}"
-                continue
-            sl = slots[i]
-            if sl.block_hash != hashes[k]:
-                self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
-                continue
-            claimed[i] = k
-            if parents[k] != sl.parent_hash:
-                self.fail[r] = f"parent {parents[k]!r} differs from its record ({sl.parent_hash!r})"
-            elif n_tok[k] != sl.n_tokens:
-                self.fail[r] = f"num_tokens {n_tok[k]!r} differs from its record ({sl.n_tokens!r})"
-            elif nbytes[k] != sl.nbytes:
-                self.fail[r] = f"nbytes {nbytes[k]!r} differs from its record ({sl.nbytes!r})"
-            else:
-                to_check.append(k)
+        claimed, to_check = self._claim(name, slots, rows)
         unclaimed = [i for i in range(len(slots)) if i not in claimed]
         failed_own = [i for i, k in claimed.items() if rl[k] in self.fail]
         verify = set(range(len(slots))) if self.deep else {*unclaimed, *failed_own}
@@ -350,6 +318,31 @@ class _Planner:
                 at = claimed.get(i)
                 if at is None or rl[at] in self.fail:
                     self.candidates.append(_Candidate(name, i, sl.block_hash, sl.parent_hash, chk.records.get(i, "not read")))
+
+    def _claim(self, name: str, slots: tuple, rows: tuple) -> tuple[dict[int, int], list[int]]:
+        """Which slot of segment `name` each of its `rows` holds (`slot -> position in the rows`;
+        a row whose slot holds another hash claims none), and the positions whose slot agrees
+        with the row (`verify.slot_problem`): their records must match their token digests. The
+        others fail here."""
+        rl, hashes, parents, _, slot_of, n_tok, nbytes = rows
+        claimed: dict[int, int] = {}
+        to_check: list[int] = []
+        for k, r in enumerate(rl):
+            i = slot_of[k]
+            if i >= len(slots):
+                self.fail[r] = f"segment {name} has no slot {i}"
+                continue
+            sl = slots[i]
+            if sl.block_hash != hashes[k]:
+                self.fail[r] = f"slot {i} of {name} holds {sl.block_hash}"
+                continue
+            claimed[i] = k
+            problem = slot_problem(sl, hashes[k], parents[k], n_tok[k], nbytes[k])
+            if problem is not None:
+                self.fail[r] = problem
+            else:
+                to_check.append(k)
+        return claimed, to_check
 
     def _no_file(self, name: str) -> str:
         if segment_relpath(name) in self.ns.irregular:
@@ -585,6 +578,6 @@ def _is_dir(path: Path) -> bool:
 
 
 __all__ = [
-    "validate", "plan_repairs", "execute", "RepairPlan", "NamespaceRepair", "ValidateReport", "ValidateError",
+    "validate", "plan_repairs", "execute", "RepairPlan", "NamespaceRepair", "ValidateError",
     "MAX_DETAILS", "REPAIRS",
 ]  # fmt: skip
