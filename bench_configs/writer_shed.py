@@ -3,7 +3,7 @@
 Timing belongs here, not in the tests. Each run opens a real `SSDStore` in a fresh temporary
 directory and an `AsyncWriter` with the default bounds (512 blocks, 256 MiB queued and being
 written, 64 MiB per batch), then "stores" `--prompts` prompts of `--prompt-mib` MiB of KV each
-back to back, as `TieredCache` does on the request path: each prompt's `HostBlock`s are handed
+back to back, as the SSD tier (`SsdBlockTier`) does on the request path: each prompt's `HostBlock`s are handed
 over in batches of at most 64 MiB, one `enqueue_many` call per batch. The blocks (random KV of the
 `qwen0.5b` shape by default: 24 layers, 2 KV heads, head_dim 64, 256-token blocks, bfloat16 =
 3 MiB per block) and their chain hashes are built before the timed loop; the KV arrays are shared
@@ -115,7 +115,7 @@ def host_copy(b: HostBlock) -> HostBlock:
 
 
 def batches(blocks: list[HostBlock], max_bytes: int) -> list[list[HostBlock]]:
-    """`TieredCache._send_to_writer`'s split: consecutive runs of at most `max_bytes` (bytes)."""
+    """`SsdBlockTier`'s split of a put into writer batches: consecutive runs of at most `max_bytes` (bytes)."""
     out: list[list[HostBlock]] = []
     cur: list[HostBlock] = []
     size = 0
