@@ -54,7 +54,7 @@ def bench(
     out: OutOpt = None,
     json_out: common.JsonOpt = False,
     metrics_file: MetricsFileOpt = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     code: int | None = None

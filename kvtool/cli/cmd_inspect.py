@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, inspect_remote, refuse_options
+from kvtool.cli.cmd_remote import Server, inspect_remote, refuse_options
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
@@ -72,9 +72,6 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="Model for --prompt (default: tiny, as serve-once).", show_default=False)
 ]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
-PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
-MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 
 
 def inspect_cmd(
@@ -86,9 +83,9 @@ def inspect_cmd(
     json_out: common.JsonOpt = False,
     quiet: QuietOpt = False,
     model: ModelOpt = None,
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    messages: MessagesOpt = None,
+    prompt: common.PromptOpt = None,
+    prompt_file: common.PromptFileOpt = None,
+    messages: common.MessagesOpt = None,
     ignore_chat_template: common.IgnoreChatTemplateOpt = False,
     system_prompt: common.SystemPromptOpt = None,
     adapter_path: common.AdapterPathOpt = None,
@@ -97,8 +94,8 @@ def inspect_cmd(
     prefill_step_size: common.OptionalPrefillStepOpt = None,
     block_size: common.BlockSizeOpt = None,
     config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    remote: common.RemoteOpt = False,
+    remote_url: common.RemoteServerOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():

@@ -55,7 +55,6 @@ PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help=
 TokenIdsOpt = Annotated[Path | None, typer.Option("--token-ids", help="JSON file with the prompt's token ids: [1, 2, ...] or {\"token_ids\": [...]} ('-' reads stdin).", show_default=False)]
 IgnoreTemplateOpt = Annotated[bool, typer.Option("--ignore-chat-template", help="Tokenise the prompt as raw text: tokenizer.encode(text) (default: the chat template, as mlx_lm.cache_prompt).")]
 QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help="As mlx-lm: the cache offset from which KV is quantized (with --kv-bits / a quantized file).")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")]
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -116,6 +115,7 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 
 
 # ------------------------------------------------------------------------------ import
+@common.cache_options("config", "cache_dir", "durability", "async_writes", "block_size")
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
     model: common.ModelOpt = "tiny",
@@ -131,13 +131,9 @@ def import_cmd(
     quantized_kv_start: QuantStartOpt = 5000,
     adapter_path: common.AdapterPathOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
-    verbose: VerboseOpt = False,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
@@ -149,7 +145,7 @@ def import_cmd(
         if quant is not None and kv_bits is not None and kv_bits != quant[0]:
             raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
         bits = quant[0] if quant else kv_bits
-        cfg = common.build_config(config, cache_dir, None, durability, async_writes, block_size, None)
+        cfg = cache.build()
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, bits, quant[1] if quant else 64,
                               quantized_kv_start)
         interrupted = None
@@ -201,6 +197,7 @@ def import_cmd(
 
 
 # ------------------------------------------------------------------------------ export
+@common.cache_options("config", "cache_dir", "block_size")
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
     model: common.ModelOpt = "tiny",
@@ -216,11 +213,9 @@ def export_cmd(
     quantized_kv_start: QuantStartOpt = 5000,
     adapter_path: common.AdapterPathOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    block_size: common.BlockSizeOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
-    verbose: VerboseOpt = False,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
@@ -229,7 +224,7 @@ def export_cmd(
 
         if out.suffix != SUFFIX:
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
-        cfg = common.build_config(config, cache_dir, None, None, None, block_size, None)
+        cfg = cache.build()
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
         interrupted = None
         report = None

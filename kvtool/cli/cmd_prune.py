@@ -9,9 +9,9 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, prune_remote, refuse_options
+from kvtool.cli.cmd_remote import Server, prune_remote, refuse_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.progress import progress
 from kvtool.units import format_bytes, parse_duration, parse_size
 
@@ -60,11 +60,11 @@ def prune_cmd(
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    quiet: QuietOpt = False,
+    quiet: common.QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
     config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    remote: common.RemoteOpt = False,
+    remote_url: common.RemoteServerOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():

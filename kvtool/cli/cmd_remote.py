@@ -55,19 +55,6 @@ TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each ser
                                          rich_help_panel="Server")]  # fmt: skip
 MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
                                          rich_help_panel="Server")]  # fmt: skip
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).",
-                                                  show_default=False)]  # fmt: skip
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
-
-# The options `kvtool inspect|validate|prune|rm` take to act on the remote tier instead of the SSD tier.
-REMOTE_PANEL = "Remote tier"
-RemoteOpt = Annotated[bool, typer.Option(
-    "--remote", help="Act on the remote tier's server (Redis / Valkey) instead of the SSD cache: --remote-url, else "
-    "remote_url of the config, else $KVTOOL_REMOTE_URL (password: in the URL or $KVTOOL_REMOTE_PASSWORD).",
-    rich_help_panel=REMOTE_PANEL)]  # fmt: skip
-RemoteUrlOpt = Annotated[str | None, typer.Option(
-    "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
-    "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -239,7 +226,7 @@ def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, ma
 @remote_app.command("inspect")
 def inspect_cmd(
     url: UrlOpt = None,
-    namespace: NamespaceOpt = None,
+    namespace: common.NamespaceOpt = None,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
@@ -291,7 +278,7 @@ def _print_inspect(report: Any, out: Output) -> None:
 @remote_app.command("push")
 def push_cmd(
     cache_dir: common.CacheDirOpt = None,
-    namespace: NamespaceOpt = None,
+    namespace: common.NamespaceOpt = None,
     url: UrlOpt = None,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
@@ -354,7 +341,7 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 @remote_app.command("validate")
 def validate_cmd(
     url: UrlOpt = None,
-    namespace: NamespaceOpt = None,
+    namespace: common.NamespaceOpt = None,
     dry_run: common.DryRunOpt = False,
     json_out: common.JsonOpt = False,
     cluster: ClusterOpt = False,
@@ -451,12 +438,12 @@ def prune_cmd(
                                              show_default=False)] = None,  # fmt: skip
     max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Server memory budget per namespace: 2GB, 512MiB.",
                                                   show_default=False)] = None,  # fmt: skip
-    namespace: NamespaceOpt = None,
+    namespace: common.NamespaceOpt = None,
     url: UrlOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    quiet: QuietOpt = False,
+    quiet: common.QuietOpt = False,
     cluster: ClusterOpt = False,
     timeout: TimeoutOpt = DEFAULT_TIMEOUT,
     max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,

@@ -13,9 +13,9 @@ import typer
 from rich.markup import escape
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, rm_remote
+from kvtool.cli.cmd_remote import Server, refuse_options, rm_remote
 from kvtool.cli.output import Output
-from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -46,12 +46,6 @@ NamespaceArg = Annotated[
     typer.Argument(metavar="NAMESPACE", help="Key prefix of the namespace to remove (unique, at least 8 hex digits; see kvtool inspect).",
                    show_default=False),
 ]  # fmt: skip
-ModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
-]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
-PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
-MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 BlockSizeOpt = Annotated[
     int | None,
     typer.Option("--block-size", min=1, help="Only the namespace of this block size (default: every block size in the cache).",
@@ -61,10 +55,10 @@ BlockSizeOpt = Annotated[
 
 def rm_cmd(
     namespace: NamespaceArg = None,
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    messages: MessagesOpt = None,
-    model: ModelOpt = None,
+    prompt: common.PromptOpt = None,
+    prompt_file: common.PromptFileOpt = None,
+    messages: common.MessagesOpt = None,
+    model: common.PromptModelOpt = None,
     ignore_chat_template: common.IgnoreChatTemplateOpt = False,
     system_prompt: common.SystemPromptOpt = None,
     adapter_path: common.AdapterPathOpt = None,
@@ -74,11 +68,11 @@ def rm_cmd(
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    quiet: QuietOpt = False,
+    quiet: common.QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
     config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    remote: common.RemoteOpt = False,
+    remote_url: common.RemoteServerOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():

@@ -157,6 +157,7 @@ def _cache_summary(stats: dict[str, int], status: ShutdownStatus) -> str:
     )
 
 
+@common.cache_options(*common.CACHE_OPTIONS)
 def serve_once(
     model: common.ModelOpt = "tiny",
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
@@ -181,18 +182,7 @@ def serve_once(
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    ssd_max_bytes: common.SSDMaxBytesOpt = None,
-    remote_url: common.RemoteUrlOpt = None,
-    remote_policy: common.RemotePolicyOpt = None,
-    no_ssd: common.NoSSDOpt = False,
-    codec: common.CodecOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     metrics_file: MetricsFileOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.", rich_help_panel="Output")] = False,
@@ -202,8 +192,7 @@ def serve_once(
         with common.signals_raise(), common.cli_errors():
             check_metrics_file(metrics_file)
             reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
-            cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
-                                     codec, {**common.remote_flags(remote_url, remote_policy), "ssd_max_bytes": ssd_max_bytes})
+            cfg = cache.build()
             engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                         prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
             encode = _encoder(engine, not ignore_chat_template, system_prompt)

@@ -8,6 +8,7 @@ request and adds `GET /kvtool/stats`. Wiring: `kvtool.server.serve.KVToolServer`
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import signal
@@ -164,6 +165,7 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
     return out, ram_bytes
 
 
+@common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "codec"))
 def serve_http(
     ctx: typer.Context,
     model: common.ModelOpt = "tiny",
@@ -193,18 +195,8 @@ def serve_http(
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    ssd_max_bytes: common.SSDMaxBytesOpt = None,
-    remote_url: common.RemoteUrlOpt = None,
-    remote_policy: common.RemotePolicyOpt = None,
-    no_ssd: common.NoSSDOpt = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    cache: common.CacheFlags = common.CACHE,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     code = common.EXIT_OK
@@ -226,14 +218,9 @@ def serve_http(
                 raise common.CLIError(f"--max-body-bytes: {exc}") from None
             if body_limit < 1024:
                 raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
-            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), ram_bytes)
+            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
             setup_server_logging(level)
-
-            def make_config():
-                return common.build_config(config, cache_dir, policy, durability, async_writes, block_size,
-                                           ram_bytes, no_ssd, extra={**common.remote_flags(remote_url, remote_policy),
-                                                                           "ssd_max_bytes": ssd_max_bytes})
-
+            make_config = dataclasses.replace(cache, ram_bytes=ram_bytes).build
             cfg = make_config()
             server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,
                             prefill_step_size=prefill_step_size, decode_concurrency=decode_concurrency,

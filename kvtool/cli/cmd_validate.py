@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, validate_remote
+from kvtool.cli.cmd_remote import Server, refuse_options, validate_remote
 from kvtool.cli.output import Output
 from kvtool.progress import progress
 from kvtool.units import format_bytes
@@ -69,8 +69,8 @@ def validate_cmd(
     quiet: QuietOpt = False,
     rebuild_index: RebuildOpt = False,
     config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    remote: common.RemoteOpt = False,
+    remote_url: common.RemoteServerOpt = None,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():

@@ -39,6 +39,7 @@ WholeOpt = Annotated[
 ]
 
 
+@common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "no_ssd"))
 def warm_cmd(
     sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
     model: common.ModelOpt = "tiny",
@@ -53,19 +54,9 @@ def warm_cmd(
     prefill_step_size: common.PrefillStepOpt = 2048,
     kv_bits: common.KVBitsOpt = None,
     kv_group_size: common.KVGroupSizeOpt = 64,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    ssd_max_bytes: common.SSDMaxBytesOpt = None,
-    remote_url: common.RemoteUrlOpt = None,
-    remote_policy: common.RemotePolicyOpt = None,
-    codec: common.CodecOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    verbose: common.VerboseOpt = False,
     to_remote: Annotated[bool, typer.Option(
         "--to-remote", help="Then push the namespace's SSD blocks to the remote tier (remote_url; SET NX), so "
         "other hosts start warm. One summary line on stderr.", rich_help_panel="Cache")] = False,
@@ -79,8 +70,7 @@ def warm_cmd(
             prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
-        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,
-                                 codec=codec, extra={**common.remote_flags(remote_url, remote_policy), "ssd_max_bytes": ssd_max_bytes})
+        cfg = cache.build()
         engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
                                     prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
         try:

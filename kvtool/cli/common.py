@@ -8,13 +8,15 @@ option, missing argument, bad value) into one line with exit 2. Anything else ke
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.metadata
+import inspect
 import json
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,6 +27,7 @@ from typer.core import TyperGroup
 
 # the consoles live in kvtool.cli.output (which never imports this module): one import direction
 from kvtool.cli.output import console, err_console, versioned  # noqa: F401  (re-exported)
+from kvtool.config import Codec, Durability, RemotePolicy, SSDPolicy
 from kvtool.errors import EXIT_USAGE, KVToolError
 
 # Exit codes shared by all commands.
@@ -110,6 +113,24 @@ NamespaceOpt = Annotated[
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; change nothing.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")]
+# A prompt to look up (`kvtool inspect`, `kvtool rm`): read and encoded as serve-once does.
+PromptModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model of the prompt (default: tiny, as serve-once).",
+                                                    show_default=False)]  # fmt: skip
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
+PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
+MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
+
+# The options `kvtool inspect|validate|prune|rm` take to act on the remote tier instead of the SSD tier.
+REMOTE_PANEL = "Remote tier"
+RemoteOpt = Annotated[bool, typer.Option(
+    "--remote", help="Act on the remote tier's server (Redis / Valkey) instead of the SSD cache: --remote-url, else "
+    "remote_url of the config, else $KVTOOL_REMOTE_URL (password: in the URL or $KVTOOL_REMOTE_PASSWORD).",
+    rich_help_panel=REMOTE_PANEL)]  # fmt: skip
+RemoteServerOpt = Annotated[str | None, typer.Option(
+    "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
+    "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
 
 
 class CLIError(KVToolError):
@@ -247,173 +268,141 @@ def print_json(doc: Mapping[str, Any]) -> None:
 # ---------------------------------------------------------------- cache options
 CACHE_PANEL = "Cache"
 # Cache options default to None (the config file decides), so their help states the config's
-# default as `\[default: X]` (the backslash keeps rich markup from eating the brackets).
+# default as `\\[default: X]` (the backslash keeps rich markup from eating the brackets).
 
 
-class PolicyChoice(str, Enum):
-    """`--policy` values (= kvtool.config.SSDPolicy, kept here so that `--help` of the operator
-    commands does not import the config layer)."""
-
-    write_through = "write_through"
-    evict_only = "evict_only"
+def _cache_option(*names: str, help: str, **kw: Any) -> Any:
+    return typer.Option(*names, help=help, show_default=False, rich_help_panel=CACHE_PANEL, **kw)
 
 
-class DurabilityChoice(str, Enum):
-    """`--durability` values (= kvtool.config.Durability)."""
-
-    best_effort = "best_effort"
-    persistent = "persistent"
-    durable = "durable"
-
-
-PolicyOpt = Annotated[
-    PolicyChoice | None,
-    typer.Option("--policy", help="SSD policy. \\[default: write_through]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
-DurabilityOpt = Annotated[
-    DurabilityChoice | None,
-    typer.Option("--durability", help="SSD durability. \\[default: best_effort]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
-AsyncOpt = Annotated[
-    bool | None,
-    typer.Option("--async/--sync", help="Write SSD blocks from a background writer or inline. \\[default: async]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-BlockSizeOpt = Annotated[
-    int | None,
-    typer.Option("--block-size", min=1, help="Tokens per cached block. \\[default: 64]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
-RamBytesOpt = Annotated[
-    str | None,
-    typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB. \\[default: 1GiB]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
+PolicyOpt = Annotated[SSDPolicy | None, _cache_option("--policy", help="SSD policy. \\[default: write_through]",
+                                                      metavar="<write_through|evict_only>")]  # the default first
+DurabilityOpt = Annotated[Durability | None, _cache_option("--durability", help="SSD durability. \\[default: best_effort]")]
+AsyncOpt = Annotated[bool | None, _cache_option(
+    "--async/--sync", help="Write SSD blocks from a background writer or inline. \\[default: async]")]
+BlockSizeOpt = Annotated[int | None, _cache_option("--block-size", min=1, help="Tokens per cached block. \\[default: 64]")]
+RamBytesOpt = Annotated[str | None, _cache_option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB. \\[default: 1GiB]")]
 NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.", rich_help_panel=CACHE_PANEL)]
+CodecOpt = Annotated[Codec | None, _cache_option(
+    "--codec", help="Compress SSD block records losslessly (a separate namespace). \\[default: none]")]
+RemoteUrlOpt = Annotated[str | None, _cache_option(
+    "--remote-url", help="Shared remote tier: redis://host:port/db, rediss://, unix://, redis+cluster:// (password: "
+    "$KVTOOL_REMOTE_PASSWORD). \\[default: $KVTOOL_REMOTE_URL]")]
+RemotePolicyOpt = Annotated[RemotePolicy | None, _cache_option(
+    "--remote-policy", help="When blocks reach the remote tier. \\[default: write_through]")]
+SSDMaxBytesOpt = Annotated[str | None, _cache_option(
+    "--ssd-max-bytes", help="Byte budget of the SSD tier (per namespace, as du counts it), kept while serving: least "
+    "recently used segments are evicted first, e.g. 50GB, 512MiB. \\[default: none]")]
 
-
-class CodecChoice(str, Enum):
-    """`--codec` values (= kvtool.config.Codec)."""
-
-    none = "none"
-    zstd = "zstd"
-    lz4 = "lz4"
-
-
-CodecOpt = Annotated[
-    CodecChoice | None,
-    typer.Option("--codec", help="Compress SSD block records losslessly (a separate namespace)."
-                 " \\[default: none]", show_default=False, rich_help_panel=CACHE_PANEL),
-]
-
-
-class RemotePolicyChoice(str, Enum):
-    """`--remote-policy` values (= kvtool.config.RemotePolicy)."""
-
-    off = "off"
-    write_through = "write_through"
-    on_evict = "on_evict"
-
-
-RemoteUrlOpt = Annotated[
-    str | None,
-    typer.Option("--remote-url", help="Shared remote tier: redis://host:port/db, rediss://, unix://, "
-                 "redis+cluster:// (password: $KVTOOL_REMOTE_PASSWORD). \\[default: $KVTOOL_REMOTE_URL]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-RemotePolicyOpt = Annotated[
-    RemotePolicyChoice | None,
-    typer.Option("--remote-policy", help="When blocks reach the remote tier. \\[default: write_through]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-SSDMaxBytesOpt = Annotated[
-    str | None,
-    typer.Option("--ssd-max-bytes", help="Byte budget of the SSD tier (per namespace, as du counts it), kept while "
-                 "serving: least recently used segments are evicted first, e.g. 50GB, 512MiB. \\[default: none]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-
-
-def remote_flags(remote_url: str | None, remote_policy: Any) -> dict[str, Any]:
-    """The `extra` flags of `build_config` for `--remote-url` / `--remote-policy` (None: not given)."""
-    return {"remote_url": remote_url, "remote_policy": remote_policy}
-
-
+# Every cache option: the parameter, its type, its default and the config field it sets (None:
+# not one field). Order = the order of the options in --help.
+CACHE_OPTIONS: dict[str, tuple[Any, Any, str | None]] = {
+    "config": (ConfigOpt, None, None),
+    "cache_dir": (CacheDirOpt, None, "ssd_cache_dir"),
+    "policy": (PolicyOpt, None, "ssd_policy"),
+    "durability": (DurabilityOpt, None, "ssd_durability"),
+    "async_writes": (AsyncOpt, None, "ssd_async_writes"),
+    "block_size": (BlockSizeOpt, None, "block_size"),
+    "ram_bytes": (RamBytesOpt, None, "ram_bytes"),
+    "ssd_max_bytes": (SSDMaxBytesOpt, None, "ssd_max_bytes"),
+    "remote_url": (RemoteUrlOpt, None, "remote_url"),
+    "remote_policy": (RemotePolicyOpt, None, "remote_policy"),
+    "no_ssd": (NoSSDOpt, False, "ssd_enabled"),
+    "codec": (CodecOpt, None, "ssd_codec"),
+}
 # The flag that sets each config field (`kvtool.config.settings.Origin` names it in `kvtool config show`).
 CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
                "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec",
                "remote_url": "--remote-url", "remote_policy": "--remote-policy", "ssd_max_bytes": "--ssd-max-bytes"}
 
 
-def build_settings(
-    config_path: Path | None = None,
-    cache_dir: Path | None = None,
-    policy: str | None = None,
-    durability: str | None = None,
-    async_writes: bool | None = None,
-    block_size: int | None = None,
-    ram_bytes: str | None = None,
-    no_ssd: bool = False,
-    codec: str | None = None,
-    extra: dict[str, Any] | None = None,
-):
-    """The effective settings (`kvtool.config.settings.Settings`: the config and where each value came
-    from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
-    `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
+@dataclass(frozen=True)
+class CacheFlags:
+    """The cache options of one command line, as given (None, False: not given)."""
 
-    Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
-    `--ram-bytes` errors name the flag, environment errors their variable.
+    config: Path | None = None
+    cache_dir: Path | None = None
+    policy: SSDPolicy | None = None
+    durability: Durability | None = None
+    async_writes: bool | None = None
+    block_size: int | None = None
+    ram_bytes: str | None = None
+    ssd_max_bytes: str | None = None
+    remote_url: str | None = None
+    remote_policy: RemotePolicy | None = None
+    no_ssd: bool = False
+    codec: Codec | None = None
 
-    Raises:
-        CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
-            config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
-    """
-    from kvtool.config.settings import resolve_settings
-    from kvtool.units import parse_size
+    def settings(self) -> Any:
+        """The effective settings (`kvtool.config.settings.Settings`: the config and where each value came
+        from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
+        `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
 
-    try:
-        ram = parse_size(ram_bytes) if ram_bytes is not None else None
-    except ValueError as exc:
-        raise CLIError(f"--ram-bytes: {exc}") from None
-    flags = {
-        "ssd_cache_dir": cache_dir,
-        "ssd_policy": policy.value if isinstance(policy, Enum) else policy,
-        "ssd_durability": durability.value if isinstance(durability, Enum) else durability,
-        "ssd_async_writes": async_writes,
-        "block_size": block_size,
-        "ram_bytes": ram,
-        "ssd_enabled": False if no_ssd else None,
-        "ssd_codec": codec.value if isinstance(codec, Enum) else codec,
-        **{k: v.value if isinstance(v, Enum) else v for k, v in (extra or {}).items()},
-    }
-    names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if async_writes else "--sync"}
-    settings = resolve_settings(flags, config_path, names)
-    settings.config.ssd_cache_dir = cache_root(settings.config.ssd_cache_dir)
-    return settings
+        Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
+        `--ram-bytes` errors name the flag, environment errors their variable.
+
+        Raises:
+            CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
+                config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
+        """
+        from kvtool.config.settings import resolve_settings
+        from kvtool.units import parse_size
+
+        try:
+            ram = parse_size(self.ram_bytes) if self.ram_bytes is not None else None
+        except ValueError as exc:
+            raise CLIError(f"--ram-bytes: {exc}") from None
+        values = {**vars(self), "ram_bytes": ram, "no_ssd": False if self.no_ssd else None}
+        flags = {field: values[name].value if isinstance(values[name], Enum) else values[name]
+                 for name, (_, _, field) in CACHE_OPTIONS.items() if field is not None}
+        names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if self.async_writes else "--sync"}
+        settings = resolve_settings(flags, self.config, names)
+        settings.config.ssd_cache_dir = cache_root(settings.config.ssd_cache_dir)
+        return settings
+
+    def build(self) -> Any:
+        """The validated `KVToolConfig` of `settings()`.
+
+        Raises:
+            CLIError, ConfigError: as `settings`.
+        """
+        return self.settings().config
 
 
-def build_config(
-    config_path: Path | None = None,
-    cache_dir: Path | None = None,
-    policy: str | None = None,
-    durability: str | None = None,
-    async_writes: bool | None = None,
-    block_size: int | None = None,
-    ram_bytes: str | None = None,
-    no_ssd: bool = False,
-    codec: str | None = None,
-    extra: dict[str, Any] | None = None,
-):
-    """The validated `KVToolConfig` of `build_settings` (flags > environment > config file >
-    defaults).
+CACHE = CacheFlags()  # the default of a command's `cache` parameter (`cache_options` always passes one)
+
+
+def build_config(config: Path | None = None, cache_dir: Path | None = None, **flags: Any) -> Any:
+    """The validated `KVToolConfig` of these cache options (`CacheFlags` fields; flags > environment
+    > config file > defaults).
 
     Raises:
-        CLIError, ConfigError: as `build_settings`.
+        CLIError, ConfigError: as `CacheFlags.settings`.
     """
-    return build_settings(config_path, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
-                          codec, extra).config
+    return CacheFlags(config, cache_dir, **flags).build()
+
+
+def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
+    (keys of `CACHE_OPTIONS`): Typer sees those options in its place, in `CACHE_OPTIONS` order,
+    and the command gets them as one `CacheFlags`."""
+    chosen = [n for n in CACHE_OPTIONS if n in names]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        params = []
+        for p in inspect.signature(fn, eval_str=True).parameters.values():
+            params += [inspect.Parameter(n, p.kind, default=CACHE_OPTIONS[n][1], annotation=CACHE_OPTIONS[n][0])
+                       for n in chosen] if p.name == "cache" else [p]  # fmt: skip
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            return fn(cache=CacheFlags(**{n: kwargs.pop(n) for n in chosen}), **kwargs)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
 
 
 def cache_root(path: Path) -> Path:

@@ -8,15 +8,11 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
-
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 
 
 def interactive() -> bool:
