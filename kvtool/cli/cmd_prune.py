@@ -106,18 +106,9 @@ def _prune_remote(out: Output, url: str | None, config, cache_dir, ttl: str | No
 def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None, int | None]:
     """(TTL in seconds, budget in bytes) from `--ttl` (a duration with its unit, or `none`) and
     `--max-bytes`; None where not given. Raises CLIError naming the flag (a bare `--ttl 7` too)."""
-    ttl_s = budget = None
-    if ttl is not None and ttl.strip().lower() not in NO_TTL:
-        try:
-            ttl_s = parse_duration(ttl)
-        except ValueError as exc:
-            raise common.CLIError(f"--ttl: {exc}") from None
-    if max_bytes is not None:
-        try:
-            budget = parse_size(max_bytes)
-        except ValueError as exc:
-            raise common.CLIError(f"--max-bytes: {exc}") from None
-    return ttl_s, budget
+    no_ttl = ttl is not None and ttl.strip().lower() in NO_TTL
+    return (common.parse_flag(None if no_ttl else ttl, parse_duration, "--ttl"),
+            common.parse_flag(max_bytes, parse_size, "--max-bytes"))
 
 
 def _reporting(execute, bar, task):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -56,6 +56,16 @@ TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each ser
 MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
                                          rich_help_panel="Server")]  # fmt: skip
 
+# The options of every `kvtool remote` command that say how to reach the server (`--url` apart: it comes first).
+SERVER_OPTIONS = {"cluster": (ClusterOpt, False), "timeout": (TimeoutOpt, DEFAULT_TIMEOUT),
+                  "max_keys": (MaxKeysOpt, DEFAULT_MAX_KEYS), "config": (common.ConfigOpt, None)}
+
+
+def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
+    `names` (keys of `SERVER_OPTIONS`); its `--url` fills `server.url` (`Server.at`)."""
+    return common.option_group("server", SERVER_OPTIONS, Server, names)
+
 
 @dataclass(frozen=True)
 class Server:
@@ -67,6 +77,7 @@ class Server:
         cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
         timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
         flag: the URL flag's name, for messages (`--url`, `--remote-url`).
+        max_keys: listings stop after this many keys (reported as truncated).
     """
 
     url: str | None = None
@@ -74,6 +85,11 @@ class Server:
     cluster: bool = False
     timeout: str = DEFAULT_TIMEOUT
     flag: str = "--url"
+    max_keys: int = DEFAULT_MAX_KEYS
+
+    def at(self, url: str | None) -> Server:
+        """This server with the URL flag `url`."""
+        return replace(self, url=url)
 
     def resolve(self) -> tuple[str, bool | None, float]:
         """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
@@ -147,7 +163,7 @@ def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: boo
 
 
 # ----------------------------------------------------------------------------- operations
-def inspect_remote(out: Output, server: Server, namespace: str | None = None, max_keys: int = DEFAULT_MAX_KEYS) -> int:
+def inspect_remote(out: Output, server: Server, namespace: str | None = None) -> int:
     """`inspect` on the server, printed (or one JSON document). Returns the exit code (0).
 
     Raises:
@@ -156,13 +172,12 @@ def inspect_remote(out: Output, server: Server, namespace: str | None = None, ma
     from kvtool.ops.remote_ops import inspect
 
     with server.connect() as conn:
-        report = inspect(conn, namespace, max_keys)
+        report = inspect(conn, namespace, server.max_keys)
     out.emit(report.to_dict, lambda: _print_inspect(report, out))
     return common.EXIT_OK
 
 
-def validate_remote(out: Output, server: Server, namespace: str | None = None, *, dry_run: bool = False,
-                    max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+def validate_remote(out: Output, server: Server, namespace: str | None = None, *, dry_run: bool = False) -> int:
     """`validate` on the server (delete what fails unless `dry_run`), printed. Returns the exit
     code: 0 every value verified, 1 problems found. With `out.quiet`, only problems (stderr).
 
@@ -172,7 +187,7 @@ def validate_remote(out: Output, server: Server, namespace: str | None = None, *
     from kvtool.ops.remote_ops import validate
 
     with server.connect() as conn:
-        report = validate(conn, namespace, dry_run=dry_run, max_keys=max_keys)
+        report = validate(conn, namespace, dry_run=dry_run, max_keys=server.max_keys)
     bad = bool(report.problems or report.orphan_parts)
     out.emit(report.to_dict, lambda: _print_validate(report, out.print))
     if out.quiet and bad:
@@ -181,7 +196,7 @@ def validate_remote(out: Output, server: Server, namespace: str | None = None, *
 
 
 def rm_remote(out: Output, server: Server, namespace: str, hashes: Sequence[str] | None = None, *,
-              dry_run: bool = False, yes: bool = False, max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+              dry_run: bool = False, yes: bool = False) -> int:
     """Remove a namespace (`hashes` None: every key of it) or its blocks `hashes` (32 hex
     characters each, with their parts; an empty list removes nothing) from the server: plan,
     confirm, remove, report. Returns the exit code: 0, or 1 when declined at the prompt.
@@ -196,14 +211,13 @@ def rm_remote(out: Output, server: Server, namespace: str, hashes: Sequence[str]
         def plan(dry: bool) -> Any:
             if hashes is not None and not hashes:
                 return RemovalReport(conn.remote.masked, namespace, dry)
-            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=max_keys)
+            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
 
         return _remove(out, plan, yes, dry_run)
 
 
 def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, max_bytes: int | None = None,
-                 namespace: str | None = None, dry_run: bool = False, yes: bool = False,
-                 max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+                 namespace: str | None = None, dry_run: bool = False, yes: bool = False) -> int:
     """Remove values idle for `idle_s` seconds, then each namespace's least recently used values
     beyond `max_bytes` (bytes of server memory): plan, confirm, remove, report. Returns the exit
     code: 0, or 1 when declined at the prompt.
@@ -217,22 +231,17 @@ def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, ma
     refuse_without_terminal(yes, dry_run, "prune")
     with server.connect() as conn:
         def plan(dry: bool) -> Any:
-            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry, max_keys=max_keys)
+            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry,
+                         max_keys=server.max_keys)
 
         return _remove(out, plan, yes, dry_run)
 
 
 # ----------------------------------------------------------------------------- inspect
 @remote_app.command("inspect")
-def inspect_cmd(
-    url: UrlOpt = None,
-    namespace: common.NamespaceOpt = None,
-    json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
-) -> None:
+@server_options(*SERVER_OPTIONS)
+def inspect_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
+                server: Server = Server()) -> None:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
     parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
     and expired keys (INFO). Read-only; leaves the keys' LRU clocks alone.
@@ -247,7 +256,7 @@ def inspect_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = inspect_remote(out, Server(url, config, cluster, timeout), namespace, max_keys)
+        code = inspect_remote(out, server.at(url), namespace)
     raise typer.Exit(code)
 
 
@@ -276,15 +285,9 @@ def _print_inspect(report: Any, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- push
 @remote_app.command("push")
-def push_cmd(
-    cache_dir: common.CacheDirOpt = None,
-    namespace: common.NamespaceOpt = None,
-    url: UrlOpt = None,
-    json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    config: common.ConfigOpt = None,
-) -> None:
+@server_options("cluster", "timeout", "config")
+def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, url: UrlOpt = None,
+             json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
     namespace (or of --namespace) read once, each record verified before it is stored with SET NX
     (blocks the server holds already are not rewritten). The SSD cache is not changed; records
@@ -304,8 +307,8 @@ def push_cmd(
         from kvtool.disk.names import NAMESPACE_RE
         from kvtool.jobs.remote_push import open_store_for, push_namespace
 
-        root = common.build_config(config, cache_dir).ssd_cache_dir
-        server = Server(url, config, cluster, timeout)
+        root = common.build_config(server.config, cache_dir).ssd_cache_dir
+        server = server.at(url)
         with server.connect():  # checks the URL and that the server answers
             pass
         url_used, cluster_used, timeout_s = server.resolve()
@@ -339,16 +342,9 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
-def validate_cmd(
-    url: UrlOpt = None,
-    namespace: common.NamespaceOpt = None,
-    dry_run: common.DryRunOpt = False,
-    json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
-) -> None:
+@server_options(*SERVER_OPTIONS)
+def validate_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
+                 json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
     hash of its parent and token ids); delete the ones that fail, and parts no manifest names
     (--dry-run: only report). Reading a value counts as a use for the server's LRU.
@@ -364,7 +360,7 @@ def validate_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = validate_remote(out, Server(url, config, cluster, timeout), namespace, dry_run=dry_run, max_keys=max_keys)
+        code = validate_remote(out, server.at(url), namespace, dry_run=dry_run)
     raise typer.Exit(code)
 
 
@@ -384,6 +380,7 @@ def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
 
 # ----------------------------------------------------------------------------- rm
 @remote_app.command("rm")
+@server_options(*SERVER_OPTIONS)
 def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
     hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
@@ -392,10 +389,7 @@ def rm_cmd(
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
+    server: Server = Server(),
 ) -> None:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
     their parts). Asks first on a terminal; without one, --yes is required. A kvtool process
@@ -412,8 +406,7 @@ def rm_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = rm_remote(out, Server(url, config, cluster, timeout), namespace, hashes or None, dry_run=dry_run, yes=yes,
-                         max_keys=max_keys)  # fmt: skip
+        code = rm_remote(out, server.at(url), namespace, hashes or None, dry_run=dry_run, yes=yes)
     raise typer.Exit(code)
 
 
@@ -433,6 +426,7 @@ def _print_removal(report: Any, emit: Any) -> None:
 
 # ----------------------------------------------------------------------------- prune
 @remote_app.command("prune")
+@server_options(*SERVER_OPTIONS)
 def prune_cmd(
     idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",
                                              show_default=False)] = None,  # fmt: skip
@@ -444,10 +438,7 @@ def prune_cmd(
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
     quiet: common.QuietOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
+    server: Server = Server(),
 ) -> None:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
     each namespace until it fits --max-bytes (MEMORY USAGE, parts included); parts no manifest
@@ -468,18 +459,12 @@ def prune_cmd(
     with common.cli_errors():
         from kvtool.units import parse_duration, parse_size
 
-        try:
-            idle_s = parse_duration(idle) if idle is not None else None
-        except ValueError as exc:
-            raise common.CLIError(f"--idle: {exc}") from None
-        try:
-            budget = parse_size(max_bytes) if max_bytes is not None else None
-        except ValueError as exc:
-            raise common.CLIError(f"--max-bytes: {exc}") from None
+        idle_s = common.parse_flag(idle, parse_duration, "--idle")
+        budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
         if idle_s is None and budget is None:
             raise common.CLIError("give --idle, --max-bytes or both")
-        code = prune_remote(out, Server(url, config, cluster, timeout), idle_s=idle_s, max_bytes=budget,
-                            namespace=namespace, dry_run=dry_run, yes=yes, max_keys=max_keys)  # fmt: skip
+        code = prune_remote(out, server.at(url), idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry_run,
+                            yes=yes)  # fmt: skip
     raise typer.Exit(code)
 
 

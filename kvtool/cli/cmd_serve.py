@@ -101,10 +101,7 @@ def parse_max_prompt_bytes(value: str) -> int:
     """
     from kvtool.units import parse_size
 
-    try:
-        n = parse_size(value)
-    except ValueError as exc:
-        raise common.CLIError(f"--max-prompt-bytes: {exc}") from None
+    n = common.parse_flag(value, parse_size, "--max-prompt-bytes")
     if n < 1:
         raise common.CLIError("--max-prompt-bytes must be at least 1 byte")
     return n

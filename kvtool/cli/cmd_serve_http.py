@@ -212,10 +212,7 @@ def serve_http(
                 )
             from kvtool.units import parse_size
 
-            try:
-                body_limit = parse_size(max_body_bytes)
-            except ValueError as exc:
-                raise common.CLIError(f"--max-body-bytes: {exc}") from None
+            body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
             if body_limit < 1024:
                 raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
             extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)

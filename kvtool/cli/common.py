@@ -14,7 +14,7 @@ import inspect
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
@@ -348,11 +348,7 @@ class CacheFlags:
         from kvtool.config.settings import resolve_settings
         from kvtool.units import parse_size
 
-        try:
-            ram = parse_size(self.ram_bytes) if self.ram_bytes is not None else None
-        except ValueError as exc:
-            raise CLIError(f"--ram-bytes: {exc}") from None
-        values = {**vars(self), "ram_bytes": ram, "no_ssd": False if self.no_ssd else None}
+        values = {**vars(self), "ram_bytes": parse_flag(self.ram_bytes, parse_size, "--ram-bytes"), "no_ssd": False if self.no_ssd else None}
         flags = {field: values[name].value if isinstance(values[name], Enum) else values[name]
                  for name, (_, _, field) in CACHE_OPTIONS.items() if field is not None}
         names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if self.async_writes else "--sync"}
@@ -382,27 +378,47 @@ def build_config(config: Path | None = None, cache_dir: Path | None = None, **fl
     return CacheFlags(config, cache_dir, **flags).build()
 
 
-def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
-    (keys of `CACHE_OPTIONS`): Typer sees those options in its place, in `CACHE_OPTIONS` order,
-    and the command gets them as one `CacheFlags`."""
-    chosen = [n for n in CACHE_OPTIONS if n in names]
+def option_group(param: str, table: Mapping[str, tuple[Any, ...]], make: Callable[..., Any],
+                 names: Iterable[str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `param` stands for a group of options: Typer sees the
+    options `names` (keys of `table`: name -> (Annotated type, default, ...)) in its place, in
+    `table` order, and the command gets `make(**their values)` as `param`."""
+    chosen = [n for n in table if n in set(names)]
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         params = []
         for p in inspect.signature(fn, eval_str=True).parameters.values():
-            params += [inspect.Parameter(n, p.kind, default=CACHE_OPTIONS[n][1], annotation=CACHE_OPTIONS[n][0])
-                       for n in chosen] if p.name == "cache" else [p]  # fmt: skip
+            params += [inspect.Parameter(n, p.kind, default=table[n][1], annotation=table[n][0])
+                       for n in chosen] if p.name == param else [p]  # fmt: skip
 
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
-            return fn(cache=CacheFlags(**{n: kwargs.pop(n) for n in chosen}), **kwargs)
+            return fn(**{param: make(**{n: kwargs.pop(n) for n in chosen})}, **kwargs)
 
         command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in params}
         return command
 
     return decorate
+
+
+def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
+    (keys of `CACHE_OPTIONS`, shown in that order)."""
+    return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
+
+
+def parse_flag(value: str | None, parse: Callable[[str], Any], flag: str) -> Any:
+    """`parse(value)` (None when the flag is not given), a `ValueError` turned into a `CLIError`
+    naming the flag (`--ttl: ...`).
+
+    Raises:
+        CLIError: `parse` refused the value.
+    """
+    try:
+        return None if value is None else parse(value)
+    except ValueError as exc:
+        raise CLIError(f"{flag}: {exc}") from None
 
 
 def cache_root(path: Path) -> Path:
