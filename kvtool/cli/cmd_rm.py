@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 
 from kvtool.cli import common
+from kvtool.cli.cmd_inspect import PromptSource
 from kvtool.cli.cmd_remote import Server, refuse_options, rm_remote
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
@@ -87,28 +88,23 @@ def rm_cmd(
             raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
         if namespace is not None:
             check_prefix(namespace)
+        source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
+                              {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
         if remote or remote_url is not None:
             refuse_options({"--cache-dir": cache_dir}, "with --remote")
             server = Server(remote_url, config, flag="--remote-url")
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
-            from kvtool.cli.cmd_inspect import PromptSource
             from kvtool.cli.cmd_remote import refuse_without_terminal
 
             refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
-            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
-                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
             cfg = common.build_config(config, block_size=block_size).replace(remote_url=None)  # hashing only
-            layout, hashes = _prompt_hashes(cfg, source)
-            raise typer.Exit(rm_remote(out, server, layout, hashes, dry_run=dry_run, yes=yes))
+            keys = _prompt_keys(cfg, source)[0](cfg.block_size)
+            raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
         cfg = common.build_config(config, cache_dir)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
         if by_prompt:
-            from kvtool.cli.cmd_inspect import PromptSource
-
-            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
-                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:
             make_plan = _namespace_planner(root, namespace or "")
@@ -125,15 +121,15 @@ def _namespace_planner(root: Path, prefix: str) -> Callable:
     return lambda: plan_namespace_removal(scan_for_removal(root, prefix))
 
 
-def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
-    """Encode the prompt with its model (closed again at once), then a planner that hashes it for
-    each block size: the given one, else every block size in the cache (and the config's)."""
+def _prompt_keys(cfg, source) -> tuple[Callable, int]:
+    """Encode the prompt with its model (closed again at once): `(keys_for, prompt tokens)`, where
+    `keys_for(block_size)` is the prompt's namespace at that block size and the chain hashes of
+    its full blocks and tail entry there (`kvtool.ops.remove.PromptKeys`)."""
     import numpy as np
 
     from kvtool.cli.cmd_inspect import prompt_engine
     from kvtool.hashing import chain_hashes, tail_hash
-    from kvtool.ops.remove import PromptKeys, block_sizes_of, plan_prompt_removal
-    from kvtool.ops.scan import scan_cache
+    from kvtool.ops.remove import PromptKeys
 
     with prompt_engine(cfg, source) as (engine, tokens):
         prefix = engine.cache
@@ -145,29 +141,23 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
         tail = tail_hash(ids, bs, layout, full, prefix.hash_fn)
         return PromptKeys(layout, bs, tuple(full) + ((tail,) if tail else ()))
 
+    return keys_for, int(ids.size)
+
+
+def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
+    """A planner that hashes the prompt for each block size: the given one, else every block
+    size in the cache (and the config's). The model is loaded here, once."""
+    from kvtool.ops.remove import block_sizes_of, plan_prompt_removal
+    from kvtool.ops.scan import scan_cache
+
+    keys_for, prompt_tokens = _prompt_keys(cfg, source)
+
     def plan():
         scan = scan_cache(cfg.ssd_cache_dir, full=False)
         sizes = [block_size] if block_size is not None else sorted(block_sizes_of(scan) | {cfg.block_size})
-        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=int(ids.size))
+        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=prompt_tokens)
 
     return plan
-
-
-def _prompt_hashes(cfg, source) -> tuple[str, list[str]]:
-    """The namespace (layout key) of the prompt's model at `cfg.block_size` and the chain hashes
-    of the prompt's full blocks and tail entry there (the model is loaded, closed again at once)."""
-    import numpy as np
-
-    from kvtool.cli.cmd_inspect import prompt_engine
-    from kvtool.hashing import chain_hashes, tail_hash
-
-    with prompt_engine(cfg, source) as (engine, tokens):
-        prefix = engine.cache
-    ids = np.asarray(tokens, dtype=np.int32)
-    layout = prefix.layout_key_for(cfg.block_size)
-    full = chain_hashes(ids, cfg.block_size, layout, prefix.hash_fn)
-    tail = tail_hash(ids, cfg.block_size, layout, full, prefix.hash_fn)
-    return layout, [*full, *([tail] if tail else [])]
 
 
 def _confirm_and_execute(plan, yes: bool, out: Output) -> int:
