@@ -6,8 +6,9 @@ options, loads the engine, prints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -108,6 +109,25 @@ def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
 
 
+def _run_then_close(engine: Engine, work: Callable[[], Any]) -> tuple[Any, common.Interrupted | None, Any]:
+    """`work()` with SIGINT/SIGTERM raising `Interrupted`, then the engine closed (its writer
+    drained) with the signals ignored: `(work's result or None, the interruption or None, the
+    shutdown status)`."""
+    result = interrupted = status = None
+    try:
+        with common.signals_raise():
+            try:
+                result = work()
+            except common.Interrupted as exc:
+                interrupted = exc
+            finally:
+                common.ignore_signals()
+                status = engine.close()
+    except common.Interrupted as exc:  # a signal during the drain's set-up
+        interrupted, status = exc, engine.close()
+    return result, interrupted, status
+
+
 def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
     if interrupted is not None:
         return 128 + interrupted.signum
@@ -148,52 +168,48 @@ def import_cmd(
         cfg = cache.build()
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, bits, quant[1] if quant else 64,
                               quantized_kv_start)
-        interrupted = None
-        report = None
-        try:
-            with common.signals_raise():
-                try:
-                    ids, source = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
-                                          required=False)
-                    report = import_cache_file(engine, file, ids, model_spec=model,
-                                               adapter_path=str(adapter_path) if adapter_path else None,
-                                               require_model_match=not skip_model_check, check_tokens=check_tokens,
-                                               check_positions=check_positions,
-                                               token_source=source, preloaded=loaded)
-                except common.Interrupted as exc:
-                    interrupted = exc
-                finally:
-                    common.ignore_signals()
-                    status = engine.close()
-        except common.Interrupted as exc:  # a signal during the drain's set-up
-            interrupted, status = exc, engine.close()
+
+        def work():
+            ids, source = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
+                                  required=False)
+            return import_cache_file(engine, file, ids, model_spec=model,
+                                     adapter_path=str(adapter_path) if adapter_path else None,
+                                     require_model_match=not skip_model_check, check_tokens=check_tokens,
+                                     check_positions=check_positions, token_source=source, preloaded=loaded)
+
+        report, interrupted, status = _run_then_close(engine, work)
     ok = report is not None and report.verified and report.blocks_failed == 0 and status.shutdown_clean
     if report is not None:
-        doc = {"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean}
-        if json_out:
-            common.print_json(doc)
-        else:
-            for w in report.warnings:
-                common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
-            mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
-            common.console.print(
-                f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
-                f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
-                f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
-                f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
-                f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
-                highlight=False, soft_wrap=True)
-            common.console.print(
-                f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
-                f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
-                f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
-                highlight=False, soft_wrap=True)
-        if not ok and interrupted is None:
-            why = ("not every token is on SSD after the flush" if not report.verified
-                   else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
-                   else "the writer did not drain")
-            common.print_error(f"import not verified: {why}", "run kvtool validate")
+        _print_import(report, status, json_out, explain=not ok and interrupted is None)
     raise typer.Exit(_exit_code(interrupted, ok))
+
+
+def _print_import(report, status, json_out: bool, explain: bool) -> None:
+    """The import's result: its JSON document, or two lines; then with `explain`, the `error:`
+    line saying why it was not verified."""
+    if json_out:
+        common.print_json({"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean})
+    else:
+        for w in report.warnings:
+            common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+        mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
+        common.console.print(
+            f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
+            f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
+            f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
+            f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
+            f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
+            highlight=False, soft_wrap=True)
+        common.console.print(
+            f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
+            f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
+            f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
+            highlight=False, soft_wrap=True)
+    if explain:
+        why = ("not every token is on SSD after the flush" if not report.verified
+               else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
+               else "the writer did not drain")
+        common.print_error(f"import not verified: {why}", "run kvtool validate")
 
 
 # ------------------------------------------------------------------------------ export
@@ -226,24 +242,13 @@ def export_cmd(
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
         cfg = cache.build()
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
-        interrupted = None
-        report = None
-        try:
-            with common.signals_raise():
-                try:
-                    ids, _ = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
-                                     required=True)
-                    report = export_cache_file(engine, ids, out,
-                                               metadata_model=metadata_model or metadata_model_for(model, engine.loaded),
-                                               fill=fill)
-                except common.Interrupted as exc:
-                    interrupted = exc
-                finally:
-                    common.ignore_signals()
-                    engine.close()
-        except common.Interrupted as exc:
-            interrupted = exc
-            engine.close()
+
+        def work():
+            ids, _ = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required=True)
+            return export_cache_file(engine, ids, out, fill=fill,
+                                     metadata_model=metadata_model or metadata_model_for(model, engine.loaded))
+
+        report, interrupted, _ = _run_then_close(engine, work)
     if report is not None:
         if json_out:
             common.print_json({"schema_version": 1, **report.to_dict()})
