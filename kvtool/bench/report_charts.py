@@ -185,12 +185,7 @@ def plot_write_path(cells: pd.DataFrame) -> plt.Figure:
             labels = settings + ["mlx-lm\nprompt cache"]
             x = np.arange(len(labels))
         ax.set_xticks(x, labels, fontsize=8.5)
-        ax.set_ylim(0, top * 1.25)
-        ax.set_ylabel("write time per request (ms)", fontsize=9)
-        ax.tick_params(axis="y", labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
-        ax.set_title(workload, fontsize=10, loc="left", fontweight="bold")
+        _style_write_axis(ax, workload, top)
     fig.suptitle(
         f"What does each durability cost on the write path? Request-thread write time per request: "
         f"bar = median of {repeat_count(cells)} repeat(s), whisker = min–max", fontsize=11,
@@ -201,6 +196,16 @@ def plot_write_path(cells: pd.DataFrame) -> plt.Figure:
             "only on RAM eviction.") if spare is not None else ""
     _legend(fig, spare, handles, note)
     return fig
+
+
+def _style_write_axis(ax: Any, workload: str, top: float) -> None:
+    """The y axis (0 to 1.25 x `top` ms), grid and title of one write-path panel."""
+    ax.set_ylim(0, top * 1.25)
+    ax.set_ylabel("write time per request (ms)", fontsize=9)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.set_title(workload, fontsize=10, loc="left", fontweight="bold")
 
 
 def _bar_label(ax: Any, x: float, value: float, top: float, vertical: bool = False) -> None:

@@ -205,11 +205,7 @@ def serve_http(
             level = log_level.upper()
             if level not in LOG_LEVELS:
                 raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-            if max_kv_size is not None:
-                raise common.CLIError(
-                    f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
-                    "drop the option (kvtool keeps the whole prompt's KV)"
-                )
+            common.refuse_max_kv_size(max_kv_size)
             from kvtool.units import parse_size
 
             body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")

@@ -375,11 +375,7 @@ def load_engine(
     from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
     from kvtool.models.loader import ModelLoadError
 
-    if max_kv_size is not None:
-        raise CLIError(
-            f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
-            "drop the option (kvtool keeps the whole prompt's KV)"
-        )
+    refuse_max_kv_size(max_kv_size)
     try:
         return Engine.from_spec(
             model, config, adapter_path=str(adapter_path) if adapter_path else None,
@@ -387,6 +383,14 @@ def load_engine(
         )
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None
+
+
+def refuse_max_kv_size(max_kv_size: int | None) -> None:
+    """Raises CLIError for a `--max-kv-size` (a rotating KV cache, which kvtool cannot store exactly
+    yet: refused up front rather than run uncached)."""
+    if max_kv_size is not None:
+        raise CLIError(f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot "
+                       "cache yet; drop the option (kvtool keeps the whole prompt's KV)")
 
 
 def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:

@@ -89,17 +89,15 @@ def confirm_and_execute(
         out.print("dry run: nothing changed" if plan.dry_run else nothing)
 
     def executed() -> None:
-        if not shown:
+        if yes:  # else the plan was shown with the question
             print_plan(plan, out.console)
         print_result(plan, out.console)
 
     if plan.dry_run or not changes:
         emit(unchanged)
         return _exit_code(plan)
-    shown = False
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
         print_plan(plan, out.interaction)
-        shown = True
         if not out.confirm(question()):
             out.err_console.print("aborted: nothing changed")
             return common.EXIT_PROBLEMS
