@@ -54,17 +54,14 @@ BlockSizeOpt = Annotated[
 ]  # fmt: skip
 
 
+@common.model_options("ignore_chat_template", "system_prompt", "adapter_path", "kv_bits", "kv_group_size")
 def rm_cmd(
     namespace: NamespaceArg = None,
     prompt: common.PromptOpt = None,
     prompt_file: common.PromptFileOpt = None,
     messages: common.MessagesOpt = None,
     model: common.PromptModelOpt = None,
-    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
-    adapter_path: common.AdapterPathOpt = None,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
+    model_flags: common.ModelFlags = common.MODEL,
     block_size: BlockSizeOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
@@ -83,13 +80,14 @@ def rm_cmd(
         if by_prompt == (namespace is not None):
             raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
                                   + (", not both" if by_prompt else ""))  # fmt: skip
-        model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits}
+        mf = model_flags
+        model_opts = {"adapter_path": mf.adapter_path, "kv_bits": mf.kv_bits}
         if not by_prompt and (model is not None or block_size is not None or any(v is not None for v in model_opts.values())):
             raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
         if namespace is not None:
             check_prefix(namespace)
-        source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
-                              {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
+        source = PromptSource(model or "tiny", prompt, prompt_file, messages, not mf.ignore_chat_template,
+                              mf.system_prompt, {**model_opts, "kv_group_size": mf.kv_group_size})  # fmt: skip
         if remote or remote_url is not None:
             refuse_options({"--cache-dir": cache_dir}, "with --remote")
             server = Server(remote_url, config, flag="--remote-url")

@@ -155,6 +155,7 @@ def _cache_summary(stats: dict[str, int], status: ShutdownStatus) -> str:
 
 
 @common.cache_options(*common.CACHE_OPTIONS)
+@common.model_options(*common.MODEL_OPTIONS)
 def serve_once(
     model: common.ModelOpt = "tiny",
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
@@ -168,13 +169,7 @@ def serve_once(
     ] = None,
     max_prompt_bytes: MaxPromptBytesOpt = "64MiB",
     max_tokens: common.MaxTokensOpt = 64,
-    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
-    adapter_path: common.AdapterPathOpt = None,
-    max_kv_size: common.MaxKVSizeOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
+    model_flags: common.ModelFlags = common.MODEL,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
@@ -190,9 +185,8 @@ def serve_once(
             check_metrics_file(metrics_file)
             reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
             cfg = cache.build()
-            engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
-                                        prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
-            encode = _encoder(engine, not ignore_chat_template, system_prompt)
+            engine = model_flags.load(model, cfg)
+            encode = _encoder(engine, not model_flags.ignore_chat_template, model_flags.system_prompt)
             code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
     except common.Interrupted as exc:  # before serving started: nothing to drain
         code = 128 + exc.signum

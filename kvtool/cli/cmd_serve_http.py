@@ -166,6 +166,7 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
 
 
 @common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "codec"))
+@common.model_options("adapter_path", "max_kv_size", "prefill_step_size")
 def serve_http(
     ctx: typer.Context,
     model: common.ModelOpt = "tiny",
@@ -174,9 +175,7 @@ def serve_http(
     max_tokens: common.MaxTokensOpt = 512,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Default sampling temperature (0: greedy).")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Default nucleus sampling mass.")] = 1.0,
-    adapter_path: common.AdapterPathOpt = None,
-    max_kv_size: common.MaxKVSizeOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
+    model_flags: common.ModelFlags = common.MODEL,
     decode_concurrency: Annotated[
         int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")
     ] = 32,
@@ -205,7 +204,7 @@ def serve_http(
             level = log_level.upper()
             if level not in LOG_LEVELS:
                 raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-            common.refuse_max_kv_size(max_kv_size)
+            common.refuse_max_kv_size(model_flags.max_kv_size)
             from kvtool.units import parse_size
 
             body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
@@ -215,8 +214,9 @@ def serve_http(
             setup_server_logging(level)
             make_config = dataclasses.replace(cache, ram_bytes=ram_bytes).build
             cfg = make_config()
-            server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                            prefill_step_size=prefill_step_size, decode_concurrency=decode_concurrency,
+            server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
+                            top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
+                            decode_concurrency=decode_concurrency,
                             prompt_concurrency=prompt_concurrency, log_level=level,
                             max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit, **extra)
             code = _run(server, make_config)

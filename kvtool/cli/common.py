@@ -288,6 +288,49 @@ def option_group(param: str, table: Mapping[str, tuple[Any, ...]], make: Callabl
     return decorate
 
 
+MODEL_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "ignore_chat_template": (IgnoreChatTemplateOpt, False),
+    "system_prompt": (SystemPromptOpt, None),
+    "adapter_path": (AdapterPathOpt, None),
+    "max_kv_size": (MaxKVSizeOpt, None),
+    "prefill_step_size": (PrefillStepOpt, 2048),
+    "kv_bits": (KVBitsOpt, None),
+    "kv_group_size": (KVGroupSizeOpt, 64),
+}
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """How to load the model and encode prompts (`MODEL_OPTIONS`, as mlx-lm's own flags)."""
+
+    ignore_chat_template: bool = False
+    system_prompt: str | None = None
+    adapter_path: Path | None = None
+    max_kv_size: int | None = None
+    prefill_step_size: int = 2048
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
+    def load(self, model: str, config: Any) -> Any:
+        """`load_engine` with these flags.
+
+        Raises:
+            CLIError: as `load_engine`.
+        """
+        return load_engine(model, config, adapter_path=self.adapter_path, max_kv_size=self.max_kv_size,
+                           prefill_step_size=self.prefill_step_size, kv_bits=self.kv_bits,
+                           kv_group_size=self.kv_group_size)
+
+
+MODEL = ModelFlags()  # the default of a command's `model_flags` parameter (`model_options` always passes one)
+
+
+def model_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `model_flags: ModelFlags` stands for the model options
+    `names` (keys of `MODEL_OPTIONS`, shown in that order)."""
+    return option_group("model_flags", MODEL_OPTIONS, ModelFlags, names)
+
+
 def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
     (keys of `CACHE_OPTIONS`, shown in that order)."""
