@@ -215,26 +215,21 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
 def read_only_engine(model: str, cfg, model_opts: dict):
     """The model's engine (as serve-once builds it, so the same namespace) with its SSD tier
     opened read-only (`ReadOnlyFileOps`): no RAM tier, no writer thread, nothing created or
-    changed in the cache."""
+    changed in the cache.
+
+    Raises:
+        CLIError: the model does not load.
+    """
     import logging
 
-    from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
-    from kvtool.models.loader import ModelLoadError
     from kvtool.ops.inspect_cache import ReadOnlyFileOps
 
     store_log = logging.getLogger("kvtool.disk.namespace")  # "read-only"/"disabled" is the point here
     level = store_log.level
     store_log.setLevel(logging.ERROR)
-    adapter = model_opts.get("adapter_path")
     try:
-        return Engine.from_spec(
-            model, cfg.replace(ssd_enabled=True, ram_bytes=0, ssd_async_writes=False), fs=ReadOnlyFileOps(),
-            adapter_path=str(adapter) if adapter else None, kv_bits=model_opts.get("kv_bits"),
-            kv_group_size=model_opts.get("kv_group_size", 64),
-            prefill_step_size=model_opts.get("prefill_step_size") or DEFAULT_PREFILL_STEP,
-        )  # fmt: skip
-    except ModelLoadError as exc:
-        raise common.CLIError(str(exc)) from None
+        return common.load_engine(model, cfg.replace(ssd_enabled=True, ram_bytes=0, ssd_async_writes=False),
+                                  fs=ReadOnlyFileOps(), **model_opts)
     finally:
         store_log.setLevel(level)
 

@@ -408,8 +408,10 @@ def load_engine(
     prefill_step_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    **engine_options: Any,
 ):
-    """Load a model and build an `Engine`, mapping load failures to `CLIError`.
+    """Load a model and build an `Engine` (`engine_options`: more `Engine.from_spec` arguments),
+    mapping load failures to `CLIError`.
 
     Raises:
         CLIError: the model does not load, or `max_kv_size` is given (a rotating KV cache,
@@ -423,6 +425,7 @@ def load_engine(
         return Engine.from_spec(
             model, config, adapter_path=str(adapter_path) if adapter_path else None,
             prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits, kv_group_size=kv_group_size,
+            **engine_options,
         )
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None
