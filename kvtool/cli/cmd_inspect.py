@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import Server, inspect_remote, refuse_options
+from kvtool.cli.cmd_remote import TARGET, Target, inspect_remote, refuse_options, target_options
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
@@ -74,6 +74,7 @@ ModelOpt = Annotated[
 ]
 
 
+@target_options
 def inspect_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,
@@ -93,22 +94,20 @@ def inspect_cmd(
     kv_group_size: common.KVGroupSizeOpt = 64,
     prefill_step_size: common.OptionalPrefillStepOpt = None,
     block_size: common.BlockSizeOpt = None,
-    config: common.ConfigOpt = None,
-    remote: common.RemoteOpt = False,
-    remote_url: common.RemoteServerOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.inspect_cache import InspectSort, inspect_cache
 
-        if remote or remote_url is not None:
+        if target.server is not None:
             refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
                             "--model": model, "--prompt": prompt, "--prompt-file": prompt_file, "--messages": messages,
                             "--adapter-path": adapter_path, "--kv-bits": kv_bits, "--block-size": block_size,
                             "--prefill-step-size": prefill_step_size}, "with --remote")  # fmt: skip
-            raise typer.Exit(inspect_remote(out, Server(remote_url, config, flag="--remote-url"), namespace))
+            raise typer.Exit(inspect_remote(out, target.server, namespace))
 
-        cfg = common.build_config(config, cache_dir, block_size=block_size)
+        cfg = common.build_config(target.config, cache_dir, block_size=block_size)
         model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits, "prefill_step_size": prefill_step_size}
         if any(x is not None for x in (prompt, prompt_file, messages)):
             if namespace is not None:

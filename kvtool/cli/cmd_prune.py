@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import Server, prune_remote, refuse_options
+from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, refuse_options, target_options
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.progress import progress
@@ -52,6 +52,7 @@ MaxBytesOpt = Annotated[
 AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU order over the whole cache.")]
 
 
+@target_options
 def prune_cmd(
     ttl: TtlOpt = None,
     max_bytes: MaxBytesOpt = None,
@@ -62,9 +63,7 @@ def prune_cmd(
     json_out: common.JsonOpt = False,
     quiet: common.QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
-    config: common.ConfigOpt = None,
-    remote: common.RemoteOpt = False,
-    remote_url: common.RemoteServerOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
@@ -72,10 +71,10 @@ def prune_cmd(
         from kvtool.ops.scan import scan_cache
 
         ttl_s, budget = _parse_limits(ttl, max_bytes)
-        if remote or remote_url is not None:
-            raise typer.Exit(_prune_remote(out, remote_url, config, cache_dir, ttl, ttl_s, budget, namespace,
+        if target.server is not None:
+            raise typer.Exit(_prune_remote(out, target, cache_dir, ttl, ttl_s, budget, namespace,
                                            all_namespaces, dry_run, yes))  # fmt: skip
-        cfg = common.build_config(config, cache_dir)
+        cfg = common.build_config(target.config, cache_dir)
         if ttl is None:
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
@@ -90,16 +89,17 @@ def prune_cmd(
     raise typer.Exit(code)
 
 
-def _prune_remote(out: Output, url: str | None, config, cache_dir, ttl: str | None, ttl_s: float | None,
+def _prune_remote(out: Output, target: Target, cache_dir, ttl: str | None, ttl_s: float | None,
                   budget: int | None, namespace: str | None, all_namespaces: bool, dry_run: bool, yes: bool) -> int:  # fmt: skip
     """`prune --remote`: --ttl is the idle time (default: the config's ssd_ttl), --max-bytes the
     budget of each namespace on the server."""
     refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
     if ttl is None:
-        ttl_s = common.build_config(config).ttl_s
+        ttl_s = common.build_config(target.config).ttl_s
     if ttl_s is None and budget is None:
         raise common.CLIError("give --ttl, --max-bytes or both (--ttl none and no --max-bytes prunes nothing)")
-    return prune_remote(out, Server(url, config, flag="--remote-url"), idle_s=ttl_s, max_bytes=budget,
+    assert target.server is not None
+    return prune_remote(out, target.server, idle_s=ttl_s, max_bytes=budget,
                         namespace=namespace, dry_run=dry_run, yes=yes)  # fmt: skip
 
 

@@ -132,6 +132,34 @@ class Server:
             conn.close()
 
 
+@dataclass(frozen=True)
+class Target:
+    """What `kvtool inspect|validate|prune|rm` act on: the SSD cache, or with `--remote` /
+    `--remote-url` the remote tier's server (`server`); `config` is `--config`."""
+
+    config: Path | None = None
+    remote: bool = False
+    remote_url: str | None = None
+
+    @property
+    def server(self) -> Server | None:
+        """The remote server to act on, None for the SSD cache."""
+        if not self.remote and self.remote_url is None:
+            return None
+        return Server(self.remote_url, self.config, flag="--remote-url")
+
+
+TARGET = Target()  # the default of a command's `target` parameter (`target_options` always passes one)
+TARGET_OPTIONS = {"config": (common.ConfigOpt, None), "remote": (common.RemoteOpt, False),
+                  "remote_url": (common.RemoteServerOpt, None)}
+
+
+def target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an operator command whose parameter `target: Target` stands for `--config`,
+    `--remote` and `--remote-url` (shown last)."""
+    return common.option_group("target", TARGET_OPTIONS, Target, TARGET_OPTIONS)(fn)
+
+
 def refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
     """Raises CLIError unless --yes, --dry-run or a terminal to ask on."""
     from kvtool.cli.removal import interactive

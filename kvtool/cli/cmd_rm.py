@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PromptSource
-from kvtool.cli.cmd_remote import Server, refuse_options, rm_remote
+from kvtool.cli.cmd_remote import TARGET, Target, refuse_options, rm_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes
@@ -54,6 +54,7 @@ BlockSizeOpt = Annotated[
 ]  # fmt: skip
 
 
+@target_options
 @common.model_options("ignore_chat_template", "system_prompt", "adapter_path", "kv_bits", "kv_group_size")
 def rm_cmd(
     namespace: NamespaceArg = None,
@@ -68,9 +69,7 @@ def rm_cmd(
     json_out: common.JsonOpt = False,
     quiet: common.QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
-    config: common.ConfigOpt = None,
-    remote: common.RemoteOpt = False,
-    remote_url: common.RemoteServerOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
@@ -88,18 +87,18 @@ def rm_cmd(
             check_prefix(namespace)
         source = PromptSource(model or "tiny", prompt, prompt_file, messages, not mf.ignore_chat_template,
                               mf.system_prompt, {**model_opts, "kv_group_size": mf.kv_group_size})  # fmt: skip
-        if remote or remote_url is not None:
+        server = target.server
+        if server is not None:
             refuse_options({"--cache-dir": cache_dir}, "with --remote")
-            server = Server(remote_url, config, flag="--remote-url")
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
             from kvtool.cli.cmd_remote import refuse_without_terminal
 
             refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
-            cfg = common.build_config(config, block_size=block_size).replace(remote_url=None)  # hashing only
+            cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
             keys = _prompt_keys(cfg, source)[0](cfg.block_size)
             raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
-        cfg = common.build_config(config, cache_dir)
+        cfg = common.build_config(target.config, cache_dir)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
         if by_prompt:
