@@ -145,13 +145,15 @@ def _human_line(i: int, r) -> str:
     )
 
 
+def tier_summary(stats: dict[str, int]) -> str:
+    """What the tiers did in a run, from their final counters (serve-once's last line, serve's stop line)."""
+    return (f"{stats.get('ssd_save_success', 0)} block(s) written to SSD, {stats.get('ssd_save_dedup_skip', 0)} dedup, "
+            f"{stats.get('ssd_load_hits', 0)} loaded from SSD, {stats.get('kv_ram_evictions', 0)} RAM evictions, "
+            f"{stats.get('ssd_load_corrupt', 0)} corrupt")
+
+
 def _cache_summary(stats: dict[str, int], status: ShutdownStatus) -> str:
-    saved = stats.get("ssd_save_success", 0)
-    return (
-        f"[dim]cache: {saved} block(s) written to SSD, {stats.get('ssd_save_dedup_skip', 0)} dedup, "
-        f"{stats.get('ssd_load_hits', 0)} loaded from SSD, {stats.get('kv_ram_evictions', 0)} RAM evictions, "
-        f"{stats.get('ssd_load_corrupt', 0)} corrupt, shutdown_clean={status.shutdown_clean}[/]"
-    )
+    return f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"
 
 
 @common.cache_options(*common.CACHE_OPTIONS)

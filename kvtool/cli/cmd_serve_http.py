@@ -20,6 +20,7 @@ import typer
 from typer.core import TyperCommand
 
 from kvtool.cli import common
+from kvtool.cli.cmd_serve import tier_summary
 
 HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
 
@@ -293,12 +294,8 @@ def _run(server, make_config) -> int:
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
         status = server.close(from_serving_thread=True)
         stats = server.stats()["cache"]
-        log.info(
-            "stopped%s: %d block(s) written to SSD, %d dedup, %d loaded from SSD, %d RAM evictions, %d corrupt, "
-            "shutdown_clean=%s", f" by {interrupted.args[0]}" if interrupted else "", stats.get("ssd_save_success", 0),
-            stats.get("ssd_save_dedup_skip", 0), stats.get("ssd_load_hits", 0), stats.get("kv_ram_evictions", 0),
-            stats.get("ssd_load_corrupt", 0), status.shutdown_clean,
-        )
+        log.info("stopped%s: %s, shutdown_clean=%s", f" by {interrupted.args[0]}" if interrupted else "",
+                 tier_summary(stats), status.shutdown_clean)
         if old_hup is not None:
             signal.signal(signal.SIGHUP, old_hup)
     if not status.shutdown_clean:
