@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.bench.loadgen import LoadRequest
-from kvtool.bench.workloads import count, merge_params, positive_number
+from kvtool.bench.workloads import count, merge_params, positive_number, size_field
 from kvtool.config import ConfigError
 
 CORPUS = Path(__file__).resolve().parent.parent / "assets" / "demo_prompt.txt"
@@ -110,10 +110,7 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
         if key in _FLOATS:
             return positive_number(value, field)
         if key == "ram_bytes":
-            try:
-                value = parse_size(value) if isinstance(value, str) else value
-            except ValueError as exc:
-                raise ConfigError(field, str(exc)) from None
+            value = size_field(field, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, f"must be a size > 0 (bytes or e.g. '1MiB'), got {value!r}")
             return value

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.config import ConfigError
+from kvtool.units import parse_size
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -149,6 +150,17 @@ def positive_number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(field, f"must be a number > 0, got {value!r}")
     return float(value)
+
+
+def size_field(field: str, value: Any) -> Any:
+    """A byte size written as a string (`"4MiB"`, `"1GB"`) in bytes; anything else as it is (left
+    to the caller's check). Raises ConfigError naming `field` for a string that is not a size."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from None
 
 
 def count(value: Any, field: str, zero_ok: bool = False) -> int:
