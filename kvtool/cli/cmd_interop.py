@@ -7,6 +7,7 @@ options, loads the engine, prints.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -70,28 +71,51 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     return common.read_prompt_arg(None, prompt_file)
 
 
-def _tokens(engine: Engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required: bool):
-    """(token ids or None, source)."""
-    from kvtool.jobs.interop_files import cache_prompt_tokens, read_token_ids
+@dataclass(frozen=True)
+class PromptTokens:
+    """The prompt of an import or export: `--prompt` / `--prompt-file` (tokenised as
+    mlx_lm.cache_prompt does) or `--token-ids`."""
 
-    given = sum(x is not None for x in (prompt, prompt_file, token_ids))
-    if given > 1:
-        raise common.CLIError("give only one of --prompt, --prompt-file, --token-ids")
-    if given == 0:
-        if required:
-            raise common.CLIError("give the prompt: --prompt, --prompt-file or --token-ids")
-        return None, "metadata"
-    if token_ids is not None:
-        if system_prompt is not None:
-            raise common.CLIError("--system-prompt does not apply to --token-ids")
-        return read_token_ids(token_ids), "token_ids"
-    text = _read_prompt(prompt, prompt_file)
-    assert text is not None  # --prompt or --prompt-file was given
-    ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=not ignore_chat_template, system_prompt=system_prompt)
-    if not ids:
-        raise common.CLIError("the prompt has no tokens")
-    templated = not ignore_chat_template and bool(getattr(engine.tokenizer, "has_chat_template", False))
-    return ids, "prompt_chat_template" if templated else "prompt_raw"
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    token_ids: Path | None = None
+    ignore_chat_template: bool = False
+    system_prompt: str | None = None
+
+    def tokens(self, engine: Engine, required: bool) -> tuple[list[int] | None, str]:
+        """`(token ids, where they came from)`; `(None, "metadata")` when none is given and not `required`.
+
+        Raises:
+            CLIError: more than one source, none when `required`, --system-prompt with --token-ids,
+                an unreadable source, a prompt without tokens.
+        """
+        from kvtool.jobs.interop_files import cache_prompt_tokens, read_token_ids
+
+        given = sum(x is not None for x in (self.prompt, self.prompt_file, self.token_ids))
+        if given > 1:
+            raise common.CLIError("give only one of --prompt, --prompt-file, --token-ids")
+        if given == 0:
+            if required:
+                raise common.CLIError("give the prompt: --prompt, --prompt-file or --token-ids")
+            return None, "metadata"
+        if self.token_ids is not None:
+            if self.system_prompt is not None:
+                raise common.CLIError("--system-prompt does not apply to --token-ids")
+            return read_token_ids(self.token_ids), "token_ids"
+        text = _read_prompt(self.prompt, self.prompt_file)
+        assert text is not None  # --prompt or --prompt-file was given
+        chat = not self.ignore_chat_template
+        ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=chat, system_prompt=self.system_prompt)
+        if not ids:
+            raise common.CLIError("the prompt has no tokens")
+        templated = chat and bool(getattr(engine.tokenizer, "has_chat_template", False))
+        return ids, "prompt_chat_template" if templated else "prompt_raw"
+
+
+PROMPT = PromptTokens()  # the default of a command's `source` parameter (`prompt_options` always passes one)
+PROMPT_OPTIONS = {"prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, None), "token_ids": (TokenIdsOpt, None),
+                  "ignore_chat_template": (IgnoreTemplateOpt, False), "system_prompt": (common.SystemPromptOpt, None)}
+prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PROMPT_OPTIONS)
 
 
 def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start):
@@ -136,14 +160,11 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 
 # ------------------------------------------------------------------------------ import
 @common.cache_options("config", "cache_dir", "durability", "async_writes", "block_size")
+@prompt_options
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
     model: common.ModelOpt = "tiny",
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    token_ids: TokenIdsOpt = None,
-    ignore_chat_template: IgnoreTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
+    source: PromptTokens = PROMPT,
     skip_model_check: Annotated[bool, typer.Option("--skip-model-check", help="Import even if the file's model (metadata) is not --model or cannot be verified (warns; the KV check still runs).")] = False,
     check_tokens: Annotated[int, typer.Option("--check-tokens", min=0, help="KV check: recompute the KV of this many last tokens (one model call) and compare with the file's; the prompt length or more: every token (as slow as a prefill).")] = 32,
     check_positions: Annotated[int, typer.Option("--check-positions", min=0, help="KV check: also recompute this many single tokens spread over the rest of the prompt (one decode step each).")] = 64,
@@ -170,12 +191,11 @@ def import_cmd(
                               quantized_kv_start)
 
         def work():
-            ids, source = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
-                                  required=False)
+            ids, origin = source.tokens(engine, required=False)
             return import_cache_file(engine, file, ids, model_spec=model,
                                      adapter_path=str(adapter_path) if adapter_path else None,
                                      require_model_match=not skip_model_check, check_tokens=check_tokens,
-                                     check_positions=check_positions, token_source=source, preloaded=loaded)
+                                     check_positions=check_positions, token_source=origin, preloaded=loaded)
 
         report, interrupted, status = _run_then_close(engine, work)
     ok = report is not None and report.verified and report.blocks_failed == 0 and status.shutdown_clean
@@ -214,14 +234,11 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 
 # ------------------------------------------------------------------------------ export
 @common.cache_options("config", "cache_dir", "block_size")
+@prompt_options
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
     model: common.ModelOpt = "tiny",
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    token_ids: TokenIdsOpt = None,
-    ignore_chat_template: IgnoreTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
+    source: PromptTokens = PROMPT,
     fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
     metadata_model: Annotated[str | None, typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
     kv_bits: common.KVBitsOpt = None,
@@ -244,7 +261,7 @@ def export_cmd(
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
 
         def work():
-            ids, _ = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required=True)
+            ids, _ = source.tokens(engine, required=True)
             return export_cache_file(engine, ids, out, fill=fill,
                                      metadata_model=metadata_model or metadata_model_for(model, engine.loaded))
 
