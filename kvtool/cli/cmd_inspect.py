@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, inspect_remote, refuse_options, target_options
+from kvtool.cli.cmd_remote import TARGET, Target, inspect_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
@@ -101,7 +101,7 @@ def inspect_cmd(
         from kvtool.ops.inspect_cache import InspectSort, inspect_cache
 
         if target.server is not None:
-            refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
+            common.refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
                             "--model": model, "--prompt": prompt, "--prompt-file": prompt_file, "--messages": messages,
                             "--adapter-path": adapter_path, "--kv-bits": kv_bits, "--block-size": block_size,
                             "--prefill-step-size": prefill_step_size}, "with --remote")  # fmt: skip

@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, refuse_options, target_options
+from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.progress import progress
@@ -93,7 +93,7 @@ def _prune_remote(out: Output, target: Target, cache_dir, ttl: str | None, ttl_s
                   budget: int | None, namespace: str | None, all_namespaces: bool, dry_run: bool, yes: bool) -> int:  # fmt: skip
     """`prune --remote`: --ttl is the idle time (default: the config's ssd_ttl), --max-bytes the
     budget of each namespace on the server."""
-    refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
+    common.refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
     if ttl is None:
         ttl_s = common.build_config(target.config).ttl_s
     if ttl_s is None and budget is None:

@@ -168,14 +168,6 @@ def refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
         raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; add --yes or use --dry-run")
 
 
-def refuse_options(given: dict[str, Any], why: str) -> None:
-    """Raises CLIError naming the first option of `given` (flag -> value) that is set (not None,
-    not False): it does not apply `why` (`with --remote`)."""
-    for flag, value in given.items():
-        if value is not None and value is not False:
-            raise common.CLIError(f"{flag} does not apply {why}")
-
-
 def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:
     """Plan (`plan_fn(True)`), show it and ask unless --yes / --dry-run, then remove (`plan_fn(False)`)
     and report. Returns the exit code: 0, or 1 when declined at the prompt."""

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PromptSource
-from kvtool.cli.cmd_remote import TARGET, Target, refuse_options, rm_remote, target_options
+from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes
@@ -89,7 +89,7 @@ def rm_cmd(
                               mf.system_prompt, {**model_opts, "kv_group_size": mf.kv_group_size})  # fmt: skip
         server = target.server
         if server is not None:
-            refuse_options({"--cache-dir": cache_dir}, "with --remote")
+            common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
             from kvtool.cli.cmd_remote import refuse_without_terminal

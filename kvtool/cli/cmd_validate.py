@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, refuse_options, target_options, validate_remote
+from kvtool.cli.cmd_remote import TARGET, Target, target_options, validate_remote
 from kvtool.cli.output import Output
 from kvtool.progress import progress
 from kvtool.units import format_bytes
@@ -76,7 +76,7 @@ def validate_cmd(
         from kvtool.ops.validate import validate
 
         if target.server is not None:
-            refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
+            common.refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
             raise typer.Exit(validate_remote(out, target.server, namespace,
                                              dry_run=dry_run))  # fmt: skip
 

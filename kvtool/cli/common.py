@@ -12,8 +12,8 @@ import importlib.metadata
 import inspect
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -31,6 +31,7 @@ from kvtool.cli.errors import (  # noqa: F401  (re-exported: every command uses 
     print_error,
 )
 from kvtool.cli.output import console, err_console, versioned  # noqa: F401  (re-exported)
+from kvtool.cli.signals import Interrupted, ignore_signals, signals_raise  # noqa: F401  (re-exported)
 from kvtool.config import Codec, Durability, RemotePolicy, SSDPolicy
 
 # Exit codes shared by all commands.
@@ -337,6 +338,14 @@ def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
 
 
+def refuse_options(given: dict[str, Any], why: str) -> None:
+    """Raises CLIError naming the first option of `given` (flag -> value) that is set (not None,
+    not False): it does not apply `why` (`with --remote`)."""
+    for flag, value in given.items():
+        if value is not None and value is not False:
+            raise CLIError(f"{flag} does not apply {why}")
+
+
 def parse_flag(value: str | None, parse: Callable[[str], Any], flag: str) -> Any:
     """`parse(value)` (None when the flag is not given), a `ValueError` turned into a `CLIError`
     naming the flag (`--ttl: ...`).
@@ -466,45 +475,3 @@ def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:
         except RequestFileError as exc:
             raise CLIError(str(exc)) from None
     return None
-
-
-# ---------------------------------------------------------------- signals
-class Interrupted(BaseException):
-    """SIGINT/SIGTERM turned into an exception (a BaseException, like KeyboardInterrupt, so no
-    `except Exception` on the request path swallows it). `signum` gives the exit code 128+n."""
-
-    def __init__(self, signum: int):
-        import signal
-
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, _frame):
-    import signal
-
-    # One signal is enough: further ones are ignored while the writer drains.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-@contextmanager
-def signals_raise() -> Iterator[None]:
-    """While active, SIGINT and SIGTERM raise `Interrupted`; previous handlers restored after."""
-    import signal
-
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def ignore_signals() -> None:
-    """Ignore SIGINT/SIGTERM (for the clean-shutdown path; `signals_raise` restores them)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
