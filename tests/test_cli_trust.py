@@ -122,7 +122,7 @@ def test_config_ssd_ttl_refuses_a_bare_number(tmp_path, line):
 
 
 def test_ssd_ttl_days_still_works_with_a_deprecation_warning_logged_once(tmp_path, monkeypatch):
-    monkeypatch.setattr(config_module, "_DEPRECATIONS_LOGGED", set())
+    monkeypatch.setattr(config_module.validators, "_DEPRECATIONS_LOGGED", set())
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]

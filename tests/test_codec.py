@@ -20,7 +20,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kvtool.cli import common
-from kvtool.config import ConfigError, KVToolConfig
+from kvtool.config import Codec, ConfigError, KVToolConfig
 from kvtool.disk import restore
 from kvtool.disk import segment as seg
 from kvtool.disk.namespace import SSDStore
@@ -220,7 +220,7 @@ def test_config_and_cli_options(tmp_path):
     with pytest.raises(ConfigError) as err:
         KVToolConfig(ssd_cache_dir=tmp_path, ssd_codec="gzip")
     assert err.value.field == "ssd_codec"
-    assert common.build_config(cache_dir=tmp_path, codec=common.CodecChoice.zstd).ssd_codec == "zstd"
+    assert common.build_config(cache_dir=tmp_path, codec=Codec.ZSTD).ssd_codec == "zstd"
     toml = tmp_path / "c.toml"
     toml.write_text('ssd_codec = "zstd"\n')
     assert common.build_config(toml, tmp_path).ssd_codec == "zstd"

@@ -62,8 +62,8 @@ from kvtool.bench.loadgen import LoadRequest, LoadSpec, run_load
 from kvtool.bench.loadserver import KVTOOL, SERVER_KINDS, ManagedServer, ServerOptions
 from kvtool.bench.loadstats import batch_figures
 from kvtool.bench.loadworkloads import LoadWorkload, build_load_workload, validate_load_params
+from kvtool.bench.workloads import size_field
 from kvtool.config import ConfigError
-from kvtool.units import parse_size
 
 SECTION = "serve_load"
 PROGRESS_INTERVAL_S = 5.0
@@ -230,10 +230,7 @@ def _parse_kvtool(table: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in table.items():
         if key == "ram_bytes":
-            try:
-                value = parse_size(value) if isinstance(value, str) else value
-            except ValueError as exc:
-                raise ConfigError(f"{where}.ram_bytes", str(exc)) from None
+            value = size_field(f"{where}.ram_bytes", value)
             if _bad_int(value, 0):
                 raise ConfigError(f"{where}.ram_bytes", f"must be a size (bytes or e.g. '64MiB'), got {value!r}")
         elif key == "block_size":

@@ -301,18 +301,7 @@ def _markdown(doc: dict[str, Any], cells: pd.DataFrame, cmp: pd.DataFrame, misma
                      f"{_fmt_iv(row, 'ttft_p99_ms')} | {_fmt_iv(row, 'latency_p50_ms')} | "
                      f"{_fmt_iv(row, 'requests_per_s', 'requests_per_s')} | {_fmt_iv(row, 'prompt_tokens_per_s')} | "
                      f"{_fmt_iv(row, 'hit_rate', 'hit_rate')} | {tiers} | {_fmt_iv(row, 'peak_rss_mib')} | {equal} |")
-    kv = cells[cells["server"] == KVTOOL] if not cells.empty else cells
-    if not kv.empty:
-        lines += ["", "## kvtool tiers (means over repeats; measured phases for hit tokens, whole batch for bytes)",
-                  "", "| workload | clients | RAM hit tok | SSD hit tok | prompt tok | RAM bytes held | SSD bytes "
-                  "written | SSD bytes read | writer queue peak bytes | shed blocks |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for row in kv.to_dict(orient="records"):
-            vals = " | ".join(_fmt(row.get(k), 0) for k in KVTOOL_COUNTERS)
-            lines.append(f"| {row['workload']} | {row['clients']} | {vals} |")
-        lines.append("")
-        lines.append("`-`: the server does not report the counter (`writer_queue_peak_bytes` is newer than some "
-                     "builds).")
+    lines += _tiers_lines(cells)
     if not mismatches.empty:
         lines += ["", "## Output mismatches (first 20)", "", "| workload | clients | repeat | request | kvtool | mlx-lm |",
                   "|---|---:|---:|---|---|---|"]
@@ -326,6 +315,24 @@ def _markdown(doc: dict[str, Any], cells: pd.DataFrame, cmp: pd.DataFrame, misma
     lines += ["", "Files: requests.jsonl / requests.csv (every request), batches.csv / batches.json (every batch), "
               "cells.csv, comparison.csv, mismatches.csv, summary.json, run.json, logs/ (server stderr).", ""]
     return "\n".join(lines)
+
+
+def _tiers_lines(cells: pd.DataFrame) -> list[str]:
+    """The report's kvtool tiers table (RAM / SSD hit tokens, bytes, writer queue); none without a kvtool cell."""
+    kv = cells[cells["server"] == KVTOOL] if not cells.empty else cells
+    if kv.empty:
+        return []
+    lines = ["", "## kvtool tiers (means over repeats; measured phases for hit tokens, whole batch for bytes)",
+             "", "| workload | clients | RAM hit tok | SSD hit tok | prompt tok | RAM bytes held | SSD bytes "
+             "written | SSD bytes read | writer queue peak bytes | shed blocks |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in kv.to_dict(orient="records"):
+        vals = " | ".join(_fmt(row.get(k), 0) for k in KVTOOL_COUNTERS)
+        lines.append(f"| {row['workload']} | {row['clients']} | {vals} |")
+    lines.append("")
+    lines.append("`-`: the server does not report the counter (`writer_queue_peak_bytes` is newer than some "
+                 "builds).")
+    return lines
 
 
 def _cell_text(text: Any, error: Any) -> str:

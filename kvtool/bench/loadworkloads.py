@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.bench.loadgen import LoadRequest
+from kvtool.bench.workloads import count, merge_params, positive_number, size_field
 from kvtool.config import ConfigError
 
 CORPUS = Path(__file__).resolve().parent.parent / "assets" / "demo_prompt.txt"
@@ -105,30 +106,21 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
     """
     from kvtool.units import parse_size
 
-    if name not in LOAD_WORKLOAD_DEFAULTS:
-        raise ConfigError(f"{where}.{name}", f"unknown workload; choose from {', '.join(LOAD_WORKLOADS)}")
-    merged = dict(LOAD_WORKLOAD_DEFAULTS[name])
-    for key, value in params.items():
-        field = f"{where}.{name}.{key}"
-        if key not in merged:
-            raise ConfigError(field, f"unknown parameter; known: {', '.join(merged)}")
+    def check(key: str, value: Any, field: str) -> Any:
         if key in _FLOATS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(field, f"must be a number > 0, got {value!r}")
-            value = float(value)
-        elif key == "ram_bytes":
-            try:
-                value = parse_size(value) if isinstance(value, str) else value
-            except ValueError as exc:
-                raise ConfigError(field, str(exc)) from None
+            return positive_number(value, field)
+        if key == "ram_bytes":
+            value = size_field(field, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, f"must be a size > 0 (bytes or e.g. '1MiB'), got {value!r}")
-        elif key in _STRINGS:
+            return value
+        if key in _STRINGS:
             if not isinstance(value, str):
                 raise ConfigError(field, f"must be a string, got {value!r}")
-        elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "conversations" else 1):
-            raise ConfigError(field, f"must be a positive integer, got {value!r}")
-        merged[key] = value
+            return value
+        return count(value, field, zero_ok=key == "conversations")
+
+    merged = merge_params(LOAD_WORKLOAD_DEFAULTS, name, params, where, check)
     if isinstance(merged.get("ram_bytes"), str):
         merged["ram_bytes"] = parse_size(merged["ram_bytes"])
     if name == "trace" and not merged["path"]:

@@ -50,7 +50,7 @@ DEFAULT_WORKER_TIMEOUT_S = 1800
 STATES = ("cold", "warm")
 PARTS = ("load", "ttft", "writer")
 NO_STATE = "n/a"  # recompute and writer rows: no cached files to be cold or warm
-DD_BLOCK_BYTES = 16 << 20
+DD_BLOCK_BYTES = pagecache.DD_BLOCK_BYTES
 
 SHAPES: dict[str, KVShape] = {
     # the default preset's real KV (kvtool/models/embedded.py: tiny = 2 layers, 2 KV heads,
@@ -390,7 +390,7 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
         if "kvtool" in spec.methods:
             target = d / "kvtool-writer"
             shutil.rmtree(target, ignore_errors=True)
-            _recycle_pages(d, kv_bytes)
+            pagecache.recycle_pages(d, kv_bytes)
             res = run_worker(spec.python, "writer", {"cache_dir": str(target), "shape": asdict(shape), "n_tokens": n,
                                                      "api": api, "block_size": spec.block_size, "seed": spec.seed})
             rec.add(make_row("writer", shape, n, "kvtool-writer", NO_STATE, rep, res, kv_bytes=kv_bytes))
@@ -399,62 +399,13 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
             synced = dict(res, ms=res["ms"] + res["sync_ms"])
             rec.add(make_row("writer", shape, n, "kvtool-writer+sync", NO_STATE, rep, synced, kv_bytes=kv_bytes))
             shutil.rmtree(target, ignore_errors=True)
-        _recycle_pages(d, kv_bytes)
-        rec.add(make_row("writer", shape, n, "dd-fdatasync", NO_STATE, rep, _dd(d / "dd.bin", dd_bs, count),
+        pagecache.recycle_pages(d, kv_bytes)
+        rec.add(make_row("writer", shape, n, "dd-fdatasync", NO_STATE, rep, pagecache.dd_write(d / "dd.bin", dd_bs, count),
                          kv_bytes=count * dd_bs))
-        _recycle_pages(d, kv_bytes)
-        loop, synced = _python_write(d / "py.bin", kv_bytes)
+        pagecache.recycle_pages(d, kv_bytes)
+        loop, synced = pagecache.python_write(d / "py.bin", kv_bytes)
         rec.add(make_row("writer", shape, n, "python-write", NO_STATE, rep, loop, kv_bytes=kv_bytes))
         rec.add(make_row("writer", shape, n, "python-write+fdatasync", NO_STATE, rep, synced, kv_bytes=kv_bytes))
-
-
-def _recycle_pages(d: Path, nbytes: int) -> None:
-    """Write, sync and delete a scratch file of `nbytes` before a writer measurement.
-
-    On a VM whose host backs guest memory lazily (Firecracker here), the first touch of a guest
-    page costs several times a write: a method that fills never-touched pages measured 2-10x
-    slower than the same write into recycled ones. Each method starts after the same scratch
-    write, so none pays that cost for another (the scratch pages are free again when it runs).
-    """
-    path = d / "recycle.bin"
-    chunk = bytes(min(nbytes, DD_BLOCK_BYTES))
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(chunk[: min(left, len(chunk))])
-        f.flush()
-        os.fdatasync(f.fileno())
-    path.unlink()
-
-
-def _dd(path: Path, block: int, count: int) -> dict:
-    """`dd if=/dev/zero of=PATH bs=BLOCK count=COUNT conv=fdatasync`, timed from here."""
-    os.sync()
-    t0 = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "conv=fdatasync"],
-                   check=True, capture_output=True)
-    ms = (time.perf_counter() - t0) * 1e3
-    size = path.stat().st_size
-    path.unlink()
-    return {"ms": ms, "bytes_io": size}
-
-
-def _python_write(path: Path, nbytes: int) -> tuple[dict, dict]:
-    chunk = np.random.default_rng(1).integers(0, 255, size=DD_BLOCK_BYTES, dtype=np.uint8).tobytes()
-    os.sync()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        t0 = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            left -= os.write(fd, chunk[: min(left, len(chunk))])
-        ms = (time.perf_counter() - t0) * 1e3
-        os.fdatasync(fd)
-        ms_sync = (time.perf_counter() - t0) * 1e3
-    finally:
-        os.close(fd)
-        path.unlink()
-    return {"ms": ms, "bytes_io": nbytes}, {"ms": ms_sync, "bytes_io": nbytes}
 
 
 # ------------------------------------------------------------------ run

@@ -5,6 +5,9 @@
 falls back to `sync; echo 3 > /proc/sys/vm/drop_caches` (root only) when pages stay resident.
 `method="global"` always drops the whole page cache. `resident_fraction` asks the kernel (`mincore`) which part of
 the files is in memory, so every measurement records what "cold" and "warm" really were.
+
+The writer baselines write through the page cache too: `dd_write`, `python_write`, and
+`recycle_pages` before each of them.
 """
 
 from __future__ import annotations
@@ -13,12 +16,17 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import subprocess
+import time
 from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 DROP_METHODS = ("fadvise", "global")
 RESIDENT_SLACK = 0.01  # after a drop, more than 1% resident counts as a failed drop
 READ_CHUNK_BYTES = 16 << 20
+DD_BLOCK_BYTES = 16 << 20  # dd's block and the Python write loop's chunk in the writer baselines
 
 _libc = None
 
@@ -144,3 +152,53 @@ def resident_fraction(files: Iterable[Path]) -> float | None:
     except (OSError, AttributeError):
         return None
     return resident / total if total else 0.0
+
+
+def recycle_pages(d: Path, nbytes: int) -> None:
+    """Write, sync and delete a scratch file of `nbytes` before a writer measurement.
+
+    On a VM whose host backs guest memory lazily (Firecracker here), the first touch of a guest
+    page costs several times a write: a method that fills never-touched pages measured 2-10x
+    slower than the same write into recycled ones. Each method starts after the same scratch
+    write, so none pays that cost for another (the scratch pages are free again when it runs).
+    """
+    path = d / "recycle.bin"
+    chunk = bytes(min(nbytes, DD_BLOCK_BYTES))
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(chunk[: min(left, len(chunk))])
+        f.flush()
+        os.fdatasync(f.fileno())
+    path.unlink()
+
+
+def dd_write(path: Path, block: int, count: int) -> dict:
+    """`dd if=/dev/zero of=PATH bs=BLOCK count=COUNT conv=fdatasync`, timed from here."""
+    os.sync()
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", f"bs={block}", f"count={count}", "conv=fdatasync"],
+                   check=True, capture_output=True)
+    ms = (time.perf_counter() - t0) * 1e3
+    size = path.stat().st_size
+    path.unlink()
+    return {"ms": ms, "bytes_io": size}
+
+
+def python_write(path: Path, nbytes: int) -> tuple[dict, dict]:
+    """Write `nbytes` with a Python `os.write` loop: `({ms, bytes_io} of the writes, of writes + fdatasync)`."""
+    chunk = np.random.default_rng(1).integers(0, 255, size=DD_BLOCK_BYTES, dtype=np.uint8).tobytes()
+    os.sync()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        t0 = time.perf_counter()
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, chunk[: min(left, len(chunk))])
+        ms = (time.perf_counter() - t0) * 1e3
+        os.fdatasync(fd)
+        ms_sync = (time.perf_counter() - t0) * 1e3
+    finally:
+        os.close(fd)
+        path.unlink()
+    return {"ms": ms, "bytes_io": nbytes}, {"ms": ms_sync, "bytes_io": nbytes}

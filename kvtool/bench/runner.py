@@ -142,16 +142,23 @@ def run_sweep(
     runs_df = pd.DataFrame(runs)
     cells = metrics.aggregate_cells(requests, runs_df, kv_bytes_per_token(engine))
     run_doc = _run_document(ctx, run_id, config_path, started, runs)
-    requests.to_csv(run_dir / "requests.csv", index=False)
-    cells.to_csv(run_dir / "cells.csv", index=False)
-    (run_dir / "run.json").write_text(json.dumps(run_doc, indent=2, default=str) + "\n")
+    result = RunResult(run_dir=run_dir, requests=requests, cells=cells, run=run_doc)
+    _write_run(result, report)
     if not spec.keep_cache:
         shutil.rmtree(cache_root, ignore_errors=True)
+    return result
+
+
+def _write_run(result: RunResult, report: bool) -> None:
+    """`requests.csv`, `cells.csv`, `run.json` into the run directory; then, with `report`, the
+    PNGs and report.md (`kvtool.bench.report.write_report`)."""
+    result.requests.to_csv(result.run_dir / "requests.csv", index=False)
+    result.cells.to_csv(result.run_dir / "cells.csv", index=False)
+    (result.run_dir / "run.json").write_text(json.dumps(result.run, indent=2, default=str) + "\n")
     if report:
         from kvtool.bench.report import write_report
 
-        write_report(run_dir)
-    return RunResult(run_dir=run_dir, requests=requests, cells=cells, run=run_doc)
+        write_report(result.run_dir)
 
 
 def _remote_server(ctx: _Context, stack: ExitStack) -> None:

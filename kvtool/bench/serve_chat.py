@@ -25,12 +25,8 @@ from __future__ import annotations
 import csv
 import http.client
 import json
-import os
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,8 +35,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent.parent
-SERVERS = ("mlx-lm", "kvtool")
+from kvtool.bench.loadserver import KVTOOL, MLXLM, REPO, ManagedServer, ServerOptions
+
+SERVERS = (MLXLM, KVTOOL)
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 600.0
 USER_MESSAGES = (
@@ -105,67 +102,14 @@ class TurnResult:
 
 
 # --------------------------------------------------------------------------- servers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-class ServerProcess:
-    """`kvtool serve` or `mlx_lm.server` in a subprocess (stderr to a log file)."""
-
-    def __init__(self, kind: str, model_path: str, model_spec: str, log: Path, cache_dir: Path | None = None,
-                 block_size: int | None = None, ram_bytes: str | None = None):
-        self.kind, self.log = kind, log
-        self.port = _free_port()
-        if kind == "kvtool":
-            args = [sys.executable, "-m", "kvtool.cli.app", "serve", "--model", model_spec, "--port", str(self.port),
-                    "--cache-dir", str(cache_dir)]
-            args += ["--block-size", str(block_size)] if block_size else []
-            args += ["--ram-bytes", ram_bytes] if ram_bytes else []
-        else:
-            args = [sys.executable, "-m", "mlx_lm.server", "--model", model_path, "--port", str(self.port)]
-        self._fh = open(log, "a")
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._fh, env=_env(), cwd=REPO)
-        self._wait_healthy()
-
-    def _wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.kind} server exited {self.proc.returncode}; see {self.log}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"{self.kind} server did not start in {START_TIMEOUT_S:.0f} s; see {self.log}")
-
-    def get_json(self, path: str) -> Any:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
-        conn.request("GET", path)
-        return json.loads(conn.getresponse().read())
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._fh.close()
-        return int(self.proc.returncode)
+def start_server(kind: str, cfg: ServeChatConfig, model_path: str, log: Path, cache_dir: Path) -> ManagedServer:
+    """`kvtool serve` (on `cache_dir`, with the run's block size and RAM budget) or `mlx_lm.server`,
+    ready (`kvtool.bench.loadserver.ManagedServer`; stderr to `log`)."""
+    args = [*(["--block-size", str(cfg.block_size)] if cfg.block_size else []),
+            *(["--ram-bytes", cfg.ram_bytes] if cfg.ram_bytes else [])]
+    options = ServerOptions(kind, cfg.model, model_path, cache_dir if kind == KVTOOL else None, tuple(args),
+                            start_timeout_s=START_TIMEOUT_S)
+    return ManagedServer(options, log)
 
 
 def stream_chat(port: int, messages: list[dict], max_tokens: int) -> dict[str, Any]:
@@ -222,14 +166,13 @@ def run_repeat(cfg: ServeChatConfig, repeat: int, model_path: str, log_dir: Path
     Returns one row per server and turn."""
     system = system_prompt(cfg.system_chars)
 
-    def start(kind: str) -> ServerProcess:
-        server = ServerProcess(kind, model_path, cfg.model, log_dir / f"{kind}-r{repeat}.log", cache_dir,
-                               cfg.block_size, cfg.ram_bytes)
+    def start(kind: str) -> ManagedServer:
+        server = start_server(kind, cfg, model_path, log_dir / f"{kind}-r{repeat}.log", cache_dir)
         if cfg.warmup:
             stream_chat(server.port, [{"role": "user", "content": "Say hello."}], 2)
         return server
 
-    servers: dict[str, ServerProcess] = {}
+    servers: dict[str, ManagedServer] = {}
     rows: list[TurnResult] = []
     history = {kind: [{"role": "system", "content": system}] for kind in cfg.servers}
     try:
@@ -362,4 +305,4 @@ def run(cfg: ServeChatConfig) -> Path:
 
 
 __all__ = ["ServeChatConfig", "TurnResult", "run", "run_repeat", "stream_chat", "summarize", "markdown_table",
-           "write_report", "ServerProcess"]
+           "write_report", "start_server"]

@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtool.bench.workloads import validate_params
+from kvtool.bench.workloads import size_field, validate_params
 from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig, parse_toml
-from kvtool.units import parse_size
 
 KIND_KVTOOL = "kvtool"
 BASELINE_NO_CACHE = "no-cache"
@@ -272,7 +271,7 @@ def _parse_cache(table: Any) -> dict[str, Any]:
             raise ConfigError(f"cache.{key}", why)
     table = dict(table)
     if "ram_bytes" in table:
-        table["ram_bytes"] = _size("cache.ram_bytes", table["ram_bytes"])
+        table["ram_bytes"] = size_field("cache.ram_bytes", table["ram_bytes"])
     try:
         KVToolConfig(**{**table, "ssd_cache_dir": Path(".")})
     except ConfigError as exc:
@@ -291,7 +290,7 @@ def _parse_grid(table: Any, cache: dict[str, Any]) -> dict[str, tuple[Any, ...]]
         if not isinstance(values, list) or not values:
             raise ConfigError(field_name, "must be a non-empty list")
         if axis == "ram_bytes":
-            values = [_size(field_name, v) for v in values]
+            values = [size_field(field_name, v) for v in values]
         if len(set(values)) != len(values):
             raise ConfigError(field_name, f"duplicate values in {values!r}")
         for value in values:
@@ -312,16 +311,6 @@ def _check_axis_value(axis: str, value: Any, cache: dict[str, Any]) -> None:
         raise ConfigError(field_name, str(exc).split(": ", 1)[-1]) from None
 
 
-def _size(field_name: str, value: Any) -> Any:
-    """Byte sizes may be written as strings (`"4MiB"`, `"1GB"`); ints pass through to validation."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(field_name, str(exc)) from None
-
-
 def _parse_workloads(table: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(table, dict) or not table:
         raise ConfigError("workloads", "at least one [workloads.<name>] table is required")
@@ -330,6 +319,6 @@ def _parse_workloads(table: Any) -> dict[str, dict[str, Any]]:
         if not isinstance(params, dict):
             raise ConfigError(f"workloads.{name}", "must be a table")
         if "ram_bytes" in params:
-            params = {**params, "ram_bytes": _size(f"workloads.{name}.ram_bytes", params["ram_bytes"])}
+            params = {**params, "ram_bytes": size_field(f"workloads.{name}.ram_bytes", params["ram_bytes"])}
         out[name] = validate_params(name, params)
     return out

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.config import ConfigError
+from kvtool.units import parse_size
 
 Encode = Callable[[str], Sequence[int]]
 
@@ -126,6 +127,49 @@ class Workload:
         return self.name in COLD_READ_WORKLOADS
 
 
+def merge_params(table: dict[str, dict[str, Any]], name: str, params: dict[str, Any], where: str,
+                 check: Callable[[str, Any, str], Any]) -> dict[str, Any]:
+    """`params` over the defaults `table[name]`, each value as `check(key, value, field)` returns it.
+
+    Raises:
+        ConfigError: unknown workload or parameter (the error names the field); what `check` raises.
+    """
+    if name not in table:
+        raise ConfigError(f"{where}.{name}", f"unknown workload; choose from {', '.join(table)}")
+    merged = dict(table[name])
+    for key, value in params.items():
+        field = f"{where}.{name}.{key}"
+        if key not in merged:
+            raise ConfigError(field, f"unknown parameter; known: {', '.join(merged)}")
+        merged[key] = check(key, value, field)
+    return merged
+
+
+def positive_number(value: Any, field: str) -> float:
+    """`value` as a float > 0. Raises ConfigError naming `field` (a bool, NaN or <= 0 too)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(field, f"must be a number > 0, got {value!r}")
+    return float(value)
+
+
+def size_field(field: str, value: Any) -> Any:
+    """A byte size written as a string (`"4MiB"`, `"1GB"`) in bytes; anything else as it is (left
+    to the caller's check). Raises ConfigError naming `field` for a string that is not a size."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(field, str(exc)) from None
+
+
+def count(value: Any, field: str, zero_ok: bool = False) -> int:
+    """`value` as an integer >= 1 (>= 0 with `zero_ok`). Raises ConfigError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_ok else 1):
+        raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
 def validate_params(name: str, params: dict[str, Any], where: str = "workloads") -> dict[str, Any]:
     """Merge `params` over the defaults of workload `name` and check them.
 
@@ -140,20 +184,10 @@ def validate_params(name: str, params: dict[str, Any], where: str = "workloads")
     Raises:
         ConfigError: unknown workload, unknown parameter or invalid value (names the field).
     """
-    if name not in WORKLOAD_DEFAULTS:
-        raise ConfigError(f"{where}.{name}", f"unknown workload; choose from {', '.join(WORKLOAD_NAMES)}")
-    merged = dict(WORKLOAD_DEFAULTS[name])
-    for key, value in params.items():
-        field = f"{where}.{name}.{key}"
-        if key not in merged:
-            raise ConfigError(field, f"unknown parameter; known: {', '.join(merged)}")
-        if key in _FLOAT_PARAMS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(field, f"must be a number > 0, got {value!r}")
-            value = float(value)
-        elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if key == "ram_bytes" else 1):
-            raise ConfigError(field, f"must be a positive integer, got {value!r}")
-        merged[key] = value
+    def check(key: str, value: Any, field: str) -> Any:
+        return positive_number(value, field) if key in _FLOAT_PARAMS else count(value, field, zero_ok=key == "ram_bytes")
+
+    merged = merge_params(WORKLOAD_DEFAULTS, name, params, where, check)
     if name == "multi-turn" and merged["system_tokens"] < 1:
         raise ConfigError(f"{where}.{name}.system_tokens", "must be >= 1")
     return merged

@@ -54,7 +54,7 @@ def bench(
     out: OutOpt = None,
     json_out: common.JsonOpt = False,
     metrics_file: MetricsFileOpt = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     code: int | None = None
@@ -159,35 +159,12 @@ def _records(df) -> list[dict]:
 
 
 def _print_human(run_dir: Path, cells, ok: bool) -> None:
-    from kvtool.bench.report import _range, _verdict_phrase, winners
+    from kvtool.bench.verdicts import summary_lines
 
-    best = winners(cells)
-    repeats = int(best["repeats"].min()) if len(best) else 0
-    out = [f"TTFT p50 per workload in ms, median [min–max] over {repeats} repeat(s) of each cell:"]
-    vs_words = {"faster": "faster beyond the spread", "slower": "slower beyond the spread",
-                "overlap": "within the spread"}
-    for row in best.itertuples(index=False):
-        width = max(len(row.cell), len(row.runner_up or ""))
-        out.append(f"{row.workload}: {_verdict_phrase(row)}")
-        out.append(f"  lowest  {row.cell:<{width}}  {_range(row.ttft_p50_ms, row.ttft_p50_ms_min, row.ttft_p50_ms_max)}")
-        if row.runner_up:
-            out.append(f"  next    {row.runner_up:<{width}}  "
-                       f"{_range(row.runner_up_ttft_p50_ms, row.runner_up_ttft_p50_ms_min, row.runner_up_ttft_p50_ms_max)}")
-        vs = f" ({vs_words[row.vs_mlxlm]})" if row.vs_mlxlm in vs_words else ""
-        out.append(f"  {_ratio(row.ttft_vs_no_cache)} vs no-cache, {_ratio(row.ttft_vs_mlxlm)} vs mlx-lm prompt cache{vs}")
-    if best.empty:
-        out.append("no kvtool cell in this run")
-    out.append("A cell wins only when its slowest repeat beats every other kvtool cell's fastest repeat; "
-               "otherwise it is a tie (report.md lists the tied cells).")
-    out.append(f"report: {Path(run_dir) / 'report.md'}")
-    for line in out:
+    for line in [*summary_lines(cells), f"report: {Path(run_dir) / 'report.md'}"]:
         common.console.print(line, highlight=False, markup=False)
     if not ok:
         common.err_console.print("[bold red]warning:[/] a cell shut down uncleanly or failed the drain check")
-
-
-def _ratio(value: float) -> str:
-    return "n/a" if value != value else f"{value:.2f}x"  # NaN when the baseline did not run
 
 
 def register(app: typer.Typer) -> None:

@@ -1,7 +1,7 @@
 """`kvtool config show`: the effective settings and where each value came from.
 
 The values are those every command would use with the same flags and environment
-(`common.build_settings`: flag > `KVTOOL_<FIELD>` variable > config file > default). Each is shown
+(`common.CacheFlags.settings`: flag > `KVTOOL_<FIELD>` variable > config file > default). Each is shown
 as a config file would hold it (sizes in bytes, durations with their unit, `ssd_dir_mode` in
 octal), `remote_url` with its password masked (`kvtool.config.remote_url.mask_url`).
 """
@@ -42,18 +42,9 @@ def register(app: typer.Typer) -> None:
 
 
 @config_app.command("show")
-def show_cmd(
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    no_ssd: common.NoSSDOpt = False,
-    codec: common.CodecOpt = None,
-    json_out: common.JsonOpt = False,
-) -> None:
+@common.cache_options("config", "cache_dir", "policy", "durability", "async_writes", "block_size", "ram_bytes", "no_ssd",
+                      "codec")
+def show_cmd(cache: common.CacheFlags = common.CACHE, json_out: common.JsonOpt = False) -> None:
     """Print the effective settings and where each value came from: a flag, an environment
     variable (KVTOOL_<FIELD>, e.g. KVTOOL_BLOCK_SIZE; KVTOOL_CACHE_DIR for ssd_cache_dir), the
     config file (--config, else $KVTOOL_CONFIG, else $XDG_CONFIG_HOME/kvtool/config.toml, by
@@ -76,8 +67,7 @@ def show_cmd(
     common.setup_logging()  # a deprecated field's warning goes to stderr as every command's
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        settings = common.build_settings(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,
-                                         no_ssd, codec)
+        settings = cache.settings()
         doc = settings_document(settings)
         out.emit(doc, lambda: _print_human(out, settings, doc))
 

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, inspect_remote, refuse_options
+from kvtool.cli.cmd_remote import TARGET, Target, inspect_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
@@ -72,11 +72,9 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but
 ModelOpt = Annotated[
     str | None, typer.Option("--model", "-m", help="Model for --prompt (default: tiny, as serve-once).", show_default=False)
 ]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
-PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
-MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 
 
+@target_options
 def inspect_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,
@@ -86,9 +84,9 @@ def inspect_cmd(
     json_out: common.JsonOpt = False,
     quiet: QuietOpt = False,
     model: ModelOpt = None,
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    messages: MessagesOpt = None,
+    prompt: common.PromptOpt = None,
+    prompt_file: common.PromptFileOpt = None,
+    messages: common.MessagesOpt = None,
     ignore_chat_template: common.IgnoreChatTemplateOpt = False,
     system_prompt: common.SystemPromptOpt = None,
     adapter_path: common.AdapterPathOpt = None,
@@ -96,22 +94,20 @@ def inspect_cmd(
     kv_group_size: common.KVGroupSizeOpt = 64,
     prefill_step_size: common.OptionalPrefillStepOpt = None,
     block_size: common.BlockSizeOpt = None,
-    config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.inspect_cache import InspectSort, inspect_cache
 
-        if remote or remote_url is not None:
-            refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
+        if target.server is not None:
+            common.refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
                             "--model": model, "--prompt": prompt, "--prompt-file": prompt_file, "--messages": messages,
                             "--adapter-path": adapter_path, "--kv-bits": kv_bits, "--block-size": block_size,
                             "--prefill-step-size": prefill_step_size}, "with --remote")  # fmt: skip
-            raise typer.Exit(inspect_remote(out, Server(remote_url, config, flag="--remote-url"), namespace))
+            raise typer.Exit(inspect_remote(out, target.server, namespace))
 
-        cfg = common.build_config(config, cache_dir, block_size=block_size)
+        cfg = common.build_config(target.config, cache_dir, block_size=block_size)
         model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits, "prefill_step_size": prefill_step_size}
         if any(x is not None for x in (prompt, prompt_file, messages)):
             if namespace is not None:
@@ -218,26 +214,21 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
 def read_only_engine(model: str, cfg, model_opts: dict):
     """The model's engine (as serve-once builds it, so the same namespace) with its SSD tier
     opened read-only (`ReadOnlyFileOps`): no RAM tier, no writer thread, nothing created or
-    changed in the cache."""
+    changed in the cache.
+
+    Raises:
+        CLIError: the model does not load.
+    """
     import logging
 
-    from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
-    from kvtool.models.loader import ModelLoadError
     from kvtool.ops.inspect_cache import ReadOnlyFileOps
 
     store_log = logging.getLogger("kvtool.disk.namespace")  # "read-only"/"disabled" is the point here
     level = store_log.level
     store_log.setLevel(logging.ERROR)
-    adapter = model_opts.get("adapter_path")
     try:
-        return Engine.from_spec(
-            model, cfg.replace(ssd_enabled=True, ram_bytes=0, ssd_async_writes=False), fs=ReadOnlyFileOps(),
-            adapter_path=str(adapter) if adapter else None, kv_bits=model_opts.get("kv_bits"),
-            kv_group_size=model_opts.get("kv_group_size", 64),
-            prefill_step_size=model_opts.get("prefill_step_size") or DEFAULT_PREFILL_STEP,
-        )  # fmt: skip
-    except ModelLoadError as exc:
-        raise common.CLIError(str(exc)) from None
+        return common.load_engine(model, cfg.replace(ssd_enabled=True, ram_bytes=0, ssd_async_writes=False),
+                                  fs=ReadOnlyFileOps(), **model_opts)
     finally:
         store_log.setLevel(level)
 

@@ -6,8 +6,10 @@ options, loads the engine, prints.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -55,7 +57,6 @@ PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help=
 TokenIdsOpt = Annotated[Path | None, typer.Option("--token-ids", help="JSON file with the prompt's token ids: [1, 2, ...] or {\"token_ids\": [...]} ('-' reads stdin).", show_default=False)]
 IgnoreTemplateOpt = Annotated[bool, typer.Option("--ignore-chat-template", help="Tokenise the prompt as raw text: tokenizer.encode(text) (default: the chat template, as mlx_lm.cache_prompt).")]
 QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help="As mlx-lm: the cache offset from which KV is quantized (with --kv-bits / a quantized file).")]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")]
 
 
 def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -70,28 +71,51 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     return common.read_prompt_arg(None, prompt_file)
 
 
-def _tokens(engine: Engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt, required: bool):
-    """(token ids or None, source)."""
-    from kvtool.jobs.interop_files import cache_prompt_tokens, read_token_ids
+@dataclass(frozen=True)
+class PromptTokens:
+    """The prompt of an import or export: `--prompt` / `--prompt-file` (tokenised as
+    mlx_lm.cache_prompt does) or `--token-ids`."""
 
-    given = sum(x is not None for x in (prompt, prompt_file, token_ids))
-    if given > 1:
-        raise common.CLIError("give only one of --prompt, --prompt-file, --token-ids")
-    if given == 0:
-        if required:
-            raise common.CLIError("give the prompt: --prompt, --prompt-file or --token-ids")
-        return None, "metadata"
-    if token_ids is not None:
-        if system_prompt is not None:
-            raise common.CLIError("--system-prompt does not apply to --token-ids")
-        return read_token_ids(token_ids), "token_ids"
-    text = _read_prompt(prompt, prompt_file)
-    assert text is not None  # --prompt or --prompt-file was given
-    ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=not ignore_chat_template, system_prompt=system_prompt)
-    if not ids:
-        raise common.CLIError("the prompt has no tokens")
-    templated = not ignore_chat_template and bool(getattr(engine.tokenizer, "has_chat_template", False))
-    return ids, "prompt_chat_template" if templated else "prompt_raw"
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    token_ids: Path | None = None
+    ignore_chat_template: bool = False
+    system_prompt: str | None = None
+
+    def tokens(self, engine: Engine, required: bool) -> tuple[list[int] | None, str]:
+        """`(token ids, where they came from)`; `(None, "metadata")` when none is given and not `required`.
+
+        Raises:
+            CLIError: more than one source, none when `required`, --system-prompt with --token-ids,
+                an unreadable source, a prompt without tokens.
+        """
+        from kvtool.jobs.interop_files import cache_prompt_tokens, read_token_ids
+
+        given = sum(x is not None for x in (self.prompt, self.prompt_file, self.token_ids))
+        if given > 1:
+            raise common.CLIError("give only one of --prompt, --prompt-file, --token-ids")
+        if given == 0:
+            if required:
+                raise common.CLIError("give the prompt: --prompt, --prompt-file or --token-ids")
+            return None, "metadata"
+        if self.token_ids is not None:
+            if self.system_prompt is not None:
+                raise common.CLIError("--system-prompt does not apply to --token-ids")
+            return read_token_ids(self.token_ids), "token_ids"
+        text = _read_prompt(self.prompt, self.prompt_file)
+        assert text is not None  # --prompt or --prompt-file was given
+        chat = not self.ignore_chat_template
+        ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=chat, system_prompt=self.system_prompt)
+        if not ids:
+            raise common.CLIError("the prompt has no tokens")
+        templated = chat and bool(getattr(engine.tokenizer, "has_chat_template", False))
+        return ids, "prompt_chat_template" if templated else "prompt_raw"
+
+
+PROMPT = PromptTokens()  # the default of a command's `source` parameter (`prompt_options` always passes one)
+PROMPT_OPTIONS = {"prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, None), "token_ids": (TokenIdsOpt, None),
+                  "ignore_chat_template": (IgnoreTemplateOpt, False), "system_prompt": (common.SystemPromptOpt, None)}
+prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PROMPT_OPTIONS)
 
 
 def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start):
@@ -109,6 +133,25 @@ def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
 
 
+def _run_then_close(engine: Engine, work: Callable[[], Any]) -> tuple[Any, common.Interrupted | None, Any]:
+    """`work()` with SIGINT/SIGTERM raising `Interrupted`, then the engine closed (its writer
+    drained) with the signals ignored: `(work's result or None, the interruption or None, the
+    shutdown status)`."""
+    result = interrupted = status = None
+    try:
+        with common.signals_raise():
+            try:
+                result = work()
+            except common.Interrupted as exc:
+                interrupted = exc
+            finally:
+                common.ignore_signals()
+                status = engine.close()
+    except common.Interrupted as exc:  # a signal during the drain's set-up
+        interrupted, status = exc, engine.close()
+    return result, interrupted, status
+
+
 def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
     if interrupted is not None:
         return 128 + interrupted.signum
@@ -116,14 +159,12 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 
 
 # ------------------------------------------------------------------------------ import
+@common.cache_options("config", "cache_dir", "durability", "async_writes", "block_size")
+@prompt_options
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
     model: common.ModelOpt = "tiny",
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    token_ids: TokenIdsOpt = None,
-    ignore_chat_template: IgnoreTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
+    source: PromptTokens = PROMPT,
     skip_model_check: Annotated[bool, typer.Option("--skip-model-check", help="Import even if the file's model (metadata) is not --model or cannot be verified (warns; the KV check still runs).")] = False,
     check_tokens: Annotated[int, typer.Option("--check-tokens", min=0, help="KV check: recompute the KV of this many last tokens (one model call) and compare with the file's; the prompt length or more: every token (as slow as a prefill).")] = 32,
     check_positions: Annotated[int, typer.Option("--check-positions", min=0, help="KV check: also recompute this many single tokens spread over the rest of the prompt (one decode step each).")] = 64,
@@ -131,13 +172,9 @@ def import_cmd(
     quantized_kv_start: QuantStartOpt = 5000,
     adapter_path: common.AdapterPathOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
-    verbose: VerboseOpt = False,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
@@ -149,66 +186,59 @@ def import_cmd(
         if quant is not None and kv_bits is not None and kv_bits != quant[0]:
             raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
         bits = quant[0] if quant else kv_bits
-        cfg = common.build_config(config, cache_dir, None, durability, async_writes, block_size, None)
+        cfg = cache.build()
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, bits, quant[1] if quant else 64,
                               quantized_kv_start)
-        interrupted = None
-        report = None
-        try:
-            with common.signals_raise():
-                try:
-                    ids, source = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
-                                          required=False)
-                    report = import_cache_file(engine, file, ids, model_spec=model,
-                                               adapter_path=str(adapter_path) if adapter_path else None,
-                                               require_model_match=not skip_model_check, check_tokens=check_tokens,
-                                               check_positions=check_positions,
-                                               token_source=source, preloaded=loaded)
-                except common.Interrupted as exc:
-                    interrupted = exc
-                finally:
-                    common.ignore_signals()
-                    status = engine.close()
-        except common.Interrupted as exc:  # a signal during the drain's set-up
-            interrupted, status = exc, engine.close()
+
+        def work():
+            ids, origin = source.tokens(engine, required=False)
+            return import_cache_file(engine, file, ids, model_spec=model,
+                                     adapter_path=str(adapter_path) if adapter_path else None,
+                                     require_model_match=not skip_model_check, check_tokens=check_tokens,
+                                     check_positions=check_positions, token_source=origin, preloaded=loaded)
+
+        report, interrupted, status = _run_then_close(engine, work)
     ok = report is not None and report.verified and report.blocks_failed == 0 and status.shutdown_clean
     if report is not None:
-        doc = {"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean}
-        if json_out:
-            common.print_json(doc)
-        else:
-            for w in report.warnings:
-                common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
-            mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
-            common.console.print(
-                f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
-                f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
-                f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
-                f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
-                f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
-                highlight=False, soft_wrap=True)
-            common.console.print(
-                f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
-                f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
-                f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
-                highlight=False, soft_wrap=True)
-        if not ok and interrupted is None:
-            why = ("not every token is on SSD after the flush" if not report.verified
-                   else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
-                   else "the writer did not drain")
-            common.print_error(f"import not verified: {why}", "run kvtool validate")
+        _print_import(report, status, json_out, explain=not ok and interrupted is None)
     raise typer.Exit(_exit_code(interrupted, ok))
 
 
+def _print_import(report, status, json_out: bool, explain: bool) -> None:
+    """The import's result: its JSON document, or two lines; then with `explain`, the `error:`
+    line saying why it was not verified."""
+    if json_out:
+        common.print_json({"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean})
+    else:
+        for w in report.warnings:
+            common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+        mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
+        common.console.print(
+            f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
+            f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
+            f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
+            f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
+            f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
+            highlight=False, soft_wrap=True)
+        common.console.print(
+            f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
+            f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
+            f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
+            highlight=False, soft_wrap=True)
+    if explain:
+        why = ("not every token is on SSD after the flush" if not report.verified
+               else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
+               else "the writer did not drain")
+        common.print_error(f"import not verified: {why}", "run kvtool validate")
+
+
 # ------------------------------------------------------------------------------ export
+@common.cache_options("config", "cache_dir", "block_size")
+@prompt_options
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
     model: common.ModelOpt = "tiny",
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    token_ids: TokenIdsOpt = None,
-    ignore_chat_template: IgnoreTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
+    source: PromptTokens = PROMPT,
     fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
     metadata_model: Annotated[str | None, typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
     kv_bits: common.KVBitsOpt = None,
@@ -216,11 +246,9 @@ def export_cmd(
     quantized_kv_start: QuantStartOpt = 5000,
     adapter_path: common.AdapterPathOpt = None,
     prefill_step_size: common.PrefillStepOpt = 2048,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    block_size: common.BlockSizeOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
-    verbose: VerboseOpt = False,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
@@ -229,26 +257,15 @@ def export_cmd(
 
         if out.suffix != SUFFIX:
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
-        cfg = common.build_config(config, cache_dir, None, None, None, block_size, None)
+        cfg = cache.build()
         engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
-        interrupted = None
-        report = None
-        try:
-            with common.signals_raise():
-                try:
-                    ids, _ = _tokens(engine, prompt, prompt_file, token_ids, ignore_chat_template, system_prompt,
-                                     required=True)
-                    report = export_cache_file(engine, ids, out,
-                                               metadata_model=metadata_model or metadata_model_for(model, engine.loaded),
-                                               fill=fill)
-                except common.Interrupted as exc:
-                    interrupted = exc
-                finally:
-                    common.ignore_signals()
-                    engine.close()
-        except common.Interrupted as exc:
-            interrupted = exc
-            engine.close()
+
+        def work():
+            ids, _ = source.tokens(engine, required=True)
+            return export_cache_file(engine, ids, out, fill=fill,
+                                     metadata_model=metadata_model or metadata_model_for(model, engine.loaded))
+
+        report, interrupted, _ = _run_then_close(engine, work)
     if report is not None:
         if json_out:
             common.print_json({"schema_version": 1, **report.to_dict()})

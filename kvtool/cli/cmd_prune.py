@@ -9,9 +9,9 @@ from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, prune_remote, refuse_options
+from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.progress import progress
 from kvtool.units import format_bytes, parse_duration, parse_size
 
@@ -52,6 +52,7 @@ MaxBytesOpt = Annotated[
 AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU order over the whole cache.")]
 
 
+@target_options
 def prune_cmd(
     ttl: TtlOpt = None,
     max_bytes: MaxBytesOpt = None,
@@ -60,11 +61,9 @@ def prune_cmd(
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    quiet: QuietOpt = False,
+    quiet: common.QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
-    config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
@@ -72,10 +71,10 @@ def prune_cmd(
         from kvtool.ops.scan import scan_cache
 
         ttl_s, budget = _parse_limits(ttl, max_bytes)
-        if remote or remote_url is not None:
-            raise typer.Exit(_prune_remote(out, remote_url, config, cache_dir, ttl, ttl_s, budget, namespace,
+        if target.server is not None:
+            raise typer.Exit(_prune_remote(out, target, cache_dir, ttl, ttl_s, budget, namespace,
                                            all_namespaces, dry_run, yes))  # fmt: skip
-        cfg = common.build_config(config, cache_dir)
+        cfg = common.build_config(target.config, cache_dir)
         if ttl is None:
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
@@ -90,34 +89,26 @@ def prune_cmd(
     raise typer.Exit(code)
 
 
-def _prune_remote(out: Output, url: str | None, config, cache_dir, ttl: str | None, ttl_s: float | None,
+def _prune_remote(out: Output, target: Target, cache_dir, ttl: str | None, ttl_s: float | None,
                   budget: int | None, namespace: str | None, all_namespaces: bool, dry_run: bool, yes: bool) -> int:  # fmt: skip
     """`prune --remote`: --ttl is the idle time (default: the config's ssd_ttl), --max-bytes the
     budget of each namespace on the server."""
-    refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
+    common.refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
     if ttl is None:
-        ttl_s = common.build_config(config).ttl_s
+        ttl_s = common.build_config(target.config).ttl_s
     if ttl_s is None and budget is None:
         raise common.CLIError("give --ttl, --max-bytes or both (--ttl none and no --max-bytes prunes nothing)")
-    return prune_remote(out, Server(url, config, flag="--remote-url"), idle_s=ttl_s, max_bytes=budget,
+    assert target.server is not None
+    return prune_remote(out, target.server, idle_s=ttl_s, max_bytes=budget,
                         namespace=namespace, dry_run=dry_run, yes=yes)  # fmt: skip
 
 
 def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None, int | None]:
     """(TTL in seconds, budget in bytes) from `--ttl` (a duration with its unit, or `none`) and
     `--max-bytes`; None where not given. Raises CLIError naming the flag (a bare `--ttl 7` too)."""
-    ttl_s = budget = None
-    if ttl is not None and ttl.strip().lower() not in NO_TTL:
-        try:
-            ttl_s = parse_duration(ttl)
-        except ValueError as exc:
-            raise common.CLIError(f"--ttl: {exc}") from None
-    if max_bytes is not None:
-        try:
-            budget = parse_size(max_bytes)
-        except ValueError as exc:
-            raise common.CLIError(f"--max-bytes: {exc}") from None
-    return ttl_s, budget
+    no_ttl = ttl is not None and ttl.strip().lower() in NO_TTL
+    return (common.parse_flag(None if no_ttl else ttl, parse_duration, "--ttl"),
+            common.parse_flag(max_bytes, parse_size, "--max-bytes"))
 
 
 def _reporting(execute, bar, task):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,19 +55,16 @@ TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each ser
                                          rich_help_panel="Server")]  # fmt: skip
 MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
                                          rich_help_panel="Server")]  # fmt: skip
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", help="Only this namespace (layout key, or a unique prefix of it).",
-                                                  show_default=False)]  # fmt: skip
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 
-# The options `kvtool inspect|validate|prune|rm` take to act on the remote tier instead of the SSD tier.
-REMOTE_PANEL = "Remote tier"
-RemoteOpt = Annotated[bool, typer.Option(
-    "--remote", help="Act on the remote tier's server (Redis / Valkey) instead of the SSD cache: --remote-url, else "
-    "remote_url of the config, else $KVTOOL_REMOTE_URL (password: in the URL or $KVTOOL_REMOTE_PASSWORD).",
-    rich_help_panel=REMOTE_PANEL)]  # fmt: skip
-RemoteUrlOpt = Annotated[str | None, typer.Option(
-    "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
-    "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
+# The options of every `kvtool remote` command that say how to reach the server (`--url` apart: it comes first).
+SERVER_OPTIONS = {"cluster": (ClusterOpt, False), "timeout": (TimeoutOpt, DEFAULT_TIMEOUT),
+                  "max_keys": (MaxKeysOpt, DEFAULT_MAX_KEYS), "config": (common.ConfigOpt, None)}
+
+
+def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
+    `names` (keys of `SERVER_OPTIONS`); its `--url` fills `server.url` (`Server.at`)."""
+    return common.option_group("server", SERVER_OPTIONS, Server, names)
 
 
 @dataclass(frozen=True)
@@ -80,6 +77,7 @@ class Server:
         cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
         timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
         flag: the URL flag's name, for messages (`--url`, `--remote-url`).
+        max_keys: listings stop after this many keys (reported as truncated).
     """
 
     url: str | None = None
@@ -87,6 +85,11 @@ class Server:
     cluster: bool = False
     timeout: str = DEFAULT_TIMEOUT
     flag: str = "--url"
+    max_keys: int = DEFAULT_MAX_KEYS
+
+    def at(self, url: str | None) -> Server:
+        """This server with the URL flag `url`."""
+        return replace(self, url=url)
 
     def resolve(self) -> tuple[str, bool | None, float]:
         """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
@@ -129,20 +132,40 @@ class Server:
             conn.close()
 
 
+@dataclass(frozen=True)
+class Target:
+    """What `kvtool inspect|validate|prune|rm` act on: the SSD cache, or with `--remote` /
+    `--remote-url` the remote tier's server (`server`); `config` is `--config`."""
+
+    config: Path | None = None
+    remote: bool = False
+    remote_url: str | None = None
+
+    @property
+    def server(self) -> Server | None:
+        """The remote server to act on, None for the SSD cache."""
+        if not self.remote and self.remote_url is None:
+            return None
+        return Server(self.remote_url, self.config, flag="--remote-url")
+
+
+TARGET = Target()  # the default of a command's `target` parameter (`target_options` always passes one)
+TARGET_OPTIONS = {"config": (common.ConfigOpt, None), "remote": (common.RemoteOpt, False),
+                  "remote_url": (common.RemoteServerOpt, None)}
+
+
+def target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate an operator command whose parameter `target: Target` stands for `--config`,
+    `--remote` and `--remote-url` (shown last)."""
+    return common.option_group("target", TARGET_OPTIONS, Target, TARGET_OPTIONS)(fn)
+
+
 def refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
     """Raises CLIError unless --yes, --dry-run or a terminal to ask on."""
     from kvtool.cli.removal import interactive
 
     if not (yes or dry_run or interactive()):
         raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; add --yes or use --dry-run")
-
-
-def refuse_options(given: dict[str, Any], why: str) -> None:
-    """Raises CLIError naming the first option of `given` (flag -> value) that is set (not None,
-    not False): it does not apply `why` (`with --remote`)."""
-    for flag, value in given.items():
-        if value is not None and value is not False:
-            raise common.CLIError(f"{flag} does not apply {why}")
 
 
 def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:
@@ -160,7 +183,7 @@ def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: boo
 
 
 # ----------------------------------------------------------------------------- operations
-def inspect_remote(out: Output, server: Server, namespace: str | None = None, max_keys: int = DEFAULT_MAX_KEYS) -> int:
+def inspect_remote(out: Output, server: Server, namespace: str | None = None) -> int:
     """`inspect` on the server, printed (or one JSON document). Returns the exit code (0).
 
     Raises:
@@ -169,13 +192,12 @@ def inspect_remote(out: Output, server: Server, namespace: str | None = None, ma
     from kvtool.ops.remote_ops import inspect
 
     with server.connect() as conn:
-        report = inspect(conn, namespace, max_keys)
+        report = inspect(conn, namespace, server.max_keys)
     out.emit(report.to_dict, lambda: _print_inspect(report, out))
     return common.EXIT_OK
 
 
-def validate_remote(out: Output, server: Server, namespace: str | None = None, *, dry_run: bool = False,
-                    max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+def validate_remote(out: Output, server: Server, namespace: str | None = None, *, dry_run: bool = False) -> int:
     """`validate` on the server (delete what fails unless `dry_run`), printed. Returns the exit
     code: 0 every value verified, 1 problems found. With `out.quiet`, only problems (stderr).
 
@@ -185,7 +207,7 @@ def validate_remote(out: Output, server: Server, namespace: str | None = None, *
     from kvtool.ops.remote_ops import validate
 
     with server.connect() as conn:
-        report = validate(conn, namespace, dry_run=dry_run, max_keys=max_keys)
+        report = validate(conn, namespace, dry_run=dry_run, max_keys=server.max_keys)
     bad = bool(report.problems or report.orphan_parts)
     out.emit(report.to_dict, lambda: _print_validate(report, out.print))
     if out.quiet and bad:
@@ -194,7 +216,7 @@ def validate_remote(out: Output, server: Server, namespace: str | None = None, *
 
 
 def rm_remote(out: Output, server: Server, namespace: str, hashes: Sequence[str] | None = None, *,
-              dry_run: bool = False, yes: bool = False, max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+              dry_run: bool = False, yes: bool = False) -> int:
     """Remove a namespace (`hashes` None: every key of it) or its blocks `hashes` (32 hex
     characters each, with their parts; an empty list removes nothing) from the server: plan,
     confirm, remove, report. Returns the exit code: 0, or 1 when declined at the prompt.
@@ -209,14 +231,13 @@ def rm_remote(out: Output, server: Server, namespace: str, hashes: Sequence[str]
         def plan(dry: bool) -> Any:
             if hashes is not None and not hashes:
                 return RemovalReport(conn.remote.masked, namespace, dry)
-            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=max_keys)
+            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
 
         return _remove(out, plan, yes, dry_run)
 
 
 def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, max_bytes: int | None = None,
-                 namespace: str | None = None, dry_run: bool = False, yes: bool = False,
-                 max_keys: int = DEFAULT_MAX_KEYS) -> int:  # fmt: skip
+                 namespace: str | None = None, dry_run: bool = False, yes: bool = False) -> int:
     """Remove values idle for `idle_s` seconds, then each namespace's least recently used values
     beyond `max_bytes` (bytes of server memory): plan, confirm, remove, report. Returns the exit
     code: 0, or 1 when declined at the prompt.
@@ -230,22 +251,17 @@ def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, ma
     refuse_without_terminal(yes, dry_run, "prune")
     with server.connect() as conn:
         def plan(dry: bool) -> Any:
-            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry, max_keys=max_keys)
+            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry,
+                         max_keys=server.max_keys)
 
         return _remove(out, plan, yes, dry_run)
 
 
 # ----------------------------------------------------------------------------- inspect
 @remote_app.command("inspect")
-def inspect_cmd(
-    url: UrlOpt = None,
-    namespace: NamespaceOpt = None,
-    json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
-) -> None:
+@server_options(*SERVER_OPTIONS)
+def inspect_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
+                server: Server = Server()) -> None:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
     parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
     and expired keys (INFO). Read-only; leaves the keys' LRU clocks alone.
@@ -260,7 +276,7 @@ def inspect_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = inspect_remote(out, Server(url, config, cluster, timeout), namespace, max_keys)
+        code = inspect_remote(out, server.at(url), namespace)
     raise typer.Exit(code)
 
 
@@ -289,15 +305,9 @@ def _print_inspect(report: Any, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- push
 @remote_app.command("push")
-def push_cmd(
-    cache_dir: common.CacheDirOpt = None,
-    namespace: NamespaceOpt = None,
-    url: UrlOpt = None,
-    json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    config: common.ConfigOpt = None,
-) -> None:
+@server_options("cluster", "timeout", "config")
+def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, url: UrlOpt = None,
+             json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
     namespace (or of --namespace) read once, each record verified before it is stored with SET NX
     (blocks the server holds already are not rewritten). The SSD cache is not changed; records
@@ -317,8 +327,8 @@ def push_cmd(
         from kvtool.disk.names import NAMESPACE_RE
         from kvtool.jobs.remote_push import open_store_for, push_namespace
 
-        root = common.build_config(config, cache_dir).ssd_cache_dir
-        server = Server(url, config, cluster, timeout)
+        root = common.build_config(server.config, cache_dir).ssd_cache_dir
+        server = server.at(url)
         with server.connect():  # checks the URL and that the server answers
             pass
         url_used, cluster_used, timeout_s = server.resolve()
@@ -352,16 +362,9 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
-def validate_cmd(
-    url: UrlOpt = None,
-    namespace: NamespaceOpt = None,
-    dry_run: common.DryRunOpt = False,
-    json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
-) -> None:
+@server_options(*SERVER_OPTIONS)
+def validate_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
+                 json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
     hash of its parent and token ids); delete the ones that fail, and parts no manifest names
     (--dry-run: only report). Reading a value counts as a use for the server's LRU.
@@ -377,7 +380,7 @@ def validate_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = validate_remote(out, Server(url, config, cluster, timeout), namespace, dry_run=dry_run, max_keys=max_keys)
+        code = validate_remote(out, server.at(url), namespace, dry_run=dry_run)
     raise typer.Exit(code)
 
 
@@ -397,6 +400,7 @@ def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
 
 # ----------------------------------------------------------------------------- rm
 @remote_app.command("rm")
+@server_options(*SERVER_OPTIONS)
 def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
     hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
@@ -405,10 +409,7 @@ def rm_cmd(
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
+    server: Server = Server(),
 ) -> None:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
     their parts). Asks first on a terminal; without one, --yes is required. A kvtool process
@@ -425,8 +426,7 @@ def rm_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = rm_remote(out, Server(url, config, cluster, timeout), namespace, hashes or None, dry_run=dry_run, yes=yes,
-                         max_keys=max_keys)  # fmt: skip
+        code = rm_remote(out, server.at(url), namespace, hashes or None, dry_run=dry_run, yes=yes)
     raise typer.Exit(code)
 
 
@@ -446,21 +446,19 @@ def _print_removal(report: Any, emit: Any) -> None:
 
 # ----------------------------------------------------------------------------- prune
 @remote_app.command("prune")
+@server_options(*SERVER_OPTIONS)
 def prune_cmd(
     idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",
                                              show_default=False)] = None,  # fmt: skip
     max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Server memory budget per namespace: 2GB, 512MiB.",
                                                   show_default=False)] = None,  # fmt: skip
-    namespace: NamespaceOpt = None,
+    namespace: common.NamespaceOpt = None,
     url: UrlOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    quiet: QuietOpt = False,
-    cluster: ClusterOpt = False,
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT,
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS,
-    config: common.ConfigOpt = None,
+    quiet: common.QuietOpt = False,
+    server: Server = Server(),
 ) -> None:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
     each namespace until it fits --max-bytes (MEMORY USAGE, parts included); parts no manifest
@@ -481,18 +479,12 @@ def prune_cmd(
     with common.cli_errors():
         from kvtool.units import parse_duration, parse_size
 
-        try:
-            idle_s = parse_duration(idle) if idle is not None else None
-        except ValueError as exc:
-            raise common.CLIError(f"--idle: {exc}") from None
-        try:
-            budget = parse_size(max_bytes) if max_bytes is not None else None
-        except ValueError as exc:
-            raise common.CLIError(f"--max-bytes: {exc}") from None
+        idle_s = common.parse_flag(idle, parse_duration, "--idle")
+        budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
         if idle_s is None and budget is None:
             raise common.CLIError("give --idle, --max-bytes or both")
-        code = prune_remote(out, Server(url, config, cluster, timeout), idle_s=idle_s, max_bytes=budget,
-                            namespace=namespace, dry_run=dry_run, yes=yes, max_keys=max_keys)  # fmt: skip
+        code = prune_remote(out, server.at(url), idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry_run,
+                            yes=yes)  # fmt: skip
     raise typer.Exit(code)
 
 

@@ -13,9 +13,10 @@ import typer
 from rich.markup import escape
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, rm_remote
+from kvtool.cli.cmd_inspect import PromptSource
+from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import QuietOpt, confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -46,12 +47,6 @@ NamespaceArg = Annotated[
     typer.Argument(metavar="NAMESPACE", help="Key prefix of the namespace to remove (unique, at least 8 hex digits; see kvtool inspect).",
                    show_default=False),
 ]  # fmt: skip
-ModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="Model of the prompt (default: tiny, as serve-once).", show_default=False)
-]
-PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
-PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
-MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 BlockSizeOpt = Annotated[
     int | None,
     typer.Option("--block-size", min=1, help="Only the namespace of this block size (default: every block size in the cache).",
@@ -59,26 +54,22 @@ BlockSizeOpt = Annotated[
 ]  # fmt: skip
 
 
+@target_options
+@common.model_options("ignore_chat_template", "system_prompt", "adapter_path", "kv_bits", "kv_group_size")
 def rm_cmd(
     namespace: NamespaceArg = None,
-    prompt: PromptOpt = None,
-    prompt_file: PromptFileOpt = None,
-    messages: MessagesOpt = None,
-    model: ModelOpt = None,
-    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
-    adapter_path: common.AdapterPathOpt = None,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
+    prompt: common.PromptOpt = None,
+    prompt_file: common.PromptFileOpt = None,
+    messages: common.MessagesOpt = None,
+    model: common.PromptModelOpt = None,
+    model_flags: common.ModelFlags = common.MODEL,
     block_size: BlockSizeOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
-    quiet: QuietOpt = False,
+    quiet: common.QuietOpt = False,
     cache_dir: common.CacheDirOpt = None,
-    config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
@@ -88,33 +79,29 @@ def rm_cmd(
         if by_prompt == (namespace is not None):
             raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
                                   + (", not both" if by_prompt else ""))  # fmt: skip
-        model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits}
+        mf = model_flags
+        model_opts = {"adapter_path": mf.adapter_path, "kv_bits": mf.kv_bits}
         if not by_prompt and (model is not None or block_size is not None or any(v is not None for v in model_opts.values())):
             raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
         if namespace is not None:
             check_prefix(namespace)
-        if remote or remote_url is not None:
-            refuse_options({"--cache-dir": cache_dir}, "with --remote")
-            server = Server(remote_url, config, flag="--remote-url")
+        source = PromptSource(model or "tiny", prompt, prompt_file, messages, not mf.ignore_chat_template,
+                              mf.system_prompt, {**model_opts, "kv_group_size": mf.kv_group_size})  # fmt: skip
+        server = target.server
+        if server is not None:
+            common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
-            from kvtool.cli.cmd_inspect import PromptSource
             from kvtool.cli.cmd_remote import refuse_without_terminal
 
             refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
-            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
-                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
-            cfg = common.build_config(config, block_size=block_size).replace(remote_url=None)  # hashing only
-            layout, hashes = _prompt_hashes(cfg, source)
-            raise typer.Exit(rm_remote(out, server, layout, hashes, dry_run=dry_run, yes=yes))
-        cfg = common.build_config(config, cache_dir)
+            cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
+            keys = _prompt_keys(cfg, source)[0](cfg.block_size)
+            raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
+        cfg = common.build_config(target.config, cache_dir)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
         if by_prompt:
-            from kvtool.cli.cmd_inspect import PromptSource
-
-            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
-                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:
             make_plan = _namespace_planner(root, namespace or "")
@@ -131,15 +118,15 @@ def _namespace_planner(root: Path, prefix: str) -> Callable:
     return lambda: plan_namespace_removal(scan_for_removal(root, prefix))
 
 
-def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
-    """Encode the prompt with its model (closed again at once), then a planner that hashes it for
-    each block size: the given one, else every block size in the cache (and the config's)."""
+def _prompt_keys(cfg, source) -> tuple[Callable, int]:
+    """Encode the prompt with its model (closed again at once): `(keys_for, prompt tokens)`, where
+    `keys_for(block_size)` is the prompt's namespace at that block size and the chain hashes of
+    its full blocks and tail entry there (`kvtool.ops.remove.PromptKeys`)."""
     import numpy as np
 
     from kvtool.cli.cmd_inspect import prompt_engine
     from kvtool.hashing import chain_hashes, tail_hash
-    from kvtool.ops.remove import PromptKeys, block_sizes_of, plan_prompt_removal
-    from kvtool.ops.scan import scan_cache
+    from kvtool.ops.remove import PromptKeys
 
     with prompt_engine(cfg, source) as (engine, tokens):
         prefix = engine.cache
@@ -151,29 +138,23 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
         tail = tail_hash(ids, bs, layout, full, prefix.hash_fn)
         return PromptKeys(layout, bs, tuple(full) + ((tail,) if tail else ()))
 
+    return keys_for, int(ids.size)
+
+
+def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
+    """A planner that hashes the prompt for each block size: the given one, else every block
+    size in the cache (and the config's). The model is loaded here, once."""
+    from kvtool.ops.remove import block_sizes_of, plan_prompt_removal
+    from kvtool.ops.scan import scan_cache
+
+    keys_for, prompt_tokens = _prompt_keys(cfg, source)
+
     def plan():
         scan = scan_cache(cfg.ssd_cache_dir, full=False)
         sizes = [block_size] if block_size is not None else sorted(block_sizes_of(scan) | {cfg.block_size})
-        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=int(ids.size))
+        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=prompt_tokens)
 
     return plan
-
-
-def _prompt_hashes(cfg, source) -> tuple[str, list[str]]:
-    """The namespace (layout key) of the prompt's model at `cfg.block_size` and the chain hashes
-    of the prompt's full blocks and tail entry there (the model is loaded, closed again at once)."""
-    import numpy as np
-
-    from kvtool.cli.cmd_inspect import prompt_engine
-    from kvtool.hashing import chain_hashes, tail_hash
-
-    with prompt_engine(cfg, source) as (engine, tokens):
-        prefix = engine.cache
-    ids = np.asarray(tokens, dtype=np.int32)
-    layout = prefix.layout_key_for(cfg.block_size)
-    full = chain_hashes(ids, cfg.block_size, layout, prefix.hash_fn)
-    tail = tail_hash(ids, cfg.block_size, layout, full, prefix.hash_fn)
-    return layout, [*full, *([tail] if tail else [])]
 
 
 def _confirm_and_execute(plan, yes: bool, out: Output) -> int:

@@ -101,10 +101,7 @@ def parse_max_prompt_bytes(value: str) -> int:
     """
     from kvtool.units import parse_size
 
-    try:
-        n = parse_size(value)
-    except ValueError as exc:
-        raise common.CLIError(f"--max-prompt-bytes: {exc}") from None
+    n = common.parse_flag(value, parse_size, "--max-prompt-bytes")
     if n < 1:
         raise common.CLIError("--max-prompt-bytes must be at least 1 byte")
     return n
@@ -148,15 +145,19 @@ def _human_line(i: int, r) -> str:
     )
 
 
+def tier_summary(stats: dict[str, int]) -> str:
+    """What the tiers did in a run, from their final counters (serve-once's last line, serve's stop line)."""
+    return (f"{stats.get('ssd_save_success', 0)} block(s) written to SSD, {stats.get('ssd_save_dedup_skip', 0)} dedup, "
+            f"{stats.get('ssd_load_hits', 0)} loaded from SSD, {stats.get('kv_ram_evictions', 0)} RAM evictions, "
+            f"{stats.get('ssd_load_corrupt', 0)} corrupt")
+
+
 def _cache_summary(stats: dict[str, int], status: ShutdownStatus) -> str:
-    saved = stats.get("ssd_save_success", 0)
-    return (
-        f"[dim]cache: {saved} block(s) written to SSD, {stats.get('ssd_save_dedup_skip', 0)} dedup, "
-        f"{stats.get('ssd_load_hits', 0)} loaded from SSD, {stats.get('kv_ram_evictions', 0)} RAM evictions, "
-        f"{stats.get('ssd_load_corrupt', 0)} corrupt, shutdown_clean={status.shutdown_clean}[/]"
-    )
+    return f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"
 
 
+@common.cache_options(*common.CACHE_OPTIONS)
+@common.model_options(*common.MODEL_OPTIONS)
 def serve_once(
     model: common.ModelOpt = "tiny",
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
@@ -170,29 +171,12 @@ def serve_once(
     ] = None,
     max_prompt_bytes: MaxPromptBytesOpt = "64MiB",
     max_tokens: common.MaxTokensOpt = 64,
-    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
-    adapter_path: common.AdapterPathOpt = None,
-    max_kv_size: common.MaxKVSizeOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
+    model_flags: common.ModelFlags = common.MODEL,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    ssd_max_bytes: common.SSDMaxBytesOpt = None,
-    remote_url: common.RemoteUrlOpt = None,
-    remote_policy: common.RemotePolicyOpt = None,
-    no_ssd: common.NoSSDOpt = False,
-    codec: common.CodecOpt = None,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     metrics_file: MetricsFileOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.", rich_help_panel="Output")] = False,
@@ -202,11 +186,9 @@ def serve_once(
         with common.signals_raise(), common.cli_errors():
             check_metrics_file(metrics_file)
             reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
-            cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
-                                     codec, {**common.remote_flags(remote_url, remote_policy), "ssd_max_bytes": ssd_max_bytes})
-            engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
-                                        prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
-            encode = _encoder(engine, not ignore_chat_template, system_prompt)
+            cfg = cache.build()
+            engine = model_flags.load(model, cfg)
+            encode = _encoder(engine, not model_flags.ignore_chat_template, model_flags.system_prompt)
             code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
     except common.Interrupted as exc:  # before serving started: nothing to drain
         code = 128 + exc.signum

@@ -8,6 +8,7 @@ request and adds `GET /kvtool/stats`. Wiring: `kvtool.server.serve.KVToolServer`
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import signal
@@ -19,6 +20,7 @@ import typer
 from typer.core import TyperCommand
 
 from kvtool.cli import common
+from kvtool.cli.cmd_serve import tier_summary
 
 HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
 
@@ -164,6 +166,8 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
     return out, ram_bytes
 
 
+@common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "codec"))
+@common.model_options("adapter_path", "max_kv_size", "prefill_step_size")
 def serve_http(
     ctx: typer.Context,
     model: common.ModelOpt = "tiny",
@@ -172,9 +176,7 @@ def serve_http(
     max_tokens: common.MaxTokensOpt = 512,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Default sampling temperature (0: greedy).")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Default nucleus sampling mass.")] = 1.0,
-    adapter_path: common.AdapterPathOpt = None,
-    max_kv_size: common.MaxKVSizeOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
+    model_flags: common.ModelFlags = common.MODEL,
     decode_concurrency: Annotated[
         int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")
     ] = 32,
@@ -193,18 +195,8 @@ def serve_http(
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    ssd_max_bytes: common.SSDMaxBytesOpt = None,
-    remote_url: common.RemoteUrlOpt = None,
-    remote_policy: common.RemotePolicyOpt = None,
-    no_ssd: common.NoSSDOpt = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    cache: common.CacheFlags = common.CACHE,
+    verbose: common.VerboseOpt = False,
 ) -> None:
     common.setup_logging(verbose)
     code = common.EXIT_OK
@@ -213,30 +205,19 @@ def serve_http(
             level = log_level.upper()
             if level not in LOG_LEVELS:
                 raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-            if max_kv_size is not None:
-                raise common.CLIError(
-                    f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
-                    "drop the option (kvtool keeps the whole prompt's KV)"
-                )
+            common.refuse_max_kv_size(model_flags.max_kv_size)
             from kvtool.units import parse_size
 
-            try:
-                body_limit = parse_size(max_body_bytes)
-            except ValueError as exc:
-                raise common.CLIError(f"--max-body-bytes: {exc}") from None
+            body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
             if body_limit < 1024:
                 raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
-            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), ram_bytes)
+            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
             setup_server_logging(level)
-
-            def make_config():
-                return common.build_config(config, cache_dir, policy, durability, async_writes, block_size,
-                                           ram_bytes, no_ssd, extra={**common.remote_flags(remote_url, remote_policy),
-                                                                           "ssd_max_bytes": ssd_max_bytes})
-
+            make_config = dataclasses.replace(cache, ram_bytes=ram_bytes).build
             cfg = make_config()
-            server = _start(model, cfg, host, port, adapter_path, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                            prefill_step_size=prefill_step_size, decode_concurrency=decode_concurrency,
+            server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
+                            top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
+                            decode_concurrency=decode_concurrency,
                             prompt_concurrency=prompt_concurrency, log_level=level,
                             max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit, **extra)
             code = _run(server, make_config)
@@ -313,12 +294,8 @@ def _run(server, make_config) -> int:
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
         status = server.close(from_serving_thread=True)
         stats = server.stats()["cache"]
-        log.info(
-            "stopped%s: %d block(s) written to SSD, %d dedup, %d loaded from SSD, %d RAM evictions, %d corrupt, "
-            "shutdown_clean=%s", f" by {interrupted.args[0]}" if interrupted else "", stats.get("ssd_save_success", 0),
-            stats.get("ssd_save_dedup_skip", 0), stats.get("ssd_load_hits", 0), stats.get("kv_ram_evictions", 0),
-            stats.get("ssd_load_corrupt", 0), status.shutdown_clean,
-        )
+        log.info("stopped%s: %s, shutdown_clean=%s", f" by {interrupted.args[0]}" if interrupted else "",
+                 tier_summary(stats), status.shutdown_clean)
         if old_hup is not None:
             signal.signal(signal.SIGHUP, old_hup)
     if not status.shutdown_clean:

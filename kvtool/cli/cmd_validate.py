@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import RemoteOpt, RemoteUrlOpt, Server, refuse_options, validate_remote
+from kvtool.cli.cmd_remote import TARGET, Target, target_options, validate_remote
 from kvtool.cli.output import Output
 from kvtool.progress import progress
 from kvtool.units import format_bytes
@@ -60,6 +60,7 @@ _COLUMNS = (
 )
 
 
+@target_options
 def validate_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,
@@ -68,20 +69,18 @@ def validate_cmd(
     json_out: common.JsonOpt = False,
     quiet: QuietOpt = False,
     rebuild_index: RebuildOpt = False,
-    config: common.ConfigOpt = None,
-    remote: RemoteOpt = False,
-    remote_url: RemoteUrlOpt = None,
+    target: Target = TARGET,
 ) -> None:
     out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.validate import validate
 
-        if remote or remote_url is not None:
-            refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
-            raise typer.Exit(validate_remote(out, Server(remote_url, config, flag="--remote-url"), namespace,
+        if target.server is not None:
+            common.refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
+            raise typer.Exit(validate_remote(out, target.server, namespace,
                                              dry_run=dry_run))  # fmt: skip
 
-        root = common.build_config(config, cache_dir).ssd_cache_dir
+        root = common.build_config(target.config, cache_dir).ssd_cache_dir
         with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
             report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
                               progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip

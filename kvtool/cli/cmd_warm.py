@@ -39,6 +39,8 @@ WholeOpt = Annotated[
 ]
 
 
+@common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "no_ssd"))
+@common.model_options(*common.MODEL_OPTIONS)
 def warm_cmd(
     sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
     model: common.ModelOpt = "tiny",
@@ -46,26 +48,10 @@ def warm_cmd(
     max_prompt_bytes: Annotated[
         str, typer.Option("--max-prompt-bytes", help="Most bytes read from all sources together, e.g. 64MiB.")
     ] = "64MiB",
-    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
-    adapter_path: common.AdapterPathOpt = None,
-    max_kv_size: common.MaxKVSizeOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
-    config: common.ConfigOpt = None,
-    cache_dir: common.CacheDirOpt = None,
-    policy: common.PolicyOpt = None,
-    durability: common.DurabilityOpt = None,
-    async_writes: common.AsyncOpt = None,
-    block_size: common.BlockSizeOpt = None,
-    ram_bytes: common.RamBytesOpt = None,
-    ssd_max_bytes: common.SSDMaxBytesOpt = None,
-    remote_url: common.RemoteUrlOpt = None,
-    remote_policy: common.RemotePolicyOpt = None,
-    codec: common.CodecOpt = None,
+    model_flags: common.ModelFlags = common.MODEL,
+    cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")] = False,
+    verbose: common.VerboseOpt = False,
     to_remote: Annotated[bool, typer.Option(
         "--to-remote", help="Then push the namespace's SSD blocks to the remote tier (remote_url; SET NX), so "
         "other hosts start warm. One summary line on stderr.", rich_help_panel="Cache")] = False,
@@ -79,10 +65,8 @@ def warm_cmd(
             prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
-        cfg = common.build_config(config, cache_dir, policy, durability, async_writes, block_size, ram_bytes,
-                                 codec=codec, extra={**common.remote_flags(remote_url, remote_policy), "ssd_max_bytes": ssd_max_bytes})
-        engine = common.load_engine(model, cfg, adapter_path=adapter_path, max_kv_size=max_kv_size,
-                                    prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        cfg = cache.build()
+        engine = model_flags.load(model, cfg)
         try:
             check_engine(engine)
         except WarmError as exc:
@@ -92,7 +76,7 @@ def warm_cmd(
             engine.close()
             raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
         namespace_dir = engine.namespace_dir
-        code = _run(engine, prompts, json_out, not ignore_chat_template, system_prompt)
+        code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt)
         if to_remote and code == common.EXIT_OK and namespace_dir is not None:
             code = _push(namespace_dir, cfg)
     raise typer.Exit(code)

@@ -1,37 +1,42 @@
-"""Shared CLI pieces: option aliases, clean one-line errors, JSON/human output.
+"""Shared CLI pieces: the options every command takes (`Annotated` aliases, defined once; the
+cache options as one `CacheFlags`), the config they build, the engine, prompts and signals.
 
-Errors: a known error (a `KVToolError`, or one of the few types in `ERROR_MESSAGES`) becomes one
-`error: ...` line on stderr and its exit code, whether a command catches it (`cli_errors`) or it
-escapes to the root group (`KVToolGroup`), which also turns Click/Typer usage errors (unknown
-option, missing argument, bad value) into one line with exit 2. Anything else keeps its traceback.
+Errors are one `error:` line each (`kvtool.cli.errors`, re-exported here: `common.CLIError`,
+`common.cli_errors`, ...).
 """
 
 from __future__ import annotations
 
-import importlib
+import functools
 import importlib.metadata
+import inspect
 import json
-import re
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.markup import escape
-from typer.core import TyperGroup
 
 # the consoles live in kvtool.cli.output (which never imports this module): one import direction
+from kvtool.cli.errors import (  # noqa: F401  (re-exported: every command uses them as common.*)
+    EXIT_OK,
+    CLIError,
+    KVToolGroup,
+    cli_errors,
+    describe_error,
+    print_error,
+)
 from kvtool.cli.output import console, err_console, versioned  # noqa: F401  (re-exported)
-from kvtool.errors import EXIT_USAGE, KVToolError
+from kvtool.cli.signals import Interrupted, ignore_signals, signals_raise  # noqa: F401  (re-exported)
+from kvtool.config import Codec, Durability, RemotePolicy, SSDPolicy
 
 # Exit codes shared by all commands.
-EXIT_OK = 0
 EXIT_PROBLEMS = 1  # the command ran and found/reported problems (validate), or a request failed
 # EXIT_USAGE (2, imported from kvtool.errors): bad input: missing file, invalid value, unknown model, could not run
-EXIT_ABORTED = 1  # a confirmation prompt was aborted (end of input), as Typer does
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.", rich_help_panel="Output")]
 
@@ -110,121 +115,24 @@ NamespaceOpt = Annotated[
 ]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Show what would be done; change nothing.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.")]
+# A prompt to look up (`kvtool inspect`, `kvtool rm`): read and encoded as serve-once does.
+PromptModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model of the prompt (default: tiny, as serve-once).",
+                                                    show_default=False)]  # fmt: skip
+PromptOpt = Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-': stdin).", show_default=False)]
+PromptFileOpt = Annotated[Path | None, typer.Option("--prompt-file", "-f", help="File holding the prompt.", show_default=False)]
+MessagesOpt = Annotated[Path | None, typer.Option("--messages", help="Chat JSON file (the prompt as messages).", show_default=False)]
 
-
-class CLIError(KVToolError):
-    """A known, user-facing error raised by the CLI layer: printed as one line, exit `code`."""
-
-    def __init__(self, message: str, code: int = EXIT_USAGE, hint: str | None = None):
-        """Create the error; `code` is the exit status (2: bad input)."""
-        super().__init__(message, exit_code=code, hint=hint)
-
-    @property
-    def code(self) -> int:
-        """The exit status (same as `exit_code`)."""
-        return self.exit_code
-
-
-# ---------------------------------------------------------------- known errors
-def _os_error(verb: str) -> Callable[[OSError], str]:
-    return lambda exc: f"{verb} {exc.filename}: {exc.strerror}"
-
-
-# Known error types -> one-line message (first match wins). A `KVToolError` carries its own exit
-# code and hint; the others exit 2. Anything not listed is a bug and keeps its traceback.
-ERROR_MESSAGES: tuple[tuple[type[BaseException], Callable[[Any], str]], ...] = (
-    (KVToolError, str),
-    (FileNotFoundError, lambda exc: f"file not found: {exc.filename or exc}"),
-    (IsADirectoryError, _os_error("cannot read")),
-    (PermissionError, _os_error("cannot read")),
-    (UnicodeDecodeError, lambda exc: f"not a UTF-8 text file (byte {exc.start}: {exc.reason})"),  # a binary file given as text
-)
-
-
-def describe_error(exc: BaseException) -> tuple[str, int, str | None] | None:
-    """`(message, exit_code, hint)` for a known error, None for anything else."""
-    for kind, render in ERROR_MESSAGES:
-        if isinstance(exc, kind):
-            return render(exc), getattr(exc, "exit_code", EXIT_USAGE), getattr(exc, "hint", None)
-    return None
-
-
-@contextmanager
-def cli_errors() -> Iterator[None]:
-    """Turn known exceptions into one clean `error: ...` line and a non-zero exit (no traceback)."""
-    try:
-        yield
-    except Exception as exc:
-        known = describe_error(exc)
-        if known is None:
-            raise
-        fail(known[0], known[1], known[2])
-
-
-def print_error(message: str, hint: str | None = None) -> None:
-    """Print `error: message; hint` to stderr as exactly one line."""
-    line = f"[bold red]error:[/] {escape(_one_line(message))}"
-    if hint:
-        line += f"; {escape(_one_line(hint))}"
-    err_console.print(line, highlight=False, soft_wrap=True)
-
-
-def fail(message: str, code: int = EXIT_USAGE, hint: str | None = None) -> None:
-    """Print `error: message` to stderr and exit with `code`."""
-    print_error(message, hint)
-    raise typer.Exit(code)
-
-
-def _one_line(text: str) -> str:
-    return re.sub(r"\s*\n\s*", " ", str(text).strip())
-
-
-class KVToolGroup(TyperGroup):
-    """The root command group. In standalone mode (the console script, `CliRunner`) it reports
-    Click/Typer usage errors and escaped known errors as one `error:` line and exits 2 (or the
-    error's code); unknown exceptions propagate with their traceback."""
-
-    def main(
-        self,
-        args: Any = None,
-        prog_name: str | None = None,
-        complete_var: str | None = None,
-        standalone_mode: bool = True,
-        windows_expand_args: bool = True,
-        **extra: Any,
-    ) -> Any:
-        def run() -> Any:
-            return super(KVToolGroup, self).main(
-                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
-            )
-
-        if not standalone_mode:
-            return run()
-        sys.exit(_run_reporting_errors(run))
-
-
-def _run_reporting_errors(run: Callable[[], Any]) -> int:
-    """Run a non-standalone Typer/Click `main` and return the process exit code."""
-    try:
-        rv = run()
-    except typer.Abort:
-        err_console.print("Aborted.", highlight=False)
-        return EXIT_ABORTED
-    except typer.TyperException as exc:  # Typer's (vendored Click's) usage and parameter errors
-        if type(exc).__name__ == "NoArgsIsHelpError":  # the help text was printed already
-            return EXIT_USAGE
-        ctx = getattr(exc, "ctx", None)
-        message = exc.format_message().rstrip(".")
-        print_error(message[:1].lower() + message[1:], f"see '{ctx.command_path} --help'" if ctx is not None else None)
-        return EXIT_USAGE
-    except Exception as exc:
-        known = describe_error(exc)
-        if known is None:
-            raise
-        print_error(known[0], known[2])
-        return known[1]
-    # Non-standalone Click returns the code of a `typer.Exit`, or the command's return value.
-    return rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK
+# The options `kvtool inspect|validate|prune|rm` take to act on the remote tier instead of the SSD tier.
+REMOTE_PANEL = "Remote tier"
+RemoteOpt = Annotated[bool, typer.Option(
+    "--remote", help="Act on the remote tier's server (Redis / Valkey) instead of the SSD cache: --remote-url, else "
+    "remote_url of the config, else $KVTOOL_REMOTE_URL (password: in the URL or $KVTOOL_REMOTE_PASSWORD).",
+    rich_help_panel=REMOTE_PANEL)]  # fmt: skip
+RemoteServerOpt = Annotated[str | None, typer.Option(
+    "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
+    "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
 
 
 def version() -> str:
@@ -247,173 +155,208 @@ def print_json(doc: Mapping[str, Any]) -> None:
 # ---------------------------------------------------------------- cache options
 CACHE_PANEL = "Cache"
 # Cache options default to None (the config file decides), so their help states the config's
-# default as `\[default: X]` (the backslash keeps rich markup from eating the brackets).
+# default as `\\[default: X]` (the backslash keeps rich markup from eating the brackets).
 
 
-class PolicyChoice(str, Enum):
-    """`--policy` values (= kvtool.config.SSDPolicy, kept here so that `--help` of the operator
-    commands does not import the config layer)."""
-
-    write_through = "write_through"
-    evict_only = "evict_only"
+def _cache_option(*names: str, help: str, **kw: Any) -> Any:
+    return typer.Option(*names, help=help, show_default=False, rich_help_panel=CACHE_PANEL, **kw)
 
 
-class DurabilityChoice(str, Enum):
-    """`--durability` values (= kvtool.config.Durability)."""
-
-    best_effort = "best_effort"
-    persistent = "persistent"
-    durable = "durable"
-
-
-PolicyOpt = Annotated[
-    PolicyChoice | None,
-    typer.Option("--policy", help="SSD policy. \\[default: write_through]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
-DurabilityOpt = Annotated[
-    DurabilityChoice | None,
-    typer.Option("--durability", help="SSD durability. \\[default: best_effort]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
-AsyncOpt = Annotated[
-    bool | None,
-    typer.Option("--async/--sync", help="Write SSD blocks from a background writer or inline. \\[default: async]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-BlockSizeOpt = Annotated[
-    int | None,
-    typer.Option("--block-size", min=1, help="Tokens per cached block. \\[default: 64]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
-RamBytesOpt = Annotated[
-    str | None,
-    typer.Option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB. \\[default: 1GiB]", show_default=False,
-                 rich_help_panel=CACHE_PANEL),
-]
+PolicyOpt = Annotated[SSDPolicy | None, _cache_option("--policy", help="SSD policy. \\[default: write_through]",
+                                                      metavar="<write_through|evict_only>")]  # the default first
+DurabilityOpt = Annotated[Durability | None, _cache_option("--durability", help="SSD durability. \\[default: best_effort]")]
+AsyncOpt = Annotated[bool | None, _cache_option(
+    "--async/--sync", help="Write SSD blocks from a background writer or inline. \\[default: async]")]
+BlockSizeOpt = Annotated[int | None, _cache_option("--block-size", min=1, help="Tokens per cached block. \\[default: 64]")]
+RamBytesOpt = Annotated[str | None, _cache_option("--ram-bytes", help="RAM tier budget, e.g. 512MiB, 2GB. \\[default: 1GiB]")]
 NoSSDOpt = Annotated[bool, typer.Option("--no-ssd", help="RAM tier only.", rich_help_panel=CACHE_PANEL)]
+CodecOpt = Annotated[Codec | None, _cache_option(
+    "--codec", help="Compress SSD block records losslessly (a separate namespace). \\[default: none]")]
+RemoteUrlOpt = Annotated[str | None, _cache_option(
+    "--remote-url", help="Shared remote tier: redis://host:port/db, rediss://, unix://, redis+cluster:// (password: "
+    "$KVTOOL_REMOTE_PASSWORD). \\[default: $KVTOOL_REMOTE_URL]")]
+RemotePolicyOpt = Annotated[RemotePolicy | None, _cache_option(
+    "--remote-policy", help="When blocks reach the remote tier. \\[default: write_through]")]
+SSDMaxBytesOpt = Annotated[str | None, _cache_option(
+    "--ssd-max-bytes", help="Byte budget of the SSD tier (per namespace, as du counts it), kept while serving: least "
+    "recently used segments are evicted first, e.g. 50GB, 512MiB. \\[default: none]")]
 
-
-class CodecChoice(str, Enum):
-    """`--codec` values (= kvtool.config.Codec)."""
-
-    none = "none"
-    zstd = "zstd"
-    lz4 = "lz4"
-
-
-CodecOpt = Annotated[
-    CodecChoice | None,
-    typer.Option("--codec", help="Compress SSD block records losslessly (a separate namespace)."
-                 " \\[default: none]", show_default=False, rich_help_panel=CACHE_PANEL),
-]
-
-
-class RemotePolicyChoice(str, Enum):
-    """`--remote-policy` values (= kvtool.config.RemotePolicy)."""
-
-    off = "off"
-    write_through = "write_through"
-    on_evict = "on_evict"
-
-
-RemoteUrlOpt = Annotated[
-    str | None,
-    typer.Option("--remote-url", help="Shared remote tier: redis://host:port/db, rediss://, unix://, "
-                 "redis+cluster:// (password: $KVTOOL_REMOTE_PASSWORD). \\[default: $KVTOOL_REMOTE_URL]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-RemotePolicyOpt = Annotated[
-    RemotePolicyChoice | None,
-    typer.Option("--remote-policy", help="When blocks reach the remote tier. \\[default: write_through]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-SSDMaxBytesOpt = Annotated[
-    str | None,
-    typer.Option("--ssd-max-bytes", help="Byte budget of the SSD tier (per namespace, as du counts it), kept while "
-                 "serving: least recently used segments are evicted first, e.g. 50GB, 512MiB. \\[default: none]",
-                 show_default=False, rich_help_panel=CACHE_PANEL),
-]
-
-
-def remote_flags(remote_url: str | None, remote_policy: Any) -> dict[str, Any]:
-    """The `extra` flags of `build_config` for `--remote-url` / `--remote-policy` (None: not given)."""
-    return {"remote_url": remote_url, "remote_policy": remote_policy}
-
-
+# Every cache option: the parameter, its type, its default and the config field it sets (None:
+# not one field). Order = the order of the options in --help.
+CACHE_OPTIONS: dict[str, tuple[Any, Any, str | None]] = {
+    "config": (ConfigOpt, None, None),
+    "cache_dir": (CacheDirOpt, None, "ssd_cache_dir"),
+    "policy": (PolicyOpt, None, "ssd_policy"),
+    "durability": (DurabilityOpt, None, "ssd_durability"),
+    "async_writes": (AsyncOpt, None, "ssd_async_writes"),
+    "block_size": (BlockSizeOpt, None, "block_size"),
+    "ram_bytes": (RamBytesOpt, None, "ram_bytes"),
+    "ssd_max_bytes": (SSDMaxBytesOpt, None, "ssd_max_bytes"),
+    "remote_url": (RemoteUrlOpt, None, "remote_url"),
+    "remote_policy": (RemotePolicyOpt, None, "remote_policy"),
+    "no_ssd": (NoSSDOpt, False, "ssd_enabled"),
+    "codec": (CodecOpt, None, "ssd_codec"),
+}
 # The flag that sets each config field (`kvtool.config.settings.Origin` names it in `kvtool config show`).
 CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
                "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec",
                "remote_url": "--remote-url", "remote_policy": "--remote-policy", "ssd_max_bytes": "--ssd-max-bytes"}
 
 
-def build_settings(
-    config_path: Path | None = None,
-    cache_dir: Path | None = None,
-    policy: str | None = None,
-    durability: str | None = None,
-    async_writes: bool | None = None,
-    block_size: int | None = None,
-    ram_bytes: str | None = None,
-    no_ssd: bool = False,
-    codec: str | None = None,
-    extra: dict[str, Any] | None = None,
-):
-    """The effective settings (`kvtool.config.settings.Settings`: the config and where each value came
-    from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
-    `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
+@dataclass(frozen=True)
+class CacheFlags:
+    """The cache options of one command line, as given (None, False: not given)."""
 
-    Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
-    `--ram-bytes` errors name the flag, environment errors their variable.
+    config: Path | None = None
+    cache_dir: Path | None = None
+    policy: SSDPolicy | None = None
+    durability: Durability | None = None
+    async_writes: bool | None = None
+    block_size: int | None = None
+    ram_bytes: str | None = None
+    ssd_max_bytes: str | None = None
+    remote_url: str | None = None
+    remote_policy: RemotePolicy | None = None
+    no_ssd: bool = False
+    codec: Codec | None = None
+
+    def settings(self) -> Any:
+        """The effective settings (`kvtool.config.settings.Settings`: the config and where each value came
+        from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
+        `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
+
+        Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
+        `--ram-bytes` errors name the flag, environment errors their variable.
+
+        Raises:
+            CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
+                config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
+        """
+        from kvtool.config.settings import resolve_settings
+        from kvtool.units import parse_size
+
+        values = {**vars(self), "ram_bytes": parse_flag(self.ram_bytes, parse_size, "--ram-bytes"), "no_ssd": False if self.no_ssd else None}
+        flags = {field: values[name].value if isinstance(values[name], Enum) else values[name]
+                 for name, (_, _, field) in CACHE_OPTIONS.items() if field is not None}
+        names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if self.async_writes else "--sync"}
+        settings = resolve_settings(flags, self.config, names)
+        settings.config.ssd_cache_dir = cache_root(settings.config.ssd_cache_dir)
+        return settings
+
+    def build(self) -> Any:
+        """The validated `KVToolConfig` of `settings()`.
+
+        Raises:
+            CLIError, ConfigError: as `settings`.
+        """
+        return self.settings().config
+
+
+CACHE = CacheFlags()  # the default of a command's `cache` parameter (`cache_options` always passes one)
+
+
+def build_config(config: Path | None = None, cache_dir: Path | None = None, **flags: Any) -> Any:
+    """The validated `KVToolConfig` of these cache options (`CacheFlags` fields; flags > environment
+    > config file > defaults).
 
     Raises:
-        CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
-            config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
+        CLIError, ConfigError: as `CacheFlags.settings`.
     """
-    from kvtool.config.settings import resolve_settings
-    from kvtool.units import parse_size
+    return CacheFlags(config, cache_dir, **flags).build()
 
+
+def option_group(param: str, table: Mapping[str, tuple[Any, ...]], make: Callable[..., Any],
+                 names: Iterable[str]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `param` stands for a group of options: Typer sees the
+    options `names` (keys of `table`: name -> (Annotated type, default, ...)) in its place, in
+    `table` order, and the command gets `make(**their values)` as `param`."""
+    chosen = [n for n in table if n in set(names)]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        params = []
+        for p in inspect.signature(fn, eval_str=True).parameters.values():
+            params += [inspect.Parameter(n, p.kind, default=table[n][1], annotation=table[n][0])
+                       for n in chosen] if p.name == param else [p]  # fmt: skip
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            return fn(**{param: make(**{n: kwargs.pop(n) for n in chosen})}, **kwargs)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in params}
+        return command
+
+    return decorate
+
+
+MODEL_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "ignore_chat_template": (IgnoreChatTemplateOpt, False),
+    "system_prompt": (SystemPromptOpt, None),
+    "adapter_path": (AdapterPathOpt, None),
+    "max_kv_size": (MaxKVSizeOpt, None),
+    "prefill_step_size": (PrefillStepOpt, 2048),
+    "kv_bits": (KVBitsOpt, None),
+    "kv_group_size": (KVGroupSizeOpt, 64),
+}
+
+
+@dataclass(frozen=True)
+class ModelFlags:
+    """How to load the model and encode prompts (`MODEL_OPTIONS`, as mlx-lm's own flags)."""
+
+    ignore_chat_template: bool = False
+    system_prompt: str | None = None
+    adapter_path: Path | None = None
+    max_kv_size: int | None = None
+    prefill_step_size: int = 2048
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+
+    def load(self, model: str, config: Any) -> Any:
+        """`load_engine` with these flags.
+
+        Raises:
+            CLIError: as `load_engine`.
+        """
+        return load_engine(model, config, adapter_path=self.adapter_path, max_kv_size=self.max_kv_size,
+                           prefill_step_size=self.prefill_step_size, kv_bits=self.kv_bits,
+                           kv_group_size=self.kv_group_size)
+
+
+MODEL = ModelFlags()  # the default of a command's `model_flags` parameter (`model_options` always passes one)
+
+
+def model_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `model_flags: ModelFlags` stands for the model options
+    `names` (keys of `MODEL_OPTIONS`, shown in that order)."""
+    return option_group("model_flags", MODEL_OPTIONS, ModelFlags, names)
+
+
+def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
+    (keys of `CACHE_OPTIONS`, shown in that order)."""
+    return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
+
+
+def refuse_options(given: dict[str, Any], why: str) -> None:
+    """Raises CLIError naming the first option of `given` (flag -> value) that is set (not None,
+    not False): it does not apply `why` (`with --remote`)."""
+    for flag, value in given.items():
+        if value is not None and value is not False:
+            raise CLIError(f"{flag} does not apply {why}")
+
+
+def parse_flag(value: str | None, parse: Callable[[str], Any], flag: str) -> Any:
+    """`parse(value)` (None when the flag is not given), a `ValueError` turned into a `CLIError`
+    naming the flag (`--ttl: ...`).
+
+    Raises:
+        CLIError: `parse` refused the value.
+    """
     try:
-        ram = parse_size(ram_bytes) if ram_bytes is not None else None
+        return None if value is None else parse(value)
     except ValueError as exc:
-        raise CLIError(f"--ram-bytes: {exc}") from None
-    flags = {
-        "ssd_cache_dir": cache_dir,
-        "ssd_policy": policy.value if isinstance(policy, Enum) else policy,
-        "ssd_durability": durability.value if isinstance(durability, Enum) else durability,
-        "ssd_async_writes": async_writes,
-        "block_size": block_size,
-        "ram_bytes": ram,
-        "ssd_enabled": False if no_ssd else None,
-        "ssd_codec": codec.value if isinstance(codec, Enum) else codec,
-        **{k: v.value if isinstance(v, Enum) else v for k, v in (extra or {}).items()},
-    }
-    names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if async_writes else "--sync"}
-    settings = resolve_settings(flags, config_path, names)
-    settings.config.ssd_cache_dir = cache_root(settings.config.ssd_cache_dir)
-    return settings
-
-
-def build_config(
-    config_path: Path | None = None,
-    cache_dir: Path | None = None,
-    policy: str | None = None,
-    durability: str | None = None,
-    async_writes: bool | None = None,
-    block_size: int | None = None,
-    ram_bytes: str | None = None,
-    no_ssd: bool = False,
-    codec: str | None = None,
-    extra: dict[str, Any] | None = None,
-):
-    """The validated `KVToolConfig` of `build_settings` (flags > environment > config file >
-    defaults).
-
-    Raises:
-        CLIError, ConfigError: as `build_settings`.
-    """
-    return build_settings(config_path, cache_dir, policy, durability, async_writes, block_size, ram_bytes, no_ssd,
-                          codec, extra).config
+        raise CLIError(f"{flag}: {exc}") from None
 
 
 def cache_root(path: Path) -> Path:
@@ -474,8 +417,10 @@ def load_engine(
     prefill_step_size: int | None = None,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    **engine_options: Any,
 ):
-    """Load a model and build an `Engine`, mapping load failures to `CLIError`.
+    """Load a model and build an `Engine` (`engine_options`: more `Engine.from_spec` arguments),
+    mapping load failures to `CLIError`.
 
     Raises:
         CLIError: the model does not load, or `max_kv_size` is given (a rotating KV cache,
@@ -484,18 +429,23 @@ def load_engine(
     from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
     from kvtool.models.loader import ModelLoadError
 
-    if max_kv_size is not None:
-        raise CLIError(
-            f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot cache yet; "
-            "drop the option (kvtool keeps the whole prompt's KV)"
-        )
+    refuse_max_kv_size(max_kv_size)
     try:
         return Engine.from_spec(
             model, config, adapter_path=str(adapter_path) if adapter_path else None,
             prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits, kv_group_size=kv_group_size,
+            **engine_options,
         )
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None
+
+
+def refuse_max_kv_size(max_kv_size: int | None) -> None:
+    """Raises CLIError for a `--max-kv-size` (a rotating KV cache, which kvtool cannot store exactly
+    yet: refused up front rather than run uncached)."""
+    if max_kv_size is not None:
+        raise CLIError(f"--max-kv-size {max_kv_size} makes mlx-lm use a RotatingKVCache, which kvtool cannot "
+                       "cache yet; drop the option (kvtool keeps the whole prompt's KV)")
 
 
 def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:
@@ -525,45 +475,3 @@ def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:
         except RequestFileError as exc:
             raise CLIError(str(exc)) from None
     return None
-
-
-# ---------------------------------------------------------------- signals
-class Interrupted(BaseException):
-    """SIGINT/SIGTERM turned into an exception (a BaseException, like KeyboardInterrupt, so no
-    `except Exception` on the request path swallows it). `signum` gives the exit code 128+n."""
-
-    def __init__(self, signum: int):
-        import signal
-
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, _frame):
-    import signal
-
-    # One signal is enough: further ones are ignored while the writer drains.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-@contextmanager
-def signals_raise() -> Iterator[None]:
-    """While active, SIGINT and SIGTERM raise `Interrupted`; previous handlers restored after."""
-    import signal
-
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-def ignore_signals() -> None:
-    """Ignore SIGINT/SIGTERM (for the clean-shutdown path; `signals_raise` restores them)."""
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -10,7 +10,7 @@ and each call does the right thing for it, so a command never asks "am I in --js
 | `emit(doc, human)` | `human()` | `document(doc)` | nothing |
 | `problem(text)` | stderr | stderr | stderr |
 | `note(text)` | stderr | stderr | nothing |
-| `progress(...)` | a rich bar on stderr, on a terminal only | none | none |
+| `show_progress` | True on a terminal (`kvtool.progress` draws the bar) | False | False |
 | `interaction` | the console a confirmation shows its plan on: stdout for humans, else stderr | | |
 
 `--quiet` wins over `--json` (a cron job asked for silence). Errors that end a command are not
@@ -26,12 +26,10 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from enum import StrEnum
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
 SCHEMA_VERSION = 1
 console = Console()  # stdout: every command prints through these two (`kvtool.cli.common` re-exports them)
@@ -151,16 +149,6 @@ class Output:
             kw.setdefault("highlight", False)
             kw.setdefault("soft_wrap", True)
             self.err_console.print(text, **kw)
-
-    def progress(self, *columns: ProgressColumn | str, transient: bool = True) -> AbstractContextManager[Progress | None]:
-        """A rich `Progress` on stderr when `show_progress`, else a context yielding None.
-
-        Usage: `with out.progress() as bar: ... if bar is not None: bar.add_task(...)`.
-        """
-        if not self.show_progress:
-            return nullcontext(None)
-        cols = columns or (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        return Progress(*cols, console=self.err_console, transient=transient)
 
     def confirm(self, question: str) -> bool:
         """Ask `question [y/N]` on stderr (the answer is read from stdin); False on "no"."""

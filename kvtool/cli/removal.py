@@ -8,15 +8,11 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
-
-import typer
+from typing import Any
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
 from kvtool.units import format_bytes
-
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing on success (errors still go to stderr).")]
 
 
 def interactive() -> bool:
@@ -93,17 +89,15 @@ def confirm_and_execute(
         out.print("dry run: nothing changed" if plan.dry_run else nothing)
 
     def executed() -> None:
-        if not shown:
+        if yes:  # else the plan was shown with the question
             print_plan(plan, out.console)
         print_result(plan, out.console)
 
     if plan.dry_run or not changes:
         emit(unchanged)
         return _exit_code(plan)
-    shown = False
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
         print_plan(plan, out.interaction)
-        shown = True
         if not out.confirm(question()):
             out.err_console.print("aborted: nothing changed")
             return common.EXIT_PROBLEMS

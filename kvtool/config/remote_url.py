@@ -179,27 +179,28 @@ def parse_remote_url(url: object, *, cluster: bool | None = None, env: dict[str,
     db = _db(query.get("db"), parts.path if scheme != "unix" else "", bad)
     if is_cluster and db != 0:
         raise bad("a Redis Cluster has database 0 only")
-    host: str | None = None
-    path: str | None = None
-    if scheme == "unix":
-        if is_cluster:
-            raise bad("a cluster is reached over TCP, not a Unix socket")
-        if parts.netloc.rpartition("@")[2] or not parts.path.startswith("/"):
-            raise bad("write unix:///absolute/path/to/redis.sock")
-        path = unquote(parts.path)
-        port = None
-    else:
-        host = parts.hostname
-        if not host:
-            raise bad("no host")
-        if port is not None and port <= 0:
-            raise bad("port must be 1..65535")
-        port = port or DEFAULT_PORT
+    host, port, path = _address(parts, port, is_cluster, bad)
     tls = scheme.startswith("rediss")
     ssl = _ssl_options(query, bad) if tls else {}
     if not tls and any(k.startswith("ssl_") for k in query):
         raise bad("ssl_* options need rediss:// (TLS)")
     return RemoteURL(url, scheme, is_cluster, tls, host, port, path, db, username, password, ssl)
+
+
+def _address(parts: Any, port: int | None, is_cluster: bool, bad: Any) -> tuple[str | None, int | None, str | None]:
+    """`(host, port, socket path)` of a split URL: a Unix socket's path, else a host and its port
+    (`DEFAULT_PORT` when none is given). Raises `bad(reason)`."""
+    if parts.scheme.lower() == "unix":
+        if is_cluster:
+            raise bad("a cluster is reached over TCP, not a Unix socket")
+        if parts.netloc.rpartition("@")[2] or not parts.path.startswith("/"):
+            raise bad("write unix:///absolute/path/to/redis.sock")
+        return None, None, unquote(parts.path)
+    if not parts.hostname:
+        raise bad("no host")
+    if port is not None and port <= 0:
+        raise bad("port must be 1..65535")
+    return parts.hostname, port or DEFAULT_PORT, None
 
 
 def _query(text: str, bad: Any) -> dict[str, str]:

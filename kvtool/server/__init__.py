@@ -8,6 +8,7 @@ methods of `mlx_lm.models.cache.LRUPromptCache` the server calls) on a `kvtool.P
 `kvtool serve` (kvtool/cli/cmd_serve_http.py) runs mlx-lm's own server with it.
 """
 
-from kvtool.server.adapter import KVToolPromptCache, RequestRecord
+from kvtool.server.adapter import KVToolPromptCache
+from kvtool.server.requests import RequestRecord
 
 __all__ = ["KVToolPromptCache", "RequestRecord"]

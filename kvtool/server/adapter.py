@@ -64,13 +64,11 @@ ever fails a request: it is logged and the request runs uncached.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,6 +77,7 @@ from kvtool.cache.prefix import CacheHit, PrefixCache
 from kvtool.kv import prefill
 from kvtool.kv.blocks import unsupported_cache_reason
 from kvtool.kv.windows import DEFAULT_STEP
+from kvtool.server.requests import Prefill, RequestRecord, Waiting, prompt_digest
 from kvtool.tiers.stack import ShutdownStatus
 
 log = logging.getLogger("kvtool.server")
@@ -88,73 +87,8 @@ PENDING_TTL_S = 900.0  # a waiting hit older than this is released (its request 
 RECENT_REQUESTS = 100  # records kept for `stats()`
 MAX_REPORTED = 1024  # true cached counts kept for `reported_cached` (prompts kvtool prefilled at fetch)
 SEGMENT_DEFER_BLOCKS = 1  # a segment insert adding this many new full blocks or fewer stores nothing
-
-
-@dataclass
-class RequestRecord:
-    """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms.
-
-    `prompt_tokens == cached_tokens + prefill_tokens`,
-    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`.
-    """
-
-    request: int
-    prompt_tokens: int
-    cached_tokens: int = 0
-    ram_hit_tokens: int = 0
-    ssd_hit_tokens: int = 0
-    remote_hit_tokens: int = 0
-    prefill_tokens: int = 0
-    ssd_load_ms: float = 0.0
-    ssd_bytes_read: int = 0
-    fetch_ms: float = 0.0
-    uncached_reason: str | None = None
-    blocks_stored: int = 0  # chain entries handed to the tiers (segment ends + the request's end)
-    store_ms: float = 0.0  # generation-thread time spent storing them (slicing, RAM insert, SSD hand-over)
-    prefill_ms: float = 0.0  # generation-thread time of kvtool's own prefill (windowed / state-layer models)
-    generated_tokens: int | None = None  # known once the request finished
-    finished: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def log_line(self) -> str:
-        line = (
-            f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} "
-            f"(RAM {self.ram_hit_tokens}, SSD {self.ssd_hit_tokens}) | prefilled {self.prefill_tokens}"
-        )
-        if self.remote_hit_tokens:
-            line += f" | remote {self.remote_hit_tokens} tok"
-        if self.ssd_hit_tokens:
-            line += f" | SSD load {self.ssd_load_ms:.1f} ms, {self.ssd_bytes_read} B"
-        if self.uncached_reason:
-            line += f" | uncached: {self.uncached_reason}"
-        return line
-
-
-def _prompt_digest(ids: np.ndarray) -> bytes:
-    """16-byte BLAKE2b digest of int32 token ids (a key that does not keep the prompt alive)."""
-    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
-
-
-@dataclass
-class _Prefill:
-    """A fetch of a model kvtool prefills itself: what the prefill, outside the lock, needs."""
-
-    ids: np.ndarray
-    hit: CacheHit
-    record: RequestRecord
-    epoch: int  # the adapter's tiers generation at fetch (a reconfiguration changes it)
-
-
-@dataclass
-class _Waiting:
-    record: RequestRecord
-    prompt: np.ndarray
-    hit: CacheHit
-    since: float
-    stored: int  # leading chain entries of the prompt already in the tiers (found, or stored at a segment end)
-    prefilled: bool = False  # kvtool prefilled and stored the prompt at fetch (its inserts store nothing)
+RECORD_COUNTS = ("prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "remote_hit_tokens",
+                 "prefill_tokens")  # the adapter's counters that sum the requests' records
 
 
 class KVToolPromptCache:
@@ -192,15 +126,14 @@ class KVToolPromptCache:
         self.pending_ttl_s = pending_ttl_s
         self.on_record = on_record
         self._lock = threading.RLock()
-        self._waiting: OrderedDict[int, _Waiting] = OrderedDict()
+        self._waiting: OrderedDict[int, Waiting] = OrderedDict()
         self._recent: deque[RequestRecord] = deque(maxlen=RECENT_REQUESTS)
         self._closed = False
         self._epoch = 0  # tiers generation: +1 at every reconfiguration and at close
-        self._counts = {"requests": 0, "requests_cached": 0, "prompt_tokens": 0, "cached_tokens": 0,
-                        "ram_hit_tokens": 0, "ssd_hit_tokens": 0, "remote_hit_tokens": 0, "prefill_tokens": 0,
-                        "inserts": 0, "inserts_segment": 0, "inserts_segment_deferred": 0, "inserts_final": 0, "inserts_unmatched": 0, "inserts_uncacheable": 0,
-                        "requests_prefilled": 0,
-                        "blocks_stored": 0, "waiting_expired": 0, "errors": 0}
+        self._counts = dict.fromkeys(("requests", "requests_cached", *RECORD_COUNTS, "inserts", "inserts_segment",
+                                      "inserts_segment_deferred", "inserts_final", "inserts_unmatched",
+                                      "inserts_uncacheable", "requests_prefilled", "blocks_stored", "waiting_expired",
+                                      "errors"), 0)  # fmt: skip
 
     # ------------------------------------------------------------------ protocol
     def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[list | None, Sequence[int]]:
@@ -219,14 +152,13 @@ class KVToolPromptCache:
                 out = self._fetch(model, tokens, rec)
             except Exception as exc:  # the cache never fails a request: serve it uncached
                 rec, out = self._failed(rec, tokens, exc), (None, tokens)
-        if isinstance(out, _Prefill):  # kvtool's prefill runs outside the lock: stats and metrics stay answerable
+        if isinstance(out, Prefill):  # kvtool's prefill runs outside the lock: stats and metrics stay answerable
             rec, out = self._prefill_and_store(out, tokens)
         cache, rest = out
         with self._lock:
             rec.fetch_ms = (time.perf_counter() - t0) * 1e3
             self._recent.append(rec)
-            for key in ("prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "remote_hit_tokens",
-                        "prefill_tokens"):
+            for key in RECORD_COUNTS:
                 self._counts[key] += getattr(rec, key)
             self._counts["requests_cached"] += rec.cached_tokens > 0
         if self.on_record is not None:
@@ -367,7 +299,7 @@ class KVToolPromptCache:
                              uncached_reason=f"fetch failed: {exc}")
 
     def _fetch(self, model: Any, tokens: Sequence[int],
-               rec: RequestRecord) -> tuple[list | None, Sequence[int]] | _Prefill:
+               rec: RequestRecord) -> tuple[list | None, Sequence[int]] | Prefill:
         reason = self._uncached_reason(model) or (None if len(tokens) else "empty prompt")
         if reason is not None:
             rec.uncached_reason = reason
@@ -381,10 +313,10 @@ class KVToolPromptCache:
         rec.prefill_tokens = int(hit.remaining.size)
         rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
         if blockwise:
-            return _Prefill(ids, hit, rec, self._epoch)
+            return Prefill(ids, hit, rec, self._epoch)
         cache = hit.cache if hit.cached_tokens > 0 and hit.cache else None
         hit.cache = []  # the server owns the cache now (no reference kept: in-place decode stays possible)
-        self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), hit.entries_found)
+        self._waiting[rec.request] = Waiting(rec, ids, hit, time.monotonic(), hit.entries_found)
         return cache, tokens[hit.cached_tokens :]
 
     @property
@@ -394,7 +326,7 @@ class KVToolPromptCache:
         pc = self.prefix_cache
         return self.model is not None and pc.tiered is not None and bool(pc.windows or pc.has_states)
 
-    def _prefill_and_store(self, job: _Prefill,
+    def _prefill_and_store(self, job: Prefill,
                            tokens: Sequence[int]) -> tuple[RequestRecord, tuple[list | None, Sequence[int]]]:
         """kvtool's prefill of the prompt after the hit (`hit.cache`: full views, restored state)
         as `kvtool.kv.prefill.for_generation` does it for serve-once; the prompt's new entries are
@@ -422,7 +354,7 @@ class KVToolPromptCache:
                 return self._failed(rec, tokens, exc), (None, tokens)
         return rec, (gen, tokens[n - 1 :])
 
-    def _store_prefilled(self, job: _Prefill, cache: list, states: dict | None) -> None:
+    def _store_prefilled(self, job: Prefill, cache: list, states: dict | None) -> None:
         """Store a prefilled prompt's new entries, release its hit, wait for its final insert.
         Under the lock."""
         pc, ids, hit, rec = self.prefix_cache, job.ids, job.hit, job.record
@@ -437,8 +369,8 @@ class KVToolPromptCache:
             hit.cache = []
             self._release_quietly(hit)  # (a no-op after release)
         self._counts["requests_prefilled"] += 1
-        self._waiting[rec.request] = _Waiting(rec, ids, hit, time.monotonic(), len(hit.hashes), prefilled=True)
-        key = _prompt_digest(ids)
+        self._waiting[rec.request] = Waiting(rec, ids, hit, time.monotonic(), len(hit.hashes), prefilled=True)
+        key = prompt_digest(ids)
         self._reported.setdefault(key, deque()).append(rec.cached_tokens)
         self._reported.move_to_end(key)
         while len(self._reported) > MAX_REPORTED:
@@ -459,7 +391,7 @@ class KVToolPromptCache:
         with self._lock:
             if not self._reported:  # no prompt kvtool prefilled is waiting for its answer (plain models)
                 return reported
-            key = _prompt_digest(np.asarray(prompt, dtype=np.int32))
+            key = prompt_digest(np.asarray(prompt, dtype=np.int32))
             counts = self._reported.get(key)
             if not counts:
                 return reported
@@ -470,9 +402,6 @@ class KVToolPromptCache:
 
     def _insert(self, model: Any, tokens: Sequence[int], cache: list) -> None:
         if self._closed or (self.model_key is not None and model != self.model_key):
-            return
-        if not self._waiting:
-            self._counts["inserts_unmatched"] += 1
             return
         ids = np.asarray(tokens, dtype=np.int32)
         key = self._match_final(ids)
@@ -496,14 +425,14 @@ class KVToolPromptCache:
                 best, best_len = key, n
         return best
 
-    def _match_segment(self, ids: np.ndarray) -> _Waiting | None:
+    def _match_segment(self, ids: np.ndarray) -> Waiting | None:
         """The newest waiting request whose prompt `ids` is a proper prefix of."""
         for w in reversed(self._waiting.values()):
             if ids.size < w.prompt.size and np.array_equal(w.prompt[: ids.size], ids):
                 return w
         return None
 
-    def _store_segment(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
+    def _store_segment(self, w: Waiting, ids: np.ndarray, cache: list) -> None:
         n_full = ids.size // self.prefix_cache.config.block_size
         if n_full <= w.stored or self.prefix_cache.tiered is None or w.prefilled:
             return
@@ -526,7 +455,7 @@ class KVToolPromptCache:
         rec.blocks_stored += n
         self._counts["blocks_stored"] += n
 
-    def _finish(self, w: _Waiting, ids: np.ndarray, cache: list) -> None:
+    def _finish(self, w: Waiting, ids: np.ndarray, cache: list) -> None:
         w.record.generated_tokens = int(ids.size - w.prompt.size)
         w.record.finished = True
         if w.prefilled:  # stored at fetch; the hit is released

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 from kvtool.prom import CacheMetrics
@@ -38,6 +38,10 @@ from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.validation import Limits, RequestError
 
 log = logging.getLogger("kvtool.server")
+if TYPE_CHECKING:  # the handler methods' view of mlx-lm's APIHandler
+    from http.server import BaseHTTPRequestHandler as _Base
+else:
+    _Base = object
 
 STATS_PATH = "/kvtool/stats"
 METRICS_PATH = "/metrics"  # Prometheus text format (kvtool.prom)
@@ -160,219 +164,229 @@ class _Capture:
         return getattr(self._generator, name)
 
 
+class _KVToolHandler(_Base):
+    """What kvtool adds to mlx-lm's `APIHandler` (`make_handler_class` puts it first in the MRO, so
+    that `super()` is mlx-lm's handler): request checks, `GET /kvtool/stats`, `GET /metrics`,
+    a served-model `/v1/models`, errors answered with their own status."""
+
+    response_generator: Any  # mlx-lm's APIHandler sets these
+    created: int
+
+    kvtool_cache: KVToolPromptCache
+    kvtool_guard: RequestGuard
+    kvtool_metrics: CacheMetrics | None
+    timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler: socket timeout for every read and write
+    kvtool_error: BaseException | None = None
+    kvtool_headers_sent = False
+    kvtool_body_read = False
+
+    # ------------------------------------------------------------- routes
+    def do_GET(self):  # noqa: N802 - http.server naming
+        route = self.path.split("?", 1)[0]
+        if route == STATS_PATH:
+            stats = self.kvtool_cache.stats()
+            generator = self.response_generator
+            stats["server"] = {**(generator.stats() if hasattr(generator, "stats") else {}),
+                               "rejected_by_status": dict(self.kvtool_guard.rejected),
+                               "max_prompt_tokens": self.kvtool_guard.limits.max_prompt_tokens,
+                               "max_tokens_cap": self.kvtool_guard.limits.max_tokens_cap,
+                               "max_body_bytes": self.kvtool_guard.limits.max_body_bytes}
+            self._send_json(200, stats)
+            return
+        if route == METRICS_PATH and self.kvtool_metrics is not None:
+            self._send_metrics()
+            return
+        super().do_GET()
+
+    def handle_models_request(self):
+        """The served model's names (`model` values this server accepts), OpenAI's list shape;
+        `/v1/models/<id>` returns one model object (404 for another id)."""
+        names = [n for n in self.kvtool_guard.limits.model_names if n != "default_model"]
+        entries = [{"id": n, "object": "model", "created": self.created, "owned_by": "kvtool"} for n in names]
+        rest = self.path.split("?", 1)[0][len("/v1/models"):]
+        wanted = unquote(rest[1:] if rest.startswith("/") else rest)
+        if not wanted:
+            self._send_json(200, {"object": "list", "data": entries})
+        elif wanted in self.kvtool_guard.limits.model_names:
+            self._send_json(200, {"id": wanted, "object": "model", "created": self.created, "owned_by": "kvtool"})
+        else:
+            self._send_json(404, {"error": f"model {wanted[:200]!r} is not served here"})
+
+    def do_POST(self):  # noqa: N802 - http.server naming
+        self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
+        if self.path not in validation.COMPLETION_PATHS:
+            self._refuse(RequestError(404, f"no such route: POST {self.path[:100]}"))
+            return
+        try:
+            body = self._read_body()
+            validation.check_request(body, self.path, self.kvtool_guard.limits)
+        except RequestError as exc:
+            self._refuse(exc)
+            return
+        # mlx-lm's do_POST reads the (checked, normalised) body again, from memory.
+        data = json.dumps(body).encode()
+        self.headers.replace_header("Content-Length", str(len(data)))
+        rfile, self.rfile = self.rfile, io.BytesIO(data)
+        try:
+            super().do_POST()
+        finally:
+            self.rfile = rfile
+
+    def handle_completion(self, request, stop_words):
+        shared = self.response_generator
+        self.response_generator = _Capture(shared, self)
+        try:
+            super().handle_completion(request, stop_words)
+        except CLIENT_GONE as exc:
+            self.close_connection = True
+            log.info("client %s went away during the response (%s)", self.client_address[0], type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 - answered, never a dropped connection
+            self._fail_started(exc)
+        finally:
+            self.response_generator = shared
+
+    # ------------------------------------------------------------- helpers
+    def _set_completion_headers(self, status_code: int = 200):
+        if status_code == 404 and self.kvtool_error is not None:  # mlx-lm's answer to any generate() error
+            exc, self.kvtool_error = self.kvtool_error, None
+            status_code = error_status(exc)
+            self.kvtool_guard.count_rejected(status_code)
+            log.warning("request refused (%d): %s: %s", status_code, type(exc).__name__,
+                        " ".join(str(exc).split())[:300])
+        super()._set_completion_headers(status_code)  # type: ignore[misc]  # mlx-lm APIHandler
+
+    def flush_headers(self):
+        self.kvtool_headers_sent = True
+        super().flush_headers()
+
+    def _send_metrics(self) -> None:
+        """The Prometheus scrape: the text format, or OpenMetrics if the scraper's Accept asks."""
+        assert self.kvtool_metrics is not None
+        data, content_type = self.kvtool_metrics.encode(self.headers.get("Accept"))
+
+        def head() -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+
+        self._send(data, head)
+
+    def _send_json(self, status: int, doc: Any) -> None:
+        data = json.dumps(doc, default=str).encode()
+        self._send(data, lambda: super(_KVToolHandler, self)._set_completion_headers(status))  # type: ignore[misc]
+
+    def _send(self, data: bytes, head: Any) -> None:
+        """`head()` (the status line and headers but the length), then `data`; a client gone meanwhile closes."""
+        try:
+            head()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except CLIENT_GONE:
+            self.close_connection = True
+
+    def _refuse(self, exc: RequestError) -> None:
+        self.kvtool_guard.count_rejected(exc.status)
+        log.info("request refused (%d): %s", exc.status, exc.message)
+        self.close_connection = True
+        self._send_json(exc.status, {"error": exc.message})
+        if not self.kvtool_body_read:
+            self._linger()
+
+    def _linger(self) -> None:
+        """After an answer sent without reading the body: close our side, then read (and drop)
+        what the client still sends, briefly, so that closing does not reset the connection
+        before the client has read the answer."""
+        deadline, left = time.monotonic() + LINGER_S, validation.DRAIN_MAX_BYTES
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            while left > 0 and time.monotonic() < deadline:
+                chunk = self.connection.recv(1 << 16)
+                if not chunk:
+                    break
+                left -= len(chunk)
+        except OSError:
+            pass
+
+    def _fail_started(self, exc: Exception) -> None:
+        """A failure after mlx-lm started answering: a 500 if nothing was sent yet, else an
+        error event ending the stream."""
+        status = error_status(exc)
+        message = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        log.error("request failed while generating (%d): %s", status, message)
+        self.kvtool_guard.count_rejected(status)
+        self.close_connection = True
+        if not self.kvtool_headers_sent:
+            buffered = getattr(self, "_headers_buffer", None)
+            if buffered:
+                buffered.clear()  # mlx-lm's 200 status line, not sent yet
+            self._send_json(status, {"error": message})
+            return
+        try:
+            self.wfile.write(f"data: {json.dumps({'error': {'message': message, 'code': status}})}\n\n".encode())
+            self.wfile.flush()
+        except CLIENT_GONE:
+            pass
+
+    def _read_body(self) -> dict[str, Any]:
+        limits = self.kvtool_guard.limits
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise RequestError(411, "Transfer-Encoding is not supported; send a Content-Length")
+        values = self.headers.get_all("Content-Length") or []
+        if len(set(values)) > 1:
+            raise RequestError(400, "conflicting Content-Length headers")
+        try:
+            n = validation.content_length(values[0] if values else None, limits.max_body_bytes)
+        except RequestError as exc:
+            if exc.status == 413:
+                self.kvtool_body_read = self._drain(int(values[0].strip()))
+            raise
+        raw = self._read_exact(n)
+        self.kvtool_body_read = True
+        return validation.parse_body(raw)
+
+    def _read_exact(self, n: int) -> bytes:
+        deadline = time.monotonic() + BODY_TIMEOUT_S
+        chunks, left = [], n
+        try:
+            while left > 0:
+                if time.monotonic() > deadline:
+                    raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s")
+                chunk = self.rfile.read1(min(left, 1 << 16))
+                if not chunk:
+                    raise RequestError(400, f"request body ended after {n - left} of {n} bytes")
+                chunks.append(chunk)
+                left -= len(chunk)
+        except CLIENT_GONE:
+            raise RequestError(408, "request body not received in time") from None
+        return b"".join(chunks)
+
+    def _drain(self, n: int) -> bool:
+        """Read and drop an oversized body (up to DRAIN_MAX_BYTES), so that the client, still
+        sending, reads the 413 instead of a reset connection. True when all of it was read."""
+        if n > validation.DRAIN_MAX_BYTES:
+            return False
+        deadline = time.monotonic() + BODY_TIMEOUT_S
+        try:
+            while n > 0 and time.monotonic() < deadline:
+                chunk = self.rfile.read1(min(n, 1 << 16))
+                if not chunk:
+                    return False
+                n -= len(chunk)
+        except (OSError, ValueError):
+            return False
+        return n == 0
+
+
 def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: CacheMetrics | None = None):
     """mlx-lm's `APIHandler` plus request checks, `GET /kvtool/stats`, `GET /metrics` (when
-    `metrics` is given) and a served-model `/v1/models`."""
+    `metrics` is given) and a served-model `/v1/models` (`_KVToolHandler`)."""
     from mlx_lm.server import APIHandler
 
-    class KVToolAPIHandler(APIHandler):
-        kvtool_cache = cache
-        kvtool_guard = guard
-        kvtool_metrics = metrics
-        timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler: socket timeout for every read and write
-        kvtool_error: BaseException | None = None
-        kvtool_headers_sent = False
-        kvtool_body_read = False
-
-        # ------------------------------------------------------------- routes
-        def do_GET(self):  # noqa: N802 - http.server naming
-            route = self.path.split("?", 1)[0]
-            if route == STATS_PATH:
-                stats = self.kvtool_cache.stats()
-                generator = self.response_generator
-                stats["server"] = {**(generator.stats() if hasattr(generator, "stats") else {}),
-                                   "rejected_by_status": dict(self.kvtool_guard.rejected),
-                                   "max_prompt_tokens": self.kvtool_guard.limits.max_prompt_tokens,
-                                   "max_tokens_cap": self.kvtool_guard.limits.max_tokens_cap,
-                                   "max_body_bytes": self.kvtool_guard.limits.max_body_bytes}
-                self._send_json(200, stats)
-                return
-            if route == METRICS_PATH and self.kvtool_metrics is not None:
-                self._send_metrics()
-                return
-            super().do_GET()
-
-        def handle_models_request(self):
-            """The served model's names (`model` values this server accepts), OpenAI's list shape;
-            `/v1/models/<id>` returns one model object (404 for another id)."""
-            names = [n for n in self.kvtool_guard.limits.model_names if n != "default_model"]
-            entries = [{"id": n, "object": "model", "created": self.created, "owned_by": "kvtool"} for n in names]
-            rest = self.path.split("?", 1)[0][len("/v1/models"):]
-            wanted = unquote(rest[1:] if rest.startswith("/") else rest)
-            if not wanted:
-                self._send_json(200, {"object": "list", "data": entries})
-            elif wanted in self.kvtool_guard.limits.model_names:
-                self._send_json(200, {"id": wanted, "object": "model", "created": self.created, "owned_by": "kvtool"})
-            else:
-                self._send_json(404, {"error": f"model {wanted[:200]!r} is not served here"})
-
-        def do_POST(self):  # noqa: N802 - http.server naming
-            self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
-            if self.path not in validation.COMPLETION_PATHS:
-                self._refuse(RequestError(404, f"no such route: POST {self.path[:100]}"))
-                return
-            try:
-                body = self._read_body()
-                validation.check_request(body, self.path, self.kvtool_guard.limits)
-            except RequestError as exc:
-                self._refuse(exc)
-                return
-            # mlx-lm's do_POST reads the (checked, normalised) body again, from memory.
-            data = json.dumps(body).encode()
-            self.headers.replace_header("Content-Length", str(len(data)))
-            rfile, self.rfile = self.rfile, io.BytesIO(data)
-            try:
-                super().do_POST()
-            finally:
-                self.rfile = rfile
-
-        def handle_completion(self, request, stop_words):
-            shared = self.response_generator
-            self.response_generator = _Capture(shared, self)
-            try:
-                super().handle_completion(request, stop_words)
-            except CLIENT_GONE as exc:
-                self.close_connection = True
-                log.info("client %s went away during the response (%s)", self.client_address[0], type(exc).__name__)
-            except Exception as exc:  # noqa: BLE001 - answered, never a dropped connection
-                self._fail_started(exc)
-            finally:
-                self.response_generator = shared
-
-        # ------------------------------------------------------------- helpers
-        def _set_completion_headers(self, status_code: int = 200):
-            if status_code == 404 and self.kvtool_error is not None:  # mlx-lm's answer to any generate() error
-                exc, self.kvtool_error = self.kvtool_error, None
-                status_code = error_status(exc)
-                self.kvtool_guard.count_rejected(status_code)
-                log.warning("request refused (%d): %s: %s", status_code, type(exc).__name__,
-                            " ".join(str(exc).split())[:300])
-            super()._set_completion_headers(status_code)
-
-        def flush_headers(self):
-            self.kvtool_headers_sent = True
-            super().flush_headers()
-
-        def _send_metrics(self) -> None:
-            """The Prometheus scrape: the text format, or OpenMetrics if the scraper's Accept asks."""
-            assert self.kvtool_metrics is not None
-            data, content_type = self.kvtool_metrics.encode(self.headers.get("Accept"))
-            try:
-                self.send_response(200)
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                self.wfile.flush()
-            except CLIENT_GONE:
-                self.close_connection = True
-
-        def _send_json(self, status: int, doc: Any) -> None:
-            data = json.dumps(doc, default=str).encode()
-            try:
-                super()._set_completion_headers(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-                self.wfile.flush()
-            except CLIENT_GONE:
-                self.close_connection = True
-
-        def _refuse(self, exc: RequestError) -> None:
-            self.kvtool_guard.count_rejected(exc.status)
-            log.info("request refused (%d): %s", exc.status, exc.message)
-            self.close_connection = True
-            self._send_json(exc.status, {"error": exc.message})
-            if not self.kvtool_body_read:
-                self._linger()
-
-        def _linger(self) -> None:
-            """After an answer sent without reading the body: close our side, then read (and drop)
-            what the client still sends, briefly, so that closing does not reset the connection
-            before the client has read the answer."""
-            deadline, left = time.monotonic() + LINGER_S, validation.DRAIN_MAX_BYTES
-            try:
-                self.wfile.flush()
-                self.connection.shutdown(socket.SHUT_WR)
-                self.connection.settimeout(LINGER_S)
-                while left > 0 and time.monotonic() < deadline:
-                    chunk = self.connection.recv(1 << 16)
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            except OSError:
-                pass
-
-        def _fail_started(self, exc: Exception) -> None:
-            """A failure after mlx-lm started answering: a 500 if nothing was sent yet, else an
-            error event ending the stream."""
-            status = error_status(exc)
-            message = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-            log.error("request failed while generating (%d): %s", status, message)
-            self.kvtool_guard.count_rejected(status)
-            self.close_connection = True
-            if not self.kvtool_headers_sent:
-                buffered = getattr(self, "_headers_buffer", None)
-                if buffered:
-                    buffered.clear()  # mlx-lm's 200 status line, not sent yet
-                self._send_json(status, {"error": message})
-                return
-            try:
-                self.wfile.write(f"data: {json.dumps({'error': {'message': message, 'code': status}})}\n\n".encode())
-                self.wfile.flush()
-            except CLIENT_GONE:
-                pass
-
-        def _read_body(self) -> dict[str, Any]:
-            limits = self.kvtool_guard.limits
-            if self.headers.get("Transfer-Encoding") is not None:
-                raise RequestError(411, "Transfer-Encoding is not supported; send a Content-Length")
-            values = self.headers.get_all("Content-Length") or []
-            if len(set(values)) > 1:
-                raise RequestError(400, "conflicting Content-Length headers")
-            try:
-                n = validation.content_length(values[0] if values else None, limits.max_body_bytes)
-            except RequestError as exc:
-                if exc.status == 413:
-                    self.kvtool_body_read = self._drain(int(values[0].strip()))
-                raise
-            raw = self._read_exact(n)
-            self.kvtool_body_read = True
-            return validation.parse_body(raw)
-
-        def _read_exact(self, n: int) -> bytes:
-            deadline = time.monotonic() + BODY_TIMEOUT_S
-            chunks, left = [], n
-            try:
-                while left > 0:
-                    if time.monotonic() > deadline:
-                        raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s")
-                    chunk = self.rfile.read1(min(left, 1 << 16))
-                    if not chunk:
-                        raise RequestError(400, f"request body ended after {n - left} of {n} bytes")
-                    chunks.append(chunk)
-                    left -= len(chunk)
-            except CLIENT_GONE:
-                raise RequestError(408, "request body not received in time") from None
-            return b"".join(chunks)
-
-        def _drain(self, n: int) -> bool:
-            """Read and drop an oversized body (up to DRAIN_MAX_BYTES), so that the client, still
-            sending, reads the 413 instead of a reset connection. True when all of it was read."""
-            if n > validation.DRAIN_MAX_BYTES:
-                return False
-            deadline = time.monotonic() + BODY_TIMEOUT_S
-            try:
-                while n > 0 and time.monotonic() < deadline:
-                    chunk = self.rfile.read1(min(n, 1 << 16))
-                    if not chunk:
-                        return False
-                    n -= len(chunk)
-            except (OSError, ValueError):
-                return False
-            return n == 0
-
-    return KVToolAPIHandler
+    return type("KVToolAPIHandler", (_KVToolHandler, APIHandler),
+                {"kvtool_cache": cache, "kvtool_guard": guard, "kvtool_metrics": metrics})
 
 
 BUSY_RESPONSE = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"

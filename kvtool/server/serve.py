@@ -141,14 +141,11 @@ class KVToolServer:
                                                   quant=quant)
         self.metrics = CacheMetrics(self._metrics_snapshot)
         # the model: windowed / state-layer models are prefilled by kvtool at fetch (kvtool.server.adapter)
-        own = dict(model=self.provider.model, prefill_step=cli_args.prefill_step_size)
-        if self.provider.draft_model is not None:
-            self.cache: KVToolPromptCache = SpeculativePromptCache(
-                self.prefix_cache, self.provider, model_key=self.provider.model_key, on_record=self.metrics.observe,
-                **own)
-        else:
-            self.cache = KVToolPromptCache(self.prefix_cache, model_key=self.provider.model_key,
-                                           on_record=self.metrics.observe, **own)
+        own = dict(model_key=self.provider.model_key, on_record=self.metrics.observe, model=self.provider.model,
+                   prefill_step=cli_args.prefill_step_size)
+        self.cache: KVToolPromptCache = (SpeculativePromptCache(self.prefix_cache, self.provider, **own)
+                                         if self.provider.draft_model is not None
+                                         else KVToolPromptCache(self.prefix_cache, **own))  # fmt: skip
         try:
             try:
                 self.httpd = self._bind(host, port, make_handler_class(self.cache, guard, self.metrics))

@@ -247,18 +247,7 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, 
         RequestError: 400 for a missing or mistyped field or a value out of range; 404 for a
             `model` (or `draft_model`) that this server does not serve.
     """
-    model = body.get("model", "default_model")
-    if not isinstance(model, str):
-        raise _bad("model", "a string")
-    if model not in limits.model_names:
-        raise RequestError(404, f"model {model[:200]!r} is not served here; use one of: "
-                                f"{', '.join(repr(n) for n in limits.model_names)}")
-    draft = body.get("draft_model", "default_model")
-    if draft not in (None, "default_model"):
-        raise RequestError(404, "draft_model: this server has no draft model")
-    adapters = body.get("adapters")
-    if adapters is not None and not isinstance(adapters, str):
-        raise _bad("adapters", "a string or null")
+    _check_model(body, limits.model_names)
     if path == "/v1/completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
@@ -298,6 +287,22 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, 
         _check_int(body, name, 0, limits.max_tokens_cap + limits.max_prompt_tokens)
     _check_logit_bias(body.get("logit_bias"), limits.vocab_size)
     return body
+
+
+def _check_model(body: dict[str, Any], names: tuple[str, ...]) -> None:
+    """`model` one of `names` (404 otherwise), no `draft_model` (404), `adapters` a string or null."""
+    model = body.get("model", "default_model")
+    if not isinstance(model, str):
+        raise _bad("model", "a string")
+    if model not in names:
+        raise RequestError(404, f"model {model[:200]!r} is not served here; use one of: "
+                                f"{', '.join(repr(n) for n in names)}")
+    draft = body.get("draft_model", "default_model")
+    if draft not in (None, "default_model"):
+        raise RequestError(404, "draft_model: this server has no draft model")
+    adapters = body.get("adapters")
+    if adapters is not None and not isinstance(adapters, str):
+        raise _bad("adapters", "a string or null")
 
 
 def _check_logit_bias(bias: Any, vocab_size: int) -> None:

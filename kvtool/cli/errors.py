@@ -1,0 +1,140 @@
+"""One clean line per known error: `error: message; hint` on stderr and the error's exit code.
+
+A known error (a `KVToolError`, or one of the few types in `ERROR_MESSAGES`) becomes one line,
+whether a command catches it (`cli_errors`) or it escapes to the root group (`KVToolGroup`), which
+also turns Click/Typer usage errors (unknown option, missing argument, bad value) into one line
+with exit 2. Anything else keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import typer
+from rich.markup import escape
+from typer.core import TyperGroup
+
+from kvtool.cli.output import err_console
+from kvtool.errors import EXIT_USAGE, KVToolError
+
+EXIT_OK = 0
+EXIT_ABORTED = 1  # a confirmation prompt was aborted (end of input), as Typer does
+
+
+class CLIError(KVToolError):
+    """A known, user-facing error raised by the CLI layer: printed as one line, exit `code`."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE, hint: str | None = None):
+        """Create the error; `code` is the exit status (2: bad input)."""
+        super().__init__(message, exit_code=code, hint=hint)
+
+    @property
+    def code(self) -> int:
+        """The exit status (same as `exit_code`)."""
+        return self.exit_code
+
+
+# ---------------------------------------------------------------- known errors
+def _os_error(verb: str) -> Callable[[OSError], str]:
+    return lambda exc: f"{verb} {exc.filename}: {exc.strerror}"
+
+
+# Known error types -> one-line message (first match wins). A `KVToolError` carries its own exit
+# code and hint; the others exit 2. Anything not listed is a bug and keeps its traceback.
+ERROR_MESSAGES: tuple[tuple[type[BaseException], Callable[[Any], str]], ...] = (
+    (KVToolError, str),
+    (FileNotFoundError, lambda exc: f"file not found: {exc.filename or exc}"),
+    (IsADirectoryError, _os_error("cannot read")),
+    (PermissionError, _os_error("cannot read")),
+    (UnicodeDecodeError, lambda exc: f"not a UTF-8 text file (byte {exc.start}: {exc.reason})"),  # a binary file given as text
+)
+
+
+def describe_error(exc: BaseException) -> tuple[str, int, str | None] | None:
+    """`(message, exit_code, hint)` for a known error, None for anything else."""
+    for kind, render in ERROR_MESSAGES:
+        if isinstance(exc, kind):
+            return render(exc), getattr(exc, "exit_code", EXIT_USAGE), getattr(exc, "hint", None)
+    return None
+
+
+@contextmanager
+def cli_errors() -> Iterator[None]:
+    """Turn known exceptions into one clean `error: ...` line and a non-zero exit (no traceback)."""
+    try:
+        yield
+    except Exception as exc:
+        known = describe_error(exc)
+        if known is None:
+            raise
+        fail(known[0], known[1], known[2])
+
+
+def print_error(message: str, hint: str | None = None) -> None:
+    """Print `error: message; hint` to stderr as exactly one line."""
+    line = f"[bold red]error:[/] {escape(_one_line(message))}"
+    if hint:
+        line += f"; {escape(_one_line(hint))}"
+    err_console.print(line, highlight=False, soft_wrap=True)
+
+
+def fail(message: str, code: int = EXIT_USAGE, hint: str | None = None) -> None:
+    """Print `error: message` to stderr and exit with `code`."""
+    print_error(message, hint)
+    raise typer.Exit(code)
+
+
+def _one_line(text: str) -> str:
+    return re.sub(r"\s*\n\s*", " ", str(text).strip())
+
+
+class KVToolGroup(TyperGroup):
+    """The root command group. In standalone mode (the console script, `CliRunner`) it reports
+    Click/Typer usage errors and escaped known errors as one `error:` line and exits 2 (or the
+    error's code); unknown exceptions propagate with their traceback."""
+
+    def main(
+        self,
+        args: Any = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        def run() -> Any:
+            return super(KVToolGroup, self).main(
+                args, prog_name, complete_var, standalone_mode=False, windows_expand_args=windows_expand_args, **extra
+            )
+
+        if not standalone_mode:
+            return run()
+        sys.exit(_run_reporting_errors(run))
+
+
+def _run_reporting_errors(run: Callable[[], Any]) -> int:
+    """Run a non-standalone Typer/Click `main` and return the process exit code."""
+    try:
+        rv = run()
+    except typer.Abort:
+        err_console.print("Aborted.", highlight=False)
+        return EXIT_ABORTED
+    except typer.TyperException as exc:  # Typer's (vendored Click's) usage and parameter errors
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the help text was printed already
+            return EXIT_USAGE
+        ctx = getattr(exc, "ctx", None)
+        message = exc.format_message().rstrip(".")
+        print_error(message[:1].lower() + message[1:], f"see '{ctx.command_path} --help'" if ctx is not None else None)
+        return EXIT_USAGE
+    except Exception as exc:
+        known = describe_error(exc)
+        if known is None:
+            raise
+        print_error(known[0], known[2])
+        return known[1]
+    # Non-standalone Click returns the code of a `typer.Exit`, or the command's return value.
+    return rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK

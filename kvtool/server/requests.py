@@ -1,0 +1,82 @@
+"""What `KVToolPromptCache` keeps per request: its record (what the cache did, `GET /kvtool/stats`
+and the log line), the fetch a kvtool-side prefill needs, the hit waiting for its inserts."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtool.cache.prefix import CacheHit
+
+
+@dataclass
+class RequestRecord:
+    """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms.
+
+    `prompt_tokens == cached_tokens + prefill_tokens`,
+    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`.
+    """
+
+    request: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ram_hit_tokens: int = 0
+    ssd_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    ssd_load_ms: float = 0.0
+    ssd_bytes_read: int = 0
+    fetch_ms: float = 0.0
+    uncached_reason: str | None = None
+    blocks_stored: int = 0  # chain entries handed to the tiers (segment ends + the request's end)
+    store_ms: float = 0.0  # generation-thread time spent storing them (slicing, RAM insert, SSD hand-over)
+    prefill_ms: float = 0.0  # generation-thread time of kvtool's own prefill (windowed / state-layer models)
+    generated_tokens: int | None = None  # known once the request finished
+    finished: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def log_line(self) -> str:
+        line = (
+            f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} "
+            f"(RAM {self.ram_hit_tokens}, SSD {self.ssd_hit_tokens}) | prefilled {self.prefill_tokens}"
+        )
+        if self.remote_hit_tokens:
+            line += f" | remote {self.remote_hit_tokens} tok"
+        if self.ssd_hit_tokens:
+            line += f" | SSD load {self.ssd_load_ms:.1f} ms, {self.ssd_bytes_read} B"
+        if self.uncached_reason:
+            line += f" | uncached: {self.uncached_reason}"
+        return line
+
+
+def prompt_digest(ids: np.ndarray) -> bytes:
+    """16-byte BLAKE2b digest of int32 token ids (a key that does not keep the prompt alive)."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int32).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Prefill:
+    """A fetch of a model kvtool prefills itself: what the prefill, outside the lock, needs."""
+
+    ids: np.ndarray
+    hit: CacheHit
+    record: RequestRecord
+    epoch: int  # the adapter's tiers generation at fetch (a reconfiguration changes it)
+
+
+@dataclass
+class Waiting:
+    """A fetched request's hit, waiting for the request's inserts (keyed by its prompt)."""
+
+    record: RequestRecord
+    prompt: np.ndarray
+    hit: CacheHit
+    since: float
+    stored: int  # leading chain entries of the prompt already in the tiers (found, or stored at a segment end)
+    prefilled: bool = False  # kvtool prefilled and stored the prompt at fetch (its inserts store nothing)
