@@ -52,6 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtool.disk.codec import CODECS, ZSTD_LEVEL, CodecError, compress, decompress  # noqa: F401  (re-exported)
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import _PACKED_DTYPE, QUANT_BITS, STORAGE_DTYPES, KVLayout  # noqa: F401  (re-exported)
 from kvtool.disk.verify import (  # noqa: F401  (the rules: re-exported under the names callers use)
@@ -71,8 +72,6 @@ FILE_SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot)
 MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
-CODECS = ("none", "zstd", "lz4")
-ZSTD_LEVEL = 3  # zstd's default; level 1 measured no faster on KV here (docs/design.md#segments-format-2-why-and-what)
 
 _TOKENS_DTYPE = np.dtype("<i4")
 
@@ -102,52 +101,6 @@ class Slot(NamedTuple):
     nbytes: int
     codec: str = "none"
     raw_nbytes: int = -1
-
-
-# ----------------------------------------------------------------------------- codecs
-class CodecError(Exception):
-    """A compressed record that does not decode to its declared size."""
-
-
-def compress(codec: str, data: bytes | memoryview) -> bytes:
-    """Compress one record with `codec` ('zstd' or 'lz4'); lossless."""
-    if codec == "zstd":
-        import zstandard
-
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
-    if codec == "lz4":
-        import lz4.block
-
-        return lz4.block.compress(data, store_size=False)
-    raise ValueError(f"unknown codec {codec!r}")
-
-
-def decompress(codec: str, data: bytes | bytearray | memoryview, raw_nbytes: int) -> bytes:
-    """Inverse of `compress`; the result has exactly `raw_nbytes` bytes.
-
-    Raises:
-        CodecError: the data does not decode, or decodes to another size.
-    """
-    try:
-        if codec == "zstd":
-            import zstandard
-
-            if zstandard.frame_content_size(data) != raw_nbytes:  # before any allocation
-                raise CodecError(f"zstd frame declares another size than {raw_nbytes}")
-            out = zstandard.ZstdDecompressor().decompress(data, max_output_size=raw_nbytes)
-        elif codec == "lz4":
-            import lz4.block
-
-            out = lz4.block.decompress(data, uncompressed_size=raw_nbytes)
-        else:
-            raise CodecError(f"unknown codec {codec!r}")
-    except CodecError:
-        raise
-    except Exception as exc:  # the libraries' own error types (and MemoryError on nonsense)
-        raise CodecError(f"{codec} data does not decode: {exc}") from None
-    if len(out) != raw_nbytes:
-        raise CodecError(f"{codec} record decodes to {len(out)} bytes, not {raw_nbytes}")
-    return out
 
 
 # ----------------------------------------------------------------------------- write

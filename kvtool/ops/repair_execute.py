@@ -21,8 +21,6 @@ from kvtool.hashing import root_parent
 from kvtool.ops.rebuild import execute_rebuild
 from kvtool.ops.repairs import REPAIRS, NamespaceRepair, RepairPlan, unlink_counted
 
-_unlink = unlink_counted
-
 
 def execute(plan: RepairPlan) -> RepairPlan:
     """Carry out a repair plan (see the module docstring for the order). Never raises for I/O
@@ -49,7 +47,7 @@ def execute(plan: RepairPlan) -> RepairPlan:
 def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) -> None:
     act = rep.actions
     for rel in act.temps:
-        _unlink(rep, lambda: cdir.unlink_temp(rel), rel)  # noqa: B023  (called at once, inside the loop)
+        unlink_counted(rep, lambda: cdir.unlink_temp(rel), rel)  # noqa: B023  (called at once, inside the loop)
     index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
     try:
         if act.bad_rowids or act.bad_segment_rowids:
@@ -68,17 +66,17 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
             index.insert_segment(seg_row, rewrite + adopt)
         emptied = index.delete(act.drop)[1] if act.drop else []
         for rel in act.irregular:  # their rows are gone (dropped above, or rewritten to a copy)
-            _unlink(rep, lambda: cdir.unlink_irregular(rel), rel)  # noqa: B023  (called at once, inside the loop)
+            unlink_counted(rep, lambda: cdir.unlink_irregular(rel), rel)  # noqa: B023  (called at once, inside the loop)
         if act.broken:  # re-check on a fresh read: a live writer may have stored a missing parent
             act.broken = _still_unrooted(index, rep.namespace, act.broken)
             emptied += index.delete(act.broken)[1] if act.broken else []
         for name in emptied:
-            _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+            unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
         for name in act.remove_segments:
             if index.segment_rows(name):  # rows appeared meanwhile (a live writer): keep it
                 continue
             index.delete_segments([name])
-            _unlink(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+            unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
     finally:
         index.close()
 
