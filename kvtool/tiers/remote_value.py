@@ -48,9 +48,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-import xxhash
 
-from kvtool.disk import segment, segment_template
+from kvtool.disk import segment, segment_template, verify
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.disk.segment import BlockFileError, CodecError
@@ -59,7 +58,6 @@ VALUE_FORMAT = f"s{segment.FORMAT_VERSION}"
 KEY_PREFIX = "kvtool"
 DEFAULT_MAX_VALUE_BYTES = 16 << 20  # bytes per stored string; larger values are split into parts
 MIN_MAX_VALUE_BYTES = 1 << 10
-_ZERO_CK = segment.ZERO_CHECKSUM.encode()
 MAX_PARTS = 4096
 HEADER_SLACK = 16 << 10  # bytes: a one-slot header is ~0.5 KiB plus the layout spec
 _HEX32 = re.compile(r"[0-9a-f]{32}")
@@ -219,14 +217,12 @@ def _decode(view: memoryview, layout_key: str, kv: KVLayout | None, codec: str |
     if len(header.slots) != 1:
         raise RemoteValueError("slot", f"{len(header.slots)} records, a value holds one")
     slot = header.slots[0]
-    if slot.block_hash != expected_hash:
-        raise RemoteValueError("slot", f"value of block {slot.block_hash[:40]!r} under key {expected_hash}")
-    if expected_parent is not None and slot.parent_hash != expected_parent:
-        raise RemoteValueError("slot", f"parent {slot.parent_hash[:40]!r}, the chain asks for {expected_parent}")
-    if expected_tokens is not None and slot.n_tokens != len(expected_tokens):
-        raise RemoteValueError("slot", f"{slot.n_tokens} tokens, {len(expected_tokens)} expected")
+    n_expected = None if expected_tokens is None else len(expected_tokens)
+    why = verify.slot_problem(slot, expected_hash, expected_parent, n_expected)
+    if why is not None:
+        raise RemoteValueError("slot", why[:300])
     stored = view[slot.offset : slot.offset + slot.nbytes]
-    if xxhash.xxh3_128_hexdigest(stored) != slot.checksum:
+    if verify.record_checksum((stored,)) != slot.checksum:
         raise RemoteValueError("checksum", f"record of {slot.block_hash} does not match its checksum")
     record: memoryview | bytes = stored
     if slot.codec != "none":
@@ -310,10 +306,10 @@ def _decode_canonical(view: memoryview, layout_key: str, kv: KVLayout, expected_
     if (head[h : h + 32] != expected_hash.encode() or head[p : p + 32] != expected_parent.encode()
             or head[c.created].translate(None, segment_template.CREATED_CHARS)):  # fmt: skip
         return None
-    if xxhash.xxh3_128_hexdigest(head[8:at] + _ZERO_CK + head[at + 32 :]).encode() != head[at : at + 32]:
+    if verify.sealed_header_digest(head[8:], at - 8) != head[at : at + 32]:
         return None  # (the general path says which field)
     record = view[c.record]
-    if xxhash.xxh3_128_hexdigest(record).encode() != head[c.ck_at : c.ck_at + 32]:
+    if verify.record_checksum((record,)).encode() != head[c.ck_at : c.ck_at + 32]:
         raise RemoteValueError("checksum", f"record of {expected_hash} does not match its checksum")
     return _block(kv, record, len(expected_tokens), expected_hash, expected_parent, expected_tokens)
 
