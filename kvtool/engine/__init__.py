@@ -321,10 +321,10 @@ class Engine:
             try:
                 res = self._result(hit)
                 pc.persist_found(hit)  # RAM-only blocks (evict_only) reach SSD too
-                cache = hit.cache or self._new_cache()
+                cache = hit.cache or self.new_cache()
                 t0 = time.perf_counter()
                 states: dict | None = {} if self._blockwise and self.cache.has_states else None
-                self._prefill(cache, hit.remaining, len(ids), hit.cached_tokens, states)
+                self.prefill_into(cache, hit.remaining, len(ids), hit.cached_tokens, states)
                 res.prefill_ms = (time.perf_counter() - t0) * 1e3
                 res.finish_reason = "prefill"
                 self._store(res, ids, cache, hit, persist=True, states=states)
@@ -345,7 +345,7 @@ class Engine:
         hit = self.cache.fetch(ids, full_views=True)
         try:
             res = self._result(hit)
-            cache = hit.cache or self._new_cache()
+            cache = hit.cache or self.new_cache()
             t0 = time.perf_counter()
             # sliding-window layers: the whole prompt into full views (every token's KV, for the
             # blocks), then mlx-lm's own rotating state at the last prompt token; state layers:
@@ -367,7 +367,7 @@ class Engine:
                 hit.cache = []
             self.cache.release(hit)
 
-    def _new_cache(self) -> list:
+    def new_cache(self) -> list:
         """An empty cache for a prefill: mlx-lm's own, with full views for sliding-window leaves
         (`kvtool.kv.prefill.new_cache`) when they are cached."""
         return prefill_mod.new_cache(self.model, self.cache.windows if self._blockwise else (), self.max_kv_size)
@@ -386,7 +386,7 @@ class Engine:
         return prefill_mod.generation_cache(full, n, self.cache.windows if self._blockwise else (),
                                             self.prefill_step_size, states)
 
-    def _prefill(self, cache: list, tokens: np.ndarray, n_prompt: int, start: int,
+    def prefill_into(self, cache: list, tokens: np.ndarray, n_prompt: int, start: int,
                  states: dict | None = None) -> None:
         """Run the model over `tokens` (the prompt's tokens after the `start` ones `cache` holds)
         in chunks as mlx-lm's generate_step, with kvtool's quantisation switch and state

@@ -541,11 +541,11 @@ def export_cache_file(
         report.cached_tokens = tiers_hold
         report.ram_hit_tokens = hit.ram_tokens + (1 if whole_chain and not hit.ssd_tokens else 0)
         report.ssd_hit_tokens = hit.ssd_tokens + (1 if whole_chain and hit.ssd_tokens else 0)
-        cache = hit.cache or engine._new_cache()
+        cache = hit.cache or engine.new_cache()
         states: dict | None = {} if pc.has_states else None
         remaining = hit.remaining
         if remaining.size > 1:  # only with fill: kvtool's exact prefill (chunks, quant switch, states)
-            engine._prefill(cache, remaining[:-1], n, hit.cached_tokens, states)
+            engine.prefill_into(cache, remaining[:-1], n, hit.cached_tokens, states)
         gen = _mlx_state_cache(engine, cache, n - 1)
         # mlx-lm's last prefill step: the last token alone, then its quantisation check
         engine.model(mx.array([[ids[-1]]], dtype=mx.int32), cache=gen)
