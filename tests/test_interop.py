@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from kvtool.cli import app as app_module
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
-from kvtool.jobs import interop
+from kvtool.jobs import interop, interop_export
 from kvtool.jobs.interop import InteropError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -261,7 +261,7 @@ def test_exported_file_imports_without_prompt_and_quantized_round_trip(tmp_path,
     ids, path = made
     with engine_for(tiny_model, tmp_path / "a") as eng:
         interop.import_cache_file(eng, path, ids, model_spec="tiny")
-        interop.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model=str(tiny_model.path))
+        interop_export.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model=str(tiny_model.path))
     with engine_for(tiny_model, tmp_path / "b") as eng:
         rep = interop.import_cache_file(eng, tmp_path / "exp.safetensors", None, model_spec="tiny")
         assert rep.token_source == "metadata" and rep.verified and rep.cached_tokens == len(ids)
@@ -276,7 +276,7 @@ def test_exported_file_imports_without_prompt_and_quantized_round_trip(tmp_path,
         rep = interop.import_cache_file(eng, q, ids, model_spec="tiny")
         assert rep.verified and rep.cache_type == "QuantizedKVCache" and rep.kv_bits == 8
     with engine_for(tiny_model, tmp_path / "c", kv_bits=8, kv_group_size=32, quantized_kv_start=0) as eng:
-        exp = interop.export_cache_file(eng, ids, tmp_path / "q2.safetensors", metadata_model="m")
+        exp = interop_export.export_cache_file(eng, ids, tmp_path / "q2.safetensors", metadata_model="m")
         assert exp.cached_tokens == exp.ssd_hit_tokens == len(ids) and exp.cache_types == ["QuantizedKVCache"]
     assert_same_kv(q, tmp_path / "q2.safetensors")
 
@@ -310,7 +310,7 @@ def test_export_equals_mlx_cache_of_other_families(tmp_path, family):
     with engine_for(loaded, tmp_path / "c", prefill_step_size=64) as eng:
         eng.prefill(ids)
     with engine_for(loaded, tmp_path / "c", prefill_step_size=64) as eng:
-        exp = interop.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model="m")
+        exp = interop_export.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model="m")
         assert exp.cached_tokens == len(ids) and exp.computed_tokens == 1
     got = load_prompt_cache(str(tmp_path / "exp.safetensors"))
     assert [type(c) for c in got] == [type(c) for c in ref]

@@ -252,7 +252,7 @@ def export_cmd(
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
-        from kvtool.jobs.interop import export_cache_file
+        from kvtool.jobs.interop_export import export_cache_file
         from kvtool.jobs.interop_files import SUFFIX, metadata_model_for
 
         if out.suffix != SUFFIX:

@@ -40,9 +40,6 @@ plus `kvtool_*` keys.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,7 +48,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvtool.errors import EXIT_USAGE
 from kvtool.jobs.interop_files import (
-    SUFFIX,
     TOKEN_SOURCES,
     InteropError,
     ModelCheck,
@@ -251,7 +247,7 @@ def _check_quantization(engine: Engine, cache: list, n: int, path) -> None:
                            "prompt unquantized; pass the --quantized-kv-start the file was made with")
 
 
-def _truncated(c, n: int):
+def truncated(c, n: int):
     """A new cache layer holding the first `n` tokens of `c` (same class)."""
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
@@ -316,7 +312,7 @@ def kv_check(engine: Engine, cache: list, tokens: Sequence[int], tail: int = DEF
             probe = [QuantizedKVCache(group_size=c.group_size, bits=c.bits) if type(c) is QuantizedKVCache
                      else KVCache() for c in cache]
         else:
-            probe = [_truncated(c, start) for c in cache]
+            probe = [truncated(c, start) for c in cache]
         engine.model(mx.array([list(tokens[start:stop])], dtype=mx.int32), cache=probe)
         for c, p in zip(cache, probe):
             for a, b in zip(_dense(p, start, stop), _dense(c, start, stop)):
@@ -386,6 +382,31 @@ def import_cache_file(
     check_writable(engine)
     cache, metadata = preloaded if preloaded is not None else load_cache_file(path)
     report = ImportReport(file=str(resolve_cache_file(path)), file_model=metadata.get("model"))
+    ids, report.token_source = _prompt_ids(path, tokens, metadata, token_source)
+    report.prompt_tokens = len(ids)
+    _check_file_cache(engine, cache, ids, path, report)
+    _check_model_and_kv(engine, cache, ids, path, report, model_spec, adapter_path, require_model_match,
+                        check_tokens, check_positions)  # fmt: skip
+    pc = engine.cache
+    report.layout_key, report.namespace_dir = pc.layout_key, str(pc.namespace_dir)
+    base = pc.stats().to_dict()
+    report.entries_stored = pc.store(ids, cache, persist=True)
+    report.flushed = pc.flush()
+    report.blocks_written, report.bytes_written, report.blocks_dedup, report.blocks_failed = write_counts(
+        base, pc.stats().to_dict())
+    report.cached_tokens = pc.probe(ids)
+    report.verified = report.cached_tokens == len(ids)
+    report.elapsed_s = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _prompt_ids(path, tokens: Sequence[int] | None, metadata: dict[str, str], token_source: str) -> tuple[list[int], str]:
+    """The prompt's token ids and where they came from: `tokens`, else the file's
+    `kvtool_token_ids` metadata (which `tokens` must equal where both are given).
+
+    Raises:
+        InteropError: no ids, or ids that differ from the file's.
+    """
     meta_ids = file_token_ids(metadata)
     if tokens is None:
         if meta_ids is None:
@@ -398,7 +419,17 @@ def import_cache_file(
     ids = [int(t) for t in tokens]
     if not ids:
         raise InteropError("the prompt has no tokens")
-    report.prompt_tokens, report.token_source = len(ids), token_source
+    return ids, token_source
+
+
+def _check_file_cache(engine: Engine, cache: list, ids: list[int], path, report: ImportReport) -> None:
+    """The file's cache fits the engine: plain classes, one token count equal to the prompt's,
+    no sliding-window or state layers, the same quantisation and shapes (`report` gets the cache
+    type and quantisation).
+
+    Raises:
+        InteropError: the first check that fails.
+    """
     report.cache_type = _check_classes(cache, path)
     fq = file_quantization(cache)
     if fq is not None:
@@ -407,16 +438,27 @@ def import_cache_file(
     if len(offsets) != 1:
         raise InteropError(f"{path}: layers hold different token counts {offsets}")
     if offsets[0] != len(ids):
-        how = TOKEN_SOURCES.get(token_source, token_source)
+        how = TOKEN_SOURCES.get(report.token_source, report.token_source)
         raise InteropError(
             f"{path}: the cache holds {offsets[0]} tokens but the prompt has {len(ids)} ({how}); "
             "it must be the exact prompt the file was made from",
             hint=("mlx_lm.cache_prompt wraps the prompt in the chat template (kvtool's default); "
-                  "--ignore-chat-template tokenises raw text" if token_source.startswith("prompt") else None))
+                  "--ignore-chat-template tokenises raw text" if report.token_source.startswith("prompt") else None))
     if engine.cache.windows or engine.cache.has_states:
         raise InteropError("this model has sliding-window or state layers: its prompt-cache files cannot be imported")
     _check_quantization(engine, cache, len(ids), path)
     _check_shapes(engine, cache, ids, path)
+
+
+def _check_model_and_kv(engine: Engine, cache: list, ids: list[int], path, report: ImportReport, model_spec: str,
+                        adapter_path: str | None, require_model_match: bool, check_tokens: int,
+                        check_positions: int) -> None:  # fmt: skip
+    """The file's model is the engine's (`check_model`; a warning only without
+    `require_model_match`), and the KV of its last tokens is what the model computes (`kv_check`).
+
+    Raises:
+        InteropError: another model, or KV beyond the tolerance (`_tolerance`).
+    """
     mc = check_model(report.file_model, model_spec, engine.loaded, adapter_path)
     report.model_check = mc.status if require_model_match else "skipped"
     report.model_check_detail = mc.detail
@@ -431,164 +473,11 @@ def import_cache_file(
         raise InteropError(
             f"{path}: the KV of {report.kv_check_tokens} recomputed tokens is not what the model computes for them "
             f"(relative difference {report.kv_check_max_rel_diff:.3g} > {tol:g}): another model or another prompt")
-    pc = engine.cache
-    report.layout_key, report.namespace_dir = pc.layout_key, str(pc.namespace_dir)
-    base = pc.stats().to_dict()
-    report.entries_stored = pc.store(ids, cache, persist=True)
-    report.flushed = pc.flush()
-    report.blocks_written, report.bytes_written, report.blocks_dedup, report.blocks_failed = write_counts(
-        base, pc.stats().to_dict())
-    report.cached_tokens = pc.probe(ids)
-    report.verified = report.cached_tokens == len(ids)
-    report.elapsed_s = round(time.perf_counter() - t0, 3)
-    return report
-
-
-# --------------------------------------------------------------------------- export
-def _mlx_state_cache(engine: Engine, cache: list, n: int) -> list:
-    """mlx-lm's own cache after its prefill of a prompt's first `n` tokens, from kvtool's
-    prefill cache holding them: sliding-window full views become `RotatingKVCache`
-    (`rotating_from_full`), every other layer stays (state layers hold the state after `n`)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import ArraysCache
-
-    from kvtool.kv.windows import rotating_from_full
-
-    windows = engine.cache.windows or (None,) * len(cache)
-    out = []
-    for c, w in zip(cache, windows):
-        if w is not None and not isinstance(c, ArraysCache):
-            out.append(rotating_from_full(c, n, w, engine.prefill_step_size))
-        else:
-            out.append(c)
-    mx.eval([c.state for c in out if isinstance(c, ArraysCache) or c.keys is not None])
-    return out
-
-
-def _compact(c):
-    """A plain / quantized layer whose arrays end at its offset (the file then holds no padding)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
-
-    if type(c) in (KVCache, QuantizedKVCache) and c.keys is not None:
-        return _truncated(c, int(c.offset))
-    return c
-
-
-def export_cache_file(
-    engine,
-    tokens: Sequence[int],
-    out: str | Path,
-    *,
-    metadata_model: str,
-    fill: bool = False,
-    extra_metadata: dict[str, str] | None = None,
-) -> ExportReport:
-    """Write the prompt's cached KV as an mlx-lm prompt-cache file (see the module docstring).
-
-    Args:
-        engine: a `kvtool.engine.Engine` (its namespace: kv_bits, block size as when cached).
-        tokens: the prompt's token ids (`cache_prompt_tokens` for `mlx_lm.generate` use).
-        out: the file to write (`*.safetensors`; replaced atomically).
-        metadata_model: the metadata `model` (`metadata_model_for`).
-        fill: compute the tokens the tiers lack instead of refusing (nothing is stored).
-        extra_metadata: more string metadata.
-
-    Returns:
-        The report.
-
-    Raises:
-        InteropError: bad output name, uncacheable model, or (exit code 1) the prompt is not
-            fully cached and `fill` is False. Nothing is written then.
-    """
-    import mlx.core as mx
-    from mlx_lm.generate import maybe_quantize_kv_cache
-    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-    t0 = time.perf_counter()
-    out = Path(out).expanduser()
-    if out.suffix != SUFFIX:
-        raise InteropError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
-    if out.is_dir():
-        raise InteropError(f"{out} is a directory")
-    if not out.parent.is_dir():
-        raise InteropError(f"directory not found: {out.parent}")
-    ids = [int(t) for t in tokens]
-    n = len(ids)
-    if n == 0:
-        raise InteropError("the prompt has no tokens")
-    if engine.uncached_reason is not None:
-        raise InteropError(f"this model is not cached by kvtool: {engine.uncached_reason}")
-    pc = engine.cache
-    report = ExportReport(out=str(out), metadata_model=metadata_model, prompt_tokens=n, layout_key=pc.layout_key)
-    hit = pc.fetch(ids, full_views=True)
-    try:
-        # Every entry found (blocks and tail): trimmed to n-1, the last token is re-forwarded.
-        # All but the last token (no tail entry): the same, as the last token is recomputed anyway.
-        whole_chain = hit.entries_found == len(hit.hashes) + (hit.tail is not None) and hit.entries_found > 0
-        full = hit.cached_tokens >= n - 1
-        tiers_hold = n if whole_chain else hit.cached_tokens
-        if not full and not fill:
-            bs = pc.config.block_size
-            if tiers_hold == (n // bs) * bs and tiers_hold > 0:
-                hint = (f"only the last {n - tiers_hold} token(s), less than a block, are missing (serve-once and warm "
-                        "cache a chat prompt with its assistant turn, so its tail differs): --fill computes them")
-            else:
-                hint = ("warm it first (kvtool warm / serve-once with the same model, block size and tokenisation) "
-                        "or pass --fill to compute the rest")
-            raise InteropError(
-                f"the prompt is not fully cached: {tiers_hold} of its {n} tokens are (namespace {pc.layout_key})",
-                exit_code=EXIT_NOT_CACHED, hint=hint)
-        report.cached_tokens = tiers_hold
-        report.ram_hit_tokens = hit.ram_tokens + (1 if whole_chain and not hit.ssd_tokens else 0)
-        report.ssd_hit_tokens = hit.ssd_tokens + (1 if whole_chain and hit.ssd_tokens else 0)
-        cache = hit.cache or engine.new_cache()
-        states: dict | None = {} if pc.has_states else None
-        remaining = hit.remaining
-        if remaining.size > 1:  # only with fill: kvtool's exact prefill (chunks, quant switch, states)
-            engine.prefill_into(cache, remaining[:-1], n, hit.cached_tokens, states)
-        gen = _mlx_state_cache(engine, cache, n - 1)
-        # mlx-lm's last prefill step: the last token alone, then its quantisation check
-        engine.model(mx.array([[ids[-1]]], dtype=mx.int32), cache=gen)
-        q = engine.quant
-        if q is not None:
-            maybe_quantize_kv_cache(gen, q.start, q.group_size, q.bits)
-        gen = [_compact(c) for c in gen]
-        mx.eval([c.state for c in gen])
-        report.computed_tokens = int(remaining.size)
-        tok = engine.tokenizer
-        metadata = {
-            "model": metadata_model,
-            "tokenizer_config": json.dumps({"trust_remote_code": False}),
-            "chat_template": str(getattr(tok, "chat_template", None) or ""),
-            "kvtool_token_ids": json.dumps(ids),
-            "kvtool_layout_key": str(pc.layout_key),
-            **(extra_metadata or {}),
-        }
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=SUFFIX, dir=out.parent)
-        os.close(fd)
-        try:
-            save_prompt_cache(tmp, gen, metadata)
-            check = load_prompt_cache(tmp)
-            if [int(getattr(c, "offset", n)) for c in check if hasattr(c, "offset")] != [n] * sum(
-                    hasattr(c, "offset") for c in check):
-                raise InteropError(f"{out}: the written file does not hold {n} tokens (internal error)")
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        report.cache_types = sorted({type(c).__name__ for c in gen})
-        report.bytes = out.stat().st_size
-    finally:
-        if not hit.cache:
-            hit.cache = []
-        pc.release(hit)
-    report.elapsed_s = round(time.perf_counter() - t0, 3)
-    return report
 
 
 __all__ = [
     "InteropError", "ImportReport", "ExportReport", "ModelCheck", "cache_prompt_tokens", "parse_token_ids",
     "read_token_ids", "TOKEN_SOURCES", "load_cache_file", "resolve_cache_file", "file_token_ids", "file_quantization",
-    "check_model", "metadata_model_for", "kv_check", "check_writable", "import_cache_file", "export_cache_file",
+    "check_model", "metadata_model_for", "kv_check", "check_writable", "import_cache_file",
     "DEFAULT_CHECK_TOKENS", "EXIT_NOT_CACHED", "EXIT_USAGE",
 ]

@@ -1,0 +1,196 @@
+"""Export of a cached prompt as an mlx-lm prompt-cache file (`kvtool export`): the KV the tiers
+hold for the prompt (the rest computed with `--fill`), as mlx-lm's own prefill leaves its cache,
+written atomically and read back. The file format and checks: `kvtool.jobs.interop`."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtool.jobs.interop import EXIT_NOT_CACHED, ExportReport, InteropError, truncated
+from kvtool.jobs.interop_files import SUFFIX
+
+if TYPE_CHECKING:
+    from kvtool.engine import Engine  # (MLX: for annotations only)
+
+
+def _mlx_state_cache(engine: Engine, cache: list, n: int) -> list:
+    """mlx-lm's own cache after its prefill of a prompt's first `n` tokens, from kvtool's
+    prefill cache holding them: sliding-window full views become `RotatingKVCache`
+    (`rotating_from_full`), every other layer stays (state layers hold the state after `n`)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    from kvtool.kv.windows import rotating_from_full
+
+    windows = engine.cache.windows or (None,) * len(cache)
+    out = []
+    for c, w in zip(cache, windows):
+        if w is not None and not isinstance(c, ArraysCache):
+            out.append(rotating_from_full(c, n, w, engine.prefill_step_size))
+        else:
+            out.append(c)
+    mx.eval([c.state for c in out if isinstance(c, ArraysCache) or c.keys is not None])
+    return out
+
+
+def _compact(c):
+    """A plain / quantized layer whose arrays end at its offset (the file then holds no padding)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if type(c) in (KVCache, QuantizedKVCache) and c.keys is not None:
+        return truncated(c, int(c.offset))
+    return c
+
+
+def export_cache_file(
+    engine,
+    tokens: Sequence[int],
+    out: str | Path,
+    *,
+    metadata_model: str,
+    fill: bool = False,
+    extra_metadata: dict[str, str] | None = None,
+) -> ExportReport:
+    """Write the prompt's cached KV as an mlx-lm prompt-cache file (see the module docstring).
+
+    Args:
+        engine: a `kvtool.engine.Engine` (its namespace: kv_bits, block size as when cached).
+        tokens: the prompt's token ids (`cache_prompt_tokens` for `mlx_lm.generate` use).
+        out: the file to write (`*.safetensors`; replaced atomically).
+        metadata_model: the metadata `model` (`metadata_model_for`).
+        fill: compute the tokens the tiers lack instead of refusing (nothing is stored).
+        extra_metadata: more string metadata.
+
+    Returns:
+        The report.
+
+    Raises:
+        InteropError: bad output name, uncacheable model, or (exit code 1) the prompt is not
+            fully cached and `fill` is False. Nothing is written then.
+    """
+    t0 = time.perf_counter()
+    out = _output_path(out)
+    ids = [int(t) for t in tokens]
+    n = len(ids)
+    if n == 0:
+        raise InteropError("the prompt has no tokens")
+    if engine.uncached_reason is not None:
+        raise InteropError(f"this model is not cached by kvtool: {engine.uncached_reason}")
+    pc = engine.cache
+    report = ExportReport(out=str(out), metadata_model=metadata_model, prompt_tokens=n, layout_key=pc.layout_key)
+    hit = pc.fetch(ids, full_views=True)
+    try:
+        # Every entry found (blocks and tail): trimmed to n-1, the last token is re-forwarded.
+        # All but the last token (no tail entry): the same, as the last token is recomputed anyway.
+        whole_chain = hit.entries_found == len(hit.hashes) + (hit.tail is not None) and hit.entries_found > 0
+        full = hit.cached_tokens >= n - 1
+        tiers_hold = n if whole_chain else hit.cached_tokens
+        if not full and not fill:
+            raise _not_cached(pc.config.block_size, n, tiers_hold, pc.layout_key)
+        report.cached_tokens = tiers_hold
+        report.ram_hit_tokens = hit.ram_tokens + (1 if whole_chain and not hit.ssd_tokens else 0)
+        report.ssd_hit_tokens = hit.ssd_tokens + (1 if whole_chain and hit.ssd_tokens else 0)
+        gen = _generation_state(engine, hit, ids)
+        report.computed_tokens = int(hit.remaining.size)
+        tok = engine.tokenizer
+        metadata = {
+            "model": metadata_model,
+            "tokenizer_config": json.dumps({"trust_remote_code": False}),
+            "chat_template": str(getattr(tok, "chat_template", None) or ""),
+            "kvtool_token_ids": json.dumps(ids),
+            "kvtool_layout_key": str(pc.layout_key),
+            **(extra_metadata or {}),
+        }
+        _write_checked(out, gen, metadata, n)
+        report.cache_types = sorted({type(c).__name__ for c in gen})
+        report.bytes = out.stat().st_size
+    finally:
+        if not hit.cache:
+            hit.cache = []
+        pc.release(hit)
+    report.elapsed_s = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _output_path(out: str | Path) -> Path:
+    """`out` as the file to write: named `*.safetensors` (mlx-lm's loader picks the format by the
+    suffix), not a directory, in a directory that exists.
+
+    Raises:
+        InteropError: it is not.
+    """
+    out = Path(out).expanduser()
+    if out.suffix != SUFFIX:
+        raise InteropError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
+    if out.is_dir():
+        raise InteropError(f"{out} is a directory")
+    if not out.parent.is_dir():
+        raise InteropError(f"directory not found: {out.parent}")
+    return out
+
+
+def _not_cached(block_size: int, n: int, tiers_hold: int, layout_key: str) -> InteropError:
+    """The refusal (exit `EXIT_NOT_CACHED`) of a prompt of `n` tokens whose tiers hold `tiers_hold`."""
+    if tiers_hold == (n // block_size) * block_size and tiers_hold > 0:
+        hint = (f"only the last {n - tiers_hold} token(s), less than a block, are missing (serve-once and warm "
+                "cache a chat prompt with its assistant turn, so its tail differs): --fill computes them")
+    else:
+        hint = ("warm it first (kvtool warm / serve-once with the same model, block size and tokenisation) "
+                "or pass --fill to compute the rest")
+    return InteropError(f"the prompt is not fully cached: {tiers_hold} of its {n} tokens are (namespace {layout_key})",
+                        exit_code=EXIT_NOT_CACHED, hint=hint)
+
+
+def _generation_state(engine: Engine, hit, ids: list[int]) -> list:
+    """mlx-lm's cache after its own prefill of the prompt `ids`: the hit's cache (the rest
+    prefilled kvtool's exact way where `--fill` left some), trimmed to all but the last token,
+    then the last token forwarded alone and mlx-lm's quantisation check, as its last prefill
+    step does; compacted and evaluated."""
+    import mlx.core as mx
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    n = len(ids)
+    cache = hit.cache or engine.new_cache()
+    states: dict | None = {} if engine.cache.has_states else None
+    if hit.remaining.size > 1:  # only with fill: kvtool's exact prefill (chunks, quant switch, states)
+        engine.prefill_into(cache, hit.remaining[:-1], n, hit.cached_tokens, states)
+    gen = _mlx_state_cache(engine, cache, n - 1)
+    engine.model(mx.array([[ids[-1]]], dtype=mx.int32), cache=gen)
+    q = engine.quant
+    if q is not None:
+        maybe_quantize_kv_cache(gen, q.start, q.group_size, q.bits)
+    gen = [_compact(c) for c in gen]
+    mx.eval([c.state for c in gen])
+    return gen
+
+
+def _write_checked(out: Path, gen: list, metadata: dict[str, str], n: int) -> None:
+    """Save `gen` with `metadata` as mlx-lm's `save_prompt_cache` does, through a temp file in
+    `out`'s directory that is loaded back and checked to hold `n` tokens, then renamed to `out`.
+
+    Raises:
+        InteropError: the written file does not hold `n` tokens (nothing is left behind).
+    """
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=SUFFIX, dir=out.parent)
+    os.close(fd)
+    try:
+        save_prompt_cache(tmp, gen, metadata)
+        check = load_prompt_cache(tmp)
+        offsets = [int(c.offset) for c in check if hasattr(c, "offset")]
+        if offsets != [n] * len(offsets):
+            raise InteropError(f"{out}: the written file does not hold {n} tokens (internal error)")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+__all__ = ["export_cache_file"]
