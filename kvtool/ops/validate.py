@@ -411,7 +411,9 @@ class _Planner:
             parent[r if keep is None else int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
         # records no kept row describes, first copy of each hash (file order)
         found = t.index.find(keys_from_hex([c.hash for c in self.candidates])) if self.candidates else np.zeros(0, np.int64)
-        in_final = (found >= 0) & ~dropped[np.maximum(found, 0)] if found.size else np.zeros(0, dtype=bool)
+        in_final = found >= 0  # its hash has a row that is kept (an empty table: no row at all)
+        if in_final.any():
+            in_final[in_final] = ~dropped[found[in_final]]
         spare: list[_Candidate] = []
         seen: set[str] = set()
         outside: dict[str, int] = {}  # segment -> its records whose hash no kept row has
