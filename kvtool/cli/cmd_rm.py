@@ -226,12 +226,24 @@ def _print_plan(plan, console) -> None:
                 f"{ns.blocks_after} block(s), {format_bytes(ns.bytes_after)} left")  # fmt: skip
         if ns.message:
             say(f"  [yellow]{escape(ns.message)}[/]")
+        _print_left(ns, say, "would be left" if plan.dry_run else "left")
+
+
+def _print_left(ns, say, verb: str) -> None:
+    """The entries of a namespace removed whole that are not kvtool's (kept, with their directory)."""
+    if ns.remove_namespace and ns.left:
+        shown = ", ".join(escape(p) for p in ns.left[:10]) + (f", ... ({len(ns.left)} in all)" if len(ns.left) > 10 else "")
+        say(f"  [yellow]not kvtool's, {verb} in {escape(str(ns.namespace))}/: {shown}[/]")
 
 
 def _print_result(plan, console) -> None:
     gone = [ns.namespace[:12] for ns in plan.namespaces if getattr(ns, "namespace_removed", False)]
-    what = f"removed namespace {', '.join(gone)}: " if gone else "removed "
+    kept = [ns for ns in plan.namespaces if ns.remove_namespace and ns.left and not ns.unlink_failed]
+    what = (f"removed namespace {', '.join(gone)}: " if gone else
+            f"removed the kvtool files of namespace {', '.join(ns.namespace[:12] for ns in kept)}: " if kept else "removed ")  # fmt: skip
     print_freed(console, plan, what, "segment file(s)")
+    for ns in kept:
+        _print_left(ns, lambda text: console.print(text, highlight=False, soft_wrap=True), "left")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,8 +11,9 @@ whenever a continuation of it is; future times are clamped to now). Rules, per n
 3. Removing a block removes its descendants, in any segment; a segment whose blocks are all
    removed goes too. A segment that keeps a block stays whole (its other rows are deleted).
 
-Other namespaces: `outdated` ones (format 1) are removed whole, without following a symlink,
-once unused for the TTL (their index's last write and open/close times); `unreadable` ones on a
+Other namespaces: `outdated` ones (format 1) are removed whole (every entry under a kvtool name,
+then the directories left empty; anything else is left and listed: `kvtool.ops.remove_tree`),
+without following a symlink, once unused for the TTL (their index's last write and open/close times); `unreadable` ones on a
 full disk are planned from their segment files' ages (no index needed); `foreign`,
 `uninitialized` and other `unreadable` namespaces are left untouched (reported).
 
@@ -38,13 +39,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtool.disk.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
+from kvtool.disk.confined import ConfinedDir, disk_full
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
 from kvtool.disk.names import INDEX_FILENAME
 from kvtool.disk.planner import Segment, SegmentPlanner, fit_budget
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.ops.heap import gc_paused
+from kvtool.ops.remove_tree import plan_tree, remove_tree
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
 
 LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
@@ -74,6 +76,8 @@ class NamespacePlan:
         planner: the namespace's planner once planned; the chosen blocks and segment files are
             its choices (`hashes`, `segment_names`; not in `to_dict`).
         clamp: the rows whose access time is clamped (not in `to_dict`).
+        left: of a namespace removed whole, the entries kvtool never writes (paths relative to
+            it, a directory with a trailing '/'): left where they are (`kvtool.ops.remove_tree`).
     """
 
     namespace: str
@@ -108,6 +112,7 @@ class NamespacePlan:
     access_clamped: int = 0
     planner: SegmentPlanner | None = field(default=None, repr=False, compare=False)
     clamp: list[str] = field(default_factory=list, repr=False)
+    left: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> int:
@@ -248,8 +253,9 @@ def plan_prune(scan: CacheScan, ttl_s: float | None = None, max_bytes: int | Non
 
 def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: float | None) -> None:
     try:
-        p.bytes = tree_bytes(scan.cache_dir, ns.name)
-    except OSError:
+        tree = plan_tree(scan.cache_dir, ns.name)
+        p.bytes, p.left = tree.bytes, tree.left
+    except (OSError, ValueError):
         p.bytes = 0
     p.blocks_after, p.bytes_after = p.blocks, p.bytes
     version = ns.format_version or ""
@@ -287,8 +293,8 @@ def execute_prune(plan: PrunePlan) -> PrunePlan:
     for p in plan.namespaces:
         try:
             if p.remove_namespace:
-                p.bytes_freed = remove_namespace_tree(root, p.namespace, p.bytes or None)  # counted when planned
-                p.files_deleted = 1
+                tree = remove_tree(root, p.namespace)
+                p.bytes_freed, p.files_deleted, p.left = tree.bytes, tree.files, tree.left
             elif p.prune_blocks or p.prune_segments:
                 with ConfinedDir(root, p.namespace) as cdir:
                     _execute_namespace(root / p.namespace, cdir, p)

@@ -11,6 +11,11 @@ and hashes to the namespace's name; otherwise the rebuilt index holds only what 
 namespace with its model completes the meta (its layout key proves it is the right model), and
 until then the namespace reads as `uninitialized`.
 
+A file under a segment's name whose header does not verify is removed only when the salvaged meta
+proves the directory a kvtool namespace; otherwise (the index is not a database, or has no kvtool
+meta) it may be another program's file: it is left (`ignored_entries`, with a detail line), and a directory with
+neither kvtool meta nor one verified segment file of its namespace is not rebuilt at all.
+
 The new index is built under a temporary name and renamed into place only when complete; the old
 one is kept as `index.sqlite.corrupt` (with its `-wal`), for inspection. Run it while no kvtool
 process uses the namespace (one could not use the unreadable index anyway).
@@ -73,9 +78,16 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> Re
         checks = {n: reader.open(n) for n in sorted(ns.files)}  # every header, verified
         headers = {n: c.header for n, c in checks.items() if c.header is not None}
         kv = exp.kv if exp else (Counter(h.kv for h in headers.values()).most_common(1)[0][0] if headers else None)
+        if not complete and not headers:
+            raise OSError(errno.EINVAL, "neither kvtool meta in its index nor a segment file of this namespace: "
+                          "not a kvtool namespace? left untouched")  # fmt: skip
         for name in sorted(set(ns.files) - set(headers)):
-            remove.append(name)
-            rep.note("unusable", name, checks[name].error or "")
+            if complete:  # a kvtool namespace (its meta says so): an unusable file under a segment's name goes
+                remove.append(name)
+                rep.note("unusable", name, checks[name].error or "")
+            else:  # no meta to prove the directory kvtool's: a file that is no segment of it is never removed
+                rep.ignored_entries += 1
+                rep.note("left", name, f"not a segment file of this namespace ({checks[name].error or 'unusable'}): left alone")
         for name, header in sorted(headers.items(), key=lambda kv_: (-created_of(kv_[1]), kv_[0])):  # newest copy wins
             if header.kv != kv:
                 remove.append(name)
