@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,46 @@ def test_validate_adopts_a_first_write_killed_before_its_commit(tmp_path):
     code, ns = validate_json(cache_dir, "--deep")
     assert code == 0 and ns["problems"] == 0
     assert stored(store) == {b.block_hash for b in make_chain(store.layout_key, np.arange(8))}
+
+
+def journal(store) -> list[str]:
+    """The index's removal journal (raw read; [] without one)."""
+    with sqlite3.connect(store.namespace_dir / INDEX_FILENAME) as conn:
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name='removals'").fetchone() is None:
+            return []
+        return [r[0] for r in conn.execute("SELECT name FROM removals ORDER BY name")]
+
+
+def test_a_prune_killed_before_its_unlinks_is_finished_by_validate(cache):
+    """Finding 4 (issue 32): rows deleted and committed, files left: the next `validate` removes
+    the files (it used to re-adopt them and serve the pruned blocks again)."""
+    cache_dir, store, _ = cache
+    files = segment_files(store)
+    kill_worker("unlink", str(cache_dir), "prune", "--max-bytes", "0", "--yes", "--quiet")
+    assert stored(store) == set() and segment_files(store) == files
+    recorded = journal(store)  # with the rows' deletion, in the same transaction
+    code, ns = validate_json(cache_dir)
+    assert stored(store) == set() and segment_files(store) == []  # not re-adopted: finished
+    assert code == 1 and ns["removals_finished"] == len(files) and ns["orphans_adopted"] == 0
+    assert recorded == sorted(p.stem for p in files) and journal(store) == []
+    code, ns = validate_json(cache_dir, "--deep")
+    assert code == 0 and ns["problems"] == 0 and stored(store) == set()
+
+
+def test_an_rm_prompt_killed_before_its_unlinks_stays_removed(cache):
+    """Finding 4 (issue 32): `rm --prompt` of one prompt killed between its rows' commit and its
+    unlinks; `validate` finishes it: that prompt's blocks stay removed, the others are intact."""
+    cache_dir, store, chains = cache
+    gone, kept = chains[1], [h for i, c in enumerate(chains) if i != 1 for h in c]
+    kill_worker("rm-prompt", str(cache_dir), *gone)
+    assert stored(store) == set(kept) and len(segment_files(store)) == len(PROMPTS)
+    code, ns = validate_json(cache_dir, "--deep")
+    assert stored(store) == set(kept) and len(segment_files(store)) == len(PROMPTS) - 1  # not re-adopted
+    assert code == 1 and ns["removals_finished"] == 1 and ns["orphans_adopted"] == 0 and journal(store) == []
+    code, ns = validate_json(cache_dir, "--deep")
+    assert code == 0 and ns["problems"] == 0 and stored(store) == set(kept)
+    reopened = open_store(cache_dir)
+    try:
+        assert reopened.count_prefix(gone) == 0 and all(reopened.count_prefix(c) == 3 for i, c in enumerate(chains) if i != 1)
+    finally:
+        reopened.close()

@@ -17,7 +17,11 @@ without following a symlink, once unused for the TTL (their index's last write a
 full disk are planned from their segment files' ages (no index needed); `foreign`,
 `uninitialized` and other `unreadable` namespaces are left untouched (reported).
 
-Execution, per namespace: the rows in one transaction, then the segment files with no row left.
+Execution, per namespace: the rows in one transaction, which also records the segment files left
+without rows in the index's removal journal (`BlockIndex.delete(journal=True)`), then those files,
+each forgotten by the journal once gone. That commit is the removal's commit point: a prune (or
+`rm --prompt`, executed here too) killed after it leaves files that `kvtool validate` finishes
+removing (it never re-adopts a journaled file), so the removed blocks are never served again.
 If the index cannot be written because the disk is full, the planned segment files are removed
 first (readers treat a row whose file is gone as a miss and drop it) and the rows after, when
 there is room again. Paths come only from `kvtool.disk.names`, resolved without following
@@ -321,7 +325,9 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, p: NamespacePlan) -> Non
     if emptied is None:
         p.index_failed = True
         return
-    _unlink_segments(cdir, p, emptied)
+    # the rows' commit journaled `emptied` (the removal's commit point): a kill from here on leaves
+    # files that `validate` finishes removing, never re-adopts; each is forgotten once unlinked
+    _forget_removals(ns_dir, p, _unlink_segments(cdir, p, emptied))
 
 
 def _clamp(ns_dir: Path, p: NamespacePlan, now: float) -> None:
@@ -348,7 +354,7 @@ def _delete_rows(ns_dir: Path, p: NamespacePlan, *, hashes=None, segments=None) 
             if segments is not None:
                 p.rows_deleted += index.delete_segments(segments)
                 return list(segments)
-            n, emptied = index.delete(hashes)
+            n, emptied = index.delete(hashes, journal=True)
             p.rows_deleted += n
             return emptied
         finally:
@@ -358,7 +364,9 @@ def _delete_rows(ns_dir: Path, p: NamespacePlan, *, hashes=None, segments=None) 
         return None
 
 
-def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> None:
+def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> list[str]:
+    """Unlink segment files `names` (confined); returns those now gone (unlinked, or absent)."""
+    gone = []
     for name in names:
         try:
             size = cdir.unlink_segment(name)
@@ -366,9 +374,26 @@ def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> None:
             p.unlink_failed += 1
             p.message = f"{p.message}; {name} not removed: {exc}".lstrip("; ")
             continue
+        gone.append(name)
         if size:
             p.files_deleted += 1
             p.bytes_freed += size
+    return gone
+
+
+def _forget_removals(ns_dir: Path, p: NamespacePlan, names: list[str]) -> None:
+    """Drop the removal journal's entries of `names` (their files are gone). A failure is only
+    noted: `validate` forgets entries whose file is gone."""
+    if not names:
+        return
+    try:
+        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
+        try:
+            index.forget_removals(names)
+        finally:
+            index.close()
+    except sqlite3.Error as exc:
+        p.message = f"{p.message}; removal journal not cleared ({exc}): `kvtool validate` clears it".lstrip("; ")
 
 
 def prune(

@@ -16,7 +16,9 @@ that verifies is ever lost:
   costs nothing. Blocks a prune removed never come back: their chain ends at a removed file.
   An orphan whose every record is stored elsewhere is removed (`duplicates_removed`, not a
   problem), one that does not verify or holds only unreachable blocks is removed
-  (`orphans_removed`);
+  (`orphans_removed`). A segment file named in the index's removal journal (a `prune` or
+  `rm --prompt` killed between its rows' commit and its unlinks) is never adopted: it is removed
+  (`removals_finished`), finishing the removal the user asked for;
 - a `segments` row that is missing or wrong is rewritten from the file; one without file goes;
 - rows no prefix lookup can reach (parent chain not ending at the namespace root, or a cycle)
   -> removed (`broken_chain_removed`);
@@ -50,6 +52,7 @@ This module never imports MLX.
 from __future__ import annotations
 
 import os
+import sqlite3
 import stat
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -60,9 +63,9 @@ import numpy as np
 from kvtool.disk.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
 from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.fsops import FileOps, resolve_cache_root, short_path
-from kvtool.disk.index import IndexRow, SegmentRow
+from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
 from kvtool.disk.lock import cache_lock
-from kvtool.disk.names import segment_relpath
+from kvtool.disk.names import INDEX_FILENAME, segment_relpath
 from kvtool.disk.rowtable import RowTable
 from kvtool.disk.verify import slot_problem
 from kvtool.hashing import root_parent
@@ -165,11 +168,28 @@ def _rebuildable(ns: NamespaceScan) -> bool:
 def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress) -> None:
     exp = ns.expected
     assert exp is not None  # a usable namespace has its geometry
+    journal = removal_journal(ns.path / INDEX_FILENAME)
     try:
         with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(cdir, ns.name, exp.kv, exp.block_size) as reader:
-            _Planner(scan.now, ns, rep, reader, deep).run(progress)
+            _Planner(scan.now, ns, rep, reader, deep, journal).run(progress)
     except OSError as exc:
         rep.outcome, rep.message = "failed", f"cannot open the namespace directory: {exc}"
+
+
+def removal_journal(db: Path) -> set[str]:
+    """The segment names in index `db`'s removal journal (`BlockIndex.removals`: files an
+    interrupted `prune` or `rm --prompt` took the rows of); empty if it has none or cannot be read
+    (read-only)."""
+    try:
+        index = BlockIndex(db, create=False, read_only=True)
+    except sqlite3.Error:
+        return set()
+    try:
+        return set(index.removals())
+    except sqlite3.Error:
+        return set()
+    finally:
+        index.close()
 
 
 class _Candidate:
@@ -186,8 +206,10 @@ class _Planner:
     """Plans the repairs of one usable namespace: one pass over its segment files (`_visit`, in
     name order), then the decisions (`_resolve`, `_adopt_and_finish`) on one chain tree."""
 
-    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool):
+    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool,
+                 journal: set[str] | frozenset[str] = frozenset()):  # fmt: skip
         self.now, self.ns, self.rep, self.reader, self.deep = now, ns, rep, reader, deep
+        self.journal = journal  # segments of the removal journal (an interrupted prune or rm)
         self.act = rep.actions
         self.table: RowTable = ns.table if ns.table is not None else RowTable.empty()
         self.fail: dict[int, str] = {}  # row number -> why it does not match its record
@@ -227,7 +249,8 @@ class _Planner:
         rep.access_clamped = len(act.clamp)
         table = self.table
         numbers = table.segment_numbers
-        unnamed = [name for name in ns.files if name not in numbers]  # files no row names
+        finishing = self._journaled(numbers)
+        unnamed = [name for name in ns.files if name not in numbers and name not in finishing]  # files no row names
         total = len(table.segments) + len(unnamed)
         self.shown = 0  # segments reported done (`progress`)
         self.fast = self._clean(progress, total)
@@ -235,7 +258,7 @@ class _Planner:
         listed = self.fast.listed
         has_file = (listed >= 0 if listed is not None else
                     np.fromiter((name in ns.files for name in table.segments), dtype=bool, count=len(table.segments)))  # fmt: skip
-        self.known = SegmentSet(table, has_file, names=(name for name in ns.orphans if name in ns.files))
+        self.known = SegmentSet(table, has_file, names=(name for name in ns.orphans if name in ns.files and name not in finishing))
         # the common case, a clean segment, keeps nothing per segment; the others, in name order:
         todo = sorted([table.segments[s] for s in np.flatnonzero(~self.fast.clean).tolist()] + unnamed)
         done = total - len(todo)
@@ -248,6 +271,24 @@ class _Planner:
         self.reader.close()
         final, dropped = self._resolve()
         self._adopt_and_finish(final, dropped)
+
+    def _journaled(self, numbers: dict[str, int]) -> set[str]:
+        """Plan the end of interrupted removals: a segment file of the removal journal that no
+        row names is removed (`removals_finished`), never adopted (the user asked for its blocks
+        to go); entries without a file, or whose segment has rows again, are forgotten. Returns
+        the files to remove."""
+        act, rep, files = self.act, self.rep, self.ns.files
+        finishing: set[str] = set()
+        for name in sorted(self.journal):
+            if name in numbers or name not in files:
+                act.forget_removals.append(name)
+                continue
+            finishing.add(name)
+            act.finish_removals.append(name)
+            rep.removals_finished += 1
+            rep.bytes_freed += files[name].size
+            rep.note("removal", name, "its blocks were removed (prune or rm interrupted before the unlink): removal finished")
+        return finishing
 
     # ------------------------------------------------------------------ the pass
     def _clean(self, progress: ProgressFn | None, total: int) -> CleanSegments:
