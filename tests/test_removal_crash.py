@@ -130,3 +130,17 @@ def test_an_rm_prompt_killed_before_its_unlinks_stays_removed(cache):
         assert reopened.count_prefix(gone) == 0 and all(reopened.count_prefix(c) == 3 for i, c in enumerate(chains) if i != 1)
     finally:
         reopened.close()
+
+
+def test_a_rebuild_honours_the_removal_journal_too(cache):
+    """A prune killed after its rows' commit, then the index loses its meta (an `uninitialized`
+    namespace, rebuilt from its files by `validate --rebuild-index`): the journaled files are
+    removed, never recovered."""
+    cache_dir, store, _ = cache
+    files = segment_files(store)
+    kill_worker("unlink", str(cache_dir), "prune", "--max-bytes", "0", "--yes", "--quiet")
+    with sqlite3.connect(store.namespace_dir / INDEX_FILENAME) as conn:
+        conn.execute("DELETE FROM meta")
+    code, ns = validate_json(cache_dir, "--rebuild-index")
+    assert ns["index_rebuilt"] and ns["blocks_recovered"] == 0 and ns["removals_finished"] == len(files), ns
+    assert segment_files(store) == [] and stored(store) == set()
