@@ -20,7 +20,7 @@ from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
 
-kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix of at least 8 hex digits, as kvtool inspect lists it), whole, whatever its state. A prefix that several keys share removes nothing.
+kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix of at least 8 hex digits, as kvtool inspect lists it), whole, whatever its state: every file kvtool writes there (segment, temp and index files), then the directories left empty. Anything else in it (a file kvtool never writes) is left where it is and listed, in the dry run too; a directory whose index.sqlite is not a kvtool index is refused. A prefix that several keys share removes nothing.
 
 kvtool rm --prompt TEXT (or --prompt-file, --messages) [--model/-m M] removes that prompt's cached blocks (its full blocks and its tail entry) from the namespaces of that model (every block size in the cache, or only --block-size), every block below them (a prefix shared with other prompts takes their continuations with it) and the segment files left empty. The model (default: tiny, as serve-once) is loaded for its tokenizer and identity; encode the prompt as the server did (--ignore-chat-template, --system-prompt, --adapter-path, --kv-bits).
 
