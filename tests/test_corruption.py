@@ -21,9 +21,11 @@ import pytest
 
 from kvtool.config import KVToolConfig
 from kvtool.disk.names import segment_relpath
+from kvtool.disk.verify import header_digest
 from kvtool.engine import Engine
 from kvtool.kv import buffers as kvbuffers
 from kvtool.kv.blocks import chain_hashes
+from kvtool.ops.validate import validate
 from tests.store_helpers import read_segment_header, record_span
 from tests.test_engine import BS, MAX_TOKENS, reference_tokens
 
@@ -274,3 +276,71 @@ def test_no_temp_or_stray_files_after_damage_runs(tiny_model, prompt, tmp_path):
     eng.close()
     left = [f for _, _, files in os.walk(pop.ns) for f in files if f.endswith(".tmp")]
     assert left == []
+
+
+def _swap_records_resealed(pop: Populated, k: int):
+    """Records k and k+1 swapped in the file with their checksums moved along in the header, and
+    the header checksum recomputed: every checksum matches; only the slot hash / token ids do not."""
+    path = pop.path(k)
+    (a, n), (b, m) = record_span(path, pop.hashes[k]), record_span(path, pop.hashes[k + 1])
+    assert n == m
+    data = bytearray(path.read_bytes())
+    data[a : a + n], data[b : b + n] = data[b : b + n], data[a : a + n]
+    (hn,) = struct.unpack_from("<Q", data)
+    head = bytes(data[8 : 8 + hn])
+    slots = {s.block_hash: s for s in read_segment_header(path).slots}
+    ck, cl = slots[pop.hashes[k]].checksum, slots[pop.hashes[k + 1]].checksum
+    head = head.replace(ck.encode(), b"#" * 32).replace(cl.encode(), ck.encode()).replace(b"#" * 32, cl.encode())
+    key = b'"header_checksum":"'
+    at = head.find(key) + len(key)
+    data[8 : 8 + hn] = head[:at] + header_digest(head).encode() + head[at + 32 :]
+    path.write_bytes(bytes(data))
+    assert read_segment_header(path).slots  # still a well-formed, sealed header
+
+
+def test_a_record_swap_with_resealed_checksums_costs_only_a_recompute(tiny_model, prompt, reference, tmp_path):
+    """Issue 32, finding 11: a record swap whose checksums were moved and re-sealed is a damaged
+    record (its row names the prompt's tokens, the record holds others), not a hash collision: its
+    row goes, its segment is suspect, so the recomputed blocks replace the swapped rows and
+    `validate` then keeps every block; a new process serves the whole prompt from SSD again."""
+    pop = _populate(tiny_model, prompt, tmp_path)
+    eng = Engine(tiny_model, _config(tmp_path, ssd_policy="evict_only"))
+    whole = eng.generate(prompt, max_tokens=MAX_TOKENS).ssd_hit_tokens  # undamaged: every block a hit
+    eng.close()
+    _swap_records_resealed(pop, DAMAGED)
+    eng = Engine(tiny_model, _config(tmp_path))  # write-through: recomputed blocks are written
+    res = eng.generate(prompt, max_tokens=MAX_TOKENS)
+    stats = eng.stats()
+    assert eng.close().shutdown_clean
+    assert res.token_ids == reference and res.ssd_hit_tokens == DAMAGED * BS
+    assert stats["ssd_hash_collision_detected"] == 0 and stats["ssd_load_corrupt"] >= 1
+    rep = validate(tmp_path / "kv", deep=True).namespaces[0]
+    assert rep.corrupt_removed == rep.broken_chain_removed == rep.missing_rows_dropped == 0, rep.details
+    assert validate(tmp_path / "kv", deep=True).problems == 0
+    eng = Engine(tiny_model, _config(tmp_path, ssd_policy="evict_only"))
+    res = eng.generate(prompt, max_tokens=MAX_TOKENS)
+    eng.close()
+    assert res.token_ids == reference and res.ssd_hit_tokens == whole
+
+
+def test_validate_never_rewrites_a_row_from_a_swapped_resealed_record(tiny_model, prompt, reference, tmp_path):
+    """Issue 32, finding 11: `validate` run on the swap itself: the records pass their checksums
+    but hold token ids that do not hash to their slots' blocks, so no row is rewritten from them
+    (a row claiming the wrong tokens would make every later request see a hash collision and
+    refuse the recomputed block); the blocks before the swap stay; a request then stores the
+    prompt again and a new process serves all of it from SSD."""
+    pop = _populate(tiny_model, prompt, tmp_path)
+    eng = Engine(tiny_model, _config(tmp_path, ssd_policy="evict_only"))
+    whole = eng.generate(prompt, max_tokens=MAX_TOKENS).ssd_hit_tokens
+    eng.close()
+    _swap_records_resealed(pop, DAMAGED)
+    rep = validate(tmp_path / "kv", deep=True).namespaces[0]
+    assert rep.rows_repaired == 0 and rep.corrupt_removed == 2, rep.details
+    for _ in range(2):  # the first stores the recomputed blocks, the second is served from SSD
+        eng = Engine(tiny_model, _config(tmp_path))
+        res = eng.generate(prompt, max_tokens=MAX_TOKENS)
+        stats = eng.stats()
+        eng.close()
+        assert res.token_ids == reference and stats["ssd_hash_collision_detected"] == 0
+    assert res.ssd_hit_tokens == whole
+    assert validate(tmp_path / "kv", deep=True).problems == 0

@@ -250,7 +250,9 @@ def test_outdated_namespace_is_removed_whole_by_ttl(cache, tmp_path):
     p = prune(cache_dir, ttl_s=7 * DAY, now=NOW)
     by = {ns.namespace: ns for ns in p.namespaces}
     assert by[old.name].status == "outdated" and by[old.name].remove_namespace and by[old.name].bytes_freed >= 800
-    assert not old.exists() and (outside / "keep.txt").read_text() == "mine"
+    # only kvtool's files go: the planted link (not a kvtool name) is left, listed, and keeps the directory
+    assert sorted(os.listdir(old)) == ["link"] and by[old.name].left == ["link"]
+    assert (outside / "keep.txt").read_text() == "mine"
     assert store.namespace_dir.exists()
 
 
@@ -350,7 +352,7 @@ def test_cli_json_schema(cache):
         "ttl_bytes", "lru_blocks", "lru_segments", "lru_bytes", "descendant_blocks", "descendant_segments",
         "descendant_bytes", "prune_blocks", "prune_segments", "prune_bytes", "blocks_after", "segments_after",
         "bytes_after", "remove_namespace", "by_file_age", "rows_deleted", "files_deleted", "bytes_freed",
-        "unlink_failed", "index_failed", "access_clamped",
+        "unlink_failed", "index_failed", "access_clamped", "left",
     }  # fmt: skip
     assert ns["rows_deleted"] == ns["prune_blocks"] == 7 - ns["blocks_after"] and 0 < ns["bytes_after"] <= 2048
     assert doc["totals"]["rows_deleted"] == ns["rows_deleted"] and len(stored(store)) == ns["blocks_after"]

@@ -45,7 +45,7 @@ NAMESPACE_KEYS = {
     "namespace", "model_name", "status", "message", "remove_namespace", "namespace_removed", "blocks", "segments",
     "bytes", "prompt_entries", "prompt_blocks", "descendant_blocks", "remove_blocks", "remove_segments",
     "remove_bytes", "blocks_after", "segments_after", "bytes_after", "rows_deleted", "files_deleted", "bytes_freed",
-    "unlink_failed", "index_failed",
+    "unlink_failed", "index_failed", "left",
 }  # fmt: skip
 
 
@@ -131,10 +131,17 @@ def test_namespace_removal(cache):
     assert plan.namespaces[0].namespace_removed and not other.namespace_dir.exists()
 
 
-def test_namespace_removal_takes_an_unreadable_namespace_too(cache):
+def test_namespace_removal_of_an_unreadable_namespace_after_its_rebuild(cache):
+    """An index that is not a database cannot be told from another program's file: `rm` refuses
+    it (issue 32, finding 5); `validate --rebuild-index` makes it a kvtool index again, then `rm`
+    removes it."""
     cache_dir, store, other, _ = cache
     (other.namespace_dir / "index.sqlite").write_bytes(b"not a database" * 100)
     assert scan_cache(cache_dir, other.layout_key).namespaces[0].status == "unreadable"
+    res = run_cli("--cache-dir", str(cache_dir), other.layout_key[:10], "--yes")
+    assert res.exit_code == 2 and "not a kvtool namespace" in res.output and "--rebuild-index" in res.output
+    assert other.namespace_dir.exists()
+    validate(cache_dir, other.layout_key, rebuild_index=True)
     res = run_cli("--cache-dir", str(cache_dir), other.layout_key[:10], "--yes")
     assert res.exit_code == 0, res.output
     assert "removed namespace" in res.stdout and not other.namespace_dir.exists() and store.namespace_dir.exists()

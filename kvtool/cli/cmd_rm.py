@@ -21,7 +21,7 @@ from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
 
-kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix of at least 8 hex digits, as kvtool inspect lists it), whole, whatever its state. A prefix that several keys share removes nothing.
+kvtool rm NAMESPACE removes the namespace whose key starts with NAMESPACE (a unique prefix of at least 8 hex digits, as kvtool inspect lists it), whole, whatever its state: every file kvtool writes there (segment, temp and index files), then the directories left empty. Anything else in it (a file kvtool never writes) is left where it is and listed, in the dry run too; a directory whose index.sqlite is not a kvtool index is refused. A prefix that several keys share removes nothing.
 
 kvtool rm --prompt TEXT (or --prompt-file, --messages) [--model/-m M] removes that prompt's cached blocks (its full blocks and its tail entry) from the namespaces of that model (every block size in the cache, or only --block-size), every block below them (a prefix shared with other prompts takes their continuations with it) and the segment files left empty. The model (default: tiny, as serve-once) is loaded for its tokenizer and identity; encode the prompt as the server did (--ignore-chat-template, --system-prompt, --adapter-path, --kv-bits).
 
@@ -207,12 +207,24 @@ def _print_plan(plan, console) -> None:
                 f"{ns.blocks_after} block(s), {format_bytes(ns.bytes_after)} left")  # fmt: skip
         if ns.message:
             say(f"  [yellow]{escape(ns.message)}[/]")
+        _print_left(ns, say, "would be left" if plan.dry_run else "left")
+
+
+def _print_left(ns, say, verb: str) -> None:
+    """The entries of a namespace removed whole that are not kvtool's (kept, with their directory)."""
+    if ns.remove_namespace and ns.left:
+        shown = ", ".join(escape(p) for p in ns.left[:10]) + (f", ... ({len(ns.left)} in all)" if len(ns.left) > 10 else "")
+        say(f"  [yellow]not kvtool's, {verb} in {escape(str(ns.namespace))}/: {shown}[/]")
 
 
 def _print_result(plan, console) -> None:
     gone = [ns.namespace[:12] for ns in plan.namespaces if getattr(ns, "namespace_removed", False)]
-    what = f"removed namespace {', '.join(gone)}: " if gone else "removed "
+    kept = [ns for ns in plan.namespaces if ns.remove_namespace and ns.left and not ns.unlink_failed]
+    what = (f"removed namespace {', '.join(gone)}: " if gone else
+            f"removed the kvtool files of namespace {', '.join(ns.namespace[:12] for ns in kept)}: " if kept else "removed ")  # fmt: skip
     print_freed(console, plan, what, "segment file(s)")
+    for ns in kept:
+        _print_left(ns, lambda text: console.print(text, highlight=False, soft_wrap=True), "left")
 
 
 def register(app: typer.Typer) -> None:

@@ -55,6 +55,7 @@ _COLUMNS = (
     ("orphans removed", "orphans_removed"),
     ("broken chain", "broken_chain_removed"),
     ("not regular files", "irregular_removed"),
+    ("removals finished", "removals_finished"),
     ("recovered", "blocks_recovered"),
     ("unlink failed", "unlink_failed"),
 )

@@ -70,6 +70,11 @@ CREATE INDEX IF NOT EXISTS blocks_last_access ON blocks(last_access);
 CREATE INDEX IF NOT EXISTS blocks_segment ON blocks(segment);
 CREATE INDEX IF NOT EXISTS blocks_parent ON blocks(parent, last_access);
 """
+# The removal journal (`kvtool prune`, `kvtool rm --prompt`): the segment files a removal left
+# without rows, recorded in the same transaction as the row deletions and forgotten once unlinked.
+# A removal killed in between is finished by `kvtool validate` (never re-adopted). Created when a
+# removal first writes to it: an index without it has no removal pending.
+REMOVALS_SCHEMA = "CREATE TABLE IF NOT EXISTS removals (name TEXT PRIMARY KEY NOT NULL, created REAL NOT NULL)"
 _COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
 _SEG_COLUMNS = "name, nbytes, n_blocks, created"
 
@@ -401,8 +406,13 @@ class BlockIndex:
             with self._transaction() as cur:
                 yield cur
 
-    def delete(self, hashes: Iterable[str]) -> tuple[int, list[str]]:
+    def delete(self, hashes: Iterable[str], journal: bool = False) -> tuple[int, list[str]]:
         """Delete block rows in one transaction; segments left without rows go too.
+
+        Args:
+            hashes: the blocks to delete.
+            journal: record the segments left without rows in the removal journal
+                (`REMOVALS_SCHEMA`) in the same transaction; `forget_removals` once unlinked.
 
         Returns:
             `(rows deleted, names of the segments removed from the index)`; unlink their files
@@ -421,7 +431,33 @@ class BlockIndex:
                     cur.execute(f"DELETE FROM blocks WHERE hash IN ({marks})", chunk)
                     n += cur.rowcount
                 emptied = self._drop_empty_segments(cur, touched)
+                if journal and emptied:
+                    self._journal(cur, emptied)
         return n, emptied
+
+    def _journal(self, cur: sqlite3.Cursor, names: Sequence[str]) -> None:
+        cur.execute(REMOVALS_SCHEMA)
+        now = self._clock()
+        cur.executemany("INSERT OR REPLACE INTO removals(name, created) VALUES (?, ?)", [(n, now) for n in names])
+
+    def removals(self) -> list[str]:
+        """The segment names of the removal journal (well-formed ones, sorted; [] without a
+        journal): files a removal took the rows of and may not have unlinked yet."""
+        with self._lock:
+            if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='removals'").fetchone() is None:
+                return []
+            names = [r[0] for r in self._conn.execute("SELECT name FROM removals ORDER BY name")]
+        return [n for n in names if is_segment_name(n)]
+
+    def forget_removals(self, names: Iterable[str]) -> None:
+        """Drop `names` from the removal journal (their files are gone), in one transaction; also
+        any malformed entry. No-op without a journal."""
+        names = list(names)
+        with self._lock, self._transaction() as cur:
+            if cur.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='removals'").fetchone() is None:
+                return
+            cur.executemany("DELETE FROM removals WHERE name=?", [(n,) for n in names])
+            cur.execute("DELETE FROM removals WHERE typeof(name) != 'text' OR length(name) != 32")
 
     def delete_rowids(self, block_rowids: Sequence[int], segment_rowids: Sequence[int] = ()) -> int:
         """Delete malformed rows by rowid (see `scan`); returns block rows deleted."""
@@ -431,8 +467,9 @@ class BlockIndex:
             cur.executemany("DELETE FROM segments WHERE rowid=?", [(r,) for r in segment_rowids])
         return max(n, 0)
 
-    def delete_segments(self, names: Iterable[str]) -> int:
-        """Delete segments and every block row stored in them, in one transaction.
+    def delete_segments(self, names: Iterable[str], journal: bool = False) -> int:
+        """Delete segments and every block row stored in them, in one transaction (`journal`:
+        recording them in the removal journal in the same transaction, as `delete`).
 
         Returns:
             Block rows deleted.
@@ -443,6 +480,8 @@ class BlockIndex:
                 gone = [r[0] for name in names for r in cur.execute("SELECT hash FROM blocks WHERE segment=?", (name,))]
                 cur.executemany("DELETE FROM blocks WHERE segment=?", [(s,) for s in names])
                 cur.executemany("DELETE FROM segments WHERE name=?", [(s,) for s in names])
+                if journal and names:
+                    self._journal(cur, [n for n in names if is_segment_name(n)])
             for h in gone:
                 self._pending.pop(h, None)
         return len(gone)

@@ -359,7 +359,7 @@ class SSDStore(StoreCore):
             return None
         block, slot = got
         if not np.array_equal(block.token_ids, expected):
-            self.collision(h, "load")
+            self.tokens_mismatch(row, expected, "load")
             return None
         self.record_hits([h], slot.nbytes)
         return block
@@ -449,6 +449,19 @@ class SSDStore(StoreCore):
         if row is not None:
             self.suspect(row.segment)
         self.remove([h])
+
+    def tokens_mismatch(self, row: IndexRow, expected: np.ndarray, where: str) -> None:
+        """A verified record (checksums match) of `row` holds other token ids than the prompt's
+        `expected` (int32). If the row's `tokens_digest` is the prompt's, the row and the prompt
+        agree and the record contradicts its own row: a damaged or forged record (e.g. two
+        records swapped with their checksums moved and the header re-sealed), handled as every
+        other verification failure (`discard`: its row goes and its segment becomes suspect, so
+        the recomputed block and its swapped partner are stored again). Otherwise the stored
+        block really is another one under the same hash: a collision (`collision`)."""
+        if row.tokens_digest == seg.tokens_digest(expected):
+            self.discard(row.hash, "its record holds other token ids than its row says")
+        else:
+            self.collision(row.hash, where)
 
     def saved_count(self, hashes: Iterable[str]) -> int:
         """How many of `hashes` this process saved to SSD (file written and rows committed;

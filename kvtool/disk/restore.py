@@ -11,8 +11,10 @@ GIL; xxhash keeps it for inputs under ~100 KiB (a record's pieces are 8-16 KiB f
 so two readers' hashing takes turns while the other copies.
 
 The first block that fails any check cuts the chain there: the caller recomputes the rest, so
-the output stays exact. A damaged block loses its row; an intact block holding other token ids
-is a collision (its hash is isolated). Reader threads call no MLX function: they only write
+the output stays exact. A damaged block loses its row (and its segment becomes suspect, so the
+recomputed blocks replace its rows); an intact record holding other token ids than the prompt's
+is damaged too when its row names the prompt's (`SSDStore.tokens_mismatch`: a swap with
+re-sealed checksums), else a collision (its hash is isolated). Reader threads call no MLX function: they only write
 into numpy views of buffers the request thread allocated.
 
 This module never imports MLX.
@@ -165,7 +167,8 @@ def restore_chain(
     for pos in sorted(failures):
         n_ok, (kind, message) = pos, failures[pos]
         failure = f"{kind}: {message}"
-        _handle_failure(store, items[pos].row, kind, message)
+        it = items[pos]
+        _handle_failure(store, it.row, kind, message, token_ids[it.offset : it.offset + it.slot.n_tokens])
         break
     if n_ok < len(items) or cut is not None:
         log.info("SSD chain cut after %d of %d block(s): %s", n_ok, len(rows), failure)
@@ -319,9 +322,11 @@ def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool
     return failures
 
 
-def _handle_failure(store: SSDStore, row: IndexRow, kind: str, message: str) -> None:
+def _handle_failure(store: SSDStore, row: IndexRow, kind: str, message: str, expected: np.ndarray) -> None:
+    """Count and clean up the first failed block of a chain. `expected`: the prompt's token ids
+    for that block."""
     if kind == "tokens":
-        store.collision(row.hash, "load")
+        store.tokens_mismatch(row, expected, "load")
     elif kind == "io":
         log.warning("SSD read of block %s failed: %s", row.hash, message)
         store.inc("ssd_load_fail")

@@ -11,12 +11,17 @@ whenever a continuation of it is; future times are clamped to now). Rules, per n
 3. Removing a block removes its descendants, in any segment; a segment whose blocks are all
    removed goes too. A segment that keeps a block stays whole (its other rows are deleted).
 
-Other namespaces: `outdated` ones (format 1) are removed whole, without following a symlink,
-once unused for the TTL (their index's last write and open/close times); `unreadable` ones on a
+Other namespaces: `outdated` ones (format 1) are removed whole (every entry under a kvtool name,
+then the directories left empty; anything else is left and listed: `kvtool.ops.remove_tree`),
+without following a symlink, once unused for the TTL (their index's last write and open/close times); `unreadable` ones on a
 full disk are planned from their segment files' ages (no index needed); `foreign`,
 `uninitialized` and other `unreadable` namespaces are left untouched (reported).
 
-Execution, per namespace: the rows in one transaction, then the segment files with no row left.
+Execution, per namespace: the rows in one transaction, which also records the segment files left
+without rows in the index's removal journal (`BlockIndex.delete(journal=True)`), then those files,
+each forgotten by the journal once gone. That commit is the removal's commit point: a prune (or
+`rm --prompt`, executed here too) killed after it leaves files that `kvtool validate` finishes
+removing (it never re-adopts a journaled file), so the removed blocks are never served again.
 If the index cannot be written because the disk is full, the planned segment files are removed
 first (readers treat a row whose file is gone as a miss and drop it) and the rows after, when
 there is room again. Paths come only from `kvtool.disk.names`, resolved without following
@@ -38,13 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtool.disk.confined import ConfinedDir, disk_full, remove_namespace_tree, tree_bytes
+from kvtool.disk.confined import ConfinedDir, disk_full
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.lock import LOCK_FILENAME, PruneError, PruneLocked, cache_lock
 from kvtool.disk.names import INDEX_FILENAME
 from kvtool.disk.planner import Segment, SegmentPlanner, fit_budget
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.ops.heap import gc_paused
+from kvtool.ops.remove_tree import plan_tree, remove_tree
 from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, scan_cache
 
 LEFT_ALONE_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
@@ -74,6 +80,8 @@ class NamespacePlan:
         planner: the namespace's planner once planned; the chosen blocks and segment files are
             its choices (`hashes`, `segment_names`; not in `to_dict`).
         clamp: the rows whose access time is clamped (not in `to_dict`).
+        left: of a namespace removed whole, the entries kvtool never writes (paths relative to
+            it, a directory with a trailing '/'): left where they are (`kvtool.ops.remove_tree`).
     """
 
     namespace: str
@@ -108,6 +116,7 @@ class NamespacePlan:
     access_clamped: int = 0
     planner: SegmentPlanner | None = field(default=None, repr=False, compare=False)
     clamp: list[str] = field(default_factory=list, repr=False)
+    left: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> int:
@@ -248,8 +257,9 @@ def plan_prune(scan: CacheScan, ttl_s: float | None = None, max_bytes: int | Non
 
 def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: float | None) -> None:
     try:
-        p.bytes = tree_bytes(scan.cache_dir, ns.name)
-    except OSError:
+        tree = plan_tree(scan.cache_dir, ns.name)
+        p.bytes, p.left = tree.bytes, tree.left
+    except (OSError, ValueError):
         p.bytes = 0
     p.blocks_after, p.bytes_after = p.blocks, p.bytes
     version = ns.format_version or ""
@@ -287,8 +297,8 @@ def execute_prune(plan: PrunePlan) -> PrunePlan:
     for p in plan.namespaces:
         try:
             if p.remove_namespace:
-                p.bytes_freed = remove_namespace_tree(root, p.namespace, p.bytes or None)  # counted when planned
-                p.files_deleted = 1
+                tree = remove_tree(root, p.namespace)
+                p.bytes_freed, p.files_deleted, p.left = tree.bytes, tree.files, tree.left
             elif p.prune_blocks or p.prune_segments:
                 with ConfinedDir(root, p.namespace) as cdir:
                     _execute_namespace(root / p.namespace, cdir, p)
@@ -315,7 +325,9 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, p: NamespacePlan) -> Non
     if emptied is None:
         p.index_failed = True
         return
-    _unlink_segments(cdir, p, emptied)
+    # the rows' commit journaled `emptied` (the removal's commit point): a kill from here on leaves
+    # files that `validate` finishes removing, never re-adopts; each is forgotten once unlinked
+    _forget_removals(ns_dir, p, _unlink_segments(cdir, p, emptied))
 
 
 def _clamp(ns_dir: Path, p: NamespacePlan, now: float) -> None:
@@ -342,7 +354,7 @@ def _delete_rows(ns_dir: Path, p: NamespacePlan, *, hashes=None, segments=None) 
             if segments is not None:
                 p.rows_deleted += index.delete_segments(segments)
                 return list(segments)
-            n, emptied = index.delete(hashes)
+            n, emptied = index.delete(hashes, journal=True)
             p.rows_deleted += n
             return emptied
         finally:
@@ -352,7 +364,9 @@ def _delete_rows(ns_dir: Path, p: NamespacePlan, *, hashes=None, segments=None) 
         return None
 
 
-def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> None:
+def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> list[str]:
+    """Unlink segment files `names` (confined); returns those now gone (unlinked, or absent)."""
+    gone = []
     for name in names:
         try:
             size = cdir.unlink_segment(name)
@@ -360,9 +374,26 @@ def _unlink_segments(cdir: ConfinedDir, p: NamespacePlan, names) -> None:
             p.unlink_failed += 1
             p.message = f"{p.message}; {name} not removed: {exc}".lstrip("; ")
             continue
+        gone.append(name)
         if size:
             p.files_deleted += 1
             p.bytes_freed += size
+    return gone
+
+
+def _forget_removals(ns_dir: Path, p: NamespacePlan, names: list[str]) -> None:
+    """Drop the removal journal's entries of `names` (their files are gone). A failure is only
+    noted: `validate` forgets entries whose file is gone."""
+    if not names:
+        return
+    try:
+        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
+        try:
+            index.forget_removals(names)
+        finally:
+            index.close()
+    except sqlite3.Error as exc:
+        p.message = f"{p.message}; removal journal not cleared ({exc}): `kvtool validate` clears it".lstrip("; ")
 
 
 def prune(

@@ -11,6 +11,11 @@ and hashes to the namespace's name; otherwise the rebuilt index holds only what 
 namespace with its model completes the meta (its layout key proves it is the right model), and
 until then the namespace reads as `uninitialized`.
 
+A file under a segment's name whose header does not verify is removed only when the salvaged meta
+proves the directory a kvtool namespace; otherwise (the index is not a database, or has no kvtool
+meta) it may be another program's file: it is left (`ignored_entries`, with a detail line), and a directory with
+neither kvtool meta nor one verified segment file of its namespace is not rebuilt at all.
+
 The new index is built under a temporary name and renamed into place only when complete; the old
 one is kept as `index.sqlite.corrupt` (with its `-wal`), for inspection. Run it while no kvtool
 process uses the namespace (one could not use the unreadable index anyway).
@@ -31,7 +36,7 @@ from pathlib import Path
 from kvtool.disk.chains import build_chain_tree
 from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.disk.names import INDEX_FILENAME
+from kvtool.disk.names import INDEX_FILENAME, is_segment_name
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.hashing import root_parent
@@ -59,9 +64,29 @@ def salvage_meta(db: Path) -> dict[str, str]:
         conn.close()
 
 
+def salvage_removals(db: Path) -> set[str]:
+    """The removal journal of a damaged index (`BlockIndex.removals`: segment files an interrupted
+    prune or rm took the rows of), if it can still be read (read-only, no WAL), else empty."""
+    try:
+        if not stat.S_ISREG(os.lstat(db).st_mode):
+            return set()
+        conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+    except (OSError, sqlite3.Error):
+        return set()
+    try:
+        return {n for (n,) in conn.execute("SELECT name FROM removals") if is_segment_name(n)}
+    except sqlite3.Error:
+        return set()
+    finally:
+        conn.close()
+
+
 def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> RebuildPlan:
-    """Verify every segment file of `ns` (headers and records) and plan its new index."""
+    """Verify every segment file of `ns` (headers and records) and plan its new index. A segment
+    file the old index's removal journal still names (if that can be read) is removed, never
+    recovered (`removals_finished`)."""
     salvaged = salvage_meta(ns.path / INDEX_FILENAME)
+    journal = salvage_removals(ns.path / INDEX_FILENAME) & set(ns.files)
     complete = salvaged.get("format_version") == str(FORMAT_VERSION) and meta_problem(ns.name, salvaged) is None
     exp = Expected.from_meta(ns.name, salvaged) if complete else None
     recovered: dict[str, IndexRow] = {}
@@ -70,12 +95,23 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> Re
     with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(
         cdir, ns.name, exp.kv if exp else None, exp.block_size if exp else None
     ) as reader:
-        checks = {n: reader.open(n) for n in sorted(ns.files)}  # every header, verified
+        for name in sorted(journal):
+            remove.append(name)
+            rep.removals_finished += 1
+            rep.note("removal", name, "its blocks were removed (prune or rm interrupted before the unlink): removal finished")
+        checks = {n: reader.open(n) for n in sorted(set(ns.files) - journal)}  # every header, verified
         headers = {n: c.header for n, c in checks.items() if c.header is not None}
         kv = exp.kv if exp else (Counter(h.kv for h in headers.values()).most_common(1)[0][0] if headers else None)
-        for name in sorted(set(ns.files) - set(headers)):
-            remove.append(name)
-            rep.note("unusable", name, checks[name].error or "")
+        if not complete and not headers and not journal:
+            raise OSError(errno.EINVAL, "neither kvtool meta in its index nor a segment file of this namespace: "
+                          "not a kvtool namespace? left untouched")  # fmt: skip
+        for name in sorted(set(ns.files) - set(headers) - journal):
+            if complete:  # a kvtool namespace (its meta says so): an unusable file under a segment's name goes
+                remove.append(name)
+                rep.note("unusable", name, checks[name].error or "")
+            else:  # no meta to prove the directory kvtool's: a file that is no segment of it is never removed
+                rep.ignored_entries += 1
+                rep.note("left", name, f"not a segment file of this namespace ({checks[name].error or 'unusable'}): left alone")
         for name, header in sorted(headers.items(), key=lambda kv_: (-created_of(kv_[1]), kv_[0])):  # newest copy wins
             if header.kv != kv:
                 remove.append(name)
@@ -104,7 +140,7 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> Re
     plan.remove = sorted(set(remove) | (set(segment_rows) - set(by_segment)))
     rep.index_rebuilt = True
     rep.blocks_recovered = sum(len(rows) for rows in by_segment.values())
-    rep.orphans_removed = len(plan.remove)
+    rep.orphans_removed = len(plan.remove) - len(journal)
     rep.bytes_freed = sum(ns.files[n].size for n in plan.remove)
     for n in sorted(set(segment_rows) - set(by_segment)):
         rep.note("orphan", n, "no reachable block")
@@ -170,4 +206,4 @@ def _replace_regular(cdir: ConfinedDir, src: str, dst: str) -> None:
         os.replace(src, dst, src_dir_fd=cdir.fd, dst_dir_fd=cdir.fd)
 
 
-__all__ = ["RebuildPlan", "plan_rebuild", "execute_rebuild", "salvage_meta"]
+__all__ = ["RebuildPlan", "plan_rebuild", "execute_rebuild", "salvage_meta", "salvage_removals"]

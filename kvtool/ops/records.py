@@ -2,7 +2,8 @@
 
 Files are opened through a `ConfinedDir` (no symlink followed, only well-formed names); headers
 are verified (checksum, namespace, KV layout, block size), records on demand (xxh3-128 checksum
-over the whole record, token digest).
+over the whole record, token digest, and their token ids against the slot's chain hash:
+`chained`, so a record swapped with re-sealed checksums is never a source of a row).
 
 - `SegmentPass` (validate): one segment at a time, in file order: the file is opened once, its
   header read, then the records asked for are read in as few `preadv` calls as possible (the
@@ -23,12 +24,15 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvtool.disk import segment as seg
 from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.index import IndexRow, SegmentRow
 from kvtool.disk.segment import BlockFileError, KVLayout, SegmentHeader, Slot
 from kvtool.disk.segment_template import created_of_text
 from kvtool.disk.verify import check_header, record_checksum, tokens_digest
+from kvtool.hashing import blake2b_chain
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,19 @@ class Record:
 def created_of(header: SegmentHeader) -> float:
     """A segment's creation time from its header (0.0 if absent or malformed)."""
     return created_of_text(header.meta.get("created", "0"))
+
+
+UNCHAINED = "tokens: record {index} holds token ids that do not hash to its block {hash} (a swapped or forged record)"
+
+
+def chained(slot: Slot, token_ids: np.ndarray | memoryview | bytes) -> bool:
+    """True if a record's token ids (int32, or their little-endian bytes) hash, after its slot's
+    parent, to its slot's block hash (`kvtool.hashing.blake2b_chain`, the chain hash of full
+    blocks and tail entries alike). A record that passes its checksum but fails this holds another
+    block's tokens (records swapped with their checksums moved and the header re-sealed): a row
+    is never rewritten or adopted from it. Costs one blake2b over the token ids (4 bytes a token)."""
+    ids = np.frombuffer(token_ids, dtype="<i4") if isinstance(token_ids, bytes | bytearray | memoryview) else token_ids
+    return blake2b_chain(bytes.fromhex(slot.parent_hash), ids) == slot.block_hash
 
 
 SPAN_GAP = 64 << 10  # ranges closer than this are read with one preadv (bytes)
@@ -187,6 +204,8 @@ class SegmentPass:
                 chk.digests[i] = tokens
             elif record_checksum((data,)) != s.checksum:
                 chk.records[i] = f"checksum: record {s.index} ({s.block_hash}) does not match its checksum"
+            elif not chained(s, data[: 4 * s.n_tokens]):
+                chk.records[i] = UNCHAINED.format(index=s.index, hash=s.block_hash)
             else:
                 chk.records[i] = Record(chk.name, s, tokens)
 
@@ -196,6 +215,8 @@ class SegmentPass:
             block = seg.read_block(fd, s, self.current.header.kv)
         except (BlockFileError, OSError) as exc:
             return str(exc)
+        if not chained(s, block.token_ids):
+            return UNCHAINED.format(index=s.index, hash=s.block_hash)
         return Record(self.current.name, s, tokens_digest(block.token_ids))
 
 

@@ -4,14 +4,18 @@ Both are plans (prune's `PrunePlan`), executed under prune's lock (`kvtool.disk.
 so an `rm` and a `prune` never run at once, and both obey the same confinement rules
 (`kvtool.disk.confined`): no symlink is followed, no path is built from an unchecked name.
 
-- **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix (at
-  least `MIN_PREFIX_HEX` hex digits; a prefix that several keys share removes nothing) is
-  removed whole, whatever its status (an unreadable or foreign namespace included: the user named
-  it), without following any symlink inside it (`kvtool.disk.confined.remove_namespace_tree`):
-  segment files first, several fan-out directories at once (unlinks wait on the file system, not
-  the CPU), the index last, so an `rm` killed half-way leaves a namespace whose rows name missing
-  files (`validate` drops them) or that a second `rm` finishes. The planning scan only counts the
-  rows and lists the file names.
+- **A namespace** (`plan_namespace_removal`): in the directory named by a unique key prefix (at
+  least `MIN_PREFIX_HEX` hex digits; a prefix that several keys share removes nothing) every
+  entry under a kvtool name goes, whatever the namespace's status (an unreadable or foreign
+  namespace included: the user named it), without following any symlink inside it
+  (`kvtool.ops.remove_tree`): segment files first, several fan-out directories at once (unlinks
+  wait on the file system, not the CPU), the index last, so an `rm` killed half-way leaves a
+  namespace whose rows name missing files (`validate` drops them) or that a second `rm`
+  finishes; then the directories left empty. Entries kvtool never writes (a user's file or
+  directory) are left, listed (`left`, in the dry run too), and keep their directories. A
+  directory whose `index.sqlite` is not a kvtool index (text, another program's database: no
+  kvtool `meta`) is refused whole (`RemoveError`). The planning scan only counts the rows and
+  lists the file names.
   A symlink in the cache root that looks like a namespace is never followed: `rm` refuses it.
 - **A prompt** (`plan_prompt_removal`): the caller hashes the prompt for the namespace(s) its
   model uses (`PromptKeys`: full blocks, then the tail entry); in each such namespace the stored
@@ -35,12 +39,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtool.disk.confined import REMOVE_WORKERS, remove_namespace_tree, tree_bytes
+from kvtool.disk.confined import REMOVE_WORKERS
 from kvtool.disk.lock import cache_lock
 from kvtool.disk.names import NAMESPACE_RE
 from kvtool.errors import KVToolError
 from kvtool.ops.heap import gc_paused
 from kvtool.ops.prune import NamespacePlan, PrunePlan, execute_prune, planner_of
+from kvtool.ops.remove_tree import kvtool_index_problem, plan_tree, remove_tree
 from kvtool.ops.scan import CacheScan, NamespaceScan, ScanError, scan_cache
 
 _HEX = set("0123456789abcdef")
@@ -74,7 +79,8 @@ class NamespaceRemoval(NamespacePlan):
         prompt_entries: the prompt's keys at this namespace's block size (full blocks + tail).
         prompt_blocks: of those, the ones stored (removed).
         skipped: matched but not usable (unreadable, foreign, uninitialized): left untouched.
-        namespace_removed: the whole namespace directory was removed (outcome).
+        namespace_removed: the whole namespace directory was removed (outcome; `left`, from
+            `NamespacePlan`, lists what kept it).
     """
 
     prompt_entries: int = 0
@@ -98,7 +104,7 @@ class NamespaceRemoval(NamespacePlan):
             "remove_blocks": self.prune_blocks, "remove_segments": self.prune_segments, "remove_bytes": self.prune_bytes,
             "blocks_after": self.blocks_after, "segments_after": self.segments_after, "bytes_after": self.bytes_after,
             "rows_deleted": self.rows_deleted, "files_deleted": self.files_deleted, "bytes_freed": self.bytes_freed,
-            "unlink_failed": self.unlink_failed, "index_failed": self.index_failed,
+            "unlink_failed": self.unlink_failed, "index_failed": self.index_failed, "left": list(self.left),
         }  # fmt: skip
 
 
@@ -158,6 +164,7 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
     Raises:
         RemoveError: not a key prefix (or too short), several entries of the cache root match it
             (nothing is removed), or the only match is a symlink in the cache root (never followed).
+            Also: its `index.sqlite` is not a kvtool index (`remove_tree.kvtool_index_problem`).
         ScanError: missing cache dir; no namespace matches.
     """
     p = check_prefix(prefix)
@@ -165,6 +172,12 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
     if len(matches) > 1:
         raise RemoveError(f"{len(matches)} namespaces in {cache_dir} match {prefix!r}: ambiguous, nothing removed",
                           hint="give more of the key (kvtool inspect lists them)")  # fmt: skip
+    if len(matches) == 1 and not os.path.islink(Path(cache_dir) / matches[0]):
+        problem = kvtool_index_problem(Path(cache_dir) / matches[0])
+        if problem is not None:
+            raise RemoveError(f"{Path(cache_dir) / matches[0]} is not a kvtool namespace: {problem}; nothing removed",
+                              hint="a kvtool namespace whose index is damaged: `kvtool validate --rebuild-index` first; "
+                                   "else it is not kvtool's: remove it by hand if it is not wanted")  # fmt: skip
     try:
         return scan_cache(cache_dir, p, now=now, rows=False)  # a namespace goes whole: its rows are only counted
     except ScanError:
@@ -195,8 +208,9 @@ def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
     for ns in scan.namespaces:
         p = NamespaceRemoval(ns.name, ns.meta.get("model_name"), ns.status.value, remove_namespace=True)
         try:
-            p.bytes = tree_bytes(scan.cache_dir, ns.name)
-        except OSError:
+            tree = plan_tree(scan.cache_dir, ns.name)
+            p.bytes, p.left = tree.bytes, tree.left
+        except (OSError, ValueError):
             p.bytes = ns.file_bytes
         p.blocks, p.segments = ns.row_count, len(ns.files)
         p.prune_blocks, p.prune_segments, p.prune_bytes = p.blocks, p.segments, p.bytes
@@ -267,10 +281,10 @@ def _plan_prompt_in(ns: NamespaceScan, keys: PromptKeys) -> NamespaceRemoval:
 
 # ----------------------------------------------------------------------------- execute
 def execute_removal(plan: RemovePlan) -> RemovePlan:
-    """Carry out a plan (hold `cache_lock` around scanning, planning and executing). A namespace
-    goes whole (`remove_namespace_tree`: segment files first, `REMOVE_WORKERS` fan-out directories
-    at once, the index last; its rows and segment files count as deleted); a prompt's blocks go by
-    prune's execution (rows first, then files).
+    """Carry out a plan (hold `cache_lock` around scanning, planning and executing). A namespace's
+    kvtool entries go (`remove_tree.remove_tree`: segment files first, `REMOVE_WORKERS` fan-out
+    directories at once, the index last; its rows and segment files count as deleted; what is not
+    kvtool's is left and listed in `left`); a prompt's blocks go by prune's execution.
 
     Never raises for I/O trouble: failures are counted (`unlink_failed`, `index_failed`)."""
     if plan.target != "namespace":
@@ -278,15 +292,16 @@ def execute_removal(plan: RemovePlan) -> RemovePlan:
     else:
         for p in plan.namespaces:
             try:
-                p.bytes_freed = remove_namespace_tree(Path(plan.cache_dir), p.namespace, p.bytes or None, REMOVE_WORKERS)
+                tree = remove_tree(Path(plan.cache_dir), p.namespace, REMOVE_WORKERS)
             except (OSError, ValueError) as exc:
                 p.unlink_failed += 1
                 p.message = f"{p.message}; not removed: {exc}".lstrip("; ")
-        plan.executed = True
-    for p in plan.namespaces:
-        if isinstance(p, NamespaceRemoval) and p.remove_namespace and not p.unlink_failed:
-            p.namespace_removed = True
+                continue
+            p.bytes_freed = tree.bytes
             p.rows_deleted, p.files_deleted = p.blocks, p.segments
+            if isinstance(p, NamespaceRemoval):
+                p.namespace_removed, p.left = tree.removed, tree.left
+        plan.executed = True
     return plan
 
 

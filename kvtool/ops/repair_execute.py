@@ -77,6 +77,17 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
                 continue
             index.delete_segments([name])
             unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+        forget = list(act.forget_removals)
+        for name in act.finish_removals:  # an interrupted removal, finished: its rows are long gone
+            if index.segment_rows(name):
+                forget.append(name)  # rows name it again: it is kept, the entry is stale
+                continue
+            failed = rep.unlink_failed
+            unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+            if rep.unlink_failed == failed:
+                forget.append(name)
+        if forget:
+            index.forget_removals(forget)
     finally:
         index.close()
 

@@ -20,6 +20,7 @@ MAX_DETAILS = 50  # per namespace, in the report
 REPAIRS = (
     "temp_removed", "bad_rows_dropped", "access_clamped", "rows_repaired", "missing_rows_dropped", "corrupt_removed",
     "segment_rows_fixed", "orphans_adopted", "orphans_removed", "broken_chain_removed", "irregular_removed",
+    "removals_finished",
 )  # fmt: skip
 UNCHECKED_PROBLEMS = (NamespaceStatus.UNREADABLE, NamespaceStatus.FOREIGN)
 
@@ -55,6 +56,8 @@ class Actions:
     drop: list[str] = field(default_factory=list)
     broken: list[str] = field(default_factory=list)
     remove_segments: list[str] = field(default_factory=list)
+    finish_removals: list[str] = field(default_factory=list)  # journaled segment files: unlinked, then forgotten
+    forget_removals: list[str] = field(default_factory=list)  # journal entries to drop (no file, or rows again)
     rebuild: RebuildPlan | None = None
 
     def write(self, seg_row: SegmentRow, rewrite: Sequence[IndexRow] = (), adopt: Sequence[IndexRow] = ()) -> None:
@@ -65,7 +68,8 @@ class Actions:
 
     def any(self) -> bool:
         return bool(self.temps or self.irregular or self.bad_rowids or self.bad_segment_rowids or self.clamp or self.writes or self.drop
-                    or self.broken or self.remove_segments or self.rebuild)  # fmt: skip
+                    or self.broken or self.remove_segments or self.finish_removals or self.forget_removals
+                    or self.rebuild)  # fmt: skip
 
 
 @dataclass
@@ -82,6 +86,9 @@ class NamespaceRepair:
         rows: well-formed index rows at the start; files: segment files at the start.
         temp_removed ... broken_chain_removed: repairs by kind (see the module docstring); counts
             of blocks (rows), except temp files, segment rows and orphan segment files.
+        removals_finished: segment files of an interrupted removal (`prune`, `rm --prompt` killed
+            between its rows' commit and its unlinks: named in the index's removal journal)
+            removed, never re-adopted.
         duplicates_removed: orphan segments whose records are all stored elsewhere (not a problem).
         blocks_recovered: rows recreated by an index rebuild.
         index_rebuilt: the index was (or, dry run, would be) rebuilt from the segment files.
@@ -113,6 +120,7 @@ class NamespaceRepair:
     orphans_removed: int = 0
     broken_chain_removed: int = 0
     irregular_removed: int = 0
+    removals_finished: int = 0
     duplicates_removed: int = 0
     blocks_recovered: int = 0
     index_rebuilt: bool = False

@@ -16,7 +16,9 @@ that verifies is ever lost:
   costs nothing. Blocks a prune removed never come back: their chain ends at a removed file.
   An orphan whose every record is stored elsewhere is removed (`duplicates_removed`, not a
   problem), one that does not verify or holds only unreachable blocks is removed
-  (`orphans_removed`);
+  (`orphans_removed`). A segment file named in the index's removal journal (a `prune` or
+  `rm --prompt` killed between its rows' commit and its unlinks) is never adopted: it is removed
+  (`removals_finished`), finishing the removal the user asked for;
 - a `segments` row that is missing or wrong is rewritten from the file; one without file goes;
 - rows no prefix lookup can reach (parent chain not ending at the namespace root, or a cycle)
   -> removed (`broken_chain_removed`);
@@ -50,12 +52,15 @@ This module never imports MLX.
 from __future__ import annotations
 
 import os
+import sqlite3
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.fsops import FileOps, resolve_cache_root, short_path
+from kvtool.disk.index import BlockIndex
 from kvtool.disk.lock import cache_lock
+from kvtool.disk.names import INDEX_FILENAME
 from kvtool.ops.heap import gc_paused
 from kvtool.ops.rebuild import plan_rebuild
 from kvtool.ops.records import SegmentPass
@@ -149,11 +154,28 @@ def _rebuildable(ns: NamespaceScan) -> bool:
 def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, deep: bool, progress) -> None:
     exp = ns.expected
     assert exp is not None  # a usable namespace has its geometry
+    journal = removal_journal(ns.path / INDEX_FILENAME)
     try:
         with ConfinedDir(scan.cache_dir, ns.name) as cdir, SegmentPass(cdir, ns.name, exp.kv, exp.block_size) as reader:
-            RepairPlanner(scan.now, ns, rep, reader, deep).run(progress)
+            RepairPlanner(scan.now, ns, rep, reader, deep, journal).run(progress)
     except OSError as exc:
         rep.outcome, rep.message = "failed", f"cannot open the namespace directory: {exc}"
+
+
+def removal_journal(db: Path) -> set[str]:
+    """The segment names in index `db`'s removal journal (`BlockIndex.removals`: files an
+    interrupted `prune` or `rm --prompt` took the rows of); empty if it has none or cannot be read
+    (read-only)."""
+    try:
+        index = BlockIndex(db, create=False, read_only=True)
+    except sqlite3.Error:
+        return set()
+    try:
+        return set(index.removals())
+    except sqlite3.Error:
+        return set()
+    finally:
+        index.close()
 
 
 __all__ = [

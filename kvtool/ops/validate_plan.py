@@ -45,8 +45,10 @@ class RepairPlanner:
     """Plans the repairs of one usable namespace: one pass over its segment files (`_visit`, in
     name order), then the decisions (`_resolve`, `_adopt_and_finish`) on one chain tree."""
 
-    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool):
+    def __init__(self, now: float, ns: NamespaceScan, rep: NamespaceRepair, reader: SegmentPass, deep: bool,
+                 journal: set[str] | frozenset[str] = frozenset()):  # fmt: skip
         self.now, self.ns, self.rep, self.reader, self.deep = now, ns, rep, reader, deep
+        self.journal = journal  # segments of the removal journal (an interrupted prune or rm)
         self.act = rep.actions
         self.table: RowTable = ns.table if ns.table is not None else RowTable.empty()
         self.fail: dict[int, str] = {}  # row number -> why it does not match its record
@@ -86,7 +88,8 @@ class RepairPlanner:
         rep.access_clamped = len(act.clamp)
         table = self.table
         numbers = table.segment_numbers
-        unnamed = [name for name in ns.files if name not in numbers]  # files no row names
+        finishing = self._journaled(numbers)
+        unnamed = [name for name in ns.files if name not in numbers and name not in finishing]  # files no row names
         total = len(table.segments) + len(unnamed)
         self.shown = 0  # segments reported done (`progress`)
         self.fast = self._clean(progress, total)
@@ -94,7 +97,8 @@ class RepairPlanner:
         listed = self.fast.listed
         has_file = (listed >= 0 if listed is not None else
                     np.fromiter((name in ns.files for name in table.segments), dtype=bool, count=len(table.segments)))  # fmt: skip
-        self.known = SegmentSet(table, has_file, names=(name for name in ns.orphans if name in ns.files))
+        self.known = SegmentSet(table, has_file,
+                                names=(name for name in ns.orphans if name in ns.files and name not in finishing))
         # the common case, a clean segment, keeps nothing per segment; the others, in name order:
         todo = sorted([table.segments[s] for s in np.flatnonzero(~self.fast.clean).tolist()] + unnamed)
         done = total - len(todo)
@@ -107,6 +111,24 @@ class RepairPlanner:
         self.reader.close()
         final, dropped = self._resolve()
         self._adopt_and_finish(final, dropped)
+
+    def _journaled(self, numbers: dict[str, int]) -> set[str]:
+        """Plan the end of interrupted removals: a segment file of the removal journal that no
+        row names is removed (`removals_finished`), never adopted (the user asked for its blocks
+        to go); entries without a file, or whose segment has rows again, are forgotten. Returns
+        the files to remove."""
+        act, rep, files = self.act, self.rep, self.ns.files
+        finishing: set[str] = set()
+        for name in sorted(self.journal):
+            if name in numbers or name not in files:
+                act.forget_removals.append(name)
+                continue
+            finishing.add(name)
+            act.finish_removals.append(name)
+            rep.removals_finished += 1
+            rep.bytes_freed += files[name].size
+            rep.note("removal", name, "its blocks were removed (prune or rm interrupted before the unlink): removal finished")
+        return finishing
 
     # ------------------------------------------------------------------ the pass
     def _clean(self, progress: ProgressFn | None, total: int) -> CleanSegments:
@@ -270,7 +292,9 @@ class RepairPlanner:
             parent[r if keep is None else int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
         # records no kept row describes, first copy of each hash (file order)
         found = t.index.find(keys_from_hex([c.hash for c in self.candidates])) if self.candidates else np.zeros(0, np.int64)
-        in_final = (found >= 0) & ~dropped[np.maximum(found, 0)] if found.size else np.zeros(0, dtype=bool)
+        in_final = found >= 0  # its hash has a row that is kept (an empty table: no row at all)
+        if in_final.any():
+            in_final[in_final] = ~dropped[found[in_final]]
         spare: list[_Candidate] = []
         seen: set[str] = set()
         outside: dict[str, int] = {}  # segment -> its records whose hash no kept row has
