@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvtool.cli import common
+from kvtool.models.limits import MAX_SEED
 from kvtool.prompts import (
     MAX_PROMPT_BYTES,
     Request,
@@ -174,7 +175,8 @@ def serve_once(
     model_flags: common.ModelFlags = common.MODEL,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
+    seed: Annotated[int | None, typer.Option("--seed", min=0, max=MAX_SEED, help="Random seed for sampling (0 to 2^64-1, as mx.random.seed).",
+                                             rich_help_panel="Generation")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,

@@ -121,6 +121,8 @@ class ServeCommand(TyperCommand):
             try:
                 extra = _mlx_lm_parameters(taken)
             except Exception as exc:  # noqa: BLE001 - kvtool serve still runs with its own options
+                if common.describe_error(exc) is not None:  # mlx-lm cannot load at all (open-files limit)
+                    raise
                 extra = []
                 common.err_console.print(f"warning: mlx_lm.server's options are not available: {exc}",
                                          markup=False, highlight=False)

@@ -423,21 +423,24 @@ def load_engine(
     mapping load failures to `CLIError`.
 
     Raises:
-        CLIError: the model does not load, or `max_kv_size` is given (a rotating KV cache,
-            which kvtool cannot store exactly yet: refused up front rather than run uncached).
+        CLIError: the model does not load, `kv_bits` / `kv_group_size` do not quantize the model's
+            KV head dims (`kv_quantization_problem`, checked before the cache opens), or
+            `max_kv_size` is given (a rotating KV cache, which kvtool cannot store exactly yet:
+            refused up front rather than run uncached).
     """
     from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
-    from kvtool.models.loader import ModelLoadError
+    from kvtool.models.loader import ModelLoadError, kv_quantization_problem, load_model
 
     refuse_max_kv_size(max_kv_size)
     try:
-        return Engine.from_spec(
-            model, config, adapter_path=str(adapter_path) if adapter_path else None,
-            prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits, kv_group_size=kv_group_size,
-            **engine_options,
-        )
+        loaded = load_model(model, adapter_path=str(adapter_path) if adapter_path else None)
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None
+    problem = kv_quantization_problem(loaded.model, kv_bits, kv_group_size)
+    if problem is not None:  # refused before the cache opens and before any prefill
+        raise CLIError(problem, hint="use a --kv-group-size that divides the head dim (e.g. 32), or drop --kv-bits")
+    return Engine(loaded, config, prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits,
+                  kv_group_size=kv_group_size, **engine_options)
 
 
 def refuse_max_kv_size(max_kv_size: int | None) -> None:
