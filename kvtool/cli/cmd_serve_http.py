@@ -176,8 +176,8 @@ def serve_http(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free port).")] = 8080,
     max_tokens: common.MaxTokensOpt = 512,
-    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Default sampling temperature (0: greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Default nucleus sampling mass.")] = 1.0,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, callback=common.finite_number, help="Default sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, callback=common.finite_number, help="Default nucleus sampling mass.")] = 1.0,
     model_flags: common.ModelFlags = common.MODEL,
     decode_concurrency: Annotated[
         int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")

@@ -97,6 +97,20 @@ PrefillStepOpt = Annotated[int, _PREFILL_STEP]
 OptionalPrefillStepOpt = Annotated[int | None, _PREFILL_STEP]  # None: the command's own default
 
 
+def finite_number(value: float | None) -> float | None:
+    """Typer callback: refuse NaN and infinities (a float option's `min`/`max` let `inf` and
+    `nan` through, and HTTP requests refuse them: `kvtool.server.validation`).
+
+    Raises:
+        typer.BadParameter: `value` is not finite (one `error:` line, exit 2).
+    """
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
 def _check_kv_bits(value: int | None) -> int | None:
     if value is not None and value not in (4, 8):
         raise typer.BadParameter(f"{value} is not one of 4, 8")
