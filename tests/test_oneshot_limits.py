@@ -21,12 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 180.0  # generous: the machine is shared
 
 
-def kvtool(*args: str, limit_files: int | None = None, **kw) -> subprocess.CompletedProcess:
+def kvtool(*args: str, limit_files: int | None = None, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
     def low_limit() -> None:  # in the child, before exec: as `ulimit -n N` does
         resource.setrlimit(resource.RLIMIT_NOFILE, (limit_files, limit_files))
 
     return subprocess.run([sys.executable, "-m", "kvtool.cli.app", *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=TIMEOUT_S, preexec_fn=low_limit if limit_files else None, **kw)
+                          timeout=timeout, preexec_fn=low_limit if limit_files else None)
 
 
 def assert_one_error(res: subprocess.CompletedProcess, *needles: str) -> str:
@@ -72,3 +72,32 @@ def test_a_hard_open_files_limit_below_4096_is_one_error_line(args, tmp_path):
 def test_serve_once_seed_outside_mx_random_range_is_one_error_line(seed, tmp_path):
     assert_one_error(kvtool("serve-once", "-p", "hi", "-n", "2", "--seed", seed, "--cache-dir", str(tmp_path)),
                      "--seed")
+
+
+# ----------------------------------------------------------------------------- finding 8
+@pytest.mark.slow
+def test_serve_once_max_tokens_past_the_context_is_refused(tmp_path):
+    """-n 99999999999999999999999 generated until killed (kvtool serve caps max_tokens at the
+    context length, 32768 for tiny); now one error line before any prefill."""
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert_one_error(kvtool("serve-once", "-p", "hi", "-n", "99999999999999999999999", *cache, timeout=60),
+                     "--max-tokens 99999999999999999999999", "context length (32768 tokens)")
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text('{"prompt": "hi", "max_tokens": 4}\n{"prompt": "hello", "max_tokens": 1000000000}\n')
+    assert_one_error(kvtool("serve-once", "--requests", str(reqs), *cache, timeout=60), "request 1: max_tokens")
+
+
+@pytest.mark.slow
+def test_prompts_past_max_prompt_tokens_are_refused_before_the_prefill(tmp_path):
+    """A 50k-token --system-prompt (past tiny's 32,768-token context) prefilled for minutes; the
+    limit is kvtool serve's (--max-prompt-tokens, default the context length), in serve-once and warm."""
+    cache = ["--cache-dir", str(tmp_path / "cache")]
+    assert_one_error(kvtool("serve-once", "-p", "hi", "-n", "2", "--system-prompt", "a " * 50000, *cache, timeout=60),
+                     "the prompt has 500", "more than the limit of 32768", "--max-prompt-tokens")
+    assert_one_error(kvtool("serve-once", "-p", "word " * 200, "-n", "2", "--max-prompt-tokens", "50", *cache),
+                     "more than the limit of 50")
+    src = tmp_path / "p.txt"
+    src.write_text("a short prompt\n" + "word " * 200 + "\n")
+    assert_one_error(kvtool("warm", str(src), "--max-prompt-tokens", "50", *cache), f"{src}:2", "limit of 50")
+    ok = kvtool("serve-once", "-p", "word " * 20, "-n", "2", "--max-prompt-tokens", "100", *cache)
+    assert ok.returncode == 0, ok.stderr[-2000:]

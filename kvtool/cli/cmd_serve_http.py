@@ -185,12 +185,7 @@ def serve_http(
     prompt_concurrency: Annotated[
         int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
     ] = 8,
-    max_prompt_tokens: Annotated[
-        int | None,
-        typer.Option("--max-prompt-tokens", min=1, show_default=False,
-                     help="Longest prompt served, in tokens after the chat template (longer: HTTP 413). "
-                          "\\[default: the model's context length, at most 32768]"),
-    ] = None,
+    max_prompt_tokens: common.MaxPromptTokensOpt = None,
     max_body_bytes: Annotated[
         str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
     ] = "8MiB",

@@ -52,11 +52,11 @@ class TokenLimits:
         if n > self.max_tokens_cap:
             raise TokenLimitError(f"{what} {n} is more than the model's context length ({self.max_tokens_cap} tokens)")
 
-    def check_prompt(self, n: int, what: str = "prompt") -> None:
+    def check_prompt(self, n: int, what: str = "the prompt") -> None:
         """Raises TokenLimitError: a prompt of `n` tokens is longer than `max_prompt_tokens`."""
         if n > self.max_prompt_tokens:
-            raise TokenLimitError(f"{what}: the prompt has {n} tokens, more than the limit of "
-                                  f"{self.max_prompt_tokens} (--max-prompt-tokens)")
+            raise TokenLimitError(f"{what} has {n} tokens, more than the limit of {self.max_prompt_tokens} "
+                                  "(--max-prompt-tokens)")
 
 
 def token_limits(model_dir: Path | str | None, max_prompt_tokens: int | None = None) -> TokenLimits:
