@@ -44,7 +44,15 @@ from kvtool.models.limits import TokenLimitError, token_limits
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
-from kvtool.server.handler import MAX_CONNECTIONS, STATS_PATH, RequestGuard, _HTTPServer, make_handler_class
+from kvtool.server.handler import (
+    HEAD_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_PEER,
+    STATS_PATH,
+    RequestGuard,
+    _HTTPServer,
+    make_handler_class,
+)
 from kvtool.server.validation import Limits
 from kvtool.tiers.stack import ShutdownStatus
 
@@ -91,6 +99,11 @@ class KVToolServer:
         max_prompt_tokens: longest prompt served (tokens, after the chat template; longer: 413).
             None: the model's context length, at most `kvtool.models.limits.MAX_PROMPT_TOKENS_CAP`.
         max_body_bytes: largest request body (bytes; larger: 413).
+        head_timeout_s: seconds the whole request head (request line and headers) may take to
+            arrive, counted from when the server starts waiting for it (also the idle time of a
+            keep-alive connection); past it the connection is closed.
+        max_connections_per_peer: connections served at once from one client address (more are
+            answered 503 and closed; all addresses together: `MAX_CONNECTIONS`).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
             `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
             option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
@@ -107,7 +120,8 @@ class KVToolServer:
 
     def __init__(self, model: str, config: KVToolConfig, *, host: str = "127.0.0.1", port: int = 8080,
                  adapter_path: str | None = None, max_prompt_tokens: int | None = None,
-                 max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, **server_options: Any):
+                 max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER, **server_options: Any):
         from mlx_lm.server import ModelProvider
 
         from kvtool.cache.prefix import PrefixCache
@@ -155,6 +169,8 @@ class KVToolServer:
                 self.httpd = self._bind(host, port, make_handler_class(self.cache, guard, self.metrics))
             except OSError as exc:
                 raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            self.httpd.kvtool_head_timeout_s = head_timeout_s
+            self.httpd.kvtool_max_per_peer = max_connections_per_peer
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
                                                      max_prompt_tokens=self.limits.max_prompt_tokens)
