@@ -4,8 +4,9 @@ or unbounded work (issue 32, findings 7, 8 and 9).
 Real subprocesses of the real entry point on the tiny model (head dim 32, context 32768 per its
 config.json): a seed out of mx.random.seed's range, KV quantization settings the model's head dim
 does not take, a hard open-files limit below mlx-lm's 4096 (set in the child with
-`resource.setrlimit`), `--max-tokens` past the context length, prompts past `--max-prompt-tokens`,
-a non-finite `--temp`, a fractional `--max-bytes`, and `inspect --json --quiet`.
+`resource.setrlimit`), `--max-tokens` past the context length, prompts past `--max-prompt-tokens`.
+(Finding 9's cases, refused before any model loads, are in tests/test_cli_errors.py and
+tests/test_output.py.)
 """
 
 from __future__ import annotations
