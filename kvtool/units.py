@@ -52,11 +52,15 @@ def parse_size(text: str | int) -> int:
     Args:
         text: a size string, or an integer number of bytes (booleans are not numbers).
 
+    A count of bytes (no unit, or `B`) must be whole: `1.5` is refused (it was read as a 1-byte
+    budget, which makes `prune --max-bytes 1.5` remove everything). With a larger unit a decimal
+    is rounded down to whole bytes: `1.5KiB` is 1536, `0.1MiB` is 104857.
+
     Returns:
-        The size in bytes, `0 <= size <= MAX_BYTES` (fractions of a byte are dropped).
+        The size in bytes, `0 <= size <= MAX_BYTES`.
 
     Raises:
-        ValueError: not a size, negative, or larger than `MAX_BYTES`.
+        ValueError: not a size, a fractional count of bytes, negative, or larger than `MAX_BYTES`.
     """
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"not a size: {short_repr(text)} ({SIZE_EXAMPLES})")
@@ -66,6 +70,9 @@ def parse_size(text: str | int) -> int:
         number, unit = _number_and_unit(text, "size", SIZE_EXAMPLES)
         if unit not in _SIZE_UNITS:
             raise ValueError(f"not a size: {short_repr(text)} ({SIZE_EXAMPLES})")
+        if _SIZE_UNITS[unit] == 1 and number.denominator != 1:
+            raise ValueError(f"{short_repr(text)} is not a whole number of bytes: give bytes as an integer, or a "
+                             f"unit ({SIZE_EXAMPLES})")
     size = number * _SIZE_UNITS[unit]
     if size < 0:
         raise ValueError(f"a size cannot be negative, got {short_repr(text)}")

@@ -38,11 +38,12 @@ def drive(out: Output) -> None:
     out.problem("a problem")
 
 
-def test_from_flags_picks_the_mode_and_quiet_wins():
+def test_from_flags_picks_the_mode_and_json_keeps_its_document_under_quiet():
     assert Output.from_flags().mode == OutputMode.HUMAN
     assert Output.from_flags(json_out=True).mode == OutputMode.JSON
     assert Output.from_flags(quiet=True).mode == OutputMode.QUIET
-    assert Output.from_flags(json_out=True, quiet=True).mode == OutputMode.QUIET  # cron asked for silence
+    both = Output.from_flags(json_out=True, quiet=True)  # --json is the script interface: the document still prints
+    assert (both.mode, both.json, both.quiet, both.human) == (OutputMode.JSON, True, True, False)
     h, j, q = Output.from_flags(), Output.from_flags(json_out=True), Output.from_flags(quiet=True)
     assert (h.human, h.json, h.quiet) == (True, False, False)
     assert (j.human, j.json, j.quiet) == (False, True, False)
@@ -147,6 +148,10 @@ def test_every_json_document_is_versioned_and_quiet_is_silent(cache, command):
     assert list(doc)[0] == "schema_version" and doc["schema_version"] == SCHEMA_VERSION
     quiet = cli(*args, "--quiet")
     assert quiet.exit_code == 0 and quiet.output == ""
+    both = cli(*args, "--json", "--quiet")  # one rule in every command: the document, and nothing else
+    assert both.exit_code == 0, both.output
+    assert both.stderr == ""
+    assert json.loads(both.stdout).keys() == doc.keys()
 
 
 def test_validate_reads_config_and_quiet_prints_only_problems(cache, monkeypatch):

@@ -412,3 +412,64 @@ def test_prompt_sources_over_the_limit_and_deep_json(tmp_path):
     jsonl.write_text('{"prompt": "x"}\n' + "[" * 5000 + "]" * 5000 + "\n")
     assert_one_error(kvtool("serve-once", "--requests", str(jsonl), *cache), "deep.jsonl:2")
     assert_one_error(kvtool("serve-once", "-p", "x", "--max-prompt-bytes", "lots", *cache), "--max-prompt-bytes")
+
+
+# ----------------------------------------------------------------------------- header slowloris
+SLOW_PEER = "127.0.0.2"  # the attacker's source address: another loopback address than the normal client's
+
+
+def _drip_head(port: int, out: list, lock: threading.Lock, t0: float, stop_at: float) -> None:
+    """One slow-header connection from SLOW_PEER: a request line, then one header line every
+    0.25 s, never the blank line; records (seconds until the server answered or closed, bytes)."""
+    got, when = b"", None
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(SLOW_PEER, 0)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            s.settimeout(0.25)
+            i = 0
+            while time.monotonic() < stop_at and when is None:
+                try:
+                    chunk = s.recv(4096)
+                    got += chunk
+                    if not chunk:
+                        when = time.monotonic() - t0
+                except TimeoutError:
+                    s.sendall(f"X-Slow-{i}: {i}\r\n".encode())
+                    i += 1
+    except OSError:  # reset or refused while sending: the server closed it
+        when = time.monotonic() - t0 if when is None else when
+    with lock:
+        out.append((when, got))
+
+
+@pytest.mark.slow
+def test_header_slowloris_is_capped_per_peer_and_cut_at_the_head_deadline(tmp_path):
+    """Issue 32, finding 6: connections sending one header line every few seconds held every
+    connection slot for as long as they kept sending (the per-read timeout restarts on each line).
+    Now one address holds at most --max-connections-per-peer connections (more: 503 and closed),
+    a head that does not arrive within --head-timeout is closed, and a normal client (another
+    address) is served while the attack runs."""
+    server = start_kvtool(tmp_path, "slowloris", "--max-connections-per-peer", "4", "--head-timeout", "3s")
+    try:
+        baseline = normal_text(server)
+        results: list = []
+        lock = threading.Lock()
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=_drip_head, args=(server.port, results, lock, t0, t0 + 12.0), daemon=True)
+                   for _ in range(12)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # every slow connection is open and dripping
+        assert normal_text(server) == baseline  # served during the attack
+        assert get_health(server) == 200
+        for t in threads:
+            t.join(20)
+        refused = [(w, g) for w, g in results if g.startswith(b"HTTP/1.0 503") and b"from your address" in g]
+        held = [(w, g) for w, g in results if (w, g) not in refused]
+        assert len(results) == 12 and len(refused) == 8, results
+        assert all(w is not None and w < 2.0 for w, _ in refused), refused  # refused at once
+        # the 4 admitted ones never finished their head: closed at the deadline, not when the client stopped
+        assert all(w is not None and 2.5 <= w <= 8.0 and g == b"" for w, g in held), held
+        assert normal_text(server) == baseline
+    finally:
+        server.stop()

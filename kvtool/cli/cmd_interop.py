@@ -120,15 +120,9 @@ prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PRO
 
 def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start):
     """`common.load_engine` plus mlx-lm's --quantized-kv-start."""
-    from kvtool.engine import Engine
-    from kvtool.models.loader import ModelLoadError
-
     try:
-        return Engine.from_spec(model, cfg, adapter_path=str(adapter_path) if adapter_path else None,
-                                prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                quantized_kv_start=quantized_kv_start)
-    except ModelLoadError as exc:
-        raise common.CLIError(str(exc)) from None
+        return common.load_engine(model, cfg, adapter_path=adapter_path, prefill_step_size=prefill_step_size,
+                                  kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
     except ValueError as exc:  # e.g. a quantisation the model's head dims do not allow
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvtool.cli import common
+from kvtool.models.limits import MAX_SEED
 from kvtool.prompts import (
     MAX_PROMPT_BYTES,
     Request,
@@ -170,11 +171,13 @@ def serve_once(
         typer.Option("--requests", help="JSONL: one {\"prompt\": ...} or {\"messages\": [...]} per line, optional max_tokens.", rich_help_panel="Prompt"),
     ] = None,
     max_prompt_bytes: MaxPromptBytesOpt = "64MiB",
+    max_prompt_tokens: common.MaxPromptTokensOpt = None,
     max_tokens: common.MaxTokensOpt = 64,
     model_flags: common.ModelFlags = common.MODEL,
-    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
-    seed: Annotated[int | None, typer.Option("--seed", help="Random seed for sampling.", rich_help_panel="Generation")] = None,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, callback=common.finite_number, help="Sampling temperature; 0 = greedy.", rich_help_panel="Generation")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, callback=common.finite_number, help="Nucleus sampling mass.", rich_help_panel="Generation")] = 1.0,
+    seed: Annotated[int | None, typer.Option("--seed", min=0, max=MAX_SEED, help="Random seed for sampling (0 to 2^64-1, as mx.random.seed).",
+                                             rich_help_panel="Generation")] = None,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).", rich_help_panel="Generation")] = None,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
@@ -188,8 +191,13 @@ def serve_once(
             reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
             cfg = cache.build()
             engine = model_flags.load(model, cfg)
-            encode = _encoder(engine, not model_flags.ignore_chat_template, model_flags.system_prompt)
-            code = _serve(engine, reqs, encode, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
+            try:
+                encode = _encoder(engine, not model_flags.ignore_chat_template, model_flags.system_prompt)
+                prompts = _encode_within_limits(engine, reqs, encode, max_tokens, max_prompt_tokens)
+            except BaseException:
+                engine.close()
+                raise
+            code = _serve(engine, reqs, prompts, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
     except common.Interrupted as exc:  # before serving started: nothing to drain
         code = 128 + exc.signum
     raise typer.Exit(code)
@@ -201,15 +209,34 @@ def _encoder(engine: Engine, chat_template: bool, system_prompt):
                                      system_prompt=system_prompt)
 
 
-def _serve(engine: Engine, reqs, encode, max_tokens, temp, top_p, seed, stop, json_out, metrics_file=None) -> int:
+def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_prompt_tokens: int | None) -> list:
+    """Every request's token ids, each checked, before any prefill, against the limits `kvtool
+    serve` applies (`common.check_tokens`): `max_tokens` (the flag's, and a request's own) at
+    most the model's context length, the prompt at most `--max-prompt-tokens` tokens.
+
+    Raises:
+        CLIError: a request cannot be encoded, or is over a limit.
+    """
+    limits = common.token_limits(engine, max_prompt_tokens)
+    common.check_tokens(limits, max_tokens=max_tokens)
+    out = []
+    for i, req in enumerate(reqs):
+        try:
+            ids = encode(req)
+        except ValueError as exc:
+            raise common.CLIError(f"request {i}: {exc}") from None
+        what = "the prompt" if len(reqs) == 1 else f"request {i}"
+        common.check_tokens(limits, what, prompt_tokens=len(ids), max_tokens=req.max_tokens,
+                            max_tokens_name=f"{what}: max_tokens")
+        out.append(ids)
+    return out
+
+
+def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, json_out, metrics_file=None) -> int:
     results, interrupted = [], None
     warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:
-        for i, req in enumerate(reqs):
-            try:
-                ids = encode(req)
-            except ValueError as exc:
-                raise common.CLIError(f"request {i}: {exc}") from None
+        for i, (req, ids) in enumerate(zip(reqs, prompts, strict=True)):
             res = engine.generate(
                 ids, max_tokens=req.max_tokens or max_tokens, temp=temp, top_p=top_p, seed=seed, stop=stop
             )

@@ -50,6 +50,7 @@ Exit codes: 130/143 stopped by SIGINT/SIGTERM after a clean drain; 1 the writer 
 """
 
 log = logging.getLogger("kvtool.server")
+MAX_CONNECTIONS = 256  # kvtool.server.handler.MAX_CONNECTIONS (not imported here: it loads mlx-lm)
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -121,6 +122,8 @@ class ServeCommand(TyperCommand):
             try:
                 extra = _mlx_lm_parameters(taken)
             except Exception as exc:  # noqa: BLE001 - kvtool serve still runs with its own options
+                if common.describe_error(exc) is not None:  # mlx-lm cannot load at all (open-files limit)
+                    raise
                 extra = []
                 common.err_console.print(f"warning: mlx_lm.server's options are not available: {exc}",
                                          markup=False, highlight=False)
@@ -174,8 +177,8 @@ def serve_http(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port (0: any free port).")] = 8080,
     max_tokens: common.MaxTokensOpt = 512,
-    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Default sampling temperature (0: greedy).")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Default nucleus sampling mass.")] = 1.0,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, callback=common.finite_number, help="Default sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, callback=common.finite_number, help="Default nucleus sampling mass.")] = 1.0,
     model_flags: common.ModelFlags = common.MODEL,
     decode_concurrency: Annotated[
         int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")
@@ -183,15 +186,19 @@ def serve_http(
     prompt_concurrency: Annotated[
         int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
     ] = 8,
-    max_prompt_tokens: Annotated[
-        int | None,
-        typer.Option("--max-prompt-tokens", min=1, show_default=False,
-                     help="Longest prompt served, in tokens after the chat template (longer: HTTP 413). "
-                          "\\[default: the model's context length, at most 32768]"),
-    ] = None,
+    max_prompt_tokens: common.MaxPromptTokensOpt = None,
     max_body_bytes: Annotated[
         str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
     ] = "8MiB",
+    head_timeout: Annotated[
+        str, typer.Option("--head-timeout", help="Time a client has to send a request's whole head (request line "
+                          "and headers), e.g. 20s; past it the connection is closed (also an idle keep-alive one).")
+    ] = "20s",
+    max_connections_per_peer: Annotated[
+        int, typer.Option("--max-connections-per-peer", min=1, max=MAX_CONNECTIONS,
+                          help=f"Connections served at once from one client address (more: HTTP 503 and closed; "
+                               f"all clients together: {MAX_CONNECTIONS}).")
+    ] = 64,
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
@@ -206,11 +213,14 @@ def serve_http(
             if level not in LOG_LEVELS:
                 raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
             common.refuse_max_kv_size(model_flags.max_kv_size)
-            from kvtool.units import parse_size
+            from kvtool.units import parse_duration, parse_size
 
             body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
             if body_limit < 1024:
                 raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
+            head_timeout_s = common.parse_flag(head_timeout, parse_duration, "--head-timeout")
+            if not 0.1 <= head_timeout_s <= 3600:
+                raise common.CLIError(f"--head-timeout {head_timeout}: from 0.1s to 1h")
             extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
             setup_server_logging(level)
             make_config = dataclasses.replace(cache, ram_bytes=ram_bytes).build
@@ -219,7 +229,8 @@ def serve_http(
                             top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
                             decode_concurrency=decode_concurrency,
                             prompt_concurrency=prompt_concurrency, log_level=level,
-                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit, **extra)
+                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
+                            head_timeout_s=head_timeout_s, max_connections_per_peer=max_connections_per_peer, **extra)
             code = _run(server, make_config)
     except common.Interrupted as exc:  # before serving started: nothing was written
         code = 128 + exc.signum

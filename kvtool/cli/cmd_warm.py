@@ -48,6 +48,7 @@ def warm_cmd(
     max_prompt_bytes: Annotated[
         str, typer.Option("--max-prompt-bytes", help="Most bytes read from all sources together, e.g. 64MiB.")
     ] = "64MiB",
+    max_prompt_tokens: common.MaxPromptTokensOpt = None,
     model_flags: common.ModelFlags = common.MODEL,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
@@ -76,7 +77,8 @@ def warm_cmd(
             engine.close()
             raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
         namespace_dir = engine.namespace_dir
-        code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt)
+        code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
+                    common.token_limits(engine, max_prompt_tokens))
         if to_remote and code == common.EXIT_OK and namespace_dir is not None:
             code = _push(namespace_dir, cfg)
     raise typer.Exit(code)
@@ -101,7 +103,7 @@ def _push(namespace_dir: Path, cfg) -> int:
     return common.EXIT_OK if not (r.bad_records or r.unreadable_segments) else 1
 
 
-def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None) -> int:
+def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None, limits=None) -> int:
     from kvtool.jobs.warm import WarmError, WarmReport, warm
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
@@ -109,7 +111,7 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
         try:
             with _progress(len(prompts), enabled=not json_out) as progress:
                 report = warm(engine, prompts, progress=progress, interrupts=(common.Interrupted,),
-                              chat_template=chat_template, system_prompt=system_prompt)
+                              chat_template=chat_template, system_prompt=system_prompt, limits=limits)
         except common.Interrupted as exc:  # a signal outside the prompt loop
             report.interrupted = exc.args[0]
         except WarmError as exc:

@@ -78,6 +78,12 @@ ModelOpt = Annotated[
 ]
 # -m is --model in every command that takes a model; --max-tokens has -n.
 MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Max tokens to generate.", rich_help_panel="Generation")]
+MaxPromptTokensOpt = Annotated[
+    int | None,
+    typer.Option("--max-prompt-tokens", min=1, show_default=False,
+                 help="Longest prompt, in tokens after the chat template (kvtool serve answers a longer one 413; "
+                      "serve-once and warm refuse it, exit 2). \\[default: the model's context length, at most 32768]"),
+]
 IgnoreChatTemplateOpt = Annotated[
     bool,
     typer.Option("--ignore-chat-template", help="Use --prompt/--prompt-file as raw text (default: wrap it in the chat template, as mlx_lm.generate).", rich_help_panel="Prompt"),
@@ -95,6 +101,20 @@ MaxKVSizeOpt = Annotated[
 _PREFILL_STEP = typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.", rich_help_panel="Model")
 PrefillStepOpt = Annotated[int, _PREFILL_STEP]
 OptionalPrefillStepOpt = Annotated[int | None, _PREFILL_STEP]  # None: the command's own default
+
+
+def finite_number(value: float | None) -> float | None:
+    """Typer callback: refuse NaN and infinities (a float option's `min`/`max` let `inf` and
+    `nan` through, and HTTP requests refuse them: `kvtool.server.validation`).
+
+    Raises:
+        typer.BadParameter: `value` is not finite (one `error:` line, exit 2).
+    """
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
 
 
 def _check_kv_bits(value: int | None) -> int | None:
@@ -423,21 +443,60 @@ def load_engine(
     mapping load failures to `CLIError`.
 
     Raises:
-        CLIError: the model does not load, or `max_kv_size` is given (a rotating KV cache,
-            which kvtool cannot store exactly yet: refused up front rather than run uncached).
+        CLIError: the model does not load, `kv_bits` / `kv_group_size` do not quantize the model's
+            KV head dims (`kv_quantization_problem`, checked before the cache opens), or
+            `max_kv_size` is given (a rotating KV cache, which kvtool cannot store exactly yet:
+            refused up front rather than run uncached).
     """
     from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
-    from kvtool.models.loader import ModelLoadError
+    from kvtool.models.loader import ModelLoadError, kv_quantization_problem, load_model
 
     refuse_max_kv_size(max_kv_size)
     try:
-        return Engine.from_spec(
-            model, config, adapter_path=str(adapter_path) if adapter_path else None,
-            prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits, kv_group_size=kv_group_size,
-            **engine_options,
-        )
+        loaded = load_model(model, adapter_path=str(adapter_path) if adapter_path else None)
     except ModelLoadError as exc:
         raise CLIError(str(exc)) from None
+    problem = kv_quantization_problem(loaded.model, kv_bits, kv_group_size)
+    if problem is not None:  # refused before the cache opens and before any prefill
+        raise CLIError(problem, hint="use a --kv-group-size that divides the head dim (e.g. 32), or drop --kv-bits")
+    return Engine(loaded, config, prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits,
+                  kv_group_size=kv_group_size, **engine_options)
+
+
+def token_limits(engine: Any, max_prompt_tokens: int | None) -> Any:
+    """The token limits of `engine`'s model (`kvtool.models.limits.token_limits`: the rule
+    `kvtool serve` answers 413 / 400 by), for serve-once and warm."""
+    import logging
+
+    from kvtool.models.limits import token_limits as limits_of
+
+    # the prompt's length is kvtool's to judge (one error line): not the tokenizer's warning about it
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
+    return limits_of(engine.loaded.path, max_prompt_tokens)
+
+
+def check_tokens(limits: Any, what: str = "the prompt", *, prompt_tokens: int | None = None,
+                 max_tokens: int | None = None, max_tokens_name: str = "--max-tokens") -> None:
+    """Refuse, before any prefill, a `max_tokens` past the model's context length or a prompt of
+    more than `limits.max_prompt_tokens` tokens (`kvtool.models.limits.TokenLimits`: the rule
+    `kvtool serve` answers 400 / 413 by). `what` names the prompt (`request 0`, a source line),
+    `max_tokens_name` the option or field.
+
+    Raises:
+        CLIError: over a limit (exit 2); the message names the limit and the option that sets it.
+    """
+    from kvtool.models.limits import TokenLimitError
+
+    try:
+        if max_tokens is not None:
+            limits.check_max_tokens(max_tokens, max_tokens_name)
+        if prompt_tokens is not None:
+            limits.check_prompt(prompt_tokens, what)
+    except TokenLimitError as exc:
+        hint = ("shorten the prompt, or raise --max-prompt-tokens (at most the model's context length)"
+                if prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens
+                else f"ask for at most {limits.max_tokens_cap} tokens")
+        raise CLIError(str(exc), hint=hint) from None
 
 
 def refuse_max_kv_size(max_kv_size: int | None) -> None:

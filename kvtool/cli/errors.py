@@ -54,8 +54,37 @@ ERROR_MESSAGES: tuple[tuple[type[BaseException], Callable[[Any], str]], ...] = (
 )
 
 
+MLX_LM_OPEN_FILES = 4096  # mlx_lm/utils.py, at import: resource.setrlimit(RLIMIT_NOFILE, (2048, 4096))
+
+
+def open_files_limit_error(exc: BaseException) -> tuple[str, int, str | None] | None:
+    """`(message, exit_code, hint)` when `exc` is mlx-lm's import failing under a hard open-files
+    limit below 4096 (mlx-lm sets the limits to (2048, 4096) when imported: a ValueError raised
+    from `mlx_lm/utils.py`); None for anything else."""
+    import resource
+
+    if not isinstance(exc, ValueError):
+        return None
+    tb, from_mlx_lm = exc.__traceback__, False
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+        from_mlx_lm = from_mlx_lm or filename.endswith("mlx_lm/utils.py")
+        tb = tb.tb_next
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if not from_mlx_lm or hard == resource.RLIM_INFINITY or hard >= MLX_LM_OPEN_FILES:
+        return None
+    return (f"the hard limit on open files is {hard} (ulimit -Hn): mlx-lm raises the limit to {MLX_LM_OPEN_FILES} "
+            "when it loads, so a command that loads a model needs a hard limit of at least "
+            f"{MLX_LM_OPEN_FILES}", EXIT_USAGE, f"raise it (ulimit -Hn {MLX_LM_OPEN_FILES} as root, or "
+            "/etc/security/limits.conf, or LimitNOFILE= in a systemd unit) and run again")
+
+
 def describe_error(exc: BaseException) -> tuple[str, int, str | None] | None:
-    """`(message, exit_code, hint)` for a known error, None for anything else."""
+    """`(message, exit_code, hint)` for a known error (`ERROR_MESSAGES`, or mlx-lm refusing a low
+    open-files limit: `open_files_limit_error`), None for anything else."""
+    described = open_files_limit_error(exc)
+    if described is not None:
+        return described
     for kind, render in ERROR_MESSAGES:
         if isinstance(exc, kind):
             return render(exc), getattr(exc, "exit_code", EXIT_USAGE), getattr(exc, "hint", None)

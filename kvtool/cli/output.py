@@ -13,9 +13,11 @@ and each call does the right thing for it, so a command never asks "am I in --js
 | `show_progress` | True on a terminal (`kvtool.progress` draws the bar) | False | False |
 | `interaction` | the console a confirmation shows its plan on: stdout for humans, else stderr | | |
 
-`--quiet` wins over `--json` (a cron job asked for silence). Errors that end a command are not
-printed here: they are raised (`KVToolError`) and printed once, as one `error:` line, by
-`kvtool.cli.common`.
+`--json` with `--quiet`: the JSON document still goes to stdout (`--json` is the script
+interface: a script that asks for the document gets it), and `--quiet` silences everything else
+(notes, progress lines); problems still go to stderr. The same in every command. Errors that
+end a command are not printed here: they are raised (`KVToolError`) and printed once, as one
+`error:` line, by `kvtool.cli.common`.
 
 Every JSON document a command prints carries `"schema_version": SCHEMA_VERSION` at top level;
 the number changes only when a key is removed or changes meaning (adding keys does not).
@@ -63,15 +65,19 @@ class Output:
         console = console or globals()["console"]  # the module's consoles (the parameters shadow their names)
         err_console = err_console or globals()["err_console"]
         self.mode = OutputMode(mode)
+        self.silent = self.mode == OutputMode.QUIET  # --quiet given (also with --json: see `from_flags`)
         self.console = console
         self.err_console = err_console
         self._documents = 0
 
     @classmethod
     def from_flags(cls, json_out: bool = False, quiet: bool = False, **consoles: Console) -> Output:
-        """The output for `--json` / `--quiet` (`--quiet` wins: it prints nothing on success)."""
-        mode = OutputMode.QUIET if quiet else OutputMode.JSON if json_out else OutputMode.HUMAN
-        return cls(mode, **consoles)
+        """The output for `--json` / `--quiet`. With both, the JSON document is still printed
+        (json mode) and `quiet` is True: no notes, no progress lines; problems on stderr."""
+        mode = OutputMode.JSON if json_out else OutputMode.QUIET if quiet else OutputMode.HUMAN
+        out = cls(mode, **consoles)
+        out.silent = quiet
+        return out
 
     # ------------------------------------------------------------------ mode
     @property
@@ -86,8 +92,9 @@ class Output:
 
     @property
     def quiet(self) -> bool:
-        """Nothing but problems (on stderr)."""
-        return self.mode == OutputMode.QUIET
+        """`--quiet`: nothing on stderr but problems, and nothing on stdout but the JSON document
+        when `--json` is given too."""
+        return self.silent
 
     @property
     def interaction(self) -> Console:

@@ -32,6 +32,7 @@ from kvtool.prompts import (
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
+    from kvtool.models.limits import TokenLimits
 
 SOURCE_SUFFIXES = (".txt", ".md")  # files taken from a directory source
 JSONL_SUFFIXES = (".jsonl",)
@@ -224,6 +225,7 @@ def warm(
     *,
     chat_template: bool = False,
     system_prompt: str | None = None,
+    limits: TokenLimits | None = None,
 ) -> WarmReport:
     """Prefill `prompts` through `engine` and make sure their blocks reach SSD.
 
@@ -239,13 +241,16 @@ def warm(
         interrupts: exception types that mean "stop now" rather than "failed".
         chat_template, system_prompt: as `Engine.encode` for plain prompts (the CLI applies the
             chat template by default, like `serve-once`, so warmed prompts hit).
+        limits: a prompt of more than `limits.max_prompt_tokens` tokens is refused before it is
+            prefilled (`kvtool.models.limits`, the rule of `kvtool serve`); None: no limit.
 
     Returns:
         The report; block and byte counts are exact (taken after the flush).
 
     Raises:
-        WarmError: the engine cannot write to SSD (see `check_engine`), or a prompt cannot be
-            encoded (e.g. chat messages for a tokenizer without a chat template).
+        WarmError: the engine cannot write to SSD (see `check_engine`), a prompt cannot be
+            encoded (e.g. chat messages for a tokenizer without a chat template), or a prompt is
+            longer than `limits.max_prompt_tokens` (the prompts before it stay warmed).
     """
     check_engine(engine)
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
@@ -253,7 +258,7 @@ def warm(
     t0 = time.perf_counter()
     try:
         for item in prompts:
-            _warm_one(engine, item, report, chat_template, system_prompt)
+            _warm_one(engine, item, report, chat_template, system_prompt, limits)
             _update_counts(report, base, engine.stats())
             if progress is not None:
                 progress(report)
@@ -267,7 +272,7 @@ def warm(
 
 
 def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_template: bool = False,
-              system_prompt: str | None = None) -> None:
+              system_prompt: str | None = None, limits: TokenLimits | None = None) -> None:
     req = item.request
     try:
         ids = engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
@@ -276,6 +281,13 @@ def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_templat
         raise WarmError(f"{item.source}: {exc}") from None
     if not ids:
         raise WarmError(f"{item.source}: the prompt has no tokens")
+    if limits is not None:
+        from kvtool.models.limits import TokenLimitError
+
+        try:
+            limits.check_prompt(len(ids), item.source)
+        except TokenLimitError as exc:
+            raise WarmError(str(exc)) from None
     if len(ids) < 2:
         from kvtool.engine import RequestResult  # the engine (and MLX) is loaded already
 

@@ -81,6 +81,41 @@ def load_model(spec: str, adapter_path: str | None = None) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path, model_id=model_id)
 
 
+def kv_quantization_problem(model: Any, bits: int | None, group_size: int) -> str | None:
+    """Why mlx cannot quantize `model`'s KV cache with `bits` / `group_size` (None: it can, or
+    `bits` is None), measured once at load so that a command refuses the settings before any
+    prefill rather than failing (with a traceback) once a prompt reaches `--quantized-kv-start`.
+
+    The head dims are those of the KV one token leaves in the model's own cache (keys and values
+    of every `KVCache` layer); each is quantized once with `mx.quantize`, as mlx-lm's
+    `QuantizedKVCache` does.
+
+    Returns:
+        A one-line reason naming the head dim and the group size, or None.
+    """
+    if bits is None:
+        return None
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    stack: list[Any] = list(cache)
+    dims: set[int] = set()
+    while stack:
+        c = stack.pop()
+        stack.extend(getattr(c, "caches", ()) or ())
+        if isinstance(c, KVCache) and c.keys is not None:
+            dims.update((int(c.keys.shape[-1]), int(c.values.shape[-1])))
+    for dim in sorted(dims):
+        try:
+            mx.eval(mx.quantize(mx.zeros((1, dim)), group_size=group_size, bits=bits))
+        except ValueError:
+            return (f"--kv-bits {bits} --kv-group-size {group_size}: the model's KV head dim is {dim}, which mlx "
+                    f"cannot quantize in groups of {group_size} (a group size must divide it and be 32, 64 or 128)")
+    return None
+
+
 def resolve_spec(spec: str) -> tuple[Path, str]:
     """Return (local model directory, display name) for `spec`, building or downloading if needed.
 

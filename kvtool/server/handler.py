@@ -15,8 +15,13 @@
   answers an empty 200 without one); `GET /kvtool/stats` returns the cache and server counters;
   `GET /metrics` the same counters for Prometheus (`kvtool.prom`).
 
-`_HTTPServer` serves at most `MAX_CONNECTIONS` connections at once (503 beyond) and logs a
-handler's unexpected exception in one line instead of socketserver's traceback.
+`_HTTPServer` serves at most `MAX_CONNECTIONS` connections at once, and at most
+`max_connections_per_peer` from one client address (503 beyond either), and logs a handler's
+unexpected exception in one line instead of socketserver's traceback. The request head (request
+line and headers) must arrive within `head_timeout_s` of the wait for it starting (the per-read
+socket timeout alone restarts on every line: a client sending one header line every few seconds
+held its connection slot for as long as it liked); past it the connection is closed. An idle
+keep-alive connection is closed after the same time.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ METRICS_PATH = "/metrics"  # Prometheus text format (kvtool.prom)
 SOCKET_TIMEOUT_S = 60.0  # a client silent this long while sending or receiving is dropped
 BODY_TIMEOUT_S = 60.0  # the whole request body must arrive within this (else 408)
 MAX_CONNECTIONS = 256  # connections served at once; more are answered 503 and closed
+HEAD_TIMEOUT_S = 20.0  # the whole request head (request line and headers) must arrive within this (`--head-timeout`)
+MAX_CONNECTIONS_PER_PEER = 64  # connections from one client address at once; more: 503 (`--max-connections-per-peer`)
 LISTEN_BACKLOG = 128  # connections the kernel queues before they are accepted
 LINGER_S = 2.0  # after refusing an unread body, how long the rest is read and dropped
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
@@ -179,6 +186,35 @@ class _KVToolHandler(_Base):
     kvtool_error: BaseException | None = None
     kvtool_headers_sent = False
     kvtool_body_read = False
+
+    # ------------------------------------------------------------- request head
+    def handle_one_request(self):
+        """As `BaseHTTPRequestHandler.handle_one_request`, with a deadline for the whole head:
+        each read of the request line and headers waits at most until the deadline (a
+        `TimeoutError` past it, which the base class answers by closing the connection)."""
+        raw = self.rfile
+        limit = getattr(self.server, "kvtool_head_timeout_s", HEAD_TIMEOUT_S)
+        self.rfile = _HeadReader(raw, self.connection, time.monotonic() + limit, self.timeout, limit)
+        self.kvtool_raw_rfile = raw
+        try:
+            super().handle_one_request()  # BaseHTTPRequestHandler (under mlx-lm's APIHandler)
+        finally:
+            self._end_head()
+
+    def parse_request(self):
+        try:
+            return super().parse_request()  # reads the headers through _HeadReader
+        finally:
+            self._end_head()
+
+    def _end_head(self) -> None:
+        """The head is read: the body and the answer get the per-read socket timeout again."""
+        if isinstance(self.rfile, _HeadReader):
+            self.rfile = self.kvtool_raw_rfile
+            try:
+                self.connection.settimeout(self.timeout)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------- routes
     def do_GET(self):  # noqa: N802 - http.server naming
@@ -380,6 +416,28 @@ class _KVToolHandler(_Base):
         return n == 0
 
 
+class _HeadReader:
+    """The connection's reader while the request head is read: each `readline` waits at most
+    until `deadline` (monotonic seconds).
+
+    Raises (from `readline`):
+        TimeoutError: the deadline passed (the head did not arrive within `limit_s`).
+    """
+
+    def __init__(self, raw: Any, sock: socket.socket, deadline: float, timeout: float, limit_s: float):
+        self._raw, self._sock, self._deadline, self._timeout, self._limit = raw, sock, deadline, timeout, limit_s
+
+    def readline(self, size: int = -1) -> bytes:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request head not received within {self._limit:g} s")
+        self._sock.settimeout(min(self._timeout, left))
+        return self._raw.readline(size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+
 def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: CacheMetrics | None = None):
     """mlx-lm's `APIHandler` plus request checks, `GET /kvtool/stats`, `GET /metrics` (when
     `metrics` is given) and a served-model `/v1/models` (`_KVToolHandler`)."""
@@ -389,15 +447,22 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: C
                 {"kvtool_cache": cache, "kvtool_guard": guard, "kvtool_metrics": metrics})
 
 
-BUSY_RESPONSE = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                 b"Content-Length: 44\r\n\r\n" + b'{"error": "too many connections, try again"}')
+def _busy(message: str) -> bytes:
+    body = json.dumps({"error": message}).encode()
+    return (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+BUSY_RESPONSE = _busy("too many connections, try again")
+PEER_BUSY_RESPONSE = _busy("too many connections from your address, try again")
 
 
 class _Slot:
     """One connection's hold on the server's connection semaphore, released at most once."""
 
-    def __init__(self, slots: threading.BoundedSemaphore):
+    def __init__(self, slots: threading.BoundedSemaphore, on_release: Any = None):
         self._slots = slots
+        self._on_release = on_release  # also given back once: the peer's count
         self._lock = threading.Lock()
         self._held = True
 
@@ -407,6 +472,8 @@ class _Slot:
                 return
             self._held = False
         self._slots.release()
+        if self._on_release is not None:
+            self._on_release()
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -415,21 +482,48 @@ class _HTTPServer(ThreadingHTTPServer):
     # (their connections were reset: `APIConnectionError` in the load benchmark).
     request_queue_size = LISTEN_BACKLOG
     kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
+    kvtool_head_timeout_s: float = HEAD_TIMEOUT_S  # seconds for a whole request head (the handler reads it)
+    kvtool_max_per_peer: int = MAX_CONNECTIONS_PER_PEER  # connections at once from one client address
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._held: dict[int, _Slot] = {}  # id(request socket) -> its connection slot
+        self._peers: dict[str, int] = {}  # client address -> its connections being served
+        self._peers_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
+    def _take_peer(self, peer: str) -> bool:
+        with self._peers_lock:
+            if self._peers.get(peer, 0) >= self.kvtool_max_per_peer:
+                return False
+            self._peers[peer] = self._peers.get(peer, 0) + 1
+            return True
+
+    def _drop_peer(self, peer: str) -> None:
+        with self._peers_lock:
+            left = self._peers.get(peer, 0) - 1
+            if left > 0:
+                self._peers[peer] = left
+            else:
+                self._peers.pop(peer, None)
+
+    def _refuse_connection(self, request, response: bytes) -> None:
+        try:
+            request.sendall(response)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
     def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.sendall(BUSY_RESPONSE)
-            except OSError:
-                pass
-            self.shutdown_request(request)
+        peer = str(client_address[0])
+        if not self._take_peer(peer):
+            self._refuse_connection(request, PEER_BUSY_RESPONSE)
             return
-        slot = self._held[id(request)] = _Slot(self._slots)
+        if not self._slots.acquire(blocking=False):
+            self._drop_peer(peer)
+            self._refuse_connection(request, BUSY_RESPONSE)
+            return
+        slot = self._held[id(request)] = _Slot(self._slots, lambda: self._drop_peer(peer))
         try:
             super().process_request(request, client_address)
         except BaseException:
@@ -459,4 +553,5 @@ class _HTTPServer(ThreadingHTTPServer):
                       " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-__all__ = ["make_handler_class", "RequestGuard", "error_status", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS"]
+__all__ = ["make_handler_class", "RequestGuard", "error_status", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS",
+           "HEAD_TIMEOUT_S", "MAX_CONNECTIONS_PER_PEER"]

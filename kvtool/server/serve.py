@@ -32,7 +32,6 @@ tool calls) and `mlx_lm.server.APIHandler` answers `/v1/chat/completions`, `/v1/
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import socket
 import threading
@@ -41,10 +40,19 @@ from pathlib import Path
 from typing import Any
 
 from kvtool.config import KVToolConfig
+from kvtool.models.limits import TokenLimitError, token_limits
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
-from kvtool.server.handler import MAX_CONNECTIONS, STATS_PATH, RequestGuard, _HTTPServer, make_handler_class
+from kvtool.server.handler import (
+    HEAD_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_PEER,
+    STATS_PATH,
+    RequestGuard,
+    _HTTPServer,
+    make_handler_class,
+)
 from kvtool.server.validation import Limits
 from kvtool.tiers.stack import ShutdownStatus
 
@@ -89,8 +97,13 @@ class KVToolServer:
         host, port: address to listen on (port 0: any free port, see `port`).
         adapter_path: LoRA adapter directory (part of the model identity and the layout key).
         max_prompt_tokens: longest prompt served (tokens, after the chat template; longer: 413).
-            None: the model's context length, at most `validation.MAX_PROMPT_TOKENS_CAP`.
+            None: the model's context length, at most `kvtool.models.limits.MAX_PROMPT_TOKENS_CAP`.
         max_body_bytes: largest request body (bytes; larger: 413).
+        head_timeout_s: seconds the whole request head (request line and headers) may take to
+            arrive, counted from when the server starts waiting for it (also the idle time of a
+            keep-alive connection); past it the connection is closed.
+        max_connections_per_peer: connections served at once from one client address (more are
+            answered 503 and closed; all addresses together: `MAX_CONNECTIONS`).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
             `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
             option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
@@ -99,18 +112,20 @@ class KVToolServer:
             model's KV of a hit's tokens to the cache mlx-lm gets (`SpeculativePromptCache`).
 
     Raises:
-        ServerStartError: the model does not load, the address cannot be bound, or the default
-            `max_tokens` exceeds the model's context length.
+        ServerStartError: the model does not load, the address cannot be bound, the default
+            `max_tokens` exceeds the model's context length, or `kv_bits` / `kv_group_size` do
+            not quantize the model's KV head dims.
         ValueError: an unknown server option.
     """
 
     def __init__(self, model: str, config: KVToolConfig, *, host: str = "127.0.0.1", port: int = 8080,
                  adapter_path: str | None = None, max_prompt_tokens: int | None = None,
-                 max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, **server_options: Any):
+                 max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
+                 max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER, **server_options: Any):
         from mlx_lm.server import ModelProvider
 
         from kvtool.cache.prefix import PrefixCache
-        from kvtool.models.loader import ModelLoadError, compute_model_id, resolve_spec
+        from kvtool.models.loader import ModelLoadError, compute_model_id, kv_quantization_problem, resolve_spec
         from kvtool.server.watchdog import KVToolResponseGenerator
 
         self.spec = model
@@ -134,6 +149,9 @@ class KVToolServer:
             model_id = compute_model_id(path, adapter)
         except Exception as exc:  # noqa: BLE001 - any loader failure is one line
             raise ServerStartError(f"cannot load model {model!r} from {path}: {' '.join(str(exc).split())}") from exc
+        problem = kv_quantization_problem(self.provider.model, cli_args.kv_bits, cli_args.kv_group_size)
+        if problem is not None:  # mlx-lm would fail mid-request once a prompt reaches --quantized-kv-start
+            raise ServerStartError(problem)
         names = self._alias(model, Path(path), adapter)
         self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
         guard = RequestGuard(self.limits, self.provider.tokenizer)
@@ -151,6 +169,8 @@ class KVToolServer:
                 self.httpd = self._bind(host, port, make_handler_class(self.cache, guard, self.metrics))
             except OSError as exc:
                 raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+            self.httpd.kvtool_head_timeout_s = head_timeout_s
+            self.httpd.kvtool_max_per_peer = max_connections_per_peer
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
                                                      max_prompt_tokens=self.limits.max_prompt_tokens)
@@ -181,20 +201,17 @@ class KVToolServer:
 
     def _limits(self, names: tuple[str, ...], max_prompt_tokens: int | None, max_body_bytes: int,
                 max_tokens: int) -> Limits:
-        """The request limits for this model (context length from its config.json)."""
+        """The request limits for this model (context length from its config.json: the rule of
+        `kvtool.models.limits.token_limits`, shared with serve-once and warm)."""
+        tokens = token_limits(self.model_path, max_prompt_tokens)
         try:
-            doc = json.loads((Path(self.model_path) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            doc = {}
-        context = validation.model_context_length(doc if isinstance(doc, dict) else {})
-        cap = context or validation.DEFAULT_CONTEXT_TOKENS
-        if max_tokens > cap:
-            raise ServerStartError(f"--max-tokens {max_tokens} is more than the model's context length ({cap} tokens)")
-        if max_prompt_tokens is None:
-            max_prompt_tokens = min(cap, validation.MAX_PROMPT_TOKENS_CAP)
+            tokens.check_max_tokens(max_tokens)
+        except TokenLimitError as exc:
+            raise ServerStartError(str(exc)) from None
         tokenizer: Any = self.provider.tokenizer
         vocab = getattr(getattr(self.provider.model, "args", None), "vocab_size", None) or len(tokenizer.get_vocab())
-        return Limits(max_body_bytes=max_body_bytes, max_prompt_tokens=max_prompt_tokens, max_tokens_cap=cap,
+        return Limits(max_body_bytes=max_body_bytes, max_prompt_tokens=tokens.max_prompt_tokens,
+                      max_tokens_cap=tokens.max_tokens_cap,
                       vocab_size=int(vocab), model_names=names, images=self.provider.processor is not None)
 
     @staticmethod

@@ -24,16 +24,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# the token limits and the seed range are the one-shot commands' too (kvtool.models.limits)
+from kvtool.models.limits import DEFAULT_CONTEXT_TOKENS, MAX_PROMPT_TOKENS_CAP, MAX_SEED, model_context_length
+
 MiB = 1 << 20
 DEFAULT_MAX_BODY_BYTES = 8 * MiB  # a request body larger than this is answered 413 (`--max-body-bytes`)
 DRAIN_MAX_BYTES = 64 * MiB  # an oversized body up to this size is read and dropped before the 413 (else cut off)
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects in a request body (tool schemas stay far below)
-DEFAULT_CONTEXT_TOKENS = 32768  # context length assumed when the model's config does not give one
-MAX_PROMPT_TOKENS_CAP = 32768  # default `--max-prompt-tokens`: min(model context length, this)
 MAX_STOP_WORDS = 16  # stop strings per request
 MAX_STOP_CHARS = 1024  # characters per stop string
 MAX_MESSAGES = 10_000  # messages per chat request
-MAX_SEED = (1 << 64) - 1  # mx.random.seed takes an unsigned 64-bit integer
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions", "/chat/completions")  # as mlx_lm.server
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # mlx_lm.server._image_url
 
@@ -67,19 +67,6 @@ class Limits:
     vocab_size: int = 0
     model_names: tuple[str, ...] = ("default_model",)
     images: bool = False
-
-
-def model_context_length(config: dict[str, Any]) -> int | None:
-    """The context length a Hugging Face `config.json` declares (tokens), or None."""
-    for doc in (config, config.get("text_config") or {}):
-        if not isinstance(doc, dict):
-            continue
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx",
-                    "max_sequence_length"):
-            value = doc.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
 
 
 # ----------------------------------------------------------------------------- transport
