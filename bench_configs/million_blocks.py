@@ -75,7 +75,7 @@ def use_record(name: str) -> None:
     KV = KVLayout.uniform(_LAYERS, _HEADS, _DIM, DTYPE)
 MODEL_ID = "million-blocks-bench"
 SEGMENTS_PER_TXN = 1000
-# issue 31's targets at 1M blocks: seconds; `validate --deep` against one sequential read; peak RSS (MB)
+# the targets at 1M blocks (docs/operations.md): seconds; `validate --deep` against one sequential read; peak RSS (MB)
 TARGETS = {"validate": 10.0, "inspect": 10.0, "prune --dry-run": 10.0, "rm": 10.0}
 DEEP_VS_READ = 3.0
 RSS_MB = 400.0

@@ -1,4 +1,4 @@
-"""The structure counts of issue 31 for a kvtool tree: lines, import cycles, imports up a layer,
+"""The structure counts of a kvtool tree (docs/design.md#layout): lines, import cycles, imports up a layer,
 long files and functions, accesses to another object's private members.
 
     .venv/bin/python scripts/house_counts.py            # this tree

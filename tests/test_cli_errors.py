@@ -68,7 +68,7 @@ def _assert_one_error_line(result, code: int = 2) -> str:
         (["warm", "/no/such/source.txt"], "not found"),
         (["report", "/no/such/run-dir"], "run directory not found"),
         (["model", "path", "nosuch"], "unknown model preset"),
-        # issue 32, finding 9: accepted before (--temp inf sampled; --max-bytes 1.5 was a 1-byte budget)
+        # hostile round 3, finding 9: accepted before (--temp inf sampled; --max-bytes 1.5 was a 1-byte budget)
         (["serve-once", "-p", "x", "--temp", "inf"], "--temp"),
         (["serve-once", "-p", "x", "--top-p", "nan"], "--top-p"),
         (["serve", "--temp", "inf", "--port", "99999"], "--temp"),  # (on main: a --port error, not a server)

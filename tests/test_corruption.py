@@ -299,7 +299,7 @@ def _swap_records_resealed(pop: Populated, k: int):
 
 
 def test_a_record_swap_with_resealed_checksums_costs_only_a_recompute(tiny_model, prompt, reference, tmp_path):
-    """Issue 32, finding 11: a record swap whose checksums were moved and re-sealed is a damaged
+    """Hostile round 3, finding 11: a record swap whose checksums were moved and re-sealed is a damaged
     record (its row names the prompt's tokens, the record holds others), not a hash collision: its
     row goes, its segment is suspect, so the recomputed blocks replace the swapped rows and
     `validate` then keeps every block; a new process serves the whole prompt from SSD again."""
@@ -324,7 +324,7 @@ def test_a_record_swap_with_resealed_checksums_costs_only_a_recompute(tiny_model
 
 
 def test_validate_never_rewrites_a_row_from_a_swapped_resealed_record(tiny_model, prompt, reference, tmp_path):
-    """Issue 32, finding 11: `validate` run on the swap itself: the records pass their checksums
+    """Hostile round 3, finding 11: `validate` run on the swap itself: the records pass their checksums
     but hold token ids that do not hash to their slots' blocks, so no row is rewritten from them
     (a row claiming the wrong tokens would make every later request see a hash collision and
     refuse the recomputed block); the blocks before the swap stay; a request then stores the

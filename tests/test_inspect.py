@@ -313,7 +313,7 @@ def test_quiet_prints_only_problems(cache, three):
     block_path(store, chain[3].block_hash).unlink()  # row without file
     res = run_cli("--cache-dir", str(cache_dir), "--quiet")
     assert res.exit_code == 1 and res.stdout == "" and "1 missing files" in res.stderr and "kvtool validate" in res.stderr
-    res = run_cli("--cache-dir", str(cache_dir), "--quiet", "--json")  # --json keeps its document (issue 32)
+    res = run_cli("--cache-dir", str(cache_dir), "--quiet", "--json")  # --json keeps its document under --quiet
     assert res.exit_code == 1 and json.loads(res.stdout)["namespaces"] and "1 missing files" in res.stderr
 
 

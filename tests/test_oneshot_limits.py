@@ -1,5 +1,5 @@
 """Bad input to the model-loading commands ends in one `error:` line and exit 2, never a traceback
-or unbounded work (issue 32, findings 7, 8 and 9).
+or unbounded work (the third hostile round: findings 7, 8 and 9).
 
 Real subprocesses of the real entry point on the tiny model (head dim 32, context 32768 per its
 config.json): a seed out of mx.random.seed's range, KV quantization settings the model's head dim

@@ -62,7 +62,7 @@ def cache(tmp_path):
 
 
 def test_validate_after_a_prune_killed_between_rows_and_files(cache):
-    """Finding 3 (issue 32): every row deleted and committed, every file left: `validate` used to
+    """Hostile round 3, finding 3: every row deleted and committed, every file left: `validate` used to
     crash (IndexError) on the empty index. Now it repairs it, and a second run finds it clean."""
     cache_dir, store, _ = cache
     files = segment_files(store)
@@ -75,7 +75,7 @@ def test_validate_after_a_prune_killed_between_rows_and_files(cache):
 
 
 def test_validate_adopts_a_first_write_killed_before_its_commit(tmp_path):
-    """Finding 3 (issue 32): killed during the cache's very first write, after the segment file's
+    """Hostile round 3, finding 3: killed during the cache's very first write, after the segment file's
     rename, before its rows' commit: `validate` adopts its blocks (and used to crash)."""
     cache_dir = tmp_path / "kv"
     kill_worker("first-write", str(cache_dir))
@@ -98,7 +98,7 @@ def journal(store) -> list[str]:
 
 
 def test_a_prune_killed_before_its_unlinks_is_finished_by_validate(cache):
-    """Finding 4 (issue 32): rows deleted and committed, files left: the next `validate` removes
+    """Hostile round 3, finding 4: rows deleted and committed, files left: the next `validate` removes
     the files (it used to re-adopt them and serve the pruned blocks again)."""
     cache_dir, store, _ = cache
     files = segment_files(store)
@@ -114,7 +114,7 @@ def test_a_prune_killed_before_its_unlinks_is_finished_by_validate(cache):
 
 
 def test_an_rm_prompt_killed_before_its_unlinks_stays_removed(cache):
-    """Finding 4 (issue 32): `rm --prompt` of one prompt killed between its rows' commit and its
+    """Hostile round 3, finding 4: `rm --prompt` of one prompt killed between its rows' commit and its
     unlinks; `validate` finishes it: that prompt's blocks stay removed, the others are intact."""
     cache_dir, store, chains = cache
     gone, kept = chains[1], [h for i, c in enumerate(chains) if i != 1 for h in c]

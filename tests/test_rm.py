@@ -133,7 +133,7 @@ def test_namespace_removal(cache):
 
 def test_namespace_removal_of_an_unreadable_namespace_after_its_rebuild(cache):
     """An index that is not a database cannot be told from another program's file: `rm` refuses
-    it (issue 32, finding 5); `validate --rebuild-index` makes it a kvtool index again, then `rm`
+    it (hostile round 3, finding 5); `validate --rebuild-index` makes it a kvtool index again, then `rm`
     removes it."""
     cache_dir, store, other, _ = cache
     (other.namespace_dir / "index.sqlite").write_bytes(b"not a database" * 100)

@@ -1,4 +1,4 @@
-"""`kvtool rm NAMESPACE` and `validate --rebuild-index` remove only files kvtool writes (issue 32,
+"""`kvtool rm NAMESPACE` and `validate --rebuild-index` remove only files kvtool writes (hostile round 3,
 finding 5): a 32-hex directory whose `index.sqlite` is not a kvtool index is refused whole; user
 files inside a real namespace are left (and listed, the dry run included), and the directories
 holding them stay; a rebuild without kvtool meta never removes a file under a segment's name that

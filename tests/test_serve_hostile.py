@@ -444,7 +444,7 @@ def _drip_head(port: int, out: list, lock: threading.Lock, t0: float, stop_at: f
 
 @pytest.mark.slow
 def test_header_slowloris_is_capped_per_peer_and_cut_at_the_head_deadline(tmp_path):
-    """Issue 32, finding 6: connections sending one header line every few seconds held every
+    """Hostile round 3, finding 6: connections sending one header line every few seconds held every
     connection slot for as long as they kept sending (the per-read timeout restarts on each line).
     Now one address holds at most --max-connections-per-peer connections (more: 503 and closed),
     a head that does not arrive within --head-timeout is closed, and a normal client (another
