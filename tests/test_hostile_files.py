@@ -516,3 +516,42 @@ def test_dir_owner_is_only_for_root(tmp_path):
         assert {p.lstat().st_uid for p in (tmp_path / "a", sub, sub / "f")} == {NOBODY}
         assert stat.S_IMODE((tmp_path / "a").lstat().st_mode) == 0o700
 
+
+
+# ------------------------------------------- a FIFO beside the index (issue 32, finding 2)
+@pytest.mark.parametrize("suffix", ["-journal", "-wal", "-shm"])
+def test_a_fifo_beside_the_index_is_never_opened(tmp_path, suffix):
+    """SQLite opens the index's side files without O_NONBLOCK: a FIFO at `index.sqlite-journal`
+    hung every command on the cache, `validate` included. Now no `BlockIndex` is opened while one
+    of them is not a regular file (a `sqlite3.Error`, so every caller treats the index as
+    unreadable), and the scan says which file."""
+    cache = tmp_path / "kv"
+    store = open_store(cache)
+    assert store.save_blocks(make_chain(store.layout_key, range(8))) == ["saved"] * 2
+    ns_dir = store.namespace_dir
+    store.close()
+    side = ns_dir / f"index.sqlite{suffix}"
+    side.unlink(missing_ok=True)
+    os.mkfifo(side)
+    from kvtool.disk.index import BlockIndex
+
+    for read_only in (True, False):
+        with pytest.raises(sqlite3.Error, match="not a regular file"):
+            BlockIndex(ns_dir / "index.sqlite", create=False, read_only=read_only)
+    for args in (["validate", "--json"], ["inspect", "--json"], ["prune", "--dry-run", "--max-bytes", "1KB", "--json"]):
+        res = kvtool(*args, "--cache-dir", str(cache))  # hung in open() before: HANG_GUARD_S fails it
+        assert "Traceback" not in res.stderr, res.stderr
+    (ns,) = json.loads(kvtool("inspect", "--json", "--cache-dir", str(cache)).stdout)["namespaces"]
+    assert ns["status"] == "unreadable" and f"index.sqlite{suffix}" in ns["message"]
+    assert stat.S_ISFIFO(side.lstat().st_mode)  # left untouched for the operator (validate does not remove it yet)
+
+
+@pytest.mark.slow
+def test_serving_with_a_fifo_at_the_journal_answers_uncached(prompts, reference, tmp_path):
+    cache = tmp_path / "kv"
+    serve(cache, prompts / "long.txt", "--sync")
+    (ns_dir,) = [p for p in cache.iterdir() if p.is_dir()]
+    os.mkfifo(ns_dir / "index.sqlite-journal")
+    doc = serve(cache, prompts / "long.txt")  # hung before the first token
+    (req,) = doc["requests"]
+    assert req["token_ids"] == reference["long"] and req["cached_tokens"] == 0

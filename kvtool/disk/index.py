@@ -25,6 +25,7 @@ import math
 import os
 import re
 import sqlite3
+import stat
 import threading
 import time
 import urllib.parse
@@ -164,6 +165,26 @@ class SegmentRow:
         return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
 
 
+SIDE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the database file and every file SQLite opens beside it
+
+
+def irregular_index_file(path: Path) -> str | None:
+    """The first of the database `path` and its side files (`-wal`, `-shm`, `-journal`) that
+    exists and is not a regular file (a symlink, FIFO, socket, device or directory), by name; or
+    None. SQLite opens them without `O_NOFOLLOW` or `O_NONBLOCK`: a symlink would be followed and
+    a FIFO would block the opening process forever, so none is ever handed to it."""
+    for suffix in SIDE_SUFFIXES:
+        try:
+            st = os.lstat(f"{path}{suffix}")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return Path(path).name + suffix
+        if not stat.S_ISREG(st.st_mode):
+            return Path(path).name + suffix
+    return None
+
+
 class BlockIndex:
     """The SQLite index of one namespace. Thread-safe: one connection guarded by a lock.
 
@@ -181,7 +202,8 @@ class BlockIndex:
 
     Raises:
         sqlite3.Error: the database cannot be opened (locked past the busy timeout, corrupt,
-            not a database, unwritable directory).
+            not a database, unwritable directory), or it or one of its side files is not a
+            regular file (`irregular_index_file`: never opened, so never followed nor blocked on).
     """
 
     def __init__(
@@ -204,6 +226,9 @@ class BlockIndex:
         self._pending: dict[str, float] = {}
         self._pending_since: float | None = None
         self.immutable = False
+        bad = irregular_index_file(self.path)
+        if bad is not None:
+            raise sqlite3.OperationalError(f"{bad} is not a regular file (FIFO, symlink, device?): never opened")
         self._conn = self._connect(read_only)
         if read_only:
             self._conn = self._read_only_fallback()

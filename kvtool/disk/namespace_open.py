@@ -19,14 +19,14 @@ from pathlib import Path
 
 from kvtool.disk import segment as seg
 from kvtool.disk.fsops import scan_namespace, temp_is_leftover, temp_path_for
-from kvtool.disk.index import BlockIndex
+from kvtool.disk.index import SIDE_SUFFIXES, BlockIndex
 from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, is_segment_name
 from kvtool.disk.namespace_core import Expected, Recent, ReconcileReport, StoreCore
 
 log = logging.getLogger("kvtool.disk.namespace")
 
 IDENTITY_META = ("block_size", "kv_dtype", "kv_layers", "model_id")
-INDEX_FILES = (INDEX_FILENAME, INDEX_FILENAME + "-wal", INDEX_FILENAME + "-shm")
+INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # the index and every side file SQLite opens
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
@@ -106,8 +106,8 @@ def refusal(layout_key: str, stored: dict[str, str], meta: dict[str, str]) -> st
 
 
 def check_index_files(ns_dir: Path) -> None:
-    """The index and its `-wal` / `-shm` must be regular files where they exist (SQLite would
-    follow a symlink, and a FIFO could hang it).
+    """The index and its `-wal` / `-shm` / `-journal` must be regular files where they exist
+    (SQLite would follow a symlink, and a FIFO would hang it: it opens them without O_NONBLOCK).
 
     Raises:
         OSError: ELOOP naming the first one that is not (a symlink, FIFO, socket, device...).

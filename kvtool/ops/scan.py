@@ -56,7 +56,7 @@ from kvtool.disk.fsops import (
     short_path,
     temp_is_leftover,
 )
-from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex, SegmentRow
+from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex, SegmentRow, irregular_index_file
 from kvtool.disk.names import INDEX_FILENAME, LOCK_FILENAME
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.rowtable import load_rows
@@ -297,16 +297,7 @@ class _Scanner:
         return True
 
     def _bad_index_file(self) -> str | None:
-        for name in INDEX_FILES:
-            try:
-                st = os.lstat(self.path / name)
-            except FileNotFoundError:
-                continue
-            except OSError:
-                return name
-            if not stat.S_ISREG(st.st_mode):
-                return name
-        return None
+        return irregular_index_file(self.path / INDEX_FILENAME)
 
     def _index_mtime(self) -> float | None:
         times = []
