@@ -518,7 +518,7 @@ def test_dir_owner_is_only_for_root(tmp_path):
 
 
 
-# ------------------------------------------- a FIFO beside the index (issue 32, finding 2)
+# ---------------------------- a FIFO beside the index (hostile round 3, finding 2)
 @pytest.mark.parametrize("suffix", ["-journal", "-wal", "-shm"])
 def test_a_fifo_beside_the_index_is_never_opened(tmp_path, suffix):
     """SQLite opens the index's side files without O_NONBLOCK: a FIFO at `index.sqlite-journal`
