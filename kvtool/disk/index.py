@@ -166,6 +166,7 @@ class SegmentRow:
 
 
 SIDE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the database file and every file SQLite opens beside it
+INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # a namespace's index and its side files, by name
 
 
 def irregular_index_file(path: Path) -> str | None:

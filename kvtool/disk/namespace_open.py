@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import sqlite3
-import stat
 from dataclasses import asdict
 from pathlib import Path
 
 from kvtool.disk import segment as seg
 from kvtool.disk.fsops import scan_namespace, temp_is_leftover, temp_path_for
-from kvtool.disk.index import SIDE_SUFFIXES, BlockIndex
+from kvtool.disk.index import INDEX_FILES, BlockIndex, irregular_index_file
 from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, is_segment_name
 from kvtool.disk.namespace_core import Expected, Recent, ReconcileReport, StoreCore
 
 log = logging.getLogger("kvtool.disk.namespace")
 
 IDENTITY_META = ("block_size", "kv_dtype", "kv_layers", "model_id")
-INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # the index and every side file SQLite opens
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
@@ -112,13 +109,9 @@ def check_index_files(ns_dir: Path) -> None:
     Raises:
         OSError: ELOOP naming the first one that is not (a symlink, FIFO, socket, device...).
     """
-    for name in INDEX_FILES:
-        try:
-            st = os.lstat(ns_dir / name)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.ELOOP, f"{name} is not a regular file (symlink?): never opened", str(ns_dir / name))
+    bad = irregular_index_file(ns_dir / INDEX_FILENAME)
+    if bad is not None:
+        raise OSError(errno.ELOOP, f"{bad} is not a regular file (symlink?): never opened", str(ns_dir / bad))
 
 
 def reconcile(store: StoreCore) -> None:

@@ -15,14 +15,12 @@ from pathlib import Path
 from types import MappingProxyType
 
 from kvtool.disk.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
-from kvtool.disk.index import SIDE_SUFFIXES, SegmentRow
-from kvtool.disk.names import INDEX_FILENAME
+from kvtool.disk.index import INDEX_FILES, SegmentRow
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.rowtable import RowTable
 from kvtool.errors import KVToolError
 from kvtool.hashing import root_parent
 
-INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # the index and every side file SQLite opens
 REBUILD_HINT = "`kvtool validate --rebuild-index` rebuilds it from the segment files"
 OUTDATED_HINT = "re-warm; `kvtool prune` removes them"
 
