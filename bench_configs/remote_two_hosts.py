@@ -51,13 +51,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvtool.bench.restore import (  # noqa: E402
-    RestoreSpec,  # noqa: E402
-    child_env,
-    model_path,
-    prompt_ids,
-    rotated,
-)
+from kvtool.bench.loadserver import child_env  # noqa: E402
+from kvtool.bench.restore import RestoreSpec, model_path, prompt_ids, rotated  # noqa: E402
 from kvtool.tiers.remote_read import DEFAULT_READ_BATCH_BYTES, DEFAULT_WIRE_WINDOW  # noqa: E402
 from tests.redis_servers import RedisServer  # noqa: E402
 

@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvtool.bench import loadserver  # noqa: E402
-from kvtool.bench.loadcell import WARMUP_MESSAGES, _build_workloads, load_serve_load  # noqa: E402
+from kvtool.bench.loadcell import WARMUP_MESSAGES, build_workloads, load_serve_load  # noqa: E402
 from kvtool.bench.loadgen import LoadRequest, LoadSpec, run_load  # noqa: E402
 from kvtool.bench.loadserver import ManagedServer, ServerOptions  # noqa: E402
 from kvtool.models.loader import resolve_spec  # noqa: E402
@@ -72,7 +72,7 @@ def main() -> int:
     spec = dataclasses.replace(spec, workloads={"shared-prefix": dict(spec.workloads["shared-prefix"],
                                                                       prompts_per_group=PASS * a.passes)})
     model_path = str(resolve_spec(spec.model)[0])
-    (workload,) = _build_workloads(spec, model_path)
+    (workload,) = build_workloads(spec, model_path)
     prime = [r for ph in workload.phases if ph not in workload.measured for r in workload.phase_requests(ph)]
     measured = [r for ph in workload.measured for r in workload.phase_requests(ph)]
     variants = a.servers.split(",")

@@ -338,7 +338,7 @@ def run_serve_load(spec: ServeLoadSpec, out_dir: Path | None = None, *, run_id: 
     with Progress(progress) as bar:
         ctx = _Ctx(spec, run_dir, cache_root, model_path, bar)
         bar.set("building workloads")
-        workloads = _build_workloads(spec, model_path)
+        workloads = build_workloads(spec, model_path)
         try:
             for workload in workloads:
                 for clients in spec.clients:
@@ -364,7 +364,9 @@ def run_serve_load(spec: ServeLoadSpec, out_dir: Path | None = None, *, run_id: 
     return LoadRun(run_dir, report.ok, report)
 
 
-def _build_workloads(spec: ServeLoadSpec, model_path: str) -> list[LoadWorkload]:
+def build_workloads(spec: ServeLoadSpec, model_path: str) -> list[LoadWorkload]:
+    """Every workload of `spec`, materialised with the tokenizer of the model at `model_path`
+    (one per `[serve_load.workloads.<name>]` table, in the config's order)."""
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_path))
@@ -492,6 +494,6 @@ def _write_raw(ctx: _Ctx) -> None:
     (ctx.run_dir / "batches.json").write_text(json.dumps(ctx.batches, indent=2, default=str) + "\n")
 
 
-__all__ = ["LoadRun", "Progress", "ServeLoadSpec", "is_serve_load_config", "load_serve_load",
+__all__ = ["LoadRun", "Progress", "ServeLoadSpec", "build_workloads", "is_serve_load_config", "load_serve_load",
            "parse_serve_load", "run_batch", "run_serve_load"]
 

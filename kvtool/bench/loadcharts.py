@@ -36,6 +36,7 @@ from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
+from kvtool.bench.loadserver import KVTOOL, MLXLM  # noqa: E402
 from kvtool.bench.loadstats import LOSS, TIE, WIN  # noqa: E402
 
 COLORS = {WIN: "#1A9850", LOSS: "#D73027", TIE: "#A6A6A6", "baseline": "#404040", "kvtool": "#4C72B0",
@@ -43,7 +44,6 @@ COLORS = {WIN: "#1A9850", LOSS: "#D73027", TIE: "#A6A6A6", "baseline": "#404040"
 VERDICT_LABELS = {WIN: "kvtool wins (intervals apart)", LOSS: "kvtool loses (intervals apart)",
                   TIE: "tie (intervals overlap)"}
 DPI = 100
-KVTOOL, MLXLM = "kvtool", "mlx-lm"
 
 
 def verdict_color(verdict: str) -> str:

@@ -30,10 +30,10 @@ import numpy as np
 import pandas as pd
 
 from kvtool.bench.loadcharts import write_charts
+from kvtool.bench.loadserver import KVTOOL, MLXLM
 from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
 from kvtool.errors import KVToolError
 
-KVTOOL, MLXLM = "kvtool", "mlx-lm"
 CELL_KEYS = ["workload", "server", "clients"]
 KVTOOL_COUNTERS = ("kvtool_ram_hit_tokens", "kvtool_ssd_hit_tokens", "kvtool_prompt_tokens", "kvtool_ram_bytes_held",
                    "kvtool_ssd_bytes_written", "kvtool_ssd_bytes_read", "kvtool_writer_queue_peak_bytes",

@@ -33,6 +33,11 @@ STATS_PATH = "/kvtool/stats"
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
+def child_env() -> dict[str, str]:
+    """This environment with the repository (`REPO`) first on PYTHONPATH: a child process imports this kvtool."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the OS picks it; another process may take it
     before the server binds, in which case the server exits and `start` says so)."""
@@ -41,17 +46,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def read_vm_hwm(pid: int) -> int | None:
-    """Peak resident set size of process `pid` (bytes), from `VmHWM` in `/proc/<pid>/status`;
-    None when it cannot be read (no /proc, process gone)."""
+def proc_status_kb(field: str, pid: int | str = "self") -> int | None:
+    """A kB field of `/proc/<pid>/status` (e.g. `VmHWM`, `VmRSS`: resident set sizes, kB); None
+    when it cannot be read (no /proc, process gone)."""
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # the kernel reports kB
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def read_vm_hwm(pid: int) -> int | None:
+    """Peak resident set size of process `pid` (bytes), from `VmHWM` in `/proc/<pid>/status`;
+    None when it cannot be read (no /proc, process gone)."""
+    kb = proc_status_kb("VmHWM", pid)
+    return None if kb is None else kb * 1024  # the kernel reports kB
 
 
 @dataclass(frozen=True)
@@ -114,11 +126,9 @@ class ManagedServer:
         self.killed = False
         log.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(log, "a")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(options.command(self.port), stdout=subprocess.DEVNULL, stderr=self._fh,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=REPO)
+                                     stdin=subprocess.DEVNULL, env=child_env(), cwd=REPO)
         try:
             self._wait_ready()
         except BaseException:
@@ -220,5 +230,5 @@ def _tail(path: Path, lines: int = 5) -> str:
         return ""
 
 
-__all__ = ["KVTOOL", "MLXLM", "SERVER_KINDS", "ManagedServer", "ServerError", "ServerOptions", "free_port",
-           "read_vm_hwm"]
+__all__ = ["KVTOOL", "MLXLM", "SERVER_KINDS", "ManagedServer", "ServerError", "ServerOptions", "child_env", "free_port",
+           "proc_status_kb", "read_vm_hwm"]

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvtool.bench.loadstats import percentile
+
 ID_COLUMNS: list[tuple[str, str]] = [
     ("workload", "workload name (shared-prefix, multi-turn, long-doc-qa, restart, ram-pressure)"),
     ("cell", "cell name: `<ssd_policy>/<writer>/<ssd_durability>[/bs<block_size>][/ram<ram_bytes>][/remote-<remote_policy>]` or a baseline"),
@@ -138,14 +140,6 @@ def requests_frame(rows: Iterable[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(list(rows), columns=REQUEST_COLUMN_NAMES)
 
 
-def _percentile(q: float):
-    def fn(s: pd.Series) -> float:
-        return float(np.percentile(s, q)) if len(s) else np.nan
-
-    fn.__name__ = f"p{q:g}"
-    return fn
-
-
 def _ratio(num: pd.Series, den: pd.Series) -> pd.Series:
     return num.astype(float) / den.astype(float).replace(0, np.nan)
 
@@ -219,8 +213,8 @@ def repeat_stats(requests: pd.DataFrame) -> pd.DataFrame:
     mg = requests[requests["measured"].astype(bool)].groupby(rkeys, sort=False)
     ag = requests.groupby(rkeys, sort=False)
     out["ttft_p50_ms"] = mg["ttft_ms"].median()
-    out["ttft_p95_ms"] = mg["ttft_ms"].agg(_percentile(95))
-    out["ttft_p99_ms"] = mg["ttft_ms"].agg(_percentile(99))
+    out["ttft_p95_ms"] = mg["ttft_ms"].agg(lambda s: percentile(s, 95))
+    out["ttft_p99_ms"] = mg["ttft_ms"].agg(lambda s: percentile(s, 99))
     out["ttft_mean_ms"] = mg["ttft_ms"].mean()
     out["prefill_ms_mean"] = mg["prefill_ms"].mean()
     out["decode_tokens_per_s"] = mg["decode_tokens_per_s"].mean()
@@ -228,7 +222,7 @@ def repeat_stats(requests: pd.DataFrame) -> pd.DataFrame:
     out["hit_rate"] = _ratio(msum["cached_tokens"], msum["prompt_tokens"])
     out["ssd_load_ms_total"] = ag["ssd_load_ms"].sum()
     out["write_path_ms_mean"] = ag["write_path_ms"].mean()
-    out["write_path_ms_p95"] = ag["write_path_ms"].agg(_percentile(95))
+    out["write_path_ms_p95"] = ag["write_path_ms"].agg(lambda s: percentile(s, 95))
     return out.reset_index()
 
 

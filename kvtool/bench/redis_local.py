@@ -16,12 +16,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from kvtool.bench.loadserver import free_port
 from kvtool.errors import KVToolError
 
 MIN_VERSION = (6, 2)
@@ -78,12 +78,6 @@ def wait_until_ready(client, proc: subprocess.Popen | None, timeout_s: float = S
         client.close()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalRedis:
     """One redis-server process on 127.0.0.1 (no persistence), started by `start()`."""
 
@@ -105,7 +99,7 @@ class LocalRedis:
             RuntimeError: it did not answer within `START_TIMEOUT_S` (the log's tail in the message).
         """
         for _ in range(3):
-            self.port = _free_port()
+            self.port = free_port()
             log = Path(self._tmp.name) / f"redis-{self.port}.log"
             self.proc = subprocess.Popen(
                 [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",

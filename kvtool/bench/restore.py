@@ -39,9 +39,9 @@ import numpy as np
 from kvtool.bench import machine
 from kvtool.bench import restore_pagecache as pagecache
 from kvtool.bench import restore_worker as worker
+from kvtool.bench.loadserver import child_env
 from kvtool.bench.restore_kvtool import KVShape, open_prefix_cache, resolve_api
 
-REPO = Path(__file__).resolve().parent.parent.parent
 DEFAULT_LENGTHS = (1024, 4096, 16384, 32768)
 DEFAULT_REPEATS = 3
 DEFAULT_WRITER_MB = 256
@@ -139,11 +139,6 @@ class RestoreSpec:
 
 class WorkerError(RuntimeError):
     """A measurement process failed; the message holds the tail of its stderr."""
-
-
-def child_env() -> dict[str, str]:
-    """This environment with the repository first on PYTHONPATH (children import this kvtool)."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
 
 
 def run_worker(python: str, mode: str, args: dict, timeout: float = DEFAULT_WORKER_TIMEOUT_S) -> dict:

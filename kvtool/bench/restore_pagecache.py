@@ -76,11 +76,6 @@ def fadvise_dontneed(files: Iterable[Path]) -> str | None:
     return None
 
 
-def drop_fadvise(files: Iterable[Path]) -> bool:
-    """fsync then `POSIX_FADV_DONTNEED` each file; False if unsupported or a call failed."""
-    return fadvise_dontneed(files) is None
-
-
 def drop(paths: Iterable[Path], method: str = "fadvise") -> str:
     """Evict `paths` (files or directories) from the page cache.
 
@@ -90,7 +85,7 @@ def drop(paths: Iterable[Path], method: str = "fadvise") -> str:
     files = files_under(paths)
     if method == "global":
         return "global" if drop_global() else "failed"
-    ok = drop_fadvise(files)
+    ok = fadvise_dontneed(files) is None
     frac = resident_fraction(files)
     if ok and (frac is None or frac <= RESIDENT_SLACK):
         return "fadvise"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,31 +117,38 @@ def _states(s: Summary, section: str, shape: str, dtype: str) -> list[str]:
     return [st for st in ("cold", "warm") if st in found]
 
 
-def load_tables(s: Summary) -> list[str]:
-    """Per shape: restore times, ratios, peak RSS and first-append cost."""
+def _tables(s: Summary, section: str, title: str, header: list[str], row: Callable[..., str]) -> list[str]:
+    """One markdown table per (shape, dtype) of `section`: `title` (formatted with them), `header`
+    (column and alignment lines), then `row(s, shape, dtype, n, state)` for every cell."""
     out = []
-    for shape, dtype in s.groups("load"):
-        out += [f"### Load path: `{shape}` KV, {dtype}", "",
-                "| tokens | KV MB | state | raw read ms | mlx-lm ms | kvtool ms | kvtool GB/s "
-                "| kvtool/mlx-lm (time) | kvtool/raw (throughput) | peak RSS / KV: kvtool | mlx-lm "
-                "| first append ms: kvtool | mlx-lm | after prefill |",
-                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for n in s.lengths("load", shape, dtype):
-            ref = s.med("load", shape, dtype, n, "append-after-prefill", "n/a")
-            for st in _states(s, "load", shape, dtype):
-                raw, mlx, kv = (s.get("load", shape, dtype, n, m, st) for m in ("raw-read", "mlx-lm", "kvtool"))
-                kv_ms, mlx_ms, raw_ms = (_num(r["median_ms"]) if r else None for r in (kv, mlx, raw))
-                any_row = kv or mlx or raw
-                mb = int(any_row["kv_bytes"]) / 1e6 if any_row else 0
-                out.append(
-                    f"| {n:,} | {mb:,.1f} | {st} | {_ms(raw)} | {_ms(mlx)} | {_ms(kv)} | "
-                    f"{_f(kv and kv['median_gbps'], 3)} | {_x(_ratio(kv_ms, mlx_ms))} | {_x(_ratio(raw_ms, kv_ms))} | "
-                    f"{_x(_num(kv['median_peak_rss_ratio']) if kv else None)} | "
-                    f"{_x(_num(mlx['median_peak_rss_ratio']) if mlx else None)} | "
-                    f"{_f(kv and kv['median_first_append_ms'])} | {_f(mlx and mlx['median_first_append_ms'])} "
-                    f"| {_f(ref)} |")
+    for shape, dtype in s.groups(section):
+        out += [title.format(shape=shape, dtype=dtype), "", *header]
+        out += [row(s, *cell) for cell in _cells(s, section) if cell[:2] == (shape, dtype)]
         out.append("")
     return out
+
+
+def _load_row(s: Summary, shape: str, dtype: str, n: int, st: str) -> str:
+    ref = s.med("load", shape, dtype, n, "append-after-prefill", "n/a")
+    raw, mlx, kv = (s.get("load", shape, dtype, n, m, st) for m in ("raw-read", "mlx-lm", "kvtool"))
+    kv_ms, mlx_ms, raw_ms = (_num(r["median_ms"]) if r else None for r in (kv, mlx, raw))
+    any_row = kv or mlx or raw
+    mb = int(any_row["kv_bytes"]) / 1e6 if any_row else 0
+    return (f"| {n:,} | {mb:,.1f} | {st} | {_ms(raw)} | {_ms(mlx)} | {_ms(kv)} | "
+            f"{_f(kv and kv['median_gbps'], 3)} | {_x(_ratio(kv_ms, mlx_ms))} | {_x(_ratio(raw_ms, kv_ms))} | "
+            f"{_x(_num(kv['median_peak_rss_ratio']) if kv else None)} | "
+            f"{_x(_num(mlx['median_peak_rss_ratio']) if mlx else None)} | "
+            f"{_f(kv and kv['median_first_append_ms'])} | {_f(mlx and mlx['median_first_append_ms'])} "
+            f"| {_f(ref)} |")
+
+
+def load_tables(s: Summary) -> list[str]:
+    """Per shape: restore times, ratios, peak RSS and first-append cost."""
+    return _tables(s, "load", "### Load path: `{shape}` KV, {dtype}", [
+        "| tokens | KV MB | state | raw read ms | mlx-lm ms | kvtool ms | kvtool GB/s "
+        "| kvtool/mlx-lm (time) | kvtool/raw (throughput) | peak RSS / KV: kvtool | mlx-lm "
+        "| first append ms: kvtool | mlx-lm | after prefill |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"], _load_row)
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -149,26 +156,23 @@ def _f(v: Any, digits: int = 1) -> str:
     return "–" if v is None else f"{v:,.{digits}f}"
 
 
+def _ttft_row(s: Summary, shape: str, dtype: str, n: int, st: str) -> str:
+    rec = s.get("ttft", shape, dtype, n, "recompute", "n/a")
+    kv = s.get("ttft", shape, dtype, n, "kvtool-ssd-hit", st)
+    mlx = s.get("ttft", shape, dtype, n, "mlx-lm-load+last", st)
+    kv_ms, mlx_ms, rec_ms = (_num(r["median_ms"]) if r else None for r in (kv, mlx, rec))
+    same = "yes" if kv and mlx and kv["kv_ok"] and mlx["kv_ok"] else "no"
+    return (f"| {n:,} | {st} | {_ms(rec)} | {_ms(kv)} | {_f(kv and kv['median_ssd_load_ms'])} | "
+            f"{_ms(mlx)} | {_f(mlx and mlx['median_ssd_load_ms'])} | {_x(_ratio(kv_ms, mlx_ms))} | "
+            f"{_x(_ratio(kv_ms, rec_ms))} | {same} |")
+
+
 def ttft_tables(s: Summary) -> list[str]:
     """TTFT of the real model: recompute, kvtool SSD hit, mlx-lm load + first token of `generate_step`."""
-    out = []
-    for shape, dtype in s.groups("ttft"):
-        out += [f"### TTFT, real `{shape}` model ({dtype}), fresh process per request", "",
-                "| tokens | state | recompute ms | kvtool SSD hit ms | its ssd_load_ms | mlx-lm load+last ms "
-                "| its load ms | kvtool/mlx-lm | kvtool/recompute | first token equal |",
-                "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for n in s.lengths("ttft", shape, dtype):
-            rec = s.get("ttft", shape, dtype, n, "recompute", "n/a")
-            for st in _states(s, "ttft", shape, dtype):
-                kv = s.get("ttft", shape, dtype, n, "kvtool-ssd-hit", st)
-                mlx = s.get("ttft", shape, dtype, n, "mlx-lm-load+last", st)
-                kv_ms, mlx_ms, rec_ms = (_num(r["median_ms"]) if r else None for r in (kv, mlx, rec))
-                same = "yes" if kv and mlx and kv["kv_ok"] and mlx["kv_ok"] else "no"
-                out.append(f"| {n:,} | {st} | {_ms(rec)} | {_ms(kv)} | {_f(kv and kv['median_ssd_load_ms'])} | "
-                           f"{_ms(mlx)} | {_f(mlx and mlx['median_ssd_load_ms'])} | {_x(_ratio(kv_ms, mlx_ms))} | "
-                           f"{_x(_ratio(kv_ms, rec_ms))} | {same} |")
-        out.append("")
-    return out
+    return _tables(s, "ttft", "### TTFT, real `{shape}` model ({dtype}), fresh process per request", [
+        "| tokens | state | recompute ms | kvtool SSD hit ms | its ssd_load_ms | mlx-lm load+last ms "
+        "| its load ms | kvtool/mlx-lm | kvtool/recompute | first token equal |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"], _ttft_row)
 
 
 WRITER_METHODS = ("kvtool-writer", "kvtool-writer+sync", "kvtool-writer-first", "dd-fdatasync", "python-write", "python-write+fdatasync")
@@ -202,47 +206,44 @@ def _verdict(checks: list[tuple[str, float, bool]], fmt: str = "{:.2f}×") -> tu
     return shown, "**met**" if not failed else f"**not met** ({len(failed)}/{len(checks)}; e.g. {worst[0]})"
 
 
+def _cells(s: Summary, section: str) -> Iterator[tuple[str, str, int, str]]:
+    """(shape, dtype, prompt tokens, cache state) of every measured cell of `section`, in table order."""
+    for shape, dtype in s.groups(section):
+        for n in s.lengths(section, shape, dtype):
+            for st in _states(s, section, shape, dtype):
+                yield shape, dtype, n, st
+
+
 def target_rows(s: Summary) -> list[tuple[str, str, str]]:
     """(target, measured, status) for each restore target (docs/benchmarks.md#restore-targets)."""
     rows = []
-    ttft = []
-    for shape, dtype in s.groups("ttft"):
-        for n in s.lengths("ttft", shape, dtype):
-            for st in _states(s, "ttft", shape, dtype):
-                r = s.ratio("ttft", shape, dtype, n, st, "kvtool-ssd-hit", "mlx-lm-load+last")
-                if n >= TTFT_MIN_TOKENS and r is not None:
-                    ttft.append((f"{shape} model {n} {st}", r, r <= TTFT_TARGET))
-    proxy = []
-    for shape, dtype in s.groups("load"):
-        for n in s.lengths("load", shape, dtype):
-            for st in _states(s, "load", shape, dtype):
-                r = s.ratio("load", shape, dtype, n, st, "kvtool", "mlx-lm")
-                if shape != "tiny" and n >= TTFT_MIN_TOKENS and r is not None:
-                    proxy.append((f"{shape} {dtype} {n} {st}", r, r <= TTFT_TARGET))
+    ttft, proxy, raw, rss, append = [], [], [], [], []
+    for shape, dtype, n, st in _cells(s, "ttft"):
+        r = s.ratio("ttft", shape, dtype, n, st, "kvtool-ssd-hit", "mlx-lm-load+last")
+        if n >= TTFT_MIN_TOKENS and r is not None:
+            ttft.append((f"{shape} model {n} {st}", r, r <= TTFT_TARGET))
+    for shape, dtype, n, st in _cells(s, "load"):
+        label = f"{shape} {dtype} {n} {st}"
+        r = s.ratio("load", shape, dtype, n, st, "kvtool", "mlx-lm")
+        if shape != "tiny" and n >= TTFT_MIN_TOKENS and r is not None:
+            proxy.append((label, r, r <= TTFT_TARGET))
+        r = s.ratio("load", shape, dtype, n, st, "raw-read", "kvtool") if st == "cold" else None
+        if r is not None:
+            raw.append((f"{shape} {dtype} {n}", r, r >= RAW_TARGET))
+        v = s.med("load", shape, dtype, n, "kvtool", st, field="median_peak_rss_ratio")
+        if v is not None:
+            rss.append((label, v, v <= RSS_TARGET))
+        a = s.med("load", shape, dtype, n, "kvtool", st, field="median_first_append_ms")
+        ref = s.med("load", shape, dtype, n, "append-after-prefill", "n/a")
+        if a is not None and ref is not None:
+            append.append((label, a, a <= ref * APPEND_FACTOR + APPEND_SLACK_MS))
     rows.append(("SSD-hit TTFT ≤ 1.1× mlx-lm load_prompt_cache TTFT, cold and warm, ≥ 4k tokens, default model",
                  *_verdict(ttft)))
     rows.append(("… and on qwen0.5b-shaped KV (proxy: restore time vs `load_prompt_cache`, no model forward)",
                  *_verdict(proxy)))
-    raw = []
-    for shape, dtype in s.groups("load"):
-        for n in s.lengths("load", shape, dtype):
-            r = s.ratio("load", shape, dtype, n, "cold", "raw-read", "kvtool")
-            if r is not None:
-                raw.append((f"{shape} {dtype} {n}", r, r >= RAW_TARGET))
     rows.append(("Cold restore throughput ≥ 80% of a raw one-file read", *_verdict(raw, "{:.0%}")))
     rows.append(("Bench restart workload: kvtool ≥ 1.0× mlx-lm's prompt cache",
                  "not part of this benchmark (`kvtool bench`, restart workload)", "not measured"))
-    rss, append = [], []
-    for shape, dtype in s.groups("load"):
-        for n in s.lengths("load", shape, dtype):
-            ref = s.med("load", shape, dtype, n, "append-after-prefill", "n/a")
-            for st in _states(s, "load", shape, dtype):
-                v = s.med("load", shape, dtype, n, "kvtool", st, field="median_peak_rss_ratio")
-                if v is not None:
-                    rss.append((f"{shape} {dtype} {n} {st}", v, v <= RSS_TARGET))
-                a = s.med("load", shape, dtype, n, "kvtool", st, field="median_first_append_ms")
-                if a is not None and ref is not None:
-                    append.append((f"{shape} {dtype} {n} {st}", a, a <= ref * APPEND_FACTOR + APPEND_SLACK_MS))
     rows.append(("Peak RSS of a restore ≤ 1.25× the KV bytes restored", *_verdict(rss)))
     rows.append((f"First decode step after a restore no dearer than after a prefill (first append ≤ "
                  f"{APPEND_FACTOR}× the after-prefill append + {APPEND_SLACK_MS:g} ms)",

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from kvtool.bench.loadserver import proc_status_kb
+
 TOKENS_METADATA_KEY = "kvtool_bench_tokens"  # same key as the bench's mlx-lm baseline
 READ_CHUNK_BYTES = 64 << 20
 PREFILL_STEP = 2048
@@ -119,16 +121,6 @@ def save_mlxlm(path: Path, pairs: Sequence[tuple[Any, Any]], ids: np.ndarray) ->
 
 
 # ---------------------------------------------------------------- memory
-def _status_kb(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 class PeakRSS:
     """Peak RSS growth over a region: reset VmHWM (clear_refs 5), read VmRSS, then VmHWM after."""
 
@@ -137,12 +129,12 @@ class PeakRSS:
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:
             pass
-        self.start_kb = _status_kb("VmRSS")
+        self.start_kb = proc_status_kb("VmRSS")
         self.bytes: int | None = None
         return self
 
     def __exit__(self, *exc) -> None:
-        hwm = _status_kb("VmHWM")
+        hwm = proc_status_kb("VmHWM")
         if hwm is not None and self.start_kb is not None:
             self.bytes = max(0, hwm - self.start_kb) * 1024
 

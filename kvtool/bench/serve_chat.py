@@ -23,18 +23,19 @@ Script: bench_configs/serve_chat.py.
 from __future__ import annotations
 
 import csv
-import http.client
 import json
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtool.bench.loadcell import WARMUP_MESSAGES
+from kvtool.bench.loadgen import LoadRequest, LoadSpec, RequestRecord, run_load
 from kvtool.bench.loadserver import KVTOOL, MLXLM, REPO, ManagedServer, ServerOptions
 
 SERVERS = (MLXLM, KVTOOL)
@@ -112,44 +113,18 @@ def start_server(kind: str, cfg: ServeChatConfig, model_path: str, log: Path, ca
     return ManagedServer(options, log)
 
 
-def stream_chat(port: int, messages: list[dict], max_tokens: int) -> dict[str, Any]:
-    """One streamed greedy chat request: TTFT (first content chunk), total time, text, usage."""
-    body = json.dumps({"model": "default_model", "messages": messages, "max_tokens": max_tokens,
-                       "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    ttft = None
-    text, usage = "", dict[str, Any]()
-    for payload in _sse_data(resp):
-        if payload == "[DONE]":
-            break
-        chunk = json.loads(payload)
-        for choice in chunk.get("choices") or []:
-            content = (choice.get("delta") or {}).get("content") or ""
-            if content and ttft is None:
-                ttft = time.perf_counter() - t0
-            text += content
-        usage = chunk.get("usage") or usage
-    total = time.perf_counter() - t0
-    conn.close()
-    details = usage.get("prompt_tokens_details") or {}
-    return {"ttft_ms": (ttft if ttft is not None else total) * 1e3, "total_ms": total * 1e3, "text": text,
-            "prompt_tokens": int(usage.get("prompt_tokens", 0)), "cached_tokens": int(details.get("cached_tokens", 0))}
+def chat_turn(server: ManagedServer, messages: Sequence[dict[str, str]], max_tokens: int) -> RequestRecord:
+    """One streamed greedy chat request through the load generator (`kvtool.bench.loadgen`):
+    its `ttft_ms` (first content chunk), `latency_ms` (whole stream), `text` and `usage` tokens.
 
-
-def _sse_data(resp) -> Iterator[str]:
-    """The `data:` payloads of a server-sent event stream (keepalive comments skipped)."""
-    while True:
-        line = resp.readline()
-        if not line:
-            return
-        line = line.decode("utf-8", errors="replace").strip()
-        if line.startswith("data: "):
-            yield line[6:]
+    Raises:
+        RuntimeError: the request failed (HTTP error, timeout after `REQUEST_TIMEOUT_S`).
+    """
+    spec = LoadSpec(clients=1, max_wall_s=REQUEST_TIMEOUT_S, request_timeout_s=REQUEST_TIMEOUT_S)
+    result = run_load(server.base_url, [LoadRequest("turn", tuple(messages), max_tokens)], spec)
+    if not result.records or result.records[0].error:
+        raise RuntimeError(result.records[0].error if result.records else "the request was not sent")
+    return result.records[0]
 
 
 # --------------------------------------------------------------------------- conversation
@@ -169,7 +144,7 @@ def run_repeat(cfg: ServeChatConfig, repeat: int, model_path: str, log_dir: Path
     def start(kind: str) -> ManagedServer:
         server = start_server(kind, cfg, model_path, log_dir / f"{kind}-r{repeat}.log", cache_dir)
         if cfg.warmup:
-            stream_chat(server.port, [{"role": "user", "content": "Say hello."}], 2)
+            chat_turn(server, WARMUP_MESSAGES, 2)
         return server
 
     servers: dict[str, ManagedServer] = {}
@@ -189,14 +164,14 @@ def run_repeat(cfg: ServeChatConfig, repeat: int, model_path: str, log_dir: Path
             for kind in order:
                 messages = history[kind]
                 messages.append({"role": "user", "content": USER_MESSAGES[(turn - 1) % len(USER_MESSAGES)]})
-                r = stream_chat(servers[kind].port, messages, cfg.max_tokens)
+                r = chat_turn(servers[kind], messages, cfg.max_tokens)
                 ram = ssd = fetch = None
                 if kind == "kvtool":
                     last = servers[kind].get_json("/kvtool/stats")["requests"][-1]
                     ram, ssd, fetch = last["ram_hit_tokens"], last["ssd_hit_tokens"], last["fetch_ms"]
-                rows.append(TurnResult(kind, repeat, turn, after_restart, r["prompt_tokens"], r["cached_tokens"], ram,
-                                       ssd, fetch, r["ttft_ms"], r["total_ms"], r["text"]))
-                messages.append({"role": "assistant", "content": r["text"]})
+                rows.append(TurnResult(kind, repeat, turn, after_restart, r.prompt_tokens, r.cached_tokens or 0, ram,
+                                       ssd, fetch, r.ttft_ms, r.latency_ms, r.text))
+                messages.append({"role": "assistant", "content": r.text})
     finally:
         for server in servers.values():
             server.stop()
@@ -304,5 +279,5 @@ def run(cfg: ServeChatConfig) -> Path:
     return run_dir
 
 
-__all__ = ["ServeChatConfig", "TurnResult", "run", "run_repeat", "stream_chat", "summarize", "markdown_table",
+__all__ = ["ServeChatConfig", "TurnResult", "run", "run_repeat", "chat_turn", "summarize", "markdown_table",
            "write_report", "start_server"]
