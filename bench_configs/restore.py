@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from kvtool.bench import restore, restore_report  # noqa: E402
-from kvtool.bench.restore_kvtool import API_CHOICES  # noqa: E402
 from kvtool.bench.restore_pagecache import DROP_METHODS  # noqa: E402
+from kvtool.bench.restore_worker import API_CHOICES  # noqa: E402
 
 
 def _csv(kind):
@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--drop", choices=DROP_METHODS, default="fadvise",
                     help="how to drop the page cache (default: fadvise)")
     ap.add_argument("--kvtool-api", choices=API_CHOICES, default="auto",
-                    help="kvtool.cache.prefix, today's tiered cache (legacy), or auto (prefix if present)")
+                    help="kvtool's restore API: kvtool.cache.prefix (auto = prefix)")
     ap.add_argument("--block-size", type=int, default=None, help="kvtool block size (default: kvtool's)")
     ap.add_argument("--ttft-model", default="tiny", help="embedded preset for the TTFT part (default: tiny)")
     ap.add_argument("--ttft-kv", choices=("prefill", "synthetic"), default="prefill",

@@ -5,7 +5,7 @@ cold (page cache of the files dropped) and warm (files read through first), `rep
 
 - `raw-read`: the same bytes read from one file with `os.preadv` (the disk ceiling);
 - `mlx-lm`: `load_prompt_cache` + eval of a `save_prompt_cache` file of the same KV;
-- `kvtool`: `fetch` of the same KV stored through kvtool (`restore_kvtool.open_prefix_cache`);
+- `kvtool`: `fetch` of the same KV stored through kvtool (`restore_worker.open_prefix_cache`);
 - `append-after-prefill`: the first-append reference (a cache filled as a prefill fills it).
 
 For the real `ttft_model` (default `tiny`): time to first token of an SSD hit (`kvtool serve-once`
@@ -40,7 +40,7 @@ from kvtool.bench import machine
 from kvtool.bench import restore_pagecache as pagecache
 from kvtool.bench import restore_worker as worker
 from kvtool.bench.loadserver import child_env
-from kvtool.bench.restore_kvtool import KVShape, open_prefix_cache, resolve_api
+from kvtool.bench.restore_worker import KVShape, open_prefix_cache, resolve_api
 
 DEFAULT_LENGTHS = (1024, 4096, 16384, 32768)
 DEFAULT_REPEATS = 3
@@ -84,7 +84,7 @@ class RestoreSpec:
         out: run directory (default `results/restore/<timestamp>/`).
         work_dir: where the data files go (default `<out>/data`, removed at the end).
         drop: `fadvise` (per file, global drop as fallback) or `global`.
-        kvtool_api: `auto`, `prefix` or `legacy` (see `restore_kvtool`).
+        kvtool_api: `auto` or `prefix` (see `restore_worker.resolve_api`).
         methods: load-path methods to run (drop `kvtool` to measure the baselines only).
         block_size: kvtool block size (None: kvtool's default).
         ttft_model: embedded preset for the TTFT part.

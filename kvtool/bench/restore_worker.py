@@ -9,7 +9,7 @@ and reads one JSON object from the last line of stdout. Modes:
 
 - `raw`: `os.preadv` of a file into a preallocated, pre-faulted numpy buffer (the disk ceiling).
 - `mlxlm`: `load_prompt_cache` + `mx.eval` of every layer's keys and values, token ids checked.
-- `kvtool`: `fetch` through `restore_kvtool.open_prefix_cache` + `mx.eval` of the restored cache.
+- `kvtool`: `fetch` through `open_prefix_cache` + `mx.eval` of the restored cache.
 - `writer`: store + flush synthetic KV through kvtool (best_effort), then `os.sync()`.
 - `ttft_seed_synthetic`: both caches of a prompt seeded with the same synthetic KV (no prefill).
 - `mlxlm_ttft_save` / `mlxlm_ttft`: mlx-lm's own prompt cache on a real model: save the KV of
@@ -24,6 +24,11 @@ the timed region; `peak_rss_bytes` = VmHWM after it − VmRSS before it (Linux; 
 `first_append_ms`: one token appended to every layer (`update_and_fetch` + eval) right after the
 restore — what the first decode step pays on top of attention (a cache without spare room is
 copied whole). `kv_crc`: crc32 of the restored KV, checked by the parent against the stored KV.
+
+`open_prefix_cache` is the benchmark's one door into kvtool's store/restore API: the public
+`kvtool.cache.prefix.PrefixCache` on synthetic KV of a `KVShape` (a full hit comes back trimmed
+by one token, `cached_tokens = T - 1`, the last one being re-forwarded). Rows record the API that
+ran (`kvtool_api`, always `prefix` in this tree).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,69 @@ from kvtool.bench.loadserver import proc_status_kb
 TOKENS_METADATA_KEY = "kvtool_bench_tokens"  # same key as the bench's mlx-lm baseline
 READ_CHUNK_BYTES = 64 << 20
 PREFILL_STEP = 2048
+API_CHOICES = ("auto", "prefix")
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """A KV layout to benchmark: `name` labels rows (`tiny`, `qwen0.5b`)."""
+
+    name: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: str  # float32 | bfloat16 | float16
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def bytes_per_token(self) -> int:
+        """KV bytes per token over all layers, keys + values."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def model_id(self) -> str:
+        return f"synthetic-{self.name}"
+
+
+def resolve_api(api: str = "auto") -> str:
+    """The restore API a run uses: `prefix` (`kvtool.cache.prefix.PrefixCache`) for `auto` or `prefix`.
+
+    Raises:
+        ValueError: unknown `api`.
+    """
+    if api not in API_CHOICES:
+        raise ValueError(f"api must be one of {', '.join(API_CHOICES)}, got {api!r}")
+    return "prefix"
+
+
+def open_prefix_cache(cache_dir: Path, shape: KVShape, *, api: str = "auto", async_writes: bool = False,
+                      block_size: int | None = None) -> Any:
+    """Open kvtool's prefix cache on `cache_dir` for synthetic KV of `shape` (SSD only, no RAM tier).
+
+    Args:
+        cache_dir: SSD tier root.
+        shape: KV layout; its `model_id` names the namespace.
+        api: `prefix` or `auto` (`resolve_api`).
+        async_writes: background writer (True) or inline writes (False).
+        block_size: tokens per block; None keeps kvtool's default.
+
+    Returns:
+        A `kvtool.cache.prefix.PrefixCache` (`store`, `flush`, `fetch`, `release`, `close`).
+
+    Raises:
+        ValueError: unknown `api`.
+    """
+    from kvtool.cache.prefix import KVGeometry, PrefixCache
+    from kvtool.config import KVToolConfig
+
+    resolve_api(api)
+    extra = {"block_size": block_size} if block_size else {}
+    config = KVToolConfig(ssd_cache_dir=Path(cache_dir), ram_bytes=0, ssd_async_writes=async_writes,
+                          ssd_durability="best_effort", **extra)
+    geometry = KVGeometry(shape.n_layers, shape.n_kv_heads, shape.head_dim, dtype=shape.dtype)
+    return PrefixCache(config, geometry=geometry, model_id=shape.model_id)
 
 
 # ---------------------------------------------------------------- synthetic KV
@@ -52,7 +121,7 @@ def token_ids(n: int, seed: int = 0, vocab: int = 32000) -> np.ndarray:
     return np.random.default_rng(seed + n).integers(0, vocab, size=n, dtype=np.int32)
 
 
-def synthetic_kv(shape, n_tokens: int, seed: int = 0) -> list[tuple[Any, Any]]:
+def synthetic_kv(shape: KVShape, n_tokens: int, seed: int = 0) -> list[tuple[Any, Any]]:
     """Random per-layer (keys, values) mx arrays `[1, n_kv_heads, n_tokens, head_dim]`, evaluated."""
     import mlx.core as mx
 
@@ -218,8 +287,6 @@ def mode_kvtool(args: dict) -> dict:
     """`fetch` in this fresh process (index open timed apart as `open_ms`)."""
     import mlx.core as mx
 
-    from kvtool.bench.restore_kvtool import KVShape, open_prefix_cache
-
     shape = KVShape(**args["shape"])
     ids = np.load(args["ids"])
     t_open = time.perf_counter()
@@ -230,14 +297,15 @@ def mode_kvtool(args: dict) -> dict:
         hit = pc.fetch(ids)
         mx.eval(cache_pairs(hit.cache))
         ms = (time.perf_counter() - t0) * 1e3
+    cached = int(hit.cached_tokens)
     out = {
-        "ms": ms, "open_ms": open_ms, "bytes_io": hit.ssd_bytes_read, "peak_rss_bytes": rss.bytes,
-        "cached_tokens": hit.cached_tokens, "ssd_hit_tokens": hit.ssd_tokens, "ssd_load_ms": hit.ssd_load_ms,
-        "kvtool_api": pc.api,
+        "ms": ms, "open_ms": open_ms, "bytes_io": int(hit.ssd_bytes_read), "peak_rss_bytes": rss.bytes,
+        "cached_tokens": cached, "ssd_hit_tokens": int(hit.ssd_tokens), "ssd_load_ms": float(hit.ssd_load_ms),
+        "kvtool_api": resolve_api(args["api"]),
     }
-    if hit.cached_tokens:
+    if cached:
         out["first_append_ms"] = first_append_ms(hit.cache)
-        out["kv_crc"] = kv_crc(cache_pairs(hit.cache), hit.cached_tokens)
+        out["kv_crc"] = kv_crc(cache_pairs(hit.cache), cached)
     pc.release(hit)
     pc.close()
     return out
@@ -251,8 +319,6 @@ def mode_writer(args: dict) -> dict:
     the page cache recycle memory), as dd is measured right after a scratch write. The first
     store's time is returned too (`first_ms`)."""
     import shutil
-
-    from kvtool.bench.restore_kvtool import KVShape, open_prefix_cache
 
     shape = KVShape(**args["shape"])
     n = int(args["n_tokens"])
@@ -279,12 +345,10 @@ def mode_writer(args: dict) -> dict:
     pc.close()
     written = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     return {"ms": ms, "sync_ms": sync_ms, "first_ms": first_ms, "bytes_io": written, "peak_rss_bytes": rss.bytes,
-            "kvtool_api": pc.api}
+            "kvtool_api": resolve_api(args["api"])}
 
 
-def _store_flush(cache_dir: Path, shape, args: dict, ids: np.ndarray, cache: list) -> None:
-    from kvtool.bench.restore_kvtool import open_prefix_cache
-
+def _store_flush(cache_dir: Path, shape: KVShape, args: dict, ids: np.ndarray, cache: list) -> None:
     pc = open_prefix_cache(cache_dir, shape, api=args["api"], async_writes=True, block_size=args.get("block_size"))
     pc.store(ids, cache)
     pc.flush()
