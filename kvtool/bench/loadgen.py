@@ -178,11 +178,6 @@ class LoadResult:
     stopped_by: str
     spec: LoadSpec
 
-    @property
-    def ok(self) -> list[RequestRecord]:
-        """Records without error."""
-        return [r for r in self.records if r.error is None]
-
 
 def check_loopback(base_url: str) -> None:
     """Refuse any server that is not on this machine.

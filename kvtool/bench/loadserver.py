@@ -10,6 +10,10 @@ process, bytes), read while the process is alive (`peak_rss_bytes`, sampled by t
 once more just before the stop). psutil is not used; `resource.getrusage(RUSAGE_CHILDREN)` is
 not either, since it reports the maximum over all waited-for children, not one server. On a
 system without `/proc` the value is None.
+
+The other bench children use the same helpers: `child_env` (this repository first on PYTHONPATH;
+the restore benchmark's workers), `free_port` (the bench's redis-server) and `proc_status_kb`
+(the restore workers' own peak RSS).
 """
 
 from __future__ import annotations

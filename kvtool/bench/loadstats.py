@@ -213,14 +213,7 @@ def cell_summary(batches: Sequence[dict[str, Any]], *, seed: int = BOOTSTRAP_SEE
     return out
 
 
-def interval_of(row: dict[str, Any], fig: str) -> Interval:
-    """The `Interval` of `fig` stored in a `cell_summary` row (n = its `repeats`)."""
-    point, lo, hi = (float(row.get(k, float("nan"))) for k in (fig, f"{fig}_lo", f"{fig}_hi"))
-    n = int(row.get("repeats", 0)) if np.isfinite(point) else 0
-    return Interval(point, lo, hi, n)
-
-
 __all__ = ["BOOTSTRAP_SEED", "CONFIDENCE", "FIGURES", "FIGURE_UNITS", "Interval", "LOSS", "MIN_VERDICT_REPEATS",
            "NAN_INTERVAL",
            "N_RESAMPLES", "TIE", "WIN", "batch_figures", "bootstrap_ci", "cell_summary", "compare",
-           "interval_of", "percentile", "ratio_ci"]
+           "percentile", "ratio_ci"]

@@ -51,7 +51,7 @@ LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "shared-prefix": {"groups": 1, "prompts_per_group": 8, "system_tokens": 1024, "question_tokens": 32, "prime": 0},
     "multi-turn": {"conversations": 0, "turns": 4, "system_tokens": 256, "user_tokens": 64,
                    "assistant_tokens": 64, "working_set_factor": 2.0, "max_conversations": 64,
-                   "ram_bytes": "1MiB"},
+                   "ram_bytes": 1 << 20},
     "long-doc-qa": {"documents": 4, "doc_tokens": 1024, "question_tokens": 16, "queries": 16},
     "restart": {"prompts": 8, "prompt_tokens": 1024, "question_tokens": 16},
     "trace": {"path": "", "time_scale": 1.0},
@@ -61,7 +61,7 @@ MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa":
             "restart": ("after",), "trace": ("trace",)}
 RESTART_BEFORE = {"restart": "after"}  # workload -> the phase the servers are restarted before
 _FLOATS = {"working_set_factor", "time_scale"}
-_STRINGS = {"path", "ram_bytes"}
+_STRINGS = {"path"}
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,6 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
     Raises:
         ConfigError: unknown workload or parameter, or a bad value (the error names the field).
     """
-    from kvtool.units import parse_size
-
     def check(key: str, value: Any, field: str) -> Any:
         if key in _FLOATS:
             return positive_number(value, field)
@@ -121,8 +119,6 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
         return count(value, field, zero_ok=key == "conversations")
 
     merged = merge_params(LOAD_WORKLOAD_DEFAULTS, name, params, where, check)
-    if isinstance(merged.get("ram_bytes"), str):
-        merged["ram_bytes"] = parse_size(merged["ram_bytes"])
     if name == "trace" and not merged["path"]:
         raise ConfigError(f"{where}.{name}.path", "required: a JSONL file of {\"t\", \"prompt\"|\"messages\"} lines")
     return merged

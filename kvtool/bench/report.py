@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from kvtool.bench.report_charts import plot_ttft, plot_ttft_vs_prompt, plot_write_path, save
-from kvtool.bench.verdicts import NO_SPREAD, repeat_count, spread, value_range, winners
+from kvtool.bench.verdicts import NO_SPREAD, repeat_count, speedup, spread, value_range, winners
 from kvtool.errors import KVToolError
 
 __all__ = ["CHARTS", "Report", "ReportError", "WIN_RULE", "load_run", "render_markdown", "winners", "write_report"]
@@ -160,7 +160,7 @@ def winners_table(best: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in best.itertuples(index=False):
         cells = r.tied_cells.replace("; ", ", ") if r.verdict == "tie" else r.cell
-        vs = f"{_x(r.ttft_vs_mlxlm)} ({r.vs_mlxlm})" if r.vs_mlxlm else _x(r.ttft_vs_mlxlm)
+        vs = f"{speedup(r.ttft_vs_mlxlm)} ({r.vs_mlxlm})" if r.vs_mlxlm else speedup(r.ttft_vs_mlxlm)
         rows.append({
             "workload": r.workload,
             "verdict": f"tie ({len(r.tied_cells.split('; '))} of {r.candidates})" if r.verdict == "tie" else r.verdict,
@@ -170,7 +170,7 @@ def winners_table(best: pd.DataFrame) -> pd.DataFrame:
             "runner-up": r.runner_up or "",
             "runner-up TTFT p50 ms": value_range(r.runner_up_ttft_p50_ms, r.runner_up_ttft_p50_ms_min,
                                              r.runner_up_ttft_p50_ms_max),
-            "vs no-cache": _x(r.ttft_vs_no_cache),
+            "vs no-cache": speedup(r.ttft_vs_no_cache),
             "vs mlx-lm cache": vs,
         })
     return pd.DataFrame(rows)
@@ -193,7 +193,7 @@ def summary_table(cells: pd.DataFrame) -> pd.DataFrame:
         out[label] = [fmt.format(v) if np.isfinite(v) else "" for v in values]
     for column, label in (("ttft_vs_no_cache", "vs no-cache"), ("ttft_vs_mlxlm", "vs mlx-lm")):
         values = cells[column] if column in cells else pd.Series(np.nan, cells.index)
-        out[label] = [_x(v) if pd.notna(v) else "" for v in values]
+        out[label] = [speedup(v) if pd.notna(v) else "" for v in values]
     for column, label in (("shutdown_clean", "clean"), ("drain_verified", "drained")):
         out[label] = cells[column].map(lambda v: "" if pd.isna(v) else str(v)) if column in cells else ""
     return out
@@ -247,10 +247,6 @@ def render_markdown(cells: pd.DataFrame, run: dict[str, Any], charts: list[str] 
     if charts is not None and "ttft_vs_prompt_len.png" not in charts:
         lines.append("(No requests.csv in this directory: the TTFT-against-prompt-length chart needs it.)\n")
     return "\n".join(lines)
-
-
-def _x(value: float) -> str:
-    return f"{value:.2f}x" if pd.notna(value) else "n/a"
 
 
 def _gib(n: Any) -> str:

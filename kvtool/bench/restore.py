@@ -20,7 +20,6 @@ section, so an interrupted run keeps what it measured.
 
 from __future__ import annotations
 
-import csv
 import gc
 import json
 import os
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.bench import machine
+from kvtool.bench import machine, restore_report
 from kvtool.bench import restore_pagecache as pagecache
 from kvtool.bench import restore_worker as worker
 from kvtool.bench.loadserver import child_env
@@ -191,10 +190,7 @@ class Recorder:
                  f"{row['cache_state']:<4} #{row['repeat']} {ms_txt}")
 
     def save(self) -> None:
-        with open(self.out / "measurements.csv", "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(self.rows)
+        restore_report.write_csv(self.out / "measurements.csv", self.rows, COLUMNS)
 
 
 # ------------------------------------------------------------------ load path
@@ -416,20 +412,18 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
         log: progress lines.
         command: the command line, recorded in run.json and report.md.
     """
-    from kvtool.bench import restore_report
-
     spec.validate()
     out = Path(spec.out or default_out())
     out.mkdir(parents=True, exist_ok=True)
     work = Path(spec.work_dir or out / "data")
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    doc = {"command": command, "spec": _jsonable(asdict(spec)), "kvtool_api": resolve_api(spec.kvtool_api),
+    doc = {"command": command, "spec": asdict(spec), "kvtool_api": resolve_api(spec.kvtool_api),
            "started": datetime.now().astimezone().isoformat(), "git_commit": machine.git_commit(),
            "machine": machine.machine_info(work), "columns": COLUMNS,
            "drop_method": "posix_fadvise(DONTNEED) per file after fsync; drop_caches=3 if pages stay resident"
            if spec.drop == "fadvise" else "sync; echo 3 > /proc/sys/vm/drop_caches"}
-    (out / "run.json").write_text(json.dumps(doc, indent=2))
+    (out / "run.json").write_text(json.dumps(doc, indent=2, default=str))  # Paths as strings
     doc["load_average_start"] = _loadavg()
     rec = Recorder(out, log)
     try:
@@ -455,7 +449,7 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
         rec.save()
         doc["duration_s"] = round(time.time() - started, 1)
         doc["load_average_end"] = _loadavg()
-        (out / "run.json").write_text(json.dumps(doc, indent=2))
+        (out / "run.json").write_text(json.dumps(doc, indent=2, default=str))
         if not spec.keep_data:
             shutil.rmtree(work, ignore_errors=True)
     restore_report.write_outputs(out, rec.rows, doc)
@@ -469,10 +463,3 @@ def _loadavg() -> list[float] | None:
     except OSError:
         return None
 
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    return str(obj) if isinstance(obj, Path) else obj

@@ -14,7 +14,7 @@ from __future__ import annotations
 import csv
 import statistics
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,11 +263,12 @@ def targets_table(s: Summary) -> list[str]:
 
 
 # ------------------------------------------------------------------ files
-def write_summary(path: Path, summary: list[dict]) -> None:
+def write_csv(path: Path, rows: list[dict], columns: Sequence[str]) -> None:
+    """`rows` as a CSV file under the header `columns` (a key missing from a row: empty cell)."""
     with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=SUMMARY_COLUMNS)
+        w = csv.DictWriter(fh, fieldnames=list(columns))
         w.writeheader()
-        w.writerows(summary)
+        w.writerows(rows)
 
 
 def render(summary: list[dict], doc: dict) -> str:
@@ -306,7 +307,7 @@ def render(summary: list[dict], doc: dict) -> str:
 def write_outputs(out: Path, rows: list[dict], doc: dict) -> list[dict]:
     """Write summary.csv and report.md for the rows of a run; returns the summary rows."""
     summary = summarize(rows)
-    write_summary(out / "summary.csv", summary)
+    write_csv(out / "summary.csv", summary, SUMMARY_COLUMNS)
     (out / "report.md").write_text(render(summary, doc))
     return summary
 

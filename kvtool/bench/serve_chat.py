@@ -22,7 +22,6 @@ Script: bench_configs/serve_chat.py.
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 import statistics
@@ -30,13 +29,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from kvtool.bench.loadcell import WARMUP_MESSAGES
 from kvtool.bench.loadgen import LoadRequest, LoadSpec, RequestRecord, run_load
 from kvtool.bench.loadserver import KVTOOL, MLXLM, REPO, ManagedServer, ServerOptions
+from kvtool.bench.restore_report import write_csv
 
 SERVERS = (MLXLM, KVTOOL)
 START_TIMEOUT_S = 120.0
@@ -198,13 +198,6 @@ def summarize(rows: list[TurnResult]) -> list[dict[str, Any]]:
     return out
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-
-
 def markdown_table(summary: list[dict[str, Any]], rows: list[TurnResult]) -> str:
     """Per turn: prompt tokens, each server's cached tokens and median TTFT, the ratio, same output."""
     by = {(s["server"], s["turn"]): s for s in summary}
@@ -232,8 +225,8 @@ def markdown_table(summary: list[dict[str, Any]], rows: list[TurnResult]) -> str
 
 def write_report(run_dir: Path, cfg: ServeChatConfig, rows: list[TurnResult], meta: dict[str, Any]) -> str:
     summary = summarize(rows)
-    _write_csv(run_dir / "turns.csv", [asdict(r) for r in rows])
-    _write_csv(run_dir / "summary.csv", summary)
+    write_csv(run_dir / "turns.csv", [asdict(r) for r in rows], [f.name for f in fields(TurnResult)])
+    write_csv(run_dir / "summary.csv", summary, list(summary[0]))
     table = markdown_table(summary, rows)
     text = (
         f"# Multi-turn chat: `kvtool serve` vs `mlx_lm.server`\n\n"

@@ -146,7 +146,7 @@ def summary_lines(cells: pd.DataFrame) -> list[str]:
             out.append(f"  next    {row.runner_up:<{width}}  "
                        f"{value_range(row.runner_up_ttft_p50_ms, row.runner_up_ttft_p50_ms_min, row.runner_up_ttft_p50_ms_max)}")
         vs = f" ({vs_words[row.vs_mlxlm]})" if row.vs_mlxlm in vs_words else ""
-        out.append(f"  {_ratio(row.ttft_vs_no_cache)} vs no-cache, {_ratio(row.ttft_vs_mlxlm)} vs mlx-lm prompt cache{vs}")
+        out.append(f"  {speedup(row.ttft_vs_no_cache)} vs no-cache, {speedup(row.ttft_vs_mlxlm)} vs mlx-lm prompt cache{vs}")
     if best.empty:
         out.append("no kvtool cell in this run")
     out.append("A cell wins only when its slowest repeat beats every other kvtool cell's fastest repeat; "
@@ -154,5 +154,6 @@ def summary_lines(cells: pd.DataFrame) -> list[str]:
     return out
 
 
-def _ratio(value: float) -> str:
-    return "n/a" if value != value else f"{value:.2f}x"  # NaN when the baseline did not run
+def speedup(value: float) -> str:
+    """A speed-up ratio as `1.23x`; `n/a` for NaN or None (the baseline did not run)."""
+    return f"{value:.2f}x" if pd.notna(value) else "n/a"
