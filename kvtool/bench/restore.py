@@ -418,7 +418,7 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
     work = Path(spec.work_dir or out / "data")
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    doc = {"command": command, "spec": asdict(spec), "kvtool_api": resolve_api(spec.kvtool_api),
+    doc: dict[str, Any] = {"command": command, "spec": asdict(spec), "kvtool_api": resolve_api(spec.kvtool_api),
            "started": datetime.now().astimezone().isoformat(), "git_commit": machine.git_commit(),
            "machine": machine.machine_info(work), "columns": COLUMNS,
            "drop_method": "posix_fadvise(DONTNEED) per file after fsync; drop_caches=3 if pages stay resident"
