@@ -1,4 +1,4 @@
-"""Soak: a hostile client beside four normal ones against one real `kvtool serve`.
+"""Soak: hostile clients beside four normal ones against one real `kvtool serve`.
 
 For `KVTOOL_SOAK_SECONDS` (default 20 here; `make soak-http` runs 600) a hostile client sends
 random malformed requests (broken or deep JSON, invalid UTF-8, bad Content-Length, oversized
@@ -9,25 +9,40 @@ before the soak; every hostile request that is answered must get the expected 4x
 must never stop answering (no wedge: every request within a generous timeout, `/health` ok at
 the end); its resident memory (/proc/<pid>/status VmRSS) may grow by less than 10 % from the
 end of a warm-up round to the end. All loops are bounded in time and count; loopback only.
+
+Beside them (hostile round 3): a header slowloris from another loopback address (rounds of 20
+connections, 4 more than the per-peer cap, that drip one header line every 0.25 s and never
+finish the head), and the cache swapped under the running server: a third of the way in its namespace directory is renamed and
+a symlink to a directory of a sibling tree put in its place, two thirds in the same is done to
+the cache root. The sibling tree (the symlinks' targets and files of its own) is checksummed
+before and after: nothing may be written, changed or removed there. The normal clients' outputs
+are those of plain `mlx_lm.server` for the same requests, asked before the soak.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import socket
+import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+from tests.server_procs import START_TIMEOUT_S, free_port
 from tests.test_serve_hostile import (
     HTTP_TIMEOUT_S,
     NO_EOS,
     Server,
+    _drip_head,
+    get_health,
     get_json,
+    model_path,
     post,
     start_kvtool,
 )
@@ -149,14 +164,65 @@ def rss_growth(samples: list[tuple[float, int]]) -> tuple[int, int]:
     return first[len(first) // 2], last[len(last) // 2]
 
 
+def mlx_lm_outputs(tmp_path: Path) -> list[str]:
+    """The four normal prompts' greedy outputs from plain `mlx_lm.server` (the same tiny model)."""
+    port = free_port()
+    plain = Server([sys.executable, "-m", "mlx_lm.server", "--model", model_path(), "--port", str(port)],
+                   tmp_path / "mlx_lm.log")
+    plain.url, plain.port = f"http://127.0.0.1:{port}", port
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while get_health(plain) != 200:
+            assert plain.p.poll() is None and time.monotonic() < deadline, plain.text()[-3000:]
+            time.sleep(0.1)
+        return [chat_text(plain, chat_body(i)) for i in range(4)]
+    finally:
+        plain.stop()
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every entry below `root` (symlinks not followed) -> its kind and content digest."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = "link " + os.readlink(p)
+        elif p.is_dir():
+            out[rel] = "dir"
+        else:
+            out[rel] = "file " + hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def sibling_tree(tmp_path: Path) -> Path:
+    """A tree beside the cache: the targets the swapped symlinks point at, and files of its own."""
+    root = tmp_path / "sibling"
+    for sub in ("namespace-target", "root-target", "docs"):
+        (root / sub).mkdir(parents=True)
+    (root / "docs" / "notes.txt").write_text("not kvtool's\n")
+    (root / "root-target" / ".keep").write_text("")
+    return root
+
+
+def swap_for_symlink(path: Path, target: Path) -> None:
+    """Rename `path` aside (`<path>.old`) and put a symlink to `target` in its place."""
+    os.rename(path, path.with_name(path.name + ".old"))
+    path.symlink_to(target, target_is_directory=True)
+
+
 # ----------------------------------------------------------------------------- the soak
 @pytest.mark.slow
 def test_hostile_client_beside_normal_clients(tmp_path):
+    plain = mlx_lm_outputs(tmp_path)
+    sibling = sibling_tree(tmp_path)
     server = start_kvtool(tmp_path, "soak", "--max-body-bytes", str(MAX_BODY), "--max-prompt-tokens",
-                          str(MAX_PROMPT_TOKENS))
+                          str(MAX_PROMPT_TOKENS), "--head-timeout", "3s", "--max-connections-per-peer", "16")
     try:
         baseline = [chat_text(server, chat_body(i)) for i in range(4)]  # each prompt served alone
+        assert baseline == plain  # kvtool's answers are plain mlx_lm.server's
         assert [chat_text(server, chat_body(i, stream=True)) for i in range(4)] == baseline
+        namespace = Path(get_json(server, "/kvtool/stats")[1]["namespace_dir"])
+        before = tree_digest(sibling)
         rng = random.Random(1234)
         for kind in range(HOSTILE_KINDS):  # warm-up: every hostile action once, then RSS is the reference
             name, status, ok = hostile_action(server, rng, kind)
@@ -202,6 +268,28 @@ def test_hostile_client_beside_normal_clients(tmp_path):
                     if status not in ok and status is not None:
                         failures.append(f"hostile {name}: status {status}, expected {sorted(map(str, ok))}")
 
+        def slowloris() -> None:  # rounds of 20 dripping heads from another loopback address (4 over its cap)
+            while time.monotonic() < deadline - 5 and not failures:
+                got: list = []
+                drips = [threading.Thread(target=_drip_head, args=(server.port, got, lock, time.monotonic(),
+                                                                    time.monotonic() + 6.0), daemon=True)
+                         for _ in range(20)]  # fmt: skip
+                for t in drips:
+                    t.start()
+                for t in drips:
+                    t.join(30)
+                with lock:
+                    served["slowloris connections"] += len(got)
+
+        def swapper() -> None:  # the namespace, then the cache root, swapped for symlinks into the sibling tree
+            for at, path, target in ((1 / 3, namespace, sibling / "namespace-target"),
+                                     (2 / 3, namespace.parent, sibling / "root-target")):  # fmt: skip
+                while time.monotonic() < start + WARMUP_S + at * SOAK_SECONDS and not failures:
+                    time.sleep(0.2)
+                swap_for_symlink(path, target)
+                with lock:
+                    served["swaps"] += 1
+
         samples: list[tuple[float, int]] = []
 
         def sampler() -> None:  # VmRSS every SAMPLE_S (the first WARMUP_S are the load's own warm-up)
@@ -211,6 +299,7 @@ def test_hostile_client_beside_normal_clients(tmp_path):
 
         threads = [threading.Thread(target=normal_client, args=(i,), daemon=True) for i in range(4)]
         threads.append(threading.Thread(target=hostile_client, daemon=True))
+        threads += [threading.Thread(target=slowloris, daemon=True), threading.Thread(target=swapper, daemon=True)]
         threads.append(threading.Thread(target=sampler, daemon=True))
         for t in threads:
             t.start()
@@ -218,7 +307,8 @@ def test_hostile_client_beside_normal_clients(tmp_path):
             t.join(SOAK_SECONDS + 2 * HTTP_TIMEOUT_S)
             assert not t.is_alive(), "a client is stuck: the server is wedged"
         assert not failures, failures[:10]
-        assert served["normal"] >= 4, served
+        assert served["normal"] >= 4 and served["swaps"] == 2, served
+        assert tree_digest(sibling) == before  # nothing written, changed or removed outside the cache
         assert get_json(server, "/health") == (200, {"status": "ok"})
         assert [chat_text(server, chat_body(i)) for i in range(4)] == baseline
         rss0, rss1 = rss_growth(samples)

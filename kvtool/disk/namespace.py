@@ -151,7 +151,7 @@ class SSDStore(StoreCore):
         if max_bytes is None or index is None or not self.enabled or self.read_only:
             self.budget = None
             return
-        self.budget = SSDBudget(max_bytes, self.namespace_dir, index, self.fs, self.seg_path, clock=self.clock,
+        self.budget = SSDBudget(max_bytes, self.namespace_dir, index, self.fs, self.write_path, clock=self.clock,
                                 protect_s=protect_s, on_evict=self._evicted)  # fmt: skip
 
     def _evicted(self, ev: Eviction) -> None:
@@ -432,7 +432,7 @@ class SSDStore(StoreCore):
                 self._index_error("remove", exc)
                 return 0
             for name in emptied:
-                self.unlink_quiet(self.seg_path(name))
+                self.unlink_segment(name)
         return n
 
     def discard(self, h: str, why: str) -> None:
@@ -478,7 +478,7 @@ class SSDStore(StoreCore):
             except sqlite3.Error as exc:
                 self._index_error("drop segment", exc)
                 return
-            self.unlink_quiet(self.seg_path(name))
+            self.unlink_segment(name)
 
     # ------------------------------------------------------------------- misc
     def flush(self) -> None:

@@ -9,8 +9,11 @@ logger. This module never imports MLX (the SSD writer thread calls it).
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -168,6 +171,7 @@ class StoreCore:
         self._suspect = Recent(SUSPECT_MAX)  # segments a record of which failed verification
         self.saved = Recent(SAVED_MAX)  # hashes this process saved (`saved_count`)
         self.budget: SSDBudget | None = None  # the byte budget (`SSDStore.set_max_bytes`)
+        self._place: tuple[tuple[int, int], tuple[int, int]] | None = None  # (root, namespace) (device, inode) at open
 
     @property
     def geometry(self) -> Expected:
@@ -192,11 +196,60 @@ class StoreCore:
         """Path of a segment (raises ValueError for a malformed name)."""
         return self.namespace_dir / segment_relpath(name)
 
+    def pin_place(self) -> None:
+        """Remember which directories the cache root and the namespace are (device, inode), once
+        the namespace directory exists: every later write and unlink checks them (`write_path`).
+
+        Raises:
+            OSError: either cannot be stat'ed.
+        """
+        root, ns = os.stat(self.cache_dir), os.lstat(self.namespace_dir)  # the root may be a symlink its owner chose
+        self._place = ((root.st_dev, root.st_ino), (ns.st_dev, ns.st_ino))
+
+    def place_changed(self) -> str | None:
+        """Why the cache root or the namespace directory is no longer the directory opened (moved,
+        or swapped for a symlink or another directory while this process runs), or None."""
+        if self._place is None:
+            return None
+        try:
+            root, ns = os.stat(self.cache_dir), os.lstat(self.namespace_dir)
+            same = stat.S_ISDIR(ns.st_mode) and ((root.st_dev, root.st_ino), (ns.st_dev, ns.st_ino)) == self._place
+            gone = ""
+        except OSError as exc:
+            same, gone = False, f" ({exc.strerror})"
+        if same:
+            return None
+        return (f"{self.namespace_dir} (or its cache directory) was moved or replaced while open{gone}: nothing "
+                "more is written or removed there; restart to use the cache as it is now")  # fmt: skip
+
+    def write_path(self, name: str) -> Path:
+        """`seg_path` for a write or an unlink, once the namespace directory is checked to be the
+        one opened (`place_changed`, one `lstat` and one `stat`): where it is not, the tier is
+        disabled and nothing is created or removed outside the cache (hostile round 3, finding 1).
+
+        Raises:
+            OSError: ESTALE, the directory changed. ValueError: a malformed name.
+        """
+        why = self.place_changed()
+        if why is not None:
+            if self.enabled:
+                self.disable(why)
+            raise OSError(errno.ESTALE, why, str(self.namespace_dir))
+        return self.seg_path(name)
+
     def unlink_quiet(self, path: Path) -> None:
         try:
             self.fs.unlink(path)
         except OSError as exc:
             log.warning("could not remove %s: %s", path, exc)
+
+    def unlink_segment(self, name: str) -> None:
+        """Remove segment `name`'s file where the namespace is still the directory opened
+        (`write_path`); a failure is logged. Never raises."""
+        try:
+            self.fs.unlink(self.write_path(name))
+        except (OSError, ValueError) as exc:
+            log.warning("could not remove segment %s: %s", name, exc)
 
     def inc(self, key: str, n: int = 1) -> None:
         """Add `n` to one of the `ssd_` counters."""

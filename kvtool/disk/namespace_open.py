@@ -39,6 +39,7 @@ def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) 
     if not NAMESPACE_RE.match(store.layout_key):
         raise ValueError(f"layout key {store.layout_key!r} is not 32 hex characters")
     writable = probe_writable(store)
+    store.pin_place()  # writes and unlinks check it (`StoreCore.write_path`)
     now = repr(store.clock())
     fresh = {**meta, "format_version": str(seg.FORMAT_VERSION), "layout_key": store.layout_key,
              "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip

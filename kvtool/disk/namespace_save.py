@@ -199,7 +199,7 @@ class SegmentSaver:
             store.inc("ssd_save_fail", len(blocks))
             return ["error"] * len(blocks)
         name = secrets.token_hex(16)
-        path = store.seg_path(name)
+        path = store.write_path(name)  # the namespace is still the directory opened, else OSError
         size = sum(b.nbytes for b in buffers)
         budget = store.budget
         if budget is not None and not budget.reserve(name, size):  # the byte budget: no room even after eviction

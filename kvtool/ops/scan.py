@@ -145,7 +145,9 @@ class _Scanner:
         link = self._bad_index_file()
         if link:
             self._list_files()
-            return self._done(NamespaceStatus.UNREADABLE, f"{link} is not a regular file (symlink?): never followed; left untouched", "link")
+            return self._done(NamespaceStatus.UNREADABLE, (f"{link} is not a regular file: never opened (SQLite would follow a symlink or block on a FIFO); "
+                               "a repairing `kvtool validate` moves a FIFO, socket, device or directory aside (an index "
+                               "moved is rebuilt from the segment files) and leaves a symlink"), "link")  # fmt: skip
         try:
             index = BlockIndex(self.path / INDEX_FILENAME, create=False, read_only=True)
         except sqlite3.Error as exc:

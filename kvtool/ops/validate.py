@@ -51,6 +51,7 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 from contextlib import AbstractContextManager, nullcontext
@@ -62,6 +63,7 @@ from kvtool.disk.index import BlockIndex
 from kvtool.disk.lock import cache_lock
 from kvtool.disk.names import INDEX_FILENAME
 from kvtool.ops.heap import gc_paused
+from kvtool.ops.index_files import MovedIndexFile, move_irregular_index_files
 from kvtool.ops.rebuild import plan_rebuild
 from kvtool.ops.records import SegmentPass
 from kvtool.ops.repair_execute import execute
@@ -74,7 +76,7 @@ from kvtool.ops.repairs import (  # noqa: F401  (re-exported)
     RepairPlan,
     unlink_counted,
 )
-from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache
+from kvtool.ops.scan import CacheScan, NamespaceScan, NamespaceStatus, ScanError, scan_cache, scan_namespace_dir
 from kvtool.ops.validate_plan import ProgressFn, RepairPlanner
 
 
@@ -105,14 +107,17 @@ def validate(
         raise ScanError(f"cannot use cache directory {short_path(cache_dir)}: {exc.strerror or exc}") from None
     lock: AbstractContextManager = nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
     with lock:  # a cache dir that does not exist yet: an empty cache, nothing to lock
-        scan = scan_cache(root, namespace, now=now, fs=fs)
-        plan = plan_repairs(scan, deep=deep, rebuild_index=rebuild_index, progress=progress)
+        # an index file that is a FIFO, socket, device or directory: moved aside first (`kvtool.ops.index_files`)
+        moved = {} if dry_run or not os.path.isdir(root) else move_irregular_index_files(root, namespace)
+        scan = _with_moved_indexes(scan_cache(root, namespace, now=now, fs=fs), moved, fs)
+        plan = plan_repairs(scan, deep=deep, rebuild_index=rebuild_index, progress=progress, moved=moved)
         return plan if dry_run else execute(plan)
 
 
 @gc_paused
 def plan_repairs(
     scan: CacheScan, *, deep: bool = False, rebuild_index: bool = False, progress: ProgressFn | None = None,
+    moved: dict[str, list[MovedIndexFile]] | None = None,
 ) -> RepairPlan:  # fmt: skip
     """Decide every repair (reads segment headers, and records where needed; changes nothing).
 
@@ -121,7 +126,11 @@ def plan_repairs(
         deep: read every record whole and verify its checksum (reads everything).
         rebuild_index: plan the rebuild of unreadable indexes from their segment files.
         progress: called as `progress(namespace, segments_done, segments_total)`.
+        moved: namespace -> its index files moved aside before the scan
+            (`move_irregular_index_files`): reported, and a namespace whose index itself moved is
+            rebuilt from its segment files (`rebuild_index` or not).
     """
+    moved = moved or {}
     plan = RepairPlan(str(scan.cache_dir), deep, rebuild_index=rebuild_index, symlinks=list(scan.symlinks))
     for ns in scan.namespaces:
         rep = NamespaceRepair(ns.name, ns.status.value, format_version=ns.format_version, rows=ns.row_count,
@@ -130,9 +139,13 @@ def plan_repairs(
         plan.namespaces.append(rep)
         for link in ns.symlinks:
             rep.note("symlink", link, "never followed")
+        for m in moved.get(ns.name, ()):
+            rep.irregular_removed += 1
+            rep.note("irregular", m.name, f"a {m.kind}, not a file: SQLite would block on it; moved aside to {m.moved_to}")
+        index_moved = any(m.name == INDEX_FILENAME for m in moved.get(ns.name, ()))
         if ns.usable:
             _plan_namespace(scan, ns, rep, deep, progress)
-        elif rebuild_index and _rebuildable(ns):
+        elif (rebuild_index or index_moved) and _rebuildable(ns):
             try:
                 rep.actions.rebuild = plan_rebuild(scan, ns, rep)
                 rep.message = f"{ns.message} -> rebuilt from {len(ns.files)} segment file(s)"
@@ -143,6 +156,17 @@ def plan_repairs(
         if rep.outcome == "clean":
             rep.outcome = "problems" if rep.problems else "clean"
     return plan
+
+
+def _with_moved_indexes(scan: CacheScan, moved: dict[str, list[MovedIndexFile]], fs: FileOps | None) -> CacheScan:
+    """`scan` with the namespaces whose `index.sqlite` was moved aside added (a directory without
+    an index is no namespace to `scan_cache`): each scans as unreadable, to be rebuilt."""
+    seen = {ns.name for ns in scan.namespaces}
+    lost = [name for name, files in moved.items() if name not in seen and any(m.name == INDEX_FILENAME for m in files)]
+    if not lost:
+        return scan
+    extra = tuple(scan_namespace_dir(scan.cache_dir, name, now=scan.now, fs=fs) for name in lost)
+    return dataclasses.replace(scan, namespaces=tuple(sorted(scan.namespaces + extra, key=lambda ns: ns.name)))
 
 
 def _rebuildable(ns: NamespaceScan) -> bool:
