@@ -42,11 +42,11 @@ import numpy as np
 from kvtool.disk import segment as seg
 from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
-from kvtool.disk.index import IndexRow
 from kvtool.disk.names import is_hash
 from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore
 from kvtool.disk.namespace_open import open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
+from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
 from kvtool.disk.verify import slot_problem
 

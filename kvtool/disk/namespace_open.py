@@ -17,8 +17,8 @@ from pathlib import Path
 
 from kvtool.disk import segment as seg
 from kvtool.disk.fsops import scan_namespace, temp_is_leftover, temp_path_for
-from kvtool.disk.index import INDEX_FILES, BlockIndex, irregular_index_file
-from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, is_segment_name
+from kvtool.disk.index import BlockIndex
+from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, NAMESPACE_RE, irregular_index_file, is_segment_name
 from kvtool.disk.namespace_core import Expected, Recent, ReconcileReport, StoreCore
 
 log = logging.getLogger("kvtool.disk.namespace")
@@ -146,5 +146,5 @@ def reconcile(store: StoreCore) -> None:
 
 __all__ = [
     "Expected", "ReconcileReport", "Recent", "open_index", "probe_writable", "refusal", "reconcile", "check_index_files",
-    "IDENTITY_META", "INDEX_FILES",
+    "IDENTITY_META",
 ]  # fmt: skip

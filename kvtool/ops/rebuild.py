@@ -35,9 +35,10 @@ from pathlib import Path
 
 from kvtool.disk.chains import build_chain_tree
 from kvtool.disk.confined import ConfinedDir
-from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.disk.index import BlockIndex
 from kvtool.disk.names import INDEX_FILENAME, is_segment_name
 from kvtool.disk.namespace_core import Expected
+from kvtool.disk.rowtable import IndexRow, SegmentRow
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.hashing import root_parent
 from kvtool.ops.records import Record, SegmentPass, created_of

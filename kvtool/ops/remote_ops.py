@@ -16,7 +16,7 @@ Errors that end an operation (unreachable, wrong password, TLS, an unknown names
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -61,9 +61,6 @@ class Connection:
         except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
             pass
 
-    def pipeline(self) -> Any:
-        return self.client.pipeline(transaction=False)
-
     def run(self, what: str, fn: Any) -> Any:
         """`fn()`, a server failure raised as one `RemoteConnectError` line (`what` failed)."""
         try:
@@ -106,25 +103,38 @@ def scan(conn: Connection, pattern: str, max_keys: int = DEFAULT_MAX_KEYS) -> tu
     return sorted(set(keys)), truncated
 
 
-def _batched(items: Sequence[Any], n: int = BATCH_KEYS) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
+def _parse_keys(keys: Sequence[str]) -> tuple[dict[str, rv.KeyInfo | None], list[str], list[str]]:
+    """`(key -> rv.parse_key(key), value keys, part keys)` of `keys` (keys of no known shape in neither list)."""
+    infos = {k: rv.parse_key(k) for k in keys}
+    values = [k for k, i in infos.items() if i is not None and i.part is None]
+    return infos, values, [k for k, i in infos.items() if i is not None and i.part is not None]
+
+
+def _pipelined(conn: Connection, what: str, keys: Sequence[str], add: Any) -> list[Any]:
+    """`add(pipe, key)` for each of `keys`, in pipelined round trips of `BATCH_KEYS`: the replies
+    in order (per-key errors come back as exceptions); a server failure raises (`Connection.run`)."""
+    out: list[Any] = []
+    for at in range(0, len(keys), BATCH_KEYS):
+        pipe = conn.client.pipeline(transaction=False)
+        for key in keys[at : at + BATCH_KEYS]:
+            add(pipe, key)
+        out += conn.run(what, lambda pipe=pipe: pipe.execute(raise_on_error=False))
+    return out
 
 
 def _per_key(conn: Connection, keys: Sequence[str], command: str) -> list[Any]:
     """One metadata command per key, pipelined: `memory` (MEMORY USAGE, bytes), `idle`
     (OBJECT IDLETIME, seconds) or `freq` (OBJECT FREQ); per-key errors come back as exceptions,
     a vanished key as None."""
-    out: list[Any] = []
-    for chunk in _batched(keys):
-        pipe = conn.pipeline()
-        for key in chunk:
-            if command == "memory":
-                pipe.memory_usage(key, samples=0)
-            else:
-                pipe.object("idletime" if command == "idle" else "freq", key)
-        out += conn.run(command, lambda pipe=pipe: pipe.execute(raise_on_error=False))
-    return out
+    if command == "memory":
+        return _pipelined(conn, command, keys, lambda pipe, key: pipe.memory_usage(key, samples=0))
+    sub = "idletime" if command == "idle" else "freq"
+    return _pipelined(conn, command, keys, lambda pipe, key: pipe.object(sub, key))
+
+
+def _any_format(namespace: str | None) -> str:
+    """The SCAN pattern of every kvtool key of `namespace` (None: of every namespace), any format."""
+    return f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*"
 
 
 def _resolve_namespace(conn: Connection, namespace: str | None, max_keys: int) -> str | None:
@@ -156,8 +166,14 @@ class NamespaceUsage:
     outdated: bool = False
 
 
+class _Report:
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready document (the `--json` output; nested dataclasses as dicts)."""
+        return asdict(self)  # type: ignore[call-overload]
+
+
 @dataclass
-class InspectReport:
+class InspectReport(_Report):
     url: str
     cluster: bool
     servers: list[dict[str, Any]]
@@ -165,9 +181,6 @@ class InspectReport:
     keys_scanned: int
     other_keys: int  # kvtool:* keys of no known shape
     truncated: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "namespaces": [asdict(n) for n in self.namespaces]}
 
 
 _INFO_FIELDS = ("redis_version", "valkey_version", "used_memory", "maxmemory", "maxmemory_policy", "evicted_keys",
@@ -197,8 +210,7 @@ def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFA
         RemoteConnectError, RemoteOpsError: see the module docstring.
     """
     namespace = _resolve_namespace(conn, namespace, max_keys)
-    pattern = f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*"
-    keys, truncated = scan(conn, pattern, max_keys)
+    keys, truncated = scan(conn, _any_format(namespace), max_keys)
     infos = [rv.parse_key(k) for k in keys]
     sizes = _per_key(conn, keys, "memory")
     usage: dict[tuple[str, str], NamespaceUsage] = {}
@@ -223,13 +235,8 @@ def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFA
 
 
 def _heads(conn: Connection, keys: Sequence[str], n: int = 127) -> list[Any]:
-    out: list[Any] = []
-    for chunk in _batched(keys):
-        pipe = conn.pipeline()
-        for key in chunk:
-            pipe.getrange(key, 0, n)
-        out += conn.run("GETRANGE", lambda pipe=pipe: pipe.execute(raise_on_error=False))
-    return out
+    """The first `n + 1` bytes of each value (b"" for a vanished key; errors as exceptions)."""
+    return _pipelined(conn, "GETRANGE", keys, lambda pipe, key: pipe.getrange(key, 0, n))
 
 
 # ----------------------------------------------------------------------------- validate
@@ -241,7 +248,7 @@ class Problem:
 
 
 @dataclass
-class ValidateReport:
+class ValidateReport(_Report):
     url: str
     namespace: str | None
     dry_run: bool
@@ -254,9 +261,6 @@ class ValidateReport:
     orphan_parts: int = 0
     removed_keys: int = 0
     truncated: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "problems": [asdict(p) for p in self.problems]}
 
 
 def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = False,
@@ -272,9 +276,7 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
     namespace = _resolve_namespace(conn, namespace, max_keys)
     keys, truncated = scan(conn, rv.namespace_pattern(namespace), max_keys)
     report = ValidateReport(conn.remote.masked, namespace, dry_run, truncated=truncated)
-    infos = {k: rv.parse_key(k) for k in keys}
-    values = [k for k, i in infos.items() if i is not None and i.part is None]
-    parts = [k for k, i in infos.items() if i is not None and i.part is not None]
+    infos, values, parts = _parse_keys(keys)
     sizes = dict(zip(values, _per_key(conn, values, "memory")))
     doomed: list[str] = []
     named_parts: set[str] = set()
@@ -295,11 +297,7 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
 
 def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyInfo | None], max_value_bytes: int,
                     report: ValidateReport, doomed: list[str], named_parts: set[str]) -> None:  # fmt: skip
-    pipe = conn.pipeline()
-    for key in batch:
-        pipe.getrange(key, 0, max_value_bytes)
-    datas = conn.run("GETRANGE", lambda: pipe.execute(raise_on_error=False))
-    for key, data in zip(batch, datas):
+    for key, data in zip(batch, _heads(conn, batch, max_value_bytes)):
         info = infos[key]
         assert info is not None
         if isinstance(data, bytes) and not data:
@@ -315,7 +313,7 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
                 manifest = rv.parse_manifest(data, max_value_bytes)
                 part_keys = manifest.part_keys(key)
                 named_parts.update(part_keys)
-                parts = _get_all(conn, part_keys, manifest.part_bytes)
+                parts = [r if isinstance(r, bytes) and r else None for r in _heads(conn, part_keys, manifest.part_bytes)]
                 if any(p is None for p in parts):
                     report.incomplete += 1
                     doomed.extend([key, *part_keys])
@@ -335,30 +333,15 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
             doomed.append(key)
 
 
-def _get_all(conn: Connection, keys: Sequence[str], limit: int) -> list[bytes | None]:
-    pipe = conn.pipeline()
-    for key in keys:
-        pipe.getrange(key, 0, limit)
-    results = conn.run("GETRANGE", lambda: pipe.execute(raise_on_error=False))
-    return [r if isinstance(r, bytes) and r else None for r in results]
-
-
 def unlink(conn: Connection, keys: Sequence[str]) -> int:
     """UNLINK `keys` in pipelined batches (value keys before their parts: callers list them so);
     returns how many existed."""
-    removed = 0
-    for chunk in _batched(list(keys)):
-        pipe = conn.pipeline()
-        for key in chunk:
-            pipe.unlink(key)
-        removed += sum(r for r in conn.run("UNLINK", lambda pipe=pipe: pipe.execute(raise_on_error=False))
-                       if isinstance(r, int))  # fmt: skip
-    return removed
+    return sum(r for r in _pipelined(conn, "UNLINK", list(keys), lambda pipe, key: pipe.unlink(key)) if isinstance(r, int))
 
 
 # ----------------------------------------------------------------------------- rm
 @dataclass
-class RemovalReport:
+class RemovalReport(_Report):
     """What `rm` / `prune` removed (or would, with `dry_run`)."""
 
     url: str
@@ -372,9 +355,6 @@ class RemovalReport:
     truncated: bool = False
     notes: list[str] = field(default_factory=list)
     per_namespace: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run: bool = False,
@@ -398,15 +378,10 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
         keys = []
         for key, head in zip(values, _heads(conn, values)):
             if isinstance(head, bytes) and head:
-                keys.append(key)
+                keys += [key, *_parts_named(key, head)]
                 report.values += 1
-                if rv.is_manifest(head):
-                    try:
-                        keys += rv.parse_manifest(head, 1 << 62).part_keys(key)
-                    except rv.RemoteValueError:
-                        pass
     else:
-        keys, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
+        keys, report.truncated = scan(conn, _any_format(ns), max_keys)
         keys.sort(key=lambda k: (rv.parse_key(k) or rv.KeyInfo("", "", "")).part is not None)  # values first
         report.values = sum(1 for k in keys if (i := rv.parse_key(k)) is not None and i.part is None)
     report.keys = len(keys)
@@ -442,11 +417,9 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
     if idle_s is None and max_bytes is None:
         raise RemoteOpsError("give --idle, --max-bytes or both")
     ns = _resolve_namespace(conn, namespace, max_keys)
-    keys, truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*" if ns else f"{rv.KEY_PREFIX}:*", max_keys)
+    keys, truncated = scan(conn, _any_format(ns), max_keys)
     report = RemovalReport(conn.remote.masked, ns, dry_run, truncated=truncated)
-    infos = {k: rv.parse_key(k) for k in keys}
-    values = [k for k, i in infos.items() if i is not None and i.part is None]
-    parts = [k for k, i in infos.items() if i is not None and i.part is not None]
+    infos, values, parts = _parse_keys(keys)
     ages = _per_key(conn, values, "idle")
     lfu = any(isinstance(a, Exception) and "lfu" in str(a).lower() for a in ages)
     if lfu:
@@ -455,31 +428,9 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
         ages = [-(f if isinstance(f, int) else 0) for f in _per_key(conn, values, "freq")]  # least used = "oldest"
         report.notes.append("LFU policy: the budget removes the least frequently used values first")
     sizes = dict(zip(keys, _per_key(conn, keys, "memory")))
-    manifests = _manifest_parts(conn, values, infos)
-    entries: list[_Entry] = []
-    named: set[str] = set()
-    for key, age in zip(values, ages):
-        own = manifests.get(key, [])
-        named.update(own)
-        info = infos[key]
-        assert info is not None
-        nbytes = sum(s for s in (sizes.get(k) for k in [key, *own]) if isinstance(s, int))
-        entries.append(_Entry(key, info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, [key, *own]))
-    doomed: list[_Entry] = []
-    keep: dict[str, list[_Entry]] = defaultdict(list)
-    for e in entries:
-        if idle_s is not None and not lfu and e.idle >= idle_s:
-            doomed.append(e)
-        else:
-            keep[e.layout].append(e)
-    if max_bytes is not None:
-        for kept in keep.values():
-            total = sum(e.bytes for e in kept)
-            for e in sorted(kept, key=lambda e: -e.idle):
-                if total <= max_bytes:
-                    break
-                doomed.append(e)
-                total -= e.bytes
+    entries = _entries(conn, values, ages, infos, sizes)
+    named = {k for e in entries for k in e.keys[1:]}
+    doomed = _choose(entries, None if lfu else idle_s, max_bytes)
     orphans = _confirm_orphans(conn, [p for p in parts if p not in named])
     for e in doomed:
         stat = report.per_namespace.setdefault(e.layout, {"values": 0, "bytes": 0})
@@ -497,23 +448,56 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
     return report
 
 
-def _manifest_parts(conn: Connection, values: Sequence[str], infos: dict[str, rv.KeyInfo | None]) -> dict[str, list[str]]:
-    """Value key -> its part keys, for values that hold a manifest (read only for the values
-    whose namespace listing showed parts)."""
+def _entries(conn: Connection, values: Sequence[str], ages: Sequence[Any], infos: dict[str, rv.KeyInfo | None],
+             sizes: dict[str, Any]) -> list[_Entry]:  # fmt: skip
+    """One `_Entry` per value key (its parts with it; `ages` in seconds, or minus the use frequency)."""
     with_parts = {i.main_key for i in infos.values() if i is not None and i.part is not None}
-    return _read_manifests(conn, [k for k in values if k in with_parts])
+    manifests = _read_manifests(conn, [k for k in values if k in with_parts])  # only values with parts listed
+    entries: list[_Entry] = []
+    for key, age in zip(values, ages):
+        own = [key, *manifests.get(key, [])]
+        info = infos[key]
+        assert info is not None
+        nbytes = sum(s for s in (sizes.get(k) for k in own) if isinstance(s, int))
+        entries.append(_Entry(key, info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, own))
+    return entries
+
+
+def _choose(entries: list[_Entry], idle_s: float | None, max_bytes: int | None) -> list[_Entry]:
+    """The entries to remove: idle for `idle_s` seconds or more, then per namespace the least recently
+    used until it holds at most `max_bytes`."""
+    doomed: list[_Entry] = []
+    keep: dict[str, list[_Entry]] = defaultdict(list)
+    for e in entries:
+        if idle_s is not None and e.idle >= idle_s:
+            doomed.append(e)
+        else:
+            keep[e.layout].append(e)
+    if max_bytes is not None:
+        for kept in keep.values():
+            total = sum(e.bytes for e in kept)
+            for e in sorted(kept, key=lambda e: -e.idle):
+                if total <= max_bytes:
+                    break
+                doomed.append(e)
+                total -= e.bytes
+    return doomed
 
 
 def _read_manifests(conn: Connection, keys: Sequence[str]) -> dict[str, list[str]]:
     """Value key -> the part keys its manifest names, for the `keys` holding a manifest."""
-    out: dict[str, list[str]] = {}
-    for key, head in zip(keys, _heads(conn, keys)):
-        if isinstance(head, bytes) and rv.is_manifest(head):
-            try:
-                out[key] = rv.parse_manifest(head, 1 << 62).part_keys(key)
-            except rv.RemoteValueError:
-                pass
-    return out
+    return {key: parts for key, head in zip(keys, _heads(conn, keys)) if (parts := _parts_named(key, head))}
+
+
+def _parts_named(key: str, head: Any) -> list[str]:
+    """The part keys that value `key`'s manifest names, from its first bytes `head` ([] if it
+    holds no well-formed manifest)."""
+    if isinstance(head, bytes) and rv.is_manifest(head):
+        try:
+            return rv.parse_manifest(head, 1 << 62).part_keys(key)
+        except rv.RemoteValueError:
+            pass
+    return []
 
 
 def _confirm_orphans(conn: Connection, candidates: Sequence[str]) -> list[str]:

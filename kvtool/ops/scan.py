@@ -56,15 +56,14 @@ from kvtool.disk.fsops import (
     short_path,
     temp_is_leftover,
 )
-from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex, SegmentRow, irregular_index_file
-from kvtool.disk.names import INDEX_FILENAME, LOCK_FILENAME
+from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex
+from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, LOCK_FILENAME, irregular_index_file
 from kvtool.disk.namespace_core import Expected
-from kvtool.disk.rowtable import load_rows
+from kvtool.disk.rowtable import SegmentRow, load_rows
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.hashing import layout_key_of_meta
 from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.scan_results import (  # the results: re-exported under the names callers use
-    INDEX_FILES,
     OUTDATED_HINT,
     REBUILD_HINT,
     USABLE,

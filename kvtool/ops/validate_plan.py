@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.disk.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
-from kvtool.disk.index import IndexRow, SegmentRow
 from kvtool.disk.names import segment_relpath
-from kvtool.disk.rowtable import RowTable
+from kvtool.disk.rowtable import IndexRow, RowTable, SegmentRow
 from kvtool.disk.verify import slot_problem
 from kvtool.hashing import root_parent
 from kvtool.ops.clean_segments import CleanSegments, find_clean
