@@ -22,17 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.disk.names import (  # noqa: F401  (re-exported)
-    HASH_RE,
-    INDEX_FILENAME,
-    NAMESPACE_RE,
-    SEGMENT_RE,
-    SEGMENT_SUFFIX,
-    SUBDIR_RE,
-    TEMP_RE,
-    TEMP_SUFFIX,
-    segment_relpath,
-)
+from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, SEGMENT_RE, SEGMENT_SUFFIX, SUBDIR_RE, TEMP_RE, TEMP_SUFFIX
 
 TEMP_STALE_S = 600.0  # a temp file older than this is a leftover even if its pid is alive
 DEFAULT_DIR_MODE = 0o700
@@ -316,13 +306,15 @@ def temp_owner_pid(name: str) -> int | None:
     return int(m.group("pid")) if m else None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, limit: float = 1 << 22) -> bool:
+    """True if process `pid` exists; one this process may not signal (or an absurd pid) counts as
+    alive only below `limit`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError, ValueError):
-        return pid < (1 << 22)  # exists but not ours (or absurd pid -> dead)
+        return pid < limit  # exists but not ours (or absurd pid -> dead)
     return True
 
 
@@ -333,7 +325,7 @@ def temp_is_leftover(fs: FileOps, path: Path, now: float | None = None) -> bool:
     than `TEMP_STALE_S`, which also covers pid reuse).
     """
     pid = temp_owner_pid(path.name)
-    if pid is None or not _pid_alive(pid):
+    if pid is None or not pid_alive(pid):
         return True
     try:
         return (time.time() if now is None else now) - fs.mtime(path) > TEMP_STALE_S

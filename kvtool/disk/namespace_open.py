@@ -18,7 +18,7 @@ from pathlib import Path
 from kvtool.disk import segment as seg
 from kvtool.disk.fsops import scan_namespace, temp_is_leftover, temp_path_for
 from kvtool.disk.index import BlockIndex
-from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, NAMESPACE_RE, irregular_index_file, is_segment_name
+from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, irregular_index_file, is_segment_name
 from kvtool.disk.namespace_core import Expected, Recent, ReconcileReport, StoreCore
 
 log = logging.getLogger("kvtool.disk.namespace")
