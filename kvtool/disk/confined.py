@@ -93,13 +93,6 @@ class ConfinedDir:
         if fd != self.fd:
             os.close(fd)
 
-    def _lstat(self, relpath: str) -> os.stat_result:
-        fd, name = self._split(relpath)
-        try:
-            return os.stat(name, dir_fd=fd, follow_symlinks=False)
-        finally:
-            self._done(fd)
-
     def _unlink_regular(self, relpath: str) -> int:
         """Remove a regular file (never a symlink); returns its size, 0 if it was absent."""
         try:

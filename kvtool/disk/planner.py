@@ -237,10 +237,6 @@ class SegmentPlanner:
         ids = np.flatnonzero(ok)
         return ids[np.lexsort((ids, -self.depth[ids], self.access[ids]))]
 
-    def lru_order(self) -> list[tuple[float, int, str]]:
-        """`(access, -depth, name)` of the kept segments, least recently used first."""
-        return [(float(self.access[i]), -int(self.depth[i]), self.names[i]) for i in self.lru_candidates().tolist()]
-
     # ------------------------------------------------------------------ results
     def removed_segment_ids(self) -> np.ndarray:
         """Numbers of the segments chosen (sorted)."""

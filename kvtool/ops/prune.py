@@ -200,12 +200,6 @@ def planner_of(ns: NamespaceScan) -> SegmentPlanner:
     return SegmentPlanner.from_forest(t.segments, size, t.seg, ns.forest, t.hashes)
 
 
-def segments_of(ns: NamespaceScan) -> dict[str, Segment]:
-    """The removal units of a scanned namespace as `Segment`s (one string per block: for small
-    namespaces and tests; the commands use `planner_of`)."""
-    return planner_of(ns).segments
-
-
 def check_limits(ttl_s: float | None, max_bytes: int | None, namespace: str | None = None, all_namespaces: bool = False) -> None:
     """Raises `PruneError` for arguments that make no sense."""
     if namespace is not None and all_namespaces:
@@ -426,5 +420,5 @@ def prune(
 
 __all__ = [
     "prune", "plan_prune", "execute_prune", "check_limits", "cache_lock", "PrunePlan", "NamespacePlan",
-    "SegmentPlanner", "Segment", "fit_budget", "segments_of", "planner_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
+    "SegmentPlanner", "Segment", "fit_budget", "planner_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
 ]  # fmt: skip
