@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,15 +52,9 @@ class Connection:
     client: Any
     timeout_s: float
 
-    @property
-    def cluster(self) -> bool:
-        return self.remote.cluster
-
     def close(self) -> None:
-        try:
+        with suppress(Exception):  # closing: nothing to do about a failure
             self.client.close()
-        except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
-            pass
 
     def run(self, what: str, fn: Any) -> Any:
         """`fn()`, a server failure raised as one `RemoteConnectError` line (`what` failed)."""
@@ -122,19 +117,10 @@ def _pipelined(conn: Connection, what: str, keys: Sequence[str], add: Any) -> li
     return out
 
 
-def _per_key(conn: Connection, keys: Sequence[str], command: str) -> list[Any]:
-    """One metadata command per key, pipelined: `memory` (MEMORY USAGE, bytes), `idle`
-    (OBJECT IDLETIME, seconds) or `freq` (OBJECT FREQ); per-key errors come back as exceptions,
-    a vanished key as None."""
-    if command == "memory":
-        return _pipelined(conn, command, keys, lambda pipe, key: pipe.memory_usage(key, samples=0))
-    sub = "idletime" if command == "idle" else "freq"
-    return _pipelined(conn, command, keys, lambda pipe, key: pipe.object(sub, key))
-
-
-def _any_format(namespace: str | None) -> str:
-    """The SCAN pattern of every kvtool key of `namespace` (None: of every namespace), any format."""
-    return f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*"
+def _memory(conn: Connection, keys: Sequence[str]) -> dict[str, int]:
+    """Key -> its server memory (MEMORY USAGE, bytes; 0 for a vanished key or a per-key error)."""
+    sizes = _pipelined(conn, "memory", keys, lambda pipe, key: pipe.memory_usage(key, samples=0))
+    return {k: s if isinstance(s, int) else 0 for k, s in zip(keys, sizes)}
 
 
 def _resolve_namespace(conn: Connection, namespace: str | None, max_keys: int) -> str | None:
@@ -190,11 +176,10 @@ _INFO_FIELDS = ("redis_version", "valkey_version", "used_memory", "maxmemory", "
 def server_info(conn: Connection) -> list[dict[str, Any]]:
     """Per server (each primary of a cluster): version, memory and eviction figures from INFO."""
     def run() -> list[dict[str, Any]]:
-        if conn.cluster:
+        if conn.remote.cluster:
             from redis.cluster import RedisCluster
 
-            per_node = conn.client.info(target_nodes=RedisCluster.PRIMARIES)
-            items = sorted(per_node.items())
+            items = sorted(conn.client.info(target_nodes=RedisCluster.PRIMARIES).items())
         else:
             items = [(conn.remote.endpoint, conn.client.info())]
         return [{"node": node, **{k: info[k] for k in _INFO_FIELDS if k in info}} for node, info in items]
@@ -210,12 +195,12 @@ def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFA
         RemoteConnectError, RemoteOpsError: see the module docstring.
     """
     namespace = _resolve_namespace(conn, namespace, max_keys)
-    keys, truncated = scan(conn, _any_format(namespace), max_keys)
+    keys, truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*", max_keys)
     infos = [rv.parse_key(k) for k in keys]
-    sizes = _per_key(conn, keys, "memory")
+    sizes = _memory(conn, keys)
     usage: dict[tuple[str, str], NamespaceUsage] = {}
     other = 0
-    for info, size in zip(infos, sizes):
+    for key, info in zip(keys, infos):
         if info is None:
             other += 1
             continue
@@ -225,13 +210,13 @@ def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFA
             ns.blocks += 1
         else:
             ns.parts += 1
-        ns.bytes += size if isinstance(size, int) else 0
+        ns.bytes += sizes[key]
     present = {k for k, i in zip(keys, infos) if i is not None and i.part is None}
     split = {(i.layout_key, i.format, i.main_key) for i in infos if i is not None and i.part is not None and i.main_key in present}
     for layout, fmt, _ in split:  # values with parts, from key names alone (no read)
         usage[(layout, fmt)].split_values += 1
     namespaces = sorted(usage.values(), key=lambda n: (-n.bytes, n.namespace))
-    return InspectReport(conn.remote.masked, conn.cluster, server_info(conn), namespaces, len(keys), other, truncated)
+    return InspectReport(conn.remote.masked, conn.remote.cluster, server_info(conn), namespaces, len(keys), other, truncated)
 
 
 def _heads(conn: Connection, keys: Sequence[str], n: int = 127) -> list[Any]:
@@ -277,17 +262,15 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
     keys, truncated = scan(conn, rv.namespace_pattern(namespace), max_keys)
     report = ValidateReport(conn.remote.masked, namespace, dry_run, truncated=truncated)
     infos, values, parts = _parse_keys(keys)
-    sizes = dict(zip(values, _per_key(conn, values, "memory")))
+    sizes = _memory(conn, values)
     doomed: list[str] = []
     named_parts: set[str] = set()
-    batch: list[str] = []
-    size = 0
-    for i, key in enumerate(values):
-        batch.append(key)
-        size += sizes[key] if isinstance(sizes[key], int) else 0
-        if i == len(values) - 1 or size >= GET_BATCH_BYTES or len(batch) >= BATCH_KEYS:
-            _validate_batch(conn, batch, infos, max_value_bytes, report, doomed, named_parts)
-            batch, size = [], 0
+    start = size = 0
+    for i, key in enumerate(values):  # batches of GET_BATCH_BYTES or BATCH_KEYS, whichever comes first
+        size += sizes[key]
+        if i == len(values) - 1 or size >= GET_BATCH_BYTES or i + 1 - start >= BATCH_KEYS:
+            _validate_batch(conn, values[start : i + 1], infos, max_value_bytes, report, doomed, named_parts)
+            start, size = i + 1, 0
     orphans = _confirm_orphans(conn, [p for p in parts if p not in named_parts])
     report.orphan_parts = len(orphans)
     if not dry_run:
@@ -381,11 +364,11 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
                 keys += [key, *_parts_named(key, head)]
                 report.values += 1
     else:
-        keys, report.truncated = scan(conn, _any_format(ns), max_keys)
+        keys, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
         keys.sort(key=lambda k: (rv.parse_key(k) or rv.KeyInfo("", "", "")).part is not None)  # values first
         report.values = sum(1 for k in keys if (i := rv.parse_key(k)) is not None and i.part is None)
     report.keys = len(keys)
-    report.bytes = sum(s for s in _per_key(conn, keys, "memory") if isinstance(s, int))
+    report.bytes = sum(_memory(conn, keys).values())
     if not dry_run:
         report.removed_keys = unlink(conn, keys)
     return report
@@ -394,7 +377,6 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
 # ----------------------------------------------------------------------------- prune
 @dataclass
 class _Entry:
-    key: str
     layout: str
     idle: float
     bytes: int
@@ -417,17 +399,18 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
     if idle_s is None and max_bytes is None:
         raise RemoteOpsError("give --idle, --max-bytes or both")
     ns = _resolve_namespace(conn, namespace, max_keys)
-    keys, truncated = scan(conn, _any_format(ns), max_keys)
+    keys, truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*" if ns else f"{rv.KEY_PREFIX}:*", max_keys)
     report = RemovalReport(conn.remote.masked, ns, dry_run, truncated=truncated)
     infos, values, parts = _parse_keys(keys)
-    ages = _per_key(conn, values, "idle")
+    ages = _pipelined(conn, "idle", values, lambda pipe, key: pipe.object("idletime", key))  # seconds; errors as exceptions
     lfu = any(isinstance(a, Exception) and "lfu" in str(a).lower() for a in ages)
     if lfu:
         if idle_s is not None:
             raise RemoteOpsError("the server's maxmemory-policy is LFU: it tracks no idle time; use --max-bytes alone")
-        ages = [-(f if isinstance(f, int) else 0) for f in _per_key(conn, values, "freq")]  # least used = "oldest"
+        freq = _pipelined(conn, "freq", values, lambda pipe, key: pipe.object("freq", key))
+        ages = [-(f if isinstance(f, int) else 0) for f in freq]  # least used = "oldest"
         report.notes.append("LFU policy: the budget removes the least frequently used values first")
-    sizes = dict(zip(keys, _per_key(conn, keys, "memory")))
+    sizes = _memory(conn, keys)
     entries = _entries(conn, values, ages, infos, sizes)
     named = {k for e in entries for k in e.keys[1:]}
     doomed = _choose(entries, None if lfu else idle_s, max_bytes)
@@ -439,7 +422,7 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
     victims = [k for e in doomed for k in e.keys] + orphans
     report.values = len(doomed)
     report.keys = len(victims)
-    report.bytes = sum(e.bytes for e in doomed) + sum(s for s in (sizes.get(k) for k in orphans) if isinstance(s, int))
+    report.bytes = sum(e.bytes for e in doomed) + sum(sizes.get(k, 0) for k in orphans)
     report.kept_values = len(entries) - len(doomed)
     if orphans:
         report.notes.append(f"{len(orphans)} orphan part(s) (no manifest names them)")
@@ -449,7 +432,7 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
 
 
 def _entries(conn: Connection, values: Sequence[str], ages: Sequence[Any], infos: dict[str, rv.KeyInfo | None],
-             sizes: dict[str, Any]) -> list[_Entry]:  # fmt: skip
+             sizes: dict[str, int]) -> list[_Entry]:  # fmt: skip
     """One `_Entry` per value key (its parts with it; `ages` in seconds, or minus the use frequency)."""
     with_parts = {i.main_key for i in infos.values() if i is not None and i.part is not None}
     manifests = _read_manifests(conn, [k for k in values if k in with_parts])  # only values with parts listed
@@ -458,8 +441,8 @@ def _entries(conn: Connection, values: Sequence[str], ages: Sequence[Any], infos
         own = [key, *manifests.get(key, [])]
         info = infos[key]
         assert info is not None
-        nbytes = sum(s for s in (sizes.get(k) for k in own) if isinstance(s, int))
-        entries.append(_Entry(key, info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, own))
+        nbytes = sum(sizes.get(k, 0) for k in own)
+        entries.append(_Entry(info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, own))
     return entries
 
 
