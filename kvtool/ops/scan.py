@@ -141,7 +141,7 @@ class _Scanner:
 
     def run(self) -> NamespaceScan:
         self.f["last_used"] = self._index_mtime()
-        link = self._bad_index_file()
+        link = irregular_index_file(self.path / INDEX_FILENAME)
         if link:
             self._list_files()
             return self._done(NamespaceStatus.UNREADABLE, f"{link} is not a regular file (symlink?): never followed; left untouched", "link")
@@ -294,9 +294,6 @@ class _Scanner:
         self.f.update(files=MappingProxyType(files), temps=tuple(temps), symlinks=tuple(listing.symlinks),
                       irregular=tuple(sorted(irregular)), other=tuple(listing.other))  # fmt: skip
         return True
-
-    def _bad_index_file(self) -> str | None:
-        return irregular_index_file(self.path / INDEX_FILENAME)
 
     def _index_mtime(self) -> float | None:
         times = []
