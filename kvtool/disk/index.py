@@ -209,6 +209,12 @@ class BlockIndex:
                 self._conn.close()
                 self._conn = None  # type: ignore[assignment]  # closed: every other use runs while open
 
+    def __enter__(self) -> BlockIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:
         """The connection, under the index's lock: for a statement the methods here do not make

@@ -171,14 +171,11 @@ def execute_rebuild(root: Path, cdir: ConfinedDir, plan: RebuildPlan, rep: Names
     ns_dir = root / cdir.namespace
     for suffix in SIDE_SUFFIXES:  # an earlier, interrupted rebuild
         _remove_regular(cdir, BUILDING + suffix)
-    index = BlockIndex(ns_dir / BUILDING, initial_meta=plan.meta if plan.complete_meta else None)
-    try:
+    with BlockIndex(ns_dir / BUILDING, initial_meta=plan.meta if plan.complete_meta else None) as index:
         if not plan.complete_meta:
             index.set_meta({**plan.meta, "rebuilt": repr(time.time())})
         for seg_row, rows in plan.segments:
             index.insert_segment(seg_row, rows)
-    finally:
-        index.close()
     conn = sqlite3.connect(ns_dir / BUILDING, isolation_level=None)
     try:  # one self-contained file (no -wal to carry along); the next open switches back to WAL
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -171,15 +171,10 @@ def removal_journal(db: Path) -> set[str]:
     interrupted `prune` or `rm --prompt` took the rows of); empty if it has none or cannot be read
     (read-only)."""
     try:
-        index = BlockIndex(db, create=False, read_only=True)
+        with BlockIndex(db, create=False, read_only=True) as index:
+            return set(index.removals())
     except sqlite3.Error:
         return set()
-    try:
-        return set(index.removals())
-    except sqlite3.Error:
-        return set()
-    finally:
-        index.close()
 
 
 # ----------------------------------------------------------------------------- execute
@@ -209,8 +204,7 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
     act = rep.actions
     for rel in act.temps:
         unlink_counted(rep, lambda: cdir.unlink_temp(rel), rel)  # noqa: B023  (called at once, inside the loop)
-    index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-    try:
+    with BlockIndex(ns_dir / INDEX_FILENAME, create=False) as index:
         if act.bad_rowids or act.bad_segment_rowids:
             index.delete_rowids(act.bad_rowids, act.bad_segment_rowids)
         if act.clamp:
@@ -249,8 +243,6 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
                 forget.append(name)
         if forget:
             index.forget_removals(forget)
-    finally:
-        index.close()
 
 
 def _still_unrooted(index: BlockIndex, namespace: str, hashes: list[str]) -> list[str]:
