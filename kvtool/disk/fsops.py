@@ -217,58 +217,6 @@ class FileOps:
             raise
         return fd
 
-    def read_bytes(self, path: Path) -> bytearray:
-        """Read a whole regular file with one open and as few reads as possible.
-
-        Returns:
-            A writable buffer of the file's bytes (numpy arrays can view it without a copy).
-            If the file shrinks while being read, the buffer holds what could be read.
-
-        Raises:
-            NotRegularFileError, OSError: as `open_read`, or the read failed.
-        """
-        fd = self.open_read(path)
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            view = memoryview(buf)
-            got = 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
-            del view
-            if got < size:
-                del buf[got:]
-            return buf
-        finally:
-            os.close(fd)
-
-    def read_head(self, path: Path, n: int) -> bytes:
-        """Read at most the first `n` bytes of a regular file.
-
-        Raises:
-            NotRegularFileError, OSError: as `open_read`, or the read failed.
-        """
-        fd = self.open_read(path)
-        try:
-            chunks: list[bytes] = []
-            left = n
-            while left > 0:
-                chunk = os.read(fd, left)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def size(self, path: Path) -> int:
-        """Size of a file in bytes, not following a symlink."""
-        return os.lstat(path).st_size
-
     def mtime(self, path: Path) -> float:
         """Modification time of a file (unix seconds), not following a symlink."""
         return os.lstat(path).st_mtime
