@@ -361,7 +361,7 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
         keys = []
         for key, head in zip(values, _heads(conn, values)):
             if isinstance(head, bytes) and head:
-                keys += [key, *_parts_named(key, head)]
+                keys += [key, *rv.manifest_part_keys(key, head)]
                 report.values += 1
     else:
         keys, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
@@ -469,18 +469,7 @@ def _choose(entries: list[_Entry], idle_s: float | None, max_bytes: int | None) 
 
 def _read_manifests(conn: Connection, keys: Sequence[str]) -> dict[str, list[str]]:
     """Value key -> the part keys its manifest names, for the `keys` holding a manifest."""
-    return {key: parts for key, head in zip(keys, _heads(conn, keys)) if (parts := _parts_named(key, head))}
-
-
-def _parts_named(key: str, head: Any) -> list[str]:
-    """The part keys that value `key`'s manifest names, from its first bytes `head` ([] if it
-    holds no well-formed manifest)."""
-    if isinstance(head, bytes) and rv.is_manifest(head):
-        try:
-            return rv.parse_manifest(head, 1 << 62).part_keys(key)
-        except rv.RemoteValueError:
-            pass
-    return []
+    return {key: parts for key, head in zip(keys, _heads(conn, keys)) if (parts := rv.manifest_part_keys(key, head))}
 
 
 def _confirm_orphans(conn: Connection, candidates: Sequence[str]) -> list[str]:

@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import numpy as np
@@ -204,10 +205,8 @@ class RemoteStore:
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
-            try:
+            with suppress(Exception):  # closing a broken client: nothing to do about it
                 client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client: nothing to do about it
-                pass
 
     def call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
         """`op(client)`, or `default` if the breaker is open or it fails (counted, logged)."""
@@ -265,12 +264,7 @@ class RemoteStore:
                 pipe.exists(key)
             results = pipe.execute(raise_on_error=False)
             raise_connection_errors(results)
-            n = 0
-            for r in results:
-                if not (isinstance(r, int) and r > 0):
-                    break
-                n += 1
-            return n
+            return next((i for i, r in enumerate(results) if not (isinstance(r, int) and r > 0)), len(results))
 
         return self.call(op, 0)
 
@@ -428,12 +422,8 @@ class RemoteStore:
             for key, head in zip(keys, heads):
                 mains.append(len(pipe))
                 pipe.unlink(key)
-                if isinstance(head, bytes) and rv.is_manifest(head):
-                    try:
-                        for part in rv.parse_manifest(head, 1 << 62).part_keys(key):
-                            pipe.unlink(part)
-                    except rv.RemoteValueError:
-                        pass
+                for part in rv.manifest_part_keys(key, head):  # a manifest names its parts
+                    pipe.unlink(part)
             results = pipe.execute(raise_on_error=False)
             raise_connection_errors(results)
             return sum(1 for i in mains if results[i] == 1)
@@ -458,10 +448,8 @@ class RemoteStore:
         if readers is not None:
             readers.shutdown(wait=False, cancel_futures=True)
         if client is not None:
-            try:
+            with suppress(Exception):  # closing: nothing to do about a failure
                 client.close()
-            except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
-                pass
 
     def __enter__(self) -> RemoteStore:
         return self
