@@ -155,13 +155,9 @@ class SegmentPlanner:
         self.kept_bytes = int(size.sum())
 
     # ------------------------------------------------------------------ choosing
-    def choose(self, name: str, reason: str) -> None:
-        """Remove segment `name` for `reason`, its blocks, their descendants (any segment), and
-        every segment left with no block."""
-        self.choose_segments(np.array([self.names.index(name)]), reason)
-
     def choose_segments(self, ids: np.ndarray, reason: str) -> None:
-        """`choose` for segment numbers `ids`."""
+        """Remove segments `ids` (numbers into `names`) for `reason`, their blocks, their
+        descendants (any segment), and every segment left with no block."""
         code = reason_code(reason)
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         ids = ids[self.seg_reason[ids] == 0]

@@ -178,10 +178,6 @@ class RemoteStore:
             with self._count_lock:
                 self._counts[name] += n
 
-    def count_dropped(self, n: int) -> None:
-        """Count `n` blocks that will not be written (the writer's full queue)."""
-        self.count("remote_dropped_writes", n)
-
     def _get_client(self) -> Any:
         with self._client_lock:
             if self._client is None:
