@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -94,6 +94,17 @@ def raise_connection_errors(results: Sequence[Any]) -> None:
     for r in results:
         if isinstance(r, (RConnectionError, RTimeoutError, OSError)):
             raise r
+
+
+def pipelined(client: Any, items: Iterable[Any], add: Callable[[Any, Any], object]) -> list[Any]:
+    """`add(pipe, item)` for each of `items` in one pipeline (no transaction): the replies, in
+    order (a key's own error as an exception); a connection-level error raises."""
+    pipe = client.pipeline(transaction=False)
+    for item in items:
+        add(pipe, item)
+    results = pipe.execute(raise_on_error=False)
+    raise_connection_errors(results)
+    return results
 
 
 class Got(NamedTuple):
