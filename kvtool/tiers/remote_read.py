@@ -144,10 +144,7 @@ def fetch_values(store: ValueSource, client: Any, keys: Sequence[str], bounds: S
         redis.exceptions.ConnectionError, TimeoutError, OSError: the call failed (a miss for the
             whole batch, counted by the store's `_call`).
     """
-    pipe = client.pipeline(transaction=False)
-    for key, bound in zip(keys, bounds):
-        pipe.getrange(key, 0, bound)
-    results = pipe.execute(raise_on_error=False)
+    results = pipelined(client, zip(keys, bounds), lambda pipe, kb: pipe.getrange(kb[0], 0, kb[1]))
     return _gots(store, client, keys, bounds, results)
 
 
@@ -184,12 +181,8 @@ def _gots(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence
 
 def _fetch_parts(store: ValueSource, client: Any, keys: Sequence[str], split: list[tuple[int, rv.Manifest]],
                  out: list[Got]) -> None:  # fmt: skip
-    pipe = client.pipeline(transaction=False)
-    for i, m in split:
-        for part in m.part_keys(keys[i]):
-            pipe.getrange(part, 0, m.part_bytes)
-    results = pipe.execute(raise_on_error=False)
-    raise_connection_errors(results)
+    wanted = [(part, m.part_bytes) for i, m in split for part in m.part_keys(keys[i])]
+    results = pipelined(client, wanted, lambda pipe, pb: pipe.getrange(pb[0], 0, pb[1]))
     at = 0
     for i, m in split:
         parts = [r if isinstance(r, bytes) and r else None for r in results[at : at + m.n_parts]]
