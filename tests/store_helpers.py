@@ -204,7 +204,7 @@ class FaultFS(FileOps):
 
     Args:
         fail: op name ('makedirs', 'open_new', 'write_all', 'fsync', 'close', 'fsync_dir',
-            'replace', 'unlink', 'open_read', 'read_bytes', 'read_head', 'size', 'mtime',
+            'replace', 'unlink', 'open_read', 'mtime',
             'listdir', ...) -> errno to raise.
 
     Attributes:
@@ -268,18 +268,6 @@ class FaultFS(FileOps):
     def open_read(self, path):
         self._hit("open_read", path)
         return super().open_read(path)
-
-    def read_bytes(self, path):
-        self._hit("read_bytes", path)
-        return super().read_bytes(path)
-
-    def read_head(self, path, n):
-        self._hit("read_head", path)
-        return super().read_head(path, n)
-
-    def size(self, path):
-        self._hit("size", path)
-        return super().size(path)
 
     def mtime(self, path):
         self._hit("mtime", path)

@@ -41,7 +41,7 @@ from pathlib import Path
 import pytest
 
 from kvtool.config import KVToolConfig
-from kvtool.disk.fsops import NAMESPACE_RE
+from kvtool.disk.names import NAMESPACE_RE
 from kvtool.engine import Engine
 from kvtool.ops.validate import validate
 from tests import crash_worker

@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtool.disk.index import SCHEMA, IndexRow
-from kvtool.disk.rowtable import INT32_MAX, load_rows
+from kvtool.disk.index import SCHEMA
+from kvtool.disk.rowtable import INT32_MAX, IndexRow, load_rows
 
 HEX = "0123456789abcdef"
 name_ok = st.text(HEX, min_size=32, max_size=32)

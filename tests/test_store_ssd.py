@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from kvtool.disk import index as index_mod
-from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.disk.index import BlockIndex
 from kvtool.disk.namespace import COUNTERS, NONCACHEABLE_TTL_S, SSDStore
+from kvtool.disk.rowtable import IndexRow, SegmentRow
 from kvtool.hashing import chain_hashes, root_parent, tail_hash
 from tests.store_helpers import (
     ERRNOS,

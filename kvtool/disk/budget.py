@@ -39,6 +39,7 @@ This module never imports MLX (the SSD writer thread calls it).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sqlite3
 import time
@@ -49,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.disk.chains import build_forest, key_of_hex
-from kvtool.disk.fsops import FileOps
+from kvtool.disk.fsops import FileOps, pid_alive
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.names import INDEX_FILENAME, SUBDIR_RE, is_segment_name
 from kvtool.disk.planner import SegmentPlanner, fit_budget
@@ -226,7 +227,7 @@ class SSDBudget:
         for name, pid, created in cur.execute("SELECT name, pid, created FROM reservations").fetchall():
             if not isinstance(pid, int) or not isinstance(created, (int, float)) or now - created > STALE_RESERVATION_S:
                 gone.append(name)
-            elif pid != os.getpid() and not _alive(pid):
+            elif pid != os.getpid() and not pid_alive(pid, math.inf):
                 gone.append(name)
         for i in range(0, len(gone), _MAX_VARS):
             chunk = gone[i : i + _MAX_VARS]
@@ -296,16 +297,6 @@ class SSDBudget:
             self._last_refusal_log = now
             log.warning("SSD byte budget %d B of %s: a %d B segment does not fit (%d B used; segments used in the last "
                         "%.0f s are not evicted): not stored", self.max_bytes, self.namespace_dir, need, used, self.protect_s)  # fmt: skip
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True
-    return True
 
 
 __all__ = ["SSDBudget", "Eviction", "DEFAULT_PROTECT_S", "EVICT_SLACK", "STALE_RESERVATION_S"]

@@ -93,31 +93,27 @@ class ConfinedDir:
         if fd != self.fd:
             os.close(fd)
 
-    def _lstat(self, relpath: str) -> os.stat_result:
-        fd, name = self._split(relpath)
-        try:
-            return os.stat(name, dir_fd=fd, follow_symlinks=False)
-        finally:
-            self._done(fd)
+    def _unlink(self, relpath: str, regular: bool = True) -> int:
+        """Remove `relpath` (never a symlink): a regular file, or (`regular=False`) a FIFO, socket
+        or device node; returns the bytes freed (a regular file's size), 0 if it was absent.
 
-    def _unlink_regular(self, relpath: str) -> int:
-        """Remove a regular file (never a symlink); returns its size, 0 if it was absent."""
+        Raises:
+            OSError: anything else is there (`_not_regular`, or EINVAL), or the unlink failed.
+        """
         try:
             fd, name = self._split(relpath)
         except FileNotFoundError:
             return 0
         try:
-            try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return 0
-            if not stat.S_ISREG(st.st_mode):
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if regular and not stat.S_ISREG(st.st_mode):
                 raise _not_regular(relpath)
-            try:
-                os.unlink(name, dir_fd=fd)
-            except FileNotFoundError:
-                return 0
-            return st.st_size
+            if not regular and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                raise OSError(errno.EINVAL, "a regular file, directory or symlink: not removed as a planted entry", relpath)
+            os.unlink(name, dir_fd=fd)
+            return st.st_size if regular else 0
+        except FileNotFoundError:
+            return 0
         finally:
             self._done(fd)
 
@@ -160,7 +156,7 @@ class ConfinedDir:
         Raises:
             ValueError: malformed name. OSError: a symlink on the way (ELOOP), or the unlink failed.
         """
-        return self._unlink_regular(segment_relpath(name))
+        return self._unlink(segment_relpath(name))
 
     def unlink_irregular(self, relpath: str) -> int:
         """Remove a FIFO, socket or device node planted under a kvtool name (a segment file or
@@ -176,20 +172,7 @@ class ConfinedDir:
         stem = leaf[: -len(SEGMENT_SUFFIX)] if leaf.endswith(SEGMENT_SUFFIX) else ""
         if not TEMP_RE.match(leaf) and not (SEGMENT_RE.match(stem) and relpath == segment_relpath(stem)):
             raise ValueError(f"not a kvtool file name: {relpath!r}")
-        try:
-            fd, name = self._split(relpath)
-        except FileNotFoundError:
-            return 0
-        try:
-            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
-                raise OSError(errno.EINVAL, "a regular file, directory or symlink: not removed as a planted entry", relpath)
-            os.unlink(name, dir_fd=fd)
-        except FileNotFoundError:
-            pass
-        finally:
-            self._done(fd)
-        return 0
+        return self._unlink(relpath, regular=False)
 
     def unlink_temp(self, relpath: str) -> int:
         """Remove a kvtool temp file (`.<name>.<pid>.<hex>.tmp`, top level or in a fan-out dir).
@@ -199,7 +182,7 @@ class ConfinedDir:
         """
         if not TEMP_RE.match(relpath.rsplit("/", 1)[-1]):
             raise ValueError(f"not a kvtool temp file: {relpath!r}")
-        return self._unlink_regular(relpath)
+        return self._unlink(relpath)
 
 
 REMOVE_WORKERS = 8  # threads unlinking fan-out directories at once (an unlink waits on the journal, not the CPU)

@@ -22,17 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtool.disk.names import (  # noqa: F401  (re-exported)
-    HASH_RE,
-    INDEX_FILENAME,
-    NAMESPACE_RE,
-    SEGMENT_RE,
-    SEGMENT_SUFFIX,
-    SUBDIR_RE,
-    TEMP_RE,
-    TEMP_SUFFIX,
-    segment_relpath,
-)
+from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, SEGMENT_RE, SEGMENT_SUFFIX, SUBDIR_RE, TEMP_RE, TEMP_SUFFIX
 
 TEMP_STALE_S = 600.0  # a temp file older than this is a leftover even if its pid is alive
 DEFAULT_DIR_MODE = 0o700
@@ -227,58 +217,6 @@ class FileOps:
             raise
         return fd
 
-    def read_bytes(self, path: Path) -> bytearray:
-        """Read a whole regular file with one open and as few reads as possible.
-
-        Returns:
-            A writable buffer of the file's bytes (numpy arrays can view it without a copy).
-            If the file shrinks while being read, the buffer holds what could be read.
-
-        Raises:
-            NotRegularFileError, OSError: as `open_read`, or the read failed.
-        """
-        fd = self.open_read(path)
-        try:
-            size = os.fstat(fd).st_size
-            buf = bytearray(size)
-            view = memoryview(buf)
-            got = 0
-            while got < size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
-            del view
-            if got < size:
-                del buf[got:]
-            return buf
-        finally:
-            os.close(fd)
-
-    def read_head(self, path: Path, n: int) -> bytes:
-        """Read at most the first `n` bytes of a regular file.
-
-        Raises:
-            NotRegularFileError, OSError: as `open_read`, or the read failed.
-        """
-        fd = self.open_read(path)
-        try:
-            chunks: list[bytes] = []
-            left = n
-            while left > 0:
-                chunk = os.read(fd, left)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                left -= len(chunk)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def size(self, path: Path) -> int:
-        """Size of a file in bytes, not following a symlink."""
-        return os.lstat(path).st_size
-
     def mtime(self, path: Path) -> float:
         """Modification time of a file (unix seconds), not following a symlink."""
         return os.lstat(path).st_mtime
@@ -316,13 +254,15 @@ def temp_owner_pid(name: str) -> int | None:
     return int(m.group("pid")) if m else None
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int, limit: float = 1 << 22) -> bool:
+    """True if process `pid` exists; one this process may not signal (or an absurd pid) counts as
+    alive only below `limit`."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except (PermissionError, OverflowError, ValueError):
-        return pid < (1 << 22)  # exists but not ours (or absurd pid -> dead)
+        return pid < limit  # exists but not ours (or absurd pid -> dead)
     return True
 
 
@@ -333,7 +273,7 @@ def temp_is_leftover(fs: FileOps, path: Path, now: float | None = None) -> bool:
     than `TEMP_STALE_S`, which also covers pid reuse).
     """
     pid = temp_owner_pid(path.name)
-    if pid is None or not _pid_alive(pid):
+    if pid is None or not pid_alive(pid):
         return True
     try:
         return (time.time() if now is None else now) - fs.mtime(path) > TEMP_STALE_S

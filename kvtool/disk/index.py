@@ -21,24 +21,21 @@ This module never imports MLX (the SSD writer thread calls it).
 
 from __future__ import annotations
 
-import math
 import os
-import re
 import sqlite3
-import stat
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from pathlib import Path
 
 from kvtool.disk.fsops import dir_owner, give_to
-from kvtool.disk.names import INDEX_FILENAME, is_segment_name
+from kvtool.disk.names import INDEX_FILENAME, irregular_index_file, is_segment_name
+from kvtool.disk.rowtable import IndexRow, SegmentRow
 
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
-_FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
 FUTURE_SKEW_S = 60.0  # an access time further ahead than this is clamped to now
 _MAX_VARS = 500  # host parameters per statement (well below SQLite's limit)
 
@@ -79,111 +76,13 @@ REMOVALS_SCHEMA = "CREATE TABLE IF NOT EXISTS removals (name TEXT PRIMARY KEY NO
 _COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
 _SEG_COLUMNS = "name, nbytes, n_blocks, created"
 
-__all__ = ["BlockIndex", "IndexRow", "SegmentRow", "INDEX_FILENAME"]
+__all__ = ["BlockIndex", "INDEX_FILENAME"]
 
 
 def read_only_uri(path: Path, immutable: bool = False) -> str:
     """The SQLite URI that opens index `path` read-only (`mode=ro`; `immutable=1`: no -wal / -shm
     used); the path is percent-quoted ('?' or '#' in a directory name)."""
     return f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
-
-
-def _int(v: object, lo: int = 0) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else None
-
-
-def _time(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        return None
-    return float(v)
-
-
-@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
-class IndexRow:
-    """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment.
-
-    Attributes:
-        hash: block chain hash (32 hex, primary key).
-        parent: parent block hash (32 hex); the layout's root parent for a first block.
-        segment: name of the segment file holding it (32 hex).
-        slot: its record number in the segment.
-        num_tokens: tokens in the block (< block_size only for a tail entry).
-        nbytes: size of its record in the segment (bytes).
-        tokens_digest: `segment.tokens_digest` of its token ids (32 hex).
-        created: unix seconds when it was written.
-        last_access: unix seconds of the last save/load (batched, may lag by flush_interval_s).
-    """
-
-    hash: str
-    parent: str
-    segment: str
-    slot: int
-    num_tokens: int
-    nbytes: int
-    tokens_digest: str
-    created: float
-    last_access: float
-
-    @classmethod
-    def from_db(cls, values: Sequence[object]) -> IndexRow | None:
-        """A row from raw column values, or None if any value is malformed (NULL, wrong type,
-        out of range, a hash or segment name that is not 32 lowercase hex digits)."""
-        h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
-        try:  # one regex over the four names joined: 4 x 32 hex digits (this is the hot path)
-            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest) or not len(h) == len(parent) == len(seg) == 32:  # type: ignore[operator, arg-type]  # non-str: TypeError, caught
-                return None
-        except TypeError:
-            return None
-        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
-        if None in nums:
-            return None
-        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
-
-
-@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
-class SegmentRow:
-    """One row of `segments`: a segment file.
-
-    Attributes:
-        name: segment name (32 hex).
-        nbytes: file size (bytes).
-        n_blocks: records in the file.
-        created: unix seconds when it was written.
-    """
-
-    name: str
-    nbytes: int
-    n_blocks: int
-    created: float
-
-    @classmethod
-    def from_db(cls, values: Sequence[object]) -> SegmentRow | None:
-        name, nbytes, n_blocks, created = values
-        nums = (_int(nbytes, 1), _int(n_blocks, 1), _time(created))
-        if not is_segment_name(name) or None in nums:
-            return None
-        return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
-
-
-SIDE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the database file and every file SQLite opens beside it
-INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # a namespace's index and its side files, by name
-
-
-def irregular_index_file(path: Path) -> str | None:
-    """The first of the database `path` and its side files (`-wal`, `-shm`, `-journal`) that
-    exists and is not a regular file (a symlink, FIFO, socket, device or directory), by name; or
-    None. SQLite opens them without `O_NOFOLLOW` or `O_NONBLOCK`: a symlink would be followed and
-    a FIFO would block the opening process forever, so none is ever handed to it."""
-    for suffix in SIDE_SUFFIXES:
-        try:
-            st = os.lstat(f"{path}{suffix}")
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return Path(path).name + suffix
-        if not stat.S_ISREG(st.st_mode):
-            return Path(path).name + suffix
-    return None
 
 
 class BlockIndex:
@@ -310,6 +209,12 @@ class BlockIndex:
                 self._conn.close()
                 self._conn = None  # type: ignore[assignment]  # closed: every other use runs while open
 
+    def __enter__(self) -> BlockIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:
         """The connection, under the index's lock: for a statement the methods here do not make
@@ -355,12 +260,7 @@ class BlockIndex:
     def count_prefix(self, hashes: Sequence[str]) -> int:
         """How many leading `hashes` have rows (stops at the first absent one)."""
         found = self.present(hashes)
-        n = 0
-        for h in hashes:
-            if h not in found:
-                break
-            n += 1
-        return n
+        return next((i for i, h in enumerate(hashes) if h not in found), len(hashes))
 
     def rows(self) -> Iterator[IndexRow]:
         """Every well-formed row (a snapshot taken when called, ordered by hash)."""
@@ -391,8 +291,7 @@ class BlockIndex:
     def initialized(self) -> bool:
         """True if the schema exists and the meta holds a `format_version` (read-only check)."""
         with self._lock:
-            has_meta = self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()
-            return bool(has_meta) and self._conn.execute(
+            return _has_table(self._conn, "meta") and self._conn.execute(
                 "SELECT 1 FROM meta WHERE key='format_version'"
             ).fetchone() is not None
 
@@ -470,7 +369,7 @@ class BlockIndex:
         """The segment names of the removal journal (well-formed ones, sorted; [] without a
         journal): files a removal took the rows of and may not have unlinked yet."""
         with self._lock:
-            if self._conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='removals'").fetchone() is None:
+            if not _has_table(self._conn, "removals"):
                 return []
             names = [r[0] for r in self._conn.execute("SELECT name FROM removals ORDER BY name")]
         return [n for n in names if is_segment_name(n)]
@@ -480,7 +379,7 @@ class BlockIndex:
         any malformed entry. No-op without a journal."""
         names = list(names)
         with self._lock, self._transaction() as cur:
-            if cur.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='removals'").fetchone() is None:
+            if not _has_table(cur, "removals"):
                 return
             cur.executemany("DELETE FROM removals WHERE name=?", [(n,) for n in names])
             cur.execute("DELETE FROM removals WHERE typeof(name) != 'text' OR length(name) != 32")
@@ -568,6 +467,10 @@ class BlockIndex:
         self._pending.clear()
         self._pending_since = None
         return len(items)
+
+
+def _has_table(conn: sqlite3.Connection | sqlite3.Cursor, name: str) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() is not None
 
 
 @contextmanager

@@ -147,11 +147,6 @@ class KVLayout:
     def has_states(self) -> bool:
         return bool(self.states)
 
-    @property
-    def has_lists(self) -> bool:
-        """The model's cache has `CacheList` entries (grouped in `kinds`)."""
-        return "(" in self.kinds
-
     def state_dtype_names(self) -> tuple[str, ...]:
         """Per state array its dtype name."""
         return self.state_dtypes or (self.dtype,) * len(self.states)

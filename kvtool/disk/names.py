@@ -13,7 +13,10 @@ This module never imports MLX.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
+from pathlib import Path
 
 INDEX_FILENAME = "index.sqlite"
 SEGMENT_SUFFIX = ".safetensors"
@@ -24,6 +27,8 @@ NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}$")
 HASH_RE = re.compile(r"^[0-9a-f]{32}$")  # blake2b-128 chain hashes, hex
 SEGMENT_RE = re.compile(r"^[0-9a-f]{32}$")  # random 128-bit segment names, hex
 SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+SIDE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the database file and every file SQLite opens beside it
+INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # a namespace's index and its side files, by name
 TEMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{32}|probe)\.(?P<pid>\d{1,10})\.[0-9a-f]{8}\.tmp$")
 
 
@@ -46,3 +51,20 @@ def segment_relpath(name: str) -> str:
     if not is_segment_name(name):
         raise ValueError(f"not a segment name: {name!r}")
     return f"{name[:2]}/{name}{SEGMENT_SUFFIX}"
+
+
+def irregular_index_file(path: Path) -> str | None:
+    """The first of the database `path` and its side files (`-wal`, `-shm`, `-journal`) that
+    exists and is not a regular file (a symlink, FIFO, socket, device or directory), by name; or
+    None. SQLite opens them without `O_NOFOLLOW` or `O_NONBLOCK`: a symlink would be followed and
+    a FIFO would block the opening process forever, so none is ever handed to it."""
+    for suffix in SIDE_SUFFIXES:
+        try:
+            st = os.lstat(f"{path}{suffix}")
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return Path(path).name + suffix
+        if not stat.S_ISREG(st.st_mode):
+            return Path(path).name + suffix
+    return None

@@ -42,11 +42,11 @@ import numpy as np
 from kvtool.disk import segment as seg
 from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
-from kvtool.disk.index import IndexRow
 from kvtool.disk.names import is_hash
 from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore
 from kvtool.disk.namespace_open import open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
+from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
 from kvtool.disk.verify import slot_problem
 
@@ -122,7 +122,7 @@ class SSDStore(StoreCore):
                          dir_mode=dir_mode, segment_max_bytes=segment_max_bytes, counters=COUNTERS)  # fmt: skip
         self._saver = SegmentSaver(self)  # the save path (kvtool.disk.namespace_save)
         try:
-            self._open({k: str(v) for k, v in meta.items()}, flush_interval_s)
+            open_index(self, {k: str(v) for k, v in meta.items()}, flush_interval_s)  # kvtool.disk.namespace_open
         except Exception as exc:  # any trouble opening costs the tier, never the request (docs/design.md#failure-isolation)
             self.close_index_quietly()
             self.disable(f"cannot open {self.namespace_dir}: {exc}")
@@ -160,10 +160,6 @@ class SSDStore(StoreCore):
         self.inc("ssd_budget_evicted_blocks", ev.blocks)
 
     # ------------------------------------------------------------------ open/close
-    def _open(self, meta: dict[str, str], flush_interval_s: float) -> None:
-        """Open (or create) the namespace and its index: `kvtool.disk.namespace_open.open_index`."""
-        open_index(self, meta, flush_interval_s)
-
     def close(self, shutdown_clean: bool = True, partial_flush: bool = False) -> None:
         """Flush access times, record the shutdown state in the index meta, close. Never raises.
 
@@ -272,11 +268,6 @@ class SSDStore(StoreCore):
             self.inc("ssd_load_fail")
         return None
 
-    def get_row(self, block_hash: str) -> IndexRow | None:
-        """The index row of one block (tail entries included), or None. Never raises."""
-        rows = self.lookup([block_hash])
-        return rows[0] if rows else None
-
     def open_segment(self, name: str) -> tuple[int, seg.SegmentHeader] | None:
         """Open a segment file and verify its header against the namespace.
 
@@ -350,7 +341,8 @@ class SSDStore(StoreCore):
             return None
 
     def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> HostBlock | None:
-        row = self.get_row(h)
+        rows = self.lookup([h])  # its row (tail entries included)
+        row = rows[0] if rows else None
         if row is None or row.num_tokens != expected.shape[0]:
             self.inc("ssd_load_noncacheable" if self.is_noncacheable(h) else "ssd_load_miss")
             return None
@@ -366,11 +358,7 @@ class SSDStore(StoreCore):
 
     def record_hits(self, hashes: Sequence[str], nbytes: int) -> None:
         """Count verified loads and touch their rows (batched access-time update)."""
-        if not self.read_only and self.index is not None:
-            try:
-                self.index.touch_many(hashes, self.clock())
-            except (sqlite3.Error, AttributeError) as exc:
-                self._index_error("touch", exc)
+        self.touch_rows(hashes)
         self.inc("ssd_load_hits", len(hashes))
         self.inc("ssd_bytes_read", nbytes)
 
@@ -413,72 +401,10 @@ class SSDStore(StoreCore):
         """
         return self._saver.save_blocks(blocks)
 
-    # ----------------------------------------------------------------- removal
-    def remove(self, hashes: Iterable[str]) -> int:
-        """Delete blocks: rows in one transaction, then segment files left without rows.
-
-        Returns:
-            Rows deleted. Never raises.
-        """
-        hashes = [h for h in hashes if is_hash(h)]
-        if not self.enabled or self.read_only or not hashes:
-            return 0
-        with self.lock:
-            if self.index is None:  # closed meanwhile (close() takes the same lock)
-                return 0
-            try:
-                n, emptied = self.index.delete(hashes)
-            except sqlite3.Error as exc:
-                self._index_error("remove", exc)
-                return 0
-            for name in emptied:
-                self.unlink_segment(name)
-        return n
-
-    def discard(self, h: str, why: str) -> None:
-        """Drop an unusable block: its row first, then its segment's file if now empty. Its
-        segment becomes suspect (`suspect`): its other blocks were not verified either."""
-        log.warning("SSD block %s unusable (%s); removed", h, why)
-        self.inc("ssd_load_corrupt")
-        if self.read_only:
-            return
-        try:
-            row = self.index.get(h) if self.index is not None else None
-        except sqlite3.Error:
-            row = None
-        if row is not None:
-            self.suspect(row.segment)
-        self.remove([h])
-
-    def tokens_mismatch(self, row: IndexRow, expected: np.ndarray, where: str) -> None:
-        """A verified record (checksums match) of `row` holds other token ids than the prompt's
-        `expected` (int32). If the row's `tokens_digest` is the prompt's, the row and the prompt
-        agree and the record contradicts its own row: a damaged or forged record (e.g. two
-        records swapped with their checksums moved and the header re-sealed), handled as every
-        other verification failure (`discard`: its row goes and its segment becomes suspect, so
-        the recomputed block and its swapped partner are stored again). Otherwise the stored
-        block really is another one under the same hash: a collision (`collision`)."""
-        if row.tokens_digest == seg.tokens_digest(expected):
-            self.discard(row.hash, "its record holds other token ids than its row says")
-        else:
-            self.collision(row.hash, where)
-
     def saved_count(self, hashes: Iterable[str]) -> int:
         """How many of `hashes` this process saved to SSD (file written and rows committed;
         the last `SAVED_MAX` saves are remembered): a request's blocks that reached the disk."""
         return self.saved.count(hashes)
-
-    def _drop_segment(self, name: str) -> None:
-        if self.read_only:
-            return
-        with self.lock:
-            try:
-                if self.index is not None:
-                    self.index.delete_segments([name])
-            except sqlite3.Error as exc:
-                self._index_error("drop segment", exc)
-                return
-            self.unlink_segment(name)
 
     # ------------------------------------------------------------------- misc
     def flush(self) -> None:
@@ -522,7 +448,5 @@ class SSDStore(StoreCore):
         """`touch` for several blocks: one buffered update (one lock). Never raises."""
         if hashes and self.enabled and self.index is not None:
             self.touch_rows(hashes)
-
-
 
 __all__ = ["SSDStore", "Expected", "ReconcileReport", "COUNTERS", "NONCACHEABLE_TTL_S", "REQUIRED_META"]

@@ -1,4 +1,5 @@
-"""The state every part of one namespace's SSD tier shares: `StoreCore`, and the small types
+"""The state every part of one namespace's SSD tier shares: `StoreCore` (with the removal of
+unusable blocks: `remove`, `discard`, `tokens_mismatch`), and the small types
 of its open path (`Expected`, `ReconcileReport`, `Recent`).
 
 `SSDStore` (`kvtool.disk.namespace`) is a `StoreCore`; its save path (`kvtool.disk.namespace_save`) and
@@ -16,16 +17,22 @@ import sqlite3
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvtool.disk import segment as seg
 from kvtool.disk.budget import SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.kvlayout import KVLayout
-from kvtool.disk.names import segment_relpath
+from kvtool.disk.names import is_hash, segment_relpath
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from kvtool.disk.rowtable import IndexRow
 
 log = logging.getLogger("kvtool.disk.namespace")
 
@@ -276,7 +283,7 @@ class StoreCore:
         self.inc("ssd_hash_collision_detected")
         log.warning("HASH COLLISION on %s: hash=%s holds other tokens; non-cacheable for %ds", where, h, NONCACHEABLE_TTL_S)
 
-    def touch_rows(self, hashes: list[str]) -> None:
+    def touch_rows(self, hashes: Sequence[str]) -> None:
         """Batched access-time update of blocks; a failed auto-flush costs only freshness."""
         index = self.index
         if self.read_only or index is None:  # None: closed concurrently
@@ -295,6 +302,68 @@ class StoreCore:
     def is_suspect(self, segment: str) -> bool:
         """True if a record of `segment` failed verification in this process (`suspect`)."""
         return segment in self._suspect
+
+    # ----------------------------------------------------------------- removal
+    def remove(self, hashes: Iterable[str]) -> int:
+        """Delete blocks: rows in one transaction, then segment files left without rows.
+
+        Returns:
+            Rows deleted. Never raises.
+        """
+        hashes = [h for h in hashes if is_hash(h)]
+        if not self.enabled or self.read_only or not hashes:
+            return 0
+        with self.lock:
+            if self.index is None:  # closed meanwhile (close() takes the same lock)
+                return 0
+            try:
+                n, emptied = self.index.delete(hashes)
+            except sqlite3.Error as exc:
+                self._index_error("remove", exc)
+                return 0
+            for name in emptied:
+                self.unlink_segment(name)
+        return n
+
+    def discard(self, h: str, why: str) -> None:
+        """Drop an unusable block: its row first, then its segment's file if now empty. Its
+        segment becomes suspect (`suspect`): its other blocks were not verified either."""
+        log.warning("SSD block %s unusable (%s); removed", h, why)
+        self.inc("ssd_load_corrupt")
+        if self.read_only:
+            return
+        try:
+            row = self.index.get(h) if self.index is not None else None
+        except sqlite3.Error:
+            row = None
+        if row is not None:
+            self.suspect(row.segment)
+        self.remove([h])
+
+    def tokens_mismatch(self, row: IndexRow, expected: np.ndarray, where: str) -> None:
+        """A verified record (checksums match) of `row` holds other token ids than the prompt's
+        `expected` (int32). If the row's `tokens_digest` is the prompt's, the row and the prompt
+        agree and the record contradicts its own row: a damaged or forged record (e.g. two
+        records swapped with their checksums moved and the header re-sealed), handled as every
+        other verification failure (`discard`: its row goes and its segment becomes suspect, so
+        the recomputed block and its swapped partner are stored again). Otherwise the stored
+        block really is another one under the same hash: a collision (`collision`)."""
+        if row.tokens_digest == seg.tokens_digest(expected):
+            self.discard(row.hash, "its record holds other token ids than its row says")
+        else:
+            self.collision(row.hash, where)
+
+    def _drop_segment(self, name: str) -> None:
+        if self.read_only:
+            return
+        with self.lock:
+            try:
+                if self.index is not None:
+                    self.index.delete_segments([name])
+            except sqlite3.Error as exc:
+                self._index_error("drop segment", exc)
+                return
+            self.unlink_segment(name)
 
 
 __all__ = ["StoreCore", "Expected", "ReconcileReport", "Recent", "NONCACHEABLE_TTL_S", "SUSPECT_MAX", "SAVED_MAX"]

@@ -1,5 +1,5 @@
 """Opening one namespace of the SSD tier: when an existing index must not be used (`refusal`),
-the index files' own check, and the startup reconcile (`reconcile`).
+and the startup reconcile (`reconcile`).
 
 Split out of `kvtool.disk.namespace`; the types it fills in (`Expected`, `ReconcileReport`) and the
 state it works on (`StoreCore`) are `kvtool.disk.namespace_core`'s (re-exported here and by
@@ -13,11 +13,10 @@ import errno
 import logging
 import sqlite3
 from dataclasses import asdict
-from pathlib import Path
 
 from kvtool.disk import segment as seg
 from kvtool.disk.fsops import scan_namespace, temp_is_leftover, temp_path_for
-from kvtool.disk.index import INDEX_FILES, BlockIndex, irregular_index_file
+from kvtool.disk.index import BlockIndex
 from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, is_segment_name
 from kvtool.disk.namespace_core import Expected, Recent, ReconcileReport, StoreCore
 
@@ -46,8 +45,8 @@ def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) 
     db = store.namespace_dir / INDEX_FILENAME
     if not writable and not store.fs.exists(db):
         raise OSError(errno.EROFS, "read-only cache directory without an index", str(store.namespace_dir))
-    check_index_files(store.namespace_dir)
-    store.index = BlockIndex(
+    store.index = BlockIndex(  # refuses an index or side file that is no regular file (never opened)
+
         db, store.durable, flush_interval_s=flush_interval_s, clock=store.clock, initial_meta=fresh,
         read_only=not writable, create=writable,
     )  # fmt: skip
@@ -103,18 +102,6 @@ def refusal(layout_key: str, stored: dict[str, str], meta: dict[str, str]) -> st
     return f"namespace metadata differs: {diff}" if diff else None
 
 
-def check_index_files(ns_dir: Path) -> None:
-    """The index and its `-wal` / `-shm` / `-journal` must be regular files where they exist
-    (SQLite would follow a symlink, and a FIFO would hang it: it opens them without O_NONBLOCK).
-
-    Raises:
-        OSError: ELOOP naming the first one that is not (a symlink, FIFO, socket, device...).
-    """
-    bad = irregular_index_file(ns_dir / INDEX_FILENAME)
-    if bad is not None:
-        raise OSError(errno.ELOOP, f"{bad} is not a regular file (symlink?): never opened", str(ns_dir / bad))
-
-
 def reconcile(store: StoreCore) -> None:
     """Remove leftover temp files and drop segments whose file is missing (`store.reconcile_report`).
 
@@ -146,6 +133,5 @@ def reconcile(store: StoreCore) -> None:
 
 
 __all__ = [
-    "Expected", "ReconcileReport", "Recent", "open_index", "probe_writable", "refusal", "reconcile", "check_index_files",
-    "IDENTITY_META", "INDEX_FILES",
+    "Expected", "ReconcileReport", "Recent", "open_index", "probe_writable", "refusal", "reconcile", "IDENTITY_META",
 ]  # fmt: skip

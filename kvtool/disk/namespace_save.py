@@ -54,9 +54,10 @@ import numpy as np
 
 from kvtool.disk import segment as seg
 from kvtool.disk.fsops import temp_path_for
-from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
+from kvtool.disk.index import BlockIndex
 from kvtool.disk.names import is_hash
 from kvtool.disk.namespace_core import StoreCore
+from kvtool.disk.rowtable import IndexRow, SegmentRow
 from kvtool.disk.segment import BlockFileError
 
 if TYPE_CHECKING:

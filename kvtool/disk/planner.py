@@ -155,13 +155,9 @@ class SegmentPlanner:
         self.kept_bytes = int(size.sum())
 
     # ------------------------------------------------------------------ choosing
-    def choose(self, name: str, reason: str) -> None:
-        """Remove segment `name` for `reason`, its blocks, their descendants (any segment), and
-        every segment left with no block."""
-        self.choose_segments(np.array([self.names.index(name)]), reason)
-
     def choose_segments(self, ids: np.ndarray, reason: str) -> None:
-        """`choose` for segment numbers `ids`."""
+        """Remove segments `ids` (numbers into `names`) for `reason`, their blocks, their
+        descendants (any segment), and every segment left with no block."""
         code = reason_code(reason)
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         ids = ids[self.seg_reason[ids] == 0]
@@ -236,10 +232,6 @@ class SegmentPlanner:
             ok &= self.access < protect_after
         ids = np.flatnonzero(ok)
         return ids[np.lexsort((ids, -self.depth[ids], self.access[ids]))]
-
-    def lru_order(self) -> list[tuple[float, int, str]]:
-        """`(access, -depth, name)` of the kept segments, least recently used first."""
-        return [(float(self.access[i]), -int(self.depth[i]), self.names[i]) for i in self.lru_candidates().tolist()]
 
     # ------------------------------------------------------------------ results
     def removed_segment_ids(self) -> np.ndarray:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvtool.disk import segment as seg
-from kvtool.disk.index import IndexRow
+from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
 
 if TYPE_CHECKING:

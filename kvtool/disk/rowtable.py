@@ -25,17 +25,95 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
 from kvtool.disk.chains import KeyIndex, hex_of_keys, keys_from_hex
-from kvtool.disk.index import IndexRow
+from kvtool.disk.names import is_segment_name
 
 CHUNK_ROWS = 1 << 14  # rows converted at a time (bounds the Python objects alive while loading)
 INT32_MAX = (1 << 31) - 1
+_FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
+
+
+def _int(v: object, lo: int = 0) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else None
+
+
+def _time(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        return None
+    return float(v)
+
+
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
+class IndexRow:
+    """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment.
+
+    Attributes:
+        hash: block chain hash (32 hex, primary key).
+        parent: parent block hash (32 hex); the layout's root parent for a first block.
+        segment: name of the segment file holding it (32 hex).
+        slot: its record number in the segment.
+        num_tokens: tokens in the block (< block_size only for a tail entry).
+        nbytes: size of its record in the segment (bytes).
+        tokens_digest: `segment.tokens_digest` of its token ids (32 hex).
+        created: unix seconds when it was written.
+        last_access: unix seconds of the last save/load (batched, may lag by flush_interval_s).
+    """
+
+    hash: str
+    parent: str
+    segment: str
+    slot: int
+    num_tokens: int
+    nbytes: int
+    tokens_digest: str
+    created: float
+    last_access: float
+
+    @classmethod
+    def from_db(cls, values: Sequence[object]) -> IndexRow | None:
+        """A row from raw column values, or None if any value is malformed (NULL, wrong type,
+        out of range, a hash or segment name that is not 32 lowercase hex digits)."""
+        h, parent, seg, slot, n_tok, nbytes, digest, created, last = values
+        try:  # one regex over the four names joined: 4 x 32 hex digits (this is the hot path)
+            if not _FOUR_HASHES.fullmatch(h + parent + seg + digest) or not len(h) == len(parent) == len(seg) == 32:  # type: ignore[operator, arg-type]  # non-str: TypeError, caught
+                return None
+        except TypeError:
+            return None
+        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
+        if None in nums:
+            return None
+        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
+
+
+@dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
+class SegmentRow:
+    """One row of `segments`: a segment file.
+
+    Attributes:
+        name: segment name (32 hex).
+        nbytes: file size (bytes).
+        n_blocks: records in the file.
+        created: unix seconds when it was written.
+    """
+
+    name: str
+    nbytes: int
+    n_blocks: int
+    created: float
+
+    @classmethod
+    def from_db(cls, values: Sequence[object]) -> SegmentRow | None:
+        name, nbytes, n_blocks, created = values
+        nums = (_int(nbytes, 1), _int(n_blocks, 1), _time(created))
+        if not is_segment_name(name) or None in nums:
+            return None
+        return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
 
 
 
@@ -344,4 +422,4 @@ def _row_ok(row: tuple) -> bool:
     return all(type(v) in (int, float) and math.isfinite(v) and v >= 0 for v in (created, last))
 
 
-__all__ = ["RowTable", "load_rows", "CHUNK_ROWS"]
+__all__ = ["RowTable", "IndexRow", "SegmentRow", "load_rows", "CHUNK_ROWS"]

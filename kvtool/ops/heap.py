@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import sys
 from collections.abc import Callable
 from functools import cache
@@ -63,13 +62,7 @@ def release_free_heap() -> bool:
 def gc_paused(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """`fn` run with the cyclic collector paused (`kvtool.disk.restore.gc_paused`: nests, across
     threads too): a decorator for the operator commands' scans and plans."""
-
-    @functools.wraps(fn)
-    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        with restore.gc_paused():
-            return fn(*args, **kwargs)
-
-    return run
+    return restore.gc_paused()(fn)  # a context manager made by `contextmanager` decorates (afresh per call)
 
 
 __all__ = ["release_free_heap", "gc_paused"]

@@ -2,7 +2,7 @@
 
 SQLite opens `index.sqlite` and its side files (`-wal`, `-shm`, `-journal`) without `O_NOFOLLOW`
 or `O_NONBLOCK`, so no kvtool command hands it a namespace where one of them exists and is not a
-regular file (`kvtool.disk.index.irregular_index_file`): a FIFO would block the opening process
+regular file (`kvtool.disk.names.irregular_index_file`): a FIFO would block the opening process
 forever. Left there, such an entry disables its namespace for good. A repairing `validate`
 therefore renames every one that is a FIFO, socket, device or directory to `<name>.irregular`
 (`.irregular.1`, ... if taken) inside the namespace directory, opened without following symlinks
@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtool.disk.confined import ConfinedDir
-from kvtool.disk.index import INDEX_FILES
-from kvtool.disk.names import NAMESPACE_RE
+from kvtool.disk.names import INDEX_FILES, NAMESPACE_RE
 
 SUFFIX = ".irregular"
 

@@ -200,12 +200,6 @@ def planner_of(ns: NamespaceScan) -> SegmentPlanner:
     return SegmentPlanner.from_forest(t.segments, size, t.seg, ns.forest, t.hashes)
 
 
-def segments_of(ns: NamespaceScan) -> dict[str, Segment]:
-    """The removal units of a scanned namespace as `Segment`s (one string per block: for small
-    namespaces and tests; the commands use `planner_of`)."""
-    return planner_of(ns).segments
-
-
 def check_limits(ttl_s: float | None, max_bytes: int | None, namespace: str | None = None, all_namespaces: bool = False) -> None:
     """Raises `PruneError` for arguments that make no sense."""
     if namespace is not None and all_namespaces:
@@ -333,14 +327,11 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, p: NamespacePlan) -> Non
 def _clamp(ns_dir: Path, p: NamespacePlan, now: float) -> None:
     """Lower future access times to `now` (a touch clamps a time beyond the skew allowance)."""
     try:
-        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-        try:
+        with BlockIndex(ns_dir / INDEX_FILENAME, create=False) as index:
             keep = set(index.present(p.clamp)) - set(p.hashes)
             for h in sorted(keep):
                 index.touch(h, now)
             index.flush()
-        finally:
-            index.close()
     except sqlite3.Error as exc:
         p.message = f"{p.message}; access times not clamped: {exc}".lstrip("; ")
 
@@ -349,16 +340,13 @@ def _delete_rows(ns_dir: Path, p: NamespacePlan, *, hashes=None, segments=None) 
     """Delete rows (by hash, or whole segments); returns the segments left without rows, or None
     if the index cannot be written."""
     try:
-        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-        try:
+        with BlockIndex(ns_dir / INDEX_FILENAME, create=False) as index:
             if segments is not None:
                 p.rows_deleted += index.delete_segments(segments)
                 return list(segments)
             n, emptied = index.delete(hashes, journal=True)
             p.rows_deleted += n
             return emptied
-        finally:
-            index.close()
     except sqlite3.Error as exc:
         p.message = f"{p.message}; index error: {exc}".lstrip("; ")
         return None
@@ -387,11 +375,8 @@ def _forget_removals(ns_dir: Path, p: NamespacePlan, names: list[str]) -> None:
     if not names:
         return
     try:
-        index = BlockIndex(ns_dir / INDEX_FILENAME, create=False)
-        try:
+        with BlockIndex(ns_dir / INDEX_FILENAME, create=False) as index:
             index.forget_removals(names)
-        finally:
-            index.close()
     except sqlite3.Error as exc:
         p.message = f"{p.message}; removal journal not cleared ({exc}): `kvtool validate` clears it".lstrip("; ")
 
@@ -426,5 +411,5 @@ def prune(
 
 __all__ = [
     "prune", "plan_prune", "execute_prune", "check_limits", "cache_lock", "PrunePlan", "NamespacePlan",
-    "SegmentPlanner", "Segment", "fit_budget", "segments_of", "planner_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
+    "SegmentPlanner", "Segment", "fit_budget", "planner_of", "PruneError", "PruneLocked", "LOCK_FILENAME",
 ]  # fmt: skip

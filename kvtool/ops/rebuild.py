@@ -35,10 +35,12 @@ from pathlib import Path
 
 from kvtool.disk.chains import build_chain_tree
 from kvtool.disk.confined import ConfinedDir
-from kvtool.disk.index import BlockIndex, IndexRow, SegmentRow
-from kvtool.disk.names import INDEX_FILENAME, is_segment_name
+from kvtool.disk.index import BlockIndex, read_only_uri
+from kvtool.disk.kvlayout import KVLayout
+from kvtool.disk.names import INDEX_FILENAME, SIDE_SUFFIXES, is_segment_name
 from kvtool.disk.namespace_core import Expected
-from kvtool.disk.segment import FORMAT_VERSION
+from kvtool.disk.rowtable import IndexRow, SegmentRow
+from kvtool.disk.segment import FORMAT_VERSION, SegmentHeader
 from kvtool.hashing import root_parent
 from kvtool.ops.records import Record, SegmentPass, created_of
 from kvtool.ops.repairs import NamespaceRepair, RebuildPlan, unlink_counted
@@ -50,33 +52,29 @@ CORRUPT = INDEX_FILENAME + ".corrupt"
 
 def salvage_meta(db: Path) -> dict[str, str]:
     """The meta table of a damaged index, if it can still be read (read-only, no WAL), else {}."""
-    try:
-        if not stat.S_ISREG(os.lstat(db).st_mode):
-            return {}
-        conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
-    except (OSError, sqlite3.Error):
-        return {}
-    try:
-        return {str(k): str(v) for k, v in conn.execute("SELECT key, value FROM meta") if k is not None and v is not None}
-    except sqlite3.Error:
-        return {}
-    finally:
-        conn.close()
+    rows = _salvage(db, "SELECT key, value FROM meta")
+    return {str(k): str(v) for k, v in rows if k is not None and v is not None}
 
 
 def salvage_removals(db: Path) -> set[str]:
     """The removal journal of a damaged index (`BlockIndex.removals`: segment files an interrupted
     prune or rm took the rows of), if it can still be read (read-only, no WAL), else empty."""
+    return {n for (n,) in _salvage(db, "SELECT name FROM removals") if is_segment_name(n)}
+
+
+def _salvage(db: Path, query: str) -> list[tuple]:
+    """The rows of `query` on the damaged index `db` (a regular file, opened read-only with
+    `immutable=1`: its -wal and -shm are neither read nor made); [] if it cannot be read."""
     try:
         if not stat.S_ISREG(os.lstat(db).st_mode):
-            return set()
-        conn = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
+            return []
+        conn = sqlite3.connect(read_only_uri(db, immutable=True), uri=True)
     except (OSError, sqlite3.Error):
-        return set()
+        return []
     try:
-        return {n for (n,) in conn.execute("SELECT name FROM removals") if is_segment_name(n)}
+        return conn.execute(query).fetchall()
     except sqlite3.Error:
-        return set()
+        return []
     finally:
         conn.close()
 
@@ -112,24 +110,7 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> Re
             else:  # no meta to prove the directory kvtool's: a file that is no segment of it is never removed
                 rep.ignored_entries += 1
                 rep.note("left", name, f"not a segment file of this namespace ({checks[name].error or 'unusable'}): left alone")
-        for name, header in sorted(headers.items(), key=lambda kv_: (-created_of(kv_[1]), kv_[0])):  # newest copy wins
-            if header.kv != kv:
-                remove.append(name)
-                rep.note("unusable", name, "KV layout differs from the namespace's other segments")
-                continue
-            chk = reader.open(name)
-            seg_row = chk.segment_row()
-            if seg_row is None or chk.header != header:  # changed since its header was read
-                remove.append(name)
-                rep.note("unusable", name, chk.error or "changed while it was read")
-                continue
-            segment_rows[name] = seg_row
-            t = min(created_of(header), scan.now)
-            reader.read(verify=[s.index for s in header.slots if s.block_hash not in recovered])
-            for s in header.slots:
-                rec = chk.records.get(s.index) if s.block_hash not in recovered else None
-                if isinstance(rec, Record):
-                    recovered[s.block_hash] = rec.row(t, t)
+        _recover(reader, headers, kv, scan.now, rep, remove, segment_rows, recovered)
     tree = build_chain_tree(((r.hash, r.parent, r.last_access) for r in recovered.values()), root_parent(ns.name), scan.now)
     by_segment: dict[str, list[IndexRow]] = {}
     for h, r in recovered.items():
@@ -147,6 +128,32 @@ def plan_rebuild(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair) -> Re
     return plan
 
 
+def _recover(reader: SegmentPass, headers: dict[str, SegmentHeader], kv: KVLayout | None, now: float,
+             rep: NamespaceRepair, remove: list[str], segment_rows: dict[str, SegmentRow],
+             recovered: dict[str, IndexRow]) -> None:  # fmt: skip
+    """Every verified record of the segments `headers` (newest segment first: its copy of a block
+    wins) into `recovered` (hash -> row), their `segments` rows into `segment_rows`; a segment
+    of another KV layout than `kv`, or changed since its header was read, into `remove`."""
+    for name, header in sorted(headers.items(), key=lambda kv_: (-created_of(kv_[1]), kv_[0])):  # newest copy wins
+        if header.kv != kv:
+            remove.append(name)
+            rep.note("unusable", name, "KV layout differs from the namespace's other segments")
+            continue
+        chk = reader.open(name)
+        seg_row = chk.segment_row()
+        if seg_row is None or chk.header != header:  # changed since its header was read
+            remove.append(name)
+            rep.note("unusable", name, chk.error or "changed while it was read")
+            continue
+        segment_rows[name] = seg_row
+        t = min(created_of(header), now)
+        reader.read(verify=[s.index for s in header.slots if s.block_hash not in recovered])
+        for s in header.slots:
+            rec = chk.records.get(s.index) if s.block_hash not in recovered else None
+            if isinstance(rec, Record):
+                recovered[s.block_hash] = rec.row(t, t)
+
+
 def _partial_meta(name: str, kv) -> dict[str, str]:
     meta = {"layout_key": name, "rebuilt": repr(time.time())}
     if kv is not None:
@@ -162,16 +169,13 @@ def execute_rebuild(root: Path, cdir: ConfinedDir, plan: RebuildPlan, rep: Names
         sqlite3.Error, OSError: the new index could not be built (the old one is left in place).
     """
     ns_dir = root / cdir.namespace
-    for suffix in ("", "-wal", "-shm", "-journal"):  # an earlier, interrupted rebuild
+    for suffix in SIDE_SUFFIXES:  # an earlier, interrupted rebuild
         _remove_regular(cdir, BUILDING + suffix)
-    index = BlockIndex(ns_dir / BUILDING, initial_meta=plan.meta if plan.complete_meta else None)
-    try:
+    with BlockIndex(ns_dir / BUILDING, initial_meta=plan.meta if plan.complete_meta else None) as index:
         if not plan.complete_meta:
             index.set_meta({**plan.meta, "rebuilt": repr(time.time())})
         for seg_row, rows in plan.segments:
             index.insert_segment(seg_row, rows)
-    finally:
-        index.close()
     conn = sqlite3.connect(ns_dir / BUILDING, isolation_level=None)
     try:  # one self-contained file (no -wal to carry along); the next open switches back to WAL
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvtool.disk import segment as seg
 from kvtool.disk.confined import ConfinedDir
-from kvtool.disk.index import IndexRow, SegmentRow
+from kvtool.disk.rowtable import IndexRow, SegmentRow
 from kvtool.disk.segment import BlockFileError, KVLayout, SegmentHeader, Slot
 from kvtool.disk.segment_template import created_of_text
 from kvtool.disk.verify import check_header, record_checksum, tokens_digest

@@ -16,7 +16,8 @@ Errors that end an operation (unreachable, wrong password, TLS, an unknown names
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,18 +52,9 @@ class Connection:
     client: Any
     timeout_s: float
 
-    @property
-    def cluster(self) -> bool:
-        return self.remote.cluster
-
     def close(self) -> None:
-        try:
+        with suppress(Exception):  # closing: nothing to do about a failure
             self.client.close()
-        except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
-            pass
-
-    def pipeline(self) -> Any:
-        return self.client.pipeline(transaction=False)
 
     def run(self, what: str, fn: Any) -> Any:
         """`fn()`, a server failure raised as one `RemoteConnectError` line (`what` failed)."""
@@ -106,25 +98,29 @@ def scan(conn: Connection, pattern: str, max_keys: int = DEFAULT_MAX_KEYS) -> tu
     return sorted(set(keys)), truncated
 
 
-def _batched(items: Sequence[Any], n: int = BATCH_KEYS) -> Iterator[Sequence[Any]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
+def _parse_keys(keys: Sequence[str]) -> tuple[dict[str, rv.KeyInfo | None], list[str], list[str]]:
+    """`(key -> rv.parse_key(key), value keys, part keys)` of `keys` (keys of no known shape in neither list)."""
+    infos = {k: rv.parse_key(k) for k in keys}
+    values = [k for k, i in infos.items() if i is not None and i.part is None]
+    return infos, values, [k for k, i in infos.items() if i is not None and i.part is not None]
 
 
-def _per_key(conn: Connection, keys: Sequence[str], command: str) -> list[Any]:
-    """One metadata command per key, pipelined: `memory` (MEMORY USAGE, bytes), `idle`
-    (OBJECT IDLETIME, seconds) or `freq` (OBJECT FREQ); per-key errors come back as exceptions,
-    a vanished key as None."""
+def _pipelined(conn: Connection, what: str, keys: Sequence[str], add: Any) -> list[Any]:
+    """`add(pipe, key)` for each of `keys`, in pipelined round trips of `BATCH_KEYS`: the replies
+    in order (per-key errors come back as exceptions); a server failure raises (`Connection.run`)."""
     out: list[Any] = []
-    for chunk in _batched(keys):
-        pipe = conn.pipeline()
-        for key in chunk:
-            if command == "memory":
-                pipe.memory_usage(key, samples=0)
-            else:
-                pipe.object("idletime" if command == "idle" else "freq", key)
-        out += conn.run(command, lambda pipe=pipe: pipe.execute(raise_on_error=False))
+    for at in range(0, len(keys), BATCH_KEYS):
+        pipe = conn.client.pipeline(transaction=False)
+        for key in keys[at : at + BATCH_KEYS]:
+            add(pipe, key)
+        out += conn.run(what, lambda pipe=pipe: pipe.execute(raise_on_error=False))
     return out
+
+
+def _memory(conn: Connection, keys: Sequence[str]) -> dict[str, int]:
+    """Key -> its server memory (MEMORY USAGE, bytes; 0 for a vanished key or a per-key error)."""
+    sizes = _pipelined(conn, "memory", keys, lambda pipe, key: pipe.memory_usage(key, samples=0))
+    return {k: s if isinstance(s, int) else 0 for k, s in zip(keys, sizes)}
 
 
 def _resolve_namespace(conn: Connection, namespace: str | None, max_keys: int) -> str | None:
@@ -156,8 +152,14 @@ class NamespaceUsage:
     outdated: bool = False
 
 
+class _Report:
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready document (the `--json` output; nested dataclasses as dicts)."""
+        return asdict(self)  # type: ignore[call-overload]
+
+
 @dataclass
-class InspectReport:
+class InspectReport(_Report):
     url: str
     cluster: bool
     servers: list[dict[str, Any]]
@@ -165,9 +167,6 @@ class InspectReport:
     keys_scanned: int
     other_keys: int  # kvtool:* keys of no known shape
     truncated: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "namespaces": [asdict(n) for n in self.namespaces]}
 
 
 _INFO_FIELDS = ("redis_version", "valkey_version", "used_memory", "maxmemory", "maxmemory_policy", "evicted_keys",
@@ -177,11 +176,10 @@ _INFO_FIELDS = ("redis_version", "valkey_version", "used_memory", "maxmemory", "
 def server_info(conn: Connection) -> list[dict[str, Any]]:
     """Per server (each primary of a cluster): version, memory and eviction figures from INFO."""
     def run() -> list[dict[str, Any]]:
-        if conn.cluster:
+        if conn.remote.cluster:
             from redis.cluster import RedisCluster
 
-            per_node = conn.client.info(target_nodes=RedisCluster.PRIMARIES)
-            items = sorted(per_node.items())
+            items = sorted(conn.client.info(target_nodes=RedisCluster.PRIMARIES).items())
         else:
             items = [(conn.remote.endpoint, conn.client.info())]
         return [{"node": node, **{k: info[k] for k in _INFO_FIELDS if k in info}} for node, info in items]
@@ -197,13 +195,12 @@ def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFA
         RemoteConnectError, RemoteOpsError: see the module docstring.
     """
     namespace = _resolve_namespace(conn, namespace, max_keys)
-    pattern = f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*"
-    keys, truncated = scan(conn, pattern, max_keys)
+    keys, truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{namespace}:*" if namespace else f"{rv.KEY_PREFIX}:*", max_keys)
     infos = [rv.parse_key(k) for k in keys]
-    sizes = _per_key(conn, keys, "memory")
+    sizes = _memory(conn, keys)
     usage: dict[tuple[str, str], NamespaceUsage] = {}
     other = 0
-    for info, size in zip(infos, sizes):
+    for key, info in zip(keys, infos):
         if info is None:
             other += 1
             continue
@@ -213,23 +210,18 @@ def inspect(conn: Connection, namespace: str | None = None, max_keys: int = DEFA
             ns.blocks += 1
         else:
             ns.parts += 1
-        ns.bytes += size if isinstance(size, int) else 0
+        ns.bytes += sizes[key]
     present = {k for k, i in zip(keys, infos) if i is not None and i.part is None}
     split = {(i.layout_key, i.format, i.main_key) for i in infos if i is not None and i.part is not None and i.main_key in present}
     for layout, fmt, _ in split:  # values with parts, from key names alone (no read)
         usage[(layout, fmt)].split_values += 1
     namespaces = sorted(usage.values(), key=lambda n: (-n.bytes, n.namespace))
-    return InspectReport(conn.remote.masked, conn.cluster, server_info(conn), namespaces, len(keys), other, truncated)
+    return InspectReport(conn.remote.masked, conn.remote.cluster, server_info(conn), namespaces, len(keys), other, truncated)
 
 
 def _heads(conn: Connection, keys: Sequence[str], n: int = 127) -> list[Any]:
-    out: list[Any] = []
-    for chunk in _batched(keys):
-        pipe = conn.pipeline()
-        for key in chunk:
-            pipe.getrange(key, 0, n)
-        out += conn.run("GETRANGE", lambda pipe=pipe: pipe.execute(raise_on_error=False))
-    return out
+    """The first `n + 1` bytes of each value (b"" for a vanished key; errors as exceptions)."""
+    return _pipelined(conn, "GETRANGE", keys, lambda pipe, key: pipe.getrange(key, 0, n))
 
 
 # ----------------------------------------------------------------------------- validate
@@ -241,7 +233,7 @@ class Problem:
 
 
 @dataclass
-class ValidateReport:
+class ValidateReport(_Report):
     url: str
     namespace: str | None
     dry_run: bool
@@ -254,9 +246,6 @@ class ValidateReport:
     orphan_parts: int = 0
     removed_keys: int = 0
     truncated: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "problems": [asdict(p) for p in self.problems]}
 
 
 def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = False,
@@ -272,20 +261,16 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
     namespace = _resolve_namespace(conn, namespace, max_keys)
     keys, truncated = scan(conn, rv.namespace_pattern(namespace), max_keys)
     report = ValidateReport(conn.remote.masked, namespace, dry_run, truncated=truncated)
-    infos = {k: rv.parse_key(k) for k in keys}
-    values = [k for k, i in infos.items() if i is not None and i.part is None]
-    parts = [k for k, i in infos.items() if i is not None and i.part is not None]
-    sizes = dict(zip(values, _per_key(conn, values, "memory")))
+    infos, values, parts = _parse_keys(keys)
+    sizes = _memory(conn, values)
     doomed: list[str] = []
     named_parts: set[str] = set()
-    batch: list[str] = []
-    size = 0
-    for i, key in enumerate(values):
-        batch.append(key)
-        size += sizes[key] if isinstance(sizes[key], int) else 0
-        if i == len(values) - 1 or size >= GET_BATCH_BYTES or len(batch) >= BATCH_KEYS:
-            _validate_batch(conn, batch, infos, max_value_bytes, report, doomed, named_parts)
-            batch, size = [], 0
+    start = size = 0
+    for i, key in enumerate(values):  # batches of GET_BATCH_BYTES or BATCH_KEYS, whichever comes first
+        size += sizes[key]
+        if i == len(values) - 1 or size >= GET_BATCH_BYTES or i + 1 - start >= BATCH_KEYS:
+            _validate_batch(conn, values[start : i + 1], infos, max_value_bytes, report, doomed, named_parts)
+            start, size = i + 1, 0
     orphans = _confirm_orphans(conn, [p for p in parts if p not in named_parts])
     report.orphan_parts = len(orphans)
     if not dry_run:
@@ -295,11 +280,7 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
 
 def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyInfo | None], max_value_bytes: int,
                     report: ValidateReport, doomed: list[str], named_parts: set[str]) -> None:  # fmt: skip
-    pipe = conn.pipeline()
-    for key in batch:
-        pipe.getrange(key, 0, max_value_bytes)
-    datas = conn.run("GETRANGE", lambda: pipe.execute(raise_on_error=False))
-    for key, data in zip(batch, datas):
+    for key, data in zip(batch, _heads(conn, batch, max_value_bytes)):
         info = infos[key]
         assert info is not None
         if isinstance(data, bytes) and not data:
@@ -315,7 +296,7 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
                 manifest = rv.parse_manifest(data, max_value_bytes)
                 part_keys = manifest.part_keys(key)
                 named_parts.update(part_keys)
-                parts = _get_all(conn, part_keys, manifest.part_bytes)
+                parts = [r if isinstance(r, bytes) and r else None for r in _heads(conn, part_keys, manifest.part_bytes)]
                 if any(p is None for p in parts):
                     report.incomplete += 1
                     doomed.extend([key, *part_keys])
@@ -335,30 +316,15 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
             doomed.append(key)
 
 
-def _get_all(conn: Connection, keys: Sequence[str], limit: int) -> list[bytes | None]:
-    pipe = conn.pipeline()
-    for key in keys:
-        pipe.getrange(key, 0, limit)
-    results = conn.run("GETRANGE", lambda: pipe.execute(raise_on_error=False))
-    return [r if isinstance(r, bytes) and r else None for r in results]
-
-
 def unlink(conn: Connection, keys: Sequence[str]) -> int:
     """UNLINK `keys` in pipelined batches (value keys before their parts: callers list them so);
     returns how many existed."""
-    removed = 0
-    for chunk in _batched(list(keys)):
-        pipe = conn.pipeline()
-        for key in chunk:
-            pipe.unlink(key)
-        removed += sum(r for r in conn.run("UNLINK", lambda pipe=pipe: pipe.execute(raise_on_error=False))
-                       if isinstance(r, int))  # fmt: skip
-    return removed
+    return sum(r for r in _pipelined(conn, "UNLINK", list(keys), lambda pipe, key: pipe.unlink(key)) if isinstance(r, int))
 
 
 # ----------------------------------------------------------------------------- rm
 @dataclass
-class RemovalReport:
+class RemovalReport(_Report):
     """What `rm` / `prune` removed (or would, with `dry_run`)."""
 
     url: str
@@ -372,9 +338,6 @@ class RemovalReport:
     truncated: bool = False
     notes: list[str] = field(default_factory=list)
     per_namespace: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run: bool = False,
@@ -398,19 +361,14 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
         keys = []
         for key, head in zip(values, _heads(conn, values)):
             if isinstance(head, bytes) and head:
-                keys.append(key)
+                keys += [key, *rv.manifest_part_keys(key, head)]
                 report.values += 1
-                if rv.is_manifest(head):
-                    try:
-                        keys += rv.parse_manifest(head, 1 << 62).part_keys(key)
-                    except rv.RemoteValueError:
-                        pass
     else:
         keys, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
         keys.sort(key=lambda k: (rv.parse_key(k) or rv.KeyInfo("", "", "")).part is not None)  # values first
         report.values = sum(1 for k in keys if (i := rv.parse_key(k)) is not None and i.part is None)
     report.keys = len(keys)
-    report.bytes = sum(s for s in _per_key(conn, keys, "memory") if isinstance(s, int))
+    report.bytes = sum(_memory(conn, keys).values())
     if not dry_run:
         report.removed_keys = unlink(conn, keys)
     return report
@@ -419,7 +377,6 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
 # ----------------------------------------------------------------------------- prune
 @dataclass
 class _Entry:
-    key: str
     layout: str
     idle: float
     bytes: int
@@ -444,31 +401,58 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
     ns = _resolve_namespace(conn, namespace, max_keys)
     keys, truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*" if ns else f"{rv.KEY_PREFIX}:*", max_keys)
     report = RemovalReport(conn.remote.masked, ns, dry_run, truncated=truncated)
-    infos = {k: rv.parse_key(k) for k in keys}
-    values = [k for k, i in infos.items() if i is not None and i.part is None]
-    parts = [k for k, i in infos.items() if i is not None and i.part is not None]
-    ages = _per_key(conn, values, "idle")
+    infos, values, parts = _parse_keys(keys)
+    ages = _pipelined(conn, "idle", values, lambda pipe, key: pipe.object("idletime", key))  # seconds; errors as exceptions
     lfu = any(isinstance(a, Exception) and "lfu" in str(a).lower() for a in ages)
     if lfu:
         if idle_s is not None:
             raise RemoteOpsError("the server's maxmemory-policy is LFU: it tracks no idle time; use --max-bytes alone")
-        ages = [-(f if isinstance(f, int) else 0) for f in _per_key(conn, values, "freq")]  # least used = "oldest"
+        freq = _pipelined(conn, "freq", values, lambda pipe, key: pipe.object("freq", key))
+        ages = [-(f if isinstance(f, int) else 0) for f in freq]  # least used = "oldest"
         report.notes.append("LFU policy: the budget removes the least frequently used values first")
-    sizes = dict(zip(keys, _per_key(conn, keys, "memory")))
-    manifests = _manifest_parts(conn, values, infos)
+    sizes = _memory(conn, keys)
+    entries = _entries(conn, values, ages, infos, sizes)
+    named = {k for e in entries for k in e.keys[1:]}
+    doomed = _choose(entries, None if lfu else idle_s, max_bytes)
+    orphans = _confirm_orphans(conn, [p for p in parts if p not in named])
+    for e in doomed:
+        stat = report.per_namespace.setdefault(e.layout, {"values": 0, "bytes": 0})
+        stat["values"] += 1
+        stat["bytes"] += e.bytes
+    victims = [k for e in doomed for k in e.keys] + orphans
+    report.values = len(doomed)
+    report.keys = len(victims)
+    report.bytes = sum(e.bytes for e in doomed) + sum(sizes.get(k, 0) for k in orphans)
+    report.kept_values = len(entries) - len(doomed)
+    if orphans:
+        report.notes.append(f"{len(orphans)} orphan part(s) (no manifest names them)")
+    if not dry_run:
+        report.removed_keys = unlink(conn, victims)
+    return report
+
+
+def _entries(conn: Connection, values: Sequence[str], ages: Sequence[Any], infos: dict[str, rv.KeyInfo | None],
+             sizes: dict[str, int]) -> list[_Entry]:  # fmt: skip
+    """One `_Entry` per value key (its parts with it; `ages` in seconds, or minus the use frequency)."""
+    with_parts = {i.main_key for i in infos.values() if i is not None and i.part is not None}
+    manifests = _read_manifests(conn, [k for k in values if k in with_parts])  # only values with parts listed
     entries: list[_Entry] = []
-    named: set[str] = set()
     for key, age in zip(values, ages):
-        own = manifests.get(key, [])
-        named.update(own)
+        own = [key, *manifests.get(key, [])]
         info = infos[key]
         assert info is not None
-        nbytes = sum(s for s in (sizes.get(k) for k in [key, *own]) if isinstance(s, int))
-        entries.append(_Entry(key, info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, [key, *own]))
+        nbytes = sum(sizes.get(k, 0) for k in own)
+        entries.append(_Entry(info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, own))
+    return entries
+
+
+def _choose(entries: list[_Entry], idle_s: float | None, max_bytes: int | None) -> list[_Entry]:
+    """The entries to remove: idle for `idle_s` seconds or more, then per namespace the least recently
+    used until it holds at most `max_bytes`."""
     doomed: list[_Entry] = []
     keep: dict[str, list[_Entry]] = defaultdict(list)
     for e in entries:
-        if idle_s is not None and not lfu and e.idle >= idle_s:
+        if idle_s is not None and e.idle >= idle_s:
             doomed.append(e)
         else:
             keep[e.layout].append(e)
@@ -480,40 +464,12 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
                     break
                 doomed.append(e)
                 total -= e.bytes
-    orphans = _confirm_orphans(conn, [p for p in parts if p not in named])
-    for e in doomed:
-        stat = report.per_namespace.setdefault(e.layout, {"values": 0, "bytes": 0})
-        stat["values"] += 1
-        stat["bytes"] += e.bytes
-    victims = [k for e in doomed for k in e.keys] + orphans
-    report.values = len(doomed)
-    report.keys = len(victims)
-    report.bytes = sum(e.bytes for e in doomed) + sum(s for s in (sizes.get(k) for k in orphans) if isinstance(s, int))
-    report.kept_values = len(entries) - len(doomed)
-    if orphans:
-        report.notes.append(f"{len(orphans)} orphan part(s) (no manifest names them)")
-    if not dry_run:
-        report.removed_keys = unlink(conn, victims)
-    return report
-
-
-def _manifest_parts(conn: Connection, values: Sequence[str], infos: dict[str, rv.KeyInfo | None]) -> dict[str, list[str]]:
-    """Value key -> its part keys, for values that hold a manifest (read only for the values
-    whose namespace listing showed parts)."""
-    with_parts = {i.main_key for i in infos.values() if i is not None and i.part is not None}
-    return _read_manifests(conn, [k for k in values if k in with_parts])
+    return doomed
 
 
 def _read_manifests(conn: Connection, keys: Sequence[str]) -> dict[str, list[str]]:
     """Value key -> the part keys its manifest names, for the `keys` holding a manifest."""
-    out: dict[str, list[str]] = {}
-    for key, head in zip(keys, _heads(conn, keys)):
-        if isinstance(head, bytes) and rv.is_manifest(head):
-            try:
-                out[key] = rv.parse_manifest(head, 1 << 62).part_keys(key)
-            except rv.RemoteValueError:
-                pass
-    return out
+    return {key: parts for key, head in zip(keys, _heads(conn, keys)) if (parts := rv.manifest_part_keys(key, head))}
 
 
 def _confirm_orphans(conn: Connection, candidates: Sequence[str]) -> list[str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 
-from kvtool.disk.index import IndexRow, SegmentRow
+from kvtool.disk.rowtable import IndexRow, SegmentRow
 from kvtool.ops.scan import NamespaceStatus
 
 MAX_DETAILS = 50  # per namespace, in the report

@@ -56,15 +56,14 @@ from kvtool.disk.fsops import (
     short_path,
     temp_is_leftover,
 )
-from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex, SegmentRow, irregular_index_file
-from kvtool.disk.names import INDEX_FILENAME, LOCK_FILENAME
+from kvtool.disk.index import FUTURE_SKEW_S, BlockIndex
+from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, LOCK_FILENAME, irregular_index_file
 from kvtool.disk.namespace_core import Expected
-from kvtool.disk.rowtable import load_rows
+from kvtool.disk.rowtable import SegmentRow, load_rows
 from kvtool.disk.segment import FORMAT_VERSION
 from kvtool.hashing import layout_key_of_meta
 from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.scan_results import (  # the results: re-exported under the names callers use
-    INDEX_FILES,
     OUTDATED_HINT,
     REBUILD_HINT,
     USABLE,
@@ -142,7 +141,7 @@ class _Scanner:
 
     def run(self) -> NamespaceScan:
         self.f["last_used"] = self._index_mtime()
-        link = self._bad_index_file()
+        link = irregular_index_file(self.path / INDEX_FILENAME)
         if link:
             self._list_files()
             return self._done(NamespaceStatus.UNREADABLE, (f"{link} is not a regular file: never opened (SQLite would follow a symlink or block on a FIFO); "
@@ -297,9 +296,6 @@ class _Scanner:
         self.f.update(files=MappingProxyType(files), temps=tuple(temps), symlinks=tuple(listing.symlinks),
                       irregular=tuple(sorted(irregular)), other=tuple(listing.other))  # fmt: skip
         return True
-
-    def _bad_index_file(self) -> str | None:
-        return irregular_index_file(self.path / INDEX_FILENAME)
 
     def _index_mtime(self) -> float | None:
         times = []

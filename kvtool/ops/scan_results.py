@@ -15,9 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 
 from kvtool.disk.chains import ChainTree, Forest, build_forest, hex_of_keys, key_of_hex
-from kvtool.disk.index import INDEX_FILES, SegmentRow
 from kvtool.disk.namespace_core import Expected
-from kvtool.disk.rowtable import RowTable
+from kvtool.disk.rowtable import RowTable, SegmentRow
 from kvtool.errors import KVToolError
 from kvtool.hashing import root_parent
 
@@ -196,5 +195,5 @@ class CacheScan:
 
 
 __all__ = [
-    "INDEX_FILES", "REBUILD_HINT", "OUTDATED_HINT", "NamespaceStatus", "USABLE", "ScanError", "SegmentFile", "TempFile", "NamespaceScan", "CacheScan",
+    "REBUILD_HINT", "OUTDATED_HINT", "NamespaceStatus", "USABLE", "ScanError", "SegmentFile", "TempFile", "NamespaceScan", "CacheScan",
 ]  # fmt: skip

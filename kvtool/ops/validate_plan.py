@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from kvtool.disk.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
-from kvtool.disk.index import IndexRow, SegmentRow
 from kvtool.disk.names import segment_relpath
-from kvtool.disk.rowtable import RowTable
+from kvtool.disk.rowtable import IndexRow, RowTable, SegmentRow
 from kvtool.disk.verify import slot_problem
 from kvtool.hashing import root_parent
 from kvtool.ops.clean_segments import CleanSegments, find_clean
@@ -286,11 +285,39 @@ class RepairPlanner:
         orphans nothing came back from go; `segments` rows are fixed."""
         t, ns, rep, act = self.table, self.ns, self.rep, self.act
         keep = np.flatnonzero(~dropped) if dropped.any() else None  # None: every row (no copy of the table)
-        hashes = t.hash[keep] if keep is not None else t.hash
-        parent = t.parent[keep] if keep is not None else (t.parent.copy() if rewritten else t.parent)
-        for r, new in rewritten.items():
-            parent[r if keep is None else int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
-        # records no kept row describes, first copy of each hash (file order)
+        spare, outside = self._spare(dropped)
+        rooted, bad = self._rooted(keep, rewritten, spare)
+        n = len(keep) if keep is not None else len(t)
+        by_segment: dict[str, list[IndexRow]] = {}
+        for j, c in enumerate(spare):
+            if rooted[n + j] and isinstance(c.record, Record):
+                info = self._info(c.segment)
+                assert info is not None  # a candidate's segment was verified (`_visit`)
+                when = min(info.created, self.now)
+                by_segment.setdefault(c.segment, []).append(c.record.row(when, when))
+        unrooted = np.flatnonzero(~rooted[:n])
+        if keep is not None:
+            unrooted = keep[unrooted]
+        for r in unrooted.tolist():
+            row = rewritten.get(r) or t.row(r)
+            act.broken.append(row.hash)
+            rep.broken_chain_removed += 1
+            rep.note("broken_chain", row.hash, f"parent {row.parent} is not stored (or the chain loops)")
+        plain = ~dropped
+        plain[list(rewritten)] = False  # a rewritten row's segment is its record's
+        referenced = SegmentSet.of_rows(t, plain).add(new.segment for new in rewritten.values())
+        self._adopt_or_remove(by_segment, referenced, outside, bad)
+        alive = ~dropped  # rows kept that a lookup can reach
+        alive[alive] = rooted[:n]
+        kept = self._kept_segments(alive, rewritten)
+        self._segment_rows(kept)
+        after = kept | SegmentSet(t, names=(name for name, (_, rw, ad) in act.writes.items() if rw or ad))
+        rep.bytes_freed += sum(ns.files[name].size for name in (self.known - after).names())
+
+    def _spare(self, dropped: np.ndarray) -> tuple[list[_Candidate], dict[str, int]]:
+        """The candidates whose hash no kept row has, first copy of each hash (file order), and
+        per segment how many of its candidates that is."""
+        t = self.table
         found = t.index.find(keys_from_hex([c.hash for c in self.candidates])) if self.candidates else np.zeros(0, np.int64)
         in_final = found >= 0  # its hash has a row that is kept (an empty table: no row at all)
         if in_final.any():
@@ -305,6 +332,18 @@ class RepairPlanner:
             if c.hash not in seen:
                 seen.add(c.hash)
                 spare.append(c)
+        return spare, outside
+
+    def _rooted(self, keep: np.ndarray | None, rewritten: dict[int, IndexRow],
+                spare: list[_Candidate]) -> tuple[np.ndarray, dict[str, int]]:  # fmt: skip
+        """Which nodes a lookup can reach: `[n + len(spare)]` bool, the kept rows (`keep`, None: all;
+        a rewritten row with its new parent) then `spare`; a spare record that does not verify
+        unroots what hangs below it. Also segment -> its reachable records that do not verify."""
+        t = self.table
+        hashes = t.hash[keep] if keep is not None else t.hash
+        parent = t.parent[keep] if keep is not None else (t.parent.copy() if rewritten else t.parent)
+        for r, new in rewritten.items():
+            parent[r if keep is None else int(np.searchsorted(keep, r))] = key_of_hex(new.parent)
         n = len(hashes)
         forest: Forest | None = None
         if not spare and keep is None and not rewritten and self.whole is not None:
@@ -327,24 +366,13 @@ class RepairPlanner:
         if failed:  # only with spare records: never on the whole forest's path
             assert forest is not None
             rooted &= ~forest.descendants(np.array(failed, dtype=np.int64))
-        by_segment: dict[str, list[IndexRow]] = {}
-        for j, c in enumerate(spare):
-            if rooted[n + j] and isinstance(c.record, Record):
-                info = self._info(c.segment)
-                assert info is not None  # a candidate's segment was verified (`_visit`)
-                when = min(info.created, self.now)
-                by_segment.setdefault(c.segment, []).append(c.record.row(when, when))
-        unrooted = np.flatnonzero(~rooted[:n])
-        if keep is not None:
-            unrooted = keep[unrooted]
-        for r in unrooted.tolist():
-            row = rewritten.get(r) or t.row(r)
-            act.broken.append(row.hash)
-            rep.broken_chain_removed += 1
-            rep.note("broken_chain", row.hash, f"parent {row.parent} is not stored (or the chain loops)")
-        plain = ~dropped
-        plain[list(rewritten)] = False  # a rewritten row's segment is its record's
-        referenced = SegmentSet.of_rows(t, plain).add(new.segment for new in rewritten.values())
+        return rooted, bad
+
+    def _adopt_or_remove(self, by_segment: dict[str, list[IndexRow]], referenced: SegmentSet, outside: dict[str, int],
+                         bad: dict[str, int]) -> None:  # fmt: skip
+        """Adopt the reachable verified records `by_segment`; remove the known segments no kept
+        row (`referenced`) nor adoption holds (`outside`, `bad`: from `_spare`, `_rooted`)."""
+        rep, act = self.rep, self.act
         for name, rows in sorted(by_segment.items()):
             act.write(self._segment_row(name), adopt=sorted(rows, key=lambda r: r.slot))
             rep.orphans_adopted += len(rows)
@@ -363,12 +391,6 @@ class RepairPlanner:
             why = (f"unusable: {self.errors.get(name)}" if not verified else
                    f"{bad[name]} corrupt record(s)" if bad.get(name) else "no block a lookup can reach")  # fmt: skip
             rep.note("orphan", name, why)
-        alive = ~dropped  # rows kept that a lookup can reach
-        alive[alive] = rooted[:n]
-        kept = self._kept_segments(alive, rewritten)
-        self._segment_rows(kept)
-        after = kept | SegmentSet(t, names=(name for name, (_, rw, ad) in act.writes.items() if rw or ad))
-        rep.bytes_freed += sum(ns.files[name].size for name in (self.known - after).names())
 
     def _at_root(self, parents: np.ndarray) -> np.ndarray:
         """`[n]` bool: which of `parents` (`[n, 2]` keys) is the namespace's root parent."""

@@ -83,7 +83,7 @@ class RamTier:
                 self._entries.move_to_end(block.block_hash)
             if pin:
                 entry.pins += 1
-            victims = self._collect_victims()
+            victims = self._collect_victims(self.capacity_bytes)
         self._notify(victims)
 
     def children(self, parent_hash: str, limit: int) -> list[Block]:
@@ -136,7 +136,7 @@ class RamTier:
                 entry = self._entries.get(h)
                 if entry is not None and entry.pins > 0:
                     entry.pins -= 1
-            victims = self._collect_victims()
+            victims = self._collect_victims(self.capacity_bytes)
         self._notify(victims)
 
     def trim(self, max_bytes: int | None = None, max_blocks: int | None = None) -> int:
@@ -148,23 +148,8 @@ class RamTier:
             Blocks evicted.
         """
         with self._lock:
-            victims: list[tuple[str, _Entry]] = []
-            nbytes, count = self._nbytes, len(self._entries)
-            for h, entry in self._entries.items():
-                over_bytes = max_bytes is not None and nbytes > max_bytes
-                over_count = max_blocks is not None and count > max_blocks
-                if not (over_bytes or over_count):
-                    break
-                if entry.pins:
-                    continue
-                victims.append((h, entry))
-                nbytes -= entry.block.nbytes
-                count -= 1
-            for h, entry in victims:
-                self._forget(h, entry)
-                self._stats["kv_ram_evictions"] += 1
-                self._stats["kv_ram_evicted_bytes"] += entry.block.nbytes
-        self._notify([e for _, e in victims])
+            victims = self._collect_victims(max_bytes, max_blocks)
+        self._notify(victims)
         return len(victims)
 
     def remove(self, hashes: Iterable[str]) -> int:
@@ -194,23 +179,23 @@ class RamTier:
             out.update(kv_ram_blocks=len(self._entries), kv_ram_bytes=self._nbytes)
             return out
 
-    def _collect_victims(self) -> list[_Entry]:
-        """Pop least recently used unpinned entries until the budget holds.
+    def _collect_victims(self, max_bytes: int | None, max_blocks: int | None = None) -> list[_Entry]:
+        """Pop least recently used unpinned entries until at most `max_bytes` bytes (None: any)
+        and `max_blocks` blocks (None: any) are held; call under the lock.
 
-        Walks from the LRU end and stops as soon as the budget holds, so an insert costs
+        Walks from the LRU end and stops as soon as the bounds hold, so an insert costs
         O(evicted + pinned entries skipped), not O(entries).
         """
         victims: list[tuple[str, _Entry]] = []
-        excess = self._nbytes - self.capacity_bytes
-        if excess <= 0:
-            return []
+        nbytes, count = self._nbytes, len(self._entries)
         for h, entry in self._entries.items():
-            if excess <= 0:
+            if not ((max_bytes is not None and nbytes > max_bytes) or (max_blocks is not None and count > max_blocks)):
                 break
             if entry.pins:
                 continue
             victims.append((h, entry))
-            excess -= entry.block.nbytes
+            nbytes -= entry.block.nbytes
+            count -= 1
         for h, entry in victims:
             self._forget(h, entry)
             self._stats["kv_ram_evictions"] += 1

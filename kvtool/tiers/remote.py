@@ -29,6 +29,7 @@ MLX is used only to turn a block into host views on the request thread (`put`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -66,7 +67,7 @@ def remote_writer(store: RemoteStore, max_queue_bytes: int = DEFAULT_WRITER_QUEU
     (`when_full="shed"`; counted `remote_dropped_writes`, as blocks offered after `stop`)."""
     return AsyncWriter(store, queue_size=1 << 30, durability="best_effort", max_queue_bytes=max_queue_bytes,
                        batch_max_bytes=batch_bytes, when_full="shed", daemon=True, name="remote",
-                       on_drop=store.count_dropped)  # fmt: skip
+                       on_drop=functools.partial(store.count, "remote_dropped_writes"))  # fmt: skip
 
 
 class RemoteBlockTier(TierBase):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -96,6 +96,17 @@ def raise_connection_errors(results: Sequence[Any]) -> None:
             raise r
 
 
+def pipelined(client: Any, items: Iterable[Any], add: Callable[[Any, Any], object]) -> list[Any]:
+    """`add(pipe, item)` for each of `items` in one pipeline (no transaction): the replies, in
+    order (a key's own error as an exception); a connection-level error raises."""
+    pipe = client.pipeline(transaction=False)
+    for item in items:
+        add(pipe, item)
+    results = pipe.execute(raise_on_error=False)
+    raise_connection_errors(results)
+    return results
+
+
 class Got(NamedTuple):
     """What a reader thread fetched for one key.
 
@@ -133,10 +144,7 @@ def fetch_values(store: ValueSource, client: Any, keys: Sequence[str], bounds: S
         redis.exceptions.ConnectionError, TimeoutError, OSError: the call failed (a miss for the
             whole batch, counted by the store's `_call`).
     """
-    pipe = client.pipeline(transaction=False)
-    for key, bound in zip(keys, bounds):
-        pipe.getrange(key, 0, bound)
-    results = pipe.execute(raise_on_error=False)
+    results = pipelined(client, zip(keys, bounds), lambda pipe, kb: pipe.getrange(kb[0], 0, kb[1]))
     return _gots(store, client, keys, bounds, results)
 
 
@@ -173,12 +181,8 @@ def _gots(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence
 
 def _fetch_parts(store: ValueSource, client: Any, keys: Sequence[str], split: list[tuple[int, rv.Manifest]],
                  out: list[Got]) -> None:  # fmt: skip
-    pipe = client.pipeline(transaction=False)
-    for i, m in split:
-        for part in m.part_keys(keys[i]):
-            pipe.getrange(part, 0, m.part_bytes)
-    results = pipe.execute(raise_on_error=False)
-    raise_connection_errors(results)
+    wanted = [(part, m.part_bytes) for i, m in split for part in m.part_keys(keys[i])]
+    results = pipelined(client, wanted, lambda pipe, pb: pipe.getrange(pb[0], 0, pb[1]))
     at = 0
     for i, m in split:
         parts = [r if isinstance(r, bytes) and r else None for r in results[at : at + m.n_parts]]

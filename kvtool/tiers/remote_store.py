@@ -50,6 +50,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import numpy as np
@@ -58,9 +59,14 @@ from kvtool.config.remote_url import RemoteURL, describe_error, make_client, mas
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
-from kvtool.tiers import remote_write as rw
 from kvtool.tiers.breaker import Breaker
-from kvtool.tiers.remote_read import DEFAULT_READ_AHEAD, DEFAULT_READ_BATCH_BYTES, ValueRead, raise_connection_errors
+from kvtool.tiers.remote_read import (
+    DEFAULT_READ_AHEAD,
+    DEFAULT_READ_BATCH_BYTES,
+    ValueRead,
+    pipelined,
+    raise_connection_errors,
+)
 
 __all__ = ["COUNTER_NAMES", "RemoteStore", "mask_url"]
 
@@ -177,10 +183,6 @@ class RemoteStore:
             with self._count_lock:
                 self._counts[name] += n
 
-    def count_dropped(self, n: int) -> None:
-        """Count `n` blocks that will not be written (the writer's full queue)."""
-        self.count("remote_dropped_writes", n)
-
     def _get_client(self) -> Any:
         with self._client_lock:
             if self._client is None:
@@ -197,17 +199,13 @@ class RemoteStore:
                     self._known_nodes = [(n.host, n.port) for n in self._client.get_nodes()]
             return self._client
 
-    def _drop_cluster_client(self) -> None:
-        """A cluster client is rebuilt after a failure (its slot map may be stale, a node gone)."""
-        if not self.remote.cluster:
-            return
+    def _drop_client(self) -> None:
+        """Close the client (the next call makes a new one)."""
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None:
-            try:
+            with suppress(Exception):  # closing a broken client: nothing to do about it
                 client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client: nothing to do about it
-                pass
 
     def call(self, op: Callable[[Any], T], default: T, *, trip: bool = False) -> T:
         """`op(client)`, or `default` if the breaker is open or it fails (counted, logged)."""
@@ -217,7 +215,8 @@ class RemoteStore:
             result = op(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of the remote tier is a miss
             self.count("remote_errors")
-            self._drop_cluster_client()
+            if self.remote.cluster:  # rebuilt after a failure: its slot map may be stale, a node gone
+                self._drop_client()
             if self._breaker.failure(trip=trip):
                 self.count("remote_breaker_trips")
                 logger.warning("remote tier unavailable, requests go on without it (retrying in the background): %s",
@@ -246,12 +245,8 @@ class RemoteStore:
         Returns:
             The number of leading hashes whose key exists; 0 on any failure.
         """
-        keys = []
-        for h in hashes:
-            key = self.key_of(h)
-            if key is None:
-                break
-            keys.append(key)
+        keys = [self.key_of(h) for h in hashes]
+        keys = keys[: keys.index(None)] if None in keys else keys  # up to the first that is no chain hash
         if not keys:
             return 0
 
@@ -260,17 +255,8 @@ class RemoteStore:
             have = client.exists(*keys)
             if have in (0, len(keys)):
                 return have
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            results = pipe.execute(raise_on_error=False)
-            raise_connection_errors(results)
-            n = 0
-            for r in results:
-                if not (isinstance(r, int) and r > 0):
-                    break
-                n += 1
-            return n
+            results = pipelined(client, keys, lambda pipe, key: pipe.exists(key))
+            return next((i for i, r in enumerate(results) if not (isinstance(r, int) and r > 0)), len(results))
 
         return self.call(op, 0)
 
@@ -348,12 +334,8 @@ class RemoteStore:
 
     def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
         """Delete values and their parts in one pipeline (inside a `call`)."""
-        pipe = client.pipeline(transaction=False)
-        for key, manifest in keys:
-            pipe.unlink(key)
-            for part in manifest.part_keys(key) if manifest else ():
-                pipe.unlink(part)
-        raise_connection_errors(pipe.execute(raise_on_error=False))
+        names = [k for key, manifest in keys for k in (key, *(manifest.part_keys(key) if manifest else ()))]
+        pipelined(client, names, lambda pipe, key: pipe.unlink(key))
 
     # ------------------------------------------------------------------ writes
     enabled = True  # as a writer's sink: a server problem is a miss per call, never a refusal
@@ -399,13 +381,64 @@ class RemoteStore:
     def _send(self, batch: list[tuple[int, str, bytes]], not_sent: int, out: list[str]) -> bool:
         """One batch of `save_blocks`, its outcomes into `out`; False if the call failed (the batch
         and the `not_sent` blocks after it count as dropped writes)."""
-        done = self.call(functools.partial(rw.put_batch, self, batch=[(k, v) for _, k, v in batch]), None)
+        done = self.call(functools.partial(self._put_batch, batch=[(k, v) for _, k, v in batch]), None)
         if done is None:
             self.count("remote_dropped_writes", len(batch) + not_sent)
             return False
         for (i, _, _), outcome in zip(batch, done):
             out[i] = outcome
         return True
+
+    def _put_batch(self, client: Any, batch: list[tuple[str, bytes]]) -> list[str]:
+        """Store `(key, value)`s not stored yet: one pipeline of `SET NX`, a value over
+        `max_value_bytes` as parts and a manifest (`_put_split`). Returns per value 'saved' |
+        'dedup' | 'error' (counted as `save_blocks` says). Raises redis-py's connection errors
+        (inside `call`: the whole batch is a miss)."""
+        out = ["error"] * len(batch)
+        whole = [i for i, (_, v) in enumerate(batch) if len(v) <= self.max_value_bytes]
+        if whole:
+            results = pipelined(client, whole, lambda pipe, i: pipe.set(batch[i][0], batch[i][1], nx=True, ex=self.ttl_ex))
+            for i, r in zip(whole, results):
+                out[i] = self._outcome(r, len(batch[i][1]))
+        for i, (key, value) in enumerate(batch):
+            if len(value) > self.max_value_bytes:
+                out[i] = self._put_split(client, key, value)
+        return out
+
+    def _outcome(self, result: Any, nbytes: int) -> str:
+        if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
+            self.count("remote_errors")
+            logger.debug("remote SET refused: %s", describe_error(result, self.remote))
+            return "error"
+        if result:
+            self.count("remote_bytes_written", nbytes)
+            return "saved"
+        self.count("remote_put_exists")
+        return "dedup"
+
+    def _put_split(self, client: Any, key: str, value: bytes) -> str:
+        """Parts, then the manifest with NX, in one MULTI transaction (one slot: the hash tag); if
+        the manifest was there already, this writer's parts are removed again."""
+        split = rv.split_value(value, self.max_value_bytes)
+        assert split is not None
+        manifest, parts = split
+        part_keys = manifest.part_keys(key)
+        pipe = client.pipeline(transaction=True)
+        for part, data in zip(part_keys, parts):
+            pipe.set(part, data, ex=self.ttl_ex)
+        pipe.set(key, manifest.encode(), nx=True, ex=self.ttl_ex)
+        results = pipe.execute(raise_on_error=False)
+        raise_connection_errors(results)
+        outcome = self._outcome(results[-1], len(value))
+        if outcome != "saved" or any(isinstance(r, Exception) for r in results[:-1]):
+            cleanup = client.pipeline(transaction=False)
+            for part in part_keys:
+                cleanup.unlink(part)
+            if outcome == "saved":  # a part failed: the manifest must not stay
+                cleanup.unlink(key)
+                outcome = "error"
+            cleanup.execute(raise_on_error=False)
+        return outcome
 
     def delete(self, hashes: Sequence[str]) -> int:
         """Delete the values of `hashes` (and their parts).
@@ -418,22 +451,14 @@ class RemoteStore:
             return 0
 
         def op(client: Any) -> int:
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.getrange(key, 0, 127)  # a manifest names its parts
-            heads = pipe.execute(raise_on_error=False)
-            raise_connection_errors(heads)
+            heads = pipelined(client, keys, lambda pipe, key: pipe.getrange(key, 0, 127))  # a manifest names its parts
             pipe = client.pipeline(transaction=False)
             mains = []
             for key, head in zip(keys, heads):
                 mains.append(len(pipe))
                 pipe.unlink(key)
-                if isinstance(head, bytes) and rv.is_manifest(head):
-                    try:
-                        for part in rv.parse_manifest(head, 1 << 62).part_keys(key):
-                            pipe.unlink(part)
-                    except rv.RemoteValueError:
-                        pass
+                for part in rv.manifest_part_keys(key, head):  # a manifest names its parts
+                    pipe.unlink(part)
             results = pipe.execute(raise_on_error=False)
             raise_connection_errors(results)
             return sum(1 for i in mains if results[i] == 1)
@@ -453,15 +478,10 @@ class RemoteStore:
         """Close the connections; later calls are misses. Idempotent."""
         self._closed = True
         with self._client_lock:
-            client, self._client = self._client, None
             readers, self._readers = self._readers, None
         if readers is not None:
             readers.shutdown(wait=False, cancel_futures=True)
-        if client is not None:
-            try:
-                client.close()
-            except Exception:  # noqa: BLE001 - closing: nothing to do about a failure
-                pass
+        self._drop_client()
 
     def __enter__(self) -> RemoteStore:
         return self

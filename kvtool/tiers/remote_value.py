@@ -414,6 +414,17 @@ def parse_manifest(data: bytes | bytearray | memoryview, max_total: int) -> Mani
     return manifest
 
 
+def manifest_part_keys(key: str, head: object) -> list[str]:
+    """The part keys that value `key`'s manifest names, from the value's first 128 bytes `head`
+    (a GETRANGE reply); [] if it is no well-formed manifest (a whole value, an error, absent)."""
+    if isinstance(head, bytes) and is_manifest(head):
+        try:
+            return parse_manifest(head, 1 << 62).part_keys(key)
+        except RemoteValueError:
+            pass
+    return []
+
+
 def join_parts(manifest: Manifest, parts: Sequence[bytes | None]) -> bytes:
     """The joined value of `parts` (in order).
 

@@ -74,14 +74,16 @@ class WriterBase:
         writer without a queue."""
         return 0
 
-    def queue_depth(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def queue_depth(self) -> int:
+        """Blocks waiting in the writer's queue; 0 for a writer without a queue."""
+        return 0
 
-    def _pending_count(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def _pending_count(self) -> int:
+        return 0
 
-    def pending_bytes(self) -> int:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def pending_bytes(self) -> int:
+        """Bytes of the blocks accepted and not yet attempted; 0 for a writer that saves at once."""
+        return 0
 
 
 def unique_blocks(blocks: Sequence[HostBlock], skip: Callable[[str], bool] = lambda h: False) -> list[HostBlock]:
@@ -142,15 +144,6 @@ class SyncWriter(WriterBase):
     def pending_children(self, parent_hash: str, limit: int) -> list[HostBlock]:
         """Nothing is ever pending: always []."""
         return []
-
-    def queue_depth(self) -> int:
-        return 0
-
-    def _pending_count(self) -> int:
-        return 0
-
-    def pending_bytes(self) -> int:
-        return 0
 
     def flush(self, timeout: float | None = DEFAULT_FLUSH_TIMEOUT_S) -> bool:
         """Every accepted block has been attempted already: True."""
