@@ -113,3 +113,67 @@ def test_rows_are_read_in_one_snapshot(tmp_path):
     assert len(load_rows(reader)) == 10
     reader.execute("COMMIT")
     assert len(load_rows(reader)) == 11
+
+
+def _wal_index(tmp_path, n: int):
+    """A WAL index of `n` rows (every 7th malformed: a negative slot) and a writer connection."""
+    from kvtool.disk.index import BlockIndex
+
+    path = tmp_path / "index.sqlite"
+    BlockIndex(path).close()  # the schema, in WAL mode
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.executemany("INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?)",
+                       [(f"{i * 7919:032x}", f"{i:032x}", f"{i % 9:032x}", -1 if i % 7 == 3 else i % 16, 16, 1088,
+                         f"{i:032x}", 1.0 + i, 2.5 * i) for i in range(n)])  # fmt: skip
+    return path, writer
+
+
+def test_two_connections_in_one_snapshot_read_the_same_table(tmp_path, monkeypatch):
+    """`read_snapshot(pair=True)`: a second connection proven to see the first one's snapshot
+    reads every other chunk in a second thread; the table (rows, malformed rowids, segments) is
+    the one a single connection reads."""
+    from kvtool.disk import rowtable
+    from kvtool.disk.index import BlockIndex
+
+    monkeypatch.setattr(rowtable, "CHUNK_ROWS", 64)
+    monkeypatch.setattr(rowtable, "PARALLEL_MIN_ROWS", 100)
+    path, _writer = _wal_index(tmp_path, 1000)
+    index = BlockIndex(path, create=False, read_only=True)
+    with index.read_snapshot() as (conn, none):
+        one = load_rows(conn)
+        assert none is None
+    with index.read_snapshot(pair=True) as (conn, also):
+        assert also is not None and also.in_transaction
+        two = load_rows(conn, also=also)
+    index.close()
+    assert len(one) == 1000 - len(one.bad_rowids) and one.bad_rowids == two.bad_rowids and len(one.bad_rowids) == 143
+    assert one.segments == two.segments
+    for k in ("hash", "parent", "digest", "seg", "slot", "num_tokens", "nbytes", "created", "last_access"):
+        assert np.array_equal(getattr(one, k), getattr(two, k)), k
+
+
+def test_a_commit_between_the_two_starts_leaves_one_connection(tmp_path, monkeypatch):
+    """Where a transaction commits between the first connection's snapshot and the second's
+    (made to happen there: a real commit from another connection), the two would see different
+    rows: `read_snapshot` gives no second connection, and the rows read are one snapshot's."""
+    from kvtool.disk import index as index_mod
+    from kvtool.disk.index import BlockIndex, wal_index_header
+
+    path, writer = _wal_index(tmp_path, 50)
+    before = wal_index_header(path)
+    writer.execute("INSERT INTO blocks VALUES (?,?,?,?,?,?,?,?,?)", ("f" * 32, "0" * 32, "e" * 32, 0, 16, 1088, "d" * 32, 1.0, 1.0))
+    assert before is not None and wal_index_header(path) not in (None, before)  # every commit changes it
+    calls = []
+
+    def header_then_commit(p):
+        calls.append(p)
+        if len(calls) == 2:  # the second look, after both transactions began: a commit came first
+            writer.execute("DELETE FROM blocks WHERE hash=?", ("f" * 32,))
+        return wal_index_header(p)
+
+    monkeypatch.setattr(index_mod, "wal_index_header", header_then_commit)
+    index = BlockIndex(path, create=False, read_only=True)
+    with index.read_snapshot(pair=True) as (conn, also):
+        assert len(calls) == 2 and also is None
+        assert len(load_rows(conn)) == 51 - 7  # the snapshot before the delete (7 of the 50 rows malformed)
+    index.close()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import re
 import sqlite3
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -35,6 +36,7 @@ from kvtool.disk.chains import KeyIndex, hex_of_keys, keys_from_hex
 from kvtool.disk.names import is_segment_name
 
 CHUNK_ROWS = 1 << 14  # rows converted at a time (bounds the Python objects alive while loading)
+PARALLEL_MIN_ROWS = 1 << 17  # rows from which a second connection reads half the chunks (`load_rows(also=...)`)
 INT32_MAX = (1 << 31) - 1
 _FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
 
@@ -230,7 +232,8 @@ _FAST = f"SELECT COUNT(*), group_concat(CASE WHEN {_NAMES_OK} AND {_TIME_OK} THE
 _FAST_BYTES = 92  # bytes of one row in the fast form
 
 
-def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = (), *, full: bool = True) -> RowTable:
+def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = (), *, full: bool = True,
+              also: sqlite3.Connection | None = None) -> RowTable:  # fmt: skip
     """Read the rows of `blocks` (those matching `where`, SQL over its columns, with `?`
     parameters `args`) in one snapshot (one read transaction: the caller's, else its own), `CHUNK_ROWS`
     of rowids at a time; malformed rows (as `IndexRow.from_db` decides) are left out and their rowids
@@ -241,6 +244,10 @@ def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = (), *, f
         where, args: which rows.
         full: keep every column; False keeps only what a plan needs (hash, parent, segment,
             num_tokens, last_access: 52 bytes a row instead of 88); the others read as zeros.
+        also: a second connection in a read transaction that sees `conn`'s very snapshot
+            (`BlockIndex.read_snapshot(pair=True)` proves it): from `PARALLEL_MIN_ROWS` rows on,
+            every other chunk is read through it, in a second thread (SQLite runs without the GIL:
+            two cores share the work). The table is the same either way.
 
     Raises:
         sqlite3.Error: the read failed.
@@ -252,18 +259,53 @@ def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = (), *, f
         (expect, first, last) = conn.execute(f"SELECT COUNT(*), MIN(rowid), MAX(rowid) FROM blocks WHERE ({where})",
                                              args).fetchone()  # fmt: skip
         cols = _Columns(int(expect), full)
-        for lo in range(first, last + 1, CHUNK_ROWS) if expect else ():
-            bounds = (*args, lo, lo + CHUNK_ROWS)
-            n, text = conn.execute(f"{_FAST} WHERE ({where}) AND rowid >= ? AND rowid < ?", bounds).fetchone()
-            got = _convert_fast(text, n) if n else None
-            if got is not None:
-                cols.add(*got)
-            elif n:  # some row is malformed or unusual (a time the fast form cannot carry): row by row
-                _load_rows_slowly(conn, cols, f"({where}) AND rowid >= ? AND rowid < ?", bounds)
+        chunks = range(first, last + 1, CHUNK_ROWS) if expect else range(0)
+        if also is None or expect < PARALLEL_MIN_ROWS:
+            _load_chunks(conn, cols, where, args, chunks)
+        else:
+            _load_in_two(conn, also, cols, where, args, chunks)
     finally:
         if own:
             conn.execute("COMMIT")
     return cols.table()
+
+
+def _load_chunks(conn: sqlite3.Connection, cols: _Columns, where: str, args: tuple, chunks: range) -> None:
+    """The rows of the rowid chunks starting at `chunks` into `cols` (which may be shared: `add`
+    takes its lock)."""
+    for lo in chunks:
+        bounds = (*args, lo, lo + CHUNK_ROWS)
+        n, text = conn.execute(f"{_FAST} WHERE ({where}) AND rowid >= ? AND rowid < ?", bounds).fetchone()
+        got = _convert_fast(text, n) if n else None
+        if got is not None:
+            cols.add(*got)
+        elif n:  # some row is malformed or unusual (a time the fast form cannot carry): row by row
+            _load_rows_slowly(conn, cols, f"({where}) AND rowid >= ? AND rowid < ?", bounds)
+
+
+def _load_in_two(conn: sqlite3.Connection, also: sqlite3.Connection, cols: _Columns, where: str, args: tuple,
+                 chunks: range) -> None:  # fmt: skip
+    """`_load_chunks` with the odd chunks read through `also` in a second thread.
+
+    Raises:
+        sqlite3.Error: either read failed (the other is waited for first).
+    """
+    failed: list[BaseException] = []
+
+    def odd() -> None:
+        try:
+            _load_chunks(also, cols, where, args, chunks[1::2])
+        except BaseException as exc:  # handed to the caller below
+            failed.append(exc)
+
+    helper = threading.Thread(target=odd, name="kvtool-rows", daemon=True)
+    helper.start()
+    try:
+        _load_chunks(conn, cols, where, args, chunks[::2])
+    finally:
+        helper.join()
+    if failed:
+        raise failed[0]
 
 
 def _load_rows_slowly(conn: sqlite3.Connection, cols: _Columns, where: str, args: tuple) -> None:
@@ -278,7 +320,7 @@ def _load_rows_slowly(conn: sqlite3.Connection, cols: _Columns, where: str, args
         got = _convert(columns[1:])
         if got is None:  # some row is malformed: sort them out one by one
             ok = [i for i, row in enumerate(zip(*columns[1:])) if _row_ok(row)]
-            cols.bad += [columns[0][i] for i in sorted(set(range(len(columns[0]))) - set(ok))]
+            cols.add_bad([columns[0][i] for i in sorted(set(range(len(columns[0]))) - set(ok))])
             got = _convert([[c[i] for i in ok] for c in columns[1:]]) if ok else None
             if got is None:
                 continue
@@ -291,6 +333,7 @@ class _Columns:
 
     def __init__(self, n: int, full: bool):
         self.n, self.full = 0, full
+        self.lock = threading.Lock()  # two loading threads (`_load_in_two`) add chunks
         self.bad: list[int] = []
         self.segments: dict[str, int] = {}  # segment name -> number in order of appearance
         self.cols: dict[str, np.ndarray] = {"hash": np.zeros((n, 2), np.uint64), "parent": np.zeros((n, 2), np.uint64),
@@ -300,8 +343,19 @@ class _Columns:
             self.cols.update(digest=np.zeros((n, 2), np.uint64), slot=np.zeros(n, np.int32), nbytes=np.zeros(n, np.int32),
                              created=np.zeros(n, np.float64))  # fmt: skip
 
+    def add_bad(self, rowids: list[int]) -> None:
+        """Rowids of malformed rows left out."""
+        with self.lock:
+            self.bad += rowids
+
     def add(self, raw: np.ndarray, segs: tuple | _SegmentNames, seg_raw: np.ndarray, ints: np.ndarray,
             times: np.ndarray) -> None:  # fmt: skip
+        """A converted chunk of rows (`_convert`, `_convert_fast`), appended to the columns."""
+        with self.lock:
+            self._add(raw, segs, seg_raw, ints, times)
+
+    def _add(self, raw: np.ndarray, segs: tuple | _SegmentNames, seg_raw: np.ndarray, ints: np.ndarray,
+             times: np.ndarray) -> None:  # fmt: skip
         m = len(raw)
         c = self.cols
         if self.n + m > len(c["hash"]):  # rows inserted after the count (no enclosing transaction)
@@ -341,7 +395,7 @@ class _Columns:
         else:
             digest, slot, nbytes, created = np.broadcast_to(np.zeros(2, np.uint64), (n, 2)), ints0, ints0, floats0
         return RowTable(out["hash"], out["parent"], digest, seg, names, slot, out["num_tokens"], nbytes, created,
-                        out["last_access"], self.bad)  # fmt: skip
+                        out["last_access"], sorted(self.bad))  # fmt: skip
 
 
 def _hash_order(keys: np.ndarray) -> np.ndarray:

@@ -245,25 +245,20 @@ class _Scanner:
             sqlite3.Error: the index cannot be read.
         """
         f = self.f
-        with index.connection() as conn:
-            conn.execute("BEGIN")
-            try:
-                conn.execute("SELECT COUNT(*) FROM meta").fetchone()  # the first read fixes the snapshot
-                if fixed is not None:
-                    fixed.set()
-                if self.rows:
-                    table = load_rows(conn, full=self.full)
-                    f.update(table=table, row_count=len(table), bad_rows=tuple(table.bad_rowids))
-                else:  # counted, not checked: malformed rows included
-                    (f["row_count"],) = conn.execute("SELECT COUNT(*) FROM blocks").fetchone()
-                segs, bad = [], []
-                query = "SELECT rowid, name, nbytes, n_blocks, created FROM segments ORDER BY name" if self.rows else ""
-                for rowid, *vals in conn.execute(query) if query else ():
-                    seg = SegmentRow.from_db(vals)
-                    segs.append(seg) if seg else bad.append(rowid)
-                f.update(segment_rows=tuple(segs), bad_segment_rows=tuple(bad))
-            finally:
-                conn.execute("COMMIT")
+        with index.read_snapshot(pair=self.rows) as (conn, also):  # the rows: two threads in one snapshot
+            if fixed is not None:
+                fixed.set()
+            if self.rows:
+                table = load_rows(conn, full=self.full, also=also)
+                f.update(table=table, row_count=len(table), bad_rows=tuple(table.bad_rowids))
+            else:  # counted, not checked: malformed rows included
+                (f["row_count"],) = conn.execute("SELECT COUNT(*) FROM blocks").fetchone()
+            segs, bad = [], []
+            query = "SELECT rowid, name, nbytes, n_blocks, created FROM segments ORDER BY name" if self.rows else ""
+            for rowid, *vals in conn.execute(query) if query else ():
+                seg = SegmentRow.from_db(vals)
+                segs.append(seg) if seg else bad.append(rowid)
+            f.update(segment_rows=tuple(segs), bad_segment_rows=tuple(bad))
 
     def _list_files(self) -> bool:
         """List segment files, temps, symlinks, other entries (no symlink followed)."""
