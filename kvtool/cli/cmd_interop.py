@@ -59,18 +59,6 @@ IgnoreTemplateOpt = Annotated[bool, typer.Option("--ignore-chat-template", help=
 QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help="As mlx-lm: the cache offset from which KV is quantized (with --kv-bits / a quantized file).")]
 
 
-def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
-    """--prompt literally (cache_prompt unescapes nothing), --prompt-file as kvtool reads files."""
-    import sys
-
-    if prompt is not None:
-        text = sys.stdin.read() if prompt == "-" else prompt
-        if not text.strip():
-            raise common.CLIError("--prompt is empty")
-        return text
-    return common.read_prompt_arg(None, prompt_file)
-
-
 @dataclass(frozen=True)
 class PromptTokens:
     """The prompt of an import or export: `--prompt` / `--prompt-file` (tokenised as
@@ -102,7 +90,7 @@ class PromptTokens:
             if self.system_prompt is not None:
                 raise common.CLIError("--system-prompt does not apply to --token-ids")
             return read_token_ids(self.token_ids), "token_ids"
-        text = _read_prompt(self.prompt, self.prompt_file)
+        text = common.read_prompt_arg(self.prompt, self.prompt_file, unescape=False)  # literally, as cache_prompt
         assert text is not None  # --prompt or --prompt-file was given
         chat = not self.ignore_chat_template
         ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=chat, system_prompt=self.system_prompt)

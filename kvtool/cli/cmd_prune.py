@@ -11,7 +11,7 @@ from rich.table import Table
 from kvtool.cli import common
 from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
 from kvtool.progress import progress
 from kvtool.units import format_bytes, parse_duration, parse_size
 
@@ -81,7 +81,7 @@ def prune_cmd(
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
         # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
-        with common.maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
+        with maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
             task = bar.add_task("scanning the cache", total=None) if bar is not None else None
             plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run

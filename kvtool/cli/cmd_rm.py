@@ -16,7 +16,7 @@ from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PromptSource
 from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -105,7 +105,7 @@ def rm_cmd(
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:
             make_plan = _namespace_planner(root, namespace or "")
-        with common.maintenance_lock(root, dry_run):  # a dry run only reads
+        with maintenance_lock(root, dry_run):  # a dry run only reads
             plan = make_plan()
             plan.dry_run = dry_run
             code = _confirm_and_execute(plan, yes, out)

@@ -59,7 +59,7 @@ def warm_cmd(
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
-        from kvtool.cli.cmd_serve import parse_max_prompt_bytes
+        from kvtool.cli.cmd_serve import parse_max_prompt_bytes, token_limits
         from kvtool.jobs.warm import WarmError, check_engine, load_sources
 
         try:
@@ -78,7 +78,7 @@ def warm_cmd(
             raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
         namespace_dir = engine.namespace_dir
         code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
-                    common.token_limits(engine, max_prompt_tokens))
+                    token_limits(engine, max_prompt_tokens))
         if to_remote and code == common.EXIT_OK and namespace_dir is not None:
             code = _push(namespace_dir, cfg)
     raise typer.Exit(code)

@@ -51,6 +51,13 @@ def versioned(doc: Mapping[str, Any]) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, **{k: v for k, v in doc.items() if k != "schema_version"}}
 
 
+def print_json(doc: Mapping[str, Any]) -> None:
+    """Write one JSON document to stdout (no rich markup), `schema_version` first (`versioned`):
+    every JSON document the CLI prints carries it."""
+    sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
 class Output:
     """The output sink of one command run.
 
@@ -132,8 +139,7 @@ class Output:
         if self._documents:
             raise RuntimeError("a command prints exactly one JSON document")
         self._documents += 1
-        sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
-        sys.stdout.flush()
+        print_json(doc)
 
     def emit(self, doc: Mapping[str, Any] | Callable[[], Mapping[str, Any]], human: Callable[[], None]) -> None:
         """The command's result: `document(doc)` in json mode, `human()` in human mode, nothing
@@ -164,4 +170,4 @@ class Output:
         return bool(typer.confirm(question, default=False, err=True))
 
 
-__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "versioned"]
+__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "print_json", "versioned"]

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,18 @@ def preflight(root: Path, dry_run: bool, yes: bool, refusal: str) -> None:
         raise common.CLIError(refusal)
     if os.path.lexists(root) and not os.path.isdir(root):
         raise common.CLIError(f"cache directory {root} is not a directory")
+
+
+def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
+    """The cache's maintenance lock for prune / rm (`kvtool.disk.lock.cache_lock`); none for a
+    dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
+
+    Raises:
+        PruneLocked, PruneError: when entered, as `cache_lock`.
+    """
+    from kvtool.disk.lock import cache_lock
+
+    return nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
 
 
 @contextmanager
