@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from kvtool.cli import common
-from kvtool.cli.cmd_inspect import PromptSource
+from kvtool.cli.cmd_inspect import PROMPT, PromptSource, prompt_options
 from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
@@ -55,14 +55,11 @@ BlockSizeOpt = Annotated[
 
 
 @target_options
-@common.model_options("ignore_chat_template", "system_prompt", "adapter_path", "kv_bits", "kv_group_size")
+@prompt_options("prompt", "prompt_file", "messages", "model", "ignore_chat_template", "system_prompt", "adapter_path",
+                "kv_bits", "kv_group_size")
 def rm_cmd(
     namespace: NamespaceArg = None,
-    prompt: common.PromptOpt = None,
-    prompt_file: common.PromptFileOpt = None,
-    messages: common.MessagesOpt = None,
-    model: common.PromptModelOpt = None,
-    model_flags: common.ModelFlags = common.MODEL,
+    source: PromptSource = PROMPT,
     block_size: BlockSizeOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
@@ -75,18 +72,14 @@ def rm_cmd(
     with common.cli_errors():
         from kvtool.ops.remove import check_prefix
 
-        by_prompt = any(x is not None for x in (prompt, prompt_file, messages))
+        by_prompt = source.given
         if by_prompt == (namespace is not None):
             raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
                                   + (", not both" if by_prompt else ""))  # fmt: skip
-        mf = model_flags
-        model_opts = {"adapter_path": mf.adapter_path, "kv_bits": mf.kv_bits}
-        if not by_prompt and (model is not None or block_size is not None or any(v is not None for v in model_opts.values())):
+        if not by_prompt and (block_size is not None or source.model_given):
             raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
         if namespace is not None:
             check_prefix(namespace)
-        source = PromptSource(model or "tiny", prompt, prompt_file, messages, not mf.ignore_chat_template,
-                              mf.system_prompt, {**model_opts, "kv_group_size": mf.kv_group_size})  # fmt: skip
         server = target.server
         if server is not None:
             common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
@@ -152,7 +145,7 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
     def plan():
         scan = scan_cache(cfg.ssd_cache_dir, full=False)
         sizes = [block_size] if block_size is not None else sorted(block_sizes_of(scan) | {cfg.block_size})
-        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=prompt_tokens)
+        return plan_prompt_removal(scan, keys_for, sizes, model=source.spec, prompt_tokens=prompt_tokens)
 
     return plan
 
