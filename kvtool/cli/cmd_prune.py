@@ -13,7 +13,7 @@ from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
 from kvtool.progress import progress
-from kvtool.units import format_bytes, parse_duration, parse_size
+from kvtool.units import format_bytes, format_duration, parse_duration, parse_size
 
 EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.disk.lock.EXIT_LOCKED)
 NO_TTL = ("none", "off", "never")
@@ -134,20 +134,11 @@ def _removes_anything(plan) -> bool:
     return bool(plan.total("prune_blocks") or plan.total("prune_segments") or any(ns.remove_namespace for ns in plan.namespaces))
 
 
-def _fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "none"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
-
-
 def _print_plan(plan, out) -> None:
     budget = "none" if plan.max_bytes is None else format_bytes(plan.max_bytes)
     scope = "whole cache" if plan.scope == "all" else "per namespace"
     table = Table(
-        title=f"kvtool prune {plan.cache_dir}: ttl {_fmt_duration(plan.ttl_s)}, budget {budget} ({scope})",
+        title=f"kvtool prune {plan.cache_dir}: ttl {'none' if plan.ttl_s is None else format_duration(plan.ttl_s)}, budget {budget} ({scope})",
         box=box.SIMPLE_HEAD, pad_edge=False,
     )  # fmt: skip
     for name in ("namespace", "model", "stored", "prune", "ttl/lru/desc", "left"):
