@@ -6,6 +6,7 @@ options, loads the engine, prints.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,11 +107,10 @@ PROMPT_OPTIONS = {"prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, No
 prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PROMPT_OPTIONS)
 
 
-def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start):
-    """`common.load_engine` plus mlx-lm's --quantized-kv-start."""
+def _load_engine(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start: int) -> Engine:
+    """`flags.load` plus mlx-lm's --quantized-kv-start."""
     try:
-        return common.load_engine(model, cfg, adapter_path=adapter_path, prefill_step_size=prefill_step_size,
-                                  kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+        return flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
     except ValueError as exc:  # e.g. a quantisation the model's head dims do not allow
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
 
@@ -142,6 +142,7 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 
 # ------------------------------------------------------------------------------ import
 @common.cache_options("config", "cache_dir", "durability", "async_writes", "block_size")
+@common.model_options("adapter_path", "prefill_step_size")
 @prompt_options
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
@@ -152,8 +153,7 @@ def import_cmd(
     check_positions: Annotated[int, typer.Option("--check-positions", min=0, help="KV check: also recompute this many single tokens spread over the rest of the prompt (one decode step each).")] = 64,
     kv_bits: Annotated[int | None, typer.Option("--kv-bits", show_default=False, help="The namespace's KV quantisation (default: the file's; give it for a plain file made with mlx_lm.cache_prompt --kv-bits whose prompt was below --quantized-kv-start).")] = None,
     quantized_kv_start: QuantStartOpt = 5000,
-    adapter_path: common.AdapterPathOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
+    model_flags: common.ModelFlags = common.MODEL,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     verbose: common.VerboseOpt = False,
@@ -169,13 +169,13 @@ def import_cmd(
             raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
         bits = quant[0] if quant else kv_bits
         cfg = cache.build()
-        engine = _load_engine(model, cfg, adapter_path, prefill_step_size, bits, quant[1] if quant else 64,
-                              quantized_kv_start)
+        flags = dataclasses.replace(model_flags, kv_bits=bits, kv_group_size=quant[1] if quant else 64)
+        engine = _load_engine(model, cfg, flags, quantized_kv_start)
 
         def work():
             ids, origin = source.tokens(engine, required=False)
             return import_cache_file(engine, file, ids, model_spec=model,
-                                     adapter_path=str(adapter_path) if adapter_path else None,
+                                     adapter_path=str(flags.adapter_path) if flags.adapter_path else None,
                                      require_model_match=not skip_model_check, check_tokens=check_tokens,
                                      check_positions=check_positions, token_source=origin, preloaded=loaded)
 
@@ -216,6 +216,7 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 
 # ------------------------------------------------------------------------------ export
 @common.cache_options("config", "cache_dir", "block_size")
+@common.model_options("adapter_path", "prefill_step_size", "kv_bits", "kv_group_size")
 @prompt_options
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
@@ -223,11 +224,8 @@ def export_cmd(
     source: PromptTokens = PROMPT,
     fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
     metadata_model: Annotated[str | None, typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
+    model_flags: common.ModelFlags = common.MODEL,
     quantized_kv_start: QuantStartOpt = 5000,
-    adapter_path: common.AdapterPathOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     verbose: common.VerboseOpt = False,
@@ -240,7 +238,7 @@ def export_cmd(
         if out.suffix != SUFFIX:
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
         cfg = cache.build()
-        engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
+        engine = _load_engine(model, cfg, model_flags, quantized_kv_start)
 
         def work():
             ids, _ = source.tokens(engine, required=True)

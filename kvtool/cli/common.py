@@ -311,15 +311,15 @@ class ModelFlags:
     kv_bits: int | None = None
     kv_group_size: int = 64
 
-    def load(self, model: str, config: Any) -> Any:
-        """`load_engine` with these flags.
+    def load(self, model: str, config: Any, **engine_options: Any) -> Any:
+        """`load_engine` with these flags (`engine_options`: more `Engine` arguments).
 
         Raises:
             CLIError: as `load_engine`.
         """
         return load_engine(model, config, adapter_path=self.adapter_path, max_kv_size=self.max_kv_size,
                            prefill_step_size=self.prefill_step_size, kv_bits=self.kv_bits,
-                           kv_group_size=self.kv_group_size)
+                           kv_group_size=self.kv_group_size, **engine_options)
 
 
 MODEL = ModelFlags()  # the default of a command's `model_flags` parameter (`model_options` always passes one)

@@ -60,22 +60,17 @@ log = logging.getLogger("kvtool.server")
 GENERATION_STOP_TIMEOUT_S = 60.0
 
 
-def mlx_lm_server_defaults() -> dict[str, Any]:
-    """The defaults of `mlx_lm.server`'s command line, read from mlx-lm's own parser
-    (`kvtool.server.mlx_options`), as the `cli_args` namespace its `ModelProvider`,
-    `ResponseGenerator` and `APIHandler` read."""
-    from kvtool.server.mlx_options import defaults
-
-    return defaults()
-
-
 def server_args(**overrides: Any) -> argparse.Namespace:
-    """`mlx_lm.server`'s `cli_args` with `overrides` applied.
+    """`mlx_lm.server`'s `cli_args` with `overrides` applied: the defaults of its command line
+    (`kvtool.server.mlx_options.defaults`, read from mlx-lm's own parser), as the namespace its
+    `ModelProvider`, `ResponseGenerator` and `APIHandler` read.
 
     Raises:
         ValueError: an override that is not one of mlx-lm's server options.
     """
-    args = mlx_lm_server_defaults()
+    from kvtool.server.mlx_options import defaults
+
+    args = defaults()
     unknown = sorted(set(overrides) - set(args))
     if unknown:
         raise ValueError(f"not mlx_lm.server options: {', '.join(unknown)}")
@@ -373,5 +368,5 @@ def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HT
     return httpd
 
 
-__all__ = ["KVToolServer", "ServerStartError", "SpeculativePromptCache", "server_args", "mlx_lm_server_defaults", "make_handler_class",
+__all__ = ["KVToolServer", "ServerStartError", "SpeculativePromptCache", "server_args", "make_handler_class",
            "STATS_PATH", "MAX_CONNECTIONS"]
