@@ -79,7 +79,7 @@ def prune_cmd(
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
-        preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
+        preflight(root, dry_run, yes, "prune", "add --yes (e.g. in cron)")
         # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
         with maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
             task = bar.add_task("scanning the cache", total=None) if bar is not None else None

@@ -16,7 +16,7 @@ from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PROMPT, PromptSource, prompt_options
 from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed, refuse_without_terminal
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -85,15 +85,13 @@ def rm_cmd(
             common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
-            from kvtool.cli.cmd_remote import refuse_without_terminal
-
             refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
             cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
             keys = _prompt_keys(cfg, source)[0](cfg.block_size)
             raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
         cfg = common.build_config(target.config, cache_dir)
         root = cfg.ssd_cache_dir
-        preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
+        preflight(root, dry_run, yes, "remove")
         if by_prompt:
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:

@@ -119,9 +119,7 @@ class Output:
         """Print text or a rich renderable on stdout (human mode only). Markup is interpreted;
         no automatic highlighting; long lines are not wrapped unless `soft_wrap=False`."""
         if self.human:
-            kw.setdefault("highlight", False)
-            kw.setdefault("soft_wrap", True)
-            self.console.print(*objects, **kw)
+            self.console.print(*objects, **{"highlight": False, "soft_wrap": True, **kw})
 
     def table(self, table: Any) -> None:
         """Print a rich `Table` on stdout (human mode only)."""
@@ -152,16 +150,12 @@ class Output:
     # ------------------------------------------------------------------ stderr
     def problem(self, text: str, **kw: Any) -> None:
         """A problem found (not a failure of the command): stderr, in every mode, `--quiet` included."""
-        kw.setdefault("highlight", False)
-        kw.setdefault("soft_wrap", True)
-        self.err_console.print(text, **kw)
+        self.err_console.print(text, **{"highlight": False, "soft_wrap": True, **kw})
 
     def note(self, text: str, **kw: Any) -> None:
         """A side remark (what was skipped, a hint): stderr, except under `--quiet`."""
         if not self.quiet:
-            kw.setdefault("highlight", False)
-            kw.setdefault("soft_wrap", True)
-            self.err_console.print(text, **kw)
+            self.problem(text, **kw)
 
     def confirm(self, question: str) -> bool:
         """Ask `question [y/N]` on stderr (the answer is read from stdin); False on "no"."""
