@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
@@ -189,24 +190,22 @@ def import_cmd(
 def _print_import(report, status, json_out: bool, explain: bool) -> None:
     """The import's result: its JSON document, or two lines; then with `explain`, the `error:`
     line saying why it was not verified."""
-    if json_out:
-        common.print_json({"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean})
-    else:
+    out = Output.from_flags(json_out)
+
+    def human() -> None:
         for w in report.warnings:
-            common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+            out.note(f"[yellow]warning:[/] {w}")
         mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
-        common.console.print(
-            f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
-            f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
-            f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
-            f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
-            f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
-            highlight=False, soft_wrap=True)
-        common.console.print(
-            f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
-            f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
-            f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
-            highlight=False, soft_wrap=True)
+        out.print(f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
+                  f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
+                  f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
+                  f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
+                  f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}")
+        out.print(f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
+                  f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | "
+                  f"namespace {report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]")
+
+    out.emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean}, human)
     if explain:
         why = ("not every token is on SSD after the flush" if not report.verified
                else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
@@ -247,14 +246,11 @@ def export_cmd(
 
         report, interrupted, _ = _run_then_close(engine, work)
     if report is not None:
-        if json_out:
-            common.print_json({"schema_version": 1, **report.to_dict()})
-        else:
-            common.console.print(
-                f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
-                f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} (RAM {report.ram_hit_tokens}, "
-                f"SSD {report.ssd_hit_tokens}), computed {report.computed_tokens} | metadata model {report.metadata_model}",
-                highlight=False, soft_wrap=True)
+        output = Output.from_flags(json_out)
+        output.emit(report.to_dict, lambda: output.print(
+            f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
+            f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} (RAM {report.ram_hit_tokens}, "
+            f"SSD {report.ssd_hit_tokens}), computed {report.computed_tokens} | metadata model {report.metadata_model}"))
     raise typer.Exit(_exit_code(interrupted, report is not None))
 
 

@@ -290,7 +290,6 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
     write_metrics_file(metrics_file, stats, [r.to_dict() for r in results])
     if json_out:
         doc = {
-            "schema_version": 1,  # kvtool.cli.output.SCHEMA_VERSION
             "requests": [r.to_dict() for r in results],
             "stats": stats,
             "shutdown_clean": status.shutdown_clean,

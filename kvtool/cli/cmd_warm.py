@@ -13,6 +13,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.progress import progress
 from kvtool.units import format_bytes
 
@@ -121,12 +122,9 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
         finally:
             common.ignore_signals()
             status = engine.close()  # drains the writer, flushes and closes the index
-    doc = {"schema_version": 1, **report.to_dict()}  # kvtool.cli.output.SCHEMA_VERSION
-    doc.update(shutdown_clean=status.shutdown_clean, shutdown_partial_flush=status.shutdown_partial_flush)
-    if json_out:
-        common.print_json(doc)
-    else:
-        _print_summary(report, status)
+    Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
+                                              "shutdown_partial_flush": status.shutdown_partial_flush},
+                                     lambda: _print_summary(report, status))
     if report.interrupted:
         return 128 + getattr(signal.Signals, report.interrupted, signal.SIGINT).value
     ok = status.shutdown_clean and report.flushed and report.blocks_failed == 0
