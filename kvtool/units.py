@@ -161,6 +161,18 @@ def _number_and_unit(text: str, what: str, examples: str) -> tuple[Fraction, str
     return Fraction(digits), m.group(2).lower()
 
 
+def format_duration(seconds: float) -> str:
+    """`seconds` in the largest unit that holds it whole (`7d`, `12h`, `90s`: what
+    `parse_duration` reads back), or in milliseconds below a second (`250ms`); fractions of a
+    second above it as `1.5s`."""
+    if seconds < 1:
+        return f"{seconds * 1000:g}ms"
+    for unit in ("d", "h", "m", "s"):
+        if seconds % _DURATION_UNITS[unit] == 0:
+            return f"{int(seconds // _DURATION_UNITS[unit])}{unit}"
+    return f"{seconds:g}s"
+
+
 def format_bytes(n: float) -> str:
     """`1.5 MiB`-style text for a byte count."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

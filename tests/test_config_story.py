@@ -17,10 +17,11 @@ from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
 from kvtool.cli import common
-from kvtool.cli.cmd_config import duration_text, shown_value
+from kvtool.cli.cmd_config import shown_value
 from kvtool.cli.output import SCHEMA_VERSION
 from kvtool.config import FIELD_NAMES, KVToolConfig
 from kvtool.config.settings import CONFIG_ENV, env_names, from_text
+from kvtool.units import format_duration
 
 if not app_module.app.registered_commands:
     app_module._register()
@@ -266,7 +267,7 @@ def test_remote_url_password_is_masked_from_every_source(tmp_path, monkeypatch):
 @pytest.mark.parametrize("seconds,text", [(0.25, "250ms"), (1, "1s"), (90, "90s"), (3600, "1h"), (129600, "36h"),
                                           (604800, "7d"), (86400 * 3, "3d"), (1.5, "1.5s")])
 def test_duration_text(seconds, text):
-    assert duration_text(seconds) == text
+    assert format_duration(seconds) == text
 
 
 def test_shown_values_read_back_as_the_same_config(tmp_path):

@@ -17,8 +17,6 @@ import pytest
 from kvtool.cli.common import build_config
 from kvtool.config import (
     DURABILITY_MODES,
-    SSD_POLICIES,
-    WRITER_MODES,
     ConfigError,
     Durability,
     KVToolConfig,
@@ -176,9 +174,9 @@ def test_policy_durability_and_writer_are_str_enums(tmp_path):
     assert cfg.ssd_policy == "evict_only" and f"{cfg.ssd_policy}/{cfg.ssd_durability}" == "evict_only/durable"
     assert isinstance(cfg.ssd_durability, Durability) and json.dumps(cfg.ssd_durability) == '"durable"'
     assert KVToolConfig(ssd_cache_dir=tmp_path).ssd_policy == "write_through"
-    assert SSD_POLICIES == ("evict_only", "write_through")
+    assert tuple(SSDPolicy) == ("evict_only", "write_through")
     assert DURABILITY_MODES == ("best_effort", "persistent", "durable")
-    assert WRITER_MODES == ("sync", "async") and WriterMode("async") == "async"
+    assert tuple(WriterMode) == ("sync", "async") and WriterMode("async") == "async"
 
 
 # ------------------------------------------------------------------ directories

@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 from kvtool.cli import app as app_module
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
-from kvtool.jobs import interop, interop_export
+from kvtool.jobs import interop, interop_export, interop_files
 from kvtool.jobs.interop import InteropError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,7 +202,7 @@ def test_chat_prompt_export_needs_fill_then_continues_in_mlx_generate(tmp_path, 
 @pytest.fixture
 def made(tmp_path, tiny_model):
     """A prompt, its cache_prompt tokens and the file mlx-lm writes for them."""
-    ids = interop.cache_prompt_tokens(tiny_model.tokenizer, PROMPT)
+    ids = interop_files.cache_prompt_tokens(tiny_model.tokenizer, PROMPT)
     path = tmp_path / "made.safetensors"
     mlx_cache_file(tiny_model.model, ids, path, {"model": str(tiny_model.path), "tokenizer_config": "{}"})
     return ids, path
@@ -269,7 +269,7 @@ def test_exported_file_imports_without_prompt_and_quantized_round_trip(tmp_path,
     q = tmp_path / "q.safetensors"
     mlx_cache_file(tiny_model.model, ids, q, {"model": str(tiny_model.path), "tokenizer_config": "{}"},
                    kv_bits=8, kv_group_size=32, quantized_kv_start=0)
-    assert interop.file_quantization(load_prompt_cache(str(q))) == (8, 32)
+    assert interop_files.file_quantization(load_prompt_cache(str(q))) == (8, 32)
     with engine_for(tiny_model, tmp_path / "c") as eng, pytest.raises(InteropError, match="load the engine with kv_bits=8"):
         interop.import_cache_file(eng, q, ids, model_spec="tiny")
     with engine_for(tiny_model, tmp_path / "c", kv_bits=8, kv_group_size=32, quantized_kv_start=0) as eng:
@@ -304,7 +304,7 @@ def test_export_equals_mlx_cache_of_other_families(tmp_path, family):
     from tests.model_zoo import build_family
 
     loaded = load_model(str(build_family(family, tmp_path / family)))
-    ids = interop.cache_prompt_tokens(loaded.tokenizer, PREFIX * 2)  # longer than the 96-token window
+    ids = interop_files.cache_prompt_tokens(loaded.tokenizer, PREFIX * 2)  # longer than the 96-token window
     ref_path = tmp_path / "ref.safetensors"
     ref = mlx_cache_file(loaded.model, ids, ref_path, {"model": "m", "tokenizer_config": "{}"}, prefill_step_size=64)
     with engine_for(loaded, tmp_path / "c", prefill_step_size=64) as eng:

@@ -243,13 +243,13 @@ def test_server_options_are_mlx_lm_servers(monkeypatch):
     """Every option mlx_lm.server's parser defines, with the same defaults (guards an mlx-lm upgrade)."""
     import mlx_lm.server as mls
 
-    from kvtool.server.serve import mlx_lm_server_defaults
+    from kvtool.server.mlx_options import defaults
 
     seen = {}
     monkeypatch.setattr(mls, "run", lambda host, port, provider: seen.update(vars(provider.cli_args)))
     monkeypatch.setattr(sys, "argv", ["mlx_lm.server"])
     mls.main()
-    ours = mlx_lm_server_defaults()
+    ours = defaults()
     assert set(ours) == set(seen)
     assert {k: v for k, v in ours.items()} == {k: seen[k] for k in ours}
 

@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from kvtool.config import FIELD_NAMES, KVToolConfig
+from kvtool.config import KVToolConfig
 from kvtool.disk.segment import KVLayout
 from kvtool.kv import blocks, prefill
 
@@ -398,11 +398,9 @@ def _diff_outputs(ref: list, got: list) -> str | None:
 
 def _config(config, tmp: Path, ram: bool):
     fields: dict[str, Any] = dict(ssd_cache_dir=tmp, block_size=config.block_size, ssd_async_writes=False,
-                                  ssd_codec=config.ssd_codec, ssd_durability="best_effort")
+                                  ssd_codec=config.ssd_codec, ssd_durability="best_effort", remote_url=None)
     if not ram:
         fields["ram_bytes"] = 0
-    if "remote_url" in FIELD_NAMES:
-        fields["remote_url"] = None
     return KVToolConfig(**fields)
 
 

@@ -8,6 +8,7 @@ The root group (`common.KVToolGroup`) turns every bad input, usage errors includ
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Annotated, Any
 
 import typer
@@ -51,9 +52,19 @@ app = typer.Typer(
 )
 
 
+def version() -> str:
+    """kvtool's version: the installed distribution's, else `kvtool.__version__`, else `unknown`."""
+    try:
+        return importlib.metadata.version("kvtool")
+    except importlib.metadata.PackageNotFoundError:
+        import kvtool
+
+        return str(getattr(kvtool, "__version__", "unknown"))
+
+
 def _print_version(value: bool) -> None:
     if value:
-        typer.echo(f"kvtool {common.version()}")
+        typer.echo(f"kvtool {version()}")
         raise typer.Exit(common.EXIT_OK)
 
 

@@ -9,6 +9,7 @@ import typer
 
 from kvtool.cli import common
 from kvtool.cli.cmd_serve import MetricsFileOpt, check_metrics_file, write_metrics_file
+from kvtool.cli.output import Output
 from kvtool.progress import stderr_is_terminal
 
 BENCH_HELP = """Run a benchmark sweep: every workload on every cell (policy x writer x durability, optionally x block size x RAM budget x remote policy: off, write_through, on_evict, against \\[cache] remote_url or a redis-server the bench starts) plus the no-cache and mlx-lm-prompt-cache baselines, on one resident model. Writes requests.csv, cells.csv, run.json, PNG charts and report.md to results/<run-id>/ (or DIR/<run-id>/ with --out DIR).
@@ -84,10 +85,8 @@ def bench(
             engine.close()
         _write_metrics(metrics_file, result)
     ok = _all_ok(result.cells)
-    if json_out:
-        common.print_json(_summary(result.run_dir, result.cells, ok))
-    else:
-        _print_human(result.run_dir, result.cells, ok)
+    Output.from_flags(json_out).emit(lambda: _summary(result.run_dir, result.cells, ok),
+                                     lambda: _print_human(result.run_dir, result.cells, ok))
     raise typer.Exit(common.EXIT_OK if ok else common.EXIT_PROBLEMS)
 
 
@@ -95,27 +94,21 @@ def report(
     run_dir: Annotated[Path, typer.Argument(help="A bench run directory (holding cells.csv, requests.csv, run.json).")],
     json_out: common.JsonOpt = False,
 ) -> None:
+    output = Output.from_flags(json_out)
     with common.cli_errors():
         from kvtool.bench.loadreport import is_serve_load_run, write_load_report
         from kvtool.bench.report import load_run, write_report
 
         if is_serve_load_run(run_dir):  # a `[serve_load]` run: its own report
             load = write_load_report(run_dir)
-            if json_out:
-                common.print_json({"run_dir": str(run_dir), "ok": load.ok, "files": [str(p) for p in load.files],
-                                   "comparison": load.summary_records()})
-            else:
-                for line in load.summary_lines():
-                    common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+            output.emit(lambda: {"run_dir": str(run_dir), "ok": load.ok, "files": [str(p) for p in load.files],
+                                 "comparison": load.summary_records()}, lambda: _print_lines(load.summary_lines()))
             return
         written = write_report(run_dir)  # a missing, empty or malformed run raises ReportError
         cells, _, _ = load_run(run_dir)
-    if json_out:
-        doc = _summary(run_dir, cells, _all_ok(cells))
-        doc["files"] = [str(p) for p in [written.markdown, *written.charts]]
-        common.print_json(doc)
-    else:
-        _print_human(run_dir, cells, _all_ok(cells))
+    output.emit(lambda: {**_summary(run_dir, cells, _all_ok(cells)),
+                         "files": [str(p) for p in [written.markdown, *written.charts]]},
+                lambda: _print_human(run_dir, cells, _all_ok(cells)))
 
 
 def _write_metrics(path: Path | None, result) -> None:
@@ -158,11 +151,18 @@ def _records(df) -> list[dict]:
     return df.astype(object).where(df.notna(), None).to_dict(orient="records")
 
 
+def _print_lines(lines: list[str], *wrapped: str) -> None:
+    """Plain `lines` on stdout (no markup, not wrapped), then `wrapped` (wrapped at the console's width)."""
+    for line in lines:
+        common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+    for line in wrapped:
+        common.console.print(line, highlight=False, markup=False)
+
+
 def _print_human(run_dir: Path, cells, ok: bool) -> None:
     from kvtool.bench.verdicts import summary_lines
 
-    for line in [*summary_lines(cells), f"report: {Path(run_dir) / 'report.md'}"]:
-        common.console.print(line, highlight=False, markup=False)
+    _print_lines([], *summary_lines(cells), f"report: {Path(run_dir) / 'report.md'}")
     if not ok:
         common.err_console.print("[bold red]warning:[/] a cell shut down uncleanly or failed the drain check")
 
@@ -186,11 +186,8 @@ def _bench_serve_load(config: Path, out: Path | None, json_out: bool) -> int:
         run = run_serve_load(spec, out, progress=True, config_path=config)
     except (RuntimeError, OSError) as exc:
         raise common.CLIError(f"serve_load run failed: {exc}", code=common.EXIT_PROBLEMS) from None
-    if json_out:
-        common.print_json({"run_dir": str(run.run_dir), "report": str(run.run_dir / "report.md"), "ok": run.ok,
-                           "comparison": run.report.summary_records()})
-    else:
-        for line in run.report.summary_lines():
-            common.console.print(line, highlight=False, markup=False, soft_wrap=True)
-        common.console.print(f"report: {run.run_dir / 'report.md'}", highlight=False, markup=False)
+    Output.from_flags(json_out).emit(
+        lambda: {"run_dir": str(run.run_dir), "report": str(run.run_dir / "report.md"), "ok": run.ok,
+                 "comparison": run.report.summary_records()},
+        lambda: _print_lines(run.report.summary_lines(), f"report: {run.run_dir / 'report.md'}"))
     return common.EXIT_OK if run.ok else common.EXIT_PROBLEMS

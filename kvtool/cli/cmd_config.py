@@ -19,6 +19,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.units import format_duration
 
 config_app = typer.Typer(
     name="config",
@@ -32,9 +33,6 @@ config_app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
-
-_DURATION_UNITS = (("d", 86400), ("h", 3600), ("m", 60), ("s", 1))
-
 
 def register(app: typer.Typer) -> None:
     """Add the `config` sub-app to the root `app`."""
@@ -99,21 +97,10 @@ def shown_value(field: str, value: Any) -> Any:
     if field == "remote_url":
         return mask_url(value)
     if isinstance(value, timedelta):
-        return duration_text(value.total_seconds())
+        return format_duration(value.total_seconds())
     if isinstance(value, Enum):
         return value.value
     return str(value) if isinstance(value, Path) else value
-
-
-def duration_text(seconds: float) -> str:
-    """`seconds` in the largest unit that holds it whole (`7d`, `12h`, `90s`), or in
-    milliseconds below a second (`250ms`); fractions of a second above it as `1.5s`."""
-    if seconds < 1:
-        return f"{seconds * 1000:g}ms"
-    for unit, size in _DURATION_UNITS:
-        if seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
 
 
 def _print_human(out: Output, settings: Any, doc: dict[str, Any]) -> None:

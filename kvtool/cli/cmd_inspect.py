@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -69,12 +69,83 @@ FilterOpt = Annotated[
 ]  # fmt: skip
 LimitOpt = Annotated[int | None, typer.Option("--limit", min=0, help="Show at most N namespaces.", metavar="N", show_default=False)]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but problems (on stderr); the exit code tells.")]
-ModelOpt = Annotated[
-    str | None, typer.Option("--model", "-m", help="Model for --prompt (default: tiny, as serve-once).", show_default=False)
-]
+
+
+@dataclass(frozen=True)
+class PromptSource:
+    """A prompt given on the command line, its model and how to encode it (as serve-once does):
+    the options `PROMPT_OPTIONS` of `kvtool inspect` and `kvtool rm`.
+
+    Attributes:
+        model: model spec (preset, directory or Hub id; None: tiny, see `spec`).
+        prompt, prompt_file, messages: exactly one is given.
+        ignore_chat_template: do not wrap --prompt/--prompt-file in the chat template.
+        system_prompt: system message (chat template only).
+        adapter_path, kv_bits, kv_group_size, prefill_step_size: the engine's (they pick the namespace).
+    """
+
+    model: str | None = None
+    prompt: str | None = None
+    prompt_file: Path | None = None
+    messages: Path | None = None
+    ignore_chat_template: bool = False
+    system_prompt: str | None = None
+    adapter_path: Path | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    prefill_step_size: int | None = None
+
+    @property
+    def spec(self) -> str:
+        """The model spec (tiny when no --model is given)."""
+        return self.model or "tiny"
+
+    @property
+    def given(self) -> bool:
+        """A prompt is given (--prompt, --prompt-file or --messages)."""
+        return any(x is not None for x in (self.prompt, self.prompt_file, self.messages))
+
+    @property
+    def model_given(self) -> bool:
+        """--model or a model option that picks the namespace is given (they only apply with a prompt)."""
+        return any(x is not None for x in (self.model, self.adapter_path, self.kv_bits, self.prefill_step_size))
+
+    def flags(self) -> dict[str, Any]:
+        """Flag -> value of the prompt and its model (`common.refuse_options` with --remote)."""
+        return {"--model": self.model, "--prompt": self.prompt, "--prompt-file": self.prompt_file,
+                "--messages": self.messages, "--adapter-path": self.adapter_path, "--kv-bits": self.kv_bits}
+
+    def check(self) -> None:
+        """Raises `CLIError` unless exactly one non-empty prompt source is given."""
+        if sum(x is not None for x in (self.prompt, self.prompt_file, self.messages)) != 1:
+            raise common.CLIError("give exactly one of --prompt, --prompt-file, --messages")
+        if self.prompt is not None and not self.prompt:
+            raise common.CLIError("--prompt is empty")
+
+
+PROMPT = PromptSource()  # the default of a command's `source` parameter (`prompt_options` always passes one)
+PROMPT_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "model": (common.PromptModelOpt, None),
+    "prompt": (common.PromptOpt, None),
+    "prompt_file": (common.PromptFileOpt, None),
+    "messages": (common.MessagesOpt, None),
+    "ignore_chat_template": (common.IgnoreChatTemplateOpt, False),
+    "system_prompt": (common.SystemPromptOpt, None),
+    "adapter_path": (common.AdapterPathOpt, None),
+    "kv_bits": (common.KVBitsOpt, None),
+    "kv_group_size": (common.KVGroupSizeOpt, 64),
+    "prefill_step_size": (common.OptionalPrefillStepOpt, None),
+}
+
+
+def prompt_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `source: PromptSource` stands for the prompt options
+    `names` (keys of `PROMPT_OPTIONS`, shown in that order)."""
+    return common.option_group("source", PROMPT_OPTIONS, PromptSource, names)
 
 
 @target_options
+@prompt_options(*PROMPT_OPTIONS)
 def inspect_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,
@@ -83,16 +154,7 @@ def inspect_cmd(
     limit: LimitOpt = None,
     json_out: common.JsonOpt = False,
     quiet: QuietOpt = False,
-    model: ModelOpt = None,
-    prompt: common.PromptOpt = None,
-    prompt_file: common.PromptFileOpt = None,
-    messages: common.MessagesOpt = None,
-    ignore_chat_template: common.IgnoreChatTemplateOpt = False,
-    system_prompt: common.SystemPromptOpt = None,
-    adapter_path: common.AdapterPathOpt = None,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
-    prefill_step_size: common.OptionalPrefillStepOpt = None,
+    source: PromptSource = PROMPT,
     block_size: common.BlockSizeOpt = None,
     target: Target = TARGET,
 ) -> None:
@@ -102,56 +164,24 @@ def inspect_cmd(
 
         if target.server is not None:
             common.refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
-                            "--model": model, "--prompt": prompt, "--prompt-file": prompt_file, "--messages": messages,
-                            "--adapter-path": adapter_path, "--kv-bits": kv_bits, "--block-size": block_size,
-                            "--prefill-step-size": prefill_step_size}, "with --remote")  # fmt: skip
+                                   **source.flags(), "--block-size": block_size,
+                                   "--prefill-step-size": source.prefill_step_size}, "with --remote")  # fmt: skip
             raise typer.Exit(inspect_remote(out, target.server, namespace))
 
         cfg = common.build_config(target.config, cache_dir, block_size=block_size)
-        model_opts = {"adapter_path": adapter_path, "kv_bits": kv_bits, "prefill_step_size": prefill_step_size}
-        if any(x is not None for x in (prompt, prompt_file, messages)):
+        if source.given:
             if namespace is not None:
                 raise common.CLIError("--namespace does not apply to a prompt check (the model picks it)")
             if sort is not None or filter_text is not None or limit is not None:
                 raise common.CLIError("--sort, --filter and --limit only apply to the cache listing, not to a prompt check")
-            source = PromptSource(model or "tiny", prompt, prompt_file, messages, not ignore_chat_template, system_prompt,
-                                  {**model_opts, "kv_group_size": kv_group_size})  # fmt: skip
             raise typer.Exit(_probe(cfg, source, out))
-        if model is not None or block_size is not None or any(v is not None for v in model_opts.values()):
+        if block_size is not None or source.model_given:
             raise common.CLIError("--model, --block-size and the model options only apply with --prompt, --prompt-file or --messages")
         report = inspect_cache(cfg.ssd_cache_dir, namespace).select(sort or InspectSort.NAME, filter_text, limit)
         out.emit(report.to_dict, lambda: _print_report(report, out, details=namespace is not None))
         if out.quiet:
             _print_problems(report, out)
     raise typer.Exit(common.EXIT_PROBLEMS if report.problems else common.EXIT_OK)
-
-
-@dataclass(frozen=True)
-class PromptSource:
-    """A prompt given on the command line, and how to encode it (as serve-once does).
-
-    Attributes:
-        model: model spec (preset, directory or Hub id).
-        prompt, prompt_file, messages: exactly one is given.
-        chat_template: wrap --prompt/--prompt-file in the chat template.
-        system_prompt: system message (chat template only).
-        model_opts: adapter_path, kv_bits, kv_group_size, prefill_step_size (they pick the namespace).
-    """
-
-    model: str
-    prompt: str | None
-    prompt_file: Path | None
-    messages: Path | None
-    chat_template: bool = True
-    system_prompt: str | None = None
-    model_opts: dict = field(default_factory=dict)
-
-    def check(self) -> None:
-        """Raises `CLIError` unless exactly one non-empty prompt source is given."""
-        if sum(x is not None for x in (self.prompt, self.prompt_file, self.messages)) != 1:
-            raise common.CLIError("give exactly one of --prompt, --prompt-file, --messages")
-        if self.prompt is not None and not self.prompt:
-            raise common.CLIError("--prompt is empty")
 
 
 @contextmanager
@@ -171,12 +201,13 @@ def prompt_engine(cfg, source: PromptSource) -> Iterator[tuple[Any, Any]]:
         msgs = load_messages(source.messages) if source.messages is not None else None
     except RequestFileError as exc:
         raise common.CLIError(str(exc)) from None
-    engine = read_only_engine(source.model, cfg, source.model_opts)
+    engine = read_only_engine(source.spec, cfg, {"adapter_path": source.adapter_path, "kv_bits": source.kv_bits,
+                              "kv_group_size": source.kv_group_size, "prefill_step_size": source.prefill_step_size})
     try:
         if engine.cache.layout_key is None:
             raise common.CLIError(f"this model cannot be cached: {engine.cache.uncached_reason}")
         try:
-            ids = engine.encode(prompt=text if msgs is None else None, messages=msgs, chat_template=source.chat_template,
+            ids = engine.encode(prompt=text if msgs is None else None, messages=msgs, chat_template=not source.ignore_chat_template,
                                 system_prompt=source.system_prompt)  # fmt: skip
         except ValueError as exc:
             raise common.CLIError(str(exc)) from None
@@ -201,7 +232,7 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
     verdict = "[green]would hit[/]" if probe.would_hit else "[yellow]would miss[/]"
     where = "" if probe.namespace_exists else " (namespace not in this cache)"
     out.emit(
-        lambda: {"cache_dir": str(cfg.ssd_cache_dir), "model": source.model, **probe.to_dict()},
+        lambda: {"cache_dir": str(cfg.ssd_cache_dir), "model": source.spec, **probe.to_dict()},
         lambda: out.print(
             f"{verdict}: {probe.cached_tokens} of {probe.prompt_tokens} prompt tokens cached on SSD "
             f"({probe.cached_blocks}/{probe.full_blocks} full blocks of {probe.block_size}) | "

@@ -6,6 +6,7 @@ options, loads the engine, prints.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
@@ -59,18 +61,6 @@ IgnoreTemplateOpt = Annotated[bool, typer.Option("--ignore-chat-template", help=
 QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help="As mlx-lm: the cache offset from which KV is quantized (with --kv-bits / a quantized file).")]
 
 
-def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
-    """--prompt literally (cache_prompt unescapes nothing), --prompt-file as kvtool reads files."""
-    import sys
-
-    if prompt is not None:
-        text = sys.stdin.read() if prompt == "-" else prompt
-        if not text.strip():
-            raise common.CLIError("--prompt is empty")
-        return text
-    return common.read_prompt_arg(None, prompt_file)
-
-
 @dataclass(frozen=True)
 class PromptTokens:
     """The prompt of an import or export: `--prompt` / `--prompt-file` (tokenised as
@@ -102,7 +92,7 @@ class PromptTokens:
             if self.system_prompt is not None:
                 raise common.CLIError("--system-prompt does not apply to --token-ids")
             return read_token_ids(self.token_ids), "token_ids"
-        text = _read_prompt(self.prompt, self.prompt_file)
+        text = common.read_prompt_arg(self.prompt, self.prompt_file, unescape=False)  # literally, as cache_prompt
         assert text is not None  # --prompt or --prompt-file was given
         chat = not self.ignore_chat_template
         ids = cache_prompt_tokens(engine.tokenizer, text, chat_template=chat, system_prompt=self.system_prompt)
@@ -118,11 +108,10 @@ PROMPT_OPTIONS = {"prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, No
 prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PROMPT_OPTIONS)
 
 
-def _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start):
-    """`common.load_engine` plus mlx-lm's --quantized-kv-start."""
+def _load_engine(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start: int) -> Engine:
+    """`flags.load` plus mlx-lm's --quantized-kv-start."""
     try:
-        return common.load_engine(model, cfg, adapter_path=adapter_path, prefill_step_size=prefill_step_size,
-                                  kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+        return flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
     except ValueError as exc:  # e.g. a quantisation the model's head dims do not allow
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
 
@@ -154,6 +143,7 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 
 # ------------------------------------------------------------------------------ import
 @common.cache_options("config", "cache_dir", "durability", "async_writes", "block_size")
+@common.model_options("adapter_path", "prefill_step_size")
 @prompt_options
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
@@ -164,8 +154,7 @@ def import_cmd(
     check_positions: Annotated[int, typer.Option("--check-positions", min=0, help="KV check: also recompute this many single tokens spread over the rest of the prompt (one decode step each).")] = 64,
     kv_bits: Annotated[int | None, typer.Option("--kv-bits", show_default=False, help="The namespace's KV quantisation (default: the file's; give it for a plain file made with mlx_lm.cache_prompt --kv-bits whose prompt was below --quantized-kv-start).")] = None,
     quantized_kv_start: QuantStartOpt = 5000,
-    adapter_path: common.AdapterPathOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
+    model_flags: common.ModelFlags = common.MODEL,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     verbose: common.VerboseOpt = False,
@@ -181,13 +170,13 @@ def import_cmd(
             raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
         bits = quant[0] if quant else kv_bits
         cfg = cache.build()
-        engine = _load_engine(model, cfg, adapter_path, prefill_step_size, bits, quant[1] if quant else 64,
-                              quantized_kv_start)
+        flags = dataclasses.replace(model_flags, kv_bits=bits, kv_group_size=quant[1] if quant else 64)
+        engine = _load_engine(model, cfg, flags, quantized_kv_start)
 
         def work():
             ids, origin = source.tokens(engine, required=False)
             return import_cache_file(engine, file, ids, model_spec=model,
-                                     adapter_path=str(adapter_path) if adapter_path else None,
+                                     adapter_path=str(flags.adapter_path) if flags.adapter_path else None,
                                      require_model_match=not skip_model_check, check_tokens=check_tokens,
                                      check_positions=check_positions, token_source=origin, preloaded=loaded)
 
@@ -201,24 +190,22 @@ def import_cmd(
 def _print_import(report, status, json_out: bool, explain: bool) -> None:
     """The import's result: its JSON document, or two lines; then with `explain`, the `error:`
     line saying why it was not verified."""
-    if json_out:
-        common.print_json({"schema_version": 1, **report.to_dict(), "shutdown_clean": status.shutdown_clean})
-    else:
+    out = Output.from_flags(json_out)
+
+    def human() -> None:
         for w in report.warnings:
-            common.err_console.print(f"[yellow]warning:[/] {w}", highlight=False, soft_wrap=True)
+            out.note(f"[yellow]warning:[/] {w}")
         mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
-        common.console.print(
-            f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
-            f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
-            f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
-            f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
-            f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}",
-            highlight=False, soft_wrap=True)
-        common.console.print(
-            f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
-            f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | namespace "
-            f"{report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]",
-            highlight=False, soft_wrap=True)
+        out.print(f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
+                  f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
+                  f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
+                  f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
+                  f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}")
+        out.print(f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
+                  f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | "
+                  f"namespace {report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]")
+
+    out.emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean}, human)
     if explain:
         why = ("not every token is on SSD after the flush" if not report.verified
                else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
@@ -228,6 +215,7 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 
 # ------------------------------------------------------------------------------ export
 @common.cache_options("config", "cache_dir", "block_size")
+@common.model_options("adapter_path", "prefill_step_size", "kv_bits", "kv_group_size")
 @prompt_options
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
@@ -235,11 +223,8 @@ def export_cmd(
     source: PromptTokens = PROMPT,
     fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
     metadata_model: Annotated[str | None, typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
-    kv_bits: common.KVBitsOpt = None,
-    kv_group_size: common.KVGroupSizeOpt = 64,
+    model_flags: common.ModelFlags = common.MODEL,
     quantized_kv_start: QuantStartOpt = 5000,
-    adapter_path: common.AdapterPathOpt = None,
-    prefill_step_size: common.PrefillStepOpt = 2048,
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     verbose: common.VerboseOpt = False,
@@ -252,7 +237,7 @@ def export_cmd(
         if out.suffix != SUFFIX:
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
         cfg = cache.build()
-        engine = _load_engine(model, cfg, adapter_path, prefill_step_size, kv_bits, kv_group_size, quantized_kv_start)
+        engine = _load_engine(model, cfg, model_flags, quantized_kv_start)
 
         def work():
             ids, _ = source.tokens(engine, required=True)
@@ -261,14 +246,11 @@ def export_cmd(
 
         report, interrupted, _ = _run_then_close(engine, work)
     if report is not None:
-        if json_out:
-            common.print_json({"schema_version": 1, **report.to_dict()})
-        else:
-            common.console.print(
-                f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
-                f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} (RAM {report.ram_hit_tokens}, "
-                f"SSD {report.ssd_hit_tokens}), computed {report.computed_tokens} | metadata model {report.metadata_model}",
-                highlight=False, soft_wrap=True)
+        output = Output.from_flags(json_out)
+        output.emit(report.to_dict, lambda: output.print(
+            f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
+            f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} (RAM {report.ram_hit_tokens}, "
+            f"SSD {report.ssd_hit_tokens}), computed {report.computed_tokens} | metadata model {report.metadata_model}"))
     raise typer.Exit(_exit_code(interrupted, report is not None))
 
 

@@ -7,7 +7,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console, print_json
+from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
+from kvtool.cli.output import Output
 from kvtool.models import embedded
 
 model_app = typer.Typer(
@@ -61,10 +62,7 @@ def list_cmd(json_out: JsonOpt = False) -> None:
     """
     with cli_errors():
         rows = preset_rows()
-        if json_out:
-            print_json({"models": rows})  # schema_version added by print_json
-        else:
-            console.print(_table(rows))
+        Output.from_flags(json_out).emit({"models": rows}, lambda: console.print(_table(rows)))
 
 
 def preset_rows() -> list[dict]:

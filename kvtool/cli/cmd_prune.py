@@ -11,9 +11,9 @@ from rich.table import Table
 from kvtool.cli import common
 from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
 from kvtool.progress import progress
-from kvtool.units import format_bytes, parse_duration, parse_size
+from kvtool.units import format_bytes, format_duration, parse_duration, parse_size
 
 EXIT_LOCKED = 3  # another prune holds <cache_dir>/.prune.lock (kvtool.disk.lock.EXIT_LOCKED)
 NO_TTL = ("none", "off", "never")
@@ -79,9 +79,9 @@ def prune_cmd(
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
-        preflight(root, dry_run, yes, "refusing to prune without confirmation: no terminal to ask on; add --yes (e.g. in cron) or use --dry-run")
+        preflight(root, dry_run, yes, "prune", "add --yes (e.g. in cron)")
         # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
-        with common.maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
+        with maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
             task = bar.add_task("scanning the cache", total=None) if bar is not None else None
             plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)
             plan.dry_run = dry_run
@@ -134,20 +134,11 @@ def _removes_anything(plan) -> bool:
     return bool(plan.total("prune_blocks") or plan.total("prune_segments") or any(ns.remove_namespace for ns in plan.namespaces))
 
 
-def _fmt_duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "none"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size and seconds % size == 0:
-            return f"{int(seconds // size)}{unit}"
-    return f"{seconds:g}s"
-
-
 def _print_plan(plan, out) -> None:
     budget = "none" if plan.max_bytes is None else format_bytes(plan.max_bytes)
     scope = "whole cache" if plan.scope == "all" else "per namespace"
     table = Table(
-        title=f"kvtool prune {plan.cache_dir}: ttl {_fmt_duration(plan.ttl_s)}, budget {budget} ({scope})",
+        title=f"kvtool prune {plan.cache_dir}: ttl {'none' if plan.ttl_s is None else format_duration(plan.ttl_s)}, budget {budget} ({scope})",
         box=box.SIMPLE_HEAD, pad_edge=False,
     )  # fmt: skip
     for name in ("namespace", "model", "stored", "prune", "ttl/lru/desc", "left"):

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.removal import refuse_without_terminal
 from kvtool.units import format_bytes
 
 DEFAULT_TIMEOUT = "5s"  # operator commands: a SCAN of a large server needs more than the serving deadline
@@ -158,14 +159,6 @@ def target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate an operator command whose parameter `target: Target` stands for `--config`,
     `--remote` and `--remote-url` (shown last)."""
     return common.option_group("target", TARGET_OPTIONS, Target, TARGET_OPTIONS)(fn)
-
-
-def refuse_without_terminal(yes: bool, dry_run: bool, what: str) -> None:
-    """Raises CLIError unless --yes, --dry-run or a terminal to ask on."""
-    from kvtool.cli.removal import interactive
-
-    if not (yes or dry_run or interactive()):
-        raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; add --yes or use --dry-run")
 
 
 def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:

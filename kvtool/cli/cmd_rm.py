@@ -13,10 +13,10 @@ import typer
 from rich.markup import escape
 
 from kvtool.cli import common
-from kvtool.cli.cmd_inspect import PromptSource
+from kvtool.cli.cmd_inspect import PROMPT, PromptSource, prompt_options
 from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, preflight, print_freed
+from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed, refuse_without_terminal
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -55,14 +55,11 @@ BlockSizeOpt = Annotated[
 
 
 @target_options
-@common.model_options("ignore_chat_template", "system_prompt", "adapter_path", "kv_bits", "kv_group_size")
+@prompt_options("prompt", "prompt_file", "messages", "model", "ignore_chat_template", "system_prompt", "adapter_path",
+                "kv_bits", "kv_group_size")
 def rm_cmd(
     namespace: NamespaceArg = None,
-    prompt: common.PromptOpt = None,
-    prompt_file: common.PromptFileOpt = None,
-    messages: common.MessagesOpt = None,
-    model: common.PromptModelOpt = None,
-    model_flags: common.ModelFlags = common.MODEL,
+    source: PromptSource = PROMPT,
     block_size: BlockSizeOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
@@ -75,37 +72,31 @@ def rm_cmd(
     with common.cli_errors():
         from kvtool.ops.remove import check_prefix
 
-        by_prompt = any(x is not None for x in (prompt, prompt_file, messages))
+        by_prompt = source.given
         if by_prompt == (namespace is not None):
             raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
                                   + (", not both" if by_prompt else ""))  # fmt: skip
-        mf = model_flags
-        model_opts = {"adapter_path": mf.adapter_path, "kv_bits": mf.kv_bits}
-        if not by_prompt and (model is not None or block_size is not None or any(v is not None for v in model_opts.values())):
+        if not by_prompt and (block_size is not None or source.model_given):
             raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
         if namespace is not None:
             check_prefix(namespace)
-        source = PromptSource(model or "tiny", prompt, prompt_file, messages, not mf.ignore_chat_template,
-                              mf.system_prompt, {**model_opts, "kv_group_size": mf.kv_group_size})  # fmt: skip
         server = target.server
         if server is not None:
             common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
             if not by_prompt:
                 raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
-            from kvtool.cli.cmd_remote import refuse_without_terminal
-
             refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
             cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
             keys = _prompt_keys(cfg, source)[0](cfg.block_size)
             raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
         cfg = common.build_config(target.config, cache_dir)
         root = cfg.ssd_cache_dir
-        preflight(root, dry_run, yes, "refusing to remove without confirmation: no terminal to ask on; add --yes or use --dry-run")
+        preflight(root, dry_run, yes, "remove")
         if by_prompt:
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:
             make_plan = _namespace_planner(root, namespace or "")
-        with common.maintenance_lock(root, dry_run):  # a dry run only reads
+        with maintenance_lock(root, dry_run):  # a dry run only reads
             plan = make_plan()
             plan.dry_run = dry_run
             code = _confirm_and_execute(plan, yes, out)
@@ -152,7 +143,7 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
     def plan():
         scan = scan_cache(cfg.ssd_cache_dir, full=False)
         sizes = [block_size] if block_size is not None else sorted(block_sizes_of(scan) | {cfg.block_size})
-        return plan_prompt_removal(scan, keys_for, sizes, model=source.model, prompt_tokens=prompt_tokens)
+        return plan_prompt_removal(scan, keys_for, sizes, model=source.spec, prompt_tokens=prompt_tokens)
 
     return plan
 

@@ -4,7 +4,7 @@ cache, shut down cleanly, print what the cache did."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -203,6 +203,42 @@ def serve_once(
     raise typer.Exit(code)
 
 
+def token_limits(engine: Any, max_prompt_tokens: int | None) -> Any:
+    """The token limits of `engine`'s model (`kvtool.models.limits.token_limits`: the rule
+    `kvtool serve` answers 413 / 400 by), for serve-once and warm."""
+    import logging
+
+    from kvtool.models.limits import token_limits as limits_of
+
+    # the prompt's length is kvtool's to judge (one error line): not the tokenizer's warning about it
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
+    return limits_of(engine.loaded.path, max_prompt_tokens)
+
+
+def check_tokens(limits: Any, what: str = "the prompt", *, prompt_tokens: int | None = None,
+                 max_tokens: int | None = None, max_tokens_name: str = "--max-tokens") -> None:
+    """Refuse, before any prefill, a `max_tokens` past the model's context length or a prompt of
+    more than `limits.max_prompt_tokens` tokens (`kvtool.models.limits.TokenLimits`: the rule
+    `kvtool serve` answers 400 / 413 by). `what` names the prompt (`request 0`, a source line),
+    `max_tokens_name` the option or field.
+
+    Raises:
+        CLIError: over a limit (exit 2); the message names the limit and the option that sets it.
+    """
+    from kvtool.models.limits import TokenLimitError
+
+    try:
+        if max_tokens is not None:
+            limits.check_max_tokens(max_tokens, max_tokens_name)
+        if prompt_tokens is not None:
+            limits.check_prompt(prompt_tokens, what)
+    except TokenLimitError as exc:
+        hint = ("shorten the prompt, or raise --max-prompt-tokens (at most the model's context length)"
+                if prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens
+                else f"ask for at most {limits.max_tokens_cap} tokens")
+        raise common.CLIError(str(exc), hint=hint) from None
+
+
 def _encoder(engine: Engine, chat_template: bool, system_prompt):
     """Token ids of a request, with the CLI's chat-template rule (shared with `kvtool warm`)."""
     return lambda req: engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
@@ -211,14 +247,14 @@ def _encoder(engine: Engine, chat_template: bool, system_prompt):
 
 def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_prompt_tokens: int | None) -> list:
     """Every request's token ids, each checked, before any prefill, against the limits `kvtool
-    serve` applies (`common.check_tokens`): `max_tokens` (the flag's, and a request's own) at
+    serve` applies (`check_tokens`): `max_tokens` (the flag's, and a request's own) at
     most the model's context length, the prompt at most `--max-prompt-tokens` tokens.
 
     Raises:
         CLIError: a request cannot be encoded, or is over a limit.
     """
-    limits = common.token_limits(engine, max_prompt_tokens)
-    common.check_tokens(limits, max_tokens=max_tokens)
+    limits = token_limits(engine, max_prompt_tokens)
+    check_tokens(limits, max_tokens=max_tokens)
     out = []
     for i, req in enumerate(reqs):
         try:
@@ -226,7 +262,7 @@ def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_pro
         except ValueError as exc:
             raise common.CLIError(f"request {i}: {exc}") from None
         what = "the prompt" if len(reqs) == 1 else f"request {i}"
-        common.check_tokens(limits, what, prompt_tokens=len(ids), max_tokens=req.max_tokens,
+        check_tokens(limits, what, prompt_tokens=len(ids), max_tokens=req.max_tokens,
                             max_tokens_name=f"{what}: max_tokens")
         out.append(ids)
     return out
@@ -254,7 +290,6 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
     write_metrics_file(metrics_file, stats, [r.to_dict() for r in results])
     if json_out:
         doc = {
-            "schema_version": 1,  # kvtool.cli.output.SCHEMA_VERSION
             "requests": [r.to_dict() for r in results],
             "stats": stats,
             "shutdown_clean": status.shutdown_clean,

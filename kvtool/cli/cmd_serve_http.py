@@ -209,18 +209,8 @@ def serve_http(
     code = common.EXIT_OK
     try:
         with common.signals_raise(), common.cli_errors():
-            level = log_level.upper()
-            if level not in LOG_LEVELS:
-                raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+            level, body_limit, head_timeout_s = _server_flags(log_level, max_body_bytes, head_timeout)
             common.refuse_max_kv_size(model_flags.max_kv_size)
-            from kvtool.units import parse_duration, parse_size
-
-            body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
-            if body_limit < 1024:
-                raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
-            head_timeout_s = common.parse_flag(head_timeout, parse_duration, "--head-timeout")
-            if not 0.1 <= head_timeout_s <= 3600:
-                raise common.CLIError(f"--head-timeout {head_timeout}: from 0.1s to 1h")
             extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
             setup_server_logging(level)
             make_config = dataclasses.replace(cache, ram_bytes=ram_bytes).build
@@ -235,6 +225,27 @@ def serve_http(
     except common.Interrupted as exc:  # before serving started: nothing was written
         code = 128 + exc.signum
     raise typer.Exit(code)
+
+
+def _server_flags(log_level: str, max_body_bytes: str, head_timeout: str) -> tuple[str, int, float]:
+    """`(log level, body limit in bytes, head timeout in seconds)` of `--log-level`,
+    `--max-body-bytes` and `--head-timeout`.
+
+    Raises:
+        CLIError: an unknown level, a body limit under 1KiB, a head timeout outside 0.1s..1h.
+    """
+    from kvtool.units import parse_duration, parse_size
+
+    level = log_level.upper()
+    if level not in LOG_LEVELS:
+        raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+    body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
+    if body_limit < 1024:
+        raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
+    head_timeout_s = common.parse_flag(head_timeout, parse_duration, "--head-timeout")
+    if not 0.1 <= head_timeout_s <= 3600:
+        raise common.CLIError(f"--head-timeout {head_timeout}: from 0.1s to 1h")
+    return level, body_limit, head_timeout_s
 
 
 def _start(model, cfg, host, port, adapter_path, **options):

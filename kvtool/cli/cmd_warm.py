@@ -4,14 +4,17 @@ and a progress line at most every 10 s without one (`kvtool.progress`)."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 
 from kvtool.cli import common
-from kvtool.progress import make_progress, stderr_is_terminal
+from kvtool.cli.output import Output
+from kvtool.progress import progress
 from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
@@ -59,7 +62,7 @@ def warm_cmd(
 ) -> None:
     common.setup_logging(verbose)
     with common.cli_errors():
-        from kvtool.cli.cmd_serve import parse_max_prompt_bytes
+        from kvtool.cli.cmd_serve import parse_max_prompt_bytes, token_limits
         from kvtool.jobs.warm import WarmError, check_engine, load_sources
 
         try:
@@ -78,7 +81,7 @@ def warm_cmd(
             raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
         namespace_dir = engine.namespace_dir
         code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
-                    common.token_limits(engine, max_prompt_tokens))
+                    token_limits(engine, max_prompt_tokens))
         if to_remote and code == common.EXIT_OK and namespace_dir is not None:
             code = _push(namespace_dir, cfg)
     raise typer.Exit(code)
@@ -109,8 +112,8 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
     with common.signals_raise():
         try:
-            with _progress(len(prompts), enabled=not json_out) as progress:
-                report = warm(engine, prompts, progress=progress, interrupts=(common.Interrupted,),
+            with _progress(len(prompts), enabled=not json_out) as on_report:
+                report = warm(engine, prompts, progress=on_report, interrupts=(common.Interrupted,),
                               chat_template=chat_template, system_prompt=system_prompt, limits=limits)
         except common.Interrupted as exc:  # a signal outside the prompt loop
             report.interrupted = exc.args[0]
@@ -119,55 +122,30 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
         finally:
             common.ignore_signals()
             status = engine.close()  # drains the writer, flushes and closes the index
-    doc = {"schema_version": 1, **report.to_dict()}  # kvtool.cli.output.SCHEMA_VERSION
-    doc.update(shutdown_clean=status.shutdown_clean, shutdown_partial_flush=status.shutdown_partial_flush)
-    if json_out:
-        common.print_json(doc)
-    else:
-        _print_summary(report, status)
+    Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
+                                              "shutdown_partial_flush": status.shutdown_partial_flush},
+                                     lambda: _print_summary(report, status))
     if report.interrupted:
         return 128 + getattr(signal.Signals, report.interrupted, signal.SIGINT).value
     ok = status.shutdown_clean and report.flushed and report.blocks_failed == 0
     return common.EXIT_OK if ok else common.EXIT_PROBLEMS
 
 
-class _RichProgress:
-    """Adapter from warm's `progress(report)` to one rich bar (prompts, tokens, blocks, bytes), or
-    without a terminal to progress lines (`kvtool.progress.LineProgress`)."""
-
-    def __init__(self, total: int) -> None:
-        self._bar = make_progress(
-            "kvtool warm", TextColumn("warm"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
-            TextColumn("{task.fields[tokens]} tok | {task.fields[blocks]} blocks | {task.fields[bytes]}"),
-            TimeElapsedColumn(), console=common.err_console, transient=True,
-        )  # fmt: skip
-        self._task = self._bar.add_task("warm", total=total, tokens=0, blocks=0, bytes=format_bytes(0))
-
-    def __enter__(self) -> _RichProgress:
-        self._bar.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._bar.__exit__(*exc)
-
-    def __call__(self, report) -> None:
-        self._bar.update(
-            self._task, completed=report.prompts_done, tokens=report.tokens, blocks=report.blocks_written,
-            bytes=format_bytes(report.bytes_written),
-        )  # fmt: skip
-
-
-class _NoProgress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-def _progress(total: int, enabled: bool):
-    """The bar on a terminal when `enabled` (not --json); progress lines whenever stderr is not a terminal."""
-    return _RichProgress(total) if enabled or not stderr_is_terminal(common.err_console) else _NoProgress()
+@contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[Any], None] | None]:
+    """Warm's `progress(report)`: one rich bar (prompts, tokens, blocks, bytes) on a terminal when
+    `enabled` (not --json), progress lines (`kvtool.progress.LineProgress`) whenever stderr is not
+    a terminal; None when nothing is shown."""
+    columns = (TextColumn("warm"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
+               TextColumn("{task.fields[tokens]} tok | {task.fields[blocks]} blocks | {task.fields[bytes]}"),
+               TimeElapsedColumn())  # fmt: skip
+    with progress("kvtool warm", *columns, console=common.err_console, bar=enabled) as bar:
+        if bar is None:
+            yield None
+            return
+        task = bar.add_task("warm", total=total, tokens=0, blocks=0, bytes=format_bytes(0))
+        yield lambda report: bar.update(task, completed=report.prompts_done, tokens=report.tokens,
+                                        blocks=report.blocks_written, bytes=format_bytes(report.bytes_written))
 
 
 def _print_summary(report, status) -> None:

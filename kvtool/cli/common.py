@@ -8,12 +8,8 @@ Errors are one `error:` line each (`kvtool.cli.errors`, re-exported here: `commo
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import inspect
-import json
-import sys
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -30,7 +26,7 @@ from kvtool.cli.errors import (  # noqa: F401  (re-exported: every command uses 
     describe_error,
     print_error,
 )
-from kvtool.cli.output import console, err_console, versioned  # noqa: F401  (re-exported)
+from kvtool.cli.output import console, err_console, print_json  # noqa: F401  (re-exported)
 from kvtool.cli.signals import Interrupted, ignore_signals, signals_raise  # noqa: F401  (re-exported)
 from kvtool.config import Codec, Durability, RemotePolicy, SSDPolicy
 
@@ -153,23 +149,6 @@ RemoteOpt = Annotated[bool, typer.Option(
 RemoteServerOpt = Annotated[str | None, typer.Option(
     "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
     "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
-
-
-def version() -> str:
-    """kvtool's version: the installed distribution's, else `kvtool.__version__`, else `unknown`."""
-    try:
-        return importlib.metadata.version("kvtool")
-    except importlib.metadata.PackageNotFoundError:
-        import kvtool
-
-        return str(getattr(kvtool, "__version__", "unknown"))
-
-
-def print_json(doc: Mapping[str, Any]) -> None:
-    """Write one JSON document to stdout (no rich markup), `schema_version` first
-    (`kvtool.cli.output.versioned`): every JSON document the CLI prints carries it."""
-    sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
-    sys.stdout.flush()
 
 
 # ---------------------------------------------------------------- cache options
@@ -332,15 +311,15 @@ class ModelFlags:
     kv_bits: int | None = None
     kv_group_size: int = 64
 
-    def load(self, model: str, config: Any) -> Any:
-        """`load_engine` with these flags.
+    def load(self, model: str, config: Any, **engine_options: Any) -> Any:
+        """`load_engine` with these flags (`engine_options`: more `Engine` arguments).
 
         Raises:
             CLIError: as `load_engine`.
         """
         return load_engine(model, config, adapter_path=self.adapter_path, max_kv_size=self.max_kv_size,
                            prefill_step_size=self.prefill_step_size, kv_bits=self.kv_bits,
-                           kv_group_size=self.kv_group_size)
+                           kv_group_size=self.kv_group_size, **engine_options)
 
 
 MODEL = ModelFlags()  # the default of a command's `model_flags` parameter (`model_options` always passes one)
@@ -400,20 +379,6 @@ def cache_root(path: Path) -> Path:
         return path
 
 
-def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
-    """The cache's maintenance lock for prune / rm (`kvtool.disk.lock.cache_lock`); none for a
-    dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
-
-    Raises:
-        PruneLocked, PruneError: when entered, as `cache_lock`.
-    """
-    import os
-
-    from kvtool.disk.lock import cache_lock
-
-    return nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
-
-
 def setup_logging(verbose: bool = False) -> None:
     """Warnings (and with --verbose, info) from kvtool to stderr."""
     import logging
@@ -463,42 +428,6 @@ def load_engine(
                   kv_group_size=kv_group_size, **engine_options)
 
 
-def token_limits(engine: Any, max_prompt_tokens: int | None) -> Any:
-    """The token limits of `engine`'s model (`kvtool.models.limits.token_limits`: the rule
-    `kvtool serve` answers 413 / 400 by), for serve-once and warm."""
-    import logging
-
-    from kvtool.models.limits import token_limits as limits_of
-
-    # the prompt's length is kvtool's to judge (one error line): not the tokenizer's warning about it
-    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
-    return limits_of(engine.loaded.path, max_prompt_tokens)
-
-
-def check_tokens(limits: Any, what: str = "the prompt", *, prompt_tokens: int | None = None,
-                 max_tokens: int | None = None, max_tokens_name: str = "--max-tokens") -> None:
-    """Refuse, before any prefill, a `max_tokens` past the model's context length or a prompt of
-    more than `limits.max_prompt_tokens` tokens (`kvtool.models.limits.TokenLimits`: the rule
-    `kvtool serve` answers 400 / 413 by). `what` names the prompt (`request 0`, a source line),
-    `max_tokens_name` the option or field.
-
-    Raises:
-        CLIError: over a limit (exit 2); the message names the limit and the option that sets it.
-    """
-    from kvtool.models.limits import TokenLimitError
-
-    try:
-        if max_tokens is not None:
-            limits.check_max_tokens(max_tokens, max_tokens_name)
-        if prompt_tokens is not None:
-            limits.check_prompt(prompt_tokens, what)
-    except TokenLimitError as exc:
-        hint = ("shorten the prompt, or raise --max-prompt-tokens (at most the model's context length)"
-                if prompt_tokens is not None and prompt_tokens > limits.max_prompt_tokens
-                else f"ask for at most {limits.max_tokens_cap} tokens")
-        raise CLIError(str(exc), hint=hint) from None
-
-
 def refuse_max_kv_size(max_kv_size: int | None) -> None:
     """Raises CLIError for a `--max-kv-size` (a rotating KV cache, which kvtool cannot store exactly
     yet: refused up front rather than run uncached)."""
@@ -507,9 +436,10 @@ def refuse_max_kv_size(max_kv_size: int | None) -> None:
                        "cache yet; drop the option (kvtool keeps the whole prompt's KV)")
 
 
-def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:
+def read_prompt_arg(prompt: str | None, prompt_file: Path | None, *, unescape: bool = True) -> str | None:
     """`--prompt` / `--prompt-file` text as mlx-lm reads it: `-` is stdin; in `--prompt`, the
-    two-character escapes `\\n` and `\\t` become a newline and a tab (`mlx_lm.generate`).
+    two-character escapes `\\n` and `\\t` become a newline and a tab (`mlx_lm.generate`) unless
+    not `unescape` (`mlx_lm.cache_prompt` takes the text literally).
 
     Raises:
         CLIError: empty prompt, or an unreadable / non-UTF-8 file.
@@ -519,7 +449,8 @@ def read_prompt_arg(prompt: str | None, prompt_file: Path | None) -> str | None:
     from kvtool.prompts import RequestFileError, read_text
 
     if prompt is not None:
-        text = sys.stdin.read() if prompt == "-" else prompt.replace("\\n", "\n").replace("\\t", "\t")
+        text = (sys.stdin.read() if prompt == "-" else
+                prompt.replace("\\n", "\n").replace("\\t", "\t") if unescape else prompt)  # fmt: skip
         if not text.strip():
             raise CLIError("--prompt is empty")
         return text

@@ -51,6 +51,13 @@ def versioned(doc: Mapping[str, Any]) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, **{k: v for k, v in doc.items() if k != "schema_version"}}
 
 
+def print_json(doc: Mapping[str, Any]) -> None:
+    """Write one JSON document to stdout (no rich markup), `schema_version` first (`versioned`):
+    every JSON document the CLI prints carries it."""
+    sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
 class Output:
     """The output sink of one command run.
 
@@ -112,9 +119,7 @@ class Output:
         """Print text or a rich renderable on stdout (human mode only). Markup is interpreted;
         no automatic highlighting; long lines are not wrapped unless `soft_wrap=False`."""
         if self.human:
-            kw.setdefault("highlight", False)
-            kw.setdefault("soft_wrap", True)
-            self.console.print(*objects, **kw)
+            self.console.print(*objects, **{"highlight": False, "soft_wrap": True, **kw})
 
     def table(self, table: Any) -> None:
         """Print a rich `Table` on stdout (human mode only)."""
@@ -132,8 +137,7 @@ class Output:
         if self._documents:
             raise RuntimeError("a command prints exactly one JSON document")
         self._documents += 1
-        sys.stdout.write(json.dumps(versioned(doc), indent=2, default=str) + "\n")
-        sys.stdout.flush()
+        print_json(doc)
 
     def emit(self, doc: Mapping[str, Any] | Callable[[], Mapping[str, Any]], human: Callable[[], None]) -> None:
         """The command's result: `document(doc)` in json mode, `human()` in human mode, nothing
@@ -146,16 +150,12 @@ class Output:
     # ------------------------------------------------------------------ stderr
     def problem(self, text: str, **kw: Any) -> None:
         """A problem found (not a failure of the command): stderr, in every mode, `--quiet` included."""
-        kw.setdefault("highlight", False)
-        kw.setdefault("soft_wrap", True)
-        self.err_console.print(text, **kw)
+        self.err_console.print(text, **{"highlight": False, "soft_wrap": True, **kw})
 
     def note(self, text: str, **kw: Any) -> None:
         """A side remark (what was skipped, a hint): stderr, except under `--quiet`."""
         if not self.quiet:
-            kw.setdefault("highlight", False)
-            kw.setdefault("soft_wrap", True)
-            self.err_console.print(text, **kw)
+            self.problem(text, **kw)
 
     def confirm(self, question: str) -> bool:
         """Ask `question [y/N]` on stderr (the answer is read from stdin); False on "no"."""
@@ -164,4 +164,4 @@ class Output:
         return bool(typer.confirm(question, default=False, err=True))
 
 
-__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "versioned"]
+__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "print_json", "versioned"]

@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -20,18 +20,36 @@ def interactive() -> bool:
     return sys.stdin.isatty()
 
 
-def preflight(root: Path, dry_run: bool, yes: bool, refusal: str) -> None:
-    """Checks before a removal plan is made: a way to confirm it, and the cache directory.
+def refuse_without_terminal(yes: bool, dry_run: bool, what: str, how: str = "add --yes") -> None:
+    """Raises CLIError (`refusing to <what> without confirmation: ...; <how> or use --dry-run`)
+    unless --yes, --dry-run or a terminal to ask on."""
+    if not (yes or dry_run or interactive()):
+        raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; {how} or use --dry-run")
+
+
+def preflight(root: Path, dry_run: bool, yes: bool, what: str, how: str = "add --yes") -> None:
+    """Checks before a removal plan is made: a way to confirm it (`refuse_without_terminal`), and
+    the cache directory.
 
     Raises:
-        CLIError: no `--yes`, no `--dry-run` and no terminal to ask on (`refusal` says what is
-            refused and how to go on), or `root` exists and is not a directory (one that does
-            not exist yet is an empty cache).
+        CLIError: no `--yes`, no `--dry-run` and no terminal to ask on, or `root` exists and is
+            not a directory (one that does not exist yet is an empty cache).
     """
-    if not (dry_run or yes or interactive()):
-        raise common.CLIError(refusal)
+    refuse_without_terminal(yes, dry_run, what, how)
     if os.path.lexists(root) and not os.path.isdir(root):
         raise common.CLIError(f"cache directory {root} is not a directory")
+
+
+def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
+    """The cache's maintenance lock for prune / rm (`kvtool.disk.lock.cache_lock`); none for a
+    dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
+
+    Raises:
+        PruneLocked, PruneError: when entered, as `cache_lock`.
+    """
+    from kvtool.disk.lock import cache_lock
+
+    return nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
 
 
 @contextmanager
@@ -124,4 +142,4 @@ def _exit_code(plan: Any) -> int:
     return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
 
 
-__all__ = ["confirm_and_execute", "deferred_signals", "print_freed"]
+__all__ = ["confirm_and_execute", "deferred_signals", "preflight", "print_freed", "refuse_without_terminal"]

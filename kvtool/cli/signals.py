@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -12,26 +13,18 @@ class Interrupted(BaseException):
     `except Exception` on the request path swallows it). `signum` gives the exit code 128+n."""
 
     def __init__(self, signum: int):
-        import signal
-
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
 
 def _raise_interrupted(signum, _frame):
-    import signal
-
-    # One signal is enough: further ones are ignored while the writer drains.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore_signals()  # one signal is enough: further ones are ignored while the writer drains
     raise Interrupted(signum)
 
 
 @contextmanager
 def signals_raise() -> Iterator[None]:
     """While active, SIGINT and SIGTERM raise `Interrupted`; previous handlers restored after."""
-    import signal
-
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
@@ -42,7 +35,5 @@ def signals_raise() -> Iterator[None]:
 
 def ignore_signals() -> None:
     """Ignore SIGINT/SIGTERM (for the clean-shutdown path; `signals_raise` restores them)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -80,12 +80,8 @@ class RemotePolicy(StrEnum):
     ON_EVICT = "on_evict"  # blocks go to the remote store when the RAM tier evicts them
 
 
-SSD_POLICIES = tuple(p.value for p in SSDPolicy)
-REMOTE_POLICIES = tuple(p.value for p in RemotePolicy)
 DEFAULT_REMOTE_TIMEOUT = timedelta(milliseconds=250)
-DURABILITY_MODES = tuple(d.value for d in Durability)
-WRITER_MODES = tuple(w.value for w in WriterMode)
-CODECS = tuple(c.value for c in Codec)
+DURABILITY_MODES = tuple(d.value for d in Durability)  # (the SSD writer checks its mode against them)
 
 
 class ConfigError(KVToolError, ValueError):

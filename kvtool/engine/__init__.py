@@ -247,24 +247,8 @@ class Engine:
         return list(tok.encode(prompt, add_special_tokens=add_special))
 
     # --------------------------------------------------------------- requests
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temp: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop: Sequence[str] = (),
-    ) -> RequestResult:
-        """Serve one request through the prefix cache.
-
-        Args:
-            prompt_ids: prompt token ids (at least one).
-            max_tokens: maximum generated tokens (> 0).
-            temp, top_p: mlx-lm sampler settings; temp 0 is greedy.
-            seed: seeds `mx.random` before sampling.
-            stop: stop strings; the text is cut before the first one found.
+    def generate(self, prompt_ids: Sequence[int], **options: Any) -> RequestResult:
+        """Serve one request through the prefix cache: `stream` (same `options`) run to its end.
 
         Returns:
             A `RequestResult`; `token_ids` are the generated ids (EOS excluded).
@@ -273,7 +257,7 @@ class Engine:
             ValueError: empty prompt or `max_tokens < 1`.
         """
         result = RequestResult()
-        for step in self.stream(prompt_ids, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed, stop=stop):
+        for step in self.stream(prompt_ids, **options):
             result = step.result
         return result
 
@@ -287,8 +271,16 @@ class Engine:
         seed: int | None = None,
         stop: Sequence[str] = (),
     ) -> Iterator[StreamResponse]:
-        """Like `generate`, one `StreamResponse` per generated token (`mlx_lm.stream_generate`
-        style). The engine stays locked until the generator is exhausted or closed.
+        """Serve one request through the prefix cache, one `StreamResponse` per generated token
+        (`mlx_lm.stream_generate` style). The engine stays locked until the generator is
+        exhausted or closed.
+
+        Args:
+            prompt_ids: prompt token ids (at least one).
+            max_tokens: maximum generated tokens (> 0).
+            temp, top_p: mlx-lm sampler settings; temp 0 is greedy.
+            seed: seeds `mx.random` before sampling.
+            stop: stop strings; the text is cut before the first one found.
 
         Raises:
             ValueError: empty prompt or `max_tokens < 1`.
@@ -380,12 +372,6 @@ class Engine:
         pc = self.cache
         return pc.tiered is not None and bool(pc.windows or pc.has_states)
 
-    def _generation_cache(self, full: list, n: int, states: dict | None = None) -> list:
-        """mlx-lm's cache state after its own prefill of the prompt's first `n` tokens, from the
-        prefill cache holding the whole prompt (`kvtool.kv.prefill.generation_cache`)."""
-        return prefill_mod.generation_cache(full, n, self.cache.windows if self._blockwise else (),
-                                            self.prefill_step_size, states)
-
     def prefill_into(self, cache: list, tokens: np.ndarray, n_prompt: int, start: int,
                  states: dict | None = None) -> None:
         """Run the model over `tokens` (the prompt's tokens after the `start` ones `cache` holds)
@@ -393,10 +379,6 @@ class Engine:
         checkpoints (`kvtool.kv.prefill.prefill`)."""
         prefill_mod.prefill(self.model, cache, tokens, n_prompt, start, step=self.prefill_step_size,
                             quant=self.quant, states=states, block_size=self.cache.config.block_size)
-
-    def _quantize(self, cache: list) -> None:
-        """mlx-lm's `maybe_quantize_kv_cache` at the switch point (layers already quantized stay)."""
-        prefill_mod.quantize(cache, self.quant)
 
     def _decode(self, res, cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
                 store_cache=None, states=None, last_kv=None) -> Iterator[StreamResponse]:

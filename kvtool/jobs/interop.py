@@ -5,8 +5,8 @@
 `mlx_lm.generate --prompt-cache-file` loads.
 
 Token ids, file loading and the model check live in `kvtool.jobs.interop_files` (its docstring
-says how a prompt is tokenised as `mlx_lm.cache_prompt` does); every public name is
-re-exported here.
+says how a prompt is tokenised as `mlx_lm.cache_prompt` does); the export in
+`kvtool.jobs.interop_export`.
 
 Import checks, in order (any failure: `InteropError`, nothing written):
 1. the file loads as an mlx-lm prompt cache and its layers are plain `KVCache` (or
@@ -46,19 +46,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from kvtool.errors import EXIT_USAGE
 from kvtool.jobs.interop_files import (
     TOKEN_SOURCES,
     InteropError,
-    ModelCheck,
-    cache_prompt_tokens,
     check_model,
     file_quantization,
     file_token_ids,
     load_cache_file,
-    metadata_model_for,
-    parse_token_ids,
-    read_token_ids,
     resolve_cache_file,
 )
 from kvtool.jobs.ssd_writes import ssd_write_problem, write_counts
@@ -475,9 +469,5 @@ def _check_model_and_kv(engine: Engine, cache: list, ids: list[int], path, repor
             f"(relative difference {report.kv_check_max_rel_diff:.3g} > {tol:g}): another model or another prompt")
 
 
-__all__ = [
-    "InteropError", "ImportReport", "ExportReport", "ModelCheck", "cache_prompt_tokens", "parse_token_ids",
-    "read_token_ids", "TOKEN_SOURCES", "load_cache_file", "resolve_cache_file", "file_token_ids", "file_quantization",
-    "check_model", "metadata_model_for", "kv_check", "check_writable", "import_cache_file",
-    "DEFAULT_CHECK_TOKENS", "EXIT_NOT_CACHED", "EXIT_USAGE",
-]
+__all__ = ["InteropError", "ImportReport", "ExportReport", "kv_check", "check_writable", "import_cache_file",
+           "DEFAULT_CHECK_TOKENS", "EXIT_NOT_CACHED"]

@@ -98,16 +98,7 @@ def export_cache_file(
         report.ssd_hit_tokens = hit.ssd_tokens + (1 if whole_chain and hit.ssd_tokens else 0)
         gen = _generation_state(engine, hit, ids)
         report.computed_tokens = int(hit.remaining.size)
-        tok = engine.tokenizer
-        metadata = {
-            "model": metadata_model,
-            "tokenizer_config": json.dumps({"trust_remote_code": False}),
-            "chat_template": str(getattr(tok, "chat_template", None) or ""),
-            "kvtool_token_ids": json.dumps(ids),
-            "kvtool_layout_key": str(pc.layout_key),
-            **(extra_metadata or {}),
-        }
-        _write_checked(out, gen, metadata, n)
+        _write_checked(out, gen, _metadata(engine, metadata_model, ids, extra_metadata), n)
         report.cache_types = sorted({type(c).__name__ for c in gen})
         report.bytes = out.stat().st_size
     finally:
@@ -116,6 +107,19 @@ def export_cache_file(
         pc.release(hit)
     report.elapsed_s = round(time.perf_counter() - t0, 3)
     return report
+
+
+def _metadata(engine: Engine, metadata_model: str, ids: list[int], extra: dict[str, str] | None) -> dict[str, str]:
+    """The file's string metadata: mlx-lm's (`model`, `tokenizer_config`, `chat_template`),
+    kvtool's token ids and layout key, then `extra`."""
+    return {
+        "model": metadata_model,
+        "tokenizer_config": json.dumps({"trust_remote_code": False}),
+        "chat_template": str(getattr(engine.tokenizer, "chat_template", None) or ""),
+        "kvtool_token_ids": json.dumps(ids),
+        "kvtool_layout_key": str(engine.cache.layout_key),
+        **(extra or {}),
+    }
 
 
 def _output_path(out: str | Path) -> Path:

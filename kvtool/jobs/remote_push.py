@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvtool.disk import segment as seg
@@ -49,8 +49,6 @@ class PushReport:
     unreadable_segments: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        from dataclasses import asdict
-
         return asdict(self)
 
 

@@ -6,8 +6,8 @@
   (`kvtool.server.validation`) before mlx-lm's own `do_POST` sees it; refusals are answered 4xx
   with `{"error": message}` (mlx-lm's error body) and one log line; the prompt is tokenized on
   the handler's thread, checked against `max_prompt_tokens` and handed to the generation thread
-  (`RequestGuard.pretokenize`);
-- an exception of the generator is answered with its own status (`error_status`: 413 prompt too
+  (`kvtool.server.watchdog.RequestGuard.pretokenize`);
+- an exception of the generator is answered with its own status (`watchdog.error_status`: 413 prompt too
   long, 500 generation failed, 503 generation stopped, 400 the prompt could not be built)
   instead of mlx-lm's 404, and a failure after the answer started ends the stream with an error
   event (or a 500 if nothing was sent); a client that goes away is one log line;
@@ -26,11 +26,11 @@ keep-alive connection is closed after the same time.
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import logging
 import socket
+import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
@@ -40,7 +40,8 @@ from urllib.parse import unquote
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
-from kvtool.server.validation import Limits, RequestError
+from kvtool.server.validation import RequestError
+from kvtool.server.watchdog import RequestGuard, error_status
 
 log = logging.getLogger("kvtool.server")
 if TYPE_CHECKING:  # the handler methods' view of mlx-lm's APIHandler
@@ -58,74 +59,6 @@ MAX_CONNECTIONS_PER_PEER = 64  # connections from one client address at once; mo
 LISTEN_BACKLOG = 128  # connections the kernel queues before they are accepted
 LINGER_S = 2.0  # after refusing an unread body, how long the rest is read and dropped
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
-
-
-def error_status(exc: BaseException) -> int:
-    """The HTTP status for an exception raised by the generator for one request."""
-    from kvtool.server.watchdog import GenerationFailed, GenerationUnavailable, PromptTooLong
-
-    if isinstance(exc, RequestError):
-        return exc.status
-    if isinstance(exc, PromptTooLong):
-        return 413
-    if isinstance(exc, GenerationUnavailable):
-        return 503
-    if isinstance(exc, GenerationFailed):
-        return 500
-    if isinstance(exc, ValueError | TypeError | LookupError) or type(exc).__module__.startswith("jinja2"):
-        return 400  # the request could not be tokenized (chat template, message fields)
-    return 500
-
-
-class RequestGuard:
-    """What the handler checks a request against: `limits` and a private copy of the tokenizer
-    (the prompt is tokenized in the handler thread, under a lock, as the generation thread will)."""
-
-    def __init__(self, limits: Limits, tokenizer: Any):
-        self.limits = limits
-        self.source = tokenizer  # the served tokenizer (the generation thread's)
-        self._tokenizer = copy.deepcopy(tokenizer)
-        self._lock = threading.Lock()
-        self.rejected: dict[str, int] = {}
-        self._count_lock = threading.Lock()
-
-    def count_rejected(self, status: int) -> None:
-        with self._count_lock:
-            self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
-
-    def pretokenize(self, generator: Any, request: Any, args: Any) -> None:
-        """Tokenize a request on its handler's thread exactly as the generation thread would
-        (mlx-lm's `ResponseGenerator._tokenize`: chat template, system / user segments, initial
-        state), refuse it over `max_prompt_tokens`, and leave the result on the request for the
-        generation thread's `_tokenize` (`kvtool.server.watchdog.take_pretokenized`), which then
-        only checks it: every text prompt is tokenized once, here.
-
-        mlx-lm tokenizes on its single generation thread, between decode steps: a chat request
-        with a system message is two template renders and encodes (~6 ms for a 2k-token prompt of
-        `tiny`, 36 % of that thread's py-spy samples at 16 clients; ~120 ms for a 23k-token one).
-        The tokenizers library releases the GIL while it encodes, so here it overlaps decoding.
-        The work is on a copy of the request (mlx-lm's message processing rewrites its messages)
-        with this guard's copy of the tokenizer, one request at a time. A request with images is
-        left to the generation thread (which checks the limit too, `PromptTooLong`).
-
-        Raises:
-            PromptTooLong: more tokens than `max_prompt_tokens` (answered 413).
-            Exception: what `_tokenize` raised (a chat template or tokenizer error: 400).
-        """
-        from mlx_lm.server import ResponseGenerator
-
-        from kvtool.server.watchdog import PRETOKENIZED, PromptTooLong
-
-        if request.request_type == "chat" and any(
-                not isinstance(m, dict) or (isinstance(m.get("content"), list)
-                and any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]))
-                for m in request.messages):  # fmt: skip
-            return
-        with self._lock:
-            out = ResponseGenerator._tokenize(generator, self._tokenizer, copy.deepcopy(request), args)
-        if len(out[0]) > self.limits.max_prompt_tokens:
-            raise PromptTooLong(len(out[0]), self.limits.max_prompt_tokens)
-        setattr(request, PRETOKENIZED, (self.source, out))
 
 
 class _Capture:
@@ -384,36 +317,38 @@ class _KVToolHandler(_Base):
         return validation.parse_body(raw)
 
     def _read_exact(self, n: int) -> bytes:
-        deadline = time.monotonic() + BODY_TIMEOUT_S
-        chunks, left = [], n
+        chunks: list[bytes] = []
         try:
-            while left > 0:
-                if time.monotonic() > deadline:
-                    raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s")
-                chunk = self.rfile.read1(min(left, 1 << 16))
-                if not chunk:
-                    raise RequestError(400, f"request body ended after {n - left} of {n} bytes")
-                chunks.append(chunk)
-                left -= len(chunk)
+            left = self._read_chunks(n, chunks.append)
         except CLIENT_GONE:
             raise RequestError(408, "request body not received in time") from None
+        if left is None:
+            raise RequestError(408, f"request body not received within {BODY_TIMEOUT_S:.0f} s")
+        if left:
+            raise RequestError(400, f"request body ended after {n - left} of {n} bytes")
         return b"".join(chunks)
 
     def _drain(self, n: int) -> bool:
         """Read and drop an oversized body (up to DRAIN_MAX_BYTES), so that the client, still
         sending, reads the 413 instead of a reset connection. True when all of it was read."""
-        if n > validation.DRAIN_MAX_BYTES:
-            return False
-        deadline = time.monotonic() + BODY_TIMEOUT_S
         try:
-            while n > 0 and time.monotonic() < deadline:
-                chunk = self.rfile.read1(min(n, 1 << 16))
-                if not chunk:
-                    return False
-                n -= len(chunk)
+            return n <= validation.DRAIN_MAX_BYTES and self._read_chunks(n, lambda _chunk: None) == 0
         except (OSError, ValueError):
             return False
-        return n == 0
+
+    def _read_chunks(self, n: int, take: Any) -> int | None:
+        """Read `n` body bytes within `BODY_TIMEOUT_S`, each chunk to `take`: the bytes left
+        unread when the body ended early (0: all read), None when the deadline passed."""
+        deadline = time.monotonic() + BODY_TIMEOUT_S
+        while n > 0:
+            if time.monotonic() > deadline:
+                return None
+            chunk = self.rfile.read1(min(n, 1 << 16))
+            if not chunk:
+                return n
+            take(chunk)
+            n -= len(chunk)
+        return 0
 
 
 class _HeadReader:
@@ -543,8 +478,6 @@ class _HTTPServer(ThreadingHTTPServer):
 
     def handle_error(self, request, client_address):
         """One log line (socketserver prints a traceback); the traceback at DEBUG."""
-        import sys
-
         exc = sys.exc_info()[1]
         if isinstance(exc, CLIENT_GONE):
             log.info("client %s went away (%s)", client_address[0], type(exc).__name__)
@@ -553,5 +486,5 @@ class _HTTPServer(ThreadingHTTPServer):
                       " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-__all__ = ["make_handler_class", "RequestGuard", "error_status", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS",
+__all__ = ["make_handler_class", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS",
            "HEAD_TIMEOUT_S", "MAX_CONNECTIONS_PER_PEER"]

@@ -49,7 +49,6 @@ from kvtool.server.handler import (
     MAX_CONNECTIONS,
     MAX_CONNECTIONS_PER_PEER,
     STATS_PATH,
-    RequestGuard,
     _HTTPServer,
     make_handler_class,
 )
@@ -61,22 +60,17 @@ log = logging.getLogger("kvtool.server")
 GENERATION_STOP_TIMEOUT_S = 60.0
 
 
-def mlx_lm_server_defaults() -> dict[str, Any]:
-    """The defaults of `mlx_lm.server`'s command line, read from mlx-lm's own parser
-    (`kvtool.server.mlx_options`), as the `cli_args` namespace its `ModelProvider`,
-    `ResponseGenerator` and `APIHandler` read."""
-    from kvtool.server.mlx_options import defaults
-
-    return defaults()
-
-
 def server_args(**overrides: Any) -> argparse.Namespace:
-    """`mlx_lm.server`'s `cli_args` with `overrides` applied.
+    """`mlx_lm.server`'s `cli_args` with `overrides` applied: the defaults of its command line
+    (`kvtool.server.mlx_options.defaults`, read from mlx-lm's own parser), as the namespace its
+    `ModelProvider`, `ResponseGenerator` and `APIHandler` read.
 
     Raises:
         ValueError: an override that is not one of mlx-lm's server options.
     """
-    args = mlx_lm_server_defaults()
+    from kvtool.server.mlx_options import defaults
+
+    args = defaults()
     unknown = sorted(set(overrides) - set(args))
     if unknown:
         raise ValueError(f"not mlx_lm.server options: {', '.join(unknown)}")
@@ -125,21 +119,12 @@ class KVToolServer:
         from mlx_lm.server import ModelProvider
 
         from kvtool.cache.prefix import PrefixCache
-        from kvtool.models.loader import ModelLoadError, compute_model_id, kv_quantization_problem, resolve_spec
-        from kvtool.server.watchdog import KVToolResponseGenerator
+        from kvtool.models.loader import compute_model_id, kv_quantization_problem
+        from kvtool.server.watchdog import KVToolResponseGenerator, RequestGuard
 
         self.spec = model
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
-        try:
-            path, name = resolve_spec(model)
-            draft = resolve_spec(cli_args.draft_model)[0] if cli_args.draft_model else None
-        except ModelLoadError as exc:
-            raise ServerStartError(str(exc)) from None
-        if adapter_path is not None and not Path(adapter_path).expanduser().exists():
-            raise ServerStartError(f"adapter path not found: {adapter_path}")
-        adapter = str(Path(adapter_path).expanduser()) if adapter_path else None
-        cli_args.model, cli_args.adapter_path = str(path), adapter
-        cli_args.draft_model = str(draft) if draft is not None else None
+        path, name, adapter = _resolve_models(cli_args, model, adapter_path)
         quant = _quantization(cli_args)
         self.model_name = name
         self.model_path = path
@@ -284,6 +269,28 @@ class KVToolServer:
             return self._closed
 
 
+def _resolve_models(cli_args: argparse.Namespace, model: str, adapter_path: str | None) -> tuple[Path, str, str | None]:
+    """`(model path, model name, adapter directory or None)`, set on `cli_args` (`model`,
+    `adapter_path`, `draft_model` as paths) as mlx-lm's `ModelProvider` reads them.
+
+    Raises:
+        ServerStartError: a model (or the draft model) that does not resolve, a missing adapter path.
+    """
+    from kvtool.models.loader import ModelLoadError, resolve_spec
+
+    try:
+        path, name = resolve_spec(model)
+        draft = resolve_spec(cli_args.draft_model)[0] if cli_args.draft_model else None
+    except ModelLoadError as exc:
+        raise ServerStartError(str(exc)) from None
+    if adapter_path is not None and not Path(adapter_path).expanduser().exists():
+        raise ServerStartError(f"adapter path not found: {adapter_path}")
+    adapter = str(Path(adapter_path).expanduser()) if adapter_path else None
+    cli_args.model, cli_args.adapter_path = str(path), adapter
+    cli_args.draft_model = str(draft) if draft is not None else None
+    return path, name, adapter
+
+
 def _quantization(cli_args: argparse.Namespace):
     """The `KVQuantization` mlx-lm's server will apply (`--kv-bits`), or None.
 
@@ -361,5 +368,5 @@ def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HT
     return httpd
 
 
-__all__ = ["KVToolServer", "ServerStartError", "SpeculativePromptCache", "server_args", "mlx_lm_server_defaults", "make_handler_class",
+__all__ = ["KVToolServer", "ServerStartError", "SpeculativePromptCache", "server_args", "make_handler_class",
            "STATS_PATH", "MAX_CONNECTIONS"]
