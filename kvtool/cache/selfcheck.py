@@ -61,8 +61,11 @@ DECODE_STEPS = 2  # greedy tokens whose log-probabilities are compared per reque
 BIG_STEP = 2048  # mlx-lm's default prefill chunk: the probe prompt is one chunk
 SEED = 0x5C  # probe token ids
 # kvtool modules on the path from a prefill to a restored cache (their source is in the digest)
-CODE_MODULES = ("blocks", "kvbuffers", "prefill", "selfcheck", "model_kv", "prefix", "store/kvlayout",
-                "store/segment", "store/restore")
+# the modules of kvtool's cache path, relative to the package (a test checks each exists: after the
+# layered layout moved them, stale names here left most of the path out of the digest)
+CODE_MODULES = ("kv/blocks", "kv/buffers", "kv/prefill", "kv/decode", "kv/model_kv", "kv/windows", "cache/selfcheck",
+                "cache/prefix", "cache/hit", "cache/extend", "disk/kvlayout", "disk/segment", "disk/codec",
+                "disk/restore", "disk/verify")  # fmt: skip
 
 RUNS = 0  # probes run by this process (tests count them)
 _memo: dict[tuple[str, str], Verdict] = {}  # (layout key, code digest) -> verdict, this process
@@ -132,7 +135,7 @@ def code_digest(model) -> str:
     if key in _code_cache:
         return _code_cache[key]
     h = hashlib.blake2b(digest_size=8)
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parent.parent  # the kvtool package
     paths = [root / f"{m}.py" for m in CODE_MODULES]
     import mlx_lm.models.base as mbase
     import mlx_lm.models.cache as mcache
