@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtool.disk.confined import remove_namespace_tree
 from kvtool.disk.names import INDEX_FILENAME, SUBDIR_RE
 from kvtool.disk.namespace import SSDStore
 from kvtool.ops.remove import remove_namespace
+from kvtool.ops.remove_tree import remove_tree
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
 from tests.store_helpers import free_fan_out, make_chain, make_layout, make_meta, open_store
@@ -91,8 +91,8 @@ def test_a_second_rm_finishes_a_killed_one(cache):
 
 
 def test_parallel_removal_never_follows_a_symlink(tmp_path):
-    """Symlinks planted as a fan-out directory, as a segment file and as the index: the links go,
-    what they point at stays."""
+    """Symlinks planted as a fan-out directory, as a segment file and as the index: the links under
+    kvtool's names go (the link itself), the others are left and listed, what they point at stays."""
     cache_dir = tmp_path / "kv"
     store = open_store(cache_dir)
     for i in range(20):
@@ -111,6 +111,8 @@ def test_parallel_removal_never_follows_a_symlink(tmp_path):
     (ns_dir / some / ("f" * 32 + ".safetensors")).symlink_to(victim / "keep.txt")
     (ns_dir / some / "deeper").symlink_to(victim / "sub")
     (ns_dir / "index.sqlite-wal").symlink_to(victim / "keep.txt")
-    remove_namespace_tree(cache_dir, ns, workers=8)
-    assert not ns_dir.exists()
+    out = remove_tree(cache_dir, ns, workers=8)
+    planted = {f"{some}/deeper", "zz", f"{some}/{'f' * 32}.safetensors"}  # links kvtool did not make: left, listed
+    assert {f"{some}/deeper", "zz"} <= set(out.left) <= planted and not out.removed
+    assert {str(p.relative_to(ns_dir)) for p in ns_dir.rglob("*")} == set(out.left) | {some}
     assert (victim / "keep.txt").read_text() == "keep" and (victim / "sub" / "keep.txt").read_text() == "keep"

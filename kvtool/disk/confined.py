@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtool.disk.names import (
-    INDEX_FILENAME,
     NAMESPACE_RE,
     SEGMENT_RE,
     SEGMENT_SUFFIX,
@@ -188,115 +185,6 @@ class ConfinedDir:
 REMOVE_WORKERS = 8  # threads unlinking fan-out directories at once (an unlink waits on the journal, not the CPU)
 
 
-def remove_namespace_tree(cache_dir: Path, namespace: str, size: int | None = None, workers: int = 1) -> int:
-    """Remove a whole namespace directory without following any symlink inside it.
-
-    Order (a removal killed half-way leaves a namespace `validate` repairs or `rm` finishes): the
-    fan-out directories with their segment files first (`workers` threads at once, one directory
-    each: `unlink` releases the GIL and mostly waits on the file system's journal), then the other
-    entries, the index last (its `-wal`/`-shm`, then `index.sqlite`), then the directory.
-
-    Args:
-        cache_dir: the cache root.
-        namespace: the namespace directory name.
-        size: its bytes if already counted (`tree_bytes`, when the removal was planned); None:
-            counted here, before the removal.
-        workers: threads removing fan-out directories (1: one after the other).
-
-    Returns:
-        Bytes of the regular files removed (as counted).
-
-    Raises:
-        ValueError: not a namespace name. OSError: the namespace is a symlink or the removal failed
-            (what could be removed is gone).
-    """
-    if not NAMESPACE_RE.match(namespace):
-        raise ValueError(f"not a namespace name: {namespace!r}")
-    root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
-    try:
-        if not stat.S_ISDIR(os.stat(namespace, dir_fd=root, follow_symlinks=False).st_mode):
-            raise OSError(errno.ENOTDIR, "not a real directory (symlink?): never followed", namespace)
-        size = tree_bytes(cache_dir, namespace) if size is None else size
-        ns_fd = os.open(namespace, _DIR, dir_fd=root)  # O_NOFOLLOW: swapped for a symlink since -> ELOOP
-        try:
-            _remove_entries(ns_fd, max(1, workers))
-        finally:
-            os.close(ns_fd)
-        os.rmdir(namespace, dir_fd=root)
-        return size
-    finally:
-        os.close(root)
-
-
-def _remove_entries(ns_fd: int, workers: int) -> None:
-    """Empty the namespace directory `ns_fd`: fan-out directories (in threads), other entries, the index."""
-    with os.scandir(ns_fd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    subdirs = sorted(name for name, is_dir in entries if is_dir and SUBDIR_RE.match(name))
-    if workers > 1 and len(subdirs) > 1:
-        with ThreadPoolExecutor(min(workers, len(subdirs)), thread_name_prefix="kvtool-rm") as pool:
-            for fut in [pool.submit(_remove_subdir, ns_fd, name) for name in subdirs]:
-                fut.result()  # the first failure propagates (the other directories are still removed)
-    else:
-        for name in subdirs:
-            _remove_subdir(ns_fd, name)
-    index_last = sorted((name for name, is_dir in entries if name not in subdirs),
-                        key=lambda n: (n.startswith(INDEX_FILENAME), n == INDEX_FILENAME, n))  # fmt: skip
-    for name in index_last:
-        try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=ns_fd, follow_symlinks=False).st_mode):
-                shutil.rmtree(name, dir_fd=ns_fd)  # not kvtool's: fd-based, never follows a symlink inside
-            else:
-                os.unlink(name, dir_fd=ns_fd)  # a symlink is removed itself, never followed
-        except FileNotFoundError:
-            pass
-
-
-def _remove_subdir(ns_fd: int, name: str) -> None:
-    """Remove fan-out directory `name` of `ns_fd` and what it holds, without following symlinks."""
-    try:
-        fd = os.open(name, _DIR, dir_fd=ns_fd)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-            raise
-        os.unlink(name, dir_fd=ns_fd)  # swapped for a symlink or a file since listed: remove the entry itself
-        return
-    try:
-        with os.scandir(fd) as it:
-            names = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        for leaf, is_dir in names:
-            try:
-                if is_dir:
-                    shutil.rmtree(leaf, dir_fd=fd)  # not kvtool's: fd-based, never follows a symlink inside
-                else:
-                    os.unlink(leaf, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-    finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=ns_fd)
-
-
-def tree_bytes(cache_dir: Path, namespace: str) -> int:
-    """Bytes of the regular files below a namespace directory (symlinks not followed)."""
-    total = 0
-    root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
-    try:
-        for _, _, files, dfd in os.fwalk(namespace, dir_fd=root, follow_symlinks=False):
-            for f in files:
-                try:
-                    st = os.stat(f, dir_fd=dfd, follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    total += st.st_size
-    finally:
-        os.close(root)
-    return total
-
-
 def free_bytes(path: Path) -> int | None:
     """Bytes an unprivileged user may still write on `path`'s file system (None if unknown)."""
     try:
@@ -312,4 +200,4 @@ def disk_full(path: Path) -> bool:
     return free is not None and free < FULL_DISK_BYTES
 
 
-__all__ = ["ConfinedDir", "remove_namespace_tree", "REMOVE_WORKERS", "tree_bytes", "free_bytes", "disk_full", "FULL_DISK_BYTES"]
+__all__ = ["ConfinedDir", "REMOVE_WORKERS", "free_bytes", "disk_full", "FULL_DISK_BYTES"]
