@@ -129,20 +129,21 @@ def _wal_index(tmp_path, n: int):
 
 
 def test_two_connections_in_one_snapshot_read_the_same_table(tmp_path, monkeypatch):
-    """`read_snapshot(pair=True)`: a second connection proven to see the first one's snapshot
+    """`kvtool.disk.snapshot.read_snapshot(pair=True)`: a second connection proven to see the first one's snapshot
     reads every other chunk in a second thread; the table (rows, malformed rowids, segments) is
     the one a single connection reads."""
     from kvtool.disk import rowtable
     from kvtool.disk.index import BlockIndex
+    from kvtool.disk.snapshot import read_snapshot
 
     monkeypatch.setattr(rowtable, "CHUNK_ROWS", 64)
     monkeypatch.setattr(rowtable, "PARALLEL_MIN_ROWS", 100)
     path, _writer = _wal_index(tmp_path, 1000)
     index = BlockIndex(path, create=False, read_only=True)
-    with index.read_snapshot() as (conn, none):
+    with read_snapshot(index) as (conn, none):
         one = load_rows(conn)
         assert none is None
-    with index.read_snapshot(pair=True) as (conn, also):
+    with read_snapshot(index, pair=True) as (conn, also):
         assert also is not None and also.in_transaction
         two = load_rows(conn, also=also)
     index.close()
@@ -156,8 +157,10 @@ def test_a_commit_between_the_two_starts_leaves_one_connection(tmp_path, monkeyp
     """Where a transaction commits between the first connection's snapshot and the second's
     (made to happen there: a real commit from another connection), the two would see different
     rows: `read_snapshot` gives no second connection, and the rows read are one snapshot's."""
-    from kvtool.disk import index as index_mod
-    from kvtool.disk.index import BlockIndex, wal_index_header
+    from kvtool.disk import names
+    from kvtool.disk.index import BlockIndex
+    from kvtool.disk.names import wal_index_header
+    from kvtool.disk.snapshot import read_snapshot
 
     path, writer = _wal_index(tmp_path, 50)
     before = wal_index_header(path)
@@ -171,9 +174,9 @@ def test_a_commit_between_the_two_starts_leaves_one_connection(tmp_path, monkeyp
             writer.execute("DELETE FROM blocks WHERE hash=?", ("f" * 32,))
         return wal_index_header(p)
 
-    monkeypatch.setattr(index_mod, "wal_index_header", header_then_commit)
+    monkeypatch.setattr(names, "wal_index_header", header_then_commit)
     index = BlockIndex(path, create=False, read_only=True)
-    with index.read_snapshot(pair=True) as (conn, also):
+    with read_snapshot(index, pair=True) as (conn, also):
         assert len(calls) == 2 and also is None
         assert len(load_rows(conn)) == 51 - 7  # the snapshot before the delete (7 of the 50 rows malformed)
     index.close()

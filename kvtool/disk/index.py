@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import stat
 import threading
 import time
 import urllib.parse
@@ -84,31 +83,6 @@ def read_only_uri(path: Path, immutable: bool = False) -> str:
     """The SQLite URI that opens index `path` read-only (`mode=ro`; `immutable=1`: no -wal / -shm
     used); the path is percent-quoted ('?' or '#' in a directory name)."""
     return f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
-
-
-WAL_INDEX_HEADER_BYTES = 48  # one copy of the WAL-index header (sqlite.org/walformat.html); the -shm file holds two
-
-
-def wal_index_header(path: Path) -> bytes | None:
-    """The WAL-index header of database `path` (the first of the two copies at the start of
-    `<path>-shm`; sqlite.org/walformat.html: it holds `iChange`, which every committed
-    transaction increments, and `mxFrame`, the last frame of the snapshot a new reader sees), or
-    None where it cannot be read consistently (no -shm, not a regular file, or the two copies
-    differ: a writer is changing it)."""
-    try:
-        fd = os.open(f"{path}-shm", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        head = os.pread(fd, 2 * WAL_INDEX_HEADER_BYTES, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    first, second = head[:WAL_INDEX_HEADER_BYTES], head[WAL_INDEX_HEADER_BYTES:]
-    return first if len(head) == 2 * WAL_INDEX_HEADER_BYTES and first == second else None
 
 
 class BlockIndex:
@@ -248,41 +222,16 @@ class BlockIndex:
         with self._lock:
             yield self._conn
 
-    @contextmanager
-    def read_snapshot(self, pair: bool = False) -> Iterator[tuple[sqlite3.Connection, sqlite3.Connection | None]]:
-        """A read transaction on the index's connection (its snapshot is fixed here, by a first
-        read), under the index's lock; with `pair`, also a second connection opened the same way
-        whose read transaction is proven to see the very same snapshot, for a pass over many rows
-        split between two threads (`kvtool.disk.rowtable.load_rows(also=...)`). The proof: the
-        WAL-index header (`wal_index_header`, which every commit changes) read before the first
-        transaction began equals the one read after the second began; without WAL (rollback
-        journal: the first reader's SHARED lock keeps every writer from committing; `immutable`:
-        nothing changes) it holds by itself. Where it cannot be proven, the second connection is
-        None. Both transactions end on exit.
+    def open_reader(self) -> sqlite3.Connection:
+        """A second connection to the index, opened as this one was (read-write, `mode=ro` or
+        `immutable=1`): for a reader in another thread (`kvtool.disk.snapshot`). The caller closes it.
 
         Raises:
-            sqlite3.Error: the index cannot be read.
+            sqlite3.Error: it cannot be opened.
         """
-        with self._lock:
-            conn, also = self._conn, None
-            wal = pair and not self.immutable and conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-            before = wal_index_header(self.path) if wal else None
-            conn.execute("BEGIN")
-            try:
-                conn.execute("SELECT COUNT(*) FROM meta").fetchone()  # the first read fixes the snapshot
-                if pair and (before is not None or not wal):
-                    also = self._connect(self.read_only, self.immutable)
-                    also.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")
-                    also.execute("BEGIN")
-                    also.execute("SELECT COUNT(*) FROM meta").fetchone()
-                    if wal and wal_index_header(self.path) != before:  # a commit came between: one connection
-                        also.close()
-                        also = None
-                yield conn, also
-            finally:
-                if also is not None:
-                    also.close()  # ends its read transaction
-                conn.execute("COMMIT")
+        conn = self._connect(self.read_only, self.immutable)
+        conn.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")
+        return conn
 
     def _select_rows(self, where: str, args: Sequence[object]) -> list[IndexRow]:
         rows = self._conn.execute(f"SELECT {_COLUMNS} FROM blocks WHERE {where}", list(args)).fetchall()
@@ -315,20 +264,15 @@ class BlockIndex:
         """True if `block_hash` has a well-formed row."""
         return self.get(block_hash) is not None
 
-    def present(self, hashes: Sequence[str]) -> set[str]:
-        """The subset of `hashes` that have well-formed rows."""
-        return set(self.get_many(hashes))
-
-    def count_prefix(self, hashes: Sequence[str]) -> int:
-        """How many leading `hashes` have rows (stops at the first absent one)."""
-        found = self.present(hashes)
-        return next((i for i, h in enumerate(hashes) if h not in found), len(hashes))
-
     def rows(self) -> Iterator[IndexRow]:
         """Every well-formed row (a snapshot taken when called, ordered by hash)."""
         with self._lock:
             rows = self._select_rows("1 ORDER BY hash", ())
         return iter(rows)
+
+    def present(self, hashes: Sequence[str]) -> set[str]:
+        """The subset of `hashes` that have well-formed rows."""
+        return set(self.get_many(hashes))
 
     def segment_rows(self, name: str) -> list[IndexRow]:
         """The well-formed rows stored in segment `name`, by slot."""

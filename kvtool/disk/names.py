@@ -68,3 +68,28 @@ def irregular_index_file(path: Path) -> str | None:
         if not stat.S_ISREG(st.st_mode):
             return Path(path).name + suffix
     return None
+
+
+WAL_INDEX_HEADER_BYTES = 48  # one copy of the WAL-index header (sqlite.org/walformat.html); the -shm file holds two
+
+
+def wal_index_header(path: Path) -> bytes | None:
+    """The WAL-index header of database `path` (the first of the two copies at the start of
+    `<path>-shm`; sqlite.org/walformat.html: it holds `iChange`, which every committed
+    transaction increments, and `mxFrame`, the last frame of the snapshot a new reader sees), or
+    None where it cannot be read consistently (no -shm, not a regular file, or the two copies
+    differ: a writer is changing it)."""
+    try:
+        fd = os.open(f"{path}-shm", os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        head = os.pread(fd, 2 * WAL_INDEX_HEADER_BYTES, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    first, second = head[:WAL_INDEX_HEADER_BYTES], head[WAL_INDEX_HEADER_BYTES:]
+    return first if len(head) == 2 * WAL_INDEX_HEADER_BYTES and first == second else None

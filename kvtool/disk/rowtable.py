@@ -245,7 +245,7 @@ def load_rows(conn: sqlite3.Connection, where: str = "1", args: tuple = (), *, f
         full: keep every column; False keeps only what a plan needs (hash, parent, segment,
             num_tokens, last_access: 52 bytes a row instead of 88); the others read as zeros.
         also: a second connection in a read transaction that sees `conn`'s very snapshot
-            (`BlockIndex.read_snapshot(pair=True)` proves it): from `PARALLEL_MIN_ROWS` rows on,
+            (`kvtool.disk.snapshot.read_snapshot(pair=True)` proves it): from `PARALLEL_MIN_ROWS` rows on,
             every other chunk is read through it, in a second thread (SQLite runs without the GIL:
             two cores share the work). The table is the same either way.
 

@@ -61,6 +61,7 @@ from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, LOCK_FILENAME, irregu
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.rowtable import SegmentRow, load_rows
 from kvtool.disk.segment import FORMAT_VERSION
+from kvtool.disk.snapshot import read_snapshot
 from kvtool.hashing import layout_key_of_meta
 from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.scan_results import (  # the results: re-exported under the names callers use
@@ -245,7 +246,7 @@ class _Scanner:
             sqlite3.Error: the index cannot be read.
         """
         f = self.f
-        with index.read_snapshot(pair=self.rows) as (conn, also):  # the rows: two threads in one snapshot
+        with read_snapshot(index, pair=self.rows) as (conn, also):  # the rows: two threads in one snapshot
             if fixed is not None:
                 fixed.set()
             if self.rows:
