@@ -373,3 +373,12 @@ def test_ttft_chart_reads_back_legibly():
     assert "outlier: winner evict_only/sync/best_effort" in lines
     assert any(value_range(8.78, 8.32, 9.0) in line for line in lines)
     assert any("tie" in ax.get_title(loc="left") for ax in panels)
+
+
+def test_bench_progress_says_cells_done_left_and_an_eta_from_the_mean_cell_time():
+    from kvtool.bench.runner import eta_text
+
+    assert eta_text(0, 42, 0.0) == "0 of 42 cells done, 42 left, ETA ?"
+    assert eta_text(3, 42, 30.0) == "3 of 42 cells done, 39 left, ETA 6m30s"  # 10 s per cell x 39
+    assert eta_text(2, 500, 20.0) == "2 of 500 cells done, 498 left, ETA 1h23m"
+    assert eta_text(41, 42, 41.0) == "41 of 42 cells done, 1 left, ETA 1s"

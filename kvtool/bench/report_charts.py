@@ -130,8 +130,7 @@ def interval_bars(ax: Any, rows: list[tuple[str, str]], frame: pd.DataFrame, col
 def _style(ax: Any, rows: list[tuple[str, str]], xlabel: str, title: str) -> None:
     """Log x axis with its unit, the row grid (header row on top), the panel title."""
     ax.set_xscale("log")
-    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    _plain_log_ticks(ax.xaxis)
     ax.set_yticks(np.arange(-1, len(rows)), [_header()] + [grid_label(c, k) for c, k in rows],
                   fontfamily="monospace", fontsize=7.5)
     for label in ax.get_yticklabels()[:1]:  # the header row (panels sharing the left column's labels have none)
@@ -142,6 +141,13 @@ def _style(ax: Any, rows: list[tuple[str, str]], xlabel: str, title: str) -> Non
     ax.grid(axis="x", which="both", alpha=0.25)
     ax.set_axisbelow(True)
     ax.set_title(title, fontsize=9, loc="left", fontweight="bold")
+
+
+def _plain_log_ticks(axis: Any) -> None:
+    """Ticks at 1, 2, 5 x 10^k written as plain numbers (`0.5`, `20`), not `2 x 10^1`."""
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
 
 
 def _grid(n: int, n_rows: int, ncols: int, width: float, sharex: Any = True) -> tuple[plt.Figure, np.ndarray]:
@@ -309,6 +315,7 @@ def plot_ttft_vs_prompt(requests: pd.DataFrame, run: dict[str, Any] | None = Non
         for xi, ci in zip(x, c):
             ax.annotate(num(ci), (xi, ci), textcoords="offset points", xytext=(6, 4), fontsize=7.5)
     ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis)
     ax.set_xlabel("prompt length (tokens; bucket median)")
     ax.set_ylabel("TTFT (ms, log scale)")
     ax.grid(which="both", alpha=0.25)
