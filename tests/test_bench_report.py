@@ -382,3 +382,21 @@ def test_bench_progress_says_cells_done_left_and_an_eta_from_the_mean_cell_time(
     assert eta_text(3, 42, 30.0) == "3 of 42 cells done, 39 left, ETA 6m30s"  # 10 s per cell x 39
     assert eta_text(2, 500, 20.0) == "2 of 500 cells done, 498 left, ETA 1h23m"
     assert eta_text(41, 42, 41.0) == "41 of 42 cells done, 1 left, ETA 1s"
+
+
+def test_write_path_and_prompt_length_charts_share_scales_and_fit_no_slopes(tmp_path):
+    from kvtool.bench import report_charts
+
+    run_dir = make_run(tmp_path)
+    cells, requests, run = load_run(run_dir)
+    fig = report_charts.plot_write_path(cells, run)
+    panels = [ax for ax in fig.axes if ax.patches]
+    for unit in ("ms", "MB/s"):  # the request thread's time and the writer's total output, one scale each
+        column = [ax for ax in panels if f"({unit}," in ax.get_xlabel()]
+        assert len(column) == 2 and len({ax.get_xlim() for ax in column}) == 1 and column[0].get_xscale() == "log"
+    fig = report_charts.plot_ttft_vs_prompt(requests, run)
+    (ax,) = fig.axes
+    texts = [t.get_text() for t in ax.texts] + [fig.get_suptitle()]
+    assert ax.get_yscale() == "log" and "ms" in ax.get_ylabel()
+    assert not any("slope" in t or "least-squares" in t for t in texts)
+    assert len(ax.containers) == 3, "one median line with intervals per cache state"
