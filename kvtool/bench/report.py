@@ -47,9 +47,9 @@ from kvtool.errors import KVToolError
 __all__ = ["CHARTS", "Report", "ReportError", "WIN_RULE", "load_run", "render_markdown", "winners", "write_report"]
 
 CHARTS = {
-    "ttft_per_workload.png": "Which policy gives the lowest TTFT per workload?",
-    "write_path_by_durability.png": "What does each durability cost on the write path?",
-    "ttft_vs_prompt_len.png": "How does TTFT grow with prompt length?",
+    "ttft_per_workload.png": "Which policy gives the lowest TTFT per workload, and by how much?",
+    "write_path_by_durability.png": "What does each setting cost on the write path, on the request thread and in total?",
+    "ttft_vs_prompt_len.png": "How does TTFT grow with prompt length, per cache state?",
 }
 WIN_RULE = (
     "A kvtool cell **wins** a workload only when its interval lies wholly below every other kvtool cell's, "
@@ -264,9 +264,13 @@ def render_markdown(cells: pd.DataFrame, run: dict[str, Any], charts: list[str] 
     best = winners(cells)
     lines.append(markdown_table(winners_table(best)) if len(best) else "- no kvtool cell in this run")
     lines += ["", *(f"- {r.workload}: {verdict_phrase(r)}" for r in best.itertuples(index=False))]
-    gains = best[best["ttft_gain"].notna()] if len(best) else best
-    for r in gains.itertuples(index=False):
-        lines += ["", f"{r.workload}: TTFT gain warm-up / query of `{r.cell}`: {r.ttft_gain:.2f}x."]
+    for r in best.itertuples(index=False) if "ttft_gain" in cells else ():  # a tie: the span over its cells
+        names = r.tied_cells.split("; ") if r.verdict == "tie" else [r.cell]
+        mine = cells[(cells["workload"] == r.workload) & cells["cell"].isin(names)]
+        gain = pd.to_numeric(mine["ttft_gain"], errors="coerce").dropna()
+        if len(gain):
+            who = "the tied cells" if r.verdict == "tie" else f"`{r.cell}`"
+            lines += ["", f"{r.workload}: TTFT gain warm-up / query of {who}: {speedup_span(gain.min(), gain.max())}."]
     lines += ["", "## Every cell", "", markdown_table(summary_table(cells)), "", "## Charts", ""]
     names = list(CHARTS) if charts is None else charts
     lines += [f"### {CHARTS.get(name, name)}\n\n![{CHARTS.get(name, name)}]({name})\n" for name in names]

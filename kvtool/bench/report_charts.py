@@ -114,10 +114,10 @@ def interval_bars(ax: Any, rows: list[tuple[str, str]], frame: pd.DataFrame, col
     lo = np.clip(np.nan_to_num(d["_lo"].to_numpy(dtype=float), nan=xmin), xmin, shown)
     hi = np.maximum(np.nan_to_num(d["_hi"].to_numpy(dtype=float), nan=xmin), shown)
     baseline = (d["_kind"] != KIND_KVTOOL).to_numpy()
-    ax.barh(y, shown - xmin, left=xmin, height=0.7, linewidth=0.8,
-            color=[colors.get(cell, BASELINE if b else PLAIN) for cell, b in zip(d.index, baseline)],
-            edgecolor=["#404040" if b else "none" for b in baseline], hatch=None)
-    for patch, b in zip(ax.patches, baseline):
+    bars = ax.barh(y, shown - xmin, left=xmin, height=0.7, linewidth=0.8,
+                   color=[colors.get(cell, BASELINE if b else PLAIN) for cell, b in zip(d.index, baseline)],
+                   edgecolor=["#404040" if b else "none" for b in baseline])
+    for patch, b in zip(bars.patches, baseline):
         patch.set_hatch("///" if b else None)
     ax.errorbar(shown, y, xerr=[shown - lo, hi - shown], fmt="none", ecolor=WHISKER, capsize=3, elinewidth=1.2,
                 zorder=4)
