@@ -44,7 +44,7 @@ from kvtool.bench.verdicts import (  # noqa: E402
 
 WIN, TIE, SLOWER, BASELINE, PLAIN = "#1A9850", "#A6A6A6", "#F4A582", "#FFFFFF", "#9ECAE1"
 WHISKER = "#000000"
-BASELINE_LABELS = {NO_CACHE: "no-cache (baseline)", MLXLM: "mlx-lm prompt cache (baseline)"}
+BASELINE_LABELS = {NO_CACHE: "no-cache (baseline)", MLXLM: "mlx-lm cache (baseline)"}
 GRID_HEADER = ("policy", "writer", "durability")
 GRID_WIDTHS = (14, 7, 12)  # characters per column of a row label (monospace)
 DPI = 100
