@@ -362,7 +362,7 @@ def test_cli_report_json(micro_run):
     assert doc["ok"] is True and {w["workload"] for w in doc["winners"]} == {"shared-prefix", "restart"}
     for w in doc["winners"]:  # one kvtool cell in MICRO: nothing to beat, but its range is stated
         assert w["verdict"] == "only cell" and w["repeats"] == 2
-        assert w["ttft_p50_ms_min"] <= w["ttft_p50_ms"] <= w["ttft_p50_ms_max"]
+        assert w["ttft_p50_ms_lo"] <= w["ttft_p50_ms"] <= w["ttft_p50_ms_hi"]
 
 
 @pytest.mark.slow

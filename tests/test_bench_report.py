@@ -48,8 +48,8 @@ def test_clear_winner_beats_the_runner_up_beyond_the_spread():
     ])
     assert v["verdict"] == "winner" and v["cell"] == "fast" and v["tied_cells"] == ""
     assert v["runner_up"] == "slow"
-    assert (v["ttft_p50_ms"], v["ttft_p50_ms_min"], v["ttft_p50_ms_max"]) == (10, 9, 11)
-    assert (v["runner_up_ttft_p50_ms_min"], v["runner_up_ttft_p50_ms_max"]) == (18, 22)
+    assert (v["ttft_p50_ms"], v["ttft_p50_ms_lo"], v["ttft_p50_ms_hi"]) == (10, 9, 11)
+    assert (v["runner_up_ttft_p50_ms_lo"], v["runner_up_ttft_p50_ms_hi"]) == (18, 22)
 
 
 def test_overlapping_spreads_are_a_tie_listing_the_tied_cells():
@@ -142,10 +142,12 @@ def test_cells_carry_the_median_and_range_over_the_repeats():
     cells = metrics.aggregate_cells(req, runs_of(req), kv_bytes_per_token=16)
     assert list(cells.columns) == metrics.CELL_COLUMN_NAMES
     for name in metrics.SPREAD_METRICS:
-        assert f"{name}_min" in cells.columns and f"{name}_max" in cells.columns
+        assert {f"{name}_min", f"{name}_max", f"{name}_lo", f"{name}_hi"} <= set(cells.columns)
     a = cells.set_index("cell").loc["write_through/async/best_effort"]
     assert (a["ttft_p50_ms"], a["ttft_p50_ms_min"], a["ttft_p50_ms_max"]) == (15, 11, 20)
     assert (a["write_path_ms_mean"], a["write_path_ms_mean_min"], a["write_path_ms_mean_max"]) == (2, 1, 3)
+    # 3 repeats: the 95 % bootstrap interval of the median is their min-max
+    assert (a["ttft_p50_ms_lo"], a["ttft_p50_ms_hi"]) == (11, 20)
     assert a["repeats"] == 3 and a["requests"] == 6
     assert a["ttft_vs_no_cache"] == pytest.approx(51 / 15)
     documented = {name for name, _ in metrics.CELL_COLUMNS}
@@ -189,8 +191,8 @@ def test_report_writes_one_legible_chart_per_question(tmp_path, workloads):
         width, height = Image.open(path).size
         assert 500 <= width <= 1700 and 300 <= height <= 1600, (path.name, width, height)
     text = written.markdown.read_text()
-    assert "## Winning cell per workload" in text and "max < runner-up's min" in text
-    assert "median [min–max]" in text
+    assert "## Winning cell per workload" in text and "interval top < runner-up's interval bottom" in text
+    assert "median [95% interval]" in text and "not an SSD tier" in text
     for name in report.CHARTS:
         assert f"]({name})" in text
 
@@ -279,7 +281,122 @@ def test_cli_report_prints_verdicts_with_ranges(tmp_path):
     assert result.exit_code == 0, (result.output, result.exception)
     doc = json.loads(result.stdout)
     assert {w["workload"] for w in doc["winners"]} == {"shared-prefix", "restart"}
-    assert all(w["verdict"] in ("winner", "tie") and w["ttft_p50_ms_min"] <= w["ttft_p50_ms_max"]
+    assert all(w["verdict"] in ("winner", "tie") and w["ttft_p50_ms_lo"] <= w["ttft_p50_ms_hi"]
                for w in doc["winners"])
     result = runner.invoke(report_app(), ["report", str(run_dir)])
-    assert result.exit_code == 0 and "min–max" in result.stdout and "tie" in result.stdout
+    assert result.exit_code == 0 and "95% bootstrap interval" in result.stdout
+
+
+# ------------------------------------------------------------------- the drawing, read back
+def _luminance(color) -> float:
+    """WCAG relative luminance of a matplotlib colour."""
+    from matplotlib.colors import to_rgb
+
+    channels = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in to_rgb(color)]
+    return 0.2126 * channels[0] + 0.7152 * channels[1] + 0.0722 * channels[2]
+
+
+def _contrast(a, b) -> float:
+    hi, lo = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def _is_grey(color) -> bool:
+    from matplotlib.colors import to_rgb
+
+    r, g, b = to_rgb(color)
+    return abs(r - g) < 0.02 and abs(g - b) < 0.02 and 0.3 < r < 0.9
+
+
+def known_cells() -> pd.DataFrame:
+    """Two workloads with known values: `outlier` has a clear leader, bars near and far and one
+    whisker far past the rest; `all-tie` has every kvtool interval overlapping."""
+    rows = [cell_row("outlier", "no-cache", [400, 390, 410], kind="no-cache"),
+            cell_row("outlier", "mlx-lm-prompt-cache", [90, 85, 95], kind="mlx-lm-prompt-cache"),
+            cell_row("outlier", "evict_only/sync/best_effort", [8.78, 8.32, 9.0]),
+            cell_row("outlier", "evict_only/sync/durable", [80.7, 70, 90]),
+            cell_row("outlier", "evict_only/async/durable", [97.0, 93, 120]),
+            cell_row("outlier", "write_through/sync/best_effort", [199, 150, 230]),
+            cell_row("outlier", "write_through/sync/durable", [222, 180, 260]),
+            cell_row("outlier", "write_through/async/durable", [275, 68, 9000])]  # the far whisker
+    rows += [cell_row("all-tie", "no-cache", [60, 59, 61], kind="no-cache")]
+    rows += [cell_row("all-tie", c, [10 + i, 8, 15]) for i, c in enumerate(
+        ["evict_only/sync/best_effort", "evict_only/sync/durable", "evict_only/async/durable",
+         "write_through/sync/best_effort", "write_through/sync/durable", "write_through/async/durable"])]
+    return pd.DataFrame(rows)
+
+
+def test_ttft_chart_reads_back_legibly():
+    from kvtool.bench import report_charts
+    from kvtool.bench.verdicts import NO_DIFFERENCE, num, summary_lines, value_range
+
+    cells = known_cells()
+    fig = report_charts.plot_ttft(cells, winners(cells))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    panels = [ax for ax in fig.axes if ax.patches]
+    assert len(panels) == 2
+    assert len({ax.get_xlim() for ax in panels}) == 1 and len({ax.get_xscale() for ax in panels}) == 1, \
+        "every panel shares one scale"
+    for ax in panels:
+        box = ax.get_window_extent(renderer)
+        face = ax.get_facecolor()
+        assert "ms" in ax.get_xlabel()
+        bars = list(ax.patches)
+        values = [t for t in ax.texts if t.get_text().strip()]
+        assert len(values) == len(bars), (ax.get_title(), [t.get_text() for t in values])
+        for text in values:  # every label inside the axes, readable on what is behind it
+            ext = text.get_window_extent(renderer)
+            assert box.x0 - 1 <= ext.x0 and ext.x1 <= box.x1 + 1, (text.get_text(), ext, box)
+            patch = text.get_bbox_patch()
+            behind = patch.get_facecolor() if patch is not None else face
+            assert _contrast(text.get_color(), behind) >= 4.5, text.get_text()
+        for coll in ax.collections:  # whiskers inside the axes, readable on the bars and the background
+            for seg in coll.get_segments():
+                xs = ax.transData.transform(seg)[:, 0]
+                assert (xs >= box.x0 - 1).all() and (xs <= box.x1 + 1).all(), ax.get_title()
+            for color in coll.get_colors():
+                assert _contrast(color, face) >= 3
+                assert all(_contrast(color, bar.get_facecolor()) >= 3 for bar in bars)
+    tie_panel = next(ax for ax in panels if ax.get_title(loc="left").startswith("all-tie"))
+    kv_bars = [p for p in tie_panel.patches if not p.get_hatch() and p.get_width() > 0]
+    greys = [p for p in tie_panel.patches if _is_grey(p.get_facecolor())]
+    assert len(greys) == 6 and len(kv_bars) == 6, "the tied cells are grey"
+    lines = summary_lines(cells)
+    best = winners(cells).set_index("workload")
+    tie = best.loc["all-tie"]
+    assert f"all-tie: {NO_DIFFERENCE}" in "\n".join(lines)
+    assert f"their intervals {num(8)}–{num(15)} ms" in "\n".join(lines)
+    assert tie["tie_lo"] == 8 and tie["tie_hi"] == 15
+    lead = best.loc["outlier"]
+    assert lead["verdict"] == "winner" and lead["cell"] == "evict_only/sync/best_effort"
+    assert "outlier: winner evict_only/sync/best_effort" in lines
+    assert any(value_range(8.78, 8.32, 9.0) in line for line in lines)
+    assert any("tie" in ax.get_title(loc="left") for ax in panels)
+
+
+def test_bench_progress_says_cells_done_left_and_an_eta_from_the_mean_cell_time():
+    from kvtool.bench.runner import eta_text
+
+    assert eta_text(0, 42, 0.0) == "0 of 42 cells done, 42 left, ETA ?"
+    assert eta_text(3, 42, 30.0) == "3 of 42 cells done, 39 left, ETA 6m30s"  # 10 s per cell x 39
+    assert eta_text(2, 500, 20.0) == "2 of 500 cells done, 498 left, ETA 1h23m"
+    assert eta_text(41, 42, 41.0) == "41 of 42 cells done, 1 left, ETA 1s"
+
+
+def test_write_path_and_prompt_length_charts_share_scales_and_fit_no_slopes(tmp_path):
+    from kvtool.bench import report_charts
+
+    run_dir = make_run(tmp_path)
+    cells, requests, run = load_run(run_dir)
+    fig = report_charts.plot_write_path(cells, run)
+    panels = [ax for ax in fig.axes if ax.patches]
+    for unit in ("ms", "MB/s"):  # the request thread's time and the writer's total output, one scale each
+        column = [ax for ax in panels if f"({unit}," in ax.get_xlabel()]
+        assert len(column) == 2 and len({ax.get_xlim() for ax in column}) == 1 and column[0].get_xscale() == "log"
+    fig = report_charts.plot_ttft_vs_prompt(requests, run)
+    (ax,) = fig.axes
+    texts = [t.get_text() for t in ax.texts] + [fig.get_suptitle()]
+    assert ax.get_yscale() == "log" and "ms" in ax.get_ylabel()
+    assert not any("slope" in t or "least-squares" in t for t in texts)
+    assert len(ax.containers) == 3, "one median line with intervals per cache state"

@@ -144,21 +144,23 @@ def _bounds(stats: np.ndarray, confidence: float) -> tuple[float, float]:
 
 
 def bootstrap_ci(values: Sequence[float] | np.ndarray, *, seed: int = BOOTSTRAP_SEED, n_resamples: int = N_RESAMPLES,
-                 confidence: float = CONFIDENCE) -> Interval:
-    """Mean over the repeats and its percentile-bootstrap interval (see the module docstring).
+                 confidence: float = CONFIDENCE, median: bool = False) -> Interval:
+    """Mean (or with `median`, the median) over the repeats and its percentile-bootstrap interval
+    (see the module docstring).
 
-    Exactly: `idx = default_rng(seed).integers(0, n, size=(n_resamples, n))`, means =
-    `values[idx].mean(axis=1)`, bounds = `percentile(means, [2.5, 97.5])` for 95 %.
-    Non-finite values are dropped first; no values give `NAN_INTERVAL`.
+    Exactly: `idx = default_rng(seed).integers(0, n, size=(n_resamples, n))`, statistics =
+    `values[idx].mean(axis=1)` (`numpy.median(values[idx], axis=1)` with `median`), bounds =
+    `percentile(statistics, [2.5, 97.5])` for 95 %. Non-finite values are dropped first; no values
+    give `NAN_INTERVAL`. The median's interval of 2 or 3 values is their min-max.
     """
     arr = _clean(values)
     if arr.size == 0:
         return NAN_INTERVAL
-    point = float(arr.mean())
+    point = float(np.median(arr) if median else arr.mean())
     if arr.size == 1 or np.all(arr == arr[0]):
         return Interval(point, point, point, int(arr.size))
     idx = np.random.default_rng(seed).integers(0, arr.size, size=(n_resamples, arr.size))
-    lo, hi = _bounds(arr[idx].mean(axis=1), confidence)
+    lo, hi = _bounds(np.median(arr[idx], axis=1) if median else arr[idx].mean(axis=1), confidence)
     return Interval(point, lo, hi, int(arr.size))
 
 

@@ -32,6 +32,7 @@ def machine_info(cache_dir: Path) -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "ram_bytes": total_ram_bytes(),
+        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "cache_disk": disk_info(cache_dir),
         "versions": {"python": platform.python_version(), **package_versions()},
     }

@@ -9,7 +9,8 @@ A *cell run* is one (workload, cell, repeat); a row of `cells.csv` aggregates th
 Repeats: every per-request statistic (TTFT p50/p95/p99/mean, prefill, decode, write path, SSD
 load) is computed per cell run first; the `cells.csv` value is the **median over the repeats** and,
 for the metrics in `SPREAD_METRICS`, `<metric>_min` / `<metric>_max` give the range over the
-repeats (the spread the report's winner rule uses). Hit rates and token counts are pooled over
+repeats and `<metric>_lo` / `<metric>_hi` the 95 % percentile-bootstrap interval of that median
+(`kvtool.bench.loadstats.bootstrap_ci`; the interval the report's winner rule uses). Hit rates and token counts are pooled over
 the repeats (the workload is identical in every repeat).
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvtool.bench.loadstats import percentile
+from kvtool.bench.loadstats import bootstrap_ci, percentile
 
 ID_COLUMNS: list[tuple[str, str]] = [
     ("workload", "workload name (shared-prefix, multi-turn, long-doc-qa, restart, ram-pressure)"),
@@ -59,7 +60,8 @@ REQUEST_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + [
     ("backpressure_events", "times the request met a full writer queue (events)"),
 ]
 
-# Per-cell-run statistics whose range over the repeats is reported as `<name>_min` / `<name>_max`.
+# Per-cell-run statistics whose range over the repeats is reported as `<name>_min` / `<name>_max`,
+# and the 95 % bootstrap interval of their median as `<name>_lo` / `<name>_hi`.
 SPREAD_METRICS: tuple[str, ...] = (
     "ttft_p50_ms", "ttft_p95_ms", "prefill_ms_mean", "decode_tokens_per_s", "hit_rate", "ssd_load_ms_total",
     "write_path_ms_mean",
@@ -76,6 +78,8 @@ def _with_spread(columns: list[tuple[str, str]]) -> list[tuple[str, str]]:
             unit = next((f" {u}" for u in ("(ms)", "(tokens/s)") if doc.endswith(u)), "")
             out.append((f"{name}_min", f"smallest per-repeat `{name}` over the repeats{unit}"))
             out.append((f"{name}_max", f"largest per-repeat `{name}` over the repeats{unit}"))
+            out.append((f"{name}_lo", f"95 % bootstrap interval of the median `{name}`, lower bound{unit}"))
+            out.append((f"{name}_hi", f"95 % bootstrap interval of the median `{name}`, upper bound{unit}"))
     return out
 
 
@@ -174,6 +178,9 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
     for name in SPREAD_METRICS:
         out[f"{name}_min"] = across[name].min()
         out[f"{name}_max"] = across[name].max()
+        interval = across[name].agg(lambda s: bootstrap_ci(s, median=True))
+        out[f"{name}_lo"] = interval.map(lambda iv: iv.lo)
+        out[f"{name}_hi"] = interval.map(lambda iv: iv.hi)
     msum = mg[["prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens", "remote_hit_tokens"]].sum()
     out["ram_hit_rate"] = _ratio(msum["ram_hit_tokens"], msum["prompt_tokens"])
     out["ssd_hit_rate"] = _ratio(msum["ssd_hit_tokens"], msum["prompt_tokens"])

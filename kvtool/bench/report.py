@@ -5,12 +5,14 @@ can be regenerated at any time from a finished run (`write_report(run_dir)`), al
 committed summary that kept no `requests.csv`.
 
 Trust rules:
-- every latency is the **median over the repeats** of a per-repeat statistic, with its min-max
-  range over the repeats (`cells.csv` columns `<metric>_min` / `<metric>_max`);
-- a kvtool cell **wins** a workload only when its slowest repeat beats the fastest repeat of every
-  other kvtool cell, the runner-up included (`WIN_RULE`); otherwise the workload is a **tie**
-  between the best cell and every cell whose range overlaps it;
-- one chart per question (`CHARTS`), linear axes, ranges as whiskers, values written on the bars.
+- every latency is the **median over the repeats** of a per-repeat statistic, with the 95 %
+  percentile-bootstrap interval of that median (`cells.csv` columns `<metric>_lo` / `<metric>_hi`;
+  `kvtool.bench.verdicts.spread`);
+- a kvtool cell **wins** a workload only when its interval lies wholly below every other kvtool
+  cell's (`WIN_RULE`); otherwise the workload is a **tie** between the best cell and every cell whose
+  interval overlaps it, reported as the span of the tied cells (never the luckiest cell's figure);
+- one chart per question (`CHARTS`), one shared log scale per quantity, intervals as whiskers,
+  ties grey, machine / load / commit / repeats in the footer (`kvtool.bench.report_charts`).
 
 A directory that is not a readable run raises `ReportError` (one `error:` line, exit 2, in the CLI).
 """
@@ -26,21 +28,35 @@ import numpy as np
 import pandas as pd
 
 from kvtool.bench.report_charts import plot_ttft, plot_ttft_vs_prompt, plot_write_path, save
-from kvtool.bench.verdicts import NO_SPREAD, repeat_count, speedup, spread, value_range, winners
+from kvtool.bench.verdicts import (
+    KIND_KVTOOL,
+    MLXLM,
+    NO_CACHE,
+    NO_SPREAD,
+    repeat_count,
+    speedup,
+    speedup_span,
+    spread,
+    tie_span,
+    value_range,
+    verdict_phrase,
+    winners,
+)
 from kvtool.errors import KVToolError
 
 __all__ = ["CHARTS", "Report", "ReportError", "WIN_RULE", "load_run", "render_markdown", "winners", "write_report"]
 
 CHARTS = {
-    "ttft_per_workload.png": "Which policy gives the lowest TTFT per workload?",
-    "write_path_by_durability.png": "What does each durability cost on the write path?",
-    "ttft_vs_prompt_len.png": "How does TTFT grow with prompt length?",
+    "ttft_per_workload.png": "Which policy gives the lowest TTFT per workload, and by how much?",
+    "write_path_by_durability.png": "What does each setting cost on the write path, on the request thread and in total?",
+    "ttft_vs_prompt_len.png": "How does TTFT grow with prompt length, per cache state?",
 }
 WIN_RULE = (
-    "A kvtool cell **wins** a workload only when its slowest repeat is faster than the fastest repeat "
-    "of every other kvtool cell, the runner-up included (rule: winner's max < runner-up's min, on the "
-    "per-repeat TTFT p50, ranges = min-max over the repeats). Otherwise the workload is a **tie** "
-    "between the cell with the lowest median and every cell whose range overlaps its range."
+    "A kvtool cell **wins** a workload only when its interval lies wholly below every other kvtool cell's, "
+    "the runner-up included (rule: winner's interval top < runner-up's interval bottom, on the median over "
+    "the repeats of the per-repeat TTFT p50, interval = 95% bootstrap interval of that median). Otherwise "
+    "the workload is a **tie** (no policy differs beyond the noise on this machine) between the cell with "
+    "the lowest median and every cell whose interval overlaps its interval."
 )
 REQUIRED_CELL_COLUMNS = ("workload", "cell", "kind", "ttft_p50_ms")
 REQUIRED_REQUEST_COLUMNS = ("workload", "cell", "kind", "prompt_tokens", "cached_tokens", "ttft_ms")
@@ -110,7 +126,7 @@ def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
     if df.empty:
         raise ReportError(f"{path} has a header but no rows")
     for column in df.columns:  # a stray string makes a numeric column unplottable: read it as NaN
-        if column.endswith(("_ms", "_min", "_max", "_tokens", "_rate", "_pct", "_s")) or column.startswith("ttft_"):
+        if column.endswith(("_ms", "_min", "_max", "_lo", "_hi", "_tokens", "_rate", "_pct", "_s")) or column.startswith("ttft_"):
             df[column] = pd.to_numeric(df[column], errors="coerce")
     return df
 
@@ -130,11 +146,11 @@ def write_report(run_dir: Path) -> Report:
     cells, requests, run = load_run(run_dir)
     best = winners(cells)
     charts = [
-        save(plot_ttft(cells, best), run_dir / "ttft_per_workload.png"),
-        save(plot_write_path(cells), run_dir / "write_path_by_durability.png"),
+        save(plot_ttft(cells, best, run), run_dir / "ttft_per_workload.png"),
+        save(plot_write_path(cells, run), run_dir / "write_path_by_durability.png"),
     ]
     if requests is not None:
-        charts.append(save(plot_ttft_vs_prompt(requests), run_dir / "ttft_vs_prompt_len.png"))
+        charts.append(save(plot_ttft_vs_prompt(requests, run), run_dir / "ttft_vs_prompt_len.png"))
     md = run_dir / "report.md"
     md.write_text(render_markdown(cells, run, charts=[p.name for p in charts]))
     return Report(markdown=md, charts=charts)
@@ -156,41 +172,47 @@ def markdown_table(df: pd.DataFrame, floatfmt: str = "{:.3g}") -> str:
 
 
 def winners_table(best: pd.DataFrame) -> pd.DataFrame:
-    """The report's winners table: verdict, best cell and runner-up with their ranges."""
+    """The report's winners table: verdict, winner and runner-up with their intervals; for a tie
+    the span of the tied cells' medians, intervals and speed-ups (never the luckiest cell's)."""
     rows = []
     for r in best.itertuples(index=False):
-        cells = r.tied_cells.replace("; ", ", ") if r.verdict == "tie" else r.cell
+        tie = r.verdict == "tie"
         vs = f"{speedup(r.ttft_vs_mlxlm)} ({r.vs_mlxlm})" if r.vs_mlxlm else speedup(r.ttft_vs_mlxlm)
         rows.append({
             "workload": r.workload,
-            "verdict": f"tie ({len(r.tied_cells.split('; '))} of {r.candidates})" if r.verdict == "tie" else r.verdict,
-            "winner / tied cells": cells,
-            "best TTFT p50 ms, median [min–max]": value_range(r.ttft_p50_ms, r.ttft_p50_ms_min, r.ttft_p50_ms_max)
-            + (f" ({r.cell})" if r.verdict == "tie" else ""),
-            "runner-up": r.runner_up or "",
-            "runner-up TTFT p50 ms": value_range(r.runner_up_ttft_p50_ms, r.runner_up_ttft_p50_ms_min,
-                                             r.runner_up_ttft_p50_ms_max),
-            "vs no-cache": speedup(r.ttft_vs_no_cache),
-            "vs mlx-lm cache": vs,
+            "verdict": f"tie ({len(r.tied_cells.split('; '))} of {r.candidates})" if tie else r.verdict,
+            "winner / tied cells": r.tied_cells.replace("; ", ", ") if tie else r.cell,
+            "TTFT p50 ms, median [95% interval]": tie_span(r) if tie
+            else value_range(r.ttft_p50_ms, r.ttft_p50_ms_lo, r.ttft_p50_ms_hi),
+            "runner-up": "" if tie else r.runner_up or "",
+            "runner-up TTFT p50 ms": "" if tie else value_range(r.runner_up_ttft_p50_ms, r.runner_up_ttft_p50_ms_lo,
+                                                                r.runner_up_ttft_p50_ms_hi),
+            "vs no-cache": speedup_span(r.tie_vs_no_cache_min, r.tie_vs_no_cache_max) if tie else speedup(r.ttft_vs_no_cache),
+            "vs mlx-lm cache": speedup_span(r.tie_vs_mlxlm_min, r.tie_vs_mlxlm_max) if tie else vs,
         })
     return pd.DataFrame(rows)
 
 
+DISK_HIT = {KIND_KVTOOL: "SSD tier", MLXLM: "mlx-lm's one-file prompt cache, not an SSD tier",
+            NO_CACHE: "no cache"}  # what `ssd_hit_rate` measured, per kind of cell
 SUMMARY_SPREAD = [("ttft_p50_ms", "TTFT p50 ms"), ("ttft_p95_ms", "TTFT p95 ms"),
                   ("write_path_ms_mean", "write path ms/request")]
 
 
 def summary_table(cells: pd.DataFrame) -> pd.DataFrame:
-    """Every cell: medians with [min–max] over the repeats, hit rates, ratios, shutdown checks."""
+    """Every cell: medians with [95% interval], hit rates, ratios, shutdown checks. The disk-hit
+    column says per row what it measured (`DISK_HIT`)."""
     out = pd.DataFrame({"workload": cells["workload"], "cell": cells["cell"]})
     for metric, label in SUMMARY_SPREAD:
         c, lo, hi = spread(cells, metric)
-        out[label + " [min–max]"] = [value_range(a, b, d) for a, b, d in zip(c, lo, hi)]
-    for column, label, fmt in (("ram_hit_rate", "RAM hit", "{:.2f}"), ("ssd_hit_rate", "SSD hit", "{:.2f}"),
+        out[label + " [95% interval]"] = [value_range(a, b, d) for a, b, d in zip(c, lo, hi)]
+    for column, label, fmt in (("ram_hit_rate", "RAM hit", "{:.2f}"), ("ssd_hit_rate", "disk hit", "{:.2f}"),
                                ("prefill_saved_pct", "prefill saved %", "{:.0f}"),
                                ("write_amplification", "write amp.", "{:.2f}")):
         values = pd.to_numeric(cells[column], errors="coerce") if column in cells else pd.Series(np.nan, cells.index)
         out[label] = [fmt.format(v) if np.isfinite(v) else "" for v in values]
+    out["disk hit"] = [f"{v} ({DISK_HIT.get(k, DISK_HIT[KIND_KVTOOL])})" if v else v
+                       for v, k in zip(out["disk hit"], cells["kind"])]
     for column, label in (("ttft_vs_no_cache", "vs no-cache"), ("ttft_vs_mlxlm", "vs mlx-lm")):
         values = cells[column] if column in cells else pd.Series(np.nan, cells.index)
         out[label] = [speedup(v) if pd.notna(v) else "" for v in values]
@@ -206,7 +228,7 @@ def render_markdown(cells: pd.DataFrame, run: dict[str, Any], charts: list[str] 
     drop = run.get("page_cache_drop") or {}
     model = run.get("model") or {}
     repeats = repeat_count(cells)
-    has_spread = "ttft_p50_ms_min" in cells
+    has_spread = "ttft_p50_ms_min" in cells or "ttft_p50_ms_lo" in cells
     lines = [
         f"# kvtool bench report: {run.get('run_id')}",
         "",
@@ -216,31 +238,39 @@ def render_markdown(cells: pd.DataFrame, run: dict[str, Any], charts: list[str] 
         f"- versions: {', '.join(f'{k} {v}' for k, v in (m.get('versions') or {}).items())}",
         f"- git commit: `{run.get('git_commit')}`; started {run.get('started')}, {run.get('duration_s')} s",
         f"- page cache drop before cold reads: {drop.get('ok')} ({drop.get('files')} files; {drop.get('method')})",
+        f"- load average (1, 5, 15 min) at the start: {m.get('load_avg', 'not recorded')}",
         (f"- repeats per cell: {repeats}; every number is the median over the repeats of a per-repeat statistic, "
-         "with its range `[min–max]` over the repeats"),
+         "with the 95% bootstrap interval of that median `[lo–hi]`"),
         "",
         "Ratios are speed-ups of the median TTFT p50: baseline / cell (> 1 means the cell is faster).",
         "",
         "## Winning cell per workload",
         "",
-        WIN_RULE + (" `vs mlx-lm cache` says whether the best cell's range is entirely below (faster), "
-                    "above (slower) or overlapping the mlx-lm prompt cache's range."),
+        WIN_RULE + (" `vs mlx-lm cache` says whether the winner's interval is entirely below (faster), "
+                    "above (slower) or overlapping the mlx-lm prompt cache's interval; for a tie both ratios are "
+                    "the span over the tied cells. The `disk hit` column of the mlx-lm baseline is mlx-lm's "
+                    "one-file prompt cache, not an SSD tier."),
         "",
     ]
     if repeats < 2:
         lines += [(f"**Caution: {repeats} repeat per cell: no spread, so no winner is called** (verdict "
                    f"`{NO_SPREAD}`; the cell named is merely the lowest). Run with `repeats = 3` or more."), ""]
     elif repeats < MIN_TRUSTED_REPEATS:
-        lines += [(f"**Caution: {repeats} repeats per cell.** A range from fewer than {MIN_TRUSTED_REPEATS} "
+        lines += [(f"**Caution: {repeats} repeats per cell.** An interval from fewer than {MIN_TRUSTED_REPEATS} "
                    "repeats says little about noise; treat every winner as provisional."), ""]
     if not has_spread:
         lines += [("**This run's cells.csv has no min/max columns** (written before ranges were recorded): "
                    f"values are shown without a range and no winner is called (`{NO_SPREAD}`)."), ""]
     best = winners(cells)
     lines.append(markdown_table(winners_table(best)) if len(best) else "- no kvtool cell in this run")
-    gains = best[best["ttft_gain"].notna()] if len(best) else best
-    for r in gains.itertuples(index=False):
-        lines += ["", f"{r.workload}: TTFT gain warm-up / query of `{r.cell}`: {r.ttft_gain:.2f}x."]
+    lines += ["", *(f"- {r.workload}: {verdict_phrase(r)}" for r in best.itertuples(index=False))]
+    for r in best.itertuples(index=False) if "ttft_gain" in cells else ():  # a tie: the span over its cells
+        names = r.tied_cells.split("; ") if r.verdict == "tie" else [r.cell]
+        mine = cells[(cells["workload"] == r.workload) & cells["cell"].isin(names)]
+        gain = pd.to_numeric(mine["ttft_gain"], errors="coerce").dropna()
+        if len(gain):
+            who = "the tied cells" if r.verdict == "tie" else f"`{r.cell}`"
+            lines += ["", f"{r.workload}: TTFT gain warm-up / query of {who}: {speedup_span(gain.min(), gain.max())}."]
     lines += ["", "## Every cell", "", markdown_table(summary_table(cells)), "", "## Charts", ""]
     names = list(CHARTS) if charts is None else charts
     lines += [f"### {CHARTS.get(name, name)}\n\n![{CHARTS.get(name, name)}]({name})\n" for name in names]

@@ -1,5 +1,17 @@
-"""The PNG charts of `kvtool report` (matplotlib, Agg): one chart per question (`kvtool.bench.report.CHARTS`), linear
-axes, ranges over the repeats as whiskers, values written on the bars."""
+"""The PNG charts of `kvtool report` (matplotlib, Agg): one chart per question (`kvtool.bench.report.CHARTS`).
+
+Every chart draws medians with their 95 % bootstrap interval (`kvtool.bench.verdicts.spread`,
+`kvtool.bench.loadstats.bootstrap_ci`) on **one shared log scale per quantity** (every panel of a
+quantity has the same axis, labelled with its unit), and carries a footer with the machine, the
+load average, the commit and the repeats (`footer`). Horizontal bars run from the axis start to the
+median; the whisker (black) is the interval; the value and interval are written in a column of
+their own at the right of every panel (`LABEL_X`), on a white box, so no label leaves the axes or
+sits on a bar. Each row is labelled by its three dimensions in aligned columns (policy, writer,
+durability, then any further grid axis: `grid_label`), not by a slash-joined name.
+
+Colours, one meaning each (the loadcharts palette): the **winner** green, cells **tied** with the
+lowest grey, cells slower than the lowest beyond the intervals light red, baselines white hatched.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +26,9 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator  # noqa: E402
 
+from kvtool.bench.loadstats import bootstrap_ci  # noqa: E402
 from kvtool.bench.verdicts import (  # noqa: E402
     KIND_KVTOOL,
     MLXLM,
@@ -22,17 +36,21 @@ from kvtool.bench.verdicts import (  # noqa: E402
     num,
     repeat_count,
     spread,
+    tie_span,
     value_range,
     verdict_phrase,
     winners,
 )
 
-KIND_COLORS = {KIND_KVTOOL: "#4C72B0", NO_CACHE: "#C44E52", MLXLM: "#DD8452"}
-WIN_COLOR = "#2E8B57"  # the winner, or the cells of a tie
-DURABILITY_COLORS = {"best_effort": "#8DA0CB", "persistent": "#4C72B0", "durable": "#1B3A6B"}
+WIN, TIE, SLOWER, BASELINE, PLAIN = "#1A9850", "#A6A6A6", "#F4A582", "#FFFFFF", "#9ECAE1"
+WHISKER = "#000000"
+BASELINE_LABELS = {NO_CACHE: "no-cache (baseline)", MLXLM: "mlx-lm cache (baseline)"}
+GRID_HEADER = ("policy", "writer", "durability")
+GRID_WIDTHS = (14, 7, 12)  # characters per column of a row label (monospace)
 DPI = 100
 MAX_FIG_HEIGHT_IN = 15.5  # 1,550 px at DPI
-OFF_SCALE_FACTOR = 5.0  # bars beyond 5x the fastest median are cut at the axis end and labelled
+LABEL_X = 0.70  # the value labels start at this fraction of the axes width; the data ends before it
+_INTERVAL = "bar = median over the repeats, whisker = 95% bootstrap interval of the median"
 
 
 def save(fig: plt.Figure, path: Path) -> Path:
@@ -41,239 +59,268 @@ def save(fig: plt.Figure, path: Path) -> Path:
     return path
 
 
-def _panel_grid(n: int, panel_h: float, width_per_col: float) -> tuple[plt.Figure, list[Any], Any]:
-    """A 2-column grid for `n` panels; returns (figure, the n axes, the spare axis or None)."""
-    ncols = 1 if n == 1 else 2
+def footer(fig: plt.Figure, run: dict[str, Any] | None, repeats: int, extra: str = "") -> None:
+    """Machine, load average at the start, commit and repeats under the panels (`fig.supxlabel`)."""
+    run = run or {}
+    m = run.get("machine") or {}
+    ram = m.get("ram_bytes")
+    load = m.get("load_avg")
+    parts = [f"machine: {m.get('cpu_model') or '?'}, {m.get('cpu_cores') or '?'} cores, "
+             + (f"{ram / (1 << 30):.0f} GiB RAM" if isinstance(ram, (int, float)) else "? RAM"),
+             "load avg at start: " + (", ".join(f"{x:.2f}" for x in load) if load else "not recorded"),
+             f"commit {str(run.get('git_commit') or '?')[:10]}", f"{repeats} repeat(s) per cell",
+             f"run {run.get('run_id') or '?'}"]
+    fig.supxlabel(" | ".join(parts) + (f"\n{extra}" if extra else ""), fontsize=8, color="#333333")
+
+
+def grid_label(cell: str, kind: str) -> str:
+    """A row label: the cell's dimensions in aligned columns (`GRID_HEADER`), or the baseline's name."""
+    if kind != KIND_KVTOOL:
+        return f"{BASELINE_LABELS.get(kind, str(cell)):<{sum(GRID_WIDTHS)}}"
+    parts = str(cell).split("/") + ["", "", ""]
+    return "".join(f"{p:<{w}}" for p, w in zip(parts, GRID_WIDTHS)) + " ".join(parts[3:-3])
+
+
+def _header() -> str:
+    return "".join(f"{p:<{w}}" for p, w in zip(GRID_HEADER, GRID_WIDTHS))
+
+
+def _rows(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (cell, kind) rows of a chart: baselines first, then kvtool cells in sweep order."""
+    pairs = list(dict.fromkeys(zip(frame["cell"], frame["kind"])))
+    return sorted(pairs, key=lambda p: {NO_CACHE: 0, MLXLM: 1}.get(p[1], 2))
+
+
+def log_limits(lows: np.ndarray, highs: np.ndarray) -> tuple[float, float]:
+    """The shared log axis (xmin, xmax): every positive value inside, the data ending before
+    `LABEL_X` of the width so the label column never meets a whisker."""
+    lows, highs = np.asarray(lows, dtype=float), np.asarray(highs, dtype=float)
+    pos = np.concatenate([lows[np.isfinite(lows) & (lows > 0)], highs[np.isfinite(highs) & (highs > 0)]])
+    if pos.size == 0:
+        return 1e-3, 1.0
+    lo, hi = float(pos.min()) / 1.6, float(pos.max()) * 1.15
+    span = math.log10(hi / lo) if hi > lo else 1.0
+    return lo, lo * 10 ** (span / (LABEL_X - 0.04))
+
+
+def interval_bars(ax: Any, rows: list[tuple[str, str]], frame: pd.DataFrame, colors: dict[str, str],
+                  xmin: float) -> None:
+    """One horizontal bar per row (`frame` indexed by cell, with `_c`, `_lo`, `_hi`), the interval
+    as a black whisker and `median [lo–hi]` in the label column; a missing cell leaves its row empty."""
+    d = frame.reindex([c for c, _ in rows]).assign(_kind=[k for _, k in rows], _y=np.arange(len(rows)))
+    d = d[np.isfinite(d["_c"].to_numpy(dtype=float))]
+    c, y = d["_c"].to_numpy(dtype=float), d["_y"].to_numpy()
+    shown = np.maximum(c, xmin)
+    lo = np.clip(np.nan_to_num(d["_lo"].to_numpy(dtype=float), nan=xmin), xmin, shown)
+    hi = np.maximum(np.nan_to_num(d["_hi"].to_numpy(dtype=float), nan=xmin), shown)
+    baseline = (d["_kind"] != KIND_KVTOOL).to_numpy()
+    bars = ax.barh(y, shown - xmin, left=xmin, height=0.7, linewidth=0.8,
+                   color=[colors.get(cell, BASELINE if b else PLAIN) for cell, b in zip(d.index, baseline)],
+                   edgecolor=["#404040" if b else "none" for b in baseline])
+    for patch, b in zip(bars.patches, baseline):
+        patch.set_hatch("///" if b else None)
+    ax.errorbar(shown, y, xerr=[shown - lo, hi - shown], fmt="none", ecolor=WHISKER, capsize=3, elinewidth=1.2,
+                zorder=4)
+    for yi, cc, ll, hh in zip(y, c, d["_lo"], d["_hi"]):
+        ax.text(LABEL_X, yi, value_range(cc, ll, hh) if cc > 0 else "0", transform=ax.get_yaxis_transform(),
+                va="center", ha="left", fontsize=7.5, color="#000000", zorder=5,
+                bbox={"boxstyle": "square,pad=0.1", "fc": "#FFFFFF", "ec": "none"})
+
+
+def _style(ax: Any, rows: list[tuple[str, str]], xlabel: str, title: str) -> None:
+    """Log x axis with its unit, the row grid (header row on top), the panel title."""
+    ax.set_xscale("log")
+    _plain_log_ticks(ax.xaxis)
+    ax.set_yticks(np.arange(-1, len(rows)), [_header()] + [grid_label(c, k) for c, k in rows],
+                  fontfamily="monospace", fontsize=7.5)
+    for label in ax.get_yticklabels()[:1]:  # the header row (panels sharing the left column's labels have none)
+        label.set_fontweight("bold")
+    ax.set_ylim(len(rows) - 0.5, -1.6)
+    ax.set_xlabel(xlabel, fontsize=8.5)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", which="both", alpha=0.25)
+    ax.set_axisbelow(True)
+    ax.set_title(title, fontsize=9, loc="left", fontweight="bold")
+
+
+def _plain_log_ticks(axis: Any) -> None:
+    """Ticks at 1, 2, 5 x 10^k written as plain numbers (`0.5`, `20`), not `2 x 10^1`."""
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def _grid(n: int, n_rows: int, ncols: int, width: float, sharex: Any = True) -> tuple[plt.Figure, np.ndarray]:
     nrows = math.ceil(n / ncols)
-    height = min(1.2 + nrows * panel_h, MAX_FIG_HEIGHT_IN)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(width_per_col * ncols, height), squeeze=False,
-                             layout="constrained")
-    flat = list(axes.ravel())
-    spare = flat[n] if len(flat) > n else None
-    for ax in flat[n + 1:]:
-        ax.axis("off")
-    return fig, flat[:n], spare
+    height = min(1.9 + nrows * (0.5 + 0.19 * (n_rows + 1)), MAX_FIG_HEIGHT_IN)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height), squeeze=False, sharex=sharex,
+                             sharey=True, layout="constrained")
+    return fig, axes
 
 
-def _legend(fig: plt.Figure, spare: Any, handles: list, note: str = "") -> None:
-    """The legend (and a note) in the spare panel, else below the panels: never over the bars."""
-    if spare is not None:
-        spare.axis("off")
-        spare.legend(handles=handles, loc="upper left", fontsize=9, frameon=False)
-        if note:  # anchored at the bottom, the legend at the top: they never meet
-            spare.text(0.0, 0.0, note, transform=spare.transAxes, fontsize=9, va="bottom")
-    else:
-        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=9, frameon=False)
-        if note:
-            fig.text(0.01, 0.0, note, fontsize=8, va="bottom")
+def cell_colors(g: pd.DataFrame, v: Any) -> dict[str, str]:
+    """Cell -> colour in one workload: `WIN` the winner, `TIE` the cells tied with the lowest (and
+    every cell when no winner can be called), `SLOWER` the rest, `BASELINE` the baselines."""
+    tied = set(v.tied_cells.split("; ")) if v is not None and v.tied_cells else set()
+    out = {}
+    for cell, kind in zip(g["cell"], g["kind"]):
+        if kind != KIND_KVTOOL:
+            out[cell] = BASELINE
+        elif v is not None and v.verdict == "winner":
+            out[cell] = WIN if cell == v.cell else SLOWER
+        elif v is not None and v.verdict == "tie":
+            out[cell] = TIE if cell in tied else SLOWER
+        else:
+            out[cell] = TIE
+    return out
 
 
-def plot_ttft(cells: pd.DataFrame, best: pd.DataFrame | None = None) -> plt.Figure:
-    """Question (a): which policy gives the lowest TTFT per workload?
+def plot_ttft(cells: pd.DataFrame, best: pd.DataFrame | None = None, run: dict[str, Any] | None = None) -> plt.Figure:
+    """Question (a): which policy gives the lowest TTFT per workload, and by how much?
 
-    One panel per workload, cells sorted fastest first; bar = median over the repeats of the
-    per-repeat TTFT p50, whisker = min-max over the repeats, the value and range written at the
-    bar end; the winner (or the tied cells) in green; linear axis, bars far beyond the fastest
-    (> `OFF_SCALE_FACTOR` x its median) cut at the axis end with their value written in.
+    One panel per workload, all on one shared log axis (TTFT p50, ms); rows in the same order in
+    every panel (baselines, then the kvtool cells labelled by policy, writer, durability); bar =
+    median over the repeats, whisker = its 95 % bootstrap interval; colours per `cell_colors`;
+    the title names the winner or says no policy differs beyond the noise, with the tied span.
     """
     best = winners(cells) if best is None else best
     verdicts = {r.workload: r for r in best.itertuples(index=False)}
-    groups = list(cells.groupby("workload", sort=False))
-    n_cells = max(len(g) for _, g in groups)
-    fig, axes, spare = _panel_grid(len(groups), 0.7 + 0.26 * n_cells, 7.6)
-    repeats = repeat_count(cells)
-    for (workload, g), ax in zip(groups, axes):
-        center, lo, hi = spread(g, "ttft_p50_ms")
-        g = g.assign(_c=center, _lo=lo, _hi=hi).sort_values(["_c", "_hi"], na_position="last", kind="stable")
+    center, lo, hi = spread(cells, "ttft_p50_ms")
+    data = cells.assign(_c=center, _lo=lo, _hi=hi)
+    groups = list(data.groupby("workload", sort=False))
+    rows = _rows(data)
+    xmin, xmax = log_limits(data["_lo"].to_numpy(), data["_hi"].to_numpy())
+    fig, axes = _grid(len(groups) + 1, len(rows), 1 if len(groups) <= 2 else 2, 7.2)
+    flat = list(axes.ravel())
+    for (workload, g), ax in zip(groups, flat):
         v = verdicts.get(workload)
-        highlighted = set(v.tied_cells.split("; ")) if v is not None and v.tied_cells else set()
-        if v is not None and v.verdict in ("winner", "only cell"):
-            highlighted = {v.cell}
-        colors = [WIN_COLOR if c in highlighted else KIND_COLORS.get(k, "gray") for c, k in zip(g["cell"], g["kind"])]
-        limit = _axis_limit(g["_c"], g["_hi"], g["kind"] == KIND_KVTOOL)
-        y = np.arange(len(g))
-        shown = g["_c"].clip(upper=limit).fillna(0)
-        off = (g["_hi"] > limit).to_numpy()
-        err = np.array([(g["_c"] - g["_lo"]).clip(lower=0).fillna(0), (g["_hi"] - g["_c"]).clip(lower=0).fillna(0)])
-        err[:, off] = 0
-        ax.barh(y, shown, xerr=err, color=colors, error_kw={"elinewidth": 1.2, "capsize": 3, "ecolor": "#333"})
-        for yi, (c, l_, h, o) in enumerate(zip(g["_c"], g["_lo"], g["_hi"], off)):
-            if o:  # the bar is cut at the axis end: say so, with its value, inside the bar
-                ax.text(limit * 0.985, yi, f"beyond the axis: {value_range(c, l_, h)} ▸", va="center", ha="right",
-                        fontsize=8, color="white", fontweight="bold")
-            elif np.isfinite(c):
-                ax.text(h + limit * 0.015, yi, value_range(c, l_, h), va="center", ha="left", fontsize=8)
-        ax.set_xlim(0, limit * 1.42)  # room for the value labels right of the whiskers
-        ax.set_yticks(y, g["cell"], fontsize=8.5)
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-        ax.set_xlabel("TTFT p50 (ms)", fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-        ax.set_title(f"{workload}\n{verdict_phrase(v)}", fontsize=10, loc="left", fontweight="bold")
-    fig.suptitle(
-        f"Which policy gives the lowest TTFT? TTFT p50 per cell, fastest first: bar = median of {repeats} "
-        f"repeat(s), whisker = min–max", fontsize=11,
-    )
-    handles = [Patch(color=WIN_COLOR, label="winner, or the tied cells"), Patch(color=KIND_COLORS[KIND_KVTOOL], label="kvtool cell"),
-               Patch(color=KIND_COLORS[MLXLM], label="mlx-lm prompt cache"), Patch(color=KIND_COLORS[NO_CACHE], label="no cache")]
-    note = ("Winner: its slowest repeat beats the fastest\nrepeat of every other kvtool cell. Otherwise a\n"
-            "tie: green = the fastest cell and every cell\nwhose range overlaps its range.\n\n"
-            "Labels: median [min–max] in ms.") if spare is not None else ""
-    _legend(fig, spare, handles, note)
+        interval_bars(ax, rows, g.set_index("cell"), cell_colors(g, v), xmin)
+        title = f"{workload}: {_short_verdict(v)}" + (f"\n{tie_span(v)}" if v is not None and v.verdict == "tie" else "")
+        _style(ax, rows, "TTFT p50 (ms, log scale)", title)
+        ax.set_xlim(xmin, xmax)
+    _legend(fig, flat[len(groups):], [(WIN, "winner: interval wholly below every other kvtool cell"),
+                                      (TIE, "tie: interval overlaps the lowest cell's (or no verdict)"),
+                                      (SLOWER, "slower than the lowest beyond the intervals"),
+                                      (BASELINE, "baseline (reference, never wins)")])
+    fig.suptitle(f"Which policy gives the lowest TTFT, and by how much? TTFT p50 per cell: {_INTERVAL}", fontsize=10)
+    footer(fig, run, repeat_count(cells))
     return fig
 
 
-def _axis_limit(center: pd.Series, hi: pd.Series, contender: pd.Series) -> float:
-    """The axis end: every bar's whisker, unless some are beyond `OFF_SCALE_FACTOR` x the fastest
-    kvtool median; then those are cut (a linear axis keeps the contenders readable)."""
-    finite_hi = hi[np.isfinite(hi)]
-    if finite_hi.empty or not (finite_hi > 0).any():
-        return 1.0
-    pool = center[contender & (center > 0)]
-    pool = pool if len(pool) else center[center > 0]
-    fastest = pool.min() if len(pool) else finite_hi.max()
-    near = hi[(center <= OFF_SCALE_FACTOR * fastest) & np.isfinite(hi)]
-    limit = float(near.max()) if len(near) else float(finite_hi.max())
-    return float(finite_hi.max()) if finite_hi.max() <= 1.5 * limit else limit * 1.08
+def _short_verdict(v: Any) -> str:
+    """A panel title's verdict: `verdict_phrase`, a tie shortened to fit a panel."""
+    if v is not None and v.verdict == "tie":
+        return f"tie, no policy differs beyond the noise ({len(v.tied_cells.split('; '))} of {v.candidates})"
+    return verdict_phrase(v)
 
 
-def plot_write_path(cells: pd.DataFrame) -> plt.Figure:
-    """Question (b): what does each durability cost on the write path?
+def _legend(fig: plt.Figure, spare: list[Any], entries: list[tuple[str, str]]) -> None:
+    """The colour legend in the first spare panel (the others hidden), else under the title."""
+    handles = [Patch(facecolor=c, edgecolor="#404040", hatch="///" if c == BASELINE else None, label=t)
+               for c, t in entries]
+    for ax in spare:
+        ax.axis("off")
+    if spare:
+        spare[0].legend(handles=handles, loc="center", fontsize=8.5, frameon=False)
+    else:
+        fig.legend(handles=handles, loc="outside upper center", ncols=2, fontsize=8, frameon=False)
 
-    One panel per workload: request-thread write time per request (median over the repeats,
-    whisker min-max) for every policy/writer pair, one bar per durability, the value on each bar;
-    the mlx-lm baseline's save time as a grey bar for reference.
+
+def writer_rates(cells: pd.DataFrame, run: dict[str, Any] | None) -> pd.DataFrame:
+    """Per (workload, cell): bytes the cell wrote to its disk per second of the cell run (MB/s),
+    median over the repeats with its 95 % bootstrap interval (`_c`, `_lo`, `_hi`). From run.json's
+    `cell_runs` (`counters.ssd_bytes_written`, else the bytes on disk, over `wall_s`); a run without
+    them uses cells.csv's `bytes_written / wall_s`, with no interval."""
+    runs = [r for r in (run or {}).get("cell_runs") or [] if isinstance(r, dict) and r.get("wall_s")]
+    if runs:
+        rates = pd.DataFrame([{
+            "workload": r.get("workload"), "cell": r.get("cell"),
+            "_rate": float((r.get("counters") or {}).get("ssd_bytes_written", r.get("bytes_written")) or 0)
+            / float(r["wall_s"]) / 1e6,
+        } for r in runs])
+        ivs = rates.groupby(["workload", "cell"], sort=False)["_rate"].agg(lambda s: bootstrap_ci(s, median=True))
+        return pd.DataFrame({"_c": ivs.map(lambda i: i.point), "_lo": ivs.map(lambda i: i.lo),
+                             "_hi": ivs.map(lambda i: i.hi)})
+    rate = pd.to_numeric(cells.get("bytes_written"), errors="coerce") / pd.to_numeric(cells.get("wall_s"), errors="coerce")
+    frame = pd.DataFrame({"_c": rate.to_numpy() / 1e6}, index=pd.MultiIndex.from_frame(cells[["workload", "cell"]]))
+    return frame.assign(_lo=frame["_c"], _hi=frame["_c"])
+
+
+def plot_write_path(cells: pd.DataFrame, run: dict[str, Any] | None = None) -> plt.Figure:
+    """Question (b): what does each setting cost on the write path, on the request thread and in total?
+
+    One row of panels per workload. Left: the request thread's write time per request (ms, median
+    over the repeats, 95 % interval) of every kvtool cell and the mlx-lm baseline's save. Right:
+    the writer's total output, bytes written per second of the cell run (MB/s, `writer_rates`), so
+    an async writer that leaves the request thread is not drawn free. One shared log scale per
+    column. Writer CPU time is not recorded by `kvtool bench`; the footer says so.
     """
-    kv = cells[cells["kind"] == KIND_KVTOOL].copy()
-    if kv.empty:
+    shown = cells[cells["kind"].isin([KIND_KVTOOL, MLXLM])]
+    if not (shown["kind"] == KIND_KVTOOL).any():
         fig, ax = plt.subplots(figsize=(8, 2))
         ax.axis("off")
         ax.text(0.5, 0.5, "no kvtool cell in this run: no write path to show", ha="center", va="center")
         return fig
-    center, lo, hi = spread(kv, "write_path_ms_mean")
-    kv = kv.assign(_c=center, _lo=lo, _hi=hi)
-    kv["setting"] = kv["cell"].map(_setting_label)
-    durabilities = list(dict.fromkeys(kv["ssd_durability"].fillna("?")))
-    groups = list(kv.groupby("workload", sort=False))
-    fig, axes, spare = _panel_grid(len(groups), 3.3, 7.4)
-    width = 0.8 / max(len(durabilities), 1)
-    for (workload, g), ax in zip(groups, axes):
-        settings = list(dict.fromkeys(g["setting"]))
-        x = np.arange(len(settings))
-        top = float(np.nanmax(g["_hi"])) if g["_hi"].notna().any() else 1.0
-        base = cells[(cells["workload"] == workload) & (cells["kind"] == MLXLM)]
-        if len(base):
-            top = max(top, float(np.nan_to_num(spread(base, "write_path_ms_mean")[2].iloc[0])))
-        top = top if top > 0 else 1.0
-        for i, dur in enumerate(durabilities):
-            d = g[g["ssd_durability"].fillna("?") == dur].set_index("setting").reindex(settings)
-            pos = x - 0.4 + width * (i + 0.5)
-            err = [(d["_c"] - d["_lo"]).clip(lower=0).fillna(0), (d["_hi"] - d["_c"]).clip(lower=0).fillna(0)]
-            ax.bar(pos, d["_c"].fillna(0), width * 0.92, yerr=err, color=DURABILITY_COLORS.get(dur, "gray"),
-                   error_kw={"elinewidth": 1, "capsize": 2, "ecolor": "#333"})
-            for p, c in zip(pos, d["_c"]):
-                if np.isfinite(c):
-                    _bar_label(ax, p, c, top, vertical=len(durabilities) * len(settings) > 14)
-        labels = settings
-        if len(base):
-            b_c, b_lo, b_hi = (float(s.iloc[0]) for s in spread(base, "write_path_ms_mean"))
-            bx = len(settings)
-            ax.bar([bx], [b_c], 0.8 / max(len(durabilities), 1) * 0.92, color="#999999",
-                   yerr=[[max(b_c - b_lo, 0)], [max(b_hi - b_c, 0)]], error_kw={"capsize": 2, "ecolor": "#333"})
-            _bar_label(ax, bx, b_c, top)
-            labels = settings + ["mlx-lm\nprompt cache"]
-            x = np.arange(len(labels))
-        ax.set_xticks(x, labels, fontsize=8.5)
-        _style_write_axis(ax, workload, top)
-    fig.suptitle(
-        f"What does each durability cost on the write path? Request-thread write time per request: "
-        f"bar = median of {repeat_count(cells)} repeat(s), whisker = min–max", fontsize=11,
-    )
-    handles = [Patch(color=DURABILITY_COLORS.get(d, "gray"), label=f"ssd_durability = {d}") for d in durabilities]
-    handles.append(Patch(color="#999999", label="mlx-lm save_prompt_cache (reference)"))
-    note = ("Async writers move the SSD write off the\nrequest thread; evict_only writes to SSD\n"
-            "only on RAM eviction.") if spare is not None else ""
-    _legend(fig, spare, handles, note)
+    center, lo, hi = spread(shown, "write_path_ms_mean")
+    thread = shown.assign(_c=center, _lo=lo, _hi=hi).set_index(["workload", "cell"])[["_c", "_lo", "_hi"]]
+    rates = writer_rates(shown, run).reindex(thread.index)
+    rows = _rows(shown)
+    workloads = list(dict.fromkeys(shown["workload"]))
+    fig, axes = _grid(2 * len(workloads), len(rows), 2, 6.8, sharex="col")
+    for col, (frame, xlabel) in enumerate(((thread, "request-thread write time per request (ms, log scale)"),
+                                           (rates, "bytes written per second of the cell run (MB/s, log scale)"))):
+        xmin, xmax = log_limits(frame["_lo"].to_numpy(), frame["_hi"].to_numpy())
+        for workload, ax in zip(workloads, axes[:, col]):
+            interval_bars(ax, rows, frame.loc[workload], {}, xmin)
+            side = "request thread" if col == 0 else "writer's total output"
+            _style(ax, rows, xlabel, f"{workload}: {side}")
+            ax.set_xlim(xmin, xmax)
+    fig.suptitle(f"What does each setting cost on the write path? {_INTERVAL}", fontsize=10)
+    footer(fig, run, repeat_count(cells), "An async writer moves the write off the request thread, not off the "
+           "machine: the right column is its total output. Writer CPU time is not recorded by kvtool bench.")
     return fig
 
 
-def _style_write_axis(ax: Any, workload: str, top: float) -> None:
-    """The y axis (0 to 1.25 x `top` ms), grid and title of one write-path panel."""
-    ax.set_ylim(0, top * 1.25)
-    ax.set_ylabel("write time per request (ms)", fontsize=9)
-    ax.tick_params(axis="y", labelsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_axisbelow(True)
-    ax.set_title(workload, fontsize=10, loc="left", fontweight="bold")
+def _buckets(prompt: pd.Series, most: int = 8) -> pd.Series:
+    """Prompt-length bucket of every request: the length itself for few lengths, else quantile bins."""
+    if prompt.nunique() <= most:
+        return prompt
+    return pd.qcut(prompt, most, duplicates="drop").cat.codes
 
 
-def _bar_label(ax: Any, x: float, value: float, top: float, vertical: bool = False) -> None:
-    """The bar's value just above its top, on a white box the whisker passes behind."""
-    ax.text(x, value + top * 0.015, num(value), ha="center", va="bottom", fontsize=7.5, zorder=5,
-            rotation=90 if vertical else 0, bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85})
+def plot_ttft_vs_prompt(requests: pd.DataFrame, run: dict[str, Any] | None = None) -> plt.Figure:
+    """Question (c): how does TTFT grow with prompt length, per cache state?
 
-
-def _setting_label(cell: str) -> str:
-    """`write_through/async/durable[/bs128]` -> `write_through\\nasync[ bs128]` (durability is the bar)."""
-    parts = str(cell).split("/")
-    return "\n".join([parts[0], " ".join([parts[1], *parts[3:]])]) if len(parts) >= 3 else str(cell)
-
-
-def plot_ttft_vs_prompt(requests: pd.DataFrame) -> plt.Figure:
-    """Question (c): how does TTFT grow with prompt length?
-
-    Every request of the run (faint dots), split into recomputed requests (no cache hit, any
-    cell) and cache hits of kvtool and of the mlx-lm prompt cache; per x value the median (marker)
-    with the interquartile range (whisker), and the group's least-squares line (dashed; the
-    x values come from different workloads, so medians are not joined). Left: against the prompt length;
-    right: against the tokens actually prefilled (prompt minus cached), which is what a cache
-    hit leaves to compute. Each panel states each group's least-squares slope. Linear axes.
+    Requests of every cell and repeat, bucketed by prompt length (`_buckets`); per bucket and
+    cache state (recomputed, kvtool cache hit, mlx-lm prompt-cache hit) the median TTFT with the
+    95 % bootstrap interval of that median (`bootstrap_ci(median=True)`), at the bucket's median
+    prompt length, joined by one line per state. Log TTFT axis (ms), linear prompt axis (tokens).
+    No fitted slopes.
     """
     df = requests.dropna(subset=["prompt_tokens", "ttft_ms"]).copy()
-    cached = pd.to_numeric(df["cached_tokens"], errors="coerce").fillna(0)
-    df["_prefilled"] = df["prefill_tokens"] if "prefill_tokens" in df else df["prompt_tokens"] - cached
-    df["_prefilled"] = pd.to_numeric(df["_prefilled"], errors="coerce").fillna(df["prompt_tokens"] - cached)
-    hit = cached > 0
-    series = [
-        ("recomputed (no cache hit)", df[~hit], KIND_COLORS[NO_CACHE], "o"),
-        ("kvtool cache hit", df[hit & (df["kind"] == KIND_KVTOOL)], KIND_COLORS[KIND_KVTOOL], "s"),
-        ("mlx-lm prompt-cache hit", df[hit & (df["kind"] == MLXLM)], KIND_COLORS[MLXLM], "^"),
-    ]
-    series = [x for x in series if not x[1].empty]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 6.4), sharey=True, layout="constrained")
-    y_top = float(df["ttft_ms"].quantile(0.995)) * 1.1 if len(df) else 1.0
-    for ax, column, xlabel in ((axes[0], "prompt_tokens", "prompt length (tokens)"),
-                               (axes[1], "_prefilled", "tokens prefilled = prompt - cached (tokens)")):
-        x_max = float(df[column].max()) if len(df) else 1.0
-        slopes = []
-        for i, (label, s, color, marker) in enumerate(series):
-            ax.scatter(s[column], s["ttft_ms"], s=10, alpha=0.12, color=color, linewidths=0)
-            q = s.groupby(column)["ttft_ms"].quantile([0.25, 0.5, 0.75]).unstack()
-            dodge = (i - (len(series) - 1) / 2) * x_max * 0.006  # keep overlapping whiskers apart
-            ax.errorbar(q.index + dodge, q[0.5], yerr=[(q[0.5] - q[0.25]).to_numpy(), (q[0.75] - q[0.5]).to_numpy()],
-                        color=color, marker=marker, markersize=6, linestyle="none", capsize=3, zorder=4,
-                        label=f"{label} ({len(s)} requests)" if ax is axes[0] else None)
-            if s[column].nunique() >= 2:
-                slope, intercept = np.polyfit(s[column].astype(float), s["ttft_ms"].astype(float), 1)
-                xs = np.array([float(s[column].min()), float(s[column].max())])
-                ax.plot(xs, intercept + slope * xs, color=color, linestyle="--", linewidth=1.4, zorder=3)
-                slopes.append(f"{label.split(' (')[0]}: {slope * 1000:+,.0f} ms per 1k tokens (dashed)")
-        if slopes:
-            ax.text(0.02, 0.97, "least-squares slope\n" + "\n".join(slopes), transform=ax.transAxes, va="top",
-                    fontsize=9, bbox={"boxstyle": "round,pad=0.4", "fc": "white", "ec": "#bbb", "alpha": 0.9})
-        ax.set_xlim(0, x_max * 1.05)
-        ax.set_ylim(0, y_top)
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
-        ax.set_axisbelow(True)
-    axes[0].set_ylabel("TTFT (ms)")
-    axes[0].set_title("against the prompt length", fontsize=10)
-    axes[1].set_title("against the tokens actually prefilled", fontsize=10)
-    fig.suptitle("How does TTFT grow with prompt length? Every request of every cell and repeat (dots); "
-                 "marker = median, whisker = interquartile range", fontsize=11)
-    fig.legend(loc="outside lower center", ncols=len(series), fontsize=9, frameon=False)
+    hit = pd.to_numeric(df["cached_tokens"], errors="coerce").fillna(0) > 0
+    df["_state"] = np.where(~hit, "recomputed (no cache hit)",
+                            np.where(df["kind"] == MLXLM, "mlx-lm prompt-cache hit", "kvtool cache hit"))
+    df["_bucket"] = _buckets(df["prompt_tokens"])
+    colors = {"recomputed (no cache hit)": "#D73027", "kvtool cache hit": "#1F4E9A", "mlx-lm prompt-cache hit": "#E08214"}
+    fig, ax = plt.subplots(figsize=(11, 6.4), layout="constrained")
+    for state, s in df.groupby("_state", sort=False):
+        per = s.groupby("_bucket")
+        ivs = per["ttft_ms"].agg(lambda v: bootstrap_ci(v, median=True))
+        x = per["prompt_tokens"].median().to_numpy(dtype=float)
+        c = ivs.map(lambda i: i.point).to_numpy(dtype=float)
+        err = [c - ivs.map(lambda i: i.lo).to_numpy(dtype=float), ivs.map(lambda i: i.hi).to_numpy(dtype=float) - c]
+        ax.errorbar(x, c, yerr=np.clip(err, 0, None), color=colors[str(state)], marker="o", capsize=3,
+                    label=f"{state} ({len(s)} requests)")
+        for xi, ci in zip(x, c):
+            ax.annotate(num(ci), (xi, ci), textcoords="offset points", xytext=(6, 4), fontsize=7.5)
+    ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis)
+    ax.set_xlabel("prompt length (tokens; bucket median)")
+    ax.set_ylabel("TTFT (ms, log scale)")
+    ax.grid(which="both", alpha=0.25)
+    ax.legend(fontsize=9, loc="upper left")
+    fig.suptitle("How does TTFT grow with prompt length? Per length bucket: median TTFT of the requests, "
+                 "whisker = 95% bootstrap interval of the median", fontsize=10)
+    footer(fig, run, int(df["repeat"].nunique()) if "repeat" in df else 1)
     return fig
-
-
-# ------------------------------------------------------------------------------ markdown
