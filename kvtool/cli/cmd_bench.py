@@ -35,7 +35,7 @@ Exit codes: 0 done and every tier shut down cleanly with its writes drained; 1 d
 
 REPORT_HELP = """Regenerate the PNG charts and report.md of a bench run directory from its cells.csv, requests.csv and run.json.
 
-A cell wins a workload only when its slowest repeat beats every other kvtool cell's fastest repeat; otherwise the report says tie and lists the tied cells. Exit codes: 0 done; 2 not a readable run directory (missing, empty or malformed files).
+Every figure is the median over the repeats with its 95% bootstrap interval. A cell wins a workload only when its interval lies wholly below every other kvtool cell's; otherwise the report says no policy differs beyond the noise, lists the tied cells and gives their span. Exit codes: 0 done; 2 not a readable run directory (missing, empty or malformed files).
 
 Examples:
 
