@@ -1,0 +1,334 @@
+"""Capacity planning on a request trace (`kvtool bench-plan`): a trace's block sequence replayed
+through kvtool's own tier stack and eviction, without a model, at each RAM / SSD budget and write
+policy asked for (docs/benchmarks.md#capacity-planning-on-the-mooncake-traces).
+
+What runs is kvtool's code, fed stand-ins:
+- the stack is a real `TierStack` (`kvtool.tiers.stack`): its walk (`collect`), write policies
+  (`insert`, write-back of what RAM evicts, `touch` of RAM hits on the SSD), promotion and pins;
+- RAM is the real `RamTier` (LRU, byte budget, pins) holding stand-in `Block`s: no arrays, one
+  stand-in token (the block's id) each, `nbytes` = the block's tokens x the KV bytes per token;
+- the SSD tier is `PlanSsdTier`, an in-memory stand-in whose eviction decision is the SSD byte
+  budget's own (`kvtool.disk.budget.SSDBudget`: when a segment does not fit, `fit_budget` of
+  `kvtool.disk.planner` frees least recently used segments down to `EVICT_SLACK` below the budget,
+  never one used in the last `DEFAULT_PROTECT_S` seconds, descendants with their ancestors).
+  A segment is one write batch of at most `WRITE_BATCH_BYTES` (as `SsdBlockTier` cuts them).
+  Why not the real SSD tier: its budget counts the bytes of real segment files, and the stand-in
+  payloads would have to be written at their real size (the conversation trace's 182,790 distinct
+  blocks are 11 TiB at 8B-class KV sizes): what is replaced is only the file system.
+Time is the trace's (`timestamp`), writes are synchronous (`ssd_async_writes = false`: nothing
+waits in a writer's queue), and a request is one fetch, one store, one release in that order, as
+`PrefixCache` serves it. Not modelled: tail-entry and partial-block hits (a trace has no tokens),
+the re-forward of a full hit's last token, and the index's and headers' bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtool.bench.trace import TraceError, TraceRequest
+from kvtool.config import KVToolConfig
+from kvtool.disk.budget import DEFAULT_PROTECT_S, EVICT_SLACK
+from kvtool.disk.chains import build_forest
+from kvtool.disk.planner import SegmentPlanner, fit_budget
+from kvtool.kv.blocks import Block
+from kvtool.tiers.base import Caps, ChainEntry, Put, TierBase, WritePolicy
+from kvtool.tiers.ssd import WRITE_BATCH_BYTES
+from kvtool.tiers.stack import TierStack
+from kvtool.units import MAX_BYTES
+
+ROOT = "root"  # the parent of a trace's first blocks
+# KV bytes per token of common shapes: layers x KV heads x head dim x 2 (K, V) x 2 bytes (bf16)
+KV_SHAPES = {
+    "8b": 32 * 8 * 128 * 2 * 2,  # Llama-3.1-8B: 131072
+    "32b": 64 * 8 * 128 * 2 * 2,  # Qwen2.5-32B: 262144
+    "70b": 80 * 8 * 128 * 2 * 2,  # Llama-3.1-70B: 327680
+}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+POLICIES = {"write_through": WritePolicy.THROUGH, "evict_only": WritePolicy.ON_EVICT}
+
+
+def kv_bytes_per_token(spec: str) -> int:
+    """KV bytes per token from a number, a name of `KV_SHAPES` (`8b`, `32b`, `70b`), or a model
+    directory's config.json (layers x KV heads x head dim x 2 x bytes of its dtype).
+
+    Raises:
+        TraceError: none of these, or a config.json without the fields.
+    """
+    text = spec.strip().lower()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    if text in KV_SHAPES:
+        return KV_SHAPES[text]
+    path = Path(spec) / "config.json"
+    if not path.is_file():
+        raise TraceError(f"--kv-bytes-per-token {spec!r}: not a positive number, a shape ({', '.join(KV_SHAPES)}) "
+                         "or a model directory with a config.json")  # fmt: skip
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+        cfg = cfg.get("text_config", cfg)
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        width = _DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2)
+        return int(cfg["num_hidden_layers"]) * kv_heads * head_dim * 2 * width
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise TraceError(f"{path}: cannot compute the KV bytes per token ({exc!r})") from None
+
+
+class PlanSsdTier(TierBase):
+    """The SSD tier as the stack sees it (backs RAM, persistent), holding block sizes only; its
+    byte budget decides as `SSDBudget` does (see the module docstring).
+
+    Args:
+        max_bytes: the budget (bytes); None: unbounded.
+        policy: `WritePolicy.THROUGH` (write_through) or `ON_EVICT` (evict_only).
+
+    Attributes:
+        now: the clock (seconds): the trace time of the request being replayed.
+        used: bytes of the segments held; written, read: bytes (`put` accepted, hits placed);
+        refused: blocks not stored (their segment could not fit); evicted: blocks evicted.
+    """
+
+    name = "ssd"
+    caps = Caps(persistent=True, backs_ram=True, finds_tails=False, lists_siblings=False)
+    takes_promotions = False
+
+    def __init__(self, max_bytes: int | None, policy: WritePolicy):
+        self.max_bytes, self.policy = max_bytes, policy
+        self.now = 0.0
+        self.used = self.written = self.read = self.refused = self.evicted = 0
+        self._block: dict[str, tuple[str, int, int]] = {}  # hash -> (parent, segment, nbytes)
+        self._access: dict[str, float] = {}
+        self._segments: dict[int, int] = {}  # segment number -> bytes
+        self._next_segment = 0
+
+    def __contains__(self, block_hash: str) -> bool:
+        return block_hash in self._block
+
+    def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[Any]:
+        out = []
+        for e in chain:
+            if e.hash not in self._block:
+                break
+            out.append(e.hash)
+        self.touch(out)
+        return out
+
+    def touch(self, hashes: list[str]) -> None:
+        for h in hashes:
+            if h in self._access:
+                self._access[h] = self.now
+
+    def put(self, blocks: Sequence[Block], why: Put) -> int:
+        fresh = [b for b in blocks if b.block_hash not in self._block]  # the store's dedup
+        accepted, batch, size = 0, [], 0
+        for b in fresh:
+            if batch and size + b.nbytes > WRITE_BATCH_BYTES:
+                accepted += self._save(batch, size)
+                batch, size = [], 0
+            batch.append(b)
+            size += b.nbytes
+        if batch:
+            accepted += self._save(batch, size)
+        return accepted
+
+    def _save(self, batch: list[Block], size: int) -> int:
+        """One segment: reserve its bytes (evicting if needed), then hold its blocks."""
+        if self.max_bytes is not None and self.used + size > self.max_bytes:
+            self._evict(size)
+            if self.used + size > self.max_bytes:
+                self.refused += len(batch)
+                return 0
+        seg = self._next_segment
+        self._next_segment += 1
+        self._segments[seg] = size
+        for b in batch:
+            self._block[b.block_hash] = (b.parent_hash, seg, b.nbytes)
+            self._access[b.block_hash] = self.now
+        self.used += size
+        self.written += size
+        return len(batch)
+
+    def _evict(self, need: int) -> None:
+        """`SSDBudget._evict` on the held blocks: the planner frees least recently used segments
+        until `used + need` is `EVICT_SLACK` below the budget, protected ones excepted."""
+        assert self.max_bytes is not None
+        hashes = list(self._block)
+        number = {h: i for i, h in enumerate(hashes)}
+        rows = [self._block[h] for h in hashes]
+        parent = np.array([number.get(p, -1) for p, _, _ in rows], dtype=np.int64)
+        at_root = np.array([p == ROOT for p, _, _ in rows], dtype=bool)
+        access = np.array([self._access[h] for h in hashes], dtype=np.float64)
+        segs = sorted(self._segments)
+        seg_no = {s: i for i, s in enumerate(segs)}
+        block_seg = np.array([seg_no[s] for _, s, _ in rows], dtype=np.int64)
+        size = np.array([self._segments[s] for s in segs], dtype=np.int64)
+        forest = build_forest(parent, at_root, access, self.now)
+        planner = SegmentPlanner.from_forest([f"{s:012d}" for s in segs], size, block_seg, forest,
+                                             lambda ids: [hashes[i] for i in ids])  # fmt: skip
+        target = int(self.max_bytes * (1 - EVICT_SLACK)) - need
+        fit_budget({"ns": planner}, max(target, 0), protect_after=self.now - DEFAULT_PROTECT_S)
+        for h in planner.removed_block_names():
+            del self._block[h], self._access[h]
+            self.evicted += 1
+        for i in planner.removed_segment_ids().tolist():
+            self.used -= self._segments.pop(segs[i])
+
+    def resident(self) -> set[str]:
+        """Hashes of the blocks held."""
+        return set(self._block)
+
+
+@dataclass
+class PlanPoint:
+    """One capacity point's result (tokens and bytes over the whole trace).
+
+    Attributes:
+        trace: its name; policy: the SSD write policy; ram_bytes, ssd_bytes: budgets (bytes;
+            ssd_bytes 0: no SSD tier).
+        requests, prompt_tokens: what the trace asked.
+        ram_hit_tokens, ssd_hit_tokens: prompt tokens served from each tier (prefill saved).
+        max_hit_tokens: what an unbounded cache serves (the theoretical maximum).
+        hit_rate, ram_hit_rate, ssd_hit_rate: hit tokens / prompt tokens; max_hit_rate likewise;
+        share_of_max: hit tokens / max_hit_tokens.
+        full_prefix_requests: requests whose whole reachable prefix (the blocks seen before) hit,
+            of `reachable_requests` that had one.
+        ram_written_bytes, ssd_written_bytes, ram_read_bytes, ssd_read_bytes: bytes per tier.
+        ssd_evicted_blocks, ssd_refused_blocks: the SSD budget's evictions and refusals.
+        wall_s: seconds this point took.
+    """
+
+    trace: str
+    policy: str
+    ram_bytes: int
+    ssd_bytes: int
+    requests: int = 0
+    prompt_tokens: int = 0
+    ram_hit_tokens: int = 0
+    ssd_hit_tokens: int = 0
+    max_hit_tokens: int = 0
+    hit_rate: float = 0.0
+    ram_hit_rate: float = 0.0
+    ssd_hit_rate: float = 0.0
+    max_hit_rate: float = 0.0
+    share_of_max: float = 0.0
+    full_prefix_requests: int = 0
+    reachable_requests: int = 0
+    ram_written_bytes: int = 0
+    ssd_written_bytes: int = 0
+    ram_read_bytes: int = 0
+    ssd_read_bytes: int = 0
+    ssd_evicted_blocks: int = 0
+    ssd_refused_blocks: int = 0
+    wall_s: float = 0.0
+
+    def finish(self) -> None:
+        """Fill the rates from the counts."""
+        n = max(self.prompt_tokens, 1)
+        hits = self.ram_hit_tokens + self.ssd_hit_tokens
+        self.hit_rate, self.ram_hit_rate, self.ssd_hit_rate = hits / n, self.ram_hit_tokens / n, self.ssd_hit_tokens / n
+        self.max_hit_rate = self.max_hit_tokens / n
+        self.share_of_max = hits / self.max_hit_tokens if self.max_hit_tokens else 1.0
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def reachable_blocks(requests: Sequence[TraceRequest]) -> list[int]:
+    """Per request, how many leading blocks an unbounded cache holds when it arrives (the ids
+    seen in earlier requests)."""
+    seen: set[int] = set()
+    out = []
+    for r in requests:
+        n = 0
+        while n < len(r.hash_ids) and r.hash_ids[n] in seen:
+            n += 1
+        out.append(n)
+        seen.update(r.hash_ids)
+    return out
+
+
+def _stack(ram_bytes: int, ssd: PlanSsdTier | None) -> TierStack:
+    config = KVToolConfig(ssd_enabled=False, ram_bytes=min(ram_bytes, MAX_BYTES))
+    return TierStack(config, "plan", {}, lower=[ssd] if ssd is not None else [])
+
+
+def _chain(r: TraceRequest) -> list[ChainEntry]:
+    parents = [ROOT, *(str(h) for h in r.hash_ids[:-1])]
+    return [ChainEntry(str(h), p, i, i + 1) for i, (h, p) in enumerate(zip(r.hash_ids, parents))]
+
+
+def _block(e: ChainEntry, tokens: int, kv_bytes: int) -> Block:
+    """A stand-in block: one stand-in token (its id), no arrays, the KV bytes of its tokens."""
+    return Block(e.hash, e.parent, np.array([int(e.hash)], dtype=np.int64), [], [], nbytes=tokens * kv_bytes)
+
+
+def replay(requests: Sequence[TraceRequest], point: PlanPoint, kv_bytes: int,
+           on_request: Callable[[], None] | None = None) -> TierStack:  # fmt: skip
+    """Replay `requests` through a `TierStack` at `point`'s budgets and policy; its counts are
+    filled in place (`PlanPoint.finish` included).
+
+    Args:
+        requests: the trace.
+        point: the budgets (`ram_bytes`, `ssd_bytes`: 0 no SSD tier, `MAX_BYTES` unbounded) and
+            `policy` (a key of `POLICIES`).
+        kv_bytes: KV bytes per token.
+        on_request: called after each request (progress).
+
+    Returns:
+        The stack as the trace left it (`stack.ram`, `stack.backing`: what is resident).
+    """
+    t0 = time.monotonic()
+    ssd = PlanSsdTier(None if point.ssd_bytes >= MAX_BYTES else point.ssd_bytes, POLICIES[point.policy]) if point.ssd_bytes else None
+    stack = _stack(point.ram_bytes, ssd)
+    reach = reachable_blocks(requests)
+    for r, n_reach in zip(requests, reach):
+        if ssd is not None:
+            ssd.now = max(ssd.now, r.timestamp_ms / 1000)
+        chain = _chain(r)
+        ids = np.array(r.hash_ids, dtype=np.int64)
+        found = stack.collect(chain, ids)
+        hits = {"ram": 0, "ssd": 0}
+        promote, sources = [], []
+        for i, (tier, _) in enumerate(found):
+            hits[tier.name] += r.block_tokens(i)
+            if tier.caps.promotes:
+                promote.append(_block(chain[i], r.block_tokens(i), kv_bytes))
+                sources.append(tier)
+        new = [_block(e, r.block_tokens(i), kv_bytes) for i, e in enumerate(chain) if i >= len(found)]
+        stack.insert(new)  # store
+        if promote:  # release: promotion, then the pins
+            stack.promote(promote, sources)
+        stack.release(found)
+        _count(point, r, hits, len(found), n_reach, kv_bytes)
+        point.ram_written_bytes += sum(b.nbytes for b in new) + (sum(b.nbytes for b in promote) if stack.ram.capacity_bytes else 0)
+        if on_request is not None:
+            on_request()
+    if ssd is not None:
+        point.ssd_written_bytes, point.ssd_evicted_blocks, point.ssd_refused_blocks = ssd.written, ssd.evicted, ssd.refused
+    point.wall_s = time.monotonic() - t0
+    point.finish()
+    return stack
+
+
+def _count(point: PlanPoint, r: TraceRequest, hits: dict[str, int], n_found: int, n_reach: int, kv_bytes: int) -> None:
+    point.requests += 1
+    point.prompt_tokens += r.input_length
+    point.ram_hit_tokens += hits["ram"]
+    point.ssd_hit_tokens += hits["ssd"]
+    point.ram_read_bytes += hits["ram"] * kv_bytes
+    point.ssd_read_bytes += hits["ssd"] * kv_bytes
+    point.max_hit_tokens += sum(r.block_tokens(i) for i in range(n_reach))
+    if n_reach:
+        point.reachable_requests += 1
+        point.full_prefix_requests += n_found >= n_reach
+
+
+__all__ = ["KV_SHAPES", "POLICIES", "ROOT", "PlanPoint", "PlanSsdTier", "kv_bytes_per_token", "reachable_blocks", "replay"]
