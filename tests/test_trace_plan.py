@@ -6,7 +6,6 @@ RAM and on SSD as the plan's replay."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np

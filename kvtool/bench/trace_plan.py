@@ -38,7 +38,7 @@ from kvtool.disk.budget import DEFAULT_PROTECT_S, EVICT_SLACK
 from kvtool.disk.chains import build_forest
 from kvtool.disk.planner import SegmentPlanner, fit_budget
 from kvtool.kv.blocks import Block
-from kvtool.tiers.base import Caps, ChainEntry, Put, TierBase, WritePolicy
+from kvtool.tiers.base import Caps, ChainEntry, Put, ReadResult, TierBase, WritePolicy
 from kvtool.tiers.ssd import WRITE_BATCH_BYTES
 from kvtool.tiers.stack import TierStack
 from kvtool.units import MAX_BYTES
@@ -121,6 +121,10 @@ class PlanSsdTier(TierBase):
         self.touch(out)
         return out
 
+    def read_into(self, chain, handles, ids, buffers) -> ReadResult:
+        """Nothing to place (the plan fills no buffers): every handle counts as read."""
+        return ReadResult(len(handles))
+
     def touch(self, hashes: list[str]) -> None:
         for h in hashes:
             if h in self._access:
@@ -128,7 +132,8 @@ class PlanSsdTier(TierBase):
 
     def put(self, blocks: Sequence[Block], why: Put) -> int:
         fresh = [b for b in blocks if b.block_hash not in self._block]  # the store's dedup
-        accepted, batch, size = 0, [], 0
+        batch: list[Block] = []
+        accepted = size = 0
         for b in fresh:
             if batch and size + b.nbytes > WRITE_BATCH_BYTES:
                 accepted += self._save(batch, size)

@@ -66,7 +66,8 @@ def bench_plan(
 ) -> None:
     with common.cli_errors():
         from kvtool.bench.trace import read_trace, resolve_trace
-        from kvtool.bench.trace_plan import PlanPoint, kv_bytes_per_token as kv_of, replay
+        from kvtool.bench.trace_plan import PlanPoint, replay
+        from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
 
         kv = kv_of(kv_bytes_per_token)
         grid = list(itertools.product(_sizes(ram, "--ram"), _sizes(ssd, "--ssd"), _policies(policy)))
