@@ -6,6 +6,7 @@ RAM and on SSD as the plan's replay."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -120,16 +121,19 @@ def test_plan_hit_rates_match_the_hand_computed_ones():
     assert p.ssd_written_bytes == 512 * 5 + 276 + 464 + 76  # each distinct block once (1, 2, 3, 5, 6 full)
 
 
-def test_cli_json_on_the_sample(monkeypatch):
+def test_cli_json_on_the_sample(monkeypatch, tmp_path):
     monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
     res = runner.invoke(app_module.app, ["bench-plan", "--trace", "synthetic", "--limit", "50", "--ram", "1GiB",
-                                         "--ssd", "0,64GiB", "--policy", "write_through,evict_only", "--json"])  # fmt: skip
+                                         "--ssd", "0,64GiB", "--policy", "write_through,evict_only", "--json",
+                                         "--out", str(tmp_path / "plan")])  # fmt: skip
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["kv_bytes_per_token"] == 131072 and doc["traces"]["synthetic"]["requests"] == 50
     points = doc["points"]
     assert len(points) == 4 and all(0 <= p["hit_rate"] <= p["max_hit_rate"] <= 1 for p in points)
     assert points[2]["hit_rate"] >= points[0]["hit_rate"]  # an SSD tier never loses hits here
+    assert sorted(Path(f).name for f in doc["files"]) == ["plan.csv", "plan.json", "plan.png"]
+    assert len((tmp_path / "plan" / "plan.csv").read_text().splitlines()) == 5
 
 
 # ---------------------------------------------------------------- serving vs plan

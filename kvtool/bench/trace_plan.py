@@ -336,4 +336,56 @@ def _count(point: PlanPoint, r: TraceRequest, hits: dict[str, int], n_found: int
         point.full_prefix_requests += n_found >= n_reach
 
 
-__all__ = ["KV_SHAPES", "POLICIES", "ROOT", "PlanPoint", "PlanSsdTier", "kv_bytes_per_token", "reachable_blocks", "replay"]
+def write_plan(out_dir: Path, doc: dict[str, Any], points: Sequence[PlanPoint]) -> list[Path]:
+    """`plan.json` (`doc`), `plan.csv` (one row per point) and `plan.png`: hit rate against cache
+    capacity in tokens ((RAM + SSD bytes) / KV bytes per token, log axis), one line per trace,
+    policy and RAM budget, each trace's maximum dashed, the RAM budgets dotted.
+
+    Returns:
+        The files written.
+
+    Raises:
+        OSError: `out_dir` cannot be created or written.
+    """
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [out_dir / "plan.json", out_dir / "plan.csv", out_dir / "plan.png"]
+    files[0].write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    with open(files[1], "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(PlanPoint.__dataclass_fields__))
+        writer.writeheader()
+        writer.writerows(p.record() for p in points)
+    kv = int(doc["kv_bytes_per_token"])
+    fig, ax = plt.subplots(figsize=(8, 5))
+    groups: dict[tuple[str, str, int], list[PlanPoint]] = {}
+    for p in points:
+        groups.setdefault((p.trace, p.policy, p.ram_bytes), []).append(p)
+    colors = {t: f"C{i}" for i, t in enumerate(dict.fromkeys(p.trace for p in points))}
+    for (trace, policy, ram), group in groups.items():
+        group = sorted(group, key=lambda p: min(p.ssd_bytes, MAX_BYTES // 2))
+        xs = [(ram + p.ssd_bytes) / kv for p in group if p.ssd_bytes < MAX_BYTES]
+        ys = [p.hit_rate for p in group if p.ssd_bytes < MAX_BYTES]
+        ax.plot(xs, ys, marker="o", color=colors[trace], label=f"{trace}, {policy}, RAM {ram / 2**30:g} GiB")
+        ax.axvline(ram / kv, color="grey", linestyle=":", linewidth=1)
+    for trace, color in colors.items():
+        top = next(p.max_hit_rate for p in points if p.trace == trace)
+        ax.axhline(top, color=color, linestyle="--", linewidth=1, label=f"{trace}: maximum (unbounded)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"cache capacity, tokens (RAM + SSD at {kv} KV bytes/token; dotted: RAM budgets)")
+    ax.set_ylabel("prompt tokens served from the cache")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(files[2], dpi=110)
+    plt.close(fig)
+    return files
+
+
+__all__ = ["KV_SHAPES", "POLICIES", "ROOT", "PlanPoint", "PlanSsdTier", "kv_bytes_per_token", "reachable_blocks", "replay",
+           "write_plan"]

@@ -21,7 +21,7 @@ Examples:
 
   kvtool bench-plan --trace conversation --kv-bytes-per-token 8b
 
-  kvtool bench-plan --trace conversation --trace-dir ~/Mooncake/FAST25-release --kv-bytes-per-token 8b --ram 24GiB --ssd 0,256GiB,512GiB,1TiB,2TiB,4TiB
+  kvtool bench-plan --trace conversation --trace-dir ~/Mooncake/FAST25-release --kv-bytes-per-token 8b --ram 24GiB --ssd 0,256GiB,512GiB,1TiB,2TiB,4TiB --out plan/
 
   kvtool bench-plan --trace synthetic --kv-bytes-per-token 70b --policy write_through,evict_only --json
 
@@ -34,6 +34,8 @@ KVOpt = Annotated[str, typer.Option("--kv-bytes-per-token", help="A number, 8b, 
 RamOpt = Annotated[str, typer.Option("--ram", help="RAM budgets, comma-separated (e.g. 16GiB,64GiB).")]
 SsdOpt = Annotated[str, typer.Option("--ssd", help="SSD budgets, comma-separated; 0: no SSD tier.")]
 PolicyOpt = Annotated[str, typer.Option("--policy", help="SSD write policies, comma-separated: write_through, evict_only.")]
+OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Also write plan.json, plan.csv and plan.png (hit rate "
+                                              "against capacity) to this directory.", show_default=False)]
 LimitOpt = Annotated[int | None, typer.Option("--limit", min=1, help="Replay only the first N requests.", show_default=False)]
 
 
@@ -62,11 +64,12 @@ def bench_plan(
     policy: PolicyOpt = "write_through",
     trace_dir: TraceDirOpt = None,
     limit: LimitOpt = None,
+    out: OutOpt = None,
     json_out: common.JsonOpt = False,
 ) -> None:
     with common.cli_errors():
         from kvtool.bench.trace import read_trace, resolve_trace
-        from kvtool.bench.trace_plan import PlanPoint, replay
+        from kvtool.bench.trace_plan import PlanPoint, replay, write_plan
         from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
 
         kv = kv_of(kv_bytes_per_token)
@@ -92,6 +95,9 @@ def bench_plan(
                 points.append(point)
     doc = {"kv_bytes_per_token": kv, "traces": {n: {"path": str(p), "requests": len(loaded[n])} for n, p in traces.items()},
            "wall_s": round(time.monotonic() - t0, 2), "points": [p.record() for p in points]}  # fmt: skip
+    if out is not None:
+        with common.cli_errors():
+            doc["files"] = [str(f) for f in write_plan(out, doc, points)]
     if json_out:
         common.print_json(doc)
         return
