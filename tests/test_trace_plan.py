@@ -121,6 +121,33 @@ def test_plan_hit_rates_match_the_hand_computed_ones():
     assert p.ssd_written_bytes == 512 * 5 + 276 + 464 + 76  # each distinct block once (1, 2, 3, 5, 6 full)
 
 
+def test_the_ssd_stand_in_evicts_as_the_budget_does():
+    """Blocks of 500 bytes, one segment each, a budget of 2000: a 1000-byte segment that does not
+    fit frees least recently used segments down to 5 % below the budget (1900 - 1000 = 900 kept),
+    deepest first on a tie; a prefix is as recent as its newest continuation (a2 touched: b1 goes
+    first, then a2, deeper than a1 at the same effective access)."""
+    from kvtool.bench.trace_plan import ROOT, PlanSsdTier
+    from kvtool.kv.blocks import Block
+    from kvtool.tiers.base import Put, WritePolicy
+
+    def block(h: str, parent: str, n: int = 500) -> Block:
+        return Block(h, parent, np.zeros(1, np.int64), [], [], nbytes=n)
+
+    for touched, kept in ((None, {"b1", "c1"}), ("a1", {"a1", "c1"}), ("a2", {"a1", "c1"})):
+        ssd = PlanSsdTier(2000, WritePolicy.THROUGH)
+        ssd.put([block("a1", ROOT)], Put.NEW)
+        ssd.put([block("a2", "a1")], Put.NEW)
+        ssd.now = 10.0
+        ssd.put([block("b1", ROOT)], Put.NEW)
+        ssd.now = 20.0
+        if touched:
+            ssd.touch([touched])
+        ssd.now = 100.0
+        assert ssd.put([block("c1", ROOT, 1000)], Put.NEW) == 1
+        assert ssd.resident() == kept, touched
+        assert ssd.used == 500 * len(kept) + 500 and ssd.evicted == 4 - len(kept)
+
+
 def test_cli_json_on_the_sample(monkeypatch, tmp_path):
     monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
     res = runner.invoke(app_module.app, ["bench-plan", "--trace", "synthetic", "--limit", "50", "--ram", "1GiB",
