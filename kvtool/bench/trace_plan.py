@@ -92,7 +92,7 @@ class PlanSsdTier(TierBase):
 
     Attributes:
         now: the clock (seconds): the trace time of the request being replayed.
-        used: bytes of the segments held; written, read: bytes (`put` accepted, hits placed);
+        used: bytes of the segments held; written: bytes `put` accepted;
         refused: blocks not stored (their segment could not fit); evicted: blocks evicted.
     """
 
@@ -103,22 +103,38 @@ class PlanSsdTier(TierBase):
     def __init__(self, max_bytes: int | None, policy: WritePolicy):
         self.max_bytes, self.policy = max_bytes, policy
         self.now = 0.0
-        self.used = self.written = self.read = self.refused = self.evicted = 0
-        self._block: dict[str, tuple[str, int, int]] = {}  # hash -> (parent, segment, nbytes)
-        self._access: dict[str, float] = {}
-        self._segments: dict[int, int] = {}  # segment number -> bytes
+        self.used = self.written = self.refused = self.evicted = 0
+        # hashes are numbered once (`_number`); held blocks live in slots of parallel arrays, so an
+        # eviction builds the planner's columns with numpy, not per block in Python
+        self._number: dict[str, int] = {ROOT: 0}
+        self._names: list[str] = [ROOT]
+        self._slot_of = np.full(1024, -1, dtype=np.int64)  # hash number -> slot (-1: not held)
+        self._bid = np.zeros(1024, dtype=np.int64)  # slot -> hash number, parent's hash number, segment
+        self._pid = np.zeros(1024, dtype=np.int64)
+        self._seg = np.zeros(1024, dtype=np.int64)
+        self._access = np.zeros(1024, dtype=np.float64)
+        self._alive = np.zeros(1024, dtype=bool)
+        self._free: list[int] = []
+        self._slots = 0  # slots ever used
+        self._seg_bytes = np.zeros(1024, dtype=np.int64)  # segment number -> bytes (0: gone)
         self._next_segment = 0
 
+    def _held(self, block_hash: str) -> int:
+        """The slot of a held block, or -1."""
+        n = self._number.get(block_hash)
+        return -1 if n is None else int(self._slot_of[n])
+
     def __contains__(self, block_hash: str) -> bool:
-        return block_hash in self._block
+        return self._held(block_hash) >= 0
 
     def longest_prefix(self, chain: Sequence[ChainEntry], ids: np.ndarray) -> list[Any]:
         out = []
         for e in chain:
-            if e.hash not in self._block:
+            slot = self._held(e.hash)
+            if slot < 0:
                 break
+            self._access[slot] = self.now
             out.append(e.hash)
-        self.touch(out)
         return out
 
     def read_into(self, chain, handles, ids, buffers) -> ReadResult:
@@ -127,11 +143,12 @@ class PlanSsdTier(TierBase):
 
     def touch(self, hashes: list[str]) -> None:
         for h in hashes:
-            if h in self._access:
-                self._access[h] = self.now
+            slot = self._held(h)
+            if slot >= 0:
+                self._access[slot] = self.now
 
     def put(self, blocks: Sequence[Block], why: Put) -> int:
-        fresh = [b for b in blocks if b.block_hash not in self._block]  # the store's dedup
+        fresh = [b for b in blocks if self._held(b.block_hash) < 0]  # the store's dedup
         batch: list[Block] = []
         accepted = size = 0
         for b in fresh:
@@ -153,42 +170,70 @@ class PlanSsdTier(TierBase):
                 return 0
         seg = self._next_segment
         self._next_segment += 1
-        self._segments[seg] = size
+        self._seg_bytes = _fit(self._seg_bytes, seg + 1, 0)
+        self._seg_bytes[seg] = size
         for b in batch:
-            self._block[b.block_hash] = (b.parent_hash, seg, b.nbytes)
-            self._access[b.block_hash] = self.now
+            slot = self._take_slot()
+            bid, pid = self._num(b.block_hash), self._num(b.parent_hash)
+            self._bid[slot], self._pid[slot], self._seg[slot], self._access[slot] = bid, pid, seg, self.now
+            self._alive[slot] = True
+            self._slot_of[bid] = slot
         self.used += size
         self.written += size
         return len(batch)
+
+    def _num(self, h: str) -> int:
+        n = self._number.get(h)
+        if n is None:
+            n = self._number[h] = len(self._names)
+            self._names.append(h)
+            self._slot_of = _fit(self._slot_of, n + 1, -1)
+        return n
+
+    def _take_slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        slot, self._slots = self._slots, self._slots + 1
+        self._bid, self._pid, self._seg = (_fit(a, slot + 1, 0) for a in (self._bid, self._pid, self._seg))
+        self._access, self._alive = _fit(self._access, slot + 1, 0), _fit(self._alive, slot + 1, False)
+        return slot
 
     def _evict(self, need: int) -> None:
         """`SSDBudget._evict` on the held blocks: the planner frees least recently used segments
         until `used + need` is `EVICT_SLACK` below the budget, protected ones excepted."""
         assert self.max_bytes is not None
-        hashes = list(self._block)
-        number = {h: i for i, h in enumerate(hashes)}
-        rows = [self._block[h] for h in hashes]
-        parent = np.array([number.get(p, -1) for p, _, _ in rows], dtype=np.int64)
-        at_root = np.array([p == ROOT for p, _, _ in rows], dtype=bool)
-        access = np.array([self._access[h] for h in hashes], dtype=np.float64)
-        segs = sorted(self._segments)
-        seg_no = {s: i for i, s in enumerate(segs)}
-        block_seg = np.array([seg_no[s] for _, s, _ in rows], dtype=np.int64)
-        size = np.array([self._segments[s] for s in segs], dtype=np.int64)
-        forest = build_forest(parent, at_root, access, self.now)
-        planner = SegmentPlanner.from_forest([f"{s:012d}" for s in segs], size, block_seg, forest,
-                                             lambda ids: [hashes[i] for i in ids])  # fmt: skip
+        live = np.flatnonzero(self._alive[: self._slots])
+        row = np.full(self._slots, -1, dtype=np.int64)
+        row[live] = np.arange(live.size)
+        parent_slot = self._slot_of[self._pid[live]]
+        parent = np.where(parent_slot >= 0, row[np.maximum(parent_slot, 0)], -1)
+        segs, block_seg = np.unique(self._seg[live], return_inverse=True)
+        forest = build_forest(parent, self._pid[live] == 0, self._access[live], self.now)
+        planner = SegmentPlanner.from_forest([f"{s:012d}" for s in segs.tolist()], self._seg_bytes[segs], block_seg,
+                                             forest, lambda ids: [self._names[i] for i in self._bid[live[ids]]])  # fmt: skip
         target = int(self.max_bytes * (1 - EVICT_SLACK)) - need
         fit_budget({"ns": planner}, max(target, 0), protect_after=self.now - DEFAULT_PROTECT_S)
-        for h in planner.removed_block_names():
-            del self._block[h], self._access[h]
-            self.evicted += 1
-        for i in planner.removed_segment_ids().tolist():
-            self.used -= self._segments.pop(segs[i])
+        gone = live[planner.removed_block_ids()]
+        self._alive[gone] = False
+        self._slot_of[self._bid[gone]] = -1
+        self._free += gone.tolist()
+        self.evicted += int(gone.size)
+        dropped = segs[planner.removed_segment_ids()]
+        self.used -= int(self._seg_bytes[dropped].sum())
+        self._seg_bytes[dropped] = 0
 
     def resident(self) -> set[str]:
         """Hashes of the blocks held."""
-        return set(self._block)
+        return {self._names[i] for i in self._bid[: self._slots][self._alive[: self._slots]].tolist()}
+
+
+def _fit(a: np.ndarray, n: int, fill: Any) -> np.ndarray:
+    """`a`, or `a` grown (doubling, new cells `fill`) to hold at least `n` cells."""
+    if n <= a.size:
+        return a
+    out = np.full(max(n, 2 * a.size), fill, dtype=a.dtype)
+    out[: a.size] = a
+    return out
 
 
 @dataclass
