@@ -288,6 +288,7 @@ class PlanPoint:
         self.share_of_max = hits / self.max_hit_tokens if self.max_hit_tokens else 1.0
 
     def record(self) -> dict[str, Any]:
+        """The point as a plain dict (JSON, CSV rows)."""
         return asdict(self)
 
 
