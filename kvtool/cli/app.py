@@ -80,7 +80,7 @@ def _root(
 
 
 COMMAND_MODULES = ("cmd_serve", "cmd_serve_http", "cmd_warm", "cmd_model", "cmd_validate", "cmd_prune", "cmd_rm",
-                   "cmd_inspect", "cmd_interop", "cmd_bench", "cmd_remote", "cmd_config")
+                   "cmd_inspect", "cmd_interop", "cmd_bench", "cmd_bench_plan", "cmd_remote", "cmd_config")
 
 
 def _register() -> None:

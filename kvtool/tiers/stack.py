@@ -73,6 +73,8 @@ class TierStack:
         meta: namespace metadata for the SSD index (model_id, model_name, block_size, kv_dtype,
             kv_layers, ...; all strings).
         fs: optional `FileOps` for fault injection in tests.
+        lower: the tiers below RAM, fastest first; None (the default): opened from the config
+            (`open_ssd`, `open_remote`). `kvtool bench-plan` passes its byte-counting stand-in.
 
     Attributes:
         tiers: the read order, fastest first (`BlockTier`s).
@@ -83,17 +85,16 @@ class TierStack:
         tally: set by the request thread around one request's store (`WriteTally`).
     """
 
-    def __init__(self, config: KVToolConfig, layout: str, meta: dict[str, str], fs: FileOps | None = None):
+    def __init__(self, config: KVToolConfig, layout: str, meta: dict[str, str], fs: FileOps | None = None,
+                 lower: Sequence[BlockTier] | None = None):  # fmt: skip
         self.config = config
         self.layout = layout
         self.block_size = config.block_size
         self.ram = RamTier(config.ram_bytes, on_evict=self._on_evict)
         front = RamBlockTier(self.ram)
-        self.tiers: list[BlockTier] = [
-            front,
-            *open_ssd(config, layout, meta, fs),
-            *open_remote(config, layout, meta),
-        ]
+        if lower is None:
+            lower = [*open_ssd(config, layout, meta, fs), *open_remote(config, layout, meta)]
+        self.tiers: list[BlockTier] = [front, *lower]
         self.backing: Any = next((t for t in self.tiers if t.caps.backs_ram), None)
         if self.backing is not None:
             front.has_backing, front.on_hit = True, self.backing.touch
