@@ -168,7 +168,7 @@ def inspect_cmd(
                                    "--prefill-step-size": source.prefill_step_size}, "with --remote")  # fmt: skip
             raise typer.Exit(inspect_remote(out, target.server, namespace))
 
-        cfg = common.build_config(target.config, cache_dir, block_size=block_size)
+        cfg = target.cache_config(cache_dir, block_size=block_size)
         if source.given:
             if namespace is not None:
                 raise common.CLIError("--namespace does not apply to a prompt check (the model picks it)")

@@ -74,7 +74,7 @@ def prune_cmd(
         if target.server is not None:
             raise typer.Exit(_prune_remote(out, target, cache_dir, ttl, ttl_s, budget, namespace,
                                            all_namespaces, dry_run, yes))  # fmt: skip
-        cfg = common.build_config(target.config, cache_dir)
+        cfg = target.cache_config(cache_dir)
         if ttl is None:
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)

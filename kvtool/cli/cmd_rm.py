@@ -89,7 +89,7 @@ def rm_cmd(
             cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
             keys = _prompt_keys(cfg, source)[0](cfg.block_size)
             raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
-        cfg = common.build_config(target.config, cache_dir)
+        cfg = target.cache_config(cache_dir)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "remove")
         if by_prompt:

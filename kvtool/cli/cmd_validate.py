@@ -81,7 +81,7 @@ def validate_cmd(
             raise typer.Exit(validate_remote(out, target.server, namespace,
                                              dry_run=dry_run))  # fmt: skip
 
-        root = common.build_config(target.config, cache_dir).ssd_cache_dir
+        root = target.cache_config(cache_dir).ssd_cache_dir
         with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
             report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
                               progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip

@@ -1,0 +1,52 @@
+"""Operator commands say what they did: a cache directory that does not exist, remote hits in
+human output, one name per option, human units, refusals before the model loads, `warm` into
+an SSD budget, and tables that are not cut without a terminal."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvtool.cli import app as app_module
+
+if not any(c.name == "inspect" for c in app_module.app.registered_commands):
+    app_module._register()
+runner = CliRunner()
+
+
+def kvtool(*args: str, **kw):
+    return runner.invoke(app_module.app, list(args), **kw)
+
+
+def one_error_line(res, code: int = 2) -> str:
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code == code, (res.exit_code, res.output)
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.output and res.stdout == ""
+    return lines[0]
+
+
+# ------------------------------------------------------------------ a cache directory that does not exist
+@pytest.mark.parametrize("command", [["inspect"], ["validate"], ["prune", "--yes"], ["rm", "--yes", "0123abcd"]])
+@pytest.mark.parametrize("quiet", [[], ["--quiet"]])
+def test_a_named_cache_dir_that_does_not_exist_is_one_error_line(tmp_path, command, quiet):
+    absent = tmp_path / "does" / "not" / "exist"
+    line = one_error_line(kvtool(*command, "--cache-dir", str(absent), *quiet))
+    assert str(absent) in line and "--create" in line and not absent.exists()
+
+
+def test_a_missing_cache_dir_from_the_environment_is_refused_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTOOL_CACHE_DIR", str(tmp_path / "typo"))
+    assert "KVTOOL_CACHE_DIR" in one_error_line(kvtool("validate", "--quiet"))
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["validate"], ["prune", "--yes"]])
+def test_create_makes_the_directory_and_the_default_one_may_be_missing(tmp_path, monkeypatch, command):
+    made = tmp_path / "new" / "kv"
+    res = kvtool(*command, "--cache-dir", str(made), "--create", "--quiet")
+    assert res.exit_code == 0 and res.output == "" and made.is_dir()
+    monkeypatch.delenv("KVTOOL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default: nothing cached yet
+    res = kvtool(*command, "--quiet")
+    assert res.exit_code == 0 and res.output == ""
+    assert "does not apply" in one_error_line(kvtool("inspect", "--remote", "--create"))
