@@ -50,3 +50,20 @@ def test_create_makes_the_directory_and_the_default_one_may_be_missing(tmp_path,
     res = kvtool(*command, "--quiet")
     assert res.exit_code == 0 and res.output == ""
     assert "does not apply" in one_error_line(kvtool("inspect", "--remote", "--create"))
+
+
+# ------------------------------------------------------------------ remote hits beside RAM and SSD
+def test_human_lines_name_remote_hits_beside_ram_and_ssd():
+    from kvtool.cli.cmd_serve import _human_line
+    from kvtool.engine.results import RequestResult
+    from kvtool.server.requests import RequestRecord
+
+    served = RequestResult(prompt_tokens=2048, cached_tokens=2037, remote_hit_tokens=2037, prefill_tokens=11)
+    assert "cached 2037 (RAM 0, SSD 0, remote 2037)" in _human_line(1, served)
+    record = RequestRecord(request=1, prompt_tokens=2048, cached_tokens=2037, remote_hit_tokens=2037,
+                           prefill_tokens=11)
+    assert "cached 2037 (RAM 0, SSD 0, remote 2037) | prefilled 11" in record.log_line()
+    record = RequestRecord(request=2, prompt_tokens=2048, cached_tokens=2037, ssd_hit_tokens=2037,
+                           ssd_bytes_read=1377520)
+    assert "(RAM 0, SSD 2037, remote 0)" in record.log_line() and "1.3 MiB" in record.log_line()
+    assert "1377520" not in record.log_line()
