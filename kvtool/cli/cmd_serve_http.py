@@ -24,7 +24,7 @@ from kvtool.cli.cmd_serve import tier_summary
 
 HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
 
-It is mlx_lm.server itself (same request fields, batching, chat templates, streaming), with kvtool's tiers instead of mlx-lm's in-memory prompt cache: a prompt prefix seen before, in this process or an earlier one, is not prefilled again, and the output is the one mlx_lm.server gives. Clients name the model "default_model", the --model value or its path. One log line per request on stderr: prompt, cached (RAM, SSD) and prefilled tokens. GET /kvtool/stats returns the cache counters and the last requests as JSON.
+It is mlx_lm.server itself (same request fields, batching, chat templates, streaming), with kvtool's tiers instead of mlx-lm's in-memory prompt cache: a prompt prefix seen before, in this process or an earlier one, is not prefilled again, and the output is the one mlx_lm.server gives. Clients name the model "default_model", the --model value or its path. One log line per request on stderr: prompt, cached (RAM, SSD, remote) and prefilled tokens. GET /kvtool/stats returns the cache counters and the last requests as JSON.
 
 Examples:
 
