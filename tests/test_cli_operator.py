@@ -67,3 +67,14 @@ def test_human_lines_name_remote_hits_beside_ram_and_ssd():
                            ssd_bytes_read=1377520)
     assert "(RAM 0, SSD 2037, remote 0)" in record.log_line() and "1.3 MiB" in record.log_line()
     assert "1377520" not in record.log_line()
+
+
+# ------------------------------------------------------------------ one name per option
+@pytest.mark.parametrize("sub", ["inspect", "validate", "rm", "prune", "push"])
+def test_remote_commands_take_remote_url_and_keep_url_hidden(sub):
+    shown = kvtool("remote", sub, "--help", terminal_width=200).stdout
+    assert "--remote-url" in shown and "--url" not in shown
+    for flag in ("--remote-url", "--url"):  # both reach the server (none listens on port 1)
+        res = kvtool("remote", sub, flag, "redis://127.0.0.1:1/0", "--timeout", "1s", "--yes" if sub in ("rm", "prune") else "--json",
+                     *(["--idle", "7d"] if sub == "prune" else []), *(["--namespace", "0123abcd"] if sub == "rm" else []))
+        assert "no such option" not in res.output and "cannot connect" in res.output, res.output
