@@ -78,3 +78,29 @@ def test_remote_commands_take_remote_url_and_keep_url_hidden(sub):
         res = kvtool("remote", sub, flag, "redis://127.0.0.1:1/0", "--timeout", "1s", "--yes" if sub in ("rm", "prune") else "--json",
                      *(["--idle", "7d"] if sub == "prune" else []), *(["--namespace", "0123abcd"] if sub == "rm" else []))
         assert "no such option" not in res.output and "cannot connect" in res.output, res.output
+
+
+# ------------------------------------------------------------------ human units
+def test_config_show_speaks_human_units_and_json_keeps_the_bytes():
+    import json
+
+    res = kvtool("config", "show", "--ram-bytes", "2GiB", terminal_width=200)
+    rows = {line.split()[0]: line.split()[1:] for line in res.stdout.splitlines() if line.strip()}
+    assert rows["ram_bytes"][:2] == ["2", "GiB"] and "2147483648" not in res.stdout
+    assert rows["ssd_ttl"][0] == "7d"  # the TTL prune uses when none is set, not "-"
+    doc = json.loads(kvtool("config", "show", "--ram-bytes", "2GiB", "--json").stdout)
+    assert doc["settings"]["ram_bytes"]["value"] == 2147483648 and doc["settings"]["ssd_ttl"]["value"] is None
+
+
+def test_the_server_start_line_speaks_human_units():
+    from types import SimpleNamespace
+
+    from kvtool.cli.cmd_serve_http import _describe
+    from kvtool.config import KVToolConfig
+
+    cache = SimpleNamespace(tiered=object(), config=KVToolConfig(ram_bytes=1 << 30), namespace_dir="/c/ns",
+                            layout_key="ab" * 16)
+    limits = SimpleNamespace(max_prompt_tokens=32768, max_tokens_cap=4096, max_body_bytes=8 << 20)
+    line = _describe(SimpleNamespace(prefix_cache=cache, limits=limits, url="http://127.0.0.1:8080",
+                                     model_name="tiny", model_path="/m"))
+    assert "RAM 1 GiB" in line and "body <= 8 MiB" in line and "1073741824" not in line

@@ -21,6 +21,7 @@ from typer.core import TyperCommand
 
 from kvtool.cli import common
 from kvtool.cli.cmd_serve import tier_summary
+from kvtool.units import format_size
 
 HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
 
@@ -266,11 +267,11 @@ def _describe(server) -> str:
         cfg = pc.config
         ssd = f"SSD {pc.namespace_dir}" if pc.namespace_dir is not None else f"no SSD ({pc.ssd_disabled_reason})"
         cache = (f"{ssd} | layout {pc.layout_key} | block {cfg.block_size} | policy {cfg.ssd_policy} | "
-                 f"RAM {cfg.ram_bytes} B")
+                 f"RAM {format_size(cfg.ram_bytes)}")
     limits = server.limits
     return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
             f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
-            f"body <= {limits.max_body_bytes} B")
+            f"body <= {format_size(limits.max_body_bytes)}")
 
 
 def _is_loopback(host: str) -> bool:
