@@ -104,3 +104,31 @@ def test_the_server_start_line_speaks_human_units():
     line = _describe(SimpleNamespace(prefix_cache=cache, limits=limits, url="http://127.0.0.1:8080",
                                      model_name="tiny", model_path="/m"))
     assert "RAM 1 GiB" in line and "body <= 8 MiB" in line and "1073741824" not in line
+
+
+# ------------------------------------------------------------------ refusals before the model loads
+_REFUSE = """
+import sys
+from kvtool.cli import app
+sys.argv = ["kvtool", *sys.argv[1:]]
+try:
+    app.main()
+except SystemExit as exc:
+    print("exit", exc.code, "mlx_lm" in sys.modules, "kvtool.engine" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["serve", "--prompt-cache-size", "10"], "--prompt-cache-size"),
+    (["serve", "--port", "0", "--max-kv-size=100"], "--max-kv-size 100"),
+    (["serve-once", "--max-kv-size", "100", "--prompt", "hi"], "--max-kv-size 100"),
+    (["warm", "--max-kv-size", "100", "prompts.txt"], "--max-kv-size 100"),
+])
+def test_flag_refusals_come_before_mlx_lm_or_the_model_load(args, needle):
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _REFUSE, *args], capture_output=True, text=True, timeout=120)
+    assert res.stdout.split() == ["exit", "2", "False", "False"], (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr

@@ -132,10 +132,39 @@ class ServeCommand(TyperCommand):
             self.params.extend(extra)
         return super().get_params(ctx)
 
+    def parse_args(self, ctx, args):
+        refuse_early(args)  # before get_params imports mlx-lm (seconds; more on a loaded machine)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         names = self._mlx_names or ()
         ctx.meta[MLX_OPTIONS_META] = {n: ctx.params.pop(n) for n in names if n in ctx.params}
         return super().invoke(ctx)
+
+
+PROMPT_CACHE_SIZE_REFUSAL = ("--prompt-cache-size: kvtool's RAM tier is bounded in bytes, not in cached sequences; "
+                             "use --prompt-cache-bytes or --ram-bytes")
+
+
+def refuse_early(args: list[str]) -> None:
+    """Refuse the options `kvtool serve` never runs with (`--max-kv-size`, mlx-lm's
+    `--prompt-cache-size`) from the raw arguments, before mlx-lm is imported to parse the rest;
+    nothing is refused when `--help` is asked for.
+
+    Raises:
+        CLIError: one of them is given (`--flag VALUE` or `--flag=VALUE`).
+    """
+    if "--help" in args or "-h" in args:
+        return
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        name, _, value = arg.partition("=")
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
+        if name == "--max-kv-size":
+            common.refuse_max_kv_size(value)
+        if name == "--prompt-cache-size":
+            raise common.CLIError(PROMPT_CACHE_SIZE_REFUSAL)
 
 
 def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[str, Any], str | None]:
@@ -157,8 +186,7 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
         except mlx_options.OptionValueError as exc:
             raise common.CLIError(str(exc)) from None
     if "prompt_cache_size" in out:
-        raise common.CLIError("--prompt-cache-size: kvtool's RAM tier is bounded in bytes, not in cached sequences; "
-                              "use --prompt-cache-bytes or --ram-bytes")
+        raise common.CLIError(PROMPT_CACHE_SIZE_REFUSAL)
     budget = out.get("prompt_cache_bytes")
     if budget is not None:
         from kvtool.units import parse_size
