@@ -132,3 +132,35 @@ def test_flag_refusals_come_before_mlx_lm_or_the_model_load(args, needle):
     assert res.stdout.split() == ["exit", "2", "False", "False"], (res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
+
+
+# ------------------------------------------------------------------ warm into an SSD byte budget
+@pytest.fixture
+def three_documents(tmp_path):
+    from pathlib import Path
+
+    demo = (Path(app_module.__file__).parents[1] / "assets" / "demo_prompt.txt").read_text()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(3):
+        (docs / f"d{i}.txt").write_text(f"{i} {demo}")
+    return docs
+
+
+def test_warm_into_a_budget_says_what_is_resident_in_one_note_and_exits_0(tmp_path, three_documents):
+    import json
+
+    cache_dir = tmp_path / "kv"
+    res = kvtool("warm", "--model", "tiny", "--whole", str(three_documents), "--cache-dir", str(cache_dir),
+                 "--ssd-max-bytes", "4MB", "--sync")
+    assert res.exit_code == 0, res.output
+    assert "WARNING" not in res.stderr and "kept in RAM only" not in res.output
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "evicted" in notes[0], res.stderr
+    listing = json.loads(kvtool("inspect", "--cache-dir", str(cache_dir), "--json").stdout)["namespaces"][0]
+    assert 0 < listing["blocks"] and f"now resident: {listing['blocks']} block(s)" in res.stdout, res.stdout
+    tight = kvtool("warm", "--model", "tiny", "--whole", str(three_documents), "--cache-dir", str(tmp_path / "kv1"),
+                   "--ssd-max-bytes", "1MB", "--json")  # no segment fits: the budget at work, not a failure
+    doc = json.loads(tight.stdout)
+    assert tight.exit_code == 0 and doc["blocks_failed"] == 0 and doc["blocks_over_budget"] > 0, tight.output
+    assert doc["blocks_resident"] == 0 and "WARNING" not in tight.stderr
