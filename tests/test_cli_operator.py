@@ -164,3 +164,36 @@ def test_warm_into_a_budget_says_what_is_resident_in_one_note_and_exits_0(tmp_pa
     doc = json.loads(tight.stdout)
     assert tight.exit_code == 0 and doc["blocks_failed"] == 0 and doc["blocks_over_budget"] > 0, tight.output
     assert doc["blocks_resident"] == 0 and "WARNING" not in tight.stderr
+
+
+# ------------------------------------------------------------------ tables: full width in files, one style
+def test_a_table_in_a_file_is_as_wide_as_its_content_and_in_the_one_style():
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from kvtool.cli.output import print_table
+
+    model = "mlx-community/" + "Very-Long-Model-Name-" * 4 + "4bit"
+    table = Table(title="kvtool prune " + "/x" * 60)
+    for column in ("namespace", "model", "stored"):
+        table.add_column(column, no_wrap=column != "model")
+    table.add_row("0123456789ab", model, "1.0 GiB (3)")
+    buf = io.StringIO()
+    print_table(Console(file=buf, width=80), table)  # not a terminal: a file or a pipe
+    text = buf.getvalue()
+    assert model in text and "/x" * 60 in text and "…" not in text
+    assert "─" in text and not set("┏━┃┡╇│┌┐") & set(text)  # a rule under the header, nothing else
+    assert len(text.splitlines()) == 4
+
+
+@pytest.mark.parametrize("command", ["validate", "inspect", "prune"])
+def test_every_operator_table_uses_the_light_style(tmp_path, command):
+    from tests.store_helpers import open_store
+
+    cache_dir = tmp_path / "kv"
+    open_store(cache_dir).close()
+    res = kvtool(command, "--cache-dir", str(cache_dir), *(["--dry-run"] if command == "prune" else []))
+    assert res.exit_code == 0, res.output
+    assert "─" in res.stdout and not set("┏━┃┡╇│") & set(res.stdout), res.stdout

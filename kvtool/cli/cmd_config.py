@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
@@ -109,7 +108,7 @@ def _print_human(out: Output, settings: Any, doc: dict[str, Any]) -> None:
     in effect), source (`kvtool.config.settings.Origin`)."""
     file = doc["config_file"]
     out.print(f"config file: {file['path']} ({file['found_by']})" if file else "config file: none", highlight=False)
-    table = Table(box=box.SIMPLE, show_edge=False)
+    table = Table()
     for column in ("field", "value", "source"):
         table.add_column(column, overflow="fold")
     for name, row in doc["settings"].items():

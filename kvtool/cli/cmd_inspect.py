@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -312,7 +311,7 @@ def _print_report(report, out: Output, details: bool = False) -> None:
         _print_notes(report, out.print)
         return
     keys = short_keys(ns.namespace for ns in report.namespaces)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    table = Table(collapse_padding=True)
     for name in ("namespace", "model", "class", "status", "size", "blocks", "segments", "last used"):
         right = name in ("size", "blocks", "segments", "last used")
         table.add_column(name, justify="right" if right else "left", no_wrap=name in ("namespace", "status", "size"),

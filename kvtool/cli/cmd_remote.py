@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -307,7 +306,7 @@ def _print_inspect(report: Any, out: Output) -> None:
     if not report.namespaces:
         out.print("no kvtool keys")
     else:
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        table = Table()
         for name in ("namespace", "format", "blocks", "split", "parts", "memory"):
             table.add_column(name, justify="left" if name in ("namespace", "format") else "right")
         for ns in report.namespaces:
