@@ -14,8 +14,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, inspect_remote, target_options
+from kvtool.cli.cmd_remote import inspect_remote
 from kvtool.cli.output import Output
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.units import format_bytes
 
 HELP = """List the SSD cache, one row per namespace: key prefix, model name and class (from the namespace's index), status, size, blocks, segment files, and when it was last used. Problems (unreadable or foreign namespaces, index and files that disagree, symlinks) are listed under the table. With --namespace, the namespace's details follow: KV layout, block size, chains, oldest and newest access, an age histogram, format version, last shutdown, index health. Read-only.

@@ -8,9 +8,10 @@ import typer
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
+from kvtool.cli.cmd_remote import prune_remote
 from kvtool.cli.output import Output, print_table
 from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.progress import progress
 from kvtool.units import format_bytes, format_duration, parse_duration, parse_size
 

@@ -136,53 +136,6 @@ class Server:
             conn.close()
 
 
-@dataclass(frozen=True)
-class Target:
-    """What `kvtool inspect|validate|prune|rm` act on: the SSD cache, or with `--remote` /
-    `--remote-url` the remote tier's server (`server`); `config` is `--config`; `create` is
-    `--create` (make a cache directory that does not exist)."""
-
-    config: Path | None = None
-    remote: bool = False
-    remote_url: str | None = None
-    create: bool = False
-
-    @property
-    def server(self) -> Server | None:
-        """The remote server to act on, None for the SSD cache.
-
-        Raises:
-            CLIError: `--create` with `--remote` / `--remote-url`.
-        """
-        if not self.remote and self.remote_url is None:
-            return None
-        common.refuse_options({"--create": self.create}, "with --remote")
-        return Server(self.remote_url, self.config, flag="--remote-url")
-
-    def cache_config(self, cache_dir: Path | None = None, **flags: Any) -> Any:
-        """The `KVToolConfig` of the SSD cache to act on (`common.CacheFlags` fields as `flags`),
-        its cache directory checked by `common.existing_cache_dir` (created with `--create`).
-
-        Raises:
-            CLIError: the cache directory was named (flag, variable, config file) and does not
-                exist, without `--create`; or as `common.CacheFlags.settings`.
-        """
-        settings = common.CacheFlags(self.config, cache_dir, **flags).settings()
-        common.existing_cache_dir(settings, self.create)
-        return settings.config
-
-
-TARGET = Target()  # the default of a command's `target` parameter (`target_options` always passes one)
-TARGET_OPTIONS = {"config": (common.ConfigOpt, None), "remote": (common.RemoteOpt, False),
-                  "remote_url": (common.RemoteServerOpt, None), "create": (common.CreateOpt, False)}
-
-
-def target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate an operator command whose parameter `target: Target` stands for `--config`,
-    `--remote`, `--remote-url` and `--create` (shown last)."""
-    return common.option_group("target", TARGET_OPTIONS, Target, TARGET_OPTIONS)(fn)
-
-
 def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:
     """Plan (`plan_fn(True)`), show it and ask unless --yes / --dry-run, then remove (`plan_fn(False)`)
     and report. Returns the exit code: 0, or 1 when declined at the prompt."""

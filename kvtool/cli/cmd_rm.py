@@ -14,9 +14,10 @@ from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PROMPT, PromptSource, prompt_options
-from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
+from kvtool.cli.cmd_remote import rm_remote
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed, refuse_without_terminal
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.

@@ -9,8 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, target_options, validate_remote
+from kvtool.cli.cmd_remote import validate_remote
 from kvtool.cli.output import Output
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.progress import progress
 from kvtool.units import format_bytes
 

@@ -124,7 +124,7 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
             common.ignore_signals()
             status = engine.close()  # drains the writer, flushes and closes the index
     report.blocks_resident, report.bytes_resident = _resident(namespace_dir)
-    if dropped and not json_out:
+    if (dropped or report.blocks_evicted or report.blocks_over_budget) and not json_out:
         common.err_console.print(f"note: {_budget_note(report)}", highlight=False, soft_wrap=True)
     Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
                                               "shutdown_partial_flush": status.shutdown_partial_flush},

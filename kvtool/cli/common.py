@@ -154,9 +154,6 @@ RemoteOpt = Annotated[bool, typer.Option(
 RemoteServerOpt = Annotated[str | None, typer.Option(
     "--remote-url", help="The remote server (implies --remote): redis://\\[user:password@]host\\[:port]\\[/db], rediss://, "
     "unix://, redis+cluster://.", show_default=False, rich_help_panel=REMOTE_PANEL)]  # fmt: skip
-CreateOpt = Annotated[bool, typer.Option(
-    "--create", help="Create the cache directory if it does not exist (without it, a --cache-dir, $KVTOOL_CACHE_DIR "
-    "or config file ssd_cache_dir that does not exist is an error, exit 2; the default directory never is).")]
 
 
 # ---------------------------------------------------------------- cache options
@@ -386,34 +383,6 @@ def cache_root(path: Path) -> Path:
             raise CLIError(f"cache directory {short_path(path)}: {exc.strerror}") from None
         return path
 
-
-def existing_cache_dir(settings: Any, create: bool = False) -> Path:
-    """The cache directory of `settings` (`kvtool.config.settings.Settings`), which an operator
-    command reads: one named by a flag, a variable or a config file must exist (a typo would
-    otherwise look like an empty cache and exit 0), unless `create` (then it is made, with the
-    config's `ssd_dir_mode`). The default directory may be missing: nothing was cached yet.
-
-    Raises:
-        CLIError: a named directory does not exist and not `create`, or cannot be created.
-    """
-    import os
-
-    from kvtool.config.settings import DEFAULT
-    from kvtool.disk.fsops import FileOps, short_path
-
-    cfg = settings.config
-    root = cfg.ssd_cache_dir
-    origin = settings.origins["ssd_cache_dir"]
-    if os.path.lexists(root) or origin.kind == DEFAULT:
-        return root
-    if not create:
-        raise CLIError(f"cache directory {short_path(root)} does not exist (from {origin})",
-                       hint="check the path, or add --create to start an empty cache there")
-    try:
-        FileOps().makedirs(root, cfg.ssd_dir_mode)
-    except OSError as exc:
-        raise CLIError(f"cannot create cache directory {short_path(root)}: {exc.strerror or exc}") from None
-    return root
 
 
 def setup_logging(verbose: bool = False) -> None:
