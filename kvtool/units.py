@@ -183,8 +183,8 @@ def format_size(n: int) -> str:
     """A byte budget for a person: `2 GiB` when it is a whole number of a binary unit (what
     `parse_size` reads back), else `format_bytes` (`1.4 GiB`); exact bytes belong in JSON."""
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
+        if n >= size:  # the largest unit it reaches, whole or rounded (not `62500 KiB`)
+            return f"{n // size} {unit}" if n % size == 0 else format_bytes(n)
     return format_bytes(n)
 
 

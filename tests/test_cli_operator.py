@@ -197,3 +197,10 @@ def test_every_operator_table_uses_the_light_style(tmp_path, command):
     res = kvtool(command, "--cache-dir", str(cache_dir), *(["--dry-run"] if command == "prune" else []))
     assert res.exit_code == 0, res.output
     assert "─" in res.stdout and not set("┏━┃┡╇│") & set(res.stdout), res.stdout
+
+
+def test_format_size_is_whole_in_the_largest_unit_it_reaches_else_rounded():
+    from kvtool.units import format_size
+
+    assert [format_size(n) for n in (2 << 30, 8 << 20, 64_000_000, 1536 << 20, 500)] == [
+        "2 GiB", "8 MiB", "61.0 MiB", "1.5 GiB", "500 B"]
