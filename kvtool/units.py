@@ -173,6 +173,21 @@ def format_duration(seconds: float) -> str:
     return f"{seconds:g}s"
 
 
+def format_hits(ram: int, ssd: int, remote: int) -> str:
+    """Where cached tokens came from, for a person: `RAM 12, SSD 2037, remote 0` (every tier
+    named, so a hit from the shared remote tier is never invisible)."""
+    return f"RAM {ram}, SSD {ssd}, remote {remote}"
+
+
+def format_size(n: int) -> str:
+    """A byte budget for a person: `2 GiB` when it is a whole number of a binary unit (what
+    `parse_size` reads back), else `format_bytes` (`1.4 GiB`); exact bytes belong in JSON."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:  # the largest unit it reaches, whole or rounded (not `62500 KiB`)
+            return f"{n // size} {unit}" if n % size == 0 else format_bytes(n)
+    return format_bytes(n)
+
+
 def format_bytes(n: float) -> str:
     """`1.5 MiB`-style text for a byte count."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -114,8 +114,9 @@ def test_human_output_names_each_source(tmp_path, monkeypatch):
     lines = {w[0]: w[1:] for w in (line.strip().split(None, 2) for line in res.stdout.splitlines()) if w and w[0] in FIELD_NAMES}
     assert lines["ssd_async_writes"] == ["false", "flag --sync"]
     assert lines["ssd_policy"] == ["evict_only", "env KVTOOL_SSD_POLICY"]
-    assert lines["ram_bytes"][0] == "2097152" and lines["ram_bytes"][1].startswith("config file")
-    assert lines["block_size"] == ["64", "default"] and lines["ssd_ttl"] == ["-", "default"]
+    raw = {line.split()[0]: line.split() for line in res.stdout.splitlines() if line.strip()}
+    assert raw["ram_bytes"][1:5] == ["2", "MiB", "config", "file"]  # human units; exact bytes in --json
+    assert lines["block_size"] == ["64", "default"] and raw["ssd_ttl"][1:] == ["7d", "(default)", "default"]
     folded = "".join(res.stdout.split())  # a long path wraps at the console's width
     assert folded.startswith(f"configfile:{conf}(--config)") and f"configfile{conf}" in folded
 

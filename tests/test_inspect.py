@@ -169,8 +169,8 @@ def test_errors(cache, tmp_path):
         inspect_cache(cache_dir, namespace="zz")
     res = run_cli("--cache-dir", str(cache_dir), "--namespace", "zz")
     assert res.exit_code == 2 and "no namespace" in res.output and "Traceback" not in res.output
-    res = run_cli("--cache-dir", str(tmp_path / "absent"))  # not created yet: an empty cache
-    assert res.exit_code == 0 and "no namespaces" in res.output and not (tmp_path / "absent").exists()
+    res = run_cli("--cache-dir", str(tmp_path / "absent"), "--create")  # --create: an empty cache
+    assert res.exit_code == 0 and "no namespaces" in res.output and (tmp_path / "absent").is_dir()
     res = run_cli("--cache-dir", str(cache_dir), "--prompt", "hi", "--model", str(tmp_path / "nomodel"))
     assert res.exit_code == 2 and "error:" in res.output and "Traceback" not in res.output
     res = run_cli("--cache-dir", str(cache_dir), "--prompt-file", str(tmp_path / "absent.txt"))

@@ -157,6 +157,7 @@ def test_every_json_document_is_versioned_and_quiet_is_silent(cache, command):
 def test_validate_reads_config_and_quiet_prints_only_problems(cache, monkeypatch):
     cache_dir, store, cfg = cache
     cli = _cli()
+    (cache_dir.parent / "elsewhere").mkdir()  # a named cache directory must exist (else one error line)
     monkeypatch.setenv("KVTOOL_CACHE_DIR", str(cache_dir.parent / "elsewhere"))  # the environment wins over the file
     res = cli("validate", "--config", str(cfg), "--json")
     assert res.exit_code == 0, res.output

@@ -375,8 +375,8 @@ def test_cli_bad_input(cache, args, message):
 
 
 def test_cli_missing_cache_dir_and_help(tmp_path):
-    res = run_cli("--cache-dir", str(tmp_path / "absent"), "--yes")  # not created yet: an empty cache
-    assert res.exit_code == 0 and "nothing to prune" in res.output and not (tmp_path / "absent").exists()
+    res = run_cli("--cache-dir", str(tmp_path / "absent"), "--yes", "--create")  # --create: an empty cache
+    assert res.exit_code == 0 and "nothing to prune" in res.output and (tmp_path / "absent").is_dir()
     res = run_cli("--help")
     assert res.exit_code == 0 and "kvtool prune --ttl 7d --dry-run" in res.output and "crontab" in res.output
 

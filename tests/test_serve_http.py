@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 DEMO = (REPO / "kvtool" / "assets" / "demo_prompt.txt").read_text()
 MAX_TOKENS = 16
 REQUEST_LINE = re.compile(
-    r"kvtool request (\d+): prompt (\d+) tok \| cached (\d+) \(RAM (\d+), SSD (\d+)\) \| prefilled (\d+)"
+    r"kvtool request (\d+): prompt (\d+) tok \| cached (\d+) \(RAM (\d+), SSD (\d+), remote \d+\) \| prefilled (\d+)"
 )
 
 

@@ -101,7 +101,7 @@ def test_chat_template_and_prompt_cache_bytes(tmp_path):
         assert proc.stop() == 143
     assert n_prompt == custom_n and cached == 0
     assert again == (text, custom_n, custom_n - 1)  # served from kvtool's RAM tier
-    assert "RAM 64000000 B" in proc.text()  # --prompt-cache-bytes is the RAM tier's budget
+    assert "RAM 61.0 MiB" in proc.text()  # --prompt-cache-bytes is the RAM tier's budget
 
 
 def _remote_code_model(tmp_path: Path) -> Path:

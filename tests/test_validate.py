@@ -463,8 +463,8 @@ def test_cli_exit_codes_and_json(cache, cli, tmp_path):
     fixed = cli("--cache-dir", str(cache_dir))
     assert fixed.exit_code == 1 and "1 problem(s) found" in fixed.stdout
     assert cli("--cache-dir", str(cache_dir)).exit_code == 0
-    missing = cli("--cache-dir", str(tmp_path / "absent"))
-    assert missing.exit_code == 0 and "no namespaces" in missing.output and not (tmp_path / "absent").exists()
+    missing = cli("--cache-dir", str(tmp_path / "absent"), "--create")  # --create: an empty cache
+    assert missing.exit_code == 0 and "no namespaces" in missing.output and (tmp_path / "absent").is_dir()
     assert cli("--cache-dir", str(cache_dir), "--namespace", "zz").exit_code == 2
 
 

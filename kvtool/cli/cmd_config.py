@@ -1,9 +1,10 @@
 """`kvtool config show`: the effective settings and where each value came from.
 
 The values are those every command would use with the same flags and environment
-(`common.CacheFlags.settings`: flag > `KVTOOL_<FIELD>` variable > config file > default). Each is shown
-as a config file would hold it (sizes in bytes, durations with their unit, `ssd_dir_mode` in
-octal), `remote_url` with its password masked (`kvtool.config.remote_url.mask_url`).
+(`common.CacheFlags.settings`: flag > `KVTOOL_<FIELD>` variable > config file > default). `--json`
+shows each as a config file would hold it (sizes in bytes, durations with their unit,
+`ssd_dir_mode` in octal), `remote_url` with its password masked (`kvtool.config.remote_url.mask_url`);
+the table shows sizes in human units (`2 GiB`) and the TTL `kvtool prune` uses when none is set.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
-from kvtool.units import format_duration
+from kvtool.units import format_duration, format_size
 
 config_app = typer.Typer(
     name="config",
@@ -104,14 +104,27 @@ def shown_value(field: str, value: Any) -> Any:
 
 
 def _print_human(out: Output, settings: Any, doc: dict[str, Any]) -> None:
-    """The settings as a table: field, value (`-` for none), source (`kvtool.config.settings.Origin`)."""
+    """The settings as a table: field, value (`-` for none; sizes in human units; `ssd_ttl` the TTL
+    in effect), source (`kvtool.config.settings.Origin`)."""
     file = doc["config_file"]
     out.print(f"config file: {file['path']} ({file['found_by']})" if file else "config file: none", highlight=False)
-    table = Table(box=box.SIMPLE, show_edge=False)
+    table = Table()
     for column in ("field", "value", "source"):
         table.add_column(column, overflow="fold")
     for name, row in doc["settings"].items():
-        value = row["value"]
-        text = "-" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-        table.add_row(name, text, str(settings.origins[name]))
+        table.add_row(name, _human_value(name, row["value"], settings.config), str(settings.origins[name]))
     out.table(table)
+
+
+def _human_value(field: str, value: Any, cfg: Any) -> str:
+    """`value` (as `shown_value` gives it) for the table: a byte size in human units (exact in
+    `--json`), `ssd_ttl` as the TTL in effect when unset (`KVToolConfig.ttl_s`: 7d by default)."""
+    if field == "ssd_ttl" and value is None:
+        return f"{format_duration(cfg.ttl_s)} (default)"
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if field.endswith("_bytes") and isinstance(value, int):
+        return format_size(value)
+    return str(value)

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, inspect_remote, target_options
+from kvtool.cli.cmd_remote import inspect_remote
 from kvtool.cli.output import Output
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.units import format_bytes
 
 HELP = """List the SSD cache, one row per namespace: key prefix, model name and class (from the namespace's index), status, size, blocks, segment files, and when it was last used. Problems (unreadable or foreign namespaces, index and files that disagree, symlinks) are listed under the table. With --namespace, the namespace's details follow: KV layout, block size, chains, oldest and newest access, an age histogram, format version, last shutdown, index health. Read-only.
@@ -168,7 +168,7 @@ def inspect_cmd(
                                    "--prefill-step-size": source.prefill_step_size}, "with --remote")  # fmt: skip
             raise typer.Exit(inspect_remote(out, target.server, namespace))
 
-        cfg = common.build_config(target.config, cache_dir, block_size=block_size)
+        cfg = target.cache_config(cache_dir, block_size=block_size)
         if source.given:
             if namespace is not None:
                 raise common.CLIError("--namespace does not apply to a prompt check (the model picks it)")
@@ -312,7 +312,7 @@ def _print_report(report, out: Output, details: bool = False) -> None:
         _print_notes(report, out.print)
         return
     keys = short_keys(ns.namespace for ns in report.namespaces)
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    table = Table(collapse_padding=True)
     for name in ("namespace", "model", "class", "status", "size", "blocks", "segments", "last used"):
         right = name in ("size", "blocks", "segments", "last used")
         table.add_column(name, justify="right" if right else "left", no_wrap=name in ("namespace", "status", "size"),

@@ -16,7 +16,7 @@ import typer
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
-from kvtool.units import format_bytes
+from kvtool.units import format_bytes, format_hits
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -249,8 +249,8 @@ def export_cmd(
         output = Output.from_flags(json_out)
         output.emit(report.to_dict, lambda: output.print(
             f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
-            f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} (RAM {report.ram_hit_tokens}, "
-            f"SSD {report.ssd_hit_tokens}), computed {report.computed_tokens} | metadata model {report.metadata_model}"))
+            f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} ("
+            f"{format_hits(report.ram_hit_tokens, report.ssd_hit_tokens, report.remote_hit_tokens)}), computed {report.computed_tokens} | metadata model {report.metadata_model}"))
     raise typer.Exit(_exit_code(interrupted, report is not None))
 
 

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 
 from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
-from kvtool.cli.output import Output
+from kvtool.cli.output import Output, print_table
 from kvtool.models import embedded
 
 model_app = typer.Typer(
@@ -62,7 +62,7 @@ def list_cmd(json_out: JsonOpt = False) -> None:
     """
     with cli_errors():
         rows = preset_rows()
-        Output.from_flags(json_out).emit({"models": rows}, lambda: console.print(_table(rows)))
+        Output.from_flags(json_out).emit({"models": rows}, lambda: print_table(console, _table(rows)))
 
 
 def preset_rows() -> list[dict]:

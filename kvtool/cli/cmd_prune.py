@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from rich import box
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, prune_remote, target_options
-from kvtool.cli.output import Output
+from kvtool.cli.cmd_remote import prune_remote
+from kvtool.cli.output import Output, print_table
 from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.progress import progress
 from kvtool.units import format_bytes, format_duration, parse_duration, parse_size
 
@@ -74,7 +74,7 @@ def prune_cmd(
         if target.server is not None:
             raise typer.Exit(_prune_remote(out, target, cache_dir, ttl, ttl_s, budget, namespace,
                                            all_namespaces, dry_run, yes))  # fmt: skip
-        cfg = common.build_config(target.config, cache_dir)
+        cfg = target.cache_config(cache_dir)
         if ttl is None:
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
@@ -139,7 +139,6 @@ def _print_plan(plan, out) -> None:
     scope = "whole cache" if plan.scope == "all" else "per namespace"
     table = Table(
         title=f"kvtool prune {plan.cache_dir}: ttl {'none' if plan.ttl_s is None else format_duration(plan.ttl_s)}, budget {budget} ({scope})",
-        box=box.SIMPLE_HEAD, pad_edge=False,
     )  # fmt: skip
     for name in ("namespace", "model", "stored", "prune", "ttl/lru/desc", "left"):
         table.add_column(name, justify="left" if name in ("namespace", "model") else "right", no_wrap=name != "model")
@@ -157,7 +156,7 @@ def _print_plan(plan, out) -> None:
             f"{ns.ttl_segments}/{ns.lru_segments}/{ns.descendant_segments}",
             f"{format_bytes(ns.bytes_after)} ({ns.segments_after})",
         )  # fmt: skip
-    out.print(table)
+    print_table(out, table)
     out.print("(n): segment files; ttl/lru/desc: segment files removed by each rule", highlight=False)
     for ns in plan.namespaces:
         if ns.message:

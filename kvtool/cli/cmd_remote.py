@@ -1,6 +1,7 @@
 """`kvtool remote inspect|validate|rm|prune|push`: the remote tier's store (Redis / Valkey) for operators.
 
-Every sub-command takes the server from `--url`, else the config's `remote_url` (`--config`),
+Every sub-command takes the server from `--remote-url` (the name every command uses; `--url`
+stays a hidden alias), else the config's `remote_url` (`--config`),
 else `$KVTOOL_REMOTE_URL`; the password from the URL or `$KVTOOL_REMOTE_PASSWORD`. The URL is
 shown with its password masked, everywhere. Bad URLs, unreachable hosts, wrong passwords and TLS
 failures end the command with one `error:` line (exit 2). The work is `kvtool.ops.remote_ops`.
@@ -18,7 +19,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -36,10 +36,10 @@ remote_app = typer.Typer(
         "The remote tier's store: kvtool blocks shared between hosts on Redis (>= 6.2) or Valkey, one node or a "
         "Redis Cluster. SCAN only (never KEYS); safe beside live servers and kvtool processes. "
         "`kvtool inspect|validate|prune|rm --remote` run the same operations.\n\n"
-        "The server: --url, else remote_url in --config, else $KVTOOL_REMOTE_URL. Put the password in "
-        "$KVTOOL_REMOTE_PASSWORD rather than in --url (a command line is visible to other users).\n\n"
+        "The server: --remote-url, else remote_url in --config, else $KVTOOL_REMOTE_URL. Put the password in "
+        "$KVTOOL_REMOTE_PASSWORD rather than in --remote-url (a command line is visible to other users).\n\n"
         "Example:\n\n"
-        "  kvtool remote inspect --url redis://cache-host:6379/0\n\n"
+        "  kvtool remote inspect --remote-url redis://cache-host:6379/0\n\n"
         "  KVTOOL_REMOTE_URL=redis+cluster://node1:7000 kvtool remote prune --idle 7d --yes"
     ),
     no_args_is_help=True,
@@ -49,7 +49,9 @@ remote_app = typer.Typer(
 
 URL_HELP = ("Server: redis://\\[user:password@]host\\[:port]\\[/db], rediss:// (TLS: ?ssl_ca_certs=FILE...), "
             "unix:///path.sock, redis+cluster://host:port. Default: remote_url of --config, else $KVTOOL_REMOTE_URL.")  # fmt: skip
-UrlOpt = Annotated[str | None, typer.Option("--url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
+UrlOpt = Annotated[str | None, typer.Option("--remote-url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
+# `--url`, the name these commands used before: still read, not shown (`Server.at`: --remote-url wins)
+LegacyUrlOpt = Annotated[str | None, typer.Option("--url", hidden=True)]
 ClusterOpt = Annotated[bool, typer.Option("--cluster", help="The server is a Redis Cluster (implied by redis+cluster://).",
                                           rich_help_panel="Server")]  # fmt: skip
 TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each server command: 5s, 500ms.",
@@ -57,14 +59,15 @@ TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each ser
 MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
                                          rich_help_panel="Server")]  # fmt: skip
 
-# The options of every `kvtool remote` command that say how to reach the server (`--url` apart: it comes first).
-SERVER_OPTIONS = {"cluster": (ClusterOpt, False), "timeout": (TimeoutOpt, DEFAULT_TIMEOUT),
+# The options of every `kvtool remote` command that say how to reach the server (`--remote-url` apart: it
+# comes first; `url` is its hidden alias `--url`).
+SERVER_OPTIONS = {"url": (LegacyUrlOpt, None), "cluster": (ClusterOpt, False), "timeout": (TimeoutOpt, DEFAULT_TIMEOUT),
                   "max_keys": (MaxKeysOpt, DEFAULT_MAX_KEYS), "config": (common.ConfigOpt, None)}
 
 
 def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
-    `names` (keys of `SERVER_OPTIONS`); its `--url` fills `server.url` (`Server.at`)."""
+    `names` (keys of `SERVER_OPTIONS`); its `--remote-url` fills `server.url` (`Server.at`)."""
     return common.option_group("server", SERVER_OPTIONS, Server, names)
 
 
@@ -77,7 +80,7 @@ class Server:
         config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
         cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
         timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
-        flag: the URL flag's name, for messages (`--url`, `--remote-url`).
+        flag: the URL flag's name, for messages (`--remote-url`).
         max_keys: listings stop after this many keys (reported as truncated).
     """
 
@@ -85,12 +88,12 @@ class Server:
     config: Path | None = None
     cluster: bool = False
     timeout: str = DEFAULT_TIMEOUT
-    flag: str = "--url"
+    flag: str = "--remote-url"
     max_keys: int = DEFAULT_MAX_KEYS
 
     def at(self, url: str | None) -> Server:
-        """This server with the URL flag `url`."""
-        return replace(self, url=url)
+        """This server with the URL flag `url` (`--remote-url`; None: the hidden `--url`, if given)."""
+        return replace(self, url=url if url is not None else self.url)
 
     def resolve(self) -> tuple[str, bool | None, float]:
         """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
@@ -131,34 +134,6 @@ class Server:
             yield conn
         finally:
             conn.close()
-
-
-@dataclass(frozen=True)
-class Target:
-    """What `kvtool inspect|validate|prune|rm` act on: the SSD cache, or with `--remote` /
-    `--remote-url` the remote tier's server (`server`); `config` is `--config`."""
-
-    config: Path | None = None
-    remote: bool = False
-    remote_url: str | None = None
-
-    @property
-    def server(self) -> Server | None:
-        """The remote server to act on, None for the SSD cache."""
-        if not self.remote and self.remote_url is None:
-            return None
-        return Server(self.remote_url, self.config, flag="--remote-url")
-
-
-TARGET = Target()  # the default of a command's `target` parameter (`target_options` always passes one)
-TARGET_OPTIONS = {"config": (common.ConfigOpt, None), "remote": (common.RemoteOpt, False),
-                  "remote_url": (common.RemoteServerOpt, None)}
-
-
-def target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate an operator command whose parameter `target: Target` stands for `--config`,
-    `--remote` and `--remote-url` (shown last)."""
-    return common.option_group("target", TARGET_OPTIONS, Target, TARGET_OPTIONS)(fn)
 
 
 def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:
@@ -253,7 +228,7 @@ def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, ma
 # ----------------------------------------------------------------------------- inspect
 @remote_app.command("inspect")
 @server_options(*SERVER_OPTIONS)
-def inspect_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
+def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
                 server: Server = Server()) -> None:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
     parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
@@ -261,7 +236,7 @@ def inspect_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_
 
     Example:
 
-      kvtool remote inspect --url redis://cache-host:6379/0
+      kvtool remote inspect --remote-url redis://cache-host:6379/0
 
       kvtool remote inspect --namespace 3fa2 --json
 
@@ -269,7 +244,7 @@ def inspect_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = inspect_remote(out, server.at(url), namespace)
+        code = inspect_remote(out, server.at(remote_url), namespace)
     raise typer.Exit(code)
 
 
@@ -284,7 +259,7 @@ def _print_inspect(report: Any, out: Output) -> None:
     if not report.namespaces:
         out.print("no kvtool keys")
     else:
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        table = Table()
         for name in ("namespace", "format", "blocks", "split", "parts", "memory"):
             table.add_column(name, justify="left" if name in ("namespace", "format") else "right")
         for ns in report.namespaces:
@@ -298,8 +273,8 @@ def _print_inspect(report: Any, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- push
 @remote_app.command("push")
-@server_options("cluster", "timeout", "config")
-def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, url: UrlOpt = None,
+@server_options("url", "cluster", "timeout", "config")
+def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, remote_url: UrlOpt = None,
              json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
     namespace (or of --namespace) read once, each record verified before it is stored with SET NX
@@ -308,7 +283,7 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
 
     Example:
 
-      kvtool remote push --cache-dir ~/.cache/kvtool --url redis://cache-host:6379/0
+      kvtool remote push --cache-dir ~/.cache/kvtool --remote-url redis://cache-host:6379/0
 
       kvtool remote push --namespace 3fa2 --json
 
@@ -321,7 +296,7 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
         from kvtool.jobs.remote_push import open_store_for, push_namespace
 
         root = common.build_config(server.config, cache_dir).ssd_cache_dir
-        server = server.at(url)
+        server = server.at(remote_url)
         with server.connect():  # checks the URL and that the server answers
             pass
         url_used, cluster_used, timeout_s = server.resolve()
@@ -356,7 +331,7 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
 @server_options(*SERVER_OPTIONS)
-def validate_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
+def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
                  json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
     hash of its parent and token ids); delete the ones that fail, and parts no manifest names
@@ -364,7 +339,7 @@ def validate_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_
 
     Example:
 
-      kvtool remote validate --url redis://cache-host:6379/0 --dry-run
+      kvtool remote validate --remote-url redis://cache-host:6379/0 --dry-run
 
       kvtool remote validate --namespace 3fa2 --json
 
@@ -373,7 +348,7 @@ def validate_cmd(url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = validate_remote(out, server.at(url), namespace, dry_run=dry_run)
+        code = validate_remote(out, server.at(remote_url), namespace, dry_run=dry_run)
     raise typer.Exit(code)
 
 
@@ -398,7 +373,7 @@ def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
     hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
                                                       show_default=False)] = None,  # fmt: skip
-    url: UrlOpt = None,
+    remote_url: UrlOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
@@ -419,7 +394,7 @@ def rm_cmd(
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = rm_remote(out, server.at(url), namespace, hashes or None, dry_run=dry_run, yes=yes)
+        code = rm_remote(out, server.at(remote_url), namespace, hashes or None, dry_run=dry_run, yes=yes)
     raise typer.Exit(code)
 
 
@@ -446,7 +421,7 @@ def prune_cmd(
     max_bytes: Annotated[str | None, typer.Option("--max-bytes", help="Server memory budget per namespace: 2GB, 512MiB.",
                                                   show_default=False)] = None,  # fmt: skip
     namespace: common.NamespaceOpt = None,
-    url: UrlOpt = None,
+    remote_url: UrlOpt = None,
     dry_run: common.DryRunOpt = False,
     yes: common.YesOpt = False,
     json_out: common.JsonOpt = False,
@@ -476,7 +451,7 @@ def prune_cmd(
         budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
         if idle_s is None and budget is None:
             raise common.CLIError("give --idle, --max-bytes or both")
-        code = prune_remote(out, server.at(url), idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry_run,
+        code = prune_remote(out, server.at(remote_url), idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry_run,
                             yes=yes)  # fmt: skip
     raise typer.Exit(code)
 

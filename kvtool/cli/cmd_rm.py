@@ -14,9 +14,10 @@ from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PROMPT, PromptSource, prompt_options
-from kvtool.cli.cmd_remote import TARGET, Target, rm_remote, target_options
+from kvtool.cli.cmd_remote import rm_remote
 from kvtool.cli.output import Output
 from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed, refuse_without_terminal
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.units import format_bytes
 
 HELP = """Remove one namespace of the SSD cache, or the cached blocks of one prompt.
@@ -89,7 +90,7 @@ def rm_cmd(
             cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
             keys = _prompt_keys(cfg, source)[0](cfg.block_size)
             raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
-        cfg = common.build_config(target.config, cache_dir)
+        cfg = target.cache_config(cache_dir)
         root = cfg.ssd_cache_dir
         preflight(root, dry_run, yes, "remove")
         if by_prompt:

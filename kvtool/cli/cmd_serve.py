@@ -19,6 +19,7 @@ from kvtool.prompts import (
     read_stdin,
     read_text,
 )
+from kvtool.units import format_hits
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -141,7 +142,7 @@ def _collect_requests(prompt, prompt_file, messages, requests_file, max_bytes: i
 def _human_line(i: int, r) -> str:
     return (
         f"[bold]request {i}[/]: prompt {r.prompt_tokens} tok | cached {r.cached_tokens} "
-        f"(RAM {r.ram_hit_tokens}, SSD {r.ssd_hit_tokens}) | prefilled {r.prefill_tokens} | "
+        f"({format_hits(r.ram_hit_tokens, r.ssd_hit_tokens, r.remote_hit_tokens)}) | prefilled {r.prefill_tokens} | "
         f"TTFT {r.ttft_ms:.1f} ms | decode {r.decode_tokens_per_s:.1f} tok/s | {r.finish_reason}"
     )
 

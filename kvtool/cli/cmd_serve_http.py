@@ -21,10 +21,11 @@ from typer.core import TyperCommand
 
 from kvtool.cli import common
 from kvtool.cli.cmd_serve import tier_summary
+from kvtool.units import format_size
 
 HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
 
-It is mlx_lm.server itself (same request fields, batching, chat templates, streaming), with kvtool's tiers instead of mlx-lm's in-memory prompt cache: a prompt prefix seen before, in this process or an earlier one, is not prefilled again, and the output is the one mlx_lm.server gives. Clients name the model "default_model", the --model value or its path. One log line per request on stderr: prompt, cached (RAM, SSD) and prefilled tokens. GET /kvtool/stats returns the cache counters and the last requests as JSON.
+It is mlx_lm.server itself (same request fields, batching, chat templates, streaming), with kvtool's tiers instead of mlx-lm's in-memory prompt cache: a prompt prefix seen before, in this process or an earlier one, is not prefilled again, and the output is the one mlx_lm.server gives. Clients name the model "default_model", the --model value or its path. One log line per request on stderr: prompt, cached (RAM, SSD, remote) and prefilled tokens. GET /kvtool/stats returns the cache counters and the last requests as JSON.
 
 Examples:
 
@@ -131,10 +132,39 @@ class ServeCommand(TyperCommand):
             self.params.extend(extra)
         return super().get_params(ctx)
 
+    def parse_args(self, ctx, args):
+        refuse_early(args)  # before get_params imports mlx-lm (seconds; more on a loaded machine)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx):
         names = self._mlx_names or ()
         ctx.meta[MLX_OPTIONS_META] = {n: ctx.params.pop(n) for n in names if n in ctx.params}
         return super().invoke(ctx)
+
+
+PROMPT_CACHE_SIZE_REFUSAL = ("--prompt-cache-size: kvtool's RAM tier is bounded in bytes, not in cached sequences; "
+                             "use --prompt-cache-bytes or --ram-bytes")
+
+
+def refuse_early(args: list[str]) -> None:
+    """Refuse the options `kvtool serve` never runs with (`--max-kv-size`, mlx-lm's
+    `--prompt-cache-size`) from the raw arguments, before mlx-lm is imported to parse the rest;
+    nothing is refused when `--help` is asked for.
+
+    Raises:
+        CLIError: one of them is given (`--flag VALUE` or `--flag=VALUE`).
+    """
+    if "--help" in args or "-h" in args:
+        return
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return
+        name, _, value = arg.partition("=")
+        value = value or (args[i + 1] if i + 1 < len(args) else "")
+        if name == "--max-kv-size":
+            common.refuse_max_kv_size(value)
+        if name == "--prompt-cache-size":
+            raise common.CLIError(PROMPT_CACHE_SIZE_REFUSAL)
 
 
 def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[str, Any], str | None]:
@@ -156,8 +186,7 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
         except mlx_options.OptionValueError as exc:
             raise common.CLIError(str(exc)) from None
     if "prompt_cache_size" in out:
-        raise common.CLIError("--prompt-cache-size: kvtool's RAM tier is bounded in bytes, not in cached sequences; "
-                              "use --prompt-cache-bytes or --ram-bytes")
+        raise common.CLIError(PROMPT_CACHE_SIZE_REFUSAL)
     budget = out.get("prompt_cache_bytes")
     if budget is not None:
         from kvtool.units import parse_size
@@ -266,11 +295,11 @@ def _describe(server) -> str:
         cfg = pc.config
         ssd = f"SSD {pc.namespace_dir}" if pc.namespace_dir is not None else f"no SSD ({pc.ssd_disabled_reason})"
         cache = (f"{ssd} | layout {pc.layout_key} | block {cfg.block_size} | policy {cfg.ssd_policy} | "
-                 f"RAM {cfg.ram_bytes} B")
+                 f"RAM {format_size(cfg.ram_bytes)}")
     limits = server.limits
     return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
             f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
-            f"body <= {limits.max_body_bytes} B")
+            f"body <= {format_size(limits.max_body_bytes)}")
 
 
 def _is_loopback(host: str) -> bool:

@@ -9,8 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import TARGET, Target, target_options, validate_remote
+from kvtool.cli.cmd_remote import validate_remote
 from kvtool.cli.output import Output
+from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.progress import progress
 from kvtool.units import format_bytes
 
@@ -81,7 +82,7 @@ def validate_cmd(
             raise typer.Exit(validate_remote(out, target.server, namespace,
                                              dry_run=dry_run))  # fmt: skip
 
-        root = common.build_config(target.config, cache_dir).ssd_cache_dir
+        root = target.cache_config(cache_dir).ssd_cache_dir
         with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
             report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
                               progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip

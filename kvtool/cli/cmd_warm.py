@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 HELP = """Prefill prompts into the SSD tier ahead of time (no decode), so later requests start from cached KV.
 
-SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each; all sources together hold at most --max-prompt-bytes (default 64MiB). Plain prompts are wrapped in the model's chat template like serve-once does (--ignore-chat-template: raw text), so a warmed prompt hits. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings. Ctrl-C stops after draining the writer; what was written stays valid.
+SOURCE is a text file (one prompt per non-blank line, or the whole file with --whole), a .jsonl file of {"prompt": ...} or {"messages": [...]} lines, or a directory whose .txt/.md files are one prompt each; all sources together hold at most --max-prompt-bytes (default 64MiB). Plain prompts are wrapped in the model's chat template like serve-once does (--ignore-chat-template: raw text), so a warmed prompt hits. A prompt whose blocks are all on SSD already is skipped without running the model, so a second identical run writes 0 blocks. Every block reaches SSD before the command exits (whatever the policy), under the --async/--sync and --durability settings; with --ssd-max-bytes, the budget evicts least recently used segments and stores no more than fits: the summary says what was written and what is still resident, and one note line what the budget evicted or had no room for. Ctrl-C stops after draining the writer; what was written stays valid.
 
 Examples:
 
@@ -34,7 +34,7 @@ Examples:
 
   kvtool warm --model tiny prompts.txt 2>> warm.log    (no terminal: a progress line every 10 s, KVTOOL_PROGRESS_INTERVAL_S)
 
-Exit codes: 0 warmed and shut down cleanly; 1 some blocks could not be written or the writer did not drain; 2 bad input (source, model, options); 130/143 interrupted by SIGINT/SIGTERM (after draining the writer).
+Exit codes: 0 warmed and shut down cleanly; 1 some blocks could not be written (a write failure; not what the --ssd-max-bytes budget had no room for) or the writer did not drain; 2 bad input (source, model, options); 130/143 interrupted by SIGINT/SIGTERM (after draining the writer).
 """
 
 WholeOpt = Annotated[
@@ -110,7 +110,8 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
     from kvtool.jobs.warm import WarmError, WarmReport, warm
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
-    with common.signals_raise():
+    namespace_dir = engine.namespace_dir  # None once the engine is closed
+    with common.signals_raise(), _one_budget_line() as dropped:
         try:
             with _progress(len(prompts), enabled=not json_out) as on_report:
                 report = warm(engine, prompts, progress=on_report, interrupts=(common.Interrupted,),
@@ -122,6 +123,9 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
         finally:
             common.ignore_signals()
             status = engine.close()  # drains the writer, flushes and closes the index
+    report.blocks_resident, report.bytes_resident = _resident(namespace_dir)
+    if (dropped or report.blocks_evicted or report.blocks_over_budget) and not json_out:
+        common.err_console.print(f"note: {_budget_note(report)}", highlight=False, soft_wrap=True)
     Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
                                               "shutdown_partial_flush": status.shutdown_partial_flush},
                                      lambda: _print_summary(report, status))
@@ -158,12 +162,60 @@ def _print_summary(report, status) -> None:
         f"{report.tokens} tokens, {report.tokens_prefilled} run through the model",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
+    resident = ("?" if report.blocks_resident is None else
+                f"{report.blocks_resident} block(s) ({format_bytes(report.bytes_resident or 0)})")  # fmt: skip
     out.print(
         f"SSD: {report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
-        f"{report.blocks_dedup} already stored, {report.blocks_failed} failed | namespace {report.layout_key} | "
-        f"{report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}",
+        f"{report.blocks_dedup} already stored, {report.blocks_failed} failed | now resident: {resident} | "
+        f"namespace {report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}",
         highlight=False, soft_wrap=True,
     )  # fmt: skip
+
+
+def _budget_note(report) -> str:
+    """The one line that replaces the SSD byte budget's per-segment warnings."""
+    return (f"the SSD byte budget evicted {report.blocks_evicted} block(s) ({format_bytes(report.bytes_evicted)}) "
+            f"and had no room for {report.blocks_over_budget} more (not stored)")
+
+
+@contextmanager
+def _one_budget_line() -> Iterator[list[Any]]:
+    """While warm runs, the SSD byte budget's warnings (a segment that does not fit, the blocks it
+    kept in RAM) are collected instead of printed, one each: warm sums them up in one line."""
+    import logging
+
+    dropped: list[Any] = []
+
+    def keep(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if "SSD byte budget" in text or ("kept in RAM only" in text and "(best_effort)" in text):
+            dropped.append(record)
+            return False
+        return True
+
+    loggers = [logging.getLogger(name) for name in ("kvtool.disk.namespace", "kvtool.tiers.writer")]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield dropped
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+
+
+def _resident(namespace_dir: Path | None) -> tuple[int | None, int | None]:
+    """`(blocks, bytes)` the namespace holds on SSD now (`kvtool.ops.inspect_cache`: its index
+    rows and segment bytes); `(None, None)` when there is none or it cannot be read."""
+    from kvtool.ops.inspect_cache import inspect_cache
+    from kvtool.ops.scan import ScanError
+
+    if namespace_dir is None:
+        return None, None
+    try:
+        found = inspect_cache(Path(namespace_dir).parent, Path(namespace_dir).name).namespaces
+    except (ScanError, OSError):
+        return None, None
+    return (found[0].blocks, found[0].bytes) if found else (None, None)
 
 
 def register(app: typer.Typer) -> None:

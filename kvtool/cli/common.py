@@ -90,9 +90,14 @@ SystemPromptOpt = Annotated[
 AdapterPathOpt = Annotated[
     Path | None, typer.Option("--adapter-path", help="LoRA adapter directory (part of the model identity).", show_default=False, rich_help_panel="Model")
 ]
+def _refuse_max_kv_size(value: int | None) -> int | None:
+    refuse_max_kv_size(value)  # when the flag is parsed: before any model or mlx-lm import
+    return value
+
+
 MaxKVSizeOpt = Annotated[
     int | None,
-    typer.Option("--max-kv-size", min=1, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False, rich_help_panel="Model"),
+    typer.Option("--max-kv-size", min=1, callback=_refuse_max_kv_size, help="As mlx-lm: a rotating KV cache of this many tokens (not cacheable by kvtool yet: refused).", show_default=False, rich_help_panel="Model"),
 ]
 _PREFILL_STEP = typer.Option("--prefill-step-size", min=1, help="Tokens per prefill chunk.", rich_help_panel="Model")
 PrefillStepOpt = Annotated[int, _PREFILL_STEP]
@@ -379,6 +384,7 @@ def cache_root(path: Path) -> Path:
         return path
 
 
+
 def setup_logging(verbose: bool = False) -> None:
     """Warnings (and with --verbose, info) from kvtool to stderr."""
     import logging
@@ -428,7 +434,7 @@ def load_engine(
                   kv_group_size=kv_group_size, **engine_options)
 
 
-def refuse_max_kv_size(max_kv_size: int | None) -> None:
+def refuse_max_kv_size(max_kv_size: int | str | None) -> None:
     """Raises CLIError for a `--max-kv-size` (a rotating KV cache, which kvtool cannot store exactly
     yet: refused up front rather than run uncached)."""
     if max_kv_size is not None:

@@ -58,6 +58,26 @@ def print_json(doc: Mapping[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def print_table(console: Console, table: Any) -> None:
+    """Print a rich `Table` in the one table style of every command (a rule under the header,
+    no outer box), at the terminal's width on a terminal; anywhere else (a file, a pipe) as wide
+    as its content and title need, so that nothing in a file is cut or wrapped at 80 columns."""
+    from rich import box
+    from rich.cells import cell_len
+    from rich.measure import Measurement
+
+    table.box, table.show_edge, table.pad_edge = box.SIMPLE_HEAD, False, False
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    title = cell_len(str(table.title)) if table.title is not None else 0
+    if title > natural:  # the title is laid out in the table's width: widen the table, not wrap the title
+        table.min_width = title
+    wide = Console(file=console.file, width=max(natural, title, 1), color_system=None, highlight=False)
+    wide.print(table)
+
+
 class Output:
     """The output sink of one command run.
 
@@ -122,9 +142,9 @@ class Output:
             self.console.print(*objects, **{"highlight": False, "soft_wrap": True, **kw})
 
     def table(self, table: Any) -> None:
-        """Print a rich `Table` on stdout (human mode only)."""
+        """Print a rich `Table` on stdout (human mode only), as `print_table` does."""
         if self.human:
-            self.console.print(table)
+            print_table(self.console, table)
 
     def document(self, doc: Mapping[str, Any]) -> None:
         """Print `doc` as the command's one JSON document (json mode only), `schema_version` first.
@@ -164,4 +184,4 @@ class Output:
         return bool(typer.confirm(question, default=False, err=True))
 
 
-__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "print_json", "versioned"]
+__all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "print_json", "print_table", "versioned"]

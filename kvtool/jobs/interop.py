@@ -134,8 +134,8 @@ class ExportReport:
         metadata_model: its metadata `model` (what `mlx_lm.generate --model` must equal).
         prompt_tokens: tokens in the prompt (== the file's cache offset).
         cached_tokens: leading prompt tokens found in the tiers (== prompt_tokens unless `fill`).
-        ram_hit_tokens, ssd_hit_tokens: where they came from (a full hit counts the last token
-            in the tier of the tail entry).
+        ram_hit_tokens, ssd_hit_tokens, remote_hit_tokens: where they came from (a full hit
+            counts the last token in the tier of the tail entry, RAM or SSD).
         computed_tokens: tokens run through the model (1 on a full hit: the last token is
             re-forwarded as mlx-lm's last prefill step; more with `fill`).
         cache_types: the file's cache classes (mlx-lm's).
@@ -150,6 +150,7 @@ class ExportReport:
     cached_tokens: int = 0
     ram_hit_tokens: int = 0
     ssd_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     computed_tokens: int = 0
     cache_types: list[str] = field(default_factory=list)
     bytes: int = 0

@@ -96,6 +96,7 @@ def export_cache_file(
         report.cached_tokens = tiers_hold
         report.ram_hit_tokens = hit.ram_tokens + (1 if whole_chain and not hit.ssd_tokens else 0)
         report.ssd_hit_tokens = hit.ssd_tokens + (1 if whole_chain and hit.ssd_tokens else 0)
+        report.remote_hit_tokens = hit.remote_tokens
         gen = _generation_state(engine, hit, ids)
         report.computed_tokens = int(hit.remaining.size)
         _write_checked(out, gen, _metadata(engine, metadata_model, ids, extra_metadata), n)

@@ -94,7 +94,12 @@ class WarmReport:
         bytes_written: bytes of those files (`ssd_bytes_written`).
         blocks_dedup: blocks another writer had stored already.
         blocks_failed: blocks that could not be written (final writer failures, after retries,
-            plus blocks the writer refused).
+            plus blocks the writer refused); not those the SSD byte budget had no room for.
+        blocks_over_budget: blocks not stored because the SSD byte budget had no room for their
+            segment even after eviction (`ssd_budget_refused`): the budget at work, not a failure.
+        blocks_evicted, bytes_evicted: blocks (and bytes) the byte budget evicted to make room.
+        blocks_resident, bytes_resident: what the namespace holds on SSD at the end (set by the
+            caller after the engine is closed; None: not counted).
         elapsed_s: wall time (seconds).
         flushed: every accepted write was attempted before return.
         interrupted: the signal name if stopped early, else None.
@@ -114,6 +119,11 @@ class WarmReport:
     bytes_written: int = 0
     blocks_dedup: int = 0
     blocks_failed: int = 0
+    blocks_over_budget: int = 0
+    blocks_evicted: int = 0
+    bytes_evicted: int = 0
+    blocks_resident: int | None = None
+    bytes_resident: int | None = None
     elapsed_s: float = 0.0
     flushed: bool = True
     interrupted: str | None = None
@@ -311,7 +321,13 @@ def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_templat
 
 
 def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
-    report.blocks_written, report.bytes_written, report.blocks_dedup, report.blocks_failed = write_counts(base, now)
+    def delta(key: str) -> int:
+        return int(now.get(key, 0)) - int(base.get(key, 0))
+
+    report.blocks_written, report.bytes_written, report.blocks_dedup, failed = write_counts(base, now)
+    report.blocks_over_budget = delta("ssd_budget_refused")  # counted among the writer's failures too
+    report.blocks_failed = max(0, failed - report.blocks_over_budget)
+    report.blocks_evicted, report.bytes_evicted = delta("ssd_budget_evicted_blocks"), delta("ssd_budget_evicted_bytes")
 
 
 __all__ = ["warm", "load_sources", "check_engine", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]

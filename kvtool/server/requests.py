@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.cache.prefix import CacheHit
+from kvtool.units import format_bytes, format_hits
 
 
 @dataclass
@@ -42,14 +43,11 @@ class RequestRecord:
         return dataclasses.asdict(self)
 
     def log_line(self) -> str:
-        line = (
-            f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} "
-            f"(RAM {self.ram_hit_tokens}, SSD {self.ssd_hit_tokens}) | prefilled {self.prefill_tokens}"
-        )
-        if self.remote_hit_tokens:
-            line += f" | remote {self.remote_hit_tokens} tok"
+        hits = format_hits(self.ram_hit_tokens, self.ssd_hit_tokens, self.remote_hit_tokens)
+        line = (f"request {self.request}: prompt {self.prompt_tokens} tok | cached {self.cached_tokens} ({hits}) | "
+                f"prefilled {self.prefill_tokens}")
         if self.ssd_hit_tokens:
-            line += f" | SSD load {self.ssd_load_ms:.1f} ms, {self.ssd_bytes_read} B"
+            line += f" | SSD load {self.ssd_load_ms:.1f} ms, {format_bytes(self.ssd_bytes_read)}"
         if self.uncached_reason:
             line += f" | uncached: {self.uncached_reason}"
         return line
