@@ -32,7 +32,7 @@ def one_error_line(res, code: int = 2) -> str:
 def test_a_named_cache_dir_that_does_not_exist_is_one_error_line(tmp_path, command, quiet):
     absent = tmp_path / "does" / "not" / "exist"
     line = one_error_line(kvtool(*command, "--cache-dir", str(absent), *quiet))
-    assert str(absent) in line and "--create" in line and not absent.exists()
+    assert "does/not/exist" in line and "does not exist" in line and "--create" in line and not absent.exists()  # a long path is shortened in the middle
 
 
 def test_a_missing_cache_dir_from_the_environment_is_refused_too(tmp_path, monkeypatch):
