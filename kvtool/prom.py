@@ -309,12 +309,16 @@ class CacheMetrics:
 
 def metrics_of_run(stats: Mapping[str, Any], records: Iterable[Mapping[str, Any]]) -> CacheMetrics:
     """The metrics of a finished run (`serve-once`, `bench`): final `stats` and its per-request
-    `records` (totals, the restore histogram, the prompt and cached tokens histograms)."""
+    `records` (totals, the restore histogram, the prompt and cached tokens histograms, and the
+    time to first token of records with a `ttft_ms` > 0; no request duration)."""
     records = list(records)
     totals = request_totals(records)
     metrics = CacheMetrics(lambda: (stats, totals))
     for rec in records:
         metrics.observe(rec)
+        ttft_ms = _number(rec.get("ttft_ms"))
+        if ttft_ms:
+            metrics.observe_timing(ttft_ms / 1e3, None)
     return metrics
 
 

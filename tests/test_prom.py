@@ -99,6 +99,7 @@ def test_collector_maps_every_counter_once():
     assert value(parsed, "kvtool_request_prompt_tokens_bucket", le="64.0") == 0
     assert value(parsed, "kvtool_request_cached_tokens_bucket", le="64.0") == 1
     assert value(parsed, "kvtool_request_cached_tokens_sum") == 163
+    assert value(parsed, "kvtool_time_to_first_token_seconds_count") == 0  # the records have no ttft_ms
 
 
 def test_request_timing_histograms():
@@ -293,4 +294,7 @@ def test_bench_metrics_file_sums_the_kvtool_cells(tmp_path):
     assert rows["ssd_hit_tokens"].sum() > 0  # the restart workload replays from SSD
     assert tiers(parsed, "kvtool_written_bytes_total")["ssd"] == sum(r["counters"]["ssd_bytes_written"] for r in runs) > 0
     assert value(parsed, "kvtool_restore_seconds_count", tier="ssd") == (rows["ssd_hit_tokens"] > 0).sum()
+    assert value(parsed, "kvtool_time_to_first_token_seconds_count") == len(rows)
+    assert value(parsed, "kvtool_time_to_first_token_seconds_sum") == pytest.approx(rows["ttft_ms"].sum() / 1e3)
+    assert value(parsed, "kvtool_request_prompt_tokens_sum") == rows["prompt_tokens"].sum()
     assert "[kvtool bench " in (tmp_path / "bench.err").read_text()
