@@ -31,8 +31,16 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TextIO
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn,
-                           TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 INTERVAL_ENV = "KVTOOL_PROGRESS_INTERVAL_S"
 DEFAULT_INTERVAL_S = 10.0

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from rich.progress import Progress
 
 from kvtool.progress import INTERVAL_ENV, LineProgress, describe_tasks, eta_text, format_eta, interval_s
