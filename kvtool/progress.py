@@ -14,8 +14,10 @@ prints no progress line at all; an interval of 0 prints a line at every update (
         ...
         if bar: bar.update(task, completed=i, tokens=n)
 
-A line: `[kvtool warm 20 s] warm 3/10 | tokens 1234 | blocks 7` (elapsed seconds since the
-start; with many tasks, those that finished are counted, not listed).
+A line: `[kvtool warm 20 s] warm 3/10 | 7 left, ETA 47 s | tokens 1234 | blocks 7` (elapsed
+seconds since the start; the ETA is the mean time per item done so far times the items left;
+with many tasks, those that finished are counted, not listed). On a terminal the bar gets a
+remaining-time column (rich's `TimeRemainingColumn`) unless the caller's columns have one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TextIO
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 INTERVAL_ENV = "KVTOOL_PROGRESS_INTERVAL_S"
 DEFAULT_INTERVAL_S = 10.0
@@ -60,9 +71,29 @@ def _number(value: float | None) -> str:
 MAX_LISTED_FINISHED = 3  # with more tasks than this, finished ones are counted, not listed
 
 
+def format_eta(seconds: float) -> str:
+    """A remaining time, rounded to the second: `42 s`, `3 min 05 s`, `2 h 07 min`."""
+    whole = max(0, round(seconds))
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+
+
+def eta_text(task: Task) -> str | None:
+    """`N left, ETA 1 min 05 s` for a started, unfinished task with a total and at least one
+    item done (mean time per item done so far, times the items left); else None."""
+    elapsed = task.elapsed
+    if task.total is None or task.finished or not task.completed or not elapsed:
+        return None
+    left = task.total - task.completed
+    return f"{_number(left)} left, ETA {format_eta(elapsed / task.completed * left)}"
+
+
 def describe_tasks(tasks: Iterable[Task]) -> str:
-    """One line about `tasks`: each as `description done/total` and its fields (`name value`);
-    with more than `MAX_LISTED_FINISHED` tasks, finished ones are only counted."""
+    """One line about `tasks`: each as `description done/total`, its ETA (`eta_text`) and its
+    fields (`name value`); with more than `MAX_LISTED_FINISHED` tasks, finished ones are only counted."""
     tasks = list(tasks)
     parts, finished = [], 0
     for task in tasks:
@@ -72,7 +103,8 @@ def describe_tasks(tasks: Iterable[Task]) -> str:
         head = task.description or "working"
         if task.total is not None or task.completed:
             head += f" {_number(task.completed)}/{_number(task.total)}"
-        parts.append(" | ".join([head, *(f"{k} {v}" for k, v in task.fields.items())]))
+        eta = eta_text(task)
+        parts.append(" | ".join([head, *([eta] if eta else []), *(f"{k} {v}" for k, v in task.fields.items())]))
     if finished:
         parts.append(f"{finished} done")
     return " | ".join(parts) or "starting"
@@ -157,11 +189,15 @@ def default_columns() -> tuple[ProgressColumn, ...]:
 
 def make_progress(label: str, *columns: ProgressColumn | str, console: Console | None = None,
                   transient: bool = True) -> Progress:
-    """A live rich bar on stderr when it is a terminal, else a `LineProgress` (use it as a
-    context manager, like any rich `Progress`)."""
+    """A live rich bar on stderr when it is a terminal (`columns`, plus a remaining-time column
+    if they have none), else a `LineProgress` (use it as a context manager, like any rich
+    `Progress`)."""
     console = console or Console(stderr=True)
     if stderr_is_terminal(console):
-        return Progress(*(columns or default_columns()), console=console, transient=transient)
+        columns = columns or default_columns()
+        if not any(isinstance(c, TimeRemainingColumn) for c in columns):
+            columns = (*columns, TimeRemainingColumn())
+        return Progress(*columns, console=console, transient=transient)
     return LineProgress(label, *columns)
 
 
@@ -175,5 +211,5 @@ def progress(label: str, *columns: ProgressColumn | str, console: Console | None
     return make_progress(label, *columns, console=console, transient=transient)
 
 
-__all__ = ["DEFAULT_INTERVAL_S", "INTERVAL_ENV", "LineProgress", "describe_tasks", "interval_s", "make_progress",
-           "progress", "stderr_is_terminal"]
+__all__ = ["DEFAULT_INTERVAL_S", "INTERVAL_ENV", "LineProgress", "describe_tasks", "eta_text", "format_eta",
+           "interval_s", "make_progress", "progress", "stderr_is_terminal"]

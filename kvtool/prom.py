@@ -3,12 +3,15 @@
 Nothing is counted twice: the metrics are built at scrape time from the counters kvtool keeps
 anyway (`PrefixCache.stats()`: the `kv_*`, `ssd_*`, `writer_*` and `remote_*` keys, and the
 cumulative request totals of `KVToolPromptCache` or of a run's per-request records) by a custom
-collector (`CacheCollector`, prometheus_client's `Collector` API). Only the restore latency is
-accumulated here, in a prometheus_client `Histogram`, since no counter holds its distribution.
+collector (`CacheCollector`, prometheus_client's `Collector` API). Only distributions are
+accumulated here, in prometheus_client `Histogram`s, since no counter holds them: the restore
+latency and, per request, its prompt and cached tokens (from the cache's record) and, for a
+`kvtool serve`, its time to first token and end-to-end duration (`observe_timing`).
 Each server or run has its own `CollectorRegistry` (`CacheMetrics`), never the global one.
 
     metrics = CacheMetrics(lambda: (prefix_cache.stats().to_dict(), totals))
-    metrics.observe(record)              # per request: its SSD restore time into the histogram
+    metrics.observe(record)              # per request: restore time, prompt and cached tokens
+    metrics.observe_timing(ttft_s, total_s)  # per served request: TTFT and duration (seconds)
     metrics.text()                       # the text exposition format (GET /metrics)
     metrics.write("/var/lib/node_exporter/kvtool.prom")   # atomic: temp file + rename
 
@@ -37,6 +40,12 @@ PREFIX = "kvtool"
 # SSD / remote restore of one request: from well under a millisecond (a few blocks in the page
 # cache) to seconds (tens of thousands of tokens from a cold disk).
 RESTORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Time to first token: a RAM hit on a small model (milliseconds) to a long cold prefill (a minute).
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# Whole request, arrival to last token: adds the decode of up to thousands of tokens.
+DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# Prompt and cached tokens of one request: powers of two, 16 tokens (one block) to 256k.
+TOKEN_BUCKETS = tuple(float(2**k) for k in range(4, 19))
 
 # Cumulative request totals (tokens, requests), summed over the per-request records.
 REQUEST_TOTAL_KEYS = ("requests", "prompt_tokens", "cached_tokens", "ram_hit_tokens", "ssd_hit_tokens",
@@ -150,6 +159,17 @@ STATS_METRICS: tuple[Spec, ...] = (
     _g("remote_breaker_open", "1 while the remote tier's circuit breaker is open.", key="remote_breaker_open"),
 )
 RESTORE_HELP = "Wall time restoring one request's cached KV from this tier (seconds)."
+# The per-request histograms: name (with the prefix), help, buckets.
+HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
+    "ttft": (f"{PREFIX}_time_to_first_token_seconds",
+             "Time from a completion request's arrival to its first generated token (seconds).", TTFT_BUCKETS_S),
+    "duration": (f"{PREFIX}_request_duration_seconds",
+                 "Time from a completion request's arrival to its last generated token (seconds).",
+                 DURATION_BUCKETS_S),
+    "prompt": (f"{PREFIX}_request_prompt_tokens", "Prompt tokens of one request (tokens).", TOKEN_BUCKETS),
+    "cached": (f"{PREFIX}_request_cached_tokens",
+               "Prompt tokens of one request whose KV came from the cache, any tier (tokens).", TOKEN_BUCKETS),
+}
 
 
 def known_stats_keys() -> frozenset[str]:
@@ -226,8 +246,8 @@ class CacheCollector(Collector):
 
 
 class CacheMetrics:
-    """The metrics of one server or run: a private registry with a `CacheCollector` and the
-    restore-latency histogram.
+    """The metrics of one server or run: a private registry with a `CacheCollector`, the
+    restore-latency histogram and the per-request histograms (`HISTOGRAMS`).
 
     Args:
         snapshot: returns `(stats, totals)` for `build_families`, called at every scrape/write.
@@ -239,17 +259,31 @@ class CacheMetrics:
         self.restore = Histogram(f"{PREFIX}_restore_seconds", RESTORE_HELP, ("tier",), registry=self.registry,
                                  buckets=RESTORE_BUCKETS_S)  # fmt: skip
         self.restore.labels(tier="ssd")  # a series from the start, so rate() has a zero to begin with
+        self.per_request = {key: Histogram(name, help_, registry=self.registry, buckets=buckets)
+                            for key, (name, help_, buckets) in HISTOGRAMS.items()}  # fmt: skip
         self._lock = threading.Lock()
 
     def observe(self, record: Mapping[str, Any] | Any) -> None:
-        """Add one request's restore times (ms in the record) to the histogram: `ssd_load_ms`
-        when it loaded from SSD (`ssd_hit_tokens > 0`), `remote_load_ms` when it has one and
-        loaded from the remote tier."""
+        """Add one request's record (`RequestRecord`, or its dict) to the histograms: its
+        `prompt_tokens` and `cached_tokens` (tokens; a missing key is not observed), and its
+        restore times (ms in the record): `ssd_load_ms` when it loaded from SSD
+        (`ssd_hit_tokens > 0`), `remote_load_ms` when it has one and loaded from the remote tier."""
         get = record.get if isinstance(record, Mapping) else (lambda k, d=None: getattr(record, k, d))
+        for key, field in (("prompt", "prompt_tokens"), ("cached", "cached_tokens")):
+            tokens = _number(get(field))
+            if tokens is not None:
+                self.per_request[key].observe(tokens)
         for tier in ("ssd", "remote"):
             tokens, ms = _number(get(f"{tier}_hit_tokens")), _number(get(f"{tier}_load_ms"))
             if tokens and ms is not None:
                 self.restore.labels(tier=tier).observe(ms / 1e3)
+
+    def observe_timing(self, ttft_s: float | None, duration_s: float | None) -> None:
+        """Add one served request's time to first token and end-to-end duration (seconds, from
+        its arrival; None: not known, e.g. no token was generated) to their histograms."""
+        for key, seconds in (("ttft", ttft_s), ("duration", duration_s)):
+            if seconds is not None:
+                self.per_request[key].observe(max(0.0, float(seconds)))
 
     def text(self) -> bytes:
         """The text exposition format (0.0.4) of every metric (UTF-8)."""
@@ -275,14 +309,18 @@ class CacheMetrics:
 
 def metrics_of_run(stats: Mapping[str, Any], records: Iterable[Mapping[str, Any]]) -> CacheMetrics:
     """The metrics of a finished run (`serve-once`, `bench`): final `stats` and its per-request
-    `records` (totals and the restore histogram)."""
+    `records` (totals, the restore histogram, the prompt and cached tokens histograms, and the
+    time to first token of records with a `ttft_ms` > 0; no request duration)."""
     records = list(records)
     totals = request_totals(records)
     metrics = CacheMetrics(lambda: (stats, totals))
     for rec in records:
         metrics.observe(rec)
+        ttft_ms = _number(rec.get("ttft_ms"))
+        if ttft_ms:
+            metrics.observe_timing(ttft_ms / 1e3, None)
     return metrics
 
 
-__all__ = ["CacheCollector", "CacheMetrics", "REQUEST_METRICS", "REQUEST_TOTAL_KEYS", "STATS_METRICS",
+__all__ = ["CacheCollector", "CacheMetrics", "HISTOGRAMS", "REQUEST_METRICS", "REQUEST_TOTAL_KEYS", "STATS_METRICS",
            "Spec", "build_families", "metrics_of_run", "request_totals"]

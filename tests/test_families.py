@@ -10,6 +10,8 @@ up front where mlx-lm's own code cannot run it (sliding windows, gemma2); slidin
 window layers (RotatingKVCache) in every regime (prompt shorter/longer than the window, hits
 before/after a wrap, one-token last chunks, decode past a wrap); state layers (ArraysCache:
 hybrid lfm2, SSM mamba) with per-block state checkpoints; the writer's pending buffer; bf16.
+Quantized weights (the `tiny-4bit` / `tiny-8bit` presets, packed as `mlx_lm.convert -q` writes
+them) run the same cold / RAM / SSD matrix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mlx_lm.generate import generate_step
 
 from kvtool.config import KVToolConfig
 from kvtool.engine import Engine
+from kvtool.models import embedded
 from kvtool.models.loader import load_model
 from tests import model_zoo
 
@@ -42,14 +45,18 @@ EXPECTED = {
     "mistral_swa": "cached",
     "lfm2": "cached",
     "mamba": "cached",
+    "tiny-4bit": "cached",  # quantized weights, as mlx_lm.convert -q writes them (embedded presets)
+    "tiny-8bit": "cached",
 }
+QUANTIZED_PRESETS = ("tiny-4bit", "tiny-8bit")
 SLOW = {"gemma3_text", "deepseek_v2", "lfm2", "mamba", "mistral_swa", "openelm", "phi3"}
 
 
 @pytest.fixture(scope="session")
 def zoo():
     """family -> model directory (the zoo's cache, built on first use)."""
-    return {f: model_zoo.family_dir(f) for f in [*EXPECTED, "gemma2", "qwen3_5"]}
+    dirs = {f: model_zoo.family_dir(f) for f in [*EXPECTED, "gemma2", "qwen3_5"] if f not in QUANTIZED_PRESETS}
+    return {**dirs, **{p: embedded.model_dir(p) for p in QUANTIZED_PRESETS}}
 
 
 _loaded: dict[str, object] = {}

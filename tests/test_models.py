@@ -104,7 +104,8 @@ def test_preset_dir_is_a_plain_mlx_lm_model():
 
 
 def test_presets_api():
-    assert set(embedded.PRESETS) == {"tiny", "small", "base", "qwen0.5b", "tiny-bf16", "qwen0.5b-bf16"}
+    assert set(embedded.PRESETS) == {"tiny", "small", "base", "qwen0.5b", "tiny-bf16", "qwen0.5b-bf16", "tiny-4bit",
+                                     "tiny-8bit"}
     assert embedded.PRESETS["tiny-bf16"].dtype == "bfloat16" and embedded.PRESETS["tiny"].dtype == "float32"
     assert embedded.is_preset("tiny") and not embedded.is_preset("huge")
     q = embedded.PRESETS["qwen0.5b"]
@@ -268,7 +269,8 @@ def test_cli_model_path_unknown_preset_is_one_line_exit_2():
     result = run_cli(["model", "path", "huge"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: unknown model preset 'huge' (choose from: tiny, small, base, qwen0.5b, tiny-bf16, qwen0.5b-bf16)"
+        "error: unknown model preset 'huge' (choose from: tiny, small, base, qwen0.5b, tiny-bf16, qwen0.5b-bf16, "
+        "tiny-4bit, tiny-8bit)"
     ]
 
 
@@ -281,6 +283,26 @@ def test_cli_model_list_json():
     assert list(rows) == list(embedded.PRESETS)
     assert rows["tiny"]["layers"] == 2 and rows["qwen0.5b"]["hidden"] == 896
     assert rows["tiny"]["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
+    assert rows["tiny-4bit"]["params"] == rows["tiny-8bit"]["params"] == rows["tiny"]["params"]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_presets_are_tiny_as_mlx_lm_convert_q_writes_it(bits, tiny_model):
+    """The weights people download are quantized: `tiny-<bits>bit` is the float `tiny`, every linear
+    and embedding packed in groups of 64 (mlx_lm.convert -q's defaults), `quantization` in config.json."""
+    path = embedded.model_dir(f"tiny-{bits}bit")
+    config = json.loads((path / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": bits, "mode": "affine"}
+    assert config["kvtool_preset"] == f"tiny-{bits}bit" and config["kvtool_seed"] == embedded.DEFAULT_SEED
+    packed = mx.load(str(path / "model.safetensors"))
+    float_weights = mx.load(str(embedded.model_dir("tiny") / "model.safetensors"))
+    for name in ("model.layers.0.self_attn.q_proj", "model.embed_tokens", "lm_head"):
+        w, scales, biases = mx.quantize(float_weights[f"{name}.weight"], group_size=64, bits=bits)
+        assert packed[f"{name}.weight"].dtype == mx.uint32
+        assert mx.array_equal(packed[f"{name}.weight"], w) and mx.allclose(packed[f"{name}.scales"], scales)
+        assert mx.allclose(packed[f"{name}.biases"], biases)
+    model, _ = mlx_lm.load(str(path))
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "QuantizedLinear"
 
 
 @pytest.mark.parametrize("args", [["model"], ["model", "path"], ["model", "list"]])

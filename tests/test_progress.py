@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from rich.progress import Progress
 
-from kvtool.progress import INTERVAL_ENV, LineProgress, interval_s
+from kvtool.progress import INTERVAL_ENV, LineProgress, describe_tasks, eta_text, format_eta, interval_s
 
 REPO = Path(__file__).resolve().parent.parent
 LINE = re.compile(r"^\[kvtool (\w+) \d+\.\d s\] (done: )?(.+)$")
@@ -44,12 +45,30 @@ def test_line_progress_prints_at_updates_once_due():
         for i in range(1, 4):
             bar.update(task, completed=i)
     lines = stream.getvalue().splitlines()
-    assert [LINE.match(x).group(3) for x in lines] == [f"items {i}/3 | size 1 KiB" for i in (1, 2, 3)] + ["items 3/3 | size 1 KiB"]
+    texts = [LINE.match(x).group(3) for x in lines]
+    assert [re.sub(r"ETA \d+ s", "ETA", t) for t in texts] == [
+        "items 1/3 | 2 left, ETA | size 1 KiB", "items 2/3 | 1 left, ETA | size 1 KiB", "items 3/3 | size 1 KiB",
+        "items 3/3 | size 1 KiB"]
     assert lines[-1].split("] ")[1].startswith("done: ")
     quiet = io.StringIO()
     with LineProgress("kvtool test", interval=3600, stream=quiet) as bar:  # never due: no line, no closing line
         bar.update(bar.add_task("items", total=2), completed=2)
     assert quiet.getvalue() == ""
+
+
+def test_eta_is_the_mean_item_time_times_the_items_left():
+    now = [100.0]
+    bar = Progress(disable=True, get_time=lambda: now[0])
+    task = bar.add_task("warm", total=10, tokens=5)
+    assert describe_tasks(bar.tasks) == "warm 0/10 | tokens 5"  # nothing done yet: no estimate
+    now[0] += 12.0
+    bar.update(task, completed=4)  # 3 s per prompt so far, 6 left
+    assert describe_tasks(bar.tasks) == "warm 4/10 | 6 left, ETA 18 s | tokens 5"
+    now[0] += 108.0
+    assert eta_text(bar.tasks[0]) == "6 left, ETA 3 min 00 s"  # 120 s for 4: 30 s each
+    bar.update(task, completed=10)
+    assert eta_text(bar.tasks[0]) is None  # finished
+    assert [format_eta(s) for s in (0.4, 59.6, 61, 3600 + 7 * 60 + 20)] == ["0 s", "1 min 00 s", "1 min 01 s", "1 h 07 min"]
 
 
 def test_interval_setting(monkeypatch):
@@ -74,6 +93,7 @@ def test_warm_validate_prune_print_progress_lines_without_a_terminal(tmp_path):
     assert res.returncode == 0, (tmp_path / "warm.err").read_text()
     lines = progress_lines(tmp_path / "warm.err", "warm")
     assert [text.split(" | ")[0] for closing, text in lines if not closing] == ["warm 1/3", "warm 2/3", "warm 3/3"]
+    assert [text.split(" | ")[1].split(", ETA ")[0] for closing, text in lines if not closing][:2] == ["2 left", "1 left"]
     assert lines[-1][0] and lines[-1][1].startswith("warm 3/3 | tokens ")
     assert "warmed 3/3 prompt(s)" in res.stdout  # the summary is unchanged, on stdout
 

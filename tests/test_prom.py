@@ -93,6 +93,29 @@ def test_collector_maps_every_counter_once():
     assert value(parsed, "kvtool_restore_seconds_bucket", tier="ssd", le="0.005") == 1
     assert value(parsed, "kvtool_restore_seconds_bucket", tier="ssd", le="0.0025") == 0
     assert value(parsed, "kvtool_restore_seconds_sum", tier="remote") == pytest.approx(0.04)
+    # the per-request token histograms: prompts of 100 and 120 tokens, 64 and 99 of them cached
+    assert (value(parsed, "kvtool_request_prompt_tokens_count"), value(parsed, "kvtool_request_prompt_tokens_sum")) \
+        == (2, 220)
+    assert value(parsed, "kvtool_request_prompt_tokens_bucket", le="64.0") == 0
+    assert value(parsed, "kvtool_request_cached_tokens_bucket", le="64.0") == 1
+    assert value(parsed, "kvtool_request_cached_tokens_sum") == 163
+    assert value(parsed, "kvtool_time_to_first_token_seconds_count") == 0  # the records have no ttft_ms
+
+
+def test_request_timing_histograms():
+    metrics = CacheMetrics(lambda: ({}, {}))
+    metrics.observe_timing(0.02, 0.3)
+    metrics.observe_timing(None, 1.5)  # no token generated: a duration only
+    parsed = samples(metrics.text().decode())
+    assert value(parsed, "kvtool_time_to_first_token_seconds_count") == 1
+    assert value(parsed, "kvtool_time_to_first_token_seconds_bucket", le="0.025") == 1
+    assert value(parsed, "kvtool_time_to_first_token_seconds_bucket", le="0.01") == 0
+    assert value(parsed, "kvtool_request_duration_seconds_count") == 2
+    assert value(parsed, "kvtool_request_duration_seconds_sum") == pytest.approx(1.8)
+    assert value(parsed, "kvtool_request_duration_seconds_bucket", le="1.0") == 1
+
+
+def test_specs_count_nothing_twice():
     # each stats key feeds one sample at most: nothing is counted twice
     keys = [key for spec in STATS_METRICS for _, key in spec.sources]
     assert len(keys) == len(set(keys))
@@ -188,10 +211,12 @@ def test_serve_metrics_after_requests_from_ram_and_ssd(tmp_path):
         assert first.stop() == 143
     proc = start_kvtool(tmp_path, "second", "--sync")  # a new process: the first turn's blocks are on SSD only
     try:
-        c = client(proc)
-        c.chat.completions.create(model="default_model", messages=conversation([], 0), max_tokens=8, temperature=0.0)
-        c.chat.completions.create(model="default_model", max_tokens=8, temperature=0.0,
-                                  messages=conversation([reply.choices[0].message.content], 1))  # RAM hit now
+        c, usages, walls = client(proc), [], []
+        for messages in (conversation([], 0), conversation([reply.choices[0].message.content], 1)):  # 2nd: RAM hit
+            t0 = time.perf_counter()
+            usages.append(c.chat.completions.create(model="default_model", messages=messages, max_tokens=8,
+                                                    temperature=0.0).usage)
+            walls.append(time.perf_counter() - t0)
         with urllib.request.urlopen(proc.url + "/metrics", timeout=30) as r:
             assert r.headers["Content-Type"].startswith("text/plain")
             parsed = samples(r.read().decode())
@@ -209,6 +234,17 @@ def test_serve_metrics_after_requests_from_ram_and_ssd(tmp_path):
     assert value(parsed, "kvtool_ram_bytes") == tier_stats["kv_ram_bytes"] > 0
     assert value(parsed, "kvtool_restore_seconds_count", tier="ssd") == 1
     assert value(parsed, "kvtool_writer_queue_bytes", tier="ssd") == 0  # --sync: nothing queued
+    # the per-request histograms: one observation per request, sums as the answers' usage says
+    hist = {n: (value(parsed, f"kvtool_{n}_count"), value(parsed, f"kvtool_{n}_sum"))
+            for n in ("request_prompt_tokens", "request_cached_tokens", "time_to_first_token_seconds",
+                      "request_duration_seconds")}  # fmt: skip
+    assert hist["request_prompt_tokens"] == (2, sum(u.prompt_tokens for u in usages))
+    assert hist["request_cached_tokens"] == (2, sum(u.prompt_tokens_details.cached_tokens for u in usages))
+    assert hist["request_cached_tokens"][1] == hits["ram"] + hits["ssd"]
+    (ttft_n, ttft_s), (dur_n, dur_s) = hist["time_to_first_token_seconds"], hist["request_duration_seconds"]
+    assert ttft_n == dur_n == 2 and 0 < ttft_s <= dur_s <= sum(walls)
+    assert value(parsed, "kvtool_request_duration_seconds_bucket", le="+Inf") == 2
+    assert value(parsed, "kvtool_request_prompt_tokens_bucket", le="16.0") == 0  # both prompts are longer
 
 
 # --------------------------------------------------------------------------- bench --metrics-file
@@ -258,4 +294,7 @@ def test_bench_metrics_file_sums_the_kvtool_cells(tmp_path):
     assert rows["ssd_hit_tokens"].sum() > 0  # the restart workload replays from SSD
     assert tiers(parsed, "kvtool_written_bytes_total")["ssd"] == sum(r["counters"]["ssd_bytes_written"] for r in runs) > 0
     assert value(parsed, "kvtool_restore_seconds_count", tier="ssd") == (rows["ssd_hit_tokens"] > 0).sum()
+    assert value(parsed, "kvtool_time_to_first_token_seconds_count") == len(rows)
+    assert value(parsed, "kvtool_time_to_first_token_seconds_sum") == pytest.approx(rows["ttft_ms"].sum() / 1e3)
+    assert value(parsed, "kvtool_request_prompt_tokens_sum") == rows["prompt_tokens"].sum()
     assert "[kvtool bench " in (tmp_path / "bench.err").read_text()

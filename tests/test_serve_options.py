@@ -6,7 +6,8 @@
   `--prompt-cache-bytes` is the RAM tier's budget, `--trust-remote-code` reaches the tokenizer
   loading (a model directory whose tokenizer is remote code), `--kv-bits` serves quantized KV from
   the cache with `mlx_lm.server`'s output, `--draft-model` serves cached prefixes with the plain
-  greedy output.
+  greedy output, and the quantized-weight presets (`tiny-4bit`, `tiny-8bit`) answer as
+  `mlx_lm.server` does on the same directory.
 """
 
 from __future__ import annotations
@@ -190,3 +191,33 @@ def test_draft_model_serves_cached_prefixes(tmp_path):
         assert proc.stop() == 143
     assert first[0] == second[0] == expected[0]
     assert first[2] == 0 and second[2] == second[1] - 1  # the second one was served from the cache
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-4bit", "tiny-8bit"])
+def test_quantized_weights_match_mlx_lm_server(tmp_path, preset):
+    """A model as users download them (mlx_lm.convert -q: packed weights): the cold answer and the
+    cached one are `mlx_lm.server`'s on the same model directory."""
+    from tests.server_procs import free_port
+    from tests.test_serve_http import Proc, kvtool_cli
+
+    path = kvtool_cli("model", "path", preset).stdout.strip()
+    assert "quantization" in json.loads((Path(path) / "config.json").read_text())
+    proc = Proc([sys.executable, "-m", "kvtool.cli.app", "serve", "--model", preset, "--port", "0",
+                 "--cache-dir", str(tmp_path / "cache")], tmp_path / "kvtool.log")
+    proc.url = proc.wait_for(r"listening on (http://127\.0\.0\.1:\d+)").group(1)
+    try:
+        first, second = _chat(proc), _chat(proc)
+    finally:
+        assert proc.stop() == 143
+    assert first[2] == 0 and second[2] == second[1] - 1  # the second one was served from the cache
+    port = free_port()
+    oracle = Proc([sys.executable, "-m", "mlx_lm.server", "--model", path, "--port", str(port)],
+                  tmp_path / "oracle.log")
+    oracle.url = f"http://127.0.0.1:{port}"
+    try:
+        oracle.wait_for(r"Starting httpd")
+        expected = _chat(oracle)
+    finally:
+        oracle.kill()
+    assert first[0] == second[0] == expected[0]

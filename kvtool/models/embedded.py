@@ -9,13 +9,20 @@ embeddings, sharp attention (large q/k gain) and residual branches as strong as 
 greedy decoding neither repeats one token nor ignores the KV cache. The lm_head rows of the special
 tokens are zero, so greedy decoding never emits an end-of-sequence token (runs reach max_tokens).
 
+The quantized presets (`tiny-4bit`, `tiny-8bit`) are a float preset run through mlx-lm's own
+converter, as `mlx_lm.convert -q --q-bits N` does for the mlx-community models people download:
+packed weights with per-group scales and biases (group 64, affine), `quantization` in config.json,
+the tokenizer as the converter saves it.
+
 Location: `$KVTOOL_MODELS_DIR/<name>-v1/` if the variable is set, else
 `~/.cache/kvtool-models/<name>-v1/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import math
 import os
@@ -61,6 +68,8 @@ class Preset:
     intermediate_size: int
     description: str = ""
     dtype: str = "float32"  # or "bfloat16": the common KV dtype of real models
+    bits: int | None = None  # quantized weights: bits per weight (mlx_lm.convert -q --q-bits); None: float
+    quantized_from: str | None = None  # the float preset quantized (same shape and seed)
 
     @property
     def head_dim(self) -> int:
@@ -88,6 +97,10 @@ PRESETS: dict[str, Preset] = {
         Preset("qwen0.5b", 24, 896, 14, 2, 4864, "Qwen2.5-0.5B layer shapes (small vocab), ~1.4 GB"),
         Preset("tiny-bf16", 2, 128, 4, 2, 384, "tiny in bfloat16 (bf16 KV, as most real models)", "bfloat16"),
         Preset("qwen0.5b-bf16", 24, 896, 14, 2, 4864, "qwen0.5b in bfloat16, ~0.7 GB", "bfloat16"),
+        Preset("tiny-4bit", 2, 128, 4, 2, 384, "tiny quantized as mlx_lm.convert -q (4-bit, group 64)",
+               bits=4, quantized_from="tiny"),
+        Preset("tiny-8bit", 2, 128, 4, 2, 384, "tiny quantized as mlx_lm.convert -q --q-bits 8",
+               bits=8, quantized_from="tiny"),
     )
 }
 
@@ -180,13 +193,17 @@ def build_preset(preset: Preset, dest: Path, seed: int = DEFAULT_SEED) -> Path:
 
 
 def write_model_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -> None:
-    """Write weights, tokenizer files and (last) config.json into the existing directory `out`.
+    """Write weights, tokenizer files and (last) config.json into the existing directory `out`
+    (a quantized preset: `write_quantized_files`).
 
     Raises:
         OSError: If a file cannot be written.
     """
     import mlx.core as mx
 
+    if preset.quantized_from is not None:
+        write_quantized_files(preset, out, seed)
+        return
     vocab = tokenizer_vocab()
     weights = init_weights(preset, len(vocab), seed, [vocab[t] for t in SPECIAL_TOKENS])
     if preset.dtype != "float32":  # the same float32 draw, rounded: bf16 presets shadow their f32 twin
@@ -201,6 +218,38 @@ def write_model_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -> No
     }
     _write_json(out / "special_tokens_map.json", specials)
     _write_json(out / "config.json", model_config(preset, vocab, seed))
+    _fsync_dir(out)
+
+
+def write_quantized_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -> None:
+    """Write the quantized preset `preset` into the existing directory `out`: its float twin
+    (`preset.quantized_from`, same seed) built in a scratch directory, then converted by
+    `mlx_lm.convert.convert(..., quantize=True, q_bits=preset.bits)` (default group size 64,
+    affine mode: what `mlx_lm.convert -q` writes), config.json moved in last and named after
+    `preset`. The converter's progress messages are kept off stdout.
+
+    Raises:
+        OSError: If a file cannot be written.
+        ValueError: If `preset` is not a quantized preset.
+    """
+    from mlx_lm.convert import convert
+
+    if preset.quantized_from is None or preset.bits is None:
+        raise ValueError(f"preset {preset.name!r} is not quantized")
+    scratch = Path(tempfile.mkdtemp(prefix=".convert.", dir=out))
+    try:
+        (scratch / "float").mkdir()
+        write_model_files(get_preset(preset.quantized_from), scratch / "float", seed)
+        with contextlib.redirect_stdout(io.StringIO()):
+            convert(str(scratch / "float"), str(scratch / "q"), quantize=True, q_bits=preset.bits)
+        for child in sorted((scratch / "q").iterdir(), key=lambda p: p.name == "config.json"):
+            if child.name == "config.json":
+                config = json.loads(child.read_text(encoding="utf-8"))
+                _write_json(out / "config.json", {**config, "kvtool_preset": preset.name})
+            else:
+                os.replace(child, out / child.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     _fsync_dir(out)
 
 

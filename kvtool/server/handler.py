@@ -63,8 +63,11 @@ CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, Ti
 
 class _Capture:
     """The shared generator, seen by one handler: remembers the exception `generate` raised, so
-    that the handler answers it with its own status instead of mlx-lm's 404; and makes the
-    response's `cached_tokens` the tokens the cache gave (`KVToolPromptCache.reported_cached`)."""
+    that the handler answers it with its own status instead of mlx-lm's 404; makes the
+    response's `cached_tokens` the tokens the cache gave (`KVToolPromptCache.reported_cached`);
+    and times the request for `/metrics`: its first token and its last, from its arrival
+    (`kvtool_t0`, set by `do_POST`), observed before the answer's end is written (so a client
+    holding its answer finds it counted)."""
 
     def __init__(self, generator: Any, handler: Any):
         self._generator = generator
@@ -84,13 +87,18 @@ class _Capture:
     def _true_cached(self, ctx: Any, response):
         """`response`, with `ctx.prompt_cache_count` corrected once the fetch has run (mlx-lm
         reads it when it writes the usage, after the last token)."""
-        fixed = False
+        fixed, ttft = False, None
         for item in response:
+            if ttft is None:
+                ttft = time.perf_counter() - self._handler.kvtool_t0
             if not fixed:
                 fixed = self._fix(ctx)
             yield item
         if not fixed:
             self._fix(ctx)
+        metrics = getattr(self._handler, "kvtool_metrics", None)
+        if metrics is not None:
+            metrics.observe_timing(ttft, time.perf_counter() - self._handler.kvtool_t0)
 
     def _fix(self, ctx: Any) -> bool:
         cache = getattr(self._handler, "kvtool_cache", None)
@@ -119,6 +127,7 @@ class _KVToolHandler(_Base):
     kvtool_error: BaseException | None = None
     kvtool_headers_sent = False
     kvtool_body_read = False
+    kvtool_t0 = 0.0  # perf_counter at the POST's arrival (its head read)
 
     # ------------------------------------------------------------- request head
     def handle_one_request(self):
@@ -182,6 +191,7 @@ class _KVToolHandler(_Base):
             self._send_json(404, {"error": f"model {wanted[:200]!r} is not served here"})
 
     def do_POST(self):  # noqa: N802 - http.server naming
+        self.kvtool_t0 = time.perf_counter()
         self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
         if self.path not in validation.COMPLETION_PATHS:
             self._refuse(RequestError(404, f"no such route: POST {self.path[:100]}"))
