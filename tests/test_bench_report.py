@@ -376,12 +376,19 @@ def test_ttft_chart_reads_back_legibly():
 
 
 def test_bench_progress_says_cells_done_left_and_an_eta_from_the_mean_cell_time():
-    from kvtool.bench.runner import eta_text
+    """The sweep's progress lines (no terminal: `runner._progress_bar` is a `LineProgress`) count
+    cells done and left and give an ETA from the mean time per cell (`kvtool.progress`, shared
+    with warm, validate and prune)."""
+    import io
 
-    assert eta_text(0, 42, 0.0) == "0 of 42 cells done, 42 left, ETA ?"
-    assert eta_text(3, 42, 30.0) == "3 of 42 cells done, 39 left, ETA 6m30s"  # 10 s per cell x 39
-    assert eta_text(2, 500, 20.0) == "2 of 500 cells done, 498 left, ETA 1h23m"
-    assert eta_text(41, 42, 41.0) == "41 of 42 cells done, 1 left, ETA 1s"
+    from kvtool.progress import LineProgress
+
+    stream = io.StringIO()
+    with LineProgress("kvtool bench", interval=0, stream=stream) as bar:
+        task = bar.add_task("shared-prefix evict_only/sync/best_effort r0", total=42)
+        bar.update(task, completed=3)
+    first = stream.getvalue().splitlines()[0]
+    assert "shared-prefix evict_only/sync/best_effort r0 3/42 | 39 left, ETA" in first, first
 
 
 def test_write_path_and_prompt_length_charts_share_scales_and_fit_no_slopes(tmp_path):

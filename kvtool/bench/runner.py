@@ -207,13 +207,11 @@ def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]
         total = len(workloads) * len(cells) * spec.repeats
         cell_task = bar.add_task("cells", total=total) if bar else None
         ctx.request_task = bar.add_task("requests", total=0) if bar else None
-        started = time.monotonic()
         for workload in workloads:
             for cell in cells:
                 for repeat in range(spec.repeats):
-                    if bar and cell_task is not None:
-                        eta = eta_text(len(runs), total, time.monotonic() - started)
-                        bar.update(cell_task, description=f"{workload.name} {cell.name} r{repeat} | {eta}")
+                    if bar and cell_task is not None:  # cells done/left and the ETA: kvtool.progress
+                        bar.update(cell_task, description=f"{workload.name} {cell.name} r{repeat}")
                         bar.reset(ctx.request_task, total=len(workload.requests))
                     cell_rows, fact = run_cell(ctx, workload, cell, repeat)
                     rows += cell_rows
@@ -221,18 +219,6 @@ def _run_all(ctx: _Context, show_progress: bool) -> tuple[list[dict], list[dict]
                     if bar and cell_task is not None:
                         bar.advance(cell_task)
     return rows, runs
-
-
-def eta_text(done: int, total: int, elapsed_s: float) -> str:
-    """`3 of 42 cells done, 39 left, ETA 4m10s` (the mean cell time so far x the cells left;
-    `ETA ?` before the first cell ends). `elapsed_s` in seconds."""
-    left = max(total - done, 0)
-    if done == 0:
-        return f"0 of {total} cells done, {left} left, ETA ?"
-    eta = round(elapsed_s / done * left)
-    hours, rest = divmod(eta, 3600)
-    when = (f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s") if eta >= 60 else f"{eta}s"
-    return f"{done} of {total} cells done, {left} left, ETA {when}"
 
 
 def _progress_bar() -> Progress:
