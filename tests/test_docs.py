@@ -163,3 +163,14 @@ def test_every_file_a_doc_links_to_exists(doc):
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text(encoding="utf-8"))
     missing = [t for t in targets if not t.startswith(("http://", "https://")) and not (doc.parent / t).exists()]
     assert not missing, f"{doc.relative_to(REPO)} links to files that do not exist: {missing}"
+
+
+def test_readme_shared_tier_is_safe_to_copy():
+    """The README's shared-tier section: it says where
+    the server comes from on Linux and macOS, its example listens on loopback only, and it points to
+    a password and TLS for several machines (not 'every interface, no password' by copy-paste)."""
+    section = README.split("## Share the cache between machines", 1)[1].split("\n## ", 1)[0]
+    starts = [line for line in section.splitlines() if line.lstrip().startswith("redis-server")]
+    assert starts and all("--bind 127.0.0.1" in line for line in starts), starts
+    assert "apt install" in section and "brew install" in section and "valkey" in section.lower()
+    assert "requirepass" in section and "KVTOOL_REMOTE_PASSWORD" in section and "rediss://" in section
