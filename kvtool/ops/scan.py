@@ -145,7 +145,7 @@ class _Scanner:
         link = irregular_index_file(self.path / INDEX_FILENAME)
         if link:
             self._list_files()
-            return self._done(NamespaceStatus.UNREADABLE, (f"{link} is not a regular file: never opened (SQLite would follow a symlink or block on a FIFO); "
+            return self._done(NamespaceStatus.UNREADABLE, (f"{link} is not a regular file: never opened, never followed (SQLite would follow a symlink or block on a FIFO); "
                                "a repairing `kvtool validate` moves a FIFO, socket, device or directory aside (an index "
                                "moved is rebuilt from the segment files) and leaves a symlink"), "link")  # fmt: skip
         try:
