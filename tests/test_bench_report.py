@@ -401,6 +401,17 @@ def test_write_path_and_prompt_length_charts_share_scales_and_fit_no_slopes(tmp_
     for unit in ("ms", "MB/s"):  # the request thread's time and the writer's total output, one scale each
         column = [ax for ax in panels if f"({unit}," in ax.get_xlabel()]
         assert len(column) == 2 and len({ax.get_xlim() for ax in column}) == 1 and column[0].get_xscale() == "log"
+    assert not any("% of one core" in ax.get_xlabel() for ax in fig.axes)  # no writer CPU counter in this run
+    # with the writer's CPU counter (a run from a writer that records it): a third column, % of one core
+    kv = cells[cells["kind"] == "kvtool"]
+    run = {**run, "cell_runs": [{"workload": w, "cell": c, "wall_s": 2.0, "bytes_written": 10**6,
+                                 "counters": {"ssd_bytes_written": 10**6, "writer_cpu_us": 10**5 * (1 + i % 3)}}
+                                for i, (w, c) in enumerate(zip(kv["workload"], kv["cell"]))]}  # fmt: skip
+    fig = report_charts.plot_write_path(cells, run)
+    cpu = [ax for ax in fig.axes if ax.patches and "% of one core" in ax.get_xlabel()]
+    assert len(cpu) == 2 and len({ax.get_xlim() for ax in cpu}) == 1  # one per workload, one scale
+    labels = {t.get_text().split(" ")[0] for ax in cpu for t in ax.texts}
+    assert {"5.00", "10.0", "15.0"} <= labels, labels  # 0.1-0.3 s of CPU over 2 s: 5-15 % of a core
     fig = report_charts.plot_ttft_vs_prompt(requests, run)
     (ax,) = fig.axes
     texts = [t.get_text() for t in ax.texts] + [fig.get_suptitle()]

@@ -226,23 +226,28 @@ def _legend(fig: plt.Figure, spare: list[Any], entries: list[tuple[str, str]]) -
         fig.legend(handles=handles, loc="outside upper center", ncols=2, fontsize=8, frameon=False)
 
 
-def writer_rates(cells: pd.DataFrame, run: dict[str, Any] | None) -> pd.DataFrame:
+def writer_rates(cells: pd.DataFrame, run: dict[str, Any] | None, cpu: bool = False) -> pd.DataFrame:
     """Per (workload, cell): bytes the cell wrote to its disk per second of the cell run (MB/s),
-    median over the repeats with its 95 % bootstrap interval (`_c`, `_lo`, `_hi`). From run.json's
-    `cell_runs` (`counters.ssd_bytes_written`, else the bytes on disk, over `wall_s`); a run without
-    them uses cells.csv's `bytes_written / wall_s`, with no interval."""
+    or with `cpu` the writer's CPU time per second of the cell run (% of one core: the counter
+    `writer_cpu_us`, the saves' CPU on whichever thread ran them), median over the repeats with its
+    95 % bootstrap interval (`_c`, `_lo`, `_hi`). From run.json's `cell_runs` (`counters.ssd_bytes_written`,
+    else the bytes on disk, over `wall_s`); a run without them uses cells.csv's `bytes_written /
+    wall_s` with no interval (and no CPU: NaN)."""
     runs = [r for r in (run or {}).get("cell_runs") or [] if isinstance(r, dict) and r.get("wall_s")]
     if runs:
-        rates = pd.DataFrame([{
-            "workload": r.get("workload"), "cell": r.get("cell"),
-            "_rate": float((r.get("counters") or {}).get("ssd_bytes_written", r.get("bytes_written")) or 0)
-            / float(r["wall_s"]) / 1e6,
-        } for r in runs])
+        def value(r: dict) -> float:
+            counters = r.get("counters") or {}
+            if cpu:
+                return float(counters.get("writer_cpu_us", float("nan"))) / 1e6 / float(r["wall_s"]) * 100
+            return float(counters.get("ssd_bytes_written", r.get("bytes_written")) or 0) / float(r["wall_s"]) / 1e6
+
+        rates = pd.DataFrame([{"workload": r.get("workload"), "cell": r.get("cell"), "_rate": value(r)} for r in runs])
         ivs = rates.groupby(["workload", "cell"], sort=False)["_rate"].agg(lambda s: bootstrap_ci(s, median=True))
         return pd.DataFrame({"_c": ivs.map(lambda i: i.point), "_lo": ivs.map(lambda i: i.lo),
                              "_hi": ivs.map(lambda i: i.hi)})
     rate = pd.to_numeric(cells.get("bytes_written"), errors="coerce") / pd.to_numeric(cells.get("wall_s"), errors="coerce")
-    frame = pd.DataFrame({"_c": rate.to_numpy() / 1e6}, index=pd.MultiIndex.from_frame(cells[["workload", "cell"]]))
+    frame = pd.DataFrame({"_c": rate.to_numpy() / 1e6 if not cpu else np.full(len(cells), np.nan)},
+                         index=pd.MultiIndex.from_frame(cells[["workload", "cell"]]))  # fmt: skip
     return frame.assign(_lo=frame["_c"], _hi=frame["_c"])
 
 
@@ -250,10 +255,11 @@ def plot_write_path(cells: pd.DataFrame, run: dict[str, Any] | None = None) -> p
     """Question (b): what does each setting cost on the write path, on the request thread and in total?
 
     One row of panels per workload. Left: the request thread's write time per request (ms, median
-    over the repeats, 95 % interval) of every kvtool cell and the mlx-lm baseline's save. Right:
-    the writer's total output, bytes written per second of the cell run (MB/s, `writer_rates`), so
-    an async writer that leaves the request thread is not drawn free. One shared log scale per
-    column. Writer CPU time is not recorded by `kvtool bench`; the footer says so.
+    over the repeats, 95 % interval) of every kvtool cell and the mlx-lm baseline's save. Middle:
+    the writer's total output, bytes written per second of the cell run (MB/s, `writer_rates`);
+    right: the CPU its saves took, per second of the cell run (% of one core; runs recorded before
+    the counter existed show none), so an async writer that leaves the request thread is not
+    drawn free. One shared log scale per column.
     """
     shown = cells[cells["kind"].isin([KIND_KVTOOL, MLXLM])]
     if not (shown["kind"] == KIND_KVTOOL).any():
@@ -264,20 +270,25 @@ def plot_write_path(cells: pd.DataFrame, run: dict[str, Any] | None = None) -> p
     center, lo, hi = spread(shown, "write_path_ms_mean")
     thread = shown.assign(_c=center, _lo=lo, _hi=hi).set_index(["workload", "cell"])[["_c", "_lo", "_hi"]]
     rates = writer_rates(shown, run).reindex(thread.index)
+    cpu = writer_rates(shown, run, cpu=True).reindex(thread.index)
     rows = _rows(shown)
     workloads = list(dict.fromkeys(shown["workload"]))
-    fig, axes = _grid(2 * len(workloads), len(rows), 2, 6.8, sharex="col")
-    for col, (frame, xlabel) in enumerate(((thread, "request-thread write time per request (ms, log scale)"),
-                                           (rates, "bytes written per second of the cell run (MB/s, log scale)"))):
-        xmin, xmax = log_limits(frame["_lo"].to_numpy(), frame["_hi"].to_numpy())
+    columns = [(thread, "request-thread write time per request (ms, log scale)", "request thread"),
+               (rates, "bytes written per second of the cell run (MB/s, log scale)", "writer's total output")]
+    if cpu["_c"].notna().any():
+        columns.append((cpu, "writer CPU per second of the cell run (% of one core, log scale)", "writer's CPU"))
+    fig, axes = _grid(len(columns) * len(workloads), len(rows), len(columns), 6.8, sharex="col")
+    for col, (frame, xlabel, side) in enumerate(columns):
+        known = frame.dropna(subset=["_c"])
+        xmin, xmax = log_limits(known["_lo"].to_numpy(), known["_hi"].to_numpy())
         for workload, ax in zip(workloads, axes[:, col]):
             interval_bars(ax, rows, frame.loc[workload], {}, xmin)
-            side = "request thread" if col == 0 else "writer's total output"
             _style(ax, rows, xlabel, f"{workload}: {side}")
             ax.set_xlim(xmin, xmax)
     fig.suptitle(f"What does each setting cost on the write path? {_INTERVAL}", fontsize=10)
-    footer(fig, run, repeat_count(cells), "An async writer moves the write off the request thread, not off the "
-           "machine: the right column is its total output. Writer CPU time is not recorded by kvtool bench.")
+    note = ("the right columns are its total output and CPU" if len(columns) == 3 else
+            "the right column is its total output (this run predates the writer CPU counter)")  # fmt: skip
+    footer(fig, run, repeat_count(cells), f"An async writer moves the write off the request thread, not off the machine: {note}.")
     return fig
 
 

@@ -70,6 +70,8 @@ Counters (`writer_` prefix, docs/design.md#counters); every one counts BLOCKS un
     writer_shed_bytes                their bytes (sum of `HostBlock.nbytes`)
     writer_retry_attempts            block retries made (not counting first attempts)
     writer_retry_final_fail          blocks given up after all retries (persistent / durable)
+    writer_cpu_us                    CPU microseconds the saves took, on the thread that ran them (the
+                                     writer's; the caller's for a sync save or a queue-full fallback)
 `writer_enqueue_total` counts blocks accepted (queued or saved by their caller), never shed ones.
 `get_stats()` adds four gauges: `writer_queue_depth` (blocks queued), `writer_pending` (blocks
 accepted, not yet attempted), `writer_pending_bytes` (their `nbytes`) and `writer_queue_peak_bytes`

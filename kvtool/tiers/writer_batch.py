@@ -53,6 +53,7 @@ COUNTER_NAMES = (
     "writer_shed_bytes",
     "writer_retry_attempts",
     "writer_retry_final_fail",
+    "writer_cpu_us",
 )
 
 

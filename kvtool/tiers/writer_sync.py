@@ -49,7 +49,13 @@ class WriterBase:
         return bool(getattr(self._store, "enabled", True)) and not getattr(self._store, "read_only", False)
 
     def _save(self, blocks: list[HostBlock], abort: threading.Event | None = None) -> list[str]:
-        return self._policy.save_batch(self._store, blocks, self._counters, abort)
+        """Save a batch (the retry policy's `save_batch`), counting the CPU time it took on the
+        thread that ran it (`writer_cpu_us`: the writer's own, or the caller's for a sync save)."""
+        started = time.thread_time()
+        try:
+            return self._policy.save_batch(self._store, blocks, self._counters, abort)
+        finally:
+            self._counters.inc("writer_cpu_us", round((time.thread_time() - started) * 1e6))
 
     def enqueue(self, block: HostBlock, *, must_write: bool = False) -> bool:
         """`enqueue_many([block], must_write=must_write) == 1`: True if `block` was accepted."""
