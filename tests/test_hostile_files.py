@@ -314,11 +314,18 @@ def test_symlinked_cache_root_works_in_every_command(prompts, reference, tmp_pat
 # ----------------------------------------------------------------------------- 4: not there yet
 @pytest.mark.parametrize("args", [["validate"], ["validate", "--json"], ["inspect"], ["inspect", "--json"],
                                   ["prune", "--yes"], ["prune", "--dry-run", "--json"], ["rm", "abcdef0123", "--yes"]])
-def test_cache_dir_that_does_not_exist_yet_is_an_empty_cache(tmp_path, args):
+def test_cache_dir_that_does_not_exist_yet_is_an_error_unless_created(tmp_path, args):
+    """A named cache directory that does not exist is one `error:` line, exit 2, nothing created
+    (a mistyped path in cron must not pass as an empty cache); with `--create` it is made and is
+    an empty cache."""
     absent = tmp_path / "not" / "yet"
     res = cli(*args, "--cache-dir", str(absent))
+    assert res.exit_code == 2 and "does not exist" in one_error_line(res) and not (tmp_path / "not").exists()
+    if args[0] == "rm":  # an empty cache has no namespace to remove: exit 2 either way
+        return
+    res = cli(*args, "--cache-dir", str(absent), "--create")
     assert res.exit_code == 0, res.output
-    assert "Traceback" not in res.output and not (tmp_path / "not").exists()
+    assert "Traceback" not in res.output and absent.is_dir()
     if "--json" in args:
         doc = json.loads(res.stdout)
         assert doc["cache_dir"] == str(absent) and doc["namespaces"] == []

@@ -61,7 +61,7 @@ def bench_plan(
     kv_bytes_per_token: KVOpt = "8b",
     ram: RamOpt = "24GiB",
     ssd: SsdOpt = "0,256GiB,512GiB,1TiB,2TiB,4TiB",
-    policy: PolicyOpt = "write_through",
+    policies: PolicyOpt = "write_through",
     trace_dir: TraceDirOpt = None,
     limit: LimitOpt = None,
     out: OutOpt = None,
@@ -73,7 +73,7 @@ def bench_plan(
         from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
 
         kv = kv_of(kv_bytes_per_token)
-        grid = list(itertools.product(_sizes(ram, "--ram"), _sizes(ssd, "--ssd"), _policies(policy)))
+        grid = list(itertools.product(_sizes(ram, "--ram"), _sizes(ssd, "--ssd"), _policies(policies)))
         traces = {name: resolve_trace(name, trace_dir) for name in trace}
         loaded = {name: read_trace(path, limit) for name, path in traces.items()}
     total = sum(len(r) for r in loaded.values()) * len(grid)
