@@ -340,19 +340,27 @@ def test_repeated_loop_failures_stop_generation_with_503(tmp_path):
         assert server.stop(timeout=90.0) == 128 + signal.SIGTERM
 
 
+def start_mlx_lm(tmp: Path) -> Server:
+    """Plain `mlx_lm.server` on the tiny model, once `/health` answers 200."""
+    port = free_port()
+    server = Server([sys.executable, "-m", "mlx_lm.server", "--model", model_path(), "--port", str(port)],
+                    tmp / "mlx_lm.log")
+    server.url, server.port = f"http://127.0.0.1:{port}", port
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while get_health(server) != 200:
+        if server.p.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise AssertionError(server.text()[-3000:])
+        time.sleep(0.1)
+    return server
+
+
 @pytest.mark.slow
 def test_stop_int_wedges_plain_mlx_lm_server(tmp_path):
     """The bug `kvtool serve` guards against, in plain `mlx_lm.server` 0.32.2: after one
     `"stop": 5` every request is answered 404 "generation thread died"."""
-    port = free_port()
-    server = Server([sys.executable, "-m", "mlx_lm.server", "--model", model_path(), "--port", str(port)],
-                    tmp_path / "mlx_lm.log")
-    server.url, server.port = f"http://127.0.0.1:{port}", port
+    server = start_mlx_lm(tmp_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while get_health(server) != 200:
-            assert server.p.poll() is None and time.monotonic() < deadline, server.text()[-3000:]
-            time.sleep(0.1)
         assert post(server, NORMAL)[0] == 200
         post(server, {**NORMAL, "stop": 5})
         assert post(server, NORMAL) == (404, {"error": "generation thread died"})

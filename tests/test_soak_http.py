@@ -26,7 +26,6 @@ import json
 import os
 import random
 import socket
-import sys
 import threading
 import time
 from collections import Counter
@@ -34,17 +33,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.server_procs import START_TIMEOUT_S, free_port
 from tests.test_serve_hostile import (
     HTTP_TIMEOUT_S,
     NO_EOS,
     Server,
     _drip_head,
-    get_health,
     get_json,
-    model_path,
     post,
     start_kvtool,
+    start_mlx_lm,
 )
 
 openai = pytest.importorskip("openai")
@@ -166,15 +163,8 @@ def rss_growth(samples: list[tuple[float, int]]) -> tuple[int, int]:
 
 def mlx_lm_outputs(tmp_path: Path) -> list[str]:
     """The four normal prompts' greedy outputs from plain `mlx_lm.server` (the same tiny model)."""
-    port = free_port()
-    plain = Server([sys.executable, "-m", "mlx_lm.server", "--model", model_path(), "--port", str(port)],
-                   tmp_path / "mlx_lm.log")
-    plain.url, plain.port = f"http://127.0.0.1:{port}", port
+    plain = start_mlx_lm(tmp_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while get_health(plain) != 200:
-            assert plain.p.poll() is None and time.monotonic() < deadline, plain.text()[-3000:]
-            time.sleep(0.1)
         return [chat_text(plain, chat_body(i)) for i in range(4)]
     finally:
         plain.stop()
