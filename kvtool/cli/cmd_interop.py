@@ -239,6 +239,7 @@ def export_cmd(
 
         def work(engine: Engine):
             ids, _ = source.tokens(engine, required=True)
+            assert ids is not None  # required: given, or CLIError
             return export_cache_file(engine, ids, out, fill=fill,
                                      metadata_model=metadata_model or metadata_model_for(source.model, engine.loaded))
 
