@@ -63,9 +63,10 @@ QuantStartOpt = Annotated[int, typer.Option("--quantized-kv-start", min=0, help=
 
 @dataclass(frozen=True)
 class PromptTokens:
-    """The prompt of an import or export: `--prompt` / `--prompt-file` (tokenised as
-    mlx_lm.cache_prompt does) or `--token-ids`."""
+    """The prompt of an import or export and the model that tokenises it: `--model`, then
+    `--prompt` / `--prompt-file` (tokenised as mlx_lm.cache_prompt does) or `--token-ids`."""
 
+    model: str = "tiny"
     prompt: str | None = None
     prompt_file: Path | None = None
     token_ids: Path | None = None
@@ -103,28 +104,31 @@ class PromptTokens:
 
 
 PROMPT = PromptTokens()  # the default of a command's `source` parameter (`prompt_options` always passes one)
-PROMPT_OPTIONS = {"prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, None), "token_ids": (TokenIdsOpt, None),
-                  "ignore_chat_template": (IgnoreTemplateOpt, False), "system_prompt": (common.SystemPromptOpt, None)}
+PROMPT_OPTIONS = {"model": (common.ModelOpt, "tiny"), "prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, None),
+                  "token_ids": (TokenIdsOpt, None), "ignore_chat_template": (IgnoreTemplateOpt, False),
+                  "system_prompt": (common.SystemPromptOpt, None)}
 prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PROMPT_OPTIONS)
 
 
-def _load_engine(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start: int) -> Engine:
-    """`flags.load` plus mlx-lm's --quantized-kv-start."""
+def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start: int,
+             work: Callable[[Engine], Any]) -> tuple[Any, common.Interrupted | None, Any]:
+    """Load the engine (`flags.load` plus mlx-lm's --quantized-kv-start), run `work(engine)` with
+    SIGINT/SIGTERM raising `Interrupted`, then close the engine (its writer drained) with the
+    signals ignored: `(work's result or None, the interruption or None, the shutdown status)`.
+
+    Raises:
+        CLIError: the cache cannot be built for the model (e.g. a KV quantisation its head dims
+            do not allow); and what `flags.load` and `work` raise.
+    """
     try:
-        return flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
-    except ValueError as exc:  # e.g. a quantisation the model's head dims do not allow
+        engine = flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
+    except ValueError as exc:
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
-
-
-def _run_then_close(engine: Engine, work: Callable[[], Any]) -> tuple[Any, common.Interrupted | None, Any]:
-    """`work()` with SIGINT/SIGTERM raising `Interrupted`, then the engine closed (its writer
-    drained) with the signals ignored: `(work's result or None, the interruption or None, the
-    shutdown status)`."""
     result = interrupted = status = None
     try:
         with common.signals_raise():
             try:
-                result = work()
+                result = work(engine)
             except common.Interrupted as exc:
                 interrupted = exc
             finally:
@@ -147,7 +151,6 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 @prompt_options
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
-    model: common.ModelOpt = "tiny",
     source: PromptTokens = PROMPT,
     skip_model_check: Annotated[bool, typer.Option("--skip-model-check", help="Import even if the file's model (metadata) is not --model or cannot be verified (warns; the KV check still runs).")] = False,
     check_tokens: Annotated[int, typer.Option("--check-tokens", min=0, help="KV check: recompute the KV of this many last tokens (one model call) and compare with the file's; the prompt length or more: every token (as slow as a prefill).")] = 32,
@@ -169,18 +172,16 @@ def import_cmd(
         if quant is not None and kv_bits is not None and kv_bits != quant[0]:
             raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
         bits = quant[0] if quant else kv_bits
-        cfg = cache.build()
         flags = dataclasses.replace(model_flags, kv_bits=bits, kv_group_size=quant[1] if quant else 64)
-        engine = _load_engine(model, cfg, flags, quantized_kv_start)
 
-        def work():
+        def work(engine: Engine):
             ids, origin = source.tokens(engine, required=False)
-            return import_cache_file(engine, file, ids, model_spec=model,
+            return import_cache_file(engine, file, ids, model_spec=source.model,
                                      adapter_path=str(flags.adapter_path) if flags.adapter_path else None,
                                      require_model_match=not skip_model_check, check_tokens=check_tokens,
                                      check_positions=check_positions, token_source=origin, preloaded=loaded)
 
-        report, interrupted, status = _run_then_close(engine, work)
+        report, interrupted, status = _run_job(source.model, cache.build(), flags, quantized_kv_start, work)
     ok = report is not None and report.verified and report.blocks_failed == 0 and status.shutdown_clean
     if report is not None:
         _print_import(report, status, json_out, explain=not ok and interrupted is None)
@@ -219,7 +220,6 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 @prompt_options
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
-    model: common.ModelOpt = "tiny",
     source: PromptTokens = PROMPT,
     fill: Annotated[bool, typer.Option("--fill", help="Compute the tokens that are not cached instead of refusing (nothing is stored).")] = False,
     metadata_model: Annotated[str | None, typer.Option("--metadata-model", help="The file's metadata 'model' (default: the model directory, or the Hub id); mlx_lm.generate --model must equal it.", show_default=False)] = None,
@@ -236,15 +236,14 @@ def export_cmd(
 
         if out.suffix != SUFFIX:
             raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
-        cfg = cache.build()
-        engine = _load_engine(model, cfg, model_flags, quantized_kv_start)
 
-        def work():
+        def work(engine: Engine):
             ids, _ = source.tokens(engine, required=True)
+            assert ids is not None  # required: given, or CLIError
             return export_cache_file(engine, ids, out, fill=fill,
-                                     metadata_model=metadata_model or metadata_model_for(model, engine.loaded))
+                                     metadata_model=metadata_model or metadata_model_for(source.model, engine.loaded))
 
-        report, interrupted, _ = _run_then_close(engine, work)
+        report, interrupted, _ = _run_job(source.model, cache.build(), model_flags, quantized_kv_start, work)
     if report is not None:
         output = Output.from_flags(json_out)
         output.emit(report.to_dict, lambda: output.print(

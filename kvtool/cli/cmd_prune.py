@@ -9,8 +9,8 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.cmd_remote import prune_remote
-from kvtool.cli.output import Output, print_table
-from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed
+from kvtool.cli.output import print_table
+from kvtool.cli.removal import REMOVAL, Removal, confirm_and_execute, print_freed, removal_options
 from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.progress import progress
 from kvtool.units import format_bytes, format_duration, parse_duration, parse_size
@@ -53,44 +53,39 @@ AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU orde
 
 
 @target_options
+@removal_options()
 def prune_cmd(
     ttl: TtlOpt = None,
     max_bytes: MaxBytesOpt = None,
     namespace: common.NamespaceOpt = None,
     all_namespaces: AllOpt = False,
-    dry_run: common.DryRunOpt = False,
-    yes: common.YesOpt = False,
-    json_out: common.JsonOpt = False,
-    quiet: common.QuietOpt = False,
+    removal: Removal = REMOVAL,
     cache_dir: common.CacheDirOpt = None,
     target: Target = TARGET,
 ) -> None:
-    out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.prune import check_limits, execute_prune, plan_prune
         from kvtool.ops.scan import scan_cache
 
         ttl_s, budget = _parse_limits(ttl, max_bytes)
         if target.server is not None:
-            raise typer.Exit(_prune_remote(out, target, cache_dir, ttl, ttl_s, budget, namespace,
-                                           all_namespaces, dry_run, yes))  # fmt: skip
+            raise typer.Exit(_prune_remote(target, cache_dir, ttl, ttl_s, budget, namespace, all_namespaces, removal))
         cfg = target.cache_config(cache_dir)
         if ttl is None:
             ttl_s = cfg.ttl_s
         check_limits(ttl_s, budget, namespace, all_namespaces)
         root = cfg.ssd_cache_dir
-        preflight(root, dry_run, yes, "prune", "add --yes (e.g. in cron)")
+        removal.preflight(root, "prune", "add --yes (e.g. in cron)")
         # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
-        with maintenance_lock(root, dry_run), progress("kvtool prune", bar=False, lines=not out.quiet) as bar:
+        with removal.maintenance_lock(root), progress("kvtool prune", bar=False, lines=not removal.out.quiet) as bar:
             task = bar.add_task("scanning the cache", total=None) if bar is not None else None
             plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)
-            plan.dry_run = dry_run
-            code = _confirm_and_execute(plan, yes, out, _reporting(execute_prune, bar, task))
+            code = _confirm_and_execute(plan, removal, _reporting(execute_prune, bar, task))
     raise typer.Exit(code)
 
 
-def _prune_remote(out: Output, target: Target, cache_dir, ttl: str | None, ttl_s: float | None,
-                  budget: int | None, namespace: str | None, all_namespaces: bool, dry_run: bool, yes: bool) -> int:  # fmt: skip
+def _prune_remote(target: Target, cache_dir, ttl: str | None, ttl_s: float | None,
+                  budget: int | None, namespace: str | None, all_namespaces: bool, removal: Removal) -> int:  # fmt: skip
     """`prune --remote`: --ttl is the idle time (default: the config's ssd_ttl), --max-bytes the
     budget of each namespace on the server."""
     common.refuse_options({"--cache-dir": cache_dir, "--all": all_namespaces}, "with --remote")
@@ -99,8 +94,7 @@ def _prune_remote(out: Output, target: Target, cache_dir, ttl: str | None, ttl_s
     if ttl_s is None and budget is None:
         raise common.CLIError("give --ttl, --max-bytes or both (--ttl none and no --max-bytes prunes nothing)")
     assert target.server is not None
-    return prune_remote(out, target.server, idle_s=ttl_s, max_bytes=budget,
-                        namespace=namespace, dry_run=dry_run, yes=yes)  # fmt: skip
+    return prune_remote(target.server, removal, idle_s=ttl_s, max_bytes=budget, namespace=namespace)
 
 
 def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None, int | None]:
@@ -121,9 +115,9 @@ def _reporting(execute, bar, task):
     return run
 
 
-def _confirm_and_execute(plan, yes: bool, out: Output, execute) -> int:
+def _confirm_and_execute(plan, removal: Removal, execute) -> int:
     return confirm_and_execute(
-        plan, yes, out, changes=_removes_anything(plan), execute=execute, print_plan=_print_plan,
+        plan, removal, changes=_removes_anything(plan), execute=execute, print_plan=_print_plan,
         print_result=_print_result, nothing="nothing to prune",
         question=lambda: (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} "
                           f"segment file(s), {format_bytes(plan.total('prune_bytes'))}?"),

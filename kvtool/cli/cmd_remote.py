@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
-from kvtool.cli.removal import refuse_without_terminal
+from kvtool.cli.removal import REMOVAL, Removal, removal_options
 from kvtool.units import format_bytes
 
 DEFAULT_TIMEOUT = "5s"  # operator commands: a SCAN of a large server needs more than the serving deadline
@@ -136,12 +136,12 @@ class Server:
             conn.close()
 
 
-def _remove(out: Output, plan_fn: Callable[[bool], Any], yes: bool, dry_run: bool) -> int:
+def _remove(plan_fn: Callable[[bool], Any], removal: Removal) -> int:
     """Plan (`plan_fn(True)`), show it and ask unless --yes / --dry-run, then remove (`plan_fn(False)`)
     and report. Returns the exit code: 0, or 1 when declined at the prompt."""
-    plan = plan_fn(True)
-    if not dry_run and plan.keys:
-        if not yes:
+    out, plan = removal.out, plan_fn(True)
+    if not removal.dry_run and plan.keys:
+        if not removal.yes:
             _print_removal(plan, out.interaction.print if not out.json else out.note)
             if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
                 return common.EXIT_PROBLEMS
@@ -183,32 +183,32 @@ def validate_remote(out: Output, server: Server, namespace: str | None = None, *
     return common.EXIT_PROBLEMS if bad else common.EXIT_OK
 
 
-def rm_remote(out: Output, server: Server, namespace: str, hashes: Sequence[str] | None = None, *,
-              dry_run: bool = False, yes: bool = False) -> int:
+def rm_remote(server: Server, removal: Removal, namespace: str, hashes: Sequence[str] | None = None) -> int:
     """Remove a namespace (`hashes` None: every key of it) or its blocks `hashes` (32 hex
     characters each, with their parts; an empty list removes nothing) from the server: plan,
-    confirm, remove, report. Returns the exit code: 0, or 1 when declined at the prompt.
+    confirm (as `removal` says: --dry-run, --yes), remove, report. Returns the exit code: 0, or 1
+    when declined at the prompt.
 
     Raises:
         CLIError: no terminal and neither --yes nor --dry-run; and as `inspect_remote`.
     """
     from kvtool.ops.remote_ops import RemovalReport, rm
 
-    refuse_without_terminal(yes, dry_run, "remove")
+    removal.refuse_without_terminal("remove")
     with server.connect() as conn:
         def plan(dry: bool) -> Any:
             if hashes is not None and not hashes:
                 return RemovalReport(conn.remote.masked, namespace, dry)
             return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
 
-        return _remove(out, plan, yes, dry_run)
+        return _remove(plan, removal)
 
 
-def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, max_bytes: int | None = None,
-                 namespace: str | None = None, dry_run: bool = False, yes: bool = False) -> int:
+def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = None,
+                 max_bytes: int | None = None, namespace: str | None = None) -> int:
     """Remove values idle for `idle_s` seconds, then each namespace's least recently used values
-    beyond `max_bytes` (bytes of server memory): plan, confirm, remove, report. Returns the exit
-    code: 0, or 1 when declined at the prompt.
+    beyond `max_bytes` (bytes of server memory): plan, confirm (as `removal` says: --dry-run,
+    --yes), remove, report. Returns the exit code: 0, or 1 when declined at the prompt.
 
     Raises:
         CLIError: no terminal and neither --yes nor --dry-run; and as `inspect_remote`.
@@ -216,13 +216,13 @@ def prune_remote(out: Output, server: Server, *, idle_s: float | None = None, ma
     """
     from kvtool.ops.remote_ops import prune
 
-    refuse_without_terminal(yes, dry_run, "prune")
+    removal.refuse_without_terminal("prune")
     with server.connect() as conn:
         def plan(dry: bool) -> Any:
             return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry,
                          max_keys=server.max_keys)
 
-        return _remove(out, plan, yes, dry_run)
+        return _remove(plan, removal)
 
 
 # ----------------------------------------------------------------------------- inspect
@@ -292,7 +292,7 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
     """
     out = Output.from_flags(json_out)
     with common.cli_errors():
-        from kvtool.disk.names import NAMESPACE_RE
+        from kvtool.disk.fsops import list_namespaces
         from kvtool.jobs.remote_push import open_store_for, push_namespace
 
         root = common.build_config(server.config, cache_dir).ssd_cache_dir
@@ -300,8 +300,7 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
         with server.connect():  # checks the URL and that the server answers
             pass
         url_used, cluster_used, timeout_s = server.resolve()
-        names = sorted(p.name for p in root.iterdir() if p.is_dir() and NAMESPACE_RE.fullmatch(p.name)) \
-            if root.is_dir() else []
+        names = [p.name for p in list_namespaces(root)] if root.is_dir() else []
         if namespace is not None:
             names = [n for n in names if n.startswith(namespace)]
             if len(names) != 1:
@@ -369,14 +368,13 @@ def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
 # ----------------------------------------------------------------------------- rm
 @remote_app.command("rm")
 @server_options(*SERVER_OPTIONS)
+@removal_options("dry_run", "yes", "json_out")
 def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
     hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
                                                       show_default=False)] = None,  # fmt: skip
     remote_url: UrlOpt = None,
-    dry_run: common.DryRunOpt = False,
-    yes: common.YesOpt = False,
-    json_out: common.JsonOpt = False,
+    removal: Removal = REMOVAL,
     server: Server = Server(),
 ) -> None:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
@@ -392,9 +390,8 @@ def rm_cmd(
     Exit codes: 0 removed (or --dry-run); 1 declined at the prompt; 2 bad input, unreachable server,
     wrong password, TLS failure, unknown namespace, or no terminal and no --yes.
     """
-    out = Output.from_flags(json_out)
     with common.cli_errors():
-        code = rm_remote(out, server.at(remote_url), namespace, hashes or None, dry_run=dry_run, yes=yes)
+        code = rm_remote(server.at(remote_url), removal, namespace, hashes or None)
     raise typer.Exit(code)
 
 
@@ -415,6 +412,7 @@ def _print_removal(report: Any, emit: Any) -> None:
 # ----------------------------------------------------------------------------- prune
 @remote_app.command("prune")
 @server_options(*SERVER_OPTIONS)
+@removal_options()
 def prune_cmd(
     idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",
                                              show_default=False)] = None,  # fmt: skip
@@ -422,10 +420,7 @@ def prune_cmd(
                                                   show_default=False)] = None,  # fmt: skip
     namespace: common.NamespaceOpt = None,
     remote_url: UrlOpt = None,
-    dry_run: common.DryRunOpt = False,
-    yes: common.YesOpt = False,
-    json_out: common.JsonOpt = False,
-    quiet: common.QuietOpt = False,
+    removal: Removal = REMOVAL,
     server: Server = Server(),
 ) -> None:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
@@ -443,7 +438,6 @@ def prune_cmd(
     Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt; 2 bad input,
     unreachable server, wrong password, TLS failure, or no terminal and no --yes.
     """
-    out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.units import parse_duration, parse_size
 
@@ -451,8 +445,7 @@ def prune_cmd(
         budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
         if idle_s is None and budget is None:
             raise common.CLIError("give --idle, --max-bytes or both")
-        code = prune_remote(out, server.at(remote_url), idle_s=idle_s, max_bytes=budget, namespace=namespace, dry_run=dry_run,
-                            yes=yes)  # fmt: skip
+        code = prune_remote(server.at(remote_url), removal, idle_s=idle_s, max_bytes=budget, namespace=namespace)
     raise typer.Exit(code)
 
 

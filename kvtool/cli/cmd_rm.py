@@ -16,7 +16,7 @@ from kvtool.cli import common
 from kvtool.cli.cmd_inspect import PROMPT, PromptSource, prompt_options
 from kvtool.cli.cmd_remote import rm_remote
 from kvtool.cli.output import Output
-from kvtool.cli.removal import confirm_and_execute, maintenance_lock, preflight, print_freed, refuse_without_terminal
+from kvtool.cli.removal import REMOVAL, Removal, confirm_and_execute, print_freed, removal_options
 from kvtool.cli.target import TARGET, Target, target_options
 from kvtool.units import format_bytes
 
@@ -58,18 +58,15 @@ BlockSizeOpt = Annotated[
 @target_options
 @prompt_options("prompt", "prompt_file", "messages", "model", "ignore_chat_template", "system_prompt", "adapter_path",
                 "kv_bits", "kv_group_size")
+@removal_options()
 def rm_cmd(
     namespace: NamespaceArg = None,
     source: PromptSource = PROMPT,
     block_size: BlockSizeOpt = None,
-    dry_run: common.DryRunOpt = False,
-    yes: common.YesOpt = False,
-    json_out: common.JsonOpt = False,
-    quiet: common.QuietOpt = False,
+    removal: Removal = REMOVAL,
     cache_dir: common.CacheDirOpt = None,
     target: Target = TARGET,
 ) -> None:
-    out = Output.from_flags(json_out, quiet)
     with common.cli_errors():
         from kvtool.ops.remove import check_prefix
 
@@ -85,22 +82,20 @@ def rm_cmd(
         if server is not None:
             common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
             if not by_prompt:
-                raise typer.Exit(rm_remote(out, server, namespace or "", None, dry_run=dry_run, yes=yes))
-            refuse_without_terminal(yes, dry_run, "remove")  # before the model loads
+                raise typer.Exit(rm_remote(server, removal, namespace or ""))
+            removal.refuse_without_terminal("remove")  # before the model loads
             cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
             keys = _prompt_keys(cfg, source)[0](cfg.block_size)
-            raise typer.Exit(rm_remote(out, server, keys.namespace, list(keys.hashes), dry_run=dry_run, yes=yes))
+            raise typer.Exit(rm_remote(server, removal, keys.namespace, list(keys.hashes)))
         cfg = target.cache_config(cache_dir)
         root = cfg.ssd_cache_dir
-        preflight(root, dry_run, yes, "remove")
+        removal.preflight(root, "remove")
         if by_prompt:
             make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
         else:
             make_plan = _namespace_planner(root, namespace or "")
-        with maintenance_lock(root, dry_run):  # a dry run only reads
-            plan = make_plan()
-            plan.dry_run = dry_run
-            code = _confirm_and_execute(plan, yes, out)
+        with removal.maintenance_lock(root):  # a dry run only reads
+            code = _confirm_and_execute(make_plan(), removal)
     raise typer.Exit(code)
 
 
@@ -149,10 +144,10 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
     return plan
 
 
-def _confirm_and_execute(plan, yes: bool, out: Output) -> int:
+def _confirm_and_execute(plan, removal: Removal) -> int:
     from kvtool.ops.remove import execute_removal
 
-    return confirm_and_execute(plan, yes, out, changes=plan.removes_anything(), question=lambda: _question(plan),
+    return confirm_and_execute(plan, removal, changes=plan.removes_anything(), question=lambda: _question(plan),
                                execute=execute_removal, print_plan=_print_plan, print_result=_print_result,
                                nothing="nothing to remove", print_problems=_print_problems)  # fmt: skip
 

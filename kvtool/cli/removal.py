@@ -7,6 +7,8 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -20,36 +22,61 @@ def interactive() -> bool:
     return sys.stdin.isatty()
 
 
-def refuse_without_terminal(yes: bool, dry_run: bool, what: str, how: str = "add --yes") -> None:
-    """Raises CLIError (`refusing to <what> without confirmation: ...; <how> or use --dry-run`)
-    unless --yes, --dry-run or a terminal to ask on."""
-    if not (yes or dry_run or interactive()):
-        raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; {how} or use --dry-run")
+@dataclass(frozen=True)
+class Removal:
+    """How a removal is confirmed and printed: the options `REMOVAL_OPTIONS` of `kvtool prune`,
+    `kvtool rm` and `kvtool remote prune|rm` (`--dry-run`, `--yes`, `--json`, `--quiet`), and
+    what they decide before the plan is made (a way to confirm it, the maintenance lock)."""
+
+    dry_run: bool = False
+    yes: bool = False
+    json_out: bool = False
+    quiet: bool = False
+
+    @cached_property
+    def out(self) -> Output:
+        """The command's one `Output` (`--json`, `--quiet`)."""
+        return Output.from_flags(self.json_out, self.quiet)
+
+    def refuse_without_terminal(self, what: str, how: str = "add --yes") -> None:
+        """Raises CLIError (`refusing to <what> without confirmation: ...; <how> or use --dry-run`)
+        unless --yes, --dry-run or a terminal to ask on."""
+        if not (self.yes or self.dry_run or interactive()):
+            raise common.CLIError(f"refusing to {what} without confirmation: no terminal to ask on; {how} or use --dry-run")
+
+    def preflight(self, root: Path, what: str, how: str = "add --yes") -> None:
+        """Checks before a removal plan is made: a way to confirm it (`refuse_without_terminal`), and
+        the cache directory.
+
+        Raises:
+            CLIError: no `--yes`, no `--dry-run` and no terminal to ask on, or `root` exists and is
+                not a directory (one that does not exist yet is an empty cache).
+        """
+        self.refuse_without_terminal(what, how)
+        if os.path.lexists(root) and not os.path.isdir(root):
+            raise common.CLIError(f"cache directory {root} is not a directory")
+
+    def maintenance_lock(self, root: Path) -> AbstractContextManager:
+        """The cache's maintenance lock for prune / rm (`kvtool.disk.lock.cache_lock`); none for a
+        dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
+
+        Raises:
+            PruneLocked, PruneError: when entered, as `cache_lock`.
+        """
+        from kvtool.disk.lock import cache_lock
+
+        return nullcontext() if self.dry_run or not os.path.isdir(root) else cache_lock(root)
 
 
-def preflight(root: Path, dry_run: bool, yes: bool, what: str, how: str = "add --yes") -> None:
-    """Checks before a removal plan is made: a way to confirm it (`refuse_without_terminal`), and
-    the cache directory.
-
-    Raises:
-        CLIError: no `--yes`, no `--dry-run` and no terminal to ask on, or `root` exists and is
-            not a directory (one that does not exist yet is an empty cache).
-    """
-    refuse_without_terminal(yes, dry_run, what, how)
-    if os.path.lexists(root) and not os.path.isdir(root):
-        raise common.CLIError(f"cache directory {root} is not a directory")
+REMOVAL = Removal()  # the default of a command's `removal` parameter (`removal_options` always passes one)
+REMOVAL_OPTIONS: dict[str, tuple[Any, Any]] = {"dry_run": (common.DryRunOpt, False), "yes": (common.YesOpt, False),
+                                               "json_out": (common.JsonOpt, False), "quiet": (common.QuietOpt, False)}
 
 
-def maintenance_lock(root: Path, dry_run: bool) -> AbstractContextManager:
-    """The cache's maintenance lock for prune / rm (`kvtool.disk.lock.cache_lock`); none for a
-    dry run (it only reads) or a cache directory that does not exist yet (nothing to protect).
-
-    Raises:
-        PruneLocked, PruneError: when entered, as `cache_lock`.
-    """
-    from kvtool.disk.lock import cache_lock
-
-    return nullcontext() if dry_run or not os.path.isdir(root) else cache_lock(root)
+def removal_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a command whose parameter `removal: Removal` stands for the options `names` (keys
+    of `REMOVAL_OPTIONS`, shown in that order; none named: all of them)."""
+    return common.option_group("removal", REMOVAL_OPTIONS, Removal, names or REMOVAL_OPTIONS)
 
 
 @contextmanager
@@ -67,8 +94,7 @@ def deferred_signals() -> Iterator[list[int]]:
 
 def confirm_and_execute(
     plan: Any,
-    yes: bool,
-    out: Output,
+    removal: Removal,
     *,
     changes: bool,
     question: Callable[[], str],
@@ -78,12 +104,11 @@ def confirm_and_execute(
     nothing: str,
     print_problems: Callable[[Any, Output], None] | None = None,
 ) -> int:
-    """Show `plan`, ask (unless `yes`), execute it with SIGINT/SIGTERM held, report; the exit code.
+    """Show `plan`, ask (unless --yes), execute it with SIGINT/SIGTERM held, report; the exit code.
 
     Args:
-        plan: a prune or removal plan (`dry_run`, `problems`, `to_dict`).
-        yes: do not ask.
-        out: where everything goes (--json: the plan document; --quiet: problems only, on stderr).
+        plan: a prune or removal plan (`dry_run`: set from `removal`, `problems`, `to_dict`).
+        removal: --dry-run, --yes (do not ask), `out` (--json: the plan document; --quiet: problems only, on stderr).
         changes: the plan removes anything (else it is only shown, as a dry run is).
         question: the confirmation question (asked only when needed).
         execute: runs the plan.
@@ -94,6 +119,8 @@ def confirm_and_execute(
     Returns:
         0; 1 declined or problems; 128 + the signal received during the execution.
     """
+    out, yes = removal.out, removal.yes
+    plan.dry_run = removal.dry_run
 
     def emit(human: Callable[[], None]) -> None:
         out.emit(plan.to_dict, human)
@@ -142,4 +169,4 @@ def _exit_code(plan: Any) -> int:
     return common.EXIT_PROBLEMS if plan.problems else common.EXIT_OK
 
 
-__all__ = ["confirm_and_execute", "deferred_signals", "preflight", "print_freed", "refuse_without_terminal"]
+__all__ = ["REMOVAL", "Removal", "confirm_and_execute", "deferred_signals", "print_freed", "removal_options"]
