@@ -108,7 +108,13 @@ def test_create_stream_and_count_tokens(server):
     assert final.stop_reason == msg.stop_reason and final.usage.output_tokens == msg.usage.output_tokens
 
     counted = client(server).messages.count_tokens(model="tiny", system=SYSTEM, messages=TURNS).input_tokens
-    for usage in (msg.usage, final.usage):
+    # the beta client (Claude Code's) posts to /v1/messages?beta=true
+    beta = client(server).beta.messages.create(model="tiny", max_tokens=12, system=SYSTEM, messages=TURNS,
+                                               extra_body=GREEDY)
+    assert "".join(b.text for b in beta.content if b.type == "text") == text
+    assert client(server).beta.messages.count_tokens(model="tiny", system=SYSTEM, messages=TURNS).input_tokens == \
+        counted
+    for usage in (msg.usage, final.usage, beta.usage):
         assert usage.input_tokens + usage.cache_read_input_tokens == counted
         assert usage.cache_creation_input_tokens == 0
 
