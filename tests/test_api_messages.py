@@ -16,6 +16,7 @@ prompt, and the prompt equals the chat-completions one with OpenAI's tool_calls 
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import urllib.error
@@ -25,13 +26,13 @@ import pydantic
 import pytest
 
 from kvtool.server.api_messages import MessagesApi
+from kvtool.server.apis import ApiWriter
 from tests.test_serve_hostile import FAULT, HTTP_TIMEOUT_S, Server, raw_http, start_kvtool
 from tests.test_serve_http import DEMO
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
 
 KEY = "kvtool-test-key-5d1c"
 GREEDY = {"temperature": 0.0}  # anthropic 2.14's stream() has no temperature argument: extra_body
@@ -93,6 +94,7 @@ def create(server: Server, **kw):
 
 
 # ----------------------------------------------------------------------------- the SDK's calls
+@pytest.mark.slow
 def test_create_stream_and_count_tokens(server):
     msg = create(server, system=SYSTEM, messages=TURNS)
     assert msg.type == "message" and msg.role == "assistant" and msg.model == "tiny"
@@ -119,6 +121,7 @@ def test_create_stream_and_count_tokens(server):
         assert usage.cache_creation_input_tokens == 0
 
 
+@pytest.mark.slow
 def test_same_prompt_and_output_as_chat_completions(server):
     """The conversation through /v1/messages and through /v1/chat/completions: one prompt, one greedy answer."""
     msg = create(server, system=SYSTEM + " (messages vs chat)", messages=TURNS, max_tokens=16)
@@ -132,6 +135,7 @@ def test_same_prompt_and_output_as_chat_completions(server):
     assert {"end_turn": "stop", "max_tokens": "length"}[msg.stop_reason] == chat.choices[0].finish_reason
 
 
+@pytest.mark.slow
 def test_a_repeated_conversation_reads_the_cache(server):
     system = "A new conversation. " + SYSTEM
     first = create(server, system=system, messages=TURNS)
@@ -146,6 +150,7 @@ def test_a_repeated_conversation_reads_the_cache(server):
     assert final.usage.cache_read_input_tokens > 0
 
 
+@pytest.mark.slow
 def test_tool_round_trip_on_the_template_path(server):
     history = tool_history("sunny, 21 C, no rain expected")
     msg = create(server, messages=history, tools=TOOLS, tool_choice={"type": "auto"})
@@ -173,6 +178,7 @@ def test_tool_round_trip_on_the_template_path(server):
 
 
 # ----------------------------------------------------------------------------- bad input
+@pytest.mark.slow
 def test_bad_input_is_answered_in_anthropic_shape(server):
     ok = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     assert_error(post(server, {**ok, "max_tokens": "4"}), 400, "invalid_request_error", "max_tokens")
@@ -198,6 +204,7 @@ def test_bad_input_is_answered_in_anthropic_shape(server):
     assert create(server, messages=[{"role": "user", "content": "still there?"}], max_tokens=4).content
 
 
+@pytest.mark.slow
 def test_a_client_dropping_a_stream_leaves_the_server_answering(server):
     body = json.dumps({"model": "tiny", "max_tokens": 200, "stream": True,
                        "messages": [{"role": "user", "content": "Tell me a long story about the sea."}]}).encode()
@@ -220,6 +227,7 @@ def _read_until(s: socket.socket, marker: bytes) -> bytes:
 
 
 # ----------------------------------------------------------------------------- --api-key
+@pytest.mark.slow
 def test_api_key_is_required_on_every_route(tmp_path):
     proc = start_kvtool(tmp_path, "keyed", env={"KVTOOL_API_KEY": KEY})
     try:
@@ -280,3 +288,31 @@ def test_answers_with_tool_calls_and_reasoning_translate():
                       if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
     assert json.loads(partial) == {"city": "Oslo"}
     assert parsed[-2].delta.stop_reason == "tool_use" and parsed[-2].usage.cache_read_input_tokens == 64
+
+
+def test_the_writer_translates_mlx_lm_frames_and_errors():
+    """`ApiWriter` on a byte buffer: mlx-lm's frames (split anywhere) become Anthropic's events,
+    comments pass, an error frame is an `error` event, an error body Anthropic's error shape."""
+    out = io.BytesIO()
+    writer = ApiWriter(out, MessagesApi())
+    writer.write(b"HTTP/1.0 200 OK\r\n\r\n")  # before the stream starts: passed through
+    writer.start_stream()
+    chunk = {"id": "chatcmpl-9", "model": "tiny", "choices": [{"index": 0, "finish_reason": None,
+                                                               "delta": {"content": "Hi"}}]}
+    frames = (b": keepalive 1/2\n\n" + f"data: {json.dumps(chunk)}\n\n".encode()
+              + b'data: {"error": {"message": "boom", "code": 500}}\n\n')
+    for i in range(0, len(frames), 7):
+        writer.write(frames[i:i + 7])
+    text = out.getvalue().decode()
+    assert text.startswith("HTTP/1.0 200 OK\r\n\r\n: keepalive 1/2\n\nevent: message_start\n")
+    events = [block.split("\n", 1) for block in text.split("\r\n\r\n", 1)[1].split("\n\n") if block.startswith("event:")]
+    assert [e[0] for e in events] == ["event: message_start", "event: content_block_start",
+                                      "event: content_block_delta", "event: error"]
+    assert json.loads(events[-1][1][len("data: "):]) == {"type": "error", "error": {"type": "api_error",
+                                                                                    "message": "boom"}}
+    out = io.BytesIO()
+    writer = ApiWriter(out, MessagesApi())
+    writer.start_error(413)
+    writer.write(b'{"error": "the prompt has 9 tokens"}')
+    assert json.loads(out.getvalue()) == {"type": "error", "error": {"type": "request_too_large",
+                                                                     "message": "the prompt has 9 tokens"}}
