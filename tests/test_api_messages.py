@@ -8,10 +8,11 @@ trip on the template path; bad input answered in Anthropic's error shape with th
 answering; `--api-key`. In process: the translation of answers with tool calls and reasoning
 (mlx-lm's tiny preset has no tool parser and no thinking tags, so the server never produces them).
 
-The tiny preset's chat template renders `role` and `content` only: it ignores `tools`, renders an
-assistant's tool calls as its (empty) text and a tool result as a `tool` turn. So the tool test
-checks what this template honestly shows: the request is accepted, the tool result is in the
-prompt, and the prompt equals the chat-completions one with OpenAI's tool_calls / tool messages.
+The tiny preset's own chat template renders `role` and `content` only; the server here runs a
+Qwen2.5-shaped template given with `--chat-template` (`TOOL_TEMPLATE`), so that tools, tool calls
+and tool results reach the prompt. The tool test checks each of them is there and that the prompt
+equals the chat-completions one with OpenAI's tools / tool_calls / tool messages. The random-weight
+model never emits a tool call itself, so the answer side of tool use is tested in process.
 """
 
 from __future__ import annotations
@@ -40,15 +41,34 @@ SYSTEM = "You answer questions about Python's documentation. " + DEMO[:1500]
 TURNS = [{"role": "user", "content": "What does the first paragraph say about modules?"},
          {"role": "assistant", "content": "It says modules group code."},
          {"role": "user", "content": "And the second one, in short?"}]
+# The tiny preset's own template renders role and content only; the module's server runs this one,
+# shaped as Qwen2.5's (tools in the system turn, tool calls as <tool_call> JSON, results as
+# <tool_response>), so that tools, tool_use and tool_result blocks reach the prompt. mlx-lm
+# infers its `json_tools` parser from it (`<tool_call>` and `tool_call.name`).
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n"
+    "{% endif %}# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Call a function as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
+    "{%- for tool_call in message.tool_calls or [] %}{%- set tool_call = tool_call.function %}"
+    "\n<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}"
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOOLS = [{"name": "get_weather", "description": "The weather of a city",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 
 
-def tool_history(result: str) -> list[dict]:
-    return [{"role": "user", "content": "What is the weather in Paris?"},
+def tool_history(result: str, city: str = "Paris") -> list[dict]:
+    return [{"role": "user", "content": f"What is the weather in {city}?"},
             {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
                                               {"type": "tool_use", "id": "toolu_01", "name": "get_weather",
-                                               "input": {"city": "Paris"}}]},
+                                               "input": {"city": city}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_01", "content": result},
                                          {"type": "text", "text": "So, should I take an umbrella?"}]}]
 
@@ -56,9 +76,9 @@ def tool_history(result: str) -> list[dict]:
 # ----------------------------------------------------------------------------- servers and clients
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """One `kvtool serve` (the watchdog's fault seam on) for the open tests."""
+    """One `kvtool serve` (the tool-calling template, the watchdog's fault seam on) for the open tests."""
     tmp = tmp_path_factory.mktemp("messages")
-    proc = start_kvtool(tmp, "messages", env={"KVTOOL_TEST_GENERATION_FAULT": FAULT})
+    proc = start_kvtool(tmp, "messages", "--chat-template", TOOL_TEMPLATE, env={"KVTOOL_TEST_GENERATION_FAULT": FAULT})
     try:
         yield proc
     finally:
@@ -152,16 +172,24 @@ def test_a_repeated_conversation_reads_the_cache(server):
 
 @pytest.mark.slow
 def test_tool_round_trip_on_the_template_path(server):
+    """tools, an assistant's tool_use and the user's tool_result make the prompt the chat-completions
+    request with OpenAI's tools, tool_calls and tool message makes, and each of them is in it."""
     history = tool_history("sunny, 21 C, no rain expected")
     msg = create(server, messages=history, tools=TOOLS, tool_choice={"type": "auto"})
     assert msg.stop_reason in ("end_turn", "max_tokens") and msg.content
     c = client(server)
-    counted = c.messages.count_tokens(model="tiny", messages=history, tools=TOOLS).input_tokens
+
+    def count(messages: list[dict], tools: list[dict] | None = None) -> int:
+        extra = {"tools": tools} if tools else {}
+        return c.messages.count_tokens(model="tiny", messages=messages, **extra).input_tokens
+
+    counted = count(history, TOOLS)
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == counted
-    longer = c.messages.count_tokens(model="tiny", messages=tool_history("sunny, 21 C, no rain expected, "
-                                                                         "light wind from the west"),
-                                     tools=TOOLS).input_tokens
-    assert longer > counted  # the tool result is in the prompt
+    assert count(history) < counted  # the tool definitions are in the prompt
+    assert count(tool_history("sunny, 21 C, no rain expected, light wind"), TOOLS) > counted  # the result
+    assert count(tool_history("sunny, 21 C, no rain expected", "Rio de Janeiro"), TOOLS) - counted > \
+        count([{"role": "user", "content": "What is the weather in Rio de Janeiro?"}]) - \
+        count([{"role": "user", "content": "What is the weather in Paris?"}])  # the tool_use input too
 
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S)
     chat = oai.chat.completions.create(model="tiny", max_tokens=12, temperature=0.0, tools=[
@@ -175,6 +203,7 @@ def test_tool_round_trip_on_the_template_path(server):
         {"role": "user", "content": "So, should I take an umbrella?"}])
     assert chat.usage.prompt_tokens == counted
     assert "".join(b.text for b in msg.content if b.type == "text") == (chat.choices[0].message.content or "")
+    assert "Received tools but model does not support tool calling" not in server.text()  # json_tools inferred
 
 
 # ----------------------------------------------------------------------------- bad input
