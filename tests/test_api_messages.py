@@ -270,6 +270,8 @@ def test_api_key_is_required_on_every_route(tmp_path):
         chat = {"model": "tiny", "max_tokens": 4, "messages": ok["messages"]}
         assert post(proc, chat, "/v1/chat/completions")[0] == 401
         assert post(proc, chat, "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"})[0] == 200
+        assert post(proc, ok, headers={"x-api-key": "stale", "Authorization": f"Bearer {KEY}"})[0] == 200
+        assert post(proc, ok, headers={"Authorization": f"Basic {KEY}"})[0] == 401
         for path in ("/v1/models", "/kvtool/stats", "/metrics", "/health"):
             status, _ = raw_http(proc, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             assert status == 401, path

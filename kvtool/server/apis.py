@@ -172,15 +172,13 @@ class ApiWriter:
 
 def check_api_key(headers: Any, key: str | None) -> bool:
     """True when no key is required or the request carries it (`x-api-key: KEY` or
-    `Authorization: Bearer KEY`), compared in constant time (`hmac.compare_digest`)."""
+    `Authorization: Bearer KEY`; either may be the one), compared in constant time
+    (`hmac.compare_digest`)."""
     if not key:
         return True
-    given = headers.get("x-api-key")
-    if given is None:
-        auth = headers.get("Authorization") or ""
-        scheme, _, token = auth.partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else None
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+    scheme, _, token = (headers.get("Authorization") or "").partition(" ")
+    given = [headers.get("x-api-key"), token.strip() if scheme.lower() == "bearer" else None]
+    return any(g is not None and hmac.compare_digest(g.encode(), key.encode()) for g in given)
 
 
 def count_prompt_tokens(guard: Any, generator: Any, chat: dict[str, Any]) -> int:
