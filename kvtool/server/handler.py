@@ -13,7 +13,10 @@
   event (or a 500 if nothing was sent); a client that goes away is one log line;
 - `GET /v1/models` lists the served model's names (mlx-lm scans the Hugging Face cache and
   answers an empty 200 without one); `GET /kvtool/stats` returns the cache and server counters;
-  `GET /metrics` the same counters for Prometheus (`kvtool.prom`).
+  `GET /metrics` the same counters for Prometheus (`kvtool.prom`);
+- foreign APIs (`kvtool.server.api_routes`: Anthropic's `/v1/messages`) are translated to a
+  chat-completions request and answered in their own shapes (`kvtool.server.apis`); with
+  `--api-key` every route first checks the key (401 without it).
 
 `_HTTPServer` serves at most `MAX_CONNECTIONS` connections at once, and at most
 `max_connections_per_peer` from one client address (503 beyond either), and logs a handler's
