@@ -391,7 +391,7 @@ class ResponsesStream:
             events += self._open_item(kind)
         assert self._open is not None
         self._text += text
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         events.append(self._event(name, item_id=self._open["id"], output_index=len(self._output),
                                   content_index=0, delta=text, **extra))
