@@ -138,6 +138,8 @@ def test_errors_have_openais_shape():
                               "param": None, "code": None}}
     assert API.error_body(404, "model 'x' is not served here")["error"]["code"] == "model_not_found"
     assert API.error_body(503, "generation stopped")["error"]["type"] == "server_error"
+    assert API.error_body(400, "max_tokens must be an integer from 1 to 8")["error"]["message"] == \
+        "max_output_tokens must be an integer from 1 to 8"  # kvtool's chat check, in this API's terms
 
 
 # --------------------------------------------------------------------------- chat → response
@@ -222,3 +224,148 @@ def test_a_stream_cut_at_max_tokens_ends_incomplete_and_an_empty_one_has_a_messa
     assert cut[-1].response.output[0].status == "incomplete"
     empty = run_stream([chunk("stop"), USAGE_CHUNK])
     assert empty[-1].response.output_text == "" and [o.type for o in empty[-1].response.output] == ["message"]
+
+
+# --------------------------------------------------------------------------- end to end
+# A real `kvtool serve` on the tiny preset, driven by the openai SDK. The preset's own template
+# renders neither tools nor an assistant's tool calls (the call would vanish from the prompt), so
+# the server runs with a template that renders both (`--chat-template`, an mlx_lm.server option);
+# without tools or calls it renders what the preset's template does. The random tiny model never
+# writes a tool call itself: calls in the output are checked by the pure tests above.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>{{ call.function.name }} "
+    "{{ call.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tests.test_serve_http import client, start_kvtool
+    tmp = tmp_path_factory.mktemp("responses")
+    proc = start_kvtool(tmp, "kvtool", "--chat-template", TOOL_TEMPLATE)
+    try:
+        yield proc, client(proc)
+    finally:
+        proc.stop()
+
+
+def greedy(c, input, **kw):
+    from tests.test_serve_http import MAX_TOKENS
+    return c.responses.create(model="default_model", input=input, max_output_tokens=MAX_TOKENS, temperature=0.0, **kw)
+
+
+def first_turn():
+    from tests.test_serve_http import SYSTEM, USERS
+    return [{"role": "developer", "content": SYSTEM}, {"role": "user", "content": USERS[0]}]
+
+
+@pytest.mark.slow
+def test_e2e_plain_and_streamed_give_the_same_greedy_answer(served):
+    _, c = served
+    r = greedy(c, first_turn())
+    assert r.object == "response" and r.id.startswith("resp_") and r.status in ("completed", "incomplete")
+    assert r.output_text and r.usage.input_tokens > 100 and r.usage.output_tokens > 0
+    events = list(greedy(c, first_turn(), stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert streamed == final.output_text == r.output_text
+    assert final.status == r.status and final.usage.input_tokens == r.usage.input_tokens
+    assert final.usage.output_tokens == r.usage.output_tokens
+
+
+@pytest.mark.slow
+def test_e2e_a_cut_answer_is_incomplete(served):
+    _, c = served
+    r = c.responses.create(model="default_model", input="Count to one hundred.", max_output_tokens=2, temperature=0.0)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 2
+    events = list(c.responses.create(model="default_model", input="Count to one hundred.", max_output_tokens=2,
+                                     temperature=0.0, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == r.output_text
+
+
+@pytest.mark.slow
+def test_e2e_the_next_turn_is_cached_and_matches_chat_completions(served):
+    from tests.test_serve_http import MAX_TOKENS, SYSTEM, USERS
+    _, c = served
+    answer = greedy(c, first_turn()).output_text
+    turn = first_turn() + [{"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": answer}]},
+                           {"role": "user", "content": [{"type": "input_text", "text": USERS[1]}]}]
+    r = greedy(c, turn)
+    assert r.usage.input_tokens_details.cached_tokens > 0  # the first turn's blocks, from kvtool's tiers
+    chat = c.chat.completions.create(model="default_model", max_tokens=MAX_TOKENS, temperature=0.0, messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": USERS[0]},
+        {"role": "assistant", "content": answer}, {"role": "user", "content": USERS[1]}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+
+
+@pytest.mark.slow
+def test_e2e_a_function_call_round_trip(served):
+    from tests.test_serve_http import MAX_TOKENS
+    _, c = served
+    question = {"role": "user", "content": "What is the weather in Paris?"}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "18 C and sunny"}
+    asked = greedy(c, [question], tools=[WEATHER_TOOL])
+    answered = greedy(c, [question, call, result], tools=[WEATHER_TOOL])
+    assert answered.status in ("completed", "incomplete") and answered.output_text
+    # the call and its result are in the prompt: more tokens than the question alone, exactly as
+    # many as the same conversation in chat completions, with the same greedy answer
+    assert answered.usage.input_tokens > asked.usage.input_tokens + 10
+    assert answered.usage.input_tokens_details.cached_tokens > 0
+    chat = c.chat.completions.create(model="default_model", max_tokens=MAX_TOKENS, temperature=0.0, messages=[
+        question, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}],
+        tools=[{"type": "function", "function": {k: WEATHER_TOOL[k] for k in ("name", "description", "parameters")}}])
+    assert answered.usage.input_tokens == chat.usage.prompt_tokens
+    assert answered.output_text == chat.choices[0].message.content
+    no_tools = greedy(c, [question], tools=[WEATHER_TOOL], tool_choice="none")
+    assert no_tools.usage.input_tokens < asked.usage.input_tokens  # tool_choice none: the tools are not sent
+
+
+def post_raw(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+    request = urllib.request.Request(url + "/v1/responses", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": "default_model", "input": 5}, 400, "input: must be a string or a list"),
+    ({"model": "default_model", "input": [{"type": "file_search_call", "id": "x"}]}, 400,
+     "input[0]: unknown item type 'file_search_call'"),
+    ({"model": "default_model", "input": "hi", "max_output_tokens": "many"}, 400, "max_output_tokens: "),
+    ({"model": "default_model", "input": "hi", "previous_response_id": "resp_abc"}, 400,
+     "previous_response_id is not supported"),
+    ({"model": "gpt-nothing", "input": "hi"}, 404, "model 'gpt-nothing' is not served here"),
+    ({"model": "default_model", "input": "hi", "max_output_tokens": 10 ** 9}, 400, "max_output_tokens must be"),
+])
+def test_e2e_bad_input_is_openais_error_shape(served, body, status, message):
+    proc, c = served
+    code, doc = post_raw(proc.url, body)
+    assert code == status and set(doc) == {"error"}
+    assert set(doc["error"]) == {"message", "type", "param", "code"} and doc["error"]["message"].startswith(message)
+    assert doc["error"]["type"] == "invalid_request_error"
+    with pytest.raises(openai.APIStatusError) as info:
+        c.responses.create(**body)
+    assert info.value.status_code == status and info.value.body["message"].startswith(message)
+    assert greedy(c, "Still there?").output_text  # the server answers after

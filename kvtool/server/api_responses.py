@@ -327,7 +327,10 @@ def from_chat(chat: dict[str, Any]) -> dict[str, Any]:
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
-    """OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}` (type by status)."""
+    """OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}` (type by status).
+    A message of the chat-completions checks about `max_tokens` names this API's `max_output_tokens`."""
+    if message.startswith("max_tokens "):
+        message = "max_output_tokens " + message[len("max_tokens "):]
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     code = "model_not_found" if status == 404 and message.startswith("model ") else None
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
