@@ -228,6 +228,11 @@ def serve_http(
                           help=f"Connections served at once from one client address (more: HTTP 503 and closed; "
                                f"all clients together: {MAX_CONNECTIONS}).")
     ] = 64,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", envvar="KVTOOL_API_KEY", show_envvar=True, show_default=False,
+                                 help="Require this key on every request (x-api-key or Authorization: Bearer; "
+                                      "else HTTP 401). Never logged.")
+    ] = None,
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
@@ -249,7 +254,8 @@ def serve_http(
                             decode_concurrency=decode_concurrency,
                             prompt_concurrency=prompt_concurrency, log_level=level,
                             max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
-                            head_timeout_s=head_timeout_s, max_connections_per_peer=max_connections_per_peer, **extra)
+                            head_timeout_s=head_timeout_s, max_connections_per_peer=max_connections_per_peer,
+                            api_key=api_key, **extra)
             code = _run(server, make_config)
     except common.Interrupted as exc:  # before serving started: nothing was written
         code = 128 + exc.signum
@@ -299,7 +305,8 @@ def _describe(server) -> str:
     limits = server.limits
     return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
             f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
-            f"body <= {format_size(limits.max_body_bytes)}")
+            f"body <= {format_size(limits.max_body_bytes)}"
+            f"{' | API key required' if getattr(server.httpd, 'kvtool_api_key', None) else ''}")
 
 
 def _is_loopback(host: str) -> bool:

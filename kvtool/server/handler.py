@@ -34,20 +34,17 @@ import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote
 
 from kvtool.prom import CacheMetrics
-from kvtool.server import validation
+from kvtool.server import api_routes, apis, validation
 from kvtool.server.adapter import KVToolPromptCache
+from kvtool.server.head_reader import HeadReader
 from kvtool.server.validation import RequestError
 from kvtool.server.watchdog import RequestGuard, error_status
 
 log = logging.getLogger("kvtool.server")
-if TYPE_CHECKING:  # the handler methods' view of mlx-lm's APIHandler
-    from http.server import BaseHTTPRequestHandler as _Base
-else:
-    _Base = object
 
 STATS_PATH = "/kvtool/stats"
 METRICS_PATH = "/metrics"  # Prometheus text format (kvtool.prom)
@@ -112,7 +109,7 @@ class _Capture:
         return getattr(self._generator, name)
 
 
-class _KVToolHandler(_Base):
+class _KVToolHandler(apis.ApiHandlerMixin):
     """What kvtool adds to mlx-lm's `APIHandler` (`make_handler_class` puts it first in the MRO, so
     that `super()` is mlx-lm's handler): request checks, `GET /kvtool/stats`, `GET /metrics`,
     a served-model `/v1/models`, errors answered with their own status."""
@@ -136,7 +133,7 @@ class _KVToolHandler(_Base):
         `TimeoutError` past it, which the base class answers by closing the connection)."""
         raw = self.rfile
         limit = getattr(self.server, "kvtool_head_timeout_s", HEAD_TIMEOUT_S)
-        self.rfile = _HeadReader(raw, self.connection, time.monotonic() + limit, self.timeout, limit)
+        self.rfile = HeadReader(raw, self.connection, time.monotonic() + limit, self.timeout, limit)
         self.kvtool_raw_rfile = raw
         try:
             super().handle_one_request()  # BaseHTTPRequestHandler (under mlx-lm's APIHandler)
@@ -145,13 +142,13 @@ class _KVToolHandler(_Base):
 
     def parse_request(self):
         try:
-            return super().parse_request()  # reads the headers through _HeadReader
+            return super().parse_request()  # reads the headers through HeadReader
         finally:
             self._end_head()
 
     def _end_head(self) -> None:
         """The head is read: the body and the answer get the per-read socket timeout again."""
-        if isinstance(self.rfile, _HeadReader):
+        if isinstance(self.rfile, HeadReader):
             self.rfile = self.kvtool_raw_rfile
             try:
                 self.connection.settimeout(self.timeout)
@@ -160,6 +157,9 @@ class _KVToolHandler(_Base):
 
     # ------------------------------------------------------------- routes
     def do_GET(self):  # noqa: N802 - http.server naming
+        self.kvtool_body_read = True
+        if not self.api_authorized(None):
+            return
         route = self.path.split("?", 1)[0]
         if route == STATS_PATH:
             stats = self.kvtool_cache.stats()
@@ -193,11 +193,19 @@ class _KVToolHandler(_Base):
     def do_POST(self):  # noqa: N802 - http.server naming
         self.kvtool_t0 = time.perf_counter()
         self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
-        if self.path not in validation.COMPLETION_PATHS:
+        api, counter = api_routes.lookup(self.path)
+        if not self.api_authorized(api or counter):
+            return
+        if self.path not in validation.COMPLETION_PATHS and api is None and counter is None:
             self._refuse(RequestError(404, f"no such route: POST {self.path[:100]}"))
             return
         try:
             body = self._read_body()
+            if counter is not None:
+                self._send_json(200, self.api_count(counter, body))
+                return
+            if api is not None:
+                body = self.api_begin(api, body)
             validation.check_request(body, self.path, self.kvtool_guard.limits)
         except RequestError as exc:
             self._refuse(exc)
@@ -206,10 +214,13 @@ class _KVToolHandler(_Base):
         data = json.dumps(body).encode()
         self.headers.replace_header("Content-Length", str(len(data)))
         rfile, self.rfile = self.rfile, io.BytesIO(data)
+        wfile = self.wfile
+        if api is not None:
+            self.wfile = apis.ApiWriter(wfile, api)
         try:
             super().do_POST()
         finally:
-            self.rfile = rfile
+            self.rfile, self.wfile = rfile, wfile
 
     def handle_completion(self, request, stop_words):
         shared = self.response_generator
@@ -232,7 +243,7 @@ class _KVToolHandler(_Base):
             self.kvtool_guard.count_rejected(status_code)
             log.warning("request refused (%d): %s: %s", status_code, type(exc).__name__,
                         " ".join(str(exc).split())[:300])
-        super()._set_completion_headers(status_code)  # type: ignore[misc]  # mlx-lm APIHandler
+        super()._set_completion_headers(status_code)  # the mixin, then mlx-lm APIHandler
 
     def flush_headers(self):
         self.kvtool_headers_sent = True
@@ -251,7 +262,7 @@ class _KVToolHandler(_Base):
 
     def _send_json(self, status: int, doc: Any) -> None:
         data = json.dumps(doc, default=str).encode()
-        self._send(data, lambda: super(_KVToolHandler, self)._set_completion_headers(status))  # type: ignore[misc]
+        self._send(data, lambda: super(_KVToolHandler, self)._set_completion_headers(status))
 
     def _send(self, data: bytes, head: Any) -> None:
         """`head()` (the status line and headers but the length), then `data`; a client gone meanwhile closes."""
@@ -268,7 +279,7 @@ class _KVToolHandler(_Base):
         self.kvtool_guard.count_rejected(exc.status)
         log.info("request refused (%d): %s", exc.status, exc.message)
         self.close_connection = True
-        self._send_json(exc.status, {"error": exc.message})
+        self._send_json(exc.status, self.api_error_doc(exc.status, exc.message))
         if not self.kvtool_body_read:
             self._linger()
 
@@ -301,7 +312,7 @@ class _KVToolHandler(_Base):
             buffered = getattr(self, "_headers_buffer", None)
             if buffered:
                 buffered.clear()  # mlx-lm's 200 status line, not sent yet
-            self._send_json(status, {"error": message})
+            self._send_json(status, self.api_error_doc(status, message))
             return
         try:
             self.wfile.write(f"data: {json.dumps({'error': {'message': message, 'code': status}})}\n\n".encode())
@@ -361,28 +372,6 @@ class _KVToolHandler(_Base):
         return 0
 
 
-class _HeadReader:
-    """The connection's reader while the request head is read: each `readline` waits at most
-    until `deadline` (monotonic seconds).
-
-    Raises (from `readline`):
-        TimeoutError: the deadline passed (the head did not arrive within `limit_s`).
-    """
-
-    def __init__(self, raw: Any, sock: socket.socket, deadline: float, timeout: float, limit_s: float):
-        self._raw, self._sock, self._deadline, self._timeout, self._limit = raw, sock, deadline, timeout, limit_s
-
-    def readline(self, size: int = -1) -> bytes:
-        left = self._deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"request head not received within {self._limit:g} s")
-        self._sock.settimeout(min(self._timeout, left))
-        return self._raw.readline(size)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._raw, name)
-
-
 def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: CacheMetrics | None = None):
     """mlx-lm's `APIHandler` plus request checks, `GET /kvtool/stats`, `GET /metrics` (when
     `metrics` is given) and a served-model `/v1/models` (`_KVToolHandler`)."""
@@ -429,6 +418,7 @@ class _HTTPServer(ThreadingHTTPServer):
     kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
     kvtool_head_timeout_s: float = HEAD_TIMEOUT_S  # seconds for a whole request head (the handler reads it)
     kvtool_max_per_peer: int = MAX_CONNECTIONS_PER_PEER  # connections at once from one client address
+    kvtool_api_key: str | None = None  # the key every request must carry (`--api-key`; never logged)
 
     def __init__(self, *args: Any, **kwargs: Any):
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)

@@ -98,6 +98,8 @@ class KVToolServer:
             keep-alive connection); past it the connection is closed.
         max_connections_per_peer: connections served at once from one client address (more are
             answered 503 and closed; all addresses together: `MAX_CONNECTIONS`).
+        api_key: when given, every request must carry it (`x-api-key` or `Authorization: Bearer`;
+            401 otherwise; `kvtool.server.apis.check_api_key`).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
             `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
             option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
@@ -115,7 +117,8 @@ class KVToolServer:
     def __init__(self, model: str, config: KVToolConfig, *, host: str = "127.0.0.1", port: int = 8080,
                  adapter_path: str | None = None, max_prompt_tokens: int | None = None,
                  max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
-                 max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER, **server_options: Any):
+                 max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER, api_key: str | None = None,
+                 **server_options: Any):
         from mlx_lm.server import ModelProvider
 
         from kvtool.cache.prefix import PrefixCache
@@ -156,6 +159,7 @@ class KVToolServer:
                 raise ServerStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
             self.httpd.kvtool_head_timeout_s = head_timeout_s
             self.httpd.kvtool_max_per_peer = max_connections_per_peer
+            self.httpd.kvtool_api_key = api_key or None
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
                                                      max_prompt_tokens=self.limits.max_prompt_tokens)
