@@ -17,8 +17,10 @@ COUNTERS: dict[str, TokenCounter] = {_MESSAGES.route + "/count_tokens": _MESSAGE
 
 
 def lookup(path: str) -> tuple[ApiTranslation | None, TokenCounter | None]:
-    """`(translation, counter)` of a POST path (query string included: no match)."""
-    return TRANSLATIONS.get(path), COUNTERS.get(path)
+    """`(translation, counter)` of a POST path; its query string is ignored (the SDKs' beta
+    clients, and so Claude Code, post to `/v1/messages?beta=true`)."""
+    route = path.split("?", 1)[0]
+    return TRANSLATIONS.get(route), COUNTERS.get(route)
 
 
 __all__ = ["TRANSLATIONS", "COUNTERS", "lookup"]
