@@ -102,9 +102,13 @@ def test_items_become_chat_messages_with_tool_calls_and_tool_results():
     assert validation.check_request(chat, "/v1/chat/completions", validation.Limits(model_names=("m",))) is chat
 
 
-def test_tool_choice_none_sends_no_tools():
+def test_tool_choice_none_sends_no_tools_and_other_tool_types_are_dropped():
     chat = to_chat({"input": "hi", "tool_choice": "none", "tools": [{"type": "function", "name": "f"}]})
     assert "tools" not in chat and chat["model"] == "default_model"
+    chat = to_chat({"input": "hi", "tools": [{"type": "web_search"}, {"type": "custom", "name": "apply_patch"},
+                                             {"type": "function", "name": "f"}]})
+    assert [t["function"]["name"] for t in chat["tools"]] == ["f"]
+    assert "tools" not in to_chat({"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": []}]})
 
 
 @pytest.mark.parametrize("body, message", [
@@ -123,7 +127,8 @@ def test_tool_choice_none_sends_no_tools():
     ({"input": "x", "temperature": "0.5"}, "temperature: Input should be a valid number"),
     ({"input": "x", "stream": "yes"}, "stream: Input should be a valid boolean"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens: Input should be greater than or equal to 1"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type: Input should be 'function'"),
+    ({"input": "x", "tools": [{"type": "function", "description": "no name"}]}, "tools[0].name: Field required"),
+    ({"input": "x", "tools": [5]}, "tools[0]: must be an object with a string type"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice: Input should be 'auto' or 'none'"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id is not supported: kvtool serve keeps "
                                                        "no responses; resend the whole conversation"),

@@ -16,8 +16,9 @@ Mapping of a request:
   `output_text` parts), `function_call` items (joined to the assistant message before them as
   chat `tool_calls`), `function_call_output` items (→ `role: "tool"` messages), `reasoning`
   items (dropped: the chat template gets no earlier reasoning). Any other item type is a 400.
-- `instructions` → a first `system` message; `tools` (function tools only) → chat function
-  tools; `tool_choice` `auto` (default) or `none` (the tools are not sent); `max_output_tokens` →
+- `instructions` → a first `system` message; `tools`: function tools → chat function tools,
+  other types dropped (built-in tools run on OpenAI's side, custom tools need grammar-constrained
+  output: nothing here runs either); `tool_choice` `auto` (default) or `none` (the tools are not sent); `max_output_tokens` →
   `max_tokens`; `temperature`, `top_p`, `model`, `stream` as they are (a stream asks for usage).
 - `previous_response_id` is refused (400): the server keeps no responses, so a client resends the
   whole conversation (`store` is accepted and ignored: nothing is stored). `metadata`,
@@ -104,13 +105,30 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
+class OtherTool(_Model):
+    """A tool of another type: built-in tools (`web_search`, `file_search`, ...) run on OpenAI's
+    side, `custom` tools need grammar-constrained output; none of them runs here: dropped."""
+
+    type: str
+
+
+def _tool_type(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "function" if value.get("type") == "function" else "other"
+    return None
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool, Tag("other")],
+                 Discriminator(_tool_type)]
+
+
 class ResponsesRequest(_Model):
     """The fields of a Responses request that kvtool uses (others are ignored)."""
 
     model: str = "default_model"
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -123,6 +141,7 @@ class ResponsesRequest(_Model):
 
 BRANCH_WORDS = {"str": "a string", "list": "a list", "dict": "an object"}  # union branches in pydantic's error locations
 ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
+UNION_TAGS = ITEM_TAGS + ("function", "other")  # the tags of `InputItem` and `Tool`
 
 
 def _is_branch(part: str | int) -> bool:
@@ -131,12 +150,12 @@ def _is_branch(part: str | int) -> bool:
 
 def _path(loc: tuple[str | int, ...]) -> str:
     """`input[0].content` from pydantic's `("input", "list[...]", 0, "message", "content")`:
-    union branches and the item tag after an index left out."""
+    union branches and the union tag after an index left out."""
     path, prev = "", None
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not _is_branch(part) and not (isinstance(prev, int) and part in ITEM_TAGS):
+        elif not _is_branch(part) and not (isinstance(prev, int) and part in UNION_TAGS):
             path += f".{part}" if path else part
         prev = part
     return path or "body"
@@ -163,8 +182,8 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     """A Responses request body as `ResponsesRequest`.
 
     Raises:
-        RequestError: 400 for a mistyped or missing field, an unknown item type, a non-function
-            tool, a `tool_choice` other than auto/none, or a `previous_response_id`.
+        RequestError: 400 for a mistyped or missing field, an unknown item type, a
+            `tool_choice` other than auto/none, or a `previous_response_id`.
     """
     if body.get("previous_response_id") is not None:
         raise RequestError(400, "previous_response_id is not supported: kvtool serve keeps no responses; "
@@ -233,8 +252,10 @@ def to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """
     req = parse_request(body)
     chat: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
-    if req.tools and req.tool_choice != "none":
-        chat["tools"] = [_chat_tool(t) for t in req.tools]
+    if req.tools and req.tool_choice != "none":  # other tool types are dropped (`OtherTool`)
+        tools = [_chat_tool(t) for t in req.tools if isinstance(t, FunctionTool)]
+        if tools:
+            chat["tools"] = tools
     if req.max_output_tokens is not None:
         chat["max_tokens"] = req.max_output_tokens
     for name in ("temperature", "top_p"):
