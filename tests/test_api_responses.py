@@ -143,6 +143,7 @@ def test_errors_have_openais_shape():
                               "param": None, "code": None}}
     assert API.error_body(404, "model 'x' is not served here")["error"]["code"] == "model_not_found"
     assert API.error_body(503, "generation stopped")["error"]["type"] == "server_error"
+    assert API.error_body(401, "invalid or missing API key")["error"]["code"] == "invalid_api_key"
     assert API.error_body(400, "max_tokens must be an integer from 1 to 8")["error"]["message"] == \
         "max_output_tokens must be an integer from 1 to 8"  # kvtool's chat check, in this API's terms
 
@@ -374,3 +375,19 @@ def test_e2e_bad_input_is_openais_error_shape(served, body, status, message):
         c.responses.create(**body)
     assert info.value.status_code == status and info.value.body["message"].startswith(message)
     assert greedy(c, "Still there?").output_text  # the server answers after
+
+
+@pytest.mark.slow
+def test_e2e_the_api_key_is_required_in_openais_error_shape(tmp_path):
+    from tests.test_serve_http import start_kvtool
+    proc = start_kvtool(tmp_path, "keyed", "--api-key", "s3cret")
+    try:
+        wrong = openai.OpenAI(base_url=proc.url + "/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as info:
+            wrong.responses.create(model="default_model", input="hi", max_output_tokens=2)
+        assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"
+        assert set(info.value.body) == {"message", "type", "param", "code"}
+        right = openai.OpenAI(base_url=proc.url + "/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert right.responses.create(model="default_model", input="hi", max_output_tokens=2).usage.output_tokens == 2
+    finally:
+        proc.stop()

@@ -43,6 +43,7 @@ from kvtool.server.validation import RequestError
 ROUTE = "/v1/responses"
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
                411: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+ERROR_CODES = {401: "invalid_api_key"}  # OpenAI's `code` where it has one for the status
 
 
 # ----------------------------------------------------------------------------- request models
@@ -353,7 +354,7 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     if message.startswith("max_tokens "):
         message = "max_output_tokens " + message[len("max_tokens "):]
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    code = "model_not_found" if status == 404 and message.startswith("model ") else None
+    code = "model_not_found" if status == 404 and message.startswith("model ") else ERROR_CODES.get(status)
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
