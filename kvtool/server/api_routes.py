@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 from kvtool.server.api_messages import MessagesApi
+from kvtool.server.api_responses import ResponsesApi
 from kvtool.server.apis import ApiTranslation, TokenCounter
 
 _MESSAGES = MessagesApi()
 
-TRANSLATIONS: dict[str, ApiTranslation] = {api.route: api for api in (_MESSAGES,)}
+TRANSLATIONS: dict[str, ApiTranslation] = {api.route: api for api in (_MESSAGES, ResponsesApi())}
 COUNTERS: dict[str, TokenCounter] = {_MESSAGES.route + "/count_tokens": _MESSAGES}
 
 
