@@ -161,6 +161,36 @@ def test_cli_json_on_the_sample(monkeypatch, tmp_path):
     assert points[2]["hit_rate"] >= points[0]["hit_rate"]  # an SSD tier never loses hits here
     assert sorted(Path(f).name for f in doc["files"]) == ["plan.csv", "plan.json", "plan.png"]
     assert len((tmp_path / "plan" / "plan.csv").read_text().splitlines()) == 5
+    assert doc["git_commit"] and doc["machine"]["cpu_cores"] >= 1 and doc["machine"]["load_avg"]
+
+
+def test_plan_chart_marks_the_budgets_and_names_machine_commit_and_trace():
+    from kvtool.bench.plan_chart import plot_plan, tokens_label
+    from kvtool.bench.trace_plan import PlanPoint
+
+    points = [PlanPoint("conversation", "write_through", 1 << 30, ssd, prompt_tokens=100, ram_hit_tokens=10,
+                        ssd_hit_tokens=10 * i, max_hit_tokens=40) for i, ssd in enumerate((0, 1 << 33, 1 << 34))]
+    for p in points:
+        p.finish()
+    doc = {"kv_bytes_per_token": 1024, "traces": {"conversation": {"path": "/x/conversation_trace.jsonl", "requests": 300}},
+           "wall_s": 12.0, "git_commit": "0123456789abcdef", "machine": {"cpu_model": "CPU X", "cpu_cores": 2,
+                                                                       "ram_bytes": 8 << 30, "load_avg": [1.5, 1.0, 0.5]}}
+    fig = plot_plan(doc, points)
+    try:
+        (ax,) = fig.axes[:1]
+        (top,) = ax.child_axes  # the budgets swept, at the capacity each gives
+        assert [t.get_text() for t in top.get_xticklabels()] == ["RAM only", "SSD 8.0 GiB", "SSD 16.0 GiB"]
+        assert list(top.get_xticks()) == [(1 << 30) / 1024, ((1 << 30) + (1 << 33)) / 1024, ((1 << 30) + (1 << 34)) / 1024]
+        assert "conversation" in fig.get_suptitle() and "1,024 KV bytes/token" in fig.get_suptitle()
+        foot = fig.get_supxlabel()
+        for part in ("CPU X, 2 cores, 8 GiB RAM", "1.50, 1.00, 0.50", "commit 0123456789", "conversation_trace.jsonl (300 requests)"):
+            assert part in foot, foot
+        assert [t.get_text() for t in ax.texts] == ["10.0%", "20.0%", "30.0%"]  # each point's hit rate
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    assert [tokens_label(v) for v in (999, 1e4, 3e6, 1e9)] == ["999", "10k", "3M", "1G"]
 
 
 # ---------------------------------------------------------------- serving vs plan

@@ -266,7 +266,10 @@ def _markdown(doc: dict[str, Any], cells: pd.DataFrame, cmp: pd.DataFrame, misma
              f"`{cfg.get('arrival', 'closed')}`, {cfg.get('repeats', 3)} repeat(s) per cell (kvtool and mlx-lm "
              f"alternate which runs first), max_tokens {cfg.get('max_tokens', 8)}, greedy, streamed. Git "
              f"{doc.get('git_commit')}, {doc.get('machine', {}).get('cpu_model')} "
-             f"({doc.get('machine', {}).get('cpu_cores')} cores), {doc.get('duration_s')} s.", "",
+             f"({doc.get('machine', {}).get('cpu_cores')} cores), {doc.get('duration_s')} s."
+             + (" The `trace` workload arrives at its own times (`clients` caps the requests in flight); a Mooncake "
+                "trace's requests generate their own output lengths." if "trace" in (cfg.get("workloads") or {}) else ""),
+             "",
              "Every figure is the **mean over the repeats** of a per-batch value with its **95 % percentile "
              "bootstrap interval** in brackets (10,000 resamples of the repeats, fixed seed; "
              "`kvtool/bench/loadstats.py`). kvtool **wins** or **loses** only when its interval and mlx-lm's do "

@@ -25,9 +25,14 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
 - `restart`: `prompts` documents of `prompt_tokens` with a question each (`before`), then the
   server is restarted (SIGTERM, same cache directory) and each document gets a new question in a
   shuffled order (`after`, the measured half). mlx-lm is restarted too (its cache is in memory).
-- `trace`: replay of a JSONL file (`path`, relative to the config file), one request per line:
+- `trace`: replay of a JSONL file (`path`, relative to the config file), one request per line,
+  in one of two formats (`format = "auto"` tells them apart by the first line): `prompts`,
   `{"t": arrival s, "prompt": "..." | "messages": [...], "max_tokens": n}` (`prompt` becomes one
-  user message; `max_tokens` defaults to the config's); sent at `t` x `time_scale`.
+  user message; `max_tokens` defaults to the config's); or a Mooncake trace (`mooncake`:
+  `timestamp`, `input_length`, `output_length`, `hash_ids`), whose block ids become fixed token
+  blocks (`kvtool.bench.trace_replay`: `block_tokens`, `output_scale`, `max_output_tokens`,
+  `shared_prefix_blocks`). Either takes a window (`start`, `end`, `start_s`, `end_s`,
+  `requests`); a request is sent at `t` / `speedup` x `time_scale`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ from typing import Any
 import numpy as np
 
 from kvtool.bench.loadgen import LoadRequest
+from kvtool.bench.trace_replay import (
+    MOONCAKE_ONLY,
+    TRACE_FORMATS,
+    TRACE_REPLAY_DEFAULTS,
+    mooncake_requests,
+    trace_format,
+    window_prompts,
+)
 from kvtool.bench.workloads import count, merge_params, positive_number, size_field
 from kvtool.config import ConfigError
 
@@ -54,14 +67,16 @@ LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
                    "ram_bytes": 1 << 20},
     "long-doc-qa": {"documents": 4, "doc_tokens": 1024, "question_tokens": 16, "queries": 16},
     "restart": {"prompts": 8, "prompt_tokens": 1024, "question_tokens": 16},
-    "trace": {"path": "", "time_scale": 1.0},
+    "trace": {"path": "", "time_scale": 1.0, **TRACE_REPLAY_DEFAULTS},
 }
 LOAD_WORKLOADS = tuple(LOAD_WORKLOAD_DEFAULTS)
 MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa": ("query",),
             "restart": ("after",), "trace": ("trace",)}
 RESTART_BEFORE = {"restart": "after"}  # workload -> the phase the servers are restarted before
-_FLOATS = {"working_set_factor", "time_scale"}
-_STRINGS = {"path"}
+_FLOATS = {"working_set_factor", "time_scale", "speedup", "output_scale"}
+_SECONDS = {"start_s", "end_s"}  # numbers >= 0
+_STRINGS = {"path", "format"}
+_ZERO_OK = {"conversations", "start", "end", "requests", "max_output_tokens", "shared_prefix_blocks"}
 
 
 @dataclass(frozen=True)
@@ -112,15 +127,23 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(field, f"must be a size > 0 (bytes or e.g. '1MiB'), got {value!r}")
             return value
+        if key in _SECONDS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ConfigError(field, f"must be a number of seconds >= 0, got {value!r}")
+            return float(value)
         if key in _STRINGS:
-            if not isinstance(value, str):
-                raise ConfigError(field, f"must be a string, got {value!r}")
+            if not isinstance(value, str) or (key == "format" and value not in TRACE_FORMATS):
+                raise ConfigError(field, f"must be {'one of ' + ', '.join(TRACE_FORMATS) if key == 'format' else 'a string'}"
+                                         f", got {value!r}")
             return value
-        return count(value, field, zero_ok=key == "conversations")
+        return count(value, field, zero_ok=key in _ZERO_OK)
 
     merged = merge_params(LOAD_WORKLOAD_DEFAULTS, name, params, where, check)
     if name == "trace" and not merged["path"]:
-        raise ConfigError(f"{where}.{name}.path", "required: a JSONL file of {\"t\", \"prompt\"|\"messages\"} lines")
+        raise ConfigError(f"{where}.{name}.path", "required: a JSONL file of {\"t\", \"prompt\"|\"messages\"} lines "
+                                                  "or a Mooncake trace")
+    if name == "trace" and merged["end"] and merged["end"] <= merged["start"]:
+        raise ConfigError(f"{where}.{name}.end", f"must be 0 (to the end) or > start ({merged['start']})")
     return merged
 
 
@@ -175,7 +198,7 @@ def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed:
         params: its parameters (validated here).
         tokenizer: the model's tokenizer (see `TextSource`).
         seed: the same seed gives the same requests.
-        max_tokens: tokens generated per request (tokens; a trace line's own value wins).
+        max_tokens: tokens generated per request (tokens; a prompt trace line's own value, or a Mooncake trace's output length, wins).
         model_dir: the model directory (for `multi-turn`'s KV size per token).
         base_dir: where a relative trace `path` is resolved (the config file's directory).
     """
@@ -185,7 +208,14 @@ def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed:
         path = Path(p["path"]).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = base_dir / path
-        reqs = load_trace(path, max_tokens)
+        p["format"] = trace_format(path, p["format"])
+        if p["format"] == "mooncake":
+            reqs = mooncake_requests(path, p, tokenizer)
+        else:
+            moved = [k for k in MOONCAKE_ONLY if p[k] != TRACE_REPLAY_DEFAULTS[k]]
+            if moved:
+                raise ConfigError(f"serve_load.workloads.trace.{moved[0]}", "applies to Mooncake traces only")
+            reqs = window_prompts(load_trace(path, max_tokens), p)
         return LoadWorkload(name, tuple(reqs), ("trace",), MEASURED[name], None, {**p, "path": str(path)})
     src = TextSource(tokenizer, rng)
     ram = None

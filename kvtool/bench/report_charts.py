@@ -62,15 +62,25 @@ def save(fig: plt.Figure, path: Path) -> Path:
 def footer(fig: plt.Figure, run: dict[str, Any] | None, repeats: int, extra: str = "") -> None:
     """Machine, load average at the start, commit and repeats under the panels (`fig.supxlabel`)."""
     run = run or {}
-    m = run.get("machine") or {}
+    parts = [*machine_parts(run.get("machine")), f"commit {str(run.get('git_commit') or '?')[:10]}",
+             f"{repeats} repeat(s) per cell", f"run {run.get('run_id') or '?'}"]
+    footer_text(fig, " | ".join(parts) + (f"\n{extra}" if extra else ""))
+
+
+def machine_parts(machine: dict[str, Any] | None) -> list[str]:
+    """The footer's machine (CPU, cores, RAM) and load average at the start, from a
+    `kvtool.bench.machine.machine_info` record (`?` / `not recorded` where absent)."""
+    m = machine or {}
     ram = m.get("ram_bytes")
     load = m.get("load_avg")
-    parts = [f"machine: {m.get('cpu_model') or '?'}, {m.get('cpu_cores') or '?'} cores, "
-             + (f"{ram / (1 << 30):.0f} GiB RAM" if isinstance(ram, (int, float)) else "? RAM"),
-             "load avg at start: " + (", ".join(f"{x:.2f}" for x in load) if load else "not recorded"),
-             f"commit {str(run.get('git_commit') or '?')[:10]}", f"{repeats} repeat(s) per cell",
-             f"run {run.get('run_id') or '?'}"]
-    fig.supxlabel(" | ".join(parts) + (f"\n{extra}" if extra else ""), fontsize=8, color="#333333")
+    return [f"machine: {m.get('cpu_model') or '?'}, {m.get('cpu_cores') or '?'} cores, "
+            + (f"{ram / (1 << 30):.0f} GiB RAM" if isinstance(ram, (int, float)) else "? RAM"),
+            "load avg at start: " + (", ".join(f"{x:.2f}" for x in load) if load else "not recorded")]
+
+
+def footer_text(fig: plt.Figure, text: str) -> None:
+    """`text` as the figure's footer (`fig.supxlabel`, the charts' small grey type)."""
+    fig.supxlabel(text, fontsize=8, color="#333333")
 
 
 def grid_label(cell: str, kind: str) -> str:

@@ -68,8 +68,10 @@ def bench_plan(
     json_out: common.JsonOpt = False,
 ) -> None:
     with common.cli_errors():
+        from kvtool.bench.machine import git_commit, machine_info
+        from kvtool.bench.plan_chart import write_plan
         from kvtool.bench.trace import read_trace, resolve_trace
-        from kvtool.bench.trace_plan import PlanPoint, replay, write_plan
+        from kvtool.bench.trace_plan import PlanPoint, replay
         from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
 
         kv = kv_of(kv_bytes_per_token)
@@ -78,6 +80,7 @@ def bench_plan(
         loaded = {name: read_trace(path, limit) for name, path in traces.items()}
     total = sum(len(r) for r in loaded.values()) * len(grid)
     points: list[PlanPoint] = []
+    machine = machine_info(out if out is not None else Path("."))  # the load average at the start
     t0 = time.monotonic()
     with progress("kvtool bench-plan", bar=not json_out or not stderr_is_terminal()) as bar:
         task = bar.add_task("requests", total=total) if bar is not None else None
@@ -94,7 +97,8 @@ def bench_plan(
                 replay(requests, point, kv, tick)
                 points.append(point)
     doc = {"kv_bytes_per_token": kv, "traces": {n: {"path": str(p), "requests": len(loaded[n])} for n, p in traces.items()},
-           "wall_s": round(time.monotonic() - t0, 2), "points": [p.record() for p in points]}  # fmt: skip
+           "wall_s": round(time.monotonic() - t0, 2), "machine": machine, "git_commit": git_commit(),
+           "points": [p.record() for p in points]}  # fmt: skip
     if out is not None:
         with common.cli_errors():
             doc["files"] = [str(f) for f in write_plan(out, doc, points)]
