@@ -7,7 +7,7 @@
 - what the probe cannot decide (the switch off, quantized KV) is a no with its reason;
 - end to end: a two-turn chat through a real `kvtool serve`, turn 2 re-sending turn 1's reply:
   turn 2's cached tokens cover turn 1's prompt and reply minus at most one block, its greedy
-  output equals plain `mlx_lm.server`'s; with `reply_cache = false` only turn 1's prompt hits.
+  output equals plain `mlx_lm.server`'s; with `--no-reply-cache` only turn 1's prompt hits.
 """
 
 from __future__ import annotations
@@ -120,16 +120,15 @@ def _two_turns(c) -> tuple[tuple, tuple]:
 @pytest.mark.slow
 def test_an_agents_next_turn_reuses_the_reply(tmp_path):
     model_path = kvtool_cli("model", "path", "tiny").stdout.strip()
-    on_cfg, off_cfg = tmp_path / "on.toml", tmp_path / "off.toml"
+    cfg = tmp_path / "kv.toml"
     (tmp_path / "on").mkdir()
     (tmp_path / "off").mkdir()
-    on_cfg.write_text(f"block_size = {BS}\n")
-    off_cfg.write_text(f"block_size = {BS}\nreply_cache = false\n")
+    cfg.write_text(f"block_size = {BS}\n")
     oracle = start_oracle(tmp_path, model_path)
     procs = [oracle]
     try:
         want1, want2 = _two_turns(client(oracle))
-        on = start_kvtool(tmp_path / "on", "on", "--config", str(on_cfg))
+        on = start_kvtool(tmp_path / "on", "on", "--config", str(cfg))
         procs.append(on)
         assert "reply KV reuse on: measured: decode KV is bit-identical" in on.text() or not reply.device().startswith("cpu")
         t1, t2 = _two_turns(client(on))
@@ -140,7 +139,7 @@ def test_an_agents_next_turn_reuses_the_reply(tmp_path):
         sent = t1[1] + t1[2]  # turn 1's prompt and reply, re-sent by turn 2
         assert sent - BS <= t2[3] <= t2[1], (t1, t2)
 
-        off = start_kvtool(tmp_path / "off", "off", "--config", str(off_cfg))
+        off = start_kvtool(tmp_path / "off", "off", "--config", str(cfg), "--no-reply-cache")
         procs.append(off)
         assert "reply KV reuse off: turned off (reply_cache = false)" in off.text()
         o1, o2 = _two_turns(client(off))
