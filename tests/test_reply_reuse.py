@@ -101,6 +101,43 @@ def test_what_the_probe_cannot_decide_is_a_no(tiny_model, tmp_path):
     assert reply.RUNS == runs  # nothing measured
 
 
+def test_the_final_insert_stores_the_reply_blocks_the_cache_holds(tiny_model, tmp_path):
+    """mlx-lm's final insert: `tokens` = prompt + generated, the cache may lack the last sampled
+    token's KV: only full blocks within the cache's offset are stored; a later prompt re-sending
+    the reply hits them. A reconfiguration does not measure; a known verdict carries over."""
+    from kvtool.server import KVToolPromptCache
+    from tests.test_serve_http import _run
+
+    runs = reply.RUNS
+    pc = prefix_cache(tiny_model, tmp_path / "c")
+    adapter = KVToolPromptCache(pc, model_key="M", model=tiny_model.model)
+    try:
+        verdict = reply.ensure(pc, tiny_model.model)
+        assert adapter.reply_reuse == reply.ReplyReuse(verdict.exact, verdict.describe()) and reply.RUNS == runs + 1
+        if not verdict.exact:
+            pytest.skip(f"this device's decode KV differs from prefill KV: {verdict.reason}")
+        prompt = reply.probe_ids(40, salt=5)  # 2 full blocks of 16 + 8 tokens
+        generated = reply.probe_ids(24, salt=9)  # 64 tokens in all; the cache holds 63 of them
+        adapter.fetch_nearest_cache("M", prompt)
+        adapter.insert_cache("M", prompt + generated, _run(tiny_model.model, prompt + generated[:-1]))
+        st = adapter.stats()
+        assert st["reply_kv_reuse"] == {"enabled": True, "reason": verdict.describe()}
+        assert st["adapter"]["reply_blocks_stored"] == 1  # block 3 (tokens 32..47); block 4 ends past the cache
+        assert st["adapter"]["blocks_stored"] == 4  # the prompt's 2 blocks and tail entry, then the reply block
+        cache, rest = adapter.fetch_nearest_cache("M", prompt + generated + [7])
+        assert len(rest) == 64 + 1 - 48 and cache[0].offset == 48
+
+        adapter.reconfigure(pc.config.replace(reply_cache=False))
+        assert adapter.reply_reuse == reply.ReplyReuse(False, "turned off (reply_cache = false)")
+        reply._memo.clear()
+        adapter.reconfigure(pc.config.replace(reply_cache=True, block_size=8))  # a new namespace: not measured
+        assert not adapter.reply_reuse.enabled and adapter.reply_reuse.reason.startswith("not measured")
+        adapter.reconfigure(pc.config.replace(block_size=16))  # the first namespace holds the verdict
+        assert adapter.reply_reuse.enabled and reply.RUNS == runs + 1
+    finally:
+        adapter.close()
+
+
 # --------------------------------------------------------------------------- end to end
 def _turn(c, messages) -> tuple[str, int, int, int]:
     """(text, prompt tokens, completion tokens, cached tokens) of a greedy chat request."""

@@ -8,10 +8,11 @@ bits (another attention kernel for one query, another matmul tiling), so whether
 KV equals its prefill KV is measured here, per model and backend, never assumed:
 
 - *decode*: the probe prompt (`PROBE_TOKENS`) through mlx-lm's `generate_step` (its prefill, then
-  `DECODE_STEPS` greedy one-token forwards), and the probe prompt with a shorter one together
-  through mlx-lm's `BatchGenerator` (what `mlx_lm.server` runs: batched prefill with left padding,
-  the prompt's last token forwarded alone, batched decode), the caches taken as the server's
-  final insert gets them (`extract_cache`);
+  `DECODE_STEPS` greedy one-token forwards), and the probe prompt
+  alone, with one and with three shorter ones through mlx-lm's `BatchGenerator` (what
+  `mlx_lm.server` runs: batched prefill with left padding, the prompt's last token forwarded
+  alone, batched decode; batches of 1, 2 and 4), the caches taken as the server's final insert
+  gets them (`extract_cache`);
 - *prefill*: the tokens each cache holds (its `offset`), forwarded as one chunk into a fresh cache.
 
 The keys and values of every position from the prompt's last token (the first one mlx-lm forwards
@@ -25,7 +26,9 @@ The verdict is stored in the namespace's index meta next to the self-check's (ke
 JSON), with the code digest of the self-check (`kvtool.cache.selfcheck.code_digest`) and the
 MLX device it was measured on: a stored verdict is reused when both match, measured again
 otherwise; a verdict that does not parse (an older or unknown format) counts as not measured.
-Without an SSD tier it is kept for the process.
+Without an SSD tier it is kept for the process (per model, whatever the namespace). A
+reconfiguration does not measure (model forwards while the generation thread runs): a verdict
+neither stored nor known to the process then means no reuse until the next start.
 """
 
 from __future__ import annotations
@@ -49,11 +52,11 @@ log = logging.getLogger("kvtool")
 META_KEY = "selfcheck_reply"  # namespace index meta key holding the verdict (JSON)
 VERDICT_VERSION = 1
 PROBE_TOKENS = 40  # the probe prompt
-SHORT_TOKENS = 25  # the shorter prompt batched with it (left padding in mlx-lm's batch cache)
+SHORT_TOKENS = (25, 33, 17)  # the shorter prompts batched with it (left padding in mlx-lm's batch cache)
 DECODE_STEPS = 8  # greedy tokens decoded per probe prompt
 
 RUNS = 0  # probes run by this process (tests count them)
-_memo: dict[tuple[str, str, str], ReplyVerdict] = {}  # (layout key, code digest, device) -> verdict
+_memo: dict[tuple[str, str, str], ReplyVerdict] = {}  # (model id, code digest, device) -> verdict, this process
 
 
 @dataclass
@@ -145,16 +148,19 @@ def unmeasurable_reason(pc) -> str | None:
     return None
 
 
-def decide(pc, model, *, off_reason: str | None = None) -> ReplyReuse:
+def decide(pc, model, *, off_reason: str | None = None, measure: bool = True) -> ReplyReuse:
     """Whether `kvtool serve` may store reply KV for `pc`'s namespace: the config switch
     (`reply_cache`), `off_reason` (the caller's: e.g. speculative decoding), what the probe
-    cannot decide (`unmeasurable_reason`), else the measured verdict (`ensure`)."""
+    cannot decide (`unmeasurable_reason`), else the verdict (`ensure`; with `measure` False
+    only a stored one or this process's, else no)."""
     if not pc.config.reply_cache:
         return ReplyReuse(False, "turned off (reply_cache = false)")
     reason = off_reason or ("the model is not known to the cache" if model is None else unmeasurable_reason(pc))
     if reason is not None:
         return ReplyReuse(False, reason)
-    verdict = ensure(pc, model)
+    verdict = ensure(pc, model, measure=measure)
+    if verdict is None:
+        return ReplyReuse(False, "not measured for this model and device yet (measured at kvtool serve's start)")
     return ReplyReuse(verdict.exact, verdict.describe())
 
 
@@ -180,18 +186,21 @@ def _store(ssd, verdict: ReplyVerdict) -> None:
         log.warning("kvtool: the reply probe's verdict could not be stored", exc_info=True)
 
 
-def ensure(pc, model) -> ReplyVerdict:
-    """The reply verdict for `pc`'s namespace on this device: stored (same code digest and
-    device), this process's, or measured now (then stored)."""
+def ensure(pc, model, *, measure: bool = True) -> ReplyVerdict | None:
+    """The reply verdict for `pc`'s model on this device: stored in its namespace (same code
+    digest and device), this process's, or measured now (then stored); None if there is none and
+    `measure` is False."""
     from kvtool.cache.selfcheck import code_digest
 
     code, dev = code_digest(model), device()
     stored = stored_verdict(pc.ssd)
     if stored is not None and (stored.code, stored.device) == (code, dev):
         return stored
-    key = (pc.layout_key or "", code, dev)
+    key = (pc.model_id, code, dev)
     verdict = _memo.get(key)
     if verdict is None:
+        if not measure:
+            return None
         verdict = _memo[key] = run(model, code)
         log.info("kvtool: reply probe of %s (%.0f ms): %s", pc.model_name, verdict.ms, verdict.describe())
     _store(pc.ssd, verdict)
@@ -287,10 +296,12 @@ def run(model, code: str = "") -> ReplyVerdict:
     t0 = time.perf_counter()
     verdict = ReplyVerdict(False, None, code, device(), checked=time.time())
     try:
-        long, short = probe_ids(PROBE_TOKENS), probe_ids(SHORT_TOKENS, salt=11)
+        long = probe_ids(PROBE_TOKENS)
+        short = [probe_ids(n, salt=11 * (i + 1)) for i, n in enumerate(SHORT_TOKENS)]
         runs = [("generate_step", len(long), *_decoded_single(model, long))]
-        runs += [(f"BatchGenerator, batch of {n}", len(p), *out) for n, group in ((1, [long]), (2, [long, short]))
-                 for p, out in zip(group, _decoded_batch(model, group))]  # fmt: skip
+        for group in ([long], [long, short[0]], [long, *short]):
+            runs += [(f"BatchGenerator, batch of {len(group)}", len(p), *out)
+                     for p, out in zip(group, _decoded_batch(model, group))]
         for name, n_prompt, cache, tokens in runs:
             why = compare(model, cache, tokens, n_prompt - 1)
             if why is not None:

@@ -113,8 +113,8 @@ class KVToolPromptCache:
             rotating layout mlx-lm's prefill leaves depends on it).
 
     `reply_reuse` says whether final inserts store the generated tokens' KV too, and why
-    (`kvtool.cache.reply.decide`, run at construction and after each reconfiguration; the probe
-    needs `model`). A subclass whose decoding the probe does not measure sets `reply_off_reason`.
+    (`kvtool.cache.reply.decide`: measured at construction; after a reconfiguration only a verdict
+    already stored or known is used; the probe needs `model`). A subclass whose decoding the probe does not measure sets `reply_off_reason`.
 
     Thread-safe: one lock around every call (the server calls from its generation thread; the
     stats route, signal handlers and shutdown from others), except the model's forward passes of
@@ -259,7 +259,7 @@ class KVToolPromptCache:
             self._release_waiting(list(self._waiting))
             self._epoch += 1
             status = self.prefix_cache.reconfigure(config)
-            self.reply_reuse = self._decide_reply()
+            self.reply_reuse = self._decide_reply(measure=False)  # (no model forwards while requests decode)
             return status
 
     def close(self) -> ShutdownStatus:
@@ -274,10 +274,10 @@ class KVToolPromptCache:
             return self.prefix_cache.close()
 
     # ----------------------------------------------------------------- internals
-    def _decide_reply(self) -> reply.ReplyReuse:
+    def _decide_reply(self, measure: bool = True) -> reply.ReplyReuse:
         """Reply KV reuse for the attached namespace (never raises: a failure turns it off), logged."""
         try:
-            out = reply.decide(self.prefix_cache, self.model, off_reason=self.reply_off_reason)
+            out = reply.decide(self.prefix_cache, self.model, off_reason=self.reply_off_reason, measure=measure)
         except Exception as exc:  # noqa: BLE001 - an optimisation: never fail the server
             log.exception("deciding reply KV reuse failed")
             out = reply.ReplyReuse(False, f"the decision raised {type(exc).__name__}: {exc}")
