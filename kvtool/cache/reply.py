@@ -9,10 +9,10 @@ KV equals its prefill KV is measured here, per model and backend, never assumed:
 
 - *decode*: the probe prompt (`PROBE_TOKENS`) through mlx-lm's `generate_step` (its prefill, then
   `DECODE_STEPS` greedy one-token forwards), and the probe prompt
-  alone, with one and with three shorter ones through mlx-lm's `BatchGenerator` (what
-  `mlx_lm.server` runs: batched prefill with left padding, the prompt's last token forwarded
-  alone, batched decode; batches of 1, 2 and 4), the caches taken as the server's final insert
-  gets them (`extract_cache`);
+  alone and with three shorter ones through mlx-lm's `BatchGenerator` (what `mlx_lm.server`
+  runs: batched prefill with left padding, the prompt's last token forwarded alone, batched
+  decode; batches of 1 and 4), the caches taken as the server's final insert gets them
+  (`extract_cache`);
 - *prefill*: the tokens each cache holds (its `offset`), forwarded as one chunk into a fresh cache.
 
 The keys and values of every position from the prompt's last token (the first one mlx-lm forwards
@@ -299,7 +299,7 @@ def run(model, code: str = "") -> ReplyVerdict:
         long = probe_ids(PROBE_TOKENS)
         short = [probe_ids(n, salt=11 * (i + 1)) for i, n in enumerate(SHORT_TOKENS)]
         runs = [("generate_step", len(long), *_decoded_single(model, long))]
-        for group in ([long], [long, short[0]], [long, *short]):
+        for group in ([long], [long, *short]):
             runs += [(f"BatchGenerator, batch of {len(group)}", len(p), *out)
                      for p, out in zip(group, _decoded_batch(model, group))]
         for name, n_prompt, cache, tokens in runs:
