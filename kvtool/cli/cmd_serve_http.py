@@ -231,12 +231,10 @@ def serve_http(
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
-    no_reply_cache: Annotated[
-        bool, typer.Option("--no-reply-cache", help="Store prompt KV only, never a finished request's reply "
-                           "(sets reply_cache = false; by default the reply is stored where a probe measured decode KV "
-                           "bit-identical to prefill KV: docs/server.md#reply-kv-reuse).",
-                           rich_help_panel=common.CACHE_PANEL)
-    ] = False,
+    no_reply_cache: Annotated[bool, typer.Option(
+        "--no-reply-cache", rich_help_panel=common.CACHE_PANEL, help="Store prompt KV only, never a finished request's "
+        "reply (sets reply_cache = false; by default a reply is stored where a probe measured decode KV bit-identical "
+        "to prefill KV: docs/server.md#reply-kv-reuse).")] = False,
     cache: common.CacheFlags = common.CACHE,
     verbose: common.VerboseOpt = False,
 ) -> None:
