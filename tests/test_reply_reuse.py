@@ -167,7 +167,9 @@ def test_an_agents_next_turn_reuses_the_reply(tmp_path):
         want1, want2 = _two_turns(client(oracle))
         on = start_kvtool(tmp_path / "on", "on", "--config", str(cfg))
         procs.append(on)
-        assert "reply KV reuse on: measured: decode KV is bit-identical" in on.text() or not reply.device().startswith("cpu")
+        if not stats(on)["reply_kv_reuse"]["enabled"] and not reply.device().startswith("cpu"):
+            pytest.skip(f"this device's decode KV differs from prefill KV: {stats(on)['reply_kv_reuse']}")
+        assert "reply KV reuse on: measured: decode KV is bit-identical" in on.text()
         t1, t2 = _two_turns(client(on))
         st = stats(on)
         assert (t1[0], t2[0]) == (want1[0], want2[0])  # greedy output: plain mlx_lm.server's

@@ -15,7 +15,7 @@ cache through these calls, all from its one generation thread:
 - `trim_to(n_sequences=, n_bytes=)`: with `--prompt-cache-bytes`, after each batch insert.
 - `len(cache)`, `cache.nbytes`, `cache.stats_by_type()`: logged before every request.
 
-Mapping onto `PrefixCache` (prompt KV only, exact):
+Mapping onto `PrefixCache` (prompt KV, and reply KV where measured exact):
 
 - fetch -> `PrefixCache.fetch(prompt)`: the longest cached prefix from RAM, the writer's pending
   buffer and SSD, as a fresh cache the server owns (no copy is kept here); `rest` =
@@ -114,7 +114,8 @@ class KVToolPromptCache:
 
     `reply_reuse` says whether final inserts store the generated tokens' KV too, and why
     (`kvtool.cache.reply.decide`: measured at construction; after a reconfiguration only a verdict
-    already stored or known is used; the probe needs `model`). A subclass whose decoding the probe does not measure sets `reply_off_reason`.
+    already stored or known is used; the probe needs `model`). A subclass whose decoding the
+    probe does not measure sets `reply_off_reason`.
 
     Thread-safe: one lock around every call (the server calls from its generation thread; the
     stats route, signal handlers and shutdown from others), except the model's forward passes of
@@ -181,7 +182,8 @@ class KVToolPromptCache:
 
     def insert_cache(self, model: Any, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
-        """Store the prompt part of a returned cache (see the module docstring); never raises."""
+        """Store the prompt part of a returned cache, and at a final insert the reply's full blocks
+        where reply reuse is on (see the module docstring); never raises."""
         with self._lock:
             self._counts["inserts"] += 1
             try:
