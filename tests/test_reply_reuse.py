@@ -53,9 +53,26 @@ def test_probe_verdict_is_stored_and_reused(tiny_model, tmp_path):
     reply._memo.clear()
     with prefix_cache(tiny_model, tmp_path / "c") as pc:  # a later process: read, not measured
         assert reply.ensure(pc, tiny_model.model) == verdict and reply.RUNS == runs + 1
+        namespace = pc.namespace_dir.name
+    text = _inspect(tmp_path / "c", namespace)
+    assert f"reply KV    {'exact' if verdict.exact else 'differs'} ({reply.DECODE_STEPS} decode steps on" in text
+    with prefix_cache(tiny_model, tmp_path / "c") as pc:
         pc.ssd.index.set_meta({reply.META_KEY: '{"exact": true}'})  # an older / unknown format: not measured
         assert reply.stored_verdict(pc.ssd) is None
         assert reply.ensure(pc, tiny_model.model).exact == verdict.exact and reply.RUNS == runs + 2
+
+
+def _inspect(cache_dir, namespace: str) -> str:
+    """`kvtool inspect --namespace` (text), in process."""
+    from typer.testing import CliRunner
+
+    from kvtool.cli import app as app_module
+
+    if not any(c.name == "inspect" for c in app_module.app.registered_commands):
+        app_module._register()
+    res = CliRunner().invoke(app_module.app, ["inspect", "--cache-dir", str(cache_dir), "--namespace", namespace])
+    assert res.exit_code == 0, res.output
+    return res.stdout
 
 
 class _OneTokenDiffers(nn.Module):
