@@ -51,6 +51,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "remote_ttl": ("7d", "7d"),
     "remote_timeout": ("1s", "1s"),
     "remote_cluster": ("true", True),
+    "reply_cache": ("false", False),
 }
 
 

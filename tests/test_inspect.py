@@ -40,6 +40,7 @@ NAMESPACE_KEYS = {
     "shutdown_partial_flush", "created", "last_open", "last_close", "last_used", "health",
 }  # fmt: skip
 NAMESPACE_KEYS = NAMESPACE_KEYS | {"selfcheck"}  # the self-check verdict (kvtool.cache.selfcheck), added later
+NAMESPACE_KEYS = NAMESPACE_KEYS | {"reply_check"}  # the reply probe's verdict (kvtool.cache.reply), added later
 HEALTH_KEYS = {"rows", "files", "missing_files", "orphan_files", "temp_files", "bad_rows", "symlinks", "irregular", "ok"}
 PROBE_KEYS = {
     "schema_version", "cache_dir", "model", "namespace", "namespace_exists", "block_size", "prompt_tokens", "full_blocks",

@@ -64,7 +64,7 @@ SEED = 0x5C  # probe token ids
 # the modules of kvtool's cache path, relative to the package (a test checks each exists: after the
 # layered layout moved them, stale names here left most of the path out of the digest)
 CODE_MODULES = ("kv/blocks", "kv/buffers", "kv/prefill", "kv/decode", "kv/model_kv", "kv/windows", "cache/selfcheck",
-                "cache/prefix", "cache/hit", "cache/extend", "disk/kvlayout", "disk/segment", "disk/codec",
+                "cache/prefix", "cache/hit", "cache/extend", "cache/reply", "disk/kvlayout", "disk/segment", "disk/codec",
                 "disk/restore", "disk/verify")  # fmt: skip
 
 RUNS = 0  # probes run by this process (tests count them)

@@ -383,6 +383,7 @@ def _print_details(ns, out: Output) -> None:
         f"ages        {hist}",
         f"shutdown    clean: {clean[ns.shutdown_clean]}",
         *([f"self-check  {escape(ns.selfcheck)}"] if ns.selfcheck else []),
+        *([f"reply KV    {escape(ns.reply_check)}"] if ns.reply_check else []),
         f"health      {'[green]ok[/]' if h.ok else '[red]mismatch[/]'}: {_health_text(h)}",
     ]
     if ns.status == "outdated":

@@ -236,6 +236,10 @@ def serve_http(
     log_level: Annotated[
         str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
     ] = "INFO",
+    no_reply_cache: Annotated[bool, typer.Option(
+        "--no-reply-cache", rich_help_panel=common.CACHE_PANEL, help="Store prompt KV only, never a finished request's "
+        "reply (sets reply_cache = false; by default a reply is stored where a probe measured decode KV bit-identical "
+        "to prefill KV: docs/server.md#reply-kv-reuse).")] = False,
     cache: common.CacheFlags = common.CACHE,
     verbose: common.VerboseOpt = False,
 ) -> None:
@@ -247,7 +251,8 @@ def serve_http(
             common.refuse_max_kv_size(model_flags.max_kv_size)
             extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
             setup_server_logging(level)
-            make_config = dataclasses.replace(cache, ram_bytes=ram_bytes).build
+            build = dataclasses.replace(cache, ram_bytes=ram_bytes).build
+            make_config = (lambda: build().replace(reply_cache=False)) if no_reply_cache else build
             cfg = make_config()
             server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
                             top_p=top_p, prefill_step_size=model_flags.prefill_step_size,

@@ -178,6 +178,9 @@ class KVToolConfig(BaseModel):
         remote_timeout: deadline of every remote socket operation (`"250ms"`, `"1s"`; a
             `timedelta`, 250 ms by default). A slower server is a miss, never a slower request.
         remote_cluster: the server is a Redis Cluster (also implied by `redis+cluster://`).
+        reply_cache: `kvtool serve` also stores the KV of a finished request's generated tokens
+            (its reply, re-sent in an agent's next turn), where the reply probe measured decode
+            KV bit-identical to prefill KV for the model and device (`kvtool.cache.reply`).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
@@ -203,6 +206,7 @@ class KVToolConfig(BaseModel):
     remote_ttl: Annotated[timedelta | None, BeforeValidator(v.remote_ttl)] = None
     remote_timeout: Annotated[timedelta, BeforeValidator(v.remote_timeout)] = DEFAULT_REMOTE_TIMEOUT
     remote_cluster: Flag = False
+    reply_cache: Flag = True
 
     def __init__(self, **values: Any) -> None:
         """Validate `values` (field names as keywords; omitted fields take their defaults).

@@ -97,6 +97,9 @@ class NamespaceInfo:
         selfcheck: the namespace's self-check verdict (`kvtool.cache.selfcheck`, meta `selfcheck`):
             "pass" or "fail: <first mismatch>", with the probe's size and time; None if the
             layout needs none or it was never run.
+        reply_check: the reply probe's verdict (`kvtool.cache.reply`, meta `selfcheck_reply`):
+            "exact" or "differs: <first difference>", with its device and decode steps; None if
+            `kvtool serve` never measured it here.
         last_used: the newest sign of use: a block's last access, the index's last write, or a
             process opening or closing the namespace (clamped to now; None if none is known).
         health: index vs files.
@@ -131,6 +134,7 @@ class NamespaceInfo:
     last_open: float | None = None
     last_close: float | None = None
     selfcheck: str | None = None
+    reply_check: str | None = None
     last_used: float | None = None
     health: Health = field(default_factory=Health)
 
@@ -243,6 +247,7 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
     if "shutdown_partial_flush" in meta:
         info.shutdown_partial_flush = meta["shutdown_partial_flush"] == "1"
     info.selfcheck = _verdict(meta.get("selfcheck"))
+    info.reply_check = _reply_verdict(meta.get("selfcheck_reply"))
     _fill_layers(info)
     t, forest = ns.table, ns.forest
     info.blocks = ns.row_count
@@ -277,6 +282,18 @@ def _verdict(text: str | None) -> str | None:
         return f"{what} (probe of {int(doc['probe_tokens'])} tokens, {float(doc['ms']):.0f} ms)"
     except (ValueError, TypeError, KeyError):
         return "unreadable verdict (measured again at the next start)"
+
+
+def _reply_verdict(text: str | None) -> str | None:
+    """The reply probe's verdict stored as JSON (`kvtool.cache.reply.ReplyVerdict`) in words (MLX-free)."""
+    if not text:
+        return None
+    try:
+        doc = json.loads(text)
+        what = "exact" if doc["exact"] is True else f"differs: {doc['reason']}"
+        return f"{what} ({int(doc['decode_steps'])} decode steps on {doc['device']}, {float(doc['ms']):.0f} ms)"
+    except (ValueError, TypeError, KeyError):
+        return "unreadable verdict (measured again at the next start of kvtool serve)"
 
 
 def _fill_layers(info: NamespaceInfo) -> None:

@@ -15,7 +15,7 @@ cache through these calls, all from its one generation thread:
 - `trim_to(n_sequences=, n_bytes=)`: with `--prompt-cache-bytes`, after each batch insert.
 - `len(cache)`, `cache.nbytes`, `cache.stats_by_type()`: logged before every request.
 
-Mapping onto `PrefixCache` (prompt KV only, exact):
+Mapping onto `PrefixCache` (prompt KV, and reply KV where measured exact):
 
 - fetch -> `PrefixCache.fetch(prompt)`: the longest cached prefix from RAM, the writer's pending
   buffer and SSD, as a fresh cache the server owns (no copy is kept here); `rest` =
@@ -31,7 +31,10 @@ Mapping onto `PrefixCache` (prompt KV only, exact):
   bought nothing a request that finishes does not store anyway (measured in docs/benchmarks.md).
 - final insert (`tokens` starts with a waiting prompt) -> `PrefixCache.store(prompt, cache, hit)`:
   the prompt's new full blocks and its tail entry, sliced by token position out of the returned
-  cache, so the KV of generated tokens is never stored; then `PrefixCache.release(hit)` (unpin
+  cache; then, where reply KV reuse is on (`kvtool.cache.reply`: decode KV measured bit-identical
+  to prefill KV for this model and device; `reply_cache`), the full blocks of `tokens` beyond the
+  prompt's whose KV the cache holds (its offset: the last sampled token's KV may be missing), so
+  an agent's next turn, re-sending the reply, finds it; then `PrefixCache.release(hit)` (unpin
   RAM blocks, promote SSD blocks into RAM as views of that cache).
 - `nbytes` / `len` / `trim_to` -> the RAM tier (the memory kvtool holds; the SSD tier is not
   memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
@@ -73,11 +76,11 @@ from typing import Any
 
 import numpy as np
 
+from kvtool.cache import reply
 from kvtool.cache.prefix import CacheHit, PrefixCache
 from kvtool.kv import prefill
-from kvtool.kv.blocks import unsupported_cache_reason
 from kvtool.kv.windows import DEFAULT_STEP
-from kvtool.server.requests import Prefill, RequestRecord, Waiting, prompt_digest
+from kvtool.server.requests import Prefill, ReportedCounts, RequestRecord, Waiting, uncacheable_reason
 from kvtool.tiers.stack import ShutdownStatus
 
 log = logging.getLogger("kvtool.server")
@@ -109,10 +112,17 @@ class KVToolPromptCache:
         prefill_step: tokens per prefill chunk, mlx-lm's server's `--prefill-step-size` (the
             rotating layout mlx-lm's prefill leaves depends on it).
 
+    `reply_reuse` says whether final inserts store the generated tokens' KV too, and why
+    (`kvtool.cache.reply.decide`: measured at construction; after a reconfiguration only a verdict
+    already stored or known is used; the probe needs `model`). A subclass whose decoding the
+    probe does not measure sets `reply_off_reason`.
+
     Thread-safe: one lock around every call (the server calls from its generation thread; the
     stats route, signal handlers and shutdown from others), except the model's forward passes of
     kvtool's own prefill at fetch, which touch only that request's cache.
     """
+
+    reply_off_reason: str | None = None
 
     def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
                  pending_ttl_s: float = PENDING_TTL_S, on_record: Callable[[RequestRecord], None] | None = None,
@@ -120,7 +130,7 @@ class KVToolPromptCache:
         self.prefix_cache = prefix_cache
         self.model = model
         self.prefill_step = max(1, int(prefill_step))
-        self._reported: OrderedDict[bytes, deque[int]] = OrderedDict()  # prompt digest -> true cached counts
+        self._reported = ReportedCounts(MAX_REPORTED)  # prompt digest -> true cached counts
         self.model_key = model_key
         self.max_pending = max_pending
         self.pending_ttl_s = pending_ttl_s
@@ -133,7 +143,8 @@ class KVToolPromptCache:
         self._counts = dict.fromkeys(("requests", "requests_cached", *RECORD_COUNTS, "inserts", "inserts_segment",
                                       "inserts_segment_deferred", "inserts_final", "inserts_unmatched",
                                       "inserts_uncacheable", "requests_prefilled", "blocks_stored", "waiting_expired",
-                                      "errors"), 0)  # fmt: skip
+                                      "errors", "reply_blocks_stored"), 0)  # fmt: skip
+        self.reply_reuse = self._decide_reply()
 
     # ------------------------------------------------------------------ protocol
     def fetch_nearest_cache(self, model: Any, tokens: Sequence[int]) -> tuple[list | None, Sequence[int]]:
@@ -171,7 +182,8 @@ class KVToolPromptCache:
 
     def insert_cache(self, model: Any, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
-        """Store the prompt part of a returned cache (see the module docstring); never raises."""
+        """Store the prompt part of a returned cache, and at a final insert the reply's full blocks
+        where reply reuse is on (see the module docstring); never raises."""
         with self._lock:
             self._counts["inserts"] += 1
             try:
@@ -230,6 +242,7 @@ class KVToolPromptCache:
                 "block_size": pc.config.block_size,
                 "ssd_disabled_reason": pc.ssd_disabled_reason,
                 "uncached_reason": pc.uncached_reason,
+                "reply_kv_reuse": self.reply_reuse.to_dict(),
                 "requests": [r.to_dict() for r in self._recent],
             }
 
@@ -247,7 +260,9 @@ class KVToolPromptCache:
                 raise RuntimeError("the cache is closed")
             self._release_waiting(list(self._waiting))
             self._epoch += 1
-            return self.prefix_cache.reconfigure(config)
+            status = self.prefix_cache.reconfigure(config)
+            self.reply_reuse = self._decide_reply(measure=False)  # (no model forwards while requests decode)
+            return status
 
     def close(self) -> ShutdownStatus:
         """Release waiting hits, drain the writer, flush and close the index. Idempotent; later
@@ -261,6 +276,16 @@ class KVToolPromptCache:
             return self.prefix_cache.close()
 
     # ----------------------------------------------------------------- internals
+    def _decide_reply(self, measure: bool = True) -> reply.ReplyReuse:
+        """Reply KV reuse for the attached namespace (never raises: a failure turns it off), logged."""
+        try:
+            out = reply.decide(self.prefix_cache, self.model, off_reason=self.reply_off_reason, measure=measure)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: never fail the server
+            log.exception("deciding reply KV reuse failed")
+            out = reply.ReplyReuse(False, f"the decision raised {type(exc).__name__}: {exc}")
+        log.info("kvtool: reply KV reuse %s: %s", "on" if out.enabled else "off", out.reason)
+        return out
+
     def _ram(self):
         tiered = self.prefix_cache.tiered
         return tiered.ram if tiered is not None and not self._closed else None
@@ -273,23 +298,6 @@ class KVToolPromptCache:
         if self.prefix_cache.tiered is None:
             return self.prefix_cache.uncached_reason or "cache disabled (no SSD tier, ram_bytes 0)"
         return None
-
-    def _cache_reason(self, cache: list) -> str | None:
-        """Why a returned cache cannot be sliced into blocks (draft layers, a quantization other than
-        the prefix cache's...), or None. With `--kv-bits`, mlx-lm's `QuantizedKVCache` layers of
-        the prefix cache's bits and group size are sliced as the prefix cache's own."""
-        quant = self.prefix_cache.quant
-        if quant is not None:
-            from mlx_lm.models.cache import QuantizedKVCache
-
-            plain = [c for c in cache if not (type(c) is QuantizedKVCache
-                                              and (c.bits, c.group_size) == (quant.bits, quant.group_size))]
-            reason = unsupported_cache_reason(plain) if plain else None
-        else:
-            reason = unsupported_cache_reason(cache)
-        if reason is None and self.prefix_cache.kv is not None and len(cache) != self.prefix_cache.kv.n_layers:
-            reason = f"{len(cache)} cache layers, the model has {self.prefix_cache.kv.n_layers}"
-        return reason
 
     def _failed(self, rec: RequestRecord, tokens: Sequence[int], exc: Exception) -> RequestRecord:
         """The record of a request whose fetch raised (it runs uncached). Under the lock."""
@@ -370,11 +378,7 @@ class KVToolPromptCache:
             self._release_quietly(hit)  # (a no-op after release)
         self._counts["requests_prefilled"] += 1
         self._waiting[rec.request] = Waiting(rec, ids, hit, time.monotonic(), len(hit.hashes), prefilled=True)
-        key = prompt_digest(ids)
-        self._reported.setdefault(key, deque()).append(rec.cached_tokens)
-        self._reported.move_to_end(key)
-        while len(self._reported) > MAX_REPORTED:
-            self._reported.popitem(last=False)
+        self._reported.add(ids, rec.cached_tokens)
 
     def _release_quietly(self, hit: CacheHit) -> None:
         hit.cache = []
@@ -389,16 +393,7 @@ class KVToolPromptCache:
         fetch counts the tokens kvtool prefilled. `reported` is returned for other prompts.
         Identical prompts in flight together are answered in fetch order."""
         with self._lock:
-            if not self._reported:  # no prompt kvtool prefilled is waiting for its answer (plain models)
-                return reported
-            key = prompt_digest(np.asarray(prompt, dtype=np.int32))
-            counts = self._reported.get(key)
-            if not counts:
-                return reported
-            true = counts.popleft()
-            if not counts:
-                del self._reported[key]
-            return true
+            return self._reported.pop(prompt, reported)
 
     def _insert(self, model: Any, tokens: Sequence[int], cache: list) -> None:
         if self._closed or (self.model_key is not None and model != self.model_key):
@@ -439,7 +434,7 @@ class KVToolPromptCache:
         if n_full - w.stored <= SEGMENT_DEFER_BLOCKS:  # left to the next segment's or the final insert
             self._counts["inserts_segment_deferred"] += 1
             return
-        if self._cache_reason(cache) is not None:
+        if uncacheable_reason(self.prefix_cache, cache) is not None:
             self._counts["inserts_uncacheable"] += 1
             return
         n_tok = n_full * self.prefix_cache.config.block_size
@@ -460,11 +455,16 @@ class KVToolPromptCache:
         w.record.finished = True
         if w.prefilled:  # stored at fetch; the hit is released
             return
-        storable = self.prefix_cache.tiered is not None and self._cache_reason(cache) is None
+        storable = self.prefix_cache.tiered is not None and uncacheable_reason(self.prefix_cache, cache) is None
         try:
             if storable:
                 self._store(w.record, w.prompt, cache,
                             dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored)))
+                span = reply.reply_span(self.prefix_cache, w.prompt, ids, cache) if self.reply_reuse.enabled else None
+                if span is not None:  # the generated tokens' blocks (kvtool.cache.reply)
+                    before = w.record.blocks_stored
+                    self._store(w.record, span[0], cache, span[1])
+                    self._counts["reply_blocks_stored"] += w.record.blocks_stored - before
             else:
                 self._counts["inserts_uncacheable"] += 1
         finally:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvtool.cache.prefix import CacheHit
+from kvtool.kv.blocks import unsupported_cache_reason
 from kvtool.units import format_bytes, format_hits
 
 
@@ -78,3 +81,52 @@ class Waiting:
     since: float
     stored: int  # leading chain entries of the prompt already in the tiers (found, or stored at a segment end)
     prefilled: bool = False  # kvtool prefilled and stored the prompt at fetch (its inserts store nothing)
+
+
+def uncacheable_reason(prefix_cache, cache: list) -> str | None:
+    """Why a cache mlx-lm's server returned cannot be sliced into `prefix_cache`'s blocks (draft
+    layers, a quantization other than the prefix cache's...), or None. With `--kv-bits`, mlx-lm's
+    `QuantizedKVCache` layers of the prefix cache's bits and group size are sliced as its own."""
+    quant = prefix_cache.quant
+    if quant is not None:
+        from mlx_lm.models.cache import QuantizedKVCache
+
+        plain = [c for c in cache if not (type(c) is QuantizedKVCache
+                                          and (c.bits, c.group_size) == (quant.bits, quant.group_size))]
+        reason = unsupported_cache_reason(plain) if plain else None
+    else:
+        reason = unsupported_cache_reason(cache)
+    if reason is None and prefix_cache.kv is not None and len(cache) != prefix_cache.kv.n_layers:
+        reason = f"{len(cache)} cache layers, the model has {prefix_cache.kv.n_layers}"
+    return reason
+
+
+class ReportedCounts:
+    """The true cached counts of prompts kvtool prefilled at fetch, waiting for their responses
+    (`KVToolPromptCache.reported_cached`): prompt digest -> counts in fetch order, the
+    `max_prompts` most recent prompts kept. Not thread-safe (the adapter's lock guards it)."""
+
+    def __init__(self, max_prompts: int):
+        self.max_prompts = max_prompts
+        self._counts: OrderedDict[bytes, deque[int]] = OrderedDict()
+
+    def add(self, ids: np.ndarray, cached: int) -> None:
+        """Record a prefilled prompt's (int32 ids) true cached token count."""
+        key = prompt_digest(ids)
+        self._counts.setdefault(key, deque()).append(cached)
+        self._counts.move_to_end(key)
+        while len(self._counts) > self.max_prompts:
+            self._counts.popitem(last=False)
+
+    def pop(self, prompt: Sequence[int], reported: int) -> int:
+        """The oldest recorded count of `prompt` (then forgotten), or `reported` if none."""
+        if not self._counts:  # no prompt kvtool prefilled is waiting for its answer (plain models)
+            return reported
+        key = prompt_digest(np.asarray(prompt, dtype=np.int32))
+        counts = self._counts.get(key)
+        if not counts:
+            return reported
+        true = counts.popleft()
+        if not counts:
+            del self._counts[key]
+        return true

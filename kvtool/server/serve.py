@@ -329,6 +329,9 @@ class SpeculativePromptCache(KVToolPromptCache):
         provider: the `ModelProvider` holding `model` and `draft_model` (loaded).
     """
 
+    reply_off_reason = ("speculative decoding (--draft-model): the reply's KV is written by verify forwards of "
+                        "several tokens, which the reply probe does not measure")
+
     def __init__(self, prefix_cache, provider, **kwargs: Any):
         from mlx_lm.models.cache import make_prompt_cache
 
