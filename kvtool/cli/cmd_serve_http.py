@@ -23,7 +23,9 @@ from kvtool.cli import common
 from kvtool.cli.cmd_serve import tier_summary
 from kvtool.units import format_size
 
-HELP = """Serve mlx-lm's OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) with kvtool's RAM/SSD prefix cache.
+HELP = """Serve mlx-lm's OpenAI-compatible HTTP API, Anthropic's Messages API and OpenAI's Responses API with kvtool's RAM/SSD prefix cache.
+
+Routes: POST /v1/chat/completions, /v1/completions (mlx-lm's), /v1/messages, /v1/messages/count_tokens (Anthropic's, for coding agents), /v1/responses (OpenAI's); GET /v1/models, /health, /kvtool/stats, /metrics. All three chat APIs take the same path: the same cache, request checks and per-request log line.
 
 It is mlx_lm.server itself (same request fields, batching, chat templates, streaming), with kvtool's tiers instead of mlx-lm's in-memory prompt cache: a prompt prefix seen before, in this process or an earlier one, is not prefilled again, and the output is the one mlx_lm.server gives. Clients name the model "default_model", the --model value or its path. One log line per request on stderr: prompt, cached (RAM, SSD, remote) and prefilled tokens. GET /kvtool/stats returns the cache counters and the last requests as JSON.
 
@@ -198,8 +200,65 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
     return out, ram_bytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Listener:
+    """The HTTP listener's limits, access key and log level: the options `LISTENER_OPTIONS` of
+    `kvtool serve` (`--max-body-bytes`, `--head-timeout`, `--max-connections-per-peer`,
+    `--api-key`, `--log-level`), as given on the command line."""
+
+    max_body_bytes: str = "8MiB"
+    head_timeout: str = "20s"
+    max_connections_per_peer: int = 64
+    api_key: str | None = None
+    log_level: str = "INFO"
+
+    def parsed(self) -> tuple[str, int, float]:
+        """`(log level, body limit in bytes, head timeout in seconds)`.
+
+        Raises:
+            CLIError: an unknown level, a body limit under 1KiB, a head timeout outside 0.1s..1h.
+        """
+        from kvtool.units import parse_duration, parse_size
+
+        level = self.log_level.upper()
+        if level not in LOG_LEVELS:
+            raise common.CLIError(f"--log-level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        body_limit = common.parse_flag(self.max_body_bytes, parse_size, "--max-body-bytes")
+        if body_limit < 1024:
+            raise common.CLIError(f"--max-body-bytes {self.max_body_bytes}: at least 1KiB")
+        head_timeout_s = common.parse_flag(self.head_timeout, parse_duration, "--head-timeout")
+        if not 0.1 <= head_timeout_s <= 3600:
+            raise common.CLIError(f"--head-timeout {self.head_timeout}: from 0.1s to 1h")
+        return level, body_limit, head_timeout_s
+
+
+LISTENER_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "max_body_bytes": (Annotated[
+        str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
+    ], "8MiB"),
+    "head_timeout": (Annotated[
+        str, typer.Option("--head-timeout", help="Time a client has to send a request's whole head (request line "
+                          "and headers), e.g. 20s; past it the connection is closed (also an idle keep-alive one).")
+    ], "20s"),
+    "max_connections_per_peer": (Annotated[
+        int, typer.Option("--max-connections-per-peer", min=1, max=MAX_CONNECTIONS,
+                          help=f"Connections served at once from one client address (more: HTTP 503 and closed; "
+                               f"all clients together: {MAX_CONNECTIONS}).")
+    ], 64),
+    "api_key": (Annotated[
+        str | None, typer.Option("--api-key", envvar="KVTOOL_API_KEY", show_envvar=True, show_default=False,
+                                 help="Require this key on every request (x-api-key or Authorization: Bearer; "
+                                      "else HTTP 401). Never logged.")
+    ], None),
+    "log_level": (Annotated[
+        str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
+    ], "INFO"),
+}
+
+
 @common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "codec"))
 @common.model_options("adapter_path", "max_kv_size", "prefill_step_size")
+@common.option_group("listener", LISTENER_OPTIONS, Listener, LISTENER_OPTIONS)
 def serve_http(
     ctx: typer.Context,
     model: common.ModelOpt = "tiny",
@@ -216,26 +275,7 @@ def serve_http(
         int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
     ] = 8,
     max_prompt_tokens: common.MaxPromptTokensOpt = None,
-    max_body_bytes: Annotated[
-        str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
-    ] = "8MiB",
-    head_timeout: Annotated[
-        str, typer.Option("--head-timeout", help="Time a client has to send a request's whole head (request line "
-                          "and headers), e.g. 20s; past it the connection is closed (also an idle keep-alive one).")
-    ] = "20s",
-    max_connections_per_peer: Annotated[
-        int, typer.Option("--max-connections-per-peer", min=1, max=MAX_CONNECTIONS,
-                          help=f"Connections served at once from one client address (more: HTTP 503 and closed; "
-                               f"all clients together: {MAX_CONNECTIONS}).")
-    ] = 64,
-    api_key: Annotated[
-        str | None, typer.Option("--api-key", envvar="KVTOOL_API_KEY", show_envvar=True, show_default=False,
-                                 help="Require this key on every request (x-api-key or Authorization: Bearer; "
-                                      "else HTTP 401). Never logged.")
-    ] = None,
-    log_level: Annotated[
-        str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
-    ] = "INFO",
+    listener: Listener = Listener(),
     no_reply_cache: Annotated[bool, typer.Option(
         "--no-reply-cache", rich_help_panel=common.CACHE_PANEL, help="Store prompt KV only, never a finished request's "
         "reply (sets reply_cache = false; by default a reply is stored where a probe measured decode KV bit-identical "
@@ -247,7 +287,7 @@ def serve_http(
     code = common.EXIT_OK
     try:
         with common.signals_raise(), common.cli_errors():
-            level, body_limit, head_timeout_s = _server_flags(log_level, max_body_bytes, head_timeout)
+            level, body_limit, head_timeout_s = listener.parsed()
             common.refuse_max_kv_size(model_flags.max_kv_size)
             extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
             setup_server_logging(level)
@@ -259,33 +299,12 @@ def serve_http(
                             decode_concurrency=decode_concurrency,
                             prompt_concurrency=prompt_concurrency, log_level=level,
                             max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
-                            head_timeout_s=head_timeout_s, max_connections_per_peer=max_connections_per_peer,
-                            api_key=api_key, **extra)
+                            head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
+                            api_key=listener.api_key, **extra)
             code = _run(server, make_config)
     except common.Interrupted as exc:  # before serving started: nothing was written
         code = 128 + exc.signum
     raise typer.Exit(code)
-
-
-def _server_flags(log_level: str, max_body_bytes: str, head_timeout: str) -> tuple[str, int, float]:
-    """`(log level, body limit in bytes, head timeout in seconds)` of `--log-level`,
-    `--max-body-bytes` and `--head-timeout`.
-
-    Raises:
-        CLIError: an unknown level, a body limit under 1KiB, a head timeout outside 0.1s..1h.
-    """
-    from kvtool.units import parse_duration, parse_size
-
-    level = log_level.upper()
-    if level not in LOG_LEVELS:
-        raise common.CLIError(f"--log-level: {log_level!r} is not one of {', '.join(LOG_LEVELS)}")
-    body_limit = common.parse_flag(max_body_bytes, parse_size, "--max-body-bytes")
-    if body_limit < 1024:
-        raise common.CLIError(f"--max-body-bytes {max_body_bytes}: at least 1KiB")
-    head_timeout_s = common.parse_flag(head_timeout, parse_duration, "--head-timeout")
-    if not 0.1 <= head_timeout_s <= 3600:
-        raise common.CLIError(f"--head-timeout {head_timeout}: from 0.1s to 1h")
-    return level, body_limit, head_timeout_s
 
 
 def _start(model, cfg, host, port, adapter_path, **options):
