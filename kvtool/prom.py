@@ -119,10 +119,11 @@ STATS_METRICS: tuple[Spec, ...] = (
        remote="remote_put_exists"),
     _c("enqueued_blocks", "Blocks the SSD writer accepted.", key="writer_enqueue_total"),
     _c("dropped_writes", "Blocks that never reached the tier, by reason (shed: a full writer queue; rejected: "
-       "refused by the writer; failed: the write failed after its retries; remote: breaker, failed call, "
-       "full or stopped writer).", ("tier", "reason"),
+       "refused by the writer; failed: the write failed after its retries; over_budget: the SSD byte budget had "
+       "no room for their segment, not retried; remote: breaker, failed call, full or stopped writer).",
+       ("tier", "reason"),
        ssd__shed="writer_shed_blocks", ssd__rejected="writer_enqueue_rejected", ssd__failed="writer_save_fail",
-       remote__dropped="remote_dropped_writes"),
+       ssd__over_budget="writer_budget_refused", remote__dropped="remote_dropped_writes"),
     _c("shed_bytes", "Bytes of the blocks shed by a full SSD writer queue (bytes).", T, ssd="writer_shed_bytes"),
     _c("write_retries", "Write attempts retried by the SSD writer.", key="writer_retry_attempts"),
     _c("backpressure_waits", "Times a request waited for room in the SSD writer queue.",
@@ -134,8 +135,8 @@ STATS_METRICS: tuple[Spec, ...] = (
     _c("evicted_segments", "SSD segment files evicted by the byte budget (ssd_max_bytes).",
        key="ssd_budget_evictions"),
     _c("ssd_budget_refused_blocks", "Blocks of SSD segment writes refused because they did not fit under the byte "
-       "budget even after evicting every unprotected segment (each attempt; a refused write that runs out of "
-       "retries is also a failed dropped write).", key="ssd_budget_refused"),
+       "budget even after evicting every unprotected segment (not stored, never retried; not a failed write).",
+       key="ssd_budget_refused"),
     _c("evict_to_ssd", "RAM evictions written to SSD first (policy evict_only).", key="kv_evict_to_ssd"),
     _c("corrupt_records", "Records that failed verification (checksum, token ids, layout): a miss, removed.", T,
        ssd="ssd_load_corrupt", remote="remote_corrupt"),

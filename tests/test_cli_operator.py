@@ -157,13 +157,14 @@ def test_warm_into_a_budget_says_what_is_resident_in_one_note_and_exits_0(tmp_pa
     assert "WARNING" not in res.stderr and "kept in RAM only" not in res.output
     notes = [line for line in res.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "evicted" in notes[0], res.stderr
+    assert res.stderr.count("byte budget") == 1, res.stderr  # the note only: no per-segment line
     listing = json.loads(kvtool("inspect", "--cache-dir", str(cache_dir), "--json").stdout)["namespaces"][0]
     assert 0 < listing["blocks"] and f"now resident: {listing['blocks']} block(s)" in res.stdout, res.stdout
     tight = kvtool("warm", "--model", "tiny", "--whole", str(three_documents), "--cache-dir", str(tmp_path / "kv1"),
                    "--ssd-max-bytes", "1MB", "--json")  # no segment fits: the budget at work, not a failure
     doc = json.loads(tight.stdout)
     assert tight.exit_code == 0 and doc["blocks_failed"] == 0 and doc["blocks_over_budget"] > 0, tight.output
-    assert doc["blocks_resident"] == 0 and "WARNING" not in tight.stderr
+    assert doc["blocks_resident"] == 0 and "WARNING" not in tight.stderr and "byte budget" not in tight.stderr
 
 
 # ------------------------------------------------------------------ tables: full width in files, one style

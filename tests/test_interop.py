@@ -281,6 +281,21 @@ def test_exported_file_imports_without_prompt_and_quantized_round_trip(tmp_path,
     assert_same_kv(q, tmp_path / "q2.safetensors")
 
 
+def test_import_over_the_ssd_budget_is_counted_over_budget_not_failed(tmp_path, tiny_model, made):
+    """A byte budget with no room for a segment: the import's blocks are over the budget (not
+    stored, so not verified), not failed, and never retried."""
+    ids, path = made
+    cfg = KVToolConfig(ssd_cache_dir=tmp_path / "c", block_size=BS, ssd_max_bytes="512KiB",
+                       ssd_durability="persistent")  # the index's log alone is counted at 512 KiB: nothing fits
+    with Engine(tiny_model, cfg) as eng:
+        rep = interop.import_cache_file(eng, path, ids, model_spec="tiny")
+        stats = eng.stats()
+    assert rep.blocks_over_budget == rep.entries_stored > 0 and rep.blocks_failed == rep.blocks_written == 0
+    assert not rep.verified and rep.flushed
+    assert stats["writer_budget_refused"] == stats["ssd_budget_refused"] == rep.entries_stored
+    assert stats["writer_retry_attempts"] == stats["writer_save_fail"] == 0
+
+
 def test_cli_errors_are_one_line(tmp_path):
     r = runner.invoke(app_module.app, ["import", str(tmp_path / "missing.safetensors"), "--model", "tiny",
                                        "--prompt", "x", "--cache-dir", str(tmp_path)])

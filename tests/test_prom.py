@@ -54,7 +54,7 @@ STATS = {
     "ssd_load_hits": 6, "ssd_load_miss": 1, "ssd_bytes_read": 60000, "ssd_bytes_written": 90000,
     "ssd_save_success": 9, "ssd_load_corrupt": 1, "ssd_hash_collision_detected": 1, "writer_collision": 0,
     "writer_pending_bytes": 512, "writer_queue_depth": 1, "writer_shed_blocks": 2, "writer_shed_bytes": 2048,
-    "writer_enqueue_rejected": 0, "writer_save_fail": 1,
+    "writer_enqueue_rejected": 0, "writer_save_fail": 1, "writer_budget_refused": 3,
     "remote_lookups": 4, "remote_hit_blocks": 3, "remote_bytes_read": 3000, "remote_bytes_written": 7000,
     "remote_corrupt": 1, "remote_dropped_writes": 2, "remote_writer_queue_bytes": 100, "remote_breaker_open": 0,
     "remote_something_new": 11,
@@ -79,6 +79,8 @@ def test_collector_maps_every_counter_once():
     assert tiers(parsed, "kvtool_hit_blocks_total") == {"pending": 1, "ssd": 6, "remote": 3}
     assert tiers(parsed, "kvtool_writer_queue_bytes") == {"ssd": 512, "remote": 100}
     assert value(parsed, "kvtool_dropped_writes_total", tier="ssd", reason="shed") == 2
+    assert value(parsed, "kvtool_dropped_writes_total", tier="ssd", reason="over_budget") == 3  # not "failed"
+    assert value(parsed, "kvtool_dropped_writes_total", tier="ssd", reason="failed") == 1
     assert value(parsed, "kvtool_dropped_writes_total", tier="remote", reason="dropped") == 2
     assert tiers(parsed, "kvtool_evictions_total") == {"ram": 3, "ssd": 8}  # ssd: the byte budget's, in blocks
     assert tiers(parsed, "kvtool_evicted_bytes_total") == {"ram": 3000, "ssd": 81920}
@@ -189,6 +191,7 @@ def test_serve_once_metrics_file_counts_the_ssd_budget_evictions(tmp_path):
     assert tiers(parsed, "kvtool_evicted_bytes_total")["ssd"] == st["ssd_budget_evicted_bytes"] > 0
     assert value(parsed, "kvtool_evicted_segments_total") == st["ssd_budget_evictions"] > 0
     assert value(parsed, "kvtool_ssd_budget_refused_blocks_total") == st["ssd_budget_refused"]
+    assert value(parsed, "kvtool_dropped_writes_total", tier="ssd", reason="over_budget") == st["writer_budget_refused"]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ evicted under it; evictions are counted. Real files and processes, no mocks."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import subprocess
@@ -23,7 +24,7 @@ from kvtool.disk.namespace import SSDStore
 from kvtool.disk.segment import FORMAT_VERSION, KVLayout
 from kvtool.hashing import chain_hashes, layout_key, root_parent
 from kvtool.ops.validate import validate
-from kvtool.tiers.writer import make_writer
+from kvtool.tiers.writer import AsyncWriter, SyncWriter, make_writer
 from tests.store_helpers import make_block
 from tests.test_restore import Buffers, expected_bytes, offsets
 
@@ -158,12 +159,57 @@ def test_recently_used_segments_are_never_evicted_the_write_is_refused(tmp_path)
     store.save_blocks(chain(0))
     budget = used_bytes(store) + one // 2
     store.set_max_bytes(budget, protect_s=3600.0)  # everything was used within the hour
-    assert store.save_blocks(chain(1)) == ["error"] * 4
+    assert store.save_blocks(chain(1)) == ["refused"] * 4  # the budget at work: not an error
     st = store.stats()
     assert st["ssd_budget_refused"] == 4 and st["ssd_budget_evictions"] == 0
     assert store.contains(chain(0)[0].block_hash) and du(store.namespace_dir) <= budget + one
     with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
         assert conn.execute("SELECT COUNT(*) FROM reservations").fetchone() == (0,)  # nothing left reserved
+    store.close()
+
+
+class _Records(logging.Handler):
+    """Every record of the `kvtool` loggers, whatever their propagation (a CLI run in this
+    process turns it off)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_refused_segment_is_counted_once_never_retried_and_no_failure(tmp_path, kind):
+    """A segment the budget has no room for answers 'refused': the writer counts it apart from
+    the failures, makes no retry round even under `persistent`, and logs no WARNING (one INFO
+    line from the budget, one DEBUG line from the writer)."""
+    one = segment_bytes(chain(0))
+    store = open_budgeted(tmp_path, None)
+    store.save_blocks(chain(0))
+    store.set_max_bytes(used_bytes(store) + one // 2, protect_s=3600.0)  # nothing may be evicted
+    delays: list[float] = []
+    make = AsyncWriter if kind == "async" else SyncWriter
+    writer = make(store, durability="persistent", max_retries=3, sleep=delays.append)
+    logger, seen = logging.getLogger("kvtool"), _Records()
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.DEBUG)
+    try:
+        assert writer.enqueue_many(chain(1), must_write=True) == 4
+        assert writer.flush(5.0) and writer.stop(5.0)
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+    ws, st = writer.get_stats(), store.stats()
+    assert ws["writer_budget_refused"] == 4 and ws["writer_save_fail"] == ws["writer_retry_final_fail"] == 0
+    assert ws["writer_retry_attempts"] == 0 and delays == []  # one attempt: no backoff, no second save
+    assert st["ssd_budget_refused"] == 4 and st["ssd_save_fail"] == 0 and st["ssd_save_success"] == 4  # chain(0)
+    assert not any(store.contains(b.block_hash) for b in chain(1))
+    assert [r.getMessage() for r in seen.records if r.levelno >= logging.WARNING] == []
+    budget_lines = [r for r in seen.records if "byte budget" in r.getMessage()]
+    assert [r.levelno for r in budget_lines] == [logging.INFO, logging.DEBUG], budget_lines
     store.close()
 
 

@@ -757,8 +757,9 @@ def test_timed_out_stop_interrupts_backoff_wait(writers):
     assert len(sink.calls) == 1 and w.get_stats()["writer_retry_final_fail"] == 2
 
 
-@pytest.mark.parametrize("answer,counter", [("dedup", "writer_dedup"), ("collision", "writer_collision")])
-def test_dedup_and_collision_are_final_not_retried(writers, answer, counter):
+@pytest.mark.parametrize("answer,counter", [("dedup", "writer_dedup"), ("collision", "writer_collision"),
+                                            ("refused", "writer_budget_refused")])
+def test_dedup_collision_and_refused_are_final_not_retried(writers, answer, counter):
     sink = Sink(default=answer)
     w = writers(sink, durability="persistent", max_retries=3, sleep=no_sleep)
     assert w.enqueue(make_block("d"))

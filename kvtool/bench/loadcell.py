@@ -70,7 +70,8 @@ PROGRESS_INTERVAL_S = 5.0
 WARMUP_MESSAGES = ({"role": "user", "content": "Say hello."},)
 TIER_KEYS = ("ram_hit_tokens", "ssd_hit_tokens", "cached_tokens", "prefill_tokens")
 SUMMED_COUNTERS = ("ssd_bytes_written", "ssd_bytes_read", "ssd_save_success", "ssd_load_hits", "kv_ram_evictions",
-                   "writer_shed_blocks", "writer_shed_bytes", "writer_backpressure_waits", "writer_save_fail")
+                   "writer_shed_blocks", "writer_shed_bytes", "writer_backpressure_waits", "writer_save_fail",
+                   "writer_budget_refused")
 KVTOOL_FLAGS = {"block_size": "--block-size", "ram_bytes": "--ram-bytes", "policy": "--policy",
                 "durability": "--durability", "codec": "--codec"}
 

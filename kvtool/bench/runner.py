@@ -335,7 +335,7 @@ def verify_drain(counters: dict[str, float], disk: dict[str, int]) -> bool:
     """
     accepted = counters.get("writer_enqueue_total", 0)
     attempted = sum(counters.get(k, 0) for k in ("writer_save_success", "writer_dedup", "writer_collision",
-                                                   "writer_save_fail"))
+                                                   "writer_budget_refused", "writer_save_fail"))
     saved = counters.get("writer_save_success", 0)
     return (
         accepted == attempted

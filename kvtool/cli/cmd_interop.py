@@ -208,7 +208,8 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 
     out.emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean}, human)
     if explain:
-        why = ("not every token is on SSD after the flush" if not report.verified
+        over = f" ({report.blocks_over_budget} block(s) over the SSD byte budget)" if report.blocks_over_budget else ""
+        why = (f"not every token is on SSD after the flush{over}" if not report.verified
                else f"{report.blocks_failed} block(s) failed" if report.blocks_failed
                else "the writer did not drain")
         common.print_error(f"import not verified: {why}", "run kvtool validate")

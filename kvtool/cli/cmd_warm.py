@@ -111,7 +111,7 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
     namespace_dir = engine.namespace_dir  # None once the engine is closed
-    with common.signals_raise(), _one_budget_line() as dropped:
+    with common.signals_raise():
         try:
             with _progress(len(prompts), enabled=not json_out) as on_report:
                 report = warm(engine, prompts, progress=on_report, interrupts=(common.Interrupted,),
@@ -124,7 +124,7 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
             common.ignore_signals()
             status = engine.close()  # drains the writer, flushes and closes the index
     report.blocks_resident, report.bytes_resident = _resident(namespace_dir)
-    if (dropped or report.blocks_evicted or report.blocks_over_budget) and not json_out:
+    if (report.blocks_evicted or report.blocks_over_budget) and not json_out:
         common.err_console.print(f"note: {_budget_note(report)}", highlight=False, soft_wrap=True)
     Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
                                               "shutdown_partial_flush": status.shutdown_partial_flush},
@@ -173,34 +173,10 @@ def _print_summary(report, status) -> None:
 
 
 def _budget_note(report) -> str:
-    """The one line that replaces the SSD byte budget's per-segment warnings."""
+    """The one line that sums up the SSD byte budget's work: what it evicted and what it had no
+    room for (the store answers 'refused' for those, which the writer counts without a warning)."""
     return (f"the SSD byte budget evicted {report.blocks_evicted} block(s) ({format_bytes(report.bytes_evicted)}) "
             f"and had no room for {report.blocks_over_budget} more (not stored)")
-
-
-@contextmanager
-def _one_budget_line() -> Iterator[list[Any]]:
-    """While warm runs, the SSD byte budget's warnings (a segment that does not fit, the blocks it
-    kept in RAM) are collected instead of printed, one each: warm sums them up in one line."""
-    import logging
-
-    dropped: list[Any] = []
-
-    def keep(record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if "SSD byte budget" in text or ("kept in RAM only" in text and "(best_effort)" in text):
-            dropped.append(record)
-            return False
-        return True
-
-    loggers = [logging.getLogger(name) for name in ("kvtool.disk.namespace", "kvtool.tiers.writer")]
-    for logger in loggers:
-        logger.addFilter(keep)
-    try:
-        yield dropped
-    finally:
-        for logger in loggers:
-            logger.removeFilter(keep)
 
 
 def _resident(namespace_dir: Path | None) -> tuple[int | None, int | None]:

@@ -14,7 +14,9 @@ agree through its SQLite index, not through their own memory.
   effective access of its blocks, descendants go with their ancestors) down to
   `max_bytes * (1 - EVICT_SLACK)`, then inserts its reservation and commits. A segment whose rows
   were used in the last `protect_s` seconds is never evicted; when the new segment cannot fit
-  even so, nothing is evicted beyond what was possible and the write is refused (not stored).
+  even so, nothing is evicted beyond what was possible and the write is refused (not stored: the
+  save answers 'refused'; one INFO line per `REFUSAL_LOG_INTERVAL_S` at most: the budget at
+  work is not a failure, the counters and the callers' summaries say how much it refused).
 - Evicted rows and `segments` rows are deleted in that transaction, and each evicted file stays
   reserved until it is unlinked, right after the commit (rows first, then files: a reader never
   finds a row without its file except while another process still reads it; an open file stays
@@ -295,8 +297,8 @@ class SSDBudget:
         now = time.monotonic()
         if now - self._last_refusal_log >= REFUSAL_LOG_INTERVAL_S:
             self._last_refusal_log = now
-            log.warning("SSD byte budget %d B of %s: a %d B segment does not fit (%d B used; segments used in the last "
-                        "%.0f s are not evicted): not stored", self.max_bytes, self.namespace_dir, need, used, self.protect_s)  # fmt: skip
+            log.info("SSD byte budget %d B of %s: a %d B segment does not fit (%d B used; segments used in the last "
+                     "%.0f s are not evicted): not stored", self.max_bytes, self.namespace_dir, need, used, self.protect_s)  # fmt: skip
 
 
 __all__ = ["SSDBudget", "Eviction", "DEFAULT_PROTECT_S", "EVICT_SLACK", "STALE_RESERVATION_S"]

@@ -397,7 +397,8 @@ class SSDStore(StoreCore):
         Returns:
             Per block, in order: 'saved' (file + row written), 'dedup' (already stored; access
             time touched), 'collision' (same hash with other tokens, or hash isolated),
-            'error' (not stored).
+            'refused' (the byte budget, `set_max_bytes`, had no room for its segment: not
+            stored, not a failure), 'error' (not stored: a failure).
         """
         return self._saver.save_blocks(blocks)
 

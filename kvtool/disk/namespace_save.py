@@ -7,9 +7,10 @@ Split out of `kvtool.disk.namespace`; `SSDStore.save_blocks` / `save_block` dele
   or earlier in the same call; an indexed row's access time is touched; but a row whose segment
   failed verification in this process, `SSDStore.suspect`, is *replaced* by the new block: a
   recomputed block is stored again, not dropped as a duplicate of a damaged one), 'collision' (the hash is
-  isolated, or its row holds other token ids: the hash is then isolated for 1 h) or 'error'
-  (a malformed block or parent hash, a geometry mismatch, any I/O or SQLite failure; every
-  block of a disabled or read-only store, counted as `ssd_save_disabled`);
+  isolated, or its row holds other token ids: the hash is then isolated for 1 h), 'refused'
+  (the byte budget had no room for its segment, below: not stored, and not a failure) or
+  'error' (a malformed block or parent hash, a geometry mismatch, any I/O or SQLite failure;
+  every block of a disabled or read-only store, counted as `ssd_save_disabled`);
 - packs the new blocks, in order, into segments of at most `segment_max_bytes` (record bytes
   per `KVLayout.record_nbytes`; a single larger block gets a segment of its own), so the
   consecutive new blocks of one request share one file (format: `kvtool.disk.segment`);
@@ -30,7 +31,9 @@ its whole segment 'error' (`ssd_save_fail`), the other segments of the call go a
 With a byte budget (`SSDStore.set_max_bytes`) each segment's bytes are reserved before its temp
 file is created (`kvtool.disk.budget`: least recently used segments may be evicted to make
 room); the reservation ends in the transaction that inserts its rows, or when the write fails. A
-segment that cannot fit answers 'error' for its blocks (`ssd_budget_refused`).
+segment that cannot fit answers 'refused' for its blocks (`ssd_budget_refused`, not
+`ssd_save_fail`): the budget at work, which a writer neither retries nor reports as a failure
+(the budget logs one INFO line a minute at most).
 
 Counters (the store's): `ssd_save_success`, `ssd_save_fail`, `ssd_save_dedup_skip`,
 `ssd_save_disabled`, `ssd_bytes_written`, `ssd_segments_written`, `ssd_hash_collision_detected`,
@@ -205,7 +208,7 @@ class SegmentSaver:
         budget = store.budget
         if budget is not None and not budget.reserve(name, size):  # the byte budget: no room even after eviction
             store.inc("ssd_budget_refused", len(blocks))
-            return ["error"] * len(blocks)
+            return ["refused"] * len(blocks)
         try:
             self._write_file(path, name, buffers)
             rows = [

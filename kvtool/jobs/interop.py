@@ -88,7 +88,9 @@ class ImportReport:
         blocks_written: block files written to SSD (`ssd_save_success`, after the flush).
         bytes_written: their bytes.
         blocks_dedup: entries already on SSD.
-        blocks_failed: entries that could not be written.
+        blocks_failed: entries that could not be written (a failure; not those over the budget).
+        blocks_over_budget: entries the SSD byte budget had no room for (not stored, not a
+            failure; the import is then not verified).
         flushed: every accepted write was attempted.
         cached_tokens: `PrefixCache.probe(tokens)` after the flush.
         verified: `cached_tokens == prompt_tokens`.
@@ -113,6 +115,7 @@ class ImportReport:
     bytes_written: int = 0
     blocks_dedup: int = 0
     blocks_failed: int = 0
+    blocks_over_budget: int = 0
     flushed: bool = True
     cached_tokens: int = 0
     verified: bool = False
@@ -387,8 +390,9 @@ def import_cache_file(
     base = pc.stats().to_dict()
     report.entries_stored = pc.store(ids, cache, persist=True)
     report.flushed = pc.flush()
-    report.blocks_written, report.bytes_written, report.blocks_dedup, report.blocks_failed = write_counts(
-        base, pc.stats().to_dict())
+    counts = write_counts(base, pc.stats().to_dict())
+    report.blocks_written, report.bytes_written, report.blocks_dedup = counts.written, counts.nbytes, counts.dedup
+    report.blocks_failed, report.blocks_over_budget = counts.failed, counts.over_budget
     report.cached_tokens = pc.probe(ids)
     report.verified = report.cached_tokens == len(ids)
     report.elapsed_s = round(time.perf_counter() - t0, 3)

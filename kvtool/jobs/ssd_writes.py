@@ -6,7 +6,7 @@ Imports nothing heavy (no MLX): the engine is only an annotation.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -30,15 +30,37 @@ def ssd_write_problem(engine: Engine, nothing_to: str) -> str | None:
     return None
 
 
-def write_counts(base: Mapping, now: Mapping) -> tuple[int, int, int, int]:
-    """Blocks written, bytes written, blocks deduplicated and blocks failed between two
-    stats snapshots (`Engine.stats()` or `PrefixCache.stats().to_dict()`)."""
+class WriteCounts(NamedTuple):
+    """What the SSD writer did between two stats snapshots, in blocks (bytes where named).
+
+    Attributes:
+        written: blocks written to SSD (`ssd_save_success`).
+        nbytes: bytes of the segment files written (`ssd_bytes_written`).
+        dedup: blocks already stored (`ssd_save_dedup_skip`).
+        failed: blocks that could not be written: final write failures, after retries
+            (`writer_save_fail`), plus blocks the writer rejected (`writer_enqueue_rejected`:
+            stopped, or the store disabled).
+        over_budget: blocks not stored because the SSD byte budget had no room for their
+            segment even after eviction (`writer_budget_refused`): the budget at work, not a
+            failure.
+    """
+
+    written: int
+    nbytes: int
+    dedup: int
+    failed: int
+    over_budget: int
+
+
+def write_counts(base: Mapping, now: Mapping) -> WriteCounts:
+    """What the SSD writer did between two stats snapshots (`Engine.stats()` or
+    `PrefixCache.stats().to_dict()`)."""
 
     def delta(key: str) -> int:
         return int(now.get(key, 0)) - int(base.get(key, 0))
 
-    return (delta("ssd_save_success"), delta("ssd_bytes_written"), delta("ssd_save_dedup_skip"),
-            delta("writer_save_fail") + delta("writer_enqueue_rejected"))
+    return WriteCounts(delta("ssd_save_success"), delta("ssd_bytes_written"), delta("ssd_save_dedup_skip"),
+                       delta("writer_save_fail") + delta("writer_enqueue_rejected"), delta("writer_budget_refused"))
 
 
-__all__ = ["ssd_write_problem", "write_counts"]
+__all__ = ["WriteCounts", "ssd_write_problem", "write_counts"]

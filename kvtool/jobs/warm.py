@@ -94,9 +94,10 @@ class WarmReport:
         bytes_written: bytes of those files (`ssd_bytes_written`).
         blocks_dedup: blocks another writer had stored already.
         blocks_failed: blocks that could not be written (final writer failures, after retries,
-            plus blocks the writer refused); not those the SSD byte budget had no room for.
+            plus blocks the writer rejected); not those the SSD byte budget had no room for.
         blocks_over_budget: blocks not stored because the SSD byte budget had no room for their
-            segment even after eviction (`ssd_budget_refused`): the budget at work, not a failure.
+            segment even after eviction (the store's 'refused', `writer_budget_refused`): the
+            budget at work, not a failure, never retried.
         blocks_evicted, bytes_evicted: blocks (and bytes) the byte budget evicted to make room.
         blocks_resident, bytes_resident: what the namespace holds on SSD at the end (set by the
             caller after the engine is closed; None: not counted).
@@ -324,9 +325,9 @@ def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
     def delta(key: str) -> int:
         return int(now.get(key, 0)) - int(base.get(key, 0))
 
-    report.blocks_written, report.bytes_written, report.blocks_dedup, failed = write_counts(base, now)
-    report.blocks_over_budget = delta("ssd_budget_refused")  # counted among the writer's failures too
-    report.blocks_failed = max(0, failed - report.blocks_over_budget)
+    counts = write_counts(base, now)
+    report.blocks_written, report.bytes_written, report.blocks_dedup = counts.written, counts.nbytes, counts.dedup
+    report.blocks_failed, report.blocks_over_budget = counts.failed, counts.over_budget
     report.blocks_evicted, report.bytes_evicted = delta("ssd_budget_evicted_blocks"), delta("ssd_budget_evicted_bytes")
 
 

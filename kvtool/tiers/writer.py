@@ -49,8 +49,9 @@ last in-flight `enqueue_many` if `stop()` already gave up.
 Durability (docs/design.md#durability-modes): `best_effort` makes one attempt per batch; `persistent` and `durable`
 retry the blocks of a batch whose outcome was `'error'` (the whole batch after an exception) up to
 `max_retries` more rounds with exponential backoff from `retry_backoff_s`, inline on the thread
-doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'collision'` or
-`'dedup'` answer is final, never retried. The RAM copy is never rolled back. Fsync under `durable`
+doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'collision'`,
+`'dedup'` or `'refused'` answer is final, never retried; `'refused'` (the SSD byte budget had no
+room for the block's segment) is not a failure either: counted, logged at DEBUG only. The RAM copy is never rolled back. Fsync under `durable`
 is the store's job. Once a `stop()` has timed out, no new retry round starts (and a backoff wait
 is cut short), so a dead disk cannot keep the non-daemon thread alive through backoff series.
 
@@ -61,6 +62,8 @@ Counters (`writer_` prefix, docs/design.md#counters); every one counts BLOCKS un
     writer_save_success              blocks the store answered 'saved'
     writer_dedup                     blocks the store answered 'dedup' (already on SSD)
     writer_collision                 blocks the store answered 'collision'
+    writer_budget_refused            blocks the store answered 'refused': the SSD byte budget had no
+                                     room for their segment (not stored, not a failure, not retried)
     writer_save_fail                 blocks whose last attempt failed ('error' or exception)
     writer_queue_full_sync_fallback  queue full, durable / must_write: blocks saved on the caller's
                                      thread (always 0 otherwise)

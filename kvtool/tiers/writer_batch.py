@@ -32,11 +32,14 @@ RETRY_MODES = ("persistent", "durable")
 SHED_MODES = ("best_effort", "persistent")
 SHED_LOG_INTERVAL_S = 60.0  # at most one shed WARNING line per this many seconds
 
-SAVE_OUTCOMES = ("saved", "dedup", "collision", "error")
+# what `save_blocks` answers per block; 'refused': the SSD byte budget had no room for its
+# segment (not stored, not a failure: never retried, counted apart from the failures)
+SAVE_OUTCOMES = ("saved", "dedup", "collision", "refused", "error")
 OUTCOME_COUNTER = {
     "saved": "writer_save_success",
     "dedup": "writer_dedup",
     "collision": "writer_collision",
+    "refused": "writer_budget_refused",
     "error": "writer_save_fail",
 }
 COUNTER_NAMES = (
@@ -46,6 +49,7 @@ COUNTER_NAMES = (
     "writer_save_success",
     "writer_dedup",
     "writer_collision",
+    "writer_budget_refused",
     "writer_save_fail",
     "writer_queue_full_sync_fallback",
     "writer_backpressure_waits",
@@ -165,7 +169,8 @@ def batch_nbytes(blocks: Sequence[HostBlock]) -> int:
 
 
 def attempt_many(store: Any, blocks: Sequence[HostBlock]) -> list[str]:
-    """One `store.save_blocks` call; per block, in order, 'saved' | 'dedup' | 'collision' | 'error'.
+    """One `store.save_blocks` call; per block, in order, one of `SAVE_OUTCOMES` ('saved' |
+    'dedup' | 'collision' | 'refused' | 'error').
 
     An exception, or an answer that is not one outcome per block, makes every block 'error';
     an unknown outcome makes that block 'error'. Never raises for store failures.
@@ -192,7 +197,8 @@ class RetryPolicy:
     Attributes:
         durability: 'best_effort' (one attempt) | 'persistent' | 'durable' (retries).
         max_retries: retry rounds after the first attempt (retry modes only). A round retries
-            only the blocks whose last outcome was 'error'.
+            only the blocks whose last outcome was 'error' ('refused', the byte budget's answer,
+            is final like 'dedup' and 'collision').
         backoff_s: delay before the first retry round (seconds); doubles for each further round.
         sleep: how to wait between rounds (injectable for tests).
         report: log blocks given up as a WARNING (False: the sink counts and reports its own
@@ -229,7 +235,9 @@ class RetryPolicy:
         """Save `blocks` with one `save_blocks` call, retry the failed ones; count per block.
 
         A retry round hands the store only the blocks whose last outcome was 'error' (every
-        block after an exception), in their original order. 'collision' and 'dedup' are final.
+        block after an exception), in their original order. 'collision', 'dedup' and 'refused'
+        are final: a block the SSD byte budget refused is counted (`writer_budget_refused`) and
+        logged at DEBUG only, never as a failure (what was refused is the caller's to sum up).
 
         Args:
             store: has `save_blocks(blocks) -> list[str]`.
@@ -262,6 +270,9 @@ class RetryPolicy:
         collided = [b for b, o in zip(blocks, outcomes) if o == "collision"]
         if collided:
             logger.warning("SSD refused %s: hash collision (kept in RAM only)", describe(collided))
+        refused = [b for b, o in zip(blocks, outcomes) if o == "refused"]
+        if refused:
+            logger.debug("%s byte budget had no room for %s: not stored there", self.sink, describe(refused))
         return outcomes
 
     def _report_failure(self, failed: list[HostBlock], counters: Counters, retries_done: int) -> None:
