@@ -145,7 +145,8 @@ def successor_weights(weights: dict, chain: list[int]) -> dict:
         scale = SUCCESSOR_LOGIT / math.sqrt(embed.shape[1])
         for prev, nxt in zip(chain, chain[1:]):
             e = embed[prev]
-            head[nxt] = e * (scale / mx.linalg.norm(e))
+            norm = math.sqrt(math.fsum(x * x for x in e.tolist()))  # exactly rounded: the same bytes anywhere
+            head[nxt] = e * mx.array(scale / norm, dtype=mx.float32)
         out["lm_head.weight"] = head
         mx.eval(out)
     return out
