@@ -9,7 +9,8 @@ APIs. The anthropic SDK's `messages.create` gives a `tool_use` block and stop_re
 `messages.stream` the `tool_use` block start and an `input_json_delta` and the same final message,
 and a round trip (the `tool_result` sent back) a well-formed call again (this model calls the tool
 whatever the prompt says); the openai SDK's `responses.create` gives a `function_call` item,
-streamed too; `/v1/chat/completions` gives `tool_calls` and finish_reason `tool_calls`.
+streamed too, and a `function_call_output` round trip; `/v1/chat/completions` gives `tool_calls`
+and finish_reason `tool_calls`, streamed too.
 """
 
 from __future__ import annotations
@@ -218,4 +219,10 @@ def test_e2e_chat_completions_gives_the_same_call(server):
     calls = choice.message.tool_calls
     assert len(calls) == 1 and calls[0].type == "function" and calls[0].id
     assert calls[0].function.name == "get_weather" and json.loads(calls[0].function.arguments) == ARGS
+    chunks = list(oai(server).chat.completions.create(model=PRESET, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                      messages=[{"role": "user", "content": QUESTION}],
+                                                      tools=[{"type": "function", "function": WEATHER}], stream=True))
+    deltas = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [("get_weather", ARGS)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     assert "Received tools but model does not support tool calling" not in server.text()
