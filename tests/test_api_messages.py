@@ -6,13 +6,15 @@ End to end against a real `kvtool serve` on the tiny preset through the `anthrop
 output; a repeated conversation reads the prefix cache (`cache_read_input_tokens`); a tool round
 trip on the template path; bad input answered in Anthropic's error shape with the server still
 answering; `--api-key`. In process: the translation of answers with tool calls and reasoning
-(mlx-lm's tiny preset has no tool parser and no thinking tags, so the server never produces them).
+(mlx-lm's tiny preset has no tool parser and no thinking tags, so the server never produces them;
+tool calls in the output end to end: `tests/test_tool_preset.py`, on the `tiny-tools` preset).
 
 The tiny preset's own chat template renders `role` and `content` only; the server here runs a
 Qwen2.5-shaped template given with `--chat-template` (`TOOL_TEMPLATE`), so that tools, tool calls
 and tool results reach the prompt. The tool test checks each of them is there and that the prompt
 equals the chat-completions one with OpenAI's tools / tool_calls / tool messages. The random-weight
-model never emits a tool call itself, so the answer side of tool use is tested in process.
+model never emits a tool call itself, so the answer side of tool use is tested in process here and
+end to end on `tiny-tools` (`tests/test_tool_preset.py`).
 """
 
 from __future__ import annotations

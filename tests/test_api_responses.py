@@ -237,7 +237,8 @@ def test_a_stream_cut_at_max_tokens_ends_incomplete_and_an_empty_one_has_a_messa
 # renders neither tools nor an assistant's tool calls (the call would vanish from the prompt), so
 # the server runs with a template that renders both (`--chat-template`, an mlx_lm.server option);
 # without tools or calls it renders what the preset's template does. The random tiny model never
-# writes a tool call itself: calls in the output are checked by the pure tests above.
+# writes a tool call itself: calls in the output are checked by the pure tests above, and end to
+# end on the `tiny-tools` preset (`tests/test_tool_preset.py`).
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
     "<|im_end|>\n{% endif %}"

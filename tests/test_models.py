@@ -105,7 +105,7 @@ def test_preset_dir_is_a_plain_mlx_lm_model():
 
 def test_presets_api():
     assert set(embedded.PRESETS) == {"tiny", "small", "base", "qwen0.5b", "tiny-bf16", "qwen0.5b-bf16", "tiny-4bit",
-                                     "tiny-8bit"}
+                                     "tiny-8bit", "tiny-tools"}
     assert embedded.PRESETS["tiny-bf16"].dtype == "bfloat16" and embedded.PRESETS["tiny"].dtype == "float32"
     assert embedded.is_preset("tiny") and not embedded.is_preset("huge")
     q = embedded.PRESETS["qwen0.5b"]
@@ -270,7 +270,7 @@ def test_cli_model_path_unknown_preset_is_one_line_exit_2():
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
         "error: unknown model preset 'huge' (choose from: tiny, small, base, qwen0.5b, tiny-bf16, qwen0.5b-bf16, "
-        "tiny-4bit, tiny-8bit)"
+        "tiny-4bit, tiny-8bit, tiny-tools)"
     ]
 
 
@@ -284,6 +284,7 @@ def test_cli_model_list_json():
     assert rows["tiny"]["layers"] == 2 and rows["qwen0.5b"]["hidden"] == 896
     assert rows["tiny"]["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 4
     assert rows["tiny-4bit"]["params"] == rows["tiny-8bit"]["params"] == rows["tiny"]["params"]
+    assert rows["tiny-tools"]["vocab"] == rows["tiny"]["vocab"] + 3  # the tool-call tokens
 
 
 @pytest.mark.parametrize("bits", [4, 8])

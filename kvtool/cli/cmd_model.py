@@ -67,9 +67,9 @@ def list_cmd(json_out: JsonOpt = False) -> None:
 
 def preset_rows() -> list[dict]:
     """One dict per preset: shape, parameter count, KV bytes per token (float32), built, path."""
-    vocab_size = len(embedded.tokenizer_vocab())
     rows = []
     for preset in embedded.PRESETS.values():
+        vocab_size = embedded.vocab_size(preset)
         rows.append(
             {
                 "name": preset.name,

@@ -14,6 +14,11 @@ converter, as `mlx_lm.convert -q --q-bits N` does for the mlx-community models p
 packed weights with per-group scales and biases (group 64, affine), `quantization` in config.json,
 the tokenizer as the converter saves it.
 
+`tiny-tools` is `tiny`'s shape and seed with a Qwen2.5-style tool-calling chat template and weights
+set so that greedy decoding answers every chat prompt with one fixed tool call,
+`<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>`, then EOS
+(`kvtool.models.tool_preset`): a fixture for the output side of tool calling, not a model.
+
 Location: `$KVTOOL_MODELS_DIR/<name>-v1/` if the variable is set, else
 `~/.cache/kvtool-models/<name>-v1/`.
 """
@@ -30,6 +35,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvtool.models import tool_preset
 
 ENV_MODELS_DIR = "KVTOOL_MODELS_DIR"
 DEFAULT_MODELS_DIR = Path("~/.cache/kvtool-models")
@@ -70,6 +77,7 @@ class Preset:
     dtype: str = "float32"  # or "bfloat16": the common KV dtype of real models
     bits: int | None = None  # quantized weights: bits per weight (mlx_lm.convert -q --q-bits); None: float
     quantized_from: str | None = None  # the float preset quantized (same shape and seed)
+    tool_calling: bool = False  # answers every chat request with one tool call (kvtool.models.tool_preset)
 
     @property
     def head_dim(self) -> int:
@@ -101,6 +109,8 @@ PRESETS: dict[str, Preset] = {
                bits=4, quantized_from="tiny"),
         Preset("tiny-8bit", 2, 128, 4, 2, 384, "tiny quantized as mlx_lm.convert -q --q-bits 8",
                bits=8, quantized_from="tiny"),
+        Preset("tiny-tools", 2, 128, 4, 2, 384, "tiny with a tool-aware template; always calls get_weather",
+               tool_calling=True),
     )
 }
 
@@ -204,13 +214,14 @@ def write_model_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -> No
     if preset.quantized_from is not None:
         write_quantized_files(preset, out, seed)
         return
-    vocab = tokenizer_vocab()
+    write_tokenizer_files(preset, out)
+    vocab = tokenizer_vocab(out)
     weights = init_weights(preset, len(vocab), seed, [vocab[t] for t in SPECIAL_TOKENS])
+    if preset.tool_calling:
+        weights = tool_preset.successor_weights(weights, tool_preset.call_chain(out / "tokenizer.json"))
     if preset.dtype != "float32":  # the same float32 draw, rounded: bf16 presets shadow their f32 twin
         weights = {k: v.astype(getattr(mx, preset.dtype)) for k, v in weights.items()}
     mx.save_safetensors(str(out / WEIGHTS_FILE), weights, metadata={"format": "mlx"})
-    for fname in TOKENIZER_ASSETS:
-        shutil.copyfile(ASSETS_DIR / fname, out / fname)
     specials = {
         "eos_token": EOS_TOKENS[0],
         "pad_token": "<|endoftext|>",
@@ -253,11 +264,33 @@ def write_quantized_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -
     _fsync_dir(out)
 
 
-def tokenizer_vocab() -> dict[str, int]:
-    """Return the shipped tokenizer's vocabulary (special tokens included), token -> id."""
+def write_tokenizer_files(preset: Preset, out: Path) -> None:
+    """Write the tokenizer files of float preset `preset` into `out`: the shipped ones
+    (`TOKENIZER_ASSETS`), or for a tool-calling preset those plus its tool-call tokens and chat
+    template (`tool_preset.write_tokenizer`).
+
+    Raises:
+        OSError: If a file cannot be written.
+    """
+    if preset.tool_calling:
+        tool_preset.write_tokenizer(ASSETS_DIR, out)
+        return
+    for fname in TOKENIZER_ASSETS:
+        shutil.copyfile(ASSETS_DIR / fname, out / fname)
+
+
+def tokenizer_vocab(model_path: Path = ASSETS_DIR) -> dict[str, int]:
+    """Return the vocabulary (added tokens included), token -> id, of the tokenizer.json in
+    `model_path`: by default the shipped tokenizer's."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(ASSETS_DIR / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    return Tokenizer.from_file(str(model_path / "tokenizer.json")).get_vocab(with_added_tokens=True)
+
+
+def vocab_size(preset: Preset) -> int:
+    """Rows of `preset`'s embedding and lm_head: the shipped vocabulary, plus the tool-call tokens
+    of a tool-calling preset."""
+    return len(tokenizer_vocab()) + (len(tool_preset.ADDED_TOKENS) if preset.tool_calling else 0)
 
 
 def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED) -> dict:
