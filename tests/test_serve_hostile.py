@@ -340,10 +340,10 @@ def test_repeated_loop_failures_stop_generation_with_503(tmp_path):
         assert server.stop(timeout=90.0) == 128 + signal.SIGTERM
 
 
-def start_mlx_lm(tmp: Path) -> Server:
-    """Plain `mlx_lm.server` on the tiny model, once `/health` answers 200."""
+def start_mlx_lm(tmp: Path, *extra: str) -> Server:
+    """Plain `mlx_lm.server` on the tiny model (with its options `extra`), once `/health` answers 200."""
     port = free_port()
-    server = Server([sys.executable, "-m", "mlx_lm.server", "--model", model_path(), "--port", str(port)],
+    server = Server([sys.executable, "-m", "mlx_lm.server", "--model", model_path(), "--port", str(port), *extra],
                     tmp / "mlx_lm.log")
     server.url, server.port = f"http://127.0.0.1:{port}", port
     deadline = time.monotonic() + START_TIMEOUT_S
