@@ -76,11 +76,13 @@ class LoadReport:
         return _records(sel)
 
     def summary_lines(self) -> list[str]:
-        """Human summary: TTFT p50 and requests/s per (workload, clients), ratio and verdict."""
+        """Human summary: TTFT p50 and requests/s per (workload, clients), ratio and verdict (and
+        for `agents` the cached tokens per turn)."""
         out = ["kvtool serve vs mlx_lm.server: mean over repeats [95 % bootstrap interval]; a win needs the two "
                "cells' intervals apart, otherwise tie"]
         for row in self.summary_records():
-            if row["figure"] not in ("ttft_p50_ms", "requests_per_s"):
+            if row["figure"] not in ("ttft_p50_ms", "requests_per_s") and not (
+                    row["figure"] == "cached_tokens_per_request" and row["workload"] == "agents"):
                 continue
             out.append(f"{row['workload']} {row['clients']} client(s) {row['figure']}: kvtool "
                        f"{_fmt_iv(row, 'kvtool')} vs mlx-lm {_fmt_iv(row, 'mlxlm')}, ratio {_fmt_iv(row, 'ratio')} "
