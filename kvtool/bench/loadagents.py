@@ -27,6 +27,10 @@ turn whose transcript is still identical (no earlier output of the agent differe
 An empty reply (the model's end-of-turn token first) is appended as `EMPTY_REPLY` on both servers
 (an empty assistant message is not valid Messages input). A failed turn stops its agent.
 
+`[serve_load]`'s `clients` caps the turns in flight (and sets the agent count when `agents` is
+0); its `arrival`, `max_requests` and `max_tokens` do not apply (the workload's own `max_tokens` is
+per turn); `max_wall_s` bounds each phase.
+
 With `restart = true` the turns are split at T/2 into the phases `before` and `after` (the
 measured one); the servers are restarted between them (`kvtool.bench.loadcell.run_batch`) and the
 agents go on with their transcripts.
