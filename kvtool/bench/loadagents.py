@@ -117,8 +117,13 @@ class AgentsPlan:
                 for t in range(self.params["turns"])]
 
     def batch(self, server_kind: str, clients: int) -> AgentsBatch:
-        """Fresh conversations for one batch on a server of kind `server_kind` (`kinds`)."""
-        return AgentsBatch(self, self.kinds[server_kind], self.agent_count(clients))
+        """Fresh conversations for one batch on a server of kind `server_kind` (`kinds`); every user
+        message is drawn here, before the batch, so that no server's timing pays for it."""
+        agents = self.agent_count(clients)
+        for a in range(agents):
+            for t in range(self.params["turns"]):
+                self.user_text(a, t)
+        return AgentsBatch(self, self.kinds[server_kind], agents)
 
 
 def system_prompt(p: dict[str, Any], src: Any) -> str:
