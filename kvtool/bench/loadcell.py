@@ -326,7 +326,7 @@ def run_serve_load(spec: ServeLoadSpec, out_dir: Path | None = None, *, run_id: 
         progress: status lines on stderr.
         config_path: recorded in run.json.
     """
-    from kvtool.bench.loadreport import write_load_report
+    from kvtool.bench.loadreport import write_load_report, write_raw
     from kvtool.bench.machine import git_commit, machine_info
     from kvtool.models.loader import resolve_spec
 
@@ -348,7 +348,7 @@ def run_serve_load(spec: ServeLoadSpec, out_dir: Path | None = None, *, run_id: 
                         for server in order:
                             run_batch(ctx, workload, clients, server, repeat)
         finally:
-            _write_raw(ctx)
+            write_raw(ctx.run_dir, ctx.requests, ctx.batches)
             if not spec.keep_cache:
                 shutil.rmtree(cache_root, ignore_errors=True)
     doc = {
@@ -390,6 +390,7 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
     measured_wall, not_sent, cut, failed_phase = 0.0, 0, False, None
     ctx.progress.set(f"{label}: starting the server")
     server = _start(ctx, options, log)
+    agents = workload.agents.batch(server_kind, clients) if workload.agents else None  # built turn by turn
     try:
         for phase in workload.phases:
             if phase == workload.restart_before:
@@ -407,7 +408,8 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
                 ctx.progress.status = f"{label}: {phase} {done}/{total} requests"
 
             ctx.progress.set(f"{label}: {phase} 0/{min(len(reqs), spec.max_requests or len(reqs))} requests")
-            result = run_load(server.base_url, reqs, load, on_progress)
+            result = (agents.run_phase(server.base_url, phase, load, on_progress) if agents
+                      else run_load(server.base_url, reqs, load, on_progress))
             after = server.kvtool_stats()
             server.sample_rss()
             measured = phase in workload.measured
@@ -482,17 +484,6 @@ def _life_facts(lives: list[dict[str, Any]], tier: dict[str, int] | None) -> dic
     out["kvtool_writer_queue_peak_bytes"] = max(peaks) if peaks else None
     out["kvtool_stats_missing"] = any(lf["stats"] is None for lf in lives)
     return out
-
-
-def _write_raw(ctx: _Ctx) -> None:
-    import pandas as pd
-
-    with open(ctx.run_dir / "requests.jsonl", "w") as fh:
-        for row in ctx.requests:
-            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
-    pd.DataFrame(ctx.requests).to_csv(ctx.run_dir / "requests.csv", index=False)
-    pd.DataFrame(ctx.batches).to_csv(ctx.run_dir / "batches.csv", index=False)
-    (ctx.run_dir / "batches.json").write_text(json.dumps(ctx.batches, indent=2, default=str) + "\n")
 
 
 __all__ = ["LoadRun", "Progress", "ServeLoadSpec", "build_workloads", "is_serve_load_config", "load_serve_load",

@@ -10,6 +10,8 @@ Reads only `requests.jsonl`, `batches.csv` and `run.json` of a run directory, so
   kvtool / mlx-lm with its interval (`loadstats.ratio_ci`) and the verdict (`loadstats.compare`:
   `win` / `loss` only when the two cells' intervals do not overlap);
 - `summary.json`: `ok`, the problems found, and the rows of `cells.csv` and `comparison.csv`;
+- `summary.json` problems also count `agents` turns whose prompt tokens differ between the
+  servers while their transcripts are still equal (`kvtool.bench.loadagents.prompt_token_mismatches`);
 - `mismatches.csv`: every request whose greedy kvtool output differs from mlx-lm's for the same
   request (same workload, clients, repeat and request key), or that only one server answered;
 - the charts of `kvtool.bench.loadcharts` and `report.md`.
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvtool.bench.loadagents import prompt_token_mismatches
 from kvtool.bench.loadcharts import write_charts
 from kvtool.bench.loadserver import KVTOOL, MLXLM
 from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
@@ -38,7 +41,8 @@ CELL_KEYS = ["workload", "server", "clients"]
 KVTOOL_COUNTERS = ("kvtool_ram_hit_tokens", "kvtool_ssd_hit_tokens", "kvtool_prompt_tokens", "kvtool_ram_bytes_held",
                    "kvtool_ssd_bytes_written", "kvtool_ssd_bytes_read", "kvtool_writer_queue_peak_bytes",
                    "kvtool_writer_shed_blocks")
-SUMMARY_FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "requests_per_s", "hit_rate")
+SUMMARY_FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "latency_p50_ms", "requests_per_s", "hit_rate",
+                   "cached_tokens_per_request")
 
 
 class LoadReportError(KVToolError):
@@ -72,11 +76,13 @@ class LoadReport:
         return _records(sel)
 
     def summary_lines(self) -> list[str]:
-        """Human summary: TTFT p50 and requests/s per (workload, clients), ratio and verdict."""
+        """Human summary: TTFT p50 and requests/s per (workload, clients), ratio and verdict (and
+        for `agents` the cached tokens per turn)."""
         out = ["kvtool serve vs mlx_lm.server: mean over repeats [95 % bootstrap interval]; a win needs the two "
                "cells' intervals apart, otherwise tie"]
         for row in self.summary_records():
-            if row["figure"] not in ("ttft_p50_ms", "requests_per_s"):
+            if row["figure"] not in ("ttft_p50_ms", "requests_per_s") and not (
+                    row["figure"] == "cached_tokens_per_request" and row["workload"] == "agents"):
                 continue
             out.append(f"{row['workload']} {row['clients']} client(s) {row['figure']}: kvtool "
                        f"{_fmt_iv(row, 'kvtool')} vs mlx-lm {_fmt_iv(row, 'mlxlm')}, ratio {_fmt_iv(row, 'ratio')} "
@@ -190,6 +196,18 @@ def mismatches_frame(requests: pd.DataFrame) -> tuple[pd.DataFrame, dict[tuple[s
     return pd.DataFrame(bad, columns=cols), {key: (v[0], v[1]) for key, v in counts.items()}
 
 
+def write_raw(run_dir: Path, requests: list[dict[str, Any]], batches: list[dict[str, Any]]) -> None:
+    """Write a run's raw rows, the files `load_run` reads: `requests.jsonl` / `requests.csv` (one
+    row per request) and `batches.csv` / `batches.json` (one row per batch)."""
+    run_dir = Path(run_dir)
+    with open(run_dir / "requests.jsonl", "w") as fh:
+        for row in requests:
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
+    pd.DataFrame(requests).to_csv(run_dir / "requests.csv", index=False)
+    pd.DataFrame(batches).to_csv(run_dir / "batches.csv", index=False)
+    (run_dir / "batches.json").write_text(json.dumps(batches, indent=2, default=str) + "\n")
+
+
 def write_load_report(run_dir: Path) -> LoadReport:
     """Compute and write `cells.csv`, `comparison.csv`, `mismatches.csv`, the charts and
     `report.md` (see the module docstring).
@@ -227,6 +245,10 @@ def _problems(requests: pd.DataFrame, batches: pd.DataFrame, mismatches: pd.Data
     out = []
     if not mismatches.empty:
         out.append(f"{len(mismatches)} kvtool output(s) differ from mlx-lm's for the same request (mismatches.csv)")
+    prompts = prompt_token_mismatches(requests)
+    if prompts:
+        out.append(f"{prompts} agents turn(s) with the same transcript on both servers counted different prompt "
+                   "tokens (the Messages translation and the chat template disagree)")
     failed = requests[requests["error"].notna()] if "error" in requests else requests.iloc[0:0]
     if not failed.empty:
         out.append(f"{len(failed)} request(s) failed, e.g. {failed.iloc[0]['error']}")
@@ -345,4 +367,4 @@ def _cell_text(text: Any, error: Any) -> str:
 
 
 __all__ = ["LoadReport", "LoadReportError", "cells_frame", "comparison_frame", "is_serve_load_run", "load_run",
-           "mismatches_frame", "write_load_report"]
+           "mismatches_frame", "write_load_report", "write_raw"]

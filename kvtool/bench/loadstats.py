@@ -11,7 +11,9 @@ Per batch (`batch_figures`, over the measured requests that succeeded):
   `prompt_tokens_per_s` = their summed `usage.prompt_tokens` / the same wall time;
 - `hit_rate` = summed `cached_tokens` / summed `prompt_tokens` as the server reported them
   (`usage.prompt_tokens_details.cached_tokens`); `hit_rate_ram`, `hit_rate_ssd` = the RAM / SSD
-  hit tokens of `GET /kvtool/stats` (kvtool only) over the server's prompt tokens.
+  hit tokens of `GET /kvtool/stats` (kvtool only) over the server's prompt tokens;
+  `cached_tokens_per_request` = the mean reported `cached_tokens` of the requests that report it
+  (tokens; per turn for the `agents` workload).
 
 Per cell (`bootstrap_ci`): the point estimate of a figure is the **mean over the repeats** of
 the per-batch values, with a 95 % **percentile bootstrap** confidence interval: resample the
@@ -53,12 +55,13 @@ FIGURES: dict[str, bool] = {
     "ttft_p50_ms": True, "ttft_p90_ms": True, "ttft_p99_ms": True,
     "latency_p50_ms": True, "latency_p99_ms": True,
     "requests_per_s": False, "prompt_tokens_per_s": False,
-    "hit_rate": False, "hit_rate_ram": False, "hit_rate_ssd": False,
+    "hit_rate": False, "hit_rate_ram": False, "hit_rate_ssd": False, "cached_tokens_per_request": False,
 }  # fmt: skip
 FIGURE_UNITS = {
     "ttft_p50_ms": "ms", "ttft_p90_ms": "ms", "ttft_p99_ms": "ms", "latency_p50_ms": "ms", "latency_p99_ms": "ms",
     "requests_per_s": "requests/s", "prompt_tokens_per_s": "tokens/s", "hit_rate": "fraction of prompt tokens",
     "hit_rate_ram": "fraction of prompt tokens", "hit_rate_ssd": "fraction of prompt tokens",
+    "cached_tokens_per_request": "tokens",
 }
 
 
@@ -124,6 +127,7 @@ def batch_figures(records: Iterable[dict[str, Any]], wall_s: float, tier_hits: d
         "prompt_tokens_per_s": prompt / wall_s if wall_s > 0 and ok else float("nan"),
         "hit_rate": cached / cached_prompt if cached_prompt else float("nan"),
         "hit_rate_ram": float("nan"), "hit_rate_ssd": float("nan"),
+        "cached_tokens_per_request": cached / len(cached_known) if cached_known else float("nan"),
         "requests": float(len(rows)), "failed": float(len(rows) - len(ok)),
     }  # fmt: skip
     if tier_hits and tier_hits.get("prompt_tokens"):

@@ -33,6 +33,11 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
   blocks (`kvtool.bench.trace_replay`: `block_tokens`, `output_scale`, `max_output_tokens`,
   `shared_prefix_blocks`). Either takes a window (`start`, `end`, `start_s`, `end_s`,
   `requests`); a request is sent at `t` / `speedup` x `time_scale`.
+- `agents`: `agents` agent loops (0: one per client of the cell) of `turns` turns on one shared
+  system prompt of `system_tokens` with `tools` tool definitions; each turn appends the server's
+  actual reply and a tool result of `result_min_tokens`..`result_max_tokens`, `max_tokens` per
+  turn; built while the batch runs (`kvtool.bench.loadagents`); `restart` restarts the servers
+  after turn T/2 and measures the turns after it.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtool.bench.loadagents import AGENTS_DEFAULTS, AgentsPlan, agents_phases, system_prompt
 from kvtool.bench.loadgen import LoadRequest
 from kvtool.bench.trace_replay import (
     MOONCAKE_ONLY,
@@ -68,15 +74,17 @@ LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "long-doc-qa": {"documents": 4, "doc_tokens": 1024, "question_tokens": 16, "queries": 16},
     "restart": {"prompts": 8, "prompt_tokens": 1024, "question_tokens": 16},
     "trace": {"path": "", "time_scale": 1.0, **TRACE_REPLAY_DEFAULTS},
+    "agents": AGENTS_DEFAULTS,
 }
 LOAD_WORKLOADS = tuple(LOAD_WORKLOAD_DEFAULTS)
 MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa": ("query",),
-            "restart": ("after",), "trace": ("trace",)}
-RESTART_BEFORE = {"restart": "after"}  # workload -> the phase the servers are restarted before
+            "restart": ("after",), "trace": ("trace",),
+            "agents": ("turn", "after")}
+RESTART_BEFORE = {"restart": "after", "agents": "after"}  # workload -> the phase the servers are restarted before
 _FLOATS = {"working_set_factor", "time_scale", "speedup", "output_scale"}
 _SECONDS = {"start_s", "end_s"}  # numbers >= 0
 _STRINGS = {"path", "format"}
-_ZERO_OK = {"conversations", "start", "end", "requests", "max_output_tokens", "shared_prefix_blocks"}
+_ZERO_OK = {"conversations", "agents", "tools", "start", "end", "requests", "max_output_tokens", "shared_prefix_blocks"}
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class LoadWorkload:
         params: the parameters used (with derived ones, e.g. `conversations`).
         kvtool_ram_bytes: the RAM budget the kvtool server must run with for this workload
             (bytes; None: the config's).
+        agents: the `agents` workload's plan (its requests are built while a batch runs;
+            `requests` then holds one agent's turns as placeholders); None for the others.
     """
 
     name: str
@@ -101,6 +111,7 @@ class LoadWorkload:
     restart_before: str | None
     params: dict[str, Any]
     kvtool_ram_bytes: int | None = None
+    agents: AgentsPlan | None = None
 
     def phase_requests(self, phase: str) -> list[LoadRequest]:
         """The requests of one phase, `after` indices renumbered within the phase."""
@@ -122,6 +133,10 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
     def check(key: str, value: Any, field: str) -> Any:
         if key in _FLOATS:
             return positive_number(value, field)
+        if key == "restart":
+            if not isinstance(value, bool):
+                raise ConfigError(field, f"must be true or false, got {value!r}")
+            return value
         if key == "ram_bytes":
             value = size_field(field, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -142,6 +157,8 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
     if name == "trace" and not merged["path"]:
         raise ConfigError(f"{where}.{name}.path", "required: a JSONL file of {\"t\", \"prompt\"|\"messages\"} lines "
                                                   "or a Mooncake trace")
+    if name == "agents" and merged["result_max_tokens"] < merged["result_min_tokens"]:
+        raise ConfigError(f"{where}.agents.result_max_tokens", "must be >= result_min_tokens")
     if name == "trace" and merged["end"] and merged["end"] <= merged["start"]:
         raise ConfigError(f"{where}.{name}.end", f"must be 0 (to the end) or > start ({merged['start']})")
     return merged
@@ -218,6 +235,10 @@ def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed:
             reqs = window_prompts(load_trace(path, max_tokens), p)
         return LoadWorkload(name, tuple(reqs), ("trace",), MEASURED[name], None, {**p, "path": str(path)})
     src = TextSource(tokenizer, rng)
+    if name == "agents":
+        plan = AgentsPlan(p, system_prompt(p, src), src, seed)
+        return LoadWorkload(name, tuple(plan.placeholders()), agents_phases(p), MEASURED[name],
+                            RESTART_BEFORE[name], p, agents=plan)
     ram = None
     if name == "shared-prefix":
         reqs = _shared_prefix(p, src, rng, max_tokens)

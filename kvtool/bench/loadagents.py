@@ -1,0 +1,324 @@
+"""The `agents` load workload: agent loops whose every turn carries the model's actual reply.
+
+N agents share one long system prompt (instructions and `tools` tool definitions, then corpus
+text, `system_tokens` in all). Agent `a` starts from its own task (a user message); each turn
+sends the whole transcript so far; after an answer the transcript grows by the reply the server
+returned (an assistant message) and a tool result of `result_min_tokens`..`result_max_tokens`
+tokens (a user message; length and text drawn from `numpy.random.default_rng([seed, a, turn])`).
+So a turn's request exists only once the previous answer has come back: the requests are built
+while the batch runs (`AgentsBatch`), not ahead of it like the other workloads'.
+
+The same conversation goes to both servers in their own API: `kvtool serve` gets Anthropic's
+Messages API (`POST /v1/messages` through the `anthropic` SDK: one `system` string, user and
+assistant messages of plain text, `temperature` 0 in the body), plain `mlx_lm.server` the
+equivalent chat completions (system + user/assistant messages, `openai` SDK). Both stream; TTFT is
+the request sent -> the first text delta (ms). Tokens: kvtool's `usage.cache_read_input_tokens` is
+the cached prompt and `input_tokens + cache_read_input_tokens + cache_creation_input_tokens` the
+prompt (Anthropic's accounting); mlx-lm's `usage.prompt_tokens_details.cached_tokens` and
+`usage.prompt_tokens`.
+
+Mismatches: each server's agents continue with that server's own replies. Greedy decoding on the
+same model keeps the two conversations identical; when an output differs, that turn is an output
+mismatch (`mismatches.csv`, the kvtool cell fails) and the agent goes on with each server's own
+reply, so its later turns are different requests (they are compared too, and listed when they
+differ). `prompt_token_mismatches` checks that both servers counted the same prompt tokens for every
+turn whose transcript is still identical (no earlier output of the agent differed).
+
+An empty reply (the model's end-of-turn token first) is appended as `EMPTY_REPLY` on both servers
+(an empty assistant message is not valid Messages input). A failed turn stops its agent.
+
+`[serve_load]`'s `clients` caps the turns in flight (and sets the agent count when `agents` is
+0); its `arrival`, `max_requests` and `max_tokens` do not apply (the workload's own `max_tokens` is
+per turn); `max_wall_s` bounds each phase.
+
+With `restart = true` the turns are split at T/2 into the phases `before` and `after` (the
+measured one); the servers are restarted between them (`kvtool.bench.loadcell.run_batch`) and the
+agents go on with their transcripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtool.bench.loadgen import WALL_LIMIT_ERROR, LoadRequest, LoadResult, LoadSpec, RequestRecord, check_loopback
+from kvtool.bench.loadserver import KVTOOL, MLXLM
+
+AGENTS_DEFAULTS: dict[str, Any] = {"agents": 0, "turns": 8, "system_tokens": 12_000, "tools": 8,
+                                   "result_min_tokens": 300, "result_max_tokens": 800, "max_tokens": 256,
+                                   "restart": False}
+EMPTY_REPLY = "(no reply)"
+STOP_REASONS = {"end_turn": "stop", "max_tokens": "length", "stop_sequence": "stop"}  # Messages -> chat names
+_KEY = re.compile(r"a(\d+)t(\d+)$")
+
+
+def agents_phases(p: dict[str, Any]) -> tuple[str, ...]:
+    """The phases of a validated `agents` parameter set: `("turn",)`, or with `restart`
+    `("before", "after")` (turns below T/2, then the rest)."""
+    return ("before", "after") if p["restart"] else ("turn",)
+
+
+def turn_phase(p: dict[str, Any], turn: int) -> str:
+    """The phase turn `turn` (0-based) belongs to."""
+    if not p["restart"]:
+        return "turn"
+    return "before" if turn < p["turns"] // 2 else "after"
+
+
+@dataclass
+class AgentsPlan:
+    """The fixed part of an `agents` workload: the shared system prompt and the tool results.
+
+    Attributes:
+        params: the validated parameters (`AGENTS_DEFAULTS` keys).
+        system: the shared system prompt (about `system_tokens` tokens of text).
+        src: a `kvtool.bench.loadworkloads.TextSource` (its `rng` is reseeded per text drawn).
+        seed: the workload seed.
+        kinds: server kind -> `"messages"` (Anthropic Messages API) or `"chat"` (chat completions).
+    """
+
+    params: dict[str, Any]
+    system: str
+    src: Any
+    seed: int
+    kinds: dict[str, str] = field(default_factory=lambda: {KVTOOL: "messages", MLXLM: "chat"})
+    _texts: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def agent_count(self, clients: int) -> int:
+        """Agents of a cell: the `agents` parameter, or the cell's clients when it is 0."""
+        return int(self.params["agents"]) or clients
+
+    def user_text(self, agent: int, turn: int) -> str:
+        """The user message that precedes turn `turn` of `agent`: its task (turn 0), else the
+        result of the tool called in the previous turn (deterministic from the seed)."""
+        if (agent, turn) not in self._texts:
+            self.src.rng = np.random.default_rng([self.seed, agent, turn])
+            if turn == 0:
+                text = f"Task of agent {agent}: " + self.src.text(48)
+            else:
+                lo, hi = self.params["result_min_tokens"], self.params["result_max_tokens"]
+                head = f"Tool result (agent {agent}, call {turn}):\n"
+                n = int(self.src.rng.integers(lo, hi + 1)) - len(self.src.tok.encode(head))
+                text = head + self.src.text(max(1, n))
+            self._texts[(agent, turn)] = text
+        return self._texts[(agent, turn)]
+
+    def placeholders(self) -> list[LoadRequest]:
+        """One request per turn of one agent (keys `a0t<turn>`): the phases and their sizes as
+        the static workload lists them; the real requests are built while the batch runs."""
+        return [LoadRequest(f"a0t{t}", (), self.params["max_tokens"], turn_phase(self.params, t), "a0")
+                for t in range(self.params["turns"])]
+
+    def batch(self, server_kind: str, clients: int) -> AgentsBatch:
+        """Fresh conversations for one batch on a server of kind `server_kind` (`kinds`); every user
+        message is drawn here, before the batch, so that no server's timing pays for it."""
+        agents = self.agent_count(clients)
+        for a in range(agents):
+            for t in range(self.params["turns"]):
+                self.user_text(a, t)
+        return AgentsBatch(self, self.kinds[server_kind], agents)
+
+
+def system_prompt(p: dict[str, Any], src: Any) -> str:
+    """The shared system prompt: instructions, `tools` JSON tool definitions (at most one per 128
+    tokens of the prompt; descriptions of corpus text, a quarter of the prompt in all), then corpus
+    text up to about `system_tokens` tokens (tokens of the string)."""
+    n_tools = min(p["tools"], max(1, p["system_tokens"] // 128))
+    per_tool = max(8, p["system_tokens"] // (4 * max(1, n_tools)))
+    tools = [{"name": f"tool_{i}", "description": src.text(per_tool),
+              "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}
+             for i in range(n_tools)]
+    head = ("[agents system prompt]\nYou are an agent. Call one of the tools below when you need data; "
+            "its result comes back as the next user message.\n# Tools\n"
+            + "\n".join(json.dumps(t, ensure_ascii=False) for t in tools) + "\n# Reference\n")
+    rest = p["system_tokens"] - len(src.tok.encode(head))
+    return head + (src.text(rest) if rest > 0 else "")
+
+
+@dataclass
+class AgentsBatch:
+    """The conversations of one batch: `kind` `messages` or `chat`, `agents` transcripts."""
+
+    plan: AgentsPlan
+    kind: str
+    agents: int
+    transcripts: dict[int, list[dict[str, str]]] = field(default_factory=dict)
+    stopped: set[int] = field(default_factory=set)
+    index: int = 0
+
+    def run_phase(self, base_url: str, phase: str, spec: LoadSpec,
+                  on_progress: Callable[[int, int], None] | None = None) -> LoadResult:
+        """Run every agent's turns of `phase` against the server at `base_url` (OpenAI base URL,
+        with `/v1`; loopback only); at most `spec.clients` requests in flight, `spec.max_wall_s`
+        for the phase (cut turns are recorded with `WALL_LIMIT_ERROR`).
+
+        Returns:
+            A `LoadResult` with one `RequestRecord` per turn sent (keys `a<agent>t<turn>`).
+
+        Raises:
+            ValueError: a non-loopback URL.
+        """
+        check_loopback(base_url)
+        return asyncio.run(self._run(base_url, phase, spec, on_progress))
+
+    async def _run(self, base_url: str, phase: str, spec: LoadSpec,
+                   on_progress: Callable[[int, int], None] | None) -> LoadResult:
+        turns = [t for t in range(self.plan.params["turns"]) if turn_phase(self.plan.params, t) == phase]
+        client = _client(self.kind, base_url, spec.request_timeout_s)
+        records: list[RequestRecord] = []
+        slots, t0 = asyncio.Semaphore(spec.clients), time.perf_counter()
+        total = len(turns) * self.agents
+
+        async def agent(a: int) -> None:
+            for t in turns:
+                if a in self.stopped:
+                    return
+                rec = RequestRecord(index=self.index, key=f"a{a}t{t}", phase=phase, session=f"a{a}")
+                self.index += 1
+                records.append(rec)
+                rec.scheduled_s = time.perf_counter() - t0
+                async with slots:
+                    await self._turn(client, a, t, rec, t0)
+                if on_progress:
+                    on_progress(len(records), total)
+
+        task = asyncio.ensure_future(asyncio.gather(*(agent(a) for a in range(self.agents))))
+        try:
+            done, _ = await asyncio.wait({task}, timeout=spec.max_wall_s)
+            if not done:
+                task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        finally:
+            await client.close()
+        for rec in records:
+            if rec.sent and rec.latency_ms != rec.latency_ms and not rec.error:
+                rec.error = WALL_LIMIT_ERROR
+        sent = [r for r in records if r.sent]
+        ends = [r.sent_s + r.latency_ms / 1e3 for r in sent if r.latency_ms == r.latency_ms]
+        wall = (max(ends) if ends else 0.0) - min((r.sent_s for r in sent), default=0.0)
+        return LoadResult(sent, wall, total - len(sent), "done" if task.done() and not task.cancelled() else "wall",
+                          spec)
+
+    def messages(self, agent: int, turn: int) -> list[dict[str, str]]:
+        """The transcript agent `agent` sends at turn `turn` (user/assistant messages, no system)."""
+        history = self.transcripts.setdefault(agent, [])
+        if len(history) < 2 * turn + 1:
+            history.append({"role": "user", "content": self.plan.user_text(agent, turn)})
+        return list(history)
+
+    async def _turn(self, client: Any, agent: int, turn: int, rec: RequestRecord, t0: float) -> None:
+        msgs = self.messages(agent, turn)
+        rec.sent_s, rec.sent = time.perf_counter() - t0, True
+        rec.queue_ms = (rec.sent_s - rec.scheduled_s) * 1e3
+        try:
+            stream = _stream_messages if self.kind == "messages" else _stream_chat
+            await stream(client, self.plan.system, msgs, self.plan.params["max_tokens"], rec)
+        except asyncio.CancelledError:
+            rec.error = WALL_LIMIT_ERROR
+            self.stopped.add(agent)
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed turn is recorded and stops its agent
+            rec.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            self.stopped.add(agent)
+            return
+        self.transcripts[agent].append({"role": "assistant", "content": rec.text or EMPTY_REPLY})
+
+
+def _client(kind: str, base_url: str, timeout_s: float) -> Any:
+    if kind == "messages":
+        from anthropic import AsyncAnthropic
+
+        root = base_url.rstrip("/").removesuffix("/v1")  # the SDK adds /v1/messages
+        return AsyncAnthropic(base_url=root, api_key="unused", max_retries=0, timeout=timeout_s)
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+
+
+async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
+                           rec: RequestRecord) -> None:
+    """One streamed Messages call; fills `rec` (TTFT at the first non-empty text delta)."""
+    t0, first, parts = time.perf_counter(), None, []
+    stream = await client.messages.create(model="default_model", system=system, messages=msgs, max_tokens=max_tokens,
+                                          stream=True, extra_body={"temperature": 0.0})
+    async for event in stream:
+        if event.type == "content_block_delta" and getattr(event.delta, "text", ""):
+            first = first or time.perf_counter()
+            parts.append(event.delta.text)
+        elif event.type == "message_delta":
+            rec.finish_reason = STOP_REASONS.get(event.delta.stop_reason or "", event.delta.stop_reason)
+            u = event.usage
+            cached = int(u.cache_read_input_tokens or 0)
+            rec.prompt_tokens = int(u.input_tokens or 0) + cached + int(u.cache_creation_input_tokens or 0)
+            rec.completion_tokens, rec.cached_tokens = int(u.output_tokens or 0), cached
+    _finish(rec, t0, first, parts)
+
+
+async def _stream_chat(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
+                       rec: RequestRecord) -> None:
+    """One streamed chat-completions call (system message first); fills `rec`."""
+    t0, first, parts = time.perf_counter(), None, []
+    stream = await client.chat.completions.create(
+        model="default_model", messages=[{"role": "system", "content": system}, *msgs], max_tokens=max_tokens,
+        temperature=0.0, stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        for choice in chunk.choices or []:
+            content = choice.delta.content if choice.delta is not None else None
+            if content:
+                first = first or time.perf_counter()
+                parts.append(content)
+            rec.finish_reason = choice.finish_reason or rec.finish_reason
+        if getattr(chunk, "usage", None) is not None:
+            u = chunk.usage
+            rec.prompt_tokens, rec.completion_tokens = int(u.prompt_tokens or 0), int(u.completion_tokens or 0)
+            details = getattr(u, "prompt_tokens_details", None)
+            cached = getattr(details, "cached_tokens", None) if details is not None else None
+            rec.cached_tokens = int(cached) if cached is not None else None
+    _finish(rec, t0, first, parts)
+
+
+def _finish(rec: RequestRecord, t0: float, first: float | None, parts: list[str]) -> None:
+    end = time.perf_counter()
+    rec.latency_ms = (end - t0) * 1e3
+    rec.ttft_from_content = first is not None
+    rec.ttft_ms = ((first if first is not None else end) - t0) * 1e3
+    rec.text = "".join(parts)
+
+
+def prompt_token_mismatches(requests: Any) -> int:
+    """Agent turns whose transcript was identical on both servers (every earlier output of the
+    agent equal) but whose reported prompt tokens differ.
+
+    Args:
+        requests: a pandas frame of `requests.jsonl` rows (`workload`, `server`, `clients`,
+            `repeat`, `key`, `text`, `prompt_tokens`, `error`).
+
+    Returns:
+        The count (0 when there is no `agents` row or only one server ran).
+    """
+    rows = requests[requests["workload"] == "agents"] if "workload" in requests else requests.iloc[0:0]
+    by: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows.to_dict(orient="records"):
+        m = _KEY.match(str(r["key"]))
+        if m and not isinstance(r.get("error"), str):
+            by.setdefault((r["clients"], r["repeat"], int(m[1]), int(m[2])), {})[r["server"]] = r
+    bad, diverged = 0, set()
+    for (clients, repeat, agent, _turn), pair in sorted(by.items()):
+        if len(pair) != 2 or (clients, repeat, agent) in diverged:
+            continue
+        k, m = pair.values()
+        bad += int(k["prompt_tokens"] != m["prompt_tokens"])
+        if k["text"] != m["text"]:
+            diverged.add((clients, repeat, agent))
+    return bad
+
+
+__all__ = ["AGENTS_DEFAULTS", "AgentsBatch", "AgentsPlan", "EMPTY_REPLY", "agents_phases", "prompt_token_mismatches",
+           "system_prompt", "turn_phase"]
