@@ -41,7 +41,7 @@ from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.validation import RequestError
-from kvtool.server.watchdog import RequestGuard, error_status
+from kvtool.server.watchdog import AdmittedHandler, RequestGuard, error_status
 
 log = logging.getLogger("kvtool.server")
 if TYPE_CHECKING:  # the handler methods' view of mlx-lm's APIHandler
@@ -388,7 +388,7 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: C
     `metrics` is given) and a served-model `/v1/models` (`_KVToolHandler`)."""
     from mlx_lm.server import APIHandler
 
-    return type("KVToolAPIHandler", (_KVToolHandler, APIHandler),
+    return type("KVToolAPIHandler", (AdmittedHandler, _KVToolHandler, APIHandler),
                 {"kvtool_cache": cache, "kvtool_guard": guard, "kvtool_metrics": metrics})
 
 

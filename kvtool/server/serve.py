@@ -44,6 +44,7 @@ from kvtool.models.limits import TokenLimitError, token_limits
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
+from kvtool.server.admission import Admission, window_from_env
 from kvtool.server.handler import (
     HEAD_TIMEOUT_S,
     MAX_CONNECTIONS,
@@ -139,7 +140,7 @@ class KVToolServer:
             raise ServerStartError(problem)
         names = self._alias(model, Path(path), adapter)
         self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
-        guard = RequestGuard(self.limits, self.provider.tokenizer)
+        guard = RequestGuard(self.limits, self.provider.tokenizer, Admission(window_from_env()))
         self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name,
                                                   quant=quant)
         self.metrics = CacheMetrics(self._metrics_snapshot)
@@ -158,7 +159,8 @@ class KVToolServer:
             self.httpd.kvtool_max_per_peer = max_connections_per_peer
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
-                                                     max_prompt_tokens=self.limits.max_prompt_tokens)
+                                                     max_prompt_tokens=self.limits.max_prompt_tokens,
+                                                     admission=guard.admission)
             self.httpd.kvtool_holder["generator"] = self.generator
         except BaseException:  # a bind error or a signal: the index is still closed cleanly
             generator = getattr(self, "generator", None)
