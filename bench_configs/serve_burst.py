@@ -9,7 +9,7 @@ first and last finish (s) and the last finish's ratio to the first variant's in 
 then the 1-minute load average before and after (the machine may be shared).
 
 A variant is `kvtool` or `mlx-lm`, optionally `kvtool:FLAGS` (extra `kvtool serve` flags) or
-`kvtool:FLAGS|ENV=VALUE,...` (environment variables for that server).
+`kvtool:FLAGS|ENV=VALUE+ENV2=VALUE` (environment variables for that server).
 
     .venv/bin/python bench_configs/serve_burst.py --model small --servers mlx-lm,kvtool --repeats 3
 """
@@ -80,10 +80,19 @@ def burst(url: str, bodies: list[dict]) -> list[float]:
     return sorted(d - t0 for d in done)
 
 
+def prefill_steps(server: ManagedServer) -> tuple[int, list[int]] | None:
+    """(prefill steps so far, prompts per recent step) of a kvtool server (`/kvtool/stats`); None otherwise."""
+    stats = server.kvtool_stats()
+    if not stats:
+        return None
+    doc = stats["server"]
+    return doc["prefill_steps"], [len(s) for s in doc["prefill_steps_recent"]]
+
+
 def start(variant: str, i: int, model: str, model_path: str, work: Path) -> ManagedServer:
     head, _, env_part = variant.partition("|")
     kind, _, flags = head.partition(":")
-    env = dict(kv.split("=", 1) for kv in env_part.split(",") if kv)
+    env = dict(kv.split("=", 1) for kv in env_part.split("+") if kv)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # child_env() copies os.environ
     try:
@@ -129,10 +138,13 @@ def main() -> int:
                 bodies = [{"model": "default_model", "max_tokens": a.max_tokens, "temperature": 0.0,
                            "messages": [{"role": "user", "content": prompt_text(rng, n_words)}]}
                           for _ in range(a.prompts)]
+                n0 = prefill_steps(servers[i])
                 times = burst(servers[i].url, bodies)
                 last[variants[i]].append(times[-1])
+                n1 = prefill_steps(servers[i])
+                steps = "" if n1 is None else f"  prefill steps {n1[1][len(n1[1]) - (n1[0] - n0[0]):]}"
                 print(f"repeat {r} {variants[i]:40s} first {times[0]:6.2f} s  last {times[-1]:6.2f} s  "
-                      f"load {os.getloadavg()[0]:.2f}", flush=True)
+                      f"load {os.getloadavg()[0]:.2f}{steps}", flush=True)
         ref = last[variants[0]]
         for v in variants:
             ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(last[v], ref))
