@@ -16,6 +16,10 @@ prompts with images, which the handler does not tokenize). The handler's own che
 `RequestGuard.pretokenize`: it tokenizes on the handler's thread and leaves the result for the
 generation thread.
 
+After taking a request, the generation loop waits (bounded) for the requests still in admission
+(`AdmittedHandler`: arrived, not yet queued) before its next step, so that requests that arrive
+together are prefilled in one step (`kvtool.server.admission`).
+
 Test seam: with the environment variable `KVTOOL_TEST_GENERATION_FAULT` set to a string, a
 request whose stop strings include it makes the generation loop raise where `"stop": 5` did
 (the handler rejects `"stop": 5` itself, so the restart path needs another trigger).
