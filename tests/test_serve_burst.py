@@ -146,3 +146,77 @@ def test_a_too_long_prompt_in_a_burst_is_refused_before_prefill(tmp_path):
         assert st["rejected_by_status"].get("413") == 1
     finally:
         kv.stop()
+
+
+# ----------------------------------------------------------------------------- the parts, in-process
+def _arrive_then_put(admission, queue, go: threading.Event, arrived: threading.Event, item) -> threading.Thread:
+    """A handler thread: arrives, then on `go` queues `item` (None: refused) and leaves."""
+
+    def run() -> None:
+        admission.arrive()
+        arrived.set()
+        go.wait(HTTP_TIMEOUT_S)
+        if item is not None:
+            queue.put(item)
+        admission.leave()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("item", ["request", None])
+def test_gather_waits_for_a_request_in_admission(item):
+    """The loop's wait ends when the request in admission is queued (it gets it) or refused (None)."""
+    from queue import Queue
+
+    from kvtool.server.admission import Admission
+
+    admission, queue, go, arrived = Admission(window_s=HTTP_TIMEOUT_S), Queue(), threading.Event(), threading.Event()
+    handler = _arrive_then_put(admission, queue, go, arrived, item)
+    arrived.wait(HTTP_TIMEOUT_S)
+    got: list = []
+    loop = threading.Thread(target=lambda: got.append(admission.gather(queue, time.monotonic() + HTTP_TIMEOUT_S)))
+    loop.start()
+    go.set()
+    loop.join(HTTP_TIMEOUT_S)
+    handler.join(HTTP_TIMEOUT_S)
+    assert got == [item]
+    assert admission.pending == 0
+
+
+def test_gather_does_not_wait_past_the_window():
+    """A request in admission longer than the window (a body that never ends) is not waited for."""
+    from queue import Queue
+
+    from kvtool.server.admission import Admission
+
+    admission, queue, go, arrived = Admission(window_s=0.0), Queue(), threading.Event(), threading.Event()
+    handler = _arrive_then_put(admission, queue, go, arrived, None)
+    arrived.wait(HTTP_TIMEOUT_S)
+    assert admission.pending == 1
+    assert admission.gather(queue, time.monotonic() + HTTP_TIMEOUT_S) is None
+    assert admission.stats()["admission_waits"] == 0
+    go.set()
+    handler.join(HTTP_TIMEOUT_S)
+
+
+def test_prefill_steps_group_the_progress_of_each_step():
+    """Each step's record is the tokens each request prefilled in it; the last token (handed to
+    decoding) is no prefill."""
+    from queue import Queue
+
+    from kvtool.server.admission import PrefillSteps
+
+    steps, a, b, c = PrefillSteps(), Queue(), Queue(), Queue()
+    steps.tick()
+    steps.progress(a, 2048, 4000)
+    steps.progress(b, 1572, 1573)
+    steps.tick()
+    steps.progress(a, 3999, 4000)
+    steps.progress(b, 1573, 1573)
+    steps.tick()
+    steps.progress(a, 4000, 4000)
+    steps.progress(c, 10, 11, alone=True)  # a request served outside the batch
+    assert steps.stats() == {"prefill_steps": 3, "prefill_batch_max": 2,
+                             "prefill_steps_recent": [[2048, 1572], [1951], [10]]}
