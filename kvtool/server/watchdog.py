@@ -291,6 +291,7 @@ class KVToolResponseGenerator(ResponseGenerator):
             self._in_flight[response_queue] = None
             self.requests.put((response_queue, request, generation_args))
         self.admission.leave()  # queued: the loop no longer waits for this handler
+
         def _inner():
             while True:
                 response = self._await_response(response_queue)
