@@ -8,8 +8,9 @@ one that admits them one by one finishes the last much later. Per server and rep
 first and last finish (s) and the last finish's ratio to the first variant's in the same repeat;
 then the 1-minute load average before and after (the machine may be shared).
 
-A variant is `kvtool` or `mlx-lm`, optionally `kvtool:FLAGS` (extra `kvtool serve` flags) or
-`kvtool:FLAGS|ENV=VALUE+ENV2=VALUE` (environment variables for that server).
+A variant is `kvtool`, `mlx-lm` or `kvtool@TREE` (another kvtool source tree, e.g. a worktree of
+an older commit), optionally with `:FLAGS` (extra `kvtool serve` flags) and `|ENV=VALUE+ENV2=VALUE`
+(environment variables for that server).
 
     .venv/bin/python bench_configs/serve_burst.py --model small --servers mlx-lm,kvtool --repeats 3
 """
@@ -86,12 +87,16 @@ def prefill_steps(server: ManagedServer) -> tuple[int, list[int]] | None:
     if not stats:
         return None
     doc = stats["server"]
+    if "prefill_steps" not in doc:  # a kvtool without the record
+        return None
     return doc["prefill_steps"], [len(s) for s in doc["prefill_steps_recent"]]
 
 
 def start(variant: str, i: int, model: str, model_path: str, work: Path) -> ManagedServer:
     head, _, env_part = variant.partition("|")
-    kind, _, flags = head.partition(":")
+    head, _, flags = head.partition(":")
+    kind, _, tree = head.partition("@")
+    loadserver.REPO = Path(tree).resolve() if tree else REPO  # the tree `python -m kvtool...` runs from
     env = dict(kv.split("=", 1) for kv in env_part.split("+") if kv)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # child_env() copies os.environ
@@ -120,7 +125,6 @@ def main() -> int:
     n_words = words_for(model_path, a.tokens)
     variants = a.servers.split(",")
     work = Path(tempfile.mkdtemp(prefix="kvtool-serve-burst-"))
-    loadserver.REPO = REPO
     rng = random.Random(1)
     load0 = os.getloadavg()[0]
     servers: list[ManagedServer] = []
