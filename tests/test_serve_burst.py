@@ -218,3 +218,20 @@ def test_prefill_steps_group_the_progress_of_each_step():
     steps.progress(c, 10, 11, alone=True)  # a request served outside the batch
     assert steps.stats() == {"prefill_steps": 3, "prefill_batch_max": 2,
                              "prefill_steps_recent": [[2048, 1572], [1951], [10]]}
+
+
+@pytest.mark.parametrize(("raw", "window_s"), [(None, 0.25), ("", 0.25), ("50", 0.05), ("0", 0.0), ("abc", None),
+                                               ("-1", None), ("nan", None)])
+def test_admission_window_from_the_environment(monkeypatch, raw, window_s):
+    from kvtool.server.admission import DEFAULT_WINDOW_S, WINDOW_ENV, window_from_env
+
+    assert DEFAULT_WINDOW_S == 0.25  # docs/server.md says 250 ms
+    if raw is None:
+        monkeypatch.delenv(WINDOW_ENV, raising=False)
+    else:
+        monkeypatch.setenv(WINDOW_ENV, raw)
+    if window_s is None:
+        with pytest.raises(ValueError, match=WINDOW_ENV):
+            window_from_env()
+    else:
+        assert window_from_env() == pytest.approx(window_s)

@@ -48,7 +48,10 @@ def window_from_env() -> float:
     raw = os.environ.get(WINDOW_ENV)
     if raw is None or not raw.strip():
         return DEFAULT_WINDOW_S
-    value = float(raw)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
     if not value >= 0:
         raise ValueError(f"{WINDOW_ENV} must be a number of milliseconds >= 0, not {raw!r}")
     return value / 1e3

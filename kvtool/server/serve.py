@@ -108,8 +108,9 @@ class KVToolServer:
 
     Raises:
         ServerStartError: the model does not load, the address cannot be bound, the default
-            `max_tokens` exceeds the model's context length, or `kv_bits` / `kv_group_size` do
-            not quantize the model's KV head dims.
+            `max_tokens` exceeds the model's context length, `kv_bits` / `kv_group_size` do
+            not quantize the model's KV head dims, or `KVTOOL_ADMISSION_WINDOW_MS` is not a
+            number of milliseconds >= 0 (`kvtool.server.admission`).
         ValueError: an unknown server option.
     """
 
@@ -125,6 +126,10 @@ class KVToolServer:
 
         self.spec = model
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
+        try:
+            admission = Admission(window_from_env())
+        except ValueError as exc:
+            raise ServerStartError(str(exc)) from None
         path, name, adapter = _resolve_models(cli_args, model, adapter_path)
         quant = _quantization(cli_args)
         self.model_name = name
@@ -140,7 +145,7 @@ class KVToolServer:
             raise ServerStartError(problem)
         names = self._alias(model, Path(path), adapter)
         self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
-        guard = RequestGuard(self.limits, self.provider.tokenizer, Admission(window_from_env()))
+        guard = RequestGuard(self.limits, self.provider.tokenizer, admission)
         self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name,
                                                   quant=quant)
         self.metrics = CacheMetrics(self._metrics_snapshot)
