@@ -10,8 +10,8 @@ batch a step later (4 cold ~2k-token prompts: the last answered after 8.20 s, 4.
 `mlx_lm.server`). docs/server.md#a-burst-is-prefilled-together has the measurements.
 
 `Admission` counts the requests between their arrival (the handler read the request head) and
-their hand-over to the loop (queued, or refused); the loop, after taking a request, waits for
-those still in admission before it starts the next step: at most `window_s` from each one's
+their hand-over to the loop (queued, or refused); the loop, after taking a request that found it
+idle, waits for those still in admission before it starts the next step: at most `window_s` from each one's
 arrival, so a client that never finishes its body holds the loop once, for at most that long.
 
 `PrefillSteps` records, per batch step, the prompt tokens each request prefilled in it (from

@@ -16,7 +16,7 @@ prompts with images, which the handler does not tokenize). The handler's own che
 `RequestGuard.pretokenize`: it tokenizes on the handler's thread and leaves the result for the
 generation thread.
 
-After taking a request, the generation loop waits (bounded) for the requests still in admission
+After taking a request that found it idle, the generation loop waits (bounded) for the requests still in admission
 (`AdmittedHandler`: arrived, not yet queued) before its next step, so that requests that arrive
 together are prefilled in one step (`kvtool.server.admission`).
 
@@ -158,9 +158,9 @@ class AdmittedHandler:
 class KVToolResponseGenerator(ResponseGenerator):
     """`mlx_lm.server.ResponseGenerator` whose generation loop is restarted when it raises.
 
-    After taking a request, the loop waits for the requests still in admission (arrived at a
-    handler, not yet queued: `admission`) before its next step, so that requests that arrive
-    together are prefilled in one step (`kvtool.server.admission`); `prefill_steps` records
+    After taking a request that found it idle, the loop waits for the requests still in
+    admission (arrived at a handler, not yet queued: `admission`) before its next step, so that
+    requests that arrive together are prefilled in one step (`kvtool.server.admission`); `prefill_steps` records
     the prompt tokens of each request prefilled in each step.
 
     Args:
@@ -240,15 +240,19 @@ class KVToolResponseGenerator(ResponseGenerator):
 
     # ------------------------------------------------------------ mlx-lm hooks
     def _next_request(self, timeout=None):
-        """As mlx-lm's, then, when the loop took a request just before and nothing is queued,
-        the requests still in admission, waited for (`Admission.gather`) at most until the
-        admission window after the first request of this round."""
+        """As mlx-lm's, then, when nothing is queued and the loop took a request just before
+        that found it idle, the requests still in admission, waited for (`Admission.gather`) at
+        most until the admission window after that first request.
+
+        The loop is idle when it asks with a timeout (mlx-lm's loop blocks only when its batch
+        holds no request). A busy loop never waits: its decoding would stall for requests that
+        join its batch at the next step anyway (at 16 clients that cost throughput)."""
         got = super()._next_request(timeout)
         if got is None and self._round_until is not None and not self._is_distributed:
             got = self.admission.gather(self.requests, self._round_until)
         if got is None:
             self._round_until = None
-        elif self._round_until is None:
+        elif self._round_until is None and timeout is not None:  # a burst may be arriving at an idle loop
             self._round_until = time.monotonic() + self.admission.window_s
         return got
 
