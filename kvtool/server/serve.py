@@ -126,10 +126,7 @@ class KVToolServer:
 
         self.spec = model
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
-        try:
-            admission = Admission(window_from_env())
-        except ValueError as exc:
-            raise ServerStartError(str(exc)) from None
+        admission = _admission()  # a bad KVTOOL_ADMISSION_WINDOW_MS fails before any loading
         path, name, adapter = _resolve_models(cli_args, model, adapter_path)
         quant = _quantization(cli_args)
         self.model_name = name
@@ -274,6 +271,18 @@ class KVToolServer:
                 log.warning("the generation thread did not stop within %.0f s; closing the cache anyway", timeout)
             self._closed = self.cache.close()
             return self._closed
+
+
+def _admission() -> Admission:
+    """The handlers' admission, with the window of `KVTOOL_ADMISSION_WINDOW_MS`.
+
+    Raises:
+        ServerStartError: the variable is not a number of milliseconds >= 0.
+    """
+    try:
+        return Admission(window_from_env())
+    except ValueError as exc:
+        raise ServerStartError(str(exc)) from None
 
 
 def _resolve_models(cli_args: argparse.Namespace, model: str, adapter_path: str | None) -> tuple[Path, str, str | None]:
