@@ -45,7 +45,7 @@ from kvtool.server import api_routes, apis, validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.head_reader import HeadReader
 from kvtool.server.validation import RequestError
-from kvtool.server.watchdog import RequestGuard, error_status
+from kvtool.server.watchdog import AdmittedHandler, RequestGuard, error_status
 
 log = logging.getLogger("kvtool.server")
 
@@ -380,7 +380,7 @@ def make_handler_class(cache: KVToolPromptCache, guard: RequestGuard, metrics: C
     `metrics` is given) and a served-model `/v1/models` (`_KVToolHandler`)."""
     from mlx_lm.server import APIHandler
 
-    return type("KVToolAPIHandler", (_KVToolHandler, APIHandler),
+    return type("KVToolAPIHandler", (AdmittedHandler, _KVToolHandler, APIHandler),
                 {"kvtool_cache": cache, "kvtool_guard": guard, "kvtool_metrics": metrics})
 
 

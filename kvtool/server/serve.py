@@ -44,6 +44,7 @@ from kvtool.models.limits import TokenLimitError, token_limits
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
+from kvtool.server.admission import Admission, window_from_env
 from kvtool.server.handler import (
     HEAD_TIMEOUT_S,
     MAX_CONNECTIONS,
@@ -109,8 +110,9 @@ class KVToolServer:
 
     Raises:
         ServerStartError: the model does not load, the address cannot be bound, the default
-            `max_tokens` exceeds the model's context length, or `kv_bits` / `kv_group_size` do
-            not quantize the model's KV head dims.
+            `max_tokens` exceeds the model's context length, `kv_bits` / `kv_group_size` do
+            not quantize the model's KV head dims, or `KVTOOL_ADMISSION_WINDOW_MS` is not a
+            number of milliseconds >= 0 (`kvtool.server.admission`).
         ValueError: an unknown server option.
     """
 
@@ -127,6 +129,7 @@ class KVToolServer:
 
         self.spec = model
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
+        admission = _admission()  # a bad KVTOOL_ADMISSION_WINDOW_MS fails before any loading
         path, name, adapter = _resolve_models(cli_args, model, adapter_path)
         quant = _quantization(cli_args)
         self.model_name = name
@@ -142,7 +145,7 @@ class KVToolServer:
             raise ServerStartError(problem)
         names = self._alias(model, Path(path), adapter)
         self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
-        guard = RequestGuard(self.limits, self.provider.tokenizer)
+        guard = RequestGuard(self.limits, self.provider.tokenizer, admission)
         self.prefix_cache = PrefixCache.for_model(self.provider.model, config, model_id=model_id, model_name=name,
                                                   quant=quant)
         self.metrics = CacheMetrics(self._metrics_snapshot)
@@ -162,7 +165,8 @@ class KVToolServer:
             self.httpd.kvtool_api_key = api_key or None
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
-                                                     max_prompt_tokens=self.limits.max_prompt_tokens)
+                                                     max_prompt_tokens=self.limits.max_prompt_tokens,
+                                                     admission=guard.admission)
             self.httpd.kvtool_holder["generator"] = self.generator
         except BaseException:  # a bind error or a signal: the index is still closed cleanly
             generator = getattr(self, "generator", None)
@@ -271,6 +275,18 @@ class KVToolServer:
                 log.warning("the generation thread did not stop within %.0f s; closing the cache anyway", timeout)
             self._closed = self.cache.close()
             return self._closed
+
+
+def _admission() -> Admission:
+    """The handlers' admission, with the window of `KVTOOL_ADMISSION_WINDOW_MS`.
+
+    Raises:
+        ServerStartError: the variable is not a number of milliseconds >= 0.
+    """
+    try:
+        return Admission(window_from_env())
+    except ValueError as exc:
+        raise ServerStartError(str(exc)) from None
 
 
 def _resolve_models(cli_args: argparse.Namespace, model: str, adapter_path: str | None) -> tuple[Path, str, str | None]:

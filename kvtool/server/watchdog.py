@@ -16,6 +16,10 @@ prompts with images, which the handler does not tokenize). The handler's own che
 `RequestGuard.pretokenize`: it tokenizes on the handler's thread and leaves the result for the
 generation thread.
 
+After taking a request that found it idle, the generation loop waits (bounded) for the requests still in admission
+(`AdmittedHandler`: arrived, not yet queued) before its next step, so that requests that arrive
+together are prefilled in one step (`kvtool.server.admission`).
+
 Test seam: with the environment variable `KVTOOL_TEST_GENERATION_FAULT` set to a string, a
 request whose stop strings include it makes the generation loop raise where `"stop": 5` did
 (the handler rejects `"stop": 5` itself, so the restart path needs another trigger).
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.server import ResponseGenerator
 
+from kvtool.server.admission import Admission, PrefillSteps, RecordingQueue, StepClock
 from kvtool.server.validation import RequestError
 
 if TYPE_CHECKING:
@@ -85,8 +90,9 @@ class RequestGuard:
     """What the handler checks a request against: `limits` and a private copy of the tokenizer
     (the prompt is tokenized in the handler thread, under a lock, as the generation thread will)."""
 
-    def __init__(self, limits: Limits, tokenizer: Any):
+    def __init__(self, limits: Limits, tokenizer: Any, admission: Admission | None = None):
         self.limits = limits
+        self.admission = admission if admission is not None else Admission()  # shared with the generator
         self.source = tokenizer  # the served tokenizer (the generation thread's)
         self._tokenizer = copy.deepcopy(tokenizer)
         self._lock = threading.Lock()
@@ -121,26 +127,58 @@ class RequestGuard:
                 and any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]))
                 for m in request.messages):  # fmt: skip
             return
-        with self._lock:
-            out = ResponseGenerator._tokenize(generator, self._tokenizer, copy.deepcopy(request), args)
-        if len(out[0]) > self.limits.max_prompt_tokens:
-            raise PromptTooLong(len(out[0]), self.limits.max_prompt_tokens)
+        try:
+            with self._lock:
+                out = ResponseGenerator._tokenize(generator, self._tokenizer, copy.deepcopy(request), args)
+            if len(out[0]) > self.limits.max_prompt_tokens:
+                raise PromptTooLong(len(out[0]), self.limits.max_prompt_tokens)
+        except Exception:
+            self.admission.leave()  # refused: the generation loop waits for it no longer
+            raise
         setattr(request, PRETOKENIZED, (self.source, out))
+
+
+class AdmittedHandler:
+    """The first base of `kvtool serve`'s HTTP handler class (`handler.make_handler_class`): a
+    POST is in admission (`RequestGuard.admission`, which the generation loop waits for) from
+    its arrival (its head is read) until it is queued for the loop (`KVToolResponseGenerator.generate`)
+    or answered otherwise (refused, or failed before it was queued)."""
+
+    kvtool_guard: RequestGuard
+
+    def do_POST(self):  # noqa: N802 - http.server naming
+        admission = self.kvtool_guard.admission
+        admission.arrive()
+        try:
+            super().do_POST()  # the handler's next base (kvtool's, then mlx-lm's)
+        finally:
+            admission.leave()
 
 
 class KVToolResponseGenerator(ResponseGenerator):
     """`mlx_lm.server.ResponseGenerator` whose generation loop is restarted when it raises.
+
+    After taking a request that found it idle, the loop waits for the requests still in
+    admission (arrived at a handler, not yet queued: `admission`) before its next step, so that
+    requests that arrive together are prefilled in one step (`kvtool.server.admission`); `prefill_steps` records
+    the prompt tokens of each request prefilled in each step.
 
     Args:
         model_provider, prompt_cache: as `ResponseGenerator`.
         max_prompt_tokens: longest prompt accepted (tokens, after the chat template).
         max_restarts, restart_window_s: more than `max_restarts` loop failures within
             `restart_window_s` seconds stop generation for good (503).
+        admission: the handlers' arrivals (`RequestGuard.admission`); None: the loop never waits.
     """
 
     def __init__(self, model_provider: Any, prompt_cache: Any, *, max_prompt_tokens: int,
-                 max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S):
+                 max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S,
+                 admission: Admission | None = None):
         # Set before the base class starts the generation thread.
+        self.admission = admission if admission is not None else Admission(window_s=0.0)
+        self.prefill_steps = PrefillSteps()
+        self._alone = threading.Event()  # set while the loop serves a request outside the batch
+        self._round_until: float | None = None  # the loop took a request: it may wait until then
         self.max_prompt_tokens = max_prompt_tokens
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
@@ -154,6 +192,9 @@ class KVToolResponseGenerator(ResponseGenerator):
         self._in_flight: weakref.WeakKeyDictionary[Queue, None] = weakref.WeakKeyDictionary()
         self._fault = os.environ.get(FAULT_ENV) or None
         super().__init__(model_provider, prompt_cache)
+        # The loop reads its time budget at its first step, after a request was queued: no
+        # request reaches the queue before this generator is handed to the handlers.
+        self._time_budget = StepClock(self.prefill_steps)
 
     # ------------------------------------------------------------------ the thread
     def _run_generate(self) -> None:
@@ -198,6 +239,30 @@ class KVToolResponseGenerator(ResponseGenerator):
         return not give_up
 
     # ------------------------------------------------------------ mlx-lm hooks
+    def _next_request(self, timeout=None):
+        """As mlx-lm's, then, when nothing is queued and the loop took a request just before
+        that found it idle, the requests still in admission, waited for (`Admission.gather`) at
+        most until the admission window after that first request.
+
+        The loop is idle when it asks with a timeout (mlx-lm's loop blocks only when its batch
+        holds no request). A busy loop never waits: its decoding would stall for requests that
+        join its batch at the next step anyway (at 16 clients that cost throughput)."""
+        got = super()._next_request(timeout)
+        if got is None and self._round_until is not None and not self._is_distributed:
+            got = self.admission.gather(self.requests, self._round_until)
+        if got is None:
+            self._round_until = None
+        elif self._round_until is None and timeout is not None:  # a burst may be arriving at an idle loop
+            self._round_until = time.monotonic() + self.admission.window_s
+        return got
+
+    def _serve_single(self, request, stream):
+        self._alone.set()  # its prefill progress is its own step
+        try:
+            return super()._serve_single(request, stream)
+        finally:
+            self._alone.clear()
+
     def _tokenize(self, tokenizer, request, args):
         out = take_pretokenized(request, tokenizer)
         if out is None:
@@ -225,10 +290,11 @@ class KVToolResponseGenerator(ResponseGenerator):
         if not self.generation_available():
             raise GenerationUnavailable(
                 f"generation is stopped after repeated failures (last: {self.last_failure or 'unknown'})")
-        response_queue: Queue = Queue()
+        response_queue: Queue = RecordingQueue(self.prefill_steps, self._alone)
         with self._registry_lock:
             self._in_flight[response_queue] = None
             self.requests.put((response_queue, request, generation_args))
+        self.admission.leave()  # queued: the loop no longer waits for this handler
 
         def _inner():
             while True:
@@ -252,7 +318,8 @@ class KVToolResponseGenerator(ResponseGenerator):
         """Watchdog counters (JSON-able)."""
         return {"generation_restarts": self.restarts, "prompts_pretokenized": self.pretokenized,
                 "generation_available": self.generation_available(),
-                "last_generation_failure": self.last_failure}
+                "last_generation_failure": self.last_failure,
+                **self.admission.stats(), **self.prefill_steps.stats()}
 
 
 def take_pretokenized(request: Any, tokenizer: Any) -> tuple | None:
@@ -265,5 +332,5 @@ def take_pretokenized(request: Any, tokenizer: Any) -> tuple | None:
     return got[1]
 
 
-__all__ = ["KVToolResponseGenerator", "take_pretokenized", "PRETOKENIZED", "GenerationFailed", "GenerationUnavailable", "PromptTooLong",
+__all__ = ["KVToolResponseGenerator", "AdmittedHandler", "RequestGuard", "error_status", "take_pretokenized", "PRETOKENIZED", "GenerationFailed", "GenerationUnavailable", "PromptTooLong",
            "MAX_RESTARTS", "RESTART_WINDOW_S", "FAULT_ENV"]

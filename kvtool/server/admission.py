@@ -1,0 +1,210 @@
+"""When the generation loop starts a prefill step: requests that arrive together are prefilled together.
+
+mlx-lm's generation loop (`mlx_lm.server.ResponseGenerator._generate`) takes every queued request
+into its batch before it runs the next step (`BatchGenerator.next`), so requests queued together
+are prefilled in one batched step. Plain `mlx_lm.server` tokenizes on that loop: while it
+tokenizes the first of a burst, the others are queued. `kvtool serve` tokenizes on the handler
+threads (`watchdog.RequestGuard.pretokenize`), so the loop took the first of a burst alone and
+started prefilling it while the others were still being tokenized; they joined a padded mixed
+batch a step later (4 cold ~2k-token prompts: the last answered after 8.20 s, 4.44 s with
+`mlx_lm.server`). docs/server.md#a-burst-is-prefilled-together has the measurements.
+
+`Admission` counts the requests between their arrival (the handler read the request head) and
+their hand-over to the loop (queued, or refused); the loop, after taking a request that found it
+idle, waits for those still in admission before it starts the next step: at most `window_s` from each one's
+arrival, so a client that never finishes its body holds the loop once, for at most that long.
+
+`PrefillSteps` records, per batch step, the prompt tokens each request prefilled in it (from
+mlx-lm's own progress reports), for `/kvtool/stats` and one DEBUG log line per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from queue import Empty, Queue
+from typing import Any
+
+from mlx_lm.server import TimeBudget
+
+log = logging.getLogger("kvtool.server")
+
+WINDOW_ENV = "KVTOOL_ADMISSION_WINDOW_MS"
+DEFAULT_WINDOW_S = 0.25  # longest wait for a request still in admission, from its arrival (s)
+RECENT_STEPS = 32  # prefill steps kept for /kvtool/stats
+
+
+def window_from_env() -> float:
+    """The admission window (s): `KVTOOL_ADMISSION_WINDOW_MS` (milliseconds, >= 0), else
+    `DEFAULT_WINDOW_S`.
+
+    Raises:
+        ValueError: the variable is not a number >= 0.
+    """
+    raw = os.environ.get(WINDOW_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_WINDOW_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"{WINDOW_ENV} must be a number of milliseconds >= 0, not {raw!r}")
+    return value / 1e3
+
+
+class Admission:
+    """Requests between arrival and hand-over to the generation loop, keyed by handler thread.
+
+    Args:
+        window_s: how long after a request's arrival the loop may wait for it (s); 0: never.
+    """
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S):
+        self.window_s = window_s
+        self._arrived: dict[int, float] = {}  # handler thread id -> arrival (monotonic s)
+        self._left = 0  # hand-overs so far (a change wakes the waiting loop)
+        self._cond = threading.Condition()
+        self.waits = 0  # times the loop waited for a request in admission
+        self.joined = 0  # requests taken while the loop waited
+
+    def arrive(self) -> None:
+        """The calling handler thread has a request (its head is read)."""
+        with self._cond:
+            self._arrived[threading.get_ident()] = time.monotonic()
+
+    def leave(self) -> None:
+        """The calling handler thread's request was queued for the loop or refused (idempotent)."""
+        with self._cond:
+            if self._arrived.pop(threading.get_ident(), None) is not None:
+                self._left += 1
+                self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Requests in admission now."""
+        with self._cond:
+            return len(self._arrived)
+
+    def gather(self, requests: Queue, deadline: float) -> Any:
+        """The next request of `requests` that a request in admission puts there, waiting while
+        one is in admission, at most until `window_s` after its arrival and until `deadline`
+        (monotonic s); None when none comes. Called by the generation loop after it took a
+        request, before its next step."""
+        waited = False
+        while True:
+            with self._cond:
+                seen = self._left
+                now = time.monotonic()
+                until = min(deadline, max(self._arrived.values(), default=now - self.window_s) + self.window_s)
+            try:
+                item = requests.get_nowait()
+            except Empty:
+                item = None
+            if item is not None:
+                self.joined += waited
+                return item
+            if until <= now:
+                return None
+            if not waited:
+                waited = True
+                self.waits += 1
+            with self._cond:
+                if self._left == seen:  # no hand-over since the queue was read: wait for one
+                    self._cond.wait(timeout=until - now)
+
+    def stats(self) -> dict[str, Any]:
+        return {"admission_window_ms": round(self.window_s * 1e3, 3), "requests_in_admission": self.pending,
+                "admission_waits": self.waits, "admission_joined": self.joined}
+
+
+class PrefillSteps:
+    """The prompt tokens each request prefilled in each batch step of the generation loop.
+
+    `StepClock` (the loop's `TimeBudget`) numbers the steps; a request's response queue
+    (`RecordingQueue`) reports the progress mlx-lm puts on it, `(tokens processed, total)`
+    after each step that prefilled part of its prompt. A step's record is the list of tokens
+    each request prefilled in it, in report order (e.g. `[2048, 1572, 1588, 1534]`: four prompts
+    in one step).
+    """
+
+    def __init__(self, keep: int = RECENT_STEPS):
+        self._lock = threading.Lock()
+        self._done: weakref.WeakKeyDictionary[Queue, int] = weakref.WeakKeyDictionary()
+        self._recent: deque[list[int]] = deque(maxlen=keep)
+        self._step = 0  # the loop's step now
+        self._current: list[int] = []
+        self._current_step = -1
+        self.steps = 0  # batch steps that prefilled prompt tokens
+        self.max_batch = 0  # most requests prefilled in one step
+
+    def tick(self) -> None:
+        """A new step of the loop starts (or a run of steps ends)."""
+        with self._lock:
+            self._close()
+            self._step += 1
+
+    def progress(self, queue: Queue, processed: int, total: int, *, alone: bool = False) -> None:
+        """`queue`'s request has `processed` of its `total` prompt tokens processed after the
+        current step; `alone`: it was prefilled outside the batch (its own step)."""
+        with self._lock:
+            delta = processed - self._done.get(queue, 0)
+            self._done[queue] = processed
+            if processed >= total or delta <= 0:
+                return  # the last token, handed to the first decode step
+            if alone or self._current_step != self._step:
+                self._close()
+                self._current_step = self._step
+            self._current.append(delta)
+            if alone:
+                self._close()
+
+    def _close(self) -> None:
+        if not self._current:
+            return
+        self.steps += 1
+        self.max_batch = max(self.max_batch, len(self._current))
+        self._recent.append(self._current)
+        log.debug("prefill step: %d prompts, tokens %s", len(self._current), self._current)
+        self._current = []
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            recent = [*self._recent, *([self._current] if self._current else [])]
+            return {"prefill_steps": self.steps + bool(self._current),
+                    "prefill_batch_max": max(self.max_batch, len(self._current)),
+                    "prefill_steps_recent": [list(s) for s in recent]}
+
+
+class StepClock(TimeBudget):
+    """mlx-lm's `TimeBudget` (the loop runs one `BatchGenerator.next` per item) that numbers the steps."""
+
+    def __init__(self, steps: PrefillSteps):
+        super().__init__()
+        self._steps = steps
+
+    def __next__(self):
+        self._steps.tick()
+        return super().__next__()
+
+
+class RecordingQueue(Queue):
+    """A request's response queue that reports the loop's prefill progress to `PrefillSteps`."""
+
+    def __init__(self, steps: PrefillSteps, alone: threading.Event):
+        super().__init__()
+        self._steps = steps
+        self._alone = alone  # set while the loop serves a request outside the batch
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if type(item) is tuple and len(item) == 2 and all(isinstance(x, int) for x in item):
+            self._steps.progress(self, item[0], item[1], alone=self._alone.is_set())
+        super().put(item, block, timeout)
+
+
+__all__ = ["Admission", "PrefillSteps", "StepClock", "RecordingQueue", "window_from_env", "WINDOW_ENV",
+           "DEFAULT_WINDOW_S"]

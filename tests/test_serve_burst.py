@@ -1,0 +1,237 @@
+"""Requests that arrive together are prefilled together (`kvtool.server.admission`).
+
+A real `kvtool serve` (tiny model) gets 4 cold prompts at once; its own per-step record
+(`prefill_steps_recent` in `/kvtool/stats`, from mlx-lm's progress reports) must show them
+prefilled in one batch step, and the answers must equal plain `mlx_lm.server`'s.
+
+"At once" is made exact, whatever the load of the machine: each request is sent but for the
+last byte of its body, the test waits until the server counts all 4 in admission (heads read,
+not yet queued), then sends the last bytes. The generation loop takes the first request
+completed and then waits for the others still in admission; the admission window is set long
+(`KVTOOL_ADMISSION_WINDOW_MS`) so that a slow machine cannot close it early.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from tests.test_serve_hostile import HTTP_TIMEOUT_S, server_stats, start_kvtool, start_mlx_lm
+
+pytest.importorskip("openai")
+
+N = 4
+WINDOW_MS = "120000"  # the admission window of the server under test (a loaded machine is slow)
+ANSWER_TIMEOUT_S = 600.0  # 4 prompts of ~1,800 tokens prefilled on a loaded 2-core machine
+WORDS = "harbour tide lantern copper meadow quarry saddle thistle orchard beacon ember glacier".split()
+
+
+def bodies(seed: int, n_words: int = 600) -> list[dict]:
+    """N chat requests with distinct (cold) prompts (600 words: ~1,800 tokens of the tiny model, one
+    prefill step of 2048), greedy, a few tokens each."""
+    rng = random.Random(seed)
+    return [{"model": "default_model", "max_tokens": 8, "temperature": 0.0,
+             "messages": [{"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(n_words))}]}
+            for _ in range(N)]
+
+
+def send_but_last_byte(port: int, body: dict) -> tuple[socket.socket, bytes]:
+    """A connection with the request sent but the last byte of its body; (socket, that byte)."""
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=ANSWER_TIMEOUT_S)
+    s.sendall(head + data[:-1])
+    return s, data[-1:]
+
+
+def answer(s: socket.socket) -> tuple[int, dict]:
+    """(status, JSON body) of the answer on `s` (the server closes the connection)."""
+    out = b""
+    with s:
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def wait_in_admission(server, n: int) -> None:
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
+    while server_stats(server)["server"]["requests_in_admission"] < n:
+        assert time.monotonic() < deadline, server_stats(server)["server"]
+        time.sleep(0.05)
+
+
+def post_together(server, docs: list[dict]) -> list[dict]:
+    """The answers of `docs` sent at once (a thread each) with urllib."""
+    out: list[dict] = [{}] * len(docs)
+
+    def one(i: int) -> None:
+        req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(docs[i]).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=ANSWER_TIMEOUT_S) as r:
+            out[i] = json.loads(r.read())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(docs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(ANSWER_TIMEOUT_S)
+    assert all(out), "a request to mlx_lm.server failed"
+    return out
+
+
+def text(doc: dict) -> str:
+    return doc["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+def test_four_prompts_that_arrive_together_are_prefilled_in_one_step(tmp_path):
+    kv = start_kvtool(tmp_path, "burst", env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
+    try:
+        docs = bodies(seed=3)
+        held = [send_but_last_byte(kv.port, d) for d in docs]
+        wait_in_admission(kv, N)
+        before = server_stats(kv)["server"]["prefill_steps"]
+        for s, last in held:
+            s.sendall(last)
+        answers = [answer(s) for s, _ in held]
+        assert [status for status, _ in answers] == [200] * N, answers
+        st = server_stats(kv)["server"]
+        assert st["requests_in_admission"] == 0
+        assert st["prefill_steps"] == before + 1, st  # one step prefilled all four
+        # every prompt whole but its last token (mlx-lm hands that one to the first decode step)
+        step = st["prefill_steps_recent"][-1]
+        assert sorted(step) == sorted(doc["usage"]["prompt_tokens"] - 1 for _, doc in answers), (step, answers)
+        assert st["prefill_batch_max"] == N
+    finally:
+        kv.stop()
+    plain = start_mlx_lm(tmp_path)
+    try:
+        expected = post_together(plain, docs)
+    finally:
+        plain.stop()
+    assert [text(doc) for _, doc in answers] == [text(doc) for doc in expected]
+    assert all(text(doc) for doc in expected)
+
+
+@pytest.mark.slow
+def test_a_too_long_prompt_in_a_burst_is_refused_before_prefill(tmp_path):
+    """413 before any prefill still: the handler refuses it, the loop does not wait for it, the
+    others are prefilled together."""
+    kv = start_kvtool(tmp_path, "burst413", "--max-prompt-tokens", "400",
+                      env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
+    try:
+        docs = bodies(seed=4, n_words=60)
+        docs[1] = bodies(seed=5, n_words=2000)[0]
+        held = [send_but_last_byte(kv.port, d) for d in docs]
+        wait_in_admission(kv, N)
+        before = server_stats(kv)["server"]["prefill_steps"]
+        for s, last in held:
+            s.sendall(last)
+        answers = [answer(s) for s, _ in held]
+        assert [status for status, _ in answers] == [200, 413, 200, 200], answers
+        assert "more than this server's limit of 400" in answers[1][1]["error"]
+        st = server_stats(kv)["server"]
+        assert st["prefill_steps"] == before + 1, st
+        assert len(st["prefill_steps_recent"][-1]) == N - 1
+        assert st["rejected_by_status"].get("413") == 1
+    finally:
+        kv.stop()
+
+
+# ----------------------------------------------------------------------------- the parts, in-process
+def _arrive_then_put(admission, queue, go: threading.Event, arrived: threading.Event, item) -> threading.Thread:
+    """A handler thread: arrives, then on `go` queues `item` (None: refused) and leaves."""
+
+    def run() -> None:
+        admission.arrive()
+        arrived.set()
+        go.wait(HTTP_TIMEOUT_S)
+        if item is not None:
+            queue.put(item)
+        admission.leave()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("item", ["request", None])
+def test_gather_waits_for_a_request_in_admission(item):
+    """The loop's wait ends when the request in admission is queued (it gets it) or refused (None)."""
+    from queue import Queue
+
+    from kvtool.server.admission import Admission
+
+    admission, queue, go, arrived = Admission(window_s=HTTP_TIMEOUT_S), Queue(), threading.Event(), threading.Event()
+    handler = _arrive_then_put(admission, queue, go, arrived, item)
+    arrived.wait(HTTP_TIMEOUT_S)
+    got: list = []
+    loop = threading.Thread(target=lambda: got.append(admission.gather(queue, time.monotonic() + HTTP_TIMEOUT_S)))
+    loop.start()
+    go.set()
+    loop.join(HTTP_TIMEOUT_S)
+    handler.join(HTTP_TIMEOUT_S)
+    assert got == [item]
+    assert admission.pending == 0
+
+
+def test_gather_does_not_wait_past_the_window():
+    """A request in admission longer than the window (a body that never ends) is not waited for."""
+    from queue import Queue
+
+    from kvtool.server.admission import Admission
+
+    admission, queue, go, arrived = Admission(window_s=0.0), Queue(), threading.Event(), threading.Event()
+    handler = _arrive_then_put(admission, queue, go, arrived, None)
+    arrived.wait(HTTP_TIMEOUT_S)
+    assert admission.pending == 1
+    assert admission.gather(queue, time.monotonic() + HTTP_TIMEOUT_S) is None
+    assert admission.stats()["admission_waits"] == 0
+    go.set()
+    handler.join(HTTP_TIMEOUT_S)
+
+
+def test_prefill_steps_group_the_progress_of_each_step():
+    """Each step's record is the tokens each request prefilled in it; the last token (handed to
+    decoding) is no prefill."""
+    from queue import Queue
+
+    from kvtool.server.admission import PrefillSteps
+
+    steps, a, b, c = PrefillSteps(), Queue(), Queue(), Queue()
+    steps.tick()
+    steps.progress(a, 2048, 4000)
+    steps.progress(b, 1572, 1573)
+    steps.tick()
+    steps.progress(a, 3999, 4000)
+    steps.progress(b, 1573, 1573)
+    steps.tick()
+    steps.progress(a, 4000, 4000)
+    steps.progress(c, 10, 11, alone=True)  # a request served outside the batch
+    assert steps.stats() == {"prefill_steps": 3, "prefill_batch_max": 2,
+                             "prefill_steps_recent": [[2048, 1572], [1951], [10]]}
+
+
+@pytest.mark.parametrize(("raw", "window_s"), [(None, 0.25), ("", 0.25), ("50", 0.05), ("0", 0.0), ("abc", None),
+                                               ("-1", None), ("nan", None)])
+def test_admission_window_from_the_environment(monkeypatch, raw, window_s):
+    from kvtool.server.admission import DEFAULT_WINDOW_S, WINDOW_ENV, window_from_env
+
+    assert DEFAULT_WINDOW_S == 0.25  # docs/server.md says 250 ms
+    if raw is None:
+        monkeypatch.delenv(WINDOW_ENV, raising=False)
+    else:
+        monkeypatch.setenv(WINDOW_ENV, raw)
+    if window_s is None:
+        with pytest.raises(ValueError, match=WINDOW_ENV):
+            window_from_env()
+    else:
+        assert window_from_env() == pytest.approx(window_s)
