@@ -121,10 +121,7 @@ class KVToolServer:
                  max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
                  max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER, api_key: str | None = None,
                  **server_options: Any):
-        from mlx_lm.server import ModelProvider
-
         from kvtool.cache.prefix import PrefixCache
-        from kvtool.models.loader import compute_model_id, kv_quantization_problem
         from kvtool.server.watchdog import KVToolResponseGenerator, RequestGuard
 
         self.spec = model
@@ -134,15 +131,7 @@ class KVToolServer:
         quant = _quantization(cli_args)
         self.model_name = name
         self.model_path = path
-        self.provider = ModelProvider(cli_args)
-        try:
-            self.provider.load_default()  # the generation thread then finds it loaded (same model_key)
-            model_id = compute_model_id(path, adapter)
-        except Exception as exc:  # noqa: BLE001 - any loader failure is one line
-            raise ServerStartError(f"cannot load model {model!r} from {path}: {' '.join(str(exc).split())}") from exc
-        problem = kv_quantization_problem(self.provider.model, cli_args.kv_bits, cli_args.kv_group_size)
-        if problem is not None:  # mlx-lm would fail mid-request once a prompt reaches --quantized-kv-start
-            raise ServerStartError(problem)
+        self.provider, model_id = _load_provider(cli_args, model, path, adapter)
         names = self._alias(model, Path(path), adapter)
         self.limits = self._limits(names, max_prompt_tokens, max_body_bytes, cli_args.max_tokens)
         guard = RequestGuard(self.limits, self.provider.tokenizer, admission)
@@ -275,6 +264,30 @@ class KVToolServer:
                 log.warning("the generation thread did not stop within %.0f s; closing the cache anyway", timeout)
             self._closed = self.cache.close()
             return self._closed
+
+
+def _load_provider(cli_args: Any, model: str, path: Path, adapter: str | None) -> tuple[Any, str]:
+    """mlx-lm's `ModelProvider` with the model loaded (the generation thread then finds it loaded:
+    same model_key), and the model's id (`kvtool.models.loader.compute_model_id`).
+
+    Raises:
+        ServerStartError: the model does not load, or its KV cannot be quantized as `--kv-bits` asks
+            (mlx-lm would fail mid-request once a prompt reaches `--quantized-kv-start`).
+    """
+    from mlx_lm.server import ModelProvider
+
+    from kvtool.models.loader import compute_model_id, kv_quantization_problem
+
+    provider = ModelProvider(cli_args)
+    try:
+        provider.load_default()
+        model_id = compute_model_id(path, adapter)
+    except Exception as exc:  # noqa: BLE001 - any loader failure is one line
+        raise ServerStartError(f"cannot load model {model!r} from {path}: {' '.join(str(exc).split())}") from exc
+    problem = kv_quantization_problem(provider.model, cli_args.kv_bits, cli_args.kv_group_size)
+    if problem is not None:
+        raise ServerStartError(problem)
+    return provider, model_id
 
 
 def _admission() -> Admission:
