@@ -330,7 +330,7 @@ def _describe(server) -> str:
     return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
             f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
             f"body <= {format_size(limits.max_body_bytes)}"
-            f"{' | API key required' if getattr(server.httpd, 'kvtool_api_key', None) else ''}")
+            f"{' | API key required' if server.api_key_required else ''}")
 
 
 def _is_loopback(host: str) -> bool:

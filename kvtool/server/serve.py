@@ -152,6 +152,7 @@ class KVToolServer:
             self.httpd.kvtool_head_timeout_s = head_timeout_s
             self.httpd.kvtool_max_per_peer = max_connections_per_peer
             self.httpd.kvtool_api_key = api_key or None
+            self.api_key_required = bool(api_key)  # for the start line; the key itself stays with the listener
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
                                                      max_prompt_tokens=self.limits.max_prompt_tokens,
