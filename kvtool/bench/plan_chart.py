@@ -100,8 +100,9 @@ def plot_plan(doc: dict[str, Any], points: Sequence[PlanPoint], extra: str = "")
         budget = f"RAM {format_bytes(fixed)}" if swept == "ssd" else (f"SSD {format_bytes(fixed)}" if fixed else "RAM only")
         ax.plot(xs, ys, marker="o", color=colors[trace], linestyle=styles[n // len(colors) % len(styles)],
                 label=f"{trace}, {policy}, {budget}" if has_ssd else f"{trace}, {budget}")  # fmt: skip
-        for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.1%}", (x, y), textcoords="offset points", xytext=(0, 7), ha="center", fontsize=7,
+        for x, y in zip(xs, ys):  # every other line labels below its points: budgets swept side by side meet
+            ax.annotate(f"{y:.1%}", (x, y), textcoords="offset points", xytext=(0, 7 if n % 2 == 0 else -13),
+                        ha="center", fontsize=7,
                         color=colors[trace], bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.85})  # fmt: skip
         if swept == "ssd":
             ax.axvline(fixed / kv, color="grey", linestyle=":", linewidth=1)
