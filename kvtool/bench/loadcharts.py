@@ -85,7 +85,7 @@ def ratio_chart(path: Path, cmp: pd.DataFrame, figure: str = "ttft_p50_ms") -> P
     draw_verdict_bars(ax, labels, sel["ratio"].tolist(), sel["ratio_lo"].tolist(), sel["ratio_hi"].tolist(),
                       sel["verdict"].tolist())
     ax.set_ylabel(f"kvtool / mlx-lm ({figure})")
-    ax.set_title(f"kvtool / mlx-lm {figure} (below 1: kvtool faster)\nwhiskers: 95 % interval of the ratio; "
+    ax.set_title(f"kvtool / mlx-lm {figure} (below 1: kvtool faster)\nwhiskers: 95 % interval of the ratio;\n"
                  "colour: verdict on the two cells' intervals", fontsize=9)
     return _save(fig, path)
 
