@@ -44,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from kvtool.cache import selfcheck
 from kvtool.cache.hit import CacheHit
 from kvtool.kv.tree import kv_offset, leaves
 
@@ -166,24 +167,11 @@ def decide(pc, model, *, off_reason: str | None = None, measure: bool = True) ->
 
 def stored_verdict(ssd) -> ReplyVerdict | None:
     """The reply verdict stored in an SSD namespace's index meta, or None (not measured)."""
-    index = getattr(ssd, "index", None) if ssd is not None else None
-    if index is None:
-        return None
-    try:
-        return ReplyVerdict.from_json(index.get_meta().get(META_KEY))
-    except Exception:  # noqa: BLE001 - an unreadable meta: measure again
-        log.debug("reply probe: stored verdict unreadable", exc_info=True)
-        return None
+    return selfcheck.read_meta_record(ssd, META_KEY, ReplyVerdict.from_json, "reply probe")
 
 
 def _store(ssd, verdict: ReplyVerdict) -> None:
-    index = getattr(ssd, "index", None) if ssd is not None else None
-    if index is None or getattr(ssd, "read_only", False):
-        return
-    try:
-        index.set_meta({META_KEY: verdict.to_json()})
-    except Exception:  # noqa: BLE001 - not stored: the next process measures again
-        log.warning("kvtool: the reply probe's verdict could not be stored", exc_info=True)
+    selfcheck.write_meta_record(ssd, META_KEY, verdict.to_json(), "reply probe")
 
 
 def ensure(pc, model, *, measure: bool = True) -> ReplyVerdict | None:

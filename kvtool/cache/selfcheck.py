@@ -41,6 +41,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -195,26 +196,39 @@ def alone_exact(model) -> bool:
         return False
 
 
-def stored_verdict(ssd) -> Verdict | None:
-    """The verdict stored in an SSD namespace's index meta, or None."""
+def read_meta_record(ssd, key: str, parse: Callable[[str | None], Any], what: str) -> Any:
+    """`parse` of the JSON text stored under `key` in an SSD namespace's index meta; None without
+    an SSD tier or where the meta cannot be read or parsed (the caller measures again). `what`
+    names the record in the debug line."""
     index = getattr(ssd, "index", None) if ssd is not None else None
     if index is None:
         return None
     try:
-        return Verdict.from_json(index.get_meta().get(META_KEY))
+        return parse(index.get_meta().get(key))
     except Exception:  # noqa: BLE001 - an unreadable meta: measure again
-        log.debug("self-check: stored verdict unreadable", exc_info=True)
+        log.debug("%s: stored verdict unreadable", what, exc_info=True)
         return None
 
 
-def _store(ssd, verdict: Verdict) -> None:
+def write_meta_record(ssd, key: str, text: str, what: str) -> None:
+    """Store `text` under `key` in an SSD namespace's index meta; nothing without an SSD tier or
+    read-only; a failure is one warning (the next process measures again)."""
     index = getattr(ssd, "index", None) if ssd is not None else None
     if index is None or getattr(ssd, "read_only", False):
         return
     try:
-        index.set_meta({META_KEY: verdict.to_json()})
+        index.set_meta({key: text})
     except Exception:  # noqa: BLE001 - not stored: the next process measures again
-        log.warning("kvtool: the self-check verdict could not be stored", exc_info=True)
+        log.warning("kvtool: the %s verdict could not be stored", what, exc_info=True)
+
+
+def stored_verdict(ssd) -> Verdict | None:
+    """The verdict stored in an SSD namespace's index meta, or None."""
+    return read_meta_record(ssd, META_KEY, Verdict.from_json, "self-check")
+
+
+def _store(ssd, verdict: Verdict) -> None:
+    write_meta_record(ssd, META_KEY, verdict.to_json(), "self-check")
 
 
 def ensure(pc, model) -> Verdict:
