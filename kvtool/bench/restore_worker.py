@@ -180,6 +180,17 @@ def write_raw(path: Path, pairs: Sequence[tuple[Any, Any]]) -> int:
     return total
 
 
+def load_mlxlm(path: Path | str, ids: np.ndarray) -> tuple[list, bool]:
+    """`load_prompt_cache` + eval of every layer's keys and values: (the caches, True if the token
+    ids in the file's metadata are `ids`)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    cache, meta = load_prompt_cache(str(path), return_metadata=True)
+    mx.eval(cache_pairs(cache))
+    return cache, json.loads(meta[TOKENS_METADATA_KEY]) == ids.tolist()
+
+
 def save_mlxlm(path: Path, cache: list, ids: np.ndarray) -> int:
     """`save_prompt_cache` of per-layer mlx-lm caches, token ids `ids` in the metadata (as the bench
     baseline does); returns the file size (bytes)."""
@@ -274,15 +285,10 @@ def mode_raw(args: dict) -> dict:
 
 def mode_mlxlm(args: dict) -> dict:
     """`load_prompt_cache` + eval; the token ids in the metadata are checked (as a user must)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
-
     ids = np.load(args["ids"])
     with PeakRSS() as rss:
         t0 = time.perf_counter()
-        cache, meta = load_prompt_cache(args["path"], return_metadata=True)
-        mx.eval(cache_pairs(cache))
-        same = json.loads(meta[TOKENS_METADATA_KEY]) == ids.tolist()
+        cache, same = load_mlxlm(args["path"], ids)
         ms = (time.perf_counter() - t0) * 1e3
     n = int(cache[0].offset)
     return {
@@ -420,7 +426,7 @@ def mode_mlxlm_ttft(args: dict) -> dict:
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     model, *_ = mlx_lm.load(args["model_path"])
     ids = np.load(args["ids"])
@@ -428,9 +434,7 @@ def mode_mlxlm_ttft(args: dict) -> dict:
     mx.eval(model(mx.array(ids[:8])[None], cache=warm))  # kernels and weights touched before timing
     del warm
     t0 = time.perf_counter()
-    cache, meta = load_prompt_cache(args["path"], return_metadata=True)
-    mx.eval(cache_pairs(cache))
-    same = json.loads(meta[TOKENS_METADATA_KEY]) == ids[:-1].tolist()
+    cache, same = load_mlxlm(args["path"], ids[:-1])
     load_ms = (time.perf_counter() - t0) * 1e3
     cached = int(cache[0].offset)
     token, _ = next(generate_step(mx.array(ids[-1:]), model, max_tokens=1, prompt_cache=cache))
