@@ -27,6 +27,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,13 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         restore_report.write_outputs(args.report, restore_report.load_rows(args.report), doc)
         print(args.report / "report.md")
         return 0
-    spec = restore.RestoreSpec(
-        lengths=args.lengths, shapes=args.shapes, states=args.states, repeats=args.repeats,
-        recompute_repeats=args.recompute_repeats, parts=args.parts,
-        methods=args.methods, out=args.out, work_dir=args.work_dir, keep_data=args.keep_data, drop=args.drop,
-        kvtool_api=args.kvtool_api, block_size=args.block_size, ttft_model=args.ttft_model, ttft_kv=args.ttft_kv,
-        writer_mb=args.writer_mb, writer_shape=args.writer_shape, seed=args.seed, note=args.note,
-    )
+    spec = restore.RestoreSpec(**{f.name: getattr(args, f.name) for f in fields(restore.RestoreSpec)
+                                  if hasattr(args, f.name)})  # every option but --report is a spec field
     try:
         spec.validate()
     except ValueError as exc:

@@ -38,12 +38,12 @@ from matplotlib.patches import Patch, Rectangle  # noqa: E402
 
 from kvtool.bench.loadserver import KVTOOL, MLXLM  # noqa: E402
 from kvtool.bench.loadstats import LOSS, TIE, WIN  # noqa: E402
+from kvtool.bench.report_charts import DPI, save  # noqa: E402
 
 COLORS = {WIN: "#1A9850", LOSS: "#D73027", TIE: "#A6A6A6", "baseline": "#404040", "kvtool": "#4C72B0",
           "ram": "#4C72B0", "ssd": "#8172B2"}
 VERDICT_LABELS = {WIN: "kvtool wins (intervals apart)", LOSS: "kvtool loses (intervals apart)",
                   TIE: "tie (intervals overlap)"}
-DPI = 100
 
 
 def verdict_color(verdict: str) -> str:
@@ -61,10 +61,8 @@ def draw_verdict_bars(ax: Axes, labels: Sequence[str], values: Sequence[float], 
     """
     x = np.arange(len(labels))
     vals = np.asarray(values, dtype=float)
-    err = np.vstack([np.maximum(0.0, vals - np.asarray(lows, dtype=float)),
-                     np.maximum(0.0, np.asarray(highs, dtype=float) - vals)])
     bars = ax.bar(x, np.nan_to_num(vals), color=[verdict_color(v) for v in verdicts], edgecolor="none", width=0.6)
-    ax.errorbar(x, vals, yerr=np.nan_to_num(err), fmt="none", ecolor="black", capsize=4, linewidth=1)
+    ax.errorbar(x, vals, yerr=_err(vals, lows, highs), fmt="none", ecolor="black", capsize=4, linewidth=1)
     if reference is not None:
         ax.axhline(reference, color=COLORS["baseline"], linestyle="--", linewidth=1)
     ax.set_xticks(x, labels, rotation=30 if len(labels) > 4 else 0, ha="right" if len(labels) > 4 else "center")
@@ -93,10 +91,8 @@ def ratio_chart(path: Path, cmp: pd.DataFrame, figure: str = "ttft_p50_ms") -> P
 def ttft_cdf_chart(path: Path, requests: pd.DataFrame, cells: pd.DataFrame) -> Path:
     """`ttft_cdf.png` (see the module docstring). `requests`: measured, successful request rows."""
     panels = sorted({(w, int(c)) for w, c in zip(cells["workload"], cells["clients"])}, key=lambda k: (k[0], k[1]))
-    cols = min(3, max(1, len(panels)))
-    rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), dpi=DPI, squeeze=False)
-    for ax, (workload, clients) in zip(axes.flat, panels):
+    fig, axes = _panels(len(panels), 4.6, 3.6)
+    for ax, (workload, clients) in zip(axes, panels):
         for server in (MLXLM, KVTOOL):
             sel = requests[(requests["workload"] == workload) & (requests["clients"] == clients)
                            & (requests["server"] == server)]
@@ -109,17 +105,14 @@ def ttft_cdf_chart(path: Path, requests: pd.DataFrame, cells: pd.DataFrame) -> P
             if not cell.empty:
                 row = cell.iloc[0]
                 for q, y in (("ttft_p50_ms", 0.5), ("ttft_p90_ms", 0.9), ("ttft_p99_ms", 0.99)):
-                    xerr = [[max(0.0, row[q] - row[f"{q}_lo"])], [max(0.0, row[f"{q}_hi"] - row[q])]]
-                    ax.errorbar([row[q]], [y], xerr=np.nan_to_num(xerr), fmt="o", color=style["color"], capsize=3,
-                                markersize=3)
+                    ax.errorbar([row[q]], [y], xerr=_err([row[q]], [row[f"{q}_lo"]], [row[f"{q}_hi"]]), fmt="o",
+                                color=style["color"], capsize=3, markersize=3)
         ax.set_title(f"{workload}, {clients} client{'s' if clients != 1 else ''}", fontsize=9)
         ax.set_xlabel("TTFT (ms)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
     fig.suptitle("TTFT CDF per cell\nmarkers: p50 / p90 / p99, whiskers: 95 % interval over repeats", fontsize=9)
     return _save(fig, path)
 
@@ -127,26 +120,23 @@ def ttft_cdf_chart(path: Path, requests: pd.DataFrame, cells: pd.DataFrame) -> P
 def throughput_chart(path: Path, cells: pd.DataFrame, cmp: pd.DataFrame) -> Path:
     """`throughput_vs_concurrency.png` (see the module docstring)."""
     workloads = sorted(set(cells["workload"]))
-    cols = min(3, len(workloads))
-    rows = (len(workloads) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.8 * rows), dpi=DPI, squeeze=False)
-    for n, (ax, workload) in enumerate(zip(axes.flat, workloads)):
+    fig, axes = _panels(len(workloads), 4.8, 3.8)
+    for n, (ax, workload) in enumerate(zip(axes, workloads)):
         for server in (MLXLM, KVTOOL):
             sel = cells[(cells["workload"] == workload) & (cells["server"] == server)].sort_values("clients")
             if sel.empty:
                 continue
             x = sel["clients"].to_numpy(dtype=float) * (0.94 if server == MLXLM else 1.06)  # side by side
             y = sel["requests_per_s"].to_numpy(dtype=float)
-            err = np.vstack([np.maximum(0.0, y - sel["requests_per_s_lo"].to_numpy(dtype=float)),
-                             np.maximum(0.0, sel["requests_per_s_hi"].to_numpy(dtype=float) - y)])
+            err = _err(y, sel["requests_per_s_lo"], sel["requests_per_s_hi"])
             if server == MLXLM:
-                ax.errorbar(x, y, yerr=np.nan_to_num(err), label="mlx-lm (reference)", capsize=3, marker="s",
+                ax.errorbar(x, y, yerr=err, label="mlx-lm (reference)", capsize=3, marker="s",
                             markersize=4, **_server_style(server))
                 continue
             ax.plot(x, y, color=COLORS["kvtool"], linewidth=1, label="kvtool")
             verdicts = [_verdict(cmp, workload, int(c), "requests_per_s") for c in sel["clients"]]
             for xi, yi, lo, hi, v in zip(x, y, err[0], err[1], verdicts):
-                ax.errorbar([xi], [yi], yerr=np.nan_to_num([[lo], [hi]]), fmt="o", color=verdict_color(v),
+                ax.errorbar([xi], [yi], yerr=[[lo], [hi]], fmt="o", color=verdict_color(v),
                             ecolor="black", capsize=3, markersize=7)
         ax.set_xscale("log", base=2)
         xs = sorted(set(cells["clients"]))
@@ -160,8 +150,6 @@ def throughput_chart(path: Path, cells: pd.DataFrame, cmp: pd.DataFrame) -> Path
             handles, _ = ax.get_legend_handles_labels()
             handles += [Patch(color=COLORS[v], label=VERDICT_LABELS[v]) for v in (WIN, LOSS, TIE)]
             ax.legend(handles=handles, fontsize=7, loc="best")
-    for ax in list(axes.flat)[len(workloads):]:
-        ax.set_visible(False)
     fig.suptitle("Throughput against concurrency\nwhiskers: 95 % interval over repeats; kvtool points coloured by "
                  "verdict", fontsize=9)
     return _save(fig, path)
@@ -176,19 +164,14 @@ def hit_rate_chart(path: Path, cells: pd.DataFrame) -> Path:
               (KVTOOL, "hit_rate_ssd", COLORS["ssd"], "kvtool SSD tier", None),
               (MLXLM, "hit_rate", "white", "mlx-lm prompt cache (reference)", "//")]
     for s, (server, fig_name, color, label, hatch) in enumerate(series):
-        vals, lo, hi = [], [], []
-        for workload, clients in keys:
-            sel = cells[(cells["workload"] == workload) & (cells["clients"] == clients) & (cells["server"] == server)]
-            row = sel.iloc[0] if not sel.empty else None
-            vals.append(float(row[fig_name]) if row is not None else float("nan"))
-            lo.append(float(row[f"{fig_name}_lo"]) if row is not None else float("nan"))
-            hi.append(float(row[f"{fig_name}_hi"]) if row is not None else float("nan"))
+        sel = cells[cells["server"] == server].astype({"clients": int}).drop_duplicates(["workload", "clients"])
+        sel = sel.set_index(["workload", "clients"]).reindex(pd.MultiIndex.from_tuples(keys))
+        v = sel[fig_name].to_numpy(dtype=float)
         x = np.arange(len(keys)) + (s - 1) * width
-        v = np.asarray(vals)
         ax.bar(x, np.nan_to_num(v), width, color=color, hatch=hatch, label=label,
                edgecolor=COLORS["baseline"] if hatch else "none")
-        err = np.vstack([np.maximum(0.0, v - np.asarray(lo)), np.maximum(0.0, np.asarray(hi) - v)])
-        ax.errorbar(x, v, yerr=np.nan_to_num(err), fmt="none", ecolor="black", capsize=3, linewidth=1)
+        ax.errorbar(x, v, yerr=_err(v, sel[f"{fig_name}_lo"], sel[f"{fig_name}_hi"]), fmt="none", ecolor="black",
+                    capsize=3, linewidth=1)
     ax.set_xticks(np.arange(len(keys)), [f"{w}\n{c} client{'s' if c != 1 else ''}" for w, c in keys], fontsize=8)
     ax.set_ylabel("hit tokens / prompt tokens")
     ax.set_ylim(0, 1.05)
@@ -226,11 +209,27 @@ def _verdict(cmp: pd.DataFrame, workload: str, clients: int, figure: str) -> str
     return str(sel["verdict"].iloc[0]) if not sel.empty else TIE
 
 
+def _err(values: Any, lows: Any, highs: Any) -> np.ndarray:
+    """Whisker lengths `[2, n]` below and above `values` (the interval `lows`..`highs`; 0 where
+    missing or where the value lies outside it)."""
+    v = np.asarray(values, dtype=float)
+    return np.nan_to_num(np.vstack([np.maximum(0.0, v - np.asarray(lows, dtype=float)),
+                                    np.maximum(0.0, np.asarray(highs, dtype=float) - v)]))
+
+
+def _panels(n: int, width: float, height: float) -> tuple[plt.Figure, list[Axes]]:
+    """A figure of `n` panels of `width` x `height` inches, at most 3 a row; the spare ones hidden."""
+    cols = min(3, max(1, n))
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), dpi=DPI, squeeze=False)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 __all__ = ["COLORS", "DPI", "draw_verdict_bars", "hit_rate_chart", "ratio_chart", "throughput_chart",

@@ -32,10 +32,18 @@ def machine_info(cache_dir: Path) -> dict[str, Any]:
         "cpu_model": cpu_model(),
         "cpu_cores": os.cpu_count(),
         "ram_bytes": total_ram_bytes(),
-        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "load_avg": load_average(),
         "cache_disk": disk_info(cache_dir),
         "versions": {"python": platform.python_version(), **package_versions()},
     }
+
+
+def load_average(digits: int | None = None) -> list[float] | None:
+    """1, 5 and 15-minute load averages, rounded to `digits` if given (None where unavailable)."""
+    try:
+        return [x if digits is None else round(x, digits) for x in os.getloadavg()]
+    except (OSError, AttributeError):
+        return None
 
 
 def cpu_model() -> str | None:

@@ -167,8 +167,7 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
     mg = measured.groupby(keys, sort=False)
     ag = requests.groupby(keys, sort=False)
     per_repeat = requests.groupby(rkeys, sort=False).sum(numeric_only=True).groupby(keys, sort=False)
-    out = pd.DataFrame(index=ids.index)
-    out = out.join(ids)
+    out = ids.copy()
     out["repeats"] = requests.groupby(keys, sort=False)["repeat"].nunique()
     out["requests"] = mg.size()
     stats = repeat_stats(requests)
@@ -188,10 +187,9 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
     out["hit_rate"] = _ratio(msum["cached_tokens"], msum["prompt_tokens"])
     asum = ag[["prompt_tokens", "prefill_tokens"]].sum()
     out["prefill_saved_pct"] = 100.0 * (1.0 - _ratio(asum["prefill_tokens"], asum["prompt_tokens"]))
-    out["ssd_bytes_read"] = per_repeat["ssd_bytes_read"].mean()
-    out["blocks_written"] = per_repeat["blocks_written"].mean()
+    for name in ("ssd_bytes_read", "blocks_written", "backpressure_events"):
+        out[name] = per_repeat[name].mean()
     out["writer_queue_depth_max"] = ag["writer_queue_depth"].max()
-    out["backpressure_events"] = per_repeat["backpressure_events"].mean()
     out = out.join(_run_facts(runs, keys))
     out["bytes_per_cached_token"] = _ratio(out["bytes_written"], out["tokens_stored"])
     out["write_amplification"] = out["bytes_per_cached_token"] / kv_bytes_per_token if kv_bytes_per_token else np.nan

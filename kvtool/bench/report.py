@@ -131,7 +131,6 @@ def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
     return df
 
 
-# ------------------------------------------------------------------------------ numbers
 # ------------------------------------------------------------------------------ writing
 def write_report(run_dir: Path) -> Report:
     """Write the charts (`CHARTS`) and `report.md` into `run_dir`, replacing earlier ones.

@@ -5,7 +5,7 @@ cold (page cache of the files dropped) and warm (files read through first), `rep
 
 - `raw-read`: the same bytes read from one file with `os.preadv` (the disk ceiling);
 - `mlx-lm`: `load_prompt_cache` + eval of a `save_prompt_cache` file of the same KV;
-- `kvtool`: `fetch` of the same KV stored through kvtool (`restore_worker.open_prefix_cache`);
+- `kvtool`: `fetch` of the same KV stored through kvtool (`restore_worker.store_kv`);
 - `append-after-prefill`: the first-append reference (a cache filled as a prefill fills it).
 
 For the real `ttft_model` (default `tiny`): time to first token of an SSD hit (`kvtool serve-once`
@@ -39,7 +39,7 @@ from kvtool.bench import machine, restore_report
 from kvtool.bench import restore_pagecache as pagecache
 from kvtool.bench import restore_worker as worker
 from kvtool.bench.loadserver import child_env
-from kvtool.bench.restore_worker import KVShape, open_prefix_cache, resolve_api
+from kvtool.bench.restore_worker import KVShape, resolve_api
 
 DEFAULT_LENGTHS = (1024, 4096, 16384, 32768)
 DEFAULT_REPEATS = 3
@@ -49,7 +49,6 @@ DEFAULT_WORKER_TIMEOUT_S = 1800
 STATES = ("cold", "warm")
 PARTS = ("load", "ttft", "writer")
 NO_STATE = "n/a"  # recompute and writer rows: no cached files to be cold or warm
-DD_BLOCK_BYTES = pagecache.DD_BLOCK_BYTES
 
 SHAPES: dict[str, KVShape] = {
     # the default preset's real KV (kvtool/models/embedded.py: tiny = 2 layers, 2 KV heads,
@@ -205,12 +204,10 @@ def prepare_load(spec: RestoreSpec, shape: KVShape, n: int, d: Path) -> dict[str
     # a full hit may come back trimmed by one token (re-forward of the last one): both crcs known
     info: dict[str, Any] = {"ids": d / "ids.npy", "crc": {t: worker.kv_crc(pairs, t) for t in (n, n - 1)}}
     info["raw_bytes"] = worker.write_raw(d / "raw.bin", pairs)
-    worker.save_mlxlm(d / "mlx-lm.safetensors", pairs, ids)
+    worker.save_mlxlm(d / "mlx-lm.safetensors", worker.make_cache(pairs), ids)
     if "kvtool" in spec.methods:
-        pc = open_prefix_cache(d / "kvtool", shape, api=spec.kvtool_api, block_size=spec.block_size)
-        pc.store(ids, worker.make_cache(pairs))
-        pc.flush()
-        pc.close()
+        worker.store_kv(d / "kvtool", shape, ids, worker.make_cache(pairs), api=spec.kvtool_api,
+                        block_size=spec.block_size)
     info["append_ref_ms"] = [worker.append_after_prefill_ms(pairs) for _ in range(spec.repeats)]
     del pairs
     gc.collect()
@@ -329,18 +326,17 @@ def measure_ttft(spec: RestoreSpec, n: int, d: Path, mpath: Path, shape: KVShape
             rec.add(make_row("ttft", shape, n, "recompute", NO_STATE, rep, _serve_res(r), kv_ok=True))
         for state in spec.states:
             for method in rotated(("kvtool-ssd-hit", "mlx-lm-load+last"), rep):
-                if method == "kvtool-ssd-hit":
-                    resident, dropped = set_state([kv_dir], state, spec.drop)
+                kvtool = method == "kvtool-ssd-hit"
+                resident, dropped = set_state([kv_dir if kvtool else mlx_file], state, spec.drop)
+                if kvtool:
                     r = serve_once(spec, d / "prompt.txt", kv_dir)
-                    ok = r["ssd_hit_tokens"] > 0 and r["token_ids"][:1] == first["token_ids"][:1]
-                    rec.add(make_row("ttft", shape, n, method, state, rep, _serve_res(r), resident_before=resident,
-                                     drop=dropped, kv_ok=ok))
-                    continue
-                resident, dropped = set_state([mlx_file], state, spec.drop)
-                m = run_worker(spec.python, "mlxlm_ttft", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
-                                                           "path": str(mlx_file)})
-                rec.add(make_row("ttft", shape, n, method, state, rep, m, resident_before=resident, drop=dropped,
-                                 kv_ok=bool(m["tokens_ok"]) and [m["first_token"]] == first["token_ids"][:1]))
+                    res, ok = _serve_res(r), r["ssd_hit_tokens"] > 0 and r["token_ids"][:1] == first["token_ids"][:1]
+                else:
+                    res = run_worker(spec.python, "mlxlm_ttft", {"model_path": str(mpath), "ids": str(d / "ids.npy"),
+                                                                 "path": str(mlx_file)})
+                    ok = bool(res["tokens_ok"]) and [res["first_token"]] == first["token_ids"][:1]
+                rec.add(make_row("ttft", shape, n, method, state, rep, res, resident_before=resident, drop=dropped,
+                                 kv_ok=ok))
 
 
 def rotated(methods, rep: int) -> tuple:
@@ -375,7 +371,7 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
     kv_bytes = n * shape.bytes_per_token()
     d.mkdir(parents=True, exist_ok=True)
     api = resolve_api(spec.kvtool_api)
-    dd_bs = DD_BLOCK_BYTES if kv_bytes >= DD_BLOCK_BYTES else 1 << 20
+    dd_bs = pagecache.DD_BLOCK_BYTES if kv_bytes >= pagecache.DD_BLOCK_BYTES else 1 << 20
     count = max(1, -(-kv_bytes // dd_bs))
     for rep in range(spec.repeats):
         if "kvtool" in spec.methods:
@@ -384,19 +380,16 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
             pagecache.recycle_pages(d, kv_bytes)
             res = run_worker(spec.python, "writer", {"cache_dir": str(target), "shape": asdict(shape), "n_tokens": n,
                                                      "api": api, "block_size": spec.block_size, "seed": spec.seed})
-            rec.add(make_row("writer", shape, n, "kvtool-writer", NO_STATE, rep, res, kv_bytes=kv_bytes))
-            rec.add(make_row("writer", shape, n, "kvtool-writer-first", NO_STATE, rep, dict(res, ms=res["first_ms"]),
-                             kv_bytes=kv_bytes))
-            synced = dict(res, ms=res["ms"] + res["sync_ms"])
-            rec.add(make_row("writer", shape, n, "kvtool-writer+sync", NO_STATE, rep, synced, kv_bytes=kv_bytes))
+            for method, r in (("kvtool-writer", res), ("kvtool-writer-first", dict(res, ms=res["first_ms"])),
+                              ("kvtool-writer+sync", dict(res, ms=res["ms"] + res["sync_ms"]))):
+                rec.add(make_row("writer", shape, n, method, NO_STATE, rep, r, kv_bytes=kv_bytes))
             shutil.rmtree(target, ignore_errors=True)
         pagecache.recycle_pages(d, kv_bytes)
         rec.add(make_row("writer", shape, n, "dd-fdatasync", NO_STATE, rep, pagecache.dd_write(d / "dd.bin", dd_bs, count),
                          kv_bytes=count * dd_bs))
         pagecache.recycle_pages(d, kv_bytes)
-        loop, synced = pagecache.python_write(d / "py.bin", kv_bytes)
-        rec.add(make_row("writer", shape, n, "python-write", NO_STATE, rep, loop, kv_bytes=kv_bytes))
-        rec.add(make_row("writer", shape, n, "python-write+fdatasync", NO_STATE, rep, synced, kv_bytes=kv_bytes))
+        for method, r in zip(("python-write", "python-write+fdatasync"), pagecache.python_write(d / "py.bin", kv_bytes)):
+            rec.add(make_row("writer", shape, n, method, NO_STATE, rep, r, kv_bytes=kv_bytes))
 
 
 # ------------------------------------------------------------------ run
@@ -424,7 +417,7 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
            "drop_method": "posix_fadvise(DONTNEED) per file after fsync; drop_caches=3 if pages stay resident"
            if spec.drop == "fadvise" else "sync; echo 3 > /proc/sys/vm/drop_caches"}
     (out / "run.json").write_text(json.dumps(doc, indent=2, default=str))  # Paths as strings
-    doc["load_average_start"] = _loadavg()
+    doc["load_average_start"] = machine.load_average(2)  # other work skews the timings
     rec = Recorder(out, log)
     try:
         if "load" in spec.parts:
@@ -448,18 +441,10 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
     finally:
         rec.save()
         doc["duration_s"] = round(time.time() - started, 1)
-        doc["load_average_end"] = _loadavg()
+        doc["load_average_end"] = machine.load_average(2)
         (out / "run.json").write_text(json.dumps(doc, indent=2, default=str))
         if not spec.keep_data:
             shutil.rmtree(work, ignore_errors=True)
     restore_report.write_outputs(out, rec.rows, doc)
     return out
-
-
-def _loadavg() -> list[float] | None:
-    """1, 5 and 15-minute load averages (other work on the machine skews the timings)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 

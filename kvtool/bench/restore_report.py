@@ -91,10 +91,6 @@ class Summary:
     def groups(self, section: str) -> list[tuple[str, str]]:
         return list(dict.fromkeys((r["shape"], r["dtype"]) for r in self.rows if r["section"] == section))
 
-    def lengths(self, section: str, shape: str, dtype: str) -> list[int]:
-        return sorted({int(r["prompt_tokens"]) for r in self.rows
-                       if r["section"] == section and r["shape"] == shape and r["dtype"] == dtype})
-
 
 def _ms(r: dict | None) -> str:
     if not r or r["median_ms"] is None:
@@ -109,12 +105,6 @@ def _x(v: float | None, digits: int = 2) -> str:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
-
-
-def _states(s: Summary, section: str, shape: str, dtype: str) -> list[str]:
-    found = {r["cache_state"] for r in s.rows
-             if (r["section"], r["shape"], r["dtype"]) == (section, shape, dtype)}
-    return [st for st in ("cold", "warm") if st in found]
 
 
 def _tables(s: Summary, section: str, title: str, header: list[str], row: Callable[..., str]) -> list[str]:
@@ -209,9 +199,10 @@ def _verdict(checks: list[tuple[str, float, bool]], fmt: str = "{:.2f}×") -> tu
 def _cells(s: Summary, section: str) -> Iterator[tuple[str, str, int, str]]:
     """(shape, dtype, prompt tokens, cache state) of every measured cell of `section`, in table order."""
     for shape, dtype in s.groups(section):
-        for n in s.lengths(section, shape, dtype):
-            for st in _states(s, section, shape, dtype):
-                yield shape, dtype, n, st
+        mine = [r for r in s.rows if (r["section"], r["shape"], r["dtype"]) == (section, shape, dtype)]
+        states = [st for st in ("cold", "warm") if st in {r["cache_state"] for r in mine}]
+        for n in sorted({int(r["prompt_tokens"]) for r in mine}):
+            yield from ((shape, dtype, n, st) for st in states)
 
 
 def target_rows(s: Summary) -> list[tuple[str, str, str]]:

@@ -180,13 +180,33 @@ def write_raw(path: Path, pairs: Sequence[tuple[Any, Any]]) -> int:
     return total
 
 
-def save_mlxlm(path: Path, pairs: Sequence[tuple[Any, Any]], ids: np.ndarray) -> int:
-    """`save_prompt_cache` of per-layer `KVCache`s, token ids in the metadata (as the bench
-    baseline does); returns the file size."""
+def load_mlxlm(path: Path | str, ids: np.ndarray) -> tuple[list, bool]:
+    """`load_prompt_cache` + eval of every layer's keys and values: (the caches, True if the token
+    ids in the file's metadata are `ids`)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    cache, meta = load_prompt_cache(str(path), return_metadata=True)
+    mx.eval(cache_pairs(cache))
+    return cache, json.loads(meta[TOKENS_METADATA_KEY]) == ids.tolist()
+
+
+def save_mlxlm(path: Path, cache: list, ids: np.ndarray) -> int:
+    """`save_prompt_cache` of per-layer mlx-lm caches, token ids `ids` in the metadata (as the bench
+    baseline does); returns the file size (bytes)."""
     from mlx_lm.models.cache import save_prompt_cache
 
-    save_prompt_cache(str(path), make_cache(pairs), metadata={TOKENS_METADATA_KEY: json.dumps(ids.tolist())})
+    save_prompt_cache(str(path), cache, metadata={TOKENS_METADATA_KEY: json.dumps(ids.tolist())})
     return path.stat().st_size
+
+
+def store_kv(cache_dir: Path, shape: KVShape, ids: np.ndarray, cache: list, *, api: str = "auto",
+             async_writes: bool = False, block_size: int | None = None) -> None:
+    """Store `cache` (the KV of token ids `ids`) through `open_prefix_cache`, flush and close."""
+    pc = open_prefix_cache(cache_dir, shape, api=api, async_writes=async_writes, block_size=block_size)
+    pc.store(ids, cache)
+    pc.flush()
+    pc.close()
 
 
 # ---------------------------------------------------------------- memory
@@ -265,15 +285,10 @@ def mode_raw(args: dict) -> dict:
 
 def mode_mlxlm(args: dict) -> dict:
     """`load_prompt_cache` + eval; the token ids in the metadata are checked (as a user must)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
-
     ids = np.load(args["ids"])
     with PeakRSS() as rss:
         t0 = time.perf_counter()
-        cache, meta = load_prompt_cache(args["path"], return_metadata=True)
-        mx.eval(cache_pairs(cache))
-        same = json.loads(meta[TOKENS_METADATA_KEY]) == ids.tolist()
+        cache, same = load_mlxlm(args["path"], ids)
         ms = (time.perf_counter() - t0) * 1e3
     n = int(cache[0].offset)
     return {
@@ -328,7 +343,8 @@ def mode_writer(args: dict) -> dict:
     ids, cache = token_ids(n, seed), make_cache(synthetic_kv(shape, n, seed))
     first_ids, first_cache = token_ids(n, seed + 1), make_cache(synthetic_kv(shape, n, seed + 1))
     t0 = time.perf_counter()
-    _store_flush(first_dir, shape, args, first_ids, first_cache)
+    store_kv(first_dir, shape, first_ids, first_cache, api=args["api"], async_writes=True,
+             block_size=args.get("block_size"))
     first_ms = (time.perf_counter() - t0) * 1e3
     del first_cache
     shutil.rmtree(first_dir)  # its page cache is free again for the timed store, right away
@@ -348,18 +364,11 @@ def mode_writer(args: dict) -> dict:
             "kvtool_api": resolve_api(args["api"])}
 
 
-def _store_flush(cache_dir: Path, shape: KVShape, args: dict, ids: np.ndarray, cache: list) -> None:
-    pc = open_prefix_cache(cache_dir, shape, api=args["api"], async_writes=True, block_size=args.get("block_size"))
-    pc.store(ids, cache)
-    pc.flush()
-    pc.close()
-
-
 def mode_mlxlm_ttft_save(args: dict) -> dict:
     """Prefill `ids[:-1]` on the model and `save_prompt_cache` it (what an mlx-lm user keeps)."""
     import mlx.core as mx
     import mlx_lm
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     model, *_ = mlx_lm.load(args["model_path"])
     ids = np.load(args["ids"])[:-1]
@@ -367,8 +376,7 @@ def mode_mlxlm_ttft_save(args: dict) -> dict:
     for i in range(0, len(ids), PREFILL_STEP):
         model(mx.array(ids[i : i + PREFILL_STEP])[None], cache=cache)
         mx.eval(cache_pairs(cache))
-    save_prompt_cache(args["path"], cache, metadata={TOKENS_METADATA_KEY: json.dumps(ids.tolist())})
-    return {"bytes_io": Path(args["path"]).stat().st_size}
+    return {"bytes_io": save_mlxlm(Path(args["path"]), cache, ids)}
 
 
 def mode_ttft_seed_synthetic(args: dict) -> dict:
@@ -379,7 +387,7 @@ def mode_ttft_seed_synthetic(args: dict) -> dict:
     `persist=True`, flushed) and, trimmed to `ids[:-1]`, as mlx-lm's prompt-cache file. Both
     TTFTs then forward the last token over the same KV, so their first tokens must agree."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     from kvtool.config import KVToolConfig
     from kvtool.engine import Engine
@@ -408,8 +416,7 @@ def mode_ttft_seed_synthetic(args: dict) -> dict:
     engine.close()
     for c in cache:
         c.trim(1)
-    save_prompt_cache(args["path"], cache, metadata={TOKENS_METADATA_KEY: json.dumps(ids[:-1].tolist())})
-    return {"entries": stored, "bytes_io": Path(args["path"]).stat().st_size}
+    return {"entries": stored, "bytes_io": save_mlxlm(Path(args["path"]), cache, ids[:-1])}
 
 
 def mode_mlxlm_ttft(args: dict) -> dict:
@@ -419,7 +426,7 @@ def mode_mlxlm_ttft(args: dict) -> dict:
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
 
     model, *_ = mlx_lm.load(args["model_path"])
     ids = np.load(args["ids"])
@@ -427,9 +434,7 @@ def mode_mlxlm_ttft(args: dict) -> dict:
     mx.eval(model(mx.array(ids[:8])[None], cache=warm))  # kernels and weights touched before timing
     del warm
     t0 = time.perf_counter()
-    cache, meta = load_prompt_cache(args["path"], return_metadata=True)
-    mx.eval(cache_pairs(cache))
-    same = json.loads(meta[TOKENS_METADATA_KEY]) == ids[:-1].tolist()
+    cache, same = load_mlxlm(args["path"], ids[:-1])
     load_ms = (time.perf_counter() - t0) * 1e3
     cached = int(cache[0].offset)
     token, _ = next(generate_step(mx.array(ids[-1:]), model, max_tokens=1, prompt_cache=cache))

@@ -310,7 +310,7 @@ def _facts(ids_base: dict, dirs: list[Path], cell: Cell, closed: list, drops: li
         for key, value in stats.items():
             if isinstance(value, (int, float)) and key.startswith(("writer_", "ssd_", "kv_", "remote_")):
                 counters[key] = counters.get(key, 0) + value
-    fact = {
+    return {
         **ids_base,
         "bytes_written": disk["bytes"],
         "tokens_stored": disk["tokens"],
@@ -321,7 +321,6 @@ def _facts(ids_base: dict, dirs: list[Path], cell: Cell, closed: list, drops: li
         "disk": disk,
         "counters": counters,
     }
-    return fact
 
 
 def verify_drain(counters: dict[str, float], disk: dict[str, int]) -> bool:

@@ -81,7 +81,7 @@ def winners(cells: pd.DataFrame, metric: str = "ttft_p50_ms") -> pd.DataFrame:
         verdict = "only cell" if others.empty else ("winner" if tied.empty else "tie")
         if verdict == "winner" and not has_spread(kv):
             verdict = NO_SPREAD
-        runner = others.iloc[0] if len(others) else None
+        runner = others.iloc[0] if len(others) else pd.Series({"cell": None, "_c": np.nan, "_lo": np.nan, "_hi": np.nan})
         base = g[g["kind"] == MLXLM]
         vs = ""
         if len(base) and has_spread(kv):
@@ -90,10 +90,8 @@ def winners(cells: pd.DataFrame, metric: str = "ttft_p50_ms") -> pd.DataFrame:
         rows.append({
             "workload": workload, "verdict": verdict, "cell": best["cell"],
             "ttft_p50_ms": best["_c"], "ttft_p50_ms_lo": best["_lo"], "ttft_p50_ms_hi": best["_hi"],
-            "runner_up": runner["cell"] if runner is not None else None,
-            "runner_up_ttft_p50_ms": runner["_c"] if runner is not None else np.nan,
-            "runner_up_ttft_p50_ms_lo": runner["_lo"] if runner is not None else np.nan,
-            "runner_up_ttft_p50_ms_hi": runner["_hi"] if runner is not None else np.nan,
+            "runner_up": runner["cell"], "runner_up_ttft_p50_ms": runner["_c"],
+            "runner_up_ttft_p50_ms_lo": runner["_lo"], "runner_up_ttft_p50_ms_hi": runner["_hi"],
             "tied_cells": "; ".join([best["cell"], *tied["cell"]]) if len(tied) else "",
             "candidates": len(kv),
             "repeats": repeat_count(kv),
