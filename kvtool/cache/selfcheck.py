@@ -367,7 +367,8 @@ def _leaf_arrays(c) -> tuple[list[Any], list[Any]]:
     if isinstance(c, ArraysCache):
         return list(c.cache), []
     if isinstance(c, RotatingKVCache):
-        return [c.keys, c.values], [c.offset, c._idx, c.keep, c.max_size]
+        keys, values, offset, keep, max_size, idx = c.state  # mlx-lm 0.32.2's order
+        return [keys, values], [offset, idx, keep, max_size]
     n = int(c.offset)
     keys = c.keys[..., :n, :] if c.keys is not None else None
     values = c.values[..., :n, :] if c.values is not None else None
