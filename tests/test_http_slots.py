@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler
 import pytest
 
 from kvtool.cli.common import Interrupted
-from kvtool.server.handler import MAX_CONNECTIONS, _HTTPServer
+from kvtool.server.handler import MAX_CONNECTIONS, KVToolHTTPServer
 
 
 class _Hello(BaseHTTPRequestHandler):
@@ -32,7 +32,7 @@ class _Hello(BaseHTTPRequestHandler):
 def test_a_signal_after_the_request_thread_started_releases_its_slot_once(monkeypatch):
     errors: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
-    server = _HTTPServer(("127.0.0.1", 0), _Hello)
+    server = KVToolHTTPServer(("127.0.0.1", 0), _Hello)
     ours, theirs = socket.socketpair()
     real_start = threading.Thread.start
     started: list[threading.Thread] = []
@@ -64,7 +64,7 @@ def test_a_signal_after_the_request_thread_started_releases_its_slot_once(monkey
 
 def test_the_server_still_serves_after_a_request_thread_failed_to_start(monkeypatch):
     """A request whose thread never started (here: start raises before starting) frees its slot."""
-    server = _HTTPServer(("127.0.0.1", 0), _Hello)
+    server = KVToolHTTPServer(("127.0.0.1", 0), _Hello)
 
     def fail(thread: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")

@@ -235,7 +235,7 @@ def test_hub_download_failure_is_one_line(monkeypatch):
     def offline(*args, **kwargs):
         raise ConnectionError("Name or service not known\nlong traceback-ish details")
 
-    monkeypatch.setattr("mlx_lm.utils._download", offline)
+    monkeypatch.setattr("mlx_lm.utils.snapshot_download", offline)
     with pytest.raises(ModelLoadError) as info:
         load_model("some-org/some-model")
     assert "\n" not in str(info.value) and "some-org/some-model" in str(info.value)

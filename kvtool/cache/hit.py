@@ -32,6 +32,20 @@ class CacheStats:
         return dict(self.counters)
 
 
+class _TierEntry:
+    """A read-only int attribute of `CacheHit`: the entry for `tier` of its dict attribute
+    `table` (0 without one)."""
+
+    def __init__(self, table: str, tier: str):
+        self.table, self.tier = table, tier
+
+    def __get__(self, hit: Any, owner: type | None = None) -> int:
+        return getattr(hit, self.table).get(self.tier, 0)
+
+    def __set__(self, hit: Any, value: int) -> None:
+        raise AttributeError(f"read-only: set {self.table}[{self.tier!r}]")
+
+
 @dataclass
 class CacheHit:
     """The cached part of a prompt, ready for generation.
@@ -66,25 +80,36 @@ class CacheHit:
     uncached_reason: str | None = None
     views: list = field(default_factory=list, repr=False)  # full views behind `cache`'s rotating leaves (promotion)
 
-    @property
-    def ram_tokens(self) -> int:
-        return self.tier_tokens.get("ram", 0)
-
-    @property
-    def ssd_tokens(self) -> int:
-        return self.tier_tokens.get("ssd", 0)
-
-    @property
-    def remote_tokens(self) -> int:
-        return self.tier_tokens.get("remote", 0)
-
-    @property
-    def ssd_bytes_read(self) -> int:
-        return self.tier_bytes.get("ssd", 0)
-
-    @property
-    def remote_bytes_read(self) -> int:
-        return self.tier_bytes.get("remote", 0)
+    ram_tokens = _TierEntry("tier_tokens", "ram")
+    ssd_tokens = _TierEntry("tier_tokens", "ssd")
+    remote_tokens = _TierEntry("tier_tokens", "remote")
+    ssd_bytes_read = _TierEntry("tier_bytes", "ssd")
+    remote_bytes_read = _TierEntry("tier_bytes", "remote")
 
 
-__all__ = ["CacheHit", "CacheStats"]
+@dataclass
+class HitTokens:
+    """Where a request's prompt tokens came from (tokens): what `kvtool serve` records per
+    request (`kvtool.server.requests.RequestRecord`) and `Engine` returns
+    (`kvtool.engine.results.RequestResult`) begin with these fields.
+
+    `prompt_tokens == cached_tokens + prefill_tokens`,
+    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`.
+    """
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ram_hit_tokens: int = 0
+    ssd_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
+    prefill_tokens: int = 0
+
+    def count_hit(self, hit: CacheHit) -> None:
+        """Set every count from what `PrefixCache.fetch` found for the prompt (`hit`);
+        `prefill_tokens` is the tokens it left to run through the model."""
+        self.prompt_tokens, self.cached_tokens = hit.prompt_tokens, hit.cached_tokens
+        self.ram_hit_tokens, self.ssd_hit_tokens, self.remote_hit_tokens = hit.ram_tokens, hit.ssd_tokens, hit.remote_tokens
+        self.prefill_tokens = int(hit.remaining.size)
+
+
+__all__ = ["CacheHit", "CacheStats", "HitTokens"]

@@ -33,19 +33,18 @@ neither stored nor known to the process then means no reuse until the next start
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from kvtool.cache import selfcheck
 from kvtool.cache.hit import CacheHit
+from kvtool.cache.verdict import StoredVerdict, read_meta_record, write_meta_record
 from kvtool.kv.tree import kv_offset, leaves
 
 log = logging.getLogger("kvtool")
@@ -61,7 +60,7 @@ _memo: dict[tuple[str, str, str], ReplyVerdict] = {}  # (model id, code digest, 
 
 
 @dataclass
-class ReplyVerdict:
+class ReplyVerdict(StoredVerdict):
     """The reply probe's result for one namespace on one device.
 
     Attributes:
@@ -83,24 +82,6 @@ class ReplyVerdict:
     ms: float = 0.0
     checked: float = 0.0
     version: int = VERDICT_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | None) -> ReplyVerdict | None:
-        """Parse a stored verdict; None for anything missing or malformed (then it is measured)."""
-        try:
-            doc = json.loads(text or "")
-            v = cls(exact=doc["exact"], reason=doc["reason"], code=doc["code"], device=doc["device"],
-                    decode_steps=int(doc.get("decode_steps", 0)), ms=float(doc.get("ms", 0.0)),
-                    checked=float(doc.get("checked", 0.0)), version=int(doc.get("version", 0)))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-        if (not isinstance(v.exact, bool) or not isinstance(v.code, str) or not isinstance(v.device, str)
-                or (v.reason is not None and not isinstance(v.reason, str)) or v.version != VERDICT_VERSION):
-            return None
-        return v
 
     def describe(self) -> str:
         """One line for logs and stats."""
@@ -167,11 +148,11 @@ def decide(pc, model, *, off_reason: str | None = None, measure: bool = True) ->
 
 def stored_verdict(ssd) -> ReplyVerdict | None:
     """The reply verdict stored in an SSD namespace's index meta, or None (not measured)."""
-    return selfcheck.read_meta_record(ssd, META_KEY, ReplyVerdict.from_json, "reply probe")
+    return read_meta_record(ssd, META_KEY, ReplyVerdict.from_json, "reply probe")
 
 
 def _store(ssd, verdict: ReplyVerdict) -> None:
-    selfcheck.write_meta_record(ssd, META_KEY, verdict.to_json(), "reply probe")
+    write_meta_record(ssd, META_KEY, verdict.to_json(), "reply probe")
 
 
 def ensure(pc, model, *, measure: bool = True) -> ReplyVerdict | None:

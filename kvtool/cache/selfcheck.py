@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import json
 import logging
 import math
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +48,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from kvtool.cache.verdict import StoredVerdict, read_meta_record, write_meta_record
 from kvtool.config import KVToolConfig
 from kvtool.disk.segment import KVLayout
 from kvtool.kv import blocks, prefill
@@ -73,7 +72,7 @@ _memo: dict[tuple[str, str], Verdict] = {}  # (layout key, code digest) -> verdi
 
 
 @dataclass
-class Verdict:
+class Verdict(StoredVerdict):
     """The self-check's result for one namespace.
 
     Attributes:
@@ -95,25 +94,6 @@ class Verdict:
     ms: float = 0.0
     checked: float = 0.0
     version: int = VERDICT_VERSION
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | None) -> Verdict | None:
-        """Parse a stored verdict; None for anything malformed (then it is measured again)."""
-        try:
-            doc = json.loads(text or "")
-            v = cls(passed=doc["passed"], reason=doc["reason"], code=doc["code"],
-                    probe_tokens=int(doc.get("probe_tokens", 0)), block_size=int(doc.get("block_size", 0)),
-                    ms=float(doc.get("ms", 0.0)), checked=float(doc.get("checked", 0.0)),
-                    version=int(doc.get("version", 0)))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return None
-        if (not isinstance(v.passed, bool) or not isinstance(v.code, str)
-                or (v.reason is not None and not isinstance(v.reason, str)) or v.version != VERDICT_VERSION):
-            return None
-        return v
 
     def describe(self) -> str:
         """One line for logs and `kvtool inspect`."""
@@ -194,32 +174,6 @@ def alone_exact(model) -> bool:
     except Exception:  # noqa: BLE001 - a model this cannot run: store conservatively
         log.debug("alone_exact raised", exc_info=True)
         return False
-
-
-def read_meta_record(ssd, key: str, parse: Callable[[str | None], Any], what: str) -> Any:
-    """`parse` of the JSON text stored under `key` in an SSD namespace's index meta; None without
-    an SSD tier or where the meta cannot be read or parsed (the caller measures again). `what`
-    names the record in the debug line."""
-    index = getattr(ssd, "index", None) if ssd is not None else None
-    if index is None:
-        return None
-    try:
-        return parse(index.get_meta().get(key))
-    except Exception:  # noqa: BLE001 - an unreadable meta: measure again
-        log.debug("%s: stored verdict unreadable", what, exc_info=True)
-        return None
-
-
-def write_meta_record(ssd, key: str, text: str, what: str) -> None:
-    """Store `text` under `key` in an SSD namespace's index meta; nothing without an SSD tier or
-    read-only; a failure is one warning (the next process measures again)."""
-    index = getattr(ssd, "index", None) if ssd is not None else None
-    if index is None or getattr(ssd, "read_only", False):
-        return
-    try:
-        index.set_meta({key: text})
-    except Exception:  # noqa: BLE001 - not stored: the next process measures again
-        log.warning("kvtool: the %s verdict could not be stored", what, exc_info=True)
 
 
 def stored_verdict(ssd) -> Verdict | None:
@@ -367,7 +321,8 @@ def _leaf_arrays(c) -> tuple[list[Any], list[Any]]:
     if isinstance(c, ArraysCache):
         return list(c.cache), []
     if isinstance(c, RotatingKVCache):
-        return [c.keys, c.values], [c.offset, c._idx, c.keep, c.max_size]
+        keys, values, offset, keep, max_size, idx = c.state  # mlx-lm 0.32.2's order
+        return [keys, values], [offset, idx, keep, max_size]
     n = int(c.offset)
     keys = c.keys[..., :n, :] if c.keys is not None else None
     values = c.values[..., :n, :] if c.values is not None else None

@@ -16,24 +16,18 @@ import typer.core
 
 from kvtool.cli import common
 
+_TYPER_DISPLAY_TYPE_RICH = typer.core.TyperOption.display_type_rich  # Typer's own, replaced below
 
-def _switches_without_type_tags() -> None:
+
+def _display_type_rich(self: Any, ctx: Any) -> str | None:
     """Typer's rich help shows a type tag on every option, `<bool>` on a switch (`--dry-run`,
-    `--async/--sync`, `-h`) too, although a switch takes no value: show none there. (Help
-    rendering only; idempotent.)"""
-    option_cls: Any = typer.core.TyperOption
-    if getattr(option_cls.display_type_rich, "_kvtool", False):
-        return
-    typed = option_cls.display_type_rich
-
-    def display_type_rich(self: Any, ctx: Any) -> str | None:
-        return None if (self.is_flag or self.count) and self.metavar is None else typed(self, ctx)
-
-    display_type_rich._kvtool = True  # type: ignore[attr-defined]
-    option_cls.display_type_rich = display_type_rich
+    `--async/--sync`, `-h`) too, although a switch takes no value: show none there, else Typer's
+    own tag. (Help rendering only.)"""
+    return None if (self.is_flag or self.count) and self.metavar is None else _TYPER_DISPLAY_TYPE_RICH(self, ctx)
 
 
-_switches_without_type_tags()
+typer.core.TyperOption.display_type_rich = _display_type_rich  # type: ignore[method-assign]  # a patch of Typer's class
+
 
 app = typer.Typer(
     name="kvtool",

@@ -170,8 +170,10 @@ class SegmentPlanner:
         self._left[ids] = 0
         self._propagate(fresh)
 
-    def _choose_one(self, s: int, code: int) -> None:
-        """`choose_segments` for one segment (the budget loop: no array building)."""
+    def choose_segment(self, s: int, code: int) -> None:
+        """`choose_segments` for the one segment numbered `s` (into `names`), not yet chosen, with
+        reason code `code` (`reason_code`), without building arrays: `fit_budget`'s loop calls it
+        once per segment. Lowers `kept_bytes` by its bytes and those of segments it leaves empty."""
         start, members = self._blocks_of
         blocks = members[start[s] : start[s + 1]]
         fresh = blocks[self.block_reason[blocks] == 0]
@@ -297,7 +299,7 @@ def fit_budget(planners: Mapping[str, SegmentPlanner], max_bytes: int, protect_a
         if p.seg_reason[s]:  # went as a descendant of an earlier choice
             continue
         before = p.kept_bytes
-        p._choose_one(s, code)
+        p.choose_segment(s, code)
         kept -= before - p.kept_bytes
     return kept <= max_bytes
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from kvtool.disk.codec import CODECS, ZSTD_LEVEL, CodecError, compress, decompress  # noqa: F401  (re-exported)
 from kvtool.disk.hostblock import HostBlock
-from kvtool.disk.kvlayout import _PACKED_DTYPE, QUANT_BITS, STORAGE_DTYPES, KVLayout  # noqa: F401  (re-exported)
+from kvtool.disk.kvlayout import QUANT_BITS, STORAGE_DTYPES, KVLayout  # noqa: F401  (re-exported)
 from kvtool.disk.verify import (  # noqa: F401  (the rules: re-exported under the names callers use)
     HEADER_CK_KEY,
     ZERO_CHECKSUM,

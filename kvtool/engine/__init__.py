@@ -325,12 +325,10 @@ class Engine:
                 pc.release(hit)
 
     def _result(self, hit: CacheHit) -> RequestResult:
-        return RequestResult(
-            prompt_tokens=hit.prompt_tokens, cached_tokens=hit.cached_tokens, ram_hit_tokens=hit.ram_tokens,
-            ssd_hit_tokens=hit.ssd_tokens, remote_hit_tokens=hit.remote_tokens, prefill_tokens=int(hit.remaining.size),
-            ssd_load_ms=hit.ssd_load_ms, ssd_bytes_read=hit.ssd_bytes_read,
-            uncached_reason=hit.uncached_reason or self.cache.uncached_reason,
-        )
+        res = RequestResult(ssd_load_ms=hit.ssd_load_ms, ssd_bytes_read=hit.ssd_bytes_read,
+                            uncached_reason=hit.uncached_reason or self.cache.uncached_reason)
+        res.count_hit(hit)
+        return res
 
     def _stream(self, ids, max_tokens, temp, top_p, seed, stop) -> Iterator[StreamResponse]:
         t_start = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtool.cache.hit import HitTokens
 from kvtool.errors import KVToolError
 
 
@@ -14,11 +15,9 @@ class KVBitsUnsupported(KVToolError):
 
 
 @dataclass
-class RequestResult:
-    """What one request did. Token counts in tokens, times in ms.
-
-    Invariants: `prompt_tokens == cached_tokens + prefill_tokens` and
-    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`. On a full hit the last prompt token is
+class RequestResult(HitTokens):
+    """What one request did. Token counts in tokens, times in ms; where the prompt's tokens came
+    from: `HitTokens`'s fields (and invariants). On a full hit the last prompt token is
     re-forwarded, so `cached_tokens = prompt_tokens - 1` and `prefill_tokens = 1`.
     `blocks_written` counts the request's new blocks (and tail entry) that reached the SSD: exact
     when the request returns with an inline (`--sync`) writer; with a background writer it is
@@ -30,12 +29,6 @@ class RequestResult:
     held nothing for the prompt.
     """
 
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    ram_hit_tokens: int = 0
-    ssd_hit_tokens: int = 0
-    remote_hit_tokens: int = 0
-    prefill_tokens: int = 0
     generated_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     text: str = ""

@@ -390,9 +390,7 @@ def import_cache_file(
     base = pc.stats().to_dict()
     report.entries_stored = pc.store(ids, cache, persist=True)
     report.flushed = pc.flush()
-    counts = write_counts(base, pc.stats().to_dict())
-    report.blocks_written, report.bytes_written, report.blocks_dedup = counts.written, counts.nbytes, counts.dedup
-    report.blocks_failed, report.blocks_over_budget = counts.failed, counts.over_budget
+    write_counts(base, pc.stats().to_dict()).set_on(report)
     report.cached_tokens = pc.probe(ids)
     report.verified = report.cached_tokens == len(ids)
     report.elapsed_s = round(time.perf_counter() - t0, 3)

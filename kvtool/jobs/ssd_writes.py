@@ -6,7 +6,7 @@ Imports nothing heavy (no MLX): the engine is only an annotation.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -50,6 +50,13 @@ class WriteCounts(NamedTuple):
     dedup: int
     failed: int
     over_budget: int
+
+    def set_on(self, report: Any) -> None:
+        """Set these counts on a warm or import report (`WarmReport`, `ImportReport`), under
+        their JSON names: `blocks_written`, `bytes_written`, `blocks_dedup`, `blocks_failed`,
+        `blocks_over_budget`."""
+        report.blocks_written, report.bytes_written, report.blocks_dedup = self.written, self.nbytes, self.dedup
+        report.blocks_failed, report.blocks_over_budget = self.failed, self.over_budget
 
 
 def write_counts(base: Mapping, now: Mapping) -> WriteCounts:

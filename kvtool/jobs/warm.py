@@ -325,9 +325,7 @@ def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
     def delta(key: str) -> int:
         return int(now.get(key, 0)) - int(base.get(key, 0))
 
-    counts = write_counts(base, now)
-    report.blocks_written, report.bytes_written, report.blocks_dedup = counts.written, counts.nbytes, counts.dedup
-    report.blocks_failed, report.blocks_over_budget = counts.failed, counts.over_budget
+    write_counts(base, now).set_on(report)
     report.blocks_evicted, report.bytes_evicted = delta("ssd_budget_evicted_blocks"), delta("ssd_budget_evicted_bytes")
 
 

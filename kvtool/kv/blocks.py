@@ -39,13 +39,14 @@ from kvtool.kv.tree import (
 
 CACHE_STEP = KVCache.step  # mlx-lm grows a KVCache in steps of this many tokens (256)
 
-_MX_TO_NP_STORAGE = {
+# MLX dtype -> the numpy dtype its bits travel as on the host (`to_numpy`; restore buffers' host views)
+MX_TO_NP_STORAGE = {
     mx.float32: np.float32,
     mx.float16: np.float16,
     mx.bfloat16: np.uint16,  # numpy has no bfloat16: the bit pattern travels as uint16
     mx.uint32: np.uint32,  # packed words of quantized KV
 }
-_NAME_TO_MX = {v: k for k, v in DTYPE_NAMES.items()}
+NAME_TO_MX = {v: k for k, v in DTYPE_NAMES.items()}  # KV dtype name ('bfloat16', ...) -> MLX dtype
 
 
 @dataclass
@@ -79,11 +80,18 @@ class Block:
         return dtype_name(next(a.dtype for a in (*self.keys, *self.values) if a.dtype != mx.uint32))
 
 
-def _to_numpy(a: mx.array) -> np.ndarray:
+def to_numpy(a: mx.array) -> np.ndarray:
     """A numpy view of an MLX array's memory (zero copy on the CPU backend, where MLX exports
     its buffer; a copy elsewhere). bfloat16 is viewed as its uint16 bit pattern. The view keeps
-    the array alive; blocks are never written in place, so sharing their memory is safe."""
-    storage = _MX_TO_NP_STORAGE.get(a.dtype)
+    the array alive; blocks are never written in place, so sharing their memory is safe.
+
+    Returns:
+        An array of `a`'s shape in `MX_TO_NP_STORAGE[a.dtype]` (float32, float16, uint16, uint32).
+
+    Raises:
+        ValueError: `a`'s dtype is not a KV dtype (`MX_TO_NP_STORAGE`).
+    """
+    storage = MX_TO_NP_STORAGE.get(a.dtype)
     if storage is None:
         raise ValueError(f"unsupported KV dtype {a.dtype}")
     if a.dtype == mx.bfloat16:
@@ -91,9 +99,10 @@ def _to_numpy(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
-def _to_mlx(a: np.ndarray, dtype: str = "") -> mx.array:
-    """An MLX array of a host array; uint16 is always a bfloat16 bit pattern (no KV or state
-    dtype is uint16), packed uint32 words stay uint32. `dtype` is accepted for callers' clarity."""
+def to_mlx(a: np.ndarray, dtype: str = "") -> mx.array:
+    """An MLX array of a host array (same shape; a copy), the inverse of `to_numpy`: uint16 is
+    always a bfloat16 bit pattern (no KV or state dtype is uint16), packed uint32 words stay
+    uint32, other dtypes map as `mx.array` maps them. `dtype` is accepted for callers' clarity."""
     arr = mx.array(a)
     if a.dtype == np.uint16:
         arr = arr.view(mx.bfloat16)
@@ -108,8 +117,8 @@ def to_host(block: Block) -> HostBlock:
         block_hash=block.block_hash,
         parent_hash=block.parent_hash,
         token_ids=np.array(block.token_ids, dtype=np.int32, copy=True),
-        keys=[_to_numpy(k) for k in block.keys],
-        values=[_to_numpy(v) for v in block.values],
+        keys=[to_numpy(k) for k in block.keys],
+        values=[to_numpy(v) for v in block.values],
         dtype=block.dtype,
     )
 
@@ -120,10 +129,10 @@ def from_host(host: HostBlock) -> Block:
     Raises:
         ValueError: unknown dtype name.
     """
-    if host.dtype not in _NAME_TO_MX:
+    if host.dtype not in NAME_TO_MX:
         raise ValueError(f"unsupported KV dtype {host.dtype!r}")
-    keys = [_to_mlx(k, host.dtype) for k in host.keys]
-    values = [_to_mlx(v, host.dtype) for v in host.values]
+    keys = [to_mlx(k, host.dtype) for k in host.keys]
+    values = [to_mlx(v, host.dtype) for v in host.values]
     mx.eval(keys, values)
     return Block(host.block_hash, host.parent_hash, np.asarray(host.token_ids, dtype=np.int32), keys, values)
 
@@ -336,7 +345,7 @@ def assemble_layers(kv: KVLayout, kv_caches: list, state: Sequence | None) -> li
                 n = int(ch)
                 a = ArraysCache(size=n)
                 if state is not None:
-                    a.cache = [x if isinstance(x, mx.array) else _to_mlx(x, names[pos + j])
+                    a.cache = [x if isinstance(x, mx.array) else to_mlx(x, names[pos + j])
                                for j, x in enumerate(state[pos : pos + n])]
                 pos += n
                 out.append(a)
@@ -390,7 +399,7 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
             values += v
         if state:  # state layers: the entry's state arrays (host copies from the restore)
             assert kv is not None  # state layers exist only in a layout
-            values += [x if isinstance(x, mx.array) else _to_mlx(x) for x in state[0]]
+            values += [x if isinstance(x, mx.array) else to_mlx(x) for x in state[0]]
         blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.segment import STORAGE_DTYPES, HeadPieces, KVLayout
-from kvtool.kv.blocks import _MX_TO_NP_STORAGE, _NAME_TO_MX, Block, _to_mlx, _to_numpy, after_restore, assemble_layers
+from kvtool.kv.blocks import MX_TO_NP_STORAGE, NAME_TO_MX, Block, after_restore, assemble_layers, to_mlx, to_numpy
 
 __all__ = ["KVBuffers"]
 
@@ -48,7 +48,7 @@ def _host_views(arrays: list[mx.array]) -> list[np.ndarray | None]:
             view = np.asarray(src)
         except (TypeError, ValueError, RuntimeError):
             view = None
-        if view is not None and (view.dtype != _MX_TO_NP_STORAGE[a.dtype] or not view.flags.writeable
+        if view is not None and (view.dtype != MX_TO_NP_STORAGE[a.dtype] or not view.flags.writeable
                                  or view.shape != tuple(a.shape)):
             view = None
         out.append(view)
@@ -214,7 +214,7 @@ class KVBuffers:
         segment headers); `ready()` waits for it and must come before `dest`, `pieces` or
         `place`.
         """
-        dtype = _NAME_TO_MX[kv.dtype]
+        dtype = NAME_TO_MX[kv.dtype]
         n_kv = len(kv.shapes(0)) - len(kv.states)
         specs = [(tuple(shape), mx.uint32 if st == np.dtype("<u4") else dtype)
                  for shape, st in list(zip(kv.shapes(capacity), kv.storage_dtypes()))[:n_kv]]
@@ -239,7 +239,7 @@ class KVBuffers:
             self.views = views  # type: ignore[assignment]  # no None view: checked just above
             prefault(self.views)
         else:
-            self.views = [np.empty(a.shape, _MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
+            self.views = [np.empty(a.shape, MX_TO_NP_STORAGE[a.dtype]) for a in self.arrays]
             self.staged = True
         self._heads = HeadPieces(self.views)
 
@@ -267,7 +267,7 @@ class KVBuffers:
         """Copy an MLX block (RAM tier) into the buffers at token `offset`."""
         n = block.num_tokens
         for dst, src in zip(self.dest(offset, n), self._order(block.keys, block.values)):
-            dst[...] = _to_numpy(src).reshape(dst.shape)
+            dst[...] = to_numpy(src).reshape(dst.shape)
 
     def place_host(self, offset: int, block: HostBlock) -> None:
         """Copy a host block (writer's pending buffer) into the buffers at token `offset`."""
@@ -288,21 +288,23 @@ class KVBuffers:
         self._heads = None  # its byte views hold the buffers too: MLX would copy instead of update in place
         if self.kv is not None and self.kv.kinds:
             state = self.state_scratch.get(state_at) if state_at is not None and self.kv.states else None
-            plain = KVBuffers(self.arrays, self.views, self.staged, None)
-            self.arrays, self.views = [], []
-            return after_restore(assemble_layers(self.kv, plain._kv_caches(offset), state))
-        return after_restore(self._kv_caches(offset))
+            return after_restore(assemble_layers(self.kv, self._kv_caches(offset, None), state))
+        return after_restore(self._kv_caches(offset, self.kv))
 
-    def _kv_caches(self, offset: int) -> list:
+    def _kv_caches(self, offset: int, kv: KVLayout | None) -> list:
+        """The buffers' KV tensors as mlx-lm caches of `offset` tokens, per layer in order: a
+        `QuantizedKVCache` per 6 tensors when `kv` is quantized, else a `KVCache` per keys/values
+        pair (also for layouts with other kinds of layers: `assemble_layers` places them). Drops
+        this object's references to the buffers."""
         arrays = self.arrays
         if self.staged:
-            arrays = [_to_mlx(v, "bfloat16" if a.dtype == mx.bfloat16 else "") for v, a in zip(self.views, arrays)]
+            arrays = [to_mlx(v, "bfloat16" if a.dtype == mx.bfloat16 else "") for v, a in zip(self.views, arrays)]
             mx.eval(arrays)
         self.arrays, self.views = [], []
         out: list = []
-        if self.kv is not None and self.kv.quantized:
-            for layer in range(self.kv.n_layers):
-                q = QuantizedKVCache(group_size=self.kv.group_size, bits=self.kv.bits)
+        if kv is not None and kv.quantized:
+            for layer in range(kv.n_layers):
+                q = QuantizedKVCache(group_size=kv.group_size, bits=kv.bits)
                 q.keys, q.values = arrays[6 * layer : 6 * layer + 3], arrays[6 * layer + 3 : 6 * layer + 6]
                 q.offset = offset
                 out.append(q)

@@ -58,7 +58,8 @@ def rotating_layout(n: int, max_size: int, step: int) -> tuple[np.ndarray, int]:
         r.update_and_fetch(marks, marks)
         pos = end
     slots = np.array(r.keys[0, 0, :, 0]).astype(np.int64) - 1  # exact: token numbers < 2**24
-    return slots, int(r._idx)
+    *_, idx = r.state  # mlx-lm 0.32.2: (keys, values, offset, keep, max_size, _idx)
+    return slots, int(idx)
 
 
 def rotating_from_full(c: KVCache, n: int, max_size: int, step: int) -> RotatingKVCache:
@@ -81,7 +82,7 @@ def rotating_from_full(c: KVCache, n: int, max_size: int, step: int) -> Rotating
         empty = mx.array(slots < 0).reshape(1, 1, -1, 1)
         r.keys = mx.where(empty, mx.zeros((), c.keys.dtype), mx.take(c.keys, take, axis=2))
         r.values = mx.where(empty, mx.zeros((), c.values.dtype), mx.take(c.values, take, axis=2))
-    r.offset, r._idx = n, idx
+    r.state = (r.keys, r.values, n, r.keep, r.max_size, idx)  # sets offset and _idx (as `rotating_layout`)
     return r
 
 

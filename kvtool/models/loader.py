@@ -141,15 +141,17 @@ def is_hub_id(spec: str) -> bool:
 
 
 def _download(repo_id: str) -> Path:
-    """Fetch `repo_id` through mlx-lm's downloader (Hugging Face cache).
+    """Fetch `repo_id` as mlx-lm's `load` does (Hugging Face cache): the downloader `mlx_lm.utils`
+    binds (`huggingface_hub.snapshot_download`, ModelScope's with `MLXLM_USE_MODELSCOPE=true`) for
+    the files mlx-lm fetches (`DEFAULT_ALLOW_PATTERNS`).
 
     Raises:
         ModelLoadError: On any failure (no network, unknown repo, ...).
     """
     try:
-        from mlx_lm.utils import _download as mlx_download
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS, snapshot_download
 
-        return Path(mlx_download(repo_id))
+        return Path(snapshot_download(repo_id, allow_patterns=DEFAULT_ALLOW_PATTERNS))
     except Exception as exc:  # noqa: BLE001
         raise ModelLoadError(f"cannot download model {repo_id!r}: {_one_line(exc)}") from exc
 

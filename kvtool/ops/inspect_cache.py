@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
@@ -246,8 +247,8 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
         info.shutdown_clean = meta["shutdown_clean"] == "1"
     if "shutdown_partial_flush" in meta:
         info.shutdown_partial_flush = meta["shutdown_partial_flush"] == "1"
-    info.selfcheck = _verdict(meta.get("selfcheck"))
-    info.reply_check = _reply_verdict(meta.get("selfcheck_reply"))
+    info.selfcheck = _verdict_words(meta.get("selfcheck"), _selfcheck_words, "the next start")
+    info.reply_check = _verdict_words(meta.get("selfcheck_reply"), _reply_words, "the next start of kvtool serve")
     _fill_layers(info)
     t, forest = ns.table, ns.forest
     info.blocks = ns.row_count
@@ -272,28 +273,27 @@ def _info(ns: NamespaceScan, now: float) -> NamespaceInfo:
     return info
 
 
-def _verdict(text: str | None) -> str | None:
-    """The self-check verdict stored as JSON (`kvtool.cache.selfcheck.Verdict`) in words (MLX-free)."""
+def _verdict_words(text: str | None, words: Callable[[dict], str], again: str) -> str | None:
+    """A probe's verdict stored as JSON (`kvtool.cache.verdict.StoredVerdict`) in words
+    (`words(doc)`; MLX-free); None without one; malformed: a line saying it is measured again at `again`."""
     if not text:
         return None
     try:
-        doc = json.loads(text)
-        what = "pass" if doc["passed"] is True else f"fail: {doc['reason']}"
-        return f"{what} (probe of {int(doc['probe_tokens'])} tokens, {float(doc['ms']):.0f} ms)"
+        return words(json.loads(text))
     except (ValueError, TypeError, KeyError):
-        return "unreadable verdict (measured again at the next start)"
+        return f"unreadable verdict (measured again at {again})"
 
 
-def _reply_verdict(text: str | None) -> str | None:
-    """The reply probe's verdict stored as JSON (`kvtool.cache.reply.ReplyVerdict`) in words (MLX-free)."""
-    if not text:
-        return None
-    try:
-        doc = json.loads(text)
-        what = "exact" if doc["exact"] is True else f"differs: {doc['reason']}"
-        return f"{what} ({int(doc['decode_steps'])} decode steps on {doc['device']}, {float(doc['ms']):.0f} ms)"
-    except (ValueError, TypeError, KeyError):
-        return "unreadable verdict (measured again at the next start of kvtool serve)"
+def _selfcheck_words(doc: dict) -> str:
+    """The self-check's verdict (`kvtool.cache.selfcheck.Verdict`)."""
+    what = "pass" if doc["passed"] is True else f"fail: {doc['reason']}"
+    return f"{what} (probe of {int(doc['probe_tokens'])} tokens, {float(doc['ms']):.0f} ms)"
+
+
+def _reply_words(doc: dict) -> str:
+    """The reply probe's verdict (`kvtool.cache.reply.ReplyVerdict`)."""
+    what = "exact" if doc["exact"] is True else f"differs: {doc['reason']}"
+    return f"{what} ({int(doc['decode_steps'])} decode steps on {doc['device']}, {float(doc['ms']):.0f} ms)"
 
 
 def _fill_layers(info: NamespaceInfo) -> None:

@@ -316,9 +316,7 @@ class KVToolPromptCache:
         self._expire()
         blockwise = self._blockwise
         hit = self.prefix_cache.fetch(ids, full_views=blockwise)
-        rec.cached_tokens, rec.ram_hit_tokens, rec.ssd_hit_tokens = hit.cached_tokens, hit.ram_tokens, hit.ssd_tokens
-        rec.remote_hit_tokens = hit.remote_tokens
-        rec.prefill_tokens = int(hit.remaining.size)
+        rec.count_hit(hit)
         rec.ssd_load_ms, rec.ssd_bytes_read = hit.ssd_load_ms, hit.ssd_bytes_read
         if blockwise:
             return Prefill(ids, hit, rec, self._epoch)

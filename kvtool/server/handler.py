@@ -18,7 +18,7 @@
   chat-completions request and answered in their own shapes (`kvtool.server.apis`); with
   `--api-key` every route first checks the key (401 without it).
 
-`_HTTPServer` serves at most `MAX_CONNECTIONS` connections at once, and at most
+`KVToolHTTPServer` serves at most `MAX_CONNECTIONS` connections at once, and at most
 `max_connections_per_peer` from one client address (503 beyond either), and logs a handler's
 unexpected exception in one line instead of socketserver's traceback. The request head (request
 line and headers) must arrive within `head_timeout_s` of the wait for it starting (the per-read
@@ -413,7 +413,11 @@ class _Slot:
             self._on_release()
 
 
-class _HTTPServer(ThreadingHTTPServer):
+class KVToolHTTPServer(ThreadingHTTPServer):
+    """`kvtool serve`'s listener: a thread per connection, at most `MAX_CONNECTIONS` at once and
+    `kvtool_max_per_peer` from one client address (503 and closed beyond either; see the module
+    docstring). `serve.KVToolServer` builds it and sets the `kvtool_*` attributes before serving."""
+
     daemon_threads = True  # a request in flight never keeps the process alive after shutdown
     # listen() backlog: socketserver's default of 5 overflows when 16 clients connect at once
     # (their connections were reset: `APIConnectionError` in the load benchmark).
@@ -489,5 +493,5 @@ class _HTTPServer(ThreadingHTTPServer):
                       " ".join(str(exc).split())[:300], exc_info=log.isEnabledFor(logging.DEBUG))
 
 
-__all__ = ["make_handler_class", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS",
+__all__ = ["make_handler_class", "KVToolHTTPServer", "STATS_PATH", "METRICS_PATH", "MAX_CONNECTIONS",
            "HEAD_TIMEOUT_S", "MAX_CONNECTIONS_PER_PEER"]

@@ -36,20 +36,34 @@ class OptionValueError(ValueError):
 
 
 class _Captured(Exception):  # noqa: N818 - a control-flow signal, not an error
-    def __init__(self, parser: argparse.ArgumentParser):
+    def __init__(self, parser: argparse.ArgumentParser, options: list[argparse.Action]):
         super().__init__("parser captured")
         self.parser = parser
+        self.options = options
 
 
 class _CapturingParser(argparse.ArgumentParser):
-    """An `ArgumentParser` that, at its first parse, becomes a plain one and is handed back."""
+    """An `ArgumentParser` that records the options added to it after its construction (the
+    caller's: not argparse's own `--help`) and, at its first parse, becomes a plain one and is
+    handed back with them (argparse has no public list of a parser's options)."""
+
+    kvtool_options: list[argparse.Action] | None = None  # None while argparse's __init__ adds --help
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.kvtool_options = []
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if self.kvtool_options is not None:
+            self.kvtool_options.append(action)
+        return action
 
     def parse_known_args(self, args=None, namespace=None):
         self.__class__ = argparse.ArgumentParser  # the captured parser parses normally from now on
-        raise _Captured(self)
+        raise _Captured(self, self.kvtool_options or [])
 
 
-@functools.cache
 def server_parser() -> argparse.ArgumentParser:
     """The `argparse.ArgumentParser` that `mlx_lm.server.main()` builds (cached per process).
     Its `exit_on_error` is False: a bad value raises `argparse.ArgumentError` instead of exiting.
@@ -58,6 +72,12 @@ def server_parser() -> argparse.ArgumentParser:
         ServerOptionsError: `mlx_lm.server` has no module-level `argparse` or `main()` did not
             parse (then nothing of it ran past building the parser).
     """
+    return _capture()[0]
+
+
+@functools.cache
+def _capture() -> tuple[argparse.ArgumentParser, tuple[argparse.Action, ...]]:
+    """`server_parser()` and the options `main()` added to it, in order (once per process)."""
     import mlx_lm.server as server
 
     if getattr(server, "argparse", None) is not argparse or not callable(getattr(server, "main", None)):
@@ -71,18 +91,19 @@ def server_parser() -> argparse.ArgumentParser:
         try:
             server.main()
         except _Captured as captured:
-            parser = captured.parser
+            parser, options = captured.parser, captured.options
         else:
             raise ServerOptionsError("mlx_lm.server.main() returned without parsing its arguments")
         finally:
             server.argparse = argparse
     parser.exit_on_error = False
-    return parser
+    return parser, tuple(options)
 
 
 def server_actions() -> list[argparse.Action]:
-    """mlx-lm's server options (the help action left out), in the parser's order."""
-    return [a for a in server_parser()._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    """mlx-lm's server options (the help action left out), in the parser's order: those
+    `main()` added with `add_argument`."""
+    return [a for a in _capture()[1] if a.option_strings]
 
 
 def defaults() -> dict[str, Any]:

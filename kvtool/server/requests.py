@@ -12,26 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.cache.prefix import CacheHit
+from kvtool.cache.hit import CacheHit, HitTokens
 from kvtool.kv.blocks import unsupported_cache_reason
 from kvtool.units import format_bytes, format_hits
 
 
-@dataclass
-class RequestRecord:
-    """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms.
-
-    `prompt_tokens == cached_tokens + prefill_tokens`,
-    `cached_tokens == ram_hit_tokens + ssd_hit_tokens + remote_hit_tokens`.
-    """
+@dataclass(kw_only=True)
+class RequestRecord(HitTokens):
+    """What the cache did for one request (one `fetch_nearest_cache`). Tokens in tokens, times in ms;
+    where the prompt's tokens came from: `HitTokens`'s fields."""
 
     request: int
-    prompt_tokens: int
-    cached_tokens: int = 0
-    ram_hit_tokens: int = 0
-    ssd_hit_tokens: int = 0
-    remote_hit_tokens: int = 0
-    prefill_tokens: int = 0
     ssd_load_ms: float = 0.0
     ssd_bytes_read: int = 0
     fetch_ms: float = 0.0
@@ -43,7 +34,8 @@ class RequestRecord:
     finished: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready (`GET /kvtool/stats`' `requests`): the request number first, then the fields in order."""
+        return {"request": self.request, **dataclasses.asdict(self)}
 
     def log_line(self) -> str:
         hits = format_hits(self.ram_hit_tokens, self.ssd_hit_tokens, self.remote_hit_tokens)

@@ -50,7 +50,7 @@ from kvtool.server.handler import (
     MAX_CONNECTIONS,
     MAX_CONNECTIONS_PER_PEER,
     STATS_PATH,
-    _HTTPServer,
+    KVToolHTTPServer,
     make_handler_class,
 )
 from kvtool.server.validation import Limits
@@ -161,7 +161,7 @@ class KVToolServer:
         except BaseException:  # a bind error or a signal: the index is still closed cleanly
             generator = getattr(self, "generator", None)
             if generator is not None:
-                generator._stop = True
+                generator.request_stop()
             self.cache.close()
             raise
         self._closed: ShutdownStatus | None = None
@@ -175,6 +175,7 @@ class KVToolServer:
         line's first; requests naming anything else are refused (404), so that no request makes
         the generation thread load (or download) another model."""
         names = tuple(dict.fromkeys((spec, str(path), str(path.resolve()), "default_model")))
+        # mlx-lm 0.32.2 has no public way to add a model name: its ModelProvider's private name maps
         for attr, value in (("_model_map", str(path)), ("_adapter_map", adapter)):
             mapping = getattr(self.provider, attr, None)
             if isinstance(mapping, dict):
@@ -198,12 +199,12 @@ class KVToolServer:
                       vocab_size=int(vocab), model_names=names, images=self.provider.processor is not None)
 
     @staticmethod
-    def _bind(host: str, port: int, handler_class) -> _HTTPServer:
+    def _bind(host: str, port: int, handler_class) -> KVToolHTTPServer:
         # As mlx_lm.server._run_http_server: the address family from getaddrinfo.
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, address = next(iter(infos))
 
-        class Server(_HTTPServer):
+        class Server(KVToolHTTPServer):
             address_family = family
 
         return _make_server(Server, address, handler_class)
@@ -391,7 +392,7 @@ class SpeculativePromptCache(KVToolPromptCache):
         super().insert_cache(model, tokens, list(prompt_cache[: self._n_layers]), cache_type=cache_type)
 
 
-def _make_server(server_class: type[_HTTPServer], address, handler_class) -> _HTTPServer:
+def _make_server(server_class: type[KVToolHTTPServer], address, handler_class) -> KVToolHTTPServer:
     """Build the HTTP server; the handler gets the response generator once it exists (it is
     created after the socket is bound, so that a busy port fails before the generation thread
     starts)."""

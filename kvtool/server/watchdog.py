@@ -103,7 +103,7 @@ class RequestGuard:
         with self._count_lock:
             self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
 
-    def pretokenize(self, generator: Any, request: Any, args: Any) -> None:
+    def pretokenize(self, generator: KVToolResponseGenerator, request: Any, args: Any) -> None:
         """Tokenize a request on its handler's thread exactly as the generation thread would
         (mlx-lm's `ResponseGenerator._tokenize`: chat template, system / user segments, initial
         state), refuse it over `max_prompt_tokens`, and leave the result on the request for the
@@ -129,7 +129,7 @@ class RequestGuard:
             return
         try:
             with self._lock:
-                out = ResponseGenerator._tokenize(generator, self._tokenizer, copy.deepcopy(request), args)
+                out = generator.tokenize_as_mlx_lm(self._tokenizer, copy.deepcopy(request), args)
             if len(out[0]) > self.limits.max_prompt_tokens:
                 raise PromptTooLong(len(out[0]), self.limits.max_prompt_tokens)
         except Exception:
@@ -262,6 +262,22 @@ class KVToolResponseGenerator(ResponseGenerator):
             return super()._serve_single(request, stream)
         finally:
             self._alone.clear()
+
+    def tokenize_as_mlx_lm(self, tokenizer: Any, request: Any, args: Any) -> tuple:
+        """mlx-lm's own tokenization of `request` with `tokenizer` (`ResponseGenerator._tokenize`:
+        chat template, system / user segments, initial state; the result's first item is the
+        prompt's token ids), without this class's pretokenized short cut or token limit.
+
+        Raises:
+            Exception: what mlx-lm's tokenization raised (chat template, message fields).
+        """
+        # mlx-lm 0.32.2 has no public tokenization of a request: the subclass calls its base's own
+        return super()._tokenize(tokenizer, request, args)
+
+    def request_stop(self) -> None:
+        """Ask the generation loop to end after its current step, without waiting for it (mlx-lm's
+        `stop_and_join` without the join)."""
+        self._stop = True  # mlx-lm's stop flag, read by its loop (`ResponseGenerator._generate`)
 
     def _tokenize(self, tokenizer, request, args):
         out = take_pretokenized(request, tokenizer)
