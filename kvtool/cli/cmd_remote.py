@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -50,7 +49,6 @@ remote_app = typer.Typer(
 URL_HELP = ("Server: redis://\\[user:password@]host\\[:port]\\[/db], rediss:// (TLS: ?ssl_ca_certs=FILE...), "
             "unix:///path.sock, redis+cluster://host:port. Default: remote_url of --config, else $KVTOOL_REMOTE_URL.")  # fmt: skip
 UrlOpt = Annotated[str | None, typer.Option("--remote-url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
-# `--url`, the name these commands used before: still read, not shown (`Server.at`: --remote-url wins)
 LegacyUrlOpt = Annotated[str | None, typer.Option("--url", hidden=True)]
 ClusterOpt = Annotated[bool, typer.Option("--cluster", help="The server is a Redis Cluster (implied by redis+cluster://).",
                                           rich_help_panel="Server")]  # fmt: skip
@@ -59,16 +57,11 @@ TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each ser
 MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
                                          rich_help_panel="Server")]  # fmt: skip
 
-# The options of every `kvtool remote` command that say how to reach the server (`--remote-url` apart: it
-# comes first; `url` is its hidden alias `--url`).
-SERVER_OPTIONS = {"url": (LegacyUrlOpt, None), "cluster": (ClusterOpt, False), "timeout": (TimeoutOpt, DEFAULT_TIMEOUT),
-                  "max_keys": (MaxKeysOpt, DEFAULT_MAX_KEYS), "config": (common.ConfigOpt, None)}
-
-
 def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
-    `names` (keys of `SERVER_OPTIONS`); its `--remote-url` fills `server.url` (`Server.at`)."""
-    return common.option_group("server", SERVER_OPTIONS, Server, names)
+    `names` (fields of `Server` that are options; none named: all of them); its `--remote-url`
+    (declared by the command itself: it comes first) fills `server.url` (`Server.at`)."""
+    return common.flag_options("server", Server, names)
 
 
 @dataclass(frozen=True)
@@ -76,20 +69,22 @@ class Server:
     """Where a remote command connects: its flags, resolved when it connects.
 
     Attributes:
-        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`).
-        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
+        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`); as an
+            option, the hidden `--url` (the name these commands used before: `at` lets
+            `--remote-url` win).
         cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
         timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
-        flag: the URL flag's name, for messages (`--remote-url`).
         max_keys: listings stop after this many keys (reported as truncated).
+        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
+        flag: the URL flag's name, for messages (`--remote-url`).
     """
 
-    url: str | None = None
-    config: Path | None = None
-    cluster: bool = False
-    timeout: str = DEFAULT_TIMEOUT
+    url: LegacyUrlOpt = None
+    cluster: ClusterOpt = False
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS
+    config: common.ConfigOpt = None
     flag: str = "--remote-url"
-    max_keys: int = DEFAULT_MAX_KEYS
 
     def at(self, url: str | None) -> Server:
         """This server with the URL flag `url` (`--remote-url`; None: the hidden `--url`, if given)."""
@@ -106,8 +101,6 @@ class Server:
         from kvtool.config import ConfigError
         from kvtool.config.settings import resolve_settings
 
-        if self.config is not None and not self.config.is_file():
-            raise common.CLIError(f"config file not found: {self.config}")
         cfg = resolve_settings({"remote_url": self.url}, self.config, {"remote_url": self.flag}).config
         try:
             timeout_s = cfg.replace(remote_timeout=self.timeout).remote_timeout_s
@@ -227,7 +220,7 @@ def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = Non
 
 # ----------------------------------------------------------------------------- inspect
 @remote_app.command("inspect")
-@server_options(*SERVER_OPTIONS)
+@server_options()
 def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
                 server: Server = Server()) -> None:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
@@ -329,7 +322,7 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
-@server_options(*SERVER_OPTIONS)
+@server_options()
 def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
                  json_out: common.JsonOpt = False, server: Server = Server()) -> None:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
@@ -367,7 +360,7 @@ def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
 
 # ----------------------------------------------------------------------------- rm
 @remote_app.command("rm")
-@server_options(*SERVER_OPTIONS)
+@server_options()
 @removal_options("dry_run", "yes", "json_out")
 def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
@@ -411,7 +404,7 @@ def _print_removal(report: Any, emit: Any) -> None:
 
 # ----------------------------------------------------------------------------- prune
 @remote_app.command("prune")
-@server_options(*SERVER_OPTIONS)
+@server_options()
 @removal_options()
 def prune_cmd(
     idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",

@@ -24,14 +24,14 @@ def interactive() -> bool:
 
 @dataclass(frozen=True)
 class Removal:
-    """How a removal is confirmed and printed: the options `REMOVAL_OPTIONS` of `kvtool prune`,
-    `kvtool rm` and `kvtool remote prune|rm` (`--dry-run`, `--yes`, `--json`, `--quiet`), and
-    what they decide before the plan is made (a way to confirm it, the maintenance lock)."""
+    """How a removal is confirmed and printed: the options of `kvtool prune`, `kvtool rm` and
+    `kvtool remote prune|rm` (`--dry-run`, `--yes`, `--json`, `--quiet`), and what they decide
+    before the plan is made (a way to confirm it, the maintenance lock)."""
 
-    dry_run: bool = False
-    yes: bool = False
-    json_out: bool = False
-    quiet: bool = False
+    dry_run: common.DryRunOpt = False
+    yes: common.YesOpt = False
+    json_out: common.JsonOpt = False
+    quiet: common.QuietOpt = False
 
     @cached_property
     def out(self) -> Output:
@@ -69,14 +69,12 @@ class Removal:
 
 
 REMOVAL = Removal()  # the default of a command's `removal` parameter (`removal_options` always passes one)
-REMOVAL_OPTIONS: dict[str, tuple[Any, Any]] = {"dry_run": (common.DryRunOpt, False), "yes": (common.YesOpt, False),
-                                               "json_out": (common.JsonOpt, False), "quiet": (common.QuietOpt, False)}
 
 
 def removal_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a command whose parameter `removal: Removal` stands for the options `names` (keys
-    of `REMOVAL_OPTIONS`, shown in that order; none named: all of them)."""
-    return common.option_group("removal", REMOVAL_OPTIONS, Removal, names or REMOVAL_OPTIONS)
+    """Decorate a command whose parameter `removal: Removal` stands for the options `names` (fields
+    of `Removal`, shown in that order; none named: all of them)."""
+    return common.flag_options("removal", Removal, names)
 
 
 @contextmanager
