@@ -221,8 +221,9 @@ def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = Non
 # ----------------------------------------------------------------------------- inspect
 @remote_app.command("inspect")
 @server_options()
+@common.cli_command
 def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
-                server: Server = Server()) -> None:
+                server: Server = Server()) -> int:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
     parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
     and expired keys (INFO). Read-only; leaves the keys' LRU clocks alone.
@@ -235,10 +236,7 @@ def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None
 
     Exit codes: 0 ok; 2 bad URL, unreachable server, wrong password, TLS failure, unknown namespace.
     """
-    out = Output.from_flags(json_out)
-    with common.cli_errors():
-        code = inspect_remote(out, server.at(remote_url), namespace)
-    raise typer.Exit(code)
+    return inspect_remote(Output.from_flags(json_out), server.at(remote_url), namespace)
 
 
 def _print_inspect(report: Any, out: Output) -> None:
@@ -267,8 +265,9 @@ def _print_inspect(report: Any, out: Output) -> None:
 # ----------------------------------------------------------------------------- push
 @remote_app.command("push")
 @server_options("url", "cluster", "timeout", "config")
+@common.cli_command
 def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, remote_url: UrlOpt = None,
-             json_out: common.JsonOpt = False, server: Server = Server()) -> None:
+             json_out: common.JsonOpt = False, server: Server = Server()) -> int:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
     namespace (or of --namespace) read once, each record verified before it is stored with SET NX
     (blocks the server holds already are not rewritten). The SSD cache is not changed; records
@@ -283,32 +282,31 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
     Exit codes: 0 ok; 1 a record failed verification or a segment was unreadable; 2 bad URL,
     unreachable server, wrong password, unknown namespace.
     """
-    out = Output.from_flags(json_out)
-    with common.cli_errors():
-        from kvtool.disk.fsops import list_namespaces
-        from kvtool.jobs.remote_push import open_store_for, push_namespace
+    from kvtool.disk.fsops import list_namespaces
+    from kvtool.jobs.remote_push import open_store_for, push_namespace
 
-        root = common.build_config(server.config, cache_dir).ssd_cache_dir
-        server = server.at(remote_url)
-        with server.connect():  # checks the URL and that the server answers
-            pass
-        url_used, cluster_used, timeout_s = server.resolve()
-        names = [p.name for p in list_namespaces(root)] if root.is_dir() else []
-        if namespace is not None:
-            names = [n for n in names if n.startswith(namespace)]
-            if len(names) != 1:
-                raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
-        reports = []
-        for name in names:
-            store = open_store_for(root / name, url_used, timeout_s=timeout_s, cluster=cluster_used)
-            try:
-                reports.append(push_namespace(root / name, store))
-            finally:
-                store.close()
-        bad = sum(r.bad_records + len(r.unreadable_segments) for r in reports)
-        out.emit(lambda: {"cache_dir": str(root), "namespaces": [r.to_dict() for r in reports], "problems": bad},
-                 lambda: _print_push(root, reports, out))
-    raise typer.Exit(common.EXIT_OK if bad == 0 else 1)
+    out = Output.from_flags(json_out)
+    root = common.build_config(server.config, cache_dir).ssd_cache_dir
+    server = server.at(remote_url)
+    with server.connect():  # checks the URL and that the server answers
+        pass
+    url_used, cluster_used, timeout_s = server.resolve()
+    names = [p.name for p in list_namespaces(root)] if root.is_dir() else []
+    if namespace is not None:
+        names = [n for n in names if n.startswith(namespace)]
+        if len(names) != 1:
+            raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
+    reports = []
+    for name in names:
+        store = open_store_for(root / name, url_used, timeout_s=timeout_s, cluster=cluster_used)
+        try:
+            reports.append(push_namespace(root / name, store))
+        finally:
+            store.close()
+    bad = sum(r.bad_records + len(r.unreadable_segments) for r in reports)
+    out.emit(lambda: {"cache_dir": str(root), "namespaces": [r.to_dict() for r in reports], "problems": bad},
+             lambda: _print_push(root, reports, out))
+    return common.EXIT_OK if bad == 0 else common.EXIT_PROBLEMS
 
 
 def _print_push(root: Any, reports: list, out: Output) -> None:
@@ -323,8 +321,9 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
 @server_options()
+@common.cli_command
 def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
-                 json_out: common.JsonOpt = False, server: Server = Server()) -> None:
+                 json_out: common.JsonOpt = False, server: Server = Server()) -> int:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
     hash of its parent and token ids); delete the ones that fail, and parts no manifest names
     (--dry-run: only report). Reading a value counts as a use for the server's LRU.
@@ -338,10 +337,7 @@ def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = Non
     Exit codes: 0 every value verified; 1 problems found (deleted unless --dry-run); 2 bad URL,
     unreachable server, wrong password, TLS failure, unknown namespace.
     """
-    out = Output.from_flags(json_out)
-    with common.cli_errors():
-        code = validate_remote(out, server.at(remote_url), namespace, dry_run=dry_run)
-    raise typer.Exit(code)
+    return validate_remote(Output.from_flags(json_out), server.at(remote_url), namespace, dry_run=dry_run)
 
 
 def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
@@ -362,6 +358,7 @@ def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
 @remote_app.command("rm")
 @server_options()
 @removal_options("dry_run", "yes", "json_out")
+@common.cli_command
 def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
     hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
@@ -369,7 +366,7 @@ def rm_cmd(
     remote_url: UrlOpt = None,
     removal: Removal = REMOVAL,
     server: Server = Server(),
-) -> None:
+) -> int:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
     their parts). Asks first on a terminal; without one, --yes is required. A kvtool process
     reading a removed value gets a miss.
@@ -383,9 +380,7 @@ def rm_cmd(
     Exit codes: 0 removed (or --dry-run); 1 declined at the prompt; 2 bad input, unreachable server,
     wrong password, TLS failure, unknown namespace, or no terminal and no --yes.
     """
-    with common.cli_errors():
-        code = rm_remote(server.at(remote_url), removal, namespace, hashes or None)
-    raise typer.Exit(code)
+    return rm_remote(server.at(remote_url), removal, namespace, hashes or None)
 
 
 def _print_removal(report: Any, emit: Any) -> None:
@@ -406,6 +401,7 @@ def _print_removal(report: Any, emit: Any) -> None:
 @remote_app.command("prune")
 @server_options()
 @removal_options()
+@common.cli_command
 def prune_cmd(
     idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",
                                              show_default=False)] = None,  # fmt: skip
@@ -415,7 +411,7 @@ def prune_cmd(
     remote_url: UrlOpt = None,
     removal: Removal = REMOVAL,
     server: Server = Server(),
-) -> None:
+) -> int:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
     each namespace until it fits --max-bytes (MEMORY USAGE, parts included); parts no manifest
     names always go. Values with a TTL (remote_ttl) also expire on their own; a server with a
@@ -431,15 +427,13 @@ def prune_cmd(
     Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt; 2 bad input,
     unreachable server, wrong password, TLS failure, or no terminal and no --yes.
     """
-    with common.cli_errors():
-        from kvtool.units import parse_duration, parse_size
+    from kvtool.units import parse_duration, parse_size
 
-        idle_s = common.parse_flag(idle, parse_duration, "--idle")
-        budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
-        if idle_s is None and budget is None:
-            raise common.CLIError("give --idle, --max-bytes or both")
-        code = prune_remote(server.at(remote_url), removal, idle_s=idle_s, max_bytes=budget, namespace=namespace)
-    raise typer.Exit(code)
+    idle_s = common.parse_flag(idle, parse_duration, "--idle")
+    budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
+    if idle_s is None and budget is None:
+        raise common.CLIError("give --idle, --max-bytes or both")
+    return prune_remote(server.at(remote_url), removal, idle_s=idle_s, max_bytes=budget, namespace=namespace)
 
 
 def register(app: typer.Typer) -> None:

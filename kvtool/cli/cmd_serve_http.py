@@ -250,6 +250,7 @@ class Listener:
 @common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "codec"))
 @common.model_options("adapter_path", "max_kv_size", "prefill_step_size")
 @common.flag_options("listener", Listener)
+@common.cli_command
 def serve_http(
     ctx: typer.Context,
     model: common.ModelOpt = "tiny",
@@ -273,29 +274,23 @@ def serve_http(
         "to prefill KV: docs/server.md#reply-kv-reuse).")] = False,
     cache: common.CacheFlags = common.CACHE,
     verbose: common.VerboseOpt = False,
-) -> None:
+) -> int:
     common.setup_logging(verbose)
-    code = common.EXIT_OK
-    try:
-        with common.signals_raise(), common.cli_errors():
-            level, body_limit, head_timeout_s = listener.parsed()
-            common.refuse_max_kv_size(model_flags.max_kv_size)
-            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
-            setup_server_logging(level)
-            build = dataclasses.replace(cache, ram_bytes=ram_bytes).build
-            make_config = (lambda: build().replace(reply_cache=False)) if no_reply_cache else build
-            cfg = make_config()
-            server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
-                            top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
-                            decode_concurrency=decode_concurrency,
-                            prompt_concurrency=prompt_concurrency, log_level=level,
-                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
-                            head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
-                            api_key=listener.api_key, **extra)
-            code = _run(server, make_config)
-    except common.Interrupted as exc:  # before serving started: nothing was written
-        code = 128 + exc.signum
-    raise typer.Exit(code)
+    with common.signals_raise():  # an Interrupted before serving started: nothing was written
+        level, body_limit, head_timeout_s = listener.parsed()  # (--max-kv-size: refused as it is parsed)
+        extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
+        setup_server_logging(level)
+        build = dataclasses.replace(cache, ram_bytes=ram_bytes).build
+        make_config = (lambda: build().replace(reply_cache=False)) if no_reply_cache else build
+        cfg = make_config()
+        server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
+                        top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
+                        decode_concurrency=decode_concurrency,
+                        prompt_concurrency=prompt_concurrency, log_level=level,
+                        max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
+                        head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
+                        api_key=listener.api_key, **extra)
+        return _run(server, make_config)
 
 
 def _start(model, cfg, host, port, adapter_path, **options):

@@ -44,6 +44,7 @@ WholeOpt = Annotated[
 
 @common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "no_ssd"))
 @common.model_options(*common.MODEL_OPTIONS)
+@common.cli_command
 def warm_cmd(
     sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
     model: common.ModelOpt = "tiny",
@@ -59,32 +60,31 @@ def warm_cmd(
     to_remote: Annotated[bool, typer.Option(
         "--to-remote", help="Then push the namespace's SSD blocks to the remote tier (remote_url; SET NX), so "
         "other hosts start warm. One summary line on stderr.", rich_help_panel="Cache")] = False,
-) -> None:
+) -> int:
     common.setup_logging(verbose)
-    with common.cli_errors():
-        from kvtool.cli.cmd_serve import parse_max_prompt_bytes, token_limits
-        from kvtool.jobs.warm import WarmError, check_engine, load_sources
+    from kvtool.cli.cmd_serve import parse_max_prompt_bytes, token_limits
+    from kvtool.jobs.warm import WarmError, check_engine, load_sources
 
-        try:
-            prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
-        except WarmError as exc:
-            raise common.CLIError(str(exc)) from None
-        cfg = cache.build()
-        engine = model_flags.load(model, cfg)
-        try:
-            check_engine(engine)
-        except WarmError as exc:
-            engine.close()
-            raise common.CLIError(str(exc)) from None
-        if to_remote and cfg.remote_url is None:
-            engine.close()
-            raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
-        namespace_dir = engine.namespace_dir
-        code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
-                    token_limits(engine, max_prompt_tokens))
-        if to_remote and code == common.EXIT_OK and namespace_dir is not None:
-            code = _push(namespace_dir, cfg)
-    raise typer.Exit(code)
+    try:
+        prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
+    except WarmError as exc:
+        raise common.CLIError(str(exc)) from None
+    cfg = cache.build()
+    engine = model_flags.load(model, cfg)
+    try:
+        check_engine(engine)
+    except WarmError as exc:
+        engine.close()
+        raise common.CLIError(str(exc)) from None
+    if to_remote and cfg.remote_url is None:
+        engine.close()
+        raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
+    namespace_dir = engine.namespace_dir
+    code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
+                token_limits(engine, max_prompt_tokens))
+    if to_remote and code == common.EXIT_OK and namespace_dir is not None:
+        code = _push(namespace_dir, cfg)
+    return code
 
 
 def _push(namespace_dir: Path, cfg) -> int:

@@ -345,6 +345,23 @@ def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., A
     return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
 
 
+def cli_command(fn: Callable[..., int | None]) -> Callable[..., None]:
+    """Decorate a command's body: known errors become one `error:` line (`cli_errors`), a SIGINT /
+    SIGTERM the body let through as `Interrupted` (under its own `signals_raise`, before any work
+    to drain) exits 128 + n, and the int the body returns is the exit code (None: 0)."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> None:
+        try:
+            with cli_errors():
+                code = fn(*args, **kwargs)
+        except Interrupted as exc:
+            code = 128 + exc.signum
+        raise typer.Exit(code or EXIT_OK)
+
+    return command
+
+
 def refuse_options(given: dict[str, Any], why: str) -> None:
     """Raises CLIError naming the first option of `given` (flag -> value) that is set (not None,
     not False): it does not apply `why` (`with --remote`)."""

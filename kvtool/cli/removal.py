@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -14,6 +13,7 @@ from typing import Any
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.signals import signals_handled
 from kvtool.units import format_bytes
 
 
@@ -81,13 +81,8 @@ def removal_options(*names: str) -> Callable[[Callable[..., Any]], Callable[...,
 def deferred_signals() -> Iterator[list[int]]:
     """Hold SIGINT/SIGTERM until the deletion is done (rows and files stay consistent)."""
     received: list[int] = []
-    handler = lambda signum, _frame: received.append(signum)  # noqa: E731
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signals_handled(lambda signum, _frame: received.append(signum)):
         yield received
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def confirm_and_execute(
