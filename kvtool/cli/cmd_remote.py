@@ -129,17 +129,20 @@ class Server:
             conn.close()
 
 
-def _remove(plan_fn: Callable[[bool], Any], removal: Removal) -> int:
-    """Plan (`plan_fn(True)`), show it and ask unless --yes / --dry-run, then remove (`plan_fn(False)`)
-    and report. Returns the exit code: 0, or 1 when declined at the prompt."""
-    out, plan = removal.out, plan_fn(True)
-    if not removal.dry_run and plan.keys:
-        if not removal.yes:
-            _print_removal(plan, out.interaction.print if not out.json else out.note)
-            if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
-                return common.EXIT_PROBLEMS
-        plan = plan_fn(False)
-    out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
+def _remove(server: Server, removal: Removal, what: str, plan_fn: Callable[[Any, bool], Any]) -> int:
+    """Refuse without a way to confirm (`what`: the verb), connect, plan (`plan_fn(conn, True)`),
+    show it and ask unless --yes / --dry-run, then remove (`plan_fn(conn, False)`) and report.
+    Returns the exit code: 0, or 1 when declined at the prompt."""
+    removal.refuse_without_terminal(what)
+    with server.connect() as conn:
+        out, plan = removal.out, plan_fn(conn, True)
+        if not removal.dry_run and plan.keys:
+            if not removal.yes:
+                _print_removal(plan, out.interaction.print if not out.json else out.note)
+                if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
+                    return common.EXIT_PROBLEMS
+            plan = plan_fn(conn, False)
+        out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
     return common.EXIT_OK
 
 
@@ -187,14 +190,12 @@ def rm_remote(server: Server, removal: Removal, namespace: str, hashes: Sequence
     """
     from kvtool.ops.remote_ops import RemovalReport, rm
 
-    removal.refuse_without_terminal("remove")
-    with server.connect() as conn:
-        def plan(dry: bool) -> Any:
-            if hashes is not None and not hashes:
-                return RemovalReport(conn.remote.masked, namespace, dry)
-            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
+    def plan(conn: Any, dry: bool) -> Any:
+        if hashes is not None and not hashes:
+            return RemovalReport(conn.remote.masked, namespace, dry)
+        return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
 
-        return _remove(plan, removal)
+    return _remove(server, removal, "remove", plan)
 
 
 def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = None,
@@ -209,13 +210,8 @@ def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = Non
     """
     from kvtool.ops.remote_ops import prune
 
-    removal.refuse_without_terminal("prune")
-    with server.connect() as conn:
-        def plan(dry: bool) -> Any:
-            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry,
-                         max_keys=server.max_keys)
-
-        return _remove(plan, removal)
+    return _remove(server, removal, "prune", lambda conn, dry: prune(
+        conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry, max_keys=server.max_keys))
 
 
 # ----------------------------------------------------------------------------- inspect

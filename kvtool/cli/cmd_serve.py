@@ -189,8 +189,7 @@ def serve_once(
         cfg = cache.build()
         engine = model_flags.load(model, cfg)
         try:
-            encode = _encoder(engine, not model_flags.ignore_chat_template, model_flags.system_prompt)
-            prompts = _encode_within_limits(engine, reqs, encode, max_tokens, max_prompt_tokens)
+            prompts = _encode_within_limits(engine, reqs, model_flags, max_tokens, max_prompt_tokens)
         except BaseException:
             engine.close()
             raise
@@ -233,14 +232,10 @@ def check_tokens(limits: Any, what: str = "the prompt", *, prompt_tokens: int | 
         raise common.CLIError(str(exc), hint=hint) from None
 
 
-def _encoder(engine: Engine, chat_template: bool, system_prompt):
-    """Token ids of a request, with the CLI's chat-template rule (shared with `kvtool warm`)."""
-    return lambda req: engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
-                                     system_prompt=system_prompt)
-
-
-def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_prompt_tokens: int | None) -> list:
-    """Every request's token ids, each checked, before any prefill, against the limits `kvtool
+def _encode_within_limits(engine: Engine, reqs, flags: common.ModelFlags, max_tokens: int,
+                          max_prompt_tokens: int | None) -> list:
+    """Every request's token ids (the chat template unless `flags.ignore_chat_template`, with
+    `flags.system_prompt`), each checked, before any prefill, against the limits `kvtool
     serve` applies (`check_tokens`): `max_tokens` (the flag's, and a request's own) at
     most the model's context length, the prompt at most `--max-prompt-tokens` tokens.
 
@@ -252,7 +247,8 @@ def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_pro
     out = []
     for i, req in enumerate(reqs):
         try:
-            ids = encode(req)
+            ids = engine.encode(prompt=req.prompt, messages=req.messages, chat_template=not flags.ignore_chat_template,
+                                system_prompt=flags.system_prompt)
         except ValueError as exc:
             raise common.CLIError(f"request {i}: {exc}") from None
         what = "the prompt" if len(reqs) == 1 else f"request {i}"
@@ -263,7 +259,7 @@ def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_pro
 
 
 def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, json_out, metrics_file=None) -> int:
-    results, interrupted = [], None
+    results, interrupted, out = [], None, Output.from_flags(json_out)
     warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:
         for i, (req, ids) in enumerate(zip(reqs, prompts, strict=True)):
@@ -271,9 +267,8 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
                 ids, max_tokens=req.max_tokens or max_tokens, temp=temp, top_p=top_p, seed=seed, stop=stop
             )
             results.append(res)
-            if not json_out:
-                common.console.print(res.text, markup=False, highlight=False)
-                common.console.print(_human_line(i, res), highlight=False, soft_wrap=True)
+            out.print(res.text, markup=False, soft_wrap=False)
+            out.print(_human_line(i, res))
     except common.Interrupted as exc:
         interrupted = exc
     finally:
@@ -282,7 +277,6 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
         status = engine.close()
         stats = engine.stats()  # after the drain: every accepted write is counted
     write_metrics_file(metrics_file, stats, [r.to_dict() for r in results])
-    out = Output.from_flags(json_out)
     out.emit(lambda: {
         "requests": [r.to_dict() for r in results],
         "stats": stats,

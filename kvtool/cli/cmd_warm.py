@@ -126,9 +126,10 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
     report.blocks_resident, report.bytes_resident = _resident(namespace_dir)
     if (report.blocks_evicted or report.blocks_over_budget) and not json_out:
         common.err_console.print(f"note: {_budget_note(report)}", highlight=False, soft_wrap=True)
-    Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
-                                              "shutdown_partial_flush": status.shutdown_partial_flush},
-                                     lambda: _print_summary(report, status))
+    out = Output.from_flags(json_out)
+    out.emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
+                      "shutdown_partial_flush": status.shutdown_partial_flush},
+             lambda: _print_summary(report, status, out))
     if report.interrupted:
         return 128 + getattr(signal.Signals, report.interrupted, signal.SIGINT).value
     ok = status.shutdown_clean and report.flushed and report.blocks_failed == 0
@@ -152,15 +153,13 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[Any], None] | Non
                                         blocks=report.blocks_written, bytes=format_bytes(report.bytes_written))
 
 
-def _print_summary(report, status) -> None:
-    out = common.console
+def _print_summary(report, status, out: Output) -> None:
     head = "[yellow]interrupted[/]: " if report.interrupted else ""
     out.print(
         f"{head}warmed {report.prompts_done}/{report.prompts_total} prompt(s): "
         f"{report.prompts_prefilled} prefilled, {report.prompts_skipped} already cached (skipped), "
         f"{report.prompts_too_short} single-token | "
         f"{report.tokens} tokens, {report.tokens_prefilled} run through the model",
-        highlight=False, soft_wrap=True,
     )  # fmt: skip
     resident = ("?" if report.blocks_resident is None else
                 f"{report.blocks_resident} block(s) ({format_bytes(report.bytes_resident or 0)})")  # fmt: skip
@@ -168,7 +167,6 @@ def _print_summary(report, status) -> None:
         f"SSD: {report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
         f"{report.blocks_dedup} already stored, {report.blocks_failed} failed | now resident: {resident} | "
         f"namespace {report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}",
-        highlight=False, soft_wrap=True,
     )  # fmt: skip
 
 
