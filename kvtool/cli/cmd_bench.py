@@ -50,44 +50,40 @@ OutOpt = Annotated[
 ]
 
 
+@common.cli_command
 def bench(
     config: Annotated[Path, typer.Argument(help="Sweep definition (TOML), e.g. bench_configs/quick.toml.")],
     out: OutOpt = None,
     json_out: common.JsonOpt = False,
     metrics_file: MetricsFileOpt = None,
     verbose: common.VerboseOpt = False,
-) -> None:
+) -> int:
     common.setup_logging(verbose)
-    code: int | None = None
-    with common.cli_errors():
-        check_metrics_file(metrics_file)
-        from kvtool.bench.runner import run_sweep
-        from kvtool.bench.sweep import load_sweep
+    check_metrics_file(metrics_file)
+    from kvtool.bench.runner import run_sweep
+    from kvtool.bench.sweep import load_sweep
 
-        if not config.is_file():
-            raise common.CLIError(f"sweep file not found: {config}")
-        from kvtool.bench.loadcell import is_serve_load_config
+    if not config.is_file():
+        raise common.CLIError(f"sweep file not found: {config}")
+    from kvtool.bench.loadcell import is_serve_load_config
 
-        if is_serve_load_config(config):  # load through real servers (kvtool serve vs mlx_lm.server)
-            if metrics_file is not None:
-                raise common.CLIError("--metrics-file: a [serve_load] run drives real kvtool serve processes; "
-                                      "scrape their GET /metrics instead")
-            code = _bench_serve_load(config, out, json_out)
-    if code is not None:
-        raise typer.Exit(code)
-    with common.cli_errors():
-        spec = load_sweep(config)
-        engine = common.load_engine(spec.model, spec.base_config(Path(".")).replace(ssd_enabled=False, ram_bytes=0))
-        try:
-            result = run_sweep(spec, out, engine=engine, progress=not json_out or not stderr_is_terminal(),
-                               config_path=config)
-        finally:
-            engine.close()
-        _write_metrics(metrics_file, result)
+    if is_serve_load_config(config):  # load through real servers (kvtool serve vs mlx_lm.server)
+        if metrics_file is not None:
+            raise common.CLIError("--metrics-file: a [serve_load] run drives real kvtool serve processes; "
+                                  "scrape their GET /metrics instead")
+        return _bench_serve_load(config, out, json_out)
+    spec = load_sweep(config)
+    engine = common.load_engine(spec.model, spec.base_config(Path(".")).replace(ssd_enabled=False, ram_bytes=0))
+    try:
+        result = run_sweep(spec, out, engine=engine, progress=not json_out or not stderr_is_terminal(),
+                           config_path=config)
+    finally:
+        engine.close()
+    _write_metrics(metrics_file, result)
     ok = _all_ok(result.cells)
     Output.from_flags(json_out).emit(lambda: _summary(result.run_dir, result.cells, ok),
                                      lambda: _print_human(result.run_dir, result.cells, ok))
-    raise typer.Exit(common.EXIT_OK if ok else common.EXIT_PROBLEMS)
+    return common.EXIT_OK if ok else common.EXIT_PROBLEMS
 
 
 def report(

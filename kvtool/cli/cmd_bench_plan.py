@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.progress import progress, stderr_is_terminal
 from kvtool.units import MAX_BYTES, format_bytes, parse_size
 
@@ -56,6 +57,7 @@ def _policies(text: str) -> list[str]:
     return out
 
 
+@common.cli_command
 def bench_plan(
     trace: TraceOpt,
     kv_bytes_per_token: KVOpt = "8b",
@@ -67,17 +69,16 @@ def bench_plan(
     out: OutOpt = None,
     json_out: common.JsonOpt = False,
 ) -> None:
-    with common.cli_errors():
-        from kvtool.bench.machine import git_commit, machine_info
-        from kvtool.bench.plan_chart import write_plan
-        from kvtool.bench.trace import read_trace, resolve_trace
-        from kvtool.bench.trace_plan import PlanPoint, replay
-        from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
+    from kvtool.bench.machine import git_commit, machine_info
+    from kvtool.bench.plan_chart import write_plan
+    from kvtool.bench.trace import read_trace, resolve_trace
+    from kvtool.bench.trace_plan import PlanPoint, replay
+    from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
 
-        kv = kv_of(kv_bytes_per_token)
-        grid = list(itertools.product(_sizes(ram, "--ram"), _sizes(ssd, "--ssd"), _policies(policies)))
-        traces = {name: resolve_trace(name, trace_dir) for name in trace}
-        loaded = {name: read_trace(path, limit) for name, path in traces.items()}
+    kv = kv_of(kv_bytes_per_token)
+    grid = list(itertools.product(_sizes(ram, "--ram"), _sizes(ssd, "--ssd"), _policies(policies)))
+    traces = {name: resolve_trace(name, trace_dir) for name in trace}
+    loaded = {name: read_trace(path, limit) for name, path in traces.items()}
     total = sum(len(r) for r in loaded.values()) * len(grid)
     points: list[PlanPoint] = []
     machine = machine_info(out if out is not None else Path("."))  # the load average at the start
@@ -100,13 +101,9 @@ def bench_plan(
            "wall_s": round(time.monotonic() - t0, 2), "machine": machine, "git_commit": git_commit(),
            "points": [p.record() for p in points]}  # fmt: skip
     if out is not None:
-        with common.cli_errors():
-            doc["files"] = [str(f) for f in write_plan(out, doc, points)]
-    if json_out:
-        common.print_json(doc)
-        return
-    for line in plan_lines(points):
-        common.console.print(line, highlight=False, markup=False, soft_wrap=True)
+        doc["files"] = [str(f) for f in write_plan(out, doc, points)]
+    output = Output.from_flags(json_out)
+    output.emit(doc, lambda: output.lines(plan_lines(points)))
 
 
 def plan_lines(points: list) -> list[str]:

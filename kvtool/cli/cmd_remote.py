@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -50,7 +49,6 @@ remote_app = typer.Typer(
 URL_HELP = ("Server: redis://\\[user:password@]host\\[:port]\\[/db], rediss:// (TLS: ?ssl_ca_certs=FILE...), "
             "unix:///path.sock, redis+cluster://host:port. Default: remote_url of --config, else $KVTOOL_REMOTE_URL.")  # fmt: skip
 UrlOpt = Annotated[str | None, typer.Option("--remote-url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
-# `--url`, the name these commands used before: still read, not shown (`Server.at`: --remote-url wins)
 LegacyUrlOpt = Annotated[str | None, typer.Option("--url", hidden=True)]
 ClusterOpt = Annotated[bool, typer.Option("--cluster", help="The server is a Redis Cluster (implied by redis+cluster://).",
                                           rich_help_panel="Server")]  # fmt: skip
@@ -59,16 +57,11 @@ TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each ser
 MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
                                          rich_help_panel="Server")]  # fmt: skip
 
-# The options of every `kvtool remote` command that say how to reach the server (`--remote-url` apart: it
-# comes first; `url` is its hidden alias `--url`).
-SERVER_OPTIONS = {"url": (LegacyUrlOpt, None), "cluster": (ClusterOpt, False), "timeout": (TimeoutOpt, DEFAULT_TIMEOUT),
-                  "max_keys": (MaxKeysOpt, DEFAULT_MAX_KEYS), "config": (common.ConfigOpt, None)}
-
-
 def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
-    `names` (keys of `SERVER_OPTIONS`); its `--remote-url` fills `server.url` (`Server.at`)."""
-    return common.option_group("server", SERVER_OPTIONS, Server, names)
+    `names` (fields of `Server` that are options; none named: all of them); its `--remote-url`
+    (declared by the command itself: it comes first) fills `server.url` (`Server.at`)."""
+    return common.flag_options("server", Server, names)
 
 
 @dataclass(frozen=True)
@@ -76,20 +69,22 @@ class Server:
     """Where a remote command connects: its flags, resolved when it connects.
 
     Attributes:
-        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`).
-        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
+        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`); as an
+            option, the hidden `--url` (the name these commands used before: `at` lets
+            `--remote-url` win).
         cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
         timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
-        flag: the URL flag's name, for messages (`--remote-url`).
         max_keys: listings stop after this many keys (reported as truncated).
+        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
+        flag: the URL flag's name, for messages (`--remote-url`).
     """
 
-    url: str | None = None
-    config: Path | None = None
-    cluster: bool = False
-    timeout: str = DEFAULT_TIMEOUT
+    url: LegacyUrlOpt = None
+    cluster: ClusterOpt = False
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS
+    config: common.ConfigOpt = None
     flag: str = "--remote-url"
-    max_keys: int = DEFAULT_MAX_KEYS
 
     def at(self, url: str | None) -> Server:
         """This server with the URL flag `url` (`--remote-url`; None: the hidden `--url`, if given)."""
@@ -106,8 +101,6 @@ class Server:
         from kvtool.config import ConfigError
         from kvtool.config.settings import resolve_settings
 
-        if self.config is not None and not self.config.is_file():
-            raise common.CLIError(f"config file not found: {self.config}")
         cfg = resolve_settings({"remote_url": self.url}, self.config, {"remote_url": self.flag}).config
         try:
             timeout_s = cfg.replace(remote_timeout=self.timeout).remote_timeout_s
@@ -136,17 +129,20 @@ class Server:
             conn.close()
 
 
-def _remove(plan_fn: Callable[[bool], Any], removal: Removal) -> int:
-    """Plan (`plan_fn(True)`), show it and ask unless --yes / --dry-run, then remove (`plan_fn(False)`)
-    and report. Returns the exit code: 0, or 1 when declined at the prompt."""
-    out, plan = removal.out, plan_fn(True)
-    if not removal.dry_run and plan.keys:
-        if not removal.yes:
-            _print_removal(plan, out.interaction.print if not out.json else out.note)
-            if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
-                return common.EXIT_PROBLEMS
-        plan = plan_fn(False)
-    out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
+def _remove(server: Server, removal: Removal, what: str, plan_fn: Callable[[Any, bool], Any]) -> int:
+    """Refuse without a way to confirm (`what`: the verb), connect, plan (`plan_fn(conn, True)`),
+    show it and ask unless --yes / --dry-run, then remove (`plan_fn(conn, False)`) and report.
+    Returns the exit code: 0, or 1 when declined at the prompt."""
+    removal.refuse_without_terminal(what)
+    with server.connect() as conn:
+        out, plan = removal.out, plan_fn(conn, True)
+        if not removal.dry_run and plan.keys:
+            if not removal.yes:
+                _print_removal(plan, out.interaction.print if not out.json else out.note)
+                if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
+                    return common.EXIT_PROBLEMS
+            plan = plan_fn(conn, False)
+        out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))
     return common.EXIT_OK
 
 
@@ -194,14 +190,12 @@ def rm_remote(server: Server, removal: Removal, namespace: str, hashes: Sequence
     """
     from kvtool.ops.remote_ops import RemovalReport, rm
 
-    removal.refuse_without_terminal("remove")
-    with server.connect() as conn:
-        def plan(dry: bool) -> Any:
-            if hashes is not None and not hashes:
-                return RemovalReport(conn.remote.masked, namespace, dry)
-            return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
+    def plan(conn: Any, dry: bool) -> Any:
+        if hashes is not None and not hashes:
+            return RemovalReport(conn.remote.masked, namespace, dry)
+        return rm(conn, namespace, hashes or (), dry_run=dry, max_keys=server.max_keys)
 
-        return _remove(plan, removal)
+    return _remove(server, removal, "remove", plan)
 
 
 def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = None,
@@ -216,20 +210,16 @@ def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = Non
     """
     from kvtool.ops.remote_ops import prune
 
-    removal.refuse_without_terminal("prune")
-    with server.connect() as conn:
-        def plan(dry: bool) -> Any:
-            return prune(conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry,
-                         max_keys=server.max_keys)
-
-        return _remove(plan, removal)
+    return _remove(server, removal, "prune", lambda conn, dry: prune(
+        conn, idle_s=idle_s, max_bytes=max_bytes, namespace=namespace, dry_run=dry, max_keys=server.max_keys))
 
 
 # ----------------------------------------------------------------------------- inspect
 @remote_app.command("inspect")
-@server_options(*SERVER_OPTIONS)
+@server_options()
+@common.cli_command
 def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
-                server: Server = Server()) -> None:
+                server: Server = Server()) -> int:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
     parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
     and expired keys (INFO). Read-only; leaves the keys' LRU clocks alone.
@@ -242,10 +232,7 @@ def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None
 
     Exit codes: 0 ok; 2 bad URL, unreachable server, wrong password, TLS failure, unknown namespace.
     """
-    out = Output.from_flags(json_out)
-    with common.cli_errors():
-        code = inspect_remote(out, server.at(remote_url), namespace)
-    raise typer.Exit(code)
+    return inspect_remote(Output.from_flags(json_out), server.at(remote_url), namespace)
 
 
 def _print_inspect(report: Any, out: Output) -> None:
@@ -274,8 +261,9 @@ def _print_inspect(report: Any, out: Output) -> None:
 # ----------------------------------------------------------------------------- push
 @remote_app.command("push")
 @server_options("url", "cluster", "timeout", "config")
+@common.cli_command
 def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, remote_url: UrlOpt = None,
-             json_out: common.JsonOpt = False, server: Server = Server()) -> None:
+             json_out: common.JsonOpt = False, server: Server = Server()) -> int:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
     namespace (or of --namespace) read once, each record verified before it is stored with SET NX
     (blocks the server holds already are not rewritten). The SSD cache is not changed; records
@@ -290,32 +278,31 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
     Exit codes: 0 ok; 1 a record failed verification or a segment was unreadable; 2 bad URL,
     unreachable server, wrong password, unknown namespace.
     """
-    out = Output.from_flags(json_out)
-    with common.cli_errors():
-        from kvtool.disk.fsops import list_namespaces
-        from kvtool.jobs.remote_push import open_store_for, push_namespace
+    from kvtool.disk.fsops import list_namespaces
+    from kvtool.jobs.remote_push import open_store_for, push_namespace
 
-        root = common.build_config(server.config, cache_dir).ssd_cache_dir
-        server = server.at(remote_url)
-        with server.connect():  # checks the URL and that the server answers
-            pass
-        url_used, cluster_used, timeout_s = server.resolve()
-        names = [p.name for p in list_namespaces(root)] if root.is_dir() else []
-        if namespace is not None:
-            names = [n for n in names if n.startswith(namespace)]
-            if len(names) != 1:
-                raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
-        reports = []
-        for name in names:
-            store = open_store_for(root / name, url_used, timeout_s=timeout_s, cluster=cluster_used)
-            try:
-                reports.append(push_namespace(root / name, store))
-            finally:
-                store.close()
-        bad = sum(r.bad_records + len(r.unreadable_segments) for r in reports)
-        out.emit(lambda: {"cache_dir": str(root), "namespaces": [r.to_dict() for r in reports], "problems": bad},
-                 lambda: _print_push(root, reports, out))
-    raise typer.Exit(common.EXIT_OK if bad == 0 else 1)
+    out = Output.from_flags(json_out)
+    root = common.build_config(server.config, cache_dir).ssd_cache_dir
+    server = server.at(remote_url)
+    with server.connect():  # checks the URL and that the server answers
+        pass
+    url_used, cluster_used, timeout_s = server.resolve()
+    names = [p.name for p in list_namespaces(root)] if root.is_dir() else []
+    if namespace is not None:
+        names = [n for n in names if n.startswith(namespace)]
+        if len(names) != 1:
+            raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
+    reports = []
+    for name in names:
+        store = open_store_for(root / name, url_used, timeout_s=timeout_s, cluster=cluster_used)
+        try:
+            reports.append(push_namespace(root / name, store))
+        finally:
+            store.close()
+    bad = sum(r.bad_records + len(r.unreadable_segments) for r in reports)
+    out.emit(lambda: {"cache_dir": str(root), "namespaces": [r.to_dict() for r in reports], "problems": bad},
+             lambda: _print_push(root, reports, out))
+    return common.EXIT_OK if bad == 0 else common.EXIT_PROBLEMS
 
 
 def _print_push(root: Any, reports: list, out: Output) -> None:
@@ -329,9 +316,10 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 
 # ----------------------------------------------------------------------------- validate
 @remote_app.command("validate")
-@server_options(*SERVER_OPTIONS)
+@server_options()
+@common.cli_command
 def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
-                 json_out: common.JsonOpt = False, server: Server = Server()) -> None:
+                 json_out: common.JsonOpt = False, server: Server = Server()) -> int:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
     hash of its parent and token ids); delete the ones that fail, and parts no manifest names
     (--dry-run: only report). Reading a value counts as a use for the server's LRU.
@@ -345,10 +333,7 @@ def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = Non
     Exit codes: 0 every value verified; 1 problems found (deleted unless --dry-run); 2 bad URL,
     unreachable server, wrong password, TLS failure, unknown namespace.
     """
-    out = Output.from_flags(json_out)
-    with common.cli_errors():
-        code = validate_remote(out, server.at(remote_url), namespace, dry_run=dry_run)
-    raise typer.Exit(code)
+    return validate_remote(Output.from_flags(json_out), server.at(remote_url), namespace, dry_run=dry_run)
 
 
 def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
@@ -367,8 +352,9 @@ def _print_validate(report: Any, emit: Callable[[str], Any]) -> None:
 
 # ----------------------------------------------------------------------------- rm
 @remote_app.command("rm")
-@server_options(*SERVER_OPTIONS)
+@server_options()
 @removal_options("dry_run", "yes", "json_out")
+@common.cli_command
 def rm_cmd(
     namespace: Annotated[str, typer.Option("--namespace", help="The namespace (layout key, or a unique prefix of it).")],
     hashes: Annotated[list[str] | None, typer.Option("--hash", help="Only these chain hashes (repeat the option).",
@@ -376,7 +362,7 @@ def rm_cmd(
     remote_url: UrlOpt = None,
     removal: Removal = REMOVAL,
     server: Server = Server(),
-) -> None:
+) -> int:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
     their parts). Asks first on a terminal; without one, --yes is required. A kvtool process
     reading a removed value gets a miss.
@@ -390,9 +376,7 @@ def rm_cmd(
     Exit codes: 0 removed (or --dry-run); 1 declined at the prompt; 2 bad input, unreachable server,
     wrong password, TLS failure, unknown namespace, or no terminal and no --yes.
     """
-    with common.cli_errors():
-        code = rm_remote(server.at(remote_url), removal, namespace, hashes or None)
-    raise typer.Exit(code)
+    return rm_remote(server.at(remote_url), removal, namespace, hashes or None)
 
 
 def _print_removal(report: Any, emit: Any) -> None:
@@ -411,8 +395,9 @@ def _print_removal(report: Any, emit: Any) -> None:
 
 # ----------------------------------------------------------------------------- prune
 @remote_app.command("prune")
-@server_options(*SERVER_OPTIONS)
+@server_options()
 @removal_options()
+@common.cli_command
 def prune_cmd(
     idle: Annotated[str | None, typer.Option("--idle", help="Remove values unused for this long: 7d, 12h, 30m.",
                                              show_default=False)] = None,  # fmt: skip
@@ -422,7 +407,7 @@ def prune_cmd(
     remote_url: UrlOpt = None,
     removal: Removal = REMOVAL,
     server: Server = Server(),
-) -> None:
+) -> int:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
     each namespace until it fits --max-bytes (MEMORY USAGE, parts included); parts no manifest
     names always go. Values with a TTL (remote_ttl) also expire on their own; a server with a
@@ -438,15 +423,13 @@ def prune_cmd(
     Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt; 2 bad input,
     unreachable server, wrong password, TLS failure, or no terminal and no --yes.
     """
-    with common.cli_errors():
-        from kvtool.units import parse_duration, parse_size
+    from kvtool.units import parse_duration, parse_size
 
-        idle_s = common.parse_flag(idle, parse_duration, "--idle")
-        budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
-        if idle_s is None and budget is None:
-            raise common.CLIError("give --idle, --max-bytes or both")
-        code = prune_remote(server.at(remote_url), removal, idle_s=idle_s, max_bytes=budget, namespace=namespace)
-    raise typer.Exit(code)
+    idle_s = common.parse_flag(idle, parse_duration, "--idle")
+    budget = common.parse_flag(max_bytes, parse_size, "--max-bytes")
+    if idle_s is None and budget is None:
+        raise common.CLIError("give --idle, --max-bytes or both")
+    return prune_remote(server.at(remote_url), removal, idle_s=idle_s, max_bytes=budget, namespace=namespace)
 
 
 def register(app: typer.Typer) -> None:

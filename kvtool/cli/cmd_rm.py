@@ -6,7 +6,6 @@ MLX-free unless a prompt is given (its model is loaded for the tokenizer and ide
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -59,6 +58,7 @@ BlockSizeOpt = Annotated[
 @prompt_options("prompt", "prompt_file", "messages", "model", "ignore_chat_template", "system_prompt", "adapter_path",
                 "kv_bits", "kv_group_size")
 @removal_options()
+@common.cli_command
 def rm_cmd(
     namespace: NamespaceArg = None,
     source: PromptSource = PROMPT,
@@ -66,43 +66,33 @@ def rm_cmd(
     removal: Removal = REMOVAL,
     cache_dir: common.CacheDirOpt = None,
     target: Target = TARGET,
-) -> None:
-    with common.cli_errors():
-        from kvtool.ops.remove import check_prefix
+) -> int:
+    from kvtool.ops.remove import check_prefix, plan_namespace_removal, scan_for_removal
 
-        by_prompt = source.given
-        if by_prompt == (namespace is not None):
-            raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
-                                  + (", not both" if by_prompt else ""))  # fmt: skip
-        if not by_prompt and (block_size is not None or source.model_given):
-            raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
-        if namespace is not None:
-            check_prefix(namespace)
-        server = target.server
-        if server is not None:
-            common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
-            if not by_prompt:
-                raise typer.Exit(rm_remote(server, removal, namespace or ""))
-            removal.refuse_without_terminal("remove")  # before the model loads
-            cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
-            keys = _prompt_keys(cfg, source)[0](cfg.block_size)
-            raise typer.Exit(rm_remote(server, removal, keys.namespace, list(keys.hashes)))
-        cfg = target.cache_config(cache_dir)
-        root = cfg.ssd_cache_dir
-        removal.preflight(root, "remove")
-        if by_prompt:
-            make_plan = _prompt_planner(cfg, source, block_size)  # loads the model: before the lock
-        else:
-            make_plan = _namespace_planner(root, namespace or "")
-        with removal.maintenance_lock(root):  # a dry run only reads
-            code = _confirm_and_execute(make_plan(), removal)
-    raise typer.Exit(code)
-
-
-def _namespace_planner(root: Path, prefix: str) -> Callable:
-    from kvtool.ops.remove import plan_namespace_removal, scan_for_removal
-
-    return lambda: plan_namespace_removal(scan_for_removal(root, prefix))
+    by_prompt = source.given
+    if by_prompt == (namespace is not None):
+        raise common.CLIError("give a NAMESPACE key prefix or a prompt (--prompt, --prompt-file, --messages)"
+                              + (", not both" if by_prompt else ""))  # fmt: skip
+    if not by_prompt and (block_size is not None or source.model_given):
+        raise common.CLIError("--model, --block-size and the model options only apply with a prompt")
+    if namespace is not None:
+        check_prefix(namespace)
+    server = target.server
+    if server is not None:
+        common.refuse_options({"--cache-dir": cache_dir}, "with --remote")
+        if not by_prompt:
+            return rm_remote(server, removal, namespace or "")
+        removal.refuse_without_terminal("remove")  # before the model loads
+        cfg = common.build_config(target.config, block_size=block_size).replace(remote_url=None)  # hashing only
+        keys = _prompt_keys(cfg, source)[0](cfg.block_size)
+        return rm_remote(server, removal, keys.namespace, list(keys.hashes))
+    cfg = target.cache_config(cache_dir)
+    root = cfg.ssd_cache_dir
+    removal.preflight(root, "remove")
+    make_plan = _prompt_planner(cfg, source, block_size) if by_prompt else None  # loads the model: before the lock
+    with removal.maintenance_lock(root):  # a dry run only reads
+        plan = make_plan() if make_plan else plan_namespace_removal(scan_for_removal(root, namespace or ""))
+        return _confirm_and_execute(plan, removal)
 
 
 def _prompt_keys(cfg, source) -> tuple[Callable, int]:

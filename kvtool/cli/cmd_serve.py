@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvtool.cli import common
+from kvtool.cli.output import Output
 from kvtool.models.limits import MAX_SEED
 from kvtool.prompts import (
     MAX_PROMPT_BYTES,
@@ -23,7 +24,6 @@ from kvtool.units import format_hits
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
-    from kvtool.tiers.stack import ShutdownStatus
 
 HELP = """Serve one request (or a JSONL file of requests) through the tiered KV cache, then exit.
 
@@ -154,12 +154,9 @@ def tier_summary(stats: dict[str, int]) -> str:
             f"{stats.get('ssd_load_corrupt', 0)} corrupt")
 
 
-def _cache_summary(stats: dict[str, int], status: ShutdownStatus) -> str:
-    return f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"
-
-
 @common.cache_options(*common.CACHE_OPTIONS)
 @common.model_options(*common.MODEL_OPTIONS)
+@common.cli_command
 def serve_once(
     model: common.ModelOpt = "tiny",
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text ('-' reads stdin).", rich_help_panel="Prompt")] = None,
@@ -184,24 +181,19 @@ def serve_once(
     json_out: common.JsonOpt = False,
     metrics_file: MetricsFileOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log cache activity.", rich_help_panel="Output")] = False,
-) -> None:
+) -> int:
     common.setup_logging(verbose)
-    try:
-        with common.signals_raise(), common.cli_errors():
-            check_metrics_file(metrics_file)
-            reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
-            cfg = cache.build()
-            engine = model_flags.load(model, cfg)
-            try:
-                encode = _encoder(engine, not model_flags.ignore_chat_template, model_flags.system_prompt)
-                prompts = _encode_within_limits(engine, reqs, encode, max_tokens, max_prompt_tokens)
-            except BaseException:
-                engine.close()
-                raise
-            code = _serve(engine, reqs, prompts, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
-    except common.Interrupted as exc:  # before serving started: nothing to drain
-        code = 128 + exc.signum
-    raise typer.Exit(code)
+    with common.signals_raise():  # an Interrupted before serving started: nothing to drain
+        check_metrics_file(metrics_file)
+        reqs = _collect_requests(prompt, prompt_file, messages, requests, parse_max_prompt_bytes(max_prompt_bytes))
+        cfg = cache.build()
+        engine = model_flags.load(model, cfg)
+        try:
+            prompts = _encode_within_limits(engine, reqs, model_flags, max_tokens, max_prompt_tokens)
+        except BaseException:
+            engine.close()
+            raise
+        return _serve(engine, reqs, prompts, max_tokens, temp, top_p, seed, stop or [], json_out, metrics_file)
 
 
 def token_limits(engine: Any, max_prompt_tokens: int | None) -> Any:
@@ -240,14 +232,10 @@ def check_tokens(limits: Any, what: str = "the prompt", *, prompt_tokens: int | 
         raise common.CLIError(str(exc), hint=hint) from None
 
 
-def _encoder(engine: Engine, chat_template: bool, system_prompt):
-    """Token ids of a request, with the CLI's chat-template rule (shared with `kvtool warm`)."""
-    return lambda req: engine.encode(prompt=req.prompt, messages=req.messages, chat_template=chat_template,
-                                     system_prompt=system_prompt)
-
-
-def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_prompt_tokens: int | None) -> list:
-    """Every request's token ids, each checked, before any prefill, against the limits `kvtool
+def _encode_within_limits(engine: Engine, reqs, flags: common.ModelFlags, max_tokens: int,
+                          max_prompt_tokens: int | None) -> list:
+    """Every request's token ids (the chat template unless `flags.ignore_chat_template`, with
+    `flags.system_prompt`), each checked, before any prefill, against the limits `kvtool
     serve` applies (`check_tokens`): `max_tokens` (the flag's, and a request's own) at
     most the model's context length, the prompt at most `--max-prompt-tokens` tokens.
 
@@ -259,7 +247,8 @@ def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_pro
     out = []
     for i, req in enumerate(reqs):
         try:
-            ids = encode(req)
+            ids = engine.encode(prompt=req.prompt, messages=req.messages, chat_template=not flags.ignore_chat_template,
+                                system_prompt=flags.system_prompt)
         except ValueError as exc:
             raise common.CLIError(f"request {i}: {exc}") from None
         what = "the prompt" if len(reqs) == 1 else f"request {i}"
@@ -270,7 +259,7 @@ def _encode_within_limits(engine: Engine, reqs, encode, max_tokens: int, max_pro
 
 
 def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, json_out, metrics_file=None) -> int:
-    results, interrupted = [], None
+    results, interrupted, out = [], None, Output.from_flags(json_out)
     warmup_ms = engine.warmup()  # kernel compilation stays out of every TTFT
     try:
         for i, (req, ids) in enumerate(zip(reqs, prompts, strict=True)):
@@ -278,9 +267,8 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
                 ids, max_tokens=req.max_tokens or max_tokens, temp=temp, top_p=top_p, seed=seed, stop=stop
             )
             results.append(res)
-            if not json_out:
-                common.console.print(res.text, markup=False, highlight=False)
-                common.console.print(_human_line(i, res), highlight=False, soft_wrap=True)
+            out.print(res.text, markup=False, soft_wrap=False)
+            out.print(_human_line(i, res))
     except common.Interrupted as exc:
         interrupted = exc
     finally:
@@ -289,22 +277,17 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
         status = engine.close()
         stats = engine.stats()  # after the drain: every accepted write is counted
     write_metrics_file(metrics_file, stats, [r.to_dict() for r in results])
-    if json_out:
-        doc = {
-            "requests": [r.to_dict() for r in results],
-            "stats": stats,
-            "shutdown_clean": status.shutdown_clean,
-            "shutdown_partial_flush": status.shutdown_partial_flush,
-            "layout_key": engine.layout_key,
-            "uncached_reason": engine.uncached_reason,
-            "ssd_disabled_reason": ssd_reason if engine.uncached_reason is None else None,
-            "warmup_ms": round(warmup_ms, 3),
-        }
-        if interrupted is not None:
-            doc["interrupted"] = interrupted.args[0]
-        common.print_json(doc)
-    else:
-        common.console.print(_cache_summary(stats, status), highlight=False, soft_wrap=True)
+    out.emit(lambda: {
+        "requests": [r.to_dict() for r in results],
+        "stats": stats,
+        "shutdown_clean": status.shutdown_clean,
+        "shutdown_partial_flush": status.shutdown_partial_flush,
+        "layout_key": engine.layout_key,
+        "uncached_reason": engine.uncached_reason,
+        "ssd_disabled_reason": ssd_reason if engine.uncached_reason is None else None,
+        "warmup_ms": round(warmup_ms, 3),
+        **({"interrupted": interrupted.args[0]} if interrupted is not None else {}),
+    }, lambda: out.print(f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"))
     if interrupted is not None:
         return 128 + interrupted.signum
     return common.EXIT_OK if status.shutdown_clean else common.EXIT_PROBLEMS

@@ -202,15 +202,30 @@ def mlx_lm_options(given: dict[str, Any], ram_bytes: str | None) -> tuple[dict[s
 
 @dataclasses.dataclass(frozen=True)
 class Listener:
-    """The HTTP listener's limits, access key and log level: the options `LISTENER_OPTIONS` of
-    `kvtool serve` (`--max-body-bytes`, `--head-timeout`, `--max-connections-per-peer`,
-    `--api-key`, `--log-level`), as given on the command line."""
+    """The HTTP listener's limits, access key and log level: the options `--max-body-bytes`,
+    `--head-timeout`, `--max-connections-per-peer`, `--api-key` and `--log-level` of `kvtool
+    serve`, as given on the command line."""
 
-    max_body_bytes: str = "8MiB"
-    head_timeout: str = "20s"
-    max_connections_per_peer: int = 64
-    api_key: str | None = None
-    log_level: str = "INFO"
+    max_body_bytes: Annotated[
+        str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
+    ] = "8MiB"
+    head_timeout: Annotated[
+        str, typer.Option("--head-timeout", help="Time a client has to send a request's whole head (request line "
+                          "and headers), e.g. 20s; past it the connection is closed (also an idle keep-alive one).")
+    ] = "20s"
+    max_connections_per_peer: Annotated[
+        int, typer.Option("--max-connections-per-peer", min=1, max=MAX_CONNECTIONS,
+                          help=f"Connections served at once from one client address (more: HTTP 503 and closed; "
+                               f"all clients together: {MAX_CONNECTIONS}).")
+    ] = 64
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", envvar="KVTOOL_API_KEY", show_envvar=True, show_default=False,
+                                 help="Require this key on every request (x-api-key or Authorization: Bearer; "
+                                      "else HTTP 401). Never logged.")
+    ] = None
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
+    ] = "INFO"
 
     def parsed(self) -> tuple[str, int, float]:
         """`(log level, body limit in bytes, head timeout in seconds)`.
@@ -232,33 +247,10 @@ class Listener:
         return level, body_limit, head_timeout_s
 
 
-LISTENER_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "max_body_bytes": (Annotated[
-        str, typer.Option("--max-body-bytes", help="Largest request body, e.g. 8MiB (larger: HTTP 413).")
-    ], "8MiB"),
-    "head_timeout": (Annotated[
-        str, typer.Option("--head-timeout", help="Time a client has to send a request's whole head (request line "
-                          "and headers), e.g. 20s; past it the connection is closed (also an idle keep-alive one).")
-    ], "20s"),
-    "max_connections_per_peer": (Annotated[
-        int, typer.Option("--max-connections-per-peer", min=1, max=MAX_CONNECTIONS,
-                          help=f"Connections served at once from one client address (more: HTTP 503 and closed; "
-                               f"all clients together: {MAX_CONNECTIONS}).")
-    ], 64),
-    "api_key": (Annotated[
-        str | None, typer.Option("--api-key", envvar="KVTOOL_API_KEY", show_envvar=True, show_default=False,
-                                 help="Require this key on every request (x-api-key or Authorization: Bearer; "
-                                      "else HTTP 401). Never logged.")
-    ], None),
-    "log_level": (Annotated[
-        str, typer.Option("--log-level", help="mlx-lm's log level: DEBUG, INFO, WARNING, ERROR, CRITICAL.")
-    ], "INFO"),
-}
-
-
 @common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "codec"))
 @common.model_options("adapter_path", "max_kv_size", "prefill_step_size")
-@common.option_group("listener", LISTENER_OPTIONS, Listener, LISTENER_OPTIONS)
+@common.flag_options("listener", Listener)
+@common.cli_command
 def serve_http(
     ctx: typer.Context,
     model: common.ModelOpt = "tiny",
@@ -282,29 +274,23 @@ def serve_http(
         "to prefill KV: docs/server.md#reply-kv-reuse).")] = False,
     cache: common.CacheFlags = common.CACHE,
     verbose: common.VerboseOpt = False,
-) -> None:
+) -> int:
     common.setup_logging(verbose)
-    code = common.EXIT_OK
-    try:
-        with common.signals_raise(), common.cli_errors():
-            level, body_limit, head_timeout_s = listener.parsed()
-            common.refuse_max_kv_size(model_flags.max_kv_size)
-            extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
-            setup_server_logging(level)
-            build = dataclasses.replace(cache, ram_bytes=ram_bytes).build
-            make_config = (lambda: build().replace(reply_cache=False)) if no_reply_cache else build
-            cfg = make_config()
-            server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
-                            top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
-                            decode_concurrency=decode_concurrency,
-                            prompt_concurrency=prompt_concurrency, log_level=level,
-                            max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
-                            head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
-                            api_key=listener.api_key, **extra)
-            code = _run(server, make_config)
-    except common.Interrupted as exc:  # before serving started: nothing was written
-        code = 128 + exc.signum
-    raise typer.Exit(code)
+    with common.signals_raise():  # an Interrupted before serving started: nothing was written
+        level, body_limit, head_timeout_s = listener.parsed()  # (--max-kv-size: refused as it is parsed)
+        extra, ram_bytes = mlx_lm_options(ctx.meta.get(MLX_OPTIONS_META, {}), cache.ram_bytes)
+        setup_server_logging(level)
+        build = dataclasses.replace(cache, ram_bytes=ram_bytes).build
+        make_config = (lambda: build().replace(reply_cache=False)) if no_reply_cache else build
+        cfg = make_config()
+        server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
+                        top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
+                        decode_concurrency=decode_concurrency,
+                        prompt_concurrency=prompt_concurrency, log_level=level,
+                        max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
+                        head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
+                        api_key=listener.api_key, **extra)
+        return _run(server, make_config)
 
 
 def _start(model, cfg, host, port, adapter_path, **options):

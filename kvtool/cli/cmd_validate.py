@@ -63,6 +63,7 @@ _COLUMNS = (
 
 
 @target_options
+@common.cli_command
 def validate_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,
@@ -72,25 +73,21 @@ def validate_cmd(
     quiet: QuietOpt = False,
     rebuild_index: RebuildOpt = False,
     target: Target = TARGET,
-) -> None:
+) -> int:
+    from kvtool.ops.validate import validate
+
     out = Output.from_flags(json_out, quiet)
-    with common.cli_errors():
-        from kvtool.ops.validate import validate
-
-        if target.server is not None:
-            common.refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
-            raise typer.Exit(validate_remote(out, target.server, namespace,
-                                             dry_run=dry_run))  # fmt: skip
-
-        root = target.cache_config(cache_dir).ssd_cache_dir
-        with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
-            report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
-                              progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip
-        out.emit(report.to_dict, lambda: _print_human(report, out))
-        if out.quiet and report.problems:
-            _print_problems(report, out)
-        if report.problems:
-            raise typer.Exit(common.EXIT_PROBLEMS)
+    if target.server is not None:
+        common.refuse_options({"--cache-dir": cache_dir, "--deep": deep, "--rebuild-index": rebuild_index}, "with --remote")
+        return validate_remote(out, target.server, namespace, dry_run=dry_run)
+    root = target.cache_config(cache_dir).ssd_cache_dir
+    with progress("kvtool validate", console=out.err_console, bar=out.show_progress, lines=not out.quiet) as bar:
+        report = validate(root, namespace=namespace, deep=deep, dry_run=dry_run, rebuild_index=rebuild_index,
+                          progress=_BarProgress(bar) if bar is not None else None)  # fmt: skip
+    out.emit(report.to_dict, lambda: _print_human(report, out))
+    if out.quiet and report.problems:
+        _print_problems(report, out)
+    return common.EXIT_PROBLEMS if report.problems else common.EXIT_OK
 
 
 class _BarProgress:

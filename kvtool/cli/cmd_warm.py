@@ -44,6 +44,7 @@ WholeOpt = Annotated[
 
 @common.cache_options(*(name for name in common.CACHE_OPTIONS if name != "no_ssd"))
 @common.model_options(*common.MODEL_OPTIONS)
+@common.cli_command
 def warm_cmd(
     sources: Annotated[list[Path], typer.Argument(help="Text files, .jsonl files or directories.", show_default=False)],
     model: common.ModelOpt = "tiny",
@@ -59,32 +60,31 @@ def warm_cmd(
     to_remote: Annotated[bool, typer.Option(
         "--to-remote", help="Then push the namespace's SSD blocks to the remote tier (remote_url; SET NX), so "
         "other hosts start warm. One summary line on stderr.", rich_help_panel="Cache")] = False,
-) -> None:
+) -> int:
     common.setup_logging(verbose)
-    with common.cli_errors():
-        from kvtool.cli.cmd_serve import parse_max_prompt_bytes, token_limits
-        from kvtool.jobs.warm import WarmError, check_engine, load_sources
+    from kvtool.cli.cmd_serve import parse_max_prompt_bytes, token_limits
+    from kvtool.jobs.warm import WarmError, check_engine, load_sources
 
-        try:
-            prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
-        except WarmError as exc:
-            raise common.CLIError(str(exc)) from None
-        cfg = cache.build()
-        engine = model_flags.load(model, cfg)
-        try:
-            check_engine(engine)
-        except WarmError as exc:
-            engine.close()
-            raise common.CLIError(str(exc)) from None
-        if to_remote and cfg.remote_url is None:
-            engine.close()
-            raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
-        namespace_dir = engine.namespace_dir
-        code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
-                    token_limits(engine, max_prompt_tokens))
-        if to_remote and code == common.EXIT_OK and namespace_dir is not None:
-            code = _push(namespace_dir, cfg)
-    raise typer.Exit(code)
+    try:
+        prompts = load_sources(sources, whole=whole, max_bytes=parse_max_prompt_bytes(max_prompt_bytes))
+    except WarmError as exc:
+        raise common.CLIError(str(exc)) from None
+    cfg = cache.build()
+    engine = model_flags.load(model, cfg)
+    try:
+        check_engine(engine)
+    except WarmError as exc:
+        engine.close()
+        raise common.CLIError(str(exc)) from None
+    if to_remote and cfg.remote_url is None:
+        engine.close()
+        raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
+    namespace_dir = engine.namespace_dir
+    code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
+                token_limits(engine, max_prompt_tokens))
+    if to_remote and code == common.EXIT_OK and namespace_dir is not None:
+        code = _push(namespace_dir, cfg)
+    return code
 
 
 def _push(namespace_dir: Path, cfg) -> int:
@@ -126,9 +126,10 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
     report.blocks_resident, report.bytes_resident = _resident(namespace_dir)
     if (report.blocks_evicted or report.blocks_over_budget) and not json_out:
         common.err_console.print(f"note: {_budget_note(report)}", highlight=False, soft_wrap=True)
-    Output.from_flags(json_out).emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
-                                              "shutdown_partial_flush": status.shutdown_partial_flush},
-                                     lambda: _print_summary(report, status))
+    out = Output.from_flags(json_out)
+    out.emit(lambda: {**report.to_dict(), "shutdown_clean": status.shutdown_clean,
+                      "shutdown_partial_flush": status.shutdown_partial_flush},
+             lambda: _print_summary(report, status, out))
     if report.interrupted:
         return 128 + getattr(signal.Signals, report.interrupted, signal.SIGINT).value
     ok = status.shutdown_clean and report.flushed and report.blocks_failed == 0
@@ -152,15 +153,13 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[Any], None] | Non
                                         blocks=report.blocks_written, bytes=format_bytes(report.bytes_written))
 
 
-def _print_summary(report, status) -> None:
-    out = common.console
+def _print_summary(report, status, out: Output) -> None:
     head = "[yellow]interrupted[/]: " if report.interrupted else ""
     out.print(
         f"{head}warmed {report.prompts_done}/{report.prompts_total} prompt(s): "
         f"{report.prompts_prefilled} prefilled, {report.prompts_skipped} already cached (skipped), "
         f"{report.prompts_too_short} single-token | "
         f"{report.tokens} tokens, {report.tokens_prefilled} run through the model",
-        highlight=False, soft_wrap=True,
     )  # fmt: skip
     resident = ("?" if report.blocks_resident is None else
                 f"{report.blocks_resident} block(s) ({format_bytes(report.bytes_resident or 0)})")  # fmt: skip
@@ -168,7 +167,6 @@ def _print_summary(report, status) -> None:
         f"SSD: {report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
         f"{report.blocks_dedup} already stored, {report.blocks_failed} failed | now resident: {resident} | "
         f"namespace {report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}",
-        highlight=False, soft_wrap=True,
     )  # fmt: skip
 
 

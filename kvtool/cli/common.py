@@ -7,11 +7,12 @@ Errors are one `error:` line each (`kvtool.cli.errors`, re-exported here: `commo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -185,44 +186,28 @@ SSDMaxBytesOpt = Annotated[str | None, _cache_option(
     "--ssd-max-bytes", help="Byte budget of the SSD tier (per namespace, as du counts it), kept while serving: least "
     "recently used segments are evicted first, e.g. 50GB, 512MiB. \\[default: none]")]
 
-# Every cache option: the parameter, its type, its default and the config field it sets (None:
-# not one field). Order = the order of the options in --help.
-CACHE_OPTIONS: dict[str, tuple[Any, Any, str | None]] = {
-    "config": (ConfigOpt, None, None),
-    "cache_dir": (CacheDirOpt, None, "ssd_cache_dir"),
-    "policy": (PolicyOpt, None, "ssd_policy"),
-    "durability": (DurabilityOpt, None, "ssd_durability"),
-    "async_writes": (AsyncOpt, None, "ssd_async_writes"),
-    "block_size": (BlockSizeOpt, None, "block_size"),
-    "ram_bytes": (RamBytesOpt, None, "ram_bytes"),
-    "ssd_max_bytes": (SSDMaxBytesOpt, None, "ssd_max_bytes"),
-    "remote_url": (RemoteUrlOpt, None, "remote_url"),
-    "remote_policy": (RemotePolicyOpt, None, "remote_policy"),
-    "no_ssd": (NoSSDOpt, False, "ssd_enabled"),
-    "codec": (CodecOpt, None, "ssd_codec"),
-}
-# The flag that sets each config field (`kvtool.config.settings.Origin` names it in `kvtool config show`).
-CACHE_FLAGS = {"ssd_cache_dir": "--cache-dir", "ssd_policy": "--policy", "ssd_durability": "--durability",
-               "block_size": "--block-size", "ram_bytes": "--ram-bytes", "ssd_enabled": "--no-ssd", "ssd_codec": "--codec",
-               "remote_url": "--remote-url", "remote_policy": "--remote-policy", "ssd_max_bytes": "--ssd-max-bytes"}
+# The config field a cache option sets, where its name differs (`config` sets none).
+CONFIG_FIELDS = {"cache_dir": "ssd_cache_dir", "policy": "ssd_policy", "durability": "ssd_durability",
+                 "async_writes": "ssd_async_writes", "no_ssd": "ssd_enabled", "codec": "ssd_codec"}
 
 
 @dataclass(frozen=True)
 class CacheFlags:
-    """The cache options of one command line, as given (None, False: not given)."""
+    """The cache options of one command line, as given (None, False: not given). Field order =
+    the order of the options in --help."""
 
-    config: Path | None = None
-    cache_dir: Path | None = None
-    policy: SSDPolicy | None = None
-    durability: Durability | None = None
-    async_writes: bool | None = None
-    block_size: int | None = None
-    ram_bytes: str | None = None
-    ssd_max_bytes: str | None = None
-    remote_url: str | None = None
-    remote_policy: RemotePolicy | None = None
-    no_ssd: bool = False
-    codec: Codec | None = None
+    config: ConfigOpt = None
+    cache_dir: CacheDirOpt = None
+    policy: PolicyOpt = None
+    durability: DurabilityOpt = None
+    async_writes: AsyncOpt = None
+    block_size: BlockSizeOpt = None
+    ram_bytes: RamBytesOpt = None
+    ssd_max_bytes: SSDMaxBytesOpt = None
+    remote_url: RemoteUrlOpt = None
+    remote_policy: RemotePolicyOpt = None
+    no_ssd: NoSSDOpt = False
+    codec: CodecOpt = None
 
     def settings(self) -> Any:
         """The effective settings (`kvtool.config.settings.Settings`: the config and where each value came
@@ -230,7 +215,8 @@ class CacheFlags:
         `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
 
         Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
-        `--ram-bytes` errors name the flag, environment errors their variable.
+        `--ram-bytes` errors name the flag, environment errors their variable; `kvtool config
+        show` names the flag that set each field (`kvtool.config.settings.Origin`).
 
         Raises:
             CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
@@ -240,9 +226,12 @@ class CacheFlags:
         from kvtool.units import parse_size
 
         values = {**vars(self), "ram_bytes": parse_flag(self.ram_bytes, parse_size, "--ram-bytes"), "no_ssd": False if self.no_ssd else None}
-        flags = {field: values[name].value if isinstance(values[name], Enum) else values[name]
-                 for name, (_, _, field) in CACHE_OPTIONS.items() if field is not None}
-        names = {**CACHE_FLAGS, "ssd_async_writes": "--async" if self.async_writes else "--sync"}
+        flags, names = {}, {}
+        for name, (kind, _) in CACHE_OPTIONS.items():
+            if name != "config":
+                flags[CONFIG_FIELDS.get(name, name)] = values[name]
+                names[CONFIG_FIELDS.get(name, name)] = flag_name(kind)
+        names["ssd_async_writes"] = "--async" if self.async_writes else "--sync"
         settings = resolve_settings(flags, self.config, names)
         settings.config.ssd_cache_dir = cache_root(settings.config.ssd_cache_dir)
         return settings
@@ -293,28 +282,40 @@ def option_group(param: str, table: Mapping[str, tuple[Any, ...]], make: Callabl
     return decorate
 
 
-MODEL_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "ignore_chat_template": (IgnoreChatTemplateOpt, False),
-    "system_prompt": (SystemPromptOpt, None),
-    "adapter_path": (AdapterPathOpt, None),
-    "max_kv_size": (MaxKVSizeOpt, None),
-    "prefill_step_size": (PrefillStepOpt, 2048),
-    "kv_bits": (KVBitsOpt, None),
-    "kv_group_size": (KVGroupSizeOpt, 64),
-}
+def options_of(flags: type) -> dict[str, tuple[Any, Any]]:
+    """The option table of a dataclass of flags: each field whose type is an `Annotated` alias
+    holding a Typer option -> (that type, the field's default), in field order (other fields are
+    not options)."""
+    hints = typing.get_type_hints(flags, include_extras=True)
+    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(flags)
+            if any(isinstance(m, typer.models.ParameterInfo) for m in getattr(hints[f.name], "__metadata__", ()))}
+
+
+def flag_options(param: str, flags: type, names: Iterable[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`option_group` for the dataclass `flags` (its table: `options_of(flags)`): the command's
+    parameter `param` stands for the options `names` (none named: all of them)."""
+    table = options_of(flags)
+    return option_group(param, table, flags, names or table)
+
+
+def flag_name(option: Any) -> str:
+    """The first name of the Typer option an `Annotated` alias holds (`--cache-dir`: inside
+    `Annotated`, Typer keeps an option's first name where its default would be)."""
+    return str(next(m for m in option.__metadata__ if isinstance(m, typer.models.ParameterInfo)).default)
 
 
 @dataclass(frozen=True)
 class ModelFlags:
-    """How to load the model and encode prompts (`MODEL_OPTIONS`, as mlx-lm's own flags)."""
+    """How to load the model and encode prompts (the model options, as mlx-lm's own flags; field
+    order = the order of the options in --help)."""
 
-    ignore_chat_template: bool = False
-    system_prompt: str | None = None
-    adapter_path: Path | None = None
-    max_kv_size: int | None = None
-    prefill_step_size: int = 2048
-    kv_bits: int | None = None
-    kv_group_size: int = 64
+    ignore_chat_template: IgnoreChatTemplateOpt = False
+    system_prompt: SystemPromptOpt = None
+    adapter_path: AdapterPathOpt = None
+    max_kv_size: MaxKVSizeOpt = None
+    prefill_step_size: PrefillStepOpt = 2048
+    kv_bits: KVBitsOpt = None
+    kv_group_size: KVGroupSizeOpt = 64
 
     def load(self, model: str, config: Any, **engine_options: Any) -> Any:
         """`load_engine` with these flags (`engine_options`: more `Engine` arguments).
@@ -328,18 +329,37 @@ class ModelFlags:
 
 
 MODEL = ModelFlags()  # the default of a command's `model_flags` parameter (`model_options` always passes one)
+CACHE_OPTIONS = options_of(CacheFlags)  # name -> (Annotated type, default), in --help order
+MODEL_OPTIONS = options_of(ModelFlags)
 
 
 def model_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a command whose parameter `model_flags: ModelFlags` stands for the model options
-    `names` (keys of `MODEL_OPTIONS`, shown in that order)."""
+    `names` (fields of `ModelFlags`, shown in that order)."""
     return option_group("model_flags", MODEL_OPTIONS, ModelFlags, names)
 
 
 def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
-    (keys of `CACHE_OPTIONS`, shown in that order)."""
+    (fields of `CacheFlags`, shown in that order)."""
     return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
+
+
+def cli_command(fn: Callable[..., int | None]) -> Callable[..., None]:
+    """Decorate a command's body: known errors become one `error:` line (`cli_errors`), a SIGINT /
+    SIGTERM the body let through as `Interrupted` (under its own `signals_raise`, before any work
+    to drain) exits 128 + n, and the int the body returns is the exit code (None: 0)."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> None:
+        try:
+            with cli_errors():
+                code = fn(*args, **kwargs)
+        except Interrupted as exc:
+            code = 128 + exc.signum
+        raise typer.Exit(code or EXIT_OK)
+
+    return command
 
 
 def refuse_options(given: dict[str, Any], why: str) -> None:

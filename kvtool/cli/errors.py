@@ -32,11 +32,6 @@ class CLIError(KVToolError):
         """Create the error; `code` is the exit status (2: bad input)."""
         super().__init__(message, exit_code=code, hint=hint)
 
-    @property
-    def code(self) -> int:
-        """The exit status (same as `exit_code`)."""
-        return self.exit_code
-
 
 # ---------------------------------------------------------------- known errors
 def _os_error(verb: str) -> Callable[[OSError], str]:
@@ -100,7 +95,8 @@ def cli_errors() -> Iterator[None]:
         known = describe_error(exc)
         if known is None:
             raise
-        fail(known[0], known[1], known[2])
+        print_error(known[0], known[2])
+        raise typer.Exit(known[1]) from None
 
 
 def print_error(message: str, hint: str | None = None) -> None:
@@ -109,12 +105,6 @@ def print_error(message: str, hint: str | None = None) -> None:
     if hint:
         line += f"; {escape(_one_line(hint))}"
     err_console.print(line, highlight=False, soft_wrap=True)
-
-
-def fail(message: str, code: int = EXIT_USAGE, hint: str | None = None) -> None:
-    """Print `error: message` to stderr and exit with `code`."""
-    print_error(message, hint)
-    raise typer.Exit(code)
 
 
 def _one_line(text: str) -> str:

@@ -5,7 +5,7 @@ and each call does the right thing for it, so a command never asks "am I in --js
 
 | call | human | `--json` | `--quiet` |
 |---|---|---|---|
-| `print`, `table` | stdout (rich) | nothing | nothing |
+| `print`, `lines`, `table` | stdout (rich) | nothing | nothing |
 | `document(doc)` | nothing | exactly one JSON document on stdout, `schema_version` first | nothing |
 | `emit(doc, human)` | `human()` | `document(doc)` | nothing |
 | `problem(text)` | stderr | stderr | stderr |
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -85,6 +85,12 @@ class Output:
         mode: human, json or quiet (`Output.from_flags` maps `--json` / `--quiet`).
         console: stdout console (default: this module's `console`, also `kvtool.cli.common.console`).
         err_console: stderr console (default: this module's `err_console`).
+
+    Attributes:
+        human: rich text and tables for a person.
+        json: one JSON document on stdout, nothing else there.
+        quiet: `--quiet`: nothing on stderr but problems, and nothing on stdout but the JSON
+            document when `--json` is given too (`from_flags`).
     """
 
     def __init__(self, mode: OutputMode = OutputMode.HUMAN, *, console: Console | None = None,
@@ -92,7 +98,9 @@ class Output:
         console = console or globals()["console"]  # the module's consoles (the parameters shadow their names)
         err_console = err_console or globals()["err_console"]
         self.mode = OutputMode(mode)
-        self.silent = self.mode == OutputMode.QUIET  # --quiet given (also with --json: see `from_flags`)
+        self.human = self.mode == OutputMode.HUMAN
+        self.json = self.mode == OutputMode.JSON
+        self.quiet = self.mode == OutputMode.QUIET
         self.console = console
         self.err_console = err_console
         self._documents = 0
@@ -103,26 +111,10 @@ class Output:
         (json mode) and `quiet` is True: no notes, no progress lines; problems on stderr."""
         mode = OutputMode.JSON if json_out else OutputMode.QUIET if quiet else OutputMode.HUMAN
         out = cls(mode, **consoles)
-        out.silent = quiet
+        out.quiet = quiet
         return out
 
     # ------------------------------------------------------------------ mode
-    @property
-    def human(self) -> bool:
-        """Rich text and tables for a person."""
-        return self.mode == OutputMode.HUMAN
-
-    @property
-    def json(self) -> bool:
-        """One JSON document on stdout, nothing else there."""
-        return self.mode == OutputMode.JSON
-
-    @property
-    def quiet(self) -> bool:
-        """`--quiet`: nothing on stderr but problems, and nothing on stdout but the JSON document
-        when `--json` is given too."""
-        return self.silent
-
     @property
     def interaction(self) -> Console:
         """Where a confirmation shows what it asks about: stdout for a person, stderr otherwise
@@ -140,6 +132,11 @@ class Output:
         no automatic highlighting; long lines are not wrapped unless `soft_wrap=False`."""
         if self.human:
             self.console.print(*objects, **{"highlight": False, "soft_wrap": True, **kw})
+
+    def lines(self, lines: Iterable[str]) -> None:
+        """Print plain `lines` on stdout (human mode only): no markup, not wrapped."""
+        for line in lines:
+            self.print(line, markup=False)
 
     def table(self, table: Any) -> None:
         """Print a rich `Table` on stdout (human mode only), as `print_table` does."""

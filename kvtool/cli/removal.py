@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -14,6 +13,7 @@ from typing import Any
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
+from kvtool.cli.signals import signals_handled
 from kvtool.units import format_bytes
 
 
@@ -24,14 +24,14 @@ def interactive() -> bool:
 
 @dataclass(frozen=True)
 class Removal:
-    """How a removal is confirmed and printed: the options `REMOVAL_OPTIONS` of `kvtool prune`,
-    `kvtool rm` and `kvtool remote prune|rm` (`--dry-run`, `--yes`, `--json`, `--quiet`), and
-    what they decide before the plan is made (a way to confirm it, the maintenance lock)."""
+    """How a removal is confirmed and printed: the options of `kvtool prune`, `kvtool rm` and
+    `kvtool remote prune|rm` (`--dry-run`, `--yes`, `--json`, `--quiet`), and what they decide
+    before the plan is made (a way to confirm it, the maintenance lock)."""
 
-    dry_run: bool = False
-    yes: bool = False
-    json_out: bool = False
-    quiet: bool = False
+    dry_run: common.DryRunOpt = False
+    yes: common.YesOpt = False
+    json_out: common.JsonOpt = False
+    quiet: common.QuietOpt = False
 
     @cached_property
     def out(self) -> Output:
@@ -69,27 +69,20 @@ class Removal:
 
 
 REMOVAL = Removal()  # the default of a command's `removal` parameter (`removal_options` always passes one)
-REMOVAL_OPTIONS: dict[str, tuple[Any, Any]] = {"dry_run": (common.DryRunOpt, False), "yes": (common.YesOpt, False),
-                                               "json_out": (common.JsonOpt, False), "quiet": (common.QuietOpt, False)}
 
 
 def removal_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a command whose parameter `removal: Removal` stands for the options `names` (keys
-    of `REMOVAL_OPTIONS`, shown in that order; none named: all of them)."""
-    return common.option_group("removal", REMOVAL_OPTIONS, Removal, names or REMOVAL_OPTIONS)
+    """Decorate a command whose parameter `removal: Removal` stands for the options `names` (fields
+    of `Removal`, shown in that order; none named: all of them)."""
+    return common.flag_options("removal", Removal, names)
 
 
 @contextmanager
 def deferred_signals() -> Iterator[list[int]]:
     """Hold SIGINT/SIGTERM until the deletion is done (rows and files stay consistent)."""
     received: list[int] = []
-    handler = lambda signum, _frame: received.append(signum)  # noqa: E731
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with signals_handled(lambda signum, _frame: received.append(signum)):
         yield received
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def confirm_and_execute(

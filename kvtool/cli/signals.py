@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 
 class Interrupted(BaseException):
@@ -23,14 +24,20 @@ def _raise_interrupted(signum, _frame):
 
 
 @contextmanager
-def signals_raise() -> Iterator[None]:
-    """While active, SIGINT and SIGTERM raise `Interrupted`; previous handlers restored after."""
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+def signals_handled(handler: Callable[[int, Any], Any]) -> Iterator[None]:
+    """While active, `handler(signum, frame)` handles SIGINT and SIGTERM; previous handlers
+    restored after."""
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def signals_raise() -> AbstractContextManager[None]:
+    """While active, SIGINT and SIGTERM raise `Interrupted`; previous handlers restored after."""
+    return signals_handled(_raise_interrupted)
 
 
 def ignore_signals() -> None:

@@ -54,10 +54,10 @@ class Target:
     `--remote-url` the remote tier's server (`server`); `config` is `--config`; `create` is
     `--create` (make a cache directory that does not exist)."""
 
-    config: Path | None = None
-    remote: bool = False
-    remote_url: str | None = None
-    create: bool = False
+    config: common.ConfigOpt = None
+    remote: common.RemoteOpt = False
+    remote_url: common.RemoteServerOpt = None
+    create: CreateOpt = False
 
     @property
     def server(self) -> Server | None:
@@ -69,7 +69,7 @@ class Target:
         if not self.remote and self.remote_url is None:
             return None
         common.refuse_options({"--create": self.create}, "with --remote")
-        return Server(self.remote_url, self.config, flag="--remote-url")
+        return Server(self.remote_url, config=self.config, flag="--remote-url")
 
     def cache_config(self, cache_dir: Path | None = None, **flags: Any) -> Any:
         """The `KVToolConfig` of the SSD cache to act on (`common.CacheFlags` fields as `flags`),
@@ -85,11 +85,9 @@ class Target:
 
 
 TARGET = Target()  # the default of a command's `target` parameter (`target_options` always passes one)
-TARGET_OPTIONS = {"config": (common.ConfigOpt, None), "remote": (common.RemoteOpt, False),
-                  "remote_url": (common.RemoteServerOpt, None), "create": (CreateOpt, False)}
 
 
 def target_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate an operator command whose parameter `target: Target` stands for `--config`,
     `--remote`, `--remote-url` and `--create` (shown last)."""
-    return common.option_group("target", TARGET_OPTIONS, Target, TARGET_OPTIONS)(fn)
+    return common.flag_options("target", Target)(fn)

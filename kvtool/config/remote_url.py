@@ -233,10 +233,7 @@ def _db(query_db: str | None, path: str, bad: Any) -> int:
 
 
 def _ssl_options(query: dict[str, str], bad: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-        if key in query:
-            out[key] = query[key]
+    out: dict[str, Any] = {key: query[key] for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile") if key in query}
     if "ssl_cert_reqs" in query:
         if query["ssl_cert_reqs"] not in _CERT_REQS:
             raise bad(f"ssl_cert_reqs must be one of {', '.join(_CERT_REQS)}")

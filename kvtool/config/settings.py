@@ -176,15 +176,16 @@ def find_config_file(explicit: Path | None = None) -> tuple[Path | None, str | N
     return None, None
 
 
-def _validated(values: dict[str, Any], where: Mapping[str, str] | None = None) -> None:
-    """Validate one layer's `values` alone. `where` (field -> flag or variable) prefixes the
-    error's message (`$KVTOOL_BLOCK_SIZE: ...`); a config file's errors keep their own text.
+def _validated(values: dict[str, Any], where: Mapping[str, str] | None = None) -> KVToolConfig:
+    """The config of `values` (one layer alone, or the layers merged). `where` (field -> flag,
+    variable or file) prefixes the error's message (`$KVTOOL_BLOCK_SIZE: ...`); without it (a
+    config file alone) the error keeps its own text.
 
     Raises:
         ConfigError: an invalid value, naming the field and, with `where`, its flag or variable.
     """
     try:
-        KVToolConfig(**values)
+        return KVToolConfig(**values)
     except ConfigError as exc:
         if where is None or exc.field not in where:
             raise
@@ -227,11 +228,6 @@ def resolve_settings(
         for field in values.keys() - taken:
             merged[field] = values[field]
             origins[field] = Origin(kind, named[field])
-    merged_where = {k: f"${o.name}" if o.kind == ENV else str(o.name) for k, o in origins.items()}
-    try:
-        config = KVToolConfig(**merged)
-    except ConfigError as exc:  # a combination of layers (each was valid alone)
-        if exc.field not in merged_where:
-            raise
-        raise ConfigError(exc.field, f"{merged_where[exc.field]}: {exc.reason}", hint=exc.hint) from None
+    # an error here comes from a combination of layers (each was valid alone)
+    config = _validated(merged, {k: f"${o.name}" if o.kind == ENV else str(o.name) for k, o in origins.items()})
     return Settings(config, {f: origins.get(f, Origin(DEFAULT)) for f in FIELD_NAMES}, path, found_by)
