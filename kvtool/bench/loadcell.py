@@ -134,7 +134,7 @@ def run_serve_load(spec: ServeLoadSpec, out_dir: Path | None = None, *, run_id: 
         workloads = build_workloads(spec, model_path)
         try:
             for workload in workloads:
-                for clients in spec.clients:
+                for clients in spec.clients_of(workload.name):
                     for repeat in range(spec.repeats):
                         shift = repeat % len(spec.servers)
                         for server in spec.servers[shift:] + spec.servers[:shift]:
@@ -165,7 +165,7 @@ def build_workloads(spec: ServeLoadSpec, model_path: str) -> list[LoadWorkload]:
 
     tokenizer = load_tokenizer(Path(model_path))
     return [build_load_workload(name, params, tokenizer, spec.seed, spec.max_tokens, model_dir=Path(model_path),
-                                base_dir=spec.base_dir, max_clients=max(spec.clients))
+                                base_dir=spec.base_dir, max_clients=max(spec.clients_of(name)))
             for name, params in spec.workloads.items()]
 
 

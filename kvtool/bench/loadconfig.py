@@ -37,6 +37,7 @@ optional but `workloads`; see `bench_configs/serve_load.toml`):
 
     [serve_load.workloads."multi-turn@16"]  # `<workload>@<label>`: another instance of a workload
     conversations = 16                      # (its own parameters; reported under the whole name)
+    clients = [1, 4]                        # in any workload table: its own client counts
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class ServeLoadSpec:
     workloads: dict[str, dict[str, Any]]
     cache_root: Path | None = None
     keep_cache: bool = False
+    workload_clients: dict[str, tuple[int, ...]] = field(default_factory=dict)
     base_dir: Path = Path(".")
     raw: dict[str, Any] = field(default_factory=dict)
 
@@ -94,6 +96,10 @@ class ServeLoadSpec:
         if "async" in table:
             args.append("--async" if table["async"] else "--sync")
         return (*args, *table.get("args", []))
+
+    def clients_of(self, workload: str) -> tuple[int, ...]:
+        """The client counts a workload runs at: its table's `clients`, else the config's."""
+        return self.workload_clients.get(workload, self.clients)
 
 
 def is_serve_load_config(path: Path | str) -> bool:
@@ -135,10 +141,7 @@ def parse_serve_load(data: dict[str, Any], default_name: str = SECTION, base_dir
     for key in t:
         if key not in known:
             raise ConfigError(f"{SECTION}.{key}", f"unknown key; known: {', '.join(sorted(known))}")
-    clients = t.get("clients", [1])
-    if not isinstance(clients, list) or not clients or any(_bad_int(c, 1) for c in clients) \
-            or len(set(clients)) != len(clients):
-        raise ConfigError(f"{SECTION}.clients", f"must be a non-empty list of distinct integers >= 1, got {clients!r}")
+    clients = _clients(t.get("clients", [1]), f"{SECTION}.clients")
     servers = t.get("servers", list(DEFAULT_SERVERS))
     if not isinstance(servers, list) or not servers or any(s not in SERVER_KINDS for s in servers) \
             or len(set(servers)) != len(servers):
@@ -165,21 +168,31 @@ def parse_serve_load(data: dict[str, Any], default_name: str = SECTION, base_dir
     workloads = t.get("workloads")
     if not isinstance(workloads, dict) or not workloads:
         raise ConfigError(f"{SECTION}.workloads", f"at least one [{SECTION}.workloads.<name>] table is required")
+    workload_clients = {}
     for wname, params in workloads.items():
         if not isinstance(params, dict):
             raise ConfigError(f"{SECTION}.workloads.{wname}", "must be a table")
-        validate_load_params(wname, params)
+        if "clients" in params:
+            workload_clients[wname] = _clients(params["clients"], f"{SECTION}.workloads.{wname}.clients")
+        validate_load_params(wname, {k: v for k, v in params.items() if k != "clients"})
     return ServeLoadSpec(
         name=name, model=model, seed=_int(t, "seed", 0, 0), repeats=_int(t, "repeats", 3, 1),
-        clients=tuple(clients), servers=tuple(servers), arrival=arrival, rate=float(rate) if rate else None,
+        clients=clients, servers=tuple(servers), arrival=arrival, rate=float(rate) if rate else None,
         max_tokens=_int(t, "max_tokens", 8, 1), max_requests=_int(t, "max_requests", 0, 0),
         max_wall_s=_num(t, "max_wall_s", 600.0), request_timeout_s=_num(t, "request_timeout_s", 600.0),
         warmup=t.get("warmup", True), start_timeout_s=_num(t, "start_timeout_s", 180.0),
         stop_timeout_s=_num(t, "stop_timeout_s", 60.0), kvtool=_parse_kvtool(t.get("kvtool", {})),
-        workloads={k: dict(v) for k, v in workloads.items()},
+        workloads={k: {p: v for p, v in table.items() if p != "clients"} for k, table in workloads.items()},
+        workload_clients=workload_clients,
         cache_root=Path(cache_root).expanduser() if cache_root else None, keep_cache=t.get("keep_cache", False),
         base_dir=base_dir, raw=data,
     )  # fmt: skip
+
+
+def _clients(value: Any, field_name: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value or any(_bad_int(c, 1) for c in value) or len(set(value)) != len(value):
+        raise ConfigError(field_name, f"must be a non-empty list of distinct integers >= 1, got {value!r}")
+    return tuple(value)
 
 
 def _bad_int(value: Any, minimum: int) -> bool:
