@@ -11,11 +11,12 @@ is met (`parity_target`):
 - `parity` (the default, every cell whose data fits every server's cache, cold bursts and first
   turns included): TTFT p50 <= `TOLERANCE` x the better mlx-lm server's and requests/s >= the
   better one's / `TOLERANCE`;
-- `cached-default`: the `warm` turns of a `multi-turn` workload of more conversations than
+- `cached-default`: the `warm` and `rewarm` turns of a `multi-turn` workload of more conversations than
   mlx_lm.server's default prompt cache holds (`DEFAULT_CACHE_ENTRIES`): TTFT p50 <=
   `CACHED_FACTOR` x the default server's (which evicts each conversation before its next turn);
-- `cached-all`: the phase after a restart (`after`): TTFT p50 <= `CACHED_FACTOR` x every mlx-lm
-  server's (their caches were in memory; kvtool's is on disk).
+- `cached-all`: the phase after a restart (`after`; for `multi-turn` its first turn after the
+  restart, the later ones are `rewarm`): TTFT p50 <= `CACHED_FACTOR` x every mlx-lm server's
+  (their caches were in memory; kvtool's is on disk).
 
 Outputs: every server's greedy output is compared with the `mlx-lm` server's for the same request
 (`output_mismatches_<server>`: requests that differ or that only one answered); the 1-minute load
@@ -33,12 +34,12 @@ import numpy as np
 import pandas as pd
 
 from kvtool.bench.loadserver import KVTOOL, MLXLM, MLXLM_FLAGS
-from kvtool.bench.loadworkloads import RESTART_PHASE, workload_kind
+from kvtool.bench.loadworkloads import RESTART_PHASE, REWARM_PHASE, workload_kind
 
 TOLERANCE = 1.05  # parity: within 5 % of the better mlx-lm server
 CACHED_FACTOR = 0.1  # a cached turn against a server that has to prefill it again
 DEFAULT_CACHE_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size default (mlx_lm/server.py)
-PHASE_LABELS = {RESTART_PHASE: "after restart"}
+PHASE_LABELS = {RESTART_PHASE: "after restart", REWARM_PHASE: "warm after restart"}
 ROW_KEYS = ["workload", "clients", "phase"]
 FIGS = ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
 TARGETS = {
@@ -86,7 +87,8 @@ def parity_target(kind: str, params: dict[str, Any], phase: str) -> str:
     """
     if phase == RESTART_PHASE:
         return "cached-all"
-    if kind == "multi-turn" and phase == "warm" and int(params.get("conversations", 0)) > DEFAULT_CACHE_ENTRIES:
+    if kind == "multi-turn" and phase in ("warm", REWARM_PHASE) \
+            and int(params.get("conversations", 0)) > DEFAULT_CACHE_ENTRIES:
         return "cached-default"
     return "parity"
 
@@ -169,21 +171,21 @@ def output_mismatches(requests: pd.DataFrame) -> dict[tuple[str, int, str, str],
         return {}
     keys = ["workload", "clients", "repeat", "key"]
     rows = requests[requests["measured"].astype(bool)] if "measured" in requests else requests
-    base = rows[rows["server"] == MLXLM].set_index(keys)
+    cols = [*keys, "phase", "text", "completion_tokens", "error"]
+    base = rows[rows["server"] == MLXLM][cols]
     out: dict[tuple[str, int, str, str], int] = {}
-    for server in set(rows["server"]) - {MLXLM}:
-        other = rows[rows["server"] == server].set_index(keys)
-        both = other.join(base, how="outer", lsuffix="_o", rsuffix="_b")
-        for idx, r in both.iterrows():
+    for server in sorted(set(rows["server"]) - {MLXLM}):
+        both = rows[rows["server"] == server][cols].merge(base, on=keys, how="outer", suffixes=("_o", "_b"))
+        for r in both.to_dict(orient="records"):
             phase = r["phase_o"] if isinstance(r["phase_o"], str) else r["phase_b"]
-            cell = (idx[0], int(idx[1]), phase, server)
+            cell = (r["workload"], int(r["clients"]), phase, server)
             same = _answered(r, "_o") and _answered(r, "_b") and r["text_o"] == r["text_b"] \
                 and r["completion_tokens_o"] == r["completion_tokens_b"]
             out[cell] = out.get(cell, 0) + (0 if same else 1)
     return out
 
 
-def _answered(r: pd.Series, suffix: str) -> bool:
+def _answered(r: dict[str, Any], suffix: str) -> bool:
     return isinstance(r[f"text{suffix}"], str) and not isinstance(r[f"error{suffix}"], str)
 
 

@@ -23,8 +23,9 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
   `max_conversations`, where `ram_bytes` is the workload's RAM budget (the kvtool server runs
   with it as `--ram-bytes`) so that the conversations' KV does not fit in RAM. With
   `restart_after` = R > 0 (1 <= R < `turns`) the turns are split into the phases `cold` (turn 1:
-  nothing cached anywhere), `warm` (turns 2..R) and `after` (turns R+1..: the servers are
-  restarted before it, as for `restart`), all three measured and reported apart.
+  nothing cached anywhere), `warm` (turns 2..R), `after` (turn R+1, the first after the restart:
+  the servers are restarted before it, as for `restart`) and `rewarm` (turns R+2..: warm again on
+  every server), all measured and reported apart.
 - `cold-burst`: distinct cold prompts of `prompt_tokens` (corpus text at a seeded offset, no
   header: no two share a first block) arriving together: a cell of C clients sends the first
   C x `prompts_per_client` of them, closed loop, so the first C are sent at the same instant
@@ -95,7 +96,8 @@ MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa":
             "restart": ("after",), "trace": ("trace",),
             "agents": ("turn", "after"), "cold-burst": ("burst",)}
 RESTART_BEFORE = {"restart": "after", "agents": "after"}  # workload -> the phase the servers are restarted before
-RESTART_PHASE = "after"  # multi-turn with restart_after: the turns after the restart
+RESTART_PHASE = "after"  # multi-turn with restart_after: the first turn after the restart
+REWARM_PHASE = "rewarm"  # ... and the later ones
 _FLOATS = {"working_set_factor", "time_scale", "speedup", "output_scale"}
 _SECONDS = {"start_s", "end_s"}  # numbers >= 0
 _STRINGS = {"path", "format"}
@@ -285,7 +287,7 @@ def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed:
         ram = int(p["ram_bytes"])
         reqs = _multi_turn(p, src, max_tokens, seed)
         if p["restart_after"]:
-            measured, restart = ("cold", "warm", RESTART_PHASE), RESTART_PHASE
+            measured, restart = tuple(dict.fromkeys(r.phase for r in reqs)), RESTART_PHASE
     elif kind == "long-doc-qa":
         reqs = _long_doc_qa(p, src, rng, max_tokens)
     elif kind == "cold-burst":
@@ -345,10 +347,13 @@ def multi_turn_conversations(p: dict[str, Any], kv_per_token: int) -> int:
 
 def multi_turn_phase(p: dict[str, Any], turn: int) -> str:
     """The phase of turn `turn` (0-based) of a validated `multi-turn` parameter set: `turn`, or
-    with `restart_after` = R: `cold` (turn 0), `warm` (turns 1..R-1), `after` (the rest)."""
+    with `restart_after` = R: `cold` (turn 0), `warm` (turns 1..R-1), `after` (turn R, the first
+    after the restart) and `rewarm` (the later ones, warm again on every server)."""
     if not p["restart_after"]:
         return "turn"
-    return "cold" if turn == 0 else "warm" if turn < p["restart_after"] else RESTART_PHASE
+    if turn == 0:
+        return "cold"
+    return "warm" if turn < p["restart_after"] else RESTART_PHASE if turn == p["restart_after"] else REWARM_PHASE
 
 
 def opening_tokens(p: dict[str, Any], seed: int, conversation: int) -> int:
