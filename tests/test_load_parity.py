@@ -17,7 +17,7 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from kvtool.bench.loadconfig import parse_serve_load
+from kvtool.bench.loadconfig import load_serve_load, parse_serve_load
 from kvtool.bench.loadparity import parity_target, phase_figures, target_met
 from kvtool.bench.loadserver import MLXLM, MLXLM_1000, ManagedServer, ServerOptions
 from kvtool.bench.loadworkloads import build_load_workload, opening_tokens, validate_load_params
@@ -106,6 +106,14 @@ def test_workload_clients_override_the_config_and_instances_keep_their_names():
     assert spec.clients_of("cold-burst") == (4, 16) and spec.clients_of("multi-turn@8") == (1, 4)
     assert "clients" not in spec.workloads["cold-burst"] and spec.servers[-1] == MLXLM_1000
     assert validate_load_params("multi-turn@8", {"conversations": 8})["conversations"] == 8
+
+
+def test_shipped_parity_configs_parse():
+    for name in ("serve_parity", "serve_parity_small"):
+        spec = load_serve_load(REPO / "bench_configs" / f"{name}.toml")
+        assert spec.servers == ("kvtool", "mlx-lm", "mlx-lm-1000") and spec.repeats == 1
+        assert spec.clients_of("cold-burst") == (4, 16) and spec.clients_of("shared-prefix") == (1, 4, 16)
+        assert {"multi-turn@8", "multi-turn@16", "long-doc-qa"} <= set(spec.workloads)
 
 
 # ------------------------------------------------------------------------------------ the parity table
