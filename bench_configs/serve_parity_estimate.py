@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 
 from kvtool.bench.loadcell import build_workloads  # noqa: E402
 from kvtool.bench.loadconfig import load_serve_load  # noqa: E402
-from kvtool.bench.loadparity import DEFAULT_CACHE_ENTRIES  # noqa: E402
 from kvtool.bench.loadgen import LoadRequest  # noqa: E402
+from kvtool.bench.loadparity import DEFAULT_CACHE_ENTRIES  # noqa: E402
 from kvtool.bench.loadworkloads import LoadWorkload, workload_kind  # noqa: E402
 from kvtool.models.loader import resolve_spec  # noqa: E402
 
