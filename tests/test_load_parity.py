@@ -141,9 +141,11 @@ def test_phase_figures_by_hand():
              "ttft_ms": t, "latency_ms": 500.0, "sent_s": s, "error": None}
             for t, s in ((100.0, 0.0), (200.0, 0.5), (300.0, 1.0), (400.0, 1.5))]
     rows.append({**rows[0], "phase": "prime", "measured": False})
+    rows.append({**rows[0], "ttft_ms": float("nan"), "sent_s": 0.2, "error": "wall time limit"})
     figs = phase_figures(pd.DataFrame(rows))
     assert len(figs) == 1
     got = figs.iloc[0]
+    assert got["requests"] == 4 and got["failed"] == 1  # a failed request is counted, not timed
     assert got["ttft_p50_ms"] == 250.0 and math.isclose(got["ttft_p99_ms"], 300.0 + 0.97 * 100.0)
     assert got["requests_per_s"] == 4 / 2.0  # first send at 0 s, last answer at 1.5 + 0.5 s
 
@@ -215,6 +217,7 @@ def test_parity_run_through_the_cli(tmp_path):
     assert set(parity["met"]) <= {"met", "not met"}
     assert list(parity["target"]) == ["parity", "parity", "parity", "cached-all", "parity"]
     assert (parity["output_mismatches_kvtool"] == 0).all() and (parity["output_mismatches_mlx-lm-1000"] == 0).all()
+    assert (parity[["kvtool_failed", "mlx-lm_failed", "mlx-lm-1000_failed"]] == 0).all().all()
     batches = pd.read_csv(run_dir / "batches.csv")
     turns = batches[batches["workload"] == "multi-turn@2"]
     assert sorted(turns["server"]) == ["kvtool", "mlx-lm", "mlx-lm-1000"] and (turns["restarts"] == 1).all()
@@ -223,3 +226,6 @@ def test_parity_run_through_the_cli(tmp_path):
     assert len(burst) == 2 * 3 and burst["error"].isna().all()
     assert "## Parity: kvtool against every mlx_lm.server, per phase" in (run_dir / "report.md").read_text()
     assert "| multi-turn@2 | 1 | after restart |" in (run_dir / "report.md").read_text()
+    assert len(json.loads((run_dir / "summary.json").read_text())["parity"]) == 5
+    text = CliRunner().invoke(app, ["report", str(run_dir)]).output
+    assert "parity multi-turn@2 1 client(s) after restart: kvtool / better mlx-lm TTFT p50" in text

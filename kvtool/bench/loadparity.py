@@ -52,13 +52,13 @@ TARGETS = {
 def phase_figures(requests: pd.DataFrame) -> pd.DataFrame:
     """Per (workload, server, clients, repeat, phase) of the measured requests: `ttft_p50_ms`,
     `ttft_p99_ms` (ms), `requests_per_s` (successful requests / (last answer - first send), s)
-    and `requests` (successful ones); an empty frame without measured rows.
+    `requests` (successful ones) and `failed`; an empty frame without measured rows.
 
     Args:
         requests: the rows of `requests.jsonl` (`measured`, `phase`, `ttft_ms`, `latency_ms`,
             `sent_s`, `error`, ...).
     """
-    cols = ["workload", "server", "clients", "repeat", "phase", *FIGS, "requests"]
+    cols = ["workload", "server", "clients", "repeat", "phase", *FIGS, "requests", "failed"]
     if requests.empty or "measured" not in requests:
         return pd.DataFrame(columns=cols)
     rows = []
@@ -69,7 +69,7 @@ def phase_figures(requests: pd.DataFrame) -> pd.DataFrame:
         ends = ok["sent_s"].to_numpy(dtype=float) + ok["latency_ms"].to_numpy(dtype=float) / 1e3
         wall = float(ends.max() - grp["sent_s"].min()) if len(ok) else float("nan")
         rows.append(dict(zip(cols, (*key, *(_pct(ttft, 50), _pct(ttft, 99)), len(ok) / wall if wall > 0 else math.nan,
-                                    len(ok)), strict=True)))
+                                    len(ok), len(grp) - len(ok)), strict=True)))
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -136,6 +136,7 @@ def parity_frame(requests: pd.DataFrame, batches: pd.DataFrame, doc: dict[str, A
             sel = grp[grp["server"] == server]
             for fig in FIGS:
                 row[f"{server}_{fig}"] = float(sel[fig].mean()) if len(sel) else math.nan
+            row[f"{server}_failed"] = int(sel["failed"].sum())
         _ratios(row, baselines)
         info = workloads.get(workload) or {}
         row["target"] = parity_target(info.get("kind", workload_kind(workload)), info.get("params") or {}, phase)
@@ -209,20 +210,32 @@ def parity_markdown(frame: pd.DataFrame) -> list[str]:
              f"Means over the repeats of each phase's TTFT p50 / p99 (ms) and requests/s, per server ({names}); "
              f"ratios kvtool / {', '.join(ratio_cols)} (best: the better mlx-lm server); targets: "
              + "; ".join(f"`{k}`: {v}" for k, v in TARGETS.items()) + " (`kvtool/bench/loadparity.py`). Outputs: "
-             "requests whose output differs from mlx-lm's. Load: 1-minute load average at the cell's start -> end.",
+             "requests whose output differs from mlx-lm's; failed: requests without an answer per server (not in the "
+             "figures). Load: 1-minute load average at the cell's start -> end.",
              "", f"| workload | clients | phase | TTFT p50 ms ({names}) | TTFT p99 ms | req/s | TTFT p50 ratio "
-             f"({' / '.join(ratio_cols)}) | req/s ratio | target | met | outputs differing | load |",
-             "|---|---:|---|---|---|---|---|---|---|---|---|---|"]
+             f"({' / '.join(ratio_cols)}) | req/s ratio | target | met | outputs differing | failed | load |",
+             "|---|---:|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in frame.to_dict(orient="records"):
         cells = [" / ".join(_fmt(row.get(f"{s}_{fig}"), 2 if fig == "requests_per_s" else 1) for s in servers)
                  for fig in FIGS]
         ratios = [" / ".join(_fmt(row.get(f"{fig}_ratio_{b}"), 2) for b in ratio_cols)
                   for fig in ("ttft_p50_ms", "requests_per_s")]
         diff = ", ".join(f"{s} {_fmt(row.get(f'output_mismatches_{s}'), 0)}" for s in servers if s != MLXLM)
+        failed = " / ".join(_fmt(row.get(f"{s}_failed"), 0) for s in servers)
         lines.append(f"| {row['workload']} | {row['clients']} | {row['phase_label']} | {' | '.join(cells)} | "
-                     f"{' | '.join(ratios)} | {row['target']} | {row['met']} | {diff or '-'} | "
+                     f"{' | '.join(ratios)} | {row['target']} | {row['met']} | {diff or '-'} | {failed} | "
                      f"{_fmt(row.get('load_avg_start'), 2)} -> {_fmt(row.get('load_avg_end'), 2)} |")
     return lines
+
+
+def parity_summary(frame: pd.DataFrame) -> list[str]:
+    """One console line per row of the parity table: kvtool / the better mlx-lm server (TTFT p50,
+    requests/s), the target and whether it is met."""
+    if frame.empty or "target" not in frame:
+        return []
+    return [f"parity {r['workload']} {r['clients']} client(s) {r['phase_label']}: kvtool / better mlx-lm TTFT p50 "
+            f"{_fmt(r.get('ttft_p50_ms_ratio_best'), 2)}, req/s {_fmt(r.get('requests_per_s_ratio_best'), 2)}; "
+            f"{r['target']} -> {r['met']}" for r in frame.to_dict(orient="records")]
 
 
 def _fmt(value: Any, digits: int) -> str:
@@ -242,4 +255,4 @@ def write_parity(run_dir: Path, requests: pd.DataFrame, batches: pd.DataFrame,
 
 
 __all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "output_mismatches", "parity_frame",
-           "parity_markdown", "parity_target", "phase_figures", "target_met", "write_parity"]
+           "parity_markdown", "parity_summary", "parity_target", "phase_figures", "target_met", "write_parity"]

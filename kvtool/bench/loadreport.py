@@ -35,7 +35,7 @@ import pandas as pd
 
 from kvtool.bench.loadagents import prompt_token_mismatches
 from kvtool.bench.loadcharts import write_charts
-from kvtool.bench.loadparity import write_parity
+from kvtool.bench.loadparity import parity_summary, write_parity
 from kvtool.bench.loadserver import KVTOOL, MLXLM
 from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
 from kvtool.errors import KVToolError
@@ -62,6 +62,7 @@ class LoadReport:
         ok: no output mismatch, no failed request, every server stopped cleanly, no batch error.
         problems: one line per reason `ok` is False.
         files: the files written.
+        parity: the parity table (`kvtool.bench.loadparity`).
     """
 
     run_dir: Path
@@ -71,6 +72,7 @@ class LoadReport:
     ok: bool
     problems: list[str]
     files: list[Path]
+    parity: pd.DataFrame | None = None
 
     def summary_records(self) -> list[dict[str, Any]]:
         """The comparison rows of `SUMMARY_FIGURES` as JSON-able dicts (NaN -> None)."""
@@ -92,6 +94,7 @@ class LoadReport:
                        f"-> {row['verdict']}")
         if not any(r["figure"] == "ttft_p50_ms" for r in self.summary_records()):
             out.append("(no comparison: only one server ran)")
+        out += parity_summary(self.parity) if self.parity is not None else []
         out += [f"PROBLEM: {p}" for p in self.problems] or ["checks: outputs equal, no failed request, clean stops"]
         return out
 
@@ -237,7 +240,7 @@ def write_load_report(run_dir: Path) -> LoadReport:
     files = [run_dir / n for n in ("cells.csv", "comparison.csv", "mismatches.csv", "parity.csv", "summary.json",
                                    "report.md")]
     files += charts
-    return LoadReport(run_dir, cells, cmp, mismatches, not problems, problems, files)
+    return LoadReport(run_dir, cells, cmp, mismatches, not problems, problems, files, parity)
 
 
 def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
