@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from kvtool.bench.loadgen import WALL_LIMIT_ERROR, LoadRequest, LoadResult, LoadSpec, RequestRecord, check_loopback
-from kvtool.bench.loadserver import KVTOOL, MLXLM
+from kvtool.bench.loadserver import KVTOOL, MLXLM_FLAGS
 
 AGENTS_DEFAULTS: dict[str, Any] = {"agents": 0, "turns": 8, "system_tokens": 12_000, "tools": 8,
                                    "result_min_tokens": 300, "result_max_tokens": 800, "max_tokens": 256,
@@ -88,7 +88,7 @@ class AgentsPlan:
     system: str
     src: Any
     seed: int
-    kinds: dict[str, str] = field(default_factory=lambda: {KVTOOL: "messages", MLXLM: "chat"})
+    kinds: dict[str, str] = field(default_factory=lambda: {KVTOOL: "messages", **dict.fromkeys(MLXLM_FLAGS, "chat")})
     _texts: dict[tuple[int, int], str] = field(default_factory=dict)
 
     def agent_count(self, clients: int) -> int:

@@ -14,6 +14,8 @@ Reads only `requests.jsonl`, `batches.csv` and `run.json` of a run directory, so
   servers while their transcripts are still equal (`kvtool.bench.loadagents.prompt_token_mismatches`);
 - `mismatches.csv`: every request whose greedy kvtool output differs from mlx-lm's for the same
   request (same workload, clients, repeat and request key), or that only one server answered;
+- `parity.csv` and the report's "Parity" section: kvtool against every mlx-lm server per
+  (workload, clients, phase), with targets (`kvtool.bench.loadparity`);
 - the charts of `kvtool.bench.loadcharts` and `report.md`.
 
 A kvtool cell **fails** when any of its outputs differs from the baseline's; the run is `ok` only
@@ -33,6 +35,7 @@ import pandas as pd
 
 from kvtool.bench.loadagents import prompt_token_mismatches
 from kvtool.bench.loadcharts import write_charts
+from kvtool.bench.loadparity import parity_summary, write_parity
 from kvtool.bench.loadserver import KVTOOL, MLXLM
 from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
 from kvtool.errors import KVToolError
@@ -59,6 +62,7 @@ class LoadReport:
         ok: no output mismatch, no failed request, every server stopped cleanly, no batch error.
         problems: one line per reason `ok` is False.
         files: the files written.
+        parity: the parity table (`kvtool.bench.loadparity`).
     """
 
     run_dir: Path
@@ -68,6 +72,7 @@ class LoadReport:
     ok: bool
     problems: list[str]
     files: list[Path]
+    parity: pd.DataFrame | None = None
 
     def summary_records(self) -> list[dict[str, Any]]:
         """The comparison rows of `SUMMARY_FIGURES` as JSON-able dicts (NaN -> None)."""
@@ -89,6 +94,7 @@ class LoadReport:
                        f"-> {row['verdict']}")
         if not any(r["figure"] == "ttft_p50_ms" for r in self.summary_records()):
             out.append("(no comparison: only one server ran)")
+        out += parity_summary(self.parity) if self.parity is not None else []
         out += [f"PROBLEM: {p}" for p in self.problems] or ["checks: outputs equal, no failed request, clean stops"]
         return out
 
@@ -224,15 +230,17 @@ def write_load_report(run_dir: Path) -> LoadReport:
     cmp.to_csv(run_dir / "comparison.csv", index=False)
     mismatches.to_csv(run_dir / "mismatches.csv", index=False)
     problems = _problems(requests, batches, mismatches)
+    parity, parity_md = write_parity(run_dir, requests, batches, doc)
     summary = {"run_id": doc.get("run_id"), "ok": not problems, "problems": problems, "cells": _records(cells),
-               "comparison": _records(cmp), "output_mismatches": len(mismatches)}
+               "comparison": _records(cmp), "output_mismatches": len(mismatches), "parity": _records(parity)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     charts = write_charts(run_dir, requests, cells, cmp)
-    text = _markdown(doc, cells, cmp, mismatches, problems, charts)
+    text = _markdown(doc, cells, cmp, mismatches, problems, charts) + "".join(line + "\n" for line in parity_md)
     (run_dir / "report.md").write_text(text)
-    files = [run_dir / n for n in ("cells.csv", "comparison.csv", "mismatches.csv", "summary.json", "report.md")]
+    files = [run_dir / n for n in ("cells.csv", "comparison.csv", "mismatches.csv", "parity.csv", "summary.json",
+                                   "report.md")]
     files += charts
-    return LoadReport(run_dir, cells, cmp, mismatches, not problems, problems, files)
+    return LoadReport(run_dir, cells, cmp, mismatches, not problems, problems, files, parity)
 
 
 def _records(df: pd.DataFrame) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """Server subprocesses for the load benchmark: `kvtool serve` and plain `mlx_lm.server`.
 
 `ManagedServer` starts one server on a free loopback port (`python -m kvtool.cli.app serve ...`
-or `python -m mlx_lm.server --model DIR --port P`, with this interpreter), waits until
+or `python -m mlx_lm.server --model DIR --port P`, with this interpreter; the kind `mlx-lm-1000`
+adds `--prompt-cache-size 1000`, `MLXLM_FLAGS`), waits until
 `GET /v1/models` answers 200, and stops it with SIGTERM, then SIGKILL after `stop_timeout_s`.
 Its stderr goes to a log file.
 
@@ -30,8 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-KVTOOL, MLXLM = "kvtool", "mlx-lm"
-SERVER_KINDS = (KVTOOL, MLXLM)
+KVTOOL, MLXLM, MLXLM_1000 = "kvtool", "mlx-lm", "mlx-lm-1000"
+# plain mlx_lm.server kinds -> their extra flags: its defaults (a prompt cache of 10 entries), and a
+# prompt cache of 1,000 entries (every conversation of a long run stays cached; a second baseline)
+MLXLM_FLAGS: dict[str, tuple[str, ...]] = {MLXLM: (), MLXLM_1000: ("--prompt-cache-size", "1000")}
+SERVER_KINDS = (KVTOOL, *MLXLM_FLAGS)
+DEFAULT_SERVERS = (KVTOOL, MLXLM)
 READY_PATH = "/v1/models"
 STATS_PATH = "/kvtool/stats"
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -75,7 +80,7 @@ class ServerOptions:
     """How to start a server.
 
     Attributes:
-        kind: `kvtool` or `mlx-lm`.
+        kind: `kvtool`, `mlx-lm` or `mlx-lm-1000` (`SERVER_KINDS`).
         model: kvtool model spec (preset, directory, Hugging Face id), given to `kvtool serve`.
         model_path: the resolved model directory, given to `mlx_lm.server --model`.
         cache_dir: kvtool's `--cache-dir` (kvtool only).
@@ -99,9 +104,9 @@ class ServerOptions:
                 raise ValueError("a kvtool server needs a cache_dir")
             return [sys.executable, "-m", "kvtool.cli.app", "serve", "--model", self.model, "--host", "127.0.0.1",
                     "--port", str(port), "--cache-dir", str(self.cache_dir), *self.kvtool_args]
-        if self.kind == MLXLM:
+        if self.kind in MLXLM_FLAGS:
             return [sys.executable, "-m", "mlx_lm.server", "--model", self.model_path, "--host", "127.0.0.1",
-                    "--port", str(port)]
+                    "--port", str(port), *MLXLM_FLAGS[self.kind]]
         raise ValueError(f"unknown server kind {self.kind!r}; known: {', '.join(SERVER_KINDS)}")
 
 
@@ -234,5 +239,5 @@ def _tail(path: Path, lines: int = 5) -> str:
         return ""
 
 
-__all__ = ["KVTOOL", "MLXLM", "SERVER_KINDS", "ManagedServer", "ServerError", "ServerOptions", "child_env", "free_port",
+__all__ = ["DEFAULT_SERVERS", "KVTOOL", "MLXLM", "MLXLM_1000", "MLXLM_FLAGS", "SERVER_KINDS", "ManagedServer", "ServerError", "ServerOptions", "child_env", "free_port",
            "proc_status_kb", "read_vm_hwm"]

@@ -13,13 +13,23 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
   with `prime` > 0, each group's system prompt is first sent that many times in an unmeasured
   `prime` phase (a warm server that has seen its system prompts; 0 also measures the cold burst).
 - `multi-turn`: `conversations` chats of `turns` user turns (`user_tokens` each) after a system
-  prompt of `system_tokens`; the assistant turns of the history are corpus text of
+  prompt (the opening) of `system_tokens`, or with `system_tokens_max` > 0 of a length drawn per
+  conversation uniformly in `system_tokens`..`system_tokens_max` (`default_rng([seed, conversation])`,
+  so a conversation's opening length does not depend on how many there are); the assistant turns of the history are corpus text of
   `assistant_tokens` (not the model's reply, so every server gets the same requests); turns are
   interleaved round-robin over the conversations, and a turn is sent only once the previous
   turn of its conversation finished. `conversations = 0` sizes the working set:
   `ceil(working_set_factor x ram_bytes / (KV bytes of one whole conversation))`, at most
   `max_conversations`, where `ram_bytes` is the workload's RAM budget (the kvtool server runs
-  with it as `--ram-bytes`) so that the conversations' KV does not fit in RAM.
+  with it as `--ram-bytes`) so that the conversations' KV does not fit in RAM. With
+  `restart_after` = R > 0 (1 <= R < `turns`) the turns are split into the phases `cold` (turn 1:
+  nothing cached anywhere), `warm` (turns 2..R), `after` (turn R+1, the first after the restart:
+  the servers are restarted before it, as for `restart`) and `rewarm` (turns R+2..: warm again on
+  every server), all measured and reported apart.
+- `cold-burst`: distinct cold prompts of `prompt_tokens` (corpus text at a seeded offset, no
+  header: no two share a first block) arriving together: a cell of C clients sends the first
+  C x `prompts_per_client` of them, closed loop, so the first C are sent at the same instant
+  (phase `burst`).
 - `long-doc-qa`: `documents` documents of `doc_tokens`; a `warmup` phase asks one question per
   document (not measured), then `queries` questions on documents drawn uniformly (seeded).
 - `restart`: `prompts` documents of `prompt_tokens` with a question each (`before`), then the
@@ -38,6 +48,10 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
   actual reply and a tool result of `result_min_tokens`..`result_max_tokens`, `max_tokens` per
   turn; built while the batch runs (`kvtool.bench.loadagents`); `restart` restarts the servers
   after turn T/2 and measures the turns after it.
+
+A config may run a workload more than once under the names `<workload>@<label>` (e.g.
+`multi-turn@8`, `multi-turn@32`): each is validated and built as `<workload>` with its own
+parameters and reported under its whole name (`workload_kind` splits it).
 """
 
 from __future__ import annotations
@@ -68,23 +82,27 @@ CORPUS = Path(__file__).resolve().parent.parent / "assets" / "demo_prompt.txt"
 
 LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
     "shared-prefix": {"groups": 1, "prompts_per_group": 8, "system_tokens": 1024, "question_tokens": 32, "prime": 0},
-    "multi-turn": {"conversations": 0, "turns": 4, "system_tokens": 256, "user_tokens": 64,
+    "multi-turn": {"conversations": 0, "turns": 4, "system_tokens": 256, "system_tokens_max": 0, "user_tokens": 64,
                    "assistant_tokens": 64, "working_set_factor": 2.0, "max_conversations": 64,
-                   "ram_bytes": 1 << 20},
+                   "ram_bytes": 1 << 20, "restart_after": 0},
     "long-doc-qa": {"documents": 4, "doc_tokens": 1024, "question_tokens": 16, "queries": 16},
     "restart": {"prompts": 8, "prompt_tokens": 1024, "question_tokens": 16},
     "trace": {"path": "", "time_scale": 1.0, **TRACE_REPLAY_DEFAULTS},
     "agents": AGENTS_DEFAULTS,
+    "cold-burst": {"prompts_per_client": 2, "prompt_tokens": 2000},
 }
 LOAD_WORKLOADS = tuple(LOAD_WORKLOAD_DEFAULTS)
 MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa": ("query",),
             "restart": ("after",), "trace": ("trace",),
-            "agents": ("turn", "after")}
+            "agents": ("turn", "after"), "cold-burst": ("burst",)}
 RESTART_BEFORE = {"restart": "after", "agents": "after"}  # workload -> the phase the servers are restarted before
+RESTART_PHASE = "after"  # multi-turn with restart_after: the first turn after the restart
+REWARM_PHASE = "rewarm"  # ... and the later ones
 _FLOATS = {"working_set_factor", "time_scale", "speedup", "output_scale"}
 _SECONDS = {"start_s", "end_s"}  # numbers >= 0
 _STRINGS = {"path", "format"}
-_ZERO_OK = {"conversations", "agents", "tools", "start", "end", "requests", "max_output_tokens", "shared_prefix_blocks"}
+_ZERO_OK = {"conversations", "agents", "tools", "start", "end", "requests", "max_output_tokens", "shared_prefix_blocks",
+            "system_tokens_max", "restart_after"}
 
 
 @dataclass(frozen=True)
@@ -102,6 +120,8 @@ class LoadWorkload:
             (bytes; None: the config's).
         agents: the `agents` workload's plan (its requests are built while a batch runs;
             `requests` then holds one agent's turns as placeholders); None for the others.
+        per_client: `cold-burst`: requests per client of the cell (0: every request, whatever
+            the clients).
     """
 
     name: str
@@ -112,10 +132,14 @@ class LoadWorkload:
     params: dict[str, Any]
     kvtool_ram_bytes: int | None = None
     agents: AgentsPlan | None = None
+    per_client: int = 0
 
-    def phase_requests(self, phase: str) -> list[LoadRequest]:
-        """The requests of one phase, `after` indices renumbered within the phase."""
+    def phase_requests(self, phase: str, clients: int = 0) -> list[LoadRequest]:
+        """The requests of one phase, `after` indices renumbered within the phase; with
+        `per_client` and `clients` > 0, only the first `clients` x `per_client` of them."""
         chosen = [(i, r) for i, r in enumerate(self.requests) if r.phase == phase]
+        if self.per_client and clients:
+            chosen = chosen[:clients * self.per_client]
         new_index = {old: new for new, (old, _) in enumerate(chosen)}
         out = []
         for _, r in chosen:
@@ -125,7 +149,7 @@ class LoadWorkload:
 
 
 def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_load.workloads") -> dict[str, Any]:
-    """Merge `params` over the defaults of `name` and check them.
+    """Merge `params` over the defaults of `name` (`<workload>@<label>`: of `<workload>`) and check them.
 
     Raises:
         ConfigError: unknown workload or parameter, or a bad value (the error names the field).
@@ -153,15 +177,32 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
             return value
         return count(value, field, zero_ok=key in _ZERO_OK)
 
-    merged = merge_params(LOAD_WORKLOAD_DEFAULTS, name, params, where, check)
-    if name == "trace" and not merged["path"]:
+    kind = workload_kind(name)
+    table = {name: LOAD_WORKLOAD_DEFAULTS[kind]} if kind in LOAD_WORKLOAD_DEFAULTS else LOAD_WORKLOAD_DEFAULTS
+    merged = merge_params(table, name, params, where, check)
+    if kind == "multi-turn":
+        _check_multi_turn(merged, f"{where}.{name}")
+    if kind == "trace" and not merged["path"]:
         raise ConfigError(f"{where}.{name}.path", "required: a JSONL file of {\"t\", \"prompt\"|\"messages\"} lines "
                                                   "or a Mooncake trace")
-    if name == "agents" and merged["result_max_tokens"] < merged["result_min_tokens"]:
-        raise ConfigError(f"{where}.agents.result_max_tokens", "must be >= result_min_tokens")
-    if name == "trace" and merged["end"] and merged["end"] <= merged["start"]:
+    if kind == "agents" and merged["result_max_tokens"] < merged["result_min_tokens"]:
+        raise ConfigError(f"{where}.{name}.result_max_tokens", "must be >= result_min_tokens")
+    if kind == "trace" and merged["end"] and merged["end"] <= merged["start"]:
         raise ConfigError(f"{where}.{name}.end", f"must be 0 (to the end) or > start ({merged['start']})")
     return merged
+
+
+def workload_kind(name: str) -> str:
+    """The workload a config name runs: `multi-turn@16` -> `multi-turn` (a name without `@`: itself)."""
+    return name.partition("@")[0]
+
+
+def _check_multi_turn(p: dict[str, Any], where: str) -> None:
+    if p["system_tokens_max"] and p["system_tokens_max"] < p["system_tokens"]:
+        raise ConfigError(f"{where}.system_tokens_max", f"must be 0 (every opening is system_tokens) or >= "
+                                                        f"system_tokens ({p['system_tokens']})")
+    if p["restart_after"] >= p["turns"]:
+        raise ConfigError(f"{where}.restart_after", f"must be 0 (no restart) or a turn < turns ({p['turns']})")
 
 
 class TextSource:
@@ -179,9 +220,10 @@ class TextSource:
         if not self.ids:
             raise ValueError("empty corpus")
 
-    def text(self, n: int) -> str:
-        """About `n` tokens of corpus text starting at a random offset (n >= 1)."""
-        start = int(self.rng.integers(0, len(self.ids)))
+    def text(self, n: int, start: int | None = None) -> str:
+        """About `n` tokens of corpus text starting at a random offset, or at token `start` of the
+        corpus (n >= 1)."""
+        start = int(self.rng.integers(0, len(self.ids))) if start is None else start % len(self.ids)
         window = [self.ids[(start + k) % len(self.ids)] for k in range(n)]
         text = self.tok.decode(window)
         again = list(self.tok.encode(text))
@@ -207,54 +249,69 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed: int, max_tokens: int,
-                        *, model_dir: Path | None = None, base_dir: Path | None = None) -> LoadWorkload:
+                        *, model_dir: Path | None = None, base_dir: Path | None = None,
+                        max_clients: int = 1) -> LoadWorkload:
     """Materialise one workload.
 
     Args:
-        name: workload name (`LOAD_WORKLOADS`).
+        name: workload name (`LOAD_WORKLOADS`), or `<workload>@<label>` (`workload_kind`).
         params: its parameters (validated here).
         tokenizer: the model's tokenizer (see `TextSource`).
         seed: the same seed gives the same requests.
         max_tokens: tokens generated per request (tokens; a prompt trace line's own value, or a Mooncake trace's output length, wins).
         model_dir: the model directory (for `multi-turn`'s KV size per token).
         base_dir: where a relative trace `path` is resolved (the config file's directory).
+        max_clients: the largest client count of the run (`cold-burst` builds prompts for it).
+
+    Raises:
+        ConfigError: a bad parameter (names the field).
     """
     p = validate_load_params(name, params)
-    rng = np.random.default_rng([seed, LOAD_WORKLOADS.index(name)])
-    if name == "trace":
-        path = Path(p["path"]).expanduser()
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        p["format"] = trace_format(path, p["format"])
-        if p["format"] == "mooncake":
-            reqs = mooncake_requests(path, p, tokenizer)
-        else:
-            moved = [k for k in MOONCAKE_ONLY if p[k] != TRACE_REPLAY_DEFAULTS[k]]
-            if moved:
-                raise ConfigError(f"serve_load.workloads.trace.{moved[0]}", "applies to Mooncake traces only")
-            reqs = window_prompts(load_trace(path, max_tokens), p)
-        return LoadWorkload(name, tuple(reqs), ("trace",), MEASURED[name], None, {**p, "path": str(path)})
+    kind = workload_kind(name)
+    rng = np.random.default_rng([seed, LOAD_WORKLOADS.index(kind)])
+    if kind == "trace":
+        return _trace(name, p, tokenizer, max_tokens, base_dir)
     src = TextSource(tokenizer, rng)
-    if name == "agents":
+    if kind == "agents":
         plan = AgentsPlan(p, system_prompt(p, src), src, seed)
-        return LoadWorkload(name, tuple(plan.placeholders()), agents_phases(p), MEASURED[name],
-                            RESTART_BEFORE[name], p, agents=plan)
-    ram = None
-    if name == "shared-prefix":
+        return LoadWorkload(name, tuple(plan.placeholders()), agents_phases(p), MEASURED[kind],
+                            RESTART_BEFORE[kind], p, agents=plan)
+    ram, measured, restart = None, MEASURED[kind], RESTART_BEFORE.get(kind)
+    if kind == "shared-prefix":
         reqs = _shared_prefix(p, src, rng, max_tokens)
-    elif name == "multi-turn":
+    elif kind == "multi-turn":
+        per_token = kv_bytes_per_token(model_dir) if model_dir is not None else 0
         if not p["conversations"]:
-            per_token = kv_bytes_per_token(model_dir) if model_dir is not None else 0
             p["conversations"] = multi_turn_conversations(p, per_token)
-        p["working_set_bytes"] = multi_turn_working_set(p, kv_bytes_per_token(model_dir) if model_dir else 0)
+        p["working_set_bytes"] = multi_turn_working_set(p, per_token)
         ram = int(p["ram_bytes"])
-        reqs = _multi_turn(p, src, max_tokens)
-    elif name == "long-doc-qa":
+        reqs = _multi_turn(p, src, max_tokens, seed)
+        if p["restart_after"]:
+            measured, restart = tuple(dict.fromkeys(r.phase for r in reqs)), RESTART_PHASE
+    elif kind == "long-doc-qa":
         reqs = _long_doc_qa(p, src, rng, max_tokens)
+    elif kind == "cold-burst":
+        reqs = _cold_burst(p, src, rng, max_tokens, p["prompts_per_client"] * max_clients)
     else:
         reqs = _restart(p, src, rng, max_tokens)
     phases = tuple(dict.fromkeys(r.phase for r in reqs))
-    return LoadWorkload(name, tuple(reqs), phases, MEASURED[name], RESTART_BEFORE.get(name), p, ram)
+    return LoadWorkload(name, tuple(reqs), phases, measured, restart, p, ram,
+                        per_client=p["prompts_per_client"] if kind == "cold-burst" else 0)
+
+
+def _trace(name: str, p: dict[str, Any], tokenizer: Any, max_tokens: int, base_dir: Path | None) -> LoadWorkload:
+    path = Path(p["path"]).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = base_dir / path
+    p["format"] = trace_format(path, p["format"])
+    if p["format"] == "mooncake":
+        reqs = mooncake_requests(path, p, tokenizer)
+    else:
+        moved = [k for k in MOONCAKE_ONLY if p[k] != TRACE_REPLAY_DEFAULTS[k]]
+        if moved:
+            raise ConfigError(f"serve_load.workloads.{name}.{moved[0]}", "applies to Mooncake traces only")
+        reqs = window_prompts(load_trace(path, max_tokens), p)
+    return LoadWorkload(name, tuple(reqs), ("trace",), MEASURED["trace"], None, {**p, "path": str(path)})
 
 
 def _msgs(*pairs: tuple[str, str]) -> tuple[dict[str, str], ...]:
@@ -274,8 +331,9 @@ def _shared_prefix(p: dict, src: TextSource, rng: np.random.Generator, max_token
 
 
 def multi_turn_working_set(p: dict[str, Any], kv_per_token: int) -> int:
-    """KV bytes of all conversations at their last turn (bytes; content tokens, no template)."""
-    per_conv = p["system_tokens"] + p["turns"] * p["user_tokens"] + (p["turns"] - 1) * p["assistant_tokens"]
+    """KV bytes of all conversations at their last turn (bytes; content tokens, no template; the
+    longest opening, `system_tokens_max`, when set)."""
+    per_conv = max(p["system_tokens"], p["system_tokens_max"]) + p["turns"] * p["user_tokens"] + (p["turns"] - 1) * p["assistant_tokens"]
     return int(p["conversations"] * per_conv * kv_per_token)
 
 
@@ -287,19 +345,47 @@ def multi_turn_conversations(p: dict[str, Any], kv_per_token: int) -> int:
     return max(2, min(p["max_conversations"], math.ceil(p["working_set_factor"] * p["ram_bytes"] / one)))
 
 
-def _multi_turn(p: dict, src: TextSource, max_tokens: int) -> list[LoadRequest]:
-    history = {c: [("system", src.document(p["system_tokens"], f"conversation {c}"))]
+def multi_turn_phase(p: dict[str, Any], turn: int) -> str:
+    """The phase of turn `turn` (0-based) of a validated `multi-turn` parameter set: `turn`, or
+    with `restart_after` = R: `cold` (turn 0), `warm` (turns 1..R-1), `after` (turn R, the first
+    after the restart) and `rewarm` (the later ones, warm again on every server)."""
+    if not p["restart_after"]:
+        return "turn"
+    if turn == 0:
+        return "cold"
+    return "warm" if turn < p["restart_after"] else RESTART_PHASE if turn == p["restart_after"] else REWARM_PHASE
+
+
+def opening_tokens(p: dict[str, Any], seed: int, conversation: int) -> int:
+    """The opening (system prompt) length of one conversation (tokens): `system_tokens`, or drawn
+    uniformly in `system_tokens`..`system_tokens_max` from `default_rng([seed, conversation])`."""
+    if not p["system_tokens_max"]:
+        return int(p["system_tokens"])
+    return int(np.random.default_rng([seed, conversation]).integers(p["system_tokens"], p["system_tokens_max"] + 1))
+
+
+def _multi_turn(p: dict, src: TextSource, max_tokens: int, seed: int) -> list[LoadRequest]:
+    history = {c: [("system", src.document(opening_tokens(p, seed, c), f"conversation {c}"))]
                for c in range(p["conversations"])}
     last: dict[int, int] = {}
     reqs: list[LoadRequest] = []
     for turn in range(p["turns"]):
+        phase = multi_turn_phase(p, turn)
         for c in range(p["conversations"]):
             if turn:
                 history[c].append(("assistant", src.text(p["assistant_tokens"])))
             history[c].append(("user", f"Turn {turn + 1}: " + src.text(p["user_tokens"])))
-            reqs.append(LoadRequest(f"c{c}t{turn}", _msgs(*history[c]), max_tokens, "turn", f"c{c}", last.get(c)))
+            reqs.append(LoadRequest(f"c{c}t{turn}", _msgs(*history[c]), max_tokens, phase, f"c{c}", last.get(c)))
             last[c] = len(reqs) - 1
     return reqs
+
+
+def _cold_burst(p: dict, src: TextSource, rng: np.random.Generator, max_tokens: int, n: int) -> list[LoadRequest]:
+    """`n` prompts at distinct corpus offsets (drawn without replacement while the corpus has
+    enough tokens): no two start with the same token."""
+    starts = rng.choice(len(src.ids), size=n, replace=n > len(src.ids))
+    return [LoadRequest(f"b{i}", _msgs(("user", src.text(p["prompt_tokens"], int(start)))), max_tokens, "burst",
+                        f"b{i}") for i, start in enumerate(starts)]
 
 
 def _long_doc_qa(p: dict, src: TextSource, rng: np.random.Generator, max_tokens: int) -> list[LoadRequest]:
@@ -377,5 +463,5 @@ def _trace_messages(doc: dict[str, Any], where: str, field: str) -> tuple[dict[s
 
 
 __all__ = ["LOAD_WORKLOADS", "LOAD_WORKLOAD_DEFAULTS", "LoadWorkload", "TextSource", "build_load_workload",
-           "kv_bytes_per_token", "load_trace", "multi_turn_conversations", "multi_turn_working_set",
-           "validate_load_params"]
+           "kv_bytes_per_token", "load_trace", "multi_turn_conversations", "multi_turn_phase", "multi_turn_working_set",
+           "opening_tokens", "validate_load_params", "workload_kind"]

@@ -1,0 +1,258 @@
+"""The parity table of a `[serve_load]` run: kvtool against every plain `mlx_lm.server`, per phase.
+
+"Never slower than mlx_lm.server": each (workload, clients, phase) of the measured requests gets,
+for every server that ran (`kvtool`, `mlx-lm` with its defaults, `mlx-lm-1000` with
+`--prompt-cache-size 1000`), TTFT p50 and p99 (ms, `numpy.percentile` linear, over the successful
+requests of the phase) and requests/s (successful requests / the phase's wall time: first send to
+last answer, s), each the mean over the repeats; then kvtool's ratio to each mlx-lm server and to
+the better of them (the lower TTFT, the higher requests/s), the target of the row and whether it
+is met (`parity_target`):
+
+- `parity` (the default, every cell whose data fits every server's cache, cold bursts and first
+  turns included): TTFT p50 <= `TOLERANCE` x the better mlx-lm server's and requests/s >= the
+  better one's / `TOLERANCE`;
+- `cached-default`: the `warm` and `rewarm` turns of a `multi-turn` workload of more conversations than
+  mlx_lm.server's default prompt cache holds (`DEFAULT_CACHE_ENTRIES`): TTFT p50 <=
+  `CACHED_FACTOR` x the default server's (which evicts each conversation before its next turn);
+- `cached-all`: the phase after a restart (`after`; for `multi-turn` its first turn after the
+  restart, the later ones are `rewarm`): TTFT p50 <= `CACHED_FACTOR` x every mlx-lm server's
+  (their caches were in memory; kvtool's is on disk).
+
+Outputs: every server's greedy output is compared with the `mlx-lm` server's for the same request
+(`output_mismatches_<server>`: requests that differ or that only one answered); the 1-minute load
+average at the start of the cell's first batch and at the end of its last (`load_avg_start`,
+`load_avg_end`). `write_parity` writes `parity.csv` and returns the report's markdown section.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from kvtool.bench.loadserver import KVTOOL, MLXLM, MLXLM_FLAGS
+from kvtool.bench.loadworkloads import RESTART_PHASE, REWARM_PHASE, workload_kind
+
+TOLERANCE = 1.05  # parity: within 5 % of the better mlx-lm server
+CACHED_FACTOR = 0.1  # a cached turn against a server that has to prefill it again
+DEFAULT_CACHE_ENTRIES = 10  # mlx_lm.server's --prompt-cache-size default (mlx_lm/server.py)
+PHASE_LABELS = {RESTART_PHASE: "after restart", REWARM_PHASE: "warm after restart"}
+ROW_KEYS = ["workload", "clients", "phase"]
+FIGS = ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s")
+TARGETS = {
+    "parity": f"TTFT p50 <= {TOLERANCE}x and req/s >= 1/{TOLERANCE}x the better mlx-lm",
+    "cached-default": f"TTFT p50 <= {CACHED_FACTOR}x mlx-lm (default cache)",
+    "cached-all": f"TTFT p50 <= {CACHED_FACTOR}x every mlx-lm",
+}
+
+
+def phase_figures(requests: pd.DataFrame) -> pd.DataFrame:
+    """Per (workload, server, clients, repeat, phase) of the measured requests: `ttft_p50_ms`,
+    `ttft_p99_ms` (ms), `requests_per_s` (successful requests / (last answer - first send), s)
+    `requests` (successful ones) and `failed`; an empty frame without measured rows.
+
+    Args:
+        requests: the rows of `requests.jsonl` (`measured`, `phase`, `ttft_ms`, `latency_ms`,
+            `sent_s`, `error`, ...).
+    """
+    cols = ["workload", "server", "clients", "repeat", "phase", *FIGS, "requests", "failed"]
+    if requests.empty or "measured" not in requests:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    measured = requests[requests["measured"].astype(bool)]
+    for key, grp in measured.groupby(["workload", "server", "clients", "repeat", "phase"], sort=False):
+        ok = grp[grp["error"].isna()] if "error" in grp else grp
+        ttft = ok["ttft_ms"].to_numpy(dtype=float)
+        ends = ok["sent_s"].to_numpy(dtype=float) + ok["latency_ms"].to_numpy(dtype=float) / 1e3
+        wall = float(ends.max() - grp["sent_s"].min()) if len(ok) else float("nan")
+        rows.append(dict(zip(cols, (*key, *(_pct(ttft, 50), _pct(ttft, 99)), len(ok) / wall if wall > 0 else math.nan,
+                                    len(ok), len(grp) - len(ok)), strict=True)))
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if values.size else math.nan
+
+
+def parity_target(kind: str, params: dict[str, Any], phase: str) -> str:
+    """The target of a row (a `TARGETS` key; see the module docstring).
+
+    Args:
+        kind: the workload (`workload_kind` of its config name).
+        params: its parameters as built (`run.json`'s `workloads.<name>.params`).
+        phase: the phase of the row.
+    """
+    if phase == RESTART_PHASE:
+        return "cached-all"
+    if kind == "multi-turn" and phase in ("warm", REWARM_PHASE) \
+            and int(params.get("conversations", 0)) > DEFAULT_CACHE_ENTRIES:
+        return "cached-default"
+    return "parity"
+
+
+def target_met(target: str, row: dict[str, Any], baselines: list[str]) -> str:
+    """`met`, `not met`, or `-` when kvtool or the baseline the target needs did not run."""
+    kv_ttft, kv_rps = row.get(f"{KVTOOL}_ttft_p50_ms", math.nan), row.get(f"{KVTOOL}_requests_per_s", math.nan)
+    need = [MLXLM] if target == "cached-default" else baselines
+    refs = [row.get(f"{b}_ttft_p50_ms", math.nan) for b in need]
+    if not need or not all(_finite(v) for v in (kv_ttft, *refs)):
+        return "-"
+    if target == "parity":
+        best_rps = max(row.get(f"{b}_requests_per_s", math.nan) for b in baselines)
+        ok = kv_ttft <= TOLERANCE * min(refs) and (not _finite(best_rps) or kv_rps * TOLERANCE >= best_rps)
+    else:
+        ok = all(kv_ttft <= CACHED_FACTOR * r for r in refs)
+    return "met" if ok else "not met"
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def parity_frame(requests: pd.DataFrame, batches: pd.DataFrame, doc: dict[str, Any]) -> pd.DataFrame:
+    """`parity.csv`: one row per (workload, clients, phase) (see the module docstring); empty
+    when no measured request ran.
+
+    Args:
+        requests: the rows of `requests.jsonl`.
+        batches: the rows of `batches.csv` (in run order; `load_avg_start` / `load_avg_end`).
+        doc: `run.json` (the workloads' kinds and parameters).
+    """
+    figs = phase_figures(requests)
+    if figs.empty:
+        return pd.DataFrame(columns=[*ROW_KEYS, "target", "met"])
+    servers = [s for s in (KVTOOL, *MLXLM_FLAGS) if s in set(figs["server"])]
+    baselines = [s for s in MLXLM_FLAGS if s in servers]
+    mismatches = output_mismatches(requests)
+    workloads = doc.get("workloads") or {}
+    rows = []
+    for (workload, clients, phase), grp in figs.groupby(ROW_KEYS, sort=False):
+        row: dict[str, Any] = {"workload": workload, "clients": int(clients), "phase": phase,
+                               "phase_label": PHASE_LABELS.get(phase, phase)}
+        for server in servers:
+            sel = grp[grp["server"] == server]
+            for fig in FIGS:
+                row[f"{server}_{fig}"] = float(sel[fig].mean()) if len(sel) else math.nan
+            row[f"{server}_failed"] = int(sel["failed"].sum())
+        _ratios(row, baselines)
+        info = workloads.get(workload) or {}
+        row["target"] = parity_target(info.get("kind", workload_kind(workload)), info.get("params") or {}, phase)
+        row["met"] = target_met(row["target"], row, baselines) if KVTOOL in servers else "-"
+        for server in servers:
+            if server != MLXLM:
+                row[f"output_mismatches_{server}"] = mismatches.get((workload, int(clients), phase, server))
+        row.update(_load_avg(batches, workload, int(clients)))
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _ratios(row: dict[str, Any], baselines: list[str]) -> None:
+    """kvtool / each baseline and / the better one, for TTFT p50 and requests/s (NaN when absent)."""
+    def ratio(a: float, b: float) -> float:
+        return a / b if _finite(a) and _finite(b) and b > 0 else math.nan
+
+    for fig in ("ttft_p50_ms", "requests_per_s"):
+        kv = row.get(f"{KVTOOL}_{fig}", math.nan)
+        refs = [row.get(f"{b}_{fig}", math.nan) for b in baselines]
+        for b, ref in zip(baselines, refs, strict=True):
+            row[f"{fig}_ratio_{b}"] = ratio(kv, ref)
+        finite = [r for r in refs if _finite(r)]
+        best = (min(finite) if fig.startswith("ttft") else max(finite)) if finite else math.nan
+        row[f"{fig}_ratio_best"] = ratio(kv, best)
+
+
+def output_mismatches(requests: pd.DataFrame) -> dict[tuple[str, int, str, str], int]:
+    """Per (workload, clients, phase, server other than `mlx-lm`): requests whose output (text and
+    completion tokens) differs from the `mlx-lm` server's for the same (repeat, key), or that only
+    one of the two answered; empty when `mlx-lm` did not run."""
+    if requests.empty or MLXLM not in set(requests["server"]):
+        return {}
+    keys = ["workload", "clients", "repeat", "key"]
+    rows = requests[requests["measured"].astype(bool)] if "measured" in requests else requests
+    cols = [*keys, "phase", "text", "completion_tokens", "error"]
+    base = rows[rows["server"] == MLXLM][cols]
+    out: dict[tuple[str, int, str, str], int] = {}
+    for server in sorted(set(rows["server"]) - {MLXLM}):
+        both = rows[rows["server"] == server][cols].merge(base, on=keys, how="outer", suffixes=("_o", "_b"))
+        for r in both.to_dict(orient="records"):
+            phase = r["phase_o"] if isinstance(r["phase_o"], str) else r["phase_b"]
+            cell = (r["workload"], int(r["clients"]), phase, server)
+            same = _answered(r, "_o") and _answered(r, "_b") and r["text_o"] == r["text_b"] \
+                and r["completion_tokens_o"] == r["completion_tokens_b"]
+            out[cell] = out.get(cell, 0) + (0 if same else 1)
+    return out
+
+
+def _answered(r: dict[str, Any], suffix: str) -> bool:
+    return isinstance(r[f"text{suffix}"], str) and not isinstance(r[f"error{suffix}"], str)
+
+
+def _load_avg(batches: pd.DataFrame, workload: str, clients: int) -> dict[str, Any]:
+    if "load_avg_start" not in batches:
+        return {"load_avg_start": None, "load_avg_end": None}
+    sel = batches[(batches["workload"] == workload) & (batches["clients"] == clients)]
+    return {"load_avg_start": sel["load_avg_start"].iloc[0] if len(sel) else None,
+            "load_avg_end": sel["load_avg_end"].iloc[-1] if len(sel) else None}
+
+
+def parity_markdown(frame: pd.DataFrame) -> list[str]:
+    """The report's "Parity" section (markdown lines; none for an empty frame)."""
+    if frame.empty or "target" not in frame:
+        return []
+    servers = [s for s in (KVTOOL, *MLXLM_FLAGS) if f"{s}_ttft_p50_ms" in frame]
+    baselines = [s for s in servers if s != KVTOOL]
+    ratio_cols = [*baselines, "best"] if len(baselines) > 1 else baselines
+    names = " / ".join(servers)
+    lines = ["", "## Parity: kvtool against every mlx_lm.server, per phase", "",
+             f"Means over the repeats of each phase's TTFT p50 / p99 (ms) and requests/s, per server ({names}); "
+             f"ratios kvtool / {', '.join(ratio_cols)} (best: the better mlx-lm server); targets: "
+             + "; ".join(f"`{k}`: {v}" for k, v in TARGETS.items()) + " (`kvtool/bench/loadparity.py`). Outputs: "
+             "requests whose output differs from mlx-lm's; failed: requests without an answer per server (not in the "
+             "figures). Load: 1-minute load average at the cell's start -> end.",
+             "", f"| workload | clients | phase | TTFT p50 ms ({names}) | TTFT p99 ms | req/s | TTFT p50 ratio "
+             f"({' / '.join(ratio_cols)}) | req/s ratio | target | met | outputs differing | failed | load |",
+             "|---|---:|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in frame.to_dict(orient="records"):
+        cells = [" / ".join(_fmt(row.get(f"{s}_{fig}"), 2 if fig == "requests_per_s" else 1) for s in servers)
+                 for fig in FIGS]
+        ratios = [" / ".join(_fmt(row.get(f"{fig}_ratio_{b}"), 2) for b in ratio_cols)
+                  for fig in ("ttft_p50_ms", "requests_per_s")]
+        diff = ", ".join(f"{s} {_fmt(row.get(f'output_mismatches_{s}'), 0)}" for s in servers if s != MLXLM)
+        failed = " / ".join(_fmt(row.get(f"{s}_failed"), 0) for s in servers)
+        lines.append(f"| {row['workload']} | {row['clients']} | {row['phase_label']} | {' | '.join(cells)} | "
+                     f"{' | '.join(ratios)} | {row['target']} | {row['met']} | {diff or '-'} | {failed} | "
+                     f"{_fmt(row.get('load_avg_start'), 2)} -> {_fmt(row.get('load_avg_end'), 2)} |")
+    return lines
+
+
+def parity_summary(frame: pd.DataFrame) -> list[str]:
+    """One console line per row of the parity table: kvtool / the better mlx-lm server (TTFT p50,
+    requests/s), the target and whether it is met."""
+    if frame.empty or "target" not in frame:
+        return []
+    return [f"parity {r['workload']} {r['clients']} client(s) {r['phase_label']}: kvtool / better mlx-lm TTFT p50 "
+            f"{_fmt(r.get('ttft_p50_ms_ratio_best'), 2)}, req/s {_fmt(r.get('requests_per_s_ratio_best'), 2)}; "
+            f"{r['target']} -> {r['met']}" for r in frame.to_dict(orient="records")]
+
+
+def _fmt(value: Any, digits: int) -> str:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return "-"
+    return f"{v:,.{digits}f}" if math.isfinite(v) else "-"
+
+
+def write_parity(run_dir: Path, requests: pd.DataFrame, batches: pd.DataFrame,
+                 doc: dict[str, Any]) -> tuple[pd.DataFrame, list[str]]:
+    """Write `parity.csv` into `run_dir`; return the frame and the report's markdown section."""
+    frame = parity_frame(requests, batches, doc)
+    frame.to_csv(Path(run_dir) / "parity.csv", index=False)
+    return frame, parity_markdown(frame)
+
+
+__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "output_mismatches", "parity_frame",
+           "parity_markdown", "parity_summary", "parity_target", "phase_figures", "target_met", "write_parity"]
