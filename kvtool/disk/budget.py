@@ -53,7 +53,7 @@ import numpy as np
 
 from kvtool.disk.chains import build_forest, key_of_hex
 from kvtool.disk.fsops import FileOps, pid_alive
-from kvtool.disk.index import BlockIndex
+from kvtool.disk.index import BlockIndex, delete_in
 from kvtool.disk.names import INDEX_FILENAME, SUBDIR_RE, is_segment_name
 from kvtool.disk.planner import SegmentPlanner, fit_budget
 from kvtool.disk.rowtable import load_rows
@@ -67,7 +67,6 @@ STALE_RESERVATION_S = 600.0  # a reservation this old is a leftover (as temp fil
 REFUSAL_LOG_INTERVAL_S = 60.0
 WAL_CHECKPOINT_PAGES = 64  # the index's WAL is checkpointed at this many pages (SQLite's default: 1000)
 WAL_LIMIT_BYTES = 256 << 10  # and truncated to this after a checkpoint: it counts against the budget
-_MAX_VARS = 500
 
 
 @dataclass
@@ -231,9 +230,7 @@ class SSDBudget:
                 gone.append(name)
             elif pid != os.getpid() and not pid_alive(pid, math.inf):
                 gone.append(name)
-        for i in range(0, len(gone), _MAX_VARS):
-            chunk = gone[i : i + _MAX_VARS]
-            cur.execute(f"DELETE FROM reservations WHERE name IN ({','.join('?' * len(chunk))})", chunk)
+        delete_in(cur, "reservations", "name", gone)
         self._unreleased.clear()
 
     def _evict(self, cur: sqlite3.Cursor, used: int, need: int, now: float, out: Eviction) -> list[str]:
@@ -258,9 +255,7 @@ class SSDBudget:
         fit_budget({"ns": planner}, max(target, 0), protect_after=now - self.protect_s)
         names = [planner.names[i] for i in planner.removed_segment_ids().tolist()] + rowless
         hashes = planner.removed_block_names()
-        for i in range(0, len(hashes), _MAX_VARS):
-            chunk = hashes[i : i + _MAX_VARS]
-            cur.execute(f"DELETE FROM blocks WHERE hash IN ({','.join('?' * len(chunk))})", chunk)
+        delete_in(cur, "blocks", "hash", hashes)
         pid = os.getpid()
         for name in names:
             cur.execute("DELETE FROM segments WHERE name=?", (name,))
@@ -285,9 +280,7 @@ class SSDBudget:
         done = sorted(self._unreleased)
         try:
             with self._index.write_transaction() as cur:
-                for i in range(0, len(done), _MAX_VARS):
-                    chunk = done[i : i + _MAX_VARS]
-                    cur.execute(f"DELETE FROM reservations WHERE name IN ({','.join('?' * len(chunk))})", chunk)
+                delete_in(cur, "reservations", "name", done)
         except sqlite3.Error as exc:
             log.warning("could not end the reservations of %d evicted segment(s): %s", len(done), exc)
             return

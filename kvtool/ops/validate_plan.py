@@ -8,14 +8,12 @@ This module never imports MLX.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from kvtool.disk.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
+from kvtool.disk.fsops import FileOps
 from kvtool.disk.names import segment_relpath
 from kvtool.disk.rowtable import IndexRow, RowTable, SegmentRow
 from kvtool.disk.verify import slot_problem
@@ -66,7 +64,7 @@ class RepairPlanner:
     def run(self, progress: ProgressFn | None) -> None:
         ns, rep, act = self.ns, self.rep, self.act
         for rel in ns.irregular:
-            if _is_dir(ns.path / rel):
+            if FileOps().is_dir(ns.path / rel):
                 rep.note("irregular", rel, "a directory under a kvtool file name: left alone")
                 continue
             act.irregular.append(rel)
@@ -473,13 +471,6 @@ class _SegInfo:
 
     def __init__(self, size: int, n_slots: int, created: float):
         self.size, self.n_slots, self.created = size, n_slots, created
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 __all__ = ["RepairPlanner", "ProgressFn"]
