@@ -180,7 +180,7 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
     try:
         return scan_cache(cache_dir, p, now=now, rows=False)  # a namespace goes whole: its rows are only counted
     except ScanError:
-        links = _symlinks_matching(Path(cache_dir), p)
+        links = [n for n in _entries_matching(Path(cache_dir), p) if os.path.islink(Path(cache_dir) / n)]
         if links:
             raise RemoveError(f"{Path(cache_dir) / links[0]} is a symlink: never followed, nothing removed",
                               hint="remove the link itself if it is not wanted") from None  # fmt: skip
@@ -195,10 +195,6 @@ def _entries_matching(cache_dir: Path, prefix: str) -> list[str]:
     except OSError:
         return []
     return [n for n in names if NAMESPACE_RE.match(n) and n.startswith(prefix)]
-
-
-def _symlinks_matching(cache_dir: Path, prefix: str) -> list[str]:
-    return [n for n in _entries_matching(cache_dir, prefix) if os.path.islink(cache_dir / n)]
 
 
 def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
