@@ -3,8 +3,8 @@
 A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
 `<name[:2]>/<name>.safetensors` (format: `kvtool.disk.segment`), each holding the blocks of one
 write batch. The index maps every block to `(segment, slot)`. The save path (dedup, segment
-packing, atomic write, one index transaction) is `kvtool.disk.namespace_save`, the open path
-`kvtool.disk.namespace_open`, the state all three share `kvtool.disk.namespace_core`, and the optional byte
+packing, atomic write, one index transaction) is `kvtool.disk.namespace_save`, the open path and
+the state both share `kvtool.disk.namespace_core`, and the optional byte
 budget (`set_max_bytes`: least recently used segments evicted before a write that would not fit,
 agreed between processes through the index) `kvtool.disk.budget`.
 
@@ -43,8 +43,7 @@ from kvtool.disk import segment as seg
 from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
 from kvtool.disk.names import is_hash
-from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore
-from kvtool.disk.namespace_open import open_index, reconcile
+from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore, open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
 from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
@@ -122,7 +121,7 @@ class SSDStore(StoreCore):
                          dir_mode=dir_mode, segment_max_bytes=segment_max_bytes, counters=COUNTERS)  # fmt: skip
         self._saver = SegmentSaver(self)  # the save path (kvtool.disk.namespace_save)
         try:
-            open_index(self, {k: str(v) for k, v in meta.items()}, flush_interval_s)  # kvtool.disk.namespace_open
+            open_index(self, {k: str(v) for k, v in meta.items()}, flush_interval_s)  # kvtool.disk.namespace_core
         except Exception as exc:  # any trouble opening costs the tier, never the request (docs/design.md#failure-isolation)
             self.close_index_quietly()
             self.disable(f"cannot open {self.namespace_dir}: {exc}")
@@ -294,20 +293,17 @@ class SSDStore(StoreCore):
             header = seg.read_header(fd, check_regular(fd, path).st_size)
             seg.check_header(header, self.layout_key, self.geometry.kv, self.geometry.codec)
             return fd, header
-        except NotRegularFileError as exc:
+        except (OSError, BlockFileError) as exc:
             os.close(fd)
-            self._not_regular(name, exc)
-            return None
-        except OSError as exc:  # a read error is not corruption: miss, keep the rows
-            os.close(fd)
-            log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
-            self.inc("ssd_load_fail")
-            return None
-        except BlockFileError as exc:
-            os.close(fd)
-            log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
-            self.inc("ssd_load_corrupt")
-            self._drop_segment(name)
+            if isinstance(exc, NotRegularFileError):
+                self._not_regular(name, exc)
+            elif isinstance(exc, OSError):  # a read error is not corruption: miss, keep the rows
+                log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
+                self.inc("ssd_load_fail")
+            else:
+                log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
+                self.inc("ssd_load_corrupt")
+                self._drop_segment(name)
             return None
 
     def _not_regular(self, name: str, exc: OSError) -> None:
