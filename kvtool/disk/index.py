@@ -76,7 +76,7 @@ REMOVALS_SCHEMA = "CREATE TABLE IF NOT EXISTS removals (name TEXT PRIMARY KEY NO
 _COLUMNS = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
 _SEG_COLUMNS = "name, nbytes, n_blocks, created"
 
-__all__ = ["BlockIndex", "INDEX_FILENAME", "delete_in"]
+__all__ = ["BlockIndex", "INDEX_FILENAME"]
 
 
 def read_only_uri(path: Path, immutable: bool = False) -> str:
@@ -473,14 +473,6 @@ class BlockIndex:
         self._pending.clear()
         self._pending_since = None
         return len(items)
-
-
-def delete_in(cur: sqlite3.Cursor, table: str, column: str, values: Sequence[object]) -> None:
-    """`DELETE FROM table WHERE column IN (values)`, `_MAX_VARS` values a statement (in the
-    caller's transaction)."""
-    for i in range(0, len(values), _MAX_VARS):
-        chunk = list(values[i : i + _MAX_VARS])
-        cur.execute(f"DELETE FROM {table} WHERE {column} IN ({','.join('?' * len(chunk))})", chunk)
 
 
 def _has_table(conn: sqlite3.Connection | sqlite3.Cursor, name: str) -> bool:

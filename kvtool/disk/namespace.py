@@ -362,7 +362,7 @@ class SSDStore(StoreCore):
         """A segment file is gone: another process's removal (miss) or a stale row (drop)."""
         with self.lock:
             index = self.index
-            if index is None or self.read_only or self.fs.exists(self.seg_path(name, check=False)):
+            if index is None or self.read_only or self.fs.exists(self.seg_path(name)):
                 self.inc("ssd_load_miss")
                 return
             try:

@@ -201,7 +201,7 @@ class StoreCore:
                 pass
             self.index = None
 
-    def seg_path(self, name: str, check: bool = True) -> Path:
+    def seg_path(self, name: str) -> Path:
         """Path of a segment (raises ValueError for a malformed name)."""
         return self.namespace_dir / segment_relpath(name)
 
@@ -468,7 +468,7 @@ def reconcile(store: StoreCore) -> None:
                 store.unlink_quiet(tmp)
                 rep.temp_removed += 1
         gone = [n for n in names if n not in scan.files]
-        gone = [n for n in gone if not store.fs.exists(store.seg_path(n, check=False))]  # re-check just before
+        gone = [n for n in gone if not store.fs.exists(store.seg_path(n))]  # re-check just before
         rep.missing_rows_dropped = index.delete_segments(gone) if gone else 0
         rep.orphan_files = len(set(scan.files) - set(names))
         rep.rows = index.totals()[0]
