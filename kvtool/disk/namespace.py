@@ -330,27 +330,24 @@ class SSDStore(StoreCore):
         if not self.enabled:
             return None
         try:
-            return self._load_one(block_hash, np.asarray(expected_token_ids, dtype=np.int32), parent)
+            expected = np.asarray(expected_token_ids, dtype=np.int32)
+            row = self.rows_of([block_hash]).get(block_hash)  # its row (tail entries included)
+            if row is None or row.num_tokens != expected.shape[0]:
+                self.inc("ssd_load_noncacheable" if self.is_noncacheable(block_hash) else "ssd_load_miss")
+                return None
+            got = self._read_verified(row, parent)
+            if got is None:
+                return None
+            block, slot = got
+            if not np.array_equal(block.token_ids, expected):
+                self.tokens_mismatch(row, expected, "load")
+                return None
+            self.record_hits([block_hash], slot.nbytes)
+            return block
         except Exception:  # a bug here must cost a miss, never a request
             log.exception("SSD load of %s failed", block_hash)
             self.inc("ssd_load_fail")
             return None
-
-    def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> HostBlock | None:
-        rows = self.lookup([h])  # its row (tail entries included)
-        row = rows[0] if rows else None
-        if row is None or row.num_tokens != expected.shape[0]:
-            self.inc("ssd_load_noncacheable" if self.is_noncacheable(h) else "ssd_load_miss")
-            return None
-        got = self._read_verified(row, parent)
-        if got is None:
-            return None
-        block, slot = got
-        if not np.array_equal(block.token_ids, expected):
-            self.tokens_mismatch(row, expected, "load")
-            return None
-        self.record_hits([h], slot.nbytes)
-        return block
 
     def record_hits(self, hashes: Sequence[str], nbytes: int) -> None:
         """Count verified loads and touch their rows (batched access-time update)."""
