@@ -67,7 +67,7 @@ STALE_RESERVATION_S = 600.0  # a reservation this old is a leftover (as temp fil
 REFUSAL_LOG_INTERVAL_S = 60.0
 WAL_CHECKPOINT_PAGES = 64  # the index's WAL is checkpointed at this many pages (SQLite's default: 1000)
 WAL_LIMIT_BYTES = 256 << 10  # and truncated to this after a checkpoint: it counts against the budget
-_MAX_VARS = 500
+_MAX_VARS = 500  # host parameters per statement (as the index's)
 
 
 @dataclass
@@ -231,9 +231,7 @@ class SSDBudget:
                 gone.append(name)
             elif pid != os.getpid() and not pid_alive(pid, math.inf):
                 gone.append(name)
-        for i in range(0, len(gone), _MAX_VARS):
-            chunk = gone[i : i + _MAX_VARS]
-            cur.execute(f"DELETE FROM reservations WHERE name IN ({','.join('?' * len(chunk))})", chunk)
+        _delete_in(cur, "reservations", "name", gone)
         self._unreleased.clear()
 
     def _evict(self, cur: sqlite3.Cursor, used: int, need: int, now: float, out: Eviction) -> list[str]:
@@ -258,9 +256,7 @@ class SSDBudget:
         fit_budget({"ns": planner}, max(target, 0), protect_after=now - self.protect_s)
         names = [planner.names[i] for i in planner.removed_segment_ids().tolist()] + rowless
         hashes = planner.removed_block_names()
-        for i in range(0, len(hashes), _MAX_VARS):
-            chunk = hashes[i : i + _MAX_VARS]
-            cur.execute(f"DELETE FROM blocks WHERE hash IN ({','.join('?' * len(chunk))})", chunk)
+        _delete_in(cur, "blocks", "hash", hashes)
         pid = os.getpid()
         for name in names:
             cur.execute("DELETE FROM segments WHERE name=?", (name,))
@@ -285,9 +281,7 @@ class SSDBudget:
         done = sorted(self._unreleased)
         try:
             with self._index.write_transaction() as cur:
-                for i in range(0, len(done), _MAX_VARS):
-                    chunk = done[i : i + _MAX_VARS]
-                    cur.execute(f"DELETE FROM reservations WHERE name IN ({','.join('?' * len(chunk))})", chunk)
+                _delete_in(cur, "reservations", "name", done)
         except sqlite3.Error as exc:
             log.warning("could not end the reservations of %d evicted segment(s): %s", len(done), exc)
             return
@@ -299,6 +293,14 @@ class SSDBudget:
             self._last_refusal_log = now
             log.info("SSD byte budget %d B of %s: a %d B segment does not fit (%d B used; segments used in the last "
                      "%.0f s are not evicted): not stored", self.max_bytes, self.namespace_dir, need, used, self.protect_s)  # fmt: skip
+
+
+def _delete_in(cur: sqlite3.Cursor, table: str, column: str, values: list[str]) -> None:
+    """`DELETE FROM table WHERE column IN (values)`, `_MAX_VARS` values a statement (in the
+    caller's transaction)."""
+    for i in range(0, len(values), _MAX_VARS):
+        chunk = values[i : i + _MAX_VARS]
+        cur.execute(f"DELETE FROM {table} WHERE {column} IN ({','.join('?' * len(chunk))})", chunk)
 
 
 __all__ = ["SSDBudget", "Eviction", "DEFAULT_PROTECT_S", "EVICT_SLACK", "STALE_RESERVATION_S"]

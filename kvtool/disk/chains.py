@@ -380,19 +380,15 @@ class ChainTree:
         src = self._parent_source
         return src() if callable(src) else src
 
-    @property
-    def _hashes(self) -> Sequence[str]:
-        return self.hashes
-
     @cached_property
     def _number(self) -> dict[str, int]:
-        return {h: i for i, h in enumerate(self._hashes)}
+        return {h: i for i, h in enumerate(self.hashes)}
 
     @cached_property
     def nodes(self) -> Mapping[str, ChainNode]:
         """hash -> `ChainNode`."""
         f = self.forest
-        cols = zip(self._hashes, self._parents, f.last_access.tolist(), f.depth.tolist(), f.effective_access.tolist(),
+        cols = zip(self.hashes, self._parents, f.last_access.tolist(), f.depth.tolist(), f.effective_access.tolist(),
                    f.rooted.tolist(), f.in_cycle.tolist())  # fmt: skip
         return MappingProxyType({c[0]: ChainNode(*c) for c in cols})
 
@@ -402,7 +398,7 @@ class ChainTree:
         kids: dict[str, list[str]] = {}
         for i, p in enumerate(self.forest.parent.tolist()):
             if p >= 0:
-                kids.setdefault(self._hashes[p], []).append(self._hashes[i])
+                kids.setdefault(self.hashes[p], []).append(self.hashes[i])
         return MappingProxyType({p: tuple(sorted(cs)) for p, cs in kids.items()})
 
     def descendants(self, hashes: Iterable[str], include: bool = True) -> set[str]:
@@ -410,15 +406,15 @@ class ChainTree:
         stored). Cycle-safe."""
         start = [self._number[h] for h in hashes if h in self._number]
         mask = self.forest.descendants(np.array(start, dtype=np.int64), include)
-        return {self._hashes[i] for i in np.flatnonzero(mask).tolist()}
+        return {self.hashes[i] for i in np.flatnonzero(mask).tolist()}
 
     def unrooted(self) -> list[str]:
         """Blocks no prefix lookup can reach (their chain does not end at the root), sorted."""
-        return sorted(self._hashes[i] for i in np.flatnonzero(~self.forest.rooted).tolist())
+        return sorted(self.hashes[i] for i in np.flatnonzero(~self.forest.rooted).tolist())
 
     def tops(self) -> list[str]:
         """Blocks whose parent is not stored (first blocks of chains, or broken chains), sorted."""
-        return sorted(self._hashes[i] for i in self.forest.tops().tolist())
+        return sorted(self.hashes[i] for i in self.forest.tops().tolist())
 
     @property
     def max_depth(self) -> int:

@@ -18,18 +18,11 @@ import os
 import stat
 from pathlib import Path
 
-from kvtool.disk.names import (
-    NAMESPACE_RE,
-    SEGMENT_RE,
-    SEGMENT_SUFFIX,
-    SUBDIR_RE,
-    TEMP_RE,
-    segment_relpath,
-)
+from kvtool.disk.names import NAMESPACE_RE, SUBDIR_RE, TEMP_RE, is_kvtool_leaf, segment_relpath
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC
+DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NOFOLLOW | _CLOEXEC  # a directory, never a symlink
 _READ = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)
 FULL_DISK_BYTES = 1 << 20  # less free space than this (for an unprivileged user) is a full disk
 
@@ -47,7 +40,10 @@ class ConfinedDir:
 
     Raises:
         ValueError: `namespace` is not a namespace name.
-        OSError: the namespace is absent, a symlink (ELOOP) or not a directory.
+        OSError: the namespace is absent, a symlink or not a directory (ENOTDIR).
+
+    Attributes:
+        fd: the namespace directory's descriptor; root: the cache root's (for its `rmdir`).
     """
 
     def __init__(self, cache_dir: Path, namespace: str):
@@ -55,19 +51,23 @@ class ConfinedDir:
             raise ValueError(f"not a namespace name: {namespace!r}")
         self.namespace = namespace
         self._subdirs: dict[str, int] = {}  # fan-out directory -> descriptor, for open_segment
-        root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+        self.root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)  # kept for `rmdir`
         try:
-            self.fd = os.open(namespace, _DIR, dir_fd=root)
-        finally:
-            os.close(root)
+            if not stat.S_ISDIR(os.stat(namespace, dir_fd=self.root, follow_symlinks=False).st_mode):
+                raise OSError(errno.ENOTDIR, "not a real directory (symlink?): never followed", namespace)
+            self.fd = os.open(namespace, DIR_FLAGS, dir_fd=self.root)
+        except BaseException:
+            os.close(self.root)
+            raise
 
     def close(self) -> None:
         for fd in self._subdirs.values():
             os.close(fd)
         self._subdirs.clear()
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in (self.fd, self.root):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self.root = -1
 
     def __enter__(self) -> ConfinedDir:
         return self
@@ -84,7 +84,7 @@ class ConfinedDir:
         sub, name = relpath.split("/", 1)
         if not SUBDIR_RE.match(sub) or "/" in name:
             raise ValueError(f"not a namespace path: {relpath!r}")
-        return os.open(sub, _DIR, dir_fd=self.fd), name
+        return os.open(sub, DIR_FLAGS, dir_fd=self.fd), name
 
     def _done(self, fd: int) -> None:
         if fd != self.fd:
@@ -136,7 +136,7 @@ class ConfinedDir:
             os.close(self._subdirs.pop(sub))
         fd = self._subdirs.get(sub)
         if fd is None:
-            fd = self._subdirs[sub] = os.open(sub, _DIR, dir_fd=self.fd)
+            fd = self._subdirs[sub] = os.open(sub, DIR_FLAGS, dir_fd=self.fd)
         # a FIFO or device is never opened (and O_NONBLOCK, then fstat, if one is swapped in)
         if not stat.S_ISREG(os.stat(leaf, dir_fd=fd, follow_symlinks=False).st_mode):
             raise _not_regular(rel)
@@ -165,9 +165,8 @@ class ConfinedDir:
             ValueError: not a segment or temp file path. OSError: a symlink on the way (ELOOP),
                 the entry is a regular file, directory or symlink (EINVAL), or the unlink failed.
         """
-        leaf = relpath.rsplit("/", 1)[-1]
-        stem = leaf[: -len(SEGMENT_SUFFIX)] if leaf.endswith(SEGMENT_SUFFIX) else ""
-        if not TEMP_RE.match(leaf) and not (SEGMENT_RE.match(stem) and relpath == segment_relpath(stem)):
+        sub, _, leaf = relpath.rpartition("/")
+        if not TEMP_RE.match(leaf) and not (sub and is_kvtool_leaf(sub, leaf)):
             raise ValueError(f"not a kvtool file name: {relpath!r}")
         return self._unlink(relpath, regular=False)
 
@@ -200,4 +199,4 @@ def disk_full(path: Path) -> bool:
     return free is not None and free < FULL_DISK_BYTES
 
 
-__all__ = ["ConfinedDir", "REMOVE_WORKERS", "free_bytes", "disk_full", "FULL_DISK_BYTES"]
+__all__ = ["ConfinedDir", "DIR_FLAGS", "REMOVE_WORKERS", "free_bytes", "disk_full", "FULL_DISK_BYTES"]

@@ -248,12 +248,6 @@ def temp_path_for(final: Path, name: str) -> Path:
     return final.parent / f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
 
 
-def temp_owner_pid(name: str) -> int | None:
-    """The pid encoded in a temp file name, or None if `name` is not a kvtool temp file."""
-    m = TEMP_RE.match(name)
-    return int(m.group("pid")) if m else None
-
-
 def pid_alive(pid: int, limit: float = 1 << 22) -> bool:
     """True if process `pid` exists; one this process may not signal (or an absurd pid) counts as
     alive only below `limit`."""
@@ -272,8 +266,8 @@ def temp_is_leftover(fs: FileOps, path: Path, now: float | None = None) -> bool:
     A temp file of a live process may be a write in progress and is kept (unless it is older
     than `TEMP_STALE_S`, which also covers pid reuse).
     """
-    pid = temp_owner_pid(path.name)
-    if pid is None or not pid_alive(pid):
+    m = TEMP_RE.match(path.name)  # the pid of its writer is in its name
+    if m is None or not pid_alive(int(m.group("pid"))):
         return True
     try:
         return (time.time() if now is None else now) - fs.mtime(path) > TEMP_STALE_S
@@ -342,7 +336,10 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = Fa
             if TEMP_RE.match(sub):
                 scan.temps.append(path)
                 if with_stat:
-                    _stat_into(scan.stats, sub, path)
+                    try:
+                        scan.stats[sub] = os.lstat(path)
+                    except OSError:
+                        pass
             elif not sub.startswith(INDEX_FILENAME):
                 scan.other.append(sub)
             continue
@@ -371,13 +368,6 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = Fa
                 except OSError:
                     pass
     return scan
-
-
-def _stat_into(stats: dict[str, os.stat_result], rel: str, path: Path) -> None:
-    try:
-        stats[rel] = os.lstat(path)
-    except OSError:
-        pass
 
 
 def short_path(path: Path | str, limit: int = 80) -> str:

@@ -29,6 +29,10 @@ SEGMENT_RE = re.compile(r"^[0-9a-f]{32}$")  # random 128-bit segment names, hex
 SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
 SIDE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the database file and every file SQLite opens beside it
 INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # a namespace's index and its side files, by name
+# every index file kvtool writes in a namespace directory: the index, what `validate
+# --rebuild-index` leaves (`.corrupt`, `.rebuilding`), each with its side files
+INDEX_NAMES = frozenset(base + side for base in (INDEX_FILENAME, INDEX_FILENAME + ".corrupt", INDEX_FILENAME + ".rebuilding")
+                        for side in SIDE_SUFFIXES)  # fmt: skip
 TEMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{32}|probe)\.(?P<pid>\d{1,10})\.[0-9a-f]{8}\.tmp$")
 
 
@@ -40,6 +44,21 @@ def is_hash(value: object) -> bool:
 def is_segment_name(value: object) -> bool:
     """True if `value` is a well-formed segment name."""
     return isinstance(value, str) and SEGMENT_RE.match(value) is not None
+
+
+def is_kvtool_top(name: str) -> bool:
+    """True if `name` (an entry directly in a namespace directory, not a fan-out directory) is one
+    kvtool writes: the index or its side files, a rebuild's leftovers, a temp file."""
+    return name in INDEX_NAMES or TEMP_RE.match(name) is not None
+
+
+def is_kvtool_leaf(sub: str, name: str) -> bool:
+    """True if `name` in fan-out directory `sub` is one kvtool writes: a segment file of that
+    directory, or a temp file."""
+    if TEMP_RE.match(name):
+        return True
+    stem = name[: -len(SEGMENT_SUFFIX)] if name.endswith(SEGMENT_SUFFIX) else ""
+    return SEGMENT_RE.match(stem) is not None and stem[:2] == sub
 
 
 def segment_relpath(name: str) -> str:

@@ -3,8 +3,8 @@
 A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
 `<name[:2]>/<name>.safetensors` (format: `kvtool.disk.segment`), each holding the blocks of one
 write batch. The index maps every block to `(segment, slot)`. The save path (dedup, segment
-packing, atomic write, one index transaction) is `kvtool.disk.namespace_save`, the open path
-`kvtool.disk.namespace_open`, the state all three share `kvtool.disk.namespace_core`, and the optional byte
+packing, atomic write, one index transaction) is `kvtool.disk.namespace_save`, the open path and
+the state both share `kvtool.disk.namespace_core`, and the optional byte
 budget (`set_max_bytes`: least recently used segments evicted before a write that would not fit,
 agreed between processes through the index) `kvtool.disk.budget`.
 
@@ -43,8 +43,7 @@ from kvtool.disk import segment as seg
 from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
 from kvtool.disk.names import is_hash
-from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore
-from kvtool.disk.namespace_open import open_index, reconcile
+from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore, open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
 from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
@@ -122,7 +121,7 @@ class SSDStore(StoreCore):
                          dir_mode=dir_mode, segment_max_bytes=segment_max_bytes, counters=COUNTERS)  # fmt: skip
         self._saver = SegmentSaver(self)  # the save path (kvtool.disk.namespace_save)
         try:
-            open_index(self, {k: str(v) for k, v in meta.items()}, flush_interval_s)  # kvtool.disk.namespace_open
+            open_index(self, {k: str(v) for k, v in meta.items()}, flush_interval_s)  # kvtool.disk.namespace_core
         except Exception as exc:  # any trouble opening costs the tier, never the request (docs/design.md#failure-isolation)
             self.close_index_quietly()
             self.disable(f"cannot open {self.namespace_dir}: {exc}")
@@ -294,20 +293,17 @@ class SSDStore(StoreCore):
             header = seg.read_header(fd, check_regular(fd, path).st_size)
             seg.check_header(header, self.layout_key, self.geometry.kv, self.geometry.codec)
             return fd, header
-        except NotRegularFileError as exc:
+        except (OSError, BlockFileError) as exc:
             os.close(fd)
-            self._not_regular(name, exc)
-            return None
-        except OSError as exc:  # a read error is not corruption: miss, keep the rows
-            os.close(fd)
-            log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
-            self.inc("ssd_load_fail")
-            return None
-        except BlockFileError as exc:
-            os.close(fd)
-            log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
-            self.inc("ssd_load_corrupt")
-            self._drop_segment(name)
+            if isinstance(exc, NotRegularFileError):
+                self._not_regular(name, exc)
+            elif isinstance(exc, OSError):  # a read error is not corruption: miss, keep the rows
+                log.warning("SSD segment %s: read failed (%s); a miss", name, exc)
+                self.inc("ssd_load_fail")
+            else:
+                log.warning("SSD segment %s unusable (%s); its blocks are dropped", name, exc)
+                self.inc("ssd_load_corrupt")
+                self._drop_segment(name)
             return None
 
     def _not_regular(self, name: str, exc: OSError) -> None:
@@ -334,27 +330,24 @@ class SSDStore(StoreCore):
         if not self.enabled:
             return None
         try:
-            return self._load_one(block_hash, np.asarray(expected_token_ids, dtype=np.int32), parent)
+            expected = np.asarray(expected_token_ids, dtype=np.int32)
+            row = self.rows_of([block_hash]).get(block_hash)  # its row (tail entries included)
+            if row is None or row.num_tokens != expected.shape[0]:
+                self.inc("ssd_load_noncacheable" if self.is_noncacheable(block_hash) else "ssd_load_miss")
+                return None
+            got = self._read_verified(row, parent)
+            if got is None:
+                return None
+            block, slot = got
+            if not np.array_equal(block.token_ids, expected):
+                self.tokens_mismatch(row, expected, "load")
+                return None
+            self.record_hits([block_hash], slot.nbytes)
+            return block
         except Exception:  # a bug here must cost a miss, never a request
             log.exception("SSD load of %s failed", block_hash)
             self.inc("ssd_load_fail")
             return None
-
-    def _load_one(self, h: str, expected: np.ndarray, parent: str | None) -> HostBlock | None:
-        rows = self.lookup([h])  # its row (tail entries included)
-        row = rows[0] if rows else None
-        if row is None or row.num_tokens != expected.shape[0]:
-            self.inc("ssd_load_noncacheable" if self.is_noncacheable(h) else "ssd_load_miss")
-            return None
-        got = self._read_verified(row, parent)
-        if got is None:
-            return None
-        block, slot = got
-        if not np.array_equal(block.token_ids, expected):
-            self.tokens_mismatch(row, expected, "load")
-            return None
-        self.record_hits([h], slot.nbytes)
-        return block
 
     def record_hits(self, hashes: Sequence[str], nbytes: int) -> None:
         """Count verified loads and touch their rows (batched access-time update)."""
@@ -366,7 +359,7 @@ class SSDStore(StoreCore):
         """A segment file is gone: another process's removal (miss) or a stale row (drop)."""
         with self.lock:
             index = self.index
-            if index is None or self.read_only or self.fs.exists(self.seg_path(name, check=False)):
+            if index is None or self.read_only or self.fs.exists(self.seg_path(name)):
                 self.inc("ssd_load_miss")
                 return
             try:

@@ -1,11 +1,13 @@
 """The state every part of one namespace's SSD tier shares: `StoreCore` (with the removal of
-unusable blocks: `remove`, `discard`, `tokens_mismatch`), and the small types
-of its open path (`Expected`, `ReconcileReport`, `Recent`).
+unusable blocks: `remove`, `discard`, `tokens_mismatch`), the small types of its open path
+(`Expected`, `ReconcileReport`, `Recent`), and the open path itself: when an existing index must
+not be used (`refusal`), the read-only probe (`probe_writable`), `open_index` and the startup
+reconcile (`reconcile`).
 
-`SSDStore` (`kvtool.disk.namespace`) is a `StoreCore`; its save path (`kvtool.disk.namespace_save`) and
-open path (`kvtool.disk.namespace_open`) take a `StoreCore`. This module imports none of them, so
-the three depend on it and never on each other in a cycle. Logs go to the `kvtool.disk.namespace`
-logger. This module never imports MLX (the SSD writer thread calls it).
+`SSDStore` (`kvtool.disk.namespace`) is a `StoreCore`; its save path (`kvtool.disk.namespace_save`)
+takes a `StoreCore`. This module imports neither, so both depend on it and never on each other in
+a cycle. Logs go to the `kvtool.disk.namespace` logger. This module never imports MLX (the SSD
+writer thread calls it).
 """
 
 from __future__ import annotations
@@ -18,16 +20,16 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtool.disk import segment as seg
 from kvtool.disk.budget import SSDBudget
-from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps
+from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, scan_namespace, temp_is_leftover, temp_path_for
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.kvlayout import KVLayout
-from kvtool.disk.names import is_hash, segment_relpath
+from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, is_hash, is_segment_name, segment_relpath
 
 if TYPE_CHECKING:
     import numpy as np
@@ -199,7 +201,7 @@ class StoreCore:
                 pass
             self.index = None
 
-    def seg_path(self, name: str, check: bool = True) -> Path:
+    def seg_path(self, name: str) -> Path:
         """Path of a segment (raises ValueError for a malformed name)."""
         return self.namespace_dir / segment_relpath(name)
 
@@ -366,4 +368,118 @@ class StoreCore:
             self.unlink_segment(name)
 
 
-__all__ = ["StoreCore", "Expected", "ReconcileReport", "Recent", "NONCACHEABLE_TTL_S", "SUSPECT_MAX", "SAVED_MAX"]
+# ----------------------------------------------------------------------------- the open path
+IDENTITY_META = ("block_size", "kv_dtype", "kv_layers", "model_id")
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) -> None:
+    """Open `store`'s namespace: create its directory (exact mode), probe whether it is writable,
+    open its index (read-only where it is not: `BlockIndex(read_only=True)`), check the stored
+    meta against `meta`, and set `store.index`, `expected`, `enabled`, `read_only`.
+
+    Raises:
+        ValueError: a malformed layout key or meta.
+        OSError, sqlite3.Error: the directory or index cannot be used (the caller disables the tier).
+    """
+    if not NAMESPACE_RE.match(store.layout_key):
+        raise ValueError(f"layout key {store.layout_key!r} is not 32 hex characters")
+    writable = probe_writable(store)
+    store.pin_place()  # writes and unlinks check it (`StoreCore.write_path`)
+    now = repr(store.clock())
+    fresh = {**meta, "format_version": str(seg.FORMAT_VERSION), "layout_key": store.layout_key,
+             "created": now, "last_open": now, "shutdown_clean": "0", "shutdown_partial_flush": "0"}  # fmt: skip
+    db = store.namespace_dir / INDEX_FILENAME
+    if not writable and not store.fs.exists(db):
+        raise OSError(errno.EROFS, "read-only cache directory without an index", str(store.namespace_dir))
+    store.index = BlockIndex(  # refuses an index or side file that is no regular file (never opened)
+
+        db, store.durable, flush_interval_s=flush_interval_s, clock=store.clock, initial_meta=fresh,
+        read_only=not writable, create=writable,
+    )  # fmt: skip
+    stored = store.index.get_meta()
+    if not store.index.created_meta:
+        refused = refusal(store.layout_key, stored, meta)
+        if refused:
+            store.inc("ssd_namespace_refused")
+            store.close_index_quietly()
+            store.disable(refused)
+            return
+        store.previous_shutdown_clean = stored.get("shutdown_clean") == "1"
+        if writable:
+            store.index.set_meta({"last_open": now, "shutdown_clean": "0"})
+    store.expected = Expected.from_meta(store.layout_key, {**meta, **stored})
+    store.enabled = True
+    if not writable:
+        store.read_only = True
+        store.disabled_reason = f"{store.namespace_dir} is not writable: serving hits read-only"
+        log.warning("SSD tier read-only: %s", store.disabled_reason)
+
+
+def probe_writable(store: StoreCore) -> bool:
+    """Create the namespace directory (exact mode) and try a temp file in it.
+
+    Returns:
+        False if the directory exists but this process cannot write it (EROFS, EACCES, EPERM).
+
+    Raises:
+        OSError: the directory cannot be created or is not a real directory.
+    """
+    try:
+        store.fs.makedirs(store.namespace_dir, store.dir_mode)
+        probe = temp_path_for(store.namespace_dir / "probe", "probe")
+        store.fs.close(store.fs.open_new(probe))
+        store.fs.unlink(probe)
+        return True
+    except OSError as exc:
+        if exc.errno in READ_ONLY_ERRNOS and store.fs.is_dir(store.namespace_dir):
+            return False
+        raise
+
+
+def refusal(layout_key: str, stored: dict[str, str], meta: dict[str, str]) -> str | None:
+    """Why an existing namespace index (meta `stored`) must not be used with `meta`, or None."""
+    if not stored:
+        return None
+    if stored.get("format_version") != str(seg.FORMAT_VERSION):
+        return f"namespace has format_version {stored.get('format_version')!r}, this kvtool writes {seg.FORMAT_VERSION}"
+    if stored.get("layout_key") != layout_key:
+        return f"namespace index belongs to layout {stored.get('layout_key')!r}"
+    diff = [k for k in IDENTITY_META if stored.get(k) != meta[k]]
+    return f"namespace metadata differs: {diff}" if diff else None
+
+
+def reconcile(store: StoreCore) -> None:
+    """Remove leftover temp files and drop segments whose file is missing (`store.reconcile_report`).
+
+    Cheap at any size: one directory listing and the `segments` table (one row per write
+    batch); block rows are not loaded. Never raises.
+    """
+    rep = store.reconcile_report
+    index = store.index
+    assert index is not None  # called only right after a successful open
+    try:
+        with index.connection() as conn:  # one read of a small table
+            names = [r[0] for r in conn.execute("SELECT name FROM segments")]
+        names = [n for n in names if is_segment_name(n)]  # malformed rows: validate reports them
+        scan = scan_namespace(store.namespace_dir, store.fs)
+        for tmp in scan.temps:
+            if temp_is_leftover(store.fs, tmp):
+                store.unlink_quiet(tmp)
+                rep.temp_removed += 1
+        gone = [n for n in names if n not in scan.files]
+        gone = [n for n in gone if not store.fs.exists(store.seg_path(n))]  # re-check just before
+        rep.missing_rows_dropped = index.delete_segments(gone) if gone else 0
+        rep.orphan_files = len(set(scan.files) - set(names))
+        rep.rows = index.totals()[0]
+    except (OSError, sqlite3.Error, ValueError) as exc:
+        log.warning("startup reconcile of %s incomplete: %s", store.namespace_dir, exc)
+    store.inc("ssd_stale_index_cleaned", rep.missing_rows_dropped)
+    if rep.temp_removed or rep.missing_rows_dropped or rep.orphan_files:
+        log.info("SSD reconcile %s: %s", store.layout_key, asdict(rep))
+
+
+__all__ = [
+    "StoreCore", "Expected", "ReconcileReport", "Recent", "NONCACHEABLE_TTL_S", "SUSPECT_MAX", "SAVED_MAX",
+    "open_index", "probe_writable", "refusal", "reconcile", "IDENTITY_META",
+]  # fmt: skip

@@ -176,12 +176,9 @@ def execute_rebuild(root: Path, cdir: ConfinedDir, plan: RebuildPlan, rep: Names
             index.set_meta({**plan.meta, "rebuilt": repr(time.time())})
         for seg_row, rows in plan.segments:
             index.insert_segment(seg_row, rows)
-    conn = sqlite3.connect(ns_dir / BUILDING, isolation_level=None)
-    try:  # one self-contained file (no -wal to carry along); the next open switches back to WAL
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        conn.execute("PRAGMA journal_mode=DELETE")
-    finally:
-        conn.close()
+        with index.connection() as conn:  # one self-contained file (no -wal to carry along); the next open switches back to WAL
+            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            conn.execute("PRAGMA journal_mode=DELETE")
     for suffix in ("", "-wal"):
         _replace_regular(cdir, INDEX_FILENAME + suffix, CORRUPT + suffix)
     _remove_regular(cdir, INDEX_FILENAME + "-shm")

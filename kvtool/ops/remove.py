@@ -32,7 +32,6 @@ This module never imports MLX (hashing a prompt needs its tokenizer: the CLI doe
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +180,7 @@ def scan_for_removal(cache_dir: Path, prefix: str, now: float | None = None) -> 
     try:
         return scan_cache(cache_dir, p, now=now, rows=False)  # a namespace goes whole: its rows are only counted
     except ScanError:
-        links = _symlinks_matching(Path(cache_dir), p)
+        links = [n for n in _entries_matching(Path(cache_dir), p) if os.path.islink(Path(cache_dir) / n)]
         if links:
             raise RemoveError(f"{Path(cache_dir) / links[0]} is a symlink: never followed, nothing removed",
                               hint="remove the link itself if it is not wanted") from None  # fmt: skip
@@ -196,10 +195,6 @@ def _entries_matching(cache_dir: Path, prefix: str) -> list[str]:
     except OSError:
         return []
     return [n for n in names if NAMESPACE_RE.match(n) and n.startswith(prefix)]
-
-
-def _symlinks_matching(cache_dir: Path, prefix: str) -> list[str]:
-    return [n for n in _entries_matching(cache_dir, prefix) if os.path.islink(cache_dir / n)]
 
 
 def plan_namespace_removal(scan: CacheScan) -> RemovePlan:
@@ -311,13 +306,7 @@ def remove_namespace(cache_dir: Path, prefix: str, dry_run: bool = False, now: f
     Raises:
         RemoveError, ScanError: see `scan_for_removal`. PruneLocked: a prune or rm holds the lock.
     """
-    if dry_run:
-        plan = plan_namespace_removal(scan_for_removal(cache_dir, prefix, now))
-        plan.dry_run = True
-        return plan
-    _check_dir(cache_dir)
-    with cache_lock(cache_dir):
-        return execute_removal(plan_namespace_removal(scan_for_removal(cache_dir, prefix, now)))
+    return _locked(cache_dir, dry_run, lambda: plan_namespace_removal(scan_for_removal(cache_dir, prefix, now)))
 
 
 def remove_prompt(
@@ -329,19 +318,24 @@ def remove_prompt(
     Raises:
         ScanError: missing cache dir. PruneLocked: a prune or rm holds the lock.
     """
+    return _locked(cache_dir, dry_run,
+                   lambda: plan_prompt_removal(scan_cache(cache_dir, now=now, full=False), keys_for, block_sizes))  # fmt: skip
+
+
+def _locked(cache_dir: Path, dry_run: bool, plan: Callable[[], RemovePlan]) -> RemovePlan:
+    """`plan()` executed under `cache_lock`; `dry_run`: planned without the lock, not executed.
+
+    Raises:
+        RemoveError: the cache directory does not exist (not with `dry_run`).
+    """
     if dry_run:
-        plan = plan_prompt_removal(scan_cache(cache_dir, now=now, full=False), keys_for, block_sizes)
-        plan.dry_run = True
-        return plan
-    _check_dir(cache_dir)
-    with cache_lock(cache_dir):
-        now = time.time() if now is None else now
-        return execute_removal(plan_prompt_removal(scan_cache(cache_dir, now=now, full=False), keys_for, block_sizes))
-
-
-def _check_dir(cache_dir: Path) -> None:
+        out = plan()
+        out.dry_run = True
+        return out
     if not Path(cache_dir).is_dir():
         raise RemoveError(f"cache directory {cache_dir} does not exist or is not a directory")
+    with cache_lock(cache_dir):
+        return execute_removal(plan())
 
 
 __all__ = [

@@ -31,20 +31,13 @@ import errno
 import os
 import sqlite3
 import stat
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvtool.disk.confined import DIR_FLAGS, ConfinedDir
 from kvtool.disk.index import read_only_uri
-from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE, SEGMENT_RE, SEGMENT_SUFFIX, SUBDIR_RE, TEMP_RE
-
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | _CLOEXEC
-_SIDES = ("", "-wal", "-shm", "-journal")
-INDEX_NAMES = frozenset(base + side for base in (INDEX_FILENAME, INDEX_FILENAME + ".corrupt", INDEX_FILENAME + ".rebuilding")
-                        for side in _SIDES)  # fmt: skip
+from kvtool.disk.names import INDEX_FILENAME, INDEX_NAMES, SUBDIR_RE, is_kvtool_leaf, is_kvtool_top
 
 
 @dataclass
@@ -64,20 +57,10 @@ class TreeRemoval:
     left: list[str] = field(default_factory=list)
     removed: bool = False
 
-
-def is_kvtool_top(name: str) -> bool:
-    """True if `name` (an entry directly in a namespace directory, not a fan-out directory) is one
-    kvtool writes: the index or its side files, a rebuild's leftovers, a temp file."""
-    return name in INDEX_NAMES or TEMP_RE.match(name) is not None
-
-
-def is_kvtool_leaf(sub: str, name: str) -> bool:
-    """True if `name` in fan-out directory `sub` is one kvtool writes: a segment file of that
-    directory, or a temp file."""
-    if TEMP_RE.match(name):
-        return True
-    stem = name[: -len(SEGMENT_SUFFIX)] if name.endswith(SEGMENT_SUFFIX) else ""
-    return SEGMENT_RE.match(stem) is not None and stem[:2] == sub
+    def add(self, part: TreeRemoval) -> None:
+        """Count `part` (a fan-out directory's) in."""
+        self.bytes, self.files = self.bytes + part.bytes, self.files + part.files
+        self.left += part.left
 
 
 def kvtool_index_problem(ns_dir: Path) -> str | None:
@@ -120,21 +103,7 @@ def plan_tree(cache_dir: Path, namespace: str) -> TreeRemoval:
     Raises:
         ValueError: not a namespace name. OSError: the namespace is a symlink or cannot be listed.
     """
-    out = TreeRemoval()
-    with _namespace_fd(cache_dir, namespace) as (_, ns_fd):
-        for name, kind in _entries(ns_fd):
-            if kind == "dir" and SUBDIR_RE.match(name):
-                sub = os.open(name, _DIR, dir_fd=ns_fd)
-                try:
-                    for leaf, leaf_kind in _entries(sub):
-                        slash = "/" if leaf_kind == "dir" else ""
-                        _count(out, sub, leaf, leaf_kind != "dir" and is_kvtool_leaf(name, leaf), f"{name}/{leaf}{slash}")
-                finally:
-                    os.close(sub)
-            else:
-                _count(out, ns_fd, name, _top_goes(name, kind), name + ("/" if kind == "dir" else ""))
-    out.left.sort()
-    return out
+    return _tree(cache_dir, namespace, remove=False)
 
 
 def remove_tree(cache_dir: Path, namespace: str, workers: int = 1) -> TreeRemoval:
@@ -153,33 +122,31 @@ def remove_tree(cache_dir: Path, namespace: str, workers: int = 1) -> TreeRemova
         ValueError: not a namespace name. OSError: the namespace is a symlink, or an entry could
             not be removed (what could be removed is gone).
     """
+    return _tree(cache_dir, namespace, remove=True, workers=workers)
+
+
+def _tree(cache_dir: Path, namespace: str, remove: bool, workers: int = 1) -> TreeRemoval:
+    """`remove_tree`, or with `remove=False` only what it would do (`plan_tree`)."""
     out = TreeRemoval()
-    with _namespace_fd(cache_dir, namespace) as (root, ns_fd):
-        entries = _entries(ns_fd)
+    with ConfinedDir(cache_dir, namespace) as cdir:
+        entries = _entries(cdir.fd)
         subdirs = sorted(name for name, kind in entries if kind == "dir" and SUBDIR_RE.match(name))
-        parts: list[TreeRemoval] = []
-        if workers > 1 and len(subdirs) > 1:
+        if remove and workers > 1 and len(subdirs) > 1:
             with ThreadPoolExecutor(min(workers, len(subdirs)), thread_name_prefix="kvtool-rm") as pool:
-                parts = [fut.result() for fut in [pool.submit(_remove_subdir, ns_fd, name) for name in subdirs]]
+                parts = list(pool.map(lambda name: _fan_out(cdir.fd, name, remove), subdirs))
         else:
-            parts = [_remove_subdir(ns_fd, name) for name in subdirs]
+            parts = [_fan_out(cdir.fd, name, remove) for name in subdirs]
         for part in parts:
-            out.bytes, out.files = out.bytes + part.bytes, out.files + part.files
-            out.left += part.left
+            out.add(part)
         others = sorted((e for e in entries if e[0] not in subdirs),
                         key=lambda e: (e[0] in INDEX_NAMES, e[0] == INDEX_FILENAME, e[0]))  # fmt: skip
         for name, kind in others:
             if _top_goes(name, kind):
-                _unlink(out, ns_fd, name)
+                _take(out, cdir.fd, name, remove)
             else:
                 out.left.append(name + ("/" if kind == "dir" else ""))
-        if not out.left:
-            try:
-                os.rmdir(namespace, dir_fd=root)
-                out.removed = True
-            except OSError as exc:
-                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):  # created meanwhile: listed next time
-                    raise
+        if remove and not out.left:
+            out.removed = _rmdir(cdir.root, namespace)
     out.left.sort()
     return out
 
@@ -192,39 +159,41 @@ def _top_goes(name: str, kind: str) -> bool:
     return is_kvtool_top(name) or (kind == "link" and SUBDIR_RE.match(name) is not None)
 
 
-def _count(out: TreeRemoval, dir_fd: int, name: str, goes: bool, rel: str) -> None:
-    if not goes:
-        out.left.append(rel)
-        return
-    out.files += 1
+def _take(out: TreeRemoval, dir_fd: int, name: str, remove: bool) -> None:
+    """Count entry `name` (a regular file's bytes too) and, with `remove`, unlink it (never
+    followed: a symlink goes itself). Planned, an entry that cannot be looked at counts without
+    bytes; removed, one gone meanwhile does not count.
+
+    Raises:
+        OSError: (`remove`) it could not be removed.
+    """
+    st: os.stat_result | None = None
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return
-    if stat.S_ISREG(st.st_mode):
-        out.bytes += st.st_size
-
-
-def _unlink(out: TreeRemoval, dir_fd: int, name: str) -> None:
-    """Unlink entry `name` (never followed: a symlink goes itself), counting a regular file's bytes."""
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        os.unlink(name, dir_fd=dir_fd)
+        if remove:
+            os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
-        return
+        if remove:
+            return
+    except OSError:
+        if remove:
+            raise
     out.files += 1
-    if stat.S_ISREG(st.st_mode):
+    if st is not None and stat.S_ISREG(st.st_mode):
         out.bytes += st.st_size
 
 
-def _remove_subdir(ns_fd: int, name: str) -> TreeRemoval:
-    """Remove the kvtool files of fan-out directory `name`, and the directory if that empties it."""
+def _fan_out(ns_fd: int, name: str, remove: bool) -> TreeRemoval:
+    """The kvtool files of fan-out directory `name`, counted and (`remove`) removed, and the
+    directory too if that empties it."""
     out = TreeRemoval()
     try:
-        fd = os.open(name, _DIR, dir_fd=ns_fd)
-    except FileNotFoundError:
-        return out
+        fd = os.open(name, DIR_FLAGS, dir_fd=ns_fd)
     except OSError as exc:
+        if not remove:
+            raise
+        if isinstance(exc, FileNotFoundError):
+            return out
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         if stat.S_ISLNK(os.stat(name, dir_fd=ns_fd, follow_symlinks=False).st_mode):
@@ -235,19 +204,25 @@ def _remove_subdir(ns_fd: int, name: str) -> TreeRemoval:
     try:
         for leaf, kind in _entries(fd):
             if kind != "dir" and is_kvtool_leaf(name, leaf):
-                _unlink(out, fd, leaf)
+                _take(out, fd, leaf, remove)
             else:
                 out.left.append(f"{name}/{leaf}" + ("/" if kind == "dir" else ""))
     finally:
         os.close(fd)
-    if not out.left:
-        try:
-            os.rmdir(name, dir_fd=ns_fd)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            out.left.append(name + "/")
+    if remove and not out.left and not _rmdir(ns_fd, name):
+        out.left.append(name + "/")
     return out
+
+
+def _rmdir(dir_fd: int, name: str) -> bool:
+    """`rmdir` directory `name`; False if it is not empty (an entry created meanwhile: listed next time)."""
+    try:
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        return False
+    return True
 
 
 def _entries(dir_fd: int) -> list[tuple[str, str]]:
@@ -256,27 +231,4 @@ def _entries(dir_fd: int) -> list[tuple[str, str]]:
         return [(e.name, "link" if e.is_symlink() else "dir" if e.is_dir(follow_symlinks=False) else "other") for e in it]
 
 
-@contextmanager
-def _namespace_fd(cache_dir: Path, namespace: str) -> Iterator[tuple[int, int]]:
-    """`(cache root descriptor, namespace directory descriptor)`, the namespace opened
-    `O_NOFOLLOW` (swapped for a symlink: ELOOP); both closed on exit.
-
-    Raises:
-        ValueError: not a namespace name. OSError: absent, a symlink or not a directory.
-    """
-    if not NAMESPACE_RE.match(namespace):
-        raise ValueError(f"not a namespace name: {namespace!r}")
-    root = os.open(cache_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
-    try:
-        if not stat.S_ISDIR(os.stat(namespace, dir_fd=root, follow_symlinks=False).st_mode):
-            raise OSError(errno.ENOTDIR, "not a real directory (symlink?): never followed", namespace)
-        fd = os.open(namespace, _DIR, dir_fd=root)
-        try:
-            yield root, fd
-        finally:
-            os.close(fd)
-    finally:
-        os.close(root)
-
-
-__all__ = ["TreeRemoval", "plan_tree", "remove_tree", "kvtool_index_problem", "is_kvtool_top", "is_kvtool_leaf", "INDEX_NAMES"]
+__all__ = ["TreeRemoval", "plan_tree", "remove_tree", "kvtool_index_problem"]

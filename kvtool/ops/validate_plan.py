@@ -8,14 +8,12 @@ This module never imports MLX.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from kvtool.disk.chains import Forest, KeyIndex, build_forest, hex_of_keys, key_of_hex, keys_from_hex, rooted_nodes
+from kvtool.disk.fsops import FileOps
 from kvtool.disk.names import segment_relpath
 from kvtool.disk.rowtable import IndexRow, RowTable, SegmentRow
 from kvtool.disk.verify import slot_problem
@@ -54,7 +52,7 @@ class RepairPlanner:
         self.own: dict[int, Record] = {}  # row number -> its own record, verified (a failed row's)
         self.copies: dict[str, list[Record]] = {}  # hash -> verified records no row describes
         self.candidates: list[_Candidate] = []  # records of snapshot segments that may lack a row
-        self.checked: dict[str, _SegInfo] = {}  # segment -> what its verified header said (general way; see `_info`)
+        self.checked: dict[str, SegmentRow] = {}  # segment -> the row its verified header gives (general way; see `_info`)
         self.fast = CleanSegments.none(len(self.table.segments))  # the clean segments (`_clean`)
         self.count = np.zeros(len(self.table.segments), dtype=np.int64)  # rows per segment
         self.known = SegmentSet(self.table)  # segments of the row snapshot and orphans, with a file
@@ -66,7 +64,7 @@ class RepairPlanner:
     def run(self, progress: ProgressFn | None) -> None:
         ns, rep, act = self.ns, self.rep, self.act
         for rel in ns.irregular:
-            if _is_dir(ns.path / rel):
+            if FileOps().is_dir(ns.path / rel):
                 rep.note("irregular", rel, "a directory under a kvtool file name: left alone")
                 continue
             act.irregular.append(rel)
@@ -164,7 +162,7 @@ class RepairPlanner:
                 self.fail[r] = f"segment {name} unusable: {self.errors[name]}"
             return
         slots = chk.header.slots
-        self.checked[name] = _SegInfo(chk.size, len(slots), created_of(chk.header))
+        self.checked[name] = SegmentRow(name, chk.size, len(slots), created_of(chk.header))
         claimed, to_check = self._claim(name, slots, rows)
         unclaimed = [i for i in range(len(slots)) if i not in claimed]
         failed_own = [i for i, k in claimed.items() if rl[k] in self.fail]
@@ -264,20 +262,20 @@ class RepairPlanner:
                 rep.note("corrupt", row.hash, why)
         return rewritten, dropped
 
-    def _info(self, name: str) -> _SegInfo | None:
-        """What segment `name`'s verified header said (checked the general way, or clean), or
-        None: not verified."""
+    def _info(self, name: str) -> SegmentRow | None:
+        """The `segments` row segment `name`'s verified header gives (checked the general way, or
+        clean: its file's size, slot count and creation time), or None: not verified."""
         info = self.checked.get(name)
         s = self.table.segment_numbers.get(name) if info is None else None
         if s is not None and self.fast.clean[s]:
-            info = _SegInfo(int(self.fast.size[s]), int(self.count[s]), float(self.fast.created[s]))
+            info = SegmentRow(name, int(self.fast.size[s]), int(self.count[s]), float(self.fast.created[s]))
         return info
 
     def _segment_row(self, name: str) -> SegmentRow:
         """The `segments` row a verified segment file should have."""
         info = self._info(name)
         assert info is not None  # only verified segments are written
-        return SegmentRow(name, info.size, info.n_slots, info.created)
+        return info
 
     def _adopt_and_finish(self, rewritten: dict[int, IndexRow], dropped: np.ndarray) -> None:
         """One chain tree over the kept rows and the records no kept row describes: records a
@@ -438,8 +436,8 @@ class RepairPlanner:
             if info is None or name in self.act.writes:
                 continue
             have = seg_rows.get(name)
-            if have is None or (have.nbytes, have.n_blocks) != (info.size, info.n_slots):
-                self.act.write(self._segment_row(name))
+            if have is None or (have.nbytes, have.n_blocks) != (info.nbytes, info.n_blocks):
+                self.act.write(info)
                 self.rep.segment_rows_fixed += 1
                 self.rep.note("segment_row", name, "missing" if have is None else "size or block count differs from the file")
         named = self.table.segment_numbers
@@ -464,22 +462,6 @@ class _SegmentRows:
         rows = self.order[int(self.start[s]) : int(self.start[s + 1])]
         return (rows.tolist(), hex_of_keys(t.hash[rows]), hex_of_keys(t.parent[rows]), hex_of_keys(t.digest[rows]),
                 t.slot[rows].tolist(), t.num_tokens[rows].tolist(), t.nbytes[rows].tolist())  # fmt: skip
-
-
-class _SegInfo:
-    """What a segment file's verified header said (the header itself is not kept)."""
-
-    __slots__ = ("size", "n_slots", "created")
-
-    def __init__(self, size: int, n_slots: int, created: float):
-        self.size, self.n_slots, self.created = size, n_slots, created
-
-
-def _is_dir(path: Path) -> bool:
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 __all__ = ["RepairPlanner", "ProgressFn"]
