@@ -32,20 +32,6 @@ class CacheStats:
         return dict(self.counters)
 
 
-class _TierEntry:
-    """A read-only int attribute of `CacheHit`: the entry for `tier` of its dict attribute
-    `table` (0 without one)."""
-
-    def __init__(self, table: str, tier: str):
-        self.table, self.tier = table, tier
-
-    def __get__(self, hit: Any, owner: type | None = None) -> int:
-        return getattr(hit, self.table).get(self.tier, 0)
-
-    def __set__(self, hit: Any, value: int) -> None:
-        raise AttributeError(f"read-only: set {self.table}[{self.tier!r}]")
-
-
 @dataclass
 class CacheHit:
     """The cached part of a prompt, ready for generation.
@@ -80,11 +66,25 @@ class CacheHit:
     uncached_reason: str | None = None
     views: list = field(default_factory=list, repr=False)  # full views behind `cache`'s rotating leaves (promotion)
 
-    ram_tokens = _TierEntry("tier_tokens", "ram")
-    ssd_tokens = _TierEntry("tier_tokens", "ssd")
-    remote_tokens = _TierEntry("tier_tokens", "remote")
-    ssd_bytes_read = _TierEntry("tier_bytes", "ssd")
-    remote_bytes_read = _TierEntry("tier_bytes", "remote")
+    @property
+    def ram_tokens(self) -> int:
+        return self.tier_tokens.get("ram", 0)
+
+    @property
+    def ssd_tokens(self) -> int:
+        return self.tier_tokens.get("ssd", 0)
+
+    @property
+    def remote_tokens(self) -> int:
+        return self.tier_tokens.get("remote", 0)
+
+    @property
+    def ssd_bytes_read(self) -> int:
+        return self.tier_bytes.get("ssd", 0)
+
+    @property
+    def remote_bytes_read(self) -> int:
+        return self.tier_bytes.get("remote", 0)
 
 
 @dataclass
