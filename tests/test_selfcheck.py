@@ -209,7 +209,7 @@ def test_without_ssd_the_verdict_is_kept_for_the_process(tmp_path):
 
 
 def test_verdict_json_round_trip_and_malformed():
-    v = selfcheck.Verdict(False, "x differs", "ab" * 8, 112, 32, 12.5, 1.0)
+    v = selfcheck.Verdict(False, 112, 32, reason="x differs", code="ab" * 8, ms=12.5, checked=1.0)
     assert selfcheck.Verdict.from_json(v.to_json()) == v
     for bad in ("", "{", "[]", '{"passed": "yes", "reason": null, "code": "x"}', json.dumps({"passed": True})):
         assert selfcheck.Verdict.from_json(bad) is None

@@ -61,26 +61,19 @@ _memo: dict[tuple[str, str, str], ReplyVerdict] = {}  # (model id, code digest, 
 
 @dataclass
 class ReplyVerdict(StoredVerdict):
-    """The reply probe's result for one namespace on one device.
+    """The reply probe's result for one namespace on one device (and `StoredVerdict`'s `reason`,
+    `code`, `ms`, `checked`).
 
     Attributes:
         exact: decode-written KV equals prefill KV, bit for bit, at every compared position.
-        reason: the first difference found, or why it was not measured (None if exact).
-        code: `kvtool.cache.selfcheck.code_digest` of the code measured.
         device: the MLX default device it ran on (`device()`).
         decode_steps: greedy tokens decoded per probe prompt.
-        ms: wall time of the probe (milliseconds).
-        checked: when it ran (Unix time, seconds).
         version: `VERDICT_VERSION`.
     """
 
     exact: bool
-    reason: str | None
-    code: str
     device: str
     decode_steps: int = DECODE_STEPS
-    ms: float = 0.0
-    checked: float = 0.0
     version: int = VERDICT_VERSION
 
     def describe(self) -> str:
@@ -263,7 +256,7 @@ def run(model, code: str = "") -> ReplyVerdict:
     global RUNS
     RUNS += 1
     t0 = time.perf_counter()
-    verdict = ReplyVerdict(False, None, code, device(), checked=time.time())
+    verdict = ReplyVerdict(False, device(), reason=None, code=code, checked=time.time())
     try:
         long = probe_ids(PROBE_TOKENS)
         short = [probe_ids(n, salt=11 * (i + 1)) for i, n in enumerate(SHORT_TOKENS)]

@@ -73,26 +73,19 @@ _memo: dict[tuple[str, str], Verdict] = {}  # (layout key, code digest) -> verdi
 
 @dataclass
 class Verdict(StoredVerdict):
-    """The self-check's result for one namespace.
+    """The self-check's result for one namespace (and `StoredVerdict`'s `reason`, `code`, `ms`,
+    `checked`).
 
     Attributes:
         passed: every compared array was bit-identical.
-        reason: the first difference found (None if passed).
-        code: `code_digest` of the code measured.
         probe_tokens: tokens of the probe prompt.
         block_size: tokens per block of the namespace.
-        ms: wall time of the probe (milliseconds).
-        checked: when it ran (Unix time, seconds).
         version: `VERDICT_VERSION`.
     """
 
     passed: bool
-    reason: str | None
-    code: str
     probe_tokens: int = 0
     block_size: int = 0
-    ms: float = 0.0
-    checked: float = 0.0
     version: int = VERDICT_VERSION
 
     def describe(self) -> str:
@@ -403,7 +396,7 @@ def run(model, pc, code: str = "") -> Verdict:
     t0 = time.perf_counter()
     bs = pc.config.block_size
     n_full, n = probe_length(bs, pc.windows)
-    verdict = Verdict(False, None, code or code_digest(model), n, bs, checked=time.time())
+    verdict = Verdict(False, n, bs, reason=None, code=code or code_digest(model), checked=time.time())
     try:
         requests = _requests(_vocab(model), bs, n, 1 if pc.has_states else 0)
         kw = dict(layout=pc.kv, model_id=pc.model_id, model_name=pc.model_name, model_class=pc.model_class,

@@ -10,19 +10,30 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, fields
-from typing import Any, ClassVar, Self, get_type_hints
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Self, get_type_hints
 
 log = logging.getLogger("kvtool")
 
 
+@dataclass
 class StoredVerdict:
     """Base of a dataclass verdict kept as JSON: `to_json`, `from_json`. Its fields without a
     default are stored as they are, each of its annotated type (the verdict a bool, `reason` a
     string or None, ...); those with a default are numbers of their default's type; the default
-    of its `version` field is the current version."""
+    of its `version` field (the subclass's) is the current version.
 
-    __dataclass_fields__: ClassVar[dict[str, Any]]  # the subclass is a dataclass
+    Attributes (every verdict's; keyword-only, after the subclass's own):
+        reason: the first difference found, or why it was not measured (None: the verdict is yes).
+        code: `kvtool.cache.selfcheck.code_digest` of the code measured.
+        ms: wall time of the probe (milliseconds).
+        checked: when it ran (Unix time, seconds).
+    """
+
+    reason: str | None = field(kw_only=True)
+    code: str = field(kw_only=True)
+    ms: float = field(default=0.0, kw_only=True)
+    checked: float = field(default=0.0, kw_only=True)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
