@@ -2,7 +2,8 @@
 
 Fast tests check the pure parts against hand-computed values (percentiles, the bootstrap
 interval, verdicts, trace parsing, config errors) and read a rendered chart back pixel by pixel
-(a tie is drawn in the tie colour, never the win colour). The slow ones start real servers:
+(a tie is drawn in the tie colour, never the win colour) or measure its layout (titles and tick
+labels stay apart). The slow ones start real servers:
 `kvtool serve` on the tiny model driven by the `openai` client, and a whole `[serve_load]` run of
 `bench_configs/serve_load_quick.toml` (kvtool serve and plain mlx_lm.server) through the CLI.
 No timing assertions.
@@ -205,6 +206,45 @@ def test_ratio_chart_of_a_tie_has_no_winner_colour_anywhere(tmp_path):
     for colour, present in (("tie", True), ("win", False), ("loss", False)):
         hits = np.all(np.abs(img - np.array(to_rgb(loadcharts.COLORS[colour]))) < 1.5 / 255, axis=-1).sum()
         assert (hits > 100) == present, colour
+
+
+def test_ttft_cdf_titles_and_tick_labels_stay_apart(tmp_path, monkeypatch):
+    """Ten panels (four rows, as a parity run's) of TTFTs up to 16,000 ms (5-digit ticks) under a
+    two-line suptitle: every panel title stands clear below the suptitle, and no two x tick labels
+    of a panel meet."""
+    rng = np.random.default_rng(0)
+    requests, cells = [], []
+    keys = [(w, c) for w in ("cold-burst", "long-doc-qa", "multi-turn@16", "multi-turn@8", "shared-prefix") for c in (1, 4)]
+    for workload, clients in keys:
+        for server in ("kvtool", "mlx-lm"):
+            t = rng.uniform(100.0, 16_000.0, 40)
+            requests += [{"workload": workload, "clients": clients, "server": server, "ttft_ms": x} for x in t]
+            q = {f"ttft_p{p}_ms": float(np.percentile(t, p)) for p in (50, 90, 99)}
+            cells.append({"workload": workload, "clients": clients, "server": server, **q,
+                          **{f"{k}_lo": v * 0.95 for k, v in q.items()}, **{f"{k}_hi": v * 1.05 for k, v in q.items()}})
+    boxes: dict[str, list] = {}
+    save = loadcharts.save
+
+    def measure_then_save(fig, path):
+        fig.canvas.draw()
+        boxes["suptitle"] = [t.get_window_extent() for t in fig.texts if t.get_text().startswith("TTFT CDF")]
+        axes = [ax for ax in fig.axes if ax.get_visible()]
+        boxes["titles"] = [ax.title.get_window_extent() for ax in axes]
+        boxes["ticks"] = []
+        for ax in axes:
+            lo, hi = ax.get_xlim()
+            shown = [lab for x, lab in zip(ax.get_xticks(), ax.get_xticklabels()) if lo <= x <= hi and lab.get_text()]
+            boxes["ticks"].append([lab.get_window_extent() for lab in shown])
+        return save(fig, path)
+
+    monkeypatch.setattr(loadcharts, "save", measure_then_save)
+    loadcharts.ttft_cdf_chart(tmp_path / "ttft_cdf.png", pd.DataFrame(requests), pd.DataFrame(cells))
+    assert len(boxes["suptitle"]) == 1 and len(boxes["titles"]) == len(keys)
+    # wholly below the suptitle, with a gap of at least 0.4 title heights (tight_layout left ~0.1)
+    assert all(boxes["suptitle"][0].y0 - title.y1 >= 0.4 * title.height for title in boxes["titles"])
+    for panel in boxes["ticks"]:
+        assert len(panel) >= 3
+        assert not any(a.overlaps(b) for i, a in enumerate(panel) for b in panel[i + 1:])
 
 
 # ------------------------------------------------------------------------------------ workloads, config

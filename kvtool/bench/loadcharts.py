@@ -7,6 +7,9 @@ Colours (`COLORS`), one meaning each:
 - kvtool curves that carry no verdict (the TTFT CDF): blue `#4C72B0`; the RAM / SSD tiers of the
   hit-rate chart: blue `#4C72B0` / purple `#8172B2`.
 Whiskers everywhere are the 95 % bootstrap interval over the repeats (`kvtool.bench.loadstats`).
+Layout: constrained (matplotlib's), so no title meets the figure's suptitle or a neighbour; at
+most `MAX_VALUE_TICKS` ticks on a value axis and category labels turned `CATEGORY_ROTATION`
+degrees past `MAX_FLAT_CATEGORIES` categories, so tick labels never run together.
 
 Charts (`write_charts`):
 - `ttft_cdf.png`: the empirical CDF of TTFT per cell (requests of all repeats pooled), one panel
@@ -35,6 +38,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch, Rectangle  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from kvtool.bench.loadserver import KVTOOL, MLXLM  # noqa: E402
 from kvtool.bench.loadstats import LOSS, TIE, WIN  # noqa: E402
@@ -44,6 +48,9 @@ COLORS = {WIN: "#1A9850", LOSS: "#D73027", TIE: "#A6A6A6", "baseline": "#404040"
           "ram": "#4C72B0", "ssd": "#8172B2"}
 VERDICT_LABELS = {WIN: "kvtool wins (intervals apart)", LOSS: "kvtool loses (intervals apart)",
                   TIE: "tie (intervals overlap)"}
+MAX_VALUE_TICKS = 5  # major ticks on a value axis of a panel (TTFT in ms: 5-digit labels stay apart)
+MAX_FLAT_CATEGORIES = 4  # more category labels than this are turned
+CATEGORY_ROTATION = 30  # degrees
 
 
 def verdict_color(verdict: str) -> str:
@@ -65,7 +72,7 @@ def draw_verdict_bars(ax: Axes, labels: Sequence[str], values: Sequence[float], 
     ax.errorbar(x, vals, yerr=_err(vals, lows, highs), fmt="none", ecolor="black", capsize=4, linewidth=1)
     if reference is not None:
         ax.axhline(reference, color=COLORS["baseline"], linestyle="--", linewidth=1)
-    ax.set_xticks(x, labels, rotation=30 if len(labels) > 4 else 0, ha="right" if len(labels) > 4 else "center")
+    category_ticks(ax, labels)
     present = [v for v in (WIN, LOSS, TIE) if v in {vv if vv in (WIN, LOSS) else TIE for vv in verdicts}]
     handles: list[Any] = [Patch(color=COLORS[v], label=VERDICT_LABELS[v]) for v in present]
     if reference is not None:
@@ -78,14 +85,14 @@ def ratio_chart(path: Path, cmp: pd.DataFrame, figure: str = "ttft_p50_ms") -> P
     """`ttft_ratio.png`: kvtool / mlx-lm of `figure` per (workload, clients) from `comparison.csv`
     rows (columns `workload`, `clients`, `figure`, `ratio`, `ratio_lo`, `ratio_hi`, `verdict`)."""
     sel = cmp[cmp["figure"] == figure]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(sel) + 2), 4), dpi=DPI)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(sel) + 2), 4), dpi=DPI, layout="constrained")
     labels = [f"{w}\n{c} client{'s' if int(c) != 1 else ''}" for w, c in zip(sel["workload"], sel["clients"])]
     draw_verdict_bars(ax, labels, sel["ratio"].tolist(), sel["ratio_lo"].tolist(), sel["ratio_hi"].tolist(),
                       sel["verdict"].tolist())
     ax.set_ylabel(f"kvtool / mlx-lm ({figure})")
     ax.set_title(f"kvtool / mlx-lm {figure} (below 1: kvtool faster)\nwhiskers: 95 % interval of the ratio;\n"
                  "colour: verdict on the two cells' intervals", fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def ttft_cdf_chart(path: Path, requests: pd.DataFrame, cells: pd.DataFrame) -> Path:
@@ -109,12 +116,13 @@ def ttft_cdf_chart(path: Path, requests: pd.DataFrame, cells: pd.DataFrame) -> P
                                 color=style["color"], capsize=3, markersize=3)
         ax.set_title(f"{workload}, {clients} client{'s' if clients != 1 else ''}", fontsize=9)
         ax.set_xlabel("TTFT (ms)")
+        ax.xaxis.set_major_locator(MaxNLocator(MAX_VALUE_TICKS, steps=[1, 2, 2.5, 5, 10]))
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
     fig.suptitle("TTFT CDF per cell\nmarkers: p50 / p90 / p99, whiskers: 95 % interval over repeats", fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def throughput_chart(path: Path, cells: pd.DataFrame, cmp: pd.DataFrame) -> Path:
@@ -152,13 +160,13 @@ def throughput_chart(path: Path, cells: pd.DataFrame, cmp: pd.DataFrame) -> Path
             ax.legend(handles=handles, fontsize=7, loc="best")
     fig.suptitle("Throughput against concurrency\nwhiskers: 95 % interval over repeats; kvtool points coloured by "
                  "verdict", fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def hit_rate_chart(path: Path, cells: pd.DataFrame) -> Path:
     """`hit_rate_per_tier.png` (see the module docstring)."""
     keys = sorted({(w, int(c)) for w, c in zip(cells["workload"], cells["clients"])})
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(keys) + 2), 4), dpi=DPI)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.6 * len(keys) + 2), 4), dpi=DPI, layout="constrained")
     width = 0.27
     series = [(KVTOOL, "hit_rate_ram", COLORS["ram"], "kvtool RAM tier", None),
               (KVTOOL, "hit_rate_ssd", COLORS["ssd"], "kvtool SSD tier", None),
@@ -172,12 +180,20 @@ def hit_rate_chart(path: Path, cells: pd.DataFrame) -> Path:
                edgecolor=COLORS["baseline"] if hatch else "none")
         ax.errorbar(x, v, yerr=_err(v, sel[f"{fig_name}_lo"], sel[f"{fig_name}_hi"]), fmt="none", ecolor="black",
                     capsize=3, linewidth=1)
-    ax.set_xticks(np.arange(len(keys)), [f"{w}\n{c} client{'s' if c != 1 else ''}" for w, c in keys], fontsize=8)
+    category_ticks(ax, [f"{w}\n{c} client{'s' if c != 1 else ''}" for w, c in keys])
     ax.set_ylabel("hit tokens / prompt tokens")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8, loc="best")
     ax.set_title("Token hit rate per tier\nwhiskers: 95 % interval over repeats", fontsize=9)
-    return _save(fig, path)
+    return save(fig, path)
+
+
+def category_ticks(ax: Axes, labels: Sequence[str]) -> None:
+    """One x tick per category at 0, 1, ... with `labels` (8 pt); past `MAX_FLAT_CATEGORIES`
+    turned `CATEGORY_ROTATION` degrees, each anchored at its tick by its right end."""
+    turned = len(labels) > MAX_FLAT_CATEGORIES
+    ax.set_xticks(np.arange(len(labels)), labels, fontsize=8, rotation=CATEGORY_ROTATION if turned else 0,
+                  ha="right" if turned else "center", rotation_mode="anchor" if turned else "default")
 
 
 def write_charts(run_dir: Path, requests: pd.DataFrame, cells: pd.DataFrame, cmp: pd.DataFrame) -> list[Path]:
@@ -221,16 +237,12 @@ def _panels(n: int, width: float, height: float) -> tuple[plt.Figure, list[Axes]
     """A figure of `n` panels of `width` x `height` inches, at most 3 a row; the spare ones hidden."""
     cols = min(3, max(1, n))
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), dpi=DPI, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, height * rows), dpi=DPI, squeeze=False,
+                             layout="constrained")
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     return fig, list(axes.flat)
 
 
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    return save(fig, path)
-
-
-__all__ = ["COLORS", "DPI", "draw_verdict_bars", "hit_rate_chart", "ratio_chart", "throughput_chart",
+__all__ = ["COLORS", "DPI", "category_ticks", "draw_verdict_bars", "hit_rate_chart", "ratio_chart", "throughput_chart",
            "ttft_cdf_chart", "verdict_color", "write_charts"]
