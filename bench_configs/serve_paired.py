@@ -11,12 +11,18 @@ CPU time per request (utime + stime of the server, from /proc: Linux).
 A variant is `kvtool`, `mlx-lm`, or `kvtool@TREE` (a kvtool source tree, e.g. a worktree of an
 older commit with its extensions built: `python setup.py build_ext --inplace`), optionally with
 `:FLAGS` for `kvtool serve` (`kvtool:--policy evict_only`). The workload is `shared-prefix` of
-`bench_configs/serve_load.toml` (or `--config`), with `passes x 48` prompts.
+`bench_configs/serve_load.toml` (or `--config`), with `passes x 48` prompts; or, with `--workload
+multi-turn` (one client), `--conversations` chats of `--turns` turns as in
+`bench_configs/serve_parity.toml`'s `multi-turn@8` (openings of 1,500-3,000 tokens, visited
+round-robin, no restart): the first turns are sent unmeasured, every later turn goes to every
+server in turn (the all-fits steady state when `--conversations` <= 10).
 
 Examples:
 
     .venv/bin/python bench_configs/serve_paired.py --servers kvtool,mlx-lm --clients 4 --passes 6
     .venv/bin/python bench_configs/serve_paired.py --servers "kvtool@/tmp/old,kvtool" --clients 1 --passes 2
+    .venv/bin/python bench_configs/serve_paired.py --workload multi-turn --clients 1 \
+        --servers "mlx-lm-1000,kvtool,kvtool:--no-ssd"
 
 With `--clients 1` every request goes to every server in turn (paired per request).
 """
@@ -42,6 +48,8 @@ from kvtool.bench.loadserver import ManagedServer, ServerOptions  # noqa: E402
 from kvtool.models.loader import resolve_spec  # noqa: E402
 
 PASS = 48  # requests per pass
+MULTI_TURN = {"system_tokens": 1500, "system_tokens_max": 3000, "user_tokens": 32, "assistant_tokens": 32,
+              "ram_bytes": "512MiB"}  # as serve_parity.toml's multi-turn@8
 
 
 def cpu_s(pid: int) -> float:
@@ -67,14 +75,28 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--config", default=str(REPO / "bench_configs" / "serve_load.toml"))
+    ap.add_argument("--workload", choices=("shared-prefix", "multi-turn"), default="shared-prefix")
+    ap.add_argument("--conversations", type=int, default=8, help="multi-turn: conversations (default 8)")
+    ap.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation (default 6)")
     a = ap.parse_args()
     spec = load_serve_load(a.config)
-    spec = dataclasses.replace(spec, workloads={"shared-prefix": dict(spec.workloads["shared-prefix"],
-                                                                      prompts_per_group=PASS * a.passes)})
+    if a.workload == "multi-turn":
+        if a.clients != 1:
+            ap.error("--workload multi-turn pairs request by request: use --clients 1")
+        w = dict(MULTI_TURN, conversations=a.conversations, turns=a.turns, restart_after=0)  # no restart
+        spec = dataclasses.replace(spec, workloads={"multi-turn": w})
+    else:
+        spec = dataclasses.replace(spec, workloads={"shared-prefix": dict(spec.workloads["shared-prefix"],
+                                                                          prompts_per_group=PASS * a.passes)})
     model_path = str(resolve_spec(spec.model)[0])
     (workload,) = build_workloads(spec, model_path)
     prime = [r for ph in workload.phases if ph not in workload.measured for r in workload.phase_requests(ph)]
     measured = [r for ph in workload.measured for r in workload.phase_requests(ph)]
+    if a.workload == "multi-turn":  # the first turns (keys `c<i>t0`) prime; the later ones are measured,
+        # sent one at a time in order (their `after` indices point into the whole list: dropped)
+        reqs = [dataclasses.replace(r, after=None) for r in measured]
+        prime, measured = [r for r in reqs if r.key.endswith("t0")], [r for r in reqs if not r.key.endswith("t0")]
+    passes = -(-len(measured) // PASS)
     variants = a.servers.split(",")
     work = Path(tempfile.mkdtemp(prefix="kvtool-serve-paired-"))
     servers: list[ManagedServer] = []
@@ -87,7 +109,7 @@ def main() -> int:
         ttft: dict[str, list[float]] = {v: [] for v in variants}
         rps: dict[str, list[float]] = {v: [] for v in variants}
         cpu: dict[str, list[float]] = {v: [] for v in variants}
-        for p in range(a.passes):
+        for p in range(passes):
             batch = measured[PASS * p : PASS * (p + 1)]
             order = list(range(len(servers)))
             for j, req in enumerate(batch if a.clients == 1 else [None]):

@@ -138,3 +138,16 @@ def test_cli_help():
     proc = subprocess.run([sys.executable, str(REPO / "bench_configs" / "restore.py"), "--help"],
                           capture_output=True, text=True, check=True)
     assert "--lengths" in proc.stdout and "--kvtool-api" in proc.stdout
+
+
+@pytest.mark.slow
+def test_restore_steady_runs_and_checks_kv(tmp_path):
+    """The in-process restore comparison restores the stored KV exactly (its crc check would
+    exit non-zero) and reports both medians."""
+    out = tmp_path / "steady.json"
+    subprocess.run([sys.executable, str(REPO / "bench_configs" / "restore_steady.py"), "--lengths", "300",
+                    "--iters", "2", "--warmup", "0", "--json", str(out)], capture_output=True, text=True, check=True)
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tokens"] == 300 and row["kv_bytes"] == 300 * 1024 and row["iters"] == 2
+    assert row["kvtool_ms"]["median"] > 0 and row["mlx-lm_ms"]["median"] > 0
+    assert row["kvtool_over_mlxlm"] == pytest.approx(row["kvtool_ms"]["median"] / row["mlx-lm_ms"]["median"])
