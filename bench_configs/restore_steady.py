@@ -33,6 +33,7 @@ import mlx_lm.models.cache  # noqa: E402,F401  (imported before any clock starts
 
 from kvtool.bench import restore_worker as rw  # noqa: E402
 from kvtool.bench.restore import SHAPES  # noqa: E402
+from kvtool.bench.restore_pagecache import warm  # noqa: E402
 
 
 def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int) -> dict:
@@ -44,8 +45,7 @@ def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int) -> d
     rw.save_mlxlm(mlx_file, rw.make_cache(pairs), ids)
     want_crc = rw.kv_crc(pairs, n - 1)
     del pairs
-    for p in [mlx_file, *cache_dir.rglob("*.safetensors")]:
-        p.read_bytes()  # into the page cache
+    warm([mlx_file, cache_dir])  # into the page cache
     pc = rw.open_prefix_cache(cache_dir, shape)
 
     def kvtool() -> float:

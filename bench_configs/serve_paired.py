@@ -48,8 +48,8 @@ from kvtool.bench.loadserver import ManagedServer, ServerOptions  # noqa: E402
 from kvtool.models.loader import resolve_spec  # noqa: E402
 
 PASS = 48  # requests per pass
-MULTI_TURN = {"system_tokens": 1500, "system_tokens_max": 3000, "user_tokens": 32, "assistant_tokens": 32,
-              "ram_bytes": "512MiB"}  # as serve_parity.toml's multi-turn@8
+MULTI_TURN = {"system_tokens": 1500, "system_tokens_max": 3000, "user_tokens": 32,
+              "assistant_tokens": 32}  # as serve_parity.toml's multi-turn@8 (the servers' RAM: --config's)
 
 
 def cpu_s(pid: int) -> float:
