@@ -8,11 +8,16 @@ one that admits them one by one finishes the last much later. Per server and rep
 first and last finish (s) and the last finish's ratio to the first variant's in the same repeat;
 then the 1-minute load average before and after (the machine may be shared).
 
+With `--system-tokens N` the prompts of a burst share one system message of about N tokens (new
+for every burst: cold for every cache, shared within it), as agents' first turns do; with
+`--busy K`, K busy-looping processes run beside the servers during the bursts (a loaded machine).
+
 A variant is `kvtool`, `mlx-lm` or `kvtool@TREE` (another kvtool source tree, e.g. a worktree of
 an older commit), optionally with `:FLAGS` (extra `kvtool serve` flags) and `|ENV=VALUE+ENV2=VALUE`
 (environment variables for that server).
 
     .venv/bin/python bench_configs/serve_burst.py --model small --servers mlx-lm,kvtool --repeats 3
+    .venv/bin/python bench_configs/serve_burst.py --prompts 16 --tokens 60 --system-tokens 1000 --busy 2
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -81,15 +87,22 @@ def burst(url: str, bodies: list[dict]) -> list[float]:
     return sorted(d - t0 for d in done)
 
 
-def prefill_steps(server: ManagedServer) -> tuple[int, list[int]] | None:
-    """(prefill steps so far, prompts per recent step) of a kvtool server (`/kvtool/stats`); None otherwise."""
+def prefill_steps(server: ManagedServer) -> tuple[int, list[list[int]]] | None:
+    """(prefill steps so far, tokens per prompt of each recent step) of a kvtool server
+    (`/kvtool/stats`); None otherwise."""
     stats = server.kvtool_stats()
     if not stats:
         return None
     doc = stats["server"]
     if "prefill_steps" not in doc:  # a kvtool without the record
         return None
-    return doc["prefill_steps"], [len(s) for s in doc["prefill_steps_recent"]]
+    return doc["prefill_steps"], doc["prefill_steps_recent"]
+
+
+def step_text(step: list[int]) -> str:
+    """A step's prompts and tokens: `8x1039` (8 prompts of 1,039 tokens), or `4x~58` when they differ."""
+    lo, hi = min(step), max(step)
+    return f"{len(step)}x{lo}" if lo == hi else f"{len(step)}x~{round(sum(step) / len(step))}"
 
 
 def start(variant: str, i: int, model: str, model_path: str, work: Path) -> ManagedServer:
@@ -120,14 +133,18 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--system-tokens", type=int, default=0, help="a system message of ~N tokens shared by each burst")
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the servers")
     a = ap.parse_args()
     model_path = str(resolve_spec(a.model)[0])
     n_words = words_for(model_path, a.tokens)
+    sys_words = words_for(model_path, a.system_tokens) if a.system_tokens > 0 else 0
     variants = a.servers.split(",")
     work = Path(tempfile.mkdtemp(prefix="kvtool-serve-burst-"))
     rng = random.Random(1)
     load0 = os.getloadavg()[0]
     servers: list[ManagedServer] = []
+    busy: list[subprocess.Popen] = []
     try:
         for i, v in enumerate(variants):
             servers.append(start(v, i, a.model, model_path, work))
@@ -135,18 +152,21 @@ def main() -> int:
                 "messages": [{"role": "user", "content": "hello"}]}
         for s in servers:
             post(s.url, warm)
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
         last: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(a.repeats):
             order = list(range(len(servers)))
             for i in (order if r % 2 == 0 else order[::-1]):
+                system = [{"role": "system", "content": prompt_text(rng, sys_words)}] if sys_words else []
                 bodies = [{"model": "default_model", "max_tokens": a.max_tokens, "temperature": 0.0,
-                           "messages": [{"role": "user", "content": prompt_text(rng, n_words)}]}
+                           "messages": [*system, {"role": "user", "content": prompt_text(rng, n_words)}]}
                           for _ in range(a.prompts)]
                 n0 = prefill_steps(servers[i])
                 times = burst(servers[i].url, bodies)
                 last[variants[i]].append(times[-1])
                 n1 = prefill_steps(servers[i])
-                steps = "" if n1 is None else f"  prefill steps {n1[1][len(n1[1]) - (n1[0] - n0[0]):]}"
+                new = [] if n1 is None or n0 is None else n1[1][max(0, len(n1[1]) - (n1[0] - n0[0])):]
+                steps = "" if n1 is None else f"  prefill steps [{', '.join(step_text(x) for x in new)}]"
                 print(f"repeat {r} {variants[i]:40s} first {times[0]:6.2f} s  last {times[-1]:6.2f} s  "
                       f"load {os.getloadavg()[0]:.2f}{steps}", flush=True)
         ref = last[variants[0]]
@@ -155,6 +175,8 @@ def main() -> int:
             print(f"{v:40s} last finish / {variants[0]}: {ratios}", flush=True)
         print(f"load average (1 min): {load0:.2f} before, {os.getloadavg()[0]:.2f} after", flush=True)
     finally:
+        for b in busy:
+            b.kill()
         for s in servers:
             s.stop()
         shutil.rmtree(work, ignore_errors=True)

@@ -199,6 +199,52 @@ def test_gather_does_not_wait_past_the_window():
     handler.join(HTTP_TIMEOUT_S)
 
 
+def test_gather_follows_a_burst_handed_over_one_by_one_past_one_window():
+    """Handlers tokenize one at a time: a burst whose hand-overs together outlast one window, each
+    within a window of the one before, is gathered whole; the round's cap still ends the wait."""
+    from queue import Queue
+
+    from kvtool.server.admission import Admission
+
+    window_s, n = 0.2, 5
+    admission, queue = Admission(window_s=window_s), Queue()
+    arrived = [threading.Event() for _ in range(n)]
+    go = [threading.Event() for _ in range(n)]
+    handlers = [_arrive_then_put(admission, queue, g, a, f"request {i}") for i, (g, a) in enumerate(zip(go, arrived))]
+    for a in arrived:
+        a.wait(HTTP_TIMEOUT_S)
+    start = time.monotonic()
+
+    def hand_over_one_by_one() -> None:  # one hand-over every half window: n / 2 windows in all
+        for g in go:
+            time.sleep(window_s / 2)
+            g.set()
+
+    feeder = threading.Thread(target=hand_over_one_by_one)
+    feeder.start()
+    got = []
+    while (item := admission.gather(queue, start + admission.round_s)) is not None:
+        got.append(item)
+    feeder.join(HTTP_TIMEOUT_S)
+    for h in handlers:
+        h.join(HTTP_TIMEOUT_S)
+    assert got == [f"request {i}" for i in range(n)]
+    assert time.monotonic() - start > window_s  # the burst outlasted one window
+    assert admission.pending == 0
+
+    # a request that stays in admission (a body that never ends) under a long window: the
+    # round's deadline ends the wait, not the window
+    admission = Admission(window_s=HTTP_TIMEOUT_S)
+    stuck_go, stuck_arrived = threading.Event(), threading.Event()
+    stuck = _arrive_then_put(admission, queue, stuck_go, stuck_arrived, None)
+    stuck_arrived.wait(HTTP_TIMEOUT_S)
+    t0 = time.monotonic()
+    assert admission.gather(queue, t0 + 0.05) is None
+    assert time.monotonic() - t0 < HTTP_TIMEOUT_S / 2
+    stuck_go.set()
+    stuck.join(HTTP_TIMEOUT_S)
+
+
 def test_prefill_steps_group_the_progress_of_each_step():
     """Each step's record is the tokens each request prefilled in it; the last token (handed to
     decoding) is no prefill."""
@@ -235,3 +281,48 @@ def test_admission_window_from_the_environment(monkeypatch, raw, window_s):
             window_from_env()
     else:
         assert window_from_env() == pytest.approx(window_s)
+
+
+def shared_prefix_bodies(seed: int, n: int, system_words: int = 300) -> list[dict]:
+    """`n` chat requests with one shared system message (~900 tokens of the tiny model: 14 full
+    blocks of 64) and distinct short user messages, greedy, a few tokens each."""
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(WORDS) for _ in range(system_words))
+    return [{"model": "default_model", "max_tokens": 8, "temperature": 0.0,
+             "messages": [{"role": "system", "content": system},
+                          {"role": "user", "content": f"task {i}: " + " ".join(rng.choice(WORDS) for _ in range(12))}]}
+            for i in range(n)]
+
+
+@pytest.mark.slow
+def test_requests_beyond_the_prefill_width_are_fetched_when_their_prefill_starts(tmp_path):
+    """4 requests sharing a system prompt arrive together at a server that prefills 2 at a time
+    (`--prompt-concurrency 2`): the loop takes 2, and leaves the other 2 queued until a prefill
+    slot frees; their fetch then finds the system prompt the first 2 stored, so they prefill
+    only the rest. Answers equal plain `mlx_lm.server`'s (same prefill width)."""
+    kv = start_kvtool(tmp_path, "width", "--prompt-concurrency", "2", env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
+    try:
+        docs = shared_prefix_bodies(seed=6, n=N)
+        held = [send_but_last_byte(kv.port, d) for d in docs]
+        wait_in_admission(kv, N)
+        for s, last in held:
+            s.sendall(last)
+        answers = [answer(s) for s, _ in held]
+        assert [status for status, _ in answers] == [200] * N, answers
+        st = server_stats(kv)["server"]
+        assert st["prefill_width"] == 2 and st["prefill_batch_max"] == 2, st
+        assert st["prefill_deferrals"] >= 1, st
+        assert st["requests_prefilling"] == 0, st
+        cached = sorted(doc["usage"]["prompt_tokens_details"]["cached_tokens"] for _, doc in answers)
+        prompt = min(doc["usage"]["prompt_tokens"] for _, doc in answers)
+        assert cached[:2] == [0, 0], cached  # the first two, fetched together, found nothing
+        # the other two: all but the user message (~45 tokens) and at most one block (64)
+        assert min(cached[2:]) >= prompt - 128, (cached, prompt)
+    finally:
+        kv.stop()
+    plain = start_mlx_lm(tmp_path, "--prompt-concurrency", "2")
+    try:
+        expected = post_together(plain, docs)
+    finally:
+        plain.stop()
+    assert [text(doc) for _, doc in answers] == [text(doc) for doc in expected]

@@ -11,8 +11,14 @@ batch a step later (4 cold ~2k-token prompts: the last answered after 8.20 s, 4.
 
 `Admission` counts the requests between their arrival (the handler read the request head) and
 their hand-over to the loop (queued, or refused); the loop, after taking a request that found it
-idle, waits for those still in admission before it starts the next step: at most `window_s` from each one's
-arrival, so a client that never finishes its body holds the loop once, for at most that long.
+idle, waits for those still in admission before it starts the next step, as long as the burst
+makes progress: until `window_s` after the latest arrival or hand-over, and at most
+`ROUND_CAP_FACTOR` x `window_s` after the round's first request. The handlers tokenize one at a
+time, so a burst is handed over one request after another; a burst of 16 long prompts on a loaded
+machine takes longer than one window to tokenize (16 agents' 4k-token first turns through
+`/v1/messages`, 2 cores at load ~4: the loop started with 2 of them, then 6, then 8), while
+mlx-lm's loop tokenizes every queued request before its step. A client that never finishes its
+body holds the loop once, for at most `window_s` after the last progress.
 
 `PrefillSteps` records, per batch step, the prompt tokens each request prefilled in it (from
 mlx-lm's own progress reports), for `/kvtool/stats` and one DEBUG log line per step.
@@ -29,12 +35,13 @@ from collections import deque
 from queue import Empty, Queue
 from typing import Any
 
-from mlx_lm.server import TimeBudget
+from mlx_lm.server import Response, TimeBudget
 
 log = logging.getLogger("kvtool.server")
 
 WINDOW_ENV = "KVTOOL_ADMISSION_WINDOW_MS"
-DEFAULT_WINDOW_S = 0.25  # longest wait for a request still in admission, from its arrival (s)
+DEFAULT_WINDOW_S = 0.25  # longest wait for a request still in admission, from the burst's last progress (s)
+ROUND_CAP_FACTOR = 8  # a round of waits ends at most this many windows after its first request
 RECENT_STEPS = 32  # prefill steps kept for /kvtool/stats
 
 
@@ -61,13 +68,19 @@ class Admission:
     """Requests between arrival and hand-over to the generation loop, keyed by handler thread.
 
     Args:
-        window_s: how long after a request's arrival the loop may wait for it (s); 0: never.
+        window_s: how long after the latest arrival or hand-over the loop may wait for a request
+            still in admission (s); 0: never.
+
+    Attributes:
+        round_s: the longest round of waits, from the request that started it (s).
     """
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S):
         self.window_s = window_s
+        self.round_s = ROUND_CAP_FACTOR * window_s
         self._arrived: dict[int, float] = {}  # handler thread id -> arrival (monotonic s)
         self._left = 0  # hand-overs so far (a change wakes the waiting loop)
+        self._left_at = float("-inf")  # the latest hand-over (monotonic s)
         self._cond = threading.Condition()
         self.waits = 0  # times the loop waited for a request in admission
         self.joined = 0  # requests taken while the loop waited
@@ -82,6 +95,7 @@ class Admission:
         with self._cond:
             if self._arrived.pop(threading.get_ident(), None) is not None:
                 self._left += 1
+                self._left_at = time.monotonic()
                 self._cond.notify_all()
 
     @property
@@ -92,15 +106,16 @@ class Admission:
 
     def gather(self, requests: Queue, deadline: float) -> Any:
         """The next request of `requests` that a request in admission puts there, waiting while
-        one is in admission, at most until `window_s` after its arrival and until `deadline`
-        (monotonic s); None when none comes. Called by the generation loop after it took a
-        request, before its next step."""
+        one is in admission, at most until `window_s` after the latest arrival or hand-over and
+        until `deadline` (monotonic s); None when none comes. Called by the generation loop after
+        it took a request, before its next step (`deadline`: `round_s` after that request)."""
         waited = False
         while True:
             with self._cond:
                 seen = self._left
                 now = time.monotonic()
-                until = min(deadline, max(self._arrived.values(), default=now - self.window_s) + self.window_s)
+                last = max(self._arrived.values(), default=None)  # None: nothing in admission
+                until = now if last is None else min(deadline, max(last, self._left_at) + self.window_s)
             try:
                 item = requests.get_nowait()
             except Empty:
@@ -192,19 +207,80 @@ class StepClock(TimeBudget):
         return super().__next__()
 
 
-class RecordingQueue(Queue):
-    """A request's response queue that reports the loop's prefill progress to `PrefillSteps`."""
+class PrefillSlots:
+    """The requests the generation loop took whose prompt is not prefilled yet, at most the batch's
+    prefill width (mlx-lm's `--prompt-concurrency`, `BatchGenerator.prefill_batch_size`).
 
-    def __init__(self, steps: PrefillSteps, alone: threading.Event):
+    mlx-lm's loop takes every queued request into its batch generator before its next step, and
+    fetches each one's cached prefix then; the generator prefills at most `prefill_batch_size`
+    prompts at a time and keeps the rest waiting, their caches fixed at that fetch. With kvtool as
+    the prompt cache, a request whose prefill cannot start yet is better left in the queue: taken
+    when a slot frees, its fetch then finds what the requests before it stored (their system
+    prompt's blocks, at the end of that segment). 16 agents sharing a 1k-token system prompt,
+    arriving together (8 prefilled at a time): the second 8 prefill 16 tokens each instead of
+    1,039. `full` says the loop should step instead of taking another request. A slot frees when
+    its request's prefill completes (its last progress report), when it ends (a response, an
+    error, its end), when its response queue is gone (weak: a dropped request), or when the loop
+    is idle (`clear`: its batch holds nothing), so a miscount cannot hold requests back for longer
+    than the batch is busy.
+
+    Args:
+        width: the prefill width (requests); 0: no limit.
+    """
+
+    def __init__(self, width: int):
+        self.width = max(0, int(width))
+        self._lock = threading.Lock()
+        self._taken: weakref.WeakSet[Queue] = weakref.WeakSet()
+        self.deferred = 0  # loop steps that left queued requests for a later step
+
+    def take(self, queue: Queue) -> None:
+        """The loop took the request answered on `queue`."""
+        with self._lock:
+            self._taken.add(queue)
+
+    def release(self, queue: Queue) -> None:
+        """`queue`'s request finished its prefill (or ended)."""
+        with self._lock:
+            self._taken.discard(queue)
+
+    def clear(self) -> None:
+        """The loop is idle: no request of its batch is prefilling."""
+        with self._lock:
+            self._taken.clear()
+
+    def full(self, queued: bool) -> bool:
+        """Every slot is taken: leave queued requests for a later step (counted when `queued`)."""
+        with self._lock:
+            full = self.width > 0 and len(self._taken) >= self.width
+            self.deferred += full and queued
+            return full
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"prefill_width": self.width, "requests_prefilling": len(self._taken),
+                    "prefill_deferrals": self.deferred}
+
+
+class RecordingQueue(Queue):
+    """A request's response queue that reports the loop's prefill progress to `PrefillSteps` and
+    frees its `PrefillSlots` slot once the prompt is prefilled or the request ends."""
+
+    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None):
         super().__init__()
         self._steps = steps
         self._alone = alone  # set while the loop serves a request outside the batch
+        self._slots = slots
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         if type(item) is tuple and len(item) == 2 and all(isinstance(x, int) for x in item):
             self._steps.progress(self, item[0], item[1], alone=self._alone.is_set())
+            if item[0] >= item[1] and self._slots is not None:
+                self._slots.release(self)
+        elif self._slots is not None and (item is None or isinstance(item, (BaseException, Response))):
+            self._slots.release(self)
         super().put(item, block, timeout)
 
 
-__all__ = ["Admission", "PrefillSteps", "StepClock", "RecordingQueue", "window_from_env", "WINDOW_ENV",
+__all__ = ["Admission", "PrefillSlots", "PrefillSteps", "StepClock", "RecordingQueue", "window_from_env", "WINDOW_ENV",
            "DEFAULT_WINDOW_S"]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.server import ResponseGenerator
 
-from kvtool.server.admission import Admission, PrefillSteps, RecordingQueue, StepClock
+from kvtool.server.admission import Admission, PrefillSlots, PrefillSteps, RecordingQueue, StepClock
 from kvtool.server.validation import RequestError
 
 if TYPE_CHECKING:
@@ -177,6 +177,7 @@ class KVToolResponseGenerator(ResponseGenerator):
         # Set before the base class starts the generation thread.
         self.admission = admission if admission is not None else Admission(window_s=0.0)
         self.prefill_steps = PrefillSteps()
+        self.prefill_slots = PrefillSlots(getattr(model_provider.cli_args, "prompt_concurrency", 0) or 0)
         self._alone = threading.Event()  # set while the loop serves a request outside the batch
         self._round_until: float | None = None  # the loop took a request: it may wait until then
         self.max_prompt_tokens = max_prompt_tokens
@@ -241,19 +242,30 @@ class KVToolResponseGenerator(ResponseGenerator):
     # ------------------------------------------------------------ mlx-lm hooks
     def _next_request(self, timeout=None):
         """As mlx-lm's, then, when nothing is queued and the loop took a request just before
-        that found it idle, the requests still in admission, waited for (`Admission.gather`) at
-        most until the admission window after that first request.
+        that found it idle, the requests still in admission, waited for (`Admission.gather`) while
+        the burst makes progress, at most `Admission.round_s` after that first request.
 
         The loop is idle when it asks with a timeout (mlx-lm's loop blocks only when its batch
         holds no request). A busy loop never waits: its decoding would stall for requests that
-        join its batch at the next step anyway (at 16 clients that cost throughput)."""
+        join its batch at the next step anyway (at 16 clients that cost throughput). A busy loop
+        whose prefill slots are all taken (`PrefillSlots`) takes nothing: queued requests are
+        taken, and their cached prefixes fetched, when their prefill can start."""
+        if self._is_distributed:
+            return super()._next_request(timeout)
+        if timeout is not None:  # an idle loop: its batch holds no request
+            self.prefill_slots.clear()
+        elif self.prefill_slots.full(queued=not self.requests.empty()):  # its prefill could not start yet
+            self._round_until = None  # a busy loop does not wait for requests in admission
+            return None
         got = super()._next_request(timeout)
-        if got is None and self._round_until is not None and not self._is_distributed:
+        if got is None and self._round_until is not None:
             got = self.admission.gather(self.requests, self._round_until)
         if got is None:
             self._round_until = None
-        elif self._round_until is None and timeout is not None:  # a burst may be arriving at an idle loop
-            self._round_until = time.monotonic() + self.admission.window_s
+            return None
+        if self._round_until is None and timeout is not None:  # a burst may be arriving at an idle loop
+            self._round_until = time.monotonic() + self.admission.round_s
+        self.prefill_slots.take(got[0])
         return got
 
     def _serve_single(self, request, stream):
@@ -306,7 +318,7 @@ class KVToolResponseGenerator(ResponseGenerator):
         if not self.generation_available():
             raise GenerationUnavailable(
                 f"generation is stopped after repeated failures (last: {self.last_failure or 'unknown'})")
-        response_queue: Queue = RecordingQueue(self.prefill_steps, self._alone)
+        response_queue: Queue = RecordingQueue(self.prefill_steps, self._alone, self.prefill_slots)
         with self._registry_lock:
             self._in_flight[response_queue] = None
             self.requests.put((response_queue, request, generation_args))
@@ -335,7 +347,7 @@ class KVToolResponseGenerator(ResponseGenerator):
         return {"generation_restarts": self.restarts, "prompts_pretokenized": self.pretokenized,
                 "generation_available": self.generation_available(),
                 "last_generation_failure": self.last_failure,
-                **self.admission.stats(), **self.prefill_steps.stats()}
+                **self.admission.stats(), **self.prefill_steps.stats(), **self.prefill_slots.stats()}
 
 
 def take_pretokenized(request: Any, tokenizer: Any) -> tuple | None:
