@@ -206,6 +206,10 @@ def test_pooled_ratios_of_synthetic_repeats_match_a_computation_by_hand():
         pytest.approx(_by_hand(ratios + four)) and g["ttft_p50_ms_ratio_geo_n"] == 6
     text = "\n".join(parity_markdown(frame))
     assert "### Pooled over clients and repeats" in text and f"{point:.2f} [{lo:.2f}-{hi:.2f}]" in text
+    first = _pool_requests()
+    single = parity_frame(first[first["repeat"] == 0], pd.DataFrame(), {}).iloc[0]  # one repeat: no interval
+    assert single["ttft_p50_ms_ratio_geo"] == pytest.approx(ratios[0]) and math.isnan(single["ttft_p50_ms_ratio_geo_hi"])
+    assert single["ttft_p50_ms_ratio_geo_n"] == 1 and single["pooled_met"] == "met"  # 0.96: the point decides
 
 
 def test_pooled_interval_needs_two_repeats_and_the_verdict_reads_the_interval():
