@@ -17,10 +17,14 @@ figure is paired *within a repeat* and pooled over the repeats:
   (ddof 1) / sqrt(n); NaN interval with one repeat. Logs make ratios symmetric (1.1x and 1/1.1x
   weigh the same) and the geometric mean of per-repeat ratios is the ratio of geometric means.
   +-2 SE is about a 95 % interval only for many repeats: with 3 the log ratios' mean over its SE
-  follows Student's t with 2 degrees of freedom, and +-2 SE covers about 82 % of it.
+  follows Student's t with 2 degrees of freedom, and +-2 SE covers about 82 % of it. Sources:
+  P. J. Fleming and J. J. Wallace, "How not to lie with statistics: the correct way to summarize
+  benchmark results", CACM 29(3), 1986 (the geometric mean of normalized ratios); J. M. Bland and
+  D. G. Altman, "Transformations, means, and confidence intervals", BMJ 312:1079, 1996 (an
+  interval of the mean log, transformed back: a geometric mean's interval).
 
-The pooled verdict (`pooled_verdict`, `parity` rows only) of a ratio against `TOLERANCE` (TTFT:
-ratio <= TOLERANCE; requests/s: ratio >= 1 / TOLERANCE) is three-way:
+The pooled verdict (`pooled_verdict`, `parity` rows only) of a ratio against the parity factor
+(`loadparity.TOLERANCE`, 1.05; TTFT: ratio <= it; requests/s: ratio >= 1 / it) is three-way:
 
 - `met`: the whole interval is on the good side of the target;
 - `not met`: the whole interval is on the bad side;
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -138,7 +142,7 @@ def pooled_verdict(row: dict[str, Any], tolerance: float) -> str:
     return "not met" if "not met" in verdicts else "within noise" if "within noise" in verdicts else "met"
 
 
-def _one_verdict(row: dict[str, Any], col: str, good: Any) -> str:
+def _one_verdict(row: dict[str, Any], col: str, good: Callable[[float], bool]) -> str:
     point, lo, hi = (_num(row.get(c)) for c in (col, f"{col}_lo", f"{col}_hi"))
     if not math.isfinite(point):
         return "-"
