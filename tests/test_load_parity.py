@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -18,7 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.bench.loadconfig import load_serve_load, parse_serve_load
-from kvtool.bench.loadparity import parity_target, phase_figures, target_met
+from kvtool.bench.loadparity import parity_frame, parity_markdown, parity_target, phase_figures, target_met
+from kvtool.bench.loadpooled import pooled_groups, pooled_ratio, pooled_verdict
 from kvtool.bench.loadserver import MLXLM, MLXLM_1000, ManagedServer, ServerOptions
 from kvtool.bench.loadworkloads import build_load_workload, opening_tokens, validate_load_params
 from kvtool.config import ConfigError
@@ -148,6 +150,84 @@ def test_phase_figures_by_hand():
     assert got["requests"] == 4 and got["failed"] == 1  # a failed request is counted, not timed
     assert got["ttft_p50_ms"] == 250.0 and math.isclose(got["ttft_p99_ms"], 300.0 + 0.97 * 100.0)
     assert got["requests_per_s"] == 4 / 2.0  # first send at 0 s, last answer at 1.5 + 0.5 s
+
+
+# TTFT p50 (ms) per (clients, server) and repeat: one request per batch, so its TTFT is the batch's p50
+POOL_TTFT = {(1, "kvtool"): [104.0, 106.0, 108.0], (1, "mlx-lm"): [90.0, 100.0, 110.0],
+             (1, "mlx-lm-1000"): [130.0, 120.0, 110.0],
+             (4, "kvtool"): [300.0, 330.0, 310.0], (4, "mlx-lm"): [280.0, 300.0, 290.0],
+             (4, "mlx-lm-1000"): [300.0, 290.0, 310.0]}
+
+
+def _pool_requests() -> pd.DataFrame:
+    """One measured request per (clients, server, repeat) of a `shared-prefix` cell, answered in
+    TTFT + 100 ms (so requests/s = 1000 / (TTFT + 100))."""
+    return pd.DataFrame([
+        {"workload": "shared-prefix", "server": server, "clients": clients, "repeat": rep, "phase": "query",
+         "measured": True, "key": f"q{rep}", "ttft_ms": ttft, "latency_ms": ttft + 100.0, "sent_s": 10.0 * rep,
+         "error": None, "text": "same", "completion_tokens": 3}
+        for (clients, server), ttfts in POOL_TTFT.items() for rep, ttft in enumerate(ttfts)])
+
+
+def _by_hand(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean and exp(mean log -+ 2 standard errors), with the standard library."""
+    logs = [math.log(r) for r in ratios]
+    mean, se = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - 2 * se), math.exp(mean + 2 * se)
+
+
+def test_pooled_ratios_of_synthetic_repeats_match_a_computation_by_hand():
+    frame = parity_frame(_pool_requests(), pd.DataFrame(), {})
+    one = frame[frame["clients"] == 1].iloc[0].to_dict()
+    kv, a, b = (POOL_TTFT[(1, s)] for s in ("kvtool", "mlx-lm", "mlx-lm-1000"))
+    ratios = [k / math.sqrt(x * y) for k, x, y in zip(kv, a, b, strict=True)]
+    assert [one[f"ttft_p50_ms_ratio_geo_r{r}"] for r in range(3)] == pytest.approx(ratios)
+    point, lo, hi = _by_hand(ratios)
+    assert (one["ttft_p50_ms_ratio_geo"], one["ttft_p50_ms_ratio_geo_lo"], one["ttft_p50_ms_ratio_geo_hi"]) == \
+        pytest.approx((point, lo, hi))
+    assert one["ttft_p50_ms_ratio_geo_n"] == 3 and hi < 1.05  # the whole interval within the tolerance
+    assert one["pooled_met"] == "met"
+    assert one["ttft_p50_ms_noise"] == pytest.approx(_by_hand([x / y for x, y in zip(a, b, strict=True)])[0])
+    rps = [(1000 / (k + 100)) / math.sqrt(1000 / (x + 100) * 1000 / (y + 100)) for k, x, y in zip(kv, a, b, strict=True)]
+    assert one["requests_per_s_ratio_geo"] == pytest.approx(_by_hand(rps)[0])
+    # the per-cell verdict against the better server's mean (mlx-lm, 100 ms): 106 ms is 1.06x
+    assert one["met"] == "not met" and one["ttft_p50_ms_ratio_best"] == pytest.approx(1.06)
+    four = [POOL_TTFT[(4, "kvtool")][r] / math.sqrt(POOL_TTFT[(4, "mlx-lm")][r] * POOL_TTFT[(4, "mlx-lm-1000")][r])
+            for r in range(3)]
+    row4 = frame[frame["clients"] == 4].iloc[0]
+    assert row4["ttft_p50_ms_ratio_geo_lo"] == pytest.approx(_by_hand(four)[1])
+    assert row4["ttft_p50_ms_ratio_geo_lo"] < 1.05 < row4["ttft_p50_ms_ratio_geo_hi"]  # it straddles the tolerance
+    assert row4["pooled_met"] == "within noise"
+    # pooled over both client counts: 6 samples, the same computation over all of them
+    groups = pooled_groups(frame, 1.05)
+    assert list(groups["group"]) == ["query"] and groups.loc[0, "clients"] == "1 / 4"
+    g = groups.iloc[0].to_dict()
+    assert (g["ttft_p50_ms_ratio_geo"], g["ttft_p50_ms_ratio_geo_lo"], g["ttft_p50_ms_ratio_geo_hi"]) == \
+        pytest.approx(_by_hand(ratios + four)) and g["ttft_p50_ms_ratio_geo_n"] == 6
+    text = "\n".join(parity_markdown(frame))
+    assert "### Pooled over clients and repeats" in text and f"{point:.2f} [{lo:.2f}-{hi:.2f}]" in text
+    first = _pool_requests()
+    single = parity_frame(first[first["repeat"] == 0], pd.DataFrame(), {}).iloc[0]  # one repeat: no interval
+    assert single["ttft_p50_ms_ratio_geo"] == pytest.approx(ratios[0]) and math.isnan(single["ttft_p50_ms_ratio_geo_hi"])
+    assert single["ttft_p50_ms_ratio_geo_n"] == 1 and single["pooled_met"] == "met"  # 0.96: the point decides
+
+
+def test_pooled_interval_needs_two_repeats_and_the_verdict_reads_the_interval():
+    assert pooled_ratio([]) == (pytest.approx(math.nan, nan_ok=True),) * 3 + (0,)
+    point, lo, hi, n = pooled_ratio([1.2, float("nan"), -1.0])  # NaN and non-positive ratios left out
+    assert (point, n) == (pytest.approx(1.2), 1) and math.isnan(lo) and math.isnan(hi)
+    assert pooled_ratio([0.5, 2.0])[0] == pytest.approx(1.0)  # geometric: 2x and 1/2x cancel
+    row = {"ttft_p50_ms_ratio_geo": 1.0, "ttft_p50_ms_ratio_geo_lo": 0.97, "ttft_p50_ms_ratio_geo_hi": 1.03}
+    assert pooled_verdict(row, 1.05) == "met"  # no requests/s: TTFT alone
+    assert pooled_verdict({**row, "ttft_p50_ms_ratio_geo_hi": 1.08}, 1.05) == "within noise"
+    assert pooled_verdict({**row, "ttft_p50_ms_ratio_geo": 1.1, "ttft_p50_ms_ratio_geo_lo": 1.06,
+                           "ttft_p50_ms_ratio_geo_hi": 1.15}, 1.05) == "not met"
+    rps = {"requests_per_s_ratio_geo": 0.9, "requests_per_s_ratio_geo_lo": 0.88, "requests_per_s_ratio_geo_hi": 0.93}
+    assert pooled_verdict({**row, **rps}, 1.05) == "not met"  # requests/s wholly below 1 / 1.05
+    assert pooled_verdict({**row, **rps, "requests_per_s_ratio_geo_hi": 0.99}, 1.05) == "within noise"
+    assert pooled_verdict({"ttft_p50_ms_ratio_geo": 1.04, "ttft_p50_ms_ratio_geo_lo": math.nan}, 1.05) == "met"
+    assert pooled_verdict({"ttft_p50_ms_ratio_geo": 1.06}, 1.05) == "not met"  # one repeat: the point decides
+    assert pooled_verdict({}, 1.05) == "-"
 
 
 # ------------------------------------------------------------------------------------ real servers

@@ -18,6 +18,19 @@ is met (`parity_target`):
   restart, the later ones are `rewarm`): TTFT p50 <= `CACHED_FACTOR` x every mlx-lm server's
   (their caches were in memory; kvtool's is on disk).
 
+Pooled over the repeats (`kvtool.bench.loadpooled`, where the rule and its reasons are given):
+the better of two noisy mlx-lm servers is biased against kvtool, so every row also gets, per
+repeat, kvtool's TTFT p50 / the geometric mean of the mlx-lm servers' in that repeat
+(`ttft_p50_ms_ratio_geo_r<k>`), their geometric mean over the repeats with an interval of -+2
+standard errors of the mean log ratio (`ttft_p50_ms_ratio_geo`, `_lo`, `_hi`, `_n`; NaN interval
+with one repeat), the same for requests/s (`requests_per_s_ratio_geo...`) and for the noise
+reference `mlx-lm` / `mlx-lm-1000` (`<fig>_noise...`: the same work on both servers), and a
+second verdict `pooled_met` for `parity` rows: `met` when the whole interval is within
+`TOLERANCE` (TTFT <= it, requests/s >= 1 / it), `not met` when the whole interval is beyond it,
+`within noise` when it straddles `TOLERANCE` (one repeat: the point decides); `-` for the cached
+targets. The markdown section ends with the same figures pooled per workload and phase group
+(`loadpooled.pooled_groups`: shared-prefix cells, cold turns, warm turns, ...).
+
 Outputs: every server's greedy output is compared with the `mlx-lm` server's for the same request
 (`output_mismatches_<server>`: requests that differ or that only one answered); the 1-minute load
 average at the start of the cell's first batch and at the end of its last (`load_avg_start`,
@@ -33,6 +46,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvtool.bench.loadpooled import (
+    fmt_pooled,
+    pooled_group_markdown,
+    pooled_groups,
+    pooled_row,
+    pooled_verdict,
+    repeat_ratios,
+    repeat_values,
+)
 from kvtool.bench.loadserver import KVTOOL, MLXLM, MLXLM_FLAGS
 from kvtool.bench.loadworkloads import RESTART_PHASE, REWARM_PHASE, workload_kind
 
@@ -128,6 +150,7 @@ def parity_frame(requests: pd.DataFrame, batches: pd.DataFrame, doc: dict[str, A
     baselines = [s for s in MLXLM_FLAGS if s in servers]
     mismatches = output_mismatches(requests)
     workloads = doc.get("workloads") or {}
+    per_repeat = {key: grp for key, grp in repeat_ratios(figs, baselines).groupby(ROW_KEYS, sort=False)}
     rows = []
     for (workload, clients, phase), grp in figs.groupby(ROW_KEYS, sort=False):
         row: dict[str, Any] = {"workload": workload, "clients": int(clients), "phase": phase,
@@ -141,6 +164,8 @@ def parity_frame(requests: pd.DataFrame, batches: pd.DataFrame, doc: dict[str, A
         info = workloads.get(workload) or {}
         row["target"] = parity_target(info.get("kind", workload_kind(workload)), info.get("params") or {}, phase)
         row["met"] = target_met(row["target"], row, baselines) if KVTOOL in servers else "-"
+        row.update(pooled_row(per_repeat[(workload, clients, phase)]))
+        row["pooled_met"] = pooled_verdict(row, TOLERANCE) if row["target"] == "parity" else "-"
         for server in servers:
             if server != MLXLM:
                 row[f"output_mismatches_{server}"] = mismatches.get((workload, int(clients), phase, server))
@@ -199,7 +224,8 @@ def _load_avg(batches: pd.DataFrame, workload: str, clients: int) -> dict[str, A
 
 
 def parity_markdown(frame: pd.DataFrame) -> list[str]:
-    """The report's "Parity" section (markdown lines; none for an empty frame)."""
+    """The report's "Parity" section (markdown lines; none for an empty frame): the table, then the
+    figures pooled per workload and phase group (`loadpooled.pooled_group_markdown`)."""
     if frame.empty or "target" not in frame:
         return []
     servers = [s for s in (KVTOOL, *MLXLM_FLAGS) if f"{s}_ttft_p50_ms" in frame]
@@ -209,33 +235,53 @@ def parity_markdown(frame: pd.DataFrame) -> list[str]:
     lines = ["", "## Parity: kvtool against every mlx_lm.server, per phase", "",
              f"Means over the repeats of each phase's TTFT p50 / p99 (ms) and requests/s, per server ({names}); "
              f"ratios kvtool / {', '.join(ratio_cols)} (best: the better mlx-lm server); targets: "
-             + "; ".join(f"`{k}`: {v}" for k, v in TARGETS.items()) + " (`kvtool/bench/loadparity.py`). Outputs: "
-             "requests whose output differs from mlx-lm's; failed: requests without an answer per server (not in the "
-             "figures). Load: 1-minute load average at the cell's start -> end.",
+             + "; ".join(f"`{k}`: {v}" for k, v in TARGETS.items()) + " (`kvtool/bench/loadparity.py`). Pooled: per "
+             "repeat kvtool's TTFT p50 / the geometric mean of the mlx-lm servers' in that repeat, their geometric "
+             "mean over the repeats [-+2 standard errors of the mean log ratio], the same for requests/s and for the "
+             "noise reference mlx-lm / mlx-lm-1000 (the same work on both); pooled verdict (`parity` rows) against "
+             f"{TOLERANCE}x: met / not met when the whole interval is on one side, within noise when it straddles "
+             "(`kvtool/bench/loadpooled.py`). Outputs: requests whose output differs from mlx-lm's; failed: requests "
+             "without an answer per server (not in the figures). Load: 1-minute load average at the cell's start "
+             "-> end.",
              "", f"| workload | clients | phase | TTFT p50 ms ({names}) | TTFT p99 ms | req/s | TTFT p50 ratio "
-             f"({' / '.join(ratio_cols)}) | req/s ratio | target | met | outputs differing | failed | load |",
-             "|---|---:|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in frame.to_dict(orient="records"):
-        cells = [" / ".join(_fmt(row.get(f"{s}_{fig}"), 2 if fig == "requests_per_s" else 1) for s in servers)
-                 for fig in FIGS]
-        ratios = [" / ".join(_fmt(row.get(f"{fig}_ratio_{b}"), 2) for b in ratio_cols)
-                  for fig in ("ttft_p50_ms", "requests_per_s")]
-        diff = ", ".join(f"{s} {_fmt(row.get(f'output_mismatches_{s}'), 0)}" for s in servers if s != MLXLM)
-        failed = " / ".join(_fmt(row.get(f"{s}_failed"), 0) for s in servers)
-        lines.append(f"| {row['workload']} | {row['clients']} | {row['phase_label']} | {' | '.join(cells)} | "
-                     f"{' | '.join(ratios)} | {row['target']} | {row['met']} | {diff or '-'} | {failed} | "
-                     f"{_fmt(row.get('load_avg_start'), 2)} -> {_fmt(row.get('load_avg_end'), 2)} |")
-    return lines
+             f"({' / '.join(ratio_cols)}) | req/s ratio | target | met | TTFT p50 kvtool / mlx-lm servers per repeat "
+             "| pooled | noise: mlx-lm / mlx-lm-1000 | req/s pooled | pooled met | outputs differing | failed | load |",
+             "|---|---:|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [_markdown_row(row, servers, ratio_cols) for row in frame.to_dict(orient="records")]
+    return lines + pooled_group_markdown(pooled_groups(frame, TOLERANCE), TOLERANCE)
+
+
+def _markdown_row(row: dict[str, Any], servers: list[str], ratio_cols: list[str]) -> str:
+    cells = [" / ".join(_fmt(row.get(f"{s}_{fig}"), 2 if fig == "requests_per_s" else 1) for s in servers)
+             for fig in FIGS]
+    ratios = [" / ".join(_fmt(row.get(f"{fig}_ratio_{b}"), 2) for b in ratio_cols)
+              for fig in ("ttft_p50_ms", "requests_per_s")]
+    pooled = [repeat_values(row, "ttft_p50_ms_ratio_geo"), fmt_pooled(row, "ttft_p50_ms_ratio_geo"),
+              fmt_pooled(row, "ttft_p50_ms_noise"), fmt_pooled(row, "requests_per_s_ratio_geo"),
+              str(row.get("pooled_met", "-"))]
+    diff = ", ".join(f"{s} {_fmt(row.get(f'output_mismatches_{s}'), 0)}" for s in servers if s != MLXLM)
+    failed = " / ".join(_fmt(row.get(f"{s}_failed"), 0) for s in servers)
+    return (f"| {row['workload']} | {row['clients']} | {row['phase_label']} | {' | '.join(cells)} | "
+            f"{' | '.join(ratios)} | {row['target']} | {row['met']} | {' | '.join(pooled)} | {diff or '-'} | "
+            f"{failed} | {_fmt(row.get('load_avg_start'), 2)} -> {_fmt(row.get('load_avg_end'), 2)} |")
 
 
 def parity_summary(frame: pd.DataFrame) -> list[str]:
     """One console line per row of the parity table: kvtool / the better mlx-lm server (TTFT p50,
-    requests/s), the target and whether it is met."""
+    requests/s), the target and whether it is met, and the pooled TTFT p50 ratio with its verdict;
+    then one line per pooled workload and phase group (`loadpooled.pooled_groups`)."""
     if frame.empty or "target" not in frame:
         return []
-    return [f"parity {r['workload']} {r['clients']} client(s) {r['phase_label']}: kvtool / better mlx-lm TTFT p50 "
+    rows = [f"parity {r['workload']} {r['clients']} client(s) {r['phase_label']}: kvtool / better mlx-lm TTFT p50 "
             f"{_fmt(r.get('ttft_p50_ms_ratio_best'), 2)}, req/s {_fmt(r.get('requests_per_s_ratio_best'), 2)}; "
-            f"{r['target']} -> {r['met']}" for r in frame.to_dict(orient="records")]
+            f"{r['target']} -> {r['met']}; pooled kvtool / mlx-lm servers TTFT p50 "
+            f"{fmt_pooled(r, 'ttft_p50_ms_ratio_geo')} -> {r.get('pooled_met', '-')}"
+            for r in frame.to_dict(orient="records")]
+    groups = pooled_groups(frame, TOLERANCE)
+    return rows + [f"parity pooled {g['workload']} {g['group']} (n {g['ttft_p50_ms_ratio_geo_n']}): kvtool / mlx-lm "
+                   f"servers TTFT p50 {fmt_pooled(g, 'ttft_p50_ms_ratio_geo')} (noise mlx-lm / mlx-lm-1000 "
+                   f"{fmt_pooled(g, 'ttft_p50_ms_noise')}) -> {g['pooled_met']}"
+                   for g in groups.to_dict(orient="records")]
 
 
 def _fmt(value: Any, digits: int) -> str:

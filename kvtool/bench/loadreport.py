@@ -15,7 +15,8 @@ Reads only `requests.jsonl`, `batches.csv` and `run.json` of a run directory, so
 - `mismatches.csv`: every request whose greedy kvtool output differs from mlx-lm's for the same
   request (same workload, clients, repeat and request key), or that only one server answered;
 - `parity.csv` and the report's "Parity" section: kvtool against every mlx-lm server per
-  (workload, clients, phase), with targets (`kvtool.bench.loadparity`);
+  (workload, clients, phase), with targets (`kvtool.bench.loadparity`) and ratios pooled over
+  the repeats (`kvtool.bench.loadpooled`);
 - the charts of `kvtool.bench.loadcharts` and `report.md`.
 
 A kvtool cell **fails** when any of its outputs differs from the baseline's; the run is `ok` only
