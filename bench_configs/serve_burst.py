@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -69,13 +70,17 @@ def post(url: str, body: dict) -> float:
 
 
 def burst(url: str, bodies: list[dict]) -> list[float]:
-    """Seconds from the release to each answer's end."""
+    """Seconds from the release to each answer's end (NaN: the request failed, e.g. a connection
+    the server reset), sorted, the failed ones last."""
     gate = threading.Barrier(len(bodies) + 1)
-    done: list[float] = [0.0] * len(bodies)
+    done: list[float] = [math.nan] * len(bodies)
 
     def one(i: int) -> None:
         gate.wait()
-        done[i] = post(url, bodies[i])
+        try:
+            done[i] = post(url, bodies[i])
+        except OSError as exc:  # urllib's errors are OSErrors
+            print(f"  a request failed: {type(exc).__name__}: {exc}", flush=True)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
     for t in threads:
@@ -84,7 +89,7 @@ def burst(url: str, bodies: list[dict]) -> list[float]:
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return sorted(d - t0 for d in done)
+    return sorted((d - t0 for d in done), key=lambda x: (math.isnan(x), x))
 
 
 def prefill_steps(server: ManagedServer) -> tuple[int, list[list[int]]] | None:
@@ -163,12 +168,15 @@ def main() -> int:
                           for _ in range(a.prompts)]
                 n0 = prefill_steps(servers[i])
                 times = burst(servers[i].url, bodies)
-                last[variants[i]].append(times[-1])
+                ok = [t for t in times if not math.isnan(t)]
+                failed = len(times) - len(ok)
+                last[variants[i]].append(ok[-1] if not failed else math.nan)
                 n1 = prefill_steps(servers[i])
                 new = [] if n1 is None or n0 is None else n1[1][max(0, len(n1[1]) - (n1[0] - n0[0])):]
                 steps = "" if n1 is None else f"  prefill steps [{', '.join(step_text(x) for x in new)}]"
-                print(f"repeat {r} {variants[i]:40s} first {times[0]:6.2f} s  last {times[-1]:6.2f} s  "
-                      f"load {os.getloadavg()[0]:.2f}{steps}", flush=True)
+                print(f"repeat {r} {variants[i]:40s} first {ok[0] if ok else math.nan:6.2f} s  "
+                      f"last {ok[-1] if ok else math.nan:6.2f} s  load {os.getloadavg()[0]:.2f}{steps}"
+                      + (f"  FAILED {failed} (the repeat's ratio is left out)" if failed else ""), flush=True)
         ref = last[variants[0]]
         for v in variants:
             ratios = " / ".join(f"{x / y:.2f}" for x, y in zip(last[v], ref))
