@@ -309,12 +309,22 @@ def read_header(fd: int, file_size: int) -> SegmentHeader:
     Raises:
         BlockFileError: see `parse_header`; OSError from the read.
     """
+    return parse_header(read_head(fd, file_size), file_size)
+
+
+def read_head(fd: int, file_size: int) -> bytes:
+    """The first bytes of an open segment file of `file_size` bytes, the whole header among them
+    when its length field is plausible (two small preads at most; unchecked: `parse_header`).
+
+    Raises:
+        OSError: the read failed.
+    """
     head = os.pread(fd, 64 << 10, 0)
     if len(head) >= 8:
         (n,) = struct.unpack_from("<Q", head, 0)
         if len(head) < 8 + n <= min(file_size, 8 + MAX_HEADER_BYTES):
             head += os.pread(fd, 8 + n - len(head), len(head))
-    return parse_header(head, file_size)
+    return head
 
 
 def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarray]) -> None:
