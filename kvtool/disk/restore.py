@@ -37,6 +37,7 @@ import numpy as np
 from kvtool.disk import segment as seg
 from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
+from kvtool.disk.verify import record_digest
 
 if TYPE_CHECKING:
     from kvtool.disk.namespace import SSDStore
@@ -56,7 +57,19 @@ DEFAULT_READERS = min(4, max(2, _cores()))
 TASK_BYTES = 8 << 20  # records per reader task: ~8 MiB
 PARALLEL_MIN_BYTES = 32 << 20  # below this, thread hand-offs cost more than they overlap
 
+# Small records (`tiny`: 64 KiB per 64-token block, in 8 KiB head pieces) are read run by run
+# into a per-thread staging buffer, hashed whole (xxh3 over one 64 KiB buffer is ~2x faster than
+# over its 9 pieces) and copied out with one numpy copy per destination tensor for up to
+# `STAGE_BYTES` of records: per record one hash call, no iovec. Measured on 2 cores, `tiny`, 16k
+# tokens in one process: read phase 4.5-4.8 ms staged vs 5.1-5.6 ms scattered (microbenchmark,
+# the same bytes and fresh destinations). Records above `STAGE_MAX_RECORD` (`qwen0.5b`: 786 KiB
+# per block) are scattered straight into the buffers as before: an extra copy of them would not
+# stay in the CPU's cache.
+STAGE_BYTES = 2 << 20
+STAGE_MAX_RECORD = 512 << 10
+
 DestFn = Callable[[int, int], Sequence[memoryview]]
+PlaceFn = Callable[[int, int, np.ndarray], bool]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -68,6 +81,17 @@ def _reader_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=DEFAULT_READERS, thread_name_prefix="kvtool-reader")
         return _pool
+
+
+_stage = threading.local()
+
+
+def _staging(nbytes: int) -> np.ndarray:
+    """This thread's staging buffer (uint8, at least `nbytes`; kept for the thread's next run)."""
+    buf = getattr(_stage, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _stage.buf = np.empty(max(nbytes, STAGE_BYTES), np.uint8)
+    return buf
 
 
 _gc_lock = threading.Lock()
@@ -131,6 +155,7 @@ def restore_chain(
     dest: DestFn,
     parallel: bool = True,
     ready: Callable[[], None] | None = None,
+    place: PlaceFn | None = None,
 ) -> RestoreResult:
     """Restore consecutive chain blocks from SSD into destination buffers, verified.
 
@@ -147,6 +172,11 @@ def restore_chain(
         parallel: use the reader pool (False: read on the calling thread).
         ready: called on the calling thread after the segment headers are checked and before
             the first read (e.g. to wait for buffers whose allocation was started asynchronously).
+        place: `place(offset, n, records)` copies verified records of `n` tokens each (uint8
+            `[count, bytes after the token ids]`) to token `offset` and returns True, or returns
+            False to have them copied into `dest`'s pieces (`HeadPieces.place`,
+            `KVBuffers.place_records`). Called from reader threads: no MLX. None: small records
+            are copied into `dest`'s pieces.
 
     Returns:
         A `RestoreResult`; rows beyond `n_ok` may have been partly written into `dest`.
@@ -158,7 +188,7 @@ def restore_chain(
         if ready is not None:
             ready()
         with gc_paused():
-            failures = _run(items, token_ids, dest, parallel)
+            failures = _run(items, token_ids, dest, parallel, place)
     finally:
         for fd in fds:
             os.close(fd)
@@ -241,10 +271,16 @@ def _tasks(items: list[_Item]) -> list[list[_Item]]:
     return tasks
 
 
-def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[int, tuple[str, str]]:
-    """Read and verify records in order, one `preadv` batch per run of back-to-back records;
-    stop at the first failure (returned by chain position)."""
+def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn, place: PlaceFn | None = None) -> dict[int, tuple[str, str]]:
+    """Read and verify records in order, one `preadv` batch per run of back-to-back records
+    (small records: staged, `_read_staged`); stop at the first failure (returned by chain
+    position)."""
     for run in _contiguous_runs(task):
+        if all(it.slot.codec == "none" and it.slot.nbytes <= STAGE_MAX_RECORD for it in run):
+            failed = _read_staged(run, token_ids, dest, place)
+            if failed:
+                return failed
+            continue
         sizes = [it.slot.n_tokens for it in run]
         tokens = np.empty(sum(sizes), dtype=np.int32)
         try:
@@ -259,6 +295,63 @@ def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[i
         if wrong is not None:
             return {run[wrong].pos: ("tokens", "holds other token ids")}
     return {}
+
+
+def _read_staged(run: list[_Item], token_ids: np.ndarray, dest: DestFn, place: PlaceFn | None) -> dict[int, tuple[str, str]]:
+    """`_read_task` for a run of small records: chunks of records of one length that hold
+    consecutive prompt tokens, each read whole into the staging buffer (`_read_chunk`)."""
+    i = 0
+    while i < len(run):
+        first = run[i].slot
+        n, size, at = first.n_tokens, first.nbytes, run[i].offset
+        j, limit = i + 1, i + max(1, STAGE_BYTES // size)
+        while (j < len(run) and j < limit and run[j].slot.n_tokens == n and run[j].slot.nbytes == size
+               and run[j].offset == at + (j - i) * n):  # fmt: skip
+            j += 1
+        failed = _read_chunk(run[i:j], token_ids, dest, place)
+        if failed:
+            return failed
+        i = j
+    return {}
+
+
+def _read_chunk(chunk: list[_Item], token_ids: np.ndarray, dest: DestFn, place: PlaceFn | None) -> dict[int, tuple[str, str]]:
+    """Read back-to-back records of `n` tokens each, holding prompt tokens `offset ..`, into the
+    staging buffer; check each record's checksum over its bytes and the token ids of all at once;
+    copy the records before the first failure into the destination (`place`, else `dest`)."""
+    c, n, size, offset = len(chunk), chunk[0].slot.n_tokens, chunk[0].slot.nbytes, chunk[0].offset
+    stage = _staging(c * size)[: c * size]
+    try:
+        seg.preadv_all(chunk[0].fd, [stage.data], chunk[0].slot.offset, c * size)
+    except (BlockFileError, OSError):  # find the exact record: read the run one by one
+        return _read_one_by_one(chunk, token_ids, dest)
+    recs = stage.reshape(c, size)
+    bad = next((k for k, it in enumerate(chunk) if record_digest(recs[k]) != it.slot.checksum), c)
+    got = recs[:, : 4 * n].view(seg.TOKENS_DTYPE)  # [c, n]: each record's token ids
+    want = token_ids[offset : offset + c * n]
+    wrong = c
+    if want.size != c * n or not np.array_equal(got, want.reshape(c, n)):
+        wrong = next(k for k in range(c) if not np.array_equal(got[k], token_ids[offset + k * n : offset + (k + 1) * n]))
+    ok = min(bad, wrong)
+    if ok and not (place is not None and place(offset, n, recs[:ok, 4 * n :])):
+        for k in range(ok):
+            _copy_into(dest(offset + k * n, n), recs[k, 4 * n :])
+    if ok == c:
+        return {}
+    it = chunk[ok]
+    if bad <= wrong:
+        return {it.pos: ("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")}
+    return {it.pos: ("tokens", "holds other token ids")}
+
+
+def _copy_into(pieces: Sequence[memoryview], data: np.ndarray) -> None:
+    """Copy `data` (one record's bytes after its token ids) into `pieces`, in order."""
+    src, at = memoryview(data), 0
+    for m in pieces:
+        m[:] = src[at : at + m.nbytes]
+        at += m.nbytes
+    if at != src.nbytes:
+        raise BlockFileError("slot", "destination size differs from the record size")
 
 
 def _first_wrong_tokens(run: list[_Item], sizes: list[int], got: np.ndarray, token_ids: np.ndarray) -> int | None:
@@ -307,16 +400,17 @@ def _contiguous_runs(task: list[_Item]) -> list[list[_Item]]:
     return runs
 
 
-def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool) -> dict[int, tuple[str, str]]:
+def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool,
+         place: PlaceFn | None) -> dict[int, tuple[str, str]]:  # fmt: skip
     tasks = _tasks(items)
     failures: dict[int, tuple[str, str]] = {}
     if not parallel or len(tasks) <= 1 or sum(it.slot.nbytes for it in items) < PARALLEL_MIN_BYTES:
         for task in tasks:
-            failures.update(_read_task(task, token_ids, dest))
+            failures.update(_read_task(task, token_ids, dest, place))
             if failures:
                 break
         return failures
-    futures = [_reader_pool().submit(_read_task, task, token_ids, dest) for task in tasks]
+    futures = [_reader_pool().submit(_read_task, task, token_ids, dest, place) for task in tasks]
     for fut in futures:
         failures.update(fut.result())
     return failures

@@ -11,7 +11,7 @@ tier's values (`kvtool.tiers.remote_value`: `check_header`, `slot_problem`, `rec
 | header checksum: xxh3-128 of the header JSON with its own value zeroed | `header_digest`, `sealed_header_digest` |
 | the header names the namespace, its KV layout, its codec; no record longer than a block | `check_header` |
 | a slot holds the block asked for: hash, parent (the previous block of the chain), length, size | `slot_problem` |
-| a record matches its checksum (xxh3-128 of its stored bytes) | `record_checksum` |
+| a record matches its checksum (xxh3-128 of its stored bytes) | `record_checksum`, `record_digest` |
 | the index row's token digest: xxh3-128 of the token ids as little-endian int32 | `tokens_digest` |
 
 The fixed bytes of a header (everything but the hashes, checksums and creation time, for a slot
@@ -145,6 +145,12 @@ def record_checksum(pieces: Iterable) -> str:
     return h.hexdigest()
 
 
+def record_digest(record: object) -> str:
+    """`record_checksum` of a record held in one contiguous buffer (bytes, memoryview, a
+    C-contiguous numpy array): one call, ~2x faster than hashing it in pieces."""
+    return xxhash.xxh3_128_hexdigest(record)
+
+
 def tokens_digest(token_ids: np.ndarray | Sequence[int] | bytes | memoryview) -> str:
     """The index row's `tokens_digest`: xxh3-128 hex of token ids as little-endian int32 (an
     array of ids, or their bytes as a record stores them)."""
@@ -154,6 +160,6 @@ def tokens_digest(token_ids: np.ndarray | Sequence[int] | bytes | memoryview) ->
 
 
 __all__ = [
-    "BlockFileError", "check_header", "slot_problem", "record_checksum", "tokens_digest", "header_digest",
+    "BlockFileError", "check_header", "slot_problem", "record_checksum", "record_digest", "tokens_digest", "header_digest",
     "sealed_header_digest", "raw_digest", "ZERO_CHECKSUM", "HEADER_CK_KEY",
 ]  # fmt: skip
