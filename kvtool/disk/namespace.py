@@ -221,7 +221,7 @@ class SSDStore(StoreCore):
         except (sqlite3.Error, AttributeError) as exc:
             self._index_error("lookup", exc)
             return {}
-        return {h: row for h, row in found.items() if not self.is_noncacheable(h)}
+        return self.cacheable(found)
 
     def children(self, parent: str, limit: int) -> list[IndexRow]:
         """Rows whose parent is `parent` (not isolated), most recently used first, at most

@@ -37,7 +37,7 @@ import numpy as np
 from kvtool.disk import segment as seg
 from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
-from kvtool.disk.verify import record_digest
+from kvtool.disk.verify import record_digest, slot_holds
 
 if TYPE_CHECKING:
     from kvtool.disk.namespace import SSDStore
@@ -137,7 +137,7 @@ class RestoreResult:
     failure: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _Item:
     pos: int  # position in the chain
     row: IndexRow
@@ -181,10 +181,8 @@ def restore_chain(
     Returns:
         A `RestoreResult`; rows beyond `n_ok` may have been partly written into `dest`.
     """
-    items, fds, cut = _plan(store, rows, first_parent)
+    items, fds, cut = _plan(store, rows, first_parent, token_offsets)
     try:
-        for it, off in zip(items, token_offsets):
-            it.offset = off
         if ready is not None:
             ready()
         with gc_paused():
@@ -209,35 +207,40 @@ def restore_chain(
     return result
 
 
-def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str) -> tuple[list[_Item], list[int], str | None]:
-    """Open segments and check slots on the request thread; stop at the first bad row.
-    Each segment's planned records are handed to the kernel's readahead as soon as the chain
-    leaves that segment (`_readahead`)."""
+def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str,
+          token_offsets: Sequence[int]) -> tuple[list[_Item], list[int], str | None]:  # fmt: skip
+    """Open segments and check slots on the request thread (`verify.slot_holds`: hash, parent =
+    the previous block of the chain, length); stop at the first bad row. Each segment's planned
+    records are handed to the kernel's readahead as soon as the chain leaves that segment
+    (`_readahead`)."""
     items: list[_Item] = []
     opened: dict[str, tuple[int, seg.SegmentHeader] | None] = {}
     fds: list[int] = []
     parent = first_parent
     span: list[int] = []  # [fd, first byte, end] of the current segment's planned records
+    name, fd, slots = None, -1, ()
     try:
-        for pos, row in enumerate(rows):
-            if row.segment not in opened:
-                _readahead(span)
-                opened[row.segment] = new = store.open_segment(row.segment)
-                if new is not None:
-                    fds.append(new[0])
-            entry = opened[row.segment]
-            if entry is None:
-                return items, fds, f"segment {row.segment} unusable"
-            fd, header = entry
-            slot = store.check_slot(row, header, parent)
-            if slot is None:
-                store.discard(row.hash, f"slot {row.slot} of segment {row.segment} does not hold it")
+        for pos, (row, offset) in enumerate(zip(rows, token_offsets)):
+            if row.segment != name:
+                name = row.segment
+                if name not in opened:
+                    _readahead(span)
+                    opened[name] = new = store.open_segment(name)
+                    if new is not None:
+                        fds.append(new[0])
+                entry = opened[name]
+                if entry is None:
+                    return items, fds, f"segment {name} unusable"
+                fd, slots = entry[0], entry[1].slots
+            slot = slots[row.slot] if row.slot < len(slots) else None
+            if slot is None or not slot_holds(slot, row.hash, parent, row.num_tokens):
+                store.discard(row.hash, f"slot {row.slot} of segment {name} does not hold it")
                 return items, fds, "slot mismatch"
             if span and span[0] == fd:
                 span[1], span[2] = min(span[1], slot.offset), max(span[2], slot.offset + slot.nbytes)
             else:
                 span[:] = [fd, slot.offset, slot.offset + slot.nbytes]
-            items.append(_Item(pos, row, slot, fd, 0))
+            items.append(_Item(pos, row, slot, fd, offset))
             parent = row.hash
         return items, fds, None
     finally:
