@@ -62,11 +62,13 @@ PARALLEL_MIN_BYTES = 32 << 20  # below this, thread hand-offs cost more than the
 # over its 9 pieces) and copied out with one numpy copy per destination tensor for up to
 # `STAGE_BYTES` of records: per record one hash call, no iovec. Measured on 2 cores, `tiny`, 16k
 # tokens in one process: read phase 4.5-4.8 ms staged vs 5.1-5.6 ms scattered (microbenchmark,
-# the same bytes and fresh destinations). Records above `STAGE_MAX_RECORD` (`qwen0.5b`: 786 KiB
-# per block) are scattered straight into the buffers as before: an extra copy of them would not
-# stay in the CPU's cache.
-STAGE_BYTES = 2 << 20
-STAGE_MAX_RECORD = 512 << 10
+# the same bytes and fresh destinations). 1 MiB: as fast as 2 MiB in one process (alternated,
+# 4k and 16k), and the buffer counts in a restore's peak RSS (a fresh process: +1 MiB, 0.06x of
+# 16k tokens of `tiny` KV). Records above `STAGE_MAX_RECORD` (`qwen0.5b`: 786 KiB per block) are
+# scattered straight into the buffers as before: an extra copy of them would not stay in the
+# CPU's cache.
+STAGE_BYTES = 1 << 20
+STAGE_MAX_RECORD = 256 << 10
 
 DestFn = Callable[[int, int], Sequence[memoryview]]
 PlaceFn = Callable[[int, int, np.ndarray], bool]
