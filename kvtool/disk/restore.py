@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -139,8 +139,7 @@ class RestoreResult:
     failure: str | None = None
 
 
-@dataclass(slots=True)
-class _Item:
+class _Item(NamedTuple):  # a tuple: one per block, made ~2x faster than a dataclass
     pos: int  # position in the chain
     row: IndexRow
     slot: seg.Slot
@@ -238,10 +237,14 @@ def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str,
             if slot is None or not slot_holds(slot, row.hash, parent, row.num_tokens):
                 store.discard(row.hash, f"slot {row.slot} of segment {name} does not hold it")
                 return items, fds, "slot mismatch"
+            start, end = slot.offset, slot.offset + slot.nbytes
             if span and span[0] == fd:
-                span[1], span[2] = min(span[1], slot.offset), max(span[2], slot.offset + slot.nbytes)
+                if start < span[1]:
+                    span[1] = start
+                if end > span[2]:
+                    span[2] = end
             else:
-                span[:] = [fd, slot.offset, slot.offset + slot.nbytes]
+                span[:] = [fd, start, end]
             items.append(_Item(pos, row, slot, fd, offset))
             parent = row.hash
         return items, fds, None
