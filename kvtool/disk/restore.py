@@ -219,7 +219,8 @@ def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str,
     fds: list[int] = []
     parent = first_parent
     span: list[int] = []  # [fd, first byte, end] of the current segment's planned records
-    name, fd, slots = None, -1, ()
+    name, fd = None, -1
+    slots: Sequence[seg.Slot] = ()
     try:
         for pos, (row, offset) in enumerate(zip(rows, token_offsets)):
             if row.segment != name:
@@ -334,7 +335,7 @@ def _read_chunk(chunk: list[_Item], token_ids: np.ndarray, dest: DestFn, place: 
     except (BlockFileError, OSError):  # find the exact record: read the run one by one
         return _read_one_by_one(chunk, token_ids, dest)
     recs = stage.reshape(c, size)
-    bad = next((k for k, it in enumerate(chunk) if record_digest(recs[k]) != it.slot.checksum), c)
+    bad = next((k for k, it in enumerate(chunk) if record_digest(recs[k].data) != it.slot.checksum), c)
     got = recs[:, : 4 * n].view(seg.TOKENS_DTYPE)  # [c, n]: each record's token ids
     want = token_ids[offset : offset + c * n]
     wrong = c
@@ -354,7 +355,7 @@ def _read_chunk(chunk: list[_Item], token_ids: np.ndarray, dest: DestFn, place: 
 
 def _copy_into(pieces: Sequence[memoryview], data: np.ndarray) -> None:
     """Copy `data` (one record's bytes after its token ids) into `pieces`, in order."""
-    src, at = memoryview(data), 0
+    src, at = data.data, 0
     for m in pieces:
         m[:] = src[at : at + m.nbytes]
         at += m.nbytes
