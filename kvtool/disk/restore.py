@@ -6,9 +6,12 @@ The record reads then run on a small pool of reader threads: one `preadv` per ru
 back-to-back records scatters them from the file into the destination buffers at their token
 offsets (no staging copy; the iovec comes from per-head views made once, `segment.HeadPieces`),
 then each record is hashed where it landed (xxh3) and the run's token ids are compared with the
-prompt's in one numpy call. Reads and hashing of different runs overlap: `os.preadv` releases the
-GIL; xxhash keeps it for inputs under ~100 KiB (a record's pieces are 8-16 KiB for `qwen0.5b`),
-so two readers' hashing takes turns while the other copies.
+prompt's in one numpy call. Small records (<= `STAGE_MAX_RECORD`) are read in chunks into a
+per-thread staging buffer instead, hashed whole, and the verified ones copied into the buffers
+with one numpy copy per tensor (`HeadPieces.place`, through `place`). Reads and hashing of
+different runs overlap: `os.preadv` releases the GIL; xxhash keeps it for inputs under ~100 KiB
+(a record's pieces are 8-16 KiB for `qwen0.5b`), so two readers' hashing takes turns while the
+other copies.
 
 The first block that fails any check cuts the chain there: the caller recomputes the rest, so
 the output stays exact. A damaged block loses its row (and its segment becomes suspect, so the
