@@ -111,6 +111,13 @@ def chain_hashes(
     ids = np.asarray(token_ids, dtype=np.int32)
     parent = root_parent(layout)
     out: list[str] = []
+    if hash_fn is blake2b_chain:  # the same digests, from one byte string: ~2x fewer Python steps per block
+        data, step = np.ascontiguousarray(ids, dtype="<i4").tobytes(), 4 * block_size
+        digest = bytes.fromhex(parent)
+        for i in range(len(ids) // block_size):
+            digest = hashlib.blake2b(digest + data[i * step : (i + 1) * step], digest_size=HASH_DIGEST_BYTES).digest()
+            out.append(digest.hex())
+        return out
     for i in range(len(ids) // block_size):
         parent = hash_fn(bytes.fromhex(parent), ids[i * block_size : (i + 1) * block_size])
         out.append(parent)

@@ -45,6 +45,15 @@ def test_chain_hash_is_prefix_property(a, b):
         assert (ha[i] == hb[i]) == same_prefix
 
 
+@given(token_lists, st.integers(min_value=1, max_value=9))
+def test_chain_hash_fast_path_equals_blake2b_chain_per_block(ids, bs):
+    """`chain_hashes` with the default hash (one byte string, no per-block conversion) gives the
+    digests `blake2b_chain` gives block by block."""
+    from kvtool.hashing import blake2b_chain
+
+    assert chain_hashes(ids, bs, LAYOUT) == chain_hashes(ids, bs, LAYOUT, hash_fn=lambda p, t: blake2b_chain(p, t))
+
+
 def test_chain_hash_is_stable_across_processes():
     """A known value: blake2b over fixed bytes, so any process or machine computes the same."""
     h = chain_hashes([1, 2, 3, 4], 4, "0" * 32)

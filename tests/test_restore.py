@@ -65,6 +65,12 @@ class Buffers:
         self.threads.add(threading.current_thread().name)
         return self.pieces(offset, n)
 
+    def place(self, offset: int, n: int, records) -> bool:
+        """`restore_chain`'s `place`: staged records copied in one go (`HeadPieces.place`)."""
+        self.threads.add(threading.current_thread().name)
+        self.pieces.place(offset, n, records)
+        return True
+
     def tokens_bytes(self, stop: int) -> list[bytes]:
         return [a[:, :, :stop, :].tobytes() for a in self.arrays]
 
@@ -87,12 +93,13 @@ def offsets(rows) -> list[int]:
     return out
 
 
-def run_restore(store, blocks, ids, parallel=True, cap=None, rows=None):
+def run_restore(store, blocks, ids, parallel=True, cap=None, rows=None, place=False):
+    """Restore `blocks`' rows into fresh `Buffers`; `place`: staged records placed through
+    `Buffers.place` (else copied into `dest`'s pieces)."""
     rows = store.lookup([b.block_hash for b in blocks]) if rows is None else rows
     bufs = Buffers(store.expected.kv, cap or len(ids) + 8)
-    res = restore.restore_chain(
-        store, rows, root_parent(store.layout_key), np.asarray(ids, np.int32), offsets(rows), bufs.dest, parallel
-    )
+    res = restore.restore_chain(store, rows, root_parent(store.layout_key), np.asarray(ids, np.int32), offsets(rows),
+                                bufs.dest, parallel, place=bufs.place if place else None)  # fmt: skip
     return res, bufs, rows
 
 
@@ -122,11 +129,12 @@ def saved_chain(store, n_tokens=46, batches=(3, 7), dtype="bfloat16", seed=0):
 # ----------------------------------------------------------------------------- bit for bit
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("parallel", [True, False], ids=["pool", "inline"])
-def test_batched_restore_equals_per_block_load_bit_for_bit(tmp_path, small_tasks, dtype, parallel):
+@pytest.mark.parametrize("place", [True, False], ids=["place", "pieces"])
+def test_batched_restore_equals_per_block_load_bit_for_bit(tmp_path, small_tasks, dtype, parallel, place):
     store = open_store(tmp_path, dtype)
     chain, ids = saved_chain(store, dtype=dtype)
     assert len(chain) == 12 and chain[-1].num_tokens == 2 and len(segment_files(store)) == 3
-    res, bufs, rows = run_restore(store, chain, ids, parallel)
+    res, bufs, rows = run_restore(store, chain, ids, parallel, place=place)
     assert (res.n_ok, res.failure) == (12, None)
     on_pool = any(name.startswith("kvtool-reader") for name in bufs.threads)
     assert on_pool == parallel, bufs.threads
@@ -218,13 +226,14 @@ CUTS = {
 
 
 @pytest.mark.parametrize("parallel", [True, False], ids=["pool", "inline"])
+@pytest.mark.parametrize("place", [True, False], ids=["place", "pieces"])
 @pytest.mark.parametrize("case", sorted(CUTS))
-def test_bad_block_in_the_middle_cuts_the_chain_exactly_there(tmp_path, small_tasks, case, parallel):
+def test_bad_block_in_the_middle_cuts_the_chain_exactly_there(tmp_path, small_tasks, case, parallel, place):
     store = open_store(tmp_path)
     chain, ids = saved_chain(store)
     damage, kind = CUTS[case]
     damage(store, chain)
-    res, bufs, rows = run_restore(store, chain, ids, parallel)
+    res, bufs, rows = run_restore(store, chain, ids, parallel, place=place)
     assert len(rows) == 12
     assert res.n_ok == K, res.failure
     assert res.failure is not None and (kind in res.failure)
@@ -242,7 +251,7 @@ def test_bad_block_in_the_middle_cuts_the_chain_exactly_there(tmp_path, small_ta
         survivors = [b for b in chain if b is not chain[K] and not (case.startswith("swapped") and b is chain[K + 1])]
         assert all(store.index.get(b.block_hash) is not None for b in survivors)
     # a second restore serves the same prefix, then misses (the caller recomputes the rest)
-    res2, bufs2, _ = run_restore(store, chain, ids, parallel)
+    res2, bufs2, _ = run_restore(store, chain, ids, parallel, place=place)
     assert res2.n_ok == K and placed_ok(bufs2, chain, K)
 
 

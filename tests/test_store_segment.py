@@ -587,3 +587,30 @@ def test_head_pieces_refuse_what_a_record_cannot_scatter_into(bad):
     ro.flags.writeable = False
     with pytest.raises(ValueError):
         seg.HeadPieces([ro])
+
+
+
+def test_head_pieces_place_equals_copying_into_the_pieces():
+    """`HeadPieces.place(offset, n, records)`: records (bytes after their token ids, in file
+    order) land where `__call__`'s pieces would take them, record after record; nothing else is
+    written; a destination too short or records of another size are refused."""
+    rng = np.random.default_rng(5)
+    shapes = [(1, 2, 20, 4), (1, 2, 20, 6), (1, 3, 20, 2), (1, 3, 20, 2)]
+    n, count, offset = 3, 4, 5
+    width = sum(s[1] * n * s[3] * 2 for s in shapes)
+    records = rng.integers(0, 256, (count, width), dtype=np.uint8)
+    by_place = [np.zeros(s, np.float16) for s in shapes]
+    by_pieces = [np.zeros(s, np.float16) for s in shapes]
+    seg.HeadPieces(by_place).place(offset, n, records)
+    pieces = seg.HeadPieces(by_pieces)
+    for k in range(count):
+        at = 0
+        for m in pieces(offset + k * n, n):
+            m[:] = records[k, at : at + m.nbytes].tobytes()
+            at += m.nbytes
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(by_place, by_pieces))
+    assert all((a[:, :, : offset] == 0).all() and (a[:, :, offset + count * n :] == 0).all() for a in by_place)
+    with pytest.raises(ValueError):
+        seg.HeadPieces(by_place).place(18, n, records)
+    with pytest.raises(ValueError):
+        seg.HeadPieces(by_place).place(0, n, records[:, :-2])

@@ -42,6 +42,7 @@ import numpy as np
 from kvtool.disk import segment as seg
 from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
+from kvtool.disk.header_cache import HEADERS
 from kvtool.disk.names import is_hash
 from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore, open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
@@ -220,7 +221,7 @@ class SSDStore(StoreCore):
         except (sqlite3.Error, AttributeError) as exc:
             self._index_error("lookup", exc)
             return {}
-        return {h: row for h, row in found.items() if not self.is_noncacheable(h)}
+        return self.cacheable(found)
 
     def children(self, parent: str, limit: int) -> list[IndexRow]:
         """Rows whose parent is `parent` (not isolated), most recently used first, at most
@@ -290,7 +291,7 @@ class SSDStore(StoreCore):
             self.inc("ssd_load_fail")
             return None
         try:
-            header = seg.read_header(fd, check_regular(fd, path).st_size)
+            header = HEADERS.read(fd, check_regular(fd, path))  # parsed once per file (kvtool.disk.header_cache)
             seg.check_header(header, self.layout_key, self.geometry.kv, self.geometry.codec)
             return fd, header
         except (OSError, BlockFileError) as exc:

@@ -279,6 +279,13 @@ class StoreCore:
         self._noncacheable.pop(h, None)
         return False
 
+    def cacheable(self, rows: dict[str, IndexRow]) -> dict[str, IndexRow]:
+        """`rows` (hash -> row) without the isolated hashes (`is_noncacheable`); `rows` itself
+        when no hash is isolated at all (the usual case: no per-row check)."""
+        if not self._noncacheable:
+            return rows
+        return {h: row for h, row in rows.items() if not self.is_noncacheable(h)}
+
     def collision(self, h: str, where: str) -> None:
         """An intact block holds other token ids than asked for: isolate its hash for 1 h."""
         self._noncacheable[h] = self.clock() + NONCACHEABLE_TTL_S

@@ -6,9 +6,12 @@ The record reads then run on a small pool of reader threads: one `preadv` per ru
 back-to-back records scatters them from the file into the destination buffers at their token
 offsets (no staging copy; the iovec comes from per-head views made once, `segment.HeadPieces`),
 then each record is hashed where it landed (xxh3) and the run's token ids are compared with the
-prompt's in one numpy call. Reads and hashing of different runs overlap: `os.preadv` releases the
-GIL; xxhash keeps it for inputs under ~100 KiB (a record's pieces are 8-16 KiB for `qwen0.5b`),
-so two readers' hashing takes turns while the other copies.
+prompt's in one numpy call. Small records (<= `STAGE_MAX_RECORD`) are read in chunks into a
+per-thread staging buffer instead, hashed whole, and the verified ones copied into the buffers
+with one numpy copy per tensor (`HeadPieces.place`, through `place`). Reads and hashing of
+different runs overlap: `os.preadv` releases the GIL; xxhash keeps it for inputs under ~100 KiB
+(a record's pieces are 8-16 KiB for `qwen0.5b`), so two readers' hashing takes turns while the
+other copies.
 
 The first block that fails any check cuts the chain there: the caller recomputes the rest, so
 the output stays exact. A damaged block loses its row (and its segment becomes suspect, so the
@@ -30,13 +33,14 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvtool.disk import segment as seg
 from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import BlockFileError
+from kvtool.disk.verify import record_digest, slot_holds
 
 if TYPE_CHECKING:
     from kvtool.disk.namespace import SSDStore
@@ -56,7 +60,21 @@ DEFAULT_READERS = min(4, max(2, _cores()))
 TASK_BYTES = 8 << 20  # records per reader task: ~8 MiB
 PARALLEL_MIN_BYTES = 32 << 20  # below this, thread hand-offs cost more than they overlap
 
+# Small records (`tiny`: 64 KiB per 64-token block, in 8 KiB head pieces) are read run by run
+# into a per-thread staging buffer, hashed whole (xxh3 over one 64 KiB buffer is ~2x faster than
+# over its 9 pieces) and copied out with one numpy copy per destination tensor for up to
+# `STAGE_BYTES` of records: per record one hash call, no iovec. Measured on 2 cores, `tiny`, 16k
+# tokens in one process: read phase 4.5-4.8 ms staged vs 5.1-5.6 ms scattered (microbenchmark,
+# the same bytes and fresh destinations). 1 MiB: as fast as 2 MiB in one process (alternated,
+# 4k and 16k), and the buffer counts in a restore's peak RSS (a fresh process: +1 MiB, 0.06x of
+# 16k tokens of `tiny` KV). Records above `STAGE_MAX_RECORD` (`qwen0.5b`: 786 KiB per block) are
+# scattered straight into the buffers as before: an extra copy of them would not stay in the
+# CPU's cache.
+STAGE_BYTES = 1 << 20
+STAGE_MAX_RECORD = 256 << 10
+
 DestFn = Callable[[int, int], Sequence[memoryview]]
+PlaceFn = Callable[[int, int, np.ndarray], bool]
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -68,6 +86,17 @@ def _reader_pool() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=DEFAULT_READERS, thread_name_prefix="kvtool-reader")
         return _pool
+
+
+_stage = threading.local()
+
+
+def _staging(nbytes: int) -> np.ndarray:
+    """This thread's staging buffer (uint8, at least `nbytes`; kept for the thread's next run)."""
+    buf = getattr(_stage, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _stage.buf = np.empty(max(nbytes, STAGE_BYTES), np.uint8)
+    return buf
 
 
 _gc_lock = threading.Lock()
@@ -113,8 +142,7 @@ class RestoreResult:
     failure: str | None = None
 
 
-@dataclass
-class _Item:
+class _Item(NamedTuple):  # a tuple: one per block, made ~2x faster than a dataclass
     pos: int  # position in the chain
     row: IndexRow
     slot: seg.Slot
@@ -131,6 +159,7 @@ def restore_chain(
     dest: DestFn,
     parallel: bool = True,
     ready: Callable[[], None] | None = None,
+    place: PlaceFn | None = None,
 ) -> RestoreResult:
     """Restore consecutive chain blocks from SSD into destination buffers, verified.
 
@@ -147,18 +176,21 @@ def restore_chain(
         parallel: use the reader pool (False: read on the calling thread).
         ready: called on the calling thread after the segment headers are checked and before
             the first read (e.g. to wait for buffers whose allocation was started asynchronously).
+        place: `place(offset, n, records)` copies verified records of `n` tokens each (uint8
+            `[count, bytes after the token ids]`) to token `offset` and returns True, or returns
+            False to have them copied into `dest`'s pieces (`HeadPieces.place`,
+            `KVBuffers.place_records`). Called from reader threads: no MLX. None: small records
+            are copied into `dest`'s pieces.
 
     Returns:
         A `RestoreResult`; rows beyond `n_ok` may have been partly written into `dest`.
     """
-    items, fds, cut = _plan(store, rows, first_parent)
+    items, fds, cut = _plan(store, rows, first_parent, token_offsets)
     try:
-        for it, off in zip(items, token_offsets):
-            it.offset = off
         if ready is not None:
             ready()
         with gc_paused():
-            failures = _run(items, token_ids, dest, parallel)
+            failures = _run(items, token_ids, dest, parallel, place)
     finally:
         for fd in fds:
             os.close(fd)
@@ -179,35 +211,45 @@ def restore_chain(
     return result
 
 
-def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str) -> tuple[list[_Item], list[int], str | None]:
-    """Open segments and check slots on the request thread; stop at the first bad row.
-    Each segment's planned records are handed to the kernel's readahead as soon as the chain
-    leaves that segment (`_readahead`)."""
+def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str,
+          token_offsets: Sequence[int]) -> tuple[list[_Item], list[int], str | None]:  # fmt: skip
+    """Open segments and check slots on the request thread (`verify.slot_holds`: hash, parent =
+    the previous block of the chain, length); stop at the first bad row. Each segment's planned
+    records are handed to the kernel's readahead as soon as the chain leaves that segment
+    (`_readahead`)."""
     items: list[_Item] = []
     opened: dict[str, tuple[int, seg.SegmentHeader] | None] = {}
     fds: list[int] = []
     parent = first_parent
     span: list[int] = []  # [fd, first byte, end] of the current segment's planned records
+    name, fd = None, -1
+    slots: Sequence[seg.Slot] = ()
     try:
-        for pos, row in enumerate(rows):
-            if row.segment not in opened:
-                _readahead(span)
-                opened[row.segment] = new = store.open_segment(row.segment)
-                if new is not None:
-                    fds.append(new[0])
-            entry = opened[row.segment]
-            if entry is None:
-                return items, fds, f"segment {row.segment} unusable"
-            fd, header = entry
-            slot = store.check_slot(row, header, parent)
-            if slot is None:
-                store.discard(row.hash, f"slot {row.slot} of segment {row.segment} does not hold it")
+        for pos, (row, offset) in enumerate(zip(rows, token_offsets)):
+            if row.segment != name:
+                name = row.segment
+                if name not in opened:
+                    _readahead(span)
+                    opened[name] = new = store.open_segment(name)
+                    if new is not None:
+                        fds.append(new[0])
+                entry = opened[name]
+                if entry is None:
+                    return items, fds, f"segment {name} unusable"
+                fd, slots = entry[0], entry[1].slots
+            slot = slots[row.slot] if row.slot < len(slots) else None
+            if slot is None or not slot_holds(slot, row.hash, parent, row.num_tokens):
+                store.discard(row.hash, f"slot {row.slot} of segment {name} does not hold it")
                 return items, fds, "slot mismatch"
+            start, end = slot.offset, slot.offset + slot.nbytes
             if span and span[0] == fd:
-                span[1], span[2] = min(span[1], slot.offset), max(span[2], slot.offset + slot.nbytes)
+                if start < span[1]:
+                    span[1] = start
+                if end > span[2]:
+                    span[2] = end
             else:
-                span[:] = [fd, slot.offset, slot.offset + slot.nbytes]
-            items.append(_Item(pos, row, slot, fd, 0))
+                span[:] = [fd, start, end]
+            items.append(_Item(pos, row, slot, fd, offset))
             parent = row.hash
         return items, fds, None
     finally:
@@ -241,10 +283,16 @@ def _tasks(items: list[_Item]) -> list[list[_Item]]:
     return tasks
 
 
-def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[int, tuple[str, str]]:
-    """Read and verify records in order, one `preadv` batch per run of back-to-back records;
-    stop at the first failure (returned by chain position)."""
+def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn, place: PlaceFn | None = None) -> dict[int, tuple[str, str]]:
+    """Read and verify records in order, one `preadv` batch per run of back-to-back records
+    (small records: staged, `_read_staged`); stop at the first failure (returned by chain
+    position)."""
     for run in _contiguous_runs(task):
+        if all(it.slot.codec == "none" and it.slot.nbytes <= STAGE_MAX_RECORD for it in run):
+            failed = _read_staged(run, token_ids, dest, place)
+            if failed:
+                return failed
+            continue
         sizes = [it.slot.n_tokens for it in run]
         tokens = np.empty(sum(sizes), dtype=np.int32)
         try:
@@ -259,6 +307,63 @@ def _read_task(task: list[_Item], token_ids: np.ndarray, dest: DestFn) -> dict[i
         if wrong is not None:
             return {run[wrong].pos: ("tokens", "holds other token ids")}
     return {}
+
+
+def _read_staged(run: list[_Item], token_ids: np.ndarray, dest: DestFn, place: PlaceFn | None) -> dict[int, tuple[str, str]]:
+    """`_read_task` for a run of small records: chunks of records of one length that hold
+    consecutive prompt tokens, each read whole into the staging buffer (`_read_chunk`)."""
+    i = 0
+    while i < len(run):
+        first = run[i].slot
+        n, size, at = first.n_tokens, first.nbytes, run[i].offset
+        j, limit = i + 1, i + max(1, STAGE_BYTES // size)
+        while (j < len(run) and j < limit and run[j].slot.n_tokens == n and run[j].slot.nbytes == size
+               and run[j].offset == at + (j - i) * n):  # fmt: skip
+            j += 1
+        failed = _read_chunk(run[i:j], token_ids, dest, place)
+        if failed:
+            return failed
+        i = j
+    return {}
+
+
+def _read_chunk(chunk: list[_Item], token_ids: np.ndarray, dest: DestFn, place: PlaceFn | None) -> dict[int, tuple[str, str]]:
+    """Read back-to-back records of `n` tokens each, holding prompt tokens `offset ..`, into the
+    staging buffer; check each record's checksum over its bytes and the token ids of all at once;
+    copy the records before the first failure into the destination (`place`, else `dest`)."""
+    c, n, size, offset = len(chunk), chunk[0].slot.n_tokens, chunk[0].slot.nbytes, chunk[0].offset
+    stage = _staging(c * size)[: c * size]
+    try:
+        seg.preadv_all(chunk[0].fd, [stage.data], chunk[0].slot.offset, c * size)
+    except (BlockFileError, OSError):  # find the exact record: read the run one by one
+        return _read_one_by_one(chunk, token_ids, dest)
+    recs = stage.reshape(c, size)
+    bad = next((k for k, it in enumerate(chunk) if record_digest(recs[k].data) != it.slot.checksum), c)
+    got = recs[:, : 4 * n].view(seg.TOKENS_DTYPE)  # [c, n]: each record's token ids
+    want = token_ids[offset : offset + c * n]
+    wrong = c
+    if want.size != c * n or not np.array_equal(got, want.reshape(c, n)):
+        wrong = next(k for k in range(c) if not np.array_equal(got[k], token_ids[offset + k * n : offset + (k + 1) * n]))
+    ok = min(bad, wrong)
+    if ok and not (place is not None and place(offset, n, recs[:ok, 4 * n :])):
+        for k in range(ok):
+            _copy_into(dest(offset + k * n, n), recs[k, 4 * n :])
+    if ok == c:
+        return {}
+    it = chunk[ok]
+    if bad <= wrong:
+        return {it.pos: ("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")}
+    return {it.pos: ("tokens", "holds other token ids")}
+
+
+def _copy_into(pieces: Sequence[memoryview], data: np.ndarray) -> None:
+    """Copy `data` (one record's bytes after its token ids) into `pieces`, in order."""
+    src, at = data.data, 0
+    for m in pieces:
+        m[:] = src[at : at + m.nbytes]
+        at += m.nbytes
+    if at != src.nbytes:
+        raise BlockFileError("slot", "destination size differs from the record size")
 
 
 def _first_wrong_tokens(run: list[_Item], sizes: list[int], got: np.ndarray, token_ids: np.ndarray) -> int | None:
@@ -307,16 +412,17 @@ def _contiguous_runs(task: list[_Item]) -> list[list[_Item]]:
     return runs
 
 
-def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool) -> dict[int, tuple[str, str]]:
+def _run(items: list[_Item], token_ids: np.ndarray, dest: DestFn, parallel: bool,
+         place: PlaceFn | None) -> dict[int, tuple[str, str]]:  # fmt: skip
     tasks = _tasks(items)
     failures: dict[int, tuple[str, str]] = {}
     if not parallel or len(tasks) <= 1 or sum(it.slot.nbytes for it in items) < PARALLEL_MIN_BYTES:
         for task in tasks:
-            failures.update(_read_task(task, token_ids, dest))
+            failures.update(_read_task(task, token_ids, dest, place))
             if failures:
                 break
         return failures
-    futures = [_reader_pool().submit(_read_task, task, token_ids, dest) for task in tasks]
+    futures = [_reader_pool().submit(_read_task, task, token_ids, dest, place) for task in tasks]
     for fut in futures:
         failures.update(fut.result())
     return failures

@@ -53,6 +53,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtool.disk.codec import CODECS, ZSTD_LEVEL, CodecError, compress, decompress  # noqa: F401  (re-exported)
+from kvtool.disk.headpieces import HeadPieces  # noqa: F401  (re-exported: where records go)
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import QUANT_BITS, STORAGE_DTYPES, KVLayout  # noqa: F401  (re-exported)
 from kvtool.disk.verify import (  # noqa: F401  (the rules: re-exported under the names callers use)
@@ -73,7 +74,7 @@ MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot
 MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
 
-_TOKENS_DTYPE = np.dtype("<i4")
+TOKENS_DTYPE = _TOKENS_DTYPE = np.dtype("<i4")  # a record's token ids
 
 
 class Slot(NamedTuple):
@@ -309,12 +310,22 @@ def read_header(fd: int, file_size: int) -> SegmentHeader:
     Raises:
         BlockFileError: see `parse_header`; OSError from the read.
     """
+    return parse_header(read_head(fd, file_size), file_size)
+
+
+def read_head(fd: int, file_size: int) -> bytes:
+    """The first bytes of an open segment file of `file_size` bytes, the whole header among them
+    when its length field is plausible (two small preads at most; unchecked: `parse_header`).
+
+    Raises:
+        OSError: the read failed.
+    """
     head = os.pread(fd, 64 << 10, 0)
     if len(head) >= 8:
         (n,) = struct.unpack_from("<Q", head, 0)
         if len(head) < 8 + n <= min(file_size, 8 + MAX_HEADER_BYTES):
             head += os.pread(fd, 8 + n - len(head), len(head))
-    return parse_header(head, file_size)
+    return head
 
 
 def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarray]) -> None:
@@ -335,40 +346,6 @@ def read_record(fd: int, slot: Slot, tokens: np.ndarray, dest: Sequence[np.ndarr
     pieces = [arr[0, h].data.cast("B") for arr in dest for h in range(arr.shape[1])]
     if read_records(fd, [slot], tokens, [pieces]) is not None:
         raise BlockFileError("checksum", f"record {slot.index} ({slot.block_hash}) does not match its checksum")
-
-
-class HeadPieces:
-    """Writable byte views of destination buffers, head by head: where a record's bytes go.
-
-    A record holds, after its token ids, each tensor (K0, V0, K1, V1, ...) head by head as
-    `[n, D]` rows. For destinations `[1, H, T, D]` (C-contiguous per head), `pieces(offset, n)`
-    returns one memoryview per (tensor, head) over rows `offset .. offset + n`, in file order:
-    the iovec of a `preadv` that places the record straight into the buffers. The per-head views
-    are made once, so a chain of many records costs one slice per piece.
-
-    Args:
-        arrays: destinations in record order, each `[1, H, T, D]`, writable, with every head's
-            `[T, D]` C-contiguous (a whole C-contiguous buffer, or a `[:, :, a:b, :]` slice of one).
-
-    Raises:
-        ValueError: an array is not 4-D with batch 1, not writable, or a head is not contiguous.
-    """
-
-    def __init__(self, arrays: Sequence[np.ndarray]):
-        self._heads: list[tuple[memoryview, int]] = []
-        for a in arrays:
-            if a.ndim != 4 or a.shape[0] != 1:
-                raise ValueError(f"destination must be [1, H, T, D], got shape {a.shape}")
-            row = a.shape[3] * a.itemsize
-            for h in range(a.shape[1]):
-                head = a[0, h]
-                if not head.flags.c_contiguous or not head.flags.writeable:
-                    raise ValueError("each head of a destination must be writable and C-contiguous")
-                self._heads.append((head.data.cast("B"), row))
-
-    def __call__(self, offset: int, n: int) -> list[memoryview]:
-        """Views of rows `[offset, offset + n)` of every head, in file order."""
-        return [mv[offset * row : (offset + n) * row] for mv, row in self._heads]
 
 
 def read_records(fd: int, slots: Sequence[Slot], tokens: np.ndarray, pieces: Sequence[Sequence[memoryview]]) -> int | None:
@@ -404,7 +381,7 @@ def read_records(fd: int, slots: Sequence[Slot], tokens: np.ndarray, pieces: Seq
     if any(s.codec != "none" for s in slots):
         return _read_compressed(fd, slots, iovs)
     flat = [m for iov in iovs for m in iov]
-    _preadv_all(fd, flat, slots[0].offset, sum(sl.nbytes for sl in slots))
+    preadv_all(fd, flat, slots[0].offset, sum(sl.nbytes for sl in slots))
     for pos, (slot, iov) in enumerate(zip(slots, iovs)):
         if record_checksum(iov) != slot.checksum:
             return pos
@@ -419,7 +396,7 @@ def _read_compressed(fd: int, slots: Sequence[Slot], iovs: Sequence[list[memoryv
             raise BlockFileError("slot", "destination size differs from the record size")
     staging = bytearray(sum(s.nbytes for s in slots))
     view = memoryview(staging)
-    _preadv_all(fd, [view], slots[0].offset, len(staging))
+    preadv_all(fd, [view], slots[0].offset, len(staging))
     at = 0
     for pos, (slot, iov) in enumerate(zip(slots, iovs)):
         stored = view[at : at + slot.nbytes]
@@ -440,8 +417,14 @@ def _read_compressed(fd: int, slots: Sequence[Slot], iovs: Sequence[list[memoryv
 _NBYTES = operator.attrgetter("nbytes")
 
 
-def _preadv_all(fd: int, iov: list[memoryview], offset: int, nbytes: int) -> None:
-    """preadv every buffer of `iov` from `offset`, resuming after short reads."""
+def preadv_all(fd: int, iov: list[memoryview], offset: int, nbytes: int) -> None:
+    """preadv every buffer of `iov` (`nbytes` in all) from file offset `offset`, resuming after
+    short reads.
+
+    Raises:
+        BlockFileError: 'truncated' (the file ends first) or 'slot' (the buffers do not hold
+            `nbytes`); OSError from the read.
+    """
     sizes = list(map(_NBYTES, iov))  # one C-level pass: a restore has ~100 pieces per record
     if sum(sizes) != nbytes:
         raise BlockFileError("slot", "destination size differs from the record size")

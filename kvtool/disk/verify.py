@@ -10,8 +10,8 @@ tier's values (`kvtool.tiers.remote_value`: `check_header`, `slot_problem`, `rec
 |---|---|
 | header checksum: xxh3-128 of the header JSON with its own value zeroed | `header_digest`, `sealed_header_digest` |
 | the header names the namespace, its KV layout, its codec; no record longer than a block | `check_header` |
-| a slot holds the block asked for: hash, parent (the previous block of the chain), length, size | `slot_problem` |
-| a record matches its checksum (xxh3-128 of its stored bytes) | `record_checksum` |
+| a slot holds the block asked for: hash, parent (the previous block of the chain), length, size | `slot_problem`, `slot_holds` |
+| a record matches its checksum (xxh3-128 of its stored bytes) | `record_checksum`, `record_digest` |
 | the index row's token digest: xxh3-128 of the token ids as little-endian int32 | `tokens_digest` |
 
 The fixed bytes of a header (everything but the hashes, checksums and creation time, for a slot
@@ -138,11 +138,23 @@ def slot_problem(slot: _Slot, block_hash: str, parent: str | None = None, n_toke
     return None
 
 
+def slot_holds(slot: _Slot, block_hash: str, parent: str, n_tokens: int) -> bool:
+    """`slot_problem(slot, block_hash, parent, n_tokens) is None` (hash, parent and length all
+    given), without a message: the restore's per-block check."""
+    return slot.block_hash == block_hash and slot.parent_hash == parent and slot.n_tokens == n_tokens
+
+
 def record_checksum(pieces: Iterable) -> str:
     """The checksum of a record stored as `pieces` (buffers, in file order): xxh3-128 hex."""
     h = xxhash.xxh3_128()
     deque(map(h.update, pieces), maxlen=0)  # the loop in C: ~100 pieces per record on a restore
     return h.hexdigest()
+
+
+def record_digest(record: bytes | memoryview) -> str:
+    """`record_checksum` of a record held in one contiguous buffer (bytes, or a memoryview such
+    as a C-contiguous numpy array's `.data`): one call, ~2x faster than hashing it in pieces."""
+    return xxhash.xxh3_128_hexdigest(record)
 
 
 def tokens_digest(token_ids: np.ndarray | Sequence[int] | bytes | memoryview) -> str:
@@ -154,6 +166,6 @@ def tokens_digest(token_ids: np.ndarray | Sequence[int] | bytes | memoryview) ->
 
 
 __all__ = [
-    "BlockFileError", "check_header", "slot_problem", "record_checksum", "tokens_digest", "header_digest",
+    "BlockFileError", "check_header", "slot_problem", "slot_holds", "record_checksum", "record_digest", "tokens_digest", "header_digest",
     "sealed_header_digest", "raw_digest", "ZERO_CHECKSUM", "HEADER_CK_KEY",
 ]  # fmt: skip

@@ -5,7 +5,7 @@ The buffers are allocated once per restore, without a fill for large KV (CPU bac
 reader threads' writes are the only pass over that memory; `ready()` waits for the allocation
 and makes writable numpy views of their memory (CPU backend: zero copy; elsewhere numpy staging
 copied in once). `caches()` hands them to mlx-lm caches, which then own them (in-place decode,
-no copy). On Linux a daemon thread faults their pages in (`prefault`) while the request thread waits
+no copy). On Linux a long-lived daemon thread faults their pages in (`prefault`) while the request thread waits
 for headers, sockets or reader threads.
 """
 
@@ -17,6 +17,7 @@ import json
 import logging
 import mmap
 import os
+import queue
 import struct
 import sys
 import threading
@@ -65,8 +66,11 @@ def _host_view(a: mx.array) -> np.ndarray | None:
 # in a fresh process its page faults too. Measured on 2 cores: `qwen0.5b` bf16, 32k tokens
 # (8 MiB per tensor), fetch in a fresh process, median of 5: 158 ms unfilled vs 280 ms
 # zero-filled on MLX's stream (mlx-lm's load: 137 ms); `tiny` at 1k-4k tokens (0.25-1 MiB per
-# tensor), in-process: 0-40 % slower unfilled.
-BLANK_MIN_TENSOR_BYTES = 1 << 20
+# tensor), in-process: 0-40 % slower unfilled. `tiny` at 4k tokens (1.1 MB per tensor), fetch
+# in one process, 60 alternated rounds: 4.84 ms unfilled vs 4.22 ms zero-filled (MLX's buffer
+# cache recycles the memory: the fill is a memset of 4.4 MB on MLX's stream); at 16k tokens
+# (4.3 MB per tensor) unfilled stays faster.
+BLANK_MIN_TENSOR_BYTES = 2 << 20
 
 _SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
 
@@ -120,43 +124,83 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (include/uapi/asm-generic/mman-common
 _populate_unusable: list[str] = []  # why prefault is off (set once: old kernel, no libc, not Linux)
 
 
-def prefault(views: list[np.ndarray]) -> threading.Thread | None:
+class PrefaultJob:
+    """One `prefault` request, done when its buffers are populated (or the call failed)."""
+
+    def __init__(self, spans: list[tuple[int, int]], keep: list[np.ndarray]):
+        self.spans, self.keep = spans, keep
+        self.done = threading.Event()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until the job is done (at most `timeout` seconds)."""
+        self.done.wait(timeout)
+
+    def is_alive(self) -> bool:
+        return not self.done.is_set()
+
+
+_jobs: queue.SimpleQueue[PrefaultJob] | None = None
+_jobs_lock = threading.Lock()
+
+
+def prefault(views: list[np.ndarray]) -> PrefaultJob | None:
     """Fault in the pages of fresh restore buffers on a daemon thread (`madvise(MADV_POPULATE_WRITE)`,
     one call per buffer, the GIL released), so the readers' first writes do not each take a page
     fault on the request path (~12 ms for 17 MB of KV in a fresh process, measured). Contents are
     unchanged (pages already present are left alone). A no-op where the call is not available
     (not Linux, kernel < 5.14: logged once at DEBUG).
 
+    One long-lived thread takes the jobs from a queue: starting a thread per restore cost
+    0.5-3 ms of the request thread's time on a busy 2-core machine (`tiny`, 4k-16k tokens, in
+    one process), a queue hand-off a few us.
+
     Returns:
-        The thread (joined by nobody: it only touches memory the views keep alive), or None.
+        The job (`join` waits for it; nobody needs to: it only touches memory the views keep
+        alive), or None.
     """
+    global _jobs
     if _populate_unusable or sys.platform != "linux" or os.environ.get("KVTOOL_NO_PREFAULT"):
         return None
     spans = [(v.ctypes.data, v.nbytes) for v in views if v.nbytes >= 1 << 20]
     if not spans:
         return None
-    thread = threading.Thread(target=_populate, args=(spans, list(views)), name="kvtool-prefault", daemon=True)
-    thread.start()
-    return thread
+    with _jobs_lock:
+        if _jobs is None:
+            _jobs = queue.SimpleQueue()
+            threading.Thread(target=_prefault_loop, args=(_jobs,), name="kvtool-prefault", daemon=True).start()
+        jobs = _jobs
+    job = PrefaultJob(spans, list(views))
+    jobs.put(job)
+    return job
 
 
-def _populate(spans: list[tuple[int, int]], keep: list[np.ndarray]) -> None:
+def _prefault_loop(jobs: queue.SimpleQueue[PrefaultJob]) -> None:
+    madvise = None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         madvise = libc.madvise
         madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        page = mmap.PAGESIZE
-        for addr, n in spans:
-            start = addr - addr % page
-            if madvise(start, addr + n - start, _MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                _populate_unusable.append(os.strerror(err))
-                log.debug("restore buffers are not prefaulted: madvise: %s", os.strerror(err))
-                return
     except (OSError, AttributeError) as exc:
         _populate_unusable.append(str(exc))
-    finally:
-        del keep
+    while True:
+        job = jobs.get()
+        try:
+            if madvise is not None and not _populate_unusable:
+                _populate(madvise, job.spans)
+        finally:
+            job.keep = []
+            job.done.set()
+
+
+def _populate(madvise, spans: list[tuple[int, int]]) -> None:
+    page = mmap.PAGESIZE
+    for addr, n in spans:
+        start = addr - addr % page
+        if madvise(start, addr + n - start, _MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            _populate_unusable.append(os.strerror(err))
+            log.debug("restore buffers are not prefaulted: madvise: %s", os.strerror(err))
+            return
 
 
 _blank_unusable: list[str] = []  # why `_blank_arrays` fell back once (then it is not tried again)
@@ -255,6 +299,17 @@ class KVBuffers:
         assert self._heads is not None, "ready() first"
         out = self._heads(offset, n)
         return out + [a.data.cast("B") for a in self._state_scratch(offset)]
+
+    def place_records(self, offset: int, n: int, records: np.ndarray) -> bool:
+        """Copy verified records of `n` tokens each (uint8 `[count, bytes after the token ids]`)
+        to token `offset`, one copy per tensor (`segment.HeadPieces.place`; for
+        `restore_chain`, safe on reader threads: no MLX call). Returns False, copying nothing,
+        with state layers (a record's state goes to its entry's scratch arrays: `pieces`)."""
+        assert self._heads is not None, "ready() first"
+        if self.kv is not None and self.kv.states:
+            return False
+        self._heads.place(offset, n, records)
+        return True
 
     def _state_scratch(self, offset: int) -> list[np.ndarray]:
         if self.kv is None or not self.kv.states:

@@ -75,7 +75,7 @@ class SsdBlockTier(TierBase):
 
     def read_into(self, chain, handles, ids, buffers) -> ReadResult:
         res = restore.restore_chain(self.ssd, handles, chain[0].parent, ids, [e.start for e in chain],
-                                    buffers.pieces, ready=buffers.ready)
+                                    buffers.pieces, ready=buffers.ready, place=buffers.place_records)
         return ReadResult(res.n_ok, res.bytes_read)
 
     def touch(self, hashes: list[str]) -> None:
