@@ -32,7 +32,6 @@ from dataclasses import astuple
 from pathlib import Path
 
 from kvtool.disk.fsops import dir_owner, give_to
-from kvtool.disk.lookup import rows_as_columns
 from kvtool.disk.names import INDEX_FILENAME, irregular_index_file, is_segment_name
 from kvtool.disk.rowtable import IndexRow, SegmentRow
 
@@ -251,10 +250,7 @@ class BlockIndex:
         with self._lock:
             for i in range(0, len(hashes), _MAX_VARS):
                 chunk = list(hashes[i : i + _MAX_VARS])
-                rows = rows_as_columns(self._conn, chunk)  # kvtool.disk.lookup: as from_db decides
-                if rows is None:
-                    rows = self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk)
-                for row in rows:
+                for row in self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk):
                     out[row.hash] = row
         return out
 
