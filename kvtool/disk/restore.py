@@ -339,19 +339,16 @@ def _read_chunk(chunk: list[_Item], token_ids: np.ndarray, dest: DestFn, place: 
         return _read_one_by_one(chunk, token_ids, dest)
     recs = stage.reshape(c, size)
     bad = next((k for k, it in enumerate(chunk) if record_digest(recs[k].data) != it.slot.checksum), c)
-    got = recs[:, : 4 * n].view(seg.TOKENS_DTYPE)  # [c, n]: each record's token ids
-    want = token_ids[offset : offset + c * n]
-    wrong = c
-    if want.size != c * n or not np.array_equal(got, want.reshape(c, n)):
-        wrong = next(k for k in range(c) if not np.array_equal(got[k], token_ids[offset + k * n : offset + (k + 1) * n]))
-    ok = min(bad, wrong)
+    got = recs[:, : 4 * n].view(seg.TOKENS_DTYPE).reshape(-1)  # each record's token ids, in order
+    wrong = _first_wrong_tokens(chunk, [n] * c, got, token_ids)
+    ok = min(bad, c if wrong is None else wrong)
     if ok and not (place is not None and place(offset, n, recs[:ok, 4 * n :])):
         for k in range(ok):
             _copy_into(dest(offset + k * n, n), recs[k, 4 * n :])
     if ok == c:
         return {}
     it = chunk[ok]
-    if bad <= wrong:
+    if bad == ok:
         return {it.pos: ("checksum", f"record {it.slot.index} ({it.row.hash}) does not match its checksum")}
     return {it.pos: ("tokens", "holds other token ids")}
 

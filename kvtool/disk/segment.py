@@ -74,7 +74,7 @@ MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot
 MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
 
-TOKENS_DTYPE = _TOKENS_DTYPE = np.dtype("<i4")  # a record's token ids
+TOKENS_DTYPE = np.dtype("<i4")  # a record's token ids
 
 
 class Slot(NamedTuple):
@@ -116,7 +116,7 @@ def _record_pieces(block: HostBlock, kv: KVLayout) -> list[np.ndarray]:
     if (block.dtype != kv.dtype or n <= 0 or len(block.keys) != kv.n_layers * per
             or len(block.values) != kv.n_layers * per + len(kv.states)):
         raise BlockFileError("shape", f"block {block.block_hash}: dtype/layers/tokens differ from the namespace")
-    pieces = [np.ascontiguousarray(block.token_ids, dtype=_TOKENS_DTYPE)]
+    pieces = [np.ascontiguousarray(block.token_ids, dtype=TOKENS_DTYPE)]
     for arr, shape, storage in zip(kv.interleave(block.keys, block.values), kv.shapes(n), kv.storage_dtypes()):
         if tuple(arr.shape) != shape or arr.dtype.newbyteorder("<") != storage:
             raise BlockFileError("shape", f"block {block.block_hash}: tensor {arr.shape}/{arr.dtype}, expected {shape}/{storage}")
@@ -366,13 +366,13 @@ def read_records(fd: int, slots: Sequence[Slot], tokens: np.ndarray, pieces: Seq
             of another size than the records).
         OSError: the read failed.
     """
-    if tokens.dtype != _TOKENS_DTYPE or not tokens.flags.c_contiguous or tokens.size != sum(s.n_tokens for s in slots):
+    if tokens.dtype != TOKENS_DTYPE or not tokens.flags.c_contiguous or tokens.size != sum(s.n_tokens for s in slots):
         raise BlockFileError("slot", "token buffer does not match the records")
     tok = tokens.data.cast("B")
     iovs: list[list[memoryview]] = []
     at = 0
     for slot, rest in zip(slots, pieces):
-        n = slot.n_tokens * _TOKENS_DTYPE.itemsize
+        n = slot.n_tokens * TOKENS_DTYPE.itemsize
         iovs.append([tok[at : at + n], *rest])
         at += n
     for a, b in zip(slots, slots[1:]):
@@ -456,7 +456,7 @@ def read_block(fd: int, slot: Slot, kv: KVLayout, dtype_name: str | None = None)
     Raises:
         BlockFileError: 'truncated' or 'checksum'; OSError from the read.
     """
-    tokens = np.empty(slot.n_tokens, dtype=_TOKENS_DTYPE)
+    tokens = np.empty(slot.n_tokens, dtype=TOKENS_DTYPE)
     arrays = [np.empty(s, dtype=st) for s, st in zip(kv.shapes(slot.n_tokens), kv.storage_dtypes())]
     read_record(fd, slot, tokens, arrays)
     keys, values = kv.split(arrays)

@@ -275,11 +275,17 @@ class RecordingQueue(Queue):
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         if type(item) is tuple and len(item) == 2 and all(isinstance(x, int) for x in item):
             self._steps.progress(self, item[0], item[1], alone=self._alone.is_set())
-            if item[0] >= item[1] and self._slots is not None:
-                self._slots.release(self)
-        elif self._slots is not None and (item is None or isinstance(item, (BaseException, Response))):
-            self._slots.release(self)
+            if item[0] >= item[1]:
+                self._release()
+        elif item is None or isinstance(item, (BaseException, Response)):
+            self._release()
         super().put(item, block, timeout)
+
+    def _release(self) -> None:
+        """Free this request's prefill slot, once (not again for each decoded token)."""
+        if self._slots is not None:
+            self._slots.release(self)
+            self._slots = None
 
 
 __all__ = ["Admission", "PrefillSlots", "PrefillSteps", "StepClock", "RecordingQueue", "window_from_env", "WINDOW_ENV",
