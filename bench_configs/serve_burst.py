@@ -11,6 +11,10 @@ then the 1-minute load average before and after (the machine may be shared).
 With `--system-tokens N` the prompts of a burst share one system message of about N tokens (new
 for every burst: cold for every cache, shared within it), as agents' first turns do; with
 `--busy K`, K busy-looping processes run beside the servers during the bursts (a loaded machine).
+With `--waves W` each of the `--prompts` clients sends W cold prompts, the next one after its
+answer to the previous ended (closed-loop clients: the later waves come back together), client i
+`i x --stagger-ms` after its answer (clients that read their streams one after another, as one
+async process does).
 
 A variant is `kvtool`, `mlx-lm` or `kvtool@TREE` (another kvtool source tree, e.g. a worktree of
 an older commit), optionally with `:FLAGS` (extra `kvtool serve` flags) and `|ENV=VALUE+ENV2=VALUE`
@@ -18,6 +22,7 @@ an older commit), optionally with `:FLAGS` (extra `kvtool serve` flags) and `|EN
 
     .venv/bin/python bench_configs/serve_burst.py --model small --servers mlx-lm,kvtool --repeats 3
     .venv/bin/python bench_configs/serve_burst.py --prompts 16 --tokens 60 --system-tokens 1000 --busy 2
+    .venv/bin/python bench_configs/serve_burst.py --prompts 4 --waves 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -69,17 +74,22 @@ def post(url: str, body: dict) -> float:
     return time.perf_counter()
 
 
-def burst(url: str, bodies: list[dict]) -> list[float]:
-    """Seconds from the release to each answer's end (NaN: the request failed, e.g. a connection
-    the server reset), sorted, the failed ones last."""
+def burst(url: str, bodies: list[list[dict]], stagger_s: float = 0.0) -> list[float]:
+    """Seconds from the release to each client's last answer's end (NaN: a request failed, e.g. a
+    connection the server reset), sorted, the failed ones last. Client i sends `bodies[i]` one
+    after another, each `i x stagger_s` after the previous answer ended."""
     gate = threading.Barrier(len(bodies) + 1)
     done: list[float] = [math.nan] * len(bodies)
 
     def one(i: int) -> None:
         gate.wait()
         try:
-            done[i] = post(url, bodies[i])
+            for k, body in enumerate(bodies[i]):
+                if k:
+                    time.sleep(i * stagger_s)
+                done[i] = post(url, body)
         except OSError as exc:  # urllib's errors are OSErrors
+            done[i] = math.nan
             print(f"  a request failed: {type(exc).__name__}: {exc}", flush=True)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
@@ -140,6 +150,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--system-tokens", type=int, default=0, help="a system message of ~N tokens shared by each burst")
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes beside the servers")
+    ap.add_argument("--waves", type=int, default=1, help="cold prompts per client, each sent after the previous answer")
+    ap.add_argument("--stagger-ms", type=float, default=50.0, help="client i sends its next prompt i x this after its answer")
     a = ap.parse_args()
     model_path = str(resolve_spec(a.model)[0])
     n_words = words_for(model_path, a.tokens)
@@ -163,11 +175,11 @@ def main() -> int:
             order = list(range(len(servers)))
             for i in (order if r % 2 == 0 else order[::-1]):
                 system = [{"role": "system", "content": prompt_text(rng, sys_words)}] if sys_words else []
-                bodies = [{"model": "default_model", "max_tokens": a.max_tokens, "temperature": 0.0,
-                           "messages": [*system, {"role": "user", "content": prompt_text(rng, n_words)}]}
-                          for _ in range(a.prompts)]
+                bodies = [[{"model": "default_model", "max_tokens": a.max_tokens, "temperature": 0.0,
+                            "messages": [*system, {"role": "user", "content": prompt_text(rng, n_words)}]}
+                           for _ in range(a.waves)] for _ in range(a.prompts)]
                 n0 = prefill_steps(servers[i])
-                times = burst(servers[i].url, bodies)
+                times = burst(servers[i].url, bodies, a.stagger_ms / 1e3)
                 ok = [t for t in times if not math.isnan(t)]
                 failed = len(times) - len(ok)
                 last[variants[i]].append(ok[-1] if not failed else math.nan)

@@ -68,15 +68,20 @@ def wait_in_admission(server, n: int) -> None:
         time.sleep(0.05)
 
 
+def post(server, doc: dict) -> dict:
+    """The answer of one chat request (urllib)."""
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(doc).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=ANSWER_TIMEOUT_S) as r:
+        return json.loads(r.read())
+
+
 def post_together(server, docs: list[dict]) -> list[dict]:
     """The answers of `docs` sent at once (a thread each) with urllib."""
     out: list[dict] = [{}] * len(docs)
 
     def one(i: int) -> None:
-        req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(docs[i]).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=ANSWER_TIMEOUT_S) as r:
-            out[i] = json.loads(r.read())
+        out[i] = post(server, docs[i])
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(docs))]
     for t in threads:
@@ -93,31 +98,54 @@ def text(doc: dict) -> str:
 
 @pytest.mark.slow
 def test_four_prompts_that_arrive_together_are_prefilled_in_one_step(tmp_path):
+    """...and so are their clients' next prompts, sent each soon after its answer came (closed-loop
+    clients come back one after another: the loop, idle, takes the first and waits for the others)."""
     kv = start_kvtool(tmp_path, "burst", env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
     try:
-        docs = bodies(seed=3)
+        docs, nexts = bodies(seed=3), bodies(seed=6, n_words=100)
         held = [send_but_last_byte(kv.port, d) for d in docs]
         wait_in_admission(kv, N)
         before = server_stats(kv)["server"]["prefill_steps"]
+        answers: list = [None] * N
+        second: list = [None] * N
+
+        def client(i: int) -> None:
+            answers[i] = answer(held[i][0])
+            time.sleep(0.05 * i)  # one after another, as one async client process reads its streams
+            second[i] = post(kv, nexts[i])
+
+        clients = [threading.Thread(target=client, args=(i,)) for i in range(N)]
+        for t in clients:
+            t.start()
         for s, last in held:
             s.sendall(last)
-        answers = [answer(s) for s, _ in held]
+        for t in clients:
+            t.join(ANSWER_TIMEOUT_S)
         assert [status for status, _ in answers] == [200] * N, answers
+        # the four answers end in the same step, so their clients come back together
+        assert [doc["choices"][0]["finish_reason"] for _, doc in answers] == ["length"] * N
+        assert all(second), second
         st = server_stats(kv)["server"]
         assert st["requests_in_admission"] == 0
-        assert st["prefill_steps"] == before + 1, st  # one step prefilled all four
+        assert st["prefill_steps"] == before + 2, st  # one step prefilled all four, one the next four
         # every prompt whole but its last token (mlx-lm hands that one to the first decode step)
-        step = st["prefill_steps_recent"][-1]
-        assert sorted(step) == sorted(doc["usage"]["prompt_tokens"] - 1 for _, doc in answers), (step, answers)
+        first_step, next_step = st["prefill_steps_recent"][-2:]
+        assert sorted(first_step) == sorted(doc["usage"]["prompt_tokens"] - 1 for _, doc in answers), (first_step, answers)
+        # (the next prompts share the chat template's first tokens with the stored ones: cached)
+        assert sorted(next_step) == sorted(doc["usage"]["prompt_tokens"] - 1
+                                           - doc["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                                           for doc in second), (next_step, second)
         assert st["prefill_batch_max"] == N
     finally:
         kv.stop()
     plain = start_mlx_lm(tmp_path)
     try:
         expected = post_together(plain, docs)
+        expected_next = post_together(plain, nexts)
     finally:
         plain.stop()
     assert [text(doc) for _, doc in answers] == [text(doc) for doc in expected]
+    assert [text(doc) for doc in second] == [text(doc) for doc in expected_next]
     assert all(text(doc) for doc in expected)
 
 
@@ -243,6 +271,67 @@ def test_gather_follows_a_burst_handed_over_one_by_one_past_one_window():
     assert time.monotonic() - t0 < HTTP_TIMEOUT_S / 2
     stuck_go.set()
     stuck.join(HTTP_TIMEOUT_S)
+
+
+def test_gather_waits_for_the_clients_of_answers_that_just_ended():
+    """4 answers ended together; their clients come back one after another, the first alone: the
+    loop that took the first waits for the other three (closed-loop clients). One client never
+    waits for itself; clients that do not come back are waited for `return_s` after the last end."""
+    from queue import Queue
+
+    from kvtool.server.admission import Admission
+
+    admission, queue = Admission(window_s=HTTP_TIMEOUT_S), Queue()
+    for _ in range(4):
+        admission.ended()
+    arrived = [threading.Event() for _ in range(4)]
+    go = [threading.Event() for _ in range(4)]
+    first = _arrive_then_put(admission, queue, go[0], arrived[0], "turn 0")
+    go[0].set()
+    first.join(HTTP_TIMEOUT_S)
+    start = time.monotonic()
+    assert queue.get_nowait() == "turn 0"  # the loop took the first; nothing else arrived yet
+    assert admission.pending == 0
+
+    def come_back_later() -> None:  # the other three, after the loop started waiting
+        time.sleep(0.05)
+        for i in range(1, 4):
+            handler = _arrive_then_put(admission, queue, go[i], arrived[i], f"turn {i}")
+            go[i].set()
+            handler.join(HTTP_TIMEOUT_S)
+
+    others = threading.Thread(target=come_back_later)
+    others.start()
+    got = []
+    while len(got) < 3 and (item := admission.gather(queue, start + admission.round_s)) is not None:
+        got.append(item)
+    others.join(HTTP_TIMEOUT_S)
+    assert got == ["turn 1", "turn 2", "turn 3"]
+    assert admission.gather(queue, start + admission.round_s) is None  # all four back: no more wait
+
+    # one client: its own answer ended, its next request is the arrival: no wait at all
+    alone, queue = Admission(window_s=HTTP_TIMEOUT_S), Queue()
+    alone.ended()
+    go_one, arrived_one = threading.Event(), threading.Event()
+    go_one.set()
+    _arrive_then_put(alone, queue, go_one, arrived_one, "next turn").join(HTTP_TIMEOUT_S)
+    assert queue.get_nowait() == "next turn"
+    assert alone.gather(queue, time.monotonic() + alone.round_s) is None
+    assert alone.stats()["admission_waits"] == 0
+
+    # two answers ended, one client came back: the other is waited for until return_s after the
+    # last end or arrival, not for the whole round
+    short, queue = Admission(window_s=1.0), Queue()
+    short.ended()
+    short.ended()
+    go_one, arrived_one = threading.Event(), threading.Event()
+    go_one.set()
+    _arrive_then_put(short, queue, go_one, arrived_one, "next turn").join(HTTP_TIMEOUT_S)
+    queue.get_nowait()
+    start = time.monotonic()
+    assert short.gather(queue, start + short.round_s) is None
+    assert short.stats()["admission_waits"] == 1
+    assert time.monotonic() - start < short.round_s / 2  # return_s, not the round
 
 
 def test_prefill_steps_group_the_progress_of_each_step():

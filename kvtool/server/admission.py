@@ -20,6 +20,18 @@ machine takes longer than one window to tokenize (16 agents' 4k-token first turn
 mlx-lm's loop tokenizes every queued request before its step. A client that never finishes its
 body holds the loop once, for at most `window_s` after the last progress.
 
+The loop also waits for the clients of requests it just answered: closed-loop clients (agents, a
+benchmark's clients, a chat UI's next turn) send their next request as soon as the answer ended, so
+a batch that ends together comes back together, within tens of milliseconds, but not at once: 4
+clients whose first turns ended in one step sent their second turns 50 ms apart, the first reached
+the idle loop alone and was prefilled alone (a 2,048-token step) before the other three joined
+(`multi-turn@8` at 4 clients, cold turns 1.5x `mlx_lm.server`'s, whose loop tokenizes the first
+while the others arrive). A round that starts within `return_s` of answers ending waits, while
+fewer requests arrived since those ends than ended, until `return_s` after the latest end or
+arrival (`RETURN_FACTOR` x `window_s`, 100 ms by default). One client never waits for itself
+(its own request is the arrival); open-loop traffic pays at most `return_s` once per round that
+starts within `return_s` of an answer's end.
+
 `PrefillSteps` records, per batch step, the prompt tokens each request prefilled in it (from
 mlx-lm's own progress reports), for `/kvtool/stats` and one DEBUG log line per step.
 """
@@ -42,7 +54,9 @@ log = logging.getLogger("kvtool.server")
 WINDOW_ENV = "KVTOOL_ADMISSION_WINDOW_MS"
 DEFAULT_WINDOW_S = 0.25  # longest wait for a request still in admission, from the burst's last progress (s)
 ROUND_CAP_FACTOR = 8  # a round of waits ends at most this many windows after its first request
+RETURN_FACTOR = 0.4  # a client whose answer ended is waited for this many windows after the end
 RECENT_STEPS = 32  # prefill steps kept for /kvtool/stats
+HISTORY = 256  # arrivals and answer ends remembered (times)
 
 
 def window_from_env() -> float:
@@ -73,12 +87,16 @@ class Admission:
 
     Attributes:
         round_s: the longest round of waits, from the request that started it (s).
+        return_s: how long after an answer's end its client is waited for (s).
     """
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S):
         self.window_s = window_s
         self.round_s = ROUND_CAP_FACTOR * window_s
+        self.return_s = RETURN_FACTOR * window_s
         self._arrived: dict[int, float] = {}  # handler thread id -> arrival (monotonic s)
+        self._arrivals: deque[float] = deque(maxlen=HISTORY)  # recent arrivals (monotonic s)
+        self._ends: deque[float] = deque(maxlen=HISTORY)  # recent answer ends (monotonic s)
         self._left = 0  # hand-overs so far (a change wakes the waiting loop)
         self._left_at = float("-inf")  # the latest hand-over (monotonic s)
         self._cond = threading.Condition()
@@ -88,7 +106,14 @@ class Admission:
     def arrive(self) -> None:
         """The calling handler thread has a request (its head is read)."""
         with self._cond:
-            self._arrived[threading.get_ident()] = time.monotonic()
+            now = time.monotonic()
+            self._arrived[threading.get_ident()] = now
+            self._arrivals.append(now)
+
+    def ended(self) -> None:
+        """The loop finished generating a request's answer (its client may send the next one)."""
+        with self._cond:
+            self._ends.append(time.monotonic())
 
     def leave(self) -> None:
         """The calling handler thread's request was queued for the loop or refused (idempotent)."""
@@ -104,18 +129,34 @@ class Admission:
         with self._cond:
             return len(self._arrived)
 
+    def _returning_until(self, since: float) -> float | None:
+        """Until when the clients of answers that ended within `return_s` before `since` (or
+        after it) are waited for: `return_s` after the latest such end or arrival, while fewer
+        requests arrived since the first of those ends than ended; None: none is expected."""
+        recent = [e for e in self._ends if e >= since - self.return_s]
+        if not recent:
+            return None
+        came = sum(a >= recent[0] for a in self._arrivals)
+        if came >= len(recent):
+            return None
+        return max(recent[-1], self._arrivals[-1] if self._arrivals else recent[-1]) + self.return_s
+
     def gather(self, requests: Queue, deadline: float) -> Any:
         """The next request of `requests` that a request in admission puts there, waiting while
-        one is in admission, at most until `window_s` after the latest arrival or hand-over and
-        until `deadline` (monotonic s); None when none comes. Called by the generation loop after
-        it took a request, before its next step (`deadline`: `round_s` after that request)."""
+        one is in admission, at most until `window_s` after the latest arrival or hand-over, and
+        while clients of answers that just ended are expected back (`return_s`), at most until
+        `deadline` (monotonic s); None when none comes. Called by the generation loop after it took
+        a request that found it idle, before its next step (`deadline`: `round_s` after that)."""
         waited = False
+        since = deadline - self.round_s  # the round's start
         while True:
             with self._cond:
                 seen = self._left
                 now = time.monotonic()
                 last = max(self._arrived.values(), default=None)  # None: nothing in admission
-                until = now if last is None else min(deadline, max(last, self._left_at) + self.window_s)
+                until = now if last is None else max(last, self._left_at) + self.window_s
+                back = self._returning_until(since)
+                until = min(deadline, until if back is None else max(until, back))
             try:
                 item = requests.get_nowait()
             except Empty:
@@ -264,13 +305,16 @@ class PrefillSlots:
 
 class RecordingQueue(Queue):
     """A request's response queue that reports the loop's prefill progress to `PrefillSteps` and
-    frees its `PrefillSlots` slot once the prompt is prefilled or the request ends."""
+    frees its `PrefillSlots` slot once the prompt is prefilled or the request ends, and tells
+    `Admission` when its answer ends (`Admission.ended`: its client may send the next request)."""
 
-    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None):
+    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None,
+                 admission: Admission | None = None):
         super().__init__()
         self._steps = steps
         self._alone = alone  # set while the loop serves a request outside the batch
         self._slots = slots
+        self._admission = admission  # told when the answer ends (its client may come back)
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         if type(item) is tuple and len(item) == 2 and all(isinstance(x, int) for x in item):
@@ -279,6 +323,8 @@ class RecordingQueue(Queue):
                 self._release()
         elif item is None or isinstance(item, (BaseException, Response)):
             self._release()
+            if item is None and self._admission is not None:
+                self._admission.ended()
         super().put(item, block, timeout)
 
     def _release(self) -> None:

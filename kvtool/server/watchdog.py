@@ -318,7 +318,7 @@ class KVToolResponseGenerator(ResponseGenerator):
         if not self.generation_available():
             raise GenerationUnavailable(
                 f"generation is stopped after repeated failures (last: {self.last_failure or 'unknown'})")
-        response_queue: Queue = RecordingQueue(self.prefill_steps, self._alone, self.prefill_slots)
+        response_queue: Queue = RecordingQueue(self.prefill_steps, self._alone, self.prefill_slots, self.admission)
         with self._registry_lock:
             self._in_flight[response_queue] = None
             self.requests.put((response_queue, request, generation_args))
