@@ -6,7 +6,7 @@ reader threads' writes are the only pass over that memory; `ready()` waits for t
 and makes writable numpy views of their memory (CPU backend: zero copy; elsewhere numpy staging
 copied in once). `caches()` hands them to mlx-lm caches, which then own them (in-place decode,
 no copy). On Linux a long-lived daemon thread faults their pages in (`prefault`) while the request thread waits
-for headers, sockets or reader threads.
+for headers, sockets or reader threads, where they are fresh memory (not recycled by MLX's buffer cache).
 """
 
 from __future__ import annotations
