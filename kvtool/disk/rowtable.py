@@ -87,7 +87,11 @@ class IndexRow:
                 return None
         except TypeError:
             return None
-        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))
+        if (type(slot) is int and type(n_tok) is int and type(nbytes) is int and type(created) is float
+                and type(last) is float and slot >= 0 and n_tok >= 1 and nbytes >= 1
+                and 0.0 <= created < math.inf and 0.0 <= last < math.inf):  # fmt: skip
+            return cls(h, parent, seg, slot, n_tok, nbytes, digest, created, last)  # type: ignore[arg-type]  # str names: checked above
+        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))  # the general checks
         if None in nums:
             return None
         return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
