@@ -308,6 +308,7 @@ def test_gather_waits_for_the_clients_of_answers_that_just_ended():
     others.join(HTTP_TIMEOUT_S)
     assert got == ["turn 1", "turn 2", "turn 3"]
     assert admission.gather(queue, start + admission.round_s) is None  # all four back: no more wait
+    assert admission.stats()["admission_return_waits"] >= 1
 
     # one client: its own answer ended, its next request is the arrival: no wait at all
     alone, queue = Admission(window_s=HTTP_TIMEOUT_S), Queue()
@@ -331,6 +332,8 @@ def test_gather_waits_for_the_clients_of_answers_that_just_ended():
     start = time.monotonic()
     assert short.gather(queue, start + short.round_s) is None
     assert short.stats()["admission_waits"] == 1
+    assert short.stats()["admission_return_waits"] == 1
+    assert short.stats()["admission_wait_ms"] > 0
     assert time.monotonic() - start < short.round_s / 2  # return_s, not the round
 
 

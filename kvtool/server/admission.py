@@ -101,6 +101,8 @@ class Admission:
         self._left_at = float("-inf")  # the latest hand-over (monotonic s)
         self._cond = threading.Condition()
         self.waits = 0  # times the loop waited for a request in admission
+        self.return_waits = 0  # ... of them, while clients of answers that just ended were expected back
+        self.waited_s = 0.0  # the loop's time in those waits (s)
         self.joined = 0  # requests taken while the loop waited
 
     def arrive(self) -> None:
@@ -147,8 +149,15 @@ class Admission:
         while clients of answers that just ended are expected back (`return_s`), at most until
         `deadline` (monotonic s); None when none comes. Called by the generation loop after it took
         a request that found it idle, before its next step (`deadline`: `round_s` after that)."""
-        waited = False
         since = deadline - self.round_s  # the round's start
+        t0 = time.monotonic()
+        try:
+            return self._gather(requests, deadline, since)
+        finally:
+            self.waited_s += time.monotonic() - t0
+
+    def _gather(self, requests: Queue, deadline: float, since: float) -> Any:
+        waited = returning = False
         while True:
             with self._cond:
                 seen = self._left
@@ -169,13 +178,17 @@ class Admission:
             if not waited:
                 waited = True
                 self.waits += 1
+            if back is not None and not returning:
+                returning = True
+                self.return_waits += 1
             with self._cond:
                 if self._left == seen:  # no hand-over since the queue was read: wait for one
                     self._cond.wait(timeout=until - now)
 
     def stats(self) -> dict[str, Any]:
         return {"admission_window_ms": round(self.window_s * 1e3, 3), "requests_in_admission": self.pending,
-                "admission_waits": self.waits, "admission_joined": self.joined}
+                "admission_waits": self.waits, "admission_return_waits": self.return_waits,
+                "admission_wait_ms": round(self.waited_s * 1e3, 1), "admission_joined": self.joined}
 
 
 class PrefillSteps:
