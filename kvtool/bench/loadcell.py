@@ -43,6 +43,7 @@ TIER_KEYS = ("ram_hit_tokens", "ssd_hit_tokens", "cached_tokens", "prefill_token
 SUMMED_COUNTERS = ("ssd_bytes_written", "ssd_bytes_read", "ssd_save_success", "ssd_load_hits", "kv_ram_evictions",
                    "writer_shed_blocks", "writer_shed_bytes", "writer_backpressure_waits", "writer_save_fail",
                    "writer_budget_refused")
+SERVER_COUNTERS = ("admission_waits", "admission_return_waits", "admission_wait_ms", "prefill_steps")  # /kvtool/stats `server`, summed
 
 
 # ------------------------------------------------------------------------------------------ progress
@@ -281,6 +282,10 @@ def _life_facts(lives: list[dict[str, Any]], tier: dict[str, int] | None) -> dic
     out["kvtool_ram_bytes_held"] = counters[-1].get("kv_ram_bytes") if counters else None
     for key in SUMMED_COUNTERS:
         present = [c[key] for c in counters if key in c]
+        out[f"kvtool_{key}"] = sum(present) if present else None
+    loops = [(lf["stats"] or {}).get("server", {}) for lf in lives]
+    for key in SERVER_COUNTERS:
+        present = [c[key] for c in loops if key in c]
         out[f"kvtool_{key}"] = sum(present) if present else None
     peaks = [c["writer_queue_peak_bytes"] for c in counters if "writer_queue_peak_bytes" in c]
     out["kvtool_writer_queue_peak_bytes"] = max(peaks) if peaks else None
