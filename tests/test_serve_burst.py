@@ -322,7 +322,7 @@ def test_gather_waits_for_the_clients_of_answers_that_just_ended():
 
     # two answers ended, one client came back: the other is waited for until return_s after the
     # last end or arrival, not for the whole round
-    short, queue = Admission(window_s=1.0), Queue()
+    short, queue = Admission(window_s=2.5), Queue()  # return_s 1 s: a loaded machine stays within it
     short.ended()
     short.ended()
     go_one, arrived_one = threading.Event(), threading.Event()
