@@ -280,13 +280,11 @@ def _life_facts(lives: list[dict[str, Any]], tier: dict[str, int] | None) -> dic
     counters = [(lf["stats"] or {}).get("cache", {}) for lf in lives]
     out.update({f"kvtool_{k}": tier[k] for k in (*TIER_KEYS, "prompt_tokens")})
     out["kvtool_ram_bytes_held"] = counters[-1].get("kv_ram_bytes") if counters else None
-    for key in SUMMED_COUNTERS:
-        present = [c[key] for c in counters if key in c]
-        out[f"kvtool_{key}"] = sum(present) if present else None
     loops = [(lf["stats"] or {}).get("server", {}) for lf in lives]
-    for key in SERVER_COUNTERS:
-        present = [c[key] for c in loops if key in c]
-        out[f"kvtool_{key}"] = sum(present) if present else None
+    for dicts, keys in ((counters, SUMMED_COUNTERS), (loops, SERVER_COUNTERS)):
+        for key in keys:
+            present = [c[key] for c in dicts if key in c]
+            out[f"kvtool_{key}"] = sum(present) if present else None
     peaks = [c["writer_queue_peak_bytes"] for c in counters if "writer_queue_peak_bytes" in c]
     out["kvtool_writer_queue_peak_bytes"] = max(peaks) if peaks else None
     out["kvtool_stats_missing"] = any(lf["stats"] is None for lf in lives)

@@ -42,13 +42,15 @@ _FOUR_HASHES = re.compile(r"[0-9a-f]{128}")
 
 
 def _int(v: object, lo: int = 0) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else None
+    """`v` if it is an int >= `lo` (not a bool: SQLite returns plain ints), else None."""
+    return v if type(v) is int and v >= lo else None
 
 
 def _time(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        return None
-    return float(v)
+    """`v` as a float if it is a finite number >= 0 (SQLite REAL: a float; an int is taken), else None."""
+    if type(v) is float:
+        return v if 0.0 <= v < math.inf else None
+    return float(v) if type(v) is int and v >= 0 else None
 
 
 @dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
@@ -87,14 +89,10 @@ class IndexRow:
                 return None
         except TypeError:
             return None
-        if (type(slot) is int and type(n_tok) is int and type(nbytes) is int and type(created) is float
-                and type(last) is float and slot >= 0 and n_tok >= 1 and nbytes >= 1
-                and 0.0 <= created < math.inf and 0.0 <= last < math.inf):  # fmt: skip
-            return cls(h, parent, seg, slot, n_tok, nbytes, digest, created, last)  # type: ignore[arg-type]  # str names: checked above
-        nums = (_int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last))  # the general checks
-        if None in nums:
+        slot, n_tok, nbytes, created, last = _int(slot), _int(n_tok, 1), _int(nbytes, 1), _time(created), _time(last)
+        if slot is None or n_tok is None or nbytes is None or created is None or last is None:
             return None
-        return cls(h, parent, seg, *nums[:3], digest, *nums[3:])  # type: ignore[arg-type]  # str names and no None: checked above
+        return cls(h, parent, seg, slot, n_tok, nbytes, digest, created, last)  # type: ignore[arg-type]  # str names: checked above
 
 
 @dataclass(frozen=True, slots=True)  # no __dict__: one per row or file, by the million
