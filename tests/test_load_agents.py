@@ -1,7 +1,7 @@
 """The `agents` load workload (`kvtool.bench.loadagents`): agent loops whose turns carry the reply.
 
 Fast: the plan is deterministic and sized in tokens (system prompt, tool results), the phases
-split at T/2 with `restart`, a transcript grows by reply + tool result, the prompt-token check
+split before, at and after T/2 with `restart`, a transcript grows by reply + tool result, the prompt-token check
 stops at an agent's first differing output, config errors name the field, the shipped config
 parses. Slow: 2 agents x 3 turns on a small system prompt through a real `kvtool serve`
 (Messages API, `anthropic` SDK) and a plain `mlx_lm.server` (chat completions, `openai` SDK) with
@@ -39,7 +39,7 @@ def test_plan_is_deterministic_and_sized_in_tokens(tokenizer):
     assert a.agents is not None and b.agents is not None
     assert a.agents.system == b.agents.system and '"name": "tool_0"' in a.agents.system
     assert abs(len(tokenizer.encode(a.agents.system)) - 600) <= 6
-    assert a.phases == ("turn",) and a.measured == ("turn", "after") and len(a.requests) == 4
+    assert a.phases == ("turn",) and a.measured == ("turn", "after", "rewarm") and len(a.requests) == 4
     for t in range(1, 4):
         text = a.agents.user_text(1, t)
         assert text == b.agents.user_text(1, t) and text.startswith(f"Tool result (agent 1, call {t})")
@@ -52,8 +52,13 @@ def test_plan_is_deterministic_and_sized_in_tokens(tokenizer):
 def test_restart_splits_the_turns_and_a_transcript_grows_by_reply_and_tool_result(tokenizer):
     w = build_load_workload("agents", {"system_tokens": 256, "turns": 4, "restart": True}, tokenizer, 0, 8)
     assert w.agents is not None
-    assert w.phases == ("before", "after") and w.restart_before == "after"
-    assert [r.phase for r in w.requests] == ["before", "before", "after", "after"]
+    assert w.phases == ("before", "after", "rewarm") and w.restart_before == "after"
+    assert [r.phase for r in w.requests] == ["before", "before", "after", "rewarm"]  # as multi-turn's phases
+    assert set(w.phases[1:]) <= set(w.measured) and "before" not in w.measured
+    two = build_load_workload("agents", {"system_tokens": 256, "turns": 2, "restart": True}, tokenizer, 0, 8)
+    assert two.phases == ("before", "after")
+    with pytest.raises(ConfigError, match="turns >= 2"):
+        build_load_workload("agents", {"system_tokens": 256, "turns": 1, "restart": True}, tokenizer, 0, 8)
     assert w.agents.agent_count(16) == 16
     batch = w.agents.batch("kvtool", 2)
     assert batch.kind == "messages" and w.agents.batch("mlx-lm", 2).kind == "chat" and batch.agents == 2

@@ -31,9 +31,10 @@ An empty reply (the model's end-of-turn token first) is appended as `EMPTY_REPLY
 0); its `arrival`, `max_requests` and `max_tokens` do not apply (the workload's own `max_tokens` is
 per turn); `max_wall_s` bounds each phase.
 
-With `restart = true` the turns are split at T/2 into the phases `before` and `after` (the
-measured one); the servers are restarted between them (`kvtool.bench.loadcell.run_batch`) and the
-agents go on with their transcripts.
+With `restart = true` the servers are restarted before turn T/2 (`kvtool.bench.loadcell.run_batch`)
+and the agents go on with their transcripts: the turns before it are the phase `before`, turn T/2
+is `after` (the first turn after the restart: the one the restart costs) and the later ones
+`rewarm`, as for `multi-turn` with `restart_after` (`after` and `rewarm` are measured).
 """
 
 from __future__ import annotations
@@ -60,16 +61,18 @@ _KEY = re.compile(r"a(\d+)t(\d+)$")
 
 
 def agents_phases(p: dict[str, Any]) -> tuple[str, ...]:
-    """The phases of a validated `agents` parameter set: `("turn",)`, or with `restart`
-    `("before", "after")` (turns below T/2, then the rest)."""
-    return ("before", "after") if p["restart"] else ("turn",)
+    """The phases of a validated `agents` parameter set in order: `("turn",)`, or with `restart`
+    `("before", "after", "rewarm")` (`turn_phase`; `rewarm` only with turns after turn T/2)."""
+    return tuple(dict.fromkeys(turn_phase(p, t) for t in range(p["turns"])))
 
 
 def turn_phase(p: dict[str, Any], turn: int) -> str:
-    """The phase turn `turn` (0-based) belongs to."""
+    """The phase turn `turn` (0-based) belongs to: `turn` without a restart; with one `before`
+    below T/2, `after` at T/2 (the first turn after the restart), `rewarm` after it."""
     if not p["restart"]:
         return "turn"
-    return "before" if turn < p["turns"] // 2 else "after"
+    half = p["turns"] // 2
+    return "before" if turn < half else "after" if turn == half else "rewarm"
 
 
 @dataclass

@@ -46,8 +46,9 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
 - `agents`: `agents` agent loops (0: one per client of the cell) of `turns` turns on one shared
   system prompt of `system_tokens` with `tools` tool definitions; each turn appends the server's
   actual reply and a tool result of `result_min_tokens`..`result_max_tokens`, `max_tokens` per
-  turn; built while the batch runs (`kvtool.bench.loadagents`); `restart` restarts the servers
-  after turn T/2 and measures the turns after it.
+  turn; built while the batch runs (`kvtool.bench.loadagents`); `restart` (`turns` >= 2) restarts the
+  servers before turn T/2 and measures the turns from it on: `after` (turn T/2, the first after the
+  restart) and `rewarm` (the later ones), as `multi-turn` does.
 
 A config may run a workload more than once under the names `<workload>@<label>` (e.g.
 `multi-turn@8`, `multi-turn@32`): each is validated and built as `<workload>` with its own
@@ -94,7 +95,7 @@ LOAD_WORKLOAD_DEFAULTS: dict[str, dict[str, Any]] = {
 LOAD_WORKLOADS = tuple(LOAD_WORKLOAD_DEFAULTS)
 MEASURED = {"shared-prefix": ("query",), "multi-turn": ("turn",), "long-doc-qa": ("query",),
             "restart": ("after",), "trace": ("trace",),
-            "agents": ("turn", "after"), "cold-burst": ("burst",)}
+            "agents": ("turn", "after", "rewarm"), "cold-burst": ("burst",)}
 RESTART_BEFORE = {"restart": "after", "agents": "after"}  # workload -> the phase the servers are restarted before
 RESTART_PHASE = "after"  # multi-turn with restart_after: the first turn after the restart
 REWARM_PHASE = "rewarm"  # ... and the later ones
@@ -187,6 +188,8 @@ def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_
                                                   "or a Mooncake trace")
     if kind == "agents" and merged["result_max_tokens"] < merged["result_min_tokens"]:
         raise ConfigError(f"{where}.{name}.result_max_tokens", "must be >= result_min_tokens")
+    if kind == "agents" and merged["restart"] and merged["turns"] < 2:
+        raise ConfigError(f"{where}.{name}.restart", "needs turns >= 2 (the servers restart before turn turns/2)")
     if kind == "trace" and merged["end"] and merged["end"] <= merged["start"]:
         raise ConfigError(f"{where}.{name}.end", f"must be 0 (to the end) or > start ({merged['start']})")
     return merged
