@@ -190,14 +190,11 @@ def check_loopback(base_url: str) -> None:
     host = parts.hostname
     if parts.scheme not in ("http", "https") or not host:
         raise ValueError(f"not an http(s) URL with a host: {base_url!r}")
-    if host == "localhost":
-        return
     try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"refusing non-loopback server {host!r}: the load generator only talks to "
-                         "127.0.0.0/8, localhost or ::1") from None
-    if not address.is_loopback:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        loopback = False
+    if not loopback:
         raise ValueError(f"refusing non-loopback server {host!r}: the load generator only talks to "
                          "127.0.0.0/8, localhost or ::1")
 

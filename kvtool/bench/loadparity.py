@@ -43,7 +43,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from kvtool.bench.loadpooled import (
@@ -57,6 +56,7 @@ from kvtool.bench.loadpooled import (
     repeat_values,
 )
 from kvtool.bench.loadserver import KVTOOL, MLXLM, MLXLM_FLAGS
+from kvtool.bench.loadstats import percentile
 from kvtool.bench.loadworkloads import RESTART_PHASE, REWARM_PHASE, workload_kind
 
 TOLERANCE = 1.05  # parity: within 5 % of the better mlx-lm server
@@ -91,13 +91,9 @@ def phase_figures(requests: pd.DataFrame) -> pd.DataFrame:
         ttft = ok["ttft_ms"].to_numpy(dtype=float)
         ends = ok["sent_s"].to_numpy(dtype=float) + ok["latency_ms"].to_numpy(dtype=float) / 1e3
         wall = float(ends.max() - grp["sent_s"].min()) if len(ok) else float("nan")
-        rows.append(dict(zip(cols, (*key, *(_pct(ttft, 50), _pct(ttft, 99)), len(ok) / wall if wall > 0 else math.nan,
+        rows.append(dict(zip(cols, (*key, *(percentile(ttft, 50), percentile(ttft, 99)), len(ok) / wall if wall > 0 else math.nan,
                                     len(ok), len(grp) - len(ok)), strict=True)))
     return pd.DataFrame(rows, columns=cols)
-
-
-def _pct(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else math.nan
 
 
 def parity_target(kind: str, params: dict[str, Any], phase: str) -> str:
