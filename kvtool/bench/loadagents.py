@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from kvtool.bench import loadgen
 from kvtool.bench.loadgen import WALL_LIMIT_ERROR, LoadRequest, LoadResult, LoadSpec, RequestRecord, check_loopback
 from kvtool.bench.loadserver import KVTOOL, MLXLM_FLAGS
 
@@ -228,7 +229,7 @@ class AgentsBatch:
             self.stopped.add(agent)
             raise
         except Exception as exc:  # noqa: BLE001 - a failed turn is recorded and stops its agent
-            rec.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            rec.error = loadgen.error_text(exc)
             self.stopped.add(agent)
             return
         self.transcripts[agent].append({"role": "assistant", "content": rec.text or EMPTY_REPLY})
@@ -240,9 +241,7 @@ def _client(kind: str, base_url: str, timeout_s: float) -> Any:
 
         root = base_url.rstrip("/").removesuffix("/v1")  # the SDK adds /v1/messages
         return AsyncAnthropic(base_url=root, api_key="unused", max_retries=0, timeout=timeout_s)
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=timeout_s)
+    return loadgen.openai_client(base_url, timeout_s)
 
 
 async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
@@ -261,38 +260,13 @@ async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]],
             cached = int(u.cache_read_input_tokens or 0)
             rec.prompt_tokens = int(u.input_tokens or 0) + cached + int(u.cache_creation_input_tokens or 0)
             rec.completion_tokens, rec.cached_tokens = int(u.output_tokens or 0), cached
-    _finish(rec, t0, first, parts)
+    loadgen.finish_record(rec, t0, first, parts)
 
 
 async def _stream_chat(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
                        rec: RequestRecord) -> None:
     """One streamed chat-completions call (system message first); fills `rec`."""
-    t0, first, parts = time.perf_counter(), None, []
-    stream = await client.chat.completions.create(
-        model="default_model", messages=[{"role": "system", "content": system}, *msgs], max_tokens=max_tokens,
-        temperature=0.0, stream=True, stream_options={"include_usage": True})
-    async for chunk in stream:
-        for choice in chunk.choices or []:
-            content = choice.delta.content if choice.delta is not None else None
-            if content:
-                first = first or time.perf_counter()
-                parts.append(content)
-            rec.finish_reason = choice.finish_reason or rec.finish_reason
-        if getattr(chunk, "usage", None) is not None:
-            u = chunk.usage
-            rec.prompt_tokens, rec.completion_tokens = int(u.prompt_tokens or 0), int(u.completion_tokens or 0)
-            details = getattr(u, "prompt_tokens_details", None)
-            cached = getattr(details, "cached_tokens", None) if details is not None else None
-            rec.cached_tokens = int(cached) if cached is not None else None
-    _finish(rec, t0, first, parts)
-
-
-def _finish(rec: RequestRecord, t0: float, first: float | None, parts: list[str]) -> None:
-    end = time.perf_counter()
-    rec.latency_ms = (end - t0) * 1e3
-    rec.ttft_from_content = first is not None
-    rec.ttft_ms = ((first if first is not None else end) - t0) * 1e3
-    rec.text = "".join(parts)
+    await loadgen.stream_chat(client, "default_model", [{"role": "system", "content": system}, *msgs], max_tokens, rec)
 
 
 def prompt_token_mismatches(requests: Any) -> int:

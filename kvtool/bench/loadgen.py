@@ -190,14 +190,11 @@ def check_loopback(base_url: str) -> None:
     host = parts.hostname
     if parts.scheme not in ("http", "https") or not host:
         raise ValueError(f"not an http(s) URL with a host: {base_url!r}")
-    if host == "localhost":
-        return
     try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        raise ValueError(f"refusing non-loopback server {host!r}: the load generator only talks to "
-                         "127.0.0.0/8, localhost or ::1") from None
-    if not address.is_loopback:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost
+        loopback = False
+    if not loopback:
         raise ValueError(f"refusing non-loopback server {host!r}: the load generator only talks to "
                          "127.0.0.0/8, localhost or ::1")
 
@@ -237,7 +234,7 @@ async def run_load_async(base_url: str, requests: Sequence[LoadRequest], spec: L
     for i, req in enumerate(chosen):
         if req.after is not None and not 0 <= req.after < i:
             raise ValueError(f"request {i} ({req.key}): 'after' must point to an earlier request, got {req.after}")
-    client = _client(base_url, spec.request_timeout_s)
+    client = openai_client(base_url, spec.request_timeout_s)
     runner = _Runner(client, chosen, spec, on_progress)
     try:
         result = await runner.run()
@@ -247,7 +244,12 @@ async def run_load_async(base_url: str, requests: Sequence[LoadRequest], spec: L
     return result
 
 
-def _client(base_url: str, timeout_s: float) -> Any:
+def openai_client(base_url: str, timeout_s: float) -> Any:
+    """An `openai.AsyncOpenAI` client of `base_url` without retries, `timeout_s` (s) per request.
+
+    Raises:
+        RuntimeError: the openai package is not installed.
+    """
     try:
         from openai import AsyncOpenAI
     except ImportError as exc:  # pragma: no cover - openai is in the bench and test extras
@@ -323,7 +325,7 @@ class _Runner:
             rec.error = WALL_LIMIT_ERROR
             raise
         except Exception as exc:  # noqa: BLE001 - a failed request is recorded, the run goes on
-            rec.error = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            rec.error = error_text(exc)
         finally:
             self.done[i].set()
         self.finished += 1
@@ -333,34 +335,48 @@ class _Runner:
     async def _stream(self, req: LoadRequest, rec: RequestRecord) -> None:
         rec.sent_s, rec.sent = self._now(), True
         rec.queue_ms = (rec.sent_s - rec.scheduled_s) * 1e3
-        t0 = time.perf_counter()
-        first: float | None = None
-        parts: list[str] = []
-        stream = await self.client.chat.completions.create(
-            model=self.spec.model, messages=list(req.messages), max_tokens=req.max_tokens, temperature=0.0,
-            stream=True, stream_options={"include_usage": True},
-        )
-        async for chunk in stream:
-            for choice in chunk.choices or []:
-                content = choice.delta.content if choice.delta is not None else None
-                if content:
-                    if first is None:
-                        first = time.perf_counter()
-                    parts.append(content)
-                if choice.finish_reason:
-                    rec.finish_reason = choice.finish_reason
-            usage = getattr(chunk, "usage", None)
-            if usage is not None:
-                rec.prompt_tokens = int(usage.prompt_tokens or 0)
-                rec.completion_tokens = int(usage.completion_tokens or 0)
-                details = getattr(usage, "prompt_tokens_details", None)
-                cached = getattr(details, "cached_tokens", None) if details is not None else None
-                rec.cached_tokens = int(cached) if cached is not None else None
-        end = time.perf_counter()
-        rec.latency_ms = (end - t0) * 1e3
-        rec.ttft_from_content = first is not None
-        rec.ttft_ms = ((first if first is not None else end) - t0) * 1e3
-        rec.text = "".join(parts)
+        await stream_chat(self.client, self.spec.model, list(req.messages), req.max_tokens, rec)
+
+
+def error_text(exc: BaseException) -> str:
+    """A failed request's `error`: the exception's type and message on one line (at most 300 characters)."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+async def stream_chat(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int,
+                      rec: RequestRecord) -> None:
+    """One streamed greedy chat-completions call (`stream_options.include_usage`); fills `rec`:
+    `ttft_ms`, `latency_ms` (ms from the call), `text`, `finish_reason` and the `usage` tokens."""
+    t0, first, parts = time.perf_counter(), None, []
+    stream = await client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
+        stream=True, stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        for choice in chunk.choices or []:
+            content = choice.delta.content if choice.delta is not None else None
+            if content:
+                first = first or time.perf_counter()
+                parts.append(content)
+            rec.finish_reason = choice.finish_reason or rec.finish_reason
+        usage = getattr(chunk, "usage", None)
+        if usage is not None:
+            rec.prompt_tokens = int(usage.prompt_tokens or 0)
+            rec.completion_tokens = int(usage.completion_tokens or 0)
+            details = getattr(usage, "prompt_tokens_details", None)
+            cached = getattr(details, "cached_tokens", None) if details is not None else None
+            rec.cached_tokens = int(cached) if cached is not None else None
+    finish_record(rec, t0, first, parts)
+
+
+def finish_record(rec: RequestRecord, t0: float, first: float | None, parts: list[str]) -> None:
+    """Close a streamed request's record: `latency_ms` = now - `t0`, `ttft_ms` = `first` (the first
+    content, `time.perf_counter()` s) - `t0` or the latency without content, `text` = `parts` joined."""
+    end = time.perf_counter()
+    rec.latency_ms = (end - t0) * 1e3
+    rec.ttft_from_content = first is not None
+    rec.ttft_ms = ((first if first is not None else end) - t0) * 1e3
+    rec.text = "".join(parts)
 
 
 async def _gather_cancelling(coros) -> None:
@@ -376,4 +392,5 @@ async def _gather_cancelling(coros) -> None:
 
 
 __all__ = ["ARRIVALS", "LoadRequest", "LoadResult", "LoadSpec", "RequestRecord", "WALL_LIMIT_ERROR",
-           "check_loopback", "poisson_arrivals", "run_load", "run_load_async"]
+           "check_loopback", "error_text", "finish_record", "openai_client", "poisson_arrivals", "run_load",
+           "run_load_async", "stream_chat"]

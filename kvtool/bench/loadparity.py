@@ -43,10 +43,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from kvtool.bench.loadpooled import (
+    fmt,
     fmt_pooled,
     pooled_group_markdown,
     pooled_groups,
@@ -56,6 +56,7 @@ from kvtool.bench.loadpooled import (
     repeat_values,
 )
 from kvtool.bench.loadserver import KVTOOL, MLXLM, MLXLM_FLAGS
+from kvtool.bench.loadstats import percentile
 from kvtool.bench.loadworkloads import RESTART_PHASE, REWARM_PHASE, workload_kind
 
 TOLERANCE = 1.05  # parity: within 5 % of the better mlx-lm server
@@ -90,13 +91,9 @@ def phase_figures(requests: pd.DataFrame) -> pd.DataFrame:
         ttft = ok["ttft_ms"].to_numpy(dtype=float)
         ends = ok["sent_s"].to_numpy(dtype=float) + ok["latency_ms"].to_numpy(dtype=float) / 1e3
         wall = float(ends.max() - grp["sent_s"].min()) if len(ok) else float("nan")
-        rows.append(dict(zip(cols, (*key, *(_pct(ttft, 50), _pct(ttft, 99)), len(ok) / wall if wall > 0 else math.nan,
+        rows.append(dict(zip(cols, (*key, *(percentile(ttft, 50), percentile(ttft, 99)), len(ok) / wall if wall > 0 else math.nan,
                                     len(ok), len(grp) - len(ok)), strict=True)))
     return pd.DataFrame(rows, columns=cols)
-
-
-def _pct(values: np.ndarray, q: float) -> float:
-    return float(np.percentile(values, q)) if values.size else math.nan
 
 
 def parity_target(kind: str, params: dict[str, Any], phase: str) -> str:
@@ -252,18 +249,18 @@ def parity_markdown(frame: pd.DataFrame) -> list[str]:
 
 
 def _markdown_row(row: dict[str, Any], servers: list[str], ratio_cols: list[str]) -> str:
-    cells = [" / ".join(_fmt(row.get(f"{s}_{fig}"), 2 if fig == "requests_per_s" else 1) for s in servers)
+    cells = [" / ".join(fmt(row.get(f"{s}_{fig}"), 2 if fig == "requests_per_s" else 1) for s in servers)
              for fig in FIGS]
-    ratios = [" / ".join(_fmt(row.get(f"{fig}_ratio_{b}"), 2) for b in ratio_cols)
+    ratios = [" / ".join(fmt(row.get(f"{fig}_ratio_{b}"), 2) for b in ratio_cols)
               for fig in ("ttft_p50_ms", "requests_per_s")]
     pooled = [repeat_values(row, "ttft_p50_ms_ratio_geo"), fmt_pooled(row, "ttft_p50_ms_ratio_geo"),
               fmt_pooled(row, "ttft_p50_ms_noise"), fmt_pooled(row, "requests_per_s_ratio_geo"),
               str(row.get("pooled_met", "-"))]
-    diff = ", ".join(f"{s} {_fmt(row.get(f'output_mismatches_{s}'), 0)}" for s in servers if s != MLXLM)
-    failed = " / ".join(_fmt(row.get(f"{s}_failed"), 0) for s in servers)
+    diff = ", ".join(f"{s} {fmt(row.get(f'output_mismatches_{s}'), 0)}" for s in servers if s != MLXLM)
+    failed = " / ".join(fmt(row.get(f"{s}_failed"), 0) for s in servers)
     return (f"| {row['workload']} | {row['clients']} | {row['phase_label']} | {' | '.join(cells)} | "
             f"{' | '.join(ratios)} | {row['target']} | {row['met']} | {' | '.join(pooled)} | {diff or '-'} | "
-            f"{failed} | {_fmt(row.get('load_avg_start'), 2)} -> {_fmt(row.get('load_avg_end'), 2)} |")
+            f"{failed} | {fmt(row.get('load_avg_start'), 2)} -> {fmt(row.get('load_avg_end'), 2)} |")
 
 
 def parity_summary(frame: pd.DataFrame) -> list[str]:
@@ -273,7 +270,7 @@ def parity_summary(frame: pd.DataFrame) -> list[str]:
     if frame.empty or "target" not in frame:
         return []
     rows = [f"parity {r['workload']} {r['clients']} client(s) {r['phase_label']}: kvtool / better mlx-lm TTFT p50 "
-            f"{_fmt(r.get('ttft_p50_ms_ratio_best'), 2)}, req/s {_fmt(r.get('requests_per_s_ratio_best'), 2)}; "
+            f"{fmt(r.get('ttft_p50_ms_ratio_best'), 2)}, req/s {fmt(r.get('requests_per_s_ratio_best'), 2)}; "
             f"{r['target']} -> {r['met']}; pooled kvtool / mlx-lm servers TTFT p50 "
             f"{fmt_pooled(r, 'ttft_p50_ms_ratio_geo')} -> {r.get('pooled_met', '-')}"
             for r in frame.to_dict(orient="records")]
@@ -282,14 +279,6 @@ def parity_summary(frame: pd.DataFrame) -> list[str]:
                    f"servers TTFT p50 {fmt_pooled(g, 'ttft_p50_ms_ratio_geo')} (noise mlx-lm / mlx-lm-1000 "
                    f"{fmt_pooled(g, 'ttft_p50_ms_noise')}) -> {g['pooled_met']}"
                    for g in groups.to_dict(orient="records")]
-
-
-def _fmt(value: Any, digits: int) -> str:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return "-"
-    return f"{v:,.{digits}f}" if math.isfinite(v) else "-"
 
 
 def write_parity(run_dir: Path, requests: pd.DataFrame, batches: pd.DataFrame,

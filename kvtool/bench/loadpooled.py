@@ -160,6 +160,12 @@ def _num(value: Any) -> float:
         return math.nan
 
 
+def fmt(value: Any, digits: int = 1) -> str:
+    """A figure with thousands separators and `digits` decimals; `-` when missing or not finite."""
+    v = _num(value)
+    return f"{v:,.{digits}f}" if math.isfinite(v) else "-"
+
+
 def phase_group(phase: str, label: str) -> str:
     """The group a phase pools into: `warm turns` for `warm` and `rewarm`, else its label."""
     return PHASE_GROUPS.get(phase, label)
@@ -232,5 +238,5 @@ def pooled_group_markdown(groups: pd.DataFrame, tolerance: float) -> list[str]:
     return lines
 
 
-__all__ = ["POOLED_FIGS", "POOL_SE", "fmt_pooled", "phase_group", "pooled_group_markdown", "pooled_groups",
+__all__ = ["POOLED_FIGS", "POOL_SE", "fmt", "fmt_pooled", "phase_group", "pooled_group_markdown", "pooled_groups",
            "pooled_ratio", "pooled_row", "pooled_verdict", "repeat_ratios", "repeat_values"]

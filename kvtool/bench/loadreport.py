@@ -37,6 +37,7 @@ import pandas as pd
 from kvtool.bench.loadagents import prompt_token_mismatches
 from kvtool.bench.loadcharts import write_charts
 from kvtool.bench.loadparity import parity_summary, write_parity
+from kvtool.bench.loadpooled import fmt
 from kvtool.bench.loadserver import KVTOOL, MLXLM
 from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
 from kvtool.errors import KVToolError
@@ -270,23 +271,13 @@ def _problems(requests: pd.DataFrame, batches: pd.DataFrame, mismatches: pd.Data
     return out
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return "-"
-    if not math.isfinite(v):
-        return "-"
-    return f"{v:,.{digits}f}"
-
-
 def _digits(fig: str) -> int:
     return 3 if fig.startswith("hit_rate") else 2 if fig.endswith("_per_s") and "tokens" not in fig else 1
 
 
 def _fmt_iv(row: dict[str, Any], prefix: str, fig: str | None = None) -> str:
     d = 2 if prefix == "ratio" else _digits(fig or row.get("figure", ""))
-    return f"{_fmt(row[prefix], d)} [{_fmt(row[f'{prefix}_lo'], d)}–{_fmt(row[f'{prefix}_hi'], d)}]"
+    return f"{fmt(row[prefix], d)} [{fmt(row[f'{prefix}_lo'], d)}–{fmt(row[f'{prefix}_hi'], d)}]"
 
 
 def _markdown(doc: dict[str, Any], cells: pd.DataFrame, cmp: pd.DataFrame, mismatches: pd.DataFrame,
@@ -327,7 +318,7 @@ def _markdown(doc: dict[str, Any], cells: pd.DataFrame, cmp: pd.DataFrame, misma
               "| hit rate | RAM / SSD hit rate | peak RSS MiB | outputs equal |",
               "|---|---|---:|---|---|---|---|---|---|---|---|---|"]
     for row in cells.to_dict(orient="records"):
-        tiers = (f"{_fmt(row['hit_rate_ram'], 3)} / {_fmt(row['hit_rate_ssd'], 3)}" if row["server"] == KVTOOL
+        tiers = (f"{fmt(row['hit_rate_ram'], 3)} / {fmt(row['hit_rate_ssd'], 3)}" if row["server"] == KVTOOL
                  else "-")
         equal = "-" if row.get("outputs_compared") in (None, 0) or row["outputs_compared"] != row["outputs_compared"] \
             else ("yes" if not row["output_mismatches"] else f"NO ({int(row['output_mismatches'])})")
@@ -361,7 +352,7 @@ def _tiers_lines(cells: pd.DataFrame) -> list[str]:
              "written | SSD bytes read | writer queue peak bytes | shed blocks |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in kv.to_dict(orient="records"):
-        vals = " | ".join(_fmt(row.get(k), 0) for k in KVTOOL_COUNTERS)
+        vals = " | ".join(fmt(row.get(k), 0) for k in KVTOOL_COUNTERS)
         lines.append(f"| {row['workload']} | {row['clients']} | {vals} |")
     lines.append("")
     lines.append("`-`: the server does not report the counter (`writer_queue_peak_bytes` is newer than some "
