@@ -264,13 +264,9 @@ def _plan_prompt_in(ns: NamespaceScan, keys: PromptKeys) -> NamespaceRemoval:
     p.blocks, p.segments, p.bytes = ns.row_count, len(planner.names), planner.kept_bytes
     rows = ns.table.find(list(keys.hashes)) if ns.table is not None and keys.hashes else np.zeros(0, dtype=np.int64)
     planner.choose_blocks(rows[rows >= 0], "prompt")
-    counts = planner.counts()
-    p.prompt_blocks = counts.get("prompt", (0, 0, 0))[0]
-    p.prune_blocks = int(planner.removed_block_ids().size)
+    p.count_removed(planner, reasons=())  # the prompt's blocks and their descendants: counted below
+    p.prompt_blocks = planner.counts().get("prompt", (0, 0, 0))[0]
     p.descendant_blocks = p.prune_blocks - p.prompt_blocks
-    p.prune_segments = int(planner.removed_segment_ids().size)
-    p.prune_bytes = p.bytes - planner.kept_bytes
-    p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
     return p
 
 
