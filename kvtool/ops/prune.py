@@ -182,6 +182,10 @@ class PrunePlan:
         """Sum of one `NamespacePlan` count over the namespaces."""
         return sum(getattr(ns, name) for ns in self.namespaces)
 
+    def removes_anything(self) -> bool:
+        """Something would be (or was) removed."""
+        return any(ns.remove_namespace or ns.prune_blocks or ns.prune_segments for ns in self.namespaces)
+
     @property
     def problems(self) -> int:
         """Unreadable or foreign namespaces left untouched, files not removed, index failures."""

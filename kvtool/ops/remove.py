@@ -125,10 +125,6 @@ class RemovePlan(PrunePlan):
     model: str | None = None
     prompt_tokens: int | None = None
 
-    def removes_anything(self) -> bool:
-        """Something would be (or was) removed."""
-        return any(ns.remove_namespace or ns.prune_blocks or ns.prune_segments for ns in self.namespaces)
-
     def to_dict(self) -> dict:
         """JSON-ready document (the `--json` output; the CLI adds `schema_version`)."""
         spaces = [ns.to_dict() for ns in self.namespaces if isinstance(ns, NamespaceRemoval)]
