@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -74,7 +73,7 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but
 @dataclass(frozen=True)
 class PromptSource:
     """A prompt given on the command line, its model and how to encode it (as serve-once does):
-    the options `PROMPT_OPTIONS` of `kvtool inspect` and `kvtool rm`.
+    the options of `kvtool inspect` and `kvtool rm` (`prompt_options`; field order = their order in --help).
 
     Attributes:
         model: model spec (preset, directory or Hub id; None: tiny, see `spec`).
@@ -84,16 +83,16 @@ class PromptSource:
         adapter_path, kv_bits, kv_group_size, prefill_step_size: the engine's (they pick the namespace).
     """
 
-    model: str | None = None
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    messages: Path | None = None
-    ignore_chat_template: bool = False
-    system_prompt: str | None = None
-    adapter_path: Path | None = None
-    kv_bits: int | None = None
-    kv_group_size: int = 64
-    prefill_step_size: int | None = None
+    model: common.PromptModelOpt = None
+    prompt: common.PromptOpt = None
+    prompt_file: common.PromptFileOpt = None
+    messages: common.MessagesOpt = None
+    ignore_chat_template: common.IgnoreChatTemplateOpt = False
+    system_prompt: common.SystemPromptOpt = None
+    adapter_path: common.AdapterPathOpt = None
+    kv_bits: common.KVBitsOpt = None
+    kv_group_size: common.KVGroupSizeOpt = 64
+    prefill_step_size: common.OptionalPrefillStepOpt = None
 
     @property
     def spec(self) -> str:
@@ -124,28 +123,16 @@ class PromptSource:
 
 
 PROMPT = PromptSource()  # the default of a command's `source` parameter (`prompt_options` always passes one)
-PROMPT_OPTIONS: dict[str, tuple[Any, Any]] = {
-    "model": (common.PromptModelOpt, None),
-    "prompt": (common.PromptOpt, None),
-    "prompt_file": (common.PromptFileOpt, None),
-    "messages": (common.MessagesOpt, None),
-    "ignore_chat_template": (common.IgnoreChatTemplateOpt, False),
-    "system_prompt": (common.SystemPromptOpt, None),
-    "adapter_path": (common.AdapterPathOpt, None),
-    "kv_bits": (common.KVBitsOpt, None),
-    "kv_group_size": (common.KVGroupSizeOpt, 64),
-    "prefill_step_size": (common.OptionalPrefillStepOpt, None),
-}
 
 
 def prompt_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a command whose parameter `source: PromptSource` stands for the prompt options
-    `names` (keys of `PROMPT_OPTIONS`, shown in that order)."""
-    return common.option_group("source", PROMPT_OPTIONS, PromptSource, names)
+    `names` (fields of `PromptSource`, shown in field order; none named: all of them)."""
+    return common.flag_options("source", PromptSource, names)
 
 
 @target_options
-@prompt_options(*PROMPT_OPTIONS)
+@prompt_options()
 def inspect_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,

@@ -66,12 +66,12 @@ class PromptTokens:
     """The prompt of an import or export and the model that tokenises it: `--model`, then
     `--prompt` / `--prompt-file` (tokenised as mlx_lm.cache_prompt does) or `--token-ids`."""
 
-    model: str = "tiny"
-    prompt: str | None = None
-    prompt_file: Path | None = None
-    token_ids: Path | None = None
-    ignore_chat_template: bool = False
-    system_prompt: str | None = None
+    model: common.ModelOpt = "tiny"
+    prompt: PromptOpt = None
+    prompt_file: PromptFileOpt = None
+    token_ids: TokenIdsOpt = None
+    ignore_chat_template: IgnoreTemplateOpt = False
+    system_prompt: common.SystemPromptOpt = None
 
     def tokens(self, engine: Engine, required: bool) -> tuple[list[int] | None, str]:
         """`(token ids, where they came from)`; `(None, "metadata")` when none is given and not `required`.
@@ -104,10 +104,7 @@ class PromptTokens:
 
 
 PROMPT = PromptTokens()  # the default of a command's `source` parameter (`prompt_options` always passes one)
-PROMPT_OPTIONS = {"model": (common.ModelOpt, "tiny"), "prompt": (PromptOpt, None), "prompt_file": (PromptFileOpt, None),
-                  "token_ids": (TokenIdsOpt, None), "ignore_chat_template": (IgnoreTemplateOpt, False),
-                  "system_prompt": (common.SystemPromptOpt, None)}
-prompt_options = common.option_group("source", PROMPT_OPTIONS, PromptTokens, PROMPT_OPTIONS)
+prompt_options = common.flag_options("source", PromptTokens)  # every field of `PromptTokens`, in field order
 
 
 def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start: int,

@@ -117,15 +117,10 @@ def _reporting(execute, bar, task):
 
 def _confirm_and_execute(plan, removal: Removal, execute) -> int:
     return confirm_and_execute(
-        plan, removal, changes=_removes_anything(plan), execute=execute, print_plan=_print_plan,
-        print_result=_print_result, nothing="nothing to prune",
+        plan, removal, execute=execute, print_plan=_print_plan, print_result=_print_result, nothing="nothing to prune",
         question=lambda: (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} "
                           f"segment file(s), {format_bytes(plan.total('prune_bytes'))}?"),
     )  # fmt: skip
-
-
-def _removes_anything(plan) -> bool:
-    return bool(plan.total("prune_blocks") or plan.total("prune_segments") or any(ns.remove_namespace for ns in plan.namespaces))
 
 
 def _print_plan(plan, out) -> None:

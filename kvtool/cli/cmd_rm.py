@@ -137,7 +137,7 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
 def _confirm_and_execute(plan, removal: Removal) -> int:
     from kvtool.ops.remove import execute_removal
 
-    return confirm_and_execute(plan, removal, changes=plan.removes_anything(), question=lambda: _question(plan),
+    return confirm_and_execute(plan, removal, question=lambda: _question(plan),
                                execute=execute_removal, print_plan=_print_plan, print_result=_print_result,
                                nothing="nothing to remove", print_problems=_print_problems)  # fmt: skip
 

@@ -89,7 +89,6 @@ def confirm_and_execute(
     plan: Any,
     removal: Removal,
     *,
-    changes: bool,
     question: Callable[[], str],
     execute: Callable[[Any], object],
     print_plan: Callable[[Any, Any], None],
@@ -100,9 +99,9 @@ def confirm_and_execute(
     """Show `plan`, ask (unless --yes), execute it with SIGINT/SIGTERM held, report; the exit code.
 
     Args:
-        plan: a prune or removal plan (`dry_run`: set from `removal`, `problems`, `to_dict`).
+        plan: a prune or removal plan (`dry_run`: set from `removal`, `problems`, `to_dict`;
+            `removes_anything()`: else it is only shown, as a dry run is).
         removal: --dry-run, --yes (do not ask), `out` (--json: the plan document; --quiet: problems only, on stderr).
-        changes: the plan removes anything (else it is only shown, as a dry run is).
         question: the confirmation question (asked only when needed).
         execute: runs the plan.
         print_plan, print_result: `(plan, console)` printers.
@@ -131,7 +130,7 @@ def confirm_and_execute(
             print_plan(plan, out.console)
         print_result(plan, out.console)
 
-    if plan.dry_run or not changes:
+    if plan.dry_run or not plan.removes_anything():
         emit(unchanged)
         return _exit_code(plan)
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)

@@ -134,6 +134,21 @@ class NamespacePlan:
         p = self.planner
         return [p.names[i] for i in p.removed_segment_ids().tolist()] if p is not None else []
 
+    def count_removed(self, planner: SegmentPlanner, reasons: tuple[str, ...] = ("ttl", "lru", "descendant")) -> None:
+        """Count what `planner` chose: per reason of `reasons` its blocks, segment files and their
+        bytes (`{reason}_blocks`, `_segments`, `_bytes`), everything removed (`prune_*`) and what
+        is left (`*_after`)."""
+        for why, (blocks, segments, size) in planner.counts().items():
+            if why in reasons:
+                setattr(self, f"{why}_blocks", getattr(self, f"{why}_blocks") + blocks)
+                setattr(self, f"{why}_segments", getattr(self, f"{why}_segments") + segments)
+                setattr(self, f"{why}_bytes", getattr(self, f"{why}_bytes") + size)
+        self.prune_blocks = int(planner.removed_block_ids().size)
+        self.prune_segments = int(planner.removed_segment_ids().size)
+        self.prune_bytes = self.bytes - planner.kept_bytes
+        self.blocks_after, self.segments_after = self.blocks - self.prune_blocks, self.segments - self.prune_segments
+        self.bytes_after = planner.kept_bytes
+
     def fields_dict(self) -> dict:
         """The report fields (everything but the planner and the rows to clamp)."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in HIDDEN_FIELDS}
@@ -166,6 +181,10 @@ class PrunePlan:
     def total(self, name: str) -> int:
         """Sum of one `NamespacePlan` count over the namespaces."""
         return sum(getattr(ns, name) for ns in self.namespaces)
+
+    def removes_anything(self) -> bool:
+        """Something would be (or was) removed."""
+        return any(ns.remove_namespace or ns.prune_blocks or ns.prune_segments for ns in self.namespaces)
 
     @property
     def problems(self) -> int:
@@ -245,7 +264,7 @@ def plan_prune(scan: CacheScan, ttl_s: float | None = None, max_bytes: int | Non
             fit_budget(group, max_bytes)
     for p in plan.namespaces:
         if p.namespace in planners:
-            _summarise(p, planners[p.namespace])
+            p.count_removed(planners[p.namespace])
     return plan
 
 
@@ -263,18 +282,6 @@ def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: 
         p.remove_namespace = True
         p.prune_bytes, p.bytes_after = p.bytes, 0
         p.message = f"format_version {version}: unused for the TTL, removed whole"
-
-
-def _summarise(p: NamespacePlan, planner: SegmentPlanner) -> None:
-    for why, (blocks, segments, size) in planner.counts().items():
-        if hasattr(p, f"{why}_blocks"):
-            setattr(p, f"{why}_blocks", getattr(p, f"{why}_blocks") + blocks)
-            setattr(p, f"{why}_segments", getattr(p, f"{why}_segments") + segments)
-            setattr(p, f"{why}_bytes", getattr(p, f"{why}_bytes") + size)
-    p.prune_blocks = int(planner.removed_block_ids().size)
-    p.prune_segments = int(planner.removed_segment_ids().size)
-    p.prune_bytes = p.bytes - planner.kept_bytes
-    p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
 
 
 # ----------------------------------------------------------------------------- execute

@@ -125,10 +125,6 @@ class RemovePlan(PrunePlan):
     model: str | None = None
     prompt_tokens: int | None = None
 
-    def removes_anything(self) -> bool:
-        """Something would be (or was) removed."""
-        return any(ns.remove_namespace or ns.prune_blocks or ns.prune_segments for ns in self.namespaces)
-
     def to_dict(self) -> dict:
         """JSON-ready document (the `--json` output; the CLI adds `schema_version`)."""
         spaces = [ns.to_dict() for ns in self.namespaces if isinstance(ns, NamespaceRemoval)]
@@ -264,13 +260,9 @@ def _plan_prompt_in(ns: NamespaceScan, keys: PromptKeys) -> NamespaceRemoval:
     p.blocks, p.segments, p.bytes = ns.row_count, len(planner.names), planner.kept_bytes
     rows = ns.table.find(list(keys.hashes)) if ns.table is not None and keys.hashes else np.zeros(0, dtype=np.int64)
     planner.choose_blocks(rows[rows >= 0], "prompt")
-    counts = planner.counts()
-    p.prompt_blocks = counts.get("prompt", (0, 0, 0))[0]
-    p.prune_blocks = int(planner.removed_block_ids().size)
+    p.count_removed(planner, reasons=())  # the prompt's blocks and their descendants: counted below
+    p.prompt_blocks = planner.counts().get("prompt", (0, 0, 0))[0]
     p.descendant_blocks = p.prune_blocks - p.prompt_blocks
-    p.prune_segments = int(planner.removed_segment_ids().size)
-    p.prune_bytes = p.bytes - planner.kept_bytes
-    p.blocks_after, p.segments_after, p.bytes_after = p.blocks - p.prune_blocks, p.segments - p.prune_segments, planner.kept_bytes
     return p
 
 

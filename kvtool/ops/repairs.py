@@ -67,9 +67,8 @@ class Actions:
         ad += adopt
 
     def any(self) -> bool:
-        return bool(self.temps or self.irregular or self.bad_rowids or self.bad_segment_rowids or self.clamp or self.writes or self.drop
-                    or self.broken or self.remove_segments or self.finish_removals or self.forget_removals
-                    or self.rebuild)  # fmt: skip
+        """Something to do: any field set (a list or the writes not empty, a rebuild planned)."""
+        return any(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass
