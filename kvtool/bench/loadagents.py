@@ -49,8 +49,18 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.bench import loadgen
-from kvtool.bench.loadgen import WALL_LIMIT_ERROR, LoadRequest, LoadResult, LoadSpec, RequestRecord, check_loopback
+from kvtool.bench.loadgen import (
+    WALL_LIMIT_ERROR,
+    LoadRequest,
+    LoadResult,
+    LoadSpec,
+    RequestRecord,
+    check_loopback,
+    error_text,
+    finish_record,
+    openai_client,
+    stream_chat,
+)
 from kvtool.bench.loadserver import KVTOOL, MLXLM_FLAGS
 
 AGENTS_DEFAULTS: dict[str, Any] = {"agents": 0, "turns": 8, "system_tokens": 12_000, "tools": 8,
@@ -229,7 +239,7 @@ class AgentsBatch:
             self.stopped.add(agent)
             raise
         except Exception as exc:  # noqa: BLE001 - a failed turn is recorded and stops its agent
-            rec.error = loadgen.error_text(exc)
+            rec.error = error_text(exc)
             self.stopped.add(agent)
             return
         self.transcripts[agent].append({"role": "assistant", "content": rec.text or EMPTY_REPLY})
@@ -241,7 +251,7 @@ def _client(kind: str, base_url: str, timeout_s: float) -> Any:
 
         root = base_url.rstrip("/").removesuffix("/v1")  # the SDK adds /v1/messages
         return AsyncAnthropic(base_url=root, api_key="unused", max_retries=0, timeout=timeout_s)
-    return loadgen.openai_client(base_url, timeout_s)
+    return openai_client(base_url, timeout_s)
 
 
 async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
@@ -260,13 +270,13 @@ async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]],
             cached = int(u.cache_read_input_tokens or 0)
             rec.prompt_tokens = int(u.input_tokens or 0) + cached + int(u.cache_creation_input_tokens or 0)
             rec.completion_tokens, rec.cached_tokens = int(u.output_tokens or 0), cached
-    loadgen.finish_record(rec, t0, first, parts)
+    finish_record(rec, t0, first, parts)
 
 
 async def _stream_chat(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
                        rec: RequestRecord) -> None:
     """One streamed chat-completions call (system message first); fills `rec`."""
-    await loadgen.stream_chat(client, "default_model", [{"role": "system", "content": system}, *msgs], max_tokens, rec)
+    await stream_chat(client, "default_model", [{"role": "system", "content": system}, *msgs], max_tokens, rec)
 
 
 def prompt_token_mismatches(requests: Any) -> int:
