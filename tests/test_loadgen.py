@@ -11,7 +11,10 @@ No timing assertions.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import matplotlib
@@ -32,6 +35,9 @@ from kvtool.bench.loadgen import (  # noqa: E402
     LoadRequest,
     LoadSpec,
     check_loopback,
+    connect_retrying,
+    error_text,
+    openai_client,
     poisson_arrivals,
     run_load,
 )
@@ -40,6 +46,7 @@ from kvtool.bench.loadserver import KVTOOL, ManagedServer, ServerOptions  # noqa
 from kvtool.bench.loadworkloads import build_load_workload, load_trace  # noqa: E402
 from kvtool.config import ConfigError  # noqa: E402
 from kvtool.models.loader import resolve_spec  # noqa: E402
+from tests.server_procs import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 QUICK = REPO / "bench_configs" / "serve_load_quick.toml"
@@ -59,6 +66,65 @@ def test_non_loopback_urls_are_refused_before_any_request(url):
         check_loopback(url)
     with pytest.raises(ValueError):
         run_load(url, [LoadRequest("k", ({"role": "user", "content": "hi"},), 1)], LoadSpec())
+
+
+class _Models(BaseHTTPRequestHandler):
+    """`GET /v1/models`: an empty list, or 500 where the server says so; counts the requests."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.server.hits += 1  # type: ignore[attr-defined]
+        code = self.server.status  # type: ignore[attr-defined]
+        body = json.dumps({"object": "list", "data": []} if code == 200 else {"error": {"message": "boom"}}).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def _models_server(port: int, status: int) -> ThreadingHTTPServer:
+    httpd = ThreadingHTTPServer(("127.0.0.1", port), _Models)
+    httpd.hits, httpd.status = 0, status  # type: ignore[attr-defined]
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+def test_a_refused_connection_is_retried_until_the_server_listens(monkeypatch):
+    """No server on the port yet: the call is refused, retried, and answered once the server is
+    up; a request the server answered (500) is never sent again."""
+    import openai
+
+    monkeypatch.setattr("kvtool.bench.loadgen.CONNECT_RETRY_S", 0.3)
+    port = free_port()
+    client = openai_client(f"http://127.0.0.1:{port}/v1", 10.0)
+    started: list[ThreadingHTTPServer] = []
+    timer = threading.Timer(0.5, lambda: started.append(_models_server(port, 200)))
+    timer.start()
+    try:
+        page = asyncio.run(connect_retrying(lambda: client.models.list()))
+        assert list(page.data) == [] and started and started[0].hits == 1
+    finally:
+        timer.join()
+        for httpd in started:
+            httpd.shutdown()
+            httpd.server_close()
+    failing = _models_server(free_port(), 500)
+    try:
+        client = openai_client(f"http://127.0.0.1:{failing.server_address[1]}/v1", 10.0)
+        with pytest.raises(openai.InternalServerError):
+            asyncio.run(connect_retrying(lambda: client.models.list()))
+        assert failing.hits == 1
+    finally:
+        failing.shutdown()
+        failing.server_close()
+    refused = openai_client(f"http://127.0.0.1:{free_port()}/v1", 10.0)  # nobody ever listens
+    monkeypatch.setattr("kvtool.bench.loadgen.CONNECT_RETRY_S", 0.01)
+    with pytest.raises(openai.APIConnectionError) as info:
+        asyncio.run(connect_retrying(lambda: refused.models.list()))
+    assert "Connection error" in error_text(info.value) and "(ConnectError:" in error_text(info.value)
 
 
 def test_load_spec_and_dependency_validation():

@@ -18,6 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.cli import app as app_module
+from kvtool.cli import removal
 from kvtool.config import ConfigError, KVToolConfig
 from kvtool.ops import remote_ops
 from kvtool.tiers import remote_value as rv
@@ -121,7 +122,7 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
 
 # ----------------------------------------------------------------------------- rm
 @pytest.mark.slow
-def test_rm_namespace_and_hashes(redis_node):
+def test_rm_namespace_and_hashes(redis_node, monkeypatch):
     chain = make_chain(4, model_id="cli-rm", seed=5)
     split = _split_chain("cli-rm-split", seed=6)
     _fill(redis_node.url, chain)
@@ -130,6 +131,12 @@ def test_rm_namespace_and_hashes(redis_node):
     _one_error_line(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key), "--yes")
     dry = _json(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key[:10], "--dry-run", "--json"))
     assert dry["values"] == 4 and dry["keys"] == 4 and dry["removed_keys"] == 0
+    assert len(list(client.scan_iter(match=f"*{chain.layout_key}*"))) == 4
+    with monkeypatch.context() as m:  # declined on a terminal: said so, exit 1, nothing removed
+        m.setattr(removal, "interactive", lambda: True)
+        res = runner.invoke(app_module.app, ["remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key],
+                            input="n\n", env={"COLUMNS": "200", "KVTOOL_REMOTE_URL": "", "KVTOOL_REMOTE_PASSWORD": ""})
+    assert res.exit_code == 1 and "aborted: nothing changed" in res.output and "Remove 4 block(s)" in res.output
     assert len(list(client.scan_iter(match=f"*{chain.layout_key}*"))) == 4
     one = _json(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", split.layout_key, "--hash", split.hashes[0],
                         "--yes", "--json"))  # fmt: skip

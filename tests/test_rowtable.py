@@ -4,7 +4,6 @@ intact; the others are reported by rowid."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sqlite3
 
@@ -47,7 +46,7 @@ def test_a_row_is_loaded_exactly_when_from_db_accepts_it(rows):
     table = load_rows(conn)
     assert sorted(table.bad_rowids) == sorted(rid for rid, r in want.items() if r is None)
     clamp = lambda v: min(v, INT32_MAX)  # noqa: E731  (the table keeps int32: larger values as INT32_MAX)
-    good = sorted((dataclasses.replace(r, slot=clamp(r.slot), num_tokens=clamp(r.num_tokens), nbytes=clamp(r.nbytes))
+    good = sorted((r._replace(slot=clamp(r.slot), num_tokens=clamp(r.num_tokens), nbytes=clamp(r.nbytes))
                    for r in want.values() if r is not None), key=lambda r: r.hash)  # fmt: skip
     got = list(table)
     assert [r.hash for r in got] == [r.hash for r in good]  # by hash

@@ -56,6 +56,7 @@ from kvtool.bench.loadgen import (
     LoadSpec,
     RequestRecord,
     check_loopback,
+    connect_retrying,
     error_text,
     finish_record,
     openai_client,
@@ -258,8 +259,9 @@ async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]],
                            rec: RequestRecord) -> None:
     """One streamed Messages call; fills `rec` (TTFT at the first non-empty text delta)."""
     t0, first, parts = time.perf_counter(), None, []
-    stream = await client.messages.create(model="default_model", system=system, messages=msgs, max_tokens=max_tokens,
-                                          stream=True, extra_body={"temperature": 0.0})
+    stream = await connect_retrying(lambda: client.messages.create(
+        model="default_model", system=system, messages=msgs, max_tokens=max_tokens, stream=True,
+        extra_body={"temperature": 0.0}))
     async for event in stream:
         if event.type == "content_block_delta" and getattr(event.delta, "text", ""):
             first = first or time.perf_counter()

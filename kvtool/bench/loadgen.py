@@ -339,8 +339,48 @@ class _Runner:
 
 
 def error_text(exc: BaseException) -> str:
-    """A failed request's `error`: the exception's type and message on one line (at most 300 characters)."""
-    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    """A failed request's `error`: the exception's type and message on one line (at most 300
+    characters), then its cause's in parentheses where it has one (the SDKs' `APIConnectionError`
+    says only "Connection error."; its cause says refused, reset or timed out)."""
+    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    cause = exc.__cause__
+    if cause is not None:
+        text += f" ({type(cause).__name__}: {' '.join(str(cause).split())})"
+    return text[:300]
+
+
+CONNECT_RETRIES = 3  # extra attempts of a request whose connection was never made
+CONNECT_RETRY_S = 0.5  # wait before the first retry (s), doubled for each next one
+
+
+def _never_connected(exc: BaseException) -> bool:
+    """True if `exc` was caused by the HTTP client's `ConnectError` (matched by class name: the
+    `openai` and `anthropic` SDKs bundle their own copy of httpx, `httpx2` in the versions here)."""
+    cause = exc.__cause__
+    return cause is not None and any(c.__name__ == "ConnectError" for c in type(cause).__mro__)
+
+
+async def connect_retrying(call: Callable[[], Any]) -> Any:
+    """`await call()`, again up to `CONNECT_RETRIES` times while it fails to connect (the SDK's
+    connection error caused by a `ConnectError`: the server never got the request, e.g. a
+    listen backlog full under many simultaneous clients: `mlx_lm.server` keeps 5). Any other
+    failure, a connection broken after it was made among them, is raised at once: the server may
+    have taken the request. The client runs without the SDK's own retries, which repeat requests
+    on any connection error and on 5xx answers. The caller's clock keeps running: the wait counts
+    in the request's TTFT.
+
+    Raises:
+        whatever `call` raises last.
+    """
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if attempt >= CONNECT_RETRIES or not _never_connected(exc):
+                raise
+        await asyncio.sleep(CONNECT_RETRY_S * 2**attempt)
+        attempt += 1
 
 
 async def stream_chat(client: Any, model: str, messages: list[dict[str, str]], max_tokens: int,
@@ -348,10 +388,10 @@ async def stream_chat(client: Any, model: str, messages: list[dict[str, str]], m
     """One streamed greedy chat-completions call (`stream_options.include_usage`); fills `rec`:
     `ttft_ms`, `latency_ms` (ms from the call), `text`, `finish_reason` and the `usage` tokens."""
     t0, first, parts = time.perf_counter(), None, []
-    stream = await client.chat.completions.create(
+    stream = await connect_retrying(lambda: client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0.0,
         stream=True, stream_options={"include_usage": True},
-    )
+    ))
     async for chunk in stream:
         for choice in chunk.choices or []:
             content = choice.delta.content if choice.delta is not None else None

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
-from kvtool.cli.removal import REMOVAL, Removal, removal_options
+from kvtool.cli.removal import ABORTED, REMOVAL, Removal, removal_options
 from kvtool.units import format_bytes
 
 DEFAULT_TIMEOUT = "5s"  # operator commands: a SCAN of a large server needs more than the serving deadline
@@ -132,7 +132,7 @@ class Server:
 def _remove(server: Server, removal: Removal, what: str, plan_fn: Callable[[Any, bool], Any]) -> int:
     """Refuse without a way to confirm (`what`: the verb), connect, plan (`plan_fn(conn, True)`),
     show it and ask unless --yes / --dry-run, then remove (`plan_fn(conn, False)`) and report.
-    Returns the exit code: 0, or 1 when declined at the prompt."""
+    Returns the exit code: 0, or 1 when declined at the prompt (`ABORTED` on stderr)."""
     removal.refuse_without_terminal(what)
     with server.connect() as conn:
         out, plan = removal.out, plan_fn(conn, True)
@@ -140,6 +140,7 @@ def _remove(server: Server, removal: Removal, what: str, plan_fn: Callable[[Any,
             if not removal.yes:
                 _print_removal(plan, out.interaction.print if not out.json else out.note)
                 if not out.confirm(f"Remove {plan.values} block(s), {plan.keys} key(s), {format_bytes(plan.bytes)}?"):
+                    out.err_console.print(ABORTED)
                     return common.EXIT_PROBLEMS
             plan = plan_fn(conn, False)
         out.emit(plan.to_dict, lambda: _print_removal(plan, out.print))

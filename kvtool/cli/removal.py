@@ -16,6 +16,8 @@ from kvtool.cli.output import Output
 from kvtool.cli.signals import signals_handled
 from kvtool.units import format_bytes
 
+ABORTED = "aborted: nothing changed"  # a declined confirmation, on stderr (local and remote removals)
+
 
 def interactive() -> bool:
     """True if a human can answer a confirmation prompt (tests patch this)."""
@@ -136,7 +138,7 @@ def confirm_and_execute(
     if not yes:  # the question needs the plan, even under --quiet / --json (then on stderr)
         print_plan(plan, out.interaction)
         if not out.confirm(question()):
-            out.err_console.print("aborted: nothing changed")
+            out.err_console.print(ABORTED)
             return common.EXIT_PROBLEMS
     with deferred_signals() as received:
         execute(plan)

@@ -318,7 +318,7 @@ class BlockIndex:
         byte reservation (`kvtool.disk.budget`) ends in the same transaction."""
         with self._lock, self._transaction() as cur:
             cur.execute(f"INSERT OR REPLACE INTO segments({_SEG_COLUMNS}) VALUES (?,?,?,?)", astuple(segment))
-            cur.executemany(f"INSERT OR REPLACE INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", [astuple(r) for r in rows])
+            cur.executemany(f"INSERT OR REPLACE INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", rows)
             if release:
                 cur.execute("DELETE FROM reservations WHERE name=?", (segment.name,))
 
