@@ -35,9 +35,9 @@ if not app_module.app.registered_commands:
 runner = CliRunner()
 
 
-def _kvtool(*args: str, env: dict[str, str] | None = None):
-    return runner.invoke(app_module.app, list(args), env={"COLUMNS": "200", "KVTOOL_REMOTE_URL": "",
-                                                          "KVTOOL_REMOTE_PASSWORD": "", **(env or {})})  # fmt: skip
+def _kvtool(*args: str, env: dict[str, str] | None = None, input: str | None = None):
+    return runner.invoke(app_module.app, list(args), input=input, env={"COLUMNS": "200", "KVTOOL_REMOTE_URL": "",
+                                                                       "KVTOOL_REMOTE_PASSWORD": "", **(env or {})})  # fmt: skip
 
 
 def _json(result) -> dict:
@@ -134,8 +134,7 @@ def test_rm_namespace_and_hashes(redis_node, monkeypatch):
     assert len(list(client.scan_iter(match=f"*{chain.layout_key}*"))) == 4
     with monkeypatch.context() as m:  # declined on a terminal: said so, exit 1, nothing removed
         m.setattr(removal, "interactive", lambda: True)
-        res = runner.invoke(app_module.app, ["remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key],
-                            input="n\n", env={"COLUMNS": "200", "KVTOOL_REMOTE_URL": "", "KVTOOL_REMOTE_PASSWORD": ""})
+        res = _kvtool("remote", "rm", "--url", redis_node.url, "--namespace", chain.layout_key, input="n\n")
     assert res.exit_code == 1 and "aborted: nothing changed" in res.output and "Remove 4 block(s)" in res.output
     assert len(list(client.scan_iter(match=f"*{chain.layout_key}*"))) == 4
     one = _json(_kvtool("remote", "rm", "--url", redis_node.url, "--namespace", split.layout_key, "--hash", split.hashes[0],
