@@ -1,8 +1,11 @@
 """Requests that arrive together are prefilled together (`kvtool.server.admission`).
 
-A real `kvtool serve` (tiny model) gets 4 cold prompts at once; its own per-step record
-(`prefill_steps_recent` in `/kvtool/stats`, from mlx-lm's progress reports) must show them
-prefilled in one batch step, and the answers must equal plain `mlx_lm.server`'s.
+A real `kvtool serve` (tiny model) at `mlx_lm.server`'s prefill width (`--prompt-concurrency 8`)
+gets 4 cold prompts at once; its own per-step record (`prefill_steps_recent` in `/kvtool/stats`,
+from mlx-lm's progress reports) must show them prefilled in one batch step, and the answers must
+equal plain `mlx_lm.server`'s. At kvtool's default width on the CPU backend (1,
+`kvtool.server.admission.default_prefill_width`) the same burst is prefilled one prompt per step,
+with the same answers.
 
 "At once" is made exact, whatever the load of the machine: each request is sent but for the
 last byte of its body, the test waits until the server counts all 4 in admission (heads read,
@@ -20,6 +23,7 @@ import threading
 import time
 import urllib.request
 
+import mlx.core as mx
 import pytest
 
 from tests.test_serve_hostile import HTTP_TIMEOUT_S, server_stats, start_kvtool, start_mlx_lm
@@ -28,8 +32,13 @@ pytest.importorskip("openai")
 
 N = 4
 WINDOW_MS = "120000"  # the admission window of the server under test (a loaded machine is slow)
+MLX_WIDTH = ("--prompt-concurrency", "8")  # mlx_lm.server's default prefill width (kvtool's on a GPU)
 ANSWER_TIMEOUT_S = 600.0  # 4 prompts of ~1,800 tokens prefilled on a loaded 2-core machine
 WORDS = "harbour tide lantern copper meadow quarry saddle thistle orchard beacon ember glacier".split()
+
+
+def is_cpu_backend() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def bodies(seed: int, n_words: int = 600) -> list[dict]:
@@ -100,7 +109,7 @@ def text(doc: dict) -> str:
 def test_four_prompts_that_arrive_together_are_prefilled_in_one_step(tmp_path):
     """...and so are their clients' next prompts, sent each soon after its answer came (closed-loop
     clients come back one after another: the loop, idle, takes the first and waits for the others)."""
-    kv = start_kvtool(tmp_path, "burst", env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
+    kv = start_kvtool(tmp_path, "burst", *MLX_WIDTH, env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
     try:
         docs, nexts = bodies(seed=3), bodies(seed=6, n_words=100)
         held = [send_but_last_byte(kv.port, d) for d in docs]
@@ -150,10 +159,47 @@ def test_four_prompts_that_arrive_together_are_prefilled_in_one_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not is_cpu_backend(), reason="kvtool's default prefill width is 1 on the CPU backend only")
+def test_at_the_default_width_a_burst_is_prefilled_one_prompt_per_step(tmp_path):
+    """The default on the CPU backend: 4 cold prompts arriving together are prefilled one per step
+    (each first token after its own prefill, not after all four); answers equal plain
+    `mlx_lm.server`'s, which prefills them in one padded step."""
+    kv = start_kvtool(tmp_path, "width1", env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
+    try:
+        assert server_stats(kv)["server"]["prefill_width"] == 1
+        docs = bodies(seed=7, n_words=300)
+        held = [send_but_last_byte(kv.port, d) for d in docs]
+        wait_in_admission(kv, N)
+        before = server_stats(kv)["server"]["prefill_steps"]
+        for s, last in held:
+            s.sendall(last)
+        answers = [answer(s) for s, _ in held]
+        assert [status for status, _ in answers] == [200] * N, answers
+        st = server_stats(kv)["server"]
+        assert st["prefill_steps"] == before + N, st
+        steps = st["prefill_steps_recent"][-N:]
+        assert [len(step) for step in steps] == [1] * N, steps
+        # each prompt but its last token and what it found cached (the chat template's first tokens,
+        # stored by the prompt prefilled before it: a request is fetched when its prefill starts)
+        assert sorted(step[0] for step in steps) == sorted(
+            doc["usage"]["prompt_tokens"] - 1 - doc["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            for _, doc in answers), (steps, answers)
+        assert st["prefill_batch_max"] == 1, st
+    finally:
+        kv.stop()
+    plain = start_mlx_lm(tmp_path)
+    try:
+        expected = post_together(plain, docs)
+    finally:
+        plain.stop()
+    assert [text(doc) for _, doc in answers] == [text(doc) for doc in expected]
+
+
+@pytest.mark.slow
 def test_a_too_long_prompt_in_a_burst_is_refused_before_prefill(tmp_path):
     """413 before any prefill still: the handler refuses it, the loop does not wait for it, the
     others are prefilled together."""
-    kv = start_kvtool(tmp_path, "burst413", "--max-prompt-tokens", "400",
+    kv = start_kvtool(tmp_path, "burst413", "--max-prompt-tokens", "400", *MLX_WIDTH,
                       env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
     try:
         docs = bodies(seed=4, n_words=60)

@@ -264,8 +264,10 @@ def serve_http(
         int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")
     ] = 32,
     prompt_concurrency: Annotated[
-        int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
-    ] = 8,
+        int | None, typer.Option("--prompt-concurrency", min=1, show_default="1 on the CPU backend, else 8", help=(
+            "Prompts prefilled in one batch (as mlx_lm.server). Where prefill is compute-bound (MLX's CPU backend) "
+            "one at a time gives earlier first tokens: docs/server.md#the-prefill-width."))
+    ] = None,
     max_prompt_tokens: common.MaxPromptTokensOpt = None,
     listener: Listener = Listener(),
     no_reply_cache: Annotated[bool, typer.Option(
@@ -315,7 +317,7 @@ def _describe(server) -> str:
     limits = server.limits
     return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
             f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
-            f"body <= {format_size(limits.max_body_bytes)}"
+            f"body <= {format_size(limits.max_body_bytes)} | prefill width {server.prefill_width}"
             f"{' | API key required' if server.api_key_required else ''}")
 
 

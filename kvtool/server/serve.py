@@ -44,7 +44,7 @@ from kvtool.models.limits import TokenLimitError, token_limits
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
-from kvtool.server.admission import Admission, window_from_env
+from kvtool.server.admission import Admission, default_prefill_width, window_from_env
 from kvtool.server.handler import (
     HEAD_TIMEOUT_S,
     MAX_CONNECTIONS,
@@ -103,7 +103,8 @@ class KVToolServer:
             401 otherwise; `kvtool.server.apis.check_api_key`).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
             `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
-            option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
+            option of its parser, `kvtool.server.mlx_options`). `prompt_concurrency` None or
+            absent: `kvtool.server.admission.default_prefill_width` (1 on the CPU backend). `kv_bits` (with `kv_group_size`,
             `quantized_kv_start`) also makes the prefix cache hold mlx-lm's quantized KV (its own
             namespace); `draft_model` (a preset, directory or Hugging Face id) adds the draft
             model's KV of a hit's tokens to the cache mlx-lm gets (`SpeculativePromptCache`).
@@ -125,7 +126,10 @@ class KVToolServer:
         from kvtool.server.watchdog import KVToolResponseGenerator, RequestGuard
 
         self.spec = model
+        if server_options.get("prompt_concurrency") is None:  # by the backend: default_prefill_width
+            server_options["prompt_concurrency"] = default_prefill_width(server_args().prompt_concurrency)
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
+        self.prefill_width: int = cli_args.prompt_concurrency  # prompts prefilled at a time
         admission = _admission()  # a bad KVTOOL_ADMISSION_WINDOW_MS fails before any loading
         path, name, adapter = _resolve_models(cli_args, model, adapter_path)
         quant = _quantization(cli_args)
