@@ -102,9 +102,10 @@ def test_the_server_start_line_speaks_human_units():
                             layout_key="ab" * 16)
     limits = SimpleNamespace(max_prompt_tokens=32768, max_tokens_cap=4096, max_body_bytes=8 << 20)
     line = _describe(SimpleNamespace(prefix_cache=cache, limits=limits, url="http://127.0.0.1:8080",
-                                     model_name="tiny", model_path="/m", api_key_required=False, prefill_width=1))
+                                     model_name="tiny", model_path="/m", api_key_required=False, prefill_width=8,
+                                     prefill_token_budget=256))
     assert "RAM 1 GiB" in line and "body <= 8 MiB" in line and "1073741824" not in line
-    assert line.endswith("| prefill width 1")
+    assert line.endswith("| prefill width 8, token budget 256")
 
 
 # ------------------------------------------------------------------ refusals before the model loads

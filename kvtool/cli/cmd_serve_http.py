@@ -264,9 +264,13 @@ def serve_http(
         int, typer.Option("--decode-concurrency", min=1, help="Requests decoded in one batch (as mlx_lm.server).")
     ] = 32,
     prompt_concurrency: Annotated[
-        int | None, typer.Option("--prompt-concurrency", min=1, show_default="1 on the CPU backend, else 8", help=(
-            "Prompts prefilled in one batch (as mlx_lm.server). Where prefill is compute-bound (MLX's CPU backend) "
-            "one at a time gives earlier first tokens: docs/server.md#the-prefill-width."))
+        int, typer.Option("--prompt-concurrency", min=1, help="Prompts prefilled in one batch (as mlx_lm.server).")
+    ] = 8,
+    prefill_token_budget: Annotated[
+        int | None, typer.Option("--prefill-token-budget", min=0, show_default="256 on the CPU backend, else 0",
+                                 help="Take no more requests into the batch while the prompts prefilling have this "
+                                 "many uncached tokens left (0: none, as mlx_lm.server): long prompts are prefilled "
+                                 "one at a time, short ones together: docs/server.md#the-prefill-token-budget.")
     ] = None,
     max_prompt_tokens: common.MaxPromptTokensOpt = None,
     listener: Listener = Listener(),
@@ -288,7 +292,8 @@ def serve_http(
         server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
                         top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
                         decode_concurrency=decode_concurrency,
-                        prompt_concurrency=prompt_concurrency, log_level=level,
+                        prompt_concurrency=prompt_concurrency, prefill_token_budget=prefill_token_budget,
+                        log_level=level,
                         max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
                         head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
                         api_key=listener.api_key, **extra)
@@ -317,7 +322,8 @@ def _describe(server) -> str:
     limits = server.limits
     return (f"serve: listening on {server.url} | model {server.model_name} ({server.model_path}) | {cache} | "
             f"max prompt {limits.max_prompt_tokens} tok, max_tokens <= {limits.max_tokens_cap}, "
-            f"body <= {format_size(limits.max_body_bytes)} | prefill width {server.prefill_width}"
+            f"body <= {format_size(limits.max_body_bytes)} | prefill width {server.prefill_width}, "
+            f"token budget {server.prefill_token_budget or 'none'}"
             f"{' | API key required' if server.api_key_required else ''}")
 
 

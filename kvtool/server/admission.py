@@ -48,7 +48,7 @@ from queue import Empty, Queue
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.server import Response, TimeBudget
+from mlx_lm.server import GenerationContext, Response, TimeBudget
 
 log = logging.getLogger("kvtool.server")
 
@@ -262,33 +262,35 @@ class StepClock(TimeBudget):
         return super().__next__()
 
 
-COMPUTE_BOUND_PREFILL_WIDTH = 1  # prompts prefilled at a time where prefill is compute-bound
+COMPUTE_BOUND_TOKEN_BUDGET = 256  # uncached prompt tokens prefilling at once where prefill is compute-bound
 
 
-def default_prefill_width(mlx_default: int, device: mx.Device | None = None) -> int:
-    """The prefill width (`--prompt-concurrency`, prompts) `kvtool serve` uses when none is given:
-    `COMPUTE_BOUND_PREFILL_WIDTH` on MLX's CPU backend, `mlx_default` (mlx-lm's own, 8) on a GPU.
+def default_prefill_token_budget(device: mx.Device | None = None) -> int:
+    """The prefill token budget `kvtool serve` uses when none is given (`PrefillSlots`, tokens; 0:
+    none): `COMPUTE_BOUND_TOKEN_BUDGET` on MLX's CPU backend, none on a GPU.
 
-    On the CPU backend prefill is compute-bound: a padded step that prefills k prompts takes as
-    long as prefilling them one after another, but every first token waits for the whole step.
-    One at a time, a burst's first tokens come one after another, and a request waiting for its
-    prefill is fetched when its prefill starts, so it finds what the prompts before it stored
-    (`PrefillSlots`). Measured on `tiny`, 2 cores (docs/server.md#the-prefill-width): 16 agents
-    TTFT p50 0.1x of the default width's, cold bursts 0.92-0.95x `mlx_lm.server`'s at 4 / 16
-    clients. On a GPU batching several short prompts in one step can raise throughput: mlx-lm's
-    default stays.
+    On the CPU backend prefill is compute-bound: a padded step that prefills k long prompts takes
+    as long as prefilling them one after another, but every first token waits for the whole step;
+    short ones (a question after a cached document, a chat turn) cost little each, and batching
+    them saves steps. With the budget a request is taken into the batch only while the prompts
+    still prefilling have fewer uncached tokens than it: long prompts go one at a time (a request
+    waiting for its prefill is fetched when its prefill starts, so it finds what the prompts
+    before it stored), short ones together, up to the prefill width. The idea is vLLM's token
+    budget per scheduler step (`max_num_batched_tokens`). Measured on `tiny`, 2 cores:
+    docs/server.md#the-prefill-token-budget. On a GPU batching several prompts in one step can
+    raise throughput: no budget there (mlx-lm's behaviour).
 
     Args:
-        mlx_default: mlx-lm's default `prompt_concurrency`.
         device: the device prefill runs on; None: `mx.default_device()`.
     """
     device = mx.default_device() if device is None else device
-    return COMPUTE_BOUND_PREFILL_WIDTH if device.type == mx.DeviceType.cpu else mlx_default
+    return COMPUTE_BOUND_TOKEN_BUDGET if device.type == mx.DeviceType.cpu else 0
 
 
 class PrefillSlots:
     """The requests the generation loop took whose prompt is not prefilled yet, at most the batch's
-    prefill width (mlx-lm's `--prompt-concurrency`, `BatchGenerator.prefill_batch_size`).
+    prefill width (mlx-lm's `--prompt-concurrency`, `BatchGenerator.prefill_batch_size`) and, with a
+    token budget, only while their uncached tokens still to prefill are fewer than the budget.
 
     mlx-lm's loop takes every queued request into its batch generator before its next step, and
     fetches each one's cached prefix then; the generator prefills at most `prefill_batch_size`
@@ -301,27 +303,38 @@ class PrefillSlots:
     its request's prefill completes (its last progress report), when it ends (a response, an
     error, its end), when its response queue is gone (weak: a dropped request), or when the loop
     is idle (`clear`: its batch holds nothing), so a miscount cannot hold requests back for longer
-    than the batch is busy.
+    than the batch is busy. A request's tokens to prefill are known once the loop fetched its
+    cached prefix (`uncached`, from its `GenerationContext`) and shrink with its progress reports;
+    a request taken but not fetched yet counts 0, so the loop always takes at least one.
 
     Args:
         width: the prefill width (requests); 0: no limit.
+        token_budget: uncached prompt tokens (summed over the requests prefilling) at which the
+            loop takes no more; 0: no budget (`default_prefill_token_budget`).
     """
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, token_budget: int = 0):
         self.width = max(0, int(width))
+        self.token_budget = max(0, int(token_budget))
         self._lock = threading.Lock()
-        self._taken: weakref.WeakSet[Queue] = weakref.WeakSet()
+        self._taken: weakref.WeakKeyDictionary[Queue, int] = weakref.WeakKeyDictionary()
         self.deferred = 0  # loop steps that left queued requests for a later step
 
     def take(self, queue: Queue) -> None:
         """The loop took the request answered on `queue`."""
         with self._lock:
-            self._taken.add(queue)
+            self._taken[queue] = 0
+
+    def uncached(self, queue: Queue, tokens: int) -> None:
+        """`queue`'s request has `tokens` prompt tokens left to prefill (after its cached prefix)."""
+        with self._lock:
+            if queue in self._taken:
+                self._taken[queue] = max(0, int(tokens))
 
     def release(self, queue: Queue) -> None:
         """`queue`'s request finished its prefill (or ended)."""
         with self._lock:
-            self._taken.discard(queue)
+            self._taken.pop(queue, None)
 
     def clear(self) -> None:
         """The loop is idle: no request of its batch is prefilling."""
@@ -329,21 +342,24 @@ class PrefillSlots:
             self._taken.clear()
 
     def full(self, queued: bool) -> bool:
-        """Every slot is taken: leave queued requests for a later step (counted when `queued`)."""
+        """Every slot is taken, or the requests prefilling hold the token budget: leave queued
+        requests for a later step (counted when `queued`)."""
         with self._lock:
-            full = self.width > 0 and len(self._taken) >= self.width
+            full = (self.width > 0 and len(self._taken) >= self.width) or (
+                self.token_budget > 0 and sum(self._taken.values()) >= self.token_budget)
             self.deferred += full and queued
             return full
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"prefill_width": self.width, "requests_prefilling": len(self._taken),
+            return {"prefill_width": self.width, "prefill_token_budget": self.token_budget,
+                    "requests_prefilling": len(self._taken), "tokens_prefilling": sum(self._taken.values()),
                     "prefill_deferrals": self.deferred}
 
 
 class RecordingQueue(Queue):
-    """A request's response queue that reports the loop's prefill progress to `PrefillSteps` and
-    frees its `PrefillSlots` slot once the prompt is prefilled or the request ends, and tells
+    """A request's response queue that reports the loop's prefill progress to `PrefillSteps` and to
+    `PrefillSlots` (the tokens it has left to prefill), frees its slot once the prompt is prefilled or the request ends, and tells
     `Admission` when its answer ends (`Admission.ended`: its client may send the next request)."""
 
     def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None,
@@ -359,6 +375,11 @@ class RecordingQueue(Queue):
             self._steps.progress(self, item[0], item[1], alone=self._alone.is_set())
             if item[0] >= item[1]:
                 self._release()
+            elif self._slots is not None:
+                self._slots.uncached(self, item[1] - item[0])
+        elif isinstance(item, GenerationContext):  # put right after the loop fetched its cached prefix
+            if self._slots is not None and item.prompt_cache_count >= 0:
+                self._slots.uncached(self, len(item.prompt) - item.prompt_cache_count)
         elif item is None or isinstance(item, (BaseException, Response)):
             self._release()
             if item is None and self._admission is not None:
@@ -373,4 +394,5 @@ class RecordingQueue(Queue):
 
 
 __all__ = ["Admission", "PrefillSlots", "PrefillSteps", "StepClock", "RecordingQueue", "window_from_env", "WINDOW_ENV",
+           "default_prefill_token_budget", "COMPUTE_BOUND_TOKEN_BUDGET",
            "DEFAULT_WINDOW_S"]

@@ -44,7 +44,7 @@ from kvtool.models.limits import TokenLimitError, token_limits
 from kvtool.prom import CacheMetrics
 from kvtool.server import validation
 from kvtool.server.adapter import KVToolPromptCache
-from kvtool.server.admission import Admission, default_prefill_width, window_from_env
+from kvtool.server.admission import Admission, default_prefill_token_budget, window_from_env
 from kvtool.server.handler import (
     HEAD_TIMEOUT_S,
     MAX_CONNECTIONS,
@@ -99,12 +99,15 @@ class KVToolServer:
             keep-alive connection); past it the connection is closed.
         max_connections_per_peer: connections served at once from one client address (more are
             answered 503 and closed; all addresses together: `MAX_CONNECTIONS`).
+        prefill_token_budget: uncached prompt tokens prefilling at once at which the generation
+            loop takes no more requests into its batch (`kvtool.server.admission.PrefillSlots`);
+            0: none (mlx-lm's behaviour); None: by backend (`default_prefill_token_budget`: 256 on
+            the CPU backend, none on a GPU).
         api_key: when given, every request must carry it (`x-api-key` or `Authorization: Bearer`;
             401 otherwise; `kvtool.server.apis.check_api_key`).
         **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
             `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
-            option of its parser, `kvtool.server.mlx_options`). `prompt_concurrency` None or
-            absent: `kvtool.server.admission.default_prefill_width` (1 on the CPU backend). `kv_bits` (with `kv_group_size`,
+            option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
             `quantized_kv_start`) also makes the prefix cache hold mlx-lm's quantized KV (its own
             namespace); `draft_model` (a preset, directory or Hugging Face id) adds the draft
             model's KV of a hit's tokens to the cache mlx-lm gets (`SpeculativePromptCache`).
@@ -121,15 +124,15 @@ class KVToolServer:
                  adapter_path: str | None = None, max_prompt_tokens: int | None = None,
                  max_body_bytes: int = validation.DEFAULT_MAX_BODY_BYTES, head_timeout_s: float = HEAD_TIMEOUT_S,
                  max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER, api_key: str | None = None,
-                 **server_options: Any):
+                 prefill_token_budget: int | None = None, **server_options: Any):
         from kvtool.cache.prefix import PrefixCache
         from kvtool.server.watchdog import KVToolResponseGenerator, RequestGuard
 
         self.spec = model
-        if server_options.get("prompt_concurrency") is None:  # by the backend: default_prefill_width
-            server_options["prompt_concurrency"] = default_prefill_width(server_args().prompt_concurrency)
         cli_args = server_args(host=host, port=port, **server_options)  # ValueError before any loading
-        self.prefill_width: int = cli_args.prompt_concurrency  # prompts prefilled at a time
+        self.prefill_width: int = cli_args.prompt_concurrency  # prompts prefilled at a time, at most
+        self.prefill_token_budget: int = (default_prefill_token_budget() if prefill_token_budget is None
+                                          else max(0, prefill_token_budget))
         admission = _admission()  # a bad KVTOOL_ADMISSION_WINDOW_MS fails before any loading
         path, name, adapter = _resolve_models(cli_args, model, adapter_path)
         quant = _quantization(cli_args)
@@ -160,7 +163,8 @@ class KVToolServer:
             # starts the generation thread
             self.generator = KVToolResponseGenerator(self.provider, self.cache,
                                                      max_prompt_tokens=self.limits.max_prompt_tokens,
-                                                     admission=guard.admission)
+                                                     admission=guard.admission,
+                                                     prefill_token_budget=self.prefill_token_budget)
             self.httpd.kvtool_holder["generator"] = self.generator
         except BaseException:  # a bind error or a signal: the index is still closed cleanly
             generator = getattr(self, "generator", None)

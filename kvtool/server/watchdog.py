@@ -169,15 +169,17 @@ class KVToolResponseGenerator(ResponseGenerator):
         max_restarts, restart_window_s: more than `max_restarts` loop failures within
             `restart_window_s` seconds stop generation for good (503).
         admission: the handlers' arrivals (`RequestGuard.admission`); None: the loop never waits.
+        prefill_token_budget: `PrefillSlots`' token budget (uncached prompt tokens; 0: none).
     """
 
     def __init__(self, model_provider: Any, prompt_cache: Any, *, max_prompt_tokens: int,
                  max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S,
-                 admission: Admission | None = None):
+                 admission: Admission | None = None, prefill_token_budget: int = 0):
         # Set before the base class starts the generation thread.
         self.admission = admission if admission is not None else Admission(window_s=0.0)
         self.prefill_steps = PrefillSteps()
-        self.prefill_slots = PrefillSlots(getattr(model_provider.cli_args, "prompt_concurrency", 0) or 0)
+        self.prefill_slots = PrefillSlots(getattr(model_provider.cli_args, "prompt_concurrency", 0) or 0,
+                                          prefill_token_budget)
         self._alone = threading.Event()  # set while the loop serves a request outside the batch
         self._round_until: float | None = None  # the loop took a request: it may wait until then
         self.max_prompt_tokens = max_prompt_tokens
