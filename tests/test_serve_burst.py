@@ -6,6 +6,12 @@ from mlx-lm's progress reports) must show them prefilled in one batch step, and 
 equal plain `mlx_lm.server`'s. With kvtool's default token budget on the CPU backend
 (`kvtool.server.admission.default_prefill_token_budget`) long prompts arriving together are
 prefilled one per step and short ones together, with the same answers.
+
+"At once" is made exact, whatever the load of the machine: each request is sent but for the
+last byte of its body, the test waits until the server counts all 4 in admission (heads read,
+not yet queued), then sends the last bytes. The generation loop takes the first request
+completed and then waits for the others still in admission; the admission window is set long
+(`KVTOOL_ADMISSION_WINDOW_MS`) so that a slow machine cannot close it early.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ import threading
 import time
 import urllib.request
 
-import mlx.core as mx
 import pytest
 
+from kvtool.server.admission import COMPUTE_BOUND_TOKEN_BUDGET, default_prefill_token_budget
 from tests.test_serve_hostile import HTTP_TIMEOUT_S, server_stats, start_kvtool, start_mlx_lm
 
 pytest.importorskip("openai")
@@ -29,10 +35,6 @@ WINDOW_MS = "120000"  # the admission window of the server under test (a loaded 
 MLX_BATCHING = ("--prefill-token-budget", "0")  # batch as mlx_lm.server does (kvtool's default on a GPU)
 ANSWER_TIMEOUT_S = 600.0  # 4 prompts of ~1,800 tokens prefilled on a loaded 2-core machine
 WORDS = "harbour tide lantern copper meadow quarry saddle thistle orchard beacon ember glacier".split()
-
-
-def is_cpu_backend() -> bool:
-    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def bodies(seed: int, n_words: int = 600) -> list[dict]:
@@ -153,7 +155,8 @@ def test_four_prompts_that_arrive_together_are_prefilled_in_one_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not is_cpu_backend(), reason="kvtool's default token budget applies on the CPU backend only")
+@pytest.mark.skipif(default_prefill_token_budget() == 0,
+                    reason="no default token budget on a GPU backend (mlx-lm's batching: the one-step test covers it)")
 def test_at_the_default_budget_long_prompts_go_one_per_step_short_ones_together(tmp_path):
     """The default on the CPU backend (a token budget of 256): 4 cold ~900-token prompts arriving
     together are prefilled one per step (each first token after its own prefill, not after all
@@ -161,7 +164,7 @@ def test_at_the_default_budget_long_prompts_go_one_per_step_short_ones_together(
     prefills each burst in one padded step."""
     kv = start_kvtool(tmp_path, "budget", env={"KVTOOL_ADMISSION_WINDOW_MS": WINDOW_MS})
     try:
-        assert server_stats(kv)["server"]["prefill_token_budget"] == 256
+        assert server_stats(kv)["server"]["prefill_token_budget"] == COMPUTE_BOUND_TOKEN_BUDGET == 256
         long_docs, short_docs = bodies(seed=7, n_words=300), bodies(seed=8, n_words=8)
         answers, steps = [], []
         for docs in (long_docs, short_docs):
@@ -482,7 +485,7 @@ def test_requests_beyond_the_prefill_width_are_fetched_when_their_prefill_starts
         assert st["prefill_width"] == 2 and st["prefill_batch_max"] == 2, st
         # (whether a step found the last two already queued, counted as a deferral, is timing:
         # on a fast machine they are queued while the first two prefill, and taken after)
-        assert st["prefill_deferrals"] >= 0, st
+        assert isinstance(st["prefill_deferrals"], int), st
         assert st["requests_prefilling"] == 0, st
         cached = sorted(doc["usage"]["prompt_tokens_details"]["cached_tokens"] for _, doc in answers)
         prompt = min(doc["usage"]["prompt_tokens"] for _, doc in answers)

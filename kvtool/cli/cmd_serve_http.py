@@ -268,8 +268,8 @@ def serve_http(
     ] = 8,
     prefill_token_budget: Annotated[
         int | None, typer.Option("--prefill-token-budget", min=0, show_default="256 on the CPU backend, else 0",
-                                 help="Take no more requests into the batch while the prompts prefilling have this "
-                                 "many uncached tokens left (0: none, as mlx_lm.server): long prompts are prefilled "
+                                 help="Take no more requests into the batch while the prompts being prefilled have this "
+                                 "many uncached tokens (0: none, as mlx_lm.server): long prompts are prefilled "
                                  "one at a time, short ones together: docs/server.md#the-prefill-token-budget.")
     ] = None,
     max_prompt_tokens: common.MaxPromptTokensOpt = None,

@@ -331,7 +331,7 @@ class PrefillSlots:
             self._taken[queue] = 0
 
     def uncached(self, queue: Queue, tokens: int) -> None:
-        """`queue`'s request has `tokens` prompt tokens left to prefill (after its cached prefix)."""
+        """`queue`'s request has `tokens` uncached prompt tokens to prefill (after its cached prefix)."""
         with self._lock:
             if queue in self._taken:
                 self._taken[queue] = max(0, int(tokens))
@@ -363,9 +363,10 @@ class PrefillSlots:
 
 
 class RecordingQueue(Queue):
-    """A request's response queue that reports the loop's prefill progress to `PrefillSteps` and to
-    `PrefillSlots` (the tokens it has left to prefill), frees its slot once the prompt is prefilled or the request ends, and tells
-    `Admission` when its answer ends (`Admission.ended`: its client may send the next request)."""
+    """A request's response queue that reports the loop's prefill progress to `PrefillSteps`, tells
+    `PrefillSlots` its uncached tokens once the loop fetched its cached prefix and frees its slot
+    once the prompt is prefilled or the request ends, and tells `Admission` when its answer ends
+    (`Admission.ended`: its client may send the next request)."""
 
     def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None,
                  admission: Admission | None = None):
