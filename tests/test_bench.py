@@ -4,7 +4,9 @@ runner (a micro sweep on the tiny model, in-process), the report and the CLI wir
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +18,7 @@ from typer.testing import CliRunner
 
 from kvtool.bench import metrics, report, runner, workloads
 from kvtool.bench.baseline_mlxlm import PromptCacheBaseline
-from kvtool.bench.machine import git_commit, machine_info
+from kvtool.bench.machine import git_commit, listen_overflows, machine_info
 from kvtool.bench.sweep import load_sweep, parse_sweep
 from kvtool.config import ConfigError, KVToolConfig
 from kvtool.disk.fsops import FileOps
@@ -325,6 +327,33 @@ def test_drop_page_cache_reports_files(tmp_path):
     (tmp_path / "a" / ".x.1.tmp.safetensors").write_bytes(b"0")
     result = runner.drop_page_cache(tmp_path)
     assert result["files"] == 1 and result["ok"] is True and result["error"] is None
+
+
+@pytest.mark.skipif(listen_overflows() is None, reason="the OS does not count listen-queue overflows")
+def test_listen_overflows_counts_connections_a_full_accept_queue_drops():
+    """A real listening socket that never accepts, with a backlog of 0 (Linux queues 1): the
+    connections beyond the queue are dropped by the kernel, and the host's counter grows."""
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    clients = []
+    try:
+        before = listen_overflows()
+        assert before is not None
+        deadline = time.monotonic() + 5.0
+        while listen_overflows() == before and time.monotonic() < deadline:
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(server.getsockname())
+            clients.append(client)
+            time.sleep(0.02)
+        after = listen_overflows()
+        assert after is not None and after > before, "no drop counted with the accept queue full"
+    finally:
+        for client in clients:
+            client.close()
+        server.close()
 
 
 def test_machine_info_describes_cache_disk(tmp_path):

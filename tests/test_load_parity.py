@@ -149,7 +149,23 @@ def test_phase_figures_by_hand():
     got = figs.iloc[0]
     assert got["requests"] == 4 and got["failed"] == 1  # a failed request is counted, not timed
     assert got["ttft_p50_ms"] == 250.0 and math.isclose(got["ttft_p99_ms"], 300.0 + 0.97 * 100.0)
+    assert got["ttft_mean_ms"] == (100.0 + 200.0 + 300.0 + 400.0) / 4
     assert got["requests_per_s"] == 4 / 2.0  # first send at 0 s, last answer at 1.5 + 0.5 s
+
+
+def test_listen_overflows_of_a_cell_are_summed_over_its_repeats_per_server():
+    requests = _pool_requests()
+    batches = pd.DataFrame([{"workload": "shared-prefix", "server": server, "clients": clients, "repeat": rep,
+                             "listen_overflows": (7 + rep if server == "mlx-lm" and clients == 4 else 0)}
+                            for (clients, server), ttfts in POOL_TTFT.items() for rep in range(len(ttfts))])
+    frame = parity_frame(requests, batches, {}).set_index("clients")
+    assert frame.loc[4, "mlx-lm_listen_overflows"] == 7 + 8 + 9
+    assert frame.loc[4, "kvtool_listen_overflows"] == 0 and frame.loc[1, "mlx-lm_listen_overflows"] == 0
+    uncounted = batches.assign(listen_overflows=None)  # an OS without the counter: unknown, not 0
+    assert parity_frame(requests, uncounted, {})["kvtool_listen_overflows"].isna().all()
+    assert parity_frame(requests, pd.DataFrame(), {})["kvtool_listen_overflows"].isna().all()
+    table = "\n".join(parity_markdown(frame.reset_index()))
+    assert "| listen drops |" in table and "| 0 / 24 / 0 |" in table
 
 
 # TTFT p50 (ms) per (clients, server) and repeat: one request per batch, so its TTFT is the batch's p50
@@ -289,10 +305,12 @@ def test_parity_run_through_the_cli(tmp_path):
         ("cold-burst", 2, "burst"), ("multi-turn@2", 1, "cold"), ("multi-turn@2", 1, "warm"),
         ("multi-turn@2", 1, "after"), ("multi-turn@2", 1, "rewarm")]
     for server in ("kvtool", "mlx-lm", "mlx-lm-1000"):
-        for fig in ("ttft_p50_ms", "ttft_p99_ms", "requests_per_s"):
+        for fig in ("ttft_p50_ms", "ttft_mean_ms", "ttft_p99_ms", "requests_per_s"):
             assert (parity[f"{server}_{fig}"] > 0).all(), (server, fig)
+        # 1-2 clients never fill a listen queue (kvtool's holds 128, mlx_lm.server's 5): counted, all 0
+        assert (parity[f"{server}_listen_overflows"] == 0).all(), server
     for col in ("ttft_p50_ms_ratio_mlx-lm", "ttft_p50_ms_ratio_mlx-lm-1000", "ttft_p50_ms_ratio_best",
-                "requests_per_s_ratio_best", "load_avg_start", "load_avg_end"):
+                "ttft_mean_ms_ratio_best", "requests_per_s_ratio_best", "load_avg_start", "load_avg_end"):
         assert parity[col].notna().all(), col
     assert set(parity["met"]) <= {"met", "not met"}
     assert list(parity["target"]) == ["parity", "parity", "parity", "cached-all", "parity"]

@@ -11,7 +11,9 @@ mechanism for all three), reads `GET /kvtool/stats` around the measured phases, 
 server's peak RSS and stops it (SIGTERM, then SIGKILL). The batches of one (workload, clients,
 repeat) run back to back, the servers' order rotated by one from repeat to repeat (so each goes
 first as often as the others); the 1-minute load average is recorded at each batch's start and end
-(`load_avg_start`, `load_avg_end`). Outputs in the run directory: `requests.jsonl` /
+(`load_avg_start`, `load_avg_end`), and the host's listen-queue overflows during the measured
+phases (`listen_overflows`, `kvtool.bench.machine.listen_overflows`: connections a server's full
+accept queue dropped, each ~1 s added to a client's TTFT; None where the OS does not count them). Outputs in the run directory: `requests.jsonl` /
 `requests.csv` (one row per request), `batches.csv` / `batches.json` (per batch figures, server
 facts, kvtool counters), `run.json`, then `kvtool.bench.loadreport.write_load_report`:
 `cells.csv`, `comparison.csv`, `mismatches.csv`, `parity.csv`, charts and `report.md`. A
@@ -36,6 +38,7 @@ from kvtool.bench.loadgen import LoadRequest, LoadSpec, run_load
 from kvtool.bench.loadserver import KVTOOL, ManagedServer, ServerOptions
 from kvtool.bench.loadstats import batch_figures
 from kvtool.bench.loadworkloads import LoadWorkload, build_load_workload, workload_kind
+from kvtool.bench.machine import listen_overflows
 
 PROGRESS_INTERVAL_S = 5.0
 WARMUP_MESSAGES = ({"role": "user", "content": "Say hello."},)
@@ -183,6 +186,7 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
     lives: list[dict[str, Any]] = []
     tier = dict.fromkeys((*TIER_KEYS, "prompt_tokens"), 0)
     measured_wall, not_sent, cut, failed_phase = 0.0, 0, False, None
+    overflows: int | None = 0
     load_start = _load_avg()
     ctx.progress.set(f"{label}: starting the server")
     server = _start(ctx, options, log)
@@ -199,7 +203,7 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
                             rate_per_s=spec.rate, max_requests=spec.max_requests, max_wall_s=spec.max_wall_s,
                             request_timeout_s=spec.request_timeout_s, seed=spec.seed + repeat,
                             time_scale=float(workload.params.get("time_scale", 1.0)))
-            before = server.kvtool_stats()
+            before, drops_before = server.kvtool_stats(), listen_overflows()
 
             def on_progress(done: int, total: int, phase: str = phase) -> None:
                 ctx.progress.status = f"{label}: {phase} {done}/{total} requests"
@@ -207,9 +211,12 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
             ctx.progress.set(f"{label}: {phase} 0/{min(len(reqs), spec.max_requests or len(reqs))} requests")
             result = (agents.run_phase(server.base_url, phase, load, on_progress) if agents
                       else run_load(server.base_url, reqs, load, on_progress))
-            after = server.kvtool_stats()
+            after, drops_after = server.kvtool_stats(), listen_overflows()
             server.sample_rss()
             measured = phase in workload.measured
+            if measured:
+                overflows = (None if overflows is None or drops_before is None or drops_after is None
+                             else overflows + drops_after - drops_before)
             not_sent += result.not_sent
             cut = cut or result.stopped_by == "wall"
             if measured:
@@ -225,6 +232,7 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
         figures = batch_figures(rows, measured_wall, tier if server_kind == KVTOOL else None)
         row = {**ids, **figures, "measured_wall_s": measured_wall, "not_sent": not_sent, "cut_by_wall": cut,
                "error": failed_phase, "load_avg_start": load_start, "load_avg_end": _load_avg(),
+               "listen_overflows": overflows,
                **_life_facts(lives, tier if server_kind == KVTOOL else None)}
         ctx.batches.append(row)
     ctx.progress.set(f"{label}: done, TTFT p50 {row['ttft_p50_ms']:.1f} ms, {row['requests_per_s']:.2f} req/s")

@@ -46,6 +46,28 @@ def load_average(digits: int | None = None) -> list[float] | None:
         return None
 
 
+def listen_overflows() -> int | None:
+    """This host's count of connections dropped because a listening socket's accept queue was full
+    (Linux `/proc/net/netstat`, `TcpExt: ListenOverflows`; None elsewhere or when unreadable).
+
+    System-wide and monotonic: take the difference of two reads around the work to attribute. A
+    dropped connection is not refused: its client sends the SYN again after ~1 s (the initial
+    retransmission timeout), so every drop adds about a second to that request's TTFT.
+    """
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:") and values.startswith("TcpExt:"):
+            fields = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            try:
+                return int(fields["ListenOverflows"])
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
 def cpu_model() -> str | None:
     """CPU model name (`/proc/cpuinfo` on Linux, `platform.processor()` elsewhere)."""
     try:
