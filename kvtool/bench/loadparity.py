@@ -253,7 +253,7 @@ def parity_markdown(frame: pd.DataFrame) -> list[str]:
     ratio_cols = [*baselines, "best"] if len(baselines) > 1 else baselines
     names = " / ".join(servers)
     lines = ["", "## Parity: kvtool against every mlx_lm.server, per phase", "",
-             f"Means over the repeats of each phase's TTFT p50 / p99 (ms) and requests/s, per server ({names}); "
+             f"Means over the repeats of each phase's TTFT p50 / mean / p99 (ms) and requests/s, per server ({names}); "
              f"ratios kvtool / {', '.join(ratio_cols)} (best: the better mlx-lm server); targets: "
              + "; ".join(f"`{k}`: {v}" for k, v in TARGETS.items()) + " (`kvtool/bench/loadparity.py`). Pooled: per "
              "repeat kvtool's TTFT p50 / the geometric mean of the mlx-lm servers' in that repeat, their geometric "
