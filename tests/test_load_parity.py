@@ -19,7 +19,14 @@ import pytest
 from typer.testing import CliRunner
 
 from kvtool.bench.loadconfig import load_serve_load, parse_serve_load
-from kvtool.bench.loadparity import parity_frame, parity_markdown, parity_target, phase_figures, target_met
+from kvtool.bench.loadparity import (
+    parity_frame,
+    parity_markdown,
+    parity_summary,
+    parity_target,
+    phase_figures,
+    target_met,
+)
 from kvtool.bench.loadpooled import pooled_groups, pooled_ratio, pooled_verdict
 from kvtool.bench.loadserver import MLXLM, MLXLM_1000, ManagedServer, ServerOptions
 from kvtool.bench.loadworkloads import build_load_workload, opening_tokens, validate_load_params
@@ -166,6 +173,8 @@ def test_listen_overflows_of_a_cell_are_summed_over_its_repeats_per_server():
     assert parity_frame(requests, pd.DataFrame(), {})["kvtool_listen_overflows"].isna().all()
     table = "\n".join(parity_markdown(frame.reset_index()))
     assert "| listen drops |" in table and "| 0 / 24 / 0 |" in table
+    lines = parity_summary(frame.reset_index())
+    assert [line.endswith("; listen drops mlx-lm 24: compare the mean") for line in lines[:2]] == [False, True]
 
 
 # TTFT p50 (ms) per (clients, server) and repeat: one request per batch, so its TTFT is the batch's p50

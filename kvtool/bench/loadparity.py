@@ -289,9 +289,21 @@ def _markdown_row(row: dict[str, Any], servers: list[str], ratio_cols: list[str]
             f"{failed} | {drops} | {fmt(row.get('load_avg_start'), 2)} -> {fmt(row.get('load_avg_end'), 2)} |")
 
 
+def drop_note(row: dict[str, Any]) -> str:
+    """`; listen drops ...: compare the mean` when a server's full accept queue dropped connections
+    during a row's measured phases (its TTFT p50 then leaves those clients out for ~1 s; see the
+    module docstring), else ``."""
+    drops = {s: row.get(f"{s}_listen_overflows") for s in (KVTOOL, *MLXLM_FLAGS)}
+    counted = {s: int(v) for s, v in drops.items() if _finite(v) and v > 0}
+    if not counted:
+        return ""
+    return "; listen drops " + ", ".join(f"{s} {n}" for s, n in counted.items()) + ": compare the mean"
+
+
 def parity_summary(frame: pd.DataFrame) -> list[str]:
-    """One console line per row of the parity table: kvtool / the better mlx-lm server (TTFT p50,
-    requests/s), the target and whether it is met, and the pooled TTFT p50 ratio with its verdict;
+    """One console line per row of the parity table: kvtool / the better mlx-lm server (TTFT p50 and
+    mean, requests/s), the target and whether it is met, and the pooled TTFT p50 ratio with its
+    verdict (and `drop_note`);
     then one line per pooled workload and phase group (`loadpooled.pooled_groups`)."""
     if frame.empty or "target" not in frame:
         return []
@@ -299,7 +311,7 @@ def parity_summary(frame: pd.DataFrame) -> list[str]:
             f"{fmt(r.get('ttft_p50_ms_ratio_best'), 2)} (mean {fmt(r.get('ttft_mean_ms_ratio_best'), 2)}), req/s "
             f"{fmt(r.get('requests_per_s_ratio_best'), 2)}; "
             f"{r['target']} -> {r['met']}; pooled kvtool / mlx-lm servers TTFT p50 "
-            f"{fmt_pooled(r, 'ttft_p50_ms_ratio_geo')} -> {r.get('pooled_met', '-')}"
+            f"{fmt_pooled(r, 'ttft_p50_ms_ratio_geo')} -> {r.get('pooled_met', '-')}{drop_note(r)}"
             for r in frame.to_dict(orient="records")]
     groups = pooled_groups(frame, TOLERANCE)
     return rows + [f"parity pooled {g['workload']} {g['group']} (n {g['ttft_p50_ms_ratio_geo_n']}): kvtool / mlx-lm "
@@ -316,5 +328,5 @@ def write_parity(run_dir: Path, requests: pd.DataFrame, batches: pd.DataFrame,
     return frame, parity_markdown(frame)
 
 
-__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "output_mismatches", "parity_frame",
+__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "drop_note", "output_mismatches", "parity_frame",
            "parity_markdown", "parity_summary", "parity_target", "phase_figures", "target_met", "write_parity"]
