@@ -293,8 +293,11 @@ def drop_note(row: dict[str, Any]) -> str:
     """`; listen drops ...: compare the mean` when a server's full accept queue dropped connections
     during a row's measured phases (its TTFT p50 then leaves those clients out for ~1 s; see the
     module docstring), else ``."""
-    drops = {s: row.get(f"{s}_listen_overflows") for s in (KVTOOL, *MLXLM_FLAGS)}
-    counted = {s: int(v) for s, v in drops.items() if _finite(v) and v > 0}
+    counted = {}
+    for server in (KVTOOL, *MLXLM_FLAGS):
+        v = row.get(f"{server}_listen_overflows")
+        if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+            counted[server] = int(v)
     if not counted:
         return ""
     return "; listen drops " + ", ".join(f"{s} {n}" for s, n in counted.items()) + ": compare the mean"
