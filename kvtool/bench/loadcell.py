@@ -13,8 +13,8 @@ repeat) run back to back, the servers' order rotated by one from repeat to repea
 first as often as the others); the 1-minute load average is recorded at each batch's start and end
 (`load_avg_start`, `load_avg_end`), and the host's listen-queue overflows during the measured
 phases (`listen_overflows`, `kvtool.bench.machine.listen_overflows`: connections a server's full
-accept queue dropped, each ~1 s added to a client's TTFT; None where the OS does not count them). Outputs in the run directory: `requests.jsonl` /
-`requests.csv` (one row per request), `batches.csv` / `batches.json` (per batch figures, server
+accept queue dropped, each ~1 s added to a client's TTFT; None where the OS does not count them).
+Outputs in the run directory: `requests.jsonl` / `requests.csv` (one row per request), `batches.csv` / `batches.json` (per batch figures, server
 facts, kvtool counters), `run.json`, then `kvtool.bench.loadreport.write_load_report`:
 `cells.csv`, `comparison.csv`, `mismatches.csv`, `parity.csv`, charts and `report.md`. A
 progress line goes to stderr at least every `PROGRESS_INTERVAL_S` seconds.
@@ -214,12 +214,11 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
             after, drops_after = server.kvtool_stats(), listen_overflows()
             server.sample_rss()
             measured = phase in workload.measured
-            if measured:
-                overflows = (None if overflows is None or drops_before is None or drops_after is None
-                             else overflows + drops_after - drops_before)
             not_sent += result.not_sent
             cut = cut or result.stopped_by == "wall"
             if measured:
+                overflows = (None if overflows is None or drops_before is None or drops_after is None
+                             else overflows + drops_after - drops_before)
                 measured_wall += result.wall_s
                 _add_tier(tier, before, after)
             ctx.requests += [{**ids, "measured": measured, **r.to_dict()} for r in result.records]
