@@ -14,10 +14,11 @@ first as often as the others); the 1-minute load average is recorded at each bat
 (`load_avg_start`, `load_avg_end`), and the host's listen-queue overflows during the measured
 phases (`listen_overflows`, `kvtool.bench.machine.listen_overflows`: connections a server's full
 accept queue dropped, each ~1 s added to a client's TTFT; None where the OS does not count them).
-Outputs in the run directory: `requests.jsonl` / `requests.csv` (one row per request), `batches.csv` / `batches.json` (per batch figures, server
-facts, kvtool counters), `run.json`, then `kvtool.bench.loadreport.write_load_report`:
-`cells.csv`, `comparison.csv`, `mismatches.csv`, `parity.csv`, charts and `report.md`. A
-progress line goes to stderr at least every `PROGRESS_INTERVAL_S` seconds.
+Outputs in the run directory: `requests.jsonl` / `requests.csv` (one row per request),
+`batches.csv` / `batches.json` (per batch figures, server facts, kvtool counters), `run.json`, then
+`kvtool.bench.loadreport.write_load_report`: `cells.csv`, `comparison.csv`, `mismatches.csv`,
+`parity.csv`, charts and `report.md`. A progress line goes to stderr at least every
+`PROGRESS_INTERVAL_S` seconds.
 """
 
 from __future__ import annotations
