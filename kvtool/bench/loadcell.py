@@ -199,11 +199,7 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
                 lives.append(_stop(server))
                 server = _start(ctx, options, log)
             reqs = workload.phase_requests(phase, clients)
-            trace = workload_kind(workload.name) == "trace"
-            load = LoadSpec(clients=clients, arrival="trace" if trace else spec.arrival,
-                            rate_per_s=spec.rate, max_requests=spec.max_requests, max_wall_s=spec.max_wall_s,
-                            request_timeout_s=spec.request_timeout_s, seed=spec.seed + repeat,
-                            time_scale=float(workload.params.get("time_scale", 1.0)))
+            load = _load_spec(spec, workload, clients, repeat)
             before, drops_before = server.kvtool_stats(), listen_overflows()
 
             def on_progress(done: int, total: int, phase: str = phase) -> None:
@@ -218,8 +214,7 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
             not_sent += result.not_sent
             cut = cut or result.stopped_by == "wall"
             if measured:
-                overflows = (None if overflows is None or drops_before is None or drops_after is None
-                             else overflows + drops_after - drops_before)
+                overflows = _add_drops(overflows, drops_before, drops_after)
                 measured_wall += result.wall_s
                 _add_tier(tier, before, after)
             ctx.requests += [{**ids, "measured": measured, **r.to_dict()} for r in result.records]
@@ -237,6 +232,20 @@ def run_batch(ctx: _Ctx, workload: LoadWorkload, clients: int, server_kind: str,
         ctx.batches.append(row)
     ctx.progress.set(f"{label}: done, TTFT p50 {row['ttft_p50_ms']:.1f} ms, {row['requests_per_s']:.2f} req/s")
     return row
+
+
+def _load_spec(spec: ServeLoadSpec, workload: LoadWorkload, clients: int, repeat: int) -> LoadSpec:
+    """The load generator's settings for one phase of a batch (a trace replays its own arrivals)."""
+    trace = workload_kind(workload.name) == "trace"
+    return LoadSpec(clients=clients, arrival="trace" if trace else spec.arrival, rate_per_s=spec.rate,
+                    max_requests=spec.max_requests, max_wall_s=spec.max_wall_s,
+                    request_timeout_s=spec.request_timeout_s, seed=spec.seed + repeat,
+                    time_scale=float(workload.params.get("time_scale", 1.0)))
+
+
+def _add_drops(total: int | None, before: int | None, after: int | None) -> int | None:
+    """`total` plus the listen-queue overflows between two reads; None once any read was None."""
+    return None if total is None or before is None or after is None else total + after - before
 
 
 def _load_avg() -> float | None:
