@@ -226,11 +226,17 @@ def _answered(r: dict[str, Any], suffix: str) -> bool:
     return isinstance(r[f"text{suffix}"], str) and not isinstance(r[f"error{suffix}"], str)
 
 
+def _cell_batches(batches: pd.DataFrame, workload: str, clients: int) -> pd.DataFrame:
+    """The rows of `batches.csv` of one (workload, clients) cell, every server and repeat."""
+    return batches[(batches["workload"] == workload) & (batches["clients"] == clients)]
+
+
 def _overflows(batches: pd.DataFrame, workload: str, clients: int, server: str) -> int | None:
     """The listen-queue overflows of a server's batches of one cell, summed; None when not counted."""
     if "listen_overflows" not in batches:
         return None
-    sel = batches[(batches["workload"] == workload) & (batches["clients"] == clients) & (batches["server"] == server)]
+    sel = _cell_batches(batches, workload, clients)
+    sel = sel[sel["server"] == server]
     counts = pd.to_numeric(sel["listen_overflows"], errors="coerce")
     return int(counts.sum()) if len(counts) and counts.notna().all() else None
 
@@ -238,7 +244,7 @@ def _overflows(batches: pd.DataFrame, workload: str, clients: int, server: str) 
 def _load_avg(batches: pd.DataFrame, workload: str, clients: int) -> dict[str, Any]:
     if "load_avg_start" not in batches:
         return {"load_avg_start": None, "load_avg_end": None}
-    sel = batches[(batches["workload"] == workload) & (batches["clients"] == clients)]
+    sel = _cell_batches(batches, workload, clients)
     return {"load_avg_start": sel["load_avg_start"].iloc[0] if len(sel) else None,
             "load_avg_end": sel["load_avg_end"].iloc[-1] if len(sel) else None}
 
