@@ -23,7 +23,7 @@ from tests.test_serve_http import SYSTEM, USERS, client, kvtool_cli, start_kvtoo
 
 openai = pytest.importorskip("openai")
 
-BS = 8  # block size of the end-to-end servers
+BS = 32  # block size of the end-to-end servers: turn 1 ends inside a block (172 + 39 tokens held)
 REPLY_TOKENS = 40
 
 
@@ -120,8 +120,9 @@ def test_what_the_probe_cannot_decide_is_a_no(tiny_model, tmp_path):
 
 def test_the_final_insert_stores_the_reply_blocks_the_cache_holds(tiny_model, tmp_path):
     """mlx-lm's final insert: `tokens` = prompt + generated, the cache may lack the last sampled
-    token's KV: only full blocks within the cache's offset are stored; a later prompt re-sending
-    the reply hits them. A reconfiguration does not measure; a known verdict carries over."""
+    token's KV: the full blocks and the tail entry within the cache's offset are stored; a later
+    prompt re-sending the reply hits all of it, one re-rendering its end differently its common
+    prefix. A reconfiguration does not measure; a known verdict carries over."""
     from kvtool.server import KVToolPromptCache
     from tests.test_serve_http import _run
 
@@ -139,10 +140,13 @@ def test_the_final_insert_stores_the_reply_blocks_the_cache_holds(tiny_model, tm
         adapter.insert_cache("M", prompt + generated, _run(tiny_model.model, prompt + generated[:-1]))
         st = adapter.stats()
         assert st["reply_kv_reuse"] == {"enabled": True, "reason": verdict.describe()}
-        assert st["adapter"]["reply_blocks_stored"] == 1  # block 3 (tokens 32..47); block 4 ends past the cache
-        assert st["adapter"]["blocks_stored"] == 4  # the prompt's 2 blocks and tail entry, then the reply block
+        # block 3 (tokens 32..47) and the tail entry of tokens 48..62; token 63 is past the cache
+        assert st["adapter"]["reply_blocks_stored"] == 2
+        assert st["adapter"]["blocks_stored"] == 5  # the prompt's 2 blocks and tail entry, then the reply's 2
         cache, rest = adapter.fetch_nearest_cache("M", prompt + generated + [7])
-        assert len(rest) == 64 + 1 - 48 and cache[0].offset == 48
+        assert len(rest) == 64 + 1 - 63 and cache[0].offset == 63  # as much as mlx-lm's cache holds
+        cache, rest = adapter.fetch_nearest_cache("M", prompt + generated[:20] + [7, 8, 9])  # a reply re-rendered
+        assert len(rest) == 3 and cache[0].offset == 40 + 20  # its common prefix with the stored tail entry
 
         adapter.reconfigure(pc.config.replace(reply_cache=False))
         assert adapter.reply_reuse == reply.ReplyReuse(False, "turned off (reply_cache = false)")
@@ -194,6 +198,7 @@ def test_an_agents_next_turn_reuses_the_reply(tmp_path):
         assert st["adapter"]["reply_blocks_stored"] > 0
         sent = t1[1] + t1[2]  # turn 1's prompt and reply, re-sent by turn 2
         assert sent - BS <= t2[3] <= t2[1], (t1, t2)
+        assert t2[3] >= want2[3], (t2, want2)  # at least as much of the reply as mlx-lm's own cache
 
         off = start_kvtool(tmp_path / "off", "off", "--config", str(cfg), "--no-reply-cache")
         procs.append(off)

@@ -280,7 +280,7 @@ def run(model, code: str = "") -> ReplyVerdict:
 
 # ----------------------------------------------------------------------------- storing a reply
 def reply_span(pc, prompt: np.ndarray, tokens: np.ndarray, cache: list) -> tuple[np.ndarray, CacheHit] | None:
-    """The reply blocks of a finished request to hand to `PrefixCache.store`.
+    """The reply entries of a finished request to hand to `PrefixCache.store`.
 
     Args:
         pc: the `PrefixCache` (attached).
@@ -290,19 +290,20 @@ def reply_span(pc, prompt: np.ndarray, tokens: np.ndarray, cache: list) -> tuple
             mlx-lm's cache may lack the last sampled token's KV).
 
     Returns:
-        `(ids, hit)`: the full blocks of `tokens` whose KV the cache holds beyond the prompt's
-        full blocks (`ids` = `tokens` up to the last such block's end, `hit` its chain hashes,
-        no tail entry, the prompt's full blocks counted as found); None if there is none.
+        `(ids, hit)`: `ids` = `tokens` up to the cache's offset, `hit` its chain hashes and tail
+        entry key, the prompt's full blocks counted as found; so the reply's full blocks and its
+        tail entry (the reply tokens after its last full block, < block size) are stored. The next
+        turn finds the tail entry as an earlier prompt's tail (the reply re-sent token for token)
+        or as a sibling's common prefix (a re-rendered reply that differs near its end), which is
+        as much of the reply as mlx-lm's own cache reuses. None if the cache holds no reply token.
     """
-    bs = pc.config.block_size
-    held = kv_offset(cache)
-    n_full = min(int(held or 0), int(tokens.size)) // bs
-    first = int(prompt.size) // bs
-    if n_full <= first or not np.array_equal(tokens[: prompt.size], prompt):
+    held = min(int(kv_offset(cache) or 0), int(tokens.size))
+    if held <= prompt.size or not np.array_equal(tokens[: prompt.size], prompt):
         return None
-    ids = tokens[: n_full * bs]
-    full, _ = pc.hashes(ids)
-    return ids, CacheHit(cache=[], prompt_tokens=int(ids.size), hashes=full, tail=None, entries_found=first)
+    ids = tokens[:held]
+    full, tail = pc.hashes(ids)
+    return ids, CacheHit(cache=[], prompt_tokens=held, hashes=full, tail=tail,
+                         entries_found=int(prompt.size) // pc.config.block_size)
 
 
 __all__ = ["META_KEY", "ReplyReuse", "ReplyVerdict", "compare", "decide", "device", "ensure", "reply_span", "run",

@@ -32,9 +32,9 @@ Mapping onto `PrefixCache` (prompt KV, and reply KV where measured exact):
 - final insert (`tokens` starts with a waiting prompt) -> `PrefixCache.store(prompt, cache, hit)`:
   the prompt's new full blocks and its tail entry, sliced by token position out of the returned
   cache; then, where reply KV reuse is on (`kvtool.cache.reply`: decode KV measured bit-identical
-  to prefill KV for this model and device; `reply_cache`), the full blocks of `tokens` beyond the
-  prompt's whose KV the cache holds (its offset: the last sampled token's KV may be missing), so
-  an agent's next turn, re-sending the reply, finds it; then `PrefixCache.release(hit)` (unpin
+  to prefill KV for this model and device; `reply_cache`), the full blocks and the tail entry of
+  `tokens` beyond the prompt's, up to where the cache holds KV (its offset: the last sampled
+  token's KV may be missing), so an agent's next turn, re-sending the reply, finds all of it; then `PrefixCache.release(hit)` (unpin
   RAM blocks, promote SSD blocks into RAM as views of that cache).
 - `nbytes` / `len` / `trim_to` -> the RAM tier (the memory kvtool holds; the SSD tier is not
   memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
@@ -183,7 +183,7 @@ class KVToolPromptCache:
     def insert_cache(self, model: Any, tokens: Sequence[int], prompt_cache: list, *,
                      cache_type: str = "assistant") -> None:
         """Store the prompt part of a returned cache, and at a final insert the reply's full blocks
-        where reply reuse is on (see the module docstring); never raises."""
+        and tail entry where reply reuse is on (see the module docstring); never raises."""
         with self._lock:
             self._counts["inserts"] += 1
             try:
@@ -459,7 +459,7 @@ class KVToolPromptCache:
                 self._store(w.record, w.prompt, cache,
                             dataclasses.replace(w.hit, entries_found=max(w.hit.entries_found, w.stored)))
                 span = reply.reply_span(self.prefix_cache, w.prompt, ids, cache) if self.reply_reuse.enabled else None
-                if span is not None:  # the generated tokens' blocks (kvtool.cache.reply)
+                if span is not None:  # the generated tokens' blocks and tail entry (kvtool.cache.reply)
                     before = w.record.blocks_stored
                     self._store(w.record, span[0], cache, span[1])
                     self._counts["reply_blocks_stored"] += w.record.blocks_stored - before
