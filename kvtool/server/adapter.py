@@ -34,8 +34,9 @@ Mapping onto `PrefixCache` (prompt KV, and reply KV where measured exact):
   cache; then, where reply KV reuse is on (`kvtool.cache.reply`: decode KV measured bit-identical
   to prefill KV for this model and device; `reply_cache`), the full blocks and the tail entry of
   `tokens` beyond the prompt's, up to where the cache holds KV (its offset: the last sampled
-  token's KV may be missing), so an agent's next turn, re-sending the reply, finds all of it; then `PrefixCache.release(hit)` (unpin
-  RAM blocks, promote SSD blocks into RAM as views of that cache).
+  token's KV may be missing), so an agent's next turn, re-sending the reply, finds all of it;
+  then `PrefixCache.release(hit)` (unpin RAM blocks, promote SSD blocks into RAM as views of that
+  cache).
 - `nbytes` / `len` / `trim_to` -> the RAM tier (the memory kvtool holds; the SSD tier is not
   memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
   blocks (under `evict_only` they are written to SSD first, as on any eviction).
