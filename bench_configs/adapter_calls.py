@@ -5,13 +5,16 @@ request (`tiny`; a 2,000-token shared system prompt, then a distinct 60-token us
 3-token generation prompt): `fetch_nearest_cache`, the prefill of the rest, the insert at the end
 of the user segment (a lazy copy of the whole cache, as `BatchKVCache.extract` hands it over), 8
 greedy decode steps and the final insert. Prints the median wall time (ms) of each call over
-`--n` requests and, with `--profile FILE`, a cProfile of kvtool's calls.
+`--n` requests and, with `--profile FILE`, a cProfile of kvtool's calls. `--which` takes `mlx-lm`,
+`kvtool` (write-through SSD tier), `kvtool-evict` (`ssd_policy = evict_only`) and `kvtool-nossd`
+(RAM only).
 
 Examples:
 
     .venv/bin/python bench_configs/adapter_calls.py
     .venv/bin/python bench_configs/adapter_calls.py --which kvtool --profile /tmp/adapter.prof
     .venv/bin/python bench_configs/adapter_calls.py --tree /tmp/old-worktree    # another kvtool tree
+    .venv/bin/python bench_configs/adapter_calls.py --which kvtool,kvtool-evict,kvtool-nossd,mlx-lm
 
 Run alternated with `--tree` to compare commits (the machine is noisy: several runs each).
 """
@@ -28,6 +31,8 @@ import time
 from pathlib import Path
 
 SYSTEM, USER, GEN_PROMPT = 2000, 60, [5, 6, 7]
+VARIANTS: dict[str, dict] = {"kvtool": {}, "kvtool-evict": {"ssd_policy": "evict_only"},
+                             "kvtool-nossd": {"ssd_enabled": False}}  # KVToolConfig fields per kvtool variant
 
 
 def main() -> int:
@@ -89,7 +94,7 @@ def main() -> int:
         if which == "mlx-lm":
             pc = LRUPromptCache(max_size=10)
         else:
-            cfg = KVToolConfig(ssd_cache_dir=work, block_size=64, ram_bytes=256 << 20)
+            cfg = KVToolConfig(ssd_cache_dir=work, block_size=64, ram_bytes=256 << 20, **VARIANTS[which])
             pc = KVToolPromptCache(PrefixCache.for_model(tiny.model, cfg, model_id="m" * 32), model_key="m")
         times: dict[str, list[float]] = {"fetch": [], "segment insert": [], "final insert": []}
         request(pc, prompt(-1), {k: [] for k in times})  # the system prompt is cached: warm
@@ -101,11 +106,11 @@ def main() -> int:
             if prof:
                 prof.disable()
         medians = {k: statistics.median(v) for k, v in times.items()}
-        print(f"{which:8s} " + " | ".join(f"{k} {v:.3f} ms" for k, v in medians.items())
+        print(f"{which:12s} " + " | ".join(f"{k} {v:.3f} ms" for k, v in medians.items())
               + f" | sum {sum(medians.values()):.3f} ms", flush=True)
         if prof:
             prof.dump_stats(a.profile)
-        if which == "kvtool":
+        if which != "mlx-lm":
             pc.close()
         shutil.rmtree(work, ignore_errors=True)
     return 0
