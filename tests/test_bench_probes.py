@@ -4,6 +4,7 @@ documents its variants."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,12 @@ def test_serve_paired_help_names_the_variants():
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert "--servers" in proc.stdout and "--clients" in proc.stdout and "--passes" in proc.stdout
+
+
+def test_ram_hit_build_times_the_three_ways_on_equal_kv():
+    proc = subprocess.run([sys.executable, str(REPO / "bench_configs" / "ram_hit_build.py"), "--tokens", "200,300",
+                           "--rounds", "2", "--json"], capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)["results"]
+    assert sorted(res) == ["200", "300"]
+    assert all(set(r) == {"run views", "per block", "mlx-lm"} and r["run views"]["vs_mlx_lm"] > 0 for r in res.values())

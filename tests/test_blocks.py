@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from kvtool.disk.segment import KVLayout
 from kvtool.kv import buffers as kvbuffers
 from kvtool.kv.blocks import (
+    _run_groups,
     cache_capacity,
     chain_hashes,
     from_host,
@@ -17,6 +18,7 @@ from kvtool.kv.blocks import (
     promote_slices,
     rebuild_cache,
     root_parent,
+    patch_last_token,
     slice_blocks,
     tail_hash,
     to_host,
@@ -289,3 +291,37 @@ def test_rebuild_cache_with_capacity_keeps_room():
     (r,) = rebuild_cache(blocks, 1, capacity=256)
     assert r.offset == 8 and r.keys.shape[2] == 256
     assert mx.array_equal(r.keys_and_values()[0], cache[0].keys[..., :8, :]).item()
+
+
+def test_blocks_of_one_run_rebuild_from_one_view_and_bit_exact():
+    """Consecutive blocks viewing adjacent tokens of one copy (one `slice_blocks` run, or
+    `promote_slices` of one cache) rebuild from one view per layer; a gap between runs, a block of
+    its own arrays and a block whose last token was patched each start a new piece. The rebuilt
+    cache equals the source cache in every case."""
+    T, bs = 24, 4
+    cache = _filled_cache(2, T, mx.float32)
+    ids = np.arange(T, dtype=np.int32)
+    sp = spans(chain_hashes(ids, bs, LAYOUT), bs)
+    first = slice_blocks(cache, ids, sp[:3])  # tokens 0-11: one run
+    second = slice_blocks(cache, ids, sp[3:5])  # tokens 12-19: another run
+    own = from_host(to_host(slice_blocks(cache, ids, sp[5:])[0]))  # tokens 20-23: arrays of its own
+    promoted = promote_slices(cache, [(h, p, ids[lo:hi], lo) for h, p, lo, hi in sp[:4]])
+    cases = {
+        "one run": (first, [12]),
+        "two runs and a block of its own": (first + second + [own], [12, 8, 4]),
+        "promoted from one cache": (promoted, [16]),
+    }
+    for name, (blocks, want) in cases.items():
+        assert [n for _, n in _run_groups(blocks)] == want, name
+        n = sum(want)
+        for c, r in zip(cache, rebuild_cache(blocks, 2, capacity=256)):
+            assert r.offset == n and r.keys.shape[2] == 256, name
+            assert mx.array_equal(r.keys[..., :n, :], c.keys[..., :n, :]).item(), name
+            assert mx.array_equal(r.values[..., :n, :], c.values[..., :n, :]).item(), name
+    # a patched block holds new arrays: it leaves the run, and its new KV is what is rebuilt
+    last_k = mx.full((1, 2, 1, 8), 7.0)
+    patch_last_token(first, sp[:3], 8, [(0, last_k, last_k), (1, last_k, last_k)])
+    assert [n for _, n in _run_groups(first)] == [4, 4, 4]
+    r = rebuild_cache(first, 2)[0]
+    assert mx.array_equal(r.keys[..., 7:8, :], last_k).item()
+    assert mx.array_equal(r.keys[..., 8:12, :], cache[0].keys[..., 8:12, :]).item()

@@ -1,0 +1,117 @@
+"""A RAM hit's cache build and first write: kvtool's `rebuild_cache` against mlx-lm's prompt cache.
+
+On a RAM hit kvtool builds the request's per-layer `KVCache` from the hit's blocks (one
+concatenation per layer, with decode room); mlx-lm's `LRUPromptCache` hands out a `deepcopy` of
+its stored cache, whose buffer is copied when the first new token is written into it. Both are
+timed here up to and including that first write (`update_and_fetch` of one token, evaluated), on
+synthetic KV of a given shape, alternated in one process:
+
+- `run views`: blocks cut by `slice_blocks` (one copy per layer, each block a view of it): the
+  build takes one view of the run per layer;
+- `per block`: the same blocks with their run forgotten (`Block.run = None`): one piece per block
+  and layer, as every RAM hit was built before the run views;
+- `mlx-lm`: `copy.deepcopy` of the filled cache, then the same first write.
+
+Prints the median (min-max) wall time in ms per shape and the ratios to `mlx-lm`.
+
+Examples:
+
+    .venv/bin/python bench_configs/ram_hit_build.py                                  # tiny, 2k tokens
+    .venv/bin/python bench_configs/ram_hit_build.py --layers 24 --head-dim 64 --dtype bfloat16 --tokens 2048,8192
+    .venv/bin/python bench_configs/ram_hit_build.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from kvtool.kv.blocks import cache_capacity, rebuild_cache, slice_blocks  # noqa: E402
+
+BLOCK_SIZE = 64
+QUESTION = 30  # tokens of the request beyond the hit: sets the capacity, as a real request does
+
+
+def _filled(layers: int, heads: int, head_dim: int, tokens: int, dtype: mx.Dtype) -> list[KVCache]:
+    cache = [KVCache() for _ in range(layers)]
+    for i, c in enumerate(cache):
+        k = mx.random.normal((1, heads, tokens, head_dim), key=mx.random.key(i)).astype(dtype)
+        c.update_and_fetch(k, -k)
+    mx.eval([c.keys for c in cache], [c.values for c in cache])
+    return cache
+
+
+def _first_write(cache: list[KVCache], one: mx.array) -> None:
+    mx.eval([c.update_and_fetch(one, one) for c in cache])
+
+
+def measure(layers: int, heads: int, head_dim: int, tokens: int, dtype: mx.Dtype, rounds: int) -> dict:
+    """Median / min / max ms of each way over `rounds` alternated rounds, after checking that
+    all three hold the same KV."""
+    src = _filled(layers, heads, head_dim, tokens, dtype)
+    n = tokens // BLOCK_SIZE * BLOCK_SIZE
+    ids = np.arange(tokens, dtype=np.int32)
+    spans = [(f"{i + 1:032x}", f"{i:032x}", i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE) for i in range(n // BLOCK_SIZE)]
+    runs = slice_blocks(src, ids, spans)
+    solo = [dataclasses.replace(b, run=None) for b in runs]
+    cap = cache_capacity(n + QUESTION)
+    one = mx.zeros((1, heads, 1, head_dim), dtype=dtype)
+    ways = {
+        "run views": lambda: _first_write(rebuild_cache(runs, layers, cap), one),
+        "per block": lambda: _first_write(rebuild_cache(solo, layers, cap), one),
+        "mlx-lm": lambda: _first_write(copy.deepcopy(src), one),
+    }
+    a, b = rebuild_cache(runs, layers, cap), rebuild_cache(solo, layers, cap)
+    for x, y, z in zip(a, b, src):
+        if not (mx.array_equal(x.keys[..., :n, :], z.keys[..., :n, :]).item()
+                and mx.array_equal(y.values[..., :n, :], z.values[..., :n, :]).item()):
+            raise SystemExit("rebuilt KV differs from the source cache")
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    out = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
+    for k in ("run views", "per block"):
+        out[k]["vs_mlx_lm"] = out[k]["median_ms"] / out["mlx-lm"]["median_ms"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=2, help="KV layers (tiny: 2)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=32, help="tiny: 32")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--tokens", default="2048", help="comma-separated hit lengths (tokens)")
+    ap.add_argument("--rounds", type=int, default=40, help="alternated rounds per shape")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args()
+    dtype = getattr(mx, args.dtype)
+    res = {}
+    for t in (int(x) for x in args.tokens.split(",")):
+        res[t] = measure(args.layers, args.kv_heads, args.head_dim, t, dtype, args.rounds)
+        if not args.json:
+            cells = ", ".join(f"{k} {v['median_ms']:.2f} ({v['min_ms']:.2f}-{v['max_ms']:.2f})" for k, v in res[t].items())
+            ratios = ", ".join(f"{k} / mlx-lm {res[t][k]['vs_mlx_lm']:.2f}x" for k in ("run views", "per block"))
+            print(f"{args.layers} layers, {t} tokens, {args.dtype}: {cells} ms; {ratios}")
+    if args.json:
+        print(json.dumps({"shape": vars(args), "results": res}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
