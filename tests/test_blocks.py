@@ -1,5 +1,7 @@
 """Chain hashing, layout keys, slicing a cache into blocks and rebuilding it."""
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,10 +17,10 @@ from kvtool.kv.blocks import (
     chain_hashes,
     from_host,
     layout_key,
+    patch_last_token,
     promote_slices,
     rebuild_cache,
     root_parent,
-    patch_last_token,
     slice_blocks,
     tail_hash,
     to_host,
@@ -325,3 +327,22 @@ def test_blocks_of_one_run_rebuild_from_one_view_and_bit_exact():
     r = rebuild_cache(first, 2)[0]
     assert mx.array_equal(r.keys[..., 7:8, :], last_k).item()
     assert mx.array_equal(r.keys[..., 8:12, :], cache[0].keys[..., 8:12, :]).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_host_copy_of_a_run_block_equals_the_block_s_own(dtype):
+    """`to_host` slices a run's host views once converted; the bytes equal those of the block's
+    own arrays (as the writer saw them before), for cut and promoted blocks."""
+    T, bs = 20, 4
+    cache = _filled_cache(2, T, dtype)
+    ids = np.arange(T, dtype=np.int32)
+    sp = spans(chain_hashes(ids, bs, LAYOUT), bs)
+    cut = slice_blocks(cache, ids, sp)
+    promoted = promote_slices(cache, [(h, p, ids[lo:hi], lo) for h, p, lo, hi in sp])
+    for b in cut + promoted:
+        assert b.run is not None
+        via_run, own = to_host(b), to_host(dataclasses.replace(b, run=None))
+        assert via_run.dtype == own.dtype and via_run.token_ids.tolist() == own.token_ids.tolist()
+        for x, y in zip(via_run.keys + via_run.values, own.keys + own.values):
+            assert x.shape == y.shape == (1, 2, bs, 8) and x.dtype == y.dtype
+            assert np.array_equal(x, y)

@@ -58,6 +58,14 @@ class BlockRun:
 
     keys: list[mx.array]
     values: list[mx.array]
+    _host: tuple[list[np.ndarray], list[np.ndarray]] | None = field(default=None, repr=False)
+
+    def host(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Numpy views of `keys` and `values` (`to_numpy`: zero copy on the CPU backend), made
+        once per run: a block's host arrays are slices of them (`to_host`)."""
+        if self._host is None:
+            self._host = ([to_numpy(k) for k in self.keys], [to_numpy(v) for v in self.values])
+        return self._host
 
 
 @dataclass
@@ -126,15 +134,20 @@ def to_mlx(a: np.ndarray, dtype: str = "") -> mx.array:
 def to_host(block: Block) -> HostBlock:
     """A RAM block as host arrays for the SSD writer: numpy views of the block's own (immutable)
     MLX arrays, no copy on the CPU backend (the block is already a copy of the cache: see
-    `slice_blocks`). Call on the MLX (request) thread."""
-    return HostBlock(
-        block_hash=block.block_hash,
-        parent_hash=block.parent_hash,
-        token_ids=np.array(block.token_ids, dtype=np.int32, copy=True),
-        keys=[to_numpy(k) for k in block.keys],
-        values=[to_numpy(v) for v in block.values],
-        dtype=block.dtype,
-    )
+    `slice_blocks`); a block of a run slices its run's host views (`BlockRun.host`: one
+    conversion per run and layer instead of one per block and layer, ~10-20 us each for bf16).
+    Call on the MLX (request) thread."""
+    if block.run is not None:
+        run, lo = block.run
+        hk, hv = run.host()
+        hi = lo + block.num_tokens
+        keys = [k[..., lo:hi, :] for k in hk]
+        values = [v[..., lo:hi, :] for v in hv] + [to_numpy(v) for v in block.values[len(hv):]]  # + state arrays
+    else:
+        keys, values = [to_numpy(k) for k in block.keys], [to_numpy(v) for v in block.values]
+    return HostBlock(block_hash=block.block_hash, parent_hash=block.parent_hash,
+                     token_ids=np.array(block.token_ids, dtype=np.int32, copy=True), keys=keys, values=values,
+                     dtype=block.dtype)  # fmt: skip
 
 
 def from_host(host: HostBlock) -> Block:
