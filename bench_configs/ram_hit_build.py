@@ -8,7 +8,7 @@ synthetic KV of a given shape, alternated in one process:
 
 - `run views`: blocks cut by `slice_blocks` (one copy per layer, each block a view of it): the
   build takes one view of the run per layer;
-- `per block`: the same blocks with their run forgotten (`Block.run = None`): one piece per block
+- `per block`: the same blocks' views as blocks of their own (no `Block.run`): one piece per block
   and layer, as every RAM hit was built before the run views;
 - `mlx-lm`: `copy.deepcopy` of the filled cache, then the same first write.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import statistics
 import sys
@@ -38,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kvtool.kv.blocks import cache_capacity, rebuild_cache, slice_blocks  # noqa: E402
+from kvtool.kv.blocks import Block, cache_capacity, rebuild_cache, slice_blocks  # noqa: E402
 
 BLOCK_SIZE = 64
 QUESTION = 30  # tokens of the request beyond the hit: sets the capacity, as a real request does
@@ -65,7 +64,7 @@ def measure(layers: int, heads: int, head_dim: int, tokens: int, dtype: mx.Dtype
     ids = np.arange(tokens, dtype=np.int32)
     spans = [(f"{i + 1:032x}", f"{i:032x}", i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE) for i in range(n // BLOCK_SIZE)]
     runs = slice_blocks(src, ids, spans)
-    solo = [dataclasses.replace(b, run=None) for b in runs]
+    solo = [Block(b.block_hash, b.parent_hash, b.token_ids, b.keys, b.values) for b in runs]  # no run
     cap = cache_capacity(n + QUESTION)
     one = mx.zeros((1, heads, 1, head_dim), dtype=dtype)
     ways = {

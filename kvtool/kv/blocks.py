@@ -68,29 +68,72 @@ class BlockRun:
         return self._host
 
 
-@dataclass
 class Block:
     """A block in MLX arrays, as held by the RAM tier.
 
     Attributes:
         block_hash, parent_hash: as in `HostBlock`.
         token_ids: int32 numpy `[block_size]`.
-        keys, values: per layer mx arrays `[1, n_kv_heads, block_size, head_dim]`, evaluated.
-        run: `(run, lo)` where `keys` / `values` are views of `run`'s arrays at tokens
-            `[lo, lo + block_size)`; None where they are arrays of their own.
+        keys, values: per layer mx arrays `[1, n_kv_heads, block_size, head_dim]`, evaluated;
+            a block of a run gets them as views of the run's arrays when first asked (a store
+            of 128 blocks x 24 layers makes no 6,144 views it does not use: ~4 us each).
+        nbytes: bytes of its KV and token ids.
+        run: `(run, lo)` where `keys` / `values` are (or will be) views of `run`'s arrays at
+            tokens `[lo, lo + block_size)`; None where they are arrays of their own.
+
+    Raises:
+        ValueError: neither arrays nor a run given.
     """
 
-    block_hash: str
-    parent_hash: str
-    token_ids: np.ndarray
-    keys: list[mx.array]
-    values: list[mx.array]
-    nbytes: int = field(default=0)
-    run: tuple[BlockRun, int] | None = field(default=None, repr=False, compare=False)
+    __slots__ = ("block_hash", "parent_hash", "token_ids", "_keys", "_values", "nbytes", "run")
 
-    def __post_init__(self) -> None:
-        if not self.nbytes:
-            self.nbytes = int(sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values)) + self.token_ids.nbytes)
+    def __init__(self, block_hash: str, parent_hash: str, token_ids: np.ndarray, keys: list[mx.array] | None = None,
+                 values: list[mx.array] | None = None, nbytes: int = 0,
+                 run: tuple[BlockRun, int] | None = None):  # fmt: skip
+        if (keys is None or values is None) and run is None:
+            raise ValueError("a block needs its arrays or a run")
+        self.block_hash, self.parent_hash, self.token_ids = block_hash, parent_hash, token_ids
+        self._keys, self._values, self.run = keys, values, run
+        if not nbytes:
+            if keys is not None and values is not None:
+                nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
+            else:
+                assert run is not None
+                nbytes = sum(a.nbytes // a.shape[2] for a in (*run[0].keys, *run[0].values)) * self.num_tokens
+            nbytes = int(nbytes + token_ids.nbytes)
+        self.nbytes = nbytes
+
+    def _views(self, arrays: list[mx.array]) -> list[mx.array]:
+        assert self.run is not None
+        lo = self.run[1]
+        return [a[..., lo : lo + self.num_tokens, :] for a in arrays]
+
+    @property
+    def keys(self) -> list[mx.array]:
+        if self._keys is None:
+            assert self.run is not None
+            self._keys = self._views(self.run[0].keys)
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: list[mx.array]) -> None:
+        self._keys = value
+
+    @property
+    def values(self) -> list[mx.array]:
+        if self._values is None:
+            assert self.run is not None
+            self._values = self._views(self.run[0].values)
+        return self._values
+
+    @values.setter
+    def values(self, value: list[mx.array]) -> None:
+        self._values = value
+
+    def detach(self) -> None:
+        """Make `keys` / `values` this block's own lists (views made now) and forget the run:
+        for a caller that replaces some of them."""
+        self._keys, self._values, self.run = self.keys, self.values, None
 
     @property
     def num_tokens(self) -> int:
@@ -99,7 +142,9 @@ class Block:
     @property
     def dtype(self) -> str:
         """KV dtype name (of the scales and biases in a quantized block)."""
-        return dtype_name(next(a.dtype for a in (*self.keys, *self.values) if a.dtype != mx.uint32))
+        arrays = (*self.run[0].keys, *self.run[0].values) if self._keys is None and self.run is not None \
+            else (*self.keys, *self.values)
+        return dtype_name(next(a.dtype for a in arrays if a.dtype != mx.uint32))
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -239,10 +284,10 @@ def patch_last_token(blocks: Sequence[Block], spans: Sequence[tuple[Any, ...]], 
     for b, span in zip(blocks, spans):
         if span[3] != n:
             continue
+        b.detach()  # no longer views of the run
         for j, k, v in last_kv:
             b.keys[j] = mx.concatenate([b.keys[j][..., :-1, :], k.astype(b.keys[j].dtype)], axis=2)
             b.values[j] = mx.concatenate([b.values[j][..., :-1, :], v.astype(b.values[j].dtype)], axis=2)
-        b.run = None  # no longer views of the run
         mx.eval(b.keys, b.values)
 
 
@@ -264,13 +309,7 @@ def _slice_run(cache: list[KVCache], ids: np.ndarray, spans: Sequence[tuple[str,
     runs_v = [mx.contiguous(c.values[..., lo0:hi0, :]) for c in cache]
     mx.eval(runs_k, runs_v)
     run = BlockRun(runs_k, runs_v)
-    blocks = []
-    for h, parent, lo, hi in spans:
-        a, b = lo - lo0, hi - lo0
-        blocks.append(Block(h, parent, ids[lo:hi].copy(), [k[..., a:b, :] for k in runs_k],
-                            [v[..., a:b, :] for v in runs_v], run=(run, a)))
-    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
-    return blocks
+    return [Block(h, parent, ids[lo:hi].copy(), run=(run, lo - lo0)) for h, parent, lo, hi in spans]
 
 
 def cache_capacity(prompt_tokens: int) -> int:
@@ -444,6 +483,9 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
     cache = leaves(cache)
     plain = (kv is None or not kv.quantized) and all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache)
     run = BlockRun([c.keys for c in cache if type(c) is KVCache], [c.values for c in cache if type(c) is KVCache]) if plain else None
+    if run is not None and all(type(c) is KVCache for c in cache):  # views made when asked for (`Block.keys`)
+        mx.eval(run.keys, run.values)
+        return [Block(h, parent, np.asarray(ids, dtype=np.int32), run=(run, off)) for h, parent, ids, off, *_ in spans]
     for h, parent, ids, off, *state in spans:
         n = len(ids)
         keys: list[mx.array] = []
