@@ -12,13 +12,18 @@ synthetic KV of a given shape, alternated in one process:
   and layer, as every RAM hit was built before the run views;
 - `mlx-lm`: `copy.deepcopy` of the filled cache, then the same first write.
 
-Prints the median (min-max) wall time in ms per shape and the ratios to `mlx-lm`.
+Prints the median (min-max) wall time in ms per shape and the ratios to `mlx-lm`; then, as
+`store`, what the generation thread spends after a request on the same blocks: `slice_blocks`
+(the new blocks of a prompt), `promote_slices` (a hit's blocks entering RAM) and `to_host` of
+every block (the SSD writer's host arrays). `--tree` runs another kvtool tree (an older commit's
+worktree) for a before/after in one run.
 
 Examples:
 
     .venv/bin/python bench_configs/ram_hit_build.py                                  # tiny, 2k tokens
     .venv/bin/python bench_configs/ram_hit_build.py --layers 24 --head-dim 64 --dtype bfloat16 --tokens 2048,8192
     .venv/bin/python bench_configs/ram_hit_build.py --json
+    .venv/bin/python bench_configs/ram_hit_build.py --tree /tmp/old-worktree --layers 24 --head-dim 64 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_TREE = sys.argv[sys.argv.index("--tree") + 1] if "--tree" in sys.argv[:-1] else str(Path(__file__).resolve().parent.parent)
+sys.path.insert(0, _TREE)
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kvtool.kv.blocks import Block, cache_capacity, rebuild_cache, slice_blocks  # noqa: E402
+from kvtool.kv.blocks import Block, cache_capacity, promote_slices, rebuild_cache, slice_blocks, to_host  # noqa: E402
 
 BLOCK_SIZE = 64
 QUESTION = 30  # tokens of the request beyond the hit: sets the capacity, as a real request does
@@ -86,7 +92,25 @@ def measure(layers: int, heads: int, head_dim: int, tokens: int, dtype: mx.Dtype
     out = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
     for k in ("run views", "per block"):
         out[k]["vs_mlx_lm"] = out[k]["median_ms"] / out["mlx-lm"]["median_ms"]
+    out["store"] = _store_times(src, ids, spans, rounds)
     return out
+
+
+def _store_times(src: list[KVCache], ids: np.ndarray, spans: list, rounds: int) -> dict[str, float]:
+    """Median ms of the per-request work after a request on the same blocks."""
+    views = [(h, p, ids[lo:hi], lo) for h, p, lo, hi in spans]
+    blocks = slice_blocks(src, ids, spans)
+    ways = {"slice_blocks": lambda: slice_blocks(src, ids, spans),
+            "promote_slices": lambda: promote_slices(src, views),
+            "to_host": lambda: [to_host(b) for b in slice_blocks(src, ids, spans)]}  # fresh blocks: no cached host views
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    del blocks
+    return {f"{k}_ms": statistics.median(v) for k, v in times.items()}
 
 
 def main() -> int:
@@ -98,15 +122,18 @@ def main() -> int:
     ap.add_argument("--tokens", default="2048", help="comma-separated hit lengths (tokens)")
     ap.add_argument("--rounds", type=int, default=40, help="alternated rounds per shape")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--tree", help="the kvtool tree to import (default: this one)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     res = {}
     for t in (int(x) for x in args.tokens.split(",")):
         res[t] = measure(args.layers, args.kv_heads, args.head_dim, t, dtype, args.rounds)
         if not args.json:
-            cells = ", ".join(f"{k} {v['median_ms']:.2f} ({v['min_ms']:.2f}-{v['max_ms']:.2f})" for k, v in res[t].items())
+            cells = ", ".join(f"{k} {v['median_ms']:.2f} ({v['min_ms']:.2f}-{v['max_ms']:.2f})" for k, v in res[t].items()
+                              if k != "store")  # fmt: skip
             ratios = ", ".join(f"{k} / mlx-lm {res[t][k]['vs_mlx_lm']:.2f}x" for k in ("run views", "per block"))
             print(f"{args.layers} layers, {t} tokens, {args.dtype}: {cells} ms; {ratios}")
+            print("  store: " + ", ".join(f"{k.removesuffix('_ms')} {v:.2f} ms" for k, v in res[t]["store"].items()))
     if args.json:
         print(json.dumps({"shape": vars(args), "results": res}, indent=2))
     return 0
