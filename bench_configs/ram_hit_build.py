@@ -15,7 +15,8 @@ synthetic KV of a given shape, alternated in one process:
 Prints the median (min-max) wall time in ms per shape and the ratios to `mlx-lm`; then, as
 `store`, what the generation thread spends after a request on the same blocks: `slice_blocks`
 (the new blocks of a prompt), `promote_slices` (a hit's blocks entering RAM) and `to_host` of
-every block (the SSD writer's host arrays). `--tree` runs another kvtool tree (an older commit's
+every block (the SSD writer's host arrays); and `place`: the same blocks copied into restore
+buffers, as the RAM part of a hit that also reads SSD blocks (buffers allocated untimed). `--tree` runs another kvtool tree (an older commit's
 worktree) for a before/after in one run.
 
 Examples:
@@ -43,7 +44,10 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
+from kvtool.kv import blocks as kvblocks  # noqa: E402
 from kvtool.kv.blocks import Block, cache_capacity, promote_slices, rebuild_cache, slice_blocks, to_host  # noqa: E402
+from kvtool.kv.buffers import KVBuffers  # noqa: E402
+from kvtool.kv.tree import kv_layout_of  # noqa: E402
 
 BLOCK_SIZE = 64
 QUESTION = 30  # tokens of the request beyond the hit: sets the capacity, as a real request does
@@ -109,8 +113,22 @@ def _store_times(src: list[KVCache], ids: np.ndarray, spans: list, rounds: int) 
             t0 = time.perf_counter()
             fn()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    del blocks
+        times.setdefault("place", []).append(_place_ms(src, blocks))
     return {f"{k}_ms": statistics.median(v) for k, v in times.items()}
+
+
+def _place_ms(src: list[KVCache], blocks: list) -> float:
+    """ms to copy `blocks` into fresh restore buffers (a tree without `run_groups`: per block)."""
+    buf = KVBuffers.allocate(kv_layout_of(src), cache_capacity(sum(b.num_tokens for b in blocks) + QUESTION))
+    buf.ready()
+    groups = getattr(kvblocks, "run_groups", lambda bl: [(i, 1, b.num_tokens) for i, b in enumerate(bl)])(blocks)
+    t0 = time.perf_counter()
+    for i, _, n in groups:
+        if n == blocks[i].num_tokens:
+            buf.place(i * BLOCK_SIZE, blocks[i])
+        else:
+            buf.place(i * BLOCK_SIZE, blocks[i], n)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def main() -> int:

@@ -38,4 +38,4 @@ def test_ram_hit_build_times_the_three_ways_on_equal_kv():
     res = json.loads(proc.stdout)["results"]
     assert sorted(res) == ["200", "300"]
     assert all(set(r) == {"run views", "per block", "mlx-lm", "store"} and r["run views"]["vs_mlx_lm"] > 0 for r in res.values())
-    assert all(set(r["store"]) == {"slice_blocks_ms", "promote_slices_ms", "to_host_ms"} for r in res.values())
+    assert all(set(r["store"]) == {"slice_blocks_ms", "promote_slices_ms", "to_host_ms", "place_ms"} for r in res.values())

@@ -11,7 +11,6 @@ from kvtool.disk.segment import KVLayout
 from kvtool.kv import buffers as kvbuffers
 from kvtool.kv.blocks import (
     Block,
-    _run_groups,
     cache_capacity,
     chain_hashes,
     from_host,
@@ -20,6 +19,7 @@ from kvtool.kv.blocks import (
     promote_slices,
     rebuild_cache,
     root_parent,
+    run_groups,
     slice_blocks,
     tail_hash,
     to_host,
@@ -313,7 +313,7 @@ def test_blocks_of_one_run_rebuild_from_one_view_and_bit_exact():
         "promoted from one cache": (promoted, [16]),
     }
     for name, (blocks, want) in cases.items():
-        assert [n for _, n in _run_groups(blocks)] == want, name
+        assert [n for _, _, n in run_groups(blocks)] == want, name
         n = sum(want)
         for c, r in zip(cache, rebuild_cache(blocks, 2, capacity=256)):
             assert r.offset == n and r.keys.shape[2] == 256, name
@@ -322,7 +322,7 @@ def test_blocks_of_one_run_rebuild_from_one_view_and_bit_exact():
     # a patched block holds new arrays: it leaves the run, and its new KV is what is rebuilt
     last_k = mx.full((1, 2, 1, 8), 7.0)
     patch_last_token(first, sp[:3], 8, [(0, last_k, last_k), (1, last_k, last_k)])
-    assert [n for _, n in _run_groups(first)] == [4, 4, 4]
+    assert [n for _, _, n in run_groups(first)] == [4, 4, 4]
     r = rebuild_cache(first, 2)[0]
     assert mx.array_equal(r.keys[..., 7:8, :], last_k).item()
     assert mx.array_equal(r.keys[..., 8:12, :], cache[0].keys[..., 8:12, :]).item()
@@ -345,3 +345,26 @@ def test_host_copy_of_a_run_block_equals_the_block_s_own(dtype):
         for x, y in zip(via_run.keys + via_run.values, own.keys + own.values):
             assert x.shape == y.shape == (1, 2, bs, 8) and x.dtype == y.dtype
             assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_blocks_of_runs_placed_into_restore_buffers_one_copy_per_group(dtype):
+    """A RAM hit placed into restore buffers (beside SSD blocks) copies each run group whole
+    (`KVBuffers.place(offset, first, n)`); the buffers then hold exactly the source cache's KV.
+    A group's `n` on a block without a run is refused."""
+    T, bs = 24, 4
+    cache = _filled_cache(2, T, dtype)
+    ids = np.arange(T, dtype=np.int32)
+    sp = spans(chain_hashes(ids, bs, LAYOUT), bs)
+    blocks = slice_blocks(cache, ids, sp[:3]) + promote_slices(cache, [(h, p, ids[lo:hi], lo) for h, p, lo, hi in sp[3:]])
+    assert [(i, k, n) for i, k, n in run_groups(blocks)] == [(0, 3, 12), (3, 3, 12)]
+    buf = KVBuffers.allocate(kv_layout_of(cache), cache_capacity(T))
+    buf.ready()
+    for i, _, n in run_groups(blocks):
+        buf.place(i * bs, blocks[i], n)
+    for c, r in zip(cache, buf.caches(T)):
+        assert mx.array_equal(c.keys[..., :T, :], r.keys_and_values()[0]).item()
+        assert mx.array_equal(c.values[..., :T, :], r.keys_and_values()[1]).item()
+    own = Block(blocks[0].block_hash, blocks[0].parent_hash, blocks[0].token_ids, blocks[0].keys, blocks[0].values)
+    with pytest.raises(ValueError, match="has no run"):
+        KVBuffers.allocate(kv_layout_of(cache), cache_capacity(T)).place(0, own, 8)

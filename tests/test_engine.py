@@ -95,6 +95,23 @@ def test_cold_ram_ssd_and_full_hit_equal_mlx_lm(tiny, prompt_ids, tmp_path):
     eng3.close()
 
 
+def test_hit_from_ram_then_ssd_equals_mlx_lm(tiny, prompt_ids, tmp_path):
+    """After a restart, a prompt's first half served from SSD enters RAM (views of that request's
+    cache: one run); the whole prompt then hits RAM for that half, copied into the restore buffers
+    one run at a time, and SSD for the rest: the output equals mlx-lm's."""
+    eng = make_engine(tiny, tmp_path)
+    eng.generate(prompt_ids, max_tokens=MAX_TOKENS)
+    eng.close()
+    eng2 = make_engine(tiny, tmp_path)
+    half = prompt_ids[: len(prompt_ids) // BS // 2 * BS + 3]
+    first = eng2.generate(half, max_tokens=MAX_TOKENS)
+    assert first.ssd_hit_tokens >= 2 * BS and first.ram_hit_tokens == 0
+    res = eng2.generate(prompt_ids, max_tokens=MAX_TOKENS)
+    assert res.ram_hit_tokens >= 2 * BS and res.ssd_hit_tokens >= BS
+    assert res.token_ids == reference_tokens(tiny.model, tiny.tokenizer, prompt_ids)
+    eng2.close()
+
+
 def test_prompt_diverging_mid_block_reuses_every_shared_token(tiny, prompt_ids, tmp_path):
     """Full blocks before the divergence, then the stored block 2's first half (a sibling)."""
     eng = make_engine(tiny, tmp_path)

@@ -182,17 +182,29 @@ def to_host(block: Block) -> HostBlock:
     `slice_blocks`); a block of a run slices its run's host views (`BlockRun.host`: one
     conversion per run and layer instead of one per block and layer, ~10-20 us each for bf16).
     Call on the MLX (request) thread."""
-    if block.run is not None:
-        run, lo = block.run
-        hk, hv = run.host()
-        hi = lo + block.num_tokens
-        keys = [k[..., lo:hi, :] for k in hk]
-        values = [v[..., lo:hi, :] for v in hv] + [to_numpy(v) for v in block.values[len(hv):]]  # + state arrays
-    else:
-        keys, values = [to_numpy(k) for k in block.keys], [to_numpy(v) for v in block.values]
+    keys, values = host_arrays(block)
     return HostBlock(block_hash=block.block_hash, parent_hash=block.parent_hash,
                      token_ids=np.array(block.token_ids, dtype=np.int32, copy=True), keys=keys, values=values,
                      dtype=block.dtype)  # fmt: skip
+
+
+def host_arrays(block: Block, n: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Numpy views (`to_numpy`) of a block's per-layer keys and values `[1, H, n, D]`; a block of
+    a run slices its run's host views (`BlockRun.host`), which also gives `n` > its own tokens:
+    that many tokens of the run from the block's first (consecutive blocks of the run, see
+    `run_groups`). Call on the MLX (request) thread.
+
+    Raises:
+        ValueError: `n` differs from the block's tokens and the block has no run.
+    """
+    if block.run is None:
+        if n is not None and n != block.num_tokens:
+            raise ValueError(f"{n} tokens of a block of {block.num_tokens} that has no run")
+        return [to_numpy(k) for k in block.keys], [to_numpy(v) for v in block.values]
+    run, lo = block.run
+    hi = lo + (block.num_tokens if n is None else n)
+    hk, hv = run.host()
+    return [k[..., lo:hi, :] for k in hk], [v[..., lo:hi, :] for v in hv]
 
 
 def from_host(host: HostBlock) -> Block:
@@ -349,10 +361,10 @@ def _rebuild_plain(blocks: Sequence[Block], n_layers: int, capacity: int) -> lis
         return caches
     n = sum(b.num_tokens for b in blocks)
     room = max(capacity - n, 0)
-    groups = _run_groups(blocks)
+    groups = [(blocks[i], n) for i, _, n in run_groups(blocks)]
     for layer, c in enumerate(caches):
-        ks = [_piece(g, layer, True) for g in groups]
-        vs = [_piece(g, layer, False) for g in groups]
+        ks = [_piece(b, n, layer, True) for b, n in groups]
+        vs = [_piece(b, n, layer, False) for b, n in groups]
         if room:
             k0, v0 = ks[0], vs[0]
             ks.append(mx.zeros((*k0.shape[:2], room, k0.shape[3]), k0.dtype))
@@ -367,25 +379,24 @@ def _rebuild_plain(blocks: Sequence[Block], n_layers: int, capacity: int) -> lis
     return caches
 
 
-def _run_groups(blocks: Sequence[Block]) -> list[tuple[Block, int]]:
-    """`blocks` as (first block, tokens) groups: consecutive blocks that view adjacent tokens of
-    one `BlockRun` form one group, every other block its own."""
-    groups: list[tuple[Block, int]] = []
+def run_groups(blocks: Sequence[Block]) -> list[tuple[int, int, int]]:
+    """`blocks` as `(first index, blocks, tokens)` groups: consecutive blocks that view adjacent
+    tokens of one `BlockRun` form one group, every other block its own."""
+    groups: list[tuple[int, int, int]] = []
     end: tuple[BlockRun, int] | None = None  # the last group's run and its end in it
-    for b in blocks:
+    for i, b in enumerate(blocks):
         if b.run is not None and end is not None and b.run[0] is end[0] and b.run[1] == end[1]:
-            first, n = groups[-1]
-            groups[-1] = (first, n + b.num_tokens)
+            first, count, n = groups[-1]
+            groups[-1] = (first, count + 1, n + b.num_tokens)
         else:
-            groups.append((b, b.num_tokens))
+            groups.append((i, 1, b.num_tokens))
         end = (b.run[0], b.run[1] + b.num_tokens) if b.run is not None else None
     return groups
 
 
-def _piece(group: tuple[Block, int], layer: int, keys: bool) -> mx.array:
-    """One layer's keys (or values) of a `_run_groups` group: the block's own array, or one view
-    of the run spanning the group's blocks."""
-    first, n = group
+def _piece(first: Block, n: int, layer: int, keys: bool) -> mx.array:
+    """One layer's keys (or values) of a `run_groups` group of `n` tokens from block `first`:
+    the block's own array, or one view of the run spanning the group's blocks."""
     if first.run is None or n == first.num_tokens:
         return first.keys[layer] if keys else first.values[layer]
     run, lo = first.run
@@ -481,9 +492,8 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
     """
     blocks = []
     cache = leaves(cache)
-    plain = (kv is None or not kv.quantized) and all(type(c) is KVCache or isinstance(c, ArraysCache) for c in cache)
-    run = BlockRun([c.keys for c in cache if type(c) is KVCache], [c.values for c in cache if type(c) is KVCache]) if plain else None
-    if run is not None and all(type(c) is KVCache for c in cache):  # views made when asked for (`Block.keys`)
+    if (kv is None or not kv.quantized) and all(type(c) is KVCache for c in cache):  # views made when asked for
+        run = BlockRun([c.keys for c in cache], [c.values for c in cache])
         mx.eval(run.keys, run.values)
         return [Block(h, parent, np.asarray(ids, dtype=np.int32), run=(run, off)) for h, parent, ids, off, *_ in spans]
     for h, parent, ids, off, *state in spans:
@@ -499,7 +509,6 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
         if state:  # state layers: the entry's state arrays (host copies from the restore)
             assert kv is not None  # state layers exist only in a layout
             values += [x if isinstance(x, mx.array) else to_mlx(x) for x in state[0]]
-        blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values,
-                            run=(run, off) if run is not None else None))
+        blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks

@@ -31,7 +31,15 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.segment import STORAGE_DTYPES, HeadPieces, KVLayout
-from kvtool.kv.blocks import MX_TO_NP_STORAGE, NAME_TO_MX, Block, after_restore, assemble_layers, to_mlx, to_numpy
+from kvtool.kv.blocks import (
+    MX_TO_NP_STORAGE,
+    NAME_TO_MX,
+    Block,
+    after_restore,
+    assemble_layers,
+    host_arrays,
+    to_mlx,
+)
 
 __all__ = ["KVBuffers"]
 
@@ -346,11 +354,18 @@ class KVBuffers:
         self.state_scratch[offset] = scratch
         return scratch
 
-    def place(self, offset: int, block: Block) -> None:
-        """Copy an MLX block (RAM tier) into the buffers at token `offset`."""
-        n = block.num_tokens
-        for dst, src in zip(self.dest(offset, n), self._order(block.keys, block.values)):
-            dst[...] = to_numpy(src).reshape(dst.shape)
+    def place(self, offset: int, block: Block, n: int | None = None) -> None:
+        """Copy an MLX block (RAM tier) into the buffers at token `offset`; `n` > its tokens: the
+        `n` tokens of its run from it on (`kvtool.kv.blocks.run_groups`: one copy per tensor
+        for consecutive blocks of one run, no state layers).
+
+        Raises:
+            ValueError: `n` differs from the block's tokens and the block has no run.
+        """
+        n = block.num_tokens if n is None else n
+        keys, values = host_arrays(block, n)
+        for dst, src in zip(self.dest(offset, n), self._order(keys, values)):
+            dst[...] = src.reshape(dst.shape)
 
     def place_host(self, offset: int, block: HostBlock) -> None:
         """Copy a host block (writer's pending buffer) into the buffers at token `offset`."""

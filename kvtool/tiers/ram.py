@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtool.kv.blocks import Block
+from kvtool.kv.blocks import Block, run_groups
 from kvtool.tiers.base import Caps, Counts, MemoryTier, Put, ReadResult, WritePolicy
 
 MAX_MEMORY_SIBLINGS = 64  # RAM / pending siblings compared per partial-block lookup (newest first)
@@ -253,9 +253,11 @@ class RamBlockTier(MemoryTier):
         return self.ram.children(parent, MAX_MEMORY_SIBLINGS)
 
     def read_into(self, chain, handles, ids, buffers) -> ReadResult:
+        """Copy the blocks into the buffers: one copy per tensor for consecutive blocks of one
+        run (`run_groups`; blocks of runs have no state layers)."""
         buffers.ready()
-        for e, block in zip(chain, handles):
-            buffers.place(e.start, block)
+        for i, _, n in run_groups(handles):
+            buffers.place(chain[i].start, handles[i], n)
         return ReadResult(len(handles))
 
     def release(self, handles: Sequence[Any]) -> None:
