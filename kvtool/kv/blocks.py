@@ -94,41 +94,27 @@ class Block:
             raise ValueError("a block needs its arrays or a run")
         self.block_hash, self.parent_hash, self.token_ids = block_hash, parent_hash, token_ids
         self._keys, self._values, self.run = keys, values, run
-        if not nbytes:
-            if keys is not None and values is not None:
-                nbytes = sum(k.nbytes + v.nbytes for k, v in zip(keys, values))
-            else:
-                assert run is not None
-                nbytes = sum(a.nbytes // a.shape[2] for a in (*run[0].keys, *run[0].values)) * self.num_tokens
-            nbytes = int(nbytes + token_ids.nbytes)
+        if not nbytes and keys is not None and values is not None:
+            nbytes = int(sum(k.nbytes + v.nbytes for k, v in zip(keys, values)) + token_ids.nbytes)
+        elif not nbytes and run is not None:  # the run's bytes per token x tokens
+            nbytes = sum(a.nbytes // a.shape[2] for a in (*run[0].keys, *run[0].values)) * self.num_tokens + token_ids.nbytes
         self.nbytes = nbytes
-
-    def _views(self, arrays: list[mx.array]) -> list[mx.array]:
-        assert self.run is not None
-        lo = self.run[1]
-        return [a[..., lo : lo + self.num_tokens, :] for a in arrays]
 
     @property
     def keys(self) -> list[mx.array]:
         if self._keys is None:
-            assert self.run is not None
-            self._keys = self._views(self.run[0].keys)
+            self._keys = self._views(0)
         return self._keys
-
-    @keys.setter
-    def keys(self, value: list[mx.array]) -> None:
-        self._keys = value
 
     @property
     def values(self) -> list[mx.array]:
         if self._values is None:
-            assert self.run is not None
-            self._values = self._views(self.run[0].values)
+            self._values = self._views(1)
         return self._values
 
-    @values.setter
-    def values(self, value: list[mx.array]) -> None:
-        self._values = value
+    def _views(self, which: int) -> list[mx.array]:
+        run, lo = self.run  # type: ignore[misc]  # set whenever an array list is not
+        return [a[..., lo : lo + self.num_tokens, :] for a in (run.values if which else run.keys)]
 
     def detach(self) -> None:
         """Make `keys` / `values` this block's own lists (views made now) and forget the run:
