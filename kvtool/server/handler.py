@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from kvtool.prom import CacheMetrics
-from kvtool.server import api_routes, apis, validation
+from kvtool.server import api_routes, apis, http_errors, validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.head_reader import HeadReader
 from kvtool.server.validation import RequestError
@@ -112,7 +112,7 @@ class _Capture:
         return getattr(self._generator, name)
 
 
-class _KVToolHandler(apis.ApiHandlerMixin):
+class _KVToolHandler(apis.ApiHandlerMixin, http_errors.JsonErrors):
     """What kvtool adds to mlx-lm's `APIHandler` (`make_handler_class` puts it first in the MRO, so
     that `super()` is mlx-lm's handler): request checks, `GET /kvtool/stats`, `GET /metrics`,
     a served-model `/v1/models`, errors answered with their own status."""
