@@ -197,6 +197,8 @@ class _KVToolHandler(apis.ApiHandlerMixin, http_errors.JsonErrors):
         self.kvtool_t0 = time.perf_counter()
         self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
         api, counter = api_routes.lookup(self.path)
+        if self.path.split("?", 1)[0] in validation.COMPLETION_PATHS:  # a query string is ignored, as on /v1/messages
+            self.path = self.path.split("?", 1)[0]
         if not self.api_authorized(api or counter):
             return
         if self.path not in validation.COMPLETION_PATHS and api is None and counter is None:
