@@ -226,6 +226,10 @@ def test_bad_input_is_answered_in_anthropic_shape(server):
     assert_error(post(server, {**ok, "model": "claude-sonnet-4-5"}), 404, "not_found_error", "not served")
     assert_error(post(server, b"{not json"), 400, "invalid_request_error", "JSON")
     assert_error(post(server, {**ok, "messages": []}, "/v1/messages/count_tokens"), 400, "invalid_request_error")
+    # with a system prompt the chat messages were not empty: the system prompt alone was answered
+    assert_error(post(server, {**ok, "system": "s", "messages": []}), 400, "invalid_request_error", "messages")
+    assert_error(post(server, {**ok, "system": "s", "messages": []}, "/v1/messages/count_tokens"), 400,
+                 "invalid_request_error", "messages")
     # a failure of the generation loop (the watchdog's seam), before any answer was sent
     assert_error(post(server, {**ok, "stop_sequences": [FAULT]}), 500, "api_error")
     assert_error(post(server, {**ok, "stop_sequences": [FAULT], "stream": True}), 500, "api_error")
