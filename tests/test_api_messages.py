@@ -226,12 +226,52 @@ def test_bad_input_is_answered_in_anthropic_shape(server):
     assert_error(post(server, {**ok, "model": "claude-sonnet-4-5"}), 404, "not_found_error", "not served")
     assert_error(post(server, b"{not json"), 400, "invalid_request_error", "JSON")
     assert_error(post(server, {**ok, "messages": []}, "/v1/messages/count_tokens"), 400, "invalid_request_error")
+    # with a system prompt the chat messages were not empty: the system prompt alone was answered
+    assert_error(post(server, {**ok, "system": "s", "messages": []}), 400, "invalid_request_error", "messages")
+    assert_error(post(server, {**ok, "system": "s", "messages": []}, "/v1/messages/count_tokens"), 400,
+                 "invalid_request_error", "messages")
     # a failure of the generation loop (the watchdog's seam), before any answer was sent
     assert_error(post(server, {**ok, "stop_sequences": [FAULT]}), 500, "api_error")
     assert_error(post(server, {**ok, "stop_sequences": [FAULT], "stream": True}), 500, "api_error")
     with pytest.raises(anthropic.BadRequestError) as info:
         client(server).messages.create(model="tiny", max_tokens=4, messages=orphan)
     assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert create(server, messages=[{"role": "user", "content": "still there?"}], max_tokens=4).content
+
+
+def _raw_answer(server: Server, data: bytes) -> tuple[int, dict[str, str], dict]:
+    """(status, headers lower-cased, JSON body) of bytes sent on a fresh connection."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT_S) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(1 << 16):
+            out += chunk
+    head, _, body = out.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, json.loads(body)
+
+
+@pytest.mark.slow
+def test_wrong_methods_and_routes_get_json_errors(server):
+    """mlx-lm answered a GET of a POST route (or of no route) 404 with a `Not Found` text body
+    labelled application/json, and an unknown method or a malformed request line with
+    http.server's HTML page."""
+    status, headers, doc = _raw_answer(server, b"GET /v1/messages?beta=true HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, headers["allow"]) == (405, "POST") and headers["content-type"] == "application/json"
+    assert doc["type"] == "error" and doc["error"]["type"] == "invalid_request_error", doc
+    status, headers, doc = _raw_answer(server, b"GET /v1/responses HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, headers["allow"]) == (405, "POST") and set(doc["error"]) == {"message", "type", "param", "code"}
+    status, headers, doc = _raw_answer(server, b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (status, headers["allow"]) == (405, "POST") and "POST" in doc["error"]
+    status, _, doc = _raw_answer(server, b"GET /no/such/route HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert status == 404 and "no such route: GET /no/such/route" in doc["error"]
+    status, _, doc = _raw_answer(server, b"PUT /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    assert status == 501 and "PUT" in doc["error"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=HTTP_TIMEOUT_S) as s:
+        s.sendall(b"GARBAGE\r\n\r\n")  # an HTTP/0.9 request line: the answer is a body without a head
+        assert "GARBAGE" in json.loads(s.makefile("rb").read())["error"]
+    assert _raw_answer(server, b"GET /health?probe=1 HTTP/1.1\r\nHost: x\r\n\r\n")[::2] == (200, {"status": "ok"})
     assert create(server, messages=[{"role": "user", "content": "still there?"}], max_tokens=4).content
 
 

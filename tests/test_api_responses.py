@@ -379,6 +379,21 @@ def test_e2e_bad_input_is_openais_error_shape(served, body, status, message):
 
 
 @pytest.mark.slow
+def test_e2e_a_query_string_on_the_openai_routes_is_ignored(served):
+    """`/v1/responses?x` and `/v1/messages?beta=true` were answered, `/v1/chat/completions?x` was 404
+    "no such route" (a client with a default query, e.g. `api-version`, could not chat)."""
+    proc, c = served
+    query = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0, timeout=60,
+                          default_query={"api-version": "2024-10-21"})
+    messages = [{"role": "user", "content": "Say something."}]
+    plain = c.chat.completions.create(model="default_model", messages=messages, max_tokens=4, temperature=0.0)
+    asked = query.chat.completions.create(model="default_model", messages=messages, max_tokens=4, temperature=0.0)
+    assert asked.choices[0].message.content == plain.choices[0].message.content
+    assert query.completions.create(model="default_model", prompt="Say", max_tokens=2, temperature=0.0).usage
+    assert query.responses.create(model="default_model", input="Say", max_output_tokens=2).usage.output_tokens == 2
+
+
+@pytest.mark.slow
 def test_e2e_the_api_key_is_required_in_openais_error_shape(tmp_path):
     from tests.test_serve_http import start_kvtool
     proc = start_kvtool(tmp_path, "keyed", "--api-key", "s3cret")

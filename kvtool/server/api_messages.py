@@ -115,7 +115,7 @@ class CountRequest(_Strict):
     """The body of `POST /v1/messages/count_tokens` (the prompt's fields of a `MessagesRequest`)."""
 
     model: str
-    messages: list[Message]
+    messages: list[Message] = Field(min_length=1)  # as Anthropic's: a system prompt alone is not a conversation
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from kvtool.prom import CacheMetrics
-from kvtool.server import api_routes, apis, validation
+from kvtool.server import api_routes, apis, http_errors, validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.head_reader import HeadReader
 from kvtool.server.validation import RequestError
@@ -112,7 +112,7 @@ class _Capture:
         return getattr(self._generator, name)
 
 
-class _KVToolHandler(apis.ApiHandlerMixin):
+class _KVToolHandler(apis.ApiHandlerMixin, http_errors.JsonErrors):
     """What kvtool adds to mlx-lm's `APIHandler` (`make_handler_class` puts it first in the MRO, so
     that `super()` is mlx-lm's handler): request checks, `GET /kvtool/stats`, `GET /metrics`,
     a served-model `/v1/models`, errors answered with their own status."""
@@ -197,6 +197,8 @@ class _KVToolHandler(apis.ApiHandlerMixin):
         self.kvtool_t0 = time.perf_counter()
         self.kvtool_error, self.kvtool_headers_sent, self.kvtool_body_read = None, False, False
         api, counter = api_routes.lookup(self.path)
+        if self.path.split("?", 1)[0] in validation.COMPLETION_PATHS:  # a query string is ignored, as on /v1/messages
+            self.path = self.path.split("?", 1)[0]
         if not self.api_authorized(api or counter):
             return
         if self.path not in validation.COMPLETION_PATHS and api is None and counter is None:

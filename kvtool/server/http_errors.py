@@ -1,0 +1,76 @@
+"""JSON answers of `kvtool serve` outside its routes (the handler's `JsonErrors` base).
+
+mlx-lm's `APIHandler` answers a GET of anything but `/v1/models` and `/health` 404 with a
+`Not Found` text body labelled `application/json`, and http.server answers an unknown method
+(`PUT`, `DELETE`, `HEAD`...), a malformed request line or oversized headers with an HTML page.
+Here:
+
+- a GET of a POST route (the completion routes, `/v1/messages`, `/v1/responses`, the token
+  count) is 405 with `Allow: POST`, in that route's error shape;
+- a GET of no route is 404 `{"error": "no such route: GET <path>"}`;
+- `/health` takes a query string (as `/v1/models` and `/kvtool/stats` do);
+- every `send_error` of http.server (400, 414, 431, 501...) has a JSON body in the request's
+  API's error shape (mlx-lm's `{"error": message}` for OpenAI's routes).
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from kvtool.server import api_routes
+from kvtool.server.apis import ApiTranslation
+from kvtool.server.validation import COMPLETION_PATHS
+
+if TYPE_CHECKING:  # the mixin's view of mlx-lm's APIHandler
+    from http.server import BaseHTTPRequestHandler as _Base
+else:
+    _Base = object
+
+GET_ROUTES = ("/health", "/v1/models")  # mlx-lm's own GET routes (`/v1/models/<id>` too)
+
+
+class JsonErrors(_Base):
+    """The handler's base just above mlx-lm's `APIHandler`: JSON for the answers mlx-lm and
+    http.server give outside the routes (see the module docstring)."""
+
+    kvtool_api: ApiTranslation | None = None  # the error shape (ApiHandlerMixin's)
+
+    def api_error_doc(self, status: int, message: str) -> dict[str, Any]:  # ApiHandlerMixin's
+        raise NotImplementedError
+
+    def do_GET(self):  # noqa: N802 - http.server naming
+        route = self.path.split("?", 1)[0]
+        if route in GET_ROUTES or route.startswith("/v1/models/"):
+            self.path = route if route == "/health" else self.path  # mlx-lm compares /health whole
+            super().do_GET()  # mlx-lm APIHandler
+            return
+        api, counter = api_routes.lookup(route)
+        if route in COMPLETION_PATHS or api is not None or counter is not None:
+            self.kvtool_api = api or counter  # the route's error shape
+            self._json_error(HTTPStatus.METHOD_NOT_ALLOWED, f"{route[:100]} takes POST, not GET",
+                             {"Allow": "POST"})
+        else:
+            self._json_error(HTTPStatus.NOT_FOUND, f"no such route: GET {route[:100]}")
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's error answer (a bad request line, an unknown method...) as JSON."""
+        text = message or self.responses.get(code, ("error",))[0]
+        self.log_error("code %d, message %s", code, text)
+        self.close_connection = True
+        self._json_error(code, text, {"Connection": "close"})
+
+    def _json_error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(self.api_error_doc(int(status), message)).encode()
+        self.send_response(status)
+        for name, value in {"Content-Type": "application/json", **(headers or {}),
+                            "Content-Length": str(len(data))}.items():
+            self.send_header(name, value)
+        self.end_headers()
+        if getattr(self, "command", None) != "HEAD":
+            self.wfile.write(data)
+        self.wfile.flush()
+
+
+__all__ = ["JsonErrors"]
