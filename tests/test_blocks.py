@@ -22,7 +22,7 @@ from kvtool.kv.blocks import (
     run_groups,
     slice_blocks,
     tail_hash,
-    to_host,
+    to_host_many,
 )
 from kvtool.kv.buffers import KVBuffers, _blank_arrays
 from kvtool.kv.tree import kv_layout_of, unsupported_cache_reason
@@ -107,7 +107,7 @@ def test_slice_and_rebuild_round_trip_bit_exact(dtype):
     assert [b.parent_hash for b in blocks[1:]] == hashes[:-1]
     assert all(b.keys[0].shape == (1, 2, bs, 8) for b in blocks)
     # through host memory (what the SSD writer sees) and back
-    blocks = [from_host(to_host(b)) for b in blocks]
+    blocks = [from_host(h) for h in to_host_many(blocks)]
     rebuilt = rebuild_cache(blocks, 2)
     n = len(hashes) * bs
     for c, r in zip(cache, rebuilt):
@@ -121,7 +121,7 @@ def test_to_host_holds_no_mlx_and_bf16_as_uint16():
     cache = _filled_cache(1, 8, mx.bfloat16)
     ids = np.arange(8, dtype=np.int32)
     hashes = chain_hashes(ids, 4, LAYOUT)
-    host = to_host(slice_blocks(cache, ids, spans(hashes, 4)[1:2])[0])
+    (host,) = to_host_many(slice_blocks(cache, ids, spans(hashes, 4)[1:2]))
     assert host.dtype == "bfloat16" and host.keys[0].dtype == np.uint16
     assert isinstance(host.values[0], np.ndarray)
     assert host.token_ids.tolist() == [4, 5, 6, 7]
@@ -168,7 +168,7 @@ def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype, blank, monkeypatch
     kv = kv_layout_of(cache)
     assert kv == KVLayout.uniform(2, 2, 8, "bfloat16" if dtype == mx.bfloat16 else "float32")
     buf = KVBuffers.allocate(kv, cache_capacity(T))
-    host = to_host(slice_blocks(cache, np.arange(T, dtype=np.int32), [("a" * 32, "b" * 32, 0, T)])[0])
+    (host,) = to_host_many(slice_blocks(cache, np.arange(T, dtype=np.int32), [("a" * 32, "b" * 32, 0, T)]))
     buf.place_host(0, host)
     assert not buf.staged  # CPU: numpy views of MLX memory
     out = buf.caches(T)
@@ -305,7 +305,7 @@ def test_blocks_of_one_run_rebuild_from_one_view_and_bit_exact():
     sp = spans(chain_hashes(ids, bs, LAYOUT), bs)
     first = slice_blocks(cache, ids, sp[:3])  # tokens 0-11: one run
     second = slice_blocks(cache, ids, sp[3:5])  # tokens 12-19: another run
-    own = from_host(to_host(slice_blocks(cache, ids, sp[5:])[0]))  # tokens 20-23: arrays of its own
+    own = from_host(to_host_many(slice_blocks(cache, ids, sp[5:]))[0])  # tokens 20-23: arrays of its own
     promoted = promote_slices(cache, [(h, p, ids[lo:hi], lo) for h, p, lo, hi in sp[:4]])
     cases = {
         "one run": (first, [12]),
@@ -330,21 +330,23 @@ def test_blocks_of_one_run_rebuild_from_one_view_and_bit_exact():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_host_copy_of_a_run_block_equals_the_block_s_own(dtype):
-    """`to_host` slices a run's host views once converted; the bytes equal those of the block's
-    own arrays (as the writer saw them before), for cut and promoted blocks."""
+    """`to_host_many` converts a run group once per tensor and slices it per block; the bytes equal
+    those of each block's own arrays (as the writer saw them before), for cut and promoted blocks."""
     T, bs = 20, 4
     cache = _filled_cache(2, T, dtype)
     ids = np.arange(T, dtype=np.int32)
     sp = spans(chain_hashes(ids, bs, LAYOUT), bs)
     cut = slice_blocks(cache, ids, sp)
     promoted = promote_slices(cache, [(h, p, ids[lo:hi], lo) for h, p, lo, hi in sp])
-    for b in cut + promoted:
-        assert b.run is not None
-        via_run, own = to_host(b), to_host(Block(b.block_hash, b.parent_hash, b.token_ids, b.keys, b.values))
-        assert via_run.dtype == own.dtype and via_run.token_ids.tolist() == own.token_ids.tolist()
-        for x, y in zip(via_run.keys + via_run.values, own.keys + own.values):
-            assert x.shape == y.shape == (1, 2, bs, 8) and x.dtype == y.dtype
-            assert np.array_equal(x, y)
+    for blocks in (cut, promoted):
+        assert all(b.run is not None for b in blocks) and len(run_groups(blocks)) == 1
+        singles = [Block(b.block_hash, b.parent_hash, b.token_ids, b.keys, b.values) for b in blocks]
+        for via_run, own in zip(to_host_many(blocks), to_host_many(singles), strict=True):
+            assert via_run.dtype == own.dtype and via_run.token_ids.tolist() == own.token_ids.tolist()
+            assert (via_run.block_hash, via_run.parent_hash) == (own.block_hash, own.parent_hash)
+            for x, y in zip(via_run.keys + via_run.values, own.keys + own.values):
+                assert x.shape == y.shape == (1, 2, bs, 8) and x.dtype == y.dtype
+                assert np.array_equal(x, y)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

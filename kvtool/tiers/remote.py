@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from kvtool.kv.blocks import Block, to_host
+from kvtool.kv.blocks import Block, to_host_many
 from kvtool.tiers.base import BlockTier, Caps, ChainEntry, Counts, Put, ReadResult, TierBase, WritePolicy
 from kvtool.tiers.writer import AsyncWriter
 
@@ -129,7 +129,7 @@ class RemoteBlockTier(TierBase):
     def put(self, blocks: Sequence[Block], why: Put) -> int:
         """Host views of the blocks to the writer (never waits: a full queue drops them)."""
         try:
-            accepted = self.writer.enqueue_many([to_host(b) for b in blocks])
+            accepted = self.writer.enqueue_many(to_host_many(blocks))
         except Exception:  # the cache must never fail a request
             log.exception("remote write of %d block(s) failed", len(blocks))
             return 0

@@ -22,7 +22,7 @@ from kvtool.disk import restore
 from kvtool.disk.fsops import FileOps
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.namespace import SSDStore
-from kvtool.kv.blocks import Block, to_host
+from kvtool.kv.blocks import Block, to_host_many
 from kvtool.tiers.base import BlockTier, Caps, ChainEntry, Counts, Put, ReadResult, TierBase, WritePolicy
 from kvtool.tiers.pending import PendingTier
 from kvtool.tiers.writer import Writer, make_writer
@@ -106,11 +106,11 @@ class SsdBlockTier(TierBase):
             assert writer is not None  # put checks it
             batch: list[HostBlock] = []
             size = 0
-            for b in blocks:
+            for b, host in zip(blocks, to_host_many(blocks)):
                 if batch and size + b.nbytes > WRITE_BATCH_BYTES:
                     accepted += writer.enqueue_many(batch, must_write=must_write)
                     batch, size = [], 0
-                batch.append(to_host(b))
+                batch.append(host)
                 size += b.nbytes
             if batch:
                 accepted += writer.enqueue_many(batch, must_write=must_write)
