@@ -207,3 +207,22 @@ def test_format_size_is_whole_in_the_largest_unit_it_reaches_else_rounded():
 
     assert [format_size(n) for n in (2 << 30, 8 << 20, 64_000_000, 1536 << 20, 500)] == [
         "2 GiB", "8 MiB", "61.0 MiB", "1.5 GiB", "500 B"]
+
+
+# ------------------------------------------------------------------ paths that look like rich markup
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--namespace", "KEY"], ["validate"],
+                                     ["prune", "--dry-run", "--max-bytes", "1"], ["prune", "--yes", "--max-bytes", "1"]])
+def test_a_cache_dir_whose_path_looks_like_markup_is_printed_verbatim(tmp_path, command):
+    import numpy as np
+
+    from tests.store_helpers import make_chain, open_store
+
+    cache_dir = tmp_path / "q[" / "red]z[bold]"  # "[/red]" and "[bold]" in one path: both are rich markup
+    store = open_store(cache_dir)
+    for block in make_chain(store.layout_key, np.arange(8), "bfloat16"):
+        store.save_block(block)
+    store.close()
+    command = [store.layout_key if arg == "KEY" else arg for arg in command]
+    res = kvtool(*command, "--cache-dir", str(cache_dir), terminal_width=400)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert str(cache_dir) in res.stdout, res.stdout

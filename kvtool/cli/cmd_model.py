@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
@@ -93,7 +94,7 @@ def preset_rows() -> list[dict]:
 
 def _table(rows: list[dict]) -> Table:
     """Render `preset_rows()` as a rich table (fits 80 columns; descriptions only in --json)."""
-    table = Table(title=f"models dir: {embedded.models_root()}", title_justify="left")
+    table = Table(title=f"models dir: {escape(str(embedded.models_root()))}", title_justify="left")
     table.add_column("name")
     for col in ("layers", "hidden", "heads", "kv", "ffn", "params", "KV/token", "built"):
         table.add_column(col, justify="right")
