@@ -11,6 +11,7 @@ from rich.table import Table
 from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
 from kvtool.cli.output import Output, print_table
 from kvtool.models import embedded
+from kvtool.units import format_size
 
 model_app = typer.Typer(
     name="model",
@@ -107,7 +108,7 @@ def _table(rows: list[dict]) -> Table:
             str(r["kv_heads"]),
             str(r["intermediate"]),
             f"{r['params'] / 1e6:.1f}M",
-            f"{r['kv_bytes_per_token'] // 1024} KiB",
+            format_size(r["kv_bytes_per_token"]),
             "yes" if r["built"] else "no",
         )
     return table
