@@ -52,6 +52,23 @@ def test_create_makes_the_directory_and_the_default_one_may_be_missing(tmp_path,
     assert "does not apply" in one_error_line(kvtool("inspect", "--remote", "--create"))
 
 
+@pytest.mark.parametrize("command", [["inspect"], ["validate"], ["prune", "--yes", "--ttl", "0s"], ["rm", "--yes", "KEY"]])
+def test_a_namespace_directory_given_as_the_cache_dir_is_one_error_line(tmp_path, command):
+    import numpy as np
+
+    from tests.store_helpers import make_chain, open_store
+
+    store = open_store(tmp_path / "kv")
+    store.save_blocks(make_chain(store.layout_key, np.arange(8)))
+    store.close()
+    ns_dir = store.namespace_dir  # e.g. copied from `inspect --json`: was "no namespaces", exit 0, a lock made in it
+    before = sorted(p.name for p in ns_dir.rglob("*"))
+    args = [store.layout_key[:8] if arg == "KEY" else arg for arg in command]
+    line = one_error_line(kvtool(*args, "--cache-dir", str(ns_dir)))
+    assert "is a namespace directory" in line and f"--cache-dir {tmp_path / 'kv'}" in line
+    assert sorted(p.name for p in ns_dir.rglob("*")) == before
+
+
 # ------------------------------------------------------------------ remote hits beside RAM and SSD
 def test_human_lines_name_remote_hits_beside_ram_and_ssd():
     from kvtool.cli.cmd_serve import _human_line
