@@ -304,7 +304,8 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
         "ssd_disabled_reason": ssd_reason if engine.uncached_reason is None else None,
         "warmup_ms": round(warmup_ms, 3),
         **({"interrupted": interrupted.args[0]} if interrupted is not None else {}),
-    }, lambda: out.print(f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"))
+    }, lambda: out.print((f"[yellow]interrupted ({interrupted.args[0]})[/]: " if interrupted is not None else "")
+                         + f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"))
     if interrupted is not None:
         return 128 + interrupted.signum
     return common.EXIT_OK if status.shutdown_clean else common.EXIT_PROBLEMS
