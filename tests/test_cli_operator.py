@@ -243,3 +243,17 @@ def test_a_cache_dir_whose_path_looks_like_markup_is_printed_verbatim(tmp_path, 
     res = kvtool(*command, "--cache-dir", str(cache_dir), terminal_width=400)
     assert res.exit_code == 0 and "Traceback" not in res.output, res.output
     assert str(cache_dir) in res.stdout, res.stdout
+
+
+def test_config_show_export_and_import_print_a_markup_path_verbatim(tmp_path):
+    where = tmp_path / "q[" / "red]z[bold]"
+    where.mkdir(parents=True)
+    (where / "kv.toml").write_text("block_size = 64\n")
+    res = kvtool("config", "show", "--cache-dir", str(where / "kv"), "--config", str(where / "kv.toml"), terminal_width=400)
+    assert res.exit_code == 0 and str(where / "kv") in res.stdout and str(where / "kv.toml") in res.stdout, res.output
+    out = where / "p.safetensors"
+    res = kvtool("export", str(out), "--model", "tiny", "--prompt", "hello there", "--fill", "--cache-dir", str(where / "kv"),
+                 terminal_width=400)
+    assert res.exit_code == 0 and f"wrote {out}:" in res.stdout, res.output  # was a rich MarkupError traceback
+    res = kvtool("import", str(out), "--model", "tiny", "--cache-dir", str(where / "kv"), terminal_width=400)
+    assert res.exit_code == 0 and f"imported {out}:" in res.stdout, res.output
