@@ -186,3 +186,17 @@ def test_success_exits_0():
 def test_markup_in_a_message_is_printed_verbatim():
     result = runner.invoke(_toy_app(KVToolError("bad value [bold]x[/bold]")), ["boom"])
     assert _assert_one_error_line(result) == "error: bad value [bold]x[/bold]"
+
+
+# ------------------------------------------------------------------ an --out that cannot be a directory
+@pytest.mark.parametrize("command", [["bench-plan", "--trace", "synthetic", "--limit", "5"],
+                                     ["bench", str(REPO / "bench_configs" / "quick.toml")]])
+@pytest.mark.parametrize("below", [False, True])
+def test_an_out_that_is_a_file_is_one_error_line_before_any_work(tmp_path, command, below):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory\n")
+    out = afile / "sub" if below else afile
+    result = runner.invoke(app_module.app, [*command, "--out", str(out), "--json"])
+    line = _assert_one_error_line(result)
+    assert line.startswith(f"error: --out {out}: ") and result.stdout == ""
+    assert afile.read_text() == "not a directory\n"

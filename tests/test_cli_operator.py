@@ -52,6 +52,23 @@ def test_create_makes_the_directory_and_the_default_one_may_be_missing(tmp_path,
     assert "does not apply" in one_error_line(kvtool("inspect", "--remote", "--create"))
 
 
+@pytest.mark.parametrize("command", [["inspect"], ["validate"], ["prune", "--yes", "--ttl", "0s"], ["rm", "--yes", "KEY"]])
+def test_a_namespace_directory_given_as_the_cache_dir_is_one_error_line(tmp_path, command):
+    import numpy as np
+
+    from tests.store_helpers import make_chain, open_store
+
+    store = open_store(tmp_path / "kv")
+    store.save_blocks(make_chain(store.layout_key, np.arange(8)))
+    store.close()
+    ns_dir = store.namespace_dir  # e.g. copied from `inspect --json`: was "no namespaces", exit 0, a lock made in it
+    before = sorted(p.name for p in ns_dir.rglob("*"))
+    args = [store.layout_key[:8] if arg == "KEY" else arg for arg in command]
+    line = one_error_line(kvtool(*args, "--cache-dir", str(ns_dir)))
+    assert "is a namespace directory" in line and f"--cache-dir {tmp_path / 'kv'}" in line
+    assert sorted(p.name for p in ns_dir.rglob("*")) == before
+
+
 # ------------------------------------------------------------------ remote hits beside RAM and SSD
 def test_human_lines_name_remote_hits_beside_ram_and_ssd():
     from kvtool.cli.cmd_serve import _human_line
@@ -207,3 +224,36 @@ def test_format_size_is_whole_in_the_largest_unit_it_reaches_else_rounded():
 
     assert [format_size(n) for n in (2 << 30, 8 << 20, 64_000_000, 1536 << 20, 500)] == [
         "2 GiB", "8 MiB", "61.0 MiB", "1.5 GiB", "500 B"]
+
+
+# ------------------------------------------------------------------ paths that look like rich markup
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--namespace", "KEY"], ["validate"],
+                                     ["prune", "--dry-run", "--max-bytes", "1"], ["prune", "--yes", "--max-bytes", "1"]])
+def test_a_cache_dir_whose_path_looks_like_markup_is_printed_verbatim(tmp_path, command):
+    import numpy as np
+
+    from tests.store_helpers import make_chain, open_store
+
+    cache_dir = tmp_path / "q[" / "red]z[bold]"  # "[/red]" and "[bold]" in one path: both are rich markup
+    store = open_store(cache_dir)
+    for block in make_chain(store.layout_key, np.arange(8), "bfloat16"):
+        store.save_block(block)
+    store.close()
+    command = [store.layout_key if arg == "KEY" else arg for arg in command]
+    res = kvtool(*command, "--cache-dir", str(cache_dir), terminal_width=400)
+    assert res.exit_code == 0 and "Traceback" not in res.output, res.output
+    assert str(cache_dir) in res.stdout, res.stdout
+
+
+def test_config_show_export_and_import_print_a_markup_path_verbatim(tmp_path):
+    where = tmp_path / "q[" / "red]z[bold]"
+    where.mkdir(parents=True)
+    (where / "kv.toml").write_text("block_size = 64\n")
+    res = kvtool("config", "show", "--cache-dir", str(where / "kv"), "--config", str(where / "kv.toml"), terminal_width=400)
+    assert res.exit_code == 0 and str(where / "kv") in res.stdout and str(where / "kv.toml") in res.stdout, res.output
+    out = where / "p.safetensors"
+    res = kvtool("export", str(out), "--model", "tiny", "--prompt", "hello there", "--fill", "--cache-dir", str(where / "kv"),
+                 terminal_width=400)
+    assert res.exit_code == 0 and f"wrote {out}:" in res.stdout, res.output  # was a rich MarkupError traceback
+    res = kvtool("import", str(out), "--model", "tiny", "--cache-dir", str(where / "kv"), terminal_width=400)
+    assert res.exit_code == 0 and f"imported {out}:" in res.stdout, res.output

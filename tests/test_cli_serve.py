@@ -112,21 +112,35 @@ def test_requests_file_serves_in_order_with_ram_hits(tmp_path):
     assert r[1]["ram_hit_tokens"] > 0 and r[1]["ssd_hit_tokens"] == 0
 
 
-@pytest.mark.slow
-def test_sigterm_takes_the_clean_path(tmp_path):
-    """SIGTERM while serving: the writer drains, the index records a clean shutdown, exit 143."""
+def _serve_once_until_a_segment_then(tmp_path, sig: int, *flags: str) -> tuple[subprocess.Popen, str, str, Path]:
+    """Start serve-once on 40 long requests, send `sig` once the first segment file is on SSD;
+    (process, stdout, stderr, cache dir)."""
     text = DEMO.read_text()
     reqs = tmp_path / "r.jsonl"
     reqs.write_text("\n".join(json.dumps({"prompt": f"{i} {text}", "max_tokens": 64}) for i in range(40)))
     cache = tmp_path / "kv"
-    proc = subprocess.Popen([sys.executable, "-m", "kvtool.cli.app", "serve-once", "--json", "--requests", str(reqs),
+    proc = subprocess.Popen([sys.executable, "-m", "kvtool.cli.app", "serve-once", *flags, "--requests", str(reqs),
                              "--block-size", "64", "--cache-dir", str(cache)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(cache.glob("*/*/*.safetensors")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
+    return proc, out, err, cache
+
+
+@pytest.mark.slow
+def test_sigint_says_interrupted_in_the_human_summary(tmp_path):
+    proc, out, err, _ = _serve_once_until_a_segment_then(tmp_path, signal.SIGINT)
+    assert proc.returncode == 130, err
+    assert out.splitlines()[-1].startswith("interrupted (SIGINT): cache: "), out  # was the plain "cache: " line
+
+
+@pytest.mark.slow
+def test_sigterm_takes_the_clean_path(tmp_path):
+    """SIGTERM while serving: the writer drains, the index records a clean shutdown, exit 143."""
+    proc, out, err, cache = _serve_once_until_a_segment_then(tmp_path, signal.SIGTERM, "--json")
     assert proc.returncode == 143, err
     doc = json.loads(out)
     assert doc["interrupted"] == "SIGTERM" and doc["shutdown_clean"] is True

@@ -112,6 +112,19 @@ def test_serve_once_json_keys_are_the_documented_ones(tmp_path):
     assert stats_keys <= set(doc["stats"]), hint
 
 
+def test_validate_json_keys_are_the_documented_ones(tmp_path):
+    block = re.search(r"```json\n(.*?)```", _section(_commands_doc(), "## `kvtool validate`"), re.S).group(1)
+    namespace = block[block.index('"namespaces": [') : block.index("\n  ],")]
+    documented = set(re.findall(r'"(\w+)":', namespace)) - {"namespaces"}
+    from tests.store_helpers import open_store
+
+    open_store(tmp_path / "kv").close()
+    res = CliRunner().invoke(APP, ["validate", "--json", "--cache-dir", str(tmp_path / "kv")])
+    (ns,) = json.loads(res.stdout)["namespaces"]
+    hint = f"edit docs/json/validate.md, then run `{REGENERATE}`"
+    assert set(ns) == documented, (sorted(set(ns) - documented), sorted(documented - set(ns)), hint)
+
+
 def _readme_command_lines() -> list[list[str]]:
     """Every `kvtool ...` command line in README.md's fenced code blocks, as words: continuation
     lines joined, comments and leading `VAR=value` assignments dropped; crontab lines

@@ -287,6 +287,13 @@ def test_cli_model_list_json():
     assert rows["tiny-tools"]["vocab"] == rows["tiny"]["vocab"] + 3  # the tool-call tokens
 
 
+def test_cli_model_list_table_shows_kv_bytes_below_one_kib():
+    result = run_cli(["model", "list"])
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()[1:] if line.strip()}
+    assert result.exit_code == 0 and rows["tiny-bf16"][-3:-1] == ["512", "B"], result.output  # was "0 KiB"
+    assert rows["tiny"][-3:-1] == ["1", "KiB"] and rows["qwen0.5b"][-3:-1] == ["24", "KiB"]
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_presets_are_tiny_as_mlx_lm_convert_q_writes_it(bits, tiny_model):
     """The weights people download are quantized: `tiny-<bits>bit` is the float `tiny`, every linear

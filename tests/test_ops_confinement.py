@@ -205,6 +205,22 @@ def test_symlinked_fan_out_directory_is_never_followed(world):
     assert state(sibling) == before and sub.is_symlink()
 
 
+def test_a_symlinked_segment_file_is_reported_once_not_as_a_failed_unlink(world):
+    cache_dir, store, (a, _), sibling = world
+    seg = block_path(store, a[3].block_hash)  # a leaf's own segment, moved outside and linked back
+    os.replace(seg, sibling / seg.name)
+    seg.symlink_to(sibling / seg.name)
+    before = state(sibling)
+    rel = f"{seg.parent.name}/{seg.name}"
+    rep = validate(cache_dir).namespaces[0]
+    assert rep.symlinks == [rel] and rep.missing_rows_dropped == 1
+    assert any(d.endswith(f"segment {seg.stem} is a symlink (never followed)") for d in rep.details), rep.details
+    assert rep.unlink_failed == 0 and rep.problems == 2, rep.details  # was: 2 unlink failures of that one link
+    again = validate(cache_dir).namespaces[0]
+    assert again.symlinks == [rel] and again.problems == 1 and again.unlink_failed == 0
+    assert state(sibling) == before and seg.is_symlink()
+
+
 def test_symlinked_namespace_is_reported_and_never_followed(world):
     cache_dir, store, _, sibling = world
     os.rename(store.namespace_dir, sibling / "ns")  # a whole namespace, outside

@@ -254,6 +254,8 @@ def test_outdated_namespace_is_removed_whole_by_ttl(cache, tmp_path):
     assert sorted(os.listdir(old)) == ["link"] and by[old.name].left == ["link"]
     assert (outside / "keep.txt").read_text() == "mine"
     assert store.namespace_dir.exists()
+    # and the message says so (it said "removed whole" while the directory stayed)
+    assert "removed whole" not in by[old.name].message and by[old.name].message.endswith("not kvtool's, left: link")
 
 
 def test_all_is_one_lru_over_every_namespace(cache):

@@ -278,6 +278,42 @@ def test_confirmation_on_a_terminal(cache, monkeypatch):
     assert "remove it whole" in res.stderr and "remove it whole" not in res.stdout
 
 
+def _on_a_terminal(args: list[str], answer: bytes) -> tuple[int, bytes, bytes]:
+    """Run kvtool with stdin and stderr on a pseudo-terminal (stdout a pipe, as `kvtool ... --json
+    | jq` has it), type `answer`; (exit code, stdout, what the terminal showed)."""
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtool.cli.app", *args], cwd=REPO, stdin=slave, stderr=slave,
+                            stdout=subprocess.PIPE)  # fmt: skip
+    os.close(slave)
+    os.write(master, answer)  # kept by the terminal until kvtool reads it
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    out = proc.stdout.read() if proc.stdout else b""
+    os.close(master)
+    return proc.wait(timeout=60), out, shown
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answer", [b"n\n", b"\x04"])  # "no", end of input (Ctrl-D)
+def test_a_declined_confirmation_leaves_stdout_empty_under_json(cache, answer):
+    cache_dir, store, _, _ = cache
+    code, out, shown = _on_a_terminal(["rm", store.layout_key[:8], "--json", "--cache-dir", str(cache_dir)], answer)
+    assert code == 1 and out == b"", (code, out, shown)  # click.confirm wrote a space to stdout
+    assert b"[y/N]" in shown and b"aborted: nothing changed" in shown and store.namespace_dir.exists()
+
+
 def test_quiet_prints_nothing(cache):
     cache_dir, store, _, _ = cache
     res = run_cli("--cache-dir", str(cache_dir), store.layout_key[:8], "--yes", "--quiet")

@@ -300,6 +300,22 @@ def test_corrupt_index_is_rebuilt_with_every_block(cache):
     assert only(validate(cache_dir, deep=True)).outcome == "clean"
 
 
+def test_a_deleted_index_leaves_a_namespace_that_is_reported_and_rebuilt(cache):
+    """Its segment files were invisible: inspect, validate, prune and rm saw no namespace (exit 0)."""
+    cache_dir, store, chains = cache
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{store.namespace_dir / 'index.sqlite'}{suffix}").unlink(missing_ok=True)
+    (cache_dir / ("ab" * 16)).mkdir()  # an empty namespace-named directory stays ignored
+    ns = only(scan_cache(cache_dir))
+    assert ns.status == "unreadable" and ns.message.startswith("index.sqlite is missing") and len(ns.files) == 4
+    rep = only(validate(cache_dir))
+    assert rep.outcome == "skipped" and rep.problems == 1 and "--rebuild-index" in rep.message
+    rep = only(validate(cache_dir, rebuild_index=True))
+    assert (rep.index_rebuilt, rep.blocks_recovered) == (True, 8)
+    assert loadable(cache_dir, store, chains) == every(chains)
+    assert only(validate(cache_dir)).problems == 0
+
+
 def test_rebuild_keeps_a_readable_meta(cache):
     """An index whose block table is lost but whose meta still reads comes back complete."""
     cache_dir, store, chains = cache

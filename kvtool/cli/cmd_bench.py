@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvtool.cli import common
-from kvtool.cli.cmd_serve import MetricsFileOpt, check_metrics_file, write_metrics_file
+from kvtool.cli.cmd_serve import MetricsFileOpt, check_metrics_file, make_out_dir, write_metrics_file
 from kvtool.cli.output import Output
 from kvtool.progress import stderr_is_terminal
 
@@ -65,6 +65,7 @@ def bench(
 
     if not config.is_file():
         raise common.CLIError(f"sweep file not found: {config}")
+    make_out_dir(out if out is not None else Path("results"))
     from kvtool.bench.loadcell import is_serve_load_config
 
     if is_serve_load_config(config):  # load through real servers (kvtool serve vs mlx_lm.server)

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from kvtool.cli import common
+from kvtool.cli.cmd_serve import make_out_dir
 from kvtool.cli.output import Output
 from kvtool.progress import progress, stderr_is_terminal
 from kvtool.units import MAX_BYTES, format_bytes, parse_size
@@ -76,6 +77,8 @@ def bench_plan(
     from kvtool.bench.trace_plan import kv_bytes_per_token as kv_of
 
     kv = kv_of(kv_bytes_per_token)
+    if out is not None:
+        make_out_dir(out)
     grid = list(itertools.product(_sizes(ram, "--ram"), _sizes(ssd, "--ssd"), _policies(policies)))
     traces = {name: resolve_trace(name, trace_dir) for name in trace}
     loaded = {name: read_trace(path, limit) for name, path in traces.items()}
@@ -101,7 +104,10 @@ def bench_plan(
            "wall_s": round(time.monotonic() - t0, 2), "machine": machine, "git_commit": git_commit(),
            "points": [p.record() for p in points]}  # fmt: skip
     if out is not None:
-        doc["files"] = [str(f) for f in write_plan(out, doc, points)]
+        try:
+            doc["files"] = [str(f) for f in write_plan(out, doc, points)]
+        except OSError as exc:
+            raise common.CLIError(f"--out {out}: cannot write the plan: {exc.strerror or exc}") from None
     output = Output.from_flags(json_out)
     output.emit(doc, lambda: output.lines(plan_lines(points)))
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
@@ -107,12 +108,13 @@ def _print_human(out: Output, settings: Any, doc: dict[str, Any]) -> None:
     """The settings as a table: field, value (`-` for none; sizes in human units; `ssd_ttl` the TTL
     in effect), source (`kvtool.config.settings.Origin`)."""
     file = doc["config_file"]
-    out.print(f"config file: {file['path']} ({file['found_by']})" if file else "config file: none", highlight=False)
+    out.print(f"config file: {escape(str(file['path']))} ({escape(str(file['found_by']))})" if file else "config file: none",
+              highlight=False)
     table = Table()
     for column in ("field", "value", "source"):
         table.add_column(column, overflow="fold")
     for name, row in doc["settings"].items():
-        table.add_row(name, _human_value(name, row["value"], settings.config), str(settings.origins[name]))
+        table.add_row(name, escape(str(_human_value(name, row["value"], settings.config))), escape(str(settings.origins[name])))
     out.table(table)
 
 

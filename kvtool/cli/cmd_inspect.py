@@ -294,8 +294,9 @@ _STATUS_STYLE = {"ok": "green", "empty": "green", "outdated": "yellow", "uniniti
 
 def _print_report(report, out: Output, details: bool = False) -> None:
     if not report.namespaces:
-        out.print(f"no namespaces under {report.cache_dir}" if not report.scanned else
-                  f"none of the {report.scanned} namespace(s) under {report.cache_dir} selected")  # fmt: skip
+        where = escape(str(report.cache_dir))
+        out.print(f"no namespaces under {where}" if not report.scanned else
+                  f"none of the {report.scanned} namespace(s) under {where} selected")  # fmt: skip
         _print_notes(report, out.print)
         return
     keys = short_keys(ns.namespace for ns in report.namespaces)
@@ -322,7 +323,7 @@ def _print_report(report, out: Output, details: bool = False) -> None:
     total = sum(ns.bytes for ns in report.namespaces)
     shown = len(report.namespaces)
     of = f" (of {report.scanned})" if shown != report.scanned else ""
-    out.print(f"{shown} namespace(s){of}, {format_bytes(total)} in {report.cache_dir}")
+    out.print(f"{shown} namespace(s){of}, {format_bytes(total)} in {escape(str(report.cache_dir))}")
 
 
 def _health_text(h) -> str:
@@ -341,7 +342,7 @@ def _print_notes(report, emit, keys: dict[str, str] | None = None) -> None:
         if not ns.health.ok and ns.status not in ("unreadable", "foreign"):
             emit(f"[red]{key}[/]: index and files disagree: {_health_text(ns.health)}; run `kvtool validate`")
     for link in report.symlinks:
-        emit(f"[red]{escape(report.cache_dir)}/{escape(link)}[/]: a symlink in the cache directory (never followed)")
+        emit(f"[red]{escape(str(report.cache_dir))}/{escape(link)}[/]: a symlink in the cache directory (never followed)")
 
 
 def _print_problems(report, out: Output) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
@@ -192,14 +193,14 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 
     def human() -> None:
         for w in report.warnings:
-            out.note(f"[yellow]warning:[/] {w}")
+            out.note(f"[yellow]warning:[/] {escape(w)}")
         mark = "[green]verified[/]" if report.verified else "[red]NOT verified[/]"
-        out.print(f"imported {report.file}: {report.prompt_tokens} tokens ({report.cache_type}"
+        out.print(f"imported {escape(str(report.file))}: {report.prompt_tokens} tokens ({report.cache_type}"
                   f"{f', {report.kv_bits}-bit' if report.kv_bits else ''}) | {report.entries_stored} entries stored, "
                   f"{report.blocks_written} block(s) written ({format_bytes(report.bytes_written)}), "
                   f"{report.blocks_dedup} already on SSD, {report.blocks_failed} failed | "
                   f"SSD holds {report.cached_tokens}/{report.prompt_tokens} tokens: {mark}")
-        out.print(f"[dim]model check: {report.model_check} ({report.model_check_detail}) | KV check: "
+        out.print(f"[dim]model check: {report.model_check} ({escape(str(report.model_check_detail))}) | KV check: "
                   f"{report.kv_check_tokens} tokens recomputed, max rel diff {report.kv_check_max_rel_diff:.2g} | "
                   f"namespace {report.layout_key} | {report.elapsed_s:.1f} s | shutdown_clean={status.shutdown_clean}[/]")
 
@@ -245,9 +246,9 @@ def export_cmd(
     if report is not None:
         output = Output.from_flags(json_out)
         output.emit(report.to_dict, lambda: output.print(
-            f"wrote {report.out}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
+            f"wrote {escape(str(report.out))}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
             f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} ("
-            f"{format_hits(report.ram_hit_tokens, report.ssd_hit_tokens, report.remote_hit_tokens)}), computed {report.computed_tokens} | metadata model {report.metadata_model}"))
+            f"{format_hits(report.ram_hit_tokens, report.ssd_hit_tokens, report.remote_hit_tokens)}), computed {report.computed_tokens} | metadata model {escape(str(report.metadata_model))}"))
     raise typer.Exit(_exit_code(interrupted, report is not None))
 
 

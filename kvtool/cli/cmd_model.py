@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
 from kvtool.cli.output import Output, print_table
 from kvtool.models import embedded
+from kvtool.units import format_size
 
 model_app = typer.Typer(
     name="model",
@@ -93,7 +95,7 @@ def preset_rows() -> list[dict]:
 
 def _table(rows: list[dict]) -> Table:
     """Render `preset_rows()` as a rich table (fits 80 columns; descriptions only in --json)."""
-    table = Table(title=f"models dir: {embedded.models_root()}", title_justify="left")
+    table = Table(title=f"models dir: {escape(str(embedded.models_root()))}", title_justify="left")
     table.add_column("name")
     for col in ("layers", "hidden", "heads", "kv", "ffn", "params", "KV/token", "built"):
         table.add_column(col, justify="right")
@@ -106,7 +108,7 @@ def _table(rows: list[dict]) -> Table:
             str(r["kv_heads"]),
             str(r["intermediate"]),
             f"{r['params'] / 1e6:.1f}M",
-            f"{r['kv_bytes_per_token'] // 1024} KiB",
+            format_size(r["kv_bytes_per_token"]),
             "yes" if r["built"] else "no",
         )
     return table

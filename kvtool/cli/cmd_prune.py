@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from kvtool.cli import common
@@ -127,13 +128,13 @@ def _print_plan(plan, out) -> None:
     budget = "none" if plan.max_bytes is None else format_bytes(plan.max_bytes)
     scope = "whole cache" if plan.scope == "all" else "per namespace"
     table = Table(
-        title=f"kvtool prune {plan.cache_dir}: ttl {'none' if plan.ttl_s is None else format_duration(plan.ttl_s)}, budget {budget} ({scope})",
+        title=f"kvtool prune {escape(str(plan.cache_dir))}: ttl {'none' if plan.ttl_s is None else format_duration(plan.ttl_s)}, budget {budget} ({scope})",
     )  # fmt: skip
     for name in ("namespace", "model", "stored", "prune", "ttl/lru/desc", "left"):
         table.add_column(name, justify="left" if name in ("namespace", "model") else "right", no_wrap=name != "model")
     for ns in plan.namespaces:
         stored = f"{format_bytes(ns.bytes)} ({ns.segments})"
-        model = ns.model_name or "-"
+        model = escape(ns.model_name or "-")
         if ns.remove_namespace:
             table.add_row(ns.namespace[:12], model, stored, f"[yellow]all ({ns.status})[/]", "-", "0 B")
             continue
@@ -149,7 +150,7 @@ def _print_plan(plan, out) -> None:
     out.print("(n): segment files; ttl/lru/desc: segment files removed by each rule", highlight=False)
     for ns in plan.namespaces:
         if ns.message:
-            out.print(f"[yellow]{ns.namespace}[/]: {ns.message}", highlight=False, soft_wrap=True)
+            out.print(f"[yellow]{ns.namespace}[/]: {escape(ns.message)}", highlight=False, soft_wrap=True)
 
 
 def _print_result(plan, out) -> None:

@@ -79,6 +79,23 @@ def check_metrics_file(path: Path | None) -> None:
         raise common.CLIError(f"--metrics-file {path}: is a directory")
 
 
+def make_out_dir(path: Path, flag: str = "--out") -> Path:
+    """Create the output directory `path` (and its parents) before any work, so that a path that
+    is a file or cannot be created is one `error:` line instead of a traceback after the run
+    (shared with `kvtool bench` and `kvtool bench-plan`).
+
+    Raises:
+        CLIError: `path` is not a directory and cannot be made one.
+    """
+    try:
+        path.expanduser().mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise common.CLIError(f"{flag} {path}: not a directory") from None
+    except OSError as exc:
+        raise common.CLIError(f"{flag} {path}: cannot create it: {exc.strerror or exc}") from None
+    return path
+
+
 def write_metrics_file(path: Path | None, stats, records) -> None:
     """Write the metrics of a finished run (final tier `stats`, per-request `records` as dicts).
 
@@ -287,7 +304,8 @@ def _serve(engine: Engine, reqs, prompts, max_tokens, temp, top_p, seed, stop, j
         "ssd_disabled_reason": ssd_reason if engine.uncached_reason is None else None,
         "warmup_ms": round(warmup_ms, 3),
         **({"interrupted": interrupted.args[0]} if interrupted is not None else {}),
-    }, lambda: out.print(f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"))
+    }, lambda: out.print((f"[yellow]interrupted ({interrupted.args[0]})[/]: " if interrupted is not None else "")
+                         + f"[dim]cache: {tier_summary(stats)}, shutdown_clean={status.shutdown_clean}[/]"))
     if interrupted is not None:
         return 128 + interrupted.signum
     return common.EXIT_OK if status.shutdown_clean else common.EXIT_PROBLEMS

@@ -175,10 +175,24 @@ class Output:
             self.problem(text, **kw)
 
     def confirm(self, question: str) -> bool:
-        """Ask `question [y/N]` on stderr (the answer is read from stdin); False on "no"."""
-        import typer
-
-        return bool(typer.confirm(question, default=False, err=True))
+        """Ask `question [y/N]` on stderr (rich markup in `question` is rendered) and read the
+        answer from stdin; True on y/yes, False on n/no, an empty answer, end of input or Ctrl-C.
+        Nothing goes to stdout: `click.confirm` writes a space there (its readline workaround),
+        which under `--json` would be all that stdout holds after a "no"."""
+        while True:
+            self.err_console.print(f"{question} \\[y/N]: ", end="", highlight=False, soft_wrap=True)
+            try:
+                line = sys.stdin.readline()
+            except KeyboardInterrupt:
+                line = ""
+            answer = line.strip().lower()
+            if not line or answer in ("", "n", "no"):
+                if not line.endswith("\n"):
+                    self.err_console.print()  # end the question's line
+                return False
+            if answer in ("y", "yes"):
+                return True
+            self.err_console.print("answer y or n", highlight=False)
 
 
 __all__ = ["Output", "OutputMode", "SCHEMA_VERSION", "print_json", "print_table", "versioned"]

@@ -26,16 +26,21 @@ def existing_cache_dir(settings: Any, create: bool = False) -> Path:
     config's `ssd_dir_mode`). The default directory may be missing: nothing was cached yet.
 
     Raises:
-        CLIError: a named directory does not exist and not `create`, or cannot be created.
+        CLIError: a named directory does not exist and not `create`, or cannot be created; or it
+            is a namespace directory of a cache (a 32-hex name holding an index), not a cache.
     """
     import os
 
     from kvtool.config.settings import DEFAULT
     from kvtool.disk.fsops import FileOps, short_path
+    from kvtool.disk.names import INDEX_FILENAME, NAMESPACE_RE
 
     cfg = settings.config
     root = cfg.ssd_cache_dir
     origin = settings.origins["ssd_cache_dir"]
+    if NAMESPACE_RE.match(Path(root).name) and os.path.lexists(Path(root) / INDEX_FILENAME):
+        raise common.CLIError(f"{short_path(root)} is a namespace directory, not a cache directory (from {origin})",
+                              hint=f"give the directory that holds it: --cache-dir {short_path(Path(root).parent)}")
     if os.path.lexists(root) or origin.kind == DEFAULT:
         return root
     if not create:

@@ -281,6 +281,22 @@ def is_namespace_dir(path: Path, fs: FileOps | None = None) -> bool:
     return bool(NAMESPACE_RE.match(path.name)) and fs.is_dir(path) and fs.exists(path / INDEX_FILENAME)
 
 
+def holds_segments(path: Path, fs: FileOps | None = None) -> bool:
+    """True if directory `path` holds a kvtool segment file in one of its fan-out directories
+    (`<2 hex>/<name>.safetensors`, the name starting with those two digits); nothing followed."""
+    fs = fs or FileOps()
+    try:
+        subs = [n for n in fs.listdir(path) if SUBDIR_RE.match(n) and fs.is_dir(path / n)]
+        for sub in subs:
+            for name in fs.listdir(path / sub):
+                stem = name[: -len(SEGMENT_SUFFIX)]
+                if name.endswith(SEGMENT_SUFFIX) and SEGMENT_RE.match(stem) and stem.startswith(sub):
+                    return True
+    except OSError:
+        return False
+    return False
+
+
 def list_namespaces(cache_dir: Path, fs: FileOps | None = None) -> list[Path]:
     """Namespace directories directly under `cache_dir`, sorted; other entries are ignored.
 
@@ -400,7 +416,8 @@ def resolve_cache_root(cache_dir: Path | str) -> Path:
 
 
 def select_namespaces(cache_dir: Path, namespace: str | None = None, fs: FileOps | None = None) -> list[Path]:
-    """Namespace directories of a cache, optionally only the one matching `namespace`.
+    """Namespace directories of a cache (with an index, or without one but holding segment files:
+    an index deleted), optionally only the one matching `namespace`.
 
     Args:
         cache_dir: the SSD tier root (a symlinked root is followed: `resolve_cache_root`).
@@ -426,6 +443,10 @@ def select_namespaces(cache_dir: Path, namespace: str | None = None, fs: FileOps
         raise NamespaceSelectError(f"cache directory {cache_dir} is not a directory")
     try:
         dirs = list_namespaces(cache_dir, fs)
+        indexed = {d.name for d in dirs}
+        lost = [cache_dir / n for n in fs.listdir(cache_dir)  # an index deleted: its segments must not be invisible
+                if NAMESPACE_RE.match(n) and n not in indexed and fs.is_dir(cache_dir / n) and holds_segments(cache_dir / n, fs)]
+        dirs = sorted(dirs + lost)
     except OSError as exc:
         raise NamespaceSelectError(f"cannot list {cache_dir}: {exc.strerror or exc}") from None
     if namespace is None:

@@ -180,11 +180,15 @@ def _write_checked(out: Path, gen: list, metadata: dict[str, str], n: int) -> No
     `out`'s directory that is loaded back and checked to hold `n` tokens, then renamed to `out`.
 
     Raises:
-        InteropError: the written file does not hold `n` tokens (nothing is left behind).
+        InteropError: `out`'s directory cannot be written, or the written file does not hold `n`
+            tokens (nothing is left behind).
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=SUFFIX, dir=out.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=SUFFIX, dir=out.parent)
+    except OSError as exc:  # a read-only or full file system, no write permission
+        raise InteropError(f"{out}: cannot write in {out.parent}: {exc.strerror or exc}") from None
     os.close(fd)
     try:
         save_prompt_cache(tmp, gen, metadata)

@@ -282,6 +282,9 @@ def _plan_outdated(scan: CacheScan, ns: NamespaceScan, p: NamespacePlan, ttl_s: 
         p.remove_namespace = True
         p.prune_bytes, p.bytes_after = p.bytes, 0
         p.message = f"format_version {version}: unused for the TTL, removed whole"
+        if p.left:  # the directory stays, holding them (remove_tree removes only kvtool's files)
+            shown = ", ".join(p.left[:10]) + (f", ... ({len(p.left)} in all)" if len(p.left) > 10 else "")
+            p.message = f"format_version {version}: unused for the TTL, its kvtool files removed; not kvtool's, left: {shown}"
 
 
 # ----------------------------------------------------------------------------- execute

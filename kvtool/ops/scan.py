@@ -25,7 +25,7 @@ Statuses (`NamespaceStatus`, one vocabulary for every command):
 | `ok` | usable, holds blocks or files | repaired / pruned |
 | `empty` | usable, holds nothing | as `ok` |
 | `uninitialized` | no meta yet (creation interrupted or in progress, or an index rebuilt without its meta: the next process that opens it completes it) | left alone |
-| `unreadable` | the index cannot be read (corrupt, a symlink, a full disk) | `validate --rebuild-index` rebuilds a corrupt index; prune removes whole segment files by age on a full disk; else left alone |
+| `unreadable` | the index cannot be read (corrupt, missing beside segment files, a symlink, a full disk) | `validate --rebuild-index` rebuilds a corrupt index; prune removes whole segment files by age on a full disk; else left alone |
 | `outdated` | another format version (format 1: one file per block) | prune removes it whole by TTL |
 | `foreign` | its meta contradicts its name (layout key) | left untouched, reported |
 
@@ -313,7 +313,9 @@ class _Scanner:
                 "`kvtool prune` removes whole segment files by age",
                 "disk_full",
             )
-        return self._done(NamespaceStatus.UNREADABLE, f"index cannot be read ({exc}); {REBUILD_HINT}", "index")
+        missing = not os.path.lexists(self.path / INDEX_FILENAME)  # deleted, segment files left (`select_namespaces`)
+        what = f"{INDEX_FILENAME} is missing" if missing else f"index cannot be read ({exc})"
+        return self._done(NamespaceStatus.UNREADABLE, f"{what}; {REBUILD_HINT}", "index")
 
     def _done(self, status: NamespaceStatus, message: str, cause: str = "") -> NamespaceScan:
         return NamespaceScan(status=status, message=message, cause=cause, **self.f)

@@ -66,7 +66,7 @@ from kvtool.disk.confined import ConfinedDir
 from kvtool.disk.fsops import FileOps, resolve_cache_root, short_path
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.lock import cache_lock
-from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, NAMESPACE_RE
+from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, NAMESPACE_RE, segment_relpath
 from kvtool.disk.rowtable import load_rows
 from kvtool.hashing import root_parent
 from kvtool.ops.heap import gc_paused
@@ -331,18 +331,24 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
                     continue
             index.insert_segment(seg_row, rewrite + adopt)
         emptied = index.delete(act.drop)[1] if act.drop else []
+        links = set(rep.symlinks)  # reported, never followed: a symlinked segment (or its directory) is not unlinked
+
+        def unlink_segment(name: str) -> None:
+            if segment_relpath(name) not in links and name[:2] not in links:
+                unlink_counted(rep, lambda: cdir.unlink_segment(name), name)
+
         for rel in act.irregular:  # their rows are gone (dropped above, or rewritten to a copy)
             unlink_counted(rep, lambda: cdir.unlink_irregular(rel), rel)  # noqa: B023  (called at once, inside the loop)
         if act.broken:  # re-check on a fresh read: a live writer may have stored a missing parent
             act.broken = _still_unrooted(index, rep.namespace, act.broken)
             emptied += index.delete(act.broken)[1] if act.broken else []
         for name in emptied:
-            unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+            unlink_segment(name)
         for name in act.remove_segments:
             if index.segment_rows(name):  # rows appeared meanwhile (a live writer): keep it
                 continue
             index.delete_segments([name])
-            unlink_counted(rep, lambda: cdir.unlink_segment(name), name)  # noqa: B023  (called at once, inside the loop)
+            unlink_segment(name)
         forget = list(act.forget_removals)
         for name in act.finish_removals:  # an interrupted removal, finished: its rows are long gone
             if index.segment_rows(name):

@@ -225,6 +225,8 @@ class RepairPlanner:
     def _no_file(self, name: str) -> str:
         if segment_relpath(name) in self.ns.irregular:
             return f"segment {name} is not a regular file (never opened)"
+        if segment_relpath(name) in self.ns.symlinks:
+            return f"segment {name} is a symlink (never followed)"
         link = name[:2] in self.ns.symlinks
         return f"segment {name} " + ("is behind a symlinked directory (never followed)" if link else "has no file")
 
