@@ -130,6 +130,9 @@ def _sum_of_parts(text: str) -> Fraction:
     seconds = Fraction(0)
     for part in parts:
         digits, unit = part.group(1), part.group(2).lower()
+        if part.group(2) == "M":  # months in other tools: `prune --ttl 1M` from cron must not mean 1 minute
+            raise ValueError(f"not a duration: {short_repr(text)}: 'M' is ambiguous (minutes or months): write "
+                             f"{digits}m for minutes, or days / weeks ({DURATION_EXAMPLES})")
         if unit not in _DURATION_UNITS:
             raise ValueError(f"not a duration: {short_repr(text)}: unknown unit {unit!r} ({DURATION_EXAMPLES})")
         if unit in seen:

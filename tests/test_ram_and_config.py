@@ -71,6 +71,14 @@ def test_parse_duration(text, expected):
     assert parse_duration(text) == expected
 
 
+@pytest.mark.parametrize("text", ["1M", "2d1M", "30M"])
+def test_an_uppercase_m_is_refused_as_ambiguous(text):
+    """`--ttl 1M` from cron meant as a month must not prune everything older than a minute."""
+    with pytest.raises(ValueError, match="ambiguous"):
+        parse_duration(text)
+    assert parse_duration(text.replace("M", "m")) > 0
+
+
 @pytest.mark.parametrize("bad", ["", "GB", "12 parsecs", "-1d"])
 def test_bad_units_raise(bad):
     with pytest.raises(ValueError):

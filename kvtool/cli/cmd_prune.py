@@ -37,7 +37,7 @@ Examples:
 
 With --remote (or --remote-url URL), prune the remote tier's server instead (as `kvtool remote prune`): values unused for --ttl (OBJECT IDLETIME; default: the config's ssd_ttl), then the least recently used values of each namespace until it fits --max-bytes (server memory, MEMORY USAGE); parts no manifest names always go.
 
-Durations carry their unit: 7d, 12h, 30m, 45s, or combined: 1d12h. A bare number (--ttl 7) is refused: it would be ambiguous.
+Durations carry their unit: 7d, 12h, 30m, 45s, or combined: 1d12h. A bare number (--ttl 7) and M (minutes or months?) are refused: they would be ambiguous.
 
 Exit codes: 0 pruned, nothing to prune, or --dry-run; 1 declined at the prompt, or a namespace index could not be read or a file could not be removed; 2 bad input (size, duration, namespace, cache dir; with --remote: bad URL, unreachable server, wrong password, TLS failure), or no terminal and no --yes; 3 another prune, rm or validate is running on this cache; 130/143 interrupted (deferred until the current deletion finished).
 """
