@@ -138,6 +138,7 @@ def test_serve_matches_mlx_lm_server_across_restart_sighup_and_sigterm(tmp_path)
     a = None
     try:
         a = start_kvtool(tmp_path, "a", "--config", str(cfg))
+        assert "kvtool: reply KV reuse" in a.text() and "kvtool kvtool" not in a.text()  # one prefix per line
         # -- the oracle: plain mlx_lm.server, its own in-memory prompt cache, same requests in the same order
         oc = client(oracle)
         o_completion = complete(oc, DEMO[:400])

@@ -63,10 +63,17 @@ def setup_server_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level), format=fmt)
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - kvtool %(message)s"))
+        handler.addFilter(_prefix)
+        handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(kvtool_prefix)s%(message)s"))
         log.addHandler(handler)
     log.setLevel(min(getattr(logging, level), logging.INFO))  # the per-request line is always shown
     log.propagate = False
+
+
+def _prefix(record: logging.LogRecord) -> bool:
+    """`kvtool ` before a line, unless its message names kvtool already (`kvtool: reply KV reuse on`)."""
+    record.kvtool_prefix = "" if str(record.msg).startswith("kvtool") else "kvtool "
+    return True
 
 
 MLX_PANEL = "mlx_lm.server options"
