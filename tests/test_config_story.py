@@ -189,9 +189,13 @@ def test_no_config_file_anywhere_is_fine_and_a_missing_named_one_is_an_error(tmp
     assert show()["config_file"] is None
     line = one_error_line(runner.invoke(app_module.app, ["config", "show", "--config", str(tmp_path / "nope.toml")]))
     assert line == f"error: config file not found: {tmp_path / 'nope.toml'}"
+    line = one_error_line(runner.invoke(app_module.app, ["config", "show", "--config", str(tmp_path)]))
+    assert line == f"error: config file is a directory, not a file: {tmp_path}"
     monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "gone.toml"))
     line = one_error_line(runner.invoke(app_module.app, ["config", "show"]))
     assert "gone.toml" in line and "$KVTOOL_CONFIG" in line
+    monkeypatch.setenv(CONFIG_ENV, str(tmp_path))
+    assert "is a directory" in one_error_line(runner.invoke(app_module.app, ["config", "show"]))
 
 
 def test_a_bad_default_config_file_is_one_error_line(tmp_path):

@@ -158,22 +158,27 @@ def find_config_file(explicit: Path | None = None) -> tuple[Path | None, str | N
     `$KVTOOL_CONFIG`, else `default_config_file()` when it is a file; `(None, None)` for none.
 
     Raises:
-        ConfigError: `--config` or `$KVTOOL_CONFIG` names no file (`config file not found: ...`).
+        ConfigError: `--config` or `$KVTOOL_CONFIG` names no file (`config file not found: ...`, or
+            `... is a directory, not a file: ...`).
     """
     if explicit is not None:
         if not explicit.is_file():
-            raise ConfigError("<file>", f"not found: {explicit}")
+            raise ConfigError("<file>", f"{_not_a_file(explicit)}: {explicit}")
         return explicit, "--config"
     named = os.environ.get(CONFIG_ENV)
     if named:
         path = Path(named).expanduser()
         if not path.is_file():
-            raise ConfigError("<file>", f"not found: {path} (${CONFIG_ENV})")
+            raise ConfigError("<file>", f"{_not_a_file(path)}: {path} (${CONFIG_ENV})")
         return path, f"${CONFIG_ENV}"
     default = default_config_file()
     if default is not None and default.is_file():
         return default, "default location"
     return None, None
+
+
+def _not_a_file(path: Path) -> str:
+    return "is a directory, not a file" if path.is_dir() else "not found"
 
 
 def _validated(values: dict[str, Any], where: Mapping[str, str] | None = None) -> KVToolConfig:
