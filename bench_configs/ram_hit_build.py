@@ -87,12 +87,7 @@ def measure(layers: int, heads: int, head_dim: int, tokens: int, dtype: mx.Dtype
         if not (mx.array_equal(x.keys[..., :n, :], z.keys[..., :n, :]).item()
                 and mx.array_equal(y.values[..., :n, :], z.values[..., :n, :]).item()):
             raise SystemExit("rebuilt KV differs from the source cache")
-    times: dict[str, list[float]] = {k: [] for k in ways}
-    for _ in range(rounds):
-        for name, fn in ways.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+    times = _alternated(ways, rounds)
     out = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)} for k, v in times.items()}
     for k in ("run views", "per block"):
         out[k]["vs_mlx_lm"] = out[k]["median_ms"] / out["mlx-lm"]["median_ms"]
@@ -107,14 +102,20 @@ def _store_times(src: list[KVCache], ids: np.ndarray, spans: list, rounds: int) 
     ways = {"slice_blocks": lambda: slice_blocks(src, ids, spans),
             "promote_slices": lambda: promote_slices(src, views),
             "to_host": lambda: _to_host(slice_blocks(src, ids, spans))}
+    ways["place"] = lambda: _place_ms(src, blocks)  # times itself: the buffers' allocation is not timed
+    times = _alternated(ways, rounds)
+    return {f"{k}_ms": statistics.median(v) for k, v in times.items()}
+
+
+def _alternated(ways: dict, rounds: int) -> dict[str, list[float]]:
+    """ms of each way per round, the ways alternated; a way returning a float timed itself."""
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(rounds):
         for name, fn in ways.items():
             t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-        times.setdefault("place", []).append(_place_ms(src, blocks))
-    return {f"{k}_ms": statistics.median(v) for k, v in times.items()}
+            got = fn()
+            times[name].append(got if isinstance(got, float) else (time.perf_counter() - t0) * 1e3)
+    return times
 
 
 def _to_host(blocks: list) -> list:
