@@ -3,6 +3,7 @@ cache, shut down cleanly, print what the cache did."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -68,7 +69,8 @@ def check_metrics_file(path: Path | None) -> None:
     """Refuse a `--metrics-file` whose directory does not exist, before any work (shared with `kvtool bench`).
 
     Raises:
-        CLIError: the parent is missing or not a directory, or the path is a directory.
+        CLIError: the parent is missing, not a directory or cannot be written in (a read-only
+            file system, permissions), or the path is a directory.
     """
     if path is None:
         return
@@ -77,6 +79,8 @@ def check_metrics_file(path: Path | None) -> None:
         raise common.CLIError(f"--metrics-file {path}: directory {parent} does not exist")
     if path.expanduser().is_dir():
         raise common.CLIError(f"--metrics-file {path}: is a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):  # else the run's result would be lost at its end
+        raise common.CLIError(f"--metrics-file {path}: cannot write in {parent}")
 
 
 def make_out_dir(path: Path, flag: str = "--out") -> Path:
