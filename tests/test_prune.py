@@ -435,6 +435,7 @@ def test_unreadable_namespace_is_left_alone_and_reported(cache):
     (broken / "index.sqlite").write_bytes(b"this is not a database at all" * 100)
     res = run_cli("--cache-dir", str(cache_dir), "--ttl", "0s", "--yes", "--quiet")
     assert res.exit_code == 1 and "1 problem(s)" in res.output and stored(store) == set()
+    assert "1 problem(s): abababab: left alone (unreadable) (run kvtool validate)" in res.output  # --quiet's one line says which
     assert (broken / "index.sqlite").read_bytes().startswith(b"this is not")
 
 

@@ -11,6 +11,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from kvtool.cli import common
 from kvtool.cli.output import Output
 from kvtool.cli.signals import signals_handled
@@ -149,13 +151,24 @@ def confirm_and_execute(
 
 
 def print_freed(console: Any, plan: Any, head: str, files: str) -> None:
-    """The result line: `head` N block(s), M `files`, what was freed, and the problems if any."""
+    """The result line: `head` N block(s), M `files`, what was freed, and the problems if any,
+    each named (the line `--quiet` prints is the only one: it must say what went wrong)."""
+    problems = "; ".join(_problem_text(ns) for ns in plan.namespaces if ns.problems)
     console.print(
         f"{head}{plan.total('rows_deleted')} block(s), {plan.total('files_deleted')} {files}, "
         f"{format_bytes(plan.total('bytes_freed'))} freed"
-        + (f"; [red]{plan.problems} problem(s)[/] (run kvtool validate)" if plan.problems else ""),
+        + (f"; [red]{plan.problems} problem(s)[/]: {escape(problems)} (run kvtool validate)" if plan.problems else ""),
         highlight=False, soft_wrap=True,
     )  # fmt: skip
+
+
+def _problem_text(ns: Any) -> str:
+    """`<key>: 2 file(s) not removed, index not updated, left alone (unreadable)`."""
+    parts = [f"{ns.unlink_failed} file(s) not removed"] if ns.unlink_failed else []
+    parts += ["index not updated"] if ns.index_failed else []
+    if ns.problems > ns.unlink_failed + int(ns.index_failed):
+        parts.append(f"left alone ({ns.status})")
+    return f"{ns.namespace[:8]}: {', '.join(parts)}"
 
 
 def _exit_code(plan: Any) -> int:
