@@ -45,8 +45,13 @@ import numpy as np  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from kvtool.kv import blocks as kvblocks  # noqa: E402
-from kvtool.kv.blocks import Block, cache_capacity, promote_slices, rebuild_cache, slice_blocks  # noqa: E402
+from kvtool.kv.blocks import Block, cache_capacity, rebuild_cache  # noqa: E402
 from kvtool.kv.buffers import KVBuffers  # noqa: E402
+
+try:  # where a tree cuts blocks (`--tree`: before kvtool.kv.cut, kvtool.kv.blocks did)
+    from kvtool.kv.cut import promote_slices, slice_blocks
+except ImportError:
+    from kvtool.kv.blocks import promote_slices, slice_blocks  # type: ignore[attr-defined,no-redef]
 from kvtool.kv.tree import kv_layout_of  # noqa: E402
 
 BLOCK_SIZE = 64

@@ -15,16 +15,14 @@ from kvtool.kv.blocks import (
     chain_hashes,
     from_host,
     layout_key,
-    patch_last_token,
-    promote_slices,
     rebuild_cache,
     root_parent,
     run_groups,
-    slice_blocks,
     tail_hash,
     to_host_many,
 )
 from kvtool.kv.buffers import KVBuffers, _blank_arrays
+from kvtool.kv.cut import patch_last_token, promote_slices, slice_blocks
 from kvtool.kv.tree import kv_layout_of, unsupported_cache_reason
 
 LAYOUT = layout_key("model-x", "2x8x8,2x8x8", "float32", 4, format_version=2)
@@ -370,3 +368,32 @@ def test_blocks_of_runs_placed_into_restore_buffers_one_copy_per_group(dtype):
     own = Block(blocks[0].block_hash, blocks[0].parent_hash, blocks[0].token_ids, blocks[0].keys, blocks[0].values)
     with pytest.raises(ValueError, match="has no run"):
         KVBuffers.allocate(kv_layout_of(cache), cache_capacity(T)).place(0, own, 8)
+
+
+@pytest.mark.parametrize("source", ["plain", "quantized"])
+def test_quantized_blocks_of_one_run_equal_blocks_quantized_one_by_one(source):
+    """In a quantized layout a run is quantized (or sliced from a `QuantizedKVCache`) once per
+    layer: every block's packed words, scales and biases equal those of the block quantized
+    alone (`mx.quantize` works per token and group), and the rebuilt cache (one view per run
+    and tensor) equals the one rebuilt from per-block arrays."""
+    T, bs, D = 24, 4, 64
+    kv = KVLayout.uniform(2, 2, D, "float32", bits=8, group_size=64)
+    cache = [KVCache() for _ in range(2)]
+    for li, c in enumerate(cache):
+        k = mx.random.normal((1, 2, T, D), key=mx.random.key(li))
+        c.update_and_fetch(k, -k)
+    if source == "quantized":
+        cache = [c.to_quantized(group_size=64, bits=8) for c in cache]
+    ids = np.arange(T, dtype=np.int32)
+    sp = spans(chain_hashes(ids, bs, LAYOUT), bs)
+    blocks = slice_blocks(cache, ids, sp, kv)
+    assert len(run_groups(blocks)) == 1 and len(blocks[0].keys) == 6  # 3 tensors per layer
+    alone = [slice_blocks(cache, ids, [s], kv)[0] for s in sp]
+    for b, a in zip(blocks, alone):
+        for x, y in zip(b.keys + b.values, a.keys + a.values):
+            assert x.shape == y.shape and mx.array_equal(x, y).item()
+    singles = [Block(b.block_hash, b.parent_hash, b.token_ids, b.keys, b.values) for b in blocks]
+    for r, s in zip(rebuild_cache(blocks, 2, cache_capacity(T), kv=kv), rebuild_cache(singles, 2, cache_capacity(T), kv=kv)):
+        assert r.offset == s.offset == T
+        for x, y in zip([*r.keys, *r.values], [*s.keys, *s.values]):
+            assert mx.array_equal(x, y).item()

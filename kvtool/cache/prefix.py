@@ -52,13 +52,11 @@ from kvtool.kv.blocks import (
     blake2b_chain,
     cache_capacity,
     chain_hashes,
-    patch_last_token,
-    promote_slices,
     rebuild_cache,
-    slice_blocks,
     tail_hash,
 )
 from kvtool.kv.buffers import KVBuffers
+from kvtool.kv.cut import patch_last_token, promote_slices, slice_blocks
 from kvtool.kv.model_kv import KVGeometry, KVQuantization, library_versions, probe_layout  # noqa: F401  (re-exported)
 from kvtool.kv.tree import kv_offset, leaves, sliding_windows, trim_kv
 from kvtool.kv.windows import as_rotating, with_windows

@@ -1,4 +1,5 @@
-"""Blocks in MLX: slicing mlx-lm caches into blocks, and building caches from blocks and restores.
+"""Blocks in MLX: the block form, its host form, and building caches from blocks and restores
+(`kvtool.kv.cut` cuts blocks out of a cache).
 
 A *block* is `block_size` consecutive prompt tokens together with the KV of every layer for those
 positions: per layer a keys and a values tensor `[1, n_kv_heads, n, head_dim]`, i.e. a slice of
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -207,109 +207,6 @@ def from_host(host: HostBlock) -> Block:
     return Block(host.block_hash, host.parent_hash, np.asarray(host.token_ids, dtype=np.int32), keys, values)
 
 
-def _layer_slices(c, lo: int, hi: int, kv: KVLayout | None, copy: bool) -> tuple[list[mx.array], list[mx.array]]:
-    """One layer's keys and values for tokens `[lo, hi)` in the block form of layout `kv`.
-
-    A plain `KVCache` layer of a quantized layout is quantized here (`mx.quantize` works per
-    group of one token's head dim, so a quantized slice equals the slice of the quantized cache).
-    """
-    def cut(a):
-        a = a[..., lo:hi, :]
-        return mx.contiguous(a) if copy else a
-
-    if not isinstance(c, (KVCache, QuantizedKVCache)):  # RotatingKVCache: a ring buffer, not token order
-        raise ValueError(f"cannot cut blocks from a {type(c).__name__} layer (use a full view)")
-    if isinstance(c, QuantizedKVCache):
-        if kv is None or not kv.quantized or (c.bits, c.group_size) != (kv.bits, kv.group_size):
-            raise ValueError("a quantized cache layer in a layout of another quantisation")
-        return [cut(a) for a in c.keys], [cut(a) for a in c.values]
-    if kv is not None and kv.quantized:
-        k = mx.quantize(mx.contiguous(c.keys[..., lo:hi, :]), group_size=kv.group_size, bits=kv.bits)
-        v = mx.quantize(mx.contiguous(c.values[..., lo:hi, :]), group_size=kv.group_size, bits=kv.bits)
-        return list(k), list(v)
-    return [cut(c.keys)], [cut(c.values)]
-
-
-def slice_blocks(
-    cache: list[KVCache],
-    token_ids: Sequence[int] | np.ndarray,
-    spans: Sequence[tuple[str, str, int, int]],
-    kv: KVLayout | None = None,
-    states: Sequence[Sequence[mx.array]] | None = None,
-) -> list[Block]:
-    """Cut blocks (or a tail entry) out of a filled prompt cache, as copies.
-
-    Args:
-        cache: per-layer `KVCache` (or `QuantizedKVCache`) whose `offset` covers every span, in
-            a model's structure (`CacheList`s are flattened, `ArraysCache`s skipped); buffers may
-            be padded past `offset` (mlx-lm grows them in 256-token steps): only
-            `[..., :offset, :]` is read.
-        token_ids: the prompt token ids.
-        spans: `(block_hash, parent_hash, start, stop)` token ranges.
-        kv: the namespace layout; a quantized one quantizes plain layers (None: plain).
-        states: with state layers (`ArraysCache`, skipped in `cache`), per span the state arrays
-            the record ends with (appended to `Block.values`).
-
-    Returns:
-        Evaluated blocks, each holding copies (not views) of the cache's KV.
-    """
-    ids = np.asarray(token_ids, dtype=np.int32)
-    cache = leaves(cache)
-    if _one_copy_per_layer(cache, spans, kv, states):
-        return _slice_run(cache, ids, spans)
-    blocks: list[Block] = []
-    for i, (h, parent, lo, hi) in enumerate(spans):
-        keys: list[mx.array] = []
-        values: list[mx.array] = []
-        for c in cache:
-            if isinstance(c, ArraysCache):
-                continue
-            k, v = _layer_slices(c, lo, hi, kv, copy=True)
-            keys += k
-            values += v
-        if states is not None:
-            values += list(states[i])
-        blocks.append(Block(h, parent, ids[lo:hi].copy(), keys, values))
-    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
-    return blocks
-
-
-def patch_last_token(blocks: Sequence[Block], spans: Sequence[tuple[Any, ...]], n: int,
-                     last_kv: Sequence[tuple[int, mx.array, mx.array]]) -> None:
-    """In the block whose span ends at token `n` (a prompt's last), replace the last token's KV
-    of the given KV leaves (`(KV leaf index, keys [1, H, 1, Dk], values [1, H, 1, Dv])`, plain
-    layouts) by these; the arrays are new (blocks of one run share views of one copy)."""
-    for b, span in zip(blocks, spans):
-        if span[3] != n:
-            continue
-        b.detach()  # no longer views of the run
-        for j, k, v in last_kv:
-            b.keys[j] = mx.concatenate([b.keys[j][..., :-1, :], k.astype(b.keys[j].dtype)], axis=2)
-            b.values[j] = mx.concatenate([b.values[j][..., :-1, :], v.astype(b.values[j].dtype)], axis=2)
-        mx.eval(b.keys, b.values)
-
-
-def _one_copy_per_layer(cache, spans, kv, states) -> bool:
-    """True for the common case: plain KVCache layers and back-to-back spans."""
-    if states is not None or (kv is not None and kv.quantized) or not spans:
-        return False
-    if any(type(c) is not KVCache for c in cache):
-        return False
-    return all(a[3] == b[2] for a, b in zip(spans, spans[1:]))
-
-
-def _slice_run(cache: list[KVCache], ids: np.ndarray, spans: Sequence[tuple[str, str, int, int]]) -> list[Block]:
-    """Blocks of back-to-back spans from ONE contiguous copy per layer and tensor (2 x layers
-    copies instead of 2 x layers x blocks): each block views its part of the copy. The copy is
-    shared by the run's blocks, so its memory is freed when the last of them leaves RAM."""
-    lo0, hi0 = spans[0][2], spans[-1][3]
-    runs_k = [mx.contiguous(c.keys[..., lo0:hi0, :]) for c in cache]
-    runs_v = [mx.contiguous(c.values[..., lo0:hi0, :]) for c in cache]
-    mx.eval(runs_k, runs_v)
-    run = BlockRun(runs_k, runs_v)
-    return [Block(h, parent, ids[lo:hi].copy(), run=(run, lo - lo0)) for h, parent, lo, hi in spans]
-
-
 def cache_capacity(prompt_tokens: int) -> int:
     """Tokens a rebuilt cache holds room for: the prompt plus at least one decode step, rounded
     up to mlx-lm's 256-token step (as a cold prefill would leave it), so that neither the
@@ -380,13 +277,14 @@ def run_groups(blocks: Sequence[Block]) -> list[tuple[int, int, int]]:
     return groups
 
 
-def _piece(first: Block, n: int, layer: int, keys: bool) -> mx.array:
-    """One layer's keys (or values) of a `run_groups` group of `n` tokens from block `first`:
-    the block's own array, or one view of the run spanning the group's blocks."""
+def _piece(first: Block, n: int, index: int, keys: bool) -> mx.array:
+    """Keys (or values) tensor `index` (a layer's; in a quantized layout one of its three) of a
+    `run_groups` group of `n` tokens from block `first`: the block's own array, or one view of
+    the run spanning the group's blocks."""
     if first.run is None or n == first.num_tokens:
-        return first.keys[layer] if keys else first.values[layer]
+        return first.keys[index] if keys else first.values[index]
     run, lo = first.run
-    return (run.keys if keys else run.values)[layer][..., lo : lo + n, :]
+    return (run.keys if keys else run.values)[index][..., lo : lo + n, :]
 
 
 def _rebuild_quantized(blocks: Sequence[Block], kv: KVLayout, capacity: int) -> list:
@@ -402,10 +300,10 @@ def _rebuild_quantized(blocks: Sequence[Block], kv: KVLayout, capacity: int) -> 
             parts = [*parts, mx.zeros((*p0.shape[:2], room, p0.shape[3]), p0.dtype)]
         return mx.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
 
+    groups = [(blocks[i], m) for i, _, m in run_groups(blocks)]
     for layer, c in enumerate(caches):
-        sl = slice(3 * layer, 3 * layer + 3)
-        c.keys = [cat([b.keys[sl][i] for b in blocks]) for i in range(3)]
-        c.values = [cat([b.values[sl][i] for b in blocks]) for i in range(3)]
+        c.keys = [cat([_piece(b, m, 3 * layer + i, True) for b, m in groups]) for i in range(3)]
+        c.values = [cat([_piece(b, m, 3 * layer + i, False) for b, m in groups]) for i in range(3)]
         c.offset = n
     mx.eval([c.keys for c in caches], [c.values for c in caches])
     return caches
@@ -463,38 +361,3 @@ def state_arrays(cache: list) -> list[mx.array]:
     """The state arrays of a cache's state layers (`ArraysCache`, `CacheList`s flattened), in
     order (references: mlx-lm replaces them with new arrays at every step, so this is a snapshot)."""
     return [a for c in leaves(cache) if isinstance(c, ArraysCache) for a in c.cache]
-
-
-
-def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
-                   kv: KVLayout | None = None) -> list[Block]:
-    """Blocks that are views into a finished request's cache (no copy), for the RAM tier.
-
-    Args:
-        cache: the request's caches after generation (their prompt positions are final).
-        spans: `(block_hash, parent_hash, token_ids, offset)` per block, plus the block's state
-            arrays with state layers.
-        kv: the namespace layout (None: plain).
-    """
-    blocks = []
-    cache = leaves(cache)
-    if (kv is None or not kv.quantized) and all(type(c) is KVCache for c in cache):  # views made when asked for
-        run = BlockRun([c.keys for c in cache], [c.values for c in cache])
-        mx.eval(run.keys, run.values)
-        return [Block(h, parent, np.asarray(ids, dtype=np.int32), run=(run, off)) for h, parent, ids, off, *_ in spans]
-    for h, parent, ids, off, *state in spans:
-        n = len(ids)
-        keys: list[mx.array] = []
-        values: list[mx.array] = []
-        for c in cache:
-            if isinstance(c, ArraysCache):
-                continue
-            k, v = _layer_slices(c, off, off + n, kv, copy=False)
-            keys += k
-            values += v
-        if state:  # state layers: the entry's state arrays (host copies from the restore)
-            assert kv is not None  # state layers exist only in a layout
-            values += [x if isinstance(x, mx.array) else to_mlx(x) for x in state[0]]
-        blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
-    mx.eval([b.keys for b in blocks], [b.values for b in blocks])
-    return blocks
