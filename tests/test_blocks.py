@@ -392,6 +392,11 @@ def test_quantized_blocks_of_one_run_equal_blocks_quantized_one_by_one(source):
     for b, a in zip(blocks, alone):
         for x, y in zip(b.keys + b.values, a.keys + a.values):
             assert x.shape == y.shape and mx.array_equal(x, y).item()
+    if source == "quantized":  # a hit's blocks entering RAM: views of the cache, one run
+        promoted = promote_slices(cache, [(h, p, ids[lo:hi], lo) for h, p, lo, hi in sp], kv)
+        assert len(run_groups(promoted)) == 1
+        for b, a in zip(promoted, alone):
+            assert all(mx.array_equal(x, y).item() for x, y in zip(b.keys + b.values, a.keys + a.values))
     singles = [Block(b.block_hash, b.parent_hash, b.token_ids, b.keys, b.values) for b in blocks]
     for r, s in zip(rebuild_cache(blocks, 2, cache_capacity(T), kv=kv), rebuild_cache(singles, 2, cache_capacity(T), kv=kv)):
         assert r.offset == s.offset == T

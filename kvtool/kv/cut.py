@@ -139,8 +139,8 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
     """
     blocks = []
     cache = leaves(cache)
-    if (kv is None or not kv.quantized) and all(type(c) is KVCache for c in cache):  # views made when asked for
-        run = BlockRun([c.keys for c in cache], [c.values for c in cache])
+    run = _run_of(cache, kv)
+    if run is not None:  # views made when asked for (`Block.keys`)
         mx.eval(run.keys, run.values)
         return [Block(h, parent, np.asarray(ids, dtype=np.int32), run=(run, off)) for h, parent, ids, off, *_ in spans]
     for h, parent, ids, off, *state in spans:
@@ -159,3 +159,16 @@ def promote_slices(cache: list[KVCache], spans: Sequence[tuple[Any, ...]],
         blocks.append(Block(h, parent, np.asarray(ids, dtype=np.int32), keys, values))
     mx.eval([b.keys for b in blocks], [b.values for b in blocks])
     return blocks
+
+
+def _run_of(cache: list, kv: KVLayout | None) -> BlockRun | None:
+    """The cache's arrays as a run its blocks can view: plain `KVCache` layers in a plain layout,
+    or `QuantizedKVCache` layers of the layout's quantisation (3 tensors each); else None
+    (state layers, plain layers of a quantized layout: per-block arrays)."""
+    if (kv is None or not kv.quantized) and all(type(c) is KVCache for c in cache):
+        return BlockRun([c.keys for c in cache], [c.values for c in cache])
+    if kv is not None and kv.quantized and all(
+        type(c) is QuantizedKVCache and (c.bits, c.group_size) == (kv.bits, kv.group_size) for c in cache
+    ):
+        return BlockRun([a for c in cache for a in c.keys], [a for c in cache for a in c.values])
+    return None
