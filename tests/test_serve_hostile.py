@@ -238,6 +238,18 @@ def test_oversized_body_gets_413_and_the_client_reads_it(hostile):
 
 
 @pytest.mark.slow
+def test_null_optional_fields_are_not_given(hostile):
+    """OpenAI's API reads a null optional field as not given, and clients send them: the answer
+    equals the request's without them (plain mlx_lm.server refuses them, 'must be of type')."""
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "top_logprobs", "stream",
+                           "stream_options", "stop", "logit_bias", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "max_completion_tokens", "tools", "tool_choice",
+                           "response_format", "user", "n"))  # fmt: skip
+    assert normal_text(hostile, {**NORMAL, **nulls}) == hostile.baseline
+    assert_refused(post(hostile, {**NORMAL, "messages": None}), 400, "messages")
+
+
+@pytest.mark.slow
 def test_huge_max_tokens_and_bad_field_types_get_400(hostile):
     for field, value in (("max_tokens", 10**18), ("max_tokens", 0), ("max_tokens", True), ("max_tokens", 2.5),
                          ("max_completion_tokens", 10**9), ("temperature", "hot"), ("temperature", -1),

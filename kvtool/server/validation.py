@@ -224,7 +224,9 @@ def _check_messages(messages: Any, images: bool) -> None:
 def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, Any]:
     """Check (and normalise in place) the fields mlx-lm's handler and generation thread use.
 
-    Normalisation: empty strings are dropped from a `stop` list; `stream_options` without
+    Normalisation: a top-level null (other than `model`, `messages`, `prompt`) is dropped, as
+    OpenAI's API reads it as "not given" (clients send `"temperature": null`; mlx-lm's handler
+    refuses it); empty strings are dropped from a `stop` list; `stream_options` without
     `include_usage` gets `include_usage: false` (mlx-lm indexes it).
 
     Returns:
@@ -234,6 +236,8 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, 
         RequestError: 400 for a missing or mistyped field or a value out of range; 404 for a
             `model` (or `draft_model`) that this server does not serve.
     """
+    for name in [k for k, v in body.items() if v is None and k not in ("model", "messages", "prompt")]:
+        del body[name]
     _check_model(body, limits.model_names)
     if path == "/v1/completions":
         prompt = body.get("prompt")
