@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -30,3 +31,19 @@ def tiny_model():
     from kvtool.models.loader import load_model
 
     return load_model("tiny")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty directory on a read-only bind mount of itself (where a write fails with EROFS even
+    for root, who passes every permission check); skipped where mounting is not allowed (needs
+    root or CAP_SYS_ADMIN: a container without it, macOS)."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    res = subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}")
+    try:
+        yield ro
+    finally:
+        subprocess.run(["umount", str(ro)], capture_output=True)

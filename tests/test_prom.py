@@ -202,19 +202,13 @@ def test_metrics_file_in_a_missing_directory_is_one_error_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_metrics_file_in_a_read_only_directory_is_refused_before_the_run(tmp_path):
+def test_metrics_file_in_a_read_only_directory_is_refused_before_the_run(tmp_path, read_only_dir):
     """Checked before any work: a failure at the end lost the run's result."""
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    if subprocess.run(["mount", "--bind", "-o", "ro", str(ro), str(ro)], capture_output=True).returncode != 0:
-        pytest.skip("cannot make a read-only bind mount here (needs root / CAP_SYS_ADMIN)")
-    try:
-        res = kvtool("serve-once", "-p", "hi", "--cache-dir", str(tmp_path / "kv"), "--json", "--metrics-file", str(ro / "m.prom"))
-        assert res.returncode == 2 and res.stdout == "", res.stderr
-        assert res.stderr.strip() == f"error: --metrics-file {ro / 'm.prom'}: cannot write in {ro}"
-        assert not (tmp_path / "kv").exists()  # no work done
-    finally:
-        subprocess.run(["umount", str(ro)], capture_output=True)
+    ro = read_only_dir
+    res = kvtool("serve-once", "-p", "hi", "--cache-dir", str(tmp_path / "kv"), "--json", "--metrics-file", str(ro / "m.prom"))
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.strip() == f"error: --metrics-file {ro / 'm.prom'}: cannot write in {ro}"
+    assert not (tmp_path / "kv").exists()  # no work done
 
 
 # --------------------------------------------------------------------------- GET /metrics of kvtool serve

@@ -51,10 +51,10 @@ NAME_TO_MX = {v: k for k, v in DTYPE_NAMES.items()}  # KV dtype name ('bfloat16'
 
 @dataclass(eq=False)
 class BlockRun:
-    """The arrays that the blocks of one run view (plain `KVCache` layers only): per KV layer
-    keys and values `[1, n_kv_heads, T, head_dim]` holding the run's tokens back to back. A
-    rebuilt cache takes one view of it per layer for consecutive blocks instead of one piece per
-    block (`rebuild_cache`: one copy per layer, not per block and layer)."""
+    """The arrays that the blocks of one run view: per KV layer keys and values `[1, n_kv_heads,
+    T, head_dim]` (a quantized layout: its 3 tensors each, as `Block.keys`) holding the run's
+    tokens back to back; no state layers. A rebuilt cache takes one view of it per tensor for
+    consecutive blocks instead of one piece per block (`rebuild_cache`, `run_groups`)."""
 
     keys: list[mx.array]
     values: list[mx.array]
@@ -120,9 +120,8 @@ class Block:
     @property
     def dtype(self) -> str:
         """KV dtype name (of the scales and biases in a quantized block)."""
-        arrays = (*self.run[0].keys, *self.run[0].values) if self._keys is None and self.run is not None \
-            else (*self.keys, *self.values)
-        return dtype_name(next(a.dtype for a in arrays if a.dtype != mx.uint32))
+        src = self.run[0] if self._keys is None and self.run is not None else self  # no views made for it
+        return dtype_name(next(a.dtype for a in (*src.keys, *src.values) if a.dtype != mx.uint32))
 
 
 def to_numpy(a: mx.array) -> np.ndarray:
@@ -280,8 +279,8 @@ def run_groups(blocks: Sequence[Block]) -> list[tuple[int, int, int]]:
 def _piece(first: Block, n: int, index: int, keys: bool) -> mx.array:
     """Keys (or values) tensor `index` (a layer's; in a quantized layout one of its three) of a
     `run_groups` group of `n` tokens from block `first`: the block's own array, or one view of
-    the run spanning the group's blocks."""
-    if first.run is None or n == first.num_tokens:
+    the run spanning the group's blocks (no per-block views made)."""
+    if first.run is None:
         return first.keys[index] if keys else first.values[index]
     run, lo = first.run
     return (run.keys if keys else run.values)[index][..., lo : lo + n, :]

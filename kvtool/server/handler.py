@@ -44,6 +44,7 @@ from kvtool.prom import CacheMetrics
 from kvtool.server import api_routes, apis, http_errors, validation
 from kvtool.server.adapter import KVToolPromptCache
 from kvtool.server.head_reader import HeadReader
+from kvtool.server.http_errors import CLIENT_GONE
 from kvtool.server.validation import RequestError
 from kvtool.server.watchdog import AdmittedHandler, RequestGuard, error_status
 
@@ -58,7 +59,6 @@ HEAD_TIMEOUT_S = 20.0  # the whole request head (request line and headers) must 
 MAX_CONNECTIONS_PER_PEER = 64  # connections from one client address at once; more: 503 (`--max-connections-per-peer`)
 LISTEN_BACKLOG = 128  # connections the kernel queues before they are accepted
 LINGER_S = 2.0  # after refusing an unread body, how long the rest is read and dropped
-CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
 class _Capture:
@@ -268,17 +268,6 @@ class _KVToolHandler(apis.ApiHandlerMixin, http_errors.JsonErrors):
     def _send_json(self, status: int, doc: Any) -> None:
         data = json.dumps(doc, default=str).encode()
         self._send(data, lambda: super(_KVToolHandler, self)._set_completion_headers(status))
-
-    def _send(self, data: bytes, head: Any) -> None:
-        """`head()` (the status line and headers but the length), then `data`; a client gone meanwhile closes."""
-        try:
-            head()
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-            self.wfile.flush()
-        except CLIENT_GONE:
-            self.close_connection = True
 
     def _refuse(self, exc: RequestError) -> None:
         self.kvtool_guard.count_rejected(exc.status)

@@ -29,6 +29,7 @@ else:
     _Base = object
 
 GET_ROUTES = ("/health", "/v1/models")  # mlx-lm's own GET routes (`/v1/models/<id>` too)
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 
 
 class JsonErrors(_Base):
@@ -62,15 +63,26 @@ class JsonErrors(_Base):
         self._json_error(code, text, {"Connection": "close"})
 
     def _json_error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        def head() -> None:
+            self.send_response(status)
+            for name, value in {"Content-Type": "application/json", **(headers or {})}.items():
+                self.send_header(name, value)
+
         data = json.dumps(self.api_error_doc(int(status), message)).encode()
-        self.send_response(status)
-        for name, value in {"Content-Type": "application/json", **(headers or {}),
-                            "Content-Length": str(len(data))}.items():
-            self.send_header(name, value)
-        self.end_headers()
-        if getattr(self, "command", None) != "HEAD":
-            self.wfile.write(data)
-        self.wfile.flush()
+        self._send(data, head, body=getattr(self, "command", None) != "HEAD")
+
+    def _send(self, data: bytes, head: Any, body: bool = True) -> None:
+        """`head()` (the status line and headers but the length), then `data` (not for a HEAD
+        request: `body` False); a client gone meanwhile closes. Every answer kvtool writes itself."""
+        try:
+            head()
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+            self.wfile.flush()
+        except CLIENT_GONE:
+            self.close_connection = True
 
 
-__all__ = ["JsonErrors"]
+__all__ = ["CLIENT_GONE", "JsonErrors"]
