@@ -33,9 +33,9 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from kvtool.server.validation import RequestError
+from kvtool.server.validation import RequestError, StrictModel, error_text
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 411: "invalid_request_error",
@@ -45,28 +45,24 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "stop": "end_t
 
 
 # ----------------------------------------------------------------------------- request models
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: Any = None
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
 
 
-class RedactedThinkingBlock(_Strict):
+class RedactedThinkingBlock(StrictModel):
     type: Literal["redacted_thinking"]
     data: str
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str
     name: str
@@ -74,7 +70,7 @@ class ToolUseBlock(_Strict):
     cache_control: Any = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str
     content: str | list[TextBlock] | None = None
@@ -87,12 +83,12 @@ Block = Annotated[TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlo
                   Field(discriminator="type")]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
@@ -100,18 +96,18 @@ class Tool(_Strict):
     cache_control: Any = None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Strict):
+class Thinking(StrictModel):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
-class CountRequest(_Strict):
+class CountRequest(StrictModel):
     """The body of `POST /v1/messages/count_tokens` (the prompt's fields of a `MessagesRequest`)."""
 
     model: str
@@ -139,19 +135,7 @@ def _parse(model: type[CountRequest], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        # the deepest error names the offending field (a union's other branches fail near its top)
-        err = max(exc.errors(), key=lambda e: len(e["loc"]))
-        raise RequestError(400, f"{_where(err['loc'])}: {err['msg']}") from None
-
-
-def _where(loc: tuple[Any, ...]) -> str:
-    """A pydantic error location without its union branch names (`str`, `list[...]`, a block's tag)."""
-    parts: list[str] = []
-    for i, part in enumerate(loc):
-        tag = part in BLOCK_TYPES and i > 1 and isinstance(loc[i - 1], int) and "tagged-union" in str(loc[i - 2])
-        if not (isinstance(part, str) and (part in ("str", "list", "dict") or "[" in part or tag)):
-            parts.append(str(part))
-    return ".".join(parts) or "body"
+        raise RequestError(400, error_text(exc, BLOCK_TYPES)) from None
 
 
 def _text(blocks: str | list[TextBlock] | None) -> str:

@@ -36,9 +36,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag, ValidationError
 
-from kvtool.server.validation import RequestError
+from kvtool.server.validation import RequestError, StrictModel, error_text
 
 ROUTE = "/v1/responses"
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
@@ -47,39 +47,33 @@ ERROR_CODES = {401: "invalid_api_key"}  # OpenAI's `code` where it has one for t
 
 
 # ----------------------------------------------------------------------------- request models
-class _Model(BaseModel):
-    """Strict types (no "1" for 1), unknown fields ignored (agents send fields of the API we do not use)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Model):
+class TextPart(StrictModel):
     """A text part of a message: `input_text` (user, system) or `output_text` (an earlier answer)."""
 
     type: Literal["input_text", "output_text"]
     text: str
 
 
-class MessageItem(_Model):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
 
 
-class FunctionCallItem(_Model):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str  # a JSON text, as the model wrote it
 
 
-class FunctionCallOutputItem(_Model):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[TextPart]
 
 
-class ReasoningItem(_Model):
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
 
 
@@ -98,7 +92,7 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Model):
+class FunctionTool(StrictModel):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -106,7 +100,7 @@ class FunctionTool(_Model):
     strict: bool | None = None
 
 
-class OtherTool(_Model):
+class OtherTool(StrictModel):
     """A tool of another type: built-in tools (`web_search`, `file_search`, ...) run on OpenAI's
     side, `custom` tools need grammar-constrained output; none of them runs here: dropped."""
 
@@ -123,7 +117,7 @@ Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[OtherTool,
                  Discriminator(_tool_type)]
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(StrictModel):
     """The fields of a Responses request that kvtool uses (others are ignored)."""
 
     model: str = "default_model"
@@ -140,43 +134,7 @@ class ResponsesRequest(_Model):
     previous_response_id: str | None = None
 
 
-BRANCH_WORDS = {"str": "a string", "list": "a list", "dict": "an object"}  # union branches in pydantic's error locations
-ITEM_TAGS = ("message", "function_call", "function_call_output", "reasoning")
-UNION_TAGS = ITEM_TAGS + ("function", "other")  # the tags of `InputItem` and `Tool`
-
-
-def _is_branch(part: str | int) -> bool:
-    return isinstance(part, str) and (part in BRANCH_WORDS or "[" in part)
-
-
-def _path(loc: tuple[str | int, ...]) -> str:
-    """`input[0].content` from pydantic's `("input", "list[...]", 0, "message", "content")`:
-    union branches and the union tag after an index left out."""
-    path, prev = "", None
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif not _is_branch(part) and not (isinstance(prev, int) and part in UNION_TAGS):
-            path += f".{part}" if path else part
-        prev = part
-    return path or "body"
-
-
-def _error_text(exc: ValidationError) -> str:
-    """The most specific pydantic error (the longest location) as `field.path: message`; a value
-    that fits no branch of a union is `path: must be a string or a list`."""
-    errors = exc.errors(include_url=False)
-    err = max(errors, key=lambda e: len(e["loc"]))
-    path = _path(err["loc"])
-    if err["type"] == "union_tag_invalid":
-        return f"{path}: unknown item type {err['input'].get('type')!r}; supported: {', '.join(ITEM_TAGS)}"
-    if err["type"] == "union_tag_not_found":
-        return f"{path}: must be an object with a string type"
-    branches = [e["loc"][-1] for e in errors if e["loc"][:-1] == err["loc"][:-1] and _is_branch(e["loc"][-1])]
-    if len(branches) > 1:
-        words = [BRANCH_WORDS.get(str(b).split("[")[0], str(b)) for b in branches]
-        return f"{path}: must be {' or '.join(words)}"
-    return f"{path}: {err['msg']}"
+UNION_TAGS = ("message", "function_call", "function_call_output", "reasoning", "function", "other")  # of `InputItem` and `Tool`
 
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
@@ -193,7 +151,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     try:
         return ResponsesRequest.model_validate(body)
     except ValidationError as exc:
-        raise RequestError(400, _error_text(exc)) from None
+        raise RequestError(400, error_text(exc, UNION_TAGS)) from None
 
 
 # ----------------------------------------------------------------------------- request → chat
@@ -351,8 +309,8 @@ def from_chat(chat: dict[str, Any]) -> dict[str, Any]:
 def error_body(status: int, message: str) -> dict[str, Any]:
     """OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}` (type by status).
     A message of the chat-completions checks about `max_tokens` names this API's `max_output_tokens`."""
-    if message.startswith("max_tokens "):
-        message = "max_output_tokens " + message[len("max_tokens "):]
+    if message.startswith("max_tokens:"):
+        message = "max_output_tokens" + message[len("max_tokens"):]
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     code = "model_not_found" if status == 404 and message.startswith("model ") else ERROR_CODES.get(status)
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}

@@ -5,8 +5,10 @@ mlx-lm's `APIHandler` checks the types of most sampling fields, but a few malfor
 past it and break the server: `"stop": 5` kills the generation thread (every later request is
 answered 404 "generation thread died"), a deeply nested or non-UTF-8 body closes the connection
 without an answer, a negative or huge `Content-Length` blocks or fails the handler, and a huge
-`max_tokens` or prompt occupies the generation thread for minutes. Everything here is pure
-Python (no MLX): the handler (`kvtool.server.serve`) calls, in order,
+`max_tokens` or prompt occupies the generation thread for minutes. Nothing here uses MLX; the
+request fields are checked by pydantic models (`_schemas`; `StrictModel` and `error_text` are
+every API's: `kvtool.server.api_messages`, `kvtool.server.api_responses`). The handler
+(`kvtool.server.serve`) calls, in order,
 
     n = content_length(headers.get("Content-Length"), limits.max_body_bytes)   # 400 / 411 / 413
     body = parse_body(raw_bytes)                                               # 400
@@ -19,10 +21,12 @@ Each check raises `RequestError(status, message)`; the handler answers it as
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 # the token limits and the seed range are the one-shot commands' too (kvtool.models.limits)
 from kvtool.models.limits import DEFAULT_CONTEXT_TOKENS, MAX_PROMPT_TOKENS_CAP, MAX_SEED, model_context_length
@@ -47,7 +51,7 @@ class RequestError(Exception):
         self.message = message
 
 
-@dataclass
+@dataclass(frozen=True)
 class Limits:
     """What `check_request` accepts.
 
@@ -133,96 +137,185 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-# ----------------------------------------------------------------------------- fields
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+# ----------------------------------------------------------------------------- request schemas
+class StrictModel(BaseModel):
+    """The base of every API's request models: strict types (no "1" for 1, no `true` for 1),
+    unknown fields ignored (clients send fields of the API that kvtool passes on or does not use)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+Finite = Annotated[float, Field(allow_inf_nan=False)]  # a JSON number; 1e400 parses as inf
+BRANCH_WORDS = {"str": "a string", "list": "a list", "dict": "an object"}  # union branches in pydantic's error locations
 
 
-def _bad(field_name: str, what: str) -> RequestError:
-    return RequestError(400, f"{field_name} must be {what}")
+def _is_branch(part: str | int) -> bool:
+    return isinstance(part, str) and (part.removeprefix("constrained-") in BRANCH_WORDS or "[" in part)
 
 
-def _check_int(body: dict, name: str, lo: int, hi: int) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if not _is_int(value) or not lo <= value <= hi:
-        raise _bad(name, f"an integer from {lo} to {hi}")
+def field_path(loc: tuple[str | int, ...], tags: tuple[str, ...] = ()) -> str:
+    """`input[0].content` from pydantic's `("input", "list[...]", 0, "message", "content")`: union
+    branches and a union's tag (one of `tags`) right after a list index left out."""
+    path, prev = "", None
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not _is_branch(part) and not (isinstance(prev, int) and part in tags):
+            path += f".{part}" if path else part
+        prev = part
+    return path or "body"
 
 
-def _check_number(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> None:
-    value = body.get(name)
-    if value is None:
-        return
-    if not _is_number(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
-        span = f" from {lo} to {hi}" if lo is not None and hi is not None else f" >= {lo}" if lo is not None else ""
-        raise _bad(name, f"a finite number{span}")
+def error_text(exc: ValidationError, tags: tuple[str, ...] = ()) -> str:
+    """The most specific pydantic error (the longest location) as `field.path: message`; a value
+    of no type of a union is `path: must be a string or a list`. `tags`: the tags of the
+    models' tagged unions (`field_path`)."""
+    errors = exc.errors(include_url=False)
+    # the deepest error; at one depth, a value of the right type that breaks a rule (a list too long)
+    err = max(errors, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+    path = field_path(err["loc"], tags)
+    if err["type"] == "union_tag_invalid":  # a discriminator field's value that no model takes
+        return f"{path}: unknown type {err['ctx']['tag']!r}; supported: {err['ctx']['expected_tags']}"
+    if err["type"] == "union_tag_not_found":
+        return f"{path}: must be an object with a string type"
+    branches = [e["loc"][-1] for e in errors if e["loc"][:-1] == err["loc"][:-1] and _is_branch(e["loc"][-1])]
+    if len(branches) > 1 and err["type"].endswith("_type"):
+        words = [BRANCH_WORDS.get(str(b).split("[")[0].removeprefix("constrained-"), str(b)) for b in branches]
+        return f"{path}: must be {' or '.join(words)}"
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{path}: must be an object"  # (pydantic's text names the model class)
+    return f"{path}: {err['msg'].removeprefix('Value error, ')}"
 
 
-def _check_stop(body: dict) -> None:
-    """`stop`: absent, null, a string or a list of strings (empty strings are dropped, as mlx-lm
-    drops an empty `stop`)."""
-    stop = body.get("stop")
-    if stop is None or isinstance(stop, str):
-        if isinstance(stop, str) and len(stop) > MAX_STOP_CHARS:
-            raise _bad("stop", f"at most {MAX_STOP_CHARS} characters long")
-        return
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _bad("stop", "a string or a list of strings")
-    if len(stop) > MAX_STOP_WORDS or any(len(s) > MAX_STOP_CHARS for s in stop):
-        raise _bad("stop", f"at most {MAX_STOP_WORDS} strings of at most {MAX_STOP_CHARS} characters")
-    body["stop"] = [s for s in stop if s]
+# OpenAI chat-completions / completions: the fields mlx-lm's handler and generation thread use
+class _TextPart(StrictModel):
+    type: Literal["text"]
+    text: str
 
 
-def _check_content(content: Any, where: str, images: bool) -> None:
-    if content is None or isinstance(content, str):
-        return
-    if not isinstance(content, list):
-        raise _bad(f"{where}.content", "a string, null or a list of content parts")
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise _bad(f"{where}.content[{j}]", "an object with a string 'type'")
-        if part["type"] == "text":
-            if not isinstance(part.get("text"), str):
-                raise _bad(f"{where}.content[{j}].text", "a string")
-        elif part["type"] in IMAGE_PART_TYPES:
-            if not images:
-                raise RequestError(400, f"{where}.content[{j}]: this model does not take images")
-            url = part.get("image_url", part.get("image"))
-            url = url.get("url") if isinstance(url, dict) else url
-            if not isinstance(url, str):
-                raise _bad(f"{where}.content[{j}] image url", "a string")
-        else:
-            raise RequestError(400, f"{where}.content[{j}]: content type {part['type'][:40]!r} is not supported")
+class _ImagePart(StrictModel):
+    """An image part (`IMAGE_PART_TYPES`): its url in `image_url` (a string or `{"url": ...}`) or `image`."""
+
+    type: str
+    image_url: Any = None
+    image: Any = None
+
+    @model_validator(mode="after")
+    def _url(self) -> _ImagePart:
+        url = self.image_url if self.image_url is not None else self.image
+        if not isinstance(url.get("url") if isinstance(url, dict) else url, str):
+            raise ValueError("the image url must be a string")
+        return self
 
 
-def _check_messages(messages: Any, images: bool) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "a non-empty list of message objects")
-    if len(messages) > MAX_MESSAGES:
-        raise _bad("messages", f"at most {MAX_MESSAGES} messages")
-    for i, msg in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise _bad(where, "an object with 'role' and 'content'")
-        if not isinstance(msg.get("role"), str):
-            raise _bad(f"{where}.role", "a string")
-        _check_content(msg.get("content"), where, images)
-        calls = msg.get("tool_calls")
-        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
-            raise _bad(f"{where}.tool_calls", "a list of objects")
-        for c in calls or []:
-            func = c.get("function")
-            if func is not None and not isinstance(func, dict):
-                raise _bad(f"{where}.tool_calls[].function", "an object")
+class _NoImagePart(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        raise ValueError("this model does not take images")
+
+
+class _OtherPart(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, value: Any) -> Any:
+        raise ValueError(f"content type {str(value.get('type'))[:40]!r} is not supported")
+
+
+def _part_kind(value: Any, images: bool) -> str | None:
+    """The tag of a content part: `text`, `image` (`noimage` where the model takes none), `other`."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str):
+        return None
+    if kind in IMAGE_PART_TYPES:
+        return "image" if images else "noimage"
+    return "text" if kind == "text" else "other"
+
+
+PART_TAGS = ("text", "image", "noimage", "other")
+
+
+class _ToolCall(StrictModel):
+    function: dict[str, Any] | None = None
+
+
+class _StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class _Sampling(StrictModel):
+    """The fields both paths share; ranges that depend on the server are set by `_schemas`."""
+
+    model: str = "default_model"
+    adapters: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    stream: bool = False
+    logprobs: bool = False
+    stream_options: _StreamOptions | None = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] | Annotated[
+        list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_WORDS)] | None = None
+    temperature: Annotated[Finite, Field(ge=0.0)] | None = None
+    top_p: Annotated[Finite, Field(ge=0.0, le=1.0)] | None = None
+    min_p: Annotated[Finite, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    top_logprobs: Annotated[int, Field(ge=-1, le=11)] | None = None
+    repetition_penalty: Finite | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+
+
+@functools.lru_cache(maxsize=8)
+def _schemas(limits: Limits) -> tuple[type[StrictModel], type[StrictModel]]:
+    """(completions, chat) request models with `limits`' ranges (one pair per server)."""
+    tokens = Annotated[int, Field(ge=1, le=limits.max_tokens_cap)] | None
+    window = Annotated[int, Field(ge=0, le=limits.max_tokens_cap + limits.max_prompt_tokens)] | None
+
+    def part_kind(value: Any) -> str | None:
+        return _part_kind(value, limits.images)
+
+    part = Annotated[Annotated[_TextPart, Tag("text")] | Annotated[_ImagePart, Tag("image")]
+                     | Annotated[_NoImagePart, Tag("noimage")] | Annotated[_OtherPart, Tag("other")],
+                     Discriminator(part_kind)]
+    vocab = limits.vocab_size
+
+    class Message(StrictModel):
+        role: str
+        content: str | list[part] | None = None
+        tool_calls: list[_ToolCall] | None = None
+
+    class Common(_Sampling):
+        max_tokens: tokens = None
+        max_completion_tokens: tokens = None
+        top_k: Annotated[int, Field(ge=0, le=vocab or 1 << 31)] | None = None
+        repetition_context_size: window = None
+        presence_context_size: window = None
+        frequency_context_size: window = None
+        logit_bias: Annotated[dict[str, Finite], Field(max_length=max(vocab, 1 << 20))] | None = None
+
+        @field_validator("logit_bias")
+        @classmethod
+        def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+            for key in bias or {}:
+                token = key.strip()
+                if not (token.isascii() and token.isdigit() and len(token) < 20) or (vocab and int(token) >= vocab):
+                    span = f" (0 to {vocab - 1})" if vocab else ""
+                    raise ValueError(f"keys must be token ids{span}, got {key[:40]!r}")
+            return bias
+
+    class Completion(Common):
+        prompt: Annotated[str, Field(min_length=1)]
+
+    class Chat(Common):
+        messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+        tools: list[dict[str, Any]] | None = None
+        role_mapping: dict[str, str] | None = None
+
+    return Completion, Chat
 
 
 def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, Any]:
-    """Check (and normalise in place) the fields mlx-lm's handler and generation thread use.
+    """Check (and normalise in place) the fields mlx-lm's handler and generation thread use
+    (pydantic models, strict types; `_schemas`).
 
     Normalisation: a top-level null (other than `model`, `messages`, `prompt`) is dropped, as
     OpenAI's API reads it as "not given" (clients send `"temperature": null`; mlx-lm's handler
@@ -233,84 +326,38 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, 
         `body`.
 
     Raises:
-        RequestError: 400 for a missing or mistyped field or a value out of range; 404 for a
-            `model` (or `draft_model`) that this server does not serve.
+        RequestError: 400 for a missing or mistyped field or a value out of range
+            (`field.path: message`); 404 for a `model` (or `draft_model`) that this server does
+            not serve.
     """
     for name in [k for k, v in body.items() if v is None and k not in ("model", "messages", "prompt")]:
         del body[name]
     _check_model(body, limits.model_names)
-    if path == "/v1/completions":
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            raise _bad("prompt", "a non-empty string")
-    else:
-        _check_messages(body.get("messages"), limits.images)
-        tools = body.get("tools")
-        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-            raise _bad("tools", "a list of objects")
-        role_mapping = body.get("role_mapping")
-        if role_mapping is not None and (not isinstance(role_mapping, dict)
-                                         or not all(isinstance(v, str) for v in role_mapping.values())):
-            raise _bad("role_mapping", "an object of strings")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs", "an object")
-    for name in ("stream", "logprobs"):
-        if name in body and not isinstance(body[name], bool):
-            raise _bad(name, "true or false")
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise _bad("stream_options", "an object with a boolean include_usage")
-        options.setdefault("include_usage", False)
-    _check_stop(body)
-    for name in ("max_tokens", "max_completion_tokens"):
-        _check_int(body, name, 1, limits.max_tokens_cap)
-    _check_number(body, "temperature", 0.0)
-    _check_number(body, "top_p", 0.0, 1.0)
-    _check_number(body, "min_p", 0.0, 1.0)
-    _check_int(body, "top_k", 0, limits.vocab_size or 1 << 31)
-    _check_int(body, "seed", 0, MAX_SEED)
-    _check_int(body, "top_logprobs", -1, 11)
-    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty"):
-        _check_number(body, name)
-    for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
-        _check_int(body, name, 0, limits.max_tokens_cap + limits.max_prompt_tokens)
-    _check_logit_bias(body.get("logit_bias"), limits.vocab_size)
+    completion, chat = _schemas(limits)
+    try:
+        (completion if path == "/v1/completions" else chat).model_validate(body)
+    except ValidationError as exc:
+        raise RequestError(400, error_text(exc, PART_TAGS)) from None
+    if isinstance(body.get("stop"), list):
+        body["stop"] = [s for s in body["stop"] if s]  # as mlx-lm drops an empty `stop`
+    if "stream_options" in body:
+        body["stream_options"].setdefault("include_usage", False)
     return body
 
 
 def _check_model(body: dict[str, Any], names: tuple[str, ...]) -> None:
-    """`model` one of `names` (404 otherwise), no `draft_model` (404), `adapters` a string or null."""
+    """`model` one of `names` (404 otherwise), no `draft_model` (404)."""
     model = body.get("model", "default_model")
     if not isinstance(model, str):
-        raise _bad("model", "a string")
+        raise RequestError(400, "model must be a string")
     if model not in names:
         raise RequestError(404, f"model {model[:200]!r} is not served here; use one of: "
                                 f"{', '.join(repr(n) for n in names)}")
     draft = body.get("draft_model", "default_model")
     if draft not in (None, "default_model"):
         raise RequestError(404, "draft_model: this server has no draft model")
-    adapters = body.get("adapters")
-    if adapters is not None and not isinstance(adapters, str):
-        raise _bad("adapters", "a string or null")
 
 
-def _check_logit_bias(bias: Any, vocab_size: int) -> None:
-    if bias is None:
-        return
-    what = f"an object of token id (0 to {vocab_size - 1}) -> finite number" if vocab_size else \
-        "an object of token id -> finite number"
-    if not isinstance(bias, dict) or len(bias) > max(vocab_size, 1 << 20):
-        raise _bad("logit_bias", what)
-    for key, value in bias.items():
-        token = key.strip()
-        if not (token.isascii() and token.isdigit() and len(token) < 20) or not _is_number(value):
-            raise _bad("logit_bias", what)
-        if vocab_size and int(token) >= vocab_size:
-            raise _bad("logit_bias", what)
-
-
-__all__ = ["RequestError", "Limits", "content_length", "parse_body", "check_request", "model_context_length",
+__all__ = ["RequestError", "Limits", "StrictModel", "Finite", "error_text", "field_path", "content_length", "parse_body", "check_request", "model_context_length",
            "DEFAULT_MAX_BODY_BYTES", "DRAIN_MAX_BYTES", "MAX_JSON_DEPTH", "MAX_PROMPT_TOKENS_CAP",
            "DEFAULT_CONTEXT_TOKENS", "COMPLETION_PATHS"]
