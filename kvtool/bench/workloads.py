@@ -57,8 +57,6 @@ MEASURED_PHASES = {
     "restart": ("replay",),
     "ram-pressure": ("query",),
 }
-# Workloads that read blocks back cold from SSD: the runner drops the page cache of block files.
-COLD_READ_WORKLOADS = ("restart", "ram-pressure")
 _FLOAT_PARAMS = {"working_set_factor", "zipf_s"}
 
 
@@ -120,11 +118,6 @@ class Workload:
     def measured_phases(self) -> tuple[str, ...]:
         """Phases the cell metrics are computed on."""
         return MEASURED_PHASES[self.name]
-
-    @property
-    def cold_reads(self) -> bool:
-        """True if the workload measures cold SSD reads (page cache dropped)."""
-        return self.name in COLD_READ_WORKLOADS
 
 
 def merge_params(table: dict[str, dict[str, Any]], name: str, params: dict[str, Any], where: str,
