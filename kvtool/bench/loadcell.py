@@ -249,7 +249,8 @@ def _add_drops(total: int | None, before: int | None, after: int | None) -> int 
 
 def _load_avg() -> float | None:
     """The 1-minute load average now (None where the OS has none)."""
-    return (load_average(2) or [None])[0]
+    averages = load_average(2)
+    return averages[0] if averages else None
 
 
 def _start(ctx: _Ctx, options: ServerOptions, log: Path) -> ManagedServer:

@@ -390,10 +390,6 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
 
 
 # ------------------------------------------------------------------ run
-def default_out() -> Path:
-    return DEFAULT_OUT_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
 def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | None = None) -> Path:
     """Run the benchmark; returns the run directory (CSV files, run.json, report.md).
 
@@ -403,7 +399,7 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
         command: the command line, recorded in run.json and report.md.
     """
     spec.validate()
-    out = Path(spec.out or default_out())
+    out = Path(spec.out or DEFAULT_OUT_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(spec.work_dir or out / "data")
     work.mkdir(parents=True, exist_ok=True)

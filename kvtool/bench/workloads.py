@@ -163,6 +163,15 @@ def count(value: Any, field: str, zero_ok: bool = False) -> int:
     return value
 
 
+def int_key(table: dict[str, Any], key: str, default: int, minimum: int, where: str = "") -> int:
+    """`table[key]` (`default` when absent) as an integer >= `minimum`. Raises ConfigError naming
+    `<where><key>` (a bool too)."""
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(where + key, f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
 def validate_params(name: str, params: dict[str, Any], where: str = "workloads") -> dict[str, Any]:
     """Merge `params` over the defaults of workload `name` and check them.
 
