@@ -233,8 +233,11 @@ class AgentsBatch:
         rec.sent_s, rec.sent = time.perf_counter() - t0, True
         rec.queue_ms = (rec.sent_s - rec.scheduled_s) * 1e3
         try:
-            stream = _stream_messages if self.kind == "messages" else _stream_chat
-            await stream(client, self.plan.system, msgs, self.plan.params["max_tokens"], rec)
+            if self.kind == "messages":
+                await _stream_messages(client, self.plan.system, msgs, self.plan.params["max_tokens"], rec)
+            else:  # chat completions: the system prompt as the first message
+                await stream_chat(client, "default_model", [{"role": "system", "content": self.plan.system}, *msgs],
+                                  self.plan.params["max_tokens"], rec)
         except asyncio.CancelledError:
             rec.error = WALL_LIMIT_ERROR
             self.stopped.add(agent)
@@ -273,12 +276,6 @@ async def _stream_messages(client: Any, system: str, msgs: list[dict[str, str]],
             rec.prompt_tokens = int(u.input_tokens or 0) + cached + int(u.cache_creation_input_tokens or 0)
             rec.completion_tokens, rec.cached_tokens = int(u.output_tokens or 0), cached
     finish_record(rec, t0, first, parts)
-
-
-async def _stream_chat(client: Any, system: str, msgs: list[dict[str, str]], max_tokens: int,
-                       rec: RequestRecord) -> None:
-    """One streamed chat-completions call (system message first); fills `rec`."""
-    await stream_chat(client, "default_model", [{"role": "system", "content": system}, *msgs], max_tokens, rec)
 
 
 def prompt_token_mismatches(requests: Any) -> int:

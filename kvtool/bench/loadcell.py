@@ -24,7 +24,6 @@ Outputs in the run directory: `requests.jsonl` / `requests.csv` (one row per req
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import threading
@@ -39,7 +38,7 @@ from kvtool.bench.loadgen import LoadRequest, LoadSpec, run_load
 from kvtool.bench.loadserver import KVTOOL, ManagedServer, ServerOptions
 from kvtool.bench.loadstats import batch_figures
 from kvtool.bench.loadworkloads import LoadWorkload, build_load_workload, workload_kind
-from kvtool.bench.machine import listen_overflows
+from kvtool.bench.machine import listen_overflows, load_average
 
 PROGRESS_INTERVAL_S = 5.0
 WARMUP_MESSAGES = ({"role": "user", "content": "Say hello."},)
@@ -250,7 +249,8 @@ def _add_drops(total: int | None, before: int | None, after: int | None) -> int 
 
 def _load_avg() -> float | None:
     """The 1-minute load average now (None where the OS has none)."""
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    averages = load_average(2)
+    return averages[0] if averages else None
 
 
 def _start(ctx: _Ctx, options: ServerOptions, log: Path) -> ManagedServer:

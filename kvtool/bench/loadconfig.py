@@ -49,10 +49,11 @@ from typing import Any
 
 from kvtool.bench.loadserver import DEFAULT_SERVERS, SERVER_KINDS
 from kvtool.bench.loadworkloads import validate_load_params
-from kvtool.bench.workloads import size_field
+from kvtool.bench.workloads import int_key, size_field
 from kvtool.config import ConfigError
 
 SECTION = "serve_load"
+WHERE = f"{SECTION}."  # the prefix of every field name in an error
 KVTOOL_FLAGS = {"block_size": "--block-size", "ram_bytes": "--ram-bytes", "policy": "--policy",
                 "durability": "--durability", "codec": "--codec"}
 
@@ -176,9 +177,9 @@ def parse_serve_load(data: dict[str, Any], default_name: str = SECTION, base_dir
             workload_clients[wname] = _clients(params["clients"], f"{SECTION}.workloads.{wname}.clients")
         validate_load_params(wname, {k: v for k, v in params.items() if k != "clients"})
     return ServeLoadSpec(
-        name=name, model=model, seed=_int(t, "seed", 0, 0), repeats=_int(t, "repeats", 3, 1),
+        name=name, model=model, seed=int_key(t, "seed", 0, 0, WHERE), repeats=int_key(t, "repeats", 3, 1, WHERE),
         clients=clients, servers=tuple(servers), arrival=arrival, rate=float(rate) if rate else None,
-        max_tokens=_int(t, "max_tokens", 8, 1), max_requests=_int(t, "max_requests", 0, 0),
+        max_tokens=int_key(t, "max_tokens", 8, 1, WHERE), max_requests=int_key(t, "max_requests", 0, 0, WHERE),
         max_wall_s=_num(t, "max_wall_s", 600.0), request_timeout_s=_num(t, "request_timeout_s", 600.0),
         warmup=t.get("warmup", True), start_timeout_s=_num(t, "start_timeout_s", 180.0),
         stop_timeout_s=_num(t, "stop_timeout_s", 60.0), kvtool=_parse_kvtool(t.get("kvtool", {})),
@@ -201,13 +202,6 @@ def _bad_int(value: Any, minimum: int) -> bool:
 
 def _bad_num(value: Any) -> bool:
     return isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
-
-
-def _int(t: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = t.get(key, default)
-    if _bad_int(value, minimum):
-        raise ConfigError(f"{SECTION}.{key}", f"must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 def _num(t: dict[str, Any], key: str, default: float) -> float:

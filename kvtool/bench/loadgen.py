@@ -223,23 +223,20 @@ def run_load(base_url: str, requests: Sequence[LoadRequest], spec: LoadSpec,
     Raises:
         ValueError: a non-loopback URL, or an `after` index that does not point backwards.
     """
-    return asyncio.run(run_load_async(base_url, requests, spec, on_progress))
-
-
-async def run_load_async(base_url: str, requests: Sequence[LoadRequest], spec: LoadSpec,
-                         on_progress: Callable[[int, int], None] | None = None) -> LoadResult:
-    """The coroutine behind `run_load` (same arguments)."""
     check_loopback(base_url)
     chosen = list(requests[: spec.max_requests] if spec.max_requests else requests)
     for i, req in enumerate(chosen):
         if req.after is not None and not 0 <= req.after < i:
             raise ValueError(f"request {i} ({req.key}): 'after' must point to an earlier request, got {req.after}")
-    client = openai_client(base_url, spec.request_timeout_s)
-    runner = _Runner(client, chosen, spec, on_progress)
-    try:
-        result = await runner.run()
-    finally:
-        await client.close()
+
+    async def run() -> LoadResult:
+        client = openai_client(base_url, spec.request_timeout_s)
+        try:
+            return await _Runner(client, chosen, spec, on_progress).run()
+        finally:
+            await client.close()
+
+    result = asyncio.run(run())
     result.not_sent += len(requests) - len(chosen)  # over max_requests
     return result
 
@@ -433,4 +430,4 @@ async def _gather_cancelling(coros) -> None:
 
 __all__ = ["ARRIVALS", "LoadRequest", "LoadResult", "LoadSpec", "RequestRecord", "WALL_LIMIT_ERROR",
            "check_loopback", "error_text", "finish_record", "openai_client", "poisson_arrivals", "run_load",
-           "run_load_async", "stream_chat"]
+           "stream_chat"]

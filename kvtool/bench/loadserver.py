@@ -68,13 +68,6 @@ def proc_status_kb(field: str, pid: int | str = "self") -> int | None:
     return None
 
 
-def read_vm_hwm(pid: int) -> int | None:
-    """Peak resident set size of process `pid` (bytes), from `VmHWM` in `/proc/<pid>/status`;
-    None when it cannot be read (no /proc, process gone)."""
-    kb = proc_status_kb("VmHWM", pid)
-    return None if kb is None else kb * 1024  # the kernel reports kB
-
-
 @dataclass(frozen=True)
 class ServerOptions:
     """How to start a server.
@@ -173,10 +166,10 @@ class ManagedServer:
                           f"log: {self.log}")
 
     def sample_rss(self) -> int | None:
-        """Read `VmHWM` now and keep the maximum (bytes)."""
-        value = read_vm_hwm(self.proc.pid) if self.proc.poll() is None else None
-        if value is not None:
-            self.peak_rss = max(self.peak_rss or 0, value)
+        """Read `VmHWM` now (`/proc/<pid>/status`, kB) and keep the maximum (bytes)."""
+        kb = proc_status_kb("VmHWM", self.proc.pid) if self.proc.poll() is None else None
+        if kb is not None:
+            self.peak_rss = max(self.peak_rss or 0, kb * 1024)
         return self.peak_rss
 
     def get_json(self, path: str, timeout: float = 30.0) -> Any:
@@ -240,4 +233,4 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 
 __all__ = ["DEFAULT_SERVERS", "KVTOOL", "MLXLM", "MLXLM_1000", "MLXLM_FLAGS", "SERVER_KINDS", "ManagedServer", "ServerError", "ServerOptions", "child_env", "free_port",
-           "proc_status_kb", "read_vm_hwm"]
+           "proc_status_kb"]

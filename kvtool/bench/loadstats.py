@@ -48,7 +48,6 @@ N_RESAMPLES = 10_000
 CONFIDENCE = 0.95
 WIN, LOSS, TIE = "win", "loss", "tie"
 MIN_VERDICT_REPEATS = 2  # fewer repeats on either side: always a tie
-PERCENTILE_METHOD = "linear"  # numpy.percentile method used everywhere here (documentation)
 
 # Figure -> True if lower is better. Order = column order of the outputs.
 FIGURES: dict[str, bool] = {

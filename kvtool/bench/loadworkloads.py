@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,11 +142,7 @@ class LoadWorkload:
         if self.per_client and clients:
             chosen = chosen[:clients * self.per_client]
         new_index = {old: new for new, (old, _) in enumerate(chosen)}
-        out = []
-        for _, r in chosen:
-            after = new_index.get(r.after) if r.after is not None else None
-            out.append(LoadRequest(r.key, r.messages, r.max_tokens, r.phase, r.session, after, r.arrival_s))
-        return out
+        return [replace(r, after=new_index.get(r.after) if r.after is not None else None) for _, r in chosen]
 
 
 def validate_load_params(name: str, params: dict[str, Any], where: str = "serve_load.workloads") -> dict[str, Any]:

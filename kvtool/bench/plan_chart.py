@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 from matplotlib.ticker import FuncFormatter, PercentFormatter  # noqa: E402
 
-from kvtool.bench.report_charts import footer_text, machine_parts  # noqa: E402
+from kvtool.bench.report_charts import footer_text, machine_parts, save  # noqa: E402
 from kvtool.bench.trace_plan import PlanPoint  # noqa: E402
 from kvtool.units import MAX_BYTES, format_bytes  # noqa: E402
 
@@ -150,12 +150,7 @@ def write_plan(out_dir: Path, doc: dict[str, Any], points: Sequence[PlanPoint]) 
 
 def write_plan_chart(path: Path, doc: dict[str, Any], points: Sequence[PlanPoint], extra: str = "") -> Path:
     """`plot_plan` saved as a PNG at `path` (raises OSError if it cannot be written)."""
-    fig = plot_plan(doc, points, extra)
-    try:
-        fig.savefig(path, dpi=DPI)
-    finally:
-        plt.close(fig)
-    return path
+    return save(plot_plan(doc, points, extra), path, dpi=DPI)
 
 
 __all__ = ["plot_plan", "tokens_label", "write_plan", "write_plan_chart"]

@@ -53,9 +53,12 @@ LABEL_X = 0.70  # the value labels start at this fraction of the axes width; the
 _INTERVAL = "bar = median over the repeats, whisker = 95% bootstrap interval of the median"
 
 
-def save(fig: plt.Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+def save(fig: plt.Figure, path: Path, dpi: int = DPI) -> Path:
+    """`fig` as a PNG at `path`, then closed (raises OSError if it cannot be written)."""
+    try:
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)
     return path
 
 

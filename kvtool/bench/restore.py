@@ -206,8 +206,7 @@ def prepare_load(spec: RestoreSpec, shape: KVShape, n: int, d: Path) -> dict[str
     info["raw_bytes"] = worker.write_raw(d / "raw.bin", pairs)
     worker.save_mlxlm(d / "mlx-lm.safetensors", worker.make_cache(pairs), ids)
     if "kvtool" in spec.methods:
-        worker.store_kv(d / "kvtool", shape, ids, worker.make_cache(pairs), api=spec.kvtool_api,
-                        block_size=spec.block_size)
+        worker.store_kv(d / "kvtool", shape, ids, worker.make_cache(pairs), block_size=spec.block_size)
     info["append_ref_ms"] = [worker.append_after_prefill_ms(pairs) for _ in range(spec.repeats)]
     del pairs
     gc.collect()
@@ -221,13 +220,12 @@ def measure_load(spec: RestoreSpec, shape: KVShape, n: int, d: Path, rec: Record
     info = prepare_load(spec, shape, n, d)
     for rep, ms in enumerate(info["append_ref_ms"]):
         rec.add(make_row("load", shape, n, "append-after-prefill", NO_STATE, rep, {"ms": ms, "first_append_ms": ms}))
-    api = resolve_api(spec.kvtool_api)
     jobs = {
         "raw-read": ([d / "raw.bin"], "raw", {"path": str(d / "raw.bin"), "nbytes": info["raw_bytes"]}),
         "mlx-lm": ([d / "mlx-lm.safetensors"], "mlxlm",
                    {"path": str(d / "mlx-lm.safetensors"), "ids": str(info["ids"])}),
         "kvtool": ([d / "kvtool"], "kvtool", {"cache_dir": str(d / "kvtool"), "ids": str(info["ids"]),
-                                             "shape": asdict(shape), "api": api, "block_size": spec.block_size}),
+                                             "shape": asdict(shape), "block_size": spec.block_size}),
     }
     for rep in range(spec.repeats):
         for state in spec.states:
@@ -370,7 +368,6 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
     n = max(bs, round(spec.writer_mb * 1e6 / shape.bytes_per_token() / bs) * bs)
     kv_bytes = n * shape.bytes_per_token()
     d.mkdir(parents=True, exist_ok=True)
-    api = resolve_api(spec.kvtool_api)
     dd_bs = pagecache.DD_BLOCK_BYTES if kv_bytes >= pagecache.DD_BLOCK_BYTES else 1 << 20
     count = max(1, -(-kv_bytes // dd_bs))
     for rep in range(spec.repeats):
@@ -379,7 +376,7 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
             shutil.rmtree(target, ignore_errors=True)
             pagecache.recycle_pages(d, kv_bytes)
             res = run_worker(spec.python, "writer", {"cache_dir": str(target), "shape": asdict(shape), "n_tokens": n,
-                                                     "api": api, "block_size": spec.block_size, "seed": spec.seed})
+                                                     "block_size": spec.block_size, "seed": spec.seed})
             for method, r in (("kvtool-writer", res), ("kvtool-writer-first", dict(res, ms=res["first_ms"])),
                               ("kvtool-writer+sync", dict(res, ms=res["ms"] + res["sync_ms"]))):
                 rec.add(make_row("writer", shape, n, method, NO_STATE, rep, r, kv_bytes=kv_bytes))
@@ -393,10 +390,6 @@ def measure_writer(spec: RestoreSpec, d: Path, rec: Recorder) -> None:
 
 
 # ------------------------------------------------------------------ run
-def default_out() -> Path:
-    return DEFAULT_OUT_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
 def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | None = None) -> Path:
     """Run the benchmark; returns the run directory (CSV files, run.json, report.md).
 
@@ -406,7 +399,7 @@ def run(spec: RestoreSpec, log: Callable[[str], None] = print, command: str | No
         command: the command line, recorded in run.json and report.md.
     """
     spec.validate()
-    out = Path(spec.out or default_out())
+    out = Path(spec.out or DEFAULT_OUT_ROOT / datetime.now().strftime("%Y%m%d-%H%M%S"))
     out.mkdir(parents=True, exist_ok=True)
     work = Path(spec.work_dir or out / "data")
     work.mkdir(parents=True, exist_ok=True)

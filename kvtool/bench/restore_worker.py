@@ -87,27 +87,22 @@ def resolve_api(api: str = "auto") -> str:
     return "prefix"
 
 
-def open_prefix_cache(cache_dir: Path, shape: KVShape, *, api: str = "auto", async_writes: bool = False,
+def open_prefix_cache(cache_dir: Path, shape: KVShape, *, async_writes: bool = False,
                       block_size: int | None = None) -> Any:
     """Open kvtool's prefix cache on `cache_dir` for synthetic KV of `shape` (SSD only, no RAM tier).
 
     Args:
         cache_dir: SSD tier root.
         shape: KV layout; its `model_id` names the namespace.
-        api: `prefix` or `auto` (`resolve_api`).
         async_writes: background writer (True) or inline writes (False).
         block_size: tokens per block; None keeps kvtool's default.
 
     Returns:
         A `kvtool.cache.prefix.PrefixCache` (`store`, `flush`, `fetch`, `release`, `close`).
-
-    Raises:
-        ValueError: unknown `api`.
     """
     from kvtool.cache.prefix import KVGeometry, PrefixCache
     from kvtool.config import KVToolConfig
 
-    resolve_api(api)
     extra = {"block_size": block_size} if block_size else {}
     config = KVToolConfig(ssd_cache_dir=Path(cache_dir), ram_bytes=0, ssd_async_writes=async_writes,
                           ssd_durability="best_effort", **extra)
@@ -200,10 +195,10 @@ def save_mlxlm(path: Path, cache: list, ids: np.ndarray) -> int:
     return path.stat().st_size
 
 
-def store_kv(cache_dir: Path, shape: KVShape, ids: np.ndarray, cache: list, *, api: str = "auto",
-             async_writes: bool = False, block_size: int | None = None) -> None:
+def store_kv(cache_dir: Path, shape: KVShape, ids: np.ndarray, cache: list, *, async_writes: bool = False,
+             block_size: int | None = None) -> None:
     """Store `cache` (the KV of token ids `ids`) through `open_prefix_cache`, flush and close."""
-    pc = open_prefix_cache(cache_dir, shape, api=api, async_writes=async_writes, block_size=block_size)
+    pc = open_prefix_cache(cache_dir, shape, async_writes=async_writes, block_size=block_size)
     pc.store(ids, cache)
     pc.flush()
     pc.close()
@@ -307,7 +302,7 @@ def mode_kvtool(args: dict) -> dict:
     shape = KVShape(**args["shape"])
     ids = np.load(args["ids"])
     t_open = time.perf_counter()
-    pc = open_prefix_cache(Path(args["cache_dir"]), shape, api=args["api"], block_size=args.get("block_size"))
+    pc = open_prefix_cache(Path(args["cache_dir"]), shape, block_size=args.get("block_size"))
     open_ms = (time.perf_counter() - t_open) * 1e3
     with PeakRSS() as rss:
         t0 = time.perf_counter()
@@ -318,7 +313,7 @@ def mode_kvtool(args: dict) -> dict:
     out = {
         "ms": ms, "open_ms": open_ms, "bytes_io": int(hit.ssd_bytes_read), "peak_rss_bytes": rss.bytes,
         "cached_tokens": cached, "ssd_hit_tokens": int(hit.ssd_tokens), "ssd_load_ms": float(hit.ssd_load_ms),
-        "kvtool_api": resolve_api(args["api"]),
+        "kvtool_api": resolve_api(),
     }
     if cached:
         out["first_append_ms"] = first_append_ms(hit.cache)
@@ -345,12 +340,11 @@ def mode_writer(args: dict) -> dict:
     ids, cache = token_ids(n, seed), make_cache(synthetic_kv(shape, n, seed))
     first_ids, first_cache = token_ids(n, seed + 1), make_cache(synthetic_kv(shape, n, seed + 1))
     t0 = time.perf_counter()
-    store_kv(first_dir, shape, first_ids, first_cache, api=args["api"], async_writes=True,
-             block_size=args.get("block_size"))
+    store_kv(first_dir, shape, first_ids, first_cache, async_writes=True, block_size=args.get("block_size"))
     first_ms = (time.perf_counter() - t0) * 1e3
     del first_cache
     shutil.rmtree(first_dir)  # its page cache is free again for the timed store, right away
-    pc = open_prefix_cache(root, shape, api=args["api"], async_writes=True, block_size=args.get("block_size"))
+    pc = open_prefix_cache(root, shape, async_writes=True, block_size=args.get("block_size"))
     os.sync()
     with PeakRSS() as rss:
         t0 = time.perf_counter()
@@ -363,7 +357,7 @@ def mode_writer(args: dict) -> dict:
     pc.close()
     written = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     return {"ms": ms, "sync_ms": sync_ms, "first_ms": first_ms, "bytes_io": written, "peak_rss_bytes": rss.bytes,
-            "kvtool_api": resolve_api(args["api"])}
+            "kvtool_api": resolve_api()}
 
 
 def mode_mlxlm_ttft_save(args: dict) -> dict:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtool.bench.workloads import size_field, validate_params
+from kvtool.bench.workloads import int_key, size_field, validate_params
 from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig, parse_toml
 
 KIND_KVTOOL = "kvtool"
@@ -241,9 +241,9 @@ def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
     return SweepSpec(
         name=name,
         model=model,
-        seed=_int(data, "seed", 0, minimum=0),
-        repeats=_int(data, "repeats", DEFAULT_REPEATS, minimum=1),
-        max_tokens=_int(data, "max_tokens", DEFAULT_BENCH_MAX_TOKENS, minimum=1),
+        seed=int_key(data, "seed", 0, minimum=0),
+        repeats=int_key(data, "repeats", DEFAULT_REPEATS, minimum=1),
+        max_tokens=int_key(data, "max_tokens", DEFAULT_BENCH_MAX_TOKENS, minimum=1),
         baselines=tuple(dict.fromkeys(baselines)),
         cache=cache,
         grid=_parse_grid(data.get("grid", {}), cache),
@@ -253,13 +253,6 @@ def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
         restart_host=restart_host,
         raw=data,
     )
-
-
-def _int(data: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(key, f"must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _parse_cache(table: Any) -> dict[str, Any]:

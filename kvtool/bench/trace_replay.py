@@ -27,6 +27,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +212,7 @@ def window_prompts(requests: list[LoadRequest], params: dict[str, Any]) -> list[
     if not kept:
         raise ConfigError(FIELD, "no request in the window")
     t0 = (kept[0].arrival_s or 0.0) if params["start"] or params["start_s"] else 0.0
-    return [LoadRequest(r.key, r.messages, r.max_tokens, r.phase, r.session, r.after,
-                        ((r.arrival_s or 0.0) - t0) / params["speedup"]) for r in kept]
+    return [replace(r, arrival_s=((r.arrival_s or 0.0) - t0) / params["speedup"]) for r in kept]
 
 
 __all__ = ["MOONCAKE_ONLY", "TRACE_FORMATS", "TRACE_REPLAY_DEFAULTS", "BlockText", "mooncake_requests",

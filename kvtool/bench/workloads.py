@@ -57,8 +57,6 @@ MEASURED_PHASES = {
     "restart": ("replay",),
     "ram-pressure": ("query",),
 }
-# Workloads that read blocks back cold from SSD: the runner drops the page cache of block files.
-COLD_READ_WORKLOADS = ("restart", "ram-pressure")
 _FLOAT_PARAMS = {"working_set_factor", "zipf_s"}
 
 
@@ -121,11 +119,6 @@ class Workload:
         """Phases the cell metrics are computed on."""
         return MEASURED_PHASES[self.name]
 
-    @property
-    def cold_reads(self) -> bool:
-        """True if the workload measures cold SSD reads (page cache dropped)."""
-        return self.name in COLD_READ_WORKLOADS
-
 
 def merge_params(table: dict[str, dict[str, Any]], name: str, params: dict[str, Any], where: str,
                  check: Callable[[str, Any, str], Any]) -> dict[str, Any]:
@@ -167,6 +160,15 @@ def count(value: Any, field: str, zero_ok: bool = False) -> int:
     """`value` as an integer >= 1 (>= 0 with `zero_ok`). Raises ConfigError naming `field`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero_ok else 1):
         raise ConfigError(field, f"must be a positive integer, got {value!r}")
+    return value
+
+
+def int_key(table: dict[str, Any], key: str, default: int, minimum: int, where: str = "") -> int:
+    """`table[key]` (`default` when absent) as an integer >= `minimum`. Raises ConfigError naming
+    `<where><key>` (a bool too)."""
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(where + key, f"must be an integer >= {minimum}, got {value!r}")
     return value
 
 
