@@ -353,6 +353,9 @@ def test_shipped_configs_parse():
     ({"workloads": {"trace": {}}}, "serve_load.workloads.trace.path"),
     ({"workloads": {"nope": {}}}, "serve_load.workloads.nope"),
     ({"colour": "blue"}, "serve_load.colour"),
+    ({"rate": "x"}, "serve_load.rate"),  # a closed loop ignores rate, but not a rate that is no number (it crashed)
+    ({"kvtool": {"colour": "blue"}}, "serve_load.kvtool.colour"),
+    ({"workloads": {"cold-burst": {"clients": [4, 4]}}}, "serve_load.workloads.cold-burst.clients"),
 ])
 def test_config_errors_name_the_field(table, field):
     doc = {"serve_load": {"workloads": {"shared-prefix": {}}, **table}}

@@ -45,12 +45,25 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from kvtool.bench.loadserver import DEFAULT_SERVERS, SERVER_KINDS
 from kvtool.bench.loadworkloads import validate_load_params
-from kvtool.bench.workloads import int_key, size_field
+from kvtool.bench.workloads import config_error
 from kvtool.config import ConfigError
+from kvtool.units import parse_size
 
 SECTION = "serve_load"
 WHERE = f"{SECTION}."  # the prefix of every field name in an error
@@ -128,116 +141,100 @@ def load_serve_load(path: Path | str) -> ServeLoadSpec:
     return parse_serve_load(data, default_name=path.stem, base_dir=path.resolve().parent)
 
 
+def _distinct(value: list) -> list:
+    if len(set(value)) != len(value):
+        raise ValueError("must not repeat a value")
+    return value
+
+
+def _size(value: Any) -> Any:
+    return parse_size(value) if isinstance(value, str) else value  # "64MiB" -> bytes (ValueError: not a size)
+
+
+Clients = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=1), AfterValidator(_distinct)]
+Seconds = Annotated[float, Field(gt=0)]  # inf: no limit; nan fails gt
+SERVER_KIND = Literal[SERVER_KINDS]  # type: ignore[valid-type]  # the kinds `kvtool.bench.loadserver` starts
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class _KvtoolFlags(_Table):
+    """`[serve_load.kvtool]`: `kvtool serve` cache flags (`KVTOOL_FLAGS`)."""
+
+    block_size: Annotated[int, Field(ge=1)] | None = None
+    ram_bytes: Annotated[int, BeforeValidator(_size), Field(ge=0)] | None = None
+    policy: str | None = None
+    durability: str | None = None
+    codec: str | None = None
+    async_: bool | None = Field(None, alias="async")
+    args: list[str] | None = None
+
+
+class _ServeLoadTable(_Table):
+    """`[serve_load]` (see the module docstring); the workloads' own keys are checked by
+    `kvtool.bench.loadworkloads.validate_load_params`."""
+
+    name: Annotated[str, Field(pattern=r"^[\w.-]+$")] | None = None
+    model: Annotated[str, Field(min_length=1)] = "tiny"
+    seed: Annotated[int, Field(ge=0)] = 0
+    repeats: Annotated[int, Field(ge=1)] = 3
+    clients: Clients = [1]
+    servers: Annotated[list[SERVER_KIND], Field(min_length=1), AfterValidator(_distinct)] = list(DEFAULT_SERVERS)
+    arrival: Literal["closed", "poisson"] = "closed"
+    rate: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(None, validate_default=True)
+    max_tokens: Annotated[int, Field(ge=1)] = 8
+    max_requests: Annotated[int, Field(ge=0)] = 0
+    max_wall_s: Seconds = 600.0
+    request_timeout_s: Seconds = 600.0
+    warmup: bool = True
+    start_timeout_s: Seconds = 180.0
+    stop_timeout_s: Seconds = 60.0
+    cache_root: Annotated[str, Field(min_length=1)] | None = None
+    keep_cache: bool = False
+    kvtool: _KvtoolFlags = Field(default_factory=lambda: _KvtoolFlags.model_validate({}))
+    workloads: Annotated[dict[str, dict[str, Any]], Field(min_length=1)]
+
+    @field_validator("rate")
+    @classmethod
+    def _poisson_rate(cls, rate: float | None, info: ValidationInfo) -> float | None:
+        if rate is None and info.data.get("arrival") == "poisson":
+            raise ValueError("arrival = 'poisson' needs rate = requests/s > 0")
+        return rate
+
+
 def parse_serve_load(data: dict[str, Any], default_name: str = SECTION, base_dir: Path = Path(".")) -> ServeLoadSpec:
-    """Validate a parsed config document (see `load_serve_load`)."""
+    """Validate a parsed config document (see `load_serve_load`).
+
+    Raises:
+        ConfigError: naming the offending key (`serve_load.clients`, `serve_load.workloads.<name>.<key>`).
+    """
     extra = sorted(set(data) - {SECTION})
     if extra:
         raise ConfigError(extra[0], f"a [{SECTION}] config has no other top-level keys")
-    t = data[SECTION]
-    if not isinstance(t, dict):
-        raise ConfigError(SECTION, "must be a table")
-    known = {"name", "model", "seed", "repeats", "clients", "servers", "arrival", "rate", "max_tokens", "max_requests",
-             "max_wall_s", "request_timeout_s", "warmup", "start_timeout_s", "stop_timeout_s", "cache_root",
-             "keep_cache", "kvtool", "workloads"}
-    for key in t:
-        if key not in known:
-            raise ConfigError(f"{SECTION}.{key}", f"unknown key; known: {', '.join(sorted(known))}")
-    clients = _clients(t.get("clients", [1]), f"{SECTION}.clients")
-    servers = t.get("servers", list(DEFAULT_SERVERS))
-    if not isinstance(servers, list) or not servers or any(s not in SERVER_KINDS for s in servers) \
-            or len(set(servers)) != len(servers):
-        raise ConfigError(f"{SECTION}.servers", f"must be a list drawn from {', '.join(SERVER_KINDS)}, got {servers!r}")
-    arrival = t.get("arrival", "closed")
-    if arrival not in ("closed", "poisson"):
-        raise ConfigError(f"{SECTION}.arrival", f"must be closed or poisson (trace workloads use their times), "
-                                                f"got {arrival!r}")
-    rate = t.get("rate")
-    if arrival == "poisson" and not (isinstance(rate, (int, float)) and not _bad_num(rate) and rate > 0):
-        raise ConfigError(f"{SECTION}.rate", f"arrival = 'poisson' needs rate = requests/s > 0, got {rate!r}")
-    name = t.get("name", default_name)
-    if not isinstance(name, str) or not name or any(not (ch.isalnum() or ch in "_.-") for ch in name):
-        raise ConfigError(f"{SECTION}.name", "must be a non-empty string of letters, digits, '_', '.', '-'")
-    model = t.get("model", "tiny")
-    if not isinstance(model, str) or not model:
-        raise ConfigError(f"{SECTION}.model", "must be a preset name, model directory or Hugging Face id")
-    for key in ("warmup", "keep_cache"):
-        if not isinstance(t.get(key, True), bool):
-            raise ConfigError(f"{SECTION}.{key}", "must be true or false")
-    cache_root = t.get("cache_root")
-    if cache_root is not None and (not isinstance(cache_root, str) or not cache_root):
-        raise ConfigError(f"{SECTION}.cache_root", "must be a directory path")
-    workloads = t.get("workloads")
-    if not isinstance(workloads, dict) or not workloads:
-        raise ConfigError(f"{SECTION}.workloads", f"at least one [{SECTION}.workloads.<name>] table is required")
+    try:
+        t = _ServeLoadTable.model_validate(data[SECTION])
+    except ValidationError as exc:
+        raise config_error(exc, SECTION, {"": _ServeLoadTable, "kvtool": _KvtoolFlags}) from None
     workload_clients = {}
-    for wname, params in workloads.items():
-        if not isinstance(params, dict):
-            raise ConfigError(f"{SECTION}.workloads.{wname}", "must be a table")
+    for wname, params in t.workloads.items():
         if "clients" in params:
-            workload_clients[wname] = _clients(params["clients"], f"{SECTION}.workloads.{wname}.clients")
+            try:
+                workload_clients[wname] = tuple(TypeAdapter(Clients).validate_python(params["clients"], strict=True))
+            except ValidationError as exc:
+                raise config_error(exc, f"{SECTION}.workloads.{wname}.clients", {"": _ServeLoadTable}) from None
         validate_load_params(wname, {k: v for k, v in params.items() if k != "clients"})
     return ServeLoadSpec(
-        name=name, model=model, seed=int_key(t, "seed", 0, 0, WHERE), repeats=int_key(t, "repeats", 3, 1, WHERE),
-        clients=clients, servers=tuple(servers), arrival=arrival, rate=float(rate) if rate else None,
-        max_tokens=int_key(t, "max_tokens", 8, 1, WHERE), max_requests=int_key(t, "max_requests", 0, 0, WHERE),
-        max_wall_s=_num(t, "max_wall_s", 600.0), request_timeout_s=_num(t, "request_timeout_s", 600.0),
-        warmup=t.get("warmup", True), start_timeout_s=_num(t, "start_timeout_s", 180.0),
-        stop_timeout_s=_num(t, "stop_timeout_s", 60.0), kvtool=_parse_kvtool(t.get("kvtool", {})),
-        workloads={k: {p: v for p, v in table.items() if p != "clients"} for k, table in workloads.items()},
-        workload_clients=workload_clients,
-        cache_root=Path(cache_root).expanduser() if cache_root else None, keep_cache=t.get("keep_cache", False),
-        base_dir=base_dir, raw=data,
+        name=t.name or default_name, model=t.model, seed=t.seed, repeats=t.repeats, clients=tuple(t.clients),
+        servers=tuple(t.servers), arrival=t.arrival, rate=t.rate, max_tokens=t.max_tokens,
+        max_requests=t.max_requests, max_wall_s=t.max_wall_s, request_timeout_s=t.request_timeout_s,
+        warmup=t.warmup, start_timeout_s=t.start_timeout_s, stop_timeout_s=t.stop_timeout_s,
+        kvtool=t.kvtool.model_dump(exclude_none=True, by_alias=True),
+        workloads={k: {p: v for p, v in table.items() if p != "clients"} for k, table in t.workloads.items()},
+        workload_clients=workload_clients, cache_root=Path(t.cache_root).expanduser() if t.cache_root else None,
+        keep_cache=t.keep_cache, base_dir=base_dir, raw=data,
     )  # fmt: skip
-
-
-def _clients(value: Any, field_name: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value or any(_bad_int(c, 1) for c in value) or len(set(value)) != len(value):
-        raise ConfigError(field_name, f"must be a non-empty list of distinct integers >= 1, got {value!r}")
-    return tuple(value)
-
-
-def _bad_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, bool) or not isinstance(value, int) or value < minimum
-
-
-def _bad_num(value: Any) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float)) or value != value
-
-
-def _num(t: dict[str, Any], key: str, default: float) -> float:
-    value = t.get(key, default)
-    if _bad_num(value) or value <= 0:
-        raise ConfigError(f"{SECTION}.{key}", f"must be a number of seconds > 0, got {value!r}")
-    return float(value)
-
-
-def _parse_kvtool(table: Any) -> dict[str, Any]:
-    where = f"{SECTION}.kvtool"
-    if not isinstance(table, dict):
-        raise ConfigError(where, "must be a table of kvtool serve cache flags")
-    out: dict[str, Any] = {}
-    for key, value in table.items():
-        if key == "ram_bytes":
-            value = size_field(f"{where}.ram_bytes", value)
-            if _bad_int(value, 0):
-                raise ConfigError(f"{where}.ram_bytes", f"must be a size (bytes or e.g. '64MiB'), got {value!r}")
-        elif key == "block_size":
-            if _bad_int(value, 1):
-                raise ConfigError(f"{where}.block_size", f"must be an integer >= 1, got {value!r}")
-        elif key in ("policy", "durability", "codec"):
-            if not isinstance(value, str):
-                raise ConfigError(f"{where}.{key}", f"must be a string, got {value!r}")
-        elif key == "async":
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}.async", "must be true or false")
-        elif key == "args":
-            if not isinstance(value, list) or any(not isinstance(a, str) for a in value):
-                raise ConfigError(f"{where}.args", "must be a list of strings")
-        else:
-            raise ConfigError(f"{where}.{key}", "unknown key; known: block_size, ram_bytes, policy, durability, "
-                                                "codec, async, args")
-        out[key] = value
-    return out
 
 
 __all__ = ["SECTION", "ServeLoadSpec", "is_serve_load_config", "load_serve_load", "parse_serve_load"]

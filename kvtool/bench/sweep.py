@@ -39,9 +39,11 @@ import itertools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from kvtool.bench.workloads import int_key, size_field, validate_params
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvtool.bench.workloads import config_error, size_field, validate_params
 from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig, parse_toml
 
 KIND_KVTOOL = "kvtool"
@@ -52,10 +54,6 @@ WRITERS = ("sync", "async")
 GRID_AXES = ("ssd_policy", "writer", "ssd_durability", "block_size", "ram_bytes", "remote_policy")
 REMOTE_OFF = "off"
 RESTART_HOSTS = ("same", "new")
-TOP_LEVEL_KEYS = (
-    "name", "model", "seed", "repeats", "max_tokens", "baselines", "cache_root", "keep_cache", "restart_host",
-    "cache", "grid", "workloads",
-)
 DEFAULT_BENCH_MAX_TOKENS = 8  # short decodes: the bench measures TTFT and the write path
 DEFAULT_REPEATS = 3  # the report's winner rule needs a spread: fewer repeats give none worth the name
 
@@ -210,54 +208,46 @@ def load_sweep(path: Path | str) -> SweepSpec:
     return parse_sweep(data, default_name=path.stem)
 
 
+class _SweepTable(BaseModel):
+    """The top level of a sweep file (see the module docstring); `cache`, `grid` and `workloads`
+    are checked against kvtool's config and the workloads' parameters below."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")] | None = None
+    seed: Annotated[int, Field(ge=0)] = 0
+    repeats: Annotated[int, Field(ge=1)] = DEFAULT_REPEATS
+    max_tokens: Annotated[int, Field(ge=1)] = DEFAULT_BENCH_MAX_TOKENS
+    baselines: list[Literal[BASELINES]] = list(BASELINES)  # type: ignore[valid-type]
+    cache_root: Annotated[str, Field(min_length=1)] | None = None
+    keep_cache: bool = False
+    restart_host: Literal[RESTART_HOSTS] = "same"  # type: ignore[valid-type]
+    cache: dict[str, Any] = {}
+    grid: dict[str, Any] = {}
+    workloads: Annotated[dict[str, Any], Field(min_length=1)]
+
+
 def parse_sweep(data: dict[str, Any], default_name: str = "sweep") -> SweepSpec:
     """Validate a sweep document (the parsed TOML) and build the `SweepSpec`.
 
     Raises:
         ConfigError: the first invalid field, named (e.g. `grid.ssd_durability`).
     """
-    for key in data:
-        if key not in TOP_LEVEL_KEYS:
-            raise ConfigError(key, f"unknown sweep field; known: {', '.join(TOP_LEVEL_KEYS)}")
-    model = data.get("model")
-    if not isinstance(model, str) or not model:
-        raise ConfigError("model", "required: a preset name, model directory or Hugging Face id")
-    baselines = data.get("baselines", list(BASELINES))
-    if not isinstance(baselines, list) or any(b not in BASELINES for b in baselines):
-        raise ConfigError("baselines", f"must be a list drawn from {', '.join(BASELINES)}, got {baselines!r}")
-    cache_root = data.get("cache_root")
-    if cache_root is not None and (not isinstance(cache_root, str) or not cache_root):
-        raise ConfigError("cache_root", "must be a directory path")
-    keep_cache = data.get("keep_cache", False)
-    if not isinstance(keep_cache, bool):
-        raise ConfigError("keep_cache", "must be true or false")
-    restart_host = data.get("restart_host", "same")
-    if restart_host not in RESTART_HOSTS:
-        raise ConfigError("restart_host", f"must be one of {', '.join(RESTART_HOSTS)}, got {restart_host!r}")
-    name = data.get("name", default_name)
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise ConfigError("name", "must be a non-empty string of letters, digits, '_', '.', '-'")
-    cache = _parse_cache(data.get("cache", {}))
+    try:
+        t = _SweepTable.model_validate(data)
+    except ValidationError as exc:
+        raise config_error(exc, "", {"": _SweepTable}) from None
+    cache = _parse_cache(t.cache)
     return SweepSpec(
-        name=name,
-        model=model,
-        seed=int_key(data, "seed", 0, minimum=0),
-        repeats=int_key(data, "repeats", DEFAULT_REPEATS, minimum=1),
-        max_tokens=int_key(data, "max_tokens", DEFAULT_BENCH_MAX_TOKENS, minimum=1),
-        baselines=tuple(dict.fromkeys(baselines)),
-        cache=cache,
-        grid=_parse_grid(data.get("grid", {}), cache),
-        workloads=_parse_workloads(data.get("workloads")),
-        cache_root=Path(cache_root).expanduser() if cache_root else None,
-        keep_cache=keep_cache,
-        restart_host=restart_host,
-        raw=data,
-    )
+        name=t.name or default_name, model=t.model, seed=t.seed, repeats=t.repeats, max_tokens=t.max_tokens,
+        baselines=tuple(dict.fromkeys(t.baselines)), cache=cache, grid=_parse_grid(t.grid, cache),
+        workloads=_parse_workloads(t.workloads), cache_root=Path(t.cache_root).expanduser() if t.cache_root else None,
+        keep_cache=t.keep_cache, restart_host=t.restart_host, raw=data,
+    )  # fmt: skip
 
 
-def _parse_cache(table: Any) -> dict[str, Any]:
-    if not isinstance(table, dict):
-        raise ConfigError("cache", "must be a table of kvtool config fields")
+def _parse_cache(table: dict[str, Any]) -> dict[str, Any]:
     for key in table:
         if key not in FIELD_NAMES or key == "ssd_cache_dir":
             why = "is set per cell by the runner" if key == "ssd_cache_dir" else "unknown kvtool config field"
@@ -272,9 +262,7 @@ def _parse_cache(table: Any) -> dict[str, Any]:
     return dict(table)
 
 
-def _parse_grid(table: Any, cache: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
-    if not isinstance(table, dict):
-        raise ConfigError("grid", "must be a table of axis = [values]")
+def _parse_grid(table: dict[str, Any], cache: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
     grid: dict[str, tuple[Any, ...]] = {}
     for axis, values in table.items():
         field_name = f"grid.{axis}"
@@ -304,9 +292,7 @@ def _check_axis_value(axis: str, value: Any, cache: dict[str, Any]) -> None:
         raise ConfigError(field_name, str(exc).split(": ", 1)[-1]) from None
 
 
-def _parse_workloads(table: Any) -> dict[str, dict[str, Any]]:
-    if not isinstance(table, dict) or not table:
-        raise ConfigError("workloads", "at least one [workloads.<name>] table is required")
+def _parse_workloads(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {}
     for name, params in table.items():
         if not isinstance(params, dict):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ValidationError
 
 from kvtool.config import ConfigError
 from kvtool.units import parse_size
@@ -163,13 +164,18 @@ def count(value: Any, field: str, zero_ok: bool = False) -> int:
     return value
 
 
-def int_key(table: dict[str, Any], key: str, default: int, minimum: int, where: str = "") -> int:
-    """`table[key]` (`default` when absent) as an integer >= `minimum`. Raises ConfigError naming
-    `<where><key>` (a bool too)."""
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(where + key, f"must be an integer >= {minimum}, got {value!r}")
-    return value
+def config_error(exc: ValidationError, where: str, tables: dict[str, type[BaseModel]]) -> ConfigError:
+    """A bench config's pydantic error as a `ConfigError` naming `<where>.<key path>` (list indices
+    and union branches left out): the first unknown key (with the keys its table knows:
+    `tables` maps a key path's first key, "" for the top, to its model), else the deepest error."""
+    err = max(exc.errors(include_url=False), key=lambda e: (e["type"] == "extra_forbidden", len(e["loc"])))
+    loc = [str(p) for p in err["loc"] if not isinstance(p, int) and not str(p).startswith(("literal[", "constrained-"))]
+    name = ".".join([where, *loc]) if where else ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        table = tables.get(loc[0] if len(loc) > 1 else "", tables[""])
+        return ConfigError(name, f"unknown key; known: {', '.join(sorted(f.alias or n for n, f in table.model_fields.items()))}")
+    reason = err["msg"].removeprefix("Value error, ")
+    return ConfigError(name, reason + ("" if repr(err["input"]) in reason else f", got {err['input']!r}"))
 
 
 def validate_params(name: str, params: dict[str, Any], where: str = "workloads") -> dict[str, Any]:
