@@ -8,6 +8,7 @@ import json
 import os
 import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 
 import numpy as np
@@ -67,18 +68,22 @@ def cache(tmp_path):
         store.save_block(b)
     store.close()
     ages = [600, 2 * 3600, 3 * 86400, 40 * 86400, 40 * 86400]
-    with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
+    with closing(sqlite3.connect(store.namespace_dir / "index.sqlite")) as conn, conn:  # closed: no -wal / -shm left
         conn.executemany("UPDATE blocks SET last_access=? WHERE hash=?", [(NOW - a, b.block_hash) for a, b in zip(ages, chain)])
     return cache_dir, store, chain
 
 
 def tree(cache_dir: Path) -> dict:
-    """Every file's bytes and every index's meta and rows: inspect must change nothing.
-    (Index files are compared by content: closing the last connection checkpoints the WAL.)"""
-    out = {str(p.relative_to(cache_dir)): p.read_bytes() for p in sorted(cache_dir.rglob("*"))
-           if p.is_file() and not p.name.startswith("index.sqlite")}  # fmt: skip
+    """Every entry's name (an index's -wal / -shm too), every file's bytes and every index's meta
+    and rows: inspect must change nothing and create nothing. (Index files are compared by
+    content: closing the last connection checkpoints the WAL. An index without side files is read
+    `immutable`, so that this reading creates none either.)"""
+    out = {str(p.relative_to(cache_dir)): p.read_bytes() if p.is_file() else None for p in sorted(cache_dir.rglob("*"))
+           if not p.name.startswith("index.sqlite")}  # fmt: skip
+    out["names"] = sorted(str(p.relative_to(cache_dir)) for p in cache_dir.rglob("*"))
     for db in sorted(cache_dir.glob("*/index.sqlite")):
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        quiet = not any(os.path.exists(f"{db}{side}") for side in ("-wal", "-shm", "-journal"))
+        with closing(sqlite3.connect(f"file:{db}?{'immutable=1' if quiet else 'mode=ro'}", uri=True)) as conn:
             out[str(db)] = (conn.execute("SELECT * FROM meta ORDER BY key").fetchall(),
                             conn.execute("SELECT * FROM blocks ORDER BY hash").fetchall())  # fmt: skip
     return out
@@ -196,9 +201,10 @@ def test_prompt_probe_agrees_with_a_following_serve_once(tmp_path, tiny_model):
     engine.close()
     (ns,) = scan_cache(cache_dir).namespaces  # a real model's meta hashes to its namespace name
     assert ns.status == "ok" and ns.meta["model_class"] and ns.meta["libraries"]
+    assert sorted(p.name for p in ns.path.iterdir() if p.is_file()) == ["index.sqlite"]  # the scan created no -wal / -shm
     before = tree(cache_dir)
     probe = json.loads(run_cli(*args, "--prompt", text).stdout)
-    assert tree(cache_dir) == before  # read-only: no meta update, no reconcile, no touch
+    assert tree(cache_dir) == before  # read-only: no meta update, no reconcile, no touch, no -wal / -shm
     assert probe["namespace_exists"] and probe["would_hit"] and probe["prompt_tokens"] == len(ids)
     # the 2 blocks and the 5-token tail entry after them (a tail prefix hit, as serve-once gets)
     assert (probe["cached_blocks"], probe["cached_tokens"]) == (2, 2 * BS + 5) and probe["full_blocks"] == len(ids) // BS

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -22,6 +23,7 @@ from kvtool.engine import Engine
 from kvtool.jobs.warm import WarmError, load_sources, warm
 from kvtool.ops.validate import validate
 from kvtool.prompts import Request
+from kvtool.units import format_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "kvtool" / "assets" / "demo_prompt.txt"
@@ -197,6 +199,23 @@ def test_sigint_in_a_subprocess_exits_130_after_draining(tmp_path):
 
 
 # ------------------------------------------------------------------ CLI errors and help
+def test_last_progress_line_and_json_count_what_the_drained_writer_wrote(tmp_path, prompts_file):
+    """Without a terminal (a progress line at every update here), the closing line counts the
+    blocks and bytes on disk once the background writer drained, as --json and the index do, not
+    what was written when the last prompt was done (its blocks still queued: durable writes)."""
+    cache = tmp_path / "kv"
+    res = kvtool("warm", "--model", "tiny", "--json", "--async", "--durability", "durable", "--cache-dir", str(cache),
+                 str(prompts_file), env={**os.environ, "KVTOOL_PROGRESS_INTERVAL_S": "0"}, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    lines = [line for line in res.stderr.splitlines() if line.startswith("[kvtool warm ")]
+    assert lines and "done: warm 3/3 " in lines[-1], res.stderr
+    found = re.search(r"\| blocks (\d+) \| bytes (.+)$", lines[-1])
+    assert found is not None, lines[-1]
+    assert int(found[1]) == doc["blocks_written"] == doc["blocks_resident"] == rows(cache) > 0
+    assert found[2] == format_bytes(doc["bytes_written"]) and doc["bytes_written"] == doc["bytes_resident"]
+
+
 def test_model_that_does_not_load(tmp_path, prompts_file):
     res = runner.invoke(app_module.app, ["warm", "--model", str(tmp_path / "nomodel"), "--cache-dir",
                                          str(tmp_path / "kv"), str(prompts_file)])  # fmt: skip

@@ -213,7 +213,7 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
         raise ScanError(f"cache directory {cfg.ssd_cache_dir} is not a directory")
     with prompt_engine(cfg, source) as (engine, ids):
         layout = engine.cache.layout_key
-        cached = engine.cache.probe(ids)  # hashing + one read-only index query
+        cached = _probe_ssd(engine, ids)
     exists = is_namespace_dir(cfg.ssd_cache_dir / layout)
     probe = PromptProbe.of(layout, exists, cfg.block_size, len(ids), cached)
     verdict = "[green]would hit[/]" if probe.would_hit else "[yellow]would miss[/]"
@@ -227,6 +227,26 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
         ),
     )  # fmt: skip
     return common.EXIT_OK
+
+
+def _probe_ssd(engine, ids) -> int:
+    """`engine.cache.probe(ids)` (hashing + read-only index queries), in tokens; once more with the
+    index opened `mode=ro` where a writer opened or changed it while it was read quietly (what
+    the first probe read may be stale or torn: `BlockIndex.unchanged`).
+
+    Raises:
+        sqlite3.Error: the index cannot be opened again.
+    """
+    from kvtool.disk.index import BlockIndex
+
+    cached = engine.cache.probe(ids)
+    store = engine.cache.ssd
+    index = getattr(store, "index", None)
+    if index is not None and not index.unchanged():
+        index.close()
+        store.index = BlockIndex(index.path, create=False, read_only=True)
+        cached = engine.cache.probe(ids)
+    return cached
 
 
 def read_only_engine(model: str, cfg, model_opts: dict):

@@ -7,10 +7,10 @@ import signal
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvtool.cli import common
 from kvtool.cli.output import Output
@@ -107,22 +107,32 @@ def _push(namespace_dir: Path, cfg) -> int:
 
 
 def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None, limits=None) -> int:
-    from kvtool.jobs.warm import WarmError, WarmReport, warm
+    from kvtool.jobs.warm import WarmError, WarmReport, update_counts, warm
 
     report = WarmReport(engine.layout_key, str(engine.namespace_dir), len(prompts))
     namespace_dir = engine.namespace_dir  # None once the engine is closed
+    base, status = engine.stats(), None
     with common.signals_raise():
         try:
             with _progress(len(prompts), enabled=not json_out) as on_report:
-                report = warm(engine, prompts, progress=on_report, interrupts=(common.Interrupted,),
-                              chat_template=chat_template, system_prompt=system_prompt, limits=limits)
+                try:
+                    report = warm(engine, prompts, progress=on_report, interrupts=(common.Interrupted,),
+                                  chat_template=chat_template, system_prompt=system_prompt, limits=limits)
+                finally:
+                    common.ignore_signals()
+                    status = engine.close()  # drains the writer, flushes and closes the index
+                update_counts(report, base, engine.stats())  # once drained: what reached the disk
+                if on_report is not None:  # the closing progress line shows these, not the last prompt's
+                    on_report(report, closing=True)
         except common.Interrupted as exc:  # a signal outside the prompt loop
             report.interrupted = exc.args[0]
+            update_counts(report, base, engine.stats())
         except WarmError as exc:
             raise common.CLIError(str(exc)) from None
         finally:
             common.ignore_signals()
-            status = engine.close()  # drains the writer, flushes and closes the index
+            if status is None:  # interrupted before the prompts began
+                status = engine.close()
     report.blocks_resident, report.bytes_resident = _resident(namespace_dir)
     if (report.blocks_evicted or report.blocks_over_budget) and not json_out:
         common.err_console.print(f"note: {_budget_note(report)}", highlight=False, soft_wrap=True)
@@ -137,10 +147,11 @@ def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, sy
 
 
 @contextmanager
-def _progress(total: int, enabled: bool) -> Iterator[Callable[[Any], None] | None]:
-    """Warm's `progress(report)`: one rich bar (prompts, tokens, blocks, bytes) on a terminal when
-    `enabled` (not --json), progress lines (`kvtool.progress.LineProgress`) whenever stderr is not
-    a terminal; None when nothing is shown."""
+def _progress(total: int, enabled: bool) -> Iterator[Callable[..., None] | None]:
+    """Warm's `progress(report, closing=False)`: one rich bar (prompts, tokens, blocks, bytes) on a
+    terminal when `enabled` (not --json), progress lines (`kvtool.progress.LineProgress`) whenever
+    stderr is not a terminal; None when nothing is shown. `closing`: the counts once the writer
+    drained, shown by the closing line (`done: ...`) rather than by one more line."""
     columns = (TextColumn("warm"), BarColumn(), MofNCompleteColumn(), TextColumn("prompts"),
                TextColumn("{task.fields[tokens]} tok | {task.fields[blocks]} blocks | {task.fields[bytes]}"),
                TimeElapsedColumn())  # fmt: skip
@@ -149,8 +160,13 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[Any], None] | Non
             yield None
             return
         task = bar.add_task("warm", total=total, tokens=0, blocks=0, bytes=format_bytes(0))
-        yield lambda report: bar.update(task, completed=report.prompts_done, tokens=report.tokens,
-                                        blocks=report.blocks_written, bytes=format_bytes(report.bytes_written))
+
+        def on_report(report, closing: bool = False) -> None:
+            update = Progress.update if closing else type(bar).update  # Progress.update: no line printed
+            update(bar, task, completed=report.prompts_done, tokens=report.tokens, blocks=report.blocks_written,
+                   bytes=format_bytes(report.bytes_written))
+
+        yield on_report
 
 
 def _print_summary(report, status, out: Output) -> None:

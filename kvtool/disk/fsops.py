@@ -98,6 +98,8 @@ class FileOps:
     exactly as the underlying `os` call does. Methods are stateless and thread-safe.
     """
 
+    quiet_index = False  # True: a store that cannot write opens its index `quiet` (`BlockIndex`)
+
     # ------------------------------------------------------------------ write side
     def makedirs(self, path: Path, mode: int = DEFAULT_DIR_MODE) -> None:
         """Create `path` and missing parents with exactly `mode` (whatever the umask); an

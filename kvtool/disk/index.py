@@ -27,12 +27,12 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import astuple
 from pathlib import Path
 
 from kvtool.disk.fsops import dir_owner, give_to
-from kvtool.disk.names import INDEX_FILENAME, irregular_index_file, is_segment_name
+from kvtool.disk.names import INDEX_FILENAME, irregular_index_file, is_segment_name, quiet_signature
 from kvtool.disk.rowtable import IndexRow, SegmentRow
 
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
@@ -99,6 +99,8 @@ class BlockIndex:
             `created_meta` tells whether this open wrote it.
         read_only: open with `mode=ro` (a cache the process cannot write), or `immutable=1`
             where even the -wal / -shm files cannot be created (`immutable` tells).
+        quiet: with `read_only`, open an index no process has open (no side file) `immutable=1`:
+            no -wal / -shm created; `unchanged()` tells whether a writer came since (then reread).
 
     Raises:
         sqlite3.Error: the database cannot be opened (locked past the busy timeout, corrupt,
@@ -116,6 +118,7 @@ class BlockIndex:
         clock: Callable[[], float] = time.time,
         initial_meta: dict[str, str] | None = None,
         read_only: bool = False,
+        quiet: bool = False,
     ):
         self.path = Path(path)
         self.created_meta = False
@@ -125,12 +128,12 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
         self._pending_since: float | None = None
-        self.immutable = False
-        bad = irregular_index_file(self.path)
-        if bad is not None:
+        if (bad := irregular_index_file(self.path)) is not None:
             raise sqlite3.OperationalError(f"{bad} is not a regular file (FIFO, symlink, device?): never opened")
-        self._conn = self._connect(read_only)
-        if read_only:
+        self._quiet = quiet_signature(self.path) if read_only and quiet else None
+        self.immutable = self._quiet is not None
+        self._conn = self._connect(read_only, self.immutable)
+        if read_only and not self.immutable:
             self._conn = self._read_only_fallback()
         try:
             self._conn.execute(f"PRAGMA busy_timeout={DEFAULT_BUSY_TIMEOUT_MS}")
@@ -155,11 +158,9 @@ class BlockIndex:
         if owner is None:
             return
         for name in ("", "-wal", "-shm"):
-            try:
+            with suppress(FileNotFoundError):
                 if os.lstat(f"{self.path}{name}").st_uid != owner[0]:
                     give_to(owner, f"{self.path}{name}")
-            except FileNotFoundError:
-                pass
 
     def _connect(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
         """A connection: read-write, or read-only (`mode=ro`; `immutable=1`: no -wal / -shm used)."""
@@ -169,9 +170,8 @@ class BlockIndex:
 
     def _read_only_fallback(self) -> sqlite3.Connection:
         """The read-only connection, checked with one read. A WAL index whose `-shm` cannot be
-        created (a read-only mount, a directory of another user) cannot be read `mode=ro`: it is
-        then opened `immutable=1` (its -wal, if any, is ignored: at worst rows are stale, and
-        every block read is verified anyway), and `immutable` is set.
+        created (a read-only mount, another user's directory) cannot be read `mode=ro`: it is then
+        opened `immutable=1` (its -wal ignored: at worst rows are stale; block reads are verified).
 
         Raises:
             sqlite3.Error: neither way reads it (not a database, corrupt, absent).
@@ -208,6 +208,10 @@ class BlockIndex:
             finally:
                 self._conn.close()
                 self._conn = None  # type: ignore[assignment]  # closed: every other use runs while open
+
+    def unchanged(self) -> bool:
+        """False if this index was opened `quiet` and a process has opened or changed it since."""
+        return self._quiet is None or quiet_signature(self.path) == self._quiet
 
     def __enter__(self) -> BlockIndex:
         return self

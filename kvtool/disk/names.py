@@ -89,6 +89,27 @@ def irregular_index_file(path: Path) -> str | None:
     return None
 
 
+def quiet_signature(path: Path) -> tuple[int, ...] | None:
+    """The identity of database `path` (device, inode, size in bytes, mtime and ctime in ns) if no
+    side file (`-wal`, `-shm`, `-journal`) is beside it, else None. Without side files no process
+    has it open (SQLite removes them when the last connection closes cleanly) and every committed
+    transaction is in the file itself; a writer that opens it creates them, and one that changes
+    the file changes this identity. Never raises: None also where `path` cannot be stat'ed."""
+    for suffix in SIDE_SUFFIXES[1:]:
+        try:
+            os.lstat(f"{path}{suffix}")
+            return None
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 WAL_INDEX_HEADER_BYTES = 48  # one copy of the WAL-index header (sqlite.org/walformat.html); the -shm file holds two
 
 

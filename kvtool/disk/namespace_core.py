@@ -402,7 +402,7 @@ def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) 
     store.index = BlockIndex(  # refuses an index or side file that is no regular file (never opened)
 
         db, store.durable, flush_interval_s=flush_interval_s, clock=store.clock, initial_meta=fresh,
-        read_only=not writable, create=writable,
+        read_only=not writable, create=writable, quiet=store.fs.quiet_index,
     )  # fmt: skip
     stored = store.index.get_meta()
     if not store.index.created_meta:

@@ -9,17 +9,25 @@ after the second began. Without WAL it holds by itself: under a rollback journal
 reader's SHARED lock keeps every writer from committing, and an `immutable` index never changes.
 Where it cannot be proven, there is no second connection and one thread reads everything.
 
+`read_quietly` is how a read-only command reads an index: opened `quiet` (`BlockIndex`), it creates
+no -wal / -shm beside an index that no process has open, and it reads again `mode=ro` (seeing every
+committed transaction, the WAL's too) where a writer opened or changed the index meanwhile.
+
 This module never imports MLX.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import TypeVar
 
 from kvtool.disk import names
 from kvtool.disk.index import BlockIndex
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -53,4 +61,34 @@ def read_snapshot(index: BlockIndex, pair: bool = False) -> Iterator[tuple[sqlit
             conn.execute("COMMIT")
 
 
-__all__ = ["read_snapshot"]
+def read_quietly(path: Path, read: Callable[[BlockIndex], T]) -> T:
+    """`read(index)` on index `path` opened read-only and `quiet` (no -wal / -shm created beside
+    an index no process has open); once more opened `mode=ro` if a process opened or changed the
+    index meanwhile (what `read` got may be stale or torn). `read` may run twice: it starts afresh.
+
+    Raises:
+        sqlite3.Error: the index cannot be opened or read (not a database, corrupt, locked).
+    """
+    index: BlockIndex | None = None
+    try:
+        index = BlockIndex(path, create=False, read_only=True, quiet=True)
+        result = read(index)
+    except sqlite3.Error:
+        if index is None or index.unchanged():
+            raise
+    else:
+        if index.unchanged():
+            return result
+    finally:
+        if index is not None:
+            with suppress(sqlite3.Error):
+                index.close()
+    index = BlockIndex(path, create=False, read_only=True)
+    try:
+        return read(index)
+    finally:
+        with suppress(sqlite3.Error):
+            index.close()
+
+
+__all__ = ["read_snapshot", "read_quietly"]

@@ -270,14 +270,14 @@ def warm(
     try:
         for item in prompts:
             _warm_one(engine, item, report, chat_template, system_prompt, limits)
-            _update_counts(report, base, engine.stats())
+            update_counts(report, base, engine.stats())
             if progress is not None:
                 progress(report)
     except interrupts as exc:
         report.interrupted = str(exc) or type(exc).__name__
     finally:
         report.flushed = engine.flush()
-        _update_counts(report, base, engine.stats())
+        update_counts(report, base, engine.stats())
         report.elapsed_s = time.perf_counter() - t0
     return report
 
@@ -321,7 +321,11 @@ def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_templat
         )  # fmt: skip
 
 
-def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
+def update_counts(report: WarmReport, base: dict, now: dict) -> None:
+    """Set `report`'s SSD counts (blocks, bytes, dedup, failed, over budget, evicted) to what the
+    writer did between the `Engine.stats()` snapshots `base` and `now`: after the engine is
+    closed, `now` is what reached the disk once the writer drained. Raises nothing."""
+
     def delta(key: str) -> int:
         return int(now.get(key, 0)) - int(base.get(key, 0))
 
@@ -329,4 +333,4 @@ def _update_counts(report: WarmReport, base: dict, now: dict) -> None:
     report.blocks_evicted, report.bytes_evicted = delta("ssd_budget_evicted_blocks"), delta("ssd_budget_evicted_bytes")
 
 
-__all__ = ["warm", "load_sources", "check_engine", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]
+__all__ = ["warm", "load_sources", "check_engine", "update_counts", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]

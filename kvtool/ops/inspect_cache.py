@@ -1,9 +1,10 @@
 """`kvtool inspect`: what the SSD tier holds, per namespace (a rendering of `scan_cache`), and
 whether a prompt would hit.
 
-Read-only: the scan opens indexes `mode=ro` and only lists files. (Named `inspect_cache` so that
-it never shadows the stdlib `inspect`.) `InspectReport.select` sorts, filters and limits the
-namespaces (`--sort`, `--filter`, `--limit`): the table and the JSON show the same selection.
+Read-only: the scan opens indexes read-only (quietly: no -wal / -shm created) and only lists
+files. (Named `inspect_cache` so that it never shadows the stdlib `inspect`.) `InspectReport.select`
+sorts, filters and limits the namespaces (`--sort`, `--filter`, `--limit`): the table and the JSON
+show the same selection.
 
 A prompt probe asks the model's own `PrefixCache.probe` (hashing and one index query, no block
 read), on a store opened read-only through `ReadOnlyFileOps`: nothing is created or changed.
@@ -318,8 +319,10 @@ def _num(text: str | None, kind: type):
 # ----------------------------------------------------------------------------- prompt probe
 class ReadOnlyFileOps(FileOps):
     """FileOps that refuse every write (EROFS): an `SSDStore` opened with it serves lookups
-    read-only (index `mode=ro`, no meta update, no reconcile, no touch) and creates nothing;
+    read-only (index opened `quiet`, no meta update, no reconcile, no touch) and creates nothing;
     a namespace that does not exist is not created (the store stays disabled)."""
+
+    quiet_index = True
 
     def _refuse(self, path) -> None:
         raise OSError(errno.EROFS, "kvtool inspect opens the cache read-only", str(path))

@@ -3,13 +3,14 @@
 The pattern of `huggingface_hub`'s `scan_cache_dir`: the cache is read once into frozen,
 typed results, and each command only renders or plans from them:
 
-    scan = scan_cache(cache_dir)                 # read-only: indexes opened `mode=ro`, files listed
+    scan = scan_cache(cache_dir)                 # read-only: indexes opened quietly, files listed
     for ns in scan.namespaces:
         ns.status, ns.meta, ns.rows, ns.files, ns.missing, ns.orphans, ns.tree ...
 
 Per namespace, in this order (a row is never inserted before its file exists, so rows are read
 before the directory is listed): the index files are checked to be regular files (a symlinked
-`index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only, its meta is
+`index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only (creating no
+-wal / -shm beside an index no process has open: `kvtool.disk.snapshot.read_quietly`), its meta is
 checked against the directory name (the layout key is a digest of the meta, so a meta that does
 not hash to its name is `foreign`), every row is read and checked in one read transaction
 (`kvtool.disk.rowtable.load_rows`, the one index reader: columns, no Python object per row;
@@ -61,7 +62,7 @@ from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, LOCK_FILENAME, irregu
 from kvtool.disk.namespace_core import Expected
 from kvtool.disk.rowtable import SegmentRow, load_rows
 from kvtool.disk.segment import FORMAT_VERSION
-from kvtool.disk.snapshot import read_snapshot
+from kvtool.disk.snapshot import read_quietly, read_snapshot
 from kvtool.hashing import layout_key_of_meta
 from kvtool.ops.heap import gc_paused, release_free_heap
 from kvtool.ops.scan_results import (  # the results: re-exported under the names callers use
@@ -148,23 +149,16 @@ class _Scanner:
             return self._done(NamespaceStatus.UNREADABLE, (f"{link} is not a regular file: never opened, never followed (SQLite would follow a symlink or block on a FIFO); "
                                "a repairing `kvtool validate` moves a FIFO, socket, device or directory aside (an index "
                                "moved is rebuilt from the segment files) and leaves a symlink"), "link")  # fmt: skip
+        first = dict(self.f)
         try:
-            index = BlockIndex(self.path / INDEX_FILENAME, create=False, read_only=True)
+            return read_quietly(self.path / INDEX_FILENAME, lambda index: self._read(index, first))
         except sqlite3.Error as exc:
             return self._unreadable(exc)
-        try:
-            return self._read(index)
-        except sqlite3.Error as exc:
-            return self._unreadable(exc)
-        finally:
-            try:
-                index.close()
-            except sqlite3.Error:
-                pass
 
     # ------------------------------------------------------------------ steps
-    def _read(self, index: BlockIndex) -> NamespaceScan:
-        f = self.f
+    def _read(self, index: BlockIndex, first: dict) -> NamespaceScan:
+        """The scan of `index` (anything a read before left in `self.f` is dropped: `first`)."""
+        self.f = f = dict(first)
         if not index.initialized():
             if not self._list_files():
                 return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")

@@ -68,6 +68,7 @@ from kvtool.disk.index import BlockIndex
 from kvtool.disk.lock import cache_lock
 from kvtool.disk.names import INDEX_FILENAME, INDEX_FILES, NAMESPACE_RE, segment_relpath
 from kvtool.disk.rowtable import load_rows
+from kvtool.disk.snapshot import read_quietly
 from kvtool.hashing import root_parent
 from kvtool.ops.heap import gc_paused
 from kvtool.ops.rebuild import execute_rebuild, plan_rebuild
@@ -194,10 +195,9 @@ def _plan_namespace(scan: CacheScan, ns: NamespaceScan, rep: NamespaceRepair, de
 def removal_journal(db: Path) -> set[str]:
     """The segment names in index `db`'s removal journal (`BlockIndex.removals`: files an
     interrupted `prune` or `rm --prompt` took the rows of); empty if it has none or cannot be read
-    (read-only)."""
+    (read quietly: nothing created beside it)."""
     try:
-        with BlockIndex(db, create=False, read_only=True) as index:
-            return set(index.removals())
+        return read_quietly(db, lambda index: set(index.removals()))
     except sqlite3.Error:
         return set()
 
