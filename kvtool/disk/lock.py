@@ -14,13 +14,9 @@ before the lock is released: on a full disk that write may fail and is then skip
 be able to run exactly when the disk is full. If the lock file cannot even be created (no space
 for a new inode), the cache directory itself is flocked instead.
 
-A refused command names the holder only where it is known to hold the lock, never a pid read
-from a stale record (a kvtool killed while holding it, or a holder that is no kvtool at all, e.g.
-`flock(1)`): on Linux the kernel's `/proc/locks` names the process holding the flock (kept if it
-is alive and, where its descriptors can be read, has the file open); else, or where it lists
-none, the record's pid if that process is alive (a kvtool blanks its record on release). A
-holder that is the record's kvtool is "another kvtool prune, rm or validate"; another is named by
-pid and command name; otherwise the holder is said to be unknown.
+A refused command names the record's kvtool only if that process is alive (a kvtool blanks its
+record on release; one killed while holding the lock leaves it, and a holder that is no kvtool,
+e.g. `flock(1)`, writes none): otherwise the holder is said to be unknown, never a stale pid.
 
 This module never imports MLX.
 """
@@ -127,83 +123,26 @@ def _write_pid(fd: int, pid: int | None) -> None:
 
 
 def _refusal(fd: int, cache_dir: Path, path: Path) -> str:
-    """The message of a refused lock: the holder named only where it is known (module docstring)."""
-    pids, recorded = _holders(fd)
-    if recorded is not None and recorded in pids:
-        return f"another kvtool prune, rm or validate is running on {cache_dir} (pid {recorded}); try again later"
-    if pids:
-        who = ", ".join(f"pid {p}{_command(p)}" for p in pids[:3]) + (", ..." if len(pids) > 3 else "")
-        return f"the maintenance lock {path} of {cache_dir} is held by another process ({who}); try again later"
+    """The message of a refused lock: the record's kvtool if that process is alive, else the
+    holder is unknown (a flock names no holder; a dead kvtool's record names no one)."""
+    try:
+        text = os.pread(fd, PID_RECORD_BYTES, 0).decode(errors="replace").split() if stat.S_ISREG(os.fstat(fd).st_mode) else []
+    except OSError:
+        text = []
+    pid = int(text[0]) if text and text[0].isdigit() and 0 < int(text[0]) < 2**31 else None
+    if pid is not None and _alive(pid):
+        return f"another kvtool prune, rm or validate is running on {cache_dir} (pid {pid}); try again later"
     return f"the maintenance lock {path} of {cache_dir} is held by another process (holder unknown); try again later"
 
 
-def _holders(fd: int) -> tuple[list[int], int | None]:
-    """(pids known to hold the lock on file `fd`, sorted; the record's pid, or None)."""
-    st = os.fstat(fd)
-    try:
-        text = os.pread(fd, PID_RECORD_BYTES, 0).decode(errors="replace").split() if stat.S_ISREG(st.st_mode) else []
-    except OSError:
-        text = []
-    recorded = int(text[0]) if text and text[0].isdigit() and 0 < int(text[0]) < 2**31 else None
-    listed = _flock_pids(st)
-    pids = sorted(p for p in listed or () if _has_open(p, st) is not False)
-    if not pids and recorded is not None and _has_open(recorded, st) is not False:
-        pids = [recorded]  # not in /proc/locks (none there, or released meanwhile): the record's live kvtool
-    return pids, recorded
-
-
-def _flock_pids(st: os.stat_result) -> set[int] | None:
-    """The pids `/proc/locks` shows holding a flock on the file of `st` (waiters left out); None
-    where there is no `/proc/locks` (not Linux)."""
-    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    try:
-        with open("/proc/locks", encoding="ascii", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    pids = set()
-    for line in lines:
-        parts = line.split()
-        if len(parts) > 5 and parts[1] == "FLOCK" and parts[5] == key and parts[4].isdigit() and int(parts[4]) > 0:
-            pids.add(int(parts[4]))  # a waiter's line reads "N: -> FLOCK ...": parts[1] is "->"
-    return pids
-
-
-def _has_open(pid: int, st: os.stat_result) -> bool | None:
-    """False if process `pid` is gone or has no descriptor on the file of `st`; True if it has one;
-    None if it is alive but its descriptors cannot be read (another user's, or no /proc)."""
+def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass
-    except OSError:
-        return False
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except FileNotFoundError:
-        return None if not os.path.isdir("/proc/self/fd") else False
-    except OSError:
-        return None
-    for name in names:
-        try:
-            fst = os.stat(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue
-        if (fst.st_dev, fst.st_ino) == (st.st_dev, st.st_ino):
-            return True
-    return False
-
-
-def _command(pid: int) -> str:
-    """': <command name>' of process `pid` (Linux `/proc/<pid>/comm`), or ''."""
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            name = f.read().strip()
-    except OSError:
-        return ""
-    return f": {name}" if name.isprintable() and name else ""
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
 
 
 __all__ = ["cache_lock", "PruneError", "PruneLocked", "EXIT_LOCKED", "LOCK_FILENAME"]
