@@ -120,6 +120,22 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
     assert "0 failed" in again.stdout
 
 
+@pytest.mark.slow
+def test_validate_a_key_of_another_type_first_in_its_batch(fresh_redis):
+    """A list under a value key that sorts before the namespace's split value: one problem (the
+    handler must not see a manifest that is not its own, nor none at all), the parts kept."""
+    split = _split_chain("cli-validate-wrongtype", seed=5)
+    _fill(fresh_redis.url, split, max_value_bytes=4096)
+    client = fresh_redis.client()
+    first = rv.value_key(split.layout_key, "0" * 32)
+    client.rpush(first, b"x")
+    res = _kvtool("remote", "validate", "--url", fresh_redis.url, "--json")
+    doc = _json(res)
+    assert res.exit_code == 1 and [p["key"] for p in doc["problems"]] == [first] and doc["ok"] == 2
+    assert not client.exists(first) and doc["removed_keys"] == 1
+    assert _kvtool("remote", "validate", "--url", fresh_redis.url).exit_code == 0
+
+
 # ----------------------------------------------------------------------------- rm
 @pytest.mark.slow
 def test_rm_namespace_and_hashes(redis_node, monkeypatch):

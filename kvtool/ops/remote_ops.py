@@ -287,11 +287,11 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
             report.vanished += 1
             continue
         report.checked += 1
+        manifest: rv.Manifest | None = None  # (before any raise: the handler reads it)
         try:
             if not isinstance(data, bytes):
                 raise rv.RemoteValueError("header", f"not a string value: {str(data)[:100]}")
             report.bytes_checked += len(data)
-            manifest = None
             if rv.is_manifest(data):
                 manifest = rv.parse_manifest(data, max_value_bytes)
                 part_keys = manifest.part_keys(key)
