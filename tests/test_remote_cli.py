@@ -104,6 +104,8 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
     client.set(k1, client.get(rv.value_key(chain.layout_key, chain.hashes[2])))  # another chain entry's value
     orphan = rv.part_key(rv.value_key(split.layout_key, split.hashes[0]), "00000000deadbeef", 0)
     client.set(orphan, b"x" * 100)
+    k3 = rv.value_key(chain.layout_key, chain.hashes[3])
+    client.set(k3, b"")  # an empty string is a value gone bad, not one that vanished
     for ns in (chain.layout_key, split.layout_key):
         dry = _kvtool("remote", "validate", "--url", fresh_redis.url, "--namespace", ns, "--dry-run", "--json")
         assert dry.exit_code == 1
@@ -112,9 +114,9 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
     res = _kvtool("remote", "validate", "--url", fresh_redis.url, "--json")
     assert res.exit_code == 1
     doc = _json(res)
-    assert {p["key"] for p in doc["problems"]} == {k0, k1} and doc["orphan_parts"] == 1
-    assert doc["ok"] == 4 + 2 and doc["removed_keys"] == 3
-    assert not client.exists(k0) and not client.exists(k1) and not client.exists(orphan)
+    assert {p["key"] for p in doc["problems"]} == {k0, k1, k3} and doc["orphan_parts"] == 1 and doc["vanished"] == 0
+    assert doc["ok"] == 3 + 2 and doc["removed_keys"] == 4
+    assert not any(client.exists(k) for k in (k0, k1, k3, orphan))
     again = _kvtool("remote", "validate", "--url", fresh_redis.url)
     assert again.exit_code == 0, again.output
     assert "0 failed" in again.stdout
