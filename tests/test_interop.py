@@ -281,6 +281,36 @@ def test_exported_file_imports_without_prompt_and_quantized_round_trip(tmp_path,
     assert_same_kv(q, tmp_path / "q2.safetensors")
 
 
+def test_an_edited_export_is_refused_where_the_kv_check_recomputes_nothing(tmp_path, tiny_model):
+    """The last layer's KV of one token the KV check does not recompute, scaled in an exported
+    file: no other layer's KV shows it, so only the file's kvtool_kv_digest can; the import is
+    refused and writes nothing. Without a digest the import warns that it could not check."""
+    ids = [int(t) for t in tiny_model.tokenizer.encode(PROMPT * 8)]
+    with engine_for(tiny_model, tmp_path / "a") as eng:
+        interop_export.export_cache_file(eng, ids, tmp_path / "exp.safetensors", metadata_model="m", fill=True)
+    lo = len(ids) - interop.DEFAULT_CHECK_TOKENS
+    m = min(interop.DEFAULT_CHECK_POSITIONS, lo)
+    checked = {int(i * lo / m) for i in range(m)} | {lo - 1}
+    j = min(set(range(lo)) - checked)  # a position no single-token check recomputes
+    arrays, meta = mx.load(str(tmp_path / "exp.safetensors"), return_metadata=True)
+    old = {k: v for k, v in meta.items() if k != "0.kvtool_kv_digest"}  # an export of an older kvtool
+    mx.save_safetensors(str(tmp_path / "old.safetensors"), dict(arrays), old)
+    last = max(int(name.split(".")[0]) for name in arrays if name.split(".")[-1] in ("0", "1") and name.count(".") == 1)
+    for name in (f"{last}.0", f"{last}.1"):  # keys, values of the last layer
+        a = arrays[name]
+        arrays[name] = mx.concatenate([a[:, :, :j], -3 * a[:, :, j : j + 1], a[:, :, j + 1 :]], axis=2)
+    mx.save_safetensors(str(tmp_path / "edited.safetensors"), arrays, meta)
+    with engine_for(tiny_model, tmp_path / "b") as eng:
+        with pytest.raises(InteropError, match="do not match the file's kvtool_kv_digest"):
+            interop.import_cache_file(eng, tmp_path / "edited.safetensors", None, model_spec="m", require_model_match=False)
+        assert eng.cache.probe(ids) == 0
+        rep = interop.import_cache_file(eng, tmp_path / "exp.safetensors", None, model_spec="m", require_model_match=False)
+        assert rep.verified and not any("kvtool_kv_digest" in w for w in rep.warnings)
+    with engine_for(tiny_model, tmp_path / "c") as eng:
+        rep = interop.import_cache_file(eng, tmp_path / "old.safetensors", None, model_spec="m", require_model_match=False)
+        assert rep.verified and any("carries no kvtool_kv_digest" in w for w in rep.warnings)
+
+
 def test_import_over_the_ssd_budget_is_counted_over_budget_not_failed(tmp_path, tiny_model, made):
     """A byte budget with no room for a segment: the import's blocks are over the budget (not
     stored, so not verified), not failed, and never retried."""

@@ -104,6 +104,8 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
     client.set(k1, client.get(rv.value_key(chain.layout_key, chain.hashes[2])))  # another chain entry's value
     orphan = rv.part_key(rv.value_key(split.layout_key, split.hashes[0]), "00000000deadbeef", 0)
     client.set(orphan, b"x" * 100)
+    k3 = rv.value_key(chain.layout_key, chain.hashes[3])
+    client.set(k3, b"")  # an empty string is a value gone bad, not one that vanished
     for ns in (chain.layout_key, split.layout_key):
         dry = _kvtool("remote", "validate", "--url", fresh_redis.url, "--namespace", ns, "--dry-run", "--json")
         assert dry.exit_code == 1
@@ -112,12 +114,28 @@ def test_validate_finds_and_deletes_bad_values(fresh_redis):
     res = _kvtool("remote", "validate", "--url", fresh_redis.url, "--json")
     assert res.exit_code == 1
     doc = _json(res)
-    assert {p["key"] for p in doc["problems"]} == {k0, k1} and doc["orphan_parts"] == 1
-    assert doc["ok"] == 4 + 2 and doc["removed_keys"] == 3
-    assert not client.exists(k0) and not client.exists(k1) and not client.exists(orphan)
+    assert {p["key"] for p in doc["problems"]} == {k0, k1, k3} and doc["orphan_parts"] == 1 and doc["vanished"] == 0
+    assert doc["ok"] == 3 + 2 and doc["removed_keys"] == 4
+    assert not any(client.exists(k) for k in (k0, k1, k3, orphan))
     again = _kvtool("remote", "validate", "--url", fresh_redis.url)
     assert again.exit_code == 0, again.output
     assert "0 failed" in again.stdout
+
+
+@pytest.mark.slow
+def test_validate_a_key_of_another_type_first_in_its_batch(fresh_redis):
+    """A list under a value key that sorts before the namespace's split value: one problem (the
+    handler must not see a manifest that is not its own, nor none at all), the parts kept."""
+    split = _split_chain("cli-validate-wrongtype", seed=5)
+    _fill(fresh_redis.url, split, max_value_bytes=4096)
+    client = fresh_redis.client()
+    first = rv.value_key(split.layout_key, "0" * 32)
+    client.rpush(first, b"x")
+    res = _kvtool("remote", "validate", "--url", fresh_redis.url, "--json")
+    doc = _json(res)
+    assert res.exit_code == 1 and [p["key"] for p in doc["problems"]] == [first] and doc["ok"] == 2
+    assert not client.exists(first) and doc["removed_keys"] == 1
+    assert _kvtool("remote", "validate", "--url", fresh_redis.url).exit_code == 0
 
 
 # ----------------------------------------------------------------------------- rm

@@ -135,6 +135,7 @@ def _corrupt_cases(chain, other_chain, other_layout):
         "oversized": lambda c: c.set(key, good + b"\x00" * (rv.value_bound(chain.kv, 4, "none"))),
         "bad manifest": lambda c: c.set(key, b"kvtool-parts:1:2:99999999999:8:0123456789abcdef"),
         "a list, not a string": lambda c: (c.unlink(key), c.rpush(key, b"x")),
+        "empty value": lambda c: c.set(key, b""),  # SET NX can never replace it: it must be deleted
     }
 
 

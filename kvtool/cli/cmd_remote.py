@@ -276,14 +276,15 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
 
       kvtool remote push --namespace 3fa2 --json
 
-    Exit codes: 0 ok; 1 a record failed verification or a segment was unreadable; 2 bad URL,
-    unreachable server, wrong password, unknown namespace.
+    Exit codes: 0 ok; 1 a record failed verification, a segment or an index was unreadable, or
+    the server refused blocks (e.g. out of memory); 2 bad URL, unreachable server, wrong password,
+    unknown namespace, a --cache-dir that does not exist, or the server failed during the push
+    (which stops there; what was done is printed first).
     """
     from kvtool.disk.fsops import list_namespaces
-    from kvtool.jobs.remote_push import open_store_for, push_namespace
 
     out = Output.from_flags(json_out)
-    root = common.build_config(server.config, cache_dir).ssd_cache_dir
+    root = _push_root(server.config, cache_dir)
     server = server.at(remote_url)
     with server.connect():  # checks the URL and that the server answers
         pass
@@ -293,17 +294,64 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
         names = [n for n in names if n.startswith(namespace)]
         if len(names) != 1:
             raise common.CLIError(f"--namespace {namespace}: {len(names)} namespaces match under {root}")
-    reports = []
-    for name in names:
-        store = open_store_for(root / name, url_used, timeout_s=timeout_s, cluster=cluster_used)
-        try:
-            reports.append(push_namespace(root / name, store))
-        finally:
-            store.close()
-    bad = sum(r.bad_records + len(r.unreadable_segments) for r in reports)
+    reports, stopped = _push_all(root, names, url_used, cluster_used, timeout_s)
+    bad = sum(r.problems for r in reports)
     out.emit(lambda: {"cache_dir": str(root), "namespaces": [r.to_dict() for r in reports], "problems": bad},
              lambda: _print_push(root, reports, out))
+    if stopped is not None:
+        raise stopped  # one error line, exit 2, after the report
     return common.EXIT_OK if bad == 0 else common.EXIT_PROBLEMS
+
+
+def _push_root(config: Any, cache_dir: Any) -> Any:
+    """The SSD cache to push: one named by a flag, a variable or a config file must exist (a typo
+    would otherwise push nothing and exit 0); the default directory may be missing.
+
+    Raises:
+        CLIError: a named cache directory does not exist; ConfigError: a bad config layer.
+    """
+    import os
+
+    from kvtool.config.settings import DEFAULT
+
+    settings = common.CacheFlags(config, cache_dir).settings()
+    root, origin = settings.config.ssd_cache_dir, settings.origins["ssd_cache_dir"]
+    if not os.path.lexists(root) and origin.kind != DEFAULT:
+        raise common.CLIError(f"cache directory {root} does not exist (from {origin})")
+    return root
+
+
+def _push_all(root: Any, names: list[str], url: str, cluster: bool | None, timeout_s: float) -> tuple[list, Any]:
+    """Push each namespace `names` under `root`: `(reports, PushStopped or None)`. A namespace
+    whose index cannot be read is a report with its `error`; the server failing stops the push.
+    The store's warnings about serving without the tier are held back: the report says it."""
+    import logging
+
+    from kvtool.jobs.remote_push import PushReport, PushStopped, open_store_for, push_namespace
+
+    reports: list[PushReport] = []
+    quiet = logging.getLogger("kvtool.tiers.remote_store")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        for name in names:
+            try:
+                store = open_store_for(root / name, url, timeout_s=timeout_s, cluster=cluster)
+            except ValueError as exc:
+                reports.append(PushReport(name, error=str(exc)))
+                continue
+            try:
+                reports.append(push_namespace(root / name, store))
+            except ValueError as exc:  # the index became unreadable meanwhile
+                reports.append(PushReport(name, error=str(exc)))
+            except PushStopped as exc:
+                reports.append(exc.report)
+                return reports, exc
+            finally:
+                store.close()
+    finally:
+        quiet.setLevel(level)
+    return reports, None
 
 
 def _print_push(root: Any, reports: list, out: Output) -> None:
@@ -311,8 +359,10 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
         out.print(f"no namespaces under {escape(str(root))}")
     for r in reports:
         out.print(f"{r.namespace}: {r.blocks_read} block(s) read from {r.segments} segment(s), {r.blocks_stored} "
-                  f"stored (new on the server), {r.bad_records} bad record(s), {len(r.unreadable_segments)} "
-                  "unreadable segment(s)")
+                  f"stored (new on the server), {r.blocks_existing} there already, {r.blocks_failed} not stored, "
+                  f"{r.bad_records} bad record(s), {len(r.unreadable_segments)} unreadable segment(s)")
+        if r.error is not None:
+            out.problem(f"  {escape(r.error)}")
 
 
 # ----------------------------------------------------------------------------- validate

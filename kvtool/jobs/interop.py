@@ -25,6 +25,10 @@ Import checks, in order (any failure: `InteropError`, nothing written):
    checked position, gives different KV. Unchecked positions are covered by the token count
    only (`check_tokens` >= the prompt length recomputes every token, as slow as a prefill).
 
+A file written by `kvtool export` also carries `kvtool_kv_digest` (`interop_files.kv_digest`): its
+KV and token ids must match it, so a damaged or edited export is refused even where the KV check
+recomputes no position (the last layer's KV of an unchecked token shows in no other layer's KV).
+
 Then `PrefixCache.store(tokens, cache, persist=True)`, flush, and `PrefixCache.probe(tokens)`
 must report every token (`verified`).
 
@@ -49,6 +53,7 @@ from typing import TYPE_CHECKING, Any, cast
 from kvtool.jobs.interop_files import (
     TOKEN_SOURCES,
     InteropError,
+    check_kv_digest,
     check_model,
     file_quantization,
     file_token_ids,
@@ -383,6 +388,8 @@ def import_cache_file(
     ids, report.token_source = _prompt_ids(path, tokens, metadata, token_source)
     report.prompt_tokens = len(ids)
     _check_file_cache(engine, cache, ids, path, report)
+    if (digest_warning := check_kv_digest(cache, metadata, ids, path)) is not None:
+        report.warnings.append(digest_warning)
     _check_model_and_kv(engine, cache, ids, path, report, model_spec, adapter_path, require_model_match,
                         check_tokens, check_positions)  # fmt: skip
     pc = engine.cache

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtool.jobs.interop import EXIT_NOT_CACHED, ExportReport, InteropError, truncated
-from kvtool.jobs.interop_files import SUFFIX
+from kvtool.jobs.interop_files import KV_DIGEST_KEY, SUFFIX, kv_digest
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
@@ -99,7 +99,7 @@ def export_cache_file(
         report.remote_hit_tokens = hit.remote_tokens
         gen = _generation_state(engine, hit, ids)
         report.computed_tokens = int(hit.remaining.size)
-        _write_checked(out, gen, _metadata(engine, metadata_model, ids, extra_metadata), n)
+        _write_checked(out, gen, _metadata(engine, metadata_model, ids, extra_metadata, kv_digest(gen, ids)), ids)
         report.cache_types = sorted({type(c).__name__ for c in gen})
         report.bytes = out.stat().st_size
     finally:
@@ -110,15 +110,17 @@ def export_cache_file(
     return report
 
 
-def _metadata(engine: Engine, metadata_model: str, ids: list[int], extra: dict[str, str] | None) -> dict[str, str]:
+def _metadata(engine: Engine, metadata_model: str, ids: list[int], extra: dict[str, str] | None,
+              digest: str) -> dict[str, str]:  # fmt: skip
     """The file's string metadata: mlx-lm's (`model`, `tokenizer_config`, `chat_template`),
-    kvtool's token ids and layout key, then `extra`."""
+    kvtool's token ids, layout key and KV digest (`interop_files.kv_digest`), then `extra`."""
     return {
         "model": metadata_model,
         "tokenizer_config": json.dumps({"trust_remote_code": False}),
         "chat_template": str(getattr(engine.tokenizer, "chat_template", None) or ""),
         "kvtool_token_ids": json.dumps(ids),
         "kvtool_layout_key": str(engine.cache.layout_key),
+        KV_DIGEST_KEY: digest,
         **(extra or {}),
     }
 
@@ -175,13 +177,14 @@ def _generation_state(engine: Engine, hit, ids: list[int]) -> list:
     return gen
 
 
-def _write_checked(out: Path, gen: list, metadata: dict[str, str], n: int) -> None:
+def _write_checked(out: Path, gen: list, metadata: dict[str, str], ids: list[int]) -> None:
     """Save `gen` with `metadata` as mlx-lm's `save_prompt_cache` does, through a temp file in
-    `out`'s directory that is loaded back and checked to hold `n` tokens, then renamed to `out`.
+    `out`'s directory that is loaded back and checked to hold the prompt `ids` (its token count
+    and its `kvtool_kv_digest`), then renamed to `out`.
 
     Raises:
-        InteropError: `out`'s directory cannot be written, or the written file does not hold `n`
-            tokens (nothing is left behind).
+        InteropError: `out`'s directory cannot be written, or the written file does not hold the
+            prompt (nothing is left behind).
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
@@ -194,8 +197,8 @@ def _write_checked(out: Path, gen: list, metadata: dict[str, str], n: int) -> No
         save_prompt_cache(tmp, gen, metadata)
         check = load_prompt_cache(tmp)
         offsets = [int(c.offset) for c in check if hasattr(c, "offset")]
-        if offsets != [n] * len(offsets):
-            raise InteropError(f"{out}: the written file does not hold {n} tokens (internal error)")
+        if offsets != [len(ids)] * len(offsets) or kv_digest(check, ids) != metadata[KV_DIGEST_KEY]:
+            raise InteropError(f"{out}: the written file does not read back as the {len(ids)} tokens' KV (internal error)")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvtool.errors import KVToolError
 
 SUFFIX = ".safetensors"  # mx.load picks the format by extension; mx.save_safetensors appends it
+KV_DIGEST_KEY = "kvtool_kv_digest"  # metadata: `kv_digest` of an exported file
 
 # ImportReport.token_source values -> how the tokens were obtained
 TOKEN_SOURCES = {
@@ -170,6 +173,54 @@ def file_quantization(cache: list) -> tuple[int, int] | None:
     return (int(q[0].bits), int(q[0].group_size)) if q else None
 
 
+# --------------------------------------------------------------------------- digest
+def kv_digest(cache: list, token_ids: Sequence[int]) -> str:
+    """The checksum (xxh3-128, 32 hex digits) of a prompt cache as its file holds it: the token ids
+    (int32) and each layer's class and state arrays (name, dtype, shape, bytes), in file order.
+    `kvtool export` writes it as metadata `kvtool_kv_digest`; `check_kv_digest` compares. It
+    detects a damaged or edited file, not a forged one (whoever edits can recompute it)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from kvtool.disk.verify import record_checksum
+
+    pieces = [np.asarray(token_ids, dtype="<i4").tobytes()]
+    for c in cache:
+        pieces.append(type(c).__name__.encode())
+        flat: list[tuple[str, Any]] = tree_flatten(c.state)  # type: ignore[assignment]
+        for name, a in flat:
+            if not isinstance(a, mx.array):
+                pieces.append(f"{name}={a!r}".encode())
+                continue
+            pieces.append(f"{name}:{a.dtype}:{tuple(a.shape)}".encode())
+            host = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)  # (numpy has no bfloat16)
+            pieces.append(np.ascontiguousarray(host).tobytes())
+    return record_checksum(pieces)
+
+
+def check_kv_digest(cache: list, metadata: dict[str, str], token_ids: Sequence[int], path: str | Path) -> str | None:
+    """Compare a file's KV and token ids with its `kvtool_kv_digest` (written by `kvtool export`).
+    Returns a warning for a file that carries kvtool's token ids but no digest (an export of an
+    older kvtool, or the digest removed), else None (no digest in an mlx-lm file is normal).
+
+    Raises:
+        InteropError: the digest does not match: the file was damaged or edited since it was
+            written (its KV would be imported under these token ids unchecked where the KV
+            check recomputes no position), or the prompt is not the file's.
+    """
+    want = metadata.get(KV_DIGEST_KEY)
+    if want is None:
+        if "kvtool_token_ids" in metadata:
+            return (f"{path} carries no {KV_DIGEST_KEY} (exported by an older kvtool?): its KV is checked "
+                    "at the KV check's positions only")
+        return None
+    if kv_digest(cache, token_ids) != want:
+        raise InteropError(f"{path}: the KV and token ids do not match the file's {KV_DIGEST_KEY}: the file was "
+                           "damaged or edited since kvtool export wrote it (or this is not its prompt)")
+    return None
+
+
 # --------------------------------------------------------------------------- model identity
 def check_model(file_model: str | None, model_spec: str, loaded, adapter_path: str | None = None) -> ModelCheck:
     """Decide whether the file's metadata `model` names the loaded model.
@@ -227,7 +278,7 @@ def _one_line(exc: BaseException | str) -> str:
 
 
 __all__ = [
-    "SUFFIX", "TOKEN_SOURCES", "InteropError", "ModelCheck", "cache_prompt_tokens", "parse_token_ids", "read_token_ids",
+    "SUFFIX", "KV_DIGEST_KEY", "TOKEN_SOURCES", "InteropError", "kv_digest", "check_kv_digest", "ModelCheck", "cache_prompt_tokens", "parse_token_ids", "read_token_ids",
     "resolve_cache_file", "load_cache_file", "file_token_ids", "file_quantization", "check_model",
     "metadata_model_for",
 ]

@@ -25,6 +25,7 @@ from kvtool.config.remote_url import RemoteConnectError, RemoteURL, describe_err
 from kvtool.errors import KVToolError
 from kvtool.hashing import blake2b_chain
 from kvtool.tiers import remote_value as rv
+from kvtool.tiers.remote_read import empty_strings
 
 DEFAULT_OPS_TIMEOUT_S = 5.0
 DEFAULT_MAX_KEYS = 10_000_000
@@ -280,18 +281,23 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
 
 def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyInfo | None], max_value_bytes: int,
                     report: ValidateReport, doomed: list[str], named_parts: set[str]) -> None:  # fmt: skip
-    for key, data in zip(batch, _heads(conn, batch, max_value_bytes)):
+    heads = _heads(conn, batch, max_value_bytes)
+    empty = [k for k, data in zip(batch, heads) if isinstance(data, bytes) and not data]
+    present = set(conn.run("EXISTS", lambda: empty_strings(conn.client, empty))) if empty else set()
+    for key, data in zip(batch, heads):
         info = infos[key]
         assert info is not None
-        if isinstance(data, bytes) and not data:
+        if isinstance(data, bytes) and not data and key not in present:
             report.vanished += 1
             continue
         report.checked += 1
+        manifest: rv.Manifest | None = None  # (before any raise: the handler reads it)
         try:
             if not isinstance(data, bytes):
                 raise rv.RemoteValueError("header", f"not a string value: {str(data)[:100]}")
+            if not data:  # an empty string (a vanished key was counted above)
+                raise rv.RemoteValueError("truncated", "an empty value")
             report.bytes_checked += len(data)
-            manifest = None
             if rv.is_manifest(data):
                 manifest = rv.parse_manifest(data, max_value_bytes)
                 part_keys = manifest.part_keys(key)

@@ -41,7 +41,7 @@ from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
 
 __all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDOW", "Got", "ValueRead", "ValueSource",
-           "fetch_values", "raise_connection_errors"]
+           "empty_strings", "fetch_values", "raise_connection_errors"]
 
 T = TypeVar("T")
 
@@ -155,8 +155,11 @@ def _gots(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence
     out: list[Got] = []
     split: list[tuple[int, rv.Manifest]] = []
     nbytes = 0
+    empty = _empty_values(client, keys, results)
     for i, data in enumerate(results):
-        if isinstance(data, bytes) and data:
+        if i in empty:  # an empty string: SET NX would never replace it, so it must go
+            out.append(Got(None, None, rv.RemoteValueError("truncated", "an empty value")))
+        elif isinstance(data, bytes) and data:
             nbytes += len(data)
             if rv.is_manifest(data):
                 try:
@@ -176,6 +179,37 @@ def _gots(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence
     store.count("remote_bytes_read", nbytes)
     if split:
         _fetch_parts(store, client, keys, split, out)
+    return out
+
+
+def _empty_values(client: Any, keys: Sequence[str], results: Sequence[Any]) -> set[int]:
+    """Indices of the keys whose GETRANGE reply was empty and that hold an empty string (a key
+    that does not exist answers empty too: evicted or expired since the lookup, a plain miss).
+    Raises as `fetch_values`."""
+    at = [i for i, data in enumerate(results) if isinstance(data, bytes) and not data]
+    if not at:
+        return set()
+    empty = set(empty_strings(client, [keys[i] for i in at]))
+    return {i for i in at if keys[i] in empty}
+
+
+def empty_strings(client: Any, keys: Sequence[str]) -> list[str]:
+    """The `keys` that exist and hold an empty string, each asked in a transaction of its own
+    (EXISTS and STRLEN at one instant: a key deleted and written again meanwhile is not taken for
+    an empty one; one round trip per key, for keys whose value read back empty only).
+
+    Raises:
+        redis.exceptions.ConnectionError, TimeoutError, OSError: the call failed.
+    """
+    out = []
+    for key in keys:
+        pipe = client.pipeline(transaction=True)
+        pipe.exists(key)
+        pipe.strlen(key)
+        found = pipe.execute(raise_on_error=False)
+        raise_connection_errors(found)
+        if found == [1, 0]:
+            out.append(key)
     return out
 
 

@@ -158,6 +158,7 @@ class RemoteStore:
         self._counts: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
         self._closed = False
+        self.last_error: str | None = None  # the last server failure or refusal, one line (URL masked)
         if not self.call(lambda c: bool(c.ping()), False, trip=True):
             logger.debug("remote tier %s not reachable at start", self.remote.masked)
 
@@ -215,6 +216,7 @@ class RemoteStore:
             result = op(self._get_client())
         except Exception as exc:  # noqa: BLE001 - any failure of the remote tier is a miss
             self.count("remote_errors")
+            self.last_error = describe_error(exc, self.remote, self.timeout_s)
             if self.remote.cluster:  # rebuilt after a failure: its slot map may be stale, a node gone
                 self._drop_client()
             if self._breaker.failure(trip=trip):
@@ -408,7 +410,8 @@ class RemoteStore:
     def _outcome(self, result: Any, nbytes: int) -> str:
         if isinstance(result, Exception):  # e.g. OOM under maxmemory with noeviction
             self.count("remote_errors")
-            logger.debug("remote SET refused: %s", describe_error(result, self.remote))
+            self.last_error = describe_error(result, self.remote)
+            logger.debug("remote SET refused: %s", self.last_error)
             return "error"
         if result:
             self.count("remote_bytes_written", nbytes)
