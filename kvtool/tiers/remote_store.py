@@ -7,8 +7,8 @@ format, key schema, split values). Every hit is verified as an SSD hit is; a val
 (checksum, token ids, size, layout, parent) is a miss, is deleted, and counts `remote_corrupt`.
 
 Failure isolation: the remote tier can only make requests miss, never fail or hang them.
-- Every socket operation (connect, each read) has the deadline `timeout_s` (250 ms by default);
-  redis-py's own retries are off.
+- Every socket operation (connect, each read) has the deadline `timeout_s` (250 ms by default),
+  every call a whole-call deadline (`kvtool.tiers.call_deadline`); redis-py's own retries are off.
 - No method raises for a server problem (unreachable, refused, timed out, wrong password, TLS,
   out of memory, cluster down, a key of another type): the call returns a miss (`None`, 0,
   False) and counts `remote_errors`. Only programming errors raise (`ValueError` on arguments of
@@ -60,6 +60,7 @@ from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.tiers import remote_value as rv
 from kvtool.tiers.breaker import Breaker
+from kvtool.tiers.call_deadline import WATCHDOG, Expiry, call_deadline_s, close_connections, failure_text
 from kvtool.tiers.remote_read import (
     DEFAULT_READ_AHEAD,
     DEFAULT_READ_BATCH_BYTES,
@@ -212,19 +213,21 @@ class RemoteStore:
         """`op(client)`, or `default` if the breaker is open or it fails (counted, logged)."""
         if self._closed or not self._breaker.allow():
             return default
+        expiry = Expiry()
         try:
-            result = op(self._get_client())
+            client = self._get_client()
+            with WATCHDOG.deadline(call_deadline_s(self.timeout_s), lambda: close_connections(client)) as expiry:
+                result = op(client)
         except Exception as exc:  # noqa: BLE001 - any failure of the remote tier is a miss
             self.count("remote_errors")
-            self.last_error = describe_error(exc, self.remote, self.timeout_s)
+            self.last_error = why = failure_text(exc, expiry, self.remote, self.timeout_s)
             if self.remote.cluster:  # rebuilt after a failure: its slot map may be stale, a node gone
                 self._drop_client()
             if self._breaker.failure(trip=trip):
                 self.count("remote_breaker_trips")
-                logger.warning("remote tier unavailable, requests go on without it (retrying in the background): %s",
-                               describe_error(exc, self.remote, self.timeout_s))  # fmt: skip
+                logger.warning("remote tier unavailable, requests go on without it (retrying in the background): %s", why)
             else:
-                logger.debug("remote tier call failed: %s", describe_error(exc, self.remote, self.timeout_s))
+                logger.debug("remote tier call failed: %s", why)
             return default
         if self._breaker.success():
             logger.info("remote tier %s reachable again", self.remote.masked)

@@ -1,0 +1,109 @@
+"""A bound on a whole remote call, not only on each socket read.
+
+redis-py bounds every socket operation (`RemoteStore(timeout_s=...)`), not a reply: a server that
+announces a large reply and then sends a byte every 100 ms answers every read in time and holds
+the call, and the request waiting on it, for ever (a wedge; the remote tier may only make requests
+miss, never hang them). `CallWatchdog.deadline` registers a call with one daemon thread per
+process, which closes the call's connections once the deadline has passed
+(`close_connections`): the blocked read fails, the call is a failed call (`remote_errors`, the
+circuit breaker) and the request a miss.
+
+`call_deadline_s(timeout_s)` is the bound a store uses: 40 socket timeouts, at least 5 s
+(250 ms reads: 10 s), far above what a pipelined batch of values (8 MiB by default) takes on
+any working link.
+
+MLX-free; imports no redis (the client is only handed to `close_connections`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any
+
+from kvtool.config.remote_url import RemoteURL, describe_error
+
+logger = logging.getLogger(__name__)
+
+MIN_CALL_DEADLINE_S = 5.0
+TIMEOUTS_PER_CALL = 40
+
+
+class Expiry:
+    """Set once the watchdog acted on a call (`fired`)."""
+
+    fired = False
+
+
+def call_deadline_s(timeout_s: float) -> float:
+    """The whole-call bound (seconds) for a socket timeout of `timeout_s` seconds."""
+    return max(MIN_CALL_DEADLINE_S, TIMEOUTS_PER_CALL * timeout_s)
+
+
+def failure_text(exc: BaseException, expiry: Expiry, remote: RemoteURL, timeout_s: float) -> str:
+    """One line on a failed call (URL masked): the deadline's, if it fired, else `describe_error`'s."""
+    if expiry.fired:
+        return (f"{remote.masked}: no whole answer within {call_deadline_s(timeout_s):g} s although every read "
+                f"answered within {timeout_s:g} s (the server sends too slowly); its connections were closed")
+    return describe_error(exc, remote, timeout_s)
+
+
+def close_connections(client: Any) -> None:
+    """Close every connection of a redis-py client, those in use included (a `redis.Redis`'s
+    pool, or each node's pool of a `RedisCluster`): a thread blocked reading one gets an error."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:
+        pool.disconnect(inuse_connections=True)
+    else:
+        client.disconnect_connection_pools()
+
+
+class CallWatchdog:
+    """Deadlines of calls in flight, checked every `tick_s` seconds by one daemon thread
+    (started with the first call)."""
+
+    def __init__(self, tick_s: float = 0.05, clock: Callable[[], float] = time.monotonic):
+        self.tick_s, self.clock = tick_s, clock
+        self._lock = threading.Lock()
+        self._calls: dict[int, tuple[float, Expiry, Callable[[], None]]] = {}
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    @contextmanager
+    def deadline(self, seconds: float, on_expiry: Callable[[], None]) -> Iterator[Expiry]:
+        """Run the `with` block under a deadline of `seconds`: past it, `on_expiry()` is called
+        once on the watchdog's thread (it must make the block fail, e.g. `close_connections`),
+        and the yielded `Expiry.fired` is True."""
+        token, state = next(self._ids), Expiry()
+        with self._lock:
+            self._calls[token] = (self.clock() + seconds, state, on_expiry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvtool-remote-deadline", daemon=True)
+                self._thread.start()
+        try:
+            yield state
+        finally:
+            with self._lock:
+                self._calls.pop(token, None)
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.tick_s)
+            now = self.clock()
+            with self._lock:
+                due = [token for token, (at, _, _) in self._calls.items() if at <= now]
+                expired = [self._calls.pop(token) for token in due]
+            for _, state, on_expiry in expired:
+                state.fired = True
+                logger.debug("a remote call passed its deadline: closing its connections")
+                with suppress(Exception):  # closing what is broken anyway: nothing more to do
+                    on_expiry()
+
+
+WATCHDOG = CallWatchdog()
+
+__all__ = ["CallWatchdog", "Expiry", "WATCHDOG", "call_deadline_s", "close_connections", "failure_text"]
