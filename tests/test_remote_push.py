@@ -113,11 +113,17 @@ def test_writes_refused_by_a_full_server_are_counted_and_exit_1(tiny_model, tmp_
     with RedisServer(["--maxmemory", "1200kb", "--maxmemory-policy", "noeviction"]) as full:
         res = _push(tmp_path / "c", full.url, "--json")
         human = _push(tmp_path / "c", full.url)
+        (tmp_path / "p.txt").write_text(tiny_model.tokenizer.decode(long_prompt(tiny_model.tokenizer, 700)))
+        warm = _kvtool("warm", str(tmp_path / "p.txt"), "--model", "tiny", "--whole", "--ignore-chat-template",
+                       "--cache-dir", str(tmp_path / "w"), "--to-remote", "--remote-url", full.url,
+                       env={"KVTOOL_REMOTE_POLICY": "off"})  # only the push writes (it exited 0)
     (ns,) = json.loads(res.stdout)["namespaces"]
     assert res.exit_code == 1 and ns["blocks_failed"] > 0 and not ns["stopped"]
     assert ns["blocks_stored"] + ns["blocks_existing"] + ns["blocks_failed"] == ns["blocks_read"]
     assert "maxmemory" in ns["error"] and json.loads(res.stdout)["problems"] == ns["blocks_failed"]
     assert human.exit_code == 1 and "not stored" in human.stdout and "maxmemory" in human.stderr
+    said = " ".join(warm.stderr.split())
+    assert warm.exit_code == 1 and "not stored (" in said and "maxmemory" in said, warm.output
 
 
 @pytest.mark.slow

@@ -101,9 +101,11 @@ def _push(namespace_dir: Path, cfg) -> int:
         r = push_namespace(namespace_dir, store)
     finally:
         store.close()
+    why = f" ({r.error})" if r.error else ""
     print(f"pushed to {store.url}: {r.blocks_read} block(s) read, {r.blocks_stored} stored (new on the server), "
-          f"{r.bad_records} bad record(s), {len(r.unreadable_segments)} unreadable segment(s)", file=sys.stderr)
-    return common.EXIT_OK if not (r.bad_records or r.unreadable_segments) else 1
+          f"{r.blocks_failed} not stored{why}, {r.bad_records} bad record(s), {len(r.unreadable_segments)} "
+          "unreadable segment(s)", file=sys.stderr)  # fmt: skip
+    return common.EXIT_OK if not (r.bad_records or r.unreadable_segments or r.blocks_failed) else 1
 
 
 def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None, limits=None) -> int:
