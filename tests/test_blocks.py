@@ -185,7 +185,7 @@ def test_unfilled_arrays_have_their_shapes_dtypes_and_own_buffers():
     specs = [((1, 2, 300, 8), mx.float32), ((1, 2, 300, 4), mx.bfloat16), ((1, 2, 300, 2), mx.uint32)] * 2
     arrays = _blank_arrays(specs)
     assert [(tuple(a.shape), a.dtype) for a in arrays] == specs
-    views = [kvbuffers._host_view(a) for a in arrays]
+    views = kvbuffers._host_views(arrays)
     assert all(v is not None for v in views)
     starts = sorted(v.ctypes.data for v in views)
     ends = sorted(v.ctypes.data + v.nbytes for v in views)

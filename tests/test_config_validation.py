@@ -21,7 +21,6 @@ from kvtool.config import (
     Durability,
     KVToolConfig,
     SSDPolicy,
-    WriterMode,
     default_cache_dir,
     load_config,
 )
@@ -176,7 +175,6 @@ def test_policy_durability_and_writer_are_str_enums(tmp_path):
     assert KVToolConfig(ssd_cache_dir=tmp_path).ssd_policy == "write_through"
     assert tuple(SSDPolicy) == ("evict_only", "write_through")
     assert DURABILITY_MODES == ("best_effort", "persistent", "durable")
-    assert tuple(WriterMode) == ("sync", "async") and WriterMode("async") == "async"
 
 
 # ------------------------------------------------------------------ directories

@@ -65,13 +65,6 @@ class Codec(StrEnum):
     LZ4 = "lz4"  # lz4 block: ~1.07x / ~1.09x, ~2-3 GB/s in, ~7-10 GB/s out
 
 
-class WriterMode(StrEnum):
-    """Where SSD writes run (`ssd_async_writes`): inline or on a background thread."""
-
-    SYNC = "sync"
-    ASYNC = "async"
-
-
 class RemotePolicy(StrEnum):
     """When blocks reach the remote tier (`remote_url`). Members compare equal to their string values."""
 

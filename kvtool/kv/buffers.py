@@ -65,11 +65,6 @@ def _host_views(arrays: list[mx.array]) -> list[np.ndarray | None]:
     return out
 
 
-def _host_view(a: mx.array) -> np.ndarray | None:
-    """`_host_views` of one array."""
-    return _host_views([a])[0]
-
-
 # Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
 # its I/O threads, one GIL hand-off per tensor); a zero fill costs a pass over the memory, and
 # in a fresh process its page faults too. Measured on 2 cores: `qwen0.5b` bf16, 32k tokens
@@ -270,7 +265,7 @@ class KVBuffers:
 
     Attributes:
         arrays: MLX arrays in record order (K0, V0, K1, V1, ...).
-        views: writable numpy views of `arrays` (or host staging arrays, see `_host_view`).
+        views: writable numpy views of `arrays` (or host staging arrays, see `_host_views`).
         staged: True if `views` are separate host arrays to copy in at `caches()`.
     """
 
