@@ -110,3 +110,13 @@ def test_serve_once_with_a_trickling_remote_answers_exactly(trickle, tmp_path):
     assert "Traceback" not in said and "every read answered within 0.1 s (the server sends too slowly)" in said, said
     got, want = json.loads(slow.stdout)["requests"][0], json.loads(plain.stdout)["requests"][0]
     assert got["token_ids"] == want["token_ids"] and got["remote_hit_tokens"] == 0
+
+
+def test_remote_commands_refuse_a_server_that_trickles_its_pong(trickle):
+    from kvtool.config.remote_url import RemoteConnectError
+    from kvtool.ops import remote_ops
+
+    t0 = time.monotonic()
+    with pytest.raises(RemoteConnectError, match=r"no whole answer within 0.4 s .* too slowly"):
+        remote_ops.connect(f"redis://127.0.0.1:{trickle.port}/0", timeout_s=0.2)  # before: waited for ever
+    assert time.monotonic() - t0 < HANG_GUARD_S

@@ -25,6 +25,7 @@ from kvtool.config.remote_url import RemoteConnectError, RemoteURL, describe_err
 from kvtool.errors import KVToolError
 from kvtool.hashing import blake2b_chain
 from kvtool.tiers import remote_value as rv
+from kvtool.tiers.call_deadline import WATCHDOG, Expiry, close_connections, failure_text
 from kvtool.tiers.remote_read import empty_strings
 
 DEFAULT_OPS_TIMEOUT_S = 5.0
@@ -76,11 +77,13 @@ def connect(url: str, *, cluster: bool | None = None, timeout_s: float = DEFAULT
             cluster (for a cluster URL).
     """
     remote = parse_remote_url(url, cluster=cluster)
+    expiry = Expiry()
     try:
         client = make_client(remote, timeout_s)
-        client.ping()
+        with WATCHDOG.deadline(2 * timeout_s, lambda: close_connections(client)) as expiry:
+            client.ping()  # connect + one read; a server that trickles its answer is closed then
     except Exception as exc:  # noqa: BLE001 - every failure is one line
-        raise RemoteConnectError(describe_error(exc, remote, timeout_s)) from None
+        raise RemoteConnectError(failure_text(exc, expiry, remote, timeout_s)) from None
     return Connection(remote, client, timeout_s)
 
 

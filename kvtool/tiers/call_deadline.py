@@ -34,9 +34,10 @@ TIMEOUTS_PER_CALL = 40
 
 
 class Expiry:
-    """Set once the watchdog acted on a call (`fired`)."""
+    """A call's deadline (`seconds`); `fired` once the watchdog acted on it."""
 
     fired = False
+    seconds = 0.0
 
 
 def call_deadline_s(timeout_s: float) -> float:
@@ -47,7 +48,7 @@ def call_deadline_s(timeout_s: float) -> float:
 def failure_text(exc: BaseException, expiry: Expiry, remote: RemoteURL, timeout_s: float) -> str:
     """One line on a failed call (URL masked): the deadline's, if it fired, else `describe_error`'s."""
     if expiry.fired:
-        return (f"{remote.masked}: no whole answer within {call_deadline_s(timeout_s):g} s although every read "
+        return (f"{remote.masked}: no whole answer within {expiry.seconds:g} s although every read "
                 f"answered within {timeout_s:g} s (the server sends too slowly); its connections were closed")
     return describe_error(exc, remote, timeout_s)
 
@@ -79,6 +80,7 @@ class CallWatchdog:
         once on the watchdog's thread (it must make the block fail, e.g. `close_connections`),
         and the yielded `Expiry.fired` is True."""
         token, state = next(self._ids), Expiry()
+        state.seconds = seconds
         with self._lock:
             self._calls[token] = (self.clock() + seconds, state, on_expiry)
             if self._thread is None:
