@@ -7,7 +7,8 @@ Safe beside live servers and live kvtool processes:
   alone (`validate` reads values with GET, which counts as a use on Redis 6.2);
 - removal is `UNLINK` (freed in the background): a kvtool process reading a value that is being
   removed gets a miss, never wrong KV (every value is verified), and a split value loses its
-  manifest first, its parts after.
+  manifest first, its parts after; a value key goes only if it still holds what was read of it
+  (`kvtool.tiers.remote_cas`): one stored again meanwhile is newer and stays whole.
 
 Errors that end an operation (unreachable, wrong password, TLS, an unknown namespace) raise a
 `KVToolError` (`RemoteConnectError`, `RemoteOpsError`) with one line, the URL's password masked.
@@ -15,6 +16,7 @@ Errors that end an operation (unreachable, wrong password, TLS, an unknown names
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import suppress
@@ -24,6 +26,7 @@ from typing import Any
 from kvtool.config.remote_url import RemoteConnectError, RemoteURL, describe_error, make_client, parse_remote_url
 from kvtool.errors import KVToolError
 from kvtool.hashing import blake2b_chain
+from kvtool.tiers import remote_cas
 from kvtool.tiers import remote_value as rv
 from kvtool.tiers.call_deadline import WATCHDOG, Expiry, close_connections, failure_text
 from kvtool.tiers.remote_read import empty_strings
@@ -109,7 +112,7 @@ def _parse_keys(keys: Sequence[str]) -> tuple[dict[str, rv.KeyInfo | None], list
     return infos, values, [k for k, i in infos.items() if i is not None and i.part is not None]
 
 
-def _pipelined(conn: Connection, what: str, keys: Sequence[str], add: Any) -> list[Any]:
+def _pipelined(conn: Connection, what: str, keys: Sequence[Any], add: Any) -> list[Any]:
     """`add(pipe, key)` for each of `keys`, in pipelined round trips of `BATCH_KEYS`: the replies
     in order (per-key errors come back as exceptions); a server failure raises (`Connection.run`)."""
     out: list[Any] = []
@@ -267,7 +270,7 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
     report = ValidateReport(conn.remote.masked, namespace, dry_run, truncated=truncated)
     infos, values, parts = _parse_keys(keys)
     sizes = _memory(conn, values)
-    doomed: list[str] = []
+    doomed: list[remote_cas.Item] = []
     named_parts: set[str] = set()
     start = size = 0
     for i, key in enumerate(values):  # batches of GET_BATCH_BYTES or BATCH_KEYS, whichever comes first
@@ -278,12 +281,12 @@ def validate(conn: Connection, namespace: str | None = None, *, dry_run: bool = 
     orphans = _confirm_orphans(conn, [p for p in parts if p not in named_parts])
     report.orphan_parts = len(orphans)
     if not dry_run:
-        report.removed_keys = unlink(conn, doomed + orphans)
+        report.removed_keys = unlink(conn, [*doomed, *orphans])
     return report
 
 
 def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyInfo | None], max_value_bytes: int,
-                    report: ValidateReport, doomed: list[str], named_parts: set[str]) -> None:  # fmt: skip
+                    report: ValidateReport, doomed: list[remote_cas.Item], named_parts: set[str]) -> None:  # fmt: skip
     heads = _heads(conn, batch, max_value_bytes)
     empty = [k for k, data in zip(batch, heads) if isinstance(data, bytes) and not data]
     present = set(conn.run("EXISTS", lambda: empty_strings(conn.client, empty))) if empty else set()
@@ -294,6 +297,7 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
             report.vanished += 1
             continue
         report.checked += 1
+        guard = remote_cas.guard(data)  # removed only if it still holds this
         manifest: rv.Manifest | None = None  # (before any raise: the handler reads it)
         try:
             if not isinstance(data, bytes):
@@ -308,7 +312,7 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
                 parts = [r if isinstance(r, bytes) and r else None for r in _heads(conn, part_keys, manifest.part_bytes)]
                 if any(p is None for p in parts):
                     report.incomplete += 1
-                    doomed.extend([key, *part_keys])
+                    doomed.extend([(key, guard), *part_keys])
                     continue
                 data = rv.join_parts(manifest, parts)
             block = rv.decode_value(data, info.layout_key, None, None, info.chain_hash, None, max_bytes=max_value_bytes)
@@ -317,18 +321,19 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
             report.ok += 1
         except rv.RemoteValueError as exc:
             report.problems.append(Problem(key, exc.kind, str(exc).partition(": ")[2][:300]))
-            doomed.append(key)
+            doomed.append((key, guard))
             if manifest is not None:
                 doomed.extend(manifest.part_keys(key))
         except ValueError as exc:  # bytes.fromhex of a parent that is not hex
             report.problems.append(Problem(key, "header", str(exc)[:300]))
-            doomed.append(key)
+            doomed.append((key, guard))
 
 
-def unlink(conn: Connection, keys: Sequence[str]) -> int:
-    """UNLINK `keys` in pipelined batches (value keys before their parts: callers list them so);
-    returns how many existed."""
-    return sum(r for r in _pipelined(conn, "UNLINK", list(keys), lambda pipe, key: pipe.unlink(key)) if isinstance(r, int))
+def unlink(conn: Connection, keys: Sequence[remote_cas.Item]) -> int:
+    """UNLINK `keys` in pipelined batches, value keys before their parts (callers list them so): a
+    name as it is, a `(value key, guard)` only if it still holds what was read (`remote_cas`).
+    Returns how many keys were removed; a server failure raises `RemoteConnectError`."""
+    return sum(r for r in remote_cas.unlink_all(functools.partial(_pipelined, conn, "UNLINK"), keys) if isinstance(r, int))
 
 
 # ----------------------------------------------------------------------------- rm
@@ -367,17 +372,20 @@ def rm(conn: Connection, namespace: str, hashes: Sequence[str] = (), *, dry_run:
         if bad:
             raise RemoteOpsError(f"not a chain hash (32 hex characters): {bad[0][:40]!r}")
         values = [rv.value_key(ns, h) for h in dict.fromkeys(hashes)]
-        keys = []
+        keys: list[remote_cas.Item] = []
         for key, head in zip(values, _heads(conn, values)):
             if isinstance(head, bytes) and head:
-                keys += [key, *rv.manifest_part_keys(key, head)]
+                keys += [(key, remote_cas.guard(head)), *rv.manifest_part_keys(key, head)]
                 report.values += 1
     else:
-        keys, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
-        keys.sort(key=lambda k: (rv.parse_key(k) or rv.KeyInfo("", "", "")).part is not None)  # values first
-        report.values = sum(1 for k in keys if (i := rv.parse_key(k)) is not None and i.part is None)
+        names, report.truncated = scan(conn, f"{rv.KEY_PREFIX}:*:{ns}:*", max_keys)
+        names.sort(key=lambda k: (rv.parse_key(k) or rv.KeyInfo("", "", "")).part is not None)  # values first
+        values = [k for k in names if (i := rv.parse_key(k)) is not None and i.part is None]
+        guards = {k: remote_cas.guard(head) for k, head in zip(values, _heads(conn, values))}
+        keys = [(k, guards[k]) if k in guards else k for k in names]
+        report.values = len(values)
     report.keys = len(keys)
-    report.bytes = sum(_memory(conn, keys).values())
+    report.bytes = sum(_memory(conn, [k if isinstance(k, str) else k[0] for k in keys]).values())
     if not dry_run:
         report.removed_keys = unlink(conn, keys)
     return report
@@ -389,7 +397,8 @@ class _Entry:
     layout: str
     idle: float
     bytes: int
-    keys: list[str]
+    keys: list[str]  # the value key, then the parts its manifest names
+    value: remote_cas.Item  # how the value key is removed: (key, the manifest read or b"": `remote_cas.guard`)
 
 
 def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | None = None, namespace: str | None = None,
@@ -428,7 +437,7 @@ def prune(conn: Connection, *, idle_s: float | None = None, max_bytes: int | Non
         stat = report.per_namespace.setdefault(e.layout, {"values": 0, "bytes": 0})
         stat["values"] += 1
         stat["bytes"] += e.bytes
-    victims = [k for e in doomed for k in e.keys] + orphans
+    victims: list[remote_cas.Item] = [*(k for e in doomed for k in (e.value, *e.keys[1:])), *orphans]
     report.values = len(doomed)
     report.keys = len(victims)
     report.bytes = sum(e.bytes for e in doomed) + sum(sizes.get(k, 0) for k in orphans)
@@ -444,14 +453,16 @@ def _entries(conn: Connection, values: Sequence[str], ages: Sequence[Any], infos
              sizes: dict[str, int]) -> list[_Entry]:  # fmt: skip
     """One `_Entry` per value key (its parts with it; `ages` in seconds, or minus the use frequency)."""
     with_parts = {i.main_key for i in infos.values() if i is not None and i.part is not None}
-    manifests = _read_manifests(conn, [k for k in values if k in with_parts])  # only values with parts listed
+    listed = [k for k in values if k in with_parts]  # read; the others count as whole (guard b"")
+    heads = dict(zip(listed, _heads(conn, listed)))
     entries: list[_Entry] = []
     for key, age in zip(values, ages):
-        own = [key, *manifests.get(key, [])]
+        own = [key, *rv.manifest_part_keys(key, heads.get(key))]
         info = infos[key]
         assert info is not None
         nbytes = sum(sizes.get(k, 0) for k in own)
-        entries.append(_Entry(info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, own))
+        entries.append(_Entry(info.layout_key, float(age) if isinstance(age, (int, float)) else 0.0, nbytes, own,
+                              (key, remote_cas.guard(heads.get(key)))))  # fmt: skip
     return entries
 
 
@@ -476,11 +487,6 @@ def _choose(entries: list[_Entry], idle_s: float | None, max_bytes: int | None) 
     return doomed
 
 
-def _read_manifests(conn: Connection, keys: Sequence[str]) -> dict[str, list[str]]:
-    """Value key -> the part keys its manifest names, for the `keys` holding a manifest."""
-    return {key: parts for key, head in zip(keys, _heads(conn, keys)) if (parts := rv.manifest_part_keys(key, head))}
-
-
 def _confirm_orphans(conn: Connection, candidates: Sequence[str]) -> list[str]:
     """The part keys of `candidates` that no manifest names, read again now (SCAN is no
     snapshot: a split value written during the listing may show its parts and not its
@@ -490,5 +496,5 @@ def _confirm_orphans(conn: Connection, candidates: Sequence[str]) -> list[str]:
         info = rv.parse_key(key)
         if info is not None:
             by_main[info.main_key].append(key)
-    named = {k for ks in _read_manifests(conn, list(by_main)).values() for k in ks}
+    named = {k for main, head in zip(by_main, _heads(conn, list(by_main))) for k in rv.manifest_part_keys(main, head)}
     return [k for keys in by_main.values() for k in keys if k not in named]

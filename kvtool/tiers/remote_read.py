@@ -38,6 +38,7 @@ import numpy as np
 
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
+from kvtool.tiers import remote_cas
 from kvtool.tiers import remote_value as rv
 
 __all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDOW", "Got", "ValueRead", "ValueSource",
@@ -81,9 +82,9 @@ class ValueSource(Protocol):
 
     def submit_read(self, fn: Callable[[Any], T], arg: Any) -> Future[T]: ...
 
-    def corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None: ...
+    def corrupt(self, key: str, exc: rv.RemoteValueError) -> None: ...
 
-    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None: ...
+    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None, bytes]]) -> None: ...
 
 
 def raise_connection_errors(results: Sequence[Any]) -> None:
@@ -116,11 +117,13 @@ class Got(NamedTuple):
         manifest: the split value's manifest, if it was one (its parts go with a bad value).
         error: why the value is bad before any parse (not a string, a malformed manifest, parts
             of the wrong size), or None.
+        guard: what deleting it compares (`remote_cas.guard`): the manifest read, else b"".
     """
 
     data: bytes | None
     manifest: rv.Manifest | None = None
     error: rv.RemoteValueError | None = None
+    guard: bytes = b""
 
 
 _ABSENT = Got(None)
@@ -165,7 +168,7 @@ def _gots(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence
                 try:
                     split.append((i, rv.parse_manifest(data, bounds[i])))
                 except rv.RemoteValueError as exc:
-                    out.append(Got(None, None, exc))
+                    out.append(Got(None, None, exc, remote_cas.guard(data)))
                     continue
             out.append(Got(data))
         elif isinstance(data, Exception):
@@ -223,10 +226,10 @@ def _fetch_parts(store: ValueSource, client: Any, keys: Sequence[str], split: li
         at += m.n_parts
         store.count("remote_bytes_read", sum(len(p) for p in parts if p))
         try:
-            out[i] = Got(rv.join_parts(m, parts), m)
+            out[i] = Got(rv.join_parts(m, parts), m, None, m.encode())
         except rv.RemoteValueError as exc:
             # an evicted or expired part: a miss, its remains deleted but not counted as corrupt
-            out[i] = Got(None, m, None if any(p is None for p in parts) else exc)
+            out[i] = Got(None, m, None if any(p is None for p in parts) else exc, m.encode())
 
 
 class _Wire:
@@ -454,20 +457,20 @@ class ValueRead:
         deleted."""
         store = self.store
         out: list[HostBlock | None] = []
-        bad: list[tuple[str, rv.Manifest | None]] = []
+        bad: list[tuple[str, rv.Manifest | None, bytes]] = []
         for k, g in zip(batch, got):
             key = self.keys[k]
             block = None
             if g.error is not None:
-                store.corrupt(key, g.error, bad, g.manifest)
+                store.corrupt(key, g.error)
             elif g.data is not None:
                 try:
                     block = rv.decode_value(g.data, store.layout_key, store.kv, store.codec, self.hashes[k],
                                             self.parents[k], expected_tokens=self.token_ids[k], max_bytes=len(g.data))  # fmt: skip
                 except rv.RemoteValueError as exc:
-                    store.corrupt(key, exc, bad, g.manifest)
-            elif g.manifest is not None:  # an evicted part: drop the rest of the value
-                bad.append((key, g.manifest))
+                    store.corrupt(key, exc)
+            if block is None and (g.error is not None or g.data is not None or g.manifest is not None):
+                bad.append((key, g.manifest, g.guard))  # bad, or a part evicted: the rest of the value goes
             out.append(block)
         if bad:
             store.call(lambda client: store.unlink(client, bad), None)

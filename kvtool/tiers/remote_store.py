@@ -19,7 +19,8 @@ Failure isolation: the remote tier can only make requests miss, never fail or ha
   outage (WARNING), the recovery once (INFO); `remote_breaker_open` is 1 while open. A server
   down at start leaves the store unavailable (`available` False) and it reconnects by itself.
 - kvtool never lists keys (no KEYS, no SCAN) on the request path: only EXISTS, GETRANGE, SET NX,
-  UNLINK on named keys, pipelined. Listing is for `kvtool remote` (`kvtool.ops.remote_ops`).
+  UNLINK and EVAL (a bad value's compare-and-delete, `kvtool.tiers.remote_cas`) on named keys,
+  pipelined. Listing is for `kvtool remote` (`kvtool.ops.remote_ops`).
 
 Reads: `read` fetches and verifies a run of values in pipelined batches, where cores are to
 spare on reader threads ahead of the request thread (`kvtool.tiers.remote_read`); `get_blocks`
@@ -58,6 +59,7 @@ import numpy as np
 from kvtool.config.remote_url import RemoteURL, describe_error, make_client, mask_url, parse_remote_url
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
+from kvtool.tiers import remote_cas
 from kvtool.tiers import remote_value as rv
 from kvtool.tiers.breaker import Breaker
 from kvtool.tiers.call_deadline import WATCHDOG, Expiry, call_deadline_s, close_connections, failure_text
@@ -330,17 +332,18 @@ class RemoteStore:
                 self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kvtool-remote-read")
             return self._readers.submit(fn, arg)
 
-    def corrupt(self, key: str, exc: rv.RemoteValueError, bad: list, manifest: rv.Manifest | None = None) -> None:
-        """A value failed verification: count and log it, and add it to `bad` (to `unlink`)."""
+    def corrupt(self, key: str, exc: rv.RemoteValueError) -> None:
+        """A value failed verification: count and log it (the caller deletes it: `unlink`)."""
         self.count("remote_corrupt")
         logger.warning("remote value %s failed verification (%s: %s); deleted, a miss", key, exc.kind,
                        str(exc).partition(": ")[2][:200])  # fmt: skip
-        bad.append((key, manifest))
 
-    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None]]) -> None:
-        """Delete values and their parts in one pipeline (inside a `call`)."""
-        names = [k for key, manifest in keys for k in (key, *(manifest.part_keys(key) if manifest else ()))]
-        pipelined(client, names, lambda pipe, key: pipe.unlink(key))
+    def unlink(self, client: Any, keys: list[tuple[str, rv.Manifest | None, bytes]]) -> None:
+        """Delete values `(key, manifest read or None, guard)`, each only if it still holds what
+        was read (`remote_cas`: a value rewritten meanwhile stays whole), and the parts of the
+        manifests read, in one pipeline (inside a `call`). Raises as `pipelined`."""
+        ops = [op for key, m, guard in keys for op in ((key, guard), *(m.part_keys(key) if m else ()))]
+        remote_cas.unlink_all(functools.partial(pipelined, client), ops)
 
     # ------------------------------------------------------------------ writes
     enabled = True  # as a writer's sink: a server problem is a miss per call, never a refusal
@@ -440,14 +443,15 @@ class RemoteStore:
             cleanup = client.pipeline(transaction=False)
             for part in part_keys:
                 cleanup.unlink(part)
-            if outcome == "saved":  # a part failed: the manifest must not stay
-                cleanup.unlink(key)
+            if outcome == "saved":  # a part failed: the manifest must not stay (unless rewritten since)
+                remote_cas.queue_unlink(cleanup, (key, manifest.encode()))
                 outcome = "error"
             cleanup.execute(raise_on_error=False)
         return outcome
 
     def delete(self, hashes: Sequence[str]) -> int:
-        """Delete the values of `hashes` (and their parts).
+        """Delete the values of `hashes` (and their parts). A value rewritten between this call's
+        read of it and its delete stays (`remote_cas`): the rewrite is newer than the delete.
 
         Returns:
             How many value keys were deleted; 0 on any failure.
@@ -458,15 +462,12 @@ class RemoteStore:
 
         def op(client: Any) -> int:
             heads = pipelined(client, keys, lambda pipe, key: pipe.getrange(key, 0, 127))  # a manifest names its parts
-            pipe = client.pipeline(transaction=False)
+            ops: list[remote_cas.Item] = []
             mains = []
             for key, head in zip(keys, heads):
-                mains.append(len(pipe))
-                pipe.unlink(key)
-                for part in rv.manifest_part_keys(key, head):  # a manifest names its parts
-                    pipe.unlink(part)
-            results = pipe.execute(raise_on_error=False)
-            raise_connection_errors(results)
+                mains.append(len(ops))
+                ops += [(key, remote_cas.guard(head)), *rv.manifest_part_keys(key, head)]
+            results = remote_cas.unlink_all(functools.partial(pipelined, client), ops)
             return sum(1 for i in mains if results[i] == 1)
 
         return self.call(op, 0)
