@@ -309,6 +309,9 @@ def test_an_edited_export_is_refused_where_the_kv_check_recomputes_nothing(tmp_p
     with engine_for(tiny_model, tmp_path / "c") as eng:
         rep = interop.import_cache_file(eng, tmp_path / "old.safetensors", None, model_spec="m", require_model_match=False)
         assert rep.verified and any("carries no kvtool_kv_digest" in w for w in rep.warnings)
+    r = kvtool("import", str(tmp_path / "edited.safetensors"), "--model", "tiny", "--cache-dir", str(tmp_path / "d"))
+    assert r.returncode == 2 and "kvtool_kv_digest" in r.stderr, r.stderr  # refused before the model loads:
+    assert not (tmp_path / "d").exists()  # no empty namespace left behind
 
 
 def test_import_over_the_ssd_budget_is_counted_over_budget_not_failed(tmp_path, tiny_model, made):
