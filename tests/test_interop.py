@@ -12,7 +12,9 @@ prompt cache, array for array.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -312,6 +314,19 @@ def test_an_edited_export_is_refused_where_the_kv_check_recomputes_nothing(tmp_p
     r = kvtool("import", str(tmp_path / "edited.safetensors"), "--model", "tiny", "--cache-dir", str(tmp_path / "d"))
     assert r.returncode == 2 and "kvtool_kv_digest" in r.stderr, r.stderr  # refused before the model loads:
     assert not (tmp_path / "d").exists()  # no empty namespace left behind
+
+
+def test_an_export_gets_the_mode_mlx_lm_gives_its_files(tmp_path, tiny_model):
+    """0o666 less the umask, as `save_prompt_cache` writes (it was mkstemp's 0o600 whatever the umask)."""
+    ids = [int(t) for t in tiny_model.tokenizer.encode(PROMPT)]
+    old = os.umask(0o027)
+    try:
+        with engine_for(tiny_model, tmp_path / "a") as eng:
+            interop_export.export_cache_file(eng, ids, tmp_path / "e.safetensors", metadata_model="m", fill=True)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "e.safetensors").stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left
 
 
 def test_import_over_the_ssd_budget_is_counted_over_budget_not_failed(tmp_path, tiny_model, made):

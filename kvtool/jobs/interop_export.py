@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -188,11 +188,11 @@ def _write_checked(out: Path, gen: list, metadata: dict[str, str], ids: list[int
     """
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=SUFFIX, dir=out.parent)
+    tmp = str(out.parent / f".{out.stem}.{secrets.token_hex(8)}{SUFFIX}")
+    try:  # mode 0o666 less the umask, as mlx-lm's own files (mkstemp's 0o600 is not what mlx-lm users get)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as exc:  # a read-only or full file system, no write permission
         raise InteropError(f"{out}: cannot write in {out.parent}: {exc.strerror or exc}") from None
-    os.close(fd)
     try:
         save_prompt_cache(tmp, gen, metadata)
         check = load_prompt_cache(tmp)
