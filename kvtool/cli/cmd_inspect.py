@@ -230,21 +230,15 @@ def _probe(cfg, source: PromptSource, out: Output) -> int:
 
 
 def _probe_ssd(engine, ids) -> int:
-    """`engine.cache.probe(ids)` (hashing + read-only index queries), in tokens; once more with the
-    index opened `mode=ro` where a writer opened or changed it while it was read quietly (what
-    the first probe read may be stale or torn: `BlockIndex.unchanged`).
+    """`engine.cache.probe(ids)` (hashing + read-only index queries), in tokens; once more where a
+    writer opened or changed the quietly read index meanwhile (`SSDStore.reopen_if_changed`).
 
     Raises:
         sqlite3.Error: the index cannot be opened again.
     """
-    from kvtool.disk.index import BlockIndex
-
     cached = engine.cache.probe(ids)
     store = engine.cache.ssd
-    index = getattr(store, "index", None)
-    if index is not None and not index.unchanged():
-        index.close()
-        store.index = BlockIndex(index.path, create=False, read_only=True)
+    if store is not None and store.reopen_if_changed():
         cached = engine.cache.probe(ids)
     return cached
 

@@ -43,6 +43,7 @@ from kvtool.disk import segment as seg
 from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
 from kvtool.disk.header_cache import HEADERS
+from kvtool.disk.index import BlockIndex
 from kvtool.disk.names import is_hash
 from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore, open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
@@ -186,6 +187,22 @@ class SSDStore(StoreCore):
             finally:
                 self.close_index_quietly()
                 self.enabled = False
+
+    def reopen_if_changed(self) -> bool:
+        """Where the index was opened `quiet` (`FileOps.quiet_index`) and a process opened or
+        changed it since (`BlockIndex.unchanged`): reopen it `mode=ro`, since what was read may be
+        stale or torn; True if it was reopened (read again).
+
+        Raises:
+            sqlite3.Error: the index cannot be opened again.
+        """
+        with self.lock:
+            index = self.index
+            if index is None or index.unchanged():
+                return False
+            self.close_index_quietly()
+            self.index = BlockIndex(index.path, create=False, read_only=True)
+            return True
 
     # ----------------------------------------------------------------- lookups
     def contains(self, block_hash: str) -> bool:
