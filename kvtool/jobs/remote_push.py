@@ -26,6 +26,7 @@ from kvtool.disk.fsops import FileOps
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.disk.names import INDEX_FILENAME, segment_relpath
+from kvtool.disk.snapshot import read_quietly
 from kvtool.errors import KVToolError
 
 BATCH_BYTES = 8 << 20  # host bytes per put_blocks call
@@ -84,17 +85,13 @@ class PushReport:
 
 
 def _read_index(namespace_dir: Path, read: Callable[[BlockIndex], T]) -> T:
-    """`read(index)` on the namespace's index, opened read-only.
+    """`read(index)` on the namespace's index, opened read-only (`snapshot.read_quietly`).
 
     Raises:
         ValueError: the index cannot be read (missing, not a database, damaged, not a file).
     """
     try:
-        index = BlockIndex(namespace_dir / INDEX_FILENAME, read_only=True, create=False)
-        try:
-            return read(index)
-        finally:
-            index.close()
+        return read_quietly(namespace_dir / INDEX_FILENAME, read)  # (no -wal / -shm made beside it)
     except (OSError, sqlite3.Error) as exc:
         raise ValueError(f"{namespace_dir.name}: index cannot be read ({exc}); `kvtool validate --rebuild-index` "
                          "rebuilds it") from None
