@@ -163,11 +163,9 @@ def import_cmd(
     common.setup_logging(verbose)
     with common.cli_errors():
         from kvtool.jobs.interop import import_cache_file
-        from kvtool.jobs.interop_files import check_kv_digest, file_quantization, file_token_ids, load_cache_file
+        from kvtool.jobs.interop_files import file_quantization, load_cache_file
 
-        loaded = load_cache_file(file)  # fail fast (before the model loads) and learn the quantisation
-        if (meta_ids := file_token_ids(loaded[1])) is not None:  # a damaged export: refused before the
-            check_kv_digest(loaded[0], loaded[1], meta_ids, file)  # namespace is made (the import checks again)
+        loaded = load_cache_file(file)  # fail fast (before the model loads: a damaged export makes no namespace)
         quant = file_quantization(loaded[0])
         if quant is not None and kv_bits is not None and kv_bits != quant[0]:
             raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, cast
 from kvtool.jobs.interop_files import (
     TOKEN_SOURCES,
     InteropError,
-    check_kv_digest,
     check_model,
+    digest_warning,
     file_quantization,
     file_token_ids,
     load_cache_file,
@@ -388,8 +388,8 @@ def import_cache_file(
     ids, report.token_source = _prompt_ids(path, tokens, metadata, token_source)
     report.prompt_tokens = len(ids)
     _check_file_cache(engine, cache, ids, path, report)
-    if (digest_warning := check_kv_digest(cache, metadata, ids, path)) is not None:
-        report.warnings.append(digest_warning)
+    if (warning := digest_warning(metadata, path)) is not None:
+        report.warnings.append(warning)
     _check_model_and_kv(engine, cache, ids, path, report, model_spec, adapter_path, require_model_match,
                         check_tokens, check_positions)  # fmt: skip
     pc = engine.cache

@@ -138,10 +138,13 @@ def resolve_cache_file(path: str | Path) -> Path:
 
 
 def load_cache_file(path: str | Path) -> tuple[list, dict[str, str]]:
-    """`mlx_lm.models.cache.load_prompt_cache(path, return_metadata=True)`, errors as one line.
+    """`mlx_lm.models.cache.load_prompt_cache(path, return_metadata=True)`, errors as one line; a
+    file that carries a `kvtool_kv_digest` (written by `kvtool export`) must match it.
 
     Raises:
-        InteropError: missing, unreadable or not an mlx-lm prompt cache.
+        InteropError: missing, unreadable or not an mlx-lm prompt cache; or its KV and token ids
+            do not match its digest: damaged or edited since it was written (its KV would be
+            imported unchecked where the KV check recomputes no position).
     """
     from mlx_lm.models.cache import load_prompt_cache
 
@@ -154,7 +157,11 @@ def load_cache_file(path: str | Path) -> tuple[list, dict[str, str]]:
         raise InteropError(f"{path}: not an mlx-lm prompt cache file ({_one_line(exc)})") from None
     if not isinstance(cache, list) or not cache:
         raise InteropError(f"{path}: the prompt cache has no layers")
-    return cache, dict(metadata or {})
+    metadata = dict(metadata or {})
+    if KV_DIGEST_KEY in metadata and kv_digest(cache, file_token_ids(metadata) or []) != metadata[KV_DIGEST_KEY]:
+        raise InteropError(f"{path}: the KV and token ids do not match the file's {KV_DIGEST_KEY}: the file was "
+                           "damaged or edited since kvtool export wrote it")
+    return cache, metadata
 
 
 def file_token_ids(metadata: dict[str, str]) -> list[int] | None:
@@ -177,7 +184,7 @@ def file_quantization(cache: list) -> tuple[int, int] | None:
 def kv_digest(cache: list, token_ids: Sequence[int]) -> str:
     """The checksum (xxh3-128, 32 hex digits) of a prompt cache as its file holds it: the token ids
     (int32) and each layer's class and state arrays (name, dtype, shape, bytes), in file order.
-    `kvtool export` writes it as metadata `kvtool_kv_digest`; `check_kv_digest` compares. It
+    `kvtool export` writes it as metadata `kvtool_kv_digest`; `load_cache_file` compares. It
     detects a damaged or edited file, not a forged one (whoever edits can recompute it)."""
     import mlx.core as mx
     import numpy as np
@@ -199,25 +206,13 @@ def kv_digest(cache: list, token_ids: Sequence[int]) -> str:
     return record_checksum(pieces)
 
 
-def check_kv_digest(cache: list, metadata: dict[str, str], token_ids: Sequence[int], path: str | Path) -> str | None:
-    """Compare a file's KV and token ids with its `kvtool_kv_digest` (written by `kvtool export`).
-    Returns a warning for a file that carries kvtool's token ids but no digest (an export of an
-    older kvtool, or the digest removed), else None (no digest in an mlx-lm file is normal).
-
-    Raises:
-        InteropError: the digest does not match: the file was damaged or edited since it was
-            written (its KV would be imported under these token ids unchecked where the KV
-            check recomputes no position), or the prompt is not the file's.
-    """
-    want = metadata.get(KV_DIGEST_KEY)
-    if want is None:
-        if "kvtool_token_ids" in metadata:
-            return (f"{path} carries no {KV_DIGEST_KEY} (exported by an older kvtool?): its KV is checked "
-                    "at the KV check's positions only")
-        return None
-    if kv_digest(cache, token_ids) != want:
-        raise InteropError(f"{path}: the KV and token ids do not match the file's {KV_DIGEST_KEY}: the file was "
-                           "damaged or edited since kvtool export wrote it (or this is not its prompt)")
+def digest_warning(metadata: dict[str, str], path: str | Path) -> str | None:
+    """A warning for a file that carries kvtool's token ids but no `kvtool_kv_digest` (an export of
+    an older kvtool, or the digest removed: `load_cache_file` could not check its KV), else None
+    (no digest in an mlx-lm file is normal)."""
+    if KV_DIGEST_KEY not in metadata and "kvtool_token_ids" in metadata:
+        return (f"{path} carries no {KV_DIGEST_KEY} (exported by an older kvtool?): its KV is checked "
+                "at the KV check's positions only")
     return None
 
 
@@ -278,7 +273,7 @@ def _one_line(exc: BaseException | str) -> str:
 
 
 __all__ = [
-    "SUFFIX", "KV_DIGEST_KEY", "TOKEN_SOURCES", "InteropError", "kv_digest", "check_kv_digest", "ModelCheck", "cache_prompt_tokens", "parse_token_ids", "read_token_ids",
+    "SUFFIX", "KV_DIGEST_KEY", "TOKEN_SOURCES", "InteropError", "kv_digest", "digest_warning", "ModelCheck", "cache_prompt_tokens", "parse_token_ids", "read_token_ids",
     "resolve_cache_file", "load_cache_file", "file_token_ids", "file_quantization", "check_model",
     "metadata_model_for",
 ]
