@@ -64,12 +64,12 @@ def close_connections(client: Any) -> None:
 
 
 class CallWatchdog:
-    """Deadlines of calls in flight, checked every `tick_s` seconds by one daemon thread
-    (started with the first call)."""
+    """Deadlines of calls in flight, kept by one daemon thread (started with the first call) that
+    sleeps until the earliest one, and while there is none."""
 
-    def __init__(self, tick_s: float = 0.05, clock: Callable[[], float] = time.monotonic):
-        self.tick_s, self.clock = tick_s, clock
-        self._lock = threading.Lock()
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._cond = threading.Condition()
         self._calls: dict[int, tuple[float, Expiry, Callable[[], None]]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
@@ -81,24 +81,28 @@ class CallWatchdog:
         and the yielded `Expiry.fired` is True."""
         token, state = next(self._ids), Expiry()
         state.seconds = seconds
-        with self._lock:
+        with self._cond:
             self._calls[token] = (self.clock() + seconds, state, on_expiry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvtool-remote-deadline", daemon=True)
                 self._thread.start()
+            self._cond.notify()
         try:
             yield state
         finally:
-            with self._lock:
+            with self._cond:
                 self._calls.pop(token, None)
 
     def _loop(self) -> None:
         while True:
-            time.sleep(self.tick_s)
-            now = self.clock()
-            with self._lock:
+            with self._cond:
+                now = self.clock()
                 due = [token for token, (at, _, _) in self._calls.items() if at <= now]
                 expired = [self._calls.pop(token) for token in due]
+                if not expired:
+                    first = min((at for at, _, _ in self._calls.values()), default=None)
+                    self._cond.wait(None if first is None else first - now)
+                    continue
             for _, state, on_expiry in expired:
                 state.fired = True
                 logger.debug("a remote call passed its deadline: closing its connections")
