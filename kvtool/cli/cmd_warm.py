@@ -105,7 +105,7 @@ def _push(namespace_dir: Path, cfg) -> int:
     print(f"pushed to {store.url}: {r.blocks_read} block(s) read, {r.blocks_stored} stored (new on the server), "
           f"{r.blocks_failed} not stored{why}, {r.bad_records} bad record(s), {len(r.unreadable_segments)} "
           "unreadable segment(s)", file=sys.stderr)  # fmt: skip
-    return common.EXIT_OK if not (r.bad_records or r.unreadable_segments or r.blocks_failed) else 1
+    return common.EXIT_OK if not r.problems else 1  # (PushReport.problems: as `kvtool remote push` counts)
 
 
 def _run(engine: Engine, prompts, json_out: bool, chat_template: bool = True, system_prompt=None, limits=None) -> int:
