@@ -152,12 +152,13 @@ def throughput_chart(path: Path, cells: pd.DataFrame, cmp: pd.DataFrame) -> Path
         ax.set_xlim(min(xs) / 1.5, max(xs) * 1.5)
         ax.set_xlabel("clients (concurrent requests)")
         ax.set_ylabel("requests/s")
+        ax.set_ylim(bottom=0)  # heights compared as ratios: from zero
         ax.set_title(workload, fontsize=9)
         ax.grid(alpha=0.3)
-        if n == 0:  # one legend: the same for every panel
+        if n == 0:  # one legend, the same for every panel, below them (inside, it hid the points)
             handles, _ = ax.get_legend_handles_labels()
             handles += [Patch(color=COLORS[v], label=VERDICT_LABELS[v]) for v in (WIN, LOSS, TIE)]
-            ax.legend(handles=handles, fontsize=7, loc="best")
+            fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncols=3, frameon=False)
     fig.suptitle("Throughput against concurrency\nwhiskers: 95 % interval over repeats; kvtool points coloured by "
                  "verdict", fontsize=9)
     return save(fig, path)
