@@ -1,59 +1,22 @@
 """Block writers: `AsyncWriter` (one background thread) and `SyncWriter` (caller's thread).
 
 The one writer of every tier that wants one: the SSD tier (`SSDStore.save_blocks`) and the remote
-tier (`RemoteStore.save_blocks`, `when_full="shed"`, a daemon thread: it never keeps a process
-alive). What a full queue does is the writer's `when_full` policy: `"shed"` (drop the batch at
-once, counted; the request thread never waits) or `"wait"` (wait for room, then save on the
-caller's thread); by default the durability decides (below).
+tier (`RemoteStore.save_blocks`, a daemon thread: it never keeps a process alive). Both writers
+take batches of `HostBlock`s (numpy, materialised on the request thread: this module never
+imports MLX) and hand each batch to the sink's `save_blocks` in one call: one segment file per
+batch (per 64 MiB of it). They share one interface (`enqueue_many`, `enqueue`, `get_pending`,
+`queue_depth`, `flush`, `stop`, `get_stats`). The batch plumbing (counters, retry policy, queue)
+is in `writer_batch`, the shared base and `SyncWriter` in `writer_sync`.
 
-Both take batches of `HostBlock`s (numpy, already materialised on the request thread) and hand
-each batch to `SSDStore.save_blocks` in one call — one segment file per batch (per 64 MiB of it),
-not one file per block — so this module never imports MLX. They share one interface, so the
-tiered cache treats them alike: `enqueue_many`, `enqueue`, `get_pending`, `queue_depth`, `flush`,
-`stop`, `get_stats`. The batch plumbing (counters, retry policy, queue) is in `writer_batch`, the
-shared base and `SyncWriter` in `writer_sync`.
-
-`AsyncWriter` follows docs/design.md#writer-protocol, with a batch as the queue item:
-- a bounded queue fed by `enqueue_many` (one item per call), drained by one non-daemon worker
-  thread. When the worker takes an item it also takes the batches queued right behind it, up to
-  `batch_max_bytes` in all, and saves them with one `save_blocks` call, so concurrent small
-  enqueues coalesce into one segment. Blocks keep their order.
-- the queue is bounded in bytes: the sum of `HostBlock.nbytes` of the blocks queued and being
-  written stays within `max_queue_bytes` (and the blocks queued within `queue_size`). One batch
-  larger than a bound is accepted when the queue holds nothing (it could never be queued
-  otherwise), so the writer holds at most `max(max_queue_bytes, largest batch)` bytes; blocks
-  saved on a caller's thread (durable, below) are held by that thread meanwhile.
-- `_pending` (hash -> block) de-duplicates a hash already queued and serves `get_pending`, so a
-  block queued but not yet written is still a cache hit; an entry leaves only after its save
-  attempt (retries included) has finished.
-- backpressure per batch: a batch that fits is queued at once. One that finds the queue full:
-  * `best_effort`, `persistent`: is SHED at once — no wait, no write on the caller's (request)
-    thread. Its blocks are not written to SSD (the RAM tier still holds what it inserted; a block
-    shed on its way out of RAM under `evict_only` is in neither tier); `enqueue_many` returns 0
-    for them, they count as `writer_shed_blocks` / `writer_shed_bytes`, and a WARNING gives the
-    counts at most once per `SHED_LOG_INTERVAL_S` (60 s) (plus once at `stop()` for the rest).
-  * `durable`, or a call with `must_write=True` (warm, import: the caller promised the blocks
-    reach SSD): the caller WAITS up to `ENQUEUE_WAIT_S` (50 ms; `enqueue_wait_s`) for room
-    (`writer_backpressure_waits`), then, if there is still none, saves the batch itself, on its
-    own thread (`writer_queue_full_sync_fallback`). That can stall the request for the wait plus
-    one batch save (tens to hundreds of ms for a 64 MiB batch with fsync): the price of the
-    durable guarantee that every accepted block is written.
-- deterministic shutdown: `stop()` sets `_closing` under `_life_lock`, waits for the in-flight
-  `enqueue_many` calls to leave, then puts the sentinel, which is therefore always last in the
-  queue. The sentinel is exempt from the bounds (it holds no bytes), so it can always be put.
-
-To keep the non-daemon thread from outliving a timed-out `stop()`:
-the sentinel is placed by whoever sees "closing and no enqueue in flight" first — `stop()`, or the
-last in-flight `enqueue_many` if `stop()` already gave up.
-
-Durability (docs/design.md#durability-modes): `best_effort` makes one attempt per batch; `persistent` and `durable`
-retry the blocks of a batch whose outcome was `'error'` (the whole batch after an exception) up to
-`max_retries` more rounds with exponential backoff from `retry_backoff_s`, inline on the thread
-doing the save, then log a WARNING and count `writer_retry_final_fail`. A `'collision'`,
-`'dedup'` or `'refused'` answer is final, never retried; `'refused'` (the SSD byte budget had no
-room for the block's segment) is not a failure either: counted, logged at DEBUG only. The RAM copy is never rolled back. Fsync under `durable`
-is the store's job. Once a `stop()` has timed out, no new retry round starts (and a backoff wait
-is cut short), so a dead disk cannot keep the non-daemon thread alive through backoff series.
+`AsyncWriter` follows docs/design.md#writer-protocol: a queue bounded in bytes and in blocks,
+queued batches coalesced into one save up to `batch_max_bytes`, the pending buffer (`_pending`:
+de-duplication and `get_pending` hits until the save attempt has finished), and a shutdown by a
+sentinel put last (by `stop()`, or by the last in-flight `enqueue_many` if `stop()` gave up). A
+batch that finds the queue full follows `when_full`: `"shed"` drops it at once (counted; the
+request thread never waits), `"wait"` waits up to `enqueue_wait_s` for room, then saves it on the
+caller's thread; by default `durable` waits and the other modes shed; `must_write` always waits.
+Retries: docs/design.md#durability-modes; once a `stop()` has timed out no new retry round starts
+(a backoff wait is cut short), so a dead disk cannot keep the non-daemon thread alive.
 
 Counters (`writer_` prefix, docs/design.md#counters); every one counts BLOCKS unless it says otherwise:
     writer_enqueue_total             blocks accepted by `enqueue_many`
@@ -131,8 +94,6 @@ DEFAULT_QUEUE_SIZE = 512  # blocks queued (`ssd_writer_queue_size`)
 DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of HostBlock.nbytes)
 DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
 ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
-QUEUE_BYTES_CONFIG_FIELD = "ssd_writer_queue_bytes"  # optional config field read by make_writer
-MAX_BYTES_CONFIG_FIELD = "ssd_max_bytes"  # the SSD tier's byte budget, handed to the store by make_writer
 
 
 @dataclass
@@ -150,14 +111,8 @@ _exit_watch: threading.Thread | None = None
 
 
 def _drain_at_exit() -> None:
-    """Interpreter exit: drain writers their owner never stopped.
-
-    The writer thread is non-daemon (so accepted blocks are written before the process ends),
-    so a program that forgets `stop()` would hang at exit. The main thread counts as finished
-    when the interpreter starts its shutdown, before it joins non-daemon threads: a daemon
-    watcher that joins the main thread then stops every live writer, so accepted blocks are
-    still written and the writer threads end (docs/design.md#writer-protocol).
-    """
+    """Interpreter exit: stop (drain) the writers their owner never stopped. The main thread counts
+    as finished before the interpreter joins non-daemon threads (docs/design.md#writer-protocol)."""
     threading.main_thread().join()
     for writer in list(_LIVE_WRITERS):
         writer.stop(EXIT_DRAIN_TIMEOUT_S)
@@ -267,12 +222,8 @@ class AsyncWriter(WriterBase):
     # ---- producer side -------------------------------------------------------------------
 
     def enqueue_many(self, blocks: Sequence[HostBlock], *, must_write: bool = False) -> int:
-        """Queue `blocks` as one batch; if the queue is full, shed them or save them here.
-
-        A full queue (see the module docstring) sheds the batch at once under `best_effort` /
-        `persistent` (no wait, no write on this thread); under `durable`, or with
-        `must_write`, this call waits up to `enqueue_wait_s` seconds for room and then saves
-        the batch on this thread.
+        """Queue `blocks` as one batch; if the queue is full, shed them or wait up to
+        `enqueue_wait_s` seconds and save them here (see the module docstring).
 
         Args:
             blocks: the batch, in write order. Blocks whose hash is already pending (or
@@ -475,24 +426,15 @@ Writer = AsyncWriter | SyncWriter
 
 
 def make_writer(store: BlockSink, config: KVToolConfig) -> Writer:
-    """The writer the config asks for (`ssd_async_writes`, queue size, durability, retries).
-
-    The byte bound is `DEFAULT_MAX_QUEUE_BYTES` unless the config has a
-    `ssd_writer_queue_bytes` field (bytes), which is then used. With `ssd_max_bytes` set, the
-    store evicts least recently used segments before each write that would not fit
-    (`SSDStore.set_max_bytes`, `kvtool.disk.budget`): the writer's saves keep the namespace
-    directory within that many bytes.
+    """The writer the config asks for (`ssd_async_writes`, queue size, durability, retries; the
+    byte bound is `DEFAULT_MAX_QUEUE_BYTES`). With `ssd_max_bytes` set, the store evicts least
+    recently used segments before each write that would not fit (`SSDStore.set_max_bytes`,
+    `kvtool.disk.budget`): the writer's saves keep the namespace within that many bytes.
     """
-    max_bytes = getattr(config, MAX_BYTES_CONFIG_FIELD, None)
     set_max_bytes = getattr(store, "set_max_bytes", None)
-    if max_bytes is not None and set_max_bytes is not None:
-        set_max_bytes(int(max_bytes))
+    if config.ssd_max_bytes is not None and set_max_bytes is not None:
+        set_max_bytes(int(config.ssd_max_bytes))
     if config.ssd_async_writes:
-        return AsyncWriter(
-            store,
-            queue_size=config.ssd_writer_queue_size,
-            durability=config.ssd_durability,
-            max_retries=config.ssd_persistent_max_retries,
-            max_queue_bytes=int(getattr(config, QUEUE_BYTES_CONFIG_FIELD, None) or DEFAULT_MAX_QUEUE_BYTES),
-        )
+        return AsyncWriter(store, queue_size=config.ssd_writer_queue_size, durability=config.ssd_durability,
+                           max_retries=config.ssd_persistent_max_retries)
     return SyncWriter(store, durability=config.ssd_durability, max_retries=config.ssd_persistent_max_retries)

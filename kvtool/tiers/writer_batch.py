@@ -1,10 +1,6 @@
-"""Batch plumbing of the block writers: counters, the per-batch retry policy, the byte-bounded queue.
-
-Split out of `kvtool.tiers.writer`, which re-exports what callers use. The unit of work is a
-*batch*: a list of `HostBlock`s handed to `SSDStore.save_blocks` in one call (one segment file per
-64 MiB of it). No MLX import: blocks are numpy (`HostBlock`).
-
-Logs go to the `kvtool.tiers.writer` logger, like the rest of the writer.
+"""Batch plumbing of the block writers (`kvtool.tiers.writer` re-exports what callers use):
+counters, the per-batch retry policy, the byte-bounded queue. A *batch* is a list of `HostBlock`s
+handed to the sink's `save_blocks` in one call. MLX-free; logs go to the `kvtool.tiers.writer` logger.
 """
 
 from __future__ import annotations
@@ -235,9 +231,8 @@ class RetryPolicy:
         """Save `blocks` with one `save_blocks` call, retry the failed ones; count per block.
 
         A retry round hands the store only the blocks whose last outcome was 'error' (every
-        block after an exception), in their original order. 'collision', 'dedup' and 'refused'
-        are final: a block the SSD byte budget refused is counted (`writer_budget_refused`) and
-        logged at DEBUG only, never as a failure (what was refused is the caller's to sum up).
+        block after an exception), in their original order. A 'refused' block is counted
+        (`writer_budget_refused`) and logged at DEBUG only, never as a failure.
 
         Args:
             store: has `save_blocks(blocks) -> list[str]`.
@@ -290,29 +285,22 @@ class RetryPolicy:
 
 @dataclass
 class Batch:
-    """One queue item: blocks accepted together (or coalesced by the worker), in write order.
-
-    Attributes:
-        blocks: the blocks.
-        nbytes: `batch_nbytes(blocks)` (bytes).
-    """
+    """One queue item: blocks accepted together (or coalesced by the worker), in write order, and
+    their `batch_nbytes` (bytes)."""
 
     blocks: list[HostBlock]
     nbytes: int
 
 
 class BatchQueue:
-    """FIFO of `Batch`es bounded in queued blocks and in held bytes; the worker takes runs of them.
-
-    Held bytes are those of the batches queued plus those taken by the worker and not yet
-    `release`d, so the bound covers the batch being written too. A batch fits if it keeps both
-    bounds, or if the queue holds nothing at all (nothing queued, nothing being written): a
-    single batch larger than a bound is accepted then — otherwise it could never be queued — so
-    the bytes held never exceed `max(max_bytes, largest batch)`.
+    """FIFO of `Batch`es bounded in queued blocks and in held bytes (queued, plus taken by the
+    worker and not yet `release`d); the worker takes runs of them. A batch fits if it keeps both
+    bounds, or if the queue holds nothing at all (so the bytes held never exceed
+    `max(max_bytes, largest batch)`).
 
     Args:
         max_blocks: bound of the blocks waiting in the queue (the batch being written not
-            counted; the old `queue.Queue(maxsize)` meaning of `ssd_writer_queue_size`).
+            counted; `ssd_writer_queue_size`).
         max_bytes: bound of the held bytes (sum of `HostBlock.nbytes`).
     """
 
