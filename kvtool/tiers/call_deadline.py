@@ -1,18 +1,12 @@
 """A bound on a whole remote call, not only on each socket read.
 
-redis-py bounds every socket operation (`RemoteStore(timeout_s=...)`), not a reply: a server that
-announces a large reply and then sends a byte every 100 ms answers every read in time and holds
-the call, and the request waiting on it, for ever (a wedge; the remote tier may only make requests
-miss, never hang them). `CallWatchdog.deadline` registers a call with one daemon thread per
-process, which closes the call's connections once the deadline has passed
-(`close_connections`): the blocked read fails, the call is a failed call (`remote_errors`, the
-circuit breaker) and the request a miss.
-
-`call_deadline_s(timeout_s)` is the bound a store uses: 40 socket timeouts, at least 5 s
-(250 ms reads: 10 s), far above what a pipelined batch of values (8 MiB by default) takes on
-any working link.
-
-MLX-free; imports no redis (the client is only handed to `close_connections`).
+redis-py bounds every socket operation, not a reply: a server that announces a large reply and
+then sends a byte every 100 ms answers every read in time and holds the call, and the request
+waiting on it, for ever. `CallWatchdog.deadline` registers a call with one daemon thread per
+process, which closes the call's connections once the deadline has passed (`close_connections`):
+the blocked read fails, the call is a failed call (`remote_errors`, the circuit breaker) and the
+request a miss. `call_deadline_s(timeout_s)`: 40 socket timeouts, at least 5 s, far above what a
+pipelined batch of values takes on any working link. MLX-free; imports no redis.
 """
 
 from __future__ import annotations

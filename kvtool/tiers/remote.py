@@ -1,29 +1,20 @@
 """The remote tier as a `BlockTier`: a Redis / Valkey store shared by hosts (`kvtool.tiers.remote_store`).
 
-It stands last in the tier stack (after RAM, the pending buffer and SSD), so a prompt that this
-host has never seen, but another host has, is served from the shared store:
+It stands last in the tier stack, so a prompt this host has never seen, but another host has, is
+served from the shared store:
 - `longest_prefix`: one pipelined round trip of EXISTS for the rest of the chain (nothing while
-  the store's circuit breaker is open, so a dead server costs no request more than its deadline);
-  the read of what it found starts there (`RemoteStore.read`: where cores are to spare, its
-  first batches are fetched and verified on the store's reader threads while the request
-  allocates its buffers);
+  the store's circuit breaker is open); the read of what it found starts there (`RemoteStore.read`);
 - `read_into`: the values in pipelined batches, each verified exactly like an SSD record
-  (header, layout, parent, token ids, checksum: `kvtool.tiers.remote_value`), then placed into
-  the request's buffers (with reader threads: while the next batch is on the wire); a bad value
-  is a miss (deleted and counted by the store) and cuts the chain; `release` cancels what was
-  not placed;
-- its hits are promoted into RAM like SSD hits, as views of the request's cache when the request
-  is released (`PrefixCache.release`), and with `to_ssd` (`remote_promote`) written from those
-  views to the local SSD tier at the same moment. (Keeping the values' bytes for that instead
-  would deny the next batches their memory: ~15 ms more page faults on a 16k-token hit.)
+  (`kvtool.tiers.remote_value`) and placed into the request's buffers; a bad value is a miss
+  (deleted and counted by the store) and cuts the chain; `release` cancels what was not placed;
+- its hits are promoted into RAM, and with `to_ssd` (`remote_promote`) to the local SSD tier, as
+  views of the request's cache when the request is released (`PrefixCache.release`).
 Tail-entry candidates and siblings are not looked up remotely: that would add a round trip to every
 miss and needs key listing, which kvtool never does on the request path.
 
-Writes (`put`, per `remote_policy`: every new block, or blocks RAM evicts) go through the one
-writer (`kvtool.tiers.writer.AsyncWriter`) with `when_full="shed"` on a daemon thread: the request
-thread never waits on the network, a batch that finds the queue full is dropped (counted
-`remote_dropped_writes`), values are `SET NX` (first writer wins).
-
+Writes (`put`, per `remote_policy`) go through the one writer (`AsyncWriter`, `when_full="shed"`,
+a daemon thread): the request thread never waits on the network, a batch that finds the queue full
+is dropped (counted `remote_dropped_writes`), values are `SET NX` (first writer wins).
 MLX is used only to turn a block into host views on the request thread (`put`).
 """
 

@@ -1,33 +1,24 @@
 """Compare-and-delete of remote values: a value key is deleted only if it still holds what its
-deleter read of it.
+deleter read of it (docs/design.md, "Remote tier store").
 
-Why: deleting is read, then UNLINK. In between, another deleter may remove the value and a
-writer store it again; for a split value that is a new manifest naming new parts (a new nonce,
-`kvtool.tiers.remote_value`). An unconditional UNLINK of the value key would then remove the new
-manifest and leave its parts with no manifest naming them (orphans at rest, until a prune or
-validate sweeps them), and lose a good value.
+Why: between a deleter's read and its UNLINK, another deleter may remove the value and a writer
+store it again; for a split value that is a new manifest naming new parts (a new nonce). An
+unconditional UNLINK would remove the new manifest and orphan its parts.
 
 The guard (`guard`) is what the deleter read:
-- a manifest-like value (it starts with `MANIFEST_PREFIX` and is under `GUARD_BYTES` bytes: any
-  manifest, well-formed or not): the key is deleted only if it holds exactly these bytes. A
-  manifest carries its writer's random nonce, so a rewrite never holds the same one;
-- anything else (a whole value, a damaged one, an empty string, a key of another type): b"",
-  and the key is deleted unless it holds a manifest-like value now. A damaged whole value that
-  was replaced meanwhile by a good whole value is deleted with it: comparing whole values would
-  mean sending them back (megabytes) to save a cache entry, while a manifest, whose parts would be
-  orphaned, is never taken.
-
+- a manifest-like value (it starts with `MANIFEST_PREFIX` and is under `GUARD_BYTES` bytes): the
+  key is deleted only if it holds exactly these bytes (a rewrite never holds the same nonce);
+- anything else: b"", and the key is deleted unless it holds a manifest-like value now. A damaged
+  whole value replaced meanwhile by a good whole value is deleted with it: comparing whole values
+  would mean sending them back (megabytes), while a manifest, whose parts would be orphaned, is
+  never taken.
 The parts a manifest names may always be deleted by whoever read the manifest: their keys carry
-that manifest's nonce, and once the manifest is gone (or being deleted) nothing else names them.
+that manifest's nonce.
 
-One Lua script per key (EVAL; Redis OSS >= 6.2 and Valkey run Lua scripts alike): GETRANGE,
-compare, UNLINK at one instant, where WATCH / MULTI would need a round trip per key and a retry.
-It names one key, so it runs on a cluster too (the key's node; a pipeline sends it there). The
-script's text goes with each call (about 300 bytes; the server caches it compiled): these deletes
-are rare (bad, evicted or pruned values), never on a hit. A server that refuses the script (an
-ACL user without `@scripting`, scripting disabled) gets a plain UNLINK instead (`unlink_all`,
-logged once): the race is open again there, as it was before, and nothing else changes.
-
+One Lua script per key (EVAL): GETRANGE, compare, UNLINK at one instant, where WATCH / MULTI would
+need a round trip per key and a retry. It names one key, so it runs on a cluster too. These
+deletes are rare (bad, evicted or pruned values), never on a hit. A server that refuses the script
+(an ACL user without `@scripting`) gets a plain UNLINK instead (`unlink_all`, logged once).
 MLX-free.
 """
 

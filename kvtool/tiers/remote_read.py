@@ -4,25 +4,17 @@ checks of an SSD hit, with the request's own chain hashes, parents and token ids
 the request thread batch by batch. Only verified blocks leave `blocks`; a bad value is a miss,
 deleted and counted.
 
-Verifying a value and placing it into the request's buffers is client CPU work; the server's
-work (copying values into the socket) runs on another core meanwhile, if the client has asked
-for them. Two ways keep both busy:
+The server copies values into the socket on another core while the client verifies and places, if
+the client has asked for them ahead (measurements: docs/benchmarks.md):
 - one node (the default): the batches' requests go out on one pooled connection `window`
-  batches ahead of the batch being verified (`_Wire`), so the server sends the next batches
-  while the client verifies this one: no thread, no lock. A 16k-token `tiny` hit (17 MB, 256
-  values) read this way took 16.6 ms against 30.8 ms for batches sent one after another, and
-  less than a raw `pipeline().execute()` of the same GETs in 512 KiB batches (23 ms) in the same
-  run (2 cores; `bench_configs/remote_two_hosts.py`);
+  batches ahead of the batch being verified (`_Wire`): no thread, no lock;
 - a cluster (values on several nodes, so no one connection): `ahead` batches fetched and
-  verified on the store's reader threads while the request thread places the previous batch,
-  where cores are to spare (`DEFAULT_READ_AHEAD`); with `ahead` 0 each batch is one
-  `pipeline().execute()` on the thread that takes it.
+  verified on the store's reader threads, where cores are to spare (`DEFAULT_READ_AHEAD`); with
+  `ahead` 0 each batch is one `pipeline().execute()` on the thread that takes it.
 
 Every batch is one `RemoteStore` call (the store's deadline on each socket operation, its
 circuit breaker; a failed batch is a miss for it and the rest of the chain). `cancel()` stops
-what has not started; replies still on the wire are dropped with their connection.
-
-MLX-free.
+what has not started; replies still on the wire are dropped with their connection. MLX-free.
 """
 
 from __future__ import annotations
@@ -46,17 +38,12 @@ __all__ = ["DEFAULT_READ_AHEAD", "DEFAULT_READ_BATCH_BYTES", "DEFAULT_WIRE_WINDO
 
 T = TypeVar("T")
 
-# Bytes of values per pipelined batch (expected sizes). Smaller batches came back faster from a
-# local redis-server: 256-512 KiB batches of 66 KB values 17-19 ms for 17 MB, 1 MiB 26 ms,
-# 2 MiB 25-28 ms, one pipeline of all 30 ms (GET or GETRANGE alike, 2 cores).
-DEFAULT_READ_BATCH_BYTES = 512 << 10
+DEFAULT_READ_BATCH_BYTES = 512 << 10  # bytes of values per pipelined batch (expected sizes): smaller came back faster
 # One node: batches whose requests are on the wire ahead of the one being verified (`_Wire`):
 # at most this many batches of replies wait in the socket and the server's output buffer.
 DEFAULT_WIRE_WINDOW = 4
-# A cluster: batches read and verified ahead on reader threads, only where cores are to spare.
-# On 2 shared cores reader threads cost more CPU than they hid: a 16k-token `tiny` hit in a
-# fresh process took ~87 ms of CPU with none vs ~100-125 ms with 1-2 reader threads, at equal
-# TTFT within noise (load average 4-5).
+# A cluster: batches read and verified ahead on reader threads, only where cores are to spare (on
+# 2 cores reader threads cost more CPU than they hid, at equal TTFT)
 DEFAULT_READ_AHEAD = 2 if (os.cpu_count() or 1) >= 4 else 0
 
 

@@ -1,34 +1,17 @@
-"""The remote tier's store: blocks shared between hosts through Redis OSS >= 6.2 or Valkey.
+"""The remote tier's store: blocks shared between hosts through Redis OSS >= 6.2 or Valkey, one
+node or a Redis Cluster, over RESP with redis-py (docs/design.md, "Remote tier store": values,
+keys, split values, compare-and-delete, reads, writes, failure isolation, trust).
 
-kvtool runs no server of its own: it uses the Redis / Valkey its users already run, one node or a
-Redis Cluster, over RESP with redis-py (hiredis parser). Values are the verified bytes of a
-one-record segment, keys `kvtool:s2:<layout key>:{<chain hash>}` (`kvtool.tiers.remote_value`:
-format, key schema, split values). Every hit is verified as an SSD hit is; a value that fails
-(checksum, token ids, size, layout, parent) is a miss, is deleted, and counts `remote_corrupt`.
-
-Failure isolation: the remote tier can only make requests miss, never fail or hang them.
-- Every socket operation (connect, each read) has the deadline `timeout_s` (250 ms by default),
-  every call a whole-call deadline (`kvtool.tiers.call_deadline`); redis-py's own retries are off.
-- No method raises for a server problem (unreachable, refused, timed out, wrong password, TLS,
-  out of memory, cluster down, a key of another type): the call returns a miss (`None`, 0,
-  False) and counts `remote_errors`. Only programming errors raise (`ValueError` on arguments of
-  different lengths; `RemoteURLError` at construction).
-- A circuit breaker: after `breaker_failures` consecutive failed calls (or a failed start) the
-  store stops calling the server for a back-off that doubles from `breaker_backoff_s` up to
-  `breaker_max_backoff_s`; then one call probes it (half-open). Opening is logged once per
-  outage (WARNING), the recovery once (INFO); `remote_breaker_open` is 1 while open. A server
-  down at start leaves the store unavailable (`available` False) and it reconnects by itself.
-- kvtool never lists keys (no KEYS, no SCAN) on the request path: only EXISTS, GETRANGE, SET NX,
-  UNLINK and EVAL (a bad value's compare-and-delete, `kvtool.tiers.remote_cas`) on named keys,
-  pipelined. Listing is for `kvtool remote` (`kvtool.ops.remote_ops`).
-
-Reads: `read` fetches and verifies a run of values in pipelined batches, where cores are to
-spare on reader threads ahead of the request thread (`kvtool.tiers.remote_read`); `get_blocks`
-collects it.
-
-Writes are first-writer-wins (`SET NX`, optional `EX` TTL): the same chain hash always names the
-same KV, so a second writer has nothing to add. The remote tier's writer (`kvtool.tiers.writer.
-AsyncWriter`, `when_full="shed"`; `save_blocks` is its sink) moves writes off the request thread.
+Values are the verified bytes of a one-record segment (`kvtool.tiers.remote_value`); a value that
+fails verification is a miss, is deleted, and counts `remote_corrupt`. The remote tier can only
+make requests miss, never fail or hang them: every socket operation has the deadline `timeout_s`,
+every call a whole-call deadline (`kvtool.tiers.call_deadline`), a circuit breaker (`Breaker`)
+stops calling a failing server for a doubling back-off, and no method raises for a server problem
+(the call returns a miss: `None`, 0, False, and counts `remote_errors`); only programming errors
+raise (`ValueError` on arguments of different lengths; `RemoteURLError` at construction). The
+request path never lists keys: EXISTS, GETRANGE, SET NX, UNLINK and EVAL on named keys, pipelined.
+Reads: `read` (`kvtool.tiers.remote_read`). Writes: `save_blocks`, first writer wins (`SET NX`),
+the sink of the remote tier's writer (`AsyncWriter`, `when_full="shed"`).
 
 Counters (`stats()`): `remote_lookups` (longest_prefix / get_blocks calls that reached the
 server), `remote_hit_blocks`, `remote_bytes_read`, `remote_bytes_written` (bytes of values
@@ -292,13 +275,8 @@ class RemoteStore:
         *,
         stop_at_miss: bool = True,
     ) -> list[HostBlock | None]:
-        """Fetch and verify blocks (`read` + `ValueRead.blocks`, collected).
-
-        Args:
-            hashes: chain hashes, in chain order.
-            parents: each block's expected parent hash.
-            token_ids_per_block: each block's exact token ids.
-            stop_at_miss: fetch no further batch once a batch had a miss (a chain is cut there).
+        """Fetch and verify blocks (`read` + `ValueRead.blocks`, collected; arguments as `read`'s;
+        `stop_at_miss`: fetch no further batch once a batch had a miss).
 
         Returns:
             One entry per hash: the verified block (arrays are read-only views of the received

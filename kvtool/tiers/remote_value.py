@@ -1,38 +1,30 @@
-"""The remote tier's values and keys: the same verified bytes as a segment file, under one key.
+"""The remote tier's values and keys: the same verified bytes as a segment file, under one key
+(docs/design.md, "Remote tier store").
 
-Value: a one-record segment (format 2, `kvtool.disk.segment.encode([block], ...)`), byte for
-byte what a one-block segment file holds: the header (format, layout key, KV layout,
-the slot's `hash:parent:n_tokens:checksum`, `header_checksum`), then the record (token ids, per
-layer K / V, state arrays; compressed under the namespace's codec). So a remote hit is verified
-as an SSD hit is: header checksum, namespace and KV layout, slot hash / parent / length, record
-checksum (xxh3-128), exact token ids. No pickle, no code: only numbers and one JSON header.
+Value: a one-record segment (format 2, `kvtool.disk.segment.encode([block], ...)`), byte for byte
+what a one-block segment file holds, so a remote hit is verified as an SSD hit is: header
+checksum, namespace and KV layout, slot hash / parent / length, record checksum (xxh3-128), exact
+token ids. No pickle, no code: only numbers and one JSON header.
 
 Keys (one namespace = one layout key; see `value_key`):
 
     kvtool:s2:<layout key>:{<chain hash>}                 the value (or a parts manifest)
     kvtool:s2:<layout key>:{<chain hash>}:p:<nonce>:<i>   part i of a split value
 
-`s2` is the segment format version: a new format starts new keys, old ones age out (TTL, LRU,
-`kvtool remote prune`). The `{...}` is the Redis Cluster hash tag: a value and its parts live in
-one slot (one node, so a split value is written in one MULTI transaction), and the chain hashes,
-which are uniform, spread a namespace over every node of a cluster. (A tag on the layout key
-would put a whole model's cache on one node.)
+`s2` is the segment format version (a new format starts new keys). The `{...}` is the Redis
+Cluster hash tag: a value and its parts live in one slot (a split value is written in one MULTI
+transaction), and the uniform chain hashes spread a namespace over every node of a cluster.
 
-Split values: a value larger than `max_value_bytes` (16 MiB by default: a 1.5 MiB `qwen0.5b` f32
-block is far below) is stored as parts of at most that size, each under its part key, and the
-value key holds a *manifest*: `kvtool-parts:1:<n parts>:<total bytes>:<part bytes>:<nonce>`. A
-reader checks the manifest (counts, total against the bound it expects), fetches the parts,
-joins them and verifies the whole as any value. The nonce (random, per write) keeps parts of two concurrent
-writers apart: only the manifest that won `SET NX` names parts, and those are its own.
+Split values: a value larger than `max_value_bytes` (16 MiB by default) is stored as parts of at
+most that size, each under its part key, and the value key holds a *manifest*:
+`kvtool-parts:1:<n parts>:<total bytes>:<part bytes>:<nonce>`. A reader checks the manifest
+(counts, total against the bound it expects), fetches the parts, joins them and verifies the
+whole as any value. The nonce (random, per write) keeps parts of two concurrent writers apart:
+only the manifest that won `SET NX` names parts, and those are its own.
 
-Hostile or damaged values (a server, a proxy or another program can store anything under a key)
-are at worst misses: the size is bounded before anything is allocated, every header field is
-checked, and every failure raises `RemoteValueError` (never another exception). What a checksum
-cannot tell is a value forged on purpose with a matching checksum: the checksums detect
-corruption, not forgery, as on SSD; whoever can write to the server must be trusted (or the
-server kept private), as whoever can write to the cache directory is.
-
-MLX-free.
+Hostile or damaged values are at worst misses: the size is bounded before anything is allocated,
+every header field is checked, and every failure raises `RemoteValueError` (never another
+exception). The checksums detect corruption, not forgery, as on SSD. MLX-free.
 """
 
 from __future__ import annotations
@@ -103,7 +95,7 @@ def namespace_pattern(layout_key: str | None = None) -> str:
     """SCAN `MATCH` pattern of every key of a namespace (or of every kvtool key of this format)."""
     if layout_key is not None and not is_hex32(layout_key):
         raise ValueError("layout key must be 32 lower-case hex characters")
-    return f"{KEY_PREFIX}:{VALUE_FORMAT}:{layout_key or '*'}:*" if layout_key else f"{KEY_PREFIX}:*"
+    return f"{KEY_PREFIX}:{VALUE_FORMAT}:{layout_key}:*" if layout_key else f"{KEY_PREFIX}:*"
 
 
 @dataclass(frozen=True)
@@ -280,10 +272,9 @@ def _decode_canonical(view: memoryview, layout_key: str, kv: KVLayout, expected_
                       expected_tokens) -> HostBlock | None:  # fmt: skip
     """A value whose header is byte for byte the one `segment.encode` writes for this block (the
     namespace, the expected hash, parent and token count: `segment_template`), checked by
-    comparing bytes; its checksums and token ids are verified as `_decode` verifies them (about
-    half the microseconds a value of parsing its JSON header). Returns None for any other header
-    (the general parse then decides, with its precise error) and raises `RemoteValueError` only
-    where the general path would too: a checksum or the token ids differ.
+    comparing bytes; its checksums and token ids are verified as `_decode` verifies them. Returns
+    None for any other header (the general parse then decides, with its precise error) and raises
+    `RemoteValueError` only where the general path would too: a checksum or the token ids differ.
 
     Args:
         view: the value's bytes (`[len]` uint8 memoryview).

@@ -1,20 +1,14 @@
-"""Partial-block prefix hits: the longest common token prefix of a stored sibling block.
+"""Partial-block prefix hits: the longest common token prefix of a stored sibling block
+(docs/design.md#partial-block-hits).
 
-A prompt's chain walk stops at its first block that no tier holds: parent `P`, first token `s`.
-Where two prompts share a prefix that ends inside a block (a system prompt followed by distinct
-user turns), an earlier prompt's block under the same parent `P` — a *sibling* — holds the KV of
-the tokens both prompts share, and a token's KV depends only on the tokens up to it. So the
-sibling's first `L` tokens serve this prompt, `L` being the length of the common prefix of the
-sibling's token ids and `ids[s:]`, capped so that at least one prompt token is left to prefill.
-This is what mlx-lm's in-memory prompt cache does when it trims its nearest entry to the common
-prefix; without it a block cache re-prefills up to `block_size - 1` shared tokens per request.
-
-`find` asks the tier stack fastest first (`BlockTier.sibling_candidates`): the siblings of `P`
-in RAM (`RamTier.children`, newest first, up to `kvtool.tiers.ram.MAX_MEMORY_SIBLINGS`), in the writer's pending
-buffer, and — if neither gave the longest possible prefix — the `kvtool.tiers.ssd.MAX_SSD_SIBLINGS`
-most recently used sibling rows of the SSD index (one query on the parent column). SSD siblings are read whole and verified like every record (header, slot,
-parent, checksum over the whole record; `SSDStore.read_row`), then compared and sliced. The
-winner is returned *truncated* to its `L` tokens (views, no copy), so it is placed like any chain
+Where a prompt's chain walk stops (parent `P`, first token `s`) inside a prefix it shares with an
+earlier prompt, that prompt's block under the same parent `P` (a *sibling*) holds the KV of the
+tokens both share, and a token's KV depends only on the tokens up to it. So the sibling's first
+`L` tokens serve this prompt, `L` being the common prefix of its token ids and `ids[s:]`, capped
+so that at least one prompt token is left to prefill (as mlx-lm's in-memory prompt cache trims
+its nearest entry). `find` asks the tiers fastest first (`BlockTier.sibling_candidates`: RAM and
+the pending buffer, newest first; then the most recently used SSD rows, read whole and verified).
+The winner is returned *truncated* to its `L` tokens (views, no copy) and placed like any chain
 entry; it is never promoted or stored under its own hash (its hash names the whole sibling).
 
 Exactness rules:
@@ -26,8 +20,7 @@ Exactness rules:
   last token of a tail entry, which may have been computed after a non-canonical switch; so a
   tail-entry sibling (fewer than `block_size` tokens) gives at most its first `n - 1` tokens, and
   the caller's `usable` check of the hit's end applies as for any hit.
-
-This module never imports MLX.
+MLX-free.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 """`TierStack`: the tiers of one namespace (layout key), fastest first, and the walk, promotion and
 write policies as loops over them (docs/design.md#tier-policies).
 
-The stack is RAM (the memory front: evaluated MLX blocks, LRU under a byte budget) followed by the
-tiers its builder opens from the config, one line each (`open_ssd`: the writer's pending buffer and
-the SSD namespace; `open_remote`: a shared Redis / Valkey). It names none of them; it reads their
-capabilities (`kvtool.tiers.base.Caps`), write policy and whether they take promotions:
+RAM (evaluated MLX blocks, LRU under a byte budget) comes first, then the tiers its builder opens
+from the config (`open_ssd`: the writer's pending buffer and the SSD namespace; `open_remote`). It
+names none of them; it reads their capabilities (`Caps`), write policy and `takes_promotions`:
 - the walk (`collect`): at each chain position the first tier that holds the next entries gives
   its longest run; `fill` places the runs, each tier verifying what it reads, and counts tokens
-  per tier (`CacheHit.tier_tokens`, the JSON's `ram_hit_tokens`, `ssd_hit_tokens`, ...);
-- writes: new blocks go to every tier whose policy is write-through (`WritePolicy.THROUGH`);
-  blocks RAM evicts go to the write-back (`ON_EVICT`) tiers, except the local persistent tier
-  (`caps.backs_ram`) when RAM knows them handed to it already (`persisted`);
+  per tier (`CacheHit.tier_tokens`);
+- writes: new blocks go to every write-through tier; blocks RAM evicts go to the write-back
+  (`ON_EVICT`) tiers, except the local persistent tier (`caps.backs_ram`) when RAM knows them
+  handed to it already (`persisted`);
 - promotion: a hit from a tier that `promotes` is put, at `PrefixCache.release`, into every tier
-  above it that `takes_promotions` (RAM, as views of the request's cache; SSD with
-  `remote_promote`, for remote hits).
+  above it that `takes_promotions`.
 """
 
 from __future__ import annotations
@@ -40,14 +38,10 @@ log = logging.getLogger("kvtool")
 
 @dataclass
 class WriteTally:
-    """One request's own blocks handed to the tiers (`TierStack.insert` / `persist` while
-    `TierStack.tally` is set), and how many of them the local persistent tier's writer accepted.
-    Which of them reached the disk is `SSDStore.saved_count(hashes)` once the writer has drained.
-
-    Attributes:
-        hashes: the request's blocks (and tail entry), by chain hash.
-        accepted: blocks the writer accepted for the SSD (queued or written), not shed nor refused.
-    """
+    """One request's own blocks (and tail entry) handed to the tiers, by chain hash (`hashes`;
+    `TierStack.insert` / `persist` while `TierStack.tally` is set), and how many of them the local
+    persistent tier's writer accepted (`accepted`: queued or written, not shed nor refused). Which
+    of them reached the disk is `SSDStore.saved_count(hashes)` once the writer has drained."""
 
     hashes: list[str] = field(default_factory=list)
     accepted: int = 0

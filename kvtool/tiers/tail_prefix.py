@@ -1,31 +1,18 @@
-"""Tail prefix hits: an earlier prompt's tail entry serves a longer prompt that extends it.
+"""Tail prefix hits: an earlier prompt's tail entry serves a longer prompt that extends it
+(docs/design.md#tail-entries).
 
-A tail entry holds the KV of a prompt's last `k < block_size` tokens after its parent block
-(`kvtool.hashing.tail_hash`), and a token's KV depends only on the tokens up to it. So it also
-serves any prompt with the same chain and the same `k` tokens next: the next turn of a chat
-extends the previous prompt, and without this it would re-prefill up to `block_size - 1` tokens
-that the previous turn had cached. An `mlx_lm.cache_prompt` file imported with `kvtool import`
-ends inside the user message; the prompt served after it extends it the same way.
-
-Where a fetch's chain walk stops (the first missing entry, with parent `P` and start `s`),
-`candidates` gives the keys `hash_fn(P, ids[s:s+k])` of every `k` from
-`min(block_size - 1, len(ids) - s - 1)` down to 1, so at least one prompt token is left to
-prefill and a full hit stays the prompt's own tail entry's job. `find` asks the tiers fastest
-first (RAM and the pending buffer: dict probes, token ids compared; SSD: one index query), each
-for the lengths longer than what an earlier tier had; the longest wins. The caller places it like any chain entry:
-from SSD it is verified like every record (parent, exact token ids, checksum) and a failure cuts
-the chain there. It is not an entry of the new prompt's own chain, so `PrefixCache.store` still
-writes the prompt's own block over those tokens.
-
-A miss costs up to 63 keys (with the default hash, one blake2b pass over <= 252 bytes, a
-state copy per length: `kvtool.hashing.blake2b_chain_prefixes`) and one primary-key `SELECT`.
-
-With state layers (`ArraysCache`), a tail entry's state checkpoint is the one before its last
-token (taken for a full hit), so a hit that ends in an earlier prompt's tail re-forwards that
-token, as a full hit does: it gains `k - 1` tokens. Not for KV quantization (the switch point
-depends on where chunks end): `PrefixCache` calls this only for models without it.
-
-This module never imports MLX.
+A tail entry holds the KV of a prompt's last `k < block_size` tokens after its parent block, and a
+token's KV depends only on the tokens up to it, so it also serves any prompt with the same chain
+and the same `k` tokens next (the next turn of a chat; a prompt extending an imported
+`mlx_lm.cache_prompt` file). Where a fetch's chain walk stops (parent `P`, start `s`), `candidates`
+gives the keys `hash_fn(P, ids[s:s+k])` of every `k` from `min(block_size - 1, len(ids) - s - 1)`
+down to 1 (at least one prompt token is left to prefill: a full hit stays the prompt's own tail
+entry's job); `find` asks the tiers fastest first, each for the lengths longer than what an
+earlier tier had; the longest wins and is placed and verified like any chain entry. It is not an
+entry of the new prompt's own chain, so `PrefixCache.store` still writes the prompt's own block.
+With state layers a hit ending in an earlier prompt's tail re-forwards its last token (the tail's
+state is the one before it). Not for KV quantization (the switch point depends on where chunks
+end). MLX-free.
 """
 
 from __future__ import annotations
