@@ -68,7 +68,7 @@ class Block:
         token_ids: int32 numpy `[block_size]`.
         keys, values: per layer mx arrays `[1, n_kv_heads, block_size, head_dim]`, evaluated;
             a block of a run gets them as views of the run's arrays when first asked (a store
-            of 128 blocks x 24 layers makes no 6,144 views it does not use: ~4 us each).
+            makes no views it does not use).
         nbytes: bytes of its KV and token ids.
         run: `(run, lo)` where `keys` / `values` are (or will be) views of `run`'s arrays at
             tokens `[lo, lo + block_size)`; None where they are arrays of their own.
@@ -143,10 +143,10 @@ def to_numpy(a: mx.array) -> np.ndarray:
     return np.asarray(a)
 
 
-def to_mlx(a: np.ndarray, dtype: str = "") -> mx.array:
+def to_mlx(a: np.ndarray) -> mx.array:
     """An MLX array of a host array (same shape; a copy), the inverse of `to_numpy`: uint16 is
     always a bfloat16 bit pattern (no KV or state dtype is uint16), packed uint32 words stay
-    uint32, other dtypes map as `mx.array` maps them. `dtype` is accepted for callers' clarity."""
+    uint32, other dtypes map as `mx.array` maps them."""
     arr = mx.array(a)
     if a.dtype == np.uint16:
         arr = arr.view(mx.bfloat16)
@@ -157,8 +157,8 @@ def to_host_many(blocks: Sequence[Block]) -> list[HostBlock]:
     """RAM blocks as host arrays for a writer: numpy views of the blocks' (immutable) MLX arrays,
     no copy on the CPU backend (a block is already a copy of the cache: see `slice_blocks`). Each
     group of consecutive blocks of one run (`run_groups`) is converted once per tensor and sliced
-    per block in numpy: one conversion per group and tensor, not per block and tensor (~17 us
-    each for bf16: a view op and an eval). Call on the MLX (request) thread."""
+    per block in numpy: one conversion per group and tensor, not per block and tensor. Call on the
+    MLX (request) thread."""
     out = []
     for i, count, n in run_groups(blocks):
         keys, values = host_arrays(blocks[i], n)
@@ -200,8 +200,8 @@ def from_host(host: HostBlock) -> Block:
     """
     if host.dtype not in NAME_TO_MX:
         raise ValueError(f"unsupported KV dtype {host.dtype!r}")
-    keys = [to_mlx(k, host.dtype) for k in host.keys]
-    values = [to_mlx(v, host.dtype) for v in host.values]
+    keys = [to_mlx(k) for k in host.keys]
+    values = [to_mlx(v) for v in host.values]
     mx.eval(keys, values)
     return Block(host.block_hash, host.parent_hash, np.asarray(host.token_ids, dtype=np.int32), keys, values)
 
@@ -255,9 +255,8 @@ def _rebuild_plain(blocks: Sequence[Block], n_layers: int, capacity: int) -> lis
         c.values = mx.concatenate(vs, axis=2) if len(vs) > 1 else vs[0]
         c.offset = n
     # Not evaluated here: the concatenation runs as part of the request's first forward, as the
-    # deep copy of mlx-lm's own prompt cache does. An eval here waits for everything queued on the
-    # stream first (a server's batch decode step in flight): sampled ~8 ms per request more on
-    # the generation thread than mlx_lm.server at 4 clients.
+    # deep copy of mlx-lm's own prompt cache does (an eval would wait for everything queued on the
+    # stream first, e.g. a server's batch decode step in flight).
     return caches
 
 
@@ -313,7 +312,6 @@ def assemble_layers(kv: KVLayout, kv_caches: list, state: Sequence | None) -> li
     an `ArraysCache` per state layer holding its part of `state` (the state arrays of every state
     layer, in order; None: empty), and a `CacheList` per parenthesised group."""
     kv_iter = iter(kv_caches)
-    names = kv.state_dtype_names()
     pos = 0
 
     def parse(i: int) -> tuple[list, int]:
@@ -333,8 +331,7 @@ def assemble_layers(kv: KVLayout, kv_caches: list, state: Sequence | None) -> li
                 n = int(ch)
                 a = ArraysCache(size=n)
                 if state is not None:
-                    a.cache = [x if isinstance(x, mx.array) else to_mlx(x, names[pos + j])
-                               for j, x in enumerate(state[pos : pos + n])]
+                    a.cache = [x if isinstance(x, mx.array) else to_mlx(x) for x in state[pos : pos + n]]
                 pos += n
                 out.append(a)
             i += 1

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 def _host_views(arrays: list[mx.array]) -> list[np.ndarray | None]:
     """Writable numpy views of MLX arrays' memory (bfloat16 as uint16), each None where MLX
     does not share it with the host (then the restore stages in numpy and copies once). One
-    `mx.eval` for all of them (48 bf16 tensors: ~0.3 ms instead of ~1-2.5 ms one by one)."""
+    `mx.eval` for all of them."""
     srcs = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
     mx.eval(srcs)
     out: list[np.ndarray | None] = []
@@ -65,15 +65,9 @@ def _host_views(arrays: list[mx.array]) -> list[np.ndarray | None]:
     return out
 
 
-# Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (MLX reads a Python stream on
-# its I/O threads, one GIL hand-off per tensor); a zero fill costs a pass over the memory, and
-# in a fresh process its page faults too. Measured on 2 cores: `qwen0.5b` bf16, 32k tokens
-# (8 MiB per tensor), fetch in a fresh process, median of 5: 158 ms unfilled vs 280 ms
-# zero-filled on MLX's stream (mlx-lm's load: 137 ms); `tiny` at 1k-4k tokens (0.25-1 MiB per
-# tensor), in-process: 0-40 % slower unfilled. `tiny` at 4k tokens (1.1 MB per tensor), fetch
-# in one process, 60 alternated rounds: 4.84 ms unfilled vs 4.22 ms zero-filled (MLX's buffer
-# cache recycles the memory: the fill is a memset of 4.4 MB on MLX's stream); at 16k tokens
-# (4.3 MB per tensor) unfilled stays faster.
+# Unfilled allocation (`_blank_arrays`) costs ~0.1 ms per tensor (one GIL hand-off each); a zero
+# fill costs a pass over the memory (and its page faults in a fresh process). Unfilled is faster
+# from this many bytes per tensor on average (docs/benchmarks.md).
 BLANK_MIN_TENSOR_BYTES = 2 << 20
 
 _SAFETENSORS_DTYPES = {mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16", mx.uint32: "U32"}
@@ -150,17 +144,13 @@ _jobs_lock = threading.Lock()
 def prefault(views: list[np.ndarray]) -> PrefaultJob | None:
     """Fault in the pages of fresh restore buffers on a daemon thread (`madvise(MADV_POPULATE_WRITE)`,
     one call per buffer, the GIL released), so the readers' first writes do not each take a page
-    fault on the request path (~12 ms for 17 MB of KV in a fresh process, measured). Contents are
-    unchanged (pages already present are left alone). A no-op where the call is not available
+    fault on the request path. Contents are unchanged. A no-op where the call is not available
     (not Linux, kernel < 5.14: logged once at DEBUG).
 
-    One long-lived thread takes the jobs from a queue: starting a thread per restore cost
-    0.5-3 ms of the request thread's time on a busy 2-core machine (`tiny`, 4k-16k tokens, in
-    one process), a queue hand-off a few us. Buffers whose pages are all present already (memory
-    that MLX's buffer cache recycled: every restore after the first few of a long-lived process)
-    are left out (`mincore`, ~5 us per buffer): populating present pages is still a walk over
-    them, on a thread that shares 2 cores with the request thread: in one process (`tiny`, 40
-    alternated fetches) 4k tokens 5.47 -> 5.12 ms, 16k 16.2 -> 15.2 ms per fetch without it.
+    One long-lived thread takes the jobs from a queue (a thread per restore cost the request
+    thread more than a queue hand-off). Buffers whose pages are all present already (memory that
+    MLX's buffer cache recycled) are left out (`mincore`): populating present pages is still a
+    walk over them (docs/benchmarks.md).
 
     Returns:
         The job (`join` waits for it; nobody needs to: it only touches memory the views keep
@@ -282,12 +272,10 @@ class KVBuffers:
         """Allocate buffers for `capacity` tokens (call on the request thread).
 
         On the CPU backend the buffers are allocated without a fill (`_blank_arrays`: contents
-        undefined until written; a cache only reads its first `offset` tokens), so the readers'
-        writes are the only pass over them. Elsewhere, and for tensors under
-        `BLANK_MIN_TENSOR_BYTES` on average, they are `mx.zeros`.
-        With `wait=False` their evaluation runs on MLX's stream while the caller goes on (reading
-        segment headers); `ready()` waits for it and must come before `dest`, `pieces` or
-        `place`.
+        undefined until written; a cache only reads its first `offset` tokens); elsewhere, and for
+        tensors under `BLANK_MIN_TENSOR_BYTES` on average, they are `mx.zeros`. With `wait=False`
+        their evaluation runs on MLX's stream while the caller goes on (reading segment headers);
+        `ready()` waits for it and must come before `dest`, `pieces` or `place`.
         """
         dtype = NAME_TO_MX[kv.dtype]
         n_kv = len(kv.shapes(0)) - len(kv.states)
@@ -391,7 +379,7 @@ class KVBuffers:
         this object's references to the buffers."""
         arrays = self.arrays
         if self.staged:
-            arrays = [to_mlx(v, "bfloat16" if a.dtype == mx.bfloat16 else "") for v, a in zip(self.views, arrays)]
+            arrays = [to_mlx(v) for v in self.views]
             mx.eval(arrays)
         self.arrays, self.views = [], []
         out: list = []

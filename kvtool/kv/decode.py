@@ -4,16 +4,13 @@ it is sampled.
 `generate_step` pipelines decode: before it hands out token `t` it builds and dispatches the
 forward of token `t + 1` (`mx.async_eval`), which keeps the device busy between steps but puts one
 step's graph construction, and on a CPU that step's competition for the cores, in front of the
-*first* token: on `tiny` with 16k cached tokens the first token comes after 11.5 ms instead of the
-7.5 ms of its own forward (measured on 2 cores). `tokens` samples the first token with the ops of
+*first* token. `tokens` samples the first token with the ops of
 `generate_step`'s own `_step` (the model over the last prompt token, the cache quantised as
 `maybe_quantize_kv_cache` does after each step, log-probabilities by `logsumexp`, the sampler),
 on mlx-lm's `generation_stream`, yields it, and then lets `generate_step` go on from that token.
 The tokens are the same, in the same order, with the same random draws (the first draw is
 made first either way); only the first token comes earlier, and the pipelining starts one token
-later.
-
-This module holds no cache logic; `kvtool.engine.Engine` is its caller.
+later. No cache logic here; `kvtool.engine.Engine` is its caller.
 """
 
 from __future__ import annotations

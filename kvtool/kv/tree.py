@@ -137,8 +137,6 @@ def cache_arrays(cache: Sequence) -> list:
     return out
 
 
-
-
 # ------------------------------------------------------------------ restore buffers
 def kv_layout_of(cache: list[KVCache], bits: int = 0, group_size: int = 0) -> KVLayout:
     """The per-layer KV layout of a filled cache (keys/values `[B, H, T, D]`).
@@ -155,14 +153,16 @@ def kv_layout_of(cache: list[KVCache], bits: int = 0, group_size: int = 0) -> KV
     """
     if any(isinstance(c, (ArraysCache, CacheList)) for c in cache):
         return _layout_with_states(cache, bits, group_size)
-    layers = []
-    for c in cache:
-        _, h, _, dk = c.keys.shape
-        _, hv, _, dv = c.values.shape
-        if h != hv:
-            raise ValueError(f"keys have {h} heads but values {hv}")
-        layers.append((int(h), int(dk), int(dv)))
-    return KVLayout(tuple(layers), dtype_name(cache[0].keys.dtype), bits, group_size)
+    return KVLayout(tuple(_heads(c) for c in cache), dtype_name(cache[0].keys.dtype), bits, group_size)
+
+
+def _heads(c) -> tuple[int, int, int]:
+    """`(n_kv_heads, key head dim, value head dim)` of a KV leaf."""
+    _, h, _, dk = c.keys.shape
+    _, hv, _, dv = c.values.shape
+    if h != hv:
+        raise ValueError(f"keys have {h} heads but values {hv}")
+    return int(h), int(dk), int(dv)
 
 
 def _layout_with_states(cache: list, bits: int, group_size: int) -> KVLayout:
@@ -174,11 +174,7 @@ def _layout_with_states(cache: list, bits: int, group_size: int) -> KVLayout:
             states += [tuple(int(x) for x in a.shape) for a in c.cache]
             state_dtypes += [dtype_name(a.dtype) for a in c.cache]
         else:
-            _, h, _, dk = c.keys.shape
-            _, hv, _, dv = c.values.shape
-            if h != hv:
-                raise ValueError(f"keys have {h} heads but values {hv}")
-            layers.append((int(h), int(dk), int(dv)))
+            layers.append(_heads(c))
             kv_dtypes |= {c.keys.dtype, c.values.dtype}
     if len(kv_dtypes) > 1:
         raise ValueError(f"KV arrays of several dtypes {sorted(str(d) for d in kv_dtypes)}")
