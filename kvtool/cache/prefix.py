@@ -6,25 +6,17 @@
         pc.store(prompt_ids, hit.cache, hit)   # new full blocks + the prompt's tail entry
         pc.release(hit)
 
-A fetch hashes the prompt's full blocks (and its tail entry), takes the longest chain found in
-RAM, the writer's pending buffer and the SSD index (one query per SSD run), and builds the cache:
-- RAM only: one concatenation per layer (with decode room);
-- with SSD blocks: per-layer buffers of the prompt's capacity are allocated once, RAM blocks are
-  copied in, SSD records are read straight into them by reader threads (`kvtool.disk.restore`),
-  and the caches take the buffers over — no per-block arrays, no concatenation, room to decode.
+A fetch takes the longest chain the tiers hold and builds the cache: RAM only, one concatenation
+per layer (with decode room); else per-layer buffers allocated once, into which every tier places
+and verifies its blocks, taken over by the caches (docs/design.md#restore-path-kvtoolcacheprefix--kvtooldiskrestore).
 A block that fails verification cuts the chain there; the rest is recomputed, output stays exact.
+On a full hit the cache is trimmed by one token and `remaining` is the last prompt token,
+re-forwarded for the first logits (docs/design.md#full-hits-and-prompt-encoding). Lower tiers'
+blocks enter the tiers above at `release` as views of the request's cache (no second copy).
 
-On a full hit (every prompt token cached, thanks to the tail entry) the cache is trimmed by one
-token and `remaining` is the last prompt token, re-forwarded for the first logits (docs/design.md#full-hits-and-prompt-encoding).
-SSD blocks enter the RAM tier at `release` as views of the request's cache (no second copy).
-
-Quantized KV (`KVQuantization`, mlx-lm's `kv_bits`): blocks hold `QuantizedKVCache` slices
-(packed words, scales, biases). mlx-lm's `generate_step` keeps a plain cache until its offset
-reaches `quantized_kv_start` at the end of a prefill chunk or a step (the *switch point*), then
-quantizes it and computes every later token against the quantized cache, so the KV after the
-switch depends on where it happened. A block is stored only where its content is canonical
-(the KV of the trajectory that switches at the first chunk end >= start), and a hit is used
-only where mlx-lm's own cache is in exactly that state (see `KVQuantization`); otherwise the
+Quantized KV (mlx-lm's `kv_bits`): the KV after mlx-lm's switch to a quantized cache depends on
+where the switch happened, so a block is stored only where its content is canonical and a hit is
+used only where mlx-lm's own cache is in exactly that state (`KVQuantization`); otherwise the
 request misses and runs as mlx-lm would.
 """
 
@@ -295,8 +287,7 @@ class PrefixCache:
             raise ValueError("empty prompt")
         hit = CacheHit(cache=[], prompt_tokens=int(ids.size))
         hit.hashes, hit.tail = self.hashes(ids)
-        if self.tiered is None:
-            hit.cache = self._empty_cache()
+        if self.tiered is None:  # the engine makes mlx-lm's own cache (or full views: `kvtool.kv.prefill.new_cache`)
             hit.remaining = ids
             return hit
         chain = self._chain(ids, hit.hashes, hit.tail)
@@ -307,12 +298,12 @@ class PrefixCache:
             chain = self._partial(ids, chain, found, hit)
         if self.has_states and found and chain[len(found) - 1][3] == ids.size and chain[len(found) - 1][0] != hit.tail:
             found = found[:-1]  # a full hit needs the state before the last token: only a tail entry has it
-        if found and not self._quant_usable(chain[len(found) - 1][3], ids.size):
+        if found and not quant_usable(self.quant, chain[len(found) - 1][3], ids.size):
             found = self._drop(hit, chain[len(found) - 1][3])
         self._build(ids, chain, found, hit)
         placed = hit.entries_found
         hit.entries_found = min(placed, own)  # an earlier prompt's tail is no entry of this chain
-        if hit.cached_tokens and not self._quant_usable(hit.cached_tokens, ids.size):
+        if hit.cached_tokens and not quant_usable(self.quant, hit.cached_tokens, ids.size):
             self._drop(hit, hit.cached_tokens)  # a cut chain left a hit mlx-lm's quantized trajectory never has
         if self.windows and hit.cache:
             hit.cache = with_windows(hit.cache, self.windows)
@@ -334,9 +325,6 @@ class PrefixCache:
         hit.remaining = ids[hit.cached_tokens :]
         return hit
 
-    def _empty_cache(self) -> list:
-        return []  # the engine makes mlx-lm's own cache (or full views: `kvtool.kv.prefill.new_cache`)
-
     @property
     def has_states(self) -> bool:
         """The model has state layers (`ArraysCache`): blocks carry state checkpoints."""
@@ -348,9 +336,6 @@ class PrefixCache:
         the token before its end (a tail is only used on a full hit, whose last token is
         re-forwarded)."""
         return entry[3] - 1 if entry[0] == tail else entry[3]
-
-    def _quant_usable(self, cached: int, n_prompt: int) -> bool:
-        return quant_usable(self.quant, cached, n_prompt)
 
     def _drop(self, hit: CacheHit, cached: int = 0) -> list:
         """Forget what a fetch found (release its tier handles): the request runs as a miss;

@@ -44,6 +44,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from kvtool.cache.hit import CacheHit
+from kvtool.cache.selfcheck import bits, code_digest, greedy
 from kvtool.cache.verdict import StoredVerdict, read_meta_record, write_meta_record
 from kvtool.kv.tree import kv_offset, leaves
 
@@ -144,16 +145,10 @@ def stored_verdict(ssd) -> ReplyVerdict | None:
     return read_meta_record(ssd, META_KEY, ReplyVerdict.from_json, "reply probe")
 
 
-def _store(ssd, verdict: ReplyVerdict) -> None:
-    write_meta_record(ssd, META_KEY, verdict.to_json(), "reply probe")
-
-
 def ensure(pc, model, *, measure: bool = True) -> ReplyVerdict | None:
     """The reply verdict for `pc`'s model on this device: stored in its namespace (same code
     digest and device), this process's, or measured now (then stored); None if there is none and
     `measure` is False."""
-    from kvtool.cache.selfcheck import code_digest
-
     code, dev = code_digest(model), device()
     stored = stored_verdict(pc.ssd)
     if stored is not None and (stored.code, stored.device) == (code, dev):
@@ -165,7 +160,7 @@ def ensure(pc, model, *, measure: bool = True) -> ReplyVerdict | None:
             return None
         verdict = _memo[key] = run(model, code)
         log.info("kvtool: reply probe of %s (%.0f ms): %s", pc.model_name, verdict.ms, verdict.describe())
-    _store(pc.ssd, verdict)
+    write_meta_record(pc.ssd, META_KEY, verdict.to_json(), "reply probe")
     return verdict
 
 
@@ -175,16 +170,12 @@ def probe_ids(n: int, salt: int = 0) -> list[int]:
     return [3 + (7 * i + salt) % 97 for i in range(n)]
 
 
-def _greedy(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
-
-
 def _decoded_single(model, ids: list[int]) -> tuple[list, list[int]]:
     """mlx-lm's `generate_step` on a fresh cache: (the cache, the tokens it was given and made)."""
     from mlx_lm.generate import generate_step
 
     cache = make_prompt_cache(model)
-    out = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=DECODE_STEPS, sampler=_greedy,
+    out = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=DECODE_STEPS, sampler=greedy,
                                             prompt_cache=cache)]
     return cache, ids + out
 
@@ -194,7 +185,7 @@ def _decoded_batch(model, prompts: list[list[int]]) -> list[tuple[list, list[int
     tokens its finished response carries (what the server's final `insert_cache` gets)."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=DECODE_STEPS, sampler=_greedy)
+    gen = BatchGenerator(model, max_tokens=DECODE_STEPS, sampler=greedy)
     try:
         uids = gen.insert(prompts, max_tokens=[DECODE_STEPS] * len(prompts))
         done: dict[int, tuple[list, list[int]]] = {}
@@ -208,11 +199,6 @@ def _decoded_batch(model, prompts: list[list[int]]) -> list[tuple[list, list[int
         raise RuntimeError("mlx-lm's BatchGenerator did not finish the probe")
     finally:
         gen.close()
-
-
-def _bits(a: mx.array) -> mx.array:
-    width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
-    return a.view(width)
 
 
 def compare(model, cache: list, tokens: Sequence[int], start: int) -> str | None:
@@ -243,7 +229,7 @@ def compare(model, cache: list, tokens: Sequence[int], start: int) -> str | None
             x, y = x[..., start:held, :], y[..., start:held, :]
             if x.shape != y.shape or x.dtype != y.dtype:
                 return f"layer {i} {name}: {x.shape} {x.dtype} after decode, {y.shape} {y.dtype} after prefill"
-            same = np.asarray(mx.all(_bits(x) == _bits(y), axis=(0, 1, 3)))
+            same = np.asarray(mx.all(bits(x) == bits(y), axis=(0, 1, 3)))
             if not same.all():
                 pos = start + int(np.flatnonzero(~same)[0])
                 return f"layer {i} {name} of position {pos} differ between decode and prefill"

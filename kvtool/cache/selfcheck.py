@@ -60,9 +60,8 @@ VERDICT_VERSION = 1
 DECODE_STEPS = 2  # greedy tokens whose log-probabilities are compared per request
 BIG_STEP = 2048  # mlx-lm's default prefill chunk: the probe prompt is one chunk
 SEED = 0x5C  # probe token ids
-# kvtool modules on the path from a prefill to a restored cache (their source is in the digest)
-# the modules of kvtool's cache path, relative to the package (a test checks each exists: after the
-# layered layout moved them, stale names here left most of the path out of the digest)
+# the modules of kvtool's cache path (relative to the package) whose source is in the digest (a
+# test checks each exists)
 CODE_MODULES = ("kv/blocks", "kv/buffers", "kv/prefill", "kv/decode", "kv/model_kv", "kv/windows", "cache/selfcheck",
                 "cache/prefix", "cache/hit", "cache/extend", "cache/reply", "disk/kvlayout", "disk/segment", "disk/codec",
                 "disk/restore", "disk/verify")  # fmt: skip
@@ -174,10 +173,6 @@ def stored_verdict(ssd) -> Verdict | None:
     return read_meta_record(ssd, META_KEY, Verdict.from_json, "self-check")
 
 
-def _store(ssd, verdict: Verdict) -> None:
-    write_meta_record(ssd, META_KEY, verdict.to_json(), "self-check")
-
-
 def ensure(pc, model) -> Verdict:
     """The verdict for `pc`'s namespace: stored (same code), this process's, or measured now."""
     code = code_digest(model)
@@ -192,7 +187,7 @@ def ensure(pc, model) -> Verdict:
         _memo[key] = verdict
         log.info("kvtool: self-check of %s (%d tokens, %.0f ms): %s", pc.model_name, verdict.probe_tokens,
                 verdict.ms, verdict.describe())
-    _store(ssd, verdict)
+    write_meta_record(ssd, META_KEY, verdict.to_json(), "self-check")
     return verdict
 
 
@@ -225,7 +220,8 @@ def _ids(rng: np.random.Generator, vocab: int, n: int) -> np.ndarray:
     return rng.integers(1, hi, size=n, dtype=np.int64).astype(np.int32)
 
 
-def _greedy(logprobs: mx.array) -> mx.array:
+def greedy(logprobs: mx.array) -> mx.array:
+    """mlx-lm sampler: the most likely token."""
     return mx.argmax(logprobs, axis=-1)
 
 
@@ -246,7 +242,7 @@ def _reference(model, ids: np.ndarray, step: int, with_logits: bool = True) -> t
             logits.append(out)
         mx.eval([c.state for c in cache], logits[-1] if with_logits else [])
         pos += k
-    steps = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=_greedy,
+    steps = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=greedy,
                                prompt_cache=cache, prefill_step_size=step))
     return steps, cache, mx.concatenate(logits, axis=1) if logits else None
 
@@ -267,7 +263,7 @@ def _through_kvtool(pc, model, ids: np.ndarray, step: int,
                                                      windows=pc.windows, states=states, quant=pc.quant,
                                                      block_size=pc.config.block_size,
                                                      outputs=outputs if with_logits else None)
-        out = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=_greedy,
+        out = list(generate_step(mx.array(ids[-1:]), model, max_tokens=DECODE_STEPS, sampler=greedy,
                                  prompt_cache=gen, prefill_step_size=step))
         pc.store(ids, cache, hit, states=states, last_kv=last_kv)
         if outputs and first < hit.cached_tokens:  # (a recomputed token before the hit's end: not compared)
@@ -290,14 +286,14 @@ def _as_is(pc, model, ids: np.ndarray, step: int) -> tuple[list, None, int, None
 
     hit = pc.fetch(ids)
     try:
-        out = list(generate_step(mx.array(hit.remaining), model, max_tokens=DECODE_STEPS, sampler=_greedy,
+        out = list(generate_step(mx.array(hit.remaining), model, max_tokens=DECODE_STEPS, sampler=greedy,
                                  prompt_cache=hit.cache or None, prefill_step_size=step))
         return out, None, hit.cached_tokens, None
     finally:
         pc.release(hit)
 
 
-def _bits(a: mx.array) -> mx.array:
+def bits(a: mx.array) -> mx.array:
     """The bit pattern of an array (bit-identical means equal patterns, -0.0 != 0.0, NaN == NaN)."""
     width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
     return a.view(width) if a.dtype not in (mx.uint8, mx.uint16, mx.uint32, mx.uint64) else a
@@ -306,7 +302,7 @@ def _bits(a: mx.array) -> mx.array:
 def _same(a, b) -> bool:
     if a is None or b is None:
         return a is None and b is None
-    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(_bits(a), _bits(b)))
+    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(bits(a), bits(b)))
 
 
 def _leaf_arrays(c) -> tuple[list[Any], list[Any]]:
@@ -347,7 +343,7 @@ def _diff_prefill(ref: mx.array | None, got: mx.array | None, start: int) -> str
     a, b = ref[:, start:], got[:, :n]
     if _same(a, b):
         return None
-    diff = np.flatnonzero(np.asarray(mx.any(_bits(a) != _bits(b), axis=-1))[0])
+    diff = np.flatnonzero(np.asarray(mx.any(bits(a) != bits(b), axis=-1))[0])
     return f"logits of prompt token {start + int(diff[0])} differ from mlx-lm's"
 
 
@@ -441,5 +437,5 @@ def run(model, pc, code: str = "") -> Verdict:
     return verdict
 
 
-__all__ = ["META_KEY", "Verdict", "alone_exact", "attach", "code_digest", "ensure", "gate", "needed", "probe_length",
-           "run", "stored_verdict"]
+__all__ = ["META_KEY", "Verdict", "alone_exact", "attach", "bits", "code_digest", "ensure", "gate", "greedy", "needed",
+           "probe_length", "run", "stored_verdict"]

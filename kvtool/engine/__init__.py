@@ -353,8 +353,6 @@ class Engine:
             yield from self._decode(res, gen_cache, ids, hit, t_start, max_tokens, temp, top_p, seed, stop,
                                     store_cache=cache, states=states, last_kv=last_kv)
         finally:
-            if not hit.cache:
-                hit.cache = []
             self.cache.release(hit)
 
     def new_cache(self) -> list:
