@@ -1,21 +1,15 @@
 """The kvtool engine: an mlx-lm model served through a `PrefixCache`.
 
-Per request: `PrefixCache.fetch` gives the longest cached prefix as mlx-lm caches (RAM, pending
-writes, SSD), the engine prefills only the rest, decodes with mlx-lm's `generate_step` (its first token
-handed out as soon as it is sampled: `kvtool.kv.decode`), and hands
-the prompt's new blocks and tail entry to the cache right after the first token. Only prompt KV
-is stored, never the KV of generated tokens.
+Per request: `PrefixCache.fetch` gives the longest cached prefix as mlx-lm caches, the engine
+prefills only the rest (`kvtool.kv.prefill`), decodes with mlx-lm's `generate_step` (its first
+token handed out as soon as it is sampled: `kvtool.kv.decode`), and hands the prompt's new blocks
+and tail entry to the cache right after the first token. Only prompt KV is stored.
 
 Exactness: KV of a prefix computed alone equals the same prefix inside a longer prompt, so the
 logits (and greedy tokens) with a cached prefix equal an uncached prefill bit for bit (tested).
-On a full hit the cache is trimmed by one token and the last prompt token is re-forwarded to get
-the first logits without duplicating its KV (docs/design.md#full-hits-and-prompt-encoding).
-
-Quantized KV (`kv_bits`, as `mlx_lm.generate --kv-bits`): the engine quantizes the cache at the
-offset where mlx-lm's `generate_step` would (`KVQuantization.switch_point`: the first prefill
-chunk end, or step, at or past `quantized_kv_start`) and decodes with the same settings, so the
-output equals mlx-lm's with the same `kv_bits`, `kv_group_size`, `quantized_kv_start` and
-`prefill_step_size`.
+Quantized KV (`kv_bits`, as `mlx_lm.generate --kv-bits`): the cache is quantized at the offset
+where mlx-lm's `generate_step` would (`KVQuantization.switch_point`) and decoding uses the same
+settings, so the output equals mlx-lm's with the same quantisation and `prefill_step_size`.
 """
 
 from __future__ import annotations

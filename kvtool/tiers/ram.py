@@ -112,10 +112,6 @@ class RamTier:
             if not kids:
                 del self._children[entry.block.parent_hash]
 
-    def is_persisted(self, block_hash: str) -> bool:
-        """True if the block is held and known to be on SSD (or handed to the writer)."""
-        return bool(self.persisted([block_hash]))
-
     def persisted(self, hashes: Iterable[str]) -> list[str]:
         """Those of `hashes` that are held and known to be on SSD (or handed to the writer)."""
         with self._lock:

@@ -117,22 +117,14 @@ _ABSENT = Got(None)
 
 
 def fetch_values(store: ValueSource, client: Any, keys: Sequence[str], bounds: Sequence[int]) -> list[Got]:
-    """One pipelined GETRANGE per key (a byte more than `bounds[i]`, so an oversized value shows),
-    then one pipeline for the parts of split values. Runs on a reader thread; counts
-    `remote_bytes_read` and per-key server errors.
-
-    Args:
-        store: the store (its counters).
-        client: a redis-py client (node or cluster).
-        keys: value keys.
-        bounds: the largest value each may have (bytes).
-
-    Returns:
-        One `Got` per key.
+    """One `Got` per key of `keys`: one pipelined GETRANGE per key on `client` (a byte more than
+    `bounds[i]`, the largest value it may have in bytes, so an oversized value shows), then one
+    pipeline for the parts of split values. Runs on a reader thread; counts `remote_bytes_read` and
+    per-key server errors in `store`.
 
     Raises:
         redis.exceptions.ConnectionError, TimeoutError, OSError: the call failed (a miss for the
-            whole batch, counted by the store's `_call`).
+            whole batch, counted by the store's `call`).
     """
     results = pipelined(client, zip(keys, bounds), lambda pipe, kb: pipe.getrange(kb[0], 0, kb[1]))
     return _gots(store, client, keys, bounds, results)
@@ -220,16 +212,9 @@ def _fetch_parts(store: ValueSource, client: Any, keys: Sequence[str], split: li
 
 
 class _Wire:
-    """One pooled connection of a single-node client carrying a read's batches in order: requests
-    sent ahead (`send`), replies taken batch by batch (`recv`), with redis-py's own command
-    packing and reply parsing (`Connection.pack_commands`, `read_response`), as its pipelines do.
-
-    Args:
-        client: a `redis.Redis` (its connection pool).
-
-    Raises:
-        redis.exceptions.ConnectionError, TimeoutError, OSError: connecting failed.
-    """
+    """One pooled connection of a single-node client (`redis.Redis`) carrying a read's batches in
+    order: requests sent ahead (`send`), replies taken batch by batch (`recv`), with redis-py's own
+    command packing and reply parsing, as its pipelines do. Raises as `fetch_values` on connecting."""
 
     def __init__(self, client: Any):
         self.pool = client.connection_pool

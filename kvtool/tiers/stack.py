@@ -187,7 +187,8 @@ class TierStack:
         """Put blocks in RAM and hand those RAM does not know persisted to the local persistent
         tier, whatever the policy, never shed (`kvtool warm`)."""
         self._tally(blocks)
-        todo = [b for b in blocks if not self.ram.is_persisted(b.block_hash)]
+        done = set(self.ram.persisted([b.block_hash for b in blocks]))
+        todo = [b for b in blocks if b.block_hash not in done]
         self.tiers[0].put(blocks, Put.PERSIST)
         if self.backing is not None and todo:
             self._tally((), self.backing.put(todo, Put.PERSIST))

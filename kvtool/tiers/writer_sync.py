@@ -75,20 +75,17 @@ class WriterBase:
         stats["writer_queue_peak_bytes"] = self.queue_peak_bytes()
         return stats
 
+    # a writer without a queue (`SyncWriter`): nothing queued, nothing pending
     def queue_peak_bytes(self) -> int:
-        """Highest bytes held by the writer's queue (queued plus being written) so far; 0 for a
-        writer without a queue."""
         return 0
 
     def queue_depth(self) -> int:
-        """Blocks waiting in the writer's queue; 0 for a writer without a queue."""
         return 0
 
     def _pending_count(self) -> int:
         return 0
 
     def pending_bytes(self) -> int:
-        """Bytes of the blocks accepted and not yet attempted; 0 for a writer that saves at once."""
         return 0
 
 
