@@ -22,13 +22,10 @@ mlx-lm's cache after generation cannot be cut into blocks), quantized KV (where 
 quantized KV depends on the sequence's length, so a reply's blocks have no canonical content), a
 token forwarded alone that already differs (`PrefixCache.alone_exact`), a probe that raised.
 
-The verdict is stored in the namespace's index meta next to the self-check's (key `META_KEY`,
-JSON), with the code digest of the self-check (`kvtool.cache.selfcheck.code_digest`) and the
-MLX device it was measured on: a stored verdict is reused when both match, measured again
-otherwise; a verdict that does not parse (an older or unknown format) counts as not measured.
-Without an SSD tier it is kept for the process (per model, whatever the namespace). A
-reconfiguration does not measure (model forwards while the generation thread runs): a verdict
-neither stored nor known to the process then means no reuse until the next start.
+The verdict is kept as the self-check's is (`ensure`: the namespace's index meta, key `META_KEY`),
+with the MLX device it was measured on too. A reconfiguration does not measure (model forwards
+while the generation thread runs): a verdict neither stored nor known to the process then means
+no reuse until the next start.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ state happens to agree) must be equal bit for bit. The first difference found is
 reason, and the model then runs uncached, exactly as mlx-lm.
 
 The verdict is stored with the namespace (index meta key `selfcheck`, JSON) and reused by later
-processes, so the probe runs once per namespace: the layout key covers the model (weights
-digest, class), mlx / mlx-lm versions, dtype, block size and KV quantisation; the verdict also
-records a digest of kvtool's cache code and the model's mlx-lm source (`code_digest`) and is
-measured again when that changes. Without an SSD tier it is kept for the process only.
+processes, so the probe runs once per namespace (the layout key covers the model, library
+versions, dtype, block size and KV quantisation); it is measured again when `code_digest` (kvtool's
+cache code, the model's mlx-lm source) changes or the stored verdict does not parse. Without an
+SSD tier it is kept for the process only.
 """
 
 from __future__ import annotations

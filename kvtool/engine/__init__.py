@@ -147,10 +147,6 @@ class Engine:
         """Directory of this engine's SSD namespace, or None without an SSD tier."""
         return self.cache.namespace_dir
 
-    def layout_key_for(self, block_size: int) -> str | None:
-        """The layout key (the name of its namespace) of this model for `block_size`, or None. Opens nothing."""
-        return self.cache.layout_key_for(block_size)
-
     def reconfigure(self, config: KVToolConfig) -> ShutdownStatus:
         """Live reconfiguration on the resident model (docs/design.md#live-reconfiguration): quiesce (wait for the request
         in flight), drain the writer, flush the index, detach, drop RAM blocks, reattach."""

@@ -305,9 +305,6 @@ class ValueRead:
         if self.window and self.batches:
             self._stopped = not store.call(lambda client: self._send_upto(client, self.window), False)
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
     def _submit_upto(self, n: int) -> None:
         if not self.ahead:
             return
