@@ -402,3 +402,48 @@ def test_export_equals_mlx_cache_of_other_families(tmp_path, family):
             rep = interop.import_cache_file(eng, ref_path, ids, model_spec=str(loaded.path),
                                             require_model_match=False)
             assert rep.verified and rep.kv_check_max_rel_diff < 1e-3
+
+
+def test_a_refused_import_or_an_export_leaves_no_namespace_behind(tmp_path, tiny_model):
+    """A namespace the command opened and stored nothing in goes again (an import refused after
+    the model loaded, an export refused or `--fill`ed), with the cache directory if the command
+    made it; a namespace that holds blocks and a user's files stay."""
+    ids = [int(t) for t in tiny_model.tokenizer.encode(PROMPT)]
+    src, out = tmp_path / "e.safetensors", tmp_path / "o.safetensors"
+    with engine_for(tiny_model, tmp_path / "a") as eng:
+        eng.prefill(ids)
+        interop_export.export_cache_file(eng, ids, src, metadata_model="m")
+    new = tmp_path / "new"
+    bad_import = ["import", str(src), "--model", "tiny", "--prompt", "another prompt", "--block-size", str(BS)]
+    r = runner.invoke(app_module.app, [*bad_import, "--cache-dir", str(new)])
+    assert r.exit_code == 2 and "differ from the" in r.stderr and not new.exists()  # was: an empty namespace
+    export = ["export", str(out), "--model", "tiny", "--prompt", "never cached", "--cache-dir"]
+    r = runner.invoke(app_module.app, [*export, str(new)])
+    assert r.exit_code == 1 and "not fully cached" in r.stderr and not new.exists()
+    (tmp_path / "kept" / "mine").mkdir(parents=True)
+    r = runner.invoke(app_module.app, [*export, str(tmp_path / "kept"), "--fill"])
+    assert r.exit_code == 0 and out.is_file() and [p.name for p in (tmp_path / "kept").iterdir()] == ["mine"]
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "a").rglob("*"))
+    r = runner.invoke(app_module.app, [*bad_import, "--cache-dir", str(tmp_path / "a")])
+    assert r.exit_code == 2 and sorted(p.relative_to(tmp_path) for p in (tmp_path / "a").rglob("*")) == before
+    with engine_for(tiny_model, tmp_path / "a") as eng:
+        assert eng.cache.probe(ids) == len(ids)
+
+
+def test_drop_unused_removes_only_an_empty_closed_namespace(tmp_path, tiny_model):
+    from kvtool.ops.remove_tree import drop_unused
+
+    with engine_for(tiny_model, tmp_path / "c") as eng:
+        ns = Path(eng.namespace_dir)
+        assert not drop_unused(tmp_path / "c", ns.name)  # open (shutdown_clean = 0): kept
+    (ns / "notes.txt").write_text("mine")
+    assert not drop_unused(tmp_path / "c", ns.name) and (ns / "index.sqlite").is_file()  # a user's file: kept
+    (ns / "notes.txt").unlink()
+    (tmp_path / "link").mkdir()
+    os.symlink(ns, tmp_path / "link" / ns.name)
+    assert not drop_unused(tmp_path / "link", ns.name) and ns.is_dir()  # a symlink: never followed
+    assert drop_unused(tmp_path / "c", ns.name) and not ns.exists()
+    with engine_for(tiny_model, tmp_path / "d") as eng:
+        eng.prefill([int(t) for t in tiny_model.tokenizer.encode(PROMPT)])
+        ns = Path(eng.namespace_dir)
+    assert not drop_unused(tmp_path / "d", ns.name) and ns.is_dir()  # holds blocks: kept

@@ -25,9 +25,11 @@ HANG_GUARD_S = 120  # a hang fails the test instead of the suite (not a timing c
 
 class TrickleServer:
     """A TCP server that answers any request with `$100000000\\r\\n` and then one byte every
-    50 ms, for ever (until the client closes the connection or `close()`)."""
+    50 ms, for ever (until the client closes the connection or `close()`); with `pong`, PING and
+    CLIENT commands get their proper answers first (a server that trickles only its data)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pong: bool = False) -> None:
+        self.pong = pong
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.stopped = threading.Event()
@@ -46,7 +48,9 @@ class TrickleServer:
     def _trickle(self, conn: socket.socket) -> None:
         with conn:
             try:
-                if conn.recv(65536):
+                while self.pong and (got := conn.recv(65536)) and _answer_setup(conn, got):
+                    pass
+                if self.pong or conn.recv(65536):
                     conn.sendall(b"$100000000\r\n")
                     while not self.stopped.is_set():
                         conn.sendall(b"x")
@@ -57,6 +61,19 @@ class TrickleServer:
     def close(self) -> None:
         self.stopped.set()
         self.sock.close()
+
+
+SETUP_REPLIES = {b"HELLO": b"%1\r\n$5\r\nproto\r\n:3\r\n", b"CLIENT": b"+OK\r\n", b"PING": b"+PONG\r\n"}
+
+
+def _answer_setup(conn: socket.socket, got: bytes) -> bool:
+    """Answer `got` if it holds only a connection's set-up commands and PING (RESP arrays): True."""
+    lines = got.split(b"\r\n")
+    names = [lines[i + 2].upper() for i, line in enumerate(lines) if line.startswith(b"*")]
+    if not names or any(n not in SETUP_REPLIES for n in names):
+        return False
+    conn.sendall(b"".join(SETUP_REPLIES[n] for n in names))
+    return True
 
 
 @pytest.fixture
@@ -120,3 +137,38 @@ def test_remote_commands_refuse_a_server_that_trickles_its_pong(trickle):
     with pytest.raises(RemoteConnectError, match=r"no whole answer within 0.4 s .* too slowly"):
         remote_ops.connect(f"redis://127.0.0.1:{trickle.port}/0", timeout_s=0.2)  # before: waited for ever
     assert time.monotonic() - t0 < HANG_GUARD_S
+
+
+def test_remote_commands_after_the_ping_fail_at_their_deadline(monkeypatch):
+    """A server that answers PING and trickles its data: `remote inspect` (a SCAN) and the
+    pipelined batches fail at the whole-call deadline, one line each (before: a wedge)."""
+    from kvtool.config.remote_url import RemoteConnectError
+    from kvtool.ops import remote_ops
+
+    monkeypatch.setattr(call_deadline, "MIN_CALL_DEADLINE_S", 0.5)
+    monkeypatch.setattr(call_deadline, "TIMEOUTS_PER_CALL", 1)
+    server = TrickleServer(pong=True)
+    try:
+        conn = remote_ops.connect(f"redis://127.0.0.1:{server.port}/0", timeout_s=0.2)  # PING answered
+        for what, call in (("SCAN", lambda: remote_ops.scan(conn, "kvtool:*")),
+                           ("UNLINK", lambda: remote_ops.unlink(conn, ["kvtool:x"])),
+                           ("INFO", lambda: remote_ops.server_info(conn))):
+            t0 = time.monotonic()
+            with pytest.raises(RemoteConnectError, match=rf"{what}: .*no whole answer within 0.5 s .*too slowly"):
+                call()
+            assert time.monotonic() - t0 < HANG_GUARD_S
+        conn.close()
+    finally:
+        server.close()
+
+
+def test_a_renewed_deadline_fires_only_after_progress_stops():
+    dog = CallWatchdog()
+    fired: list[str] = []
+    with dog.deadline(0.2, lambda: fired.append("x")) as expiry:
+        for _ in range(6):  # 0.3 s in all, renewed every 0.05 s: never 0.2 s without progress
+            time.sleep(0.05)
+            expiry.renew()
+        assert not expiry.fired
+        time.sleep(0.5)
+    assert fired == ["x"] and expiry.fired

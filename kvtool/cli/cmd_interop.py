@@ -7,7 +7,9 @@ options, loads the engine, prints.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -118,11 +120,14 @@ def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start:
         CLIError: the cache cannot be built for the model (e.g. a KV quantisation its head dims
             do not allow); and what `flags.load` and `work` raise.
     """
+    root = Path(cfg.ssd_cache_dir)
+    before = set(os.listdir(root)) if root.is_dir() else None
     try:
         engine = flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
     except ValueError as exc:
         raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
     result = interrupted = status = None
+    ns_dir = engine.namespace_dir  # (None once closed)
     try:
         with common.signals_raise():
             try:
@@ -134,7 +139,21 @@ def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start:
                 status = engine.close()
     except common.Interrupted as exc:  # a signal during the drain's set-up
         interrupted, status = exc, engine.close()
+    finally:
+        _forget_new_namespace(root, before, ns_dir)
     return result, interrupted, status
+
+
+def _forget_new_namespace(root: Path, before: set[str] | None, ns_dir: Any) -> None:
+    """A namespace this job created and left empty (a refused import, any export) goes again, and
+    the cache directory too if the job created it and it is empty now: nothing is left behind."""
+    from kvtool.ops.remove_tree import drop_unused
+
+    if ns_dir is not None and (before is None or Path(ns_dir).name not in before):
+        drop_unused(root, Path(ns_dir).name)
+    if before is None:
+        with suppress(OSError):
+            root.rmdir()  # only if empty
 
 
 def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:

@@ -2,7 +2,8 @@
 
 Safe beside live servers and live kvtool processes:
 - keys are listed with SCAN (`COUNT 1000`, per node of a cluster), never KEYS; every listing
-  stops at `max_keys` (reported as `truncated`); every command has a socket timeout;
+  stops at `max_keys` (reported as `truncated`); every command has a socket timeout and a
+  whole-call deadline (`Connection.run`);
 - sizes come from `MEMORY USAGE` and ages from `OBJECT IDLETIME`, which leave a key's LRU clock
   alone (`validate` reads values with GET, which counts as a use on Redis 6.2);
 - removal is `UNLINK` (freed in the background): a kvtool process reading a value that is being
@@ -23,12 +24,12 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtool.config.remote_url import RemoteConnectError, RemoteURL, describe_error, make_client, parse_remote_url
+from kvtool.config.remote_url import RemoteConnectError, RemoteURL, make_client, parse_remote_url
 from kvtool.errors import KVToolError
 from kvtool.hashing import blake2b_chain
 from kvtool.tiers import remote_cas
 from kvtool.tiers import remote_value as rv
-from kvtool.tiers.call_deadline import WATCHDOG, Expiry, close_connections, failure_text
+from kvtool.tiers.call_deadline import WATCHDOG, Expiry, call_deadline_s, close_connections, failure_text
 from kvtool.tiers.remote_read import empty_strings
 
 DEFAULT_OPS_TIMEOUT_S = 5.0
@@ -45,13 +46,8 @@ class RemoteOpsError(KVToolError):
 
 @dataclass
 class Connection:
-    """A checked connection to the remote server (PING answered).
-
-    Attributes:
-        remote: the parsed URL (`remote.masked` for messages).
-        client: the redis-py client (`redis.Redis` or `RedisCluster`).
-        timeout_s: socket timeout of every command (seconds).
-    """
+    """A checked connection (PING answered): the parsed URL (`remote.masked` for messages), the
+    redis-py client (`redis.Redis` or `RedisCluster`), the socket timeout of every command (s)."""
 
     remote: RemoteURL
     client: Any
@@ -62,13 +58,16 @@ class Connection:
             self.client.close()
 
     def run(self, what: str, fn: Any) -> Any:
-        """`fn()`, a server failure raised as one `RemoteConnectError` line (`what` failed)."""
+        """`fn(expiry)` under the serving tier's whole-call deadline (`call_deadline_s`, renewed
+        by a long call's progress), a failure as one `RemoteConnectError` line (`what` failed)."""
+        expiry = Expiry()
         try:
-            return fn()
+            with WATCHDOG.deadline(call_deadline_s(self.timeout_s), lambda: close_connections(self.client)) as expiry:
+                return fn(expiry)
         except KVToolError:
             raise
         except Exception as exc:  # noqa: BLE001 - redis-py, socket and TLS errors: one line
-            raise RemoteConnectError(f"{what}: {describe_error(exc, self.remote, self.timeout_s)}") from None
+            raise RemoteConnectError(f"{what}: {failure_text(exc, expiry, self.remote, self.timeout_s)}") from None
 
 
 def connect(url: str, *, cluster: bool | None = None, timeout_s: float = DEFAULT_OPS_TIMEOUT_S) -> Connection:
@@ -94,8 +93,9 @@ def scan(conn: Connection, pattern: str, max_keys: int = DEFAULT_MAX_KEYS) -> tu
     """Keys matching `pattern` (SCAN, every primary of a cluster): `(keys, truncated)`."""
     keys: list[str] = []
 
-    def run() -> bool:
+    def run(expiry: Expiry) -> bool:
         for key in conn.client.scan_iter(match=pattern, count=SCAN_COUNT):
+            expiry.renew()  # a SCAN of millions of keys is one call: bounded per page, not whole
             if len(keys) >= max_keys:
                 return True
             keys.append(key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key))
@@ -120,7 +120,7 @@ def _pipelined(conn: Connection, what: str, keys: Sequence[Any], add: Any) -> li
         pipe = conn.client.pipeline(transaction=False)
         for key in keys[at : at + BATCH_KEYS]:
             add(pipe, key)
-        out += conn.run(what, lambda pipe=pipe: pipe.execute(raise_on_error=False))
+        out += conn.run(what, lambda _, pipe=pipe: pipe.execute(raise_on_error=False))
     return out
 
 
@@ -160,8 +160,7 @@ class NamespaceUsage:
 
 
 class _Report:
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready document (the `--json` output; nested dataclasses as dicts)."""
+    def to_dict(self) -> dict[str, Any]:  # the `--json` document
         return asdict(self)  # type: ignore[call-overload]
 
 
@@ -182,7 +181,7 @@ _INFO_FIELDS = ("redis_version", "valkey_version", "used_memory", "maxmemory", "
 
 def server_info(conn: Connection) -> list[dict[str, Any]]:
     """Per server (each primary of a cluster): version, memory and eviction figures from INFO."""
-    def run() -> list[dict[str, Any]]:
+    def run(_: Expiry) -> list[dict[str, Any]]:
         if conn.remote.cluster:
             from redis.cluster import RedisCluster
 
@@ -289,7 +288,7 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
                     report: ValidateReport, doomed: list[remote_cas.Item], named_parts: set[str]) -> None:  # fmt: skip
     heads = _heads(conn, batch, max_value_bytes)
     empty = [k for k, data in zip(batch, heads) if isinstance(data, bytes) and not data]
-    present = set(conn.run("EXISTS", lambda: empty_strings(conn.client, empty))) if empty else set()
+    present = set(conn.run("EXISTS", lambda _: empty_strings(conn.client, empty))) if empty else set()
     for key, data in zip(batch, heads):
         info = infos[key]
         assert info is not None
@@ -330,9 +329,8 @@ def _validate_batch(conn: Connection, batch: list[str], infos: dict[str, rv.KeyI
 
 
 def unlink(conn: Connection, keys: Sequence[remote_cas.Item]) -> int:
-    """UNLINK `keys` in pipelined batches, value keys before their parts (callers list them so): a
-    name as it is, a `(value key, guard)` only if it still holds what was read (`remote_cas`).
-    Returns how many keys were removed; a server failure raises `RemoteConnectError`."""
+    """UNLINK `keys` (value keys before their parts; a `(value key, guard)` only if it still holds
+    what was read: `remote_cas`) in pipelined batches: how many went. Raises `RemoteConnectError`."""
     return sum(r for r in remote_cas.unlink_all(functools.partial(_pipelined, conn, "UNLINK"), keys) if isinstance(r, int))
 
 

@@ -125,6 +125,33 @@ def remove_tree(cache_dir: Path, namespace: str, workers: int = 1) -> TreeRemova
     return _tree(cache_dir, namespace, remove=True, workers=workers)
 
 
+def drop_unused(cache_dir: Path, namespace: str) -> bool:
+    """Remove a namespace that holds nothing, for a command that opened one it did not find and
+    stored nothing in it (a refused `kvtool import`, `kvtool export`): its directory (no symlink)
+    holds only index files, the index no block or segment row, and it was closed cleanly (no
+    process has it open: an open sets `shutdown_clean = 0`). Checked and removed under the index's
+    write lock (a process opening it meanwhile waits). Returns True if it was removed; never raises."""
+    ns_dir = Path(cache_dir) / namespace
+    try:
+        if not stat.S_ISDIR(os.lstat(ns_dir).st_mode) or set(os.listdir(ns_dir)) - set(INDEX_NAMES):
+            return False
+        conn = sqlite3.connect(read_only_uri(ns_dir / INDEX_FILENAME).replace("mode=ro", "mode=rw"), uri=True,
+                               timeout=0, isolation_level=None)  # fmt: skip
+    except (OSError, sqlite3.Error):
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        rows = conn.execute("SELECT (SELECT count(*) FROM blocks) + (SELECT count(*) FROM segments)").fetchone()
+        clean = conn.execute("SELECT value FROM meta WHERE key = 'shutdown_clean'").fetchone()
+        if rows != (0,) or clean != ("1",):
+            return False
+        return remove_tree(Path(cache_dir), namespace).removed
+    except (OSError, ValueError, sqlite3.Error):
+        return False
+    finally:
+        conn.close()
+
+
 def _tree(cache_dir: Path, namespace: str, remove: bool, workers: int = 1) -> TreeRemoval:
     """`remove_tree`, or with `remove=False` only what it would do (`plan_tree`)."""
     out = TreeRemoval()
@@ -231,4 +258,4 @@ def _entries(dir_fd: int) -> list[tuple[str, str]]:
         return [(e.name, "link" if e.is_symlink() else "dir" if e.is_dir(follow_symlinks=False) else "other") for e in it]
 
 
-__all__ = ["TreeRemoval", "plan_tree", "remove_tree", "kvtool_index_problem"]
+__all__ = ["TreeRemoval", "drop_unused", "plan_tree", "remove_tree", "kvtool_index_problem"]

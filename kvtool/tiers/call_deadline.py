@@ -28,10 +28,18 @@ TIMEOUTS_PER_CALL = 40
 
 
 class Expiry:
-    """A call's deadline (`seconds`); `fired` once the watchdog acted on it."""
+    """A call's deadline: `seconds` from its start or its last `renew()`, at clock time `at`;
+    `fired` once the watchdog acted on it."""
 
     fired = False
     seconds = 0.0
+    at = 0.0
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    def renew(self) -> None:
+        """Start the `seconds` again (a long call that made progress: a SCAN page arrived). One
+        float store, no lock (the watchdog reads `at` when it wakes)."""
+        self.at = self.clock() + self.seconds
 
 
 def call_deadline_s(timeout_s: float) -> float:
@@ -64,19 +72,20 @@ class CallWatchdog:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self._cond = threading.Condition()
-        self._calls: dict[int, tuple[float, Expiry, Callable[[], None]]] = {}
+        self._calls: dict[int, tuple[Expiry, Callable[[], None]]] = {}
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
     @contextmanager
     def deadline(self, seconds: float, on_expiry: Callable[[], None]) -> Iterator[Expiry]:
-        """Run the `with` block under a deadline of `seconds`: past it, `on_expiry()` is called
-        once on the watchdog's thread (it must make the block fail, e.g. `close_connections`),
-        and the yielded `Expiry.fired` is True."""
+        """Run the `with` block under a deadline of `seconds` (from its start or the yielded
+        `Expiry`'s last `renew()`): past it, `on_expiry()` is called once on the watchdog's thread
+        (it must make the block fail, e.g. `close_connections`), and `Expiry.fired` is True."""
         token, state = next(self._ids), Expiry()
-        state.seconds = seconds
+        state.seconds, state.clock = seconds, self.clock
+        state.renew()
         with self._cond:
-            self._calls[token] = (self.clock() + seconds, state, on_expiry)
+            self._calls[token] = (state, on_expiry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvtool-remote-deadline", daemon=True)
                 self._thread.start()
@@ -91,13 +100,13 @@ class CallWatchdog:
         while True:
             with self._cond:
                 now = self.clock()
-                due = [token for token, (at, _, _) in self._calls.items() if at <= now]
+                due = [token for token, (state, _) in self._calls.items() if state.at <= now]
                 expired = [self._calls.pop(token) for token in due]
                 if not expired:
-                    first = min((at for at, _, _ in self._calls.values()), default=None)
+                    first = min((state.at for state, _ in self._calls.values()), default=None)
                     self._cond.wait(None if first is None else first - now)
                     continue
-            for _, state, on_expiry in expired:
+            for state, on_expiry in expired:
                 state.fired = True
                 logger.debug("a remote call passed its deadline: closing its connections")
                 with suppress(Exception):  # closing what is broken anyway: nothing more to do
