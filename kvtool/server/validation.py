@@ -1,22 +1,18 @@
 """Request checks of `kvtool serve`, run in the HTTP handler before a request reaches mlx-lm's
 generation thread.
 
-mlx-lm's `APIHandler` checks the types of most sampling fields, but a few malformed requests get
-past it and break the server: `"stop": 5` kills the generation thread (every later request is
-answered 404 "generation thread died"), a deeply nested or non-UTF-8 body closes the connection
-without an answer, a negative or huge `Content-Length` blocks or fails the handler, and a huge
-`max_tokens` or prompt occupies the generation thread for minutes. Nothing here uses MLX; the
-request fields are checked by pydantic models (`_schemas`; `StrictModel` and `error_text` are
-every API's: `kvtool.server.api_messages`, `kvtool.server.api_responses`). The handler
-(`kvtool.server.serve`) calls, in order,
+A few malformed requests get past mlx-lm's `APIHandler` and break the server (`"stop": 5` kills
+the generation thread; a deeply nested or non-UTF-8 body closes the connection without an answer;
+a negative or huge `Content-Length` blocks the handler; a huge `max_tokens` or prompt occupies the
+generation thread for minutes). Nothing here uses MLX; the fields are checked by pydantic models
+(`_schemas`; `StrictModel` and `error_text` serve every API). The handler calls, in order,
 
     n = content_length(headers.get("Content-Length"), limits.max_body_bytes)   # 400 / 411 / 413
     body = parse_body(raw_bytes)                                               # 400
     body = check_request(body, path, limits)                                   # 400 / 404
 
-and then counts the prompt's tokens with the model's tokenizer (413 over `max_prompt_tokens`).
-Each check raises `RequestError(status, message)`; the handler answers it as
-`{"error": message}` (mlx-lm's error body) with that HTTP status.
+then counts the prompt's tokens (413 over `max_prompt_tokens`). Each check raises
+`RequestError(status, message)`.
 """
 
 from __future__ import annotations
