@@ -183,6 +183,18 @@ def error_text(exc: ValidationError, tags: tuple[str, ...] = ()) -> str:
     return f"{path}: {err['msg'].removeprefix('Value error, ')}"
 
 
+def validated(model: type[BaseModel], body: dict[str, Any], tags: tuple[str, ...] = ()) -> Any:
+    """`model.model_validate(body)`.
+
+    Raises:
+        RequestError: 400 `field.path: message` (`error_text`; `tags` as there).
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestError(400, error_text(exc, tags)) from None
+
+
 # OpenAI chat-completions / completions: the fields mlx-lm's handler and generation thread use
 class _TextPart(StrictModel):
     type: Literal["text"]
@@ -330,10 +342,7 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, 
         del body[name]
     _check_model(body, limits.model_names)
     completion, chat = _schemas(limits)
-    try:
-        (completion if path == "/v1/completions" else chat).model_validate(body)
-    except ValidationError as exc:
-        raise RequestError(400, error_text(exc, PART_TAGS)) from None
+    validated(completion if path == "/v1/completions" else chat, body, PART_TAGS)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]  # as mlx-lm drops an empty `stop`
     if "stream_options" in body:
@@ -354,6 +363,6 @@ def _check_model(body: dict[str, Any], names: tuple[str, ...]) -> None:
         raise RequestError(404, "draft_model: this server has no draft model")
 
 
-__all__ = ["RequestError", "Limits", "StrictModel", "Finite", "error_text", "field_path", "content_length", "parse_body", "check_request", "model_context_length",
+__all__ = ["RequestError", "Limits", "StrictModel", "Finite", "error_text", "field_path", "validated", "content_length", "parse_body", "check_request", "model_context_length",
            "DEFAULT_MAX_BODY_BYTES", "DRAIN_MAX_BYTES", "MAX_JSON_DEPTH", "MAX_PROMPT_TOKENS_CAP",
            "DEFAULT_CONTEXT_TOKENS", "COMPLETION_PATHS"]
