@@ -32,7 +32,7 @@ meanwhile); the tokens it prefilled are in the request's record, `reported_cache
 cached count for the response's usage, and the request's later inserts store nothing.
 
 A request whose final insert never comes (a client gone mid-generation) has its hit released
-after `pending_ttl_s` or beyond `max_pending`, unstored. A key that is not `model_key` (another
+after `PENDING_TTL_S` or beyond `max_pending`, unstored. A key that is not `model_key` (another
 model, adapter or draft model) is served uncached: `(None, prompt)`. No failure of the cache ever
 fails a request: it is logged and the request runs uncached.
 """
@@ -76,7 +76,6 @@ class KVToolPromptCache:
             (`(model_path, adapter_path, draft_model_path)`); other keys are served uncached.
             None accepts every key (one model only!).
         max_pending: waiting hits kept at most (oldest released first).
-        pending_ttl_s: a waiting hit older than this is released.
         on_record: called with each request's `RequestRecord` after its fetch (outside the
             lock; e.g. `kvtool.prom.CacheMetrics.observe`); its exceptions are logged.
         model: the mlx-lm model (`ModelProvider.model`), for kvtool's own prefill of models with
@@ -98,7 +97,7 @@ class KVToolPromptCache:
     reply_off_reason: str | None = None
 
     def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
-                 pending_ttl_s: float = PENDING_TTL_S, on_record: Callable[[RequestRecord], None] | None = None,
+                 on_record: Callable[[RequestRecord], None] | None = None,
                  model: Any = None, prefill_step: int = DEFAULT_STEP):
         self.prefix_cache = prefix_cache
         self.model = model
@@ -106,7 +105,6 @@ class KVToolPromptCache:
         self._reported = ReportedCounts(MAX_REPORTED)  # prompt digest -> true cached counts
         self.model_key = model_key
         self.max_pending = max_pending
-        self.pending_ttl_s = pending_ttl_s
         self.on_record = on_record
         self._lock = threading.RLock()
         self._waiting: OrderedDict[int, Waiting] = OrderedDict()
@@ -430,7 +428,7 @@ class KVToolPromptCache:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        old = [k for k, w in self._waiting.items() if now - w.since > self.pending_ttl_s]
+        old = [k for k, w in self._waiting.items() if now - w.since > PENDING_TTL_S]
         excess = len(self._waiting) - len(old) - (self.max_pending - 1)
         if excess > 0:
             old += [k for k in self._waiting if k not in old][:excess]

@@ -187,10 +187,10 @@ class PrefillSteps:
     in one step).
     """
 
-    def __init__(self, keep: int = RECENT_STEPS):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: weakref.WeakKeyDictionary[Queue, int] = weakref.WeakKeyDictionary()
-        self._recent: deque[list[int]] = deque(maxlen=keep)
+        self._recent: deque[list[int]] = deque(maxlen=RECENT_STEPS)
         self._step = 0  # the loop's step now
         self._current: list[int] = []
         self._current_step = -1
@@ -340,12 +340,11 @@ class RecordingQueue(Queue):
     once the prompt is prefilled or the request ends, and tells `Admission` when its answer ends
     (`Admission.ended`: its client may send the next request)."""
 
-    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None,
-                 admission: Admission | None = None):
+    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots, admission: Admission):
         super().__init__()
         self._steps = steps
         self._alone = alone  # set while the loop serves a request outside the batch
-        self._slots = slots
+        self._slots: PrefillSlots | None = slots  # None once released
         self._admission = admission  # told when the answer ends (its client may come back)
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
@@ -358,7 +357,7 @@ class RecordingQueue(Queue):
                 self._slots.uncached(self, len(item.prompt) - item.prompt_cache_count)
         elif item is None or isinstance(item, (BaseException, Response)):
             self._release()
-            if item is None and self._admission is not None:
+            if item is None:
                 self._admission.ended()
         super().put(item, block, timeout)
 

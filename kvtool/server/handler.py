@@ -379,7 +379,7 @@ PEER_BUSY_RESPONSE = _busy("too many connections from your address, try again")
 class _Slot:
     """One connection's hold on the server's connection semaphore, released at most once."""
 
-    def __init__(self, slots: threading.BoundedSemaphore, on_release: Any = None):
+    def __init__(self, slots: threading.BoundedSemaphore, on_release: Any):
         self._slots = slots
         self._on_release = on_release  # also given back once: the peer's count
         self._lock = threading.Lock()
@@ -391,8 +391,7 @@ class _Slot:
                 return
             self._held = False
         self._slots.release()
-        if self._on_release is not None:
-            self._on_release()
+        self._on_release()
 
 
 class KVToolHTTPServer(ThreadingHTTPServer):

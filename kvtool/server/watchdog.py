@@ -153,14 +153,11 @@ class KVToolResponseGenerator(ResponseGenerator):
     Args:
         model_provider, prompt_cache: as `ResponseGenerator`.
         max_prompt_tokens: longest prompt accepted (tokens, after the chat template).
-        max_restarts, restart_window_s: more than `max_restarts` loop failures within
-            `restart_window_s` seconds stop generation for good (503).
         admission: the handlers' arrivals (`RequestGuard.admission`); None: the loop never waits.
         prefill_token_budget: `PrefillSlots`' token budget (uncached prompt tokens; 0: none).
     """
 
     def __init__(self, model_provider: Any, prompt_cache: Any, *, max_prompt_tokens: int,
-                 max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S,
                  admission: Admission | None = None, prefill_token_budget: int = 0):
         # Set before the base class starts the generation thread.
         self.admission = admission if admission is not None else Admission(window_s=0.0)
@@ -170,8 +167,6 @@ class KVToolResponseGenerator(ResponseGenerator):
         self._alone = threading.Event()  # set while the loop serves a request outside the batch
         self._round_until: float | None = None  # the loop took a request: it may wait until then
         self.max_prompt_tokens = max_prompt_tokens
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
         self.restarts = 0
         self.pretokenized = 0  # prompts the handlers tokenized for this thread (`RequestGuard.pretokenize`)
         self.last_failure: str | None = None
@@ -203,14 +198,14 @@ class KVToolResponseGenerator(ResponseGenerator):
         """Fail the dead loop's requests; False when generation must stop for good."""
         now = time.monotonic()
         self._failures.append(now)
-        while self._failures and now - self._failures[0] > self.restart_window_s:
+        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
             self._failures.popleft()
         self.last_failure = reason
-        give_up = len(self._failures) > self.max_restarts
+        give_up = len(self._failures) > MAX_RESTARTS
         if give_up:
             self._generation_failed = True  # generate() refuses from now on; /health says 503
             log.error("the generation loop failed %d times within %.0f s; generation is stopped (HTTP 503)",
-                      len(self._failures), self.restart_window_s)
+                      len(self._failures), RESTART_WINDOW_S)
         error: Exception = (GenerationUnavailable(f"generation is stopped after repeated failures (last: {reason})")
                             if give_up else
                             GenerationFailed(f"generation failed ({reason}); the request was dropped and the "
