@@ -72,24 +72,14 @@ def preset_rows() -> list[dict]:
     rows = []
     for preset in embedded.PRESETS.values():
         vocab_size = embedded.vocab_size(preset)
-        rows.append(
-            {
-                "name": preset.name,
-                "layers": preset.num_hidden_layers,
-                "hidden": preset.hidden_size,
-                "heads": preset.num_attention_heads,
-                "kv_heads": preset.num_key_value_heads,
-                "head_dim": preset.head_dim,
-                "intermediate": preset.intermediate_size,
-                "vocab": vocab_size,
-                "params": preset.num_params(vocab_size),
-                "kv_bytes_per_token": preset.kv_bytes_per_token(2 if preset.dtype == "bfloat16" else 4),
-                "dtype": preset.dtype,
-                "built": embedded.is_built(preset.name),
-                "path": str(embedded.model_dir(preset.name, build=False)),
-                "description": preset.description,
-            }
-        )
+        rows.append({
+            "name": preset.name, "layers": preset.num_hidden_layers, "hidden": preset.hidden_size,
+            "heads": preset.num_attention_heads, "kv_heads": preset.num_key_value_heads, "head_dim": preset.head_dim,
+            "intermediate": preset.intermediate_size, "vocab": vocab_size, "params": preset.num_params(vocab_size),
+            "kv_bytes_per_token": preset.kv_bytes_per_token(2 if preset.dtype == "bfloat16" else 4),
+            "dtype": preset.dtype, "built": embedded.is_built(preset.name),
+            "path": str(embedded.model_dir(preset.name, build=False)), "description": preset.description,
+        })
     return rows
 
 
@@ -100,17 +90,8 @@ def _table(rows: list[dict]) -> Table:
     for col in ("layers", "hidden", "heads", "kv", "ffn", "params", "KV/token", "built"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(
-            r["name"],
-            str(r["layers"]),
-            str(r["hidden"]),
-            str(r["heads"]),
-            str(r["kv_heads"]),
-            str(r["intermediate"]),
-            f"{r['params'] / 1e6:.1f}M",
-            format_size(r["kv_bytes_per_token"]),
-            "yes" if r["built"] else "no",
-        )
+        table.add_row(r["name"], *(str(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate")),
+                      f"{r['params'] / 1e6:.1f}M", format_size(r["kv_bytes_per_token"]), "yes" if r["built"] else "no")
     return table
 
 
