@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
+from kvtool.cli.common import CLIError, JsonOpt, cli_command, console
 from kvtool.cli.output import Output, print_table
 from kvtool.models import embedded
 from kvtool.units import format_size
@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
 
 
 @model_app.command("path")
+@cli_command
 def path_cmd(name: NameArg = embedded.DEFAULT_PRESET) -> None:
     """Print the model directory of a preset, building it first if missing.
 
@@ -47,12 +48,12 @@ def path_cmd(name: NameArg = embedded.DEFAULT_PRESET) -> None:
 
       kvtool model path tiny
     """
-    with cli_errors():
-        _check_preset(name)
-        typer.echo(str(embedded.model_dir(name)))
+    _check_preset(name)
+    typer.echo(str(embedded.model_dir(name)))
 
 
 @model_app.command("list")
+@cli_command
 def list_cmd(json_out: JsonOpt = False) -> None:
     """List the presets with their shape and whether they are built.
 
@@ -62,9 +63,8 @@ def list_cmd(json_out: JsonOpt = False) -> None:
 
       kvtool model list --json
     """
-    with cli_errors():
-        rows = preset_rows()
-        Output.from_flags(json_out).emit({"models": rows}, lambda: print_table(console, _table(rows)))
+    rows = preset_rows()
+    Output.from_flags(json_out).emit({"models": rows}, lambda: print_table(console, _table(rows)))
 
 
 def preset_rows() -> list[dict]:

@@ -2,7 +2,7 @@
 cache options as one `CacheFlags`), the config they build, the engine, prompts and signals.
 
 Errors are one `error:` line each (`kvtool.cli.errors`, re-exported here: `common.CLIError`,
-`common.cli_errors`, ...).
+`common.cli_command`, ...).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvtool.cli.errors import (  # noqa: F401  (re-exported: every command uses 
     EXIT_OK,
     CLIError,
     KVToolGroup,
-    cli_errors,
+    cli_command,
     describe_error,
     print_error,
 )
@@ -330,23 +330,6 @@ def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., A
     """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
     (fields of `CacheFlags`, shown in that order)."""
     return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
-
-
-def cli_command(fn: Callable[..., int | None]) -> Callable[..., None]:
-    """Decorate a command's body: known errors become one `error:` line (`cli_errors`), a SIGINT /
-    SIGTERM the body let through as `Interrupted` (under its own `signals_raise`, before any work
-    to drain) exits 128 + n, and the int the body returns is the exit code (None: 0)."""
-
-    @functools.wraps(fn)
-    def command(*args: Any, **kwargs: Any) -> None:
-        try:
-            with cli_errors():
-                code = fn(*args, **kwargs)
-        except Interrupted as exc:
-            code = 128 + exc.signum
-        raise typer.Exit(code or EXIT_OK)
-
-    return command
 
 
 def refuse_options(given: dict[str, Any], why: str) -> None:
