@@ -285,7 +285,6 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
 
 
 def status_of(finish_reason: str | None) -> str:
-    """`incomplete` when generation stopped at `max_tokens` (`length`), else `completed`."""
     return "incomplete" if finish_reason == "length" else "completed"
 
 
