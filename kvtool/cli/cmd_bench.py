@@ -87,22 +87,22 @@ def bench(
     return common.EXIT_OK if ok else common.EXIT_PROBLEMS
 
 
+@common.cli_command
 def report(
     run_dir: Annotated[Path, typer.Argument(help="A bench run directory (holding cells.csv, requests.csv, run.json).")],
     json_out: common.JsonOpt = False,
 ) -> None:
-    output = Output.from_flags(json_out)
-    with common.cli_errors():
-        from kvtool.bench.loadreport import is_serve_load_run, write_load_report
-        from kvtool.bench.report import load_run, write_report
+    from kvtool.bench.loadreport import is_serve_load_run, write_load_report
+    from kvtool.bench.report import load_run, write_report
 
-        if is_serve_load_run(run_dir):  # a `[serve_load]` run: its own report
-            load = write_load_report(run_dir)
-            output.emit(lambda: {"run_dir": str(run_dir), "ok": load.ok, "files": [str(p) for p in load.files],
-                                 "comparison": load.summary_records()}, lambda: _print_lines(load.summary_lines()))
-            return
-        written = write_report(run_dir)  # a missing, empty or malformed run raises ReportError
-        cells, _, _ = load_run(run_dir)
+    output = Output.from_flags(json_out)
+    if is_serve_load_run(run_dir):  # a `[serve_load]` run: its own report
+        load = write_load_report(run_dir)
+        output.emit(lambda: {"run_dir": str(run_dir), "ok": load.ok, "files": [str(p) for p in load.files],
+                             "comparison": load.summary_records()}, lambda: _print_lines(load.summary_lines()))
+        return
+    written = write_report(run_dir)  # a missing, empty or malformed run raises ReportError
+    cells, _, _ = load_run(run_dir)
     output.emit(lambda: {**_summary(run_dir, cells, _all_ok(cells)),
                          "files": [str(p) for p in [written.markdown, *written.charts]]},
                 lambda: _print_human(run_dir, cells, _all_ok(cells)))

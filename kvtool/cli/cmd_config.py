@@ -43,6 +43,7 @@ def register(app: typer.Typer) -> None:
 @config_app.command("show")
 @common.cache_options("config", "cache_dir", "policy", "durability", "async_writes", "block_size", "ram_bytes", "no_ssd",
                       "codec")
+@common.cli_command
 def show_cmd(cache: common.CacheFlags = common.CACHE, json_out: common.JsonOpt = False) -> None:
     """Print the effective settings and where each value came from: a flag, an environment
     variable (KVTOOL_<FIELD>, e.g. KVTOOL_BLOCK_SIZE; KVTOOL_CACHE_DIR for ssd_cache_dir), the
@@ -65,10 +66,9 @@ def show_cmd(cache: common.CacheFlags = common.CACHE, json_out: common.JsonOpt =
     """
     common.setup_logging()  # a deprecated field's warning goes to stderr as every command's
     out = Output.from_flags(json_out)
-    with common.cli_errors():
-        settings = cache.settings()
-        doc = settings_document(settings)
-        out.emit(doc, lambda: _print_human(out, settings, doc))
+    settings = cache.settings()
+    doc = settings_document(settings)
+    out.emit(doc, lambda: _print_human(out, settings, doc))
 
 
 def settings_document(settings: Any) -> dict[str, Any]:

@@ -133,6 +133,7 @@ def prompt_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., 
 
 @target_options
 @prompt_options()
+@common.cli_command
 def inspect_cmd(
     cache_dir: common.CacheDirOpt = None,
     namespace: common.NamespaceOpt = None,
@@ -144,31 +145,29 @@ def inspect_cmd(
     source: PromptSource = PROMPT,
     block_size: common.BlockSizeOpt = None,
     target: Target = TARGET,
-) -> None:
+) -> int:
+    from kvtool.ops.inspect_cache import InspectSort, inspect_cache
+
     out = Output.from_flags(json_out, quiet)
-    with common.cli_errors():
-        from kvtool.ops.inspect_cache import InspectSort, inspect_cache
-
-        if target.server is not None:
-            common.refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
-                                   **source.flags(), "--block-size": block_size,
-                                   "--prefill-step-size": source.prefill_step_size}, "with --remote")  # fmt: skip
-            raise typer.Exit(inspect_remote(out, target.server, namespace))
-
-        cfg = target.cache_config(cache_dir, block_size=block_size)
-        if source.given:
-            if namespace is not None:
-                raise common.CLIError("--namespace does not apply to a prompt check (the model picks it)")
-            if sort is not None or filter_text is not None or limit is not None:
-                raise common.CLIError("--sort, --filter and --limit only apply to the cache listing, not to a prompt check")
-            raise typer.Exit(_probe(cfg, source, out))
-        if block_size is not None or source.model_given:
-            raise common.CLIError("--model, --block-size and the model options only apply with --prompt, --prompt-file or --messages")
-        report = inspect_cache(cfg.ssd_cache_dir, namespace).select(sort or InspectSort.NAME, filter_text, limit)
-        out.emit(report.to_dict, lambda: _print_report(report, out, details=namespace is not None))
-        if out.quiet:
-            _print_problems(report, out)
-    raise typer.Exit(common.EXIT_PROBLEMS if report.problems else common.EXIT_OK)
+    if target.server is not None:
+        common.refuse_options({"--cache-dir": cache_dir, "--sort": sort, "--filter": filter_text, "--limit": limit,
+                               **source.flags(), "--block-size": block_size,
+                               "--prefill-step-size": source.prefill_step_size}, "with --remote")  # fmt: skip
+        return inspect_remote(out, target.server, namespace)
+    cfg = target.cache_config(cache_dir, block_size=block_size)
+    if source.given:
+        if namespace is not None:
+            raise common.CLIError("--namespace does not apply to a prompt check (the model picks it)")
+        if sort is not None or filter_text is not None or limit is not None:
+            raise common.CLIError("--sort, --filter and --limit only apply to the cache listing, not to a prompt check")
+        return _probe(cfg, source, out)
+    if block_size is not None or source.model_given:
+        raise common.CLIError("--model, --block-size and the model options only apply with --prompt, --prompt-file or --messages")
+    report = inspect_cache(cfg.ssd_cache_dir, namespace).select(sort or InspectSort.NAME, filter_text, limit)
+    out.emit(report.to_dict, lambda: _print_report(report, out, details=namespace is not None))
+    if out.quiet:
+        _print_problems(report, out)
+    return common.EXIT_PROBLEMS if report.problems else common.EXIT_OK
 
 
 @contextmanager

@@ -166,6 +166,7 @@ def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:
 @common.cache_options("config", "cache_dir", "durability", "async_writes", "block_size")
 @common.model_options("adapter_path", "prefill_step_size")
 @prompt_options
+@common.cli_command
 def import_cmd(
     file: Annotated[Path, typer.Argument(help="The .safetensors file written by mlx_lm.cache_prompt / save_prompt_cache.", show_default=False)],
     source: PromptTokens = PROMPT,
@@ -178,31 +179,30 @@ def import_cmd(
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     verbose: common.VerboseOpt = False,
-) -> None:
+) -> int:
+    from kvtool.jobs.interop import import_cache_file
+    from kvtool.jobs.interop_files import file_quantization, load_cache_file
+
     common.setup_logging(verbose)
-    with common.cli_errors():
-        from kvtool.jobs.interop import import_cache_file
-        from kvtool.jobs.interop_files import file_quantization, load_cache_file
+    loaded = load_cache_file(file)  # fail fast (before the model loads: a damaged export makes no namespace)
+    quant = file_quantization(loaded[0])
+    if quant is not None and kv_bits is not None and kv_bits != quant[0]:
+        raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
+    bits = quant[0] if quant else kv_bits
+    flags = dataclasses.replace(model_flags, kv_bits=bits, kv_group_size=quant[1] if quant else 64)
 
-        loaded = load_cache_file(file)  # fail fast (before the model loads: a damaged export makes no namespace)
-        quant = file_quantization(loaded[0])
-        if quant is not None and kv_bits is not None and kv_bits != quant[0]:
-            raise common.CLIError(f"--kv-bits {kv_bits}: the file's KV is quantized to {quant[0]} bits")
-        bits = quant[0] if quant else kv_bits
-        flags = dataclasses.replace(model_flags, kv_bits=bits, kv_group_size=quant[1] if quant else 64)
+    def work(engine: Engine):
+        ids, origin = source.tokens(engine, required=False)
+        return import_cache_file(engine, file, ids, model_spec=source.model,
+                                 adapter_path=str(flags.adapter_path) if flags.adapter_path else None,
+                                 require_model_match=not skip_model_check, check_tokens=check_tokens,
+                                 check_positions=check_positions, token_source=origin, preloaded=loaded)
 
-        def work(engine: Engine):
-            ids, origin = source.tokens(engine, required=False)
-            return import_cache_file(engine, file, ids, model_spec=source.model,
-                                     adapter_path=str(flags.adapter_path) if flags.adapter_path else None,
-                                     require_model_match=not skip_model_check, check_tokens=check_tokens,
-                                     check_positions=check_positions, token_source=origin, preloaded=loaded)
-
-        report, interrupted, status = _run_job(source.model, cache.build(), flags, quantized_kv_start, work)
+    report, interrupted, status = _run_job(source.model, cache.build(), flags, quantized_kv_start, work)
     ok = report is not None and report.verified and report.blocks_failed == 0 and status.shutdown_clean
     if report is not None:
         _print_import(report, status, json_out, explain=not ok and interrupted is None)
-    raise typer.Exit(_exit_code(interrupted, ok))
+    return _exit_code(interrupted, ok)
 
 
 def _print_import(report, status, json_out: bool, explain: bool) -> None:
@@ -236,6 +236,7 @@ def _print_import(report, status, json_out: bool, explain: bool) -> None:
 @common.cache_options("config", "cache_dir", "block_size")
 @common.model_options("adapter_path", "prefill_step_size", "kv_bits", "kv_group_size")
 @prompt_options
+@common.cli_command
 def export_cmd(
     out: Annotated[Path, typer.Argument(help="The .safetensors file to write (replaced atomically).", show_default=False)],
     source: PromptTokens = PROMPT,
@@ -246,29 +247,28 @@ def export_cmd(
     cache: common.CacheFlags = common.CACHE,
     json_out: common.JsonOpt = False,
     verbose: common.VerboseOpt = False,
-) -> None:
+) -> int:
+    from kvtool.jobs.interop_export import export_cache_file
+    from kvtool.jobs.interop_files import SUFFIX, metadata_model_for
+
     common.setup_logging(verbose)
-    with common.cli_errors():
-        from kvtool.jobs.interop_export import export_cache_file
-        from kvtool.jobs.interop_files import SUFFIX, metadata_model_for
+    if out.suffix != SUFFIX:
+        raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
 
-        if out.suffix != SUFFIX:
-            raise common.CLIError(f"{out}: the output must be named *{SUFFIX} (mlx-lm's loader picks the format by the suffix)")
+    def work(engine: Engine):
+        ids, _ = source.tokens(engine, required=True)
+        assert ids is not None  # required: given, or CLIError
+        return export_cache_file(engine, ids, out, fill=fill,
+                                 metadata_model=metadata_model or metadata_model_for(source.model, engine.loaded))
 
-        def work(engine: Engine):
-            ids, _ = source.tokens(engine, required=True)
-            assert ids is not None  # required: given, or CLIError
-            return export_cache_file(engine, ids, out, fill=fill,
-                                     metadata_model=metadata_model or metadata_model_for(source.model, engine.loaded))
-
-        report, interrupted, _ = _run_job(source.model, cache.build(), model_flags, quantized_kv_start, work)
+    report, interrupted, _ = _run_job(source.model, cache.build(), model_flags, quantized_kv_start, work)
     if report is not None:
         output = Output.from_flags(json_out)
         output.emit(report.to_dict, lambda: output.print(
             f"wrote {escape(str(report.out))}: {report.prompt_tokens} tokens ({', '.join(report.cache_types)}, "
             f"{format_bytes(report.bytes)}) | from the tiers {report.cached_tokens} ("
             f"{format_hits(report.ram_hit_tokens, report.ssd_hit_tokens, report.remote_hit_tokens)}), computed {report.computed_tokens} | metadata model {escape(str(report.metadata_model))}"))
-    raise typer.Exit(_exit_code(interrupted, report is not None))
+    return _exit_code(interrupted, report is not None)
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from kvtool.cli.common import CLIError, JsonOpt, cli_errors, console
+from kvtool.cli.common import CLIError, JsonOpt, cli_command, console
 from kvtool.cli.output import Output, print_table
 from kvtool.models import embedded
 from kvtool.units import format_size
@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
 
 
 @model_app.command("path")
+@cli_command
 def path_cmd(name: NameArg = embedded.DEFAULT_PRESET) -> None:
     """Print the model directory of a preset, building it first if missing.
 
@@ -47,12 +48,12 @@ def path_cmd(name: NameArg = embedded.DEFAULT_PRESET) -> None:
 
       kvtool model path tiny
     """
-    with cli_errors():
-        _check_preset(name)
-        typer.echo(str(embedded.model_dir(name)))
+    _check_preset(name)
+    typer.echo(str(embedded.model_dir(name)))
 
 
 @model_app.command("list")
+@cli_command
 def list_cmd(json_out: JsonOpt = False) -> None:
     """List the presets with their shape and whether they are built.
 
@@ -62,9 +63,8 @@ def list_cmd(json_out: JsonOpt = False) -> None:
 
       kvtool model list --json
     """
-    with cli_errors():
-        rows = preset_rows()
-        Output.from_flags(json_out).emit({"models": rows}, lambda: print_table(console, _table(rows)))
+    rows = preset_rows()
+    Output.from_flags(json_out).emit({"models": rows}, lambda: print_table(console, _table(rows)))
 
 
 def preset_rows() -> list[dict]:
@@ -72,24 +72,14 @@ def preset_rows() -> list[dict]:
     rows = []
     for preset in embedded.PRESETS.values():
         vocab_size = embedded.vocab_size(preset)
-        rows.append(
-            {
-                "name": preset.name,
-                "layers": preset.num_hidden_layers,
-                "hidden": preset.hidden_size,
-                "heads": preset.num_attention_heads,
-                "kv_heads": preset.num_key_value_heads,
-                "head_dim": preset.head_dim,
-                "intermediate": preset.intermediate_size,
-                "vocab": vocab_size,
-                "params": preset.num_params(vocab_size),
-                "kv_bytes_per_token": preset.kv_bytes_per_token(2 if preset.dtype == "bfloat16" else 4),
-                "dtype": preset.dtype,
-                "built": embedded.is_built(preset.name),
-                "path": str(embedded.model_dir(preset.name, build=False)),
-                "description": preset.description,
-            }
-        )
+        rows.append({
+            "name": preset.name, "layers": preset.num_hidden_layers, "hidden": preset.hidden_size,
+            "heads": preset.num_attention_heads, "kv_heads": preset.num_key_value_heads, "head_dim": preset.head_dim,
+            "intermediate": preset.intermediate_size, "vocab": vocab_size, "params": preset.num_params(vocab_size),
+            "kv_bytes_per_token": preset.kv_bytes_per_token(2 if preset.dtype == "bfloat16" else 4),
+            "dtype": preset.dtype, "built": embedded.is_built(preset.name),
+            "path": str(embedded.model_dir(preset.name, build=False)), "description": preset.description,
+        })
     return rows
 
 
@@ -100,17 +90,8 @@ def _table(rows: list[dict]) -> Table:
     for col in ("layers", "hidden", "heads", "kv", "ffn", "params", "KV/token", "built"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(
-            r["name"],
-            str(r["layers"]),
-            str(r["hidden"]),
-            str(r["heads"]),
-            str(r["kv_heads"]),
-            str(r["intermediate"]),
-            f"{r['params'] / 1e6:.1f}M",
-            format_size(r["kv_bytes_per_token"]),
-            "yes" if r["built"] else "no",
-        )
+        table.add_row(r["name"], *(str(r[k]) for k in ("layers", "hidden", "heads", "kv_heads", "intermediate")),
+                      f"{r['params'] / 1e6:.1f}M", format_size(r["kv_bytes_per_token"]), "yes" if r["built"] else "no")
     return table
 
 

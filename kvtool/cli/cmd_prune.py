@@ -55,6 +55,7 @@ AllOpt = Annotated[bool, typer.Option("--all", help="One budget and one LRU orde
 
 @target_options
 @removal_options()
+@common.cli_command
 def prune_cmd(
     ttl: TtlOpt = None,
     max_bytes: MaxBytesOpt = None,
@@ -63,26 +64,34 @@ def prune_cmd(
     removal: Removal = REMOVAL,
     cache_dir: common.CacheDirOpt = None,
     target: Target = TARGET,
-) -> None:
-    with common.cli_errors():
-        from kvtool.ops.prune import check_limits, execute_prune, plan_prune
-        from kvtool.ops.scan import scan_cache
+) -> int:
+    from kvtool.ops.prune import check_limits, execute_prune, plan_prune
+    from kvtool.ops.scan import scan_cache
 
-        ttl_s, budget = _parse_limits(ttl, max_bytes)
-        if target.server is not None:
-            raise typer.Exit(_prune_remote(target, cache_dir, ttl, ttl_s, budget, namespace, all_namespaces, removal))
-        cfg = target.cache_config(cache_dir)
-        if ttl is None:
-            ttl_s = cfg.ttl_s
-        check_limits(ttl_s, budget, namespace, all_namespaces)
-        root = cfg.ssd_cache_dir
-        removal.preflight(root, "prune", "add --yes (e.g. in cron)")
-        # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
-        with removal.maintenance_lock(root), progress("kvtool prune", bar=False, lines=not removal.out.quiet) as bar:
-            task = bar.add_task("scanning the cache", total=None) if bar is not None else None
-            plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)
-            code = _confirm_and_execute(plan, removal, _reporting(execute_prune, bar, task))
-    raise typer.Exit(code)
+    ttl_s, budget = _parse_limits(ttl, max_bytes)
+    if target.server is not None:
+        return _prune_remote(target, cache_dir, ttl, ttl_s, budget, namespace, all_namespaces, removal)
+    cfg = target.cache_config(cache_dir)
+    if ttl is None:
+        ttl_s = cfg.ttl_s
+    check_limits(ttl_s, budget, namespace, all_namespaces)
+    root = cfg.ssd_cache_dir
+    removal.preflight(root, "prune", "add --yes (e.g. in cron)")
+    # a dry run only reads; without a terminal a progress line at most every 10 s (kvtool.progress)
+    with removal.maintenance_lock(root), progress("kvtool prune", bar=False, lines=not removal.out.quiet) as bar:
+        task = bar.add_task("scanning the cache", total=None) if bar is not None else None
+        plan = plan_prune(scan_cache(root, namespace, full=False), ttl_s, budget, all_namespaces)
+
+        def execute(plan):  # named in the progress line first
+            if bar is not None and task is not None:
+                bar.update(task, description=f"removing {plan.total('prune_segments')} segment file(s)")
+            return execute_prune(plan)
+
+        return confirm_and_execute(
+            plan, removal, execute=execute, print_plan=_print_plan, print_result=_print_result, nothing="nothing to prune",
+            question=lambda: (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} "
+                              f"segment file(s), {format_bytes(plan.total('prune_bytes'))}?"),
+        )  # fmt: skip
 
 
 def _prune_remote(target: Target, cache_dir, ttl: str | None, ttl_s: float | None,
@@ -104,24 +113,6 @@ def _parse_limits(ttl: str | None, max_bytes: str | None) -> tuple[float | None,
     no_ttl = ttl is not None and ttl.strip().lower() in NO_TTL
     return (common.parse_flag(None if no_ttl else ttl, parse_duration, "--ttl"),
             common.parse_flag(max_bytes, parse_size, "--max-bytes"))
-
-
-def _reporting(execute, bar, task):
-    """`execute`, naming the removal in the progress line first (when there is one)."""
-    def run(plan):
-        if bar is not None:
-            bar.update(task, description=f"removing {plan.total('prune_segments')} segment file(s)")
-        return execute(plan)
-
-    return run
-
-
-def _confirm_and_execute(plan, removal: Removal, execute) -> int:
-    return confirm_and_execute(
-        plan, removal, execute=execute, print_plan=_print_plan, print_result=_print_result, nothing="nothing to prune",
-        question=lambda: (f"Remove {plan.total('prune_blocks')} block(s) in {plan.total('prune_segments')} "
-                          f"segment file(s), {format_bytes(plan.total('prune_bytes'))}?"),
-    )  # fmt: skip
 
 
 def _print_plan(plan, out) -> None:

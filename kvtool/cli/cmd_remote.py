@@ -1,10 +1,8 @@
 """`kvtool remote inspect|validate|rm|prune|push`: the remote tier's store (Redis / Valkey) for operators.
 
-Every sub-command takes the server from `--remote-url` (the name every command uses; `--url`
-stays a hidden alias), else the config's `remote_url` (`--config`),
-else `$KVTOOL_REMOTE_URL`; the password from the URL or `$KVTOOL_REMOTE_PASSWORD`. The URL is
-shown with its password masked, everywhere. Bad URLs, unreachable hosts, wrong passwords and TLS
-failures end the command with one `error:` line (exit 2). The work is `kvtool.ops.remote_ops`.
+The server comes from `--remote-url` (`--url` is a hidden alias), else the config's `remote_url`,
+else `$KVTOOL_REMOTE_URL` (`Server.resolve`); its URL is shown with the password masked. The work
+is `kvtool.ops.remote_ops`.
 
 The same operations back `kvtool inspect|validate|prune|rm --remote` (`Server`, `inspect_remote`,
 `validate_remote`, `rm_remote`, `prune_remote`): one connection, confirmation and output path for both.

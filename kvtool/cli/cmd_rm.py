@@ -67,7 +67,7 @@ def rm_cmd(
     cache_dir: common.CacheDirOpt = None,
     target: Target = TARGET,
 ) -> int:
-    from kvtool.ops.remove import check_prefix, plan_namespace_removal, scan_for_removal
+    from kvtool.ops.remove import check_prefix, execute_removal, plan_namespace_removal, scan_for_removal
 
     by_prompt = source.given
     if by_prompt == (namespace is not None):
@@ -92,7 +92,9 @@ def rm_cmd(
     make_plan = _prompt_planner(cfg, source, block_size) if by_prompt else None  # loads the model: before the lock
     with removal.maintenance_lock(root):  # a dry run only reads
         plan = make_plan() if make_plan else plan_namespace_removal(scan_for_removal(root, namespace or ""))
-        return _confirm_and_execute(plan, removal)
+        return confirm_and_execute(plan, removal, question=lambda: _question(plan),
+                                   execute=execute_removal, print_plan=_print_plan, print_result=_print_result,
+                                   nothing="nothing to remove", print_problems=_print_problems)  # fmt: skip
 
 
 def _prompt_keys(cfg, source) -> tuple[Callable, int]:
@@ -132,14 +134,6 @@ def _prompt_planner(cfg, source, block_size: int | None) -> Callable:
         return plan_prompt_removal(scan, keys_for, sizes, model=source.spec, prompt_tokens=prompt_tokens)
 
     return plan
-
-
-def _confirm_and_execute(plan, removal: Removal) -> int:
-    from kvtool.ops.remove import execute_removal
-
-    return confirm_and_execute(plan, removal, question=lambda: _question(plan),
-                               execute=execute_removal, print_plan=_print_plan, print_result=_print_result,
-                               nothing="nothing to remove", print_problems=_print_problems)  # fmt: skip
 
 
 def _question(plan) -> str:

@@ -256,9 +256,8 @@ def check_tokens(limits: Any, what: str = "the prompt", *, prompt_tokens: int | 
 def _encode_within_limits(engine: Engine, reqs, flags: common.ModelFlags, max_tokens: int,
                           max_prompt_tokens: int | None) -> list:
     """Every request's token ids (the chat template unless `flags.ignore_chat_template`, with
-    `flags.system_prompt`), each checked, before any prefill, against the limits `kvtool
-    serve` applies (`check_tokens`): `max_tokens` (the flag's, and a request's own) at
-    most the model's context length, the prompt at most `--max-prompt-tokens` tokens.
+    `flags.system_prompt`), each checked by `check_tokens` (the flag's and the request's own
+    `max_tokens`, the prompt's length) before any prefill.
 
     Raises:
         CLIError: a request cannot be encoded, or is over a limit.

@@ -298,12 +298,10 @@ def serve_http(
         cfg = make_config()
         server = _start(model, cfg, host, port, model_flags.adapter_path, max_tokens=max_tokens, temp=temp,
                         top_p=top_p, prefill_step_size=model_flags.prefill_step_size,
-                        decode_concurrency=decode_concurrency,
-                        prompt_concurrency=prompt_concurrency, prefill_token_budget=prefill_token_budget,
-                        log_level=level,
-                        max_prompt_tokens=max_prompt_tokens, max_body_bytes=body_limit,
-                        head_timeout_s=head_timeout_s, max_connections_per_peer=listener.max_connections_per_peer,
-                        api_key=listener.api_key, **extra)
+                        decode_concurrency=decode_concurrency, prompt_concurrency=prompt_concurrency,
+                        prefill_token_budget=prefill_token_budget, log_level=level, max_prompt_tokens=max_prompt_tokens,
+                        max_body_bytes=body_limit, head_timeout_s=head_timeout_s,
+                        max_connections_per_peer=listener.max_connections_per_peer, api_key=listener.api_key, **extra)
         return _run(server, make_config)
 
 

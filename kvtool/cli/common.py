@@ -2,7 +2,7 @@
 cache options as one `CacheFlags`), the config they build, the engine, prompts and signals.
 
 Errors are one `error:` line each (`kvtool.cli.errors`, re-exported here: `common.CLIError`,
-`common.cli_errors`, ...).
+`common.cli_command`, ...).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvtool.cli.errors import (  # noqa: F401  (re-exported: every command uses 
     EXIT_OK,
     CLIError,
     KVToolGroup,
-    cli_errors,
+    cli_command,
     describe_error,
     print_error,
 )
@@ -106,8 +106,7 @@ OptionalPrefillStepOpt = Annotated[int | None, _PREFILL_STEP]  # None: the comma
 
 
 def finite_number(value: float | None) -> float | None:
-    """Typer callback: refuse NaN and infinities (a float option's `min`/`max` let `inf` and
-    `nan` through, and HTTP requests refuse them: `kvtool.server.validation`).
+    """Typer callback: refuse NaN and infinities (a float option's `min`/`max` let them through).
 
     Raises:
         typer.BadParameter: `value` is not finite (one `error:` line, exit 2).
@@ -214,10 +213,6 @@ class CacheFlags:
         from): flags > `KVTOOL_<FIELD>` environment variables > the config file (`--config`, else
         `$KVTOOL_CONFIG`, else `$XDG_CONFIG_HOME/kvtool/config.toml` if it exists) > defaults.
 
-        Sizes, durations and choices follow the same rules in every layer (`kvtool.config`);
-        `--ram-bytes` errors name the flag, environment errors their variable; `kvtool config
-        show` names the flag that set each field (`kvtool.config.settings.Origin`).
-
         Raises:
             CLIError: bad `--ram-bytes` size string. ConfigError: invalid value in any layer, a
                 config file that is missing (`--config`, `$KVTOOL_CONFIG`) or unreadable.
@@ -237,11 +232,7 @@ class CacheFlags:
         return settings
 
     def build(self) -> Any:
-        """The validated `KVToolConfig` of `settings()`.
-
-        Raises:
-            CLIError, ConfigError: as `settings`.
-        """
+        """The validated `KVToolConfig` of `settings()` (raises as `settings`)."""
         return self.settings().config
 
 
@@ -318,11 +309,7 @@ class ModelFlags:
     kv_group_size: KVGroupSizeOpt = 64
 
     def load(self, model: str, config: Any, **engine_options: Any) -> Any:
-        """`load_engine` with these flags (`engine_options`: more `Engine` arguments).
-
-        Raises:
-            CLIError: as `load_engine`.
-        """
+        """`load_engine` with these flags (`engine_options`: more `Engine` arguments)."""
         return load_engine(model, config, adapter_path=self.adapter_path, max_kv_size=self.max_kv_size,
                            prefill_step_size=self.prefill_step_size, kv_bits=self.kv_bits,
                            kv_group_size=self.kv_group_size, **engine_options)
@@ -343,23 +330,6 @@ def cache_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., A
     """Decorate a command whose parameter `cache: CacheFlags` stands for the cache options `names`
     (fields of `CacheFlags`, shown in that order)."""
     return option_group("cache", CACHE_OPTIONS, CacheFlags, names)
-
-
-def cli_command(fn: Callable[..., int | None]) -> Callable[..., None]:
-    """Decorate a command's body: known errors become one `error:` line (`cli_errors`), a SIGINT /
-    SIGTERM the body let through as `Interrupted` (under its own `signals_raise`, before any work
-    to drain) exits 128 + n, and the int the body returns is the exit code (None: 0)."""
-
-    @functools.wraps(fn)
-    def command(*args: Any, **kwargs: Any) -> None:
-        try:
-            with cli_errors():
-                code = fn(*args, **kwargs)
-        except Interrupted as exc:
-            code = 128 + exc.signum
-        raise typer.Exit(code or EXIT_OK)
-
-    return command
 
 
 def refuse_options(given: dict[str, Any], why: str) -> None:
@@ -385,9 +355,8 @@ def parse_flag(value: str | None, parse: Callable[[str], Any], flag: str) -> Any
 
 def cache_root(path: Path) -> Path:
     """The cache directory every command uses and reports: a symlink on its path followed once,
-    here (`kvtool.disk.fsops.resolve_cache_root`); nothing inside the cache is followed. A path
-    that cannot be looked at for another reason (no permission, a component that is a file) is
-    kept as given: the command reports it.
+    here (`kvtool.disk.fsops.resolve_cache_root`). A path that cannot be looked at for another
+    reason (no permission, a component that is a file) is kept as given: the command reports it.
 
     Raises:
         CLIError: a name too long for the file system (the whole path, or one component).
@@ -430,14 +399,12 @@ def load_engine(
     kv_group_size: int = 64,
     **engine_options: Any,
 ):
-    """Load a model and build an `Engine` (`engine_options`: more `Engine.from_spec` arguments),
-    mapping load failures to `CLIError`.
+    """Load a model and build an `Engine` (`engine_options`: more `Engine.from_spec` arguments).
 
     Raises:
         CLIError: the model does not load, `kv_bits` / `kv_group_size` do not quantize the model's
-            KV head dims (`kv_quantization_problem`, checked before the cache opens), or
-            `max_kv_size` is given (a rotating KV cache, which kvtool cannot store exactly yet:
-            refused up front rather than run uncached).
+            KV head dims (checked before the cache opens), or `max_kv_size` is given
+            (`refuse_max_kv_size`).
     """
     from kvtool.engine import DEFAULT_PREFILL_STEP, Engine
     from kvtool.models.loader import ModelLoadError, kv_quantization_problem, load_model

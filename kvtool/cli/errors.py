@@ -1,17 +1,17 @@
 """One clean line per known error: `error: message; hint` on stderr and the error's exit code.
 
 A known error (a `KVToolError`, or one of the few types in `ERROR_MESSAGES`) becomes one line,
-whether a command catches it (`cli_errors`) or it escapes to the root group (`KVToolGroup`), which
+whether a command catches it (`cli_command`) or it escapes to the root group (`KVToolGroup`), which
 also turns Click/Typer usage errors (unknown option, missing argument, bad value) into one line
 with exit 2. Anything else keeps its traceback.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -19,6 +19,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from kvtool.cli.output import err_console
+from kvtool.cli.signals import Interrupted
 from kvtool.errors import EXIT_USAGE, KVToolError
 
 EXIT_OK = 0
@@ -86,17 +87,34 @@ def describe_error(exc: BaseException) -> tuple[str, int, str | None] | None:
     return None
 
 
-@contextmanager
-def cli_errors() -> Iterator[None]:
-    """Turn known exceptions into one clean `error: ...` line and a non-zero exit (no traceback)."""
-    try:
-        yield
-    except Exception as exc:
-        known = describe_error(exc)
-        if known is None:
-            raise
-        print_error(known[0], known[2])
-        raise typer.Exit(known[1]) from None
+def report_known(exc: BaseException) -> int | None:
+    """Print a known error (`describe_error`) as one `error:` line and return its exit code; None,
+    and nothing printed, for anything else."""
+    known = describe_error(exc)
+    if known is None:
+        return None
+    print_error(known[0], known[2])
+    return known[1]
+
+
+def cli_command(fn: Callable[..., int | None]) -> Callable[..., None]:
+    """Decorate a command's body: known errors become one `error:` line (`report_known`), a SIGINT /
+    SIGTERM the body let through as `Interrupted` (under its own `signals_raise`, before any work
+    to drain) exits 128 + n, and the int the body returns is the exit code (None: 0)."""
+
+    @functools.wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> None:
+        try:
+            code = fn(*args, **kwargs)
+        except Interrupted as exc:
+            code = 128 + exc.signum
+        except Exception as exc:
+            code = report_known(exc)
+            if code is None:
+                raise
+        raise typer.Exit(code or EXIT_OK)
+
+    return command
 
 
 def print_error(message: str, hint: str | None = None) -> None:
@@ -150,10 +168,9 @@ def _run_reporting_errors(run: Callable[[], Any]) -> int:
         print_error(message[:1].lower() + message[1:], f"see '{ctx.command_path} --help'" if ctx is not None else None)
         return EXIT_USAGE
     except Exception as exc:
-        known = describe_error(exc)
-        if known is None:
+        code = report_known(exc)
+        if code is None:
             raise
-        print_error(known[0], known[2])
-        return known[1]
+        return code
     # Non-standalone Click returns the code of a `typer.Exit`, or the command's return value.
     return rv if isinstance(rv, int) and not isinstance(rv, bool) else EXIT_OK

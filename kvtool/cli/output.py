@@ -79,18 +79,11 @@ def print_table(console: Console, table: Any) -> None:
 
 
 class Output:
-    """The output sink of one command run.
+    """The output sink of one command run (see the module docstring).
 
     Args:
         mode: human, json or quiet (`Output.from_flags` maps `--json` / `--quiet`).
-        console: stdout console (default: this module's `console`, also `kvtool.cli.common.console`).
-        err_console: stderr console (default: this module's `err_console`).
-
-    Attributes:
-        human: rich text and tables for a person.
-        json: one JSON document on stdout, nothing else there.
-        quiet: `--quiet`: nothing on stderr but problems, and nothing on stdout but the JSON
-            document when `--json` is given too (`from_flags`).
+        console, err_console: stdout and stderr consoles (default: this module's).
     """
 
     def __init__(self, mode: OutputMode = OutputMode.HUMAN, *, console: Console | None = None,

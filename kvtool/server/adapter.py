@@ -1,68 +1,40 @@
 """`KVToolPromptCache`: mlx-lm's server prompt-cache protocol on a kvtool `PrefixCache`.
 
-`mlx_lm.server.ResponseGenerator(model_provider, prompt_cache)` (mlx-lm 0.32.2) uses its prompt
-cache through these calls, all from its one generation thread:
+`mlx_lm.server.ResponseGenerator(model_provider, prompt_cache)` (mlx-lm 0.32.2) makes these
+calls, all from its one generation thread:
 
 - `fetch_nearest_cache(model_key, prompt) -> (cache | None, rest)`: before a request. `cache` is
   the request's own per-layer cache (the server prefills `rest` into it, or merges it into its
   batch cache); `len(prompt) - len(rest)` is reported as `usage.prompt_tokens_details.cached_tokens`.
-  mlx-lm's `LRUPromptCache` returns a deep copy of the nearest stored sequence, trimmed to the
-  common prefix, and always leaves at least one token in `rest`.
 - `insert_cache(model_key, tokens, cache, *, cache_type)`: at the end of a chat request's system
   and user segments (`cache_type` "system" / "user", `tokens` = the prompt tokens processed so
-  far) and when a request finishes ("assistant", `tokens` = prompt + generated tokens, `cache`
-  holding the KV of all of them). The server gives up the cache: the callee may keep it.
+  far) and when a request finishes ("assistant", `tokens` = prompt + generated tokens). The
+  server gives up the cache: the callee may keep it.
 - `trim_to(n_sequences=, n_bytes=)`: with `--prompt-cache-bytes`, after each batch insert.
 - `len(cache)`, `cache.nbytes`, `cache.stats_by_type()`: logged before every request.
 
-Mapping onto `PrefixCache` (prompt KV, and reply KV where measured exact):
+Here (docs/design.md#kvtool-serve-kvtoolserver): a fetch is `PrefixCache.fetch(prompt)`, a fresh
+cache the server owns, `rest` = `hit.remaining` (never empty); the hit (hashes, RAM pins) waits,
+keyed by the prompt, for the request's inserts. A segment insert (a proper prefix of a waiting
+prompt) stores the full blocks it completes, unless they are at most `SEGMENT_DEFER_BLOCKS` new
+ones, so that requests sharing it find them while this one runs. The final insert stores the
+prompt's new blocks and tail entry, sliced by token position; then, where reply KV reuse is on
+(`kvtool.cache.reply`), those of `tokens` beyond the prompt, up to where the cache holds KV; then
+`PrefixCache.release(hit)` (SSD blocks promoted into RAM as views of that cache). `nbytes`, `len`
+and `trim_to` are the RAM tier's (least recently used blocks evicted first).
 
-- fetch -> `PrefixCache.fetch(prompt)`: the longest cached prefix from RAM, the writer's pending
-  buffer and SSD, as a fresh cache the server owns (no copy is kept here); `rest` =
-  `hit.remaining` (never empty: on a full hit the last prompt token is re-forwarded). The hit
-  (its hashes and RAM pins) waits, keyed by the request's prompt, for the request's inserts.
-- insert of a segment (a proper prefix of a waiting prompt) -> `PrefixCache.store` of the full
-  blocks that segment completes (no tail entry: no longer prompt would ever look one up there),
-  so that requests sharing it find it while this one still runs. A segment that completes at most
-  `SEGMENT_DEFER_BLOCKS` new blocks stores nothing: the next segment's insert or the final one
-  stores them. Storing evaluates mlx-lm's lazy copy of the request's whole cache (its
-  `BatchKVCache.extract`); for the segment that ends a warm prompt (a cached system prompt, then
-  a user turn of a block or less) that copy sat between the prefill and the first token, and it
-  bought nothing a request that finishes does not store anyway (measured in docs/benchmarks.md).
-- final insert (`tokens` starts with a waiting prompt) -> `PrefixCache.store(prompt, cache, hit)`:
-  the prompt's new full blocks and its tail entry, sliced by token position out of the returned
-  cache; then, where reply KV reuse is on (`kvtool.cache.reply`: decode KV measured bit-identical
-  to prefill KV for this model and device; `reply_cache`), the full blocks and the tail entry of
-  `tokens` beyond the prompt's, up to where the cache holds KV (its offset: the last sampled
-  token's KV may be missing), so an agent's next turn, re-sending the reply, finds all of it;
-  then `PrefixCache.release(hit)` (unpin RAM blocks, promote SSD blocks into RAM as views of that
-  cache).
-- `nbytes` / `len` / `trim_to` -> the RAM tier (the memory kvtool holds; the SSD tier is not
-  memory and has its own budget, `kvtool prune`). `trim_to` evicts least recently used RAM
-  blocks (under `evict_only` they are written to SSD first, as on any eviction).
+Models with sliding-window or state layers that passed the self-check (`kvtool.cache.selfcheck`):
+mlx-lm's cache after its own prefill cannot be cut into blocks, so fetch prefills the rest of the
+prompt itself (`kvtool.kv.prefill`, as `kvtool serve-once`), stores its new blocks and tail entry,
+and hands the server mlx-lm's own cache state after `len(prompt) - 1` tokens, so that it forwards
+only the last prompt token. This runs on the generation thread in one go (no other request decodes
+meanwhile); the tokens it prefilled are in the request's record, `reported_cached` gives the true
+cached count for the response's usage, and the request's later inserts store nothing.
 
-Models whose cache has sliding-window (`RotatingKVCache`) or state (`ArraysCache`, in
-`CacheList`s too) layers that passed the self-check (`kvtool.cache.selfcheck`): mlx-lm's cache after
-its own prefill has lost what a block needs (a rotating window overwrote early positions; a
-state exists only at its end, not at block ends), so a cache given back by `insert_cache` cannot
-be cut into blocks. For them fetch does the prefill itself, as `kvtool serve-once` does
-(`kvtool.kv.prefill`): the rest of the prompt after the hit is prefilled into full views of the
-windows with state snapshots at block ends, the prompt's new blocks and tail entry are stored
-(the last token's KV as a prefill computes it), and the server gets mlx-lm's own cache state
-after `len(prompt) - 1` tokens (rotating windows laid out as mlx-lm's chunked prefill leaves
-them, the state before the last token), so it forwards only the last prompt token, as it does
-after its own prefill. The tokens kvtool prefilled are in the request's record
-(`prefill_tokens`, `prefill_ms`); mlx-lm's `cached_tokens` counts them as cached
-(`reported_cached` gives the true count for the response's usage). This prefill runs on the
-generation thread, as mlx-lm's own does, but in one go: while it runs no other request decodes
-(mlx-lm's batch generator would interleave its prefill chunks with decode steps and prefill
-concurrent prompts together). Later inserts of such a request store nothing.
-
-A request whose final insert never comes (a client that disconnected mid-generation: mlx-lm drops
-it silently) keeps its hit waiting; waiting hits are released after `pending_ttl_s` or beyond
-`max_pending`, unstored. A key that is not `model_key` (a request naming another model, adapter
-or draft model) is served uncached: `(None, prompt)`, nothing stored. No failure of the cache
-ever fails a request: it is logged and the request runs uncached.
+A request whose final insert never comes (a client gone mid-generation) has its hit released
+after `PENDING_TTL_S` or beyond `max_pending`, unstored. A key that is not `model_key` (another
+model, adapter or draft model) is served uncached: `(None, prompt)`. No failure of the cache ever
+fails a request: it is logged and the request runs uncached.
 """
 
 from __future__ import annotations
@@ -104,7 +76,6 @@ class KVToolPromptCache:
             (`(model_path, adapter_path, draft_model_path)`); other keys are served uncached.
             None accepts every key (one model only!).
         max_pending: waiting hits kept at most (oldest released first).
-        pending_ttl_s: a waiting hit older than this is released.
         on_record: called with each request's `RequestRecord` after its fetch (outside the
             lock; e.g. `kvtool.prom.CacheMetrics.observe`); its exceptions are logged.
         model: the mlx-lm model (`ModelProvider.model`), for kvtool's own prefill of models with
@@ -126,7 +97,7 @@ class KVToolPromptCache:
     reply_off_reason: str | None = None
 
     def __init__(self, prefix_cache: PrefixCache, model_key: Any = None, *, max_pending: int = MAX_PENDING,
-                 pending_ttl_s: float = PENDING_TTL_S, on_record: Callable[[RequestRecord], None] | None = None,
+                 on_record: Callable[[RequestRecord], None] | None = None,
                  model: Any = None, prefill_step: int = DEFAULT_STEP):
         self.prefix_cache = prefix_cache
         self.model = model
@@ -134,7 +105,6 @@ class KVToolPromptCache:
         self._reported = ReportedCounts(MAX_REPORTED)  # prompt digest -> true cached counts
         self.model_key = model_key
         self.max_pending = max_pending
-        self.pending_ttl_s = pending_ttl_s
         self.on_record = on_record
         self._lock = threading.RLock()
         self._waiting: OrderedDict[int, Waiting] = OrderedDict()
@@ -214,14 +184,6 @@ class KVToolPromptCache:
         ram = self._ram()
         return ram.nbytes if ram is not None else 0
 
-    @property
-    def max_bytes(self) -> int:
-        """The RAM tier's budget (`ram_bytes`)."""
-        ram = self._ram()
-        return ram.capacity_bytes if ram is not None else 0
-
-    max_size = 1 << 63  # no count limit: blocks are bounded by bytes
-
     def stats_by_type(self) -> dict[str, dict[str, int]]:
         """For the server's per-request log: RAM blocks, and requests waiting for their insert."""
         with self._lock:
@@ -246,11 +208,6 @@ class KVToolPromptCache:
                 "reply_kv_reuse": self.reply_reuse.to_dict(),
                 "requests": [r.to_dict() for r in self._recent],
             }
-
-    def flush(self) -> bool:
-        """Wait until every accepted SSD write was attempted; flush the index."""
-        with self._lock:
-            return self.prefix_cache.flush()
 
     def reconfigure(self, config) -> ShutdownStatus:
         """Live reconfiguration (docs/design.md#live-reconfiguration) between two cache calls: waiting hits are released
@@ -335,11 +292,9 @@ class KVToolPromptCache:
 
     def _prefill_and_store(self, job: Prefill,
                            tokens: Sequence[int]) -> tuple[RequestRecord, tuple[list | None, Sequence[int]]]:
-        """kvtool's prefill of the prompt after the hit (`hit.cache`: full views, restored state)
-        as `kvtool.kv.prefill.for_generation` does it for serve-once; the prompt's new entries are
-        stored while the cache holds every prompt token as prefilled; the server gets mlx-lm's
-        cache after `n - 1` tokens and the last token. The model runs outside the lock (only this
-        request's cache is touched); a reconfiguration or close meanwhile: nothing is stored.
+        """kvtool's prefill of the prompt after the hit (see the module docstring), outside the
+        lock (only this request's cache is touched); a reconfiguration or close meanwhile: nothing
+        is stored.
 
         Returns:
             (the request's record, (cache, rest)); on a failure the request runs uncached."""
@@ -362,8 +317,7 @@ class KVToolPromptCache:
         return rec, (gen, tokens[n - 1 :])
 
     def _store_prefilled(self, job: Prefill, cache: list, states: dict | None) -> None:
-        """Store a prefilled prompt's new entries, release its hit, wait for its final insert.
-        Under the lock."""
+        """Store a prefilled prompt's new entries and release its hit. Under the lock."""
         pc, ids, hit, rec = self.prefix_cache, job.ids, job.hit, job.record
         if job.epoch != self._epoch or self._closed:  # the tiers changed during the prefill
             self._release_quietly(hit)
@@ -474,7 +428,7 @@ class KVToolPromptCache:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        old = [k for k, w in self._waiting.items() if now - w.since > self.pending_ttl_s]
+        old = [k for k, w in self._waiting.items() if now - w.since > PENDING_TTL_S]
         excess = len(self._waiting) - len(old) - (self.max_pending - 1)
         if excess > 0:
             old += [k for k in self._waiting if k not in old][:excess]

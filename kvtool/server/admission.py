@@ -1,36 +1,21 @@
 """When the generation loop starts a prefill step: requests that arrive together are prefilled together.
 
-mlx-lm's generation loop (`mlx_lm.server.ResponseGenerator._generate`) takes every queued request
-into its batch before it runs the next step (`BatchGenerator.next`), so requests queued together
-are prefilled in one batched step. Plain `mlx_lm.server` tokenizes on that loop: while it
-tokenizes the first of a burst, the others are queued. `kvtool serve` tokenizes on the handler
-threads (`watchdog.RequestGuard.pretokenize`), so the loop took the first of a burst alone and
-started prefilling it while the others were still being tokenized; they joined a padded mixed
-batch a step later (4 cold ~2k-token prompts: the last answered after 8.20 s, 4.44 s with
-`mlx_lm.server`). docs/server.md#a-burst-is-prefilled-together has the measurements.
+mlx-lm's generation loop takes every queued request into its batch before its next step. `kvtool
+serve` tokenizes on the handler threads (`watchdog.RequestGuard.pretokenize`), one at a time, so
+the loop would take the first of a burst alone while the others are still being tokenized
+(docs/server.md#a-burst-is-prefilled-together has the measurements).
 
 `Admission` counts the requests between their arrival (the handler read the request head) and
 their hand-over to the loop (queued, or refused); the loop, after taking a request that found it
 idle, waits for those still in admission before it starts the next step, as long as the burst
 makes progress: until `window_s` after the latest arrival or hand-over, and at most
-`ROUND_CAP_FACTOR` x `window_s` after the round's first request. The handlers tokenize one at a
-time, so a burst is handed over one request after another; a burst of 16 long prompts on a loaded
-machine takes longer than one window to tokenize (16 agents' 4k-token first turns through
-`/v1/messages`, 2 cores at load ~4: the loop started with 2 of them, then 6, then 8), while
-mlx-lm's loop tokenizes every queued request before its step. A client that never finishes its
+`ROUND_CAP_FACTOR` x `window_s` after the round's first request. A client that never finishes its
 body holds the loop once, for at most `window_s` after the last progress.
 
-The loop also waits for the clients of requests it just answered: closed-loop clients (agents, a
-benchmark's clients, a chat UI's next turn) send their next request as soon as the answer ended, so
-a batch that ends together comes back together, within tens of milliseconds, but not at once: 4
-clients whose first turns ended in one step sent their second turns 50 ms apart, the first reached
-the idle loop alone and was prefilled alone (a 2,048-token step) before the other three joined
-(`multi-turn@8` at 4 clients, cold turns 1.5x `mlx_lm.server`'s, whose loop tokenizes the first
-while the others arrive). A round that starts within `return_s` of answers ending waits, while
-fewer requests arrived since those ends than ended, until `return_s` after the latest end or
-arrival (`RETURN_FACTOR` x `window_s`, 100 ms by default). One client never waits for itself
-(its own request is the arrival); open-loop traffic pays at most `return_s` once per round that
-starts within `return_s` of an answer's end.
+It also waits for the clients of answers that just ended (closed-loop clients send their next
+request tens of milliseconds after their answer): a round that starts within `return_s` of answers
+ending waits, while fewer requests arrived since those ends than ended, until `return_s` after the
+latest end or arrival (`RETURN_FACTOR` x `window_s`). One client never waits for itself.
 
 `PrefillSteps` records, per batch step, the prompt tokens each request prefilled in it (from
 mlx-lm's own progress reports), for `/kvtool/stats` and one DEBUG log line per step.
@@ -202,10 +187,10 @@ class PrefillSteps:
     in one step).
     """
 
-    def __init__(self, keep: int = RECENT_STEPS):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: weakref.WeakKeyDictionary[Queue, int] = weakref.WeakKeyDictionary()
-        self._recent: deque[list[int]] = deque(maxlen=keep)
+        self._recent: deque[list[int]] = deque(maxlen=RECENT_STEPS)
         self._step = 0  # the loop's step now
         self._current: list[int] = []
         self._current_step = -1
@@ -269,16 +254,10 @@ def default_prefill_token_budget(device: mx.Device | None = None) -> int:
     """The prefill token budget `kvtool serve` uses when none is given (`PrefillSlots`, tokens; 0:
     none): `COMPUTE_BOUND_TOKEN_BUDGET` on MLX's CPU backend, none on a GPU.
 
-    On the CPU backend prefill is compute-bound: a padded step that prefills k long prompts takes
-    as long as prefilling them one after another, but every first token waits for the whole step;
-    short ones (a question after a cached document, a chat turn) cost little each, and batching
-    them saves steps. With the budget a request is taken into the batch only while the prompts
-    prefilling have fewer uncached tokens (summed) than it: long prompts go one at a time (a request
-    waiting for its prefill is fetched when its prefill starts, so it finds what the prompts
-    before it stored), short ones together, up to the prefill width. The idea is vLLM's token
-    budget per scheduler step (`max_num_batched_tokens`). Measured on `tiny`, 2 cores:
-    docs/server.md#the-prefill-token-budget. On a GPU batching several prompts in one step can
-    raise throughput: no budget there (mlx-lm's behaviour).
+    Where prefill is compute-bound a padded step of k long prompts takes as long as prefilling
+    them one after another, but every first token waits for the whole step; with the budget long
+    prompts go one at a time and short ones together. The idea is vLLM's token budget per
+    scheduler step (`max_num_batched_tokens`); measured in docs/server.md#the-prefill-token-budget.
 
     Args:
         device: the device prefill runs on; None: `mx.default_device()`.
@@ -292,25 +271,18 @@ class PrefillSlots:
     prefill width (mlx-lm's `--prompt-concurrency`, `BatchGenerator.prefill_batch_size`) and, with a
     token budget, only while their uncached tokens (summed) are fewer than the budget.
 
-    mlx-lm's loop takes every queued request into its batch generator before its next step, and
-    fetches each one's cached prefix then; the generator prefills at most `prefill_batch_size`
-    prompts at a time and keeps the rest waiting, their caches fixed at that fetch. With kvtool as
-    the prompt cache, a request whose prefill cannot start yet is better left in the queue: taken
-    when a slot frees, its fetch then finds what the requests before it stored (their system
-    prompt's blocks, at the end of that segment). 16 agents sharing a 1k-token system prompt,
-    arriving together (8 prefilled at a time): the second 8 prefill 16 tokens each instead of
-    1,039. `full` says the loop should step instead of taking another request. A slot frees when
-    its request's prefill completes (its last progress report), when it ends (a response, an
-    error, its end), when its response queue is gone (weak: a dropped request), or when the loop
-    is idle (`clear`: its batch holds nothing), so a miscount cannot hold requests back for longer
-    than the batch is busy. A request's uncached tokens are known once the loop fetched its
-    cached prefix (`uncached`, from its `GenerationContext`); a request taken but not fetched yet
-    counts 0, so the loop always takes at least one. They count whole until its prefill completes,
-    not what is left of them: a request taken while another is still prefilling joins that
-    prompt batch, its KV left-padded to the other's offset (mlx-lm's `BatchGenerator`), and a
-    long prompt's last chunk would pad every next one (measured: 4 clients of cold 1.5-3k-token
-    conversations, TTFT p50 1.3-1.6x `mlx_lm.server`'s and 0.63x its requests/s when the count
-    shrank with progress, against 0.76x / 1.18x one prompt at a time).
+    mlx-lm's loop fetches each queued request's cached prefix when it takes it, though its
+    generator prefills at most `prefill_batch_size` prompts at a time; a request whose prefill
+    cannot start yet is better left queued: taken when a slot frees, its fetch then finds what the
+    requests before it stored (their system prompt's blocks). `full` says the loop should step
+    instead of taking another request. A slot frees when its request's prefill completes (its last
+    progress report), when it ends, when its response queue is gone (weak: a dropped request), or
+    when the loop is idle (`clear`), so a miscount cannot hold requests back beyond a busy spell.
+    A request's uncached tokens are known once the loop fetched its cached prefix (`uncached`; 0
+    before, so the loop always takes at least one), and count whole until its prefill completes: a
+    request taken while another prefills joins that prompt batch, left-padded to its offset, and
+    counting only what is left let a long prompt's last chunk pad every next one.
+    docs/server.md#requests-beyond-the-prefill-width-are-fetched-when-their-prefill-starts.
 
     Args:
         width: the prefill width (requests); 0: no limit.
@@ -368,12 +340,11 @@ class RecordingQueue(Queue):
     once the prompt is prefilled or the request ends, and tells `Admission` when its answer ends
     (`Admission.ended`: its client may send the next request)."""
 
-    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots | None = None,
-                 admission: Admission | None = None):
+    def __init__(self, steps: PrefillSteps, alone: threading.Event, slots: PrefillSlots, admission: Admission):
         super().__init__()
         self._steps = steps
         self._alone = alone  # set while the loop serves a request outside the batch
-        self._slots = slots
+        self._slots: PrefillSlots | None = slots  # None once released
         self._admission = admission  # told when the answer ends (its client may come back)
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
@@ -386,7 +357,7 @@ class RecordingQueue(Queue):
                 self._slots.uncached(self, len(item.prompt) - item.prompt_cache_count)
         elif item is None or isinstance(item, (BaseException, Response)):
             self._release()
-            if item is None and self._admission is not None:
+            if item is None:
                 self._admission.ended()
         super().put(item, block, timeout)
 

@@ -33,9 +33,9 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from kvtool.server.validation import RequestError, StrictModel, error_text
+from kvtool.server.validation import RequestError, StrictModel, validated
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 411: "invalid_request_error",
@@ -131,13 +131,6 @@ class MessagesRequest(CountRequest):
 
 
 # ----------------------------------------------------------------------------- request -> chat
-def _parse(model: type[CountRequest], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise RequestError(400, error_text(exc, BLOCK_TYPES)) from None
-
-
 def _text(blocks: str | list[TextBlock] | None) -> str:
     if blocks is None or isinstance(blocks, str):
         return blocks or ""
@@ -255,7 +248,7 @@ class MessagesApi:
             RequestError: 400 for a field of the wrong type, an unknown content block type, a
                 tool_result without its tool_use, a missing `max_tokens`.
         """
-        req = _parse(MessagesRequest, body)
+        req = validated(MessagesRequest, body, BLOCK_TYPES)
         chat = _prompt_fields(req)
         chat["max_tokens"] = req.max_tokens
         for name in ("temperature", "top_p", "top_k"):
@@ -275,7 +268,7 @@ class MessagesApi:
         Raises:
             RequestError: 400 as `to_chat`.
         """
-        return _prompt_fields(_parse(CountRequest, body))
+        return _prompt_fields(validated(CountRequest, body, BLOCK_TYPES))
 
     def count_answer(self, n_tokens: int) -> dict[str, Any]:
         return {"input_tokens": n_tokens}

@@ -36,9 +36,9 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import Discriminator, Field, Tag
 
-from kvtool.server.validation import RequestError, StrictModel, error_text
+from kvtool.server.validation import RequestError, StrictModel, validated
 
 ROUTE = "/v1/responses"
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
@@ -148,10 +148,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         raise RequestError(400, "previous_response_id is not supported: kvtool serve keeps no responses; "
                                 "resend the whole conversation in input (kvtool's cache makes the repeated "
                                 "prefix cheap)")
-    try:
-        return ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        raise RequestError(400, error_text(exc, UNION_TAGS)) from None
+    return validated(ResponsesRequest, body, UNION_TAGS)
 
 
 # ----------------------------------------------------------------------------- request → chat
@@ -288,7 +285,6 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
 
 
 def status_of(finish_reason: str | None) -> str:
-    """`incomplete` when generation stopped at `max_tokens` (`length`), else `completed`."""
     return "incomplete" if finish_reason == "length" else "completed"
 
 
@@ -434,19 +430,7 @@ class ResponsesApi:
     """The Responses API as a `kvtool.server.apis.ApiTranslation` (route `/v1/responses`)."""
 
     route = ROUTE
-
-    def to_chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        """See `to_chat`."""
-        return to_chat(body)
-
-    def from_chat(self, chat: dict[str, Any]) -> dict[str, Any]:
-        """See `from_chat`."""
-        return from_chat(chat)
-
-    def stream(self) -> ResponsesStream:
-        """A fresh stream translator for one streamed request."""
-        return ResponsesStream()
-
-    def error_body(self, status: int, message: str) -> dict[str, Any]:
-        """See `error_body`."""
-        return error_body(status, message)
+    to_chat = staticmethod(to_chat)
+    from_chat = staticmethod(from_chat)
+    stream = ResponsesStream  # a fresh translator per streamed request
+    error_body = staticmethod(error_body)

@@ -1,22 +1,12 @@
 """Foreign APIs on the chat-completions path of `kvtool serve` (Anthropic Messages, OpenAI Responses).
 
 A foreign API is an `ApiTranslation`: its request body is translated into an OpenAI
-chat-completions body (`to_chat`), which then takes the path every chat request takes
-(`kvtool.server.validation.check_request`, the prompt's tokenization and limit, mlx-lm's
-`handle_completion`, the prefix cache, the metrics and the per-request log line); the answer is
-translated back. The handler (`kvtool.server.handler`) puts `ApiHandlerMixin` in its MRO:
-
-- a non-streamed answer is translated by `generate_response` (`from_chat` of mlx-lm's complete
-  `chat.completion` dict), before mlx-lm computes its Content-Length;
-- a streamed answer by `ApiWriter`, a wrapper on the handler's `wfile` that parses mlx-lm's
-  `data: {...}\\n\\n` frames and writes the API's `event: <name>\\ndata: <json>\\n\\n` events
-  (`StreamTranslation`); SSE comments (mlx-lm's `: keepalive` during a long prefill) pass;
-- a refusal (`RequestError`, a generation error, mlx-lm's own `{"error": message}` bodies) is
-  answered in the API's error shape (`error_body`); a failure after a stream started is an
-  `error` event.
-
-`check_api_key` is the optional shared secret of every route (`kvtool serve --api-key`).
-The registry of translations is `kvtool.server.api_routes`.
+chat-completions body (`to_chat`), which then takes the path every chat request takes, and the
+answer is translated back (docs/design.md#kvtool-serve-kvtoolserver, "Foreign APIs"): a
+non-streamed one by `ApiHandlerMixin.generate_response`, a streamed one by `ApiWriter` (mlx-lm's
+`data: {...}` frames to the API's `event: <name>` events; SSE comments pass), a refusal in the
+API's error shape (`error_body`). `check_api_key` is the optional shared secret of every route
+(`kvtool serve --api-key`). The registry of translations is `kvtool.server.api_routes`.
 """
 
 from __future__ import annotations

@@ -2,29 +2,22 @@
 
 `make_handler_class(cache, guard, metrics)` subclasses `mlx_lm.server.APIHandler`:
 
-- `POST` completions: the body is read with a size limit and a deadline, parsed and checked
+- `POST` completions: the body is read with a size limit and a deadline and checked
   (`kvtool.server.validation`) before mlx-lm's own `do_POST` sees it; refusals are answered 4xx
-  with `{"error": message}` (mlx-lm's error body) and one log line; the prompt is tokenized on
-  the handler's thread, checked against `max_prompt_tokens` and handed to the generation thread
+  in the route's error shape with one log line; the prompt is tokenized on the handler's thread
   (`kvtool.server.watchdog.RequestGuard.pretokenize`);
-- an exception of the generator is answered with its own status (`watchdog.error_status`: 413 prompt too
-  long, 500 generation failed, 503 generation stopped, 400 the prompt could not be built)
-  instead of mlx-lm's 404, and a failure after the answer started ends the stream with an error
+- an exception of the generator is answered with its own status (`watchdog.error_status`)
+  instead of mlx-lm's 404; a failure after the answer started ends the stream with an error
   event (or a 500 if nothing was sent); a client that goes away is one log line;
-- `GET /v1/models` lists the served model's names (mlx-lm scans the Hugging Face cache and
-  answers an empty 200 without one); `GET /kvtool/stats` returns the cache and server counters;
-  `GET /metrics` the same counters for Prometheus (`kvtool.prom`);
-- foreign APIs (`kvtool.server.api_routes`: Anthropic's `/v1/messages`) are translated to a
-  chat-completions request and answered in their own shapes (`kvtool.server.apis`); with
-  `--api-key` every route first checks the key (401 without it).
+- `GET /v1/models` lists the served model's names; `GET /kvtool/stats` returns the cache and
+  server counters, `GET /metrics` the same for Prometheus (`kvtool.prom`);
+- foreign APIs (`kvtool.server.api_routes`) are translated to chat completions and answered in
+  their own shapes (`kvtool.server.apis`); with `--api-key` every route checks the key first.
 
 `KVToolHTTPServer` serves at most `MAX_CONNECTIONS` connections at once, and at most
 `max_connections_per_peer` from one client address (503 beyond either), and logs a handler's
-unexpected exception in one line instead of socketserver's traceback. The request head (request
-line and headers) must arrive within `head_timeout_s` of the wait for it starting (the per-read
-socket timeout alone restarts on every line: a client sending one header line every few seconds
-held its connection slot for as long as it liked); past it the connection is closed. An idle
-keep-alive connection is closed after the same time.
+unexpected exception in one line. The request head must arrive within `head_timeout_s`
+(`kvtool.server.head_reader`); an idle keep-alive connection is closed after the same time.
 """
 
 from __future__ import annotations
@@ -62,12 +55,10 @@ LINGER_S = 2.0  # after refusing an unread body, how long the rest is read and d
 
 
 class _Capture:
-    """The shared generator, seen by one handler: remembers the exception `generate` raised, so
-    that the handler answers it with its own status instead of mlx-lm's 404; makes the
-    response's `cached_tokens` the tokens the cache gave (`KVToolPromptCache.reported_cached`);
-    and times the request for `/metrics`: its first token and its last, from its arrival
-    (`kvtool_t0`, set by `do_POST`), observed before the answer's end is written (so a client
-    holding its answer finds it counted)."""
+    """The shared generator, seen by one handler: remembers the exception `generate` raised (the
+    handler answers it with its own status); makes the response's `cached_tokens` the tokens the
+    cache gave (`KVToolPromptCache.reported_cached`); times the first and last token from the
+    request's arrival (`kvtool_t0`) for `/metrics`, observed before the answer's end is written."""
 
     def __init__(self, generator: Any, handler: Any):
         self._generator = generator
@@ -388,7 +379,7 @@ PEER_BUSY_RESPONSE = _busy("too many connections from your address, try again")
 class _Slot:
     """One connection's hold on the server's connection semaphore, released at most once."""
 
-    def __init__(self, slots: threading.BoundedSemaphore, on_release: Any = None):
+    def __init__(self, slots: threading.BoundedSemaphore, on_release: Any):
         self._slots = slots
         self._on_release = on_release  # also given back once: the peer's count
         self._lock = threading.Lock()
@@ -400,8 +391,7 @@ class _Slot:
                 return
             self._held = False
         self._slots.release()
-        if self._on_release is not None:
-            self._on_release()
+        self._on_release()
 
 
 class KVToolHTTPServer(ThreadingHTTPServer):
@@ -411,7 +401,6 @@ class KVToolHTTPServer(ThreadingHTTPServer):
 
     daemon_threads = True  # a request in flight never keeps the process alive after shutdown
     # listen() backlog: socketserver's default of 5 overflows when 16 clients connect at once
-    # (their connections were reset: `APIConnectionError` in the load benchmark).
     request_queue_size = LISTEN_BACKLOG
     kvtool_holder: dict[str, Any]  # the handler's response generator, set once it exists (`_make_server`)
     kvtool_head_timeout_s: float = HEAD_TIMEOUT_S  # seconds for a whole request head (the handler reads it)

@@ -1,8 +1,5 @@
-"""The connection's reader while `kvtool serve` reads a request head: a deadline for the whole head.
-
-The per-read socket timeout alone restarts on every line: a client sending one header line every
-few seconds held its connection slot for as long as it liked (`kvtool.server.handler`).
-"""
+"""The connection's reader while `kvtool serve` reads a request head: a deadline for the whole head
+(the per-read socket timeout alone restarts on every line: a slow-header client kept its slot)."""
 
 from __future__ import annotations
 

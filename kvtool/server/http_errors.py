@@ -1,16 +1,9 @@
 """JSON answers of `kvtool serve` outside its routes (the handler's `JsonErrors` base).
 
-mlx-lm's `APIHandler` answers a GET of anything but `/v1/models` and `/health` 404 with a
-`Not Found` text body labelled `application/json`, and http.server answers an unknown method
-(`PUT`, `DELETE`, `HEAD`...), a malformed request line or oversized headers with an HTML page.
-Here:
-
-- a GET of a POST route (the completion routes, `/v1/messages`, `/v1/responses`, the token
-  count) is 405 with `Allow: POST`, in that route's error shape;
-- a GET of no route is 404 `{"error": "no such route: GET <path>"}`;
-- `/health` takes a query string (as `/v1/models` and `/kvtool/stats` do);
-- every `send_error` of http.server (400, 414, 431, 501...) has a JSON body in the request's
-  API's error shape (mlx-lm's `{"error": message}` for OpenAI's routes).
+Where mlx-lm's `APIHandler` and http.server answer with a text or HTML body: a GET of a POST
+route is 405 with `Allow: POST` in that route's error shape; a GET of no route is 404
+`{"error": "no such route: GET <path>"}`; `/health` takes a query string; every `send_error` of
+http.server (400, 414, 431, 501...) has a JSON body in the request's API's error shape.
 """
 
 from __future__ import annotations

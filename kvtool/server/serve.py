@@ -1,27 +1,13 @@
 """mlx-lm's own OpenAI-compatible HTTP server with kvtool's tiered prefix cache injected.
 
-Nothing here serves HTTP or generates tokens: `mlx_lm.server.ModelProvider` loads the model,
-`mlx_lm.server.ResponseGenerator` runs the generation thread (batching, sampling, chat templates,
-tool calls) and `mlx_lm.server.APIHandler` answers `/v1/chat/completions`, `/v1/completions`,
-`/v1/models` and `/health`, exactly as `mlx_lm.server` does. The only differences:
-
-- the prompt cache handed to `ResponseGenerator` is a `KVToolPromptCache` (kvtool's RAM/SSD
-  tiers) instead of mlx-lm's in-memory `LRUPromptCache`;
-- the model is loaded before the generation thread starts (its KV layout and weight digest name
-  the cache namespace), by the same `ModelProvider.load`, so the generation thread finds it loaded;
-- two more read-only routes, `GET /kvtool/stats` (JSON: adapter and tier counters, layout key,
-  the last requests' cached/RAM/SSD/prefilled tokens) and `GET /metrics` (the same counters for
-  Prometheus, `kvtool.prom`, with the restore-latency histogram);
-- every `mlx_lm.server` option is accepted (`kvtool.server.mlx_options`); `kv_bits` also
-  quantizes the cached blocks, `draft_model` uses `SpeculativePromptCache`;
-- the listening socket and the shutdown are owned here, so that a shutdown stops the HTTP server
-  and the generation thread, then drains the SSD writer and closes the index (`close`);
-- requests are checked in the handler (`kvtool.server.handler`) before they reach the
-  generation thread (`kvtool.server.validation`: body size, JSON, field types, the served model
-  name; the prompt's token count against `max_prompt_tokens`), answered 4xx with
-  `{"error": message}`; `GET /v1/models` lists the served model's names;
-- the generation thread restarts when its loop raises, failing the requests it held with 500
-  (`kvtool.server.watchdog`).
+`mlx_lm.server.ModelProvider` loads the model, `mlx_lm.server.ResponseGenerator` runs the
+generation thread and `mlx_lm.server.APIHandler` answers the routes, as in `mlx_lm.server`. The
+differences: the prompt cache is a `KVToolPromptCache` (`kvtool.server.adapter`); the model is
+loaded before the generation thread starts (its KV layout and weight digest name the namespace);
+`GET /kvtool/stats` and `GET /metrics` (`kvtool.prom`); the handler checks requests first
+(`kvtool.server.handler`, `kvtool.server.validation`); the generation thread restarts when its
+loop raises (`kvtool.server.watchdog`); the socket and the shutdown are owned here (`close`:
+stop the HTTP server and the generation thread, drain the SSD writer, close the index).
 
     server = KVToolServer("tiny", KVToolConfig(), port=0)
     threading.Thread(target=server.serve_forever).start()
@@ -62,9 +48,8 @@ GENERATION_STOP_TIMEOUT_S = 60.0
 
 
 def server_args(**overrides: Any) -> argparse.Namespace:
-    """`mlx_lm.server`'s `cli_args` with `overrides` applied: the defaults of its command line
-    (`kvtool.server.mlx_options.defaults`, read from mlx-lm's own parser), as the namespace its
-    `ModelProvider`, `ResponseGenerator` and `APIHandler` read.
+    """`mlx_lm.server`'s `cli_args`: the defaults of its command line (`mlx_options.defaults`)
+    with `overrides` applied.
 
     Raises:
         ValueError: an override that is not one of mlx-lm's server options.
@@ -94,23 +79,17 @@ class KVToolServer:
         max_prompt_tokens: longest prompt served (tokens, after the chat template; longer: 413).
             None: the model's context length, at most `kvtool.models.limits.MAX_PROMPT_TOKENS_CAP`.
         max_body_bytes: largest request body (bytes; larger: 413).
-        head_timeout_s: seconds the whole request head (request line and headers) may take to
-            arrive, counted from when the server starts waiting for it (also the idle time of a
-            keep-alive connection); past it the connection is closed.
+        head_timeout_s: seconds the whole request head may take to arrive (also the idle time
+            of a keep-alive connection); past it the connection is closed.
         max_connections_per_peer: connections served at once from one client address (more are
             answered 503 and closed; all addresses together: `MAX_CONNECTIONS`).
-        prefill_token_budget: uncached prompt tokens prefilling at once at which the generation
-            loop takes no more requests into its batch (`kvtool.server.admission.PrefillSlots`);
-            0: none (mlx-lm's behaviour); None: by backend (`default_prefill_token_budget`: 256 on
-            the CPU backend, none on a GPU).
-        api_key: when given, every request must carry it (`x-api-key` or `Authorization: Bearer`;
-            401 otherwise; `kvtool.server.apis.check_api_key`).
-        **server_options: other `mlx_lm.server` options (`max_tokens`, `prefill_step_size`,
-            `decode_concurrency`, `temp`, `chat_template`, `trust_remote_code`, ...: every
-            option of its parser, `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`,
-            `quantized_kv_start`) also makes the prefix cache hold mlx-lm's quantized KV (its own
-            namespace); `draft_model` (a preset, directory or Hugging Face id) adds the draft
-            model's KV of a hit's tokens to the cache mlx-lm gets (`SpeculativePromptCache`).
+        prefill_token_budget: `PrefillSlots`' token budget (uncached prompt tokens); 0: none;
+            None: `default_prefill_token_budget()`.
+        api_key: when given, every request must carry it (401 otherwise; `apis.check_api_key`).
+        **server_options: other `mlx_lm.server` options (every option of its parser,
+            `kvtool.server.mlx_options`). `kv_bits` (with `kv_group_size`, `quantized_kv_start`)
+            also makes the prefix cache hold mlx-lm's quantized KV (its own namespace);
+            `draft_model` uses `SpeculativePromptCache`.
 
     Raises:
         ServerStartError: the model does not load, the address cannot be bound, the default
@@ -180,8 +159,7 @@ class KVToolServer:
         """Let clients name the model as given on the command line (`"model": "tiny"`) or by its
         path (as given or resolved), besides mlx-lm's `default_model`: each name maps to the
         loaded model and adapter (ModelProvider's name maps). Returns the names, the command
-        line's first; requests naming anything else are refused (404), so that no request makes
-        the generation thread load (or download) another model."""
+        line's first; requests naming anything else are refused (404)."""
         names = tuple(dict.fromkeys((spec, str(path), str(path.resolve()), "default_model")))
         # mlx-lm 0.32.2 has no public way to add a model name: its ModelProvider's private name maps
         for attr, value in (("_model_map", str(path)), ("_adapter_map", adapter)):
@@ -264,9 +242,8 @@ class KVToolServer:
             if not from_serving_thread and self._serving.is_set():
                 self.httpd.shutdown()  # waits for serve_forever (in another thread) to return
             self.httpd.server_close()
-            # mlx-lm's stop_and_join: the generation thread ends after its current step (a prefill
-            # chunk or a time-budgeted run of decode steps); bounded here so a stuck step cannot
-            # keep the index open forever.
+            # mlx-lm's stop_and_join (the thread ends after its current step), bounded: a stuck
+            # step cannot keep the index open forever
             stopper = threading.Thread(target=self.generator.stop_and_join, name="kvtool-stop", daemon=True)
             stopper.start()
             stopper.join(timeout)
@@ -358,9 +335,8 @@ class SpeculativePromptCache(KVToolPromptCache):
 
     mlx-lm's speculative decoding uses one cache list: the model's layers, then the draft
     model's. kvtool caches the model's KV only: a hit is completed with the draft model's KV
-    of the same tokens, prefilled here in `prefill_step` chunks (the draft model is the small
-    one), and inserts store the model's layers. Greedy output is the model's own either way
-    (speculative decoding verifies every drafted token).
+    of the same tokens, prefilled here in `prefill_step` chunks, and inserts store the model's
+    layers.
 
     Args:
         prefix_cache, model_key, prefill_step, **kwargs: as `KVToolPromptCache`; `prefill_step`

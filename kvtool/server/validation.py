@@ -1,22 +1,18 @@
 """Request checks of `kvtool serve`, run in the HTTP handler before a request reaches mlx-lm's
 generation thread.
 
-mlx-lm's `APIHandler` checks the types of most sampling fields, but a few malformed requests get
-past it and break the server: `"stop": 5` kills the generation thread (every later request is
-answered 404 "generation thread died"), a deeply nested or non-UTF-8 body closes the connection
-without an answer, a negative or huge `Content-Length` blocks or fails the handler, and a huge
-`max_tokens` or prompt occupies the generation thread for minutes. Nothing here uses MLX; the
-request fields are checked by pydantic models (`_schemas`; `StrictModel` and `error_text` are
-every API's: `kvtool.server.api_messages`, `kvtool.server.api_responses`). The handler
-(`kvtool.server.serve`) calls, in order,
+A few malformed requests get past mlx-lm's `APIHandler` and break the server (`"stop": 5` kills
+the generation thread; a deeply nested or non-UTF-8 body closes the connection without an answer;
+a negative or huge `Content-Length` blocks the handler; a huge `max_tokens` or prompt occupies the
+generation thread for minutes). Nothing here uses MLX; the fields are checked by pydantic models
+(`_schemas`; `StrictModel` and `error_text` serve every API). The handler calls, in order,
 
     n = content_length(headers.get("Content-Length"), limits.max_body_bytes)   # 400 / 411 / 413
     body = parse_body(raw_bytes)                                               # 400
     body = check_request(body, path, limits)                                   # 400 / 404
 
-and then counts the prompt's tokens with the model's tokenizer (413 over `max_prompt_tokens`).
-Each check raises `RequestError(status, message)`; the handler answers it as
-`{"error": message}` (mlx-lm's error body) with that HTTP status.
+then counts the prompt's tokens (413 over `max_prompt_tokens`). Each check raises
+`RequestError(status, message)`.
 """
 
 from __future__ import annotations
@@ -187,6 +183,18 @@ def error_text(exc: ValidationError, tags: tuple[str, ...] = ()) -> str:
     return f"{path}: {err['msg'].removeprefix('Value error, ')}"
 
 
+def validated(model: type[BaseModel], body: dict[str, Any], tags: tuple[str, ...] = ()) -> Any:
+    """`model.model_validate(body)`.
+
+    Raises:
+        RequestError: 400 `field.path: message` (`error_text`; `tags` as there).
+    """
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestError(400, error_text(exc, tags)) from None
+
+
 # OpenAI chat-completions / completions: the fields mlx-lm's handler and generation thread use
 class _TextPart(StrictModel):
     type: Literal["text"]
@@ -334,10 +342,7 @@ def check_request(body: dict[str, Any], path: str, limits: Limits) -> dict[str, 
         del body[name]
     _check_model(body, limits.model_names)
     completion, chat = _schemas(limits)
-    try:
-        (completion if path == "/v1/completions" else chat).model_validate(body)
-    except ValidationError as exc:
-        raise RequestError(400, error_text(exc, PART_TAGS)) from None
+    validated(completion if path == "/v1/completions" else chat, body, PART_TAGS)
     if isinstance(body.get("stop"), list):
         body["stop"] = [s for s in body["stop"] if s]  # as mlx-lm drops an empty `stop`
     if "stream_options" in body:
@@ -358,6 +363,6 @@ def _check_model(body: dict[str, Any], names: tuple[str, ...]) -> None:
         raise RequestError(404, "draft_model: this server has no draft model")
 
 
-__all__ = ["RequestError", "Limits", "StrictModel", "Finite", "error_text", "field_path", "content_length", "parse_body", "check_request", "model_context_length",
+__all__ = ["RequestError", "Limits", "StrictModel", "Finite", "error_text", "field_path", "validated", "content_length", "parse_body", "check_request", "model_context_length",
            "DEFAULT_MAX_BODY_BYTES", "DRAIN_MAX_BYTES", "MAX_JSON_DEPTH", "MAX_PROMPT_TOKENS_CAP",
            "DEFAULT_CONTEXT_TOKENS", "COMPLETION_PATHS"]

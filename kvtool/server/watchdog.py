@@ -10,15 +10,10 @@ fresh state (the model stays loaded). More than `MAX_RESTARTS` failures within
 `RESTART_WINDOW_S` mean the failure is not a single bad request: the thread then stops, `/health`
 answers 503 and every request is answered 503 at once (`GenerationUnavailable`).
 
-It also refuses prompts longer than `max_prompt_tokens` at tokenization (`PromptTooLong`, 413),
-whatever path they came by (the handler checks before queuing; this is the backstop, e.g. for
-prompts with images, which the handler does not tokenize). The handler's own check is
-`RequestGuard.pretokenize`: it tokenizes on the handler's thread and leaves the result for the
-generation thread.
-
-After taking a request that found it idle, the generation loop waits (bounded) for the requests still in admission
-(`AdmittedHandler`: arrived, not yet queued) before its next step, so that requests that arrive
-together are prefilled in one step (`kvtool.server.admission`).
+It also refuses prompts longer than `max_prompt_tokens` at tokenization (`PromptTooLong`, 413):
+the backstop of the handler's own check (`RequestGuard.pretokenize`, which tokenizes on the
+handler's thread), e.g. for prompts with images, which the handler does not tokenize. The loop
+waits for the requests still in admission (`AdmittedHandler`; `kvtool.server.admission`).
 
 Test seam: with the environment variable `KVTOOL_TEST_GENERATION_FAULT` set to a string, a
 request whose stop strings include it makes the generation loop raise where `"stop": 5` did
@@ -107,16 +102,11 @@ class RequestGuard:
         """Tokenize a request on its handler's thread exactly as the generation thread would
         (mlx-lm's `ResponseGenerator._tokenize`: chat template, system / user segments, initial
         state), refuse it over `max_prompt_tokens`, and leave the result on the request for the
-        generation thread's `_tokenize` (`take_pretokenized`), which then
-        only checks it: every text prompt is tokenized once, here.
-
-        mlx-lm tokenizes on its single generation thread, between decode steps: a chat request
-        with a system message is two template renders and encodes (~6 ms for a 2k-token prompt of
-        `tiny`, 36 % of that thread's py-spy samples at 16 clients; ~120 ms for a 23k-token one).
-        The tokenizers library releases the GIL while it encodes, so here it overlaps decoding.
+        generation thread's `_tokenize` (`take_pretokenized`): every text prompt is tokenized
+        once, here, overlapping decoding (docs/server.md#tokenization-off-the-generation-thread).
         The work is on a copy of the request (mlx-lm's message processing rewrites its messages)
         with this guard's copy of the tokenizer, one request at a time. A request with images is
-        left to the generation thread (which checks the limit too, `PromptTooLong`).
+        left to the generation thread.
 
         Raises:
             PromptTooLong: more tokens than `max_prompt_tokens` (answered 413).
@@ -156,24 +146,18 @@ class AdmittedHandler:
 
 
 class KVToolResponseGenerator(ResponseGenerator):
-    """`mlx_lm.server.ResponseGenerator` whose generation loop is restarted when it raises.
-
-    After taking a request that found it idle, the loop waits for the requests still in
-    admission (arrived at a handler, not yet queued: `admission`) before its next step, so that
-    requests that arrive together are prefilled in one step (`kvtool.server.admission`); `prefill_steps` records
-    the prompt tokens of each request prefilled in each step.
+    """`mlx_lm.server.ResponseGenerator` whose generation loop is restarted when it raises, and
+    waits for the requests in `admission` (`_next_request`); `prefill_steps` records the prompt
+    tokens of each request prefilled in each step.
 
     Args:
         model_provider, prompt_cache: as `ResponseGenerator`.
         max_prompt_tokens: longest prompt accepted (tokens, after the chat template).
-        max_restarts, restart_window_s: more than `max_restarts` loop failures within
-            `restart_window_s` seconds stop generation for good (503).
         admission: the handlers' arrivals (`RequestGuard.admission`); None: the loop never waits.
         prefill_token_budget: `PrefillSlots`' token budget (uncached prompt tokens; 0: none).
     """
 
     def __init__(self, model_provider: Any, prompt_cache: Any, *, max_prompt_tokens: int,
-                 max_restarts: int = MAX_RESTARTS, restart_window_s: float = RESTART_WINDOW_S,
                  admission: Admission | None = None, prefill_token_budget: int = 0):
         # Set before the base class starts the generation thread.
         self.admission = admission if admission is not None else Admission(window_s=0.0)
@@ -183,8 +167,6 @@ class KVToolResponseGenerator(ResponseGenerator):
         self._alone = threading.Event()  # set while the loop serves a request outside the batch
         self._round_until: float | None = None  # the loop took a request: it may wait until then
         self.max_prompt_tokens = max_prompt_tokens
-        self.max_restarts = max_restarts
-        self.restart_window_s = restart_window_s
         self.restarts = 0
         self.pretokenized = 0  # prompts the handlers tokenized for this thread (`RequestGuard.pretokenize`)
         self.last_failure: str | None = None
@@ -216,14 +198,14 @@ class KVToolResponseGenerator(ResponseGenerator):
         """Fail the dead loop's requests; False when generation must stop for good."""
         now = time.monotonic()
         self._failures.append(now)
-        while self._failures and now - self._failures[0] > self.restart_window_s:
+        while self._failures and now - self._failures[0] > RESTART_WINDOW_S:
             self._failures.popleft()
         self.last_failure = reason
-        give_up = len(self._failures) > self.max_restarts
+        give_up = len(self._failures) > MAX_RESTARTS
         if give_up:
             self._generation_failed = True  # generate() refuses from now on; /health says 503
             log.error("the generation loop failed %d times within %.0f s; generation is stopped (HTTP 503)",
-                      len(self._failures), self.restart_window_s)
+                      len(self._failures), RESTART_WINDOW_S)
         error: Exception = (GenerationUnavailable(f"generation is stopped after repeated failures (last: {reason})")
                             if give_up else
                             GenerationFailed(f"generation failed ({reason}); the request was dropped and the "
@@ -248,10 +230,8 @@ class KVToolResponseGenerator(ResponseGenerator):
         the burst makes progress, at most `Admission.round_s` after that first request.
 
         The loop is idle when it asks with a timeout (mlx-lm's loop blocks only when its batch
-        holds no request). A busy loop never waits: its decoding would stall for requests that
-        join its batch at the next step anyway (at 16 clients that cost throughput). A busy loop
-        whose prefill slots are all taken (`PrefillSlots`) takes nothing: queued requests are
-        taken, and their cached prefixes fetched, when their prefill can start."""
+        holds no request). A busy loop never waits (its decoding would stall), and takes nothing
+        while its prefill slots are all taken (`PrefillSlots`)."""
         if self._is_distributed:
             return super()._next_request(timeout)
         if timeout is not None:  # an idle loop: its batch holds no request
