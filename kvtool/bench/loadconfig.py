@@ -66,7 +66,6 @@ from kvtool.config import ConfigError
 from kvtool.units import parse_size
 
 SECTION = "serve_load"
-WHERE = f"{SECTION}."  # the prefix of every field name in an error
 KVTOOL_FLAGS = {"block_size": "--block-size", "ram_bytes": "--ram-bytes", "policy": "--policy",
                 "durability": "--durability", "codec": "--codec"}
 

@@ -1,13 +1,11 @@
 """The PNG charts of `kvtool report` (matplotlib, Agg): one chart per question (`kvtool.bench.report.CHARTS`).
 
 Every chart draws medians with their 95 % bootstrap interval (`kvtool.bench.verdicts.spread`,
-`kvtool.bench.loadstats.bootstrap_ci`) on **one shared log scale per quantity** (every panel of a
-quantity has the same axis, labelled with its unit), and carries a footer with the machine, the
-load average, the commit and the repeats (`footer`). Horizontal bars run from the axis start to the
-median; the whisker (black) is the interval; the value and interval are written in a column of
-their own at the right of every panel (`LABEL_X`), on a white box, so no label leaves the axes or
-sits on a bar. Each row is labelled by its three dimensions in aligned columns (policy, writer,
-durability, then any further grid axis: `grid_label`), not by a slash-joined name.
+`kvtool.bench.loadstats.bootstrap_ci`) on **one shared log scale per quantity**, labelled with its
+unit, and carries a footer with the machine, the load average, the commit and the repeats
+(`footer`). Bars (`interval_bars`) run from the axis start to the median, the whisker is the
+interval, and the value with its interval stands in a label column of its own (`LABEL_X`). Each
+row is labelled by the cell's dimensions in aligned columns (`grid_label`).
 
 Colours, one meaning each (the loadcharts palette): the **winner** green, cells **tied** with the
 lowest grey, cells slower than the lowest beyond the intervals light red, baselines white hatched.

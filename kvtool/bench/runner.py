@@ -150,8 +150,7 @@ def run_sweep(
 
 
 def _write_run(result: RunResult, report: bool) -> None:
-    """`requests.csv`, `cells.csv`, `run.json` into the run directory; then, with `report`, the
-    PNGs and report.md (`kvtool.bench.report.write_report`)."""
+    """`requests.csv`, `cells.csv`, `run.json` into the run directory; then, with `report`, the report."""
     result.requests.to_csv(result.run_dir / "requests.csv", index=False)
     result.cells.to_csv(result.run_dir / "cells.csv", index=False)
     (result.run_dir / "run.json").write_text(json.dumps(result.run, indent=2, default=str) + "\n")
@@ -377,9 +376,8 @@ def scan_cache_dir(directory: Path) -> dict[str, int]:
 
 
 def drop_page_cache(directory: Path) -> dict[str, Any]:
-    """Drop the OS page cache of every block / prompt-cache file under `directory`.
-
-    Dirty pages are written first (fsync), since `POSIX_FADV_DONTNEED` keeps dirty pages.
+    """Drop the OS page cache of every block / prompt-cache file under `directory`
+    (`restore_pagecache.fadvise_dontneed`).
 
     Returns:
         `{"files": n, "ok": bool, "error": str | None}`; `ok` is False where the platform has no
