@@ -53,16 +53,9 @@ class LoadReportError(KVToolError):
 
 @dataclass
 class LoadReport:
-    """What `write_load_report` computed.
-
-    Attributes:
-        run_dir: the run directory.
-        cells, comparison, mismatches: the frames written as CSV.
-        ok: no output mismatch, no failed request, every server stopped cleanly, no batch error.
-        problems: one line per reason `ok` is False.
-        files: the files written.
-        parity: the parity table (`kvtool.bench.loadparity`).
-    """
+    """What `write_load_report` computed: the frames written as CSV, `ok` (no output mismatch,
+    no failed request, every server stopped cleanly, no batch error) with one line of `problems`
+    per reason it is False, the files written and the parity table (`kvtool.bench.loadparity`)."""
 
     run_dir: Path
     cells: pd.DataFrame

@@ -92,10 +92,6 @@ def grid_label(cell: str, kind: str) -> str:
     return "".join(f"{p:<{w}}" for p, w in zip(parts, GRID_WIDTHS)) + " ".join(parts[3:-3])
 
 
-def _header() -> str:
-    return "".join(f"{p:<{w}}" for p, w in zip(GRID_HEADER, GRID_WIDTHS))
-
-
 def _rows(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """The (cell, kind) rows of a chart: baselines first, then kvtool cells in sweep order."""
     pairs = list(dict.fromkeys(zip(frame["cell"], frame["kind"])))
@@ -142,7 +138,7 @@ def _style(ax: Any, rows: list[tuple[str, str]], xlabel: str, title: str) -> Non
     """Log x axis with its unit, the row grid (header row on top), the panel title."""
     ax.set_xscale("log")
     _plain_log_ticks(ax.xaxis)
-    ax.set_yticks(np.arange(-1, len(rows)), [_header()] + [grid_label(c, k) for c, k in rows],
+    ax.set_yticks(np.arange(-1, len(rows)), [grid_label("/".join(GRID_HEADER), KIND_KVTOOL)] + [grid_label(c, k) for c, k in rows],
                   fontfamily="monospace", fontsize=7.5)
     for label in ax.get_yticklabels()[:1]:  # the header row (panels sharing the left column's labels have none)
         label.set_fontweight("bold")

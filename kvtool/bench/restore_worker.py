@@ -87,17 +87,9 @@ def resolve_api(api: str = "auto") -> str:
 
 def open_prefix_cache(cache_dir: Path, shape: KVShape, *, async_writes: bool = False,
                       block_size: int | None = None) -> Any:
-    """Open kvtool's prefix cache on `cache_dir` for synthetic KV of `shape` (SSD only, no RAM tier).
-
-    Args:
-        cache_dir: SSD tier root.
-        shape: KV layout; its `model_id` names the namespace.
-        async_writes: background writer (True) or inline writes (False).
-        block_size: tokens per block; None keeps kvtool's default.
-
-    Returns:
-        A `kvtool.cache.prefix.PrefixCache` (`store`, `flush`, `fetch`, `release`, `close`).
-    """
+    """A `kvtool.cache.prefix.PrefixCache` on the SSD tier `cache_dir` (no RAM tier, best_effort)
+    for synthetic KV of `shape` (its `model_id` names the namespace), with the background writer
+    or inline writes, `block_size` tokens per block (None: kvtool's default)."""
     from kvtool.cache.prefix import KVGeometry, PrefixCache
     from kvtool.config import KVToolConfig
 

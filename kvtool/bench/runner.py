@@ -51,14 +51,8 @@ BLOCK_SUFFIX = ".safetensors"
 
 @dataclass
 class RunResult:
-    """What `run_sweep` produced.
-
-    Attributes:
-        run_dir: directory holding requests.csv, cells.csv, run.json (and the report).
-        requests: `requests.csv` rows.
-        cells: `cells.csv` rows.
-        run: the `run.json` document.
-    """
+    """What `run_sweep` produced: the run directory and the `requests.csv` rows, `cells.csv` rows
+    and `run.json` document it holds (with the report)."""
 
     run_dir: Path
     requests: pd.DataFrame
@@ -237,7 +231,7 @@ def run_cell(ctx: _Context, workload: Workload, cell: Cell, repeat: int) -> tupl
     """Run one workload on one cell from an empty cache directory.
 
     Returns:
-        (request rows, the cell run's facts: ID columns, repeat, `metrics.RUN_FACTS`, writer
+        (request rows, the cell run's facts: the `runs` row of `metrics.aggregate_cells`, writer
         counters and disk scan).
     """
     engine, spec = ctx.engine, ctx.spec
