@@ -206,13 +206,14 @@ def output_mismatches(requests: pd.DataFrame) -> dict[tuple[str, int, str, str],
         for r in both.to_dict(orient="records"):
             phase = r["phase_o"] if isinstance(r["phase_o"], str) else r["phase_b"]
             cell = (r["workload"], int(r["clients"]), phase, server)
-            same = _answered(r, "_o") and _answered(r, "_b") and r["text_o"] == r["text_b"] \
+            same = answered(r, "_o") and answered(r, "_b") and r["text_o"] == r["text_b"] \
                 and r["completion_tokens_o"] == r["completion_tokens_b"]
             out[cell] = out.get(cell, 0) + (0 if same else 1)
     return out
 
 
-def _answered(r: dict[str, Any], suffix: str) -> bool:
+def answered(r: dict[str, Any], suffix: str) -> bool:
+    """True if the merged request row `r` has an answer (a text, no error) on the side `suffix`."""
     return isinstance(r[f"text{suffix}"], str) and not isinstance(r[f"error{suffix}"], str)
 
 
@@ -327,5 +328,6 @@ def write_parity(run_dir: Path, requests: pd.DataFrame, batches: pd.DataFrame,
     return frame, parity_markdown(frame)
 
 
-__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "drop_note", "output_mismatches", "parity_frame",
-           "parity_markdown", "parity_summary", "parity_target", "phase_figures", "target_met", "write_parity"]
+__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "answered", "drop_note",
+           "output_mismatches", "parity_frame", "parity_markdown", "parity_summary", "parity_target", "phase_figures",
+           "target_met", "write_parity"]

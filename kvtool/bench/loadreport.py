@@ -33,7 +33,7 @@ import pandas as pd
 
 from kvtool.bench.loadagents import prompt_token_mismatches
 from kvtool.bench.loadcharts import write_charts
-from kvtool.bench.loadparity import parity_summary, write_parity
+from kvtool.bench.loadparity import answered, parity_summary, write_parity
 from kvtool.bench.loadpooled import fmt
 from kvtool.bench.loadserver import KVTOOL, MLXLM
 from kvtool.bench.loadstats import FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
@@ -178,8 +178,7 @@ def mismatches_frame(requests: pd.DataFrame) -> tuple[pd.DataFrame, dict[tuple[s
     bad = []
     for row in both.to_dict(orient="records"):
         cell = counts.setdefault((row["workload"], int(row["clients"])), [0, 0])
-        k_ok = isinstance(row["text_k"], str) and not isinstance(row["error_k"], str)
-        m_ok = isinstance(row["text_m"], str) and not isinstance(row["error_m"], str)
+        k_ok, m_ok = answered(row, "_k"), answered(row, "_m")
         if not (k_ok or m_ok):
             continue  # neither answered: counted as failed requests, nothing to compare
         cell[0] += 1
