@@ -56,12 +56,8 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 class PromptCacheBaseline:
-    """Prompt-cache files in one directory, reused by longest common token prefix.
-
-    Args:
-        model: the resident mlx-lm model.
-        cache_dir: directory of the `.safetensors` prompt-cache files (created if missing).
-    """
+    """Prompt-cache files (`.safetensors`) in `cache_dir` (created if missing), reused by longest
+    common token prefix on the resident mlx-lm `model`."""
 
     def __init__(self, model: Any, cache_dir: Path):
         self.model = model
@@ -109,15 +105,8 @@ class PromptCacheBaseline:
         return cache
 
     def generate(self, ids: Sequence[int], max_tokens: int = 8) -> BaselineResult:
-        """Serve one request greedily: reuse the best prompt cache, prefill, decode, save.
-
-        Args:
-            ids: prompt token ids.
-            max_tokens: tokens to decode (the first one included).
-
-        Returns:
-            The request's metrics; `ttft_ms` includes finding and loading the cache file.
-        """
+        """Serve one request greedily: reuse the best prompt cache, prefill, decode `max_tokens`
+        (the first one included), save. `ttft_ms` includes finding and loading the cache file."""
         prompt = np.asarray(ids, dtype=np.int64)
         res = BaselineResult(prompt_tokens=len(prompt))
         start = time.perf_counter()

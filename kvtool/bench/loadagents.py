@@ -1,40 +1,30 @@
 """The `agents` load workload: agent loops whose every turn carries the model's actual reply.
 
-N agents share one long system prompt (instructions and `tools` tool definitions, then corpus
-text, `system_tokens` in all). Agent `a` starts from its own task (a user message); each turn
-sends the whole transcript so far; after an answer the transcript grows by the reply the server
-returned (an assistant message) and a tool result of `result_min_tokens`..`result_max_tokens`
-tokens (a user message; length and text drawn from `numpy.random.default_rng([seed, a, turn])`).
-So a turn's request exists only once the previous answer has come back: the requests are built
-while the batch runs (`AgentsBatch`), not ahead of it like the other workloads'.
+N agents share one long system prompt (`system_prompt`). Agent `a` starts from its own task (a
+user message); each turn sends the whole transcript so far; after an answer the transcript grows
+by the reply the server returned (an assistant message; `EMPTY_REPLY` for an empty one, which is
+not valid Messages input) and a tool result (a user message, `AgentsPlan.user_text`). So a turn's
+request exists only once the previous answer has come back: the requests are built while the
+batch runs (`AgentsBatch`), not ahead of it like the other workloads'. A failed turn stops its agent.
 
 The same conversation goes to both servers in their own API: `kvtool serve` gets Anthropic's
 Messages API (`POST /v1/messages` through the `anthropic` SDK: one `system` string, user and
 assistant messages of plain text, `temperature` 0 in the body), plain `mlx_lm.server` the
-equivalent chat completions (system + user/assistant messages, `openai` SDK). Both stream; TTFT is
-the request sent -> the first text delta (ms). Tokens: kvtool's `usage.cache_read_input_tokens` is
-the cached prompt and `input_tokens + cache_read_input_tokens + cache_creation_input_tokens` the
-prompt (Anthropic's accounting); mlx-lm's `usage.prompt_tokens_details.cached_tokens` and
-`usage.prompt_tokens`.
+equivalent chat completions (`openai` SDK). Both stream; TTFT is the request sent -> the first
+text delta (ms). Tokens: kvtool's `usage.cache_read_input_tokens` is the cached prompt and
+`input_tokens + cache_read_input_tokens + cache_creation_input_tokens` the prompt (Anthropic's
+accounting); mlx-lm's `usage.prompt_tokens_details.cached_tokens` and `usage.prompt_tokens`.
 
-Mismatches: each server's agents continue with that server's own replies. Greedy decoding on the
-same model keeps the two conversations identical; when an output differs, that turn is an output
-mismatch (`mismatches.csv`, the kvtool cell fails) and the agent goes on with each server's own
-reply, so its later turns are different requests (they are compared too, and listed when they
-differ). `prompt_token_mismatches` checks that both servers counted the same prompt tokens for every
-turn whose transcript is still identical (no earlier output of the agent differed).
-
-An empty reply (the model's end-of-turn token first) is appended as `EMPTY_REPLY` on both servers
-(an empty assistant message is not valid Messages input). A failed turn stops its agent.
+Mismatches: greedy decoding on the same model keeps the two servers' conversations identical;
+when an output differs, that turn is an output mismatch (the kvtool cell fails) and the agent goes
+on with each server's own reply, so its later turns differ too (compared, and listed when they
+differ). `prompt_token_mismatches` checks the prompt tokens of the turns still identical.
 
 `[serve_load]`'s `clients` caps the turns in flight (and sets the agent count when `agents` is
 0); its `arrival`, `max_requests` and `max_tokens` do not apply (the workload's own `max_tokens` is
-per turn); `max_wall_s` bounds each phase.
-
-With `restart = true` the servers are restarted before turn T/2 (`kvtool.bench.loadcell.run_batch`)
-and the agents go on with their transcripts: the turns before it are the phase `before`, turn T/2
-is `after` (the first turn after the restart: the one the restart costs) and the later ones
-`rewarm`, as for `multi-turn` with `restart_after` (`after` and `rewarm` are measured).
+per turn); `max_wall_s` bounds each phase. With `restart = true` the servers are restarted before
+turn T/2 (`kvtool.bench.loadcell.run_batch`) and the agents go on with their transcripts
+(phases: `turn_phase`).
 """
 
 from __future__ import annotations
@@ -112,7 +102,8 @@ class AgentsPlan:
 
     def user_text(self, agent: int, turn: int) -> str:
         """The user message that precedes turn `turn` of `agent`: its task (turn 0), else the
-        result of the tool called in the previous turn (deterministic from the seed)."""
+        result of the tool called in the previous turn, of `result_min_tokens`..`result_max_tokens`
+        tokens (length and text drawn from `default_rng([seed, agent, turn])`)."""
         if (agent, turn) not in self._texts:
             self.src.rng = np.random.default_rng([self.seed, agent, turn])
             if turn == 0:

@@ -5,20 +5,16 @@ module instead of the policy sweep; its keys and their validation: `kvtool.bench
 
 Every batch = (workload, clients, server, repeat) starts its own server subprocess on a free
 loopback port (kvtool: an empty cache directory), warms it up, runs the workload's phases
-through `kvtool.bench.loadgen` (a workload with `restart_before`, i.e. `restart`, `agents` with
-`restart` and `multi-turn` with `restart_after`, restarts the server before that phase: one
-mechanism for all three), reads `GET /kvtool/stats` around the measured phases, samples the
-server's peak RSS and stops it (SIGTERM, then SIGKILL). The batches of one (workload, clients,
-repeat) run back to back, the servers' order rotated by one from repeat to repeat (so each goes
-first as often as the others); the 1-minute load average is recorded at each batch's start and end
-(`load_avg_start`, `load_avg_end`), and the host's listen-queue overflows during the measured
-phases (`listen_overflows`, `kvtool.bench.machine.listen_overflows`: connections a server's full
-accept queue dropped, each ~1 s added to a client's TTFT; None where the OS does not count them).
+through `kvtool.bench.loadgen` (restarting the server before the workload's `restart_before`
+phase), reads `GET /kvtool/stats` around the measured phases, samples the server's peak RSS and
+stops it (SIGTERM, then SIGKILL). The batches of one (workload, clients, repeat) run back to back,
+the servers' order rotated by one from repeat to repeat (so each goes first as often as the
+others); each batch records the 1-minute load average at its start and end and the host's
+listen-queue overflows during its measured phases (`kvtool.bench.machine.listen_overflows`).
 Outputs in the run directory: `requests.jsonl` / `requests.csv` (one row per request),
 `batches.csv` / `batches.json` (per batch figures, server facts, kvtool counters), `run.json`, then
-`kvtool.bench.loadreport.write_load_report`: `cells.csv`, `comparison.csv`, `mismatches.csv`,
-`parity.csv`, charts and `report.md`. A progress line goes to stderr at least every
-`PROGRESS_INTERVAL_S` seconds.
+the report (`kvtool.bench.loadreport.write_load_report`). A progress line goes to stderr at least
+every `PROGRESS_INTERVAL_S` seconds.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Charts of the load benchmark (matplotlib, Agg backend, PNG).
 
-Colours (`COLORS`), one meaning each:
-- verdicts of kvtool against the mlx-lm baseline: **win** green `#1A9850`, **loss** red
-  `#D73027`, **tie** grey `#A6A6A6` (a tie is never drawn in the win or loss colour);
-- the mlx-lm baseline itself: dark grey `#404040`, dashed lines / hatched bars, as a reference;
-- kvtool curves that carry no verdict (the TTFT CDF): blue `#4C72B0`; the RAM / SSD tiers of the
-  hit-rate chart: blue `#4C72B0` / purple `#8172B2`.
+Colours (`COLORS`), one meaning each: verdicts of kvtool against the mlx-lm baseline (**win**
+green, **loss** red, **tie** grey: a tie is never drawn in the win or loss colour); the mlx-lm
+baseline itself dark grey, dashed lines / hatched bars, as a reference; kvtool curves that carry
+no verdict (the TTFT CDF) blue; the RAM / SSD tiers of the hit-rate chart blue / purple.
 Whiskers everywhere are the 95 % bootstrap interval over the repeats (`kvtool.bench.loadstats`).
 Layout: constrained (matplotlib's), so no title meets the figure's suptitle or a neighbour; at
-most `MAX_VALUE_TICKS` ticks on a value axis and category labels turned `CATEGORY_ROTATION`
-degrees past `MAX_FLAT_CATEGORIES` categories, so tick labels never run together.
+most `MAX_VALUE_TICKS` ticks on a value axis and category labels turned past
+`MAX_FLAT_CATEGORIES` categories (`category_ticks`), so tick labels never run together.
 
 Charts (`write_charts`):
 - `ttft_cdf.png`: the empirical CDF of TTFT per cell (requests of all repeats pooled), one panel

@@ -66,7 +66,6 @@ from kvtool.config import ConfigError
 from kvtool.units import parse_size
 
 SECTION = "serve_load"
-WHERE = f"{SECTION}."  # the prefix of every field name in an error
 KVTOOL_FLAGS = {"block_size": "--block-size", "ram_bytes": "--ram-bytes", "policy": "--policy",
                 "durability": "--durability", "codec": "--codec"}
 
@@ -226,14 +225,12 @@ def parse_serve_load(data: dict[str, Any], default_name: str = SECTION, base_dir
                 raise config_error(exc, f"{SECTION}.workloads.{wname}.clients", {"": _ServeLoadTable}) from None
         validate_load_params(wname, {k: v for k, v in params.items() if k != "clients"})
     return ServeLoadSpec(
-        name=t.name or default_name, model=t.model, seed=t.seed, repeats=t.repeats, clients=tuple(t.clients),
-        servers=tuple(t.servers), arrival=t.arrival, rate=t.rate, max_tokens=t.max_tokens,
-        max_requests=t.max_requests, max_wall_s=t.max_wall_s, request_timeout_s=t.request_timeout_s,
-        warmup=t.warmup, start_timeout_s=t.start_timeout_s, stop_timeout_s=t.stop_timeout_s,
+        **t.model_dump(exclude={"name", "clients", "servers", "kvtool", "workloads", "cache_root"}),
+        name=t.name or default_name, clients=tuple(t.clients), servers=tuple(t.servers),
         kvtool=t.kvtool.model_dump(exclude_none=True, by_alias=True),
         workloads={k: {p: v for p, v in table.items() if p != "clients"} for k, table in t.workloads.items()},
         workload_clients=workload_clients, cache_root=Path(t.cache_root).expanduser() if t.cache_root else None,
-        keep_cache=t.keep_cache, base_dir=base_dir, raw=data,
+        base_dir=base_dir, raw=data,
     )  # fmt: skip
 
 

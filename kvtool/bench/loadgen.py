@@ -5,28 +5,17 @@ a streamed, greedy `/v1/chat/completions` call (`temperature=0`, `stream_options
 so the server reports `usage.prompt_tokens`, `usage.completion_tokens` and, where it knows it,
 `usage.prompt_tokens_details.cached_tokens` (both `mlx_lm.server` and `kvtool serve` do).
 
-Arrival processes (`LoadSpec.arrival`):
-- `closed`: `clients` workers, each sends its next request as soon as its previous one finished
-  (fixed concurrency, closed loop);
-- `poisson`: requests arrive at the times of a Poisson process of `rate_per_s` requests/s
-  (exponential gaps drawn from `numpy.random.default_rng(seed)`), open loop; `clients` caps the
-  requests in flight (a request waits for a free slot; the wait is `queue_ms`);
-- `trace`: each request arrives at its own `LoadRequest.arrival_s` (trace replay), `clients`
-  caps the requests in flight as for `poisson`.
-
-A request may depend on an earlier one (`LoadRequest.after`, the previous turn of the same
-conversation): it is sent only once that one finished, whatever the arrival process.
+Arrival processes (`LoadSpec.arrival`): `closed` (`clients` workers, each sends its next request
+as soon as its previous one finished); `poisson` (open loop: arrivals at the times of a Poisson
+process, `poisson_arrivals`); `trace` (each request at its own `LoadRequest.arrival_s`). In the
+open ones `clients` caps the requests in flight (a request waits for a free slot; the wait is
+`queue_ms`). A request may depend on an earlier one (`LoadRequest.after`, the previous turn of the
+same conversation): it is sent only once that one finished, whatever the arrival process.
 
 Bounds: at most `max_requests` requests are sent (the first ones of the list) AND nothing runs
 past `max_wall_s` seconds: at that deadline requests in flight are cancelled (recorded with
 `error = "wall time limit"`) and requests not yet sent are counted in `LoadResult.not_sent`.
-
-Per request (`RequestRecord`, times in ms from the moment the HTTP request is sent):
-`ttft_ms` = first streamed chunk with non-empty `delta.content`; `latency_ms` = end of the
-stream; tokens as reported in `usage`. A stream that never carries content (e.g. EOS first)
-gets `ttft_ms = latency_ms` and `ttft_from_content = False`.
-
-Only loopback servers are accepted (`check_loopback`): 127.0.0.0/8, `localhost` or `::1`.
+Only loopback servers are accepted (`check_loopback`).
 
     from kvtool.bench.loadgen import LoadRequest, LoadSpec, run_load
     reqs = [LoadRequest(key=f"q{i}", messages=({"role": "user", "content": f"Question {i}"},), max_tokens=8)
@@ -118,7 +107,8 @@ class LoadSpec:
 
 @dataclass
 class RequestRecord:
-    """What one request did. Times in ms, relative times in s from the start of the run.
+    """What one request did. Times in ms from the moment the HTTP request is sent, relative times
+    in s from the start of the run.
 
     Attributes:
         index: position in the request list.
@@ -126,7 +116,7 @@ class RequestRecord:
         scheduled_s: when the arrival process released it (s since the run started).
         sent_s: when the HTTP request was sent (s since the run started).
         queue_ms: sent - scheduled (waiting for a client slot or the previous turn) (ms).
-        ttft_ms: sent -> first streamed content (ms).
+        ttft_ms: sent -> first streamed chunk with non-empty `delta.content` (ms).
         latency_ms: sent -> end of the stream (ms).
         prompt_tokens, completion_tokens: from `usage` (tokens; 0 if not reported).
         cached_tokens: `usage.prompt_tokens_details.cached_tokens` (tokens; None if not reported).
@@ -359,12 +349,9 @@ def _never_connected(exc: BaseException) -> bool:
 
 async def connect_retrying(call: Callable[[], Any]) -> Any:
     """`await call()`, again up to `CONNECT_RETRIES` times while it fails to connect (the SDK's
-    connection error caused by a `ConnectError`: the server never got the request, e.g. a
-    listen backlog full under many simultaneous clients: `mlx_lm.server` keeps 5). Any other
-    failure, a connection broken after it was made among them, is raised at once: the server may
-    have taken the request. The client runs without the SDK's own retries, which repeat requests
-    on any connection error and on 5xx answers. The caller's clock keeps running: the wait counts
-    in the request's TTFT.
+    connection error caused by a `ConnectError`: the server never got the request, e.g. a full
+    listen backlog). Any other failure is raised at once: the server may have taken the request
+    (the SDK's own retries, off, would repeat it). The wait counts in the request's TTFT.
 
     Raises:
         whatever `call` raises last.

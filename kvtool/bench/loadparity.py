@@ -18,18 +18,9 @@ and whether it is met (`parity_target`):
   restart, the later ones are `rewarm`): TTFT p50 <= `CACHED_FACTOR` x every mlx-lm server's
   (their caches were in memory; kvtool's is on disk).
 
-Pooled over the repeats (`kvtool.bench.loadpooled`, where the rule and its reasons are given):
-the better of two noisy mlx-lm servers is biased against kvtool, so every row also gets, per
-repeat, kvtool's TTFT p50 / the geometric mean of the mlx-lm servers' in that repeat
-(`ttft_p50_ms_ratio_geo_r<k>`), their geometric mean over the repeats with an interval of -+2
-standard errors of the mean log ratio (`ttft_p50_ms_ratio_geo`, `_lo`, `_hi`, `_n`; NaN interval
-with one repeat), the same for requests/s (`requests_per_s_ratio_geo...`) and for the noise
-reference `mlx-lm` / `mlx-lm-1000` (`<fig>_noise...`: the same work on both servers), and a
-second verdict `pooled_met` for `parity` rows: `met` when the whole interval is within
-`TOLERANCE` (TTFT <= it, requests/s >= 1 / it), `not met` when the whole interval is beyond it,
-`within noise` when it straddles `TOLERANCE` (one repeat: the point decides); `-` for the cached
-targets. The markdown section ends with the same figures pooled per workload and phase group
-(`loadpooled.pooled_groups`: shared-prefix cells, cold turns, warm turns, ...).
+Every row also gets the figures pooled over the repeats and their verdict `pooled_met`
+(`kvtool.bench.loadpooled`, where the rule and its reasons are given; `-` for the cached targets),
+and the markdown section ends with them pooled per workload and phase group.
 
 Outputs: every server's greedy output is compared with the `mlx-lm` server's for the same request
 (`output_mismatches_<server>`: requests that differ or that only one answered); the 1-minute load
@@ -39,11 +30,10 @@ over its repeats (`<server>_listen_overflows`, from `batches.csv`; None where no
 
 Why the mean and the overflows: `mlx_lm.server` listens with socketserver's backlog of 5, so when
 more clients connect at once the kernel drops the extra connections and their clients send the SYN
-again ~1 s later. Those requests wait outside the server (their TTFT includes the second), and
-the fewer requests inside are served sooner: the TTFT p50 of a 16-client cell can drop below what
-a server that accepts every connection (`kvtool serve`, backlog 128) reaches with the same
-throughput, while its mean and p99 rise. The p50 target stays as the issue set it; the mean, the
-p99 and the overflow count say when the p50 is that effect.
+again ~1 s later (`kvtool.bench.machine.listen_overflows`). Those requests wait outside the server,
+and the fewer requests inside are served sooner: the TTFT p50 of a 16-client cell can drop below
+what a server that accepts every connection (`kvtool serve`, backlog 128) reaches with the same
+throughput, while its mean and p99 rise; they say when the p50 is that effect.
 """
 
 from __future__ import annotations
@@ -216,13 +206,14 @@ def output_mismatches(requests: pd.DataFrame) -> dict[tuple[str, int, str, str],
         for r in both.to_dict(orient="records"):
             phase = r["phase_o"] if isinstance(r["phase_o"], str) else r["phase_b"]
             cell = (r["workload"], int(r["clients"]), phase, server)
-            same = _answered(r, "_o") and _answered(r, "_b") and r["text_o"] == r["text_b"] \
+            same = answered(r, "_o") and answered(r, "_b") and r["text_o"] == r["text_b"] \
                 and r["completion_tokens_o"] == r["completion_tokens_b"]
             out[cell] = out.get(cell, 0) + (0 if same else 1)
     return out
 
 
-def _answered(r: dict[str, Any], suffix: str) -> bool:
+def answered(r: dict[str, Any], suffix: str) -> bool:
+    """True if the merged request row `r` has an answer (a text, no error) on the side `suffix`."""
     return isinstance(r[f"text{suffix}"], str) and not isinstance(r[f"error{suffix}"], str)
 
 
@@ -337,5 +328,6 @@ def write_parity(run_dir: Path, requests: pd.DataFrame, batches: pd.DataFrame,
     return frame, parity_markdown(frame)
 
 
-__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "drop_note", "output_mismatches", "parity_frame",
-           "parity_markdown", "parity_summary", "parity_target", "phase_figures", "target_met", "write_parity"]
+__all__ = ["CACHED_FACTOR", "DEFAULT_CACHE_ENTRIES", "TARGETS", "TOLERANCE", "answered", "drop_note",
+           "output_mismatches", "parity_frame", "parity_markdown", "parity_summary", "parity_target", "phase_figures",
+           "target_met", "write_parity"]

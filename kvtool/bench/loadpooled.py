@@ -1,43 +1,33 @@
 """Pooled parity over repeats: kvtool against the geometric mean of the mlx-lm servers.
 
 Why: the parity table's per-cell verdict (`kvtool.bench.loadparity`) compares kvtool's mean TTFT
-p50 with the *better* of two mlx-lm servers (`mlx-lm`, `mlx-lm-1000`). In every cell whose data
-fits both caches the two do identical work, yet their figures differ by 0.66-1.52x from repeat to
-repeat on a shared 2-core machine: the minimum of two noisy samples sits below either server's
-typical figure, so that verdict is biased against kvtool and flips with the noise. Here every
-figure is paired *within a repeat* and pooled over the repeats:
+p50 with the *better* of two mlx-lm servers (`mlx-lm`, `mlx-lm-1000`). Where both do identical
+work their figures still differ from repeat to repeat on a shared machine: the minimum of two
+noisy samples sits below either server's typical figure, so that verdict is biased against kvtool
+and flips with the noise. Here every figure is paired *within a repeat* and pooled over the repeats:
 
 - per repeat r of a (workload, clients, phase): `ratio_r` = kvtool's figure / the geometric mean
-  of the mlx-lm servers' figures (both when both ran; NaN when kvtool or one of them has no
-  figure in r), for TTFT p50 (`ttft_p50_ms`) and requests/s (`requests_per_s`); the noise
-  reference `noise_r` = `mlx-lm`'s figure / `mlx-lm-1000`'s (NaN unless both ran): two servers
-  doing the same work, so its spread is what the machine alone produces;
+  of the mlx-lm servers' figures (NaN when kvtool or one of them has no figure in r), for TTFT
+  p50 and requests/s; the noise reference `noise_r` = `mlx-lm`'s figure / `mlx-lm-1000`'s: two
+  servers doing the same work, so its spread is what the machine alone produces;
 - pooled (`pooled_ratio`): the geometric mean of the finite, positive `ratio_r`, exp(m), with the
   interval exp(m -+ 2 SE), m the mean of log(ratio_r) and SE = their sample standard deviation
   (ddof 1) / sqrt(n); NaN interval with one repeat. Logs make ratios symmetric (1.1x and 1/1.1x
-  weigh the same) and the geometric mean of per-repeat ratios is the ratio of geometric means.
-  +-2 SE is about a 95 % interval only for many repeats: with 3 the log ratios' mean over its SE
-  follows Student's t with 2 degrees of freedom, and +-2 SE covers about 82 % of it. Sources:
-  P. J. Fleming and J. J. Wallace, "How not to lie with statistics: the correct way to summarize
-  benchmark results", CACM 29(3), 1986 (the geometric mean of normalized ratios); J. M. Bland and
-  D. G. Altman, "Transformations, means, and confidence intervals", BMJ 312:1079, 1996 (an
-  interval of the mean log, transformed back: a geometric mean's interval).
+  weigh the same). +-2 SE is about a 95 % interval only for many repeats: with 3 the log ratios'
+  mean over its SE follows Student's t with 2 degrees of freedom, and +-2 SE covers about 82 % of
+  it. Sources: P. J. Fleming and J. J. Wallace, "How not to lie with statistics: the correct way
+  to summarize benchmark results", CACM 29(3), 1986 (the geometric mean of normalized ratios);
+  J. M. Bland and D. G. Altman, "Transformations, means, and confidence intervals", BMJ
+  312:1079, 1996 (an interval of the mean log, transformed back: a geometric mean's interval).
 
 The pooled verdict (`pooled_verdict`, `parity` rows only) of a ratio against the parity factor
-(`loadparity.TOLERANCE`, 1.05; TTFT: ratio <= it; requests/s: ratio >= 1 / it) is three-way:
-
-- `met`: the whole interval is on the good side of the target;
-- `not met`: the whole interval is on the bad side;
-- `within noise`: the interval straddles the target; more repeats (or a quieter machine) are
-  needed to tell. With one repeat (no interval) the point estimate alone decides.
-
-A row's verdict is `not met` when either figure is, else `within noise` when either is, else
-`met` (TTFT alone when requests/s is absent). Why not a two-way verdict on the point estimate:
-with 3 repeats the interval is often +-5-8 %, wider than the 5 % tolerance itself, so a point
-verdict would flip from run to run just as the per-cell one does; the three-way one says only what
-the repeats support, and the point estimate and the noise reference stand beside it. The cached
-targets (`cached-default`, `cached-all`: <= 0.1x) lie far outside this spread and keep their
-per-cell verdict (pooled verdict `-`); their pooled figures are still given.
+(`loadparity.TOLERANCE`; TTFT: ratio <= it; requests/s: ratio >= 1 / it) is `met` when the whole
+interval is on the good side, `not met` when it is wholly on the bad side, and `within noise`
+when it straddles the target (more repeats are needed to tell); with one repeat the point alone
+decides. A row is `not met` when either figure is, else `within noise` when either is, else `met`.
+Three-way because with 3 repeats the interval is often wider than the tolerance itself: a point
+verdict would flip from run to run. The cached targets (<= 0.1x) lie far outside this spread and
+keep their per-cell verdict (pooled verdict `-`).
 
 `pooled_groups` pools the per-repeat ratios of the `parity` rows of one workload and phase group
 (`warm` and `rewarm` are the `warm turns`; every other phase its own group) over clients and
@@ -60,7 +50,7 @@ from kvtool.bench.loadworkloads import REWARM_PHASE
 POOL_SE = 2.0  # the interval: the mean log ratio -+ 2 standard errors
 POOLED_FIGS = ("ttft_p50_ms", "requests_per_s")
 SERIES = ("ratio_geo", "noise")  # kvtool / geometric mean of the mlx-lm servers; mlx-lm / mlx-lm-1000
-PHASE_GROUPS = {"warm": "warm turns", REWARM_PHASE: "warm turns"}
+PHASE_GROUPS = {"warm": "warm turns", REWARM_PHASE: "warm turns"}  # phase -> its group (else its label)
 CELL_KEYS = ["workload", "clients", "phase"]
 
 
@@ -166,11 +156,6 @@ def fmt(value: Any, digits: int = 1) -> str:
     return f"{v:,.{digits}f}" if math.isfinite(v) else "-"
 
 
-def phase_group(phase: str, label: str) -> str:
-    """The group a phase pools into: `warm turns` for `warm` and `rewarm`, else its label."""
-    return PHASE_GROUPS.get(phase, label)
-
-
 def pooled_groups(frame: pd.DataFrame, tolerance: float) -> pd.DataFrame:
     """Per (workload, phase group) of the `parity` rows of the parity table: `cells` (the rows),
     and the pooled columns over every per-repeat ratio of those rows (`<fig>_<series>`, `_lo`,
@@ -185,7 +170,7 @@ def pooled_groups(frame: pd.DataFrame, tolerance: float) -> pd.DataFrame:
         return pd.DataFrame()
     rows = []
     parity = frame[frame["target"] == "parity"]
-    groups = [phase_group(p, lab) for p, lab in zip(parity["phase"], parity["phase_label"], strict=True)]
+    groups = [PHASE_GROUPS.get(p, lab) for p, lab in zip(parity["phase"], parity["phase_label"], strict=True)]
     for (workload, group), sel in parity.groupby([parity["workload"], pd.Series(groups, index=parity.index)],
                                                  sort=False):
         row: dict[str, Any] = {"workload": workload, "group": group, "cells": len(sel),
@@ -238,5 +223,5 @@ def pooled_group_markdown(groups: pd.DataFrame, tolerance: float) -> list[str]:
     return lines
 
 
-__all__ = ["POOLED_FIGS", "POOL_SE", "fmt", "fmt_pooled", "phase_group", "pooled_group_markdown", "pooled_groups",
+__all__ = ["POOLED_FIGS", "POOL_SE", "fmt", "fmt_pooled", "pooled_group_markdown", "pooled_groups",
            "pooled_ratio", "pooled_row", "pooled_verdict", "repeat_ratios", "repeat_values"]

@@ -7,20 +7,17 @@ Reads only `requests.jsonl`, `batches.csv` and `run.json` of a run directory, so
   bootstrap interval), `peak_rss_mib` likewise, kvtool's per-tier counters (means over repeats),
   `failed` requests and, for kvtool cells, `outputs_compared` / `output_mismatches`;
 - `comparison.csv`: per (workload, clients, figure): both cells' intervals, the ratio
-  kvtool / mlx-lm with its interval (`loadstats.ratio_ci`) and the verdict (`loadstats.compare`:
-  `win` / `loss` only when the two cells' intervals do not overlap);
-- `summary.json`: `ok`, the problems found, and the rows of `cells.csv` and `comparison.csv`;
-- `summary.json` problems also count `agents` turns whose prompt tokens differ between the
-  servers while their transcripts are still equal (`kvtool.bench.loadagents.prompt_token_mismatches`);
+  kvtool / mlx-lm with its interval (`loadstats.ratio_ci`) and the verdict (`loadstats.compare`);
 - `mismatches.csv`: every request whose greedy kvtool output differs from mlx-lm's for the same
   request (same workload, clients, repeat and request key), or that only one server answered;
-- `parity.csv` and the report's "Parity" section: kvtool against every mlx-lm server per
-  (workload, clients, phase), with targets (`kvtool.bench.loadparity`) and ratios pooled over
-  the repeats (`kvtool.bench.loadpooled`);
+- `summary.json`: `ok`, the problems found, and the rows of `cells.csv` and `comparison.csv`;
+- `parity.csv` and the report's "Parity" section (`kvtool.bench.loadparity`);
 - the charts of `kvtool.bench.loadcharts` and `report.md`.
 
 A kvtool cell **fails** when any of its outputs differs from the baseline's; the run is `ok` only
-when no cell fails, no request failed and every server stopped cleanly.
+when no cell fails, no request failed, every server stopped cleanly and every `agents` turn whose
+transcript was the same on both servers counted the same prompt tokens
+(`kvtool.bench.loadagents.prompt_token_mismatches`).
 """
 
 from __future__ import annotations
@@ -36,10 +33,10 @@ import pandas as pd
 
 from kvtool.bench.loadagents import prompt_token_mismatches
 from kvtool.bench.loadcharts import write_charts
-from kvtool.bench.loadparity import parity_summary, write_parity
+from kvtool.bench.loadparity import answered, parity_summary, write_parity
 from kvtool.bench.loadpooled import fmt
 from kvtool.bench.loadserver import KVTOOL, MLXLM
-from kvtool.bench.loadstats import FIGURE_UNITS, FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
+from kvtool.bench.loadstats import FIGURES, bootstrap_ci, cell_summary, compare, ratio_ci
 from kvtool.errors import KVToolError
 
 CELL_KEYS = ["workload", "server", "clients"]
@@ -56,16 +53,9 @@ class LoadReportError(KVToolError):
 
 @dataclass
 class LoadReport:
-    """What `write_load_report` computed.
-
-    Attributes:
-        run_dir: the run directory.
-        cells, comparison, mismatches: the frames written as CSV.
-        ok: no output mismatch, no failed request, every server stopped cleanly, no batch error.
-        problems: one line per reason `ok` is False.
-        files: the files written.
-        parity: the parity table (`kvtool.bench.loadparity`).
-    """
+    """What `write_load_report` computed: the frames written as CSV, `ok` (no output mismatch,
+    no failed request, every server stopped cleanly, no batch error) with one line of `problems`
+    per reason it is False, the files written and the parity table (`kvtool.bench.loadparity`)."""
 
     run_dir: Path
     cells: pd.DataFrame
@@ -159,13 +149,13 @@ def comparison_frame(batches: pd.DataFrame) -> pd.DataFrame:
         m = grp[grp["server"] == MLXLM].sort_values("repeat")
         if k.empty or m.empty:
             continue
-        for fig, lower_better in FIGURES.items():
+        for fig, (lower_better, unit) in FIGURES.items():
             kv, ml = k[fig].to_numpy(dtype=float), m[fig].to_numpy(dtype=float)
             if not (np.isfinite(kv).any() and np.isfinite(ml).any()):
                 continue
             a, b = bootstrap_ci(kv), bootstrap_ci(ml)
             r = ratio_ci(kv, ml)
-            rows.append({"workload": workload, "clients": int(clients), "figure": fig, "unit": FIGURE_UNITS[fig],
+            rows.append({"workload": workload, "clients": int(clients), "figure": fig, "unit": unit,
                          "lower_is_better": lower_better, "kvtool": a.point, "kvtool_lo": a.lo, "kvtool_hi": a.hi,
                          "mlxlm": b.point, "mlxlm_lo": b.lo, "mlxlm_hi": b.hi, "ratio": r.point, "ratio_lo": r.lo,
                          "ratio_hi": r.hi, "repeats": min(a.n, b.n), "verdict": compare(a, b, lower_better)})
@@ -188,8 +178,7 @@ def mismatches_frame(requests: pd.DataFrame) -> tuple[pd.DataFrame, dict[tuple[s
     bad = []
     for row in both.to_dict(orient="records"):
         cell = counts.setdefault((row["workload"], int(row["clients"])), [0, 0])
-        k_ok = isinstance(row["text_k"], str) and not isinstance(row["error_k"], str)
-        m_ok = isinstance(row["text_m"], str) and not isinstance(row["error_m"], str)
+        k_ok, m_ok = answered(row, "_k"), answered(row, "_m")
         if not (k_ok or m_ok):
             continue  # neither answered: counted as failed requests, nothing to compare
         cell[0] += 1

@@ -1,20 +1,15 @@
 """Server subprocesses for the load benchmark: `kvtool serve` and plain `mlx_lm.server`.
 
-`ManagedServer` starts one server on a free loopback port (`python -m kvtool.cli.app serve ...`
-or `python -m mlx_lm.server --model DIR --port P`, with this interpreter; the kind `mlx-lm-1000`
-adds `--prompt-cache-size 1000`, `MLXLM_FLAGS`), waits until
-`GET /v1/models` answers 200, and stops it with SIGTERM, then SIGKILL after `stop_timeout_s`.
-Its stderr goes to a log file.
+`ManagedServer` starts one server (`ServerOptions.command`, with this interpreter) on a free
+loopback port, waits until `GET /v1/models` answers 200, and stops it with SIGTERM, then SIGKILL
+after `stop_timeout_s`. Its stderr goes to a log file.
 
 Peak RSS: `VmHWM` of `/proc/<pid>/status` (the kernel's resident-set high-water mark of that
-process, bytes), read while the process is alive (`peak_rss_bytes`, sampled by the caller and
-once more just before the stop). psutil is not used; `resource.getrusage(RUSAGE_CHILDREN)` is
-not either, since it reports the maximum over all waited-for children, not one server. On a
-system without `/proc` the value is None.
+process), read while the process is alive (sampled by the caller and once more just before the
+stop); None without `/proc`. `resource.getrusage(RUSAGE_CHILDREN)` would report the maximum over
+all waited-for children, not one server.
 
-The other bench children use the same helpers: `child_env` (this repository first on PYTHONPATH;
-the restore benchmark's workers), `free_port` (the bench's redis-server) and `proc_status_kb`
-(the restore workers' own peak RSS).
+The other bench children use the same helpers: `child_env`, `free_port` and `proc_status_kb`.
 """
 
 from __future__ import annotations
@@ -232,5 +227,5 @@ def _tail(path: Path, lines: int = 5) -> str:
         return ""
 
 
-__all__ = ["DEFAULT_SERVERS", "KVTOOL", "MLXLM", "MLXLM_1000", "MLXLM_FLAGS", "SERVER_KINDS", "ManagedServer", "ServerError", "ServerOptions", "child_env", "free_port",
-           "proc_status_kb"]
+__all__ = ["DEFAULT_SERVERS", "KVTOOL", "MLXLM", "MLXLM_1000", "MLXLM_FLAGS", "SERVER_KINDS", "ManagedServer",
+           "ServerError", "ServerOptions", "child_env", "free_port", "proc_status_kb"]

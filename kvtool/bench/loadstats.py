@@ -3,36 +3,29 @@
 A *batch* is one run of one workload on one server at one client count (one repeat); a *cell*
 is (workload, server, clients) over its repeats.
 
-Per batch (`batch_figures`, over the measured requests that succeeded):
-- `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms`, `latency_p50_ms`, `latency_p99_ms`: percentiles
-  by `numpy.percentile` with its default `method="linear"` (Hyndman & Fan's definition 7:
-  linear interpolation between the closest ranks), ms;
-- `requests_per_s` = measured requests / wall time of the measured phases (s), and
-  `prompt_tokens_per_s` = their summed `usage.prompt_tokens` / the same wall time;
-- `hit_rate` = summed `cached_tokens` / summed `prompt_tokens` as the server reported them
-  (`usage.prompt_tokens_details.cached_tokens`); `hit_rate_ram`, `hit_rate_ssd` = the RAM / SSD
-  hit tokens of `GET /kvtool/stats` (kvtool only) over the server's prompt tokens;
-  `cached_tokens_per_request` = the mean reported `cached_tokens` of the requests that report it
-  (tokens; per turn for the `agents` workload).
+Per batch (`batch_figures`, over the measured requests that succeeded): TTFT and latency
+percentiles (`numpy.percentile`, default `method="linear"`: Hyndman & Fan's definition 7, linear
+interpolation between the closest ranks; ms); requests/s and prompt tokens/s over the wall time of
+the measured phases; `hit_rate` = summed `cached_tokens` / summed `prompt_tokens` as the server
+reported them (`cached_tokens_per_request`: their mean, tokens); `hit_rate_ram` / `hit_rate_ssd`:
+kvtool's RAM / SSD hit tokens (`GET /kvtool/stats`) over its prompt tokens.
 
 Per cell (`bootstrap_ci`): the point estimate of a figure is the **mean over the repeats** of
 the per-batch values, with a 95 % **percentile bootstrap** confidence interval: resample the
-repeats with replacement `n_resamples` (10,000) times with `numpy.random.default_rng(seed)`
-(`BOOTSTRAP_SEED` = 20261124 unless given), take the mean of each resample, and report the 2.5th
-and 97.5th percentiles of those means (`numpy.percentile`, linear). Method: B. Efron and
-R. J. Tibshirani, *An Introduction to the Bootstrap* (Chapman & Hall, 1993), ch. 13, "Confidence
-intervals based on bootstrap percentiles". With few repeats the interval is narrow and under-covers
-(3 repeats have only 10 distinct resamples; it always lies within the repeats' min-max); one
-repeat gives a zero-width interval, as does constant data.
+repeats with replacement `N_RESAMPLES` times with `numpy.random.default_rng(BOOTSTRAP_SEED)`,
+take the mean of each resample, and report the 2.5th and 97.5th percentiles of those means.
+Method: B. Efron and R. J. Tibshirani, *An Introduction to the Bootstrap* (Chapman & Hall,
+1993), ch. 13, "Confidence intervals based on bootstrap percentiles". With few repeats the
+interval is narrow and under-covers (3 repeats have only 10 distinct resamples; it always lies
+within the repeats' min-max); one repeat gives a zero-width interval, as does constant data.
 
 Ratios (`ratio_ci`, kvtool / mlx-lm): the same bootstrap on the ratio of the two means; when both
 sides have the same number of repeats the resampled repeat indices are shared (paired: repeat r of
 both servers ran back to back), otherwise the two sides are resampled independently.
 
-Verdicts (`compare`): a cell **wins** against another only when its interval does not overlap the
-other's and it is on the better side; **loss** when the intervals do not overlap and it is on the
-worse side; otherwise **tie** (touching intervals overlap, and a cell with fewer than
-`MIN_VERDICT_REPEATS` = 2 repeats always ties: one repeat has no spread to judge by).
+Verdicts (`compare`): **win** / **loss** only when the two intervals do not overlap (touching
+counts as overlap), by which side is better; otherwise **tie**, as always below
+`MIN_VERDICT_REPEATS` repeats (one repeat has no spread to judge by).
 """
 
 from __future__ import annotations
@@ -49,19 +42,15 @@ CONFIDENCE = 0.95
 WIN, LOSS, TIE = "win", "loss", "tie"
 MIN_VERDICT_REPEATS = 2  # fewer repeats on either side: always a tie
 
-# Figure -> True if lower is better. Order = column order of the outputs.
-FIGURES: dict[str, bool] = {
-    "ttft_p50_ms": True, "ttft_p90_ms": True, "ttft_p99_ms": True,
-    "latency_p50_ms": True, "latency_p99_ms": True,
-    "requests_per_s": False, "prompt_tokens_per_s": False,
-    "hit_rate": False, "hit_rate_ram": False, "hit_rate_ssd": False, "cached_tokens_per_request": False,
+_SHARE = "fraction of prompt tokens"
+# Figure -> (True if lower is better, unit). Order = column order of the outputs.
+FIGURES: dict[str, tuple[bool, str]] = {
+    "ttft_p50_ms": (True, "ms"), "ttft_p90_ms": (True, "ms"), "ttft_p99_ms": (True, "ms"),
+    "latency_p50_ms": (True, "ms"), "latency_p99_ms": (True, "ms"),
+    "requests_per_s": (False, "requests/s"), "prompt_tokens_per_s": (False, "tokens/s"),
+    "hit_rate": (False, _SHARE), "hit_rate_ram": (False, _SHARE), "hit_rate_ssd": (False, _SHARE),
+    "cached_tokens_per_request": (False, "tokens"),
 }  # fmt: skip
-FIGURE_UNITS = {
-    "ttft_p50_ms": "ms", "ttft_p90_ms": "ms", "ttft_p99_ms": "ms", "latency_p50_ms": "ms", "latency_p99_ms": "ms",
-    "requests_per_s": "requests/s", "prompt_tokens_per_s": "tokens/s", "hit_rate": "fraction of prompt tokens",
-    "hit_rate_ram": "fraction of prompt tokens", "hit_rate_ssd": "fraction of prompt tokens",
-    "cached_tokens_per_request": "tokens",
-}
 
 
 @dataclass(frozen=True)
@@ -218,7 +207,6 @@ def cell_summary(batches: Sequence[dict[str, Any]], *, seed: int = BOOTSTRAP_SEE
     return out
 
 
-__all__ = ["BOOTSTRAP_SEED", "CONFIDENCE", "FIGURES", "FIGURE_UNITS", "Interval", "LOSS", "MIN_VERDICT_REPEATS",
-           "NAN_INTERVAL",
-           "N_RESAMPLES", "TIE", "WIN", "batch_figures", "bootstrap_ci", "cell_summary", "compare",
+__all__ = ["BOOTSTRAP_SEED", "CONFIDENCE", "FIGURES", "Interval", "LOSS", "MIN_VERDICT_REPEATS",
+           "NAN_INTERVAL", "N_RESAMPLES", "TIE", "WIN", "batch_figures", "bootstrap_ci", "cell_summary", "compare",
            "percentile", "ratio_ci"]

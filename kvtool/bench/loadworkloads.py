@@ -1,11 +1,9 @@
 """Workloads of the load benchmark: chat requests generated deterministically from a seed.
 
 Text comes from `kvtool/assets/demo_prompt.txt`, tokenized once with the model's own tokenizer
-(`mlx_lm.utils.load_tokenizer`): a piece of N tokens is the decoded window of N corpus tokens at
-a seeded offset (the corpus wraps around), re-encoded and cut so that it is N tokens (± a
-few at the window's edges, where byte-level merges can differ). Every system prompt / document
-starts with a unique header, so no two share a first block by accident. Sizes are in tokens of
-the message content; the chat template adds a few tokens per message.
+(`TextSource`). Every system prompt / document starts with a unique header, so no two share a first
+block by accident. Sizes are in tokens of the message content; the chat template adds a few tokens
+per message.
 
 Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
 - `shared-prefix`: `groups` system prompts of `system_tokens` each, `prompts_per_group` requests
@@ -13,19 +11,15 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
   with `prime` > 0, each group's system prompt is first sent that many times in an unmeasured
   `prime` phase (a warm server that has seen its system prompts; 0 also measures the cold burst).
 - `multi-turn`: `conversations` chats of `turns` user turns (`user_tokens` each) after a system
-  prompt (the opening) of `system_tokens`, or with `system_tokens_max` > 0 of a length drawn per
-  conversation uniformly in `system_tokens`..`system_tokens_max` (`default_rng([seed, conversation])`,
-  so a conversation's opening length does not depend on how many there are); the assistant turns of the history are corpus text of
+  prompt (the opening) of `system_tokens`, or with `system_tokens_max` > 0 of a seeded length per
+  conversation (`opening_tokens`); the assistant turns of the history are corpus text of
   `assistant_tokens` (not the model's reply, so every server gets the same requests); turns are
   interleaved round-robin over the conversations, and a turn is sent only once the previous
-  turn of its conversation finished. `conversations = 0` sizes the working set:
-  `ceil(working_set_factor x ram_bytes / (KV bytes of one whole conversation))`, at most
-  `max_conversations`, where `ram_bytes` is the workload's RAM budget (the kvtool server runs
-  with it as `--ram-bytes`) so that the conversations' KV does not fit in RAM. With
-  `restart_after` = R > 0 (1 <= R < `turns`) the turns are split into the phases `cold` (turn 1:
-  nothing cached anywhere), `warm` (turns 2..R), `after` (turn R+1, the first after the restart:
-  the servers are restarted before it, as for `restart`) and `rewarm` (turns R+2..: warm again on
-  every server), all measured and reported apart.
+  turn of its conversation finished. `conversations = 0` sizes the working set
+  (`multi_turn_conversations`) so that the conversations' KV does not fit in `ram_bytes`, the
+  RAM budget the kvtool server runs with. With `restart_after` = R > 0 (1 <= R < `turns`) the
+  servers are restarted before turn R+1 and the turns are split into the phases of
+  `multi_turn_phase`, all measured and reported apart.
 - `cold-burst`: distinct cold prompts of `prompt_tokens` (corpus text at a seeded offset, no
   header: no two share a first block) arriving together: a cell of C clients sends the first
   C x `prompts_per_client` of them, closed loop, so the first C are sent at the same instant
@@ -35,20 +29,12 @@ Workloads (parameters and defaults in `LOAD_WORKLOAD_DEFAULTS`):
 - `restart`: `prompts` documents of `prompt_tokens` with a question each (`before`), then the
   server is restarted (SIGTERM, same cache directory) and each document gets a new question in a
   shuffled order (`after`, the measured half). mlx-lm is restarted too (its cache is in memory).
-- `trace`: replay of a JSONL file (`path`, relative to the config file), one request per line,
-  in one of two formats (`format = "auto"` tells them apart by the first line): `prompts`,
-  `{"t": arrival s, "prompt": "..." | "messages": [...], "max_tokens": n}` (`prompt` becomes one
-  user message; `max_tokens` defaults to the config's); or a Mooncake trace (`mooncake`:
-  `timestamp`, `input_length`, `output_length`, `hash_ids`), whose block ids become fixed token
-  blocks (`kvtool.bench.trace_replay`: `block_tokens`, `output_scale`, `max_output_tokens`,
-  `shared_prefix_blocks`). Either takes a window (`start`, `end`, `start_s`, `end_s`,
-  `requests`); a request is sent at `t` / `speedup` x `time_scale`.
-- `agents`: `agents` agent loops (0: one per client of the cell) of `turns` turns on one shared
-  system prompt of `system_tokens` with `tools` tool definitions; each turn appends the server's
-  actual reply and a tool result of `result_min_tokens`..`result_max_tokens`, `max_tokens` per
-  turn; built while the batch runs (`kvtool.bench.loadagents`); `restart` (`turns` >= 2) restarts the
-  servers before turn T/2 and measures the turns from it on: `after` (turn T/2, the first after the
-  restart) and `rewarm` (the later ones), as `multi-turn` does.
+- `trace`: replay of a JSONL file (`path`, relative to the config file): prompt lines
+  (`load_trace`) or a Mooncake trace (`kvtool.bench.trace_replay`, which also defines the window
+  every trace takes); `format = "auto"` tells them apart by the first line. A request is sent at
+  `t` / `speedup` x `time_scale`.
+- `agents`: agent loops on one shared system prompt whose turns carry the server's actual reply,
+  built while the batch runs (`kvtool.bench.loadagents`).
 
 A config may run a workload more than once under the names `<workload>@<label>` (e.g.
 `multi-turn@8`, `multi-turn@32`): each is validated and built as `<workload>` with its own
@@ -220,8 +206,9 @@ class TextSource:
             raise ValueError("empty corpus")
 
     def text(self, n: int, start: int | None = None) -> str:
-        """About `n` tokens of corpus text starting at a random offset, or at token `start` of the
-        corpus (n >= 1)."""
+        """About `n` tokens (n >= 1) of corpus text at a random offset, or at token `start`: the
+        decoded window of `n` corpus tokens (wrapping around), re-encoded and cut to `n` tokens (± a
+        few at the window's edges, where byte-level merges can differ)."""
         start = int(self.rng.integers(0, len(self.ids))) if start is None else start % len(self.ids)
         window = [self.ids[(start + k) % len(self.ids)] for k in range(n)]
         text = self.tok.decode(window)
@@ -337,7 +324,8 @@ def multi_turn_working_set(p: dict[str, Any], kv_per_token: int) -> int:
 
 
 def multi_turn_conversations(p: dict[str, Any], kv_per_token: int) -> int:
-    """Conversations whose KV is `working_set_factor` x `ram_bytes` (2 .. `max_conversations`)."""
+    """`ceil(working_set_factor x ram_bytes / KV bytes of one whole conversation)`, in
+    2 .. `max_conversations`."""
     one = multi_turn_working_set({**p, "conversations": 1}, kv_per_token)
     if one <= 0:
         return 2
@@ -412,7 +400,7 @@ def _restart(p: dict, src: TextSource, rng: np.random.Generator, max_tokens: int
 def load_trace(path: Path, max_tokens: int) -> list[LoadRequest]:
     """Read a JSONL trace: one `{"t": s, "prompt": str | "messages": [...], "max_tokens": n}` per
     non-blank line (`t` >= 0 seconds since the start; lines may come in any order and are sorted
-    by `t`, stable).
+    by `t`, stable; `prompt` becomes one user message; `max_tokens` defaults to `max_tokens`).
 
     Raises:
         ConfigError: missing file, bad JSON or a bad field (names the line).

@@ -17,14 +17,8 @@ PACKAGES = ("mlx", "mlx-lm", "kvtool", "numpy", "pandas")
 
 
 def machine_info(cache_dir: Path) -> dict[str, Any]:
-    """Describe this machine and the disk holding `cache_dir`.
-
-    Args:
-        cache_dir: the run's cache root (need not exist yet; its nearest existing parent is used).
-
-    Returns:
-        A JSON-serialisable dict.
-    """
+    """This machine and the disk holding `cache_dir` (the run's cache root; need not exist yet:
+    its nearest existing parent is used), as a JSON-serialisable dict."""
     return {
         "hostname": platform.node(),
         "os": platform.platform(),

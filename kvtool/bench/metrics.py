@@ -10,8 +10,8 @@ Repeats: every per-request statistic (TTFT p50/p95/p99/mean, prefill, decode, wr
 load) is computed per cell run first; the `cells.csv` value is the **median over the repeats** and,
 for the metrics in `SPREAD_METRICS`, `<metric>_min` / `<metric>_max` give the range over the
 repeats and `<metric>_lo` / `<metric>_hi` the 95 % percentile-bootstrap interval of that median
-(`kvtool.bench.loadstats.bootstrap_ci`; the interval the report's winner rule uses). Hit rates and token counts are pooled over
-the repeats (the workload is identical in every repeat).
+(`kvtool.bench.loadstats.bootstrap_ci`; the interval the report's winner rule uses). Hit rates and
+token counts are pooled over the repeats (the workload is identical in every repeat).
 """
 
 from __future__ import annotations
@@ -120,8 +120,6 @@ CELL_COLUMNS: list[tuple[str, str]] = ID_COLUMNS + _with_spread([
 REQUEST_COLUMN_NAMES = [name for name, _ in REQUEST_COLUMNS]
 CELL_COLUMN_NAMES = [name for name, _ in CELL_COLUMNS]
 ID_COLUMN_NAMES = [name for name, _ in ID_COLUMNS]
-# Per-cell-run facts the runner records (one dict per workload x cell x repeat).
-RUN_FACTS = ("bytes_written", "tokens_stored", "shutdown_clean", "drain_verified", "page_cache_dropped", "wall_s")
 
 _RESULT_FIELDS = [name for name in REQUEST_COLUMN_NAMES[REQUEST_COLUMN_NAMES.index("prompt_tokens"):]]
 
@@ -153,7 +151,8 @@ def aggregate_cells(requests: pd.DataFrame, runs: pd.DataFrame, kv_bytes_per_tok
 
     Args:
         requests: `requests.csv` rows.
-        runs: one row per cell run: ID columns, `repeat` and `RUN_FACTS`.
+        runs: one row per cell run: ID columns, `repeat`, `bytes_written`, `tokens_stored`,
+            `shutdown_clean`, `drain_verified`, `page_cache_dropped`, `wall_s`.
         kv_bytes_per_token: raw KV bytes of one token, all layers (for `write_amplification`).
 
     Returns:

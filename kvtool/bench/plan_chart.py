@@ -129,14 +129,8 @@ def plot_plan(doc: dict[str, Any], points: Sequence[PlanPoint], extra: str = "")
 
 
 def write_plan(out_dir: Path, doc: dict[str, Any], points: Sequence[PlanPoint]) -> list[Path]:
-    """`plan.json` (`doc`), `plan.csv` (one row per point) and `plan.png` (`plot_plan`) in `out_dir`.
-
-    Returns:
-        The files written.
-
-    Raises:
-        OSError: `out_dir` cannot be created or written.
-    """
+    """Write `plan.json` (`doc`), `plan.csv` (one row per point) and `plan.png` (`plot_plan`) in
+    `out_dir`; returns the files (raises OSError if `out_dir` cannot be created or written)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "plan.json", out_dir / "plan.csv", out_dir / "plan.png"]
     files[0].write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -2,17 +2,10 @@
 
 Reads only `cells.csv`, `run.json` and (for the prompt-length chart) `requests.csv`, so a report
 can be regenerated at any time from a finished run (`write_report(run_dir)`), also from a
-committed summary that kept no `requests.csv`.
-
-Trust rules:
-- every latency is the **median over the repeats** of a per-repeat statistic, with the 95 %
-  percentile-bootstrap interval of that median (`cells.csv` columns `<metric>_lo` / `<metric>_hi`;
-  `kvtool.bench.verdicts.spread`);
-- a kvtool cell **wins** a workload only when its interval lies wholly below every other kvtool
-  cell's (`WIN_RULE`); otherwise the workload is a **tie** between the best cell and every cell whose
-  interval overlaps it, reported as the span of the tied cells (never the luckiest cell's figure);
-- one chart per question (`CHARTS`), one shared log scale per quantity, intervals as whiskers,
-  ties grey, machine / load / commit / repeats in the footer (`kvtool.bench.report_charts`).
+committed summary that kept no `requests.csv`. Every latency is the median over the repeats with
+the 95 % bootstrap interval of that median; a kvtool cell wins a workload only by `WIN_RULE`
+(`kvtool.bench.verdicts`), a tie is reported as the span of the tied cells; one chart per question
+(`CHARTS`, `kvtool.bench.report_charts`).
 
 A directory that is not a readable run raises `ReportError` (one `error:` line, exit 2, in the CLI).
 """

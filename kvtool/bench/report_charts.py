@@ -1,13 +1,11 @@
 """The PNG charts of `kvtool report` (matplotlib, Agg): one chart per question (`kvtool.bench.report.CHARTS`).
 
 Every chart draws medians with their 95 % bootstrap interval (`kvtool.bench.verdicts.spread`,
-`kvtool.bench.loadstats.bootstrap_ci`) on **one shared log scale per quantity** (every panel of a
-quantity has the same axis, labelled with its unit), and carries a footer with the machine, the
-load average, the commit and the repeats (`footer`). Horizontal bars run from the axis start to the
-median; the whisker (black) is the interval; the value and interval are written in a column of
-their own at the right of every panel (`LABEL_X`), on a white box, so no label leaves the axes or
-sits on a bar. Each row is labelled by its three dimensions in aligned columns (policy, writer,
-durability, then any further grid axis: `grid_label`), not by a slash-joined name.
+`kvtool.bench.loadstats.bootstrap_ci`) on **one shared log scale per quantity**, labelled with its
+unit, and carries a footer with the machine, the load average, the commit and the repeats
+(`footer`). Bars (`interval_bars`) run from the axis start to the median, the whisker is the
+interval, and the value with its interval stands in a label column of its own (`LABEL_X`). Each
+row is labelled by the cell's dimensions in aligned columns (`grid_label`).
 
 Colours, one meaning each (the loadcharts palette): the **winner** green, cells **tied** with the
 lowest grey, cells slower than the lowest beyond the intervals light red, baselines white hatched.
@@ -94,10 +92,6 @@ def grid_label(cell: str, kind: str) -> str:
     return "".join(f"{p:<{w}}" for p, w in zip(parts, GRID_WIDTHS)) + " ".join(parts[3:-3])
 
 
-def _header() -> str:
-    return "".join(f"{p:<{w}}" for p, w in zip(GRID_HEADER, GRID_WIDTHS))
-
-
 def _rows(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """The (cell, kind) rows of a chart: baselines first, then kvtool cells in sweep order."""
     pairs = list(dict.fromkeys(zip(frame["cell"], frame["kind"])))
@@ -144,7 +138,7 @@ def _style(ax: Any, rows: list[tuple[str, str]], xlabel: str, title: str) -> Non
     """Log x axis with its unit, the row grid (header row on top), the panel title."""
     ax.set_xscale("log")
     _plain_log_ticks(ax.xaxis)
-    ax.set_yticks(np.arange(-1, len(rows)), [_header()] + [grid_label(c, k) for c, k in rows],
+    ax.set_yticks(np.arange(-1, len(rows)), [grid_label("/".join(GRID_HEADER), KIND_KVTOOL)] + [grid_label(c, k) for c, k in rows],
                   fontfamily="monospace", fontsize=7.5)
     for label in ax.get_yticklabels()[:1]:  # the header row (panels sharing the left column's labels have none)
         label.set_fontweight("bold")

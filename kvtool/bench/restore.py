@@ -76,8 +76,7 @@ class RestoreSpec:
         shapes: keys of `SHAPES` for the load path.
         states: `cold` and/or `warm`.
         repeats: measurements per (shape, length, method, state).
-        recompute_repeats: TTFT recompute measurements per length (None: `repeats`); a 32k-token
-            recompute of `tiny` takes ~2 min here, and its ratio to an SSD hit is ~0.001.
+        recompute_repeats: TTFT recompute measurements per length (None: `repeats`).
         parts: `load` (raw/mlx-lm/kvtool restore), `ttft` (real model), `writer`.
         out: run directory (default `results/restore/<timestamp>/`).
         work_dir: where the data files go (default `<out>/data`, removed at the end).
@@ -159,7 +158,7 @@ def set_state(paths: list[Path], state: str, drop_method: str) -> tuple[float | 
 
 
 def make_row(section: str, shape: KVShape, n: int, method: str, state: str, rep: int, res: dict, **extra) -> dict:
-    """One CSV row; `gbps` = KV bytes / time and `peak_rss_ratio` = peak RSS / KV bytes."""
+    """One CSV row of `COLUMNS`; `gbps` = KV bytes / time (GB/s) and `peak_rss_ratio` = peak RSS / KV bytes."""
     kv_bytes = extra.pop("kv_bytes", n * shape.bytes_per_token())
     row: dict[str, Any] = {c: "" for c in COLUMNS}
     row.update(section=section, shape=shape.name, dtype=shape.dtype, prompt_tokens=n, kv_bytes=kv_bytes,

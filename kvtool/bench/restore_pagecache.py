@@ -1,19 +1,17 @@
 """Page-cache control for the restore benchmark: drop (cold), read through (warm), and check.
 
-`drop` evicts the named files with `posix_fadvise(POSIX_FADV_DONTNEED)` after an fsync
-(`fadvise_dontneed`, which the bench runner's `drop_page_cache` also uses, for block files), and
-falls back to `sync; echo 3 > /proc/sys/vm/drop_caches` (root only) when pages stay resident.
-`method="global"` always drops the whole page cache. `resident_fraction` asks the kernel (`mincore`) which part of
-the files is in memory, so every measurement records what "cold" and "warm" really were.
-
-The writer baselines write through the page cache too: `dd_write`, `python_write`, and
-`recycle_pages` before each of them.
+`drop` evicts the named files (`fadvise_dontneed`) and falls back to `sync; echo 3 >
+/proc/sys/vm/drop_caches` (root only) when pages stay resident; `method="global"` always drops the
+whole page cache. `resident_fraction` asks the kernel (`mincore`) which part of the files is in
+memory, so every measurement records what "cold" and "warm" really were. The writer baselines
+(`dd_write`, `python_write`, each after `recycle_pages`) write through the page cache too.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import subprocess
@@ -27,8 +25,6 @@ DROP_METHODS = ("fadvise", "global")
 RESIDENT_SLACK = 0.01  # after a drop, more than 1% resident counts as a failed drop
 READ_CHUNK_BYTES = 16 << 20
 DD_BLOCK_BYTES = 16 << 20  # dd's block and the Python write loop's chunk in the writer baselines
-
-_libc = None
 
 
 def files_under(paths: Iterable[Path]) -> list[Path]:
@@ -101,16 +97,14 @@ def warm(paths: Iterable[Path]) -> None:
                 pass
 
 
+@functools.cache
 def _c():
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        _libc = lib
-    return _libc
+    lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    lib.mmap.restype = ctypes.c_void_p
+    lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return lib
 
 
 def _resident_pages(path: Path) -> tuple[int, int]:
@@ -150,13 +144,9 @@ def resident_fraction(files: Iterable[Path]) -> float | None:
 
 
 def recycle_pages(d: Path, nbytes: int) -> None:
-    """Write, sync and delete a scratch file of `nbytes` before a writer measurement.
-
-    On a VM whose host backs guest memory lazily (Firecracker here), the first touch of a guest
-    page costs several times a write: a method that fills never-touched pages measured 2-10x
-    slower than the same write into recycled ones. Each method starts after the same scratch
-    write, so none pays that cost for another (the scratch pages are free again when it runs).
-    """
+    """Write, sync and delete a scratch file of `nbytes` before a writer measurement: on a VM
+    whose host backs guest memory lazily, the first touch of a guest page costs several times a
+    write, so each method starts on the same recycled pages and none pays that cost for another."""
     path = d / "recycle.bin"
     chunk = bytes(min(nbytes, DD_BLOCK_BYTES))
     with open(path, "wb") as f:

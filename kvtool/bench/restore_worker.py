@@ -15,9 +15,8 @@ and reads one JSON object from the last line of stdout. Modes:
 - `mlxlm_ttft_save` / `mlxlm_ttft`: mlx-lm's own prompt cache on a real model: save the KV of
   `ids[:-1]`; later, in a fresh process after a warm-up forward, time `load_prompt_cache` + the
   first (greedy) token of mlx-lm's `generate_step` over the last token: what an mlx-lm user
-  runs. (`kvtool serve-once` ran `generate_step` too until its engine sampled the first token
-  before `generate_step` takes over, `kvtool.kv.decode`: kvtool's TTFT no longer includes the
-  dispatch of the second step that this one does, ~4 ms at 16k tokens on `tiny`.)
+  runs (its first token also dispatches the second step; kvtool's engine samples the first token
+  itself, `kvtool.kv.decode`).
 
 Peak RSS of a restore: `/proc/self/clear_refs` ← "5" resets VmHWM to the current RSS just before
 the timed region; `peak_rss_bytes` = VmHWM after it − VmRSS before it (Linux; None elsewhere).
@@ -27,8 +26,7 @@ copied whole). `kv_crc`: crc32 of the restored KV, checked by the parent against
 
 `open_prefix_cache` is the benchmark's one door into kvtool's store/restore API: the public
 `kvtool.cache.prefix.PrefixCache` on synthetic KV of a `KVShape` (a full hit comes back trimmed
-by one token, `cached_tokens = T - 1`, the last one being re-forwarded). Rows record the API that
-ran (`kvtool_api`, always `prefix` in this tree).
+by one token, `cached_tokens = T - 1`, the last one being re-forwarded).
 """
 
 from __future__ import annotations
@@ -89,17 +87,9 @@ def resolve_api(api: str = "auto") -> str:
 
 def open_prefix_cache(cache_dir: Path, shape: KVShape, *, async_writes: bool = False,
                       block_size: int | None = None) -> Any:
-    """Open kvtool's prefix cache on `cache_dir` for synthetic KV of `shape` (SSD only, no RAM tier).
-
-    Args:
-        cache_dir: SSD tier root.
-        shape: KV layout; its `model_id` names the namespace.
-        async_writes: background writer (True) or inline writes (False).
-        block_size: tokens per block; None keeps kvtool's default.
-
-    Returns:
-        A `kvtool.cache.prefix.PrefixCache` (`store`, `flush`, `fetch`, `release`, `close`).
-    """
+    """A `kvtool.cache.prefix.PrefixCache` on the SSD tier `cache_dir` (no RAM tier, best_effort)
+    for synthetic KV of `shape` (its `model_id` names the namespace), with the background writer
+    or inline writes, `block_size` tokens per block (None: kvtool's default)."""
     from kvtool.cache.prefix import KVGeometry, PrefixCache
     from kvtool.config import KVToolConfig
 
@@ -417,8 +407,7 @@ def mode_ttft_seed_synthetic(args: dict) -> dict:
 
 def mode_mlxlm_ttft(args: dict) -> dict:
     """Warm-up forward, then time load_prompt_cache (+ token check) + the first token of
-    `generate_step` (mlx-lm's decode loop: its first token also schedules the second step; see
-    the module docstring for kvtool's), `max_tokens=1`, greedy."""
+    `generate_step`, `max_tokens=1`, greedy."""
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step

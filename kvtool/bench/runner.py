@@ -51,14 +51,8 @@ BLOCK_SUFFIX = ".safetensors"
 
 @dataclass
 class RunResult:
-    """What `run_sweep` produced.
-
-    Attributes:
-        run_dir: directory holding requests.csv, cells.csv, run.json (and the report).
-        requests: `requests.csv` rows.
-        cells: `cells.csv` rows.
-        run: the `run.json` document.
-    """
+    """What `run_sweep` produced: the run directory and the `requests.csv` rows, `cells.csv` rows
+    and `run.json` document it holds (with the report)."""
 
     run_dir: Path
     requests: pd.DataFrame
@@ -150,8 +144,7 @@ def run_sweep(
 
 
 def _write_run(result: RunResult, report: bool) -> None:
-    """`requests.csv`, `cells.csv`, `run.json` into the run directory; then, with `report`, the
-    PNGs and report.md (`kvtool.bench.report.write_report`)."""
+    """`requests.csv`, `cells.csv`, `run.json` into the run directory; then, with `report`, the report."""
     result.requests.to_csv(result.run_dir / "requests.csv", index=False)
     result.cells.to_csv(result.run_dir / "cells.csv", index=False)
     (result.run_dir / "run.json").write_text(json.dumps(result.run, indent=2, default=str) + "\n")
@@ -238,7 +231,7 @@ def run_cell(ctx: _Context, workload: Workload, cell: Cell, repeat: int) -> tupl
     """Run one workload on one cell from an empty cache directory.
 
     Returns:
-        (request rows, the cell run's facts: ID columns, repeat, `metrics.RUN_FACTS`, writer
+        (request rows, the cell run's facts: the `runs` row of `metrics.aggregate_cells`, writer
         counters and disk scan).
     """
     engine, spec = ctx.engine, ctx.spec
@@ -377,9 +370,8 @@ def scan_cache_dir(directory: Path) -> dict[str, int]:
 
 
 def drop_page_cache(directory: Path) -> dict[str, Any]:
-    """Drop the OS page cache of every block / prompt-cache file under `directory`.
-
-    Dirty pages are written first (fsync), since `POSIX_FADV_DONTNEED` keeps dirty pages.
+    """Drop the OS page cache of every block / prompt-cache file under `directory`
+    (`restore_pagecache.fadvise_dontneed`).
 
     Returns:
         `{"files": n, "ok": bool, "error": str | None}`; `ok` is False where the platform has no

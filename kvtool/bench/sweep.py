@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -112,12 +112,9 @@ class Cell:
         )
 
     def columns(self) -> dict[str, Any]:
-        """The cell's identifying columns for the CSV files."""
-        return {
-            "cell": self.name, "kind": self.kind, "ssd_policy": self.ssd_policy, "writer": self.writer,
-            "ssd_durability": self.ssd_durability, "block_size": self.block_size, "ram_bytes": self.ram_bytes,
-            "remote_policy": self.remote_policy,
-        }
+        """The cell's identifying columns for the CSV files: its fields, `name` as `cell`."""
+        fields = asdict(self)
+        return {"cell": fields.pop("name"), **fields}
 
 
 @dataclass(frozen=True)

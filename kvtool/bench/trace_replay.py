@@ -4,21 +4,19 @@ when its file is a Mooncake trace (`kvtool.bench.trace`: `timestamp` ms, `input_
 
 A trace has no text, only block ids; equal ids mean an equal prefix (each id is a chain hash). Each
 id becomes a fixed block of `block_tokens` tokens (`BlockText`): words drawn by
-`numpy.random.default_rng(id)` from the tokenizer's single-token words (`single_token_words`: a
-space and ASCII letters that the tokenizer encodes as exactly that one token). A byte-level BPE
-whose pre-tokenizer splits before a space and letters (GPT-2, Llama 3, Qwen2) never merges two such
-words, so a block's text is the same tokens wherever it stands and a block boundary merges nothing;
-`BlockText.prompt` checks this on every prompt and raises when a tokenizer does not keep it. A
-request is its blocks cut to `ceil(input_length x block_tokens / 512)` tokens (the block count and
-the sharing structure kept, every length scaled by `block_tokens / 512`), sent as one user message;
-it generates `max(1, round(output_length x output_scale))` tokens, at most `max_output_tokens`.
+`numpy.random.default_rng(id)` from the tokenizer's single-token words (`single_token_words`). A
+byte-level BPE whose pre-tokenizer splits before a space and letters (GPT-2, Llama 3, Qwen2) never
+merges two such words, so a block's text is the same tokens wherever it stands and a block
+boundary merges nothing; `BlockText.prompt` checks this on every prompt and raises when a
+tokenizer does not keep it. A request is its blocks cut to `scaled_tokens` (the block count and
+the sharing structure kept, every length scaled by `block_tokens / 512`), sent as one user
+message; it generates `output_tokens`.
 
-The window (`window`, both trace formats): requests sorted by time, those with index in
-[`start`, `end`) and time in [`start_s`, `end_s`) kept (an `end` or `end_s` of 0: to the end); for a
-Mooncake trace `shared_prefix_blocks` > 0 then keeps only the requests whose first that many ids
-are also the first ids of another request kept (conversations with more than one turn in the window);
-then the first `requests` (0: all). Arrival times are divided by `speedup`, and count from the first
-request kept when the window starts later than the trace (`start` or `start_s` set).
+The window (both trace formats): requests sorted by time, those in the index and time window of
+`window_indices` kept; for a Mooncake trace `shared_prefix_blocks` > 0 then keeps only the
+conversations with more than one turn in the window (`shared_prefix`); then the first `requests`
+(0: all). Arrival times are divided by `speedup`, and count from the first request kept when the
+window starts later than the trace (`start` or `start_s` set).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def num(value: float) -> str:
 
 
 def value_range(center: float, lo: float, hi: float) -> str:
-    """`center [lo–hi]` (latencies as `_num` writes them), `center` alone when there is no range,
+    """`center [lo–hi]` (latencies as `num` writes them), `center` alone when there is no range,
     "" for a missing value."""
     if center is None or not np.isfinite(center):
         return ""

@@ -179,18 +179,12 @@ def config_error(exc: ValidationError, where: str, tables: dict[str, type[BaseMo
 
 
 def validate_params(name: str, params: dict[str, Any], where: str = "workloads") -> dict[str, Any]:
-    """Merge `params` over the defaults of workload `name` and check them.
-
-    Args:
-        name: workload name (a key of `WORKLOAD_DEFAULTS`).
-        params: values from the sweep TOML.
-        where: field prefix used in error messages.
-
-    Returns:
-        The complete parameter dict.
+    """The complete parameters of workload `name`: `params` (from the sweep TOML) over its
+    `WORKLOAD_DEFAULTS`, checked.
 
     Raises:
-        ConfigError: unknown workload, unknown parameter or invalid value (names the field).
+        ConfigError: unknown workload, unknown parameter or invalid value (names the field,
+            prefixed with `where`).
     """
     def check(key: str, value: Any, field: str) -> Any:
         return positive_number(value, field) if key in _FLOAT_PARAMS else count(value, field, zero_ok=key == "ram_bytes")
@@ -204,16 +198,13 @@ def validate_params(name: str, params: dict[str, Any], where: str = "workloads")
 class TokenPool:
     """A deterministic stream of corpus tokens, handed out in disjoint slices.
 
-    The corpus is the text of `pydoc_data.topics`, topics in a seed-dependent order, tokenized
-    lazily. Special tokens the tokenizer adds around any text (e.g. BOS) are detected once and kept
-    apart as `head`, which starts every prompt.
+    The corpus is the text of `pydoc_data.topics`, topics in an order drawn from `seed`, tokenized
+    lazily with `encode` (text -> token ids: the model's tokenizer, raw text, no chat template).
+    Special tokens the tokenizer adds around any text (e.g. BOS) are detected once and kept apart
+    as `head`, which starts every prompt.
     """
 
     def __init__(self, encode: Encode, seed: int):
-        """Args:
-        encode: text -> token ids (the model's tokenizer, raw text, no chat template).
-        seed: order of the corpus topics.
-        """
         self._encode = encode
         self.head, self._tail = _special_tokens(encode)
         self._topics = _corpus_topics(seed)
@@ -265,18 +256,9 @@ def _corpus_topics(seed: int) -> list[str]:
 def build_workload(
     name: str, params: dict[str, Any], encode: Encode, seed: int, ctx: WorkloadContext
 ) -> Workload:
-    """Materialise one workload.
-
-    Args:
-        name: workload name.
-        params: its parameters (merged with defaults and validated here).
-        encode: text -> token ids.
-        seed: sweep seed; the same seed gives the same token ids.
-        ctx: model/sweep facts (used by `ram-pressure`).
-
-    Returns:
-        The workload with all its steps.
-    """
+    """Materialise one workload with all its steps: `params` are validated here
+    (`validate_params`), `encode` is text -> token ids, the same `seed` gives the same token ids,
+    `ctx` sizes `ram-pressure`."""
     p = validate_params(name, params)
     pool = TokenPool(encode, seed)
     rng = np.random.default_rng([seed, WORKLOAD_NAMES.index(name)])
@@ -319,11 +301,8 @@ def _restart(p: dict, pool: TokenPool, rng: np.random.Generator, ctx: WorkloadCo
 
 
 def ram_pressure_documents(p: dict[str, Any], ctx: WorkloadContext) -> int:
-    """Number of documents whose KV is `working_set_factor` x the reference RAM budget.
-
-    Returns:
-        At least 2, at most `max_documents`.
-    """
+    """Number of documents whose KV is `working_set_factor` x the reference RAM budget (2 ..
+    `max_documents`)."""
     budget = p["ram_bytes"] or ctx.ram_bytes
     doc_bytes = max(1, p["doc_tokens"] * ctx.kv_bytes_per_token)
     return max(2, min(p["max_documents"], math.ceil(p["working_set_factor"] * budget / doc_bytes)))
