@@ -34,8 +34,6 @@ it grow to ~4 MiB, and writers in several processes keep it from being reset), a
 least twice that (what it can grow to between two reservations).
 A process without a budget that writes the same namespace reserves nothing: its segments count
 only once their rows are in.
-
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations

@@ -18,8 +18,6 @@ Two layers: `build_forest` works on numpy arrays of node numbers (what the opera
 at a million blocks: about 40 bytes per block, no Python object per block), and `ChainTree` /
 `build_chain_tree` wrap it for callers holding hashes (tests, small trees). Hashes of 32 hex
 digits become `Keys` (two uint64 per hash) where many must be matched (`KeyIndex`).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -8,8 +8,6 @@ and is not routed through here.
 
 The layout helpers (block paths, temp names, namespace scans) live here too, so the store and
 `kvtool validate` read the directory the same way.
-
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations

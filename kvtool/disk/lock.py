@@ -17,8 +17,6 @@ for a new inode), the cache directory itself is flocked instead.
 A refused command names the record's kvtool only if that process is alive (a kvtool blanks its
 record on release; one killed while holding the lock leaves it, and a holder that is no kvtool,
 e.g. `flock(1)`, writes none): otherwise the holder is said to be unknown, never a stale pid.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -23,8 +23,6 @@ Correctness rules (a wrong block served is worse than none):
 
 Several processes may share a namespace: SQLite WAL + busy timeout for the index, atomic
 renames for files, and a reader whose segment was just removed by another process misses.
-
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations

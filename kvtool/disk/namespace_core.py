@@ -6,8 +6,7 @@ reconcile (`reconcile`).
 
 `SSDStore` (`kvtool.disk.namespace`) is a `StoreCore`; its save path (`kvtool.disk.namespace_save`)
 takes a `StoreCore`. This module imports neither, so both depend on it and never on each other in
-a cycle. Logs go to the `kvtool.disk.namespace` logger. This module never imports MLX (the SSD
-writer thread calls it).
+a cycle. Logs go to the `kvtool.disk.namespace` logger.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ Counters (the store's): `ssd_save_success`, `ssd_save_fail`, `ssd_save_dedup_ski
 `ssd_budget_refused`.
 Nothing here raises to the caller. The saver reads the store's state (file ops, clock, lock,
 geometry, durability, `segment_max_bytes`) at call time. Logs go to the `kvtool.disk.namespace` logger.
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations

@@ -15,8 +15,6 @@ prefix is needed whenever a continuation of it is). Rules:
 Blocks and segments are numbered and held in numpy arrays (a million blocks: ~30 bytes per
 block); `SegmentPlanner(segments, tree)` builds one from `Segment`s and a `ChainTree` (tests,
 small namespaces), `SegmentPlanner.from_arrays` from the commands' columns. Pure: no I/O.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

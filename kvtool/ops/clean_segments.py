@@ -27,8 +27,6 @@ The check runs once the listing is known (a segment is clean only if it is liste
 the file judged), over worker processes for a large cache (`fork`, where the platform has it: they
 share the row table without copying it, and send back only the verdicts). The result is the same
 with one process or several.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

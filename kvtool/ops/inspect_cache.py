@@ -8,7 +8,7 @@ show the same selection.
 
 A prompt probe asks the model's own `PrefixCache.probe` (hashing and one index query, no block
 read), on a store opened read-only through `ReadOnlyFileOps`: nothing is created or changed.
-The CLI builds the engine; this module only holds the result type and never imports MLX.
+The CLI builds the engine; this module only holds the result type.
 """
 
 from __future__ import annotations

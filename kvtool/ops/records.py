@@ -14,8 +14,6 @@ over the whole record, token digest, and their token ids against the slot's chai
   `--rebuild-index` reads every segment file the same way.
 
 Every check is one of `kvtool.disk.verify`'s rules.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

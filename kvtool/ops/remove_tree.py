@@ -21,8 +21,6 @@ file system's journal), then the other top-level entries, the index last.
 
 Before any of this, `kvtool_index_problem` tells a namespace directory whose `index.sqlite` is not
 a kvtool index (another program's database, a text file): `rm` refuses it whole.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

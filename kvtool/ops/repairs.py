@@ -4,8 +4,6 @@ unreadable index (`RebuildPlan`).
 
 Split out of `kvtool.ops.validate` so that `kvtool.ops.rebuild` uses them without importing
 `validate` (which imports `rebuild`): no import cycle.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

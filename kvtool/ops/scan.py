@@ -29,8 +29,6 @@ Statuses (`NamespaceStatus`, one vocabulary for every command):
 | `unreadable` | the index cannot be read (corrupt, missing beside segment files, a symlink, a full disk) | `validate --rebuild-index` rebuilds a corrupt index; prune removes whole segment files by age on a full disk; else left alone |
 | `outdated` | another format version (format 1: one file per block) | prune removes it whole by TTL |
 | `foreign` | its meta contradicts its name (layout key) | left untouched, reported |
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -46,8 +46,6 @@ few reads as possible (`kvtool.ops.records.SegmentPass`): token ids for the dige
 records for `deep` and for records without a row. The chain tree (rows plus candidate records) is
 built once. Memory grows with the blocks (numpy columns, ~150 bytes per block), never with the
 bytes of the cache.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations
