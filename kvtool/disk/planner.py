@@ -12,8 +12,7 @@ prefix is needed whenever a continuation of it is). Rules:
 - `fit_budget`: then the least recently used segments (ties: deepest blocks first, then by name)
   until the kept bytes fit, never a segment used at or after `protect_after`.
 
-Blocks and segments are numbered and held in numpy arrays (a million blocks: ~30 bytes per
-block); `SegmentPlanner(segments, tree)` builds one from `Segment`s and a `ChainTree` (tests,
+Blocks and segments are numbered and held in numpy arrays; `SegmentPlanner(segments, tree)` builds one from `Segment`s and a `ChainTree` (tests,
 small namespaces), `SegmentPlanner.from_arrays` from the commands' columns. Pure: no I/O.
 """
 

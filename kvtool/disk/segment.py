@@ -19,20 +19,15 @@ only for a prompt's *tail entry* (its trailing partial block). In a quantized na
 three tensors, packed uint32 words `[1, H_l, n, Dk_l*bits/32]`, scales and biases
 `[1, H_l, n, Dk_l/group]`, and so are its values: slices of mlx-lm's `QuantizedKVCache`.
 
-Checksums are xxh3-128 (`xxhash`), a fast non-cryptographic hash: they detect corruption;
-identity is the blake2b chain hash, and the exact token ids are compared on every hit. `header_checksum` covers the whole header (tensor table and
-metadata, with its own value zeroed), so a header edit that swaps two records' offsets fails
+Checksums are xxh3-128 (`xxhash`): they detect corruption; identity is the blake2b chain hash,
+and the exact token ids are compared on every hit. `header_checksum` covers the whole header
+(with its own value zeroed), so a header edit that swaps two records' offsets fails
 verification; each slot's checksum covers its record.
 
-Reads scatter a record straight into the caller's destination arrays with one `preadv` (the
-per-layer cache buffers of a restore: no staging copy), then hash the destination pieces.
-
 Codecs (opt-in, `KVToolConfig.ssd_codec`): in a `zstd` or `lz4` namespace every record is
-stored compressed (the slot's `U8` tensor holds the compressed bytes) and its slot metadata is
-`"hash:parent:n_tokens:checksum:codec:raw_nbytes"`; the checksum covers the *stored* bytes and is
-checked before decompressing, and a decompressed size other than `raw_nbytes` counts as a
-checksum failure. Such a record is read into a staging buffer, verified, decompressed, then
-copied into the destination (one extra copy).
+stored compressed and its slot metadata is `"hash:parent:n_tokens:checksum:codec:raw_nbytes"`;
+the checksum covers the *stored* bytes, and a decompressed size other than `raw_nbytes` counts
+as a checksum failure.
 """
 
 from __future__ import annotations
