@@ -22,6 +22,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,13 +163,11 @@ class SSDBudget:
         """Checkpoint the index's WAL and truncate it when it outgrew `WAL_LIMIT_BYTES` (writers
         in several processes keep it from being reset by SQLite's own checkpoints). Best effort:
         a checkpoint that cannot finish (a reader still in the log) is simply left for later."""
-        try:
+        with suppress(OSError, sqlite3.Error):
             if os.lstat(self.namespace_dir / (INDEX_FILENAME + "-wal")).st_size <= WAL_LIMIT_BYTES:
                 return
             with self._index.connection() as conn:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        except (OSError, sqlite3.Error):
-            pass
 
     # ------------------------------------------------------------------ inside the transaction
     def _used(self, cur: sqlite3.Cursor) -> int:
@@ -184,10 +183,8 @@ class SSDBudget:
         """Bytes of the index files and the directories (what `du` adds to the segment files)."""
         total = 0
         names = [INDEX_FILENAME + s for s in ("", "-wal", "-shm")]
-        try:
+        with suppress(OSError):
             names += [n for n in os.listdir(self.namespace_dir) if SUBDIR_RE.match(n)]
-        except OSError:
-            pass
         for n in ["", *names]:
             try:
                 size = os.lstat(self.namespace_dir / n).st_blocks * 512

@@ -17,6 +17,7 @@ import os
 import secrets
 import stat
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -352,10 +353,8 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = Fa
             if TEMP_RE.match(sub):
                 scan.temps.append(path)
                 if with_stat:
-                    try:
+                    with suppress(OSError):
                         scan.stats[sub] = os.lstat(path)
-                    except OSError:
-                        pass
             elif not sub.startswith(INDEX_FILENAME):
                 scan.other.append(sub)
             continue
@@ -379,10 +378,8 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = Fa
                 scan.other.append(rel)
                 continue
             if with_stat:
-                try:
+                with suppress(OSError):
                     scan.stats[rel] = entry.stat(follow_symlinks=False)
-                except OSError:
-                    pass
     return scan
 
 

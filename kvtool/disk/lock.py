@@ -26,7 +26,7 @@ import math
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from kvtool.disk.fsops import dir_owner, give_to, pid_alive
@@ -112,12 +112,10 @@ def _open(path: Path) -> int:
 
 def _write_pid(fd: int, pid: int | None) -> None:
     """Write `pid` (None: blanks) as the record of lock file `fd`, in place; best effort."""
-    try:
+    with suppress(OSError):  # ENOSPC on a full disk (or a quota): the pid is only for the message
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return  # the directory fallback
         os.pwrite(fd, ("" if pid is None else f"{pid}\n").ljust(PID_RECORD_BYTES).encode(), 0)
-    except OSError:  # ENOSPC on a full disk (or a quota): the pid is only for the message
-        pass
 
 
 def _refusal(fd: int, cache_dir: Path, path: Path) -> str:

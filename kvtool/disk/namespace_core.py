@@ -19,6 +19,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -182,10 +183,8 @@ class StoreCore:
 
     def close_index_quietly(self) -> None:
         if self.index is not None:
-            try:
+            with suppress(sqlite3.Error):
                 self.index.close()
-            except sqlite3.Error:
-                pass
             self.index = None
 
     def seg_path(self, name: str) -> Path:

@@ -20,6 +20,7 @@ import re
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -284,22 +285,10 @@ def _load_in_two(conn: sqlite3.Connection, also: sqlite3.Connection, cols: _Colu
     Raises:
         sqlite3.Error: either read failed (the other is waited for first).
     """
-    failed: list[BaseException] = []
-
-    def odd() -> None:
-        try:
-            _load_chunks(also, cols, where, args, chunks[1::2])
-        except BaseException as exc:  # handed to the caller below
-            failed.append(exc)
-
-    helper = threading.Thread(target=odd, name="kvtool-rows", daemon=True)
-    helper.start()
-    try:
+    with ThreadPoolExecutor(1, thread_name_prefix="kvtool-rows") as helper:
+        odd = helper.submit(_load_chunks, also, cols, where, args, chunks[1::2])
         _load_chunks(conn, cols, where, args, chunks[::2])
-    finally:
-        helper.join()
-    if failed:
-        raise failed[0]
+    odd.result()
 
 
 def _load_rows_slowly(conn: sqlite3.Connection, cols: _Columns, where: str, args: tuple) -> None:

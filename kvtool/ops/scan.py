@@ -40,6 +40,7 @@ import stat
 import threading
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 from types import MappingProxyType
 
@@ -160,11 +161,9 @@ class _Scanner:
         if not index.initialized():
             if not self._list_files():
                 return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
-            try:  # an index rebuilt without its meta has rows; one killed before its schema has none
+            with suppress(sqlite3.Error):  # an index rebuilt without its meta has rows; one killed before its schema has none
                 self._read_rows(index)
                 f["meta"] = MappingProxyType(index.get_meta())
-            except sqlite3.Error:
-                pass
             n = len(f.get("files", {}))
             why = (f"no metadata yet; {n} segment file(s) and {f.get('row_count', 0)} row(s): completed by the next "
                    f"kvtool process that opens this namespace with its model" if n else
