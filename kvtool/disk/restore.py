@@ -158,8 +158,8 @@ def restore_chain(
         token_offsets: per row, the prompt offset (tokens) of its first token.
         dest: `dest(offset, n)` -> the writable byte buffers that receive a record of `n`
             tokens placed at token `offset`: its data after the token ids, in file order
-            (`segment.HeadPieces` over `[1, H, T, D]` buffers, or `kvbuffers.KVBuffers.pieces`). Called
-            from reader threads: it must not call MLX.
+            (`segment.HeadPieces` over `[1, H, T, D]` buffers, or `KVBuffers.pieces`). Called
+            from reader threads: no MLX.
         parallel: use the reader pool (False: read on the calling thread).
         ready: called on the calling thread after the segment headers are checked and before
             the first read (e.g. to wait for buffers whose allocation was started asynchronously).

@@ -7,17 +7,13 @@ typed results, and each command only renders or plans from them:
     for ns in scan.namespaces:
         ns.status, ns.meta, ns.rows, ns.files, ns.missing, ns.orphans, ns.tree ...
 
-Per namespace, in this order (a row is never inserted before its file exists, so rows are read
-before the directory is listed): the index files are checked to be regular files (a symlinked
-`index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only (creating no
--wal / -shm beside an index no process has open: `kvtool.disk.snapshot.read_quietly`), its meta is
-checked against the directory name (the layout key is a digest of the meta, so a meta that does
-not hash to its name is `foreign`), every row is read and checked in one read transaction
-(`kvtool.disk.rowtable.load_rows`, the one index reader: columns, no Python object per row;
-malformed rows are reported by rowid, never used), and the directory is listed without following
-symlinks once the rows' snapshot is fixed, while a thread reads the rows (SQLite runs without the
-GIL), so the listing still sees every file a row of the snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
-The chain tree of the rows (`forest`, `tree`) is built on first use, once.
+Per namespace: the index files are checked to be regular files, the index is opened read-only
+(`kvtool.disk.snapshot.read_quietly`), its meta is checked against the directory name (a meta
+that does not hash to its name is `foreign`), every row is read and checked in one read
+transaction (`kvtool.disk.rowtable.load_rows`), and the directory is listed, without following
+symlinks, once the rows' snapshot is fixed (a row is never inserted before its file exists, so
+the listing sees every file a row of the snapshot names). No segment file is read. The chain
+tree of the rows (`forest`, `tree`) is built on first use, once.
 
 Statuses (`NamespaceStatus`, one vocabulary for every command):
 
