@@ -61,6 +61,9 @@ class SegmentSet:
     def __sub__(self, other: SegmentSet) -> SegmentSet:
         return SegmentSet(self.table, self.mask & ~other.mask, self.extra - other.extra)
 
+    def __len__(self) -> int:
+        return int(self.mask.sum()) + len(self.extra)
+
     def names(self) -> list[str]:
         """The members, sorted."""
         segments = self.table.segments
