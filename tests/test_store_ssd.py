@@ -577,7 +577,7 @@ def test_read_only_cache_dir_serves_loads_and_refuses_saves(tmp_path, code):
     flip.write_bytes(bytes(data))
     damaged = [b for b in chain if block_path(ro, b.block_hash) == flip][-1]
     assert ro.load_block(damaged.block_hash, damaged.token_ids) is None
-    ro.touch(chain[0].block_hash)
+    ro.touch_many([chain[0].block_hash])
     ro.flush()
     ro.close()
     flip.write_bytes(before[flip])
@@ -829,7 +829,7 @@ def test_future_last_access_is_clamped_on_touch(tmp_path):
     store.save_block(block)
     with raw(store) as con:
         con.execute("UPDATE blocks SET last_access=? WHERE hash=?", (clock.t + 10 * 365 * 86400, block.block_hash))
-    store.touch(block.block_hash)
+    store.touch_many([block.block_hash])
     store.flush()
     assert store.index.get(block.block_hash).last_access == clock.t
     store.close()

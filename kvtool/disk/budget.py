@@ -1,41 +1,17 @@
 """The SSD tier's byte budget (`ssd_max_bytes`): one namespace directory kept within a size while
-serving, across every process that writes it.
+serving, across every process that writes it (docs/design.md#ssd-byte-budget).
 
 What counts is what `du` counts: segment files (rounded up to the file system's block), the
-index and its `-wal` / `-shm`, and the directories. The budget is the namespace's: processes
-agree through its SQLite index, not through their own memory.
-
-- Before a segment file is created, its writer *reserves* its bytes (`reserve`): in one
-  `BEGIN IMMEDIATE` transaction (the index's write lock, which every process sharing the index
-  takes) it adds up the `segments` rows, the reservations of other writers (table
-  `reservations`: segments being written, evicted files not yet unlinked) and the index and
-  directory sizes; if the new segment does not fit, it evicts least recently used segments with
-  the planner `kvtool prune` uses (`kvtool.disk.planner`: a segment's access is the newest
-  effective access of its blocks, descendants go with their ancestors) down to
-  `max_bytes * (1 - EVICT_SLACK)`, then inserts its reservation and commits. A segment whose rows
-  were used in the last `protect_s` seconds is never evicted; when the new segment cannot fit
-  even so, nothing is evicted beyond what was possible and the write is refused (not stored: the
-  save answers 'refused'; one INFO line per `REFUSAL_LOG_INTERVAL_S` at most: the budget at
-  work is not a failure, the counters and the callers' summaries say how much it refused).
-- Evicted rows and `segments` rows are deleted in that transaction, and each evicted file stays
-  reserved until it is unlinked, right after the commit (rows first, then files: a reader never
-  finds a row without its file except while another process still reads it; an open file stays
-  readable after its unlink on Linux, so a restore in progress completes).
-- The writer's reservation ends in the transaction that inserts its rows
-  (`BlockIndex.insert_segment(release=True)`), or when the write fails (`release`).
-- Reservations of a dead process (same host: its pid no longer runs) or older than
-  `STALE_RESERVATION_S` are dropped by the next `reserve`.
-
-So at any moment the directory holds at most `max_bytes` plus what grew since the last
-reservation (index pages, a fan-out directory): the budget is exceeded by less than one segment.
-The index's write-ahead log counts too, so a budgeted store checkpoints it every
-`WAL_CHECKPOINT_PAGES` pages, truncates it once it passes `WAL_LIMIT_BYTES` (SQLite's default lets
-it grow to ~4 MiB, and writers in several processes keep it from being reset), and counts it as at
-least twice that (what it can grow to between two reservations).
-A process without a budget that writes the same namespace reserves nothing: its segments count
-only once their rows are in.
-
-This module never imports MLX (the SSD writer thread calls it).
+index and its `-wal` / `-shm`, and the directories. Processes agree through the namespace's
+SQLite index: before a segment file is created its writer *reserves* its bytes (`reserve`, one
+`BEGIN IMMEDIATE` transaction), evicting least recently used segments with the planner `kvtool
+prune` uses (`kvtool.disk.planner`) when it does not fit; segments used in the last `protect_s`
+seconds are never evicted, and a segment that cannot fit even so is refused (the save answers
+'refused': the budget at work, not a failure). Evicted rows go in that transaction, their files
+stay reserved until unlinked right after it. The writer's reservation ends in the transaction
+that inserts its rows (`BlockIndex.insert_segment(release=True)`), or when the write fails
+(`release`); those of a dead process or older than `STALE_RESERVATION_S` are dropped by the next
+`reserve`. The index's WAL counts too: a budgeted store keeps it small (`WAL_LIMIT_BYTES`).
 """
 
 from __future__ import annotations
@@ -46,6 +22,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,13 +163,11 @@ class SSDBudget:
         """Checkpoint the index's WAL and truncate it when it outgrew `WAL_LIMIT_BYTES` (writers
         in several processes keep it from being reset by SQLite's own checkpoints). Best effort:
         a checkpoint that cannot finish (a reader still in the log) is simply left for later."""
-        try:
+        with suppress(OSError, sqlite3.Error):
             if os.lstat(self.namespace_dir / (INDEX_FILENAME + "-wal")).st_size <= WAL_LIMIT_BYTES:
                 return
             with self._index.connection() as conn:
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        except (OSError, sqlite3.Error):
-            pass
 
     # ------------------------------------------------------------------ inside the transaction
     def _used(self, cur: sqlite3.Cursor) -> int:
@@ -208,10 +183,8 @@ class SSDBudget:
         """Bytes of the index files and the directories (what `du` adds to the segment files)."""
         total = 0
         names = [INDEX_FILENAME + s for s in ("", "-wal", "-shm")]
-        try:
+        with suppress(OSError):
             names += [n for n in os.listdir(self.namespace_dir) if SUBDIR_RE.match(n)]
-        except OSError:
-            pass
         for n in ["", *names]:
             try:
                 size = os.lstat(self.namespace_dir / n).st_blocks * 512

@@ -18,8 +18,6 @@ Two layers: `build_forest` works on numpy arrays of node numbers (what the opera
 at a million blocks: about 40 bytes per block, no Python object per block), and `ChainTree` /
 `build_chain_tree` wrap it for callers holding hashes (tests, small trees). Hashes of 32 hex
 digits become `Keys` (two uint64 per hash) where many must be matched (`KeyIndex`).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations
@@ -326,17 +324,9 @@ def _find_cycles(parent: np.ndarray, nodes: np.ndarray) -> list[np.ndarray]:
 
 # ----------------------------------------------------------------------------- by hash
 class ChainNode(NamedTuple):
-    """One block in the chain tree (immutable).
-
-    Attributes:
-        hash: the block's chain hash.
-        parent: its parent hash (stored or not).
-        last_access: its own last access (unix seconds, clamped to the scan time).
-        depth: 0 if its parent is not stored or it lies on a cycle, else parent depth + 1.
-        effective_access: newest `last_access` in its subtree (itself included).
-        rooted: its chain of stored parents ends at the namespace's root parent.
-        in_cycle: it lies on a cycle of parent links (a corrupt or tampered index).
-    """
+    """One block in the chain tree: its hash, parent hash (stored or not), own last access (unix
+    seconds, clamped), and `depth`, `effective_access`, `rooted` as the module docstring defines
+    them; `in_cycle`: it lies on a cycle of parent links (a corrupt or tampered index)."""
 
     hash: str
     parent: str

@@ -1,7 +1,5 @@
 """Record codecs of a segment file (`KVToolConfig.ssd_codec`): each record stored as it is
 (`none`) or compressed whole with `zstd` or `lz4` (`kvtool.disk.segment` has the file format).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ fan-out directory or file makes the operation fail (`OSError`, errno ELOOP/ENOTD
 reaching outside the cache, and only names that match kvtool's own patterns
 (`kvtool.disk.names`) are ever opened or removed. The cache directory itself is the owner's
 choice and may be a symlink.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """File-system side of the SSD tier: `FileOps` (injectable calls) and the on-disk layout.
 
-`SSDStore` and `kvtool validate` make every file-system call through a `FileOps`. The default
-implementation calls `os` directly. Tests subclass it and raise `OSError(errno.ENOSPC)`,
-`EIO`, `EACCES` or `EROFS` from the method they want to fail: the suite runs as root, so
-`chmod` cannot make a directory read-only, injection can. The SQLite index does its own I/O
-and is not routed through here.
-
-The layout helpers (block paths, temp names, namespace scans) live here too, so the store and
-`kvtool validate` read the directory the same way.
-
-This module never imports MLX (the SSD writer thread calls it).
+`SSDStore` and `kvtool validate` make every file-system call through a `FileOps`, which calls
+`os` directly; tests subclass it to raise `OSError` (ENOSPC, EIO, EACCES, EROFS) from the method
+they want to fail. The SQLite index does its own I/O. The layout helpers (temp names, namespace
+scans) live here too, so the store and `kvtool validate` read the directory the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +13,7 @@ import os
 import secrets
 import stat
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -332,13 +327,9 @@ class NamespaceScan:
 
 
 def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = False) -> NamespaceScan:
-    """List the segment files and temp files of a namespace (one listing per fan-out subdir;
-    `os.scandir`: a symlink is told by the entry's type, without a system call).
-
-    Args:
-        ns_dir: the namespace directory.
-        fs: file-system operations.
-        with_stat: also `lstat` each segment and temp file, once (`NamespaceScan.stats`).
+    """List the segment files and temp files of namespace directory `ns_dir` (one listing per
+    fan-out subdir; a symlink is told by the entry's type); `with_stat`: also `lstat` each
+    segment and temp file, once (`NamespaceScan.stats`).
 
     Raises:
         OSError: the namespace directory cannot be listed.
@@ -354,10 +345,8 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = Fa
             if TEMP_RE.match(sub):
                 scan.temps.append(path)
                 if with_stat:
-                    try:
+                    with suppress(OSError):
                         scan.stats[sub] = os.lstat(path)
-                    except OSError:
-                        pass
             elif not sub.startswith(INDEX_FILENAME):
                 scan.other.append(sub)
             continue
@@ -381,10 +370,8 @@ def scan_namespace(ns_dir: Path, fs: FileOps | None = None, with_stat: bool = Fa
                 scan.other.append(rel)
                 continue
             if with_stat:
-                try:
+                with suppress(OSError):
                     scan.stats[rel] = entry.stat(follow_symlinks=False)
-                except OSError:
-                    pass
     return scan
 
 

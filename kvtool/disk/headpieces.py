@@ -2,8 +2,6 @@
 as the iovec pieces of a `preadv` (`kvtool.disk.segment.read_records`), or copied from a staging
 buffer in one numpy copy per destination for many records (`HeadPieces.place`,
 `kvtool.disk.restore`).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

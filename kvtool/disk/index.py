@@ -15,8 +15,6 @@ Access-time updates are the hot path of a cache hit, so they are buffered in mem
 committed in one transaction by `flush()`, or by the next `touch()` once the oldest buffered
 update is older than `flush_interval_s` (batched index flush). A stored access time
 in the future (clock skew, tampering) is clamped to now on the next touch.
-
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations

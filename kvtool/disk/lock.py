@@ -14,24 +14,22 @@ before the lock is released: on a full disk that write may fail and is then skip
 be able to run exactly when the disk is full. If the lock file cannot even be created (no space
 for a new inode), the cache directory itself is flocked instead.
 
-A refused command names the record's kvtool only if that process is alive (a kvtool blanks its
-record on release; one killed while holding the lock leaves it, and a holder that is no kvtool,
-e.g. `flock(1)`, writes none): otherwise the holder is said to be unknown, never a stale pid.
-
-This module never imports MLX.
+A refused command names the record's kvtool only if that process is alive: otherwise the holder
+is said to be unknown, never a stale pid.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from kvtool.disk.fsops import dir_owner, give_to
+from kvtool.disk.fsops import dir_owner, give_to, pid_alive
 from kvtool.disk.names import LOCK_FILENAME
 from kvtool.errors import KVToolError
 
@@ -114,12 +112,10 @@ def _open(path: Path) -> int:
 
 def _write_pid(fd: int, pid: int | None) -> None:
     """Write `pid` (None: blanks) as the record of lock file `fd`, in place; best effort."""
-    try:
+    with suppress(OSError):  # ENOSPC on a full disk (or a quota): the pid is only for the message
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return  # the directory fallback
         os.pwrite(fd, ("" if pid is None else f"{pid}\n").ljust(PID_RECORD_BYTES).encode(), 0)
-    except OSError:  # ENOSPC on a full disk (or a quota): the pid is only for the message
-        pass
 
 
 def _refusal(fd: int, cache_dir: Path, path: Path) -> str:
@@ -130,19 +126,9 @@ def _refusal(fd: int, cache_dir: Path, path: Path) -> str:
     except OSError:
         text = []
     pid = int(text[0]) if text and text[0].isdigit() and 0 < int(text[0]) < 2**31 else None
-    if pid is not None and _alive(pid):
+    if pid is not None and pid_alive(pid, math.inf):
         return f"another kvtool prune, rm or validate is running on {cache_dir} (pid {pid}); try again later"
     return f"the maintenance lock {path} of {cache_dir} is held by another process (holder unknown); try again later"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
 
 
 __all__ = ["cache_lock", "PruneError", "PruneLocked", "EXIT_LOCKED", "LOCK_FILENAME"]

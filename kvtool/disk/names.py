@@ -7,8 +7,6 @@ can never name a file outside the namespace (docs/design.md#threat-model).
     <cache_dir>/<layout_key>/index.sqlite              the namespace's SQLite index (+ -wal, -shm)
     <cache_dir>/<layout_key>/<name[:2]>/<name>.safetensors   a segment file (format 2)
     <cache_dir>/<layout_key>/<sub>/.<name>.<pid>.<hex>.tmp   a write in progress
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """SSDStore: the SSD tier of one namespace (segment files + SQLite index), docs/design.md#namespaces-and-files.
 
-A namespace directory `<cache_dir>/<layout_key>/` holds `index.sqlite` and segment files at
-`<name[:2]>/<name>.safetensors` (format: `kvtool.disk.segment`), each holding the blocks of one
-write batch. The index maps every block to `(segment, slot)`. The save path (dedup, segment
-packing, atomic write, one index transaction) is `kvtool.disk.namespace_save`, the open path and
-the state both share `kvtool.disk.namespace_core`, and the optional byte
-budget (`set_max_bytes`: least recently used segments evicted before a write that would not fit,
-agreed between processes through the index) `kvtool.disk.budget`.
+The index maps every block to `(segment, slot)` of a segment file (`kvtool.disk.segment`). The
+save path is `kvtool.disk.namespace_save`, the open path and the state both share
+`kvtool.disk.namespace_core`, and the optional byte budget (`set_max_bytes`) `kvtool.disk.budget`.
 
 Correctness rules (a wrong block served is worse than none):
 - A segment is written to a temp file in its final directory, then renamed into place; under
@@ -23,8 +19,6 @@ Correctness rules (a wrong block served is worse than none):
 
 Several processes may share a namespace: SQLite WAL + busy timeout for the index, atomic
 renames for files, and a reader whose segment was just removed by another process misses.
-
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations
@@ -448,16 +442,10 @@ class SSDStore(StoreCore):
         )
         return out
 
-    def touch(self, h: str) -> None:
-        """Record a use of block `h` (e.g. a RAM-tier hit) in its row's last access, batched.
-
-        Keeps `prune --ttl` and the LRU order honest for blocks a long-running process serves
-        from RAM. Never raises.
-        """
-        self.touch_many([h])
-
     def touch_many(self, hashes: list[str]) -> None:
-        """`touch` for several blocks: one buffered update (one lock). Never raises."""
+        """Record a use of `hashes` (e.g. RAM-tier hits) in their rows' last access: one buffered
+        update (one lock). Keeps `prune --ttl` and the LRU order honest for blocks a long-running
+        process serves from RAM. Never raises."""
         if hashes and self.enabled and self.index is not None:
             self.touch_rows(hashes)
 

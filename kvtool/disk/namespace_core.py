@@ -6,8 +6,7 @@ reconcile (`reconcile`).
 
 `SSDStore` (`kvtool.disk.namespace`) is a `StoreCore`; its save path (`kvtool.disk.namespace_save`)
 takes a `StoreCore`. This module imports neither, so both depend on it and never on each other in
-a cycle. Logs go to the `kvtool.disk.namespace` logger. This module never imports MLX (the SSD
-writer thread calls it).
+a cycle. Logs go to the `kvtool.disk.namespace` logger.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -90,11 +90,7 @@ class Expected:
 
 
 class Recent:
-    """A set that remembers its last `limit` members (oldest forgotten first). Thread-safe.
-
-    Args:
-        limit: how many members are kept.
-    """
+    """A set that remembers its last `limit` members (oldest forgotten first). Thread-safe."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -124,16 +120,8 @@ class StoreCore:
     """State and helpers of one namespace's SSD tier, shared by `SSDStore` and its open and
     save paths. Not used alone: `SSDStore` is the public class.
 
-    Args:
-        cache_dir: root of the SSD tier.
-        layout_key: the namespace (32 hex characters).
-        durability: 'best_effort' | 'persistent' | 'durable' (checked by `SSDStore`).
-        fs: file-system operations (inject faults in tests).
-        clock: time source (unix seconds).
-        noncacheable: hash -> isolation expiry (unix seconds); pass a dict to share or inspect it.
-        dir_mode: mode of the directories it creates.
-        segment_max_bytes: largest segment a save writes (bytes).
-        counters: the names of its counters (all start at 0).
+    Args: as `SSDStore`'s (`durability` checked there), and `counters`: the names of its counters
+    (all start at 0).
 
     Attributes (besides the arguments kept as given: `cache_dir`, `layout_key`, `fs`, `clock`,
     `dir_mode`, `segment_max_bytes`):
@@ -195,10 +183,8 @@ class StoreCore:
 
     def close_index_quietly(self) -> None:
         if self.index is not None:
-            try:
+            with suppress(sqlite3.Error):
                 self.index.close()
-            except sqlite3.Error:
-                pass
             self.index = None
 
     def seg_path(self, name: str) -> Path:
@@ -234,7 +220,7 @@ class StoreCore:
     def write_path(self, name: str) -> Path:
         """`seg_path` for a write or an unlink, once the namespace directory is checked to be the
         one opened (`place_changed`, one `lstat` and one `stat`): where it is not, the tier is
-        disabled and nothing is created or removed outside the cache (hostile round 3, finding 1).
+        disabled and nothing is created or removed outside the cache.
 
         Raises:
             OSError: ESTALE, the directory changed. ValueError: a malformed name.
@@ -351,12 +337,10 @@ class StoreCore:
 
     def tokens_mismatch(self, row: IndexRow, expected: np.ndarray, where: str) -> None:
         """A verified record (checksums match) of `row` holds other token ids than the prompt's
-        `expected` (int32). If the row's `tokens_digest` is the prompt's, the row and the prompt
-        agree and the record contradicts its own row: a damaged or forged record (e.g. two
-        records swapped with their checksums moved and the header re-sealed), handled as every
-        other verification failure (`discard`: its row goes and its segment becomes suspect, so
-        the recomputed block and its swapped partner are stored again). Otherwise the stored
-        block really is another one under the same hash: a collision (`collision`)."""
+        `expected` (int32). If the row's `tokens_digest` is the prompt's, the record contradicts
+        its own row: a damaged or forged record (e.g. two records swapped with their checksums
+        moved and the header re-sealed), dropped as any verification failure (`discard`).
+        Otherwise the stored block really is another one under the same hash (`collision`)."""
         if row.tokens_digest == seg.tokens_digest(expected):
             self.discard(row.hash, "its record holds other token ids than its row says")
         else:
@@ -400,7 +384,6 @@ def open_index(store: StoreCore, meta: dict[str, str], flush_interval_s: float) 
     if not writable and not store.fs.exists(db):
         raise OSError(errno.EROFS, "read-only cache directory without an index", str(store.namespace_dir))
     store.index = BlockIndex(  # refuses an index or side file that is no regular file (never opened)
-
         db, store.durable, flush_interval_s=flush_interval_s, clock=store.clock, initial_meta=fresh,
         read_only=not writable, create=writable, quiet=store.fs.quiet_index,
     )  # fmt: skip

@@ -1,7 +1,6 @@
 """The save path of `SSDStore`: a write batch -> segment files + index rows (docs/design.md#write-path).
 
-Split out of `kvtool.disk.namespace`; `SSDStore.save_blocks` / `save_block` delegate to the
-`SegmentSaver` each store owns, so callers keep calling the store. One `save_blocks` call:
+`SSDStore.save_blocks` delegates to the `SegmentSaver` each store owns. One `save_blocks` call:
 - runs under the store's lock (saves, removals and `close` are serialised);
 - answers per block, in order: 'saved' (file + row written), 'dedup' (hash already in the index,
   or earlier in the same call; an indexed row's access time is touched; but a row whose segment
@@ -29,18 +28,12 @@ A block whose dtype or token count (0 < n <= block_size) does not match the name
 its whole segment 'error' (`ssd_save_fail`), the other segments of the call go ahead.
 
 With a byte budget (`SSDStore.set_max_bytes`) each segment's bytes are reserved before its temp
-file is created (`kvtool.disk.budget`: least recently used segments may be evicted to make
-room); the reservation ends in the transaction that inserts its rows, or when the write fails. A
-segment that cannot fit answers 'refused' for its blocks (`ssd_budget_refused`, not
-`ssd_save_fail`): the budget at work, which a writer neither retries nor reports as a failure
-(the budget logs one INFO line a minute at most).
+file is created (`kvtool.disk.budget`); the reservation ends in the transaction that inserts its
+rows, or when the write fails. A segment that cannot fit answers 'refused' for its blocks
+(`ssd_budget_refused`, not `ssd_save_fail`).
 
-Counters (the store's): `ssd_save_success`, `ssd_save_fail`, `ssd_save_dedup_skip`,
-`ssd_save_disabled`, `ssd_bytes_written`, `ssd_segments_written`, `ssd_hash_collision_detected`,
-`ssd_budget_refused`.
 Nothing here raises to the caller. The saver reads the store's state (file ops, clock, lock,
 geometry, durability, `segment_max_bytes`) at call time. Logs go to the `kvtool.disk.namespace` logger.
-This module never imports MLX (the SSD writer thread calls it).
 """
 
 from __future__ import annotations

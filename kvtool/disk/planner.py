@@ -12,11 +12,9 @@ prefix is needed whenever a continuation of it is). Rules:
 - `fit_budget`: then the least recently used segments (ties: deepest blocks first, then by name)
   until the kept bytes fit, never a segment used at or after `protect_after`.
 
-Blocks and segments are numbered and held in numpy arrays (a million blocks: ~30 bytes per
-block); `SegmentPlanner(segments, tree)` builds one from `Segment`s and a `ChainTree` (tests,
-small namespaces), `SegmentPlanner.from_arrays` from the commands' columns. Pure: no I/O.
-
-This module never imports MLX.
+Blocks and segments are numbered and held in numpy arrays; `SegmentPlanner(segments, tree)`
+builds one from `Segment`s and a `ChainTree` (tests, small namespaces), `from_arrays` and
+`from_forest` from the commands' columns. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -274,17 +272,13 @@ class SegmentPlanner:
                               float(self.access[i]), int(self.depth[i])) for i, name in enumerate(self.names)}  # fmt: skip
 
 
-def fit_budget(planners: Mapping[str, SegmentPlanner], max_bytes: int, protect_after: float | None = None) -> bool:
+def fit_budget(planners: Mapping[str, SegmentPlanner], max_bytes: int, protect_after: float | None = None) -> None:
     """Remove least recently used segments of `planners` (namespace -> planner, one LRU order;
-    ties by name, then namespace) until their kept bytes fit `max_bytes`, never a segment used at
-    or after `protect_after` (unix seconds; None: any segment may go).
-
-    Returns:
-        True if the kept bytes fit `max_bytes`.
-    """
+    ties by name, then namespace) until their kept bytes fit `max_bytes` (as far as they can),
+    never a segment used at or after `protect_after` (unix seconds; None: any segment may go)."""
     kept = sum(p.kept_bytes for p in planners.values())
     if kept <= max_bytes:
-        return True
+        return
     if len(planners) == 1:
         ((ns, p),) = planners.items()
         order: Sequence[tuple[SegmentPlanner, int]] = [(p, s) for s in p.lru_candidates(protect_after).tolist()]
@@ -301,7 +295,6 @@ def fit_budget(planners: Mapping[str, SegmentPlanner], max_bytes: int, protect_a
         before = p.kept_bytes
         p.choose_segment(s, code)
         kept -= before - p.kept_bytes
-    return kept <= max_bytes
 
 
 __all__ = ["Segment", "SegmentPlanner", "fit_budget", "REASONS", "reason_code"]

@@ -9,18 +9,14 @@ then each record is hashed where it landed (xxh3) and the run's token ids are co
 prompt's in one numpy call. Small records (<= `STAGE_MAX_RECORD`) are read in chunks into a
 per-thread staging buffer instead, hashed whole, and the verified ones copied into the buffers
 with one numpy copy per tensor (`HeadPieces.place`, through `place`). Reads and hashing of
-different runs overlap: `os.preadv` releases the GIL; xxhash keeps it for inputs under ~100 KiB
-(a record's pieces are 8-16 KiB for `qwen0.5b`), so two readers' hashing takes turns while the
-other copies.
+different runs overlap: `os.preadv` releases the GIL (xxhash keeps it for small inputs).
 
 The first block that fails any check cuts the chain there: the caller recomputes the rest, so
 the output stays exact. A damaged block loses its row (and its segment becomes suspect, so the
 recomputed blocks replace its rows); an intact record holding other token ids than the prompt's
 is damaged too when its row names the prompt's (`SSDStore.tokens_mismatch`: a swap with
-re-sealed checksums), else a collision (its hash is isolated). Reader threads call no MLX function: they only write
-into numpy views of buffers the request thread allocated.
-
-This module never imports MLX.
+re-sealed checksums), else a collision (its hash is isolated). Reader threads call no MLX
+function: they only write into numpy views of buffers the request thread allocated.
 """
 
 from __future__ import annotations
@@ -52,24 +48,16 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-# Reader threads: one per core, 2 to 4. Measured on 2 cores, qwen0.5b f32 16k tokens (400 MB),
-# same process, alternated: warm 71-72 ms with 2 readers vs 89-100 ms with 4 (hashing holds the
-# GIL for 16 KiB pieces, so extra threads only contend); cold 1.00-1.05x mlx-lm's load with either
-# (the kernel's readahead, `_readahead`, keeps the disk busy).
+# Reader threads: one per core, 2 to 4 (hashing holds the GIL, so more threads only contend;
+# cold reads are kept busy by the kernel's readahead, `_readahead`).
 DEFAULT_READERS = min(4, max(2, _cores()))
 TASK_BYTES = 8 << 20  # records per reader task: ~8 MiB
 PARALLEL_MIN_BYTES = 32 << 20  # below this, thread hand-offs cost more than they overlap
 
-# Small records (`tiny`: 64 KiB per 64-token block, in 8 KiB head pieces) are read run by run
-# into a per-thread staging buffer, hashed whole (xxh3 over one 64 KiB buffer is ~2x faster than
-# over its 9 pieces) and copied out with one numpy copy per destination tensor for up to
-# `STAGE_BYTES` of records: per record one hash call, no iovec. Measured on 2 cores, `tiny`, 16k
-# tokens in one process: read phase 4.5-4.8 ms staged vs 5.1-5.6 ms scattered (microbenchmark,
-# the same bytes and fresh destinations). 1 MiB: as fast as 2 MiB in one process (alternated,
-# 4k and 16k), and the buffer counts in a restore's peak RSS (a fresh process: +1 MiB, 0.06x of
-# 16k tokens of `tiny` KV). Records above `STAGE_MAX_RECORD` (`qwen0.5b`: 786 KiB per block) are
-# scattered straight into the buffers as before: an extra copy of them would not stay in the
-# CPU's cache.
+# Small records are read run by run into a per-thread staging buffer, hashed whole and copied
+# out with one numpy copy per destination tensor for up to `STAGE_BYTES` of records: per record
+# one hash call, no iovec. Records above `STAGE_MAX_RECORD` are scattered straight into the
+# buffers: an extra copy of them would not stay in the CPU's cache (docs/benchmarks.md).
 STAGE_BYTES = 1 << 20
 STAGE_MAX_RECORD = 256 << 10
 
@@ -107,11 +95,10 @@ _gc_was_enabled = False
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (process-wide) for the block: the read phase of a
-    restore makes an iovec piece (a `memoryview`) per record and head, ~50k short-lived acyclic
-    objects for 400 MB of `qwen0.5b` bf16 KV, and the collections they trigger were ~20 % of that
-    restore (fresh processes, 2 cores: median 211 ms with the collector, 172 ms without).
-    Nests, and overlaps across threads: the collector is re-enabled (if it was enabled) when the
-    last block exits. Reference counting still frees everything at once."""
+    restore makes an iovec piece (a `memoryview`) per record and head, short-lived acyclic objects
+    by the ten thousand whose collections would cost a good part of the restore. Nests, and
+    overlaps across threads: the collector is re-enabled (if it was enabled) when the last block
+    exits."""
     global _gc_depth, _gc_was_enabled
     with _gc_lock:
         if _gc_depth == 0:
@@ -142,7 +129,7 @@ class RestoreResult:
     failure: str | None = None
 
 
-class _Item(NamedTuple):  # a tuple: one per block, made ~2x faster than a dataclass
+class _Item(NamedTuple):  # a tuple: one per block, made faster than a dataclass
     pos: int  # position in the chain
     row: IndexRow
     slot: seg.Slot
@@ -171,8 +158,8 @@ def restore_chain(
         token_offsets: per row, the prompt offset (tokens) of its first token.
         dest: `dest(offset, n)` -> the writable byte buffers that receive a record of `n`
             tokens placed at token `offset`: its data after the token ids, in file order
-            (`segment.HeadPieces` over `[1, H, T, D]` buffers, or `kvbuffers.KVBuffers.pieces`). Called
-            from reader threads: it must not call MLX.
+            (`segment.HeadPieces` over `[1, H, T, D]` buffers, or `KVBuffers.pieces`). Called
+            from reader threads: no MLX.
         parallel: use the reader pool (False: read on the calling thread).
         ready: called on the calling thread after the segment headers are checked and before
             the first read (e.g. to wait for buffers whose allocation was started asynchronously).
@@ -383,8 +370,8 @@ def _first_wrong_tokens(run: list[_Item], sizes: list[int], got: np.ndarray, tok
 
 
 def _consecutive(run: list[_Item], sizes: list[int]) -> bool:
-    """True if the run's records hold consecutive prompt tokens (Python ints: a loop over numpy
-    scalars here cost ~1 us per record, ~1 ms of a 16k-token `tiny` restore)."""
+    """True if the run's records hold consecutive prompt tokens (a loop over Python ints: numpy
+    scalars cost more per record)."""
     at = run[0].offset
     for it, n in zip(run, sizes):
         if it.offset != at:

@@ -1,23 +1,16 @@
 """Every block row of a namespace index in one pass, as columns (`RowTable`): what the operator
 commands (`inspect`, `prune`, `validate`, `rm --prompt`) and the SSD byte budget plan from.
 
-One `IndexRow` per row costs ~1 us and ~300 bytes; at a million blocks the commands would spend
-seconds and hundreds of MB on them. Here the rows are streamed from a cursor in chunks and kept
-as numpy columns: hashes, parents and token digests as `[N, 2]` uint64 keys
-(`kvtool.disk.chains`), segments as numbers into a sorted name list, the numbers as int / float
-arrays: 88 bytes per row, no Python object per row. `IndexRow`s are made on demand (`row(i)`,
-iteration) for the few rows a command reports or rewrites.
+The rows are kept as numpy columns (88 bytes per row, no Python object per row): hashes, parents
+and token digests as `[N, 2]` uint64 keys (`kvtool.disk.chains`), segments as numbers into a
+sorted name list. `IndexRow`s are made on demand (`row(i)`, iteration) for the few rows a
+command reports or rewrites.
 
 A chunk of rows (a range of rowids) crosses into Python as one string that SQLite builds
-(`group_concat`: its names, integers and exactly scaled times as hex digits; SQLite runs without
-the GIL meanwhile), which becomes one `bytes.fromhex` and a few numpy arrays: no Python object
-per row (at a million rows: ~2 s instead of ~3 s, most of it inside SQLite). A malformed row
-(NULL, wrong type, out of range, a name that is not 32 lowercase hex digits) is never loaded,
-exactly as `IndexRow.from_db` decides, and its rowid is kept (`bad_rowids`, for `kvtool
-validate`): SQL checks the types, numpy the values; a chunk with a row that fails, or a time the
-fast form cannot carry exactly, is read again one tuple per row and checked row by row.
-
-This module never imports MLX.
+(`group_concat`, without the GIL), which becomes one `bytes.fromhex` and a few numpy arrays. A
+malformed row (as `IndexRow.from_db` decides) is never loaded and its rowid is kept
+(`bad_rowids`, for `kvtool validate`); a chunk with such a row, or a time the fast form cannot
+carry exactly, is read again one tuple per row and checked row by row.
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ import re
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
@@ -55,9 +49,8 @@ def _time(v: object) -> float | None:
 
 
 class IndexRow(NamedTuple):
-    """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment (immutable; a
-    named tuple: made ~4x faster than a frozen dataclass, ~2.6 -> 0.6 us, and a lookup makes one
-    per block of the prompt: 512 for 32k tokens of `tiny`).
+    """One row of `blocks`: a block (or a prompt's tail entry) stored in a segment (a named tuple:
+    a lookup makes one per block of the prompt, several times faster than a frozen dataclass).
 
     Attributes:
         hash: block chain hash (32 hex, primary key).
@@ -120,8 +113,6 @@ class SegmentRow:
         if not is_segment_name(name) or None in nums:
             return None
         return cls(name, *nums)  # type: ignore[arg-type]  # no None in nums: checked above
-
-
 
 
 @dataclass
@@ -294,22 +285,10 @@ def _load_in_two(conn: sqlite3.Connection, also: sqlite3.Connection, cols: _Colu
     Raises:
         sqlite3.Error: either read failed (the other is waited for first).
     """
-    failed: list[BaseException] = []
-
-    def odd() -> None:
-        try:
-            _load_chunks(also, cols, where, args, chunks[1::2])
-        except BaseException as exc:  # handed to the caller below
-            failed.append(exc)
-
-    helper = threading.Thread(target=odd, name="kvtool-rows", daemon=True)
-    helper.start()
-    try:
+    with ThreadPoolExecutor(1, thread_name_prefix="kvtool-rows") as helper:
+        odd = helper.submit(_load_chunks, also, cols, where, args, chunks[1::2])
         _load_chunks(conn, cols, where, args, chunks[::2])
-    finally:
-        helper.join()
-    if failed:
-        raise failed[0]
+    odd.result()
 
 
 def _load_rows_slowly(conn: sqlite3.Connection, cols: _Columns, where: str, args: tuple) -> None:

@@ -1,8 +1,7 @@
 """Segment files (format 2): several KV blocks in one safetensors file, each verifiable alone.
 
 A *segment* holds the blocks of one write batch (typically the new blocks of one request), so
-a prefix hit reads one file instead of one per block: on this machine's disk a cold read of
-64 KiB block files is ~5x slower than one file of the same bytes (docs/design.md#segments-format-2-why-and-what).
+a prefix hit reads one file instead of one per block (docs/design.md#segments-format-2-why-and-what).
 
 File layout (a valid safetensors file, `safetensors.safe_open` and `mx.load` can open it):
 
@@ -20,23 +19,15 @@ only for a prompt's *tail entry* (its trailing partial block). In a quantized na
 three tensors, packed uint32 words `[1, H_l, n, Dk_l*bits/32]`, scales and biases
 `[1, H_l, n, Dk_l/group]`, and so are its values: slices of mlx-lm's `QuantizedKVCache`.
 
-Checksums are xxh3-128 (`xxhash`), a fast non-cryptographic hash (7.9 GB/s here against
-blake2b's 0.47 GB/s): they detect corruption; identity is the blake2b chain hash, and the exact
-token ids are compared on every hit. `header_checksum` covers the whole header (tensor table and
-metadata, with its own value zeroed), so a header edit that swaps two records' offsets fails
+Checksums are xxh3-128 (`xxhash`): they detect corruption; identity is the blake2b chain hash,
+and the exact token ids are compared on every hit. `header_checksum` covers the whole header
+(with its own value zeroed), so a header edit that swaps two records' offsets fails
 verification; each slot's checksum covers its record.
 
-Reads scatter a record straight into the caller's destination arrays with one `preadv` (the
-per-layer cache buffers of a restore: no staging copy), then hash the destination pieces.
-
 Codecs (opt-in, `KVToolConfig.ssd_codec`): in a `zstd` or `lz4` namespace every record is
-stored compressed (the slot's `U8` tensor holds the compressed bytes) and its slot metadata is
-`"hash:parent:n_tokens:checksum:codec:raw_nbytes"`; the checksum covers the *stored* bytes and is
-checked before decompressing, and a decompressed size other than `raw_nbytes` counts as a
-checksum failure. Such a record is read into a staging buffer, verified, decompressed, then
-copied into the destination (one extra copy). Without a codec files are exactly as before.
-
-This module never imports MLX.
+stored compressed and its slot metadata is `"hash:parent:n_tokens:checksum:codec:raw_nbytes"`;
+the checksum covers the *stored* bytes, and a decompressed size other than `raw_nbytes` counts
+as a checksum failure.
 """
 
 from __future__ import annotations
@@ -69,7 +60,6 @@ from kvtool.disk.verify import (  # noqa: F401  (the rules: re-exported under th
 FORMAT_NAME = "kvtool-segment"
 FORMAT_VERSION = 2
 CHECKSUM_ALGO = "xxh3-128"
-FILE_SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 1 << 26  # 64 MiB: far above any real header (~100 B per slot)
 MAX_SLOTS = 1 << 16
 _IOV_MAX = 1024  # POSIX minimum of IOV_MAX on Linux
@@ -78,8 +68,8 @@ TOKENS_DTYPE = np.dtype("<i4")  # a record's token ids
 
 
 class Slot(NamedTuple):
-    """One block record of a segment, as its (verified) header describes it (immutable; a
-    named tuple: a header of many slots is parsed ~5x faster than with a frozen dataclass).
+    """One block record of a segment, as its (verified) header describes it (a named tuple: a
+    header of many slots is parsed several times faster than with a frozen dataclass).
 
     Attributes:
         index: slot number.

@@ -13,8 +13,6 @@ other shape, or any difference, goes the general way (`parse_header`).
 
 Users: `kvtool.ops.clean_segments` (validate's batched fast path over whole segments) and
 `kvtool.tiers.remote_value` (a remote hit's one-slot values).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ Where it cannot be proven, there is no second connection and one thread reads ev
 `read_quietly` is how a read-only command reads an index: opened `quiet` (`BlockIndex`), it creates
 no -wal / -shm beside an index that no process has open, and it reads again `mode=ro` (seeing every
 committed transaction, the WAL's too) where a writer opened or changed the index meanwhile.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

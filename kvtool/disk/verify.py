@@ -18,8 +18,6 @@ The fixed bytes of a header (everything but the hashes, checksums and creation t
 table of a given shape) are the ones `segment.encode` writes: `kvtool.disk.segment_template`
 renders them from `encode` itself. How a header is parsed and records are read is
 `kvtool.disk.segment`'s.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -1,34 +1,19 @@
-"""The fast path of `kvtool validate`: which segments are clean, checked in batches, as columns.
+"""The fast path of `kvtool validate`: which segments are clean, checked in batches, as columns
+(docs/design.md#operator-commands-at-scale).
 
 A segment is *clean* when its file verifies and its rows describe it exactly: one row per slot,
 each matching its own slot (hash, parent, token count, record size, token digest; `deep`: every
-record's checksum too). Almost every segment of a healthy cache is; `validate` then keeps nothing
-of it but its size, slot count and creation time, and checks every other segment the general way
-(`kvtool.ops.records.SegmentPass`).
+record's checksum too). `validate` keeps nothing of a clean segment but its size, slot count and
+creation time, and checks every other segment the general way (`kvtool.ops.records.SegmentPass`).
 
-Per segment the work left in Python is constant, whatever its slot count: one confined open and
-one read of the whole file, a few digests of its records over slices of that buffer (`map` over
-precomputed slices), and a copy of its header bytes. Everything else runs on whole batches of
-segments with numpy:
-
-- The header must be byte for byte the one `segment.encode` writes for the slot table the rows
-  describe (`Template`: `encode` itself renders it once per shape, with placeholders where the
-  digests and the creation time go). Such a header is what `segment.parse_header` accepts, read
-  exactly as it reads it: the format, layout key, KV layout, slot count, offsets and record sizes
-  are in the template's fixed bytes; the placeholders must hold lowercase hex digits (the
-  creation time: characters that need no JSON escape). A header of any other shape (an older
-  writer, a compressed namespace, a repair of a hand-edited file) is no fault: the general path
-  parses it.
-- Then, vectorised over the batch: the header checksum (xxh3-128 of the header with its own value
-  zeroed), each slot's hash and parent against its row's, each record's token digest against the
-  row's, and with `deep` each record's checksum against its slot's.
-
-The check runs once the listing is known (a segment is clean only if it is listed with the size of
-the file judged), over worker processes for a large cache (`fork`, where the platform has it: they
-share the row table without copying it, and send back only the verdicts). The result is the same
-with one process or several.
-
-This module never imports MLX.
+Per segment, Python makes one confined open, one read of the whole file, a few digests over
+slices of it and a copy of its header; the rest runs on whole batches with numpy: the header must
+be byte for byte the one `segment.encode` writes for the slot table the rows describe
+(`kvtool.disk.segment_template`; a header of any other shape is no fault: the general path
+parses it), then the header checksum, each slot's hash and parent and each record's token digest
+(and with `deep` its checksum) are compared vectorised. The check runs once the listing is known
+(a segment is clean only if listed with the size of the file judged), over forked worker
+processes for a large cache; the result is the same with one process or several.
 """
 
 from __future__ import annotations

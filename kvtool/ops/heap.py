@@ -7,16 +7,11 @@ to that size (up to 32 MiB, and the trim threshold to twice it), so later blocks
 come from its heaps (one per thread), and what is freed there stays in the process. A scan of a
 million rows builds and drops many such numpy temporaries (batches of rows, sort orders, masks).
 `release_free_heap` (glibc's `malloc_trim`) hands that back after a scan and after the segment
-check: at a million blocks the peak RSS of `validate --deep` fell from ~302 MB to ~293 MB
-(measured; fixing the threshold instead with `mallopt` saved more but cost ~0.4 s of page faults).
+check.
 
 `gc_paused` holds the cyclic collector off while a scan or a plan runs: they make objects by the
-ten thousand (a file, a `segments` row, a template per segment) that live to the end of the
-command, so each collection walks them all and frees nothing. At a million blocks the collector
-cost ~0.2 CPU-seconds of `validate --deep` (measured with `perf`). Reference counting still frees
-everything that is not in a cycle; the collector runs again once the step is done.
-
-This module never imports MLX.
+ten thousand that live to the end of the command, so each collection walks them all and frees
+nothing. Reference counting still frees everything that is not in a cycle.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ def _malloc_trim():
 
 def release_free_heap() -> bool:
     """Return the free memory of every malloc heap to the system (glibc on Linux; elsewhere
-    nothing). Takes ~1 ms; never changes what is allocated.
+    nothing); never changes what is allocated.
 
     Returns:
         True if some memory was released.

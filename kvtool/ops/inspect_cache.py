@@ -2,13 +2,12 @@
 whether a prompt would hit.
 
 Read-only: the scan opens indexes read-only (quietly: no -wal / -shm created) and only lists
-files. (Named `inspect_cache` so that it never shadows the stdlib `inspect`.) `InspectReport.select`
-sorts, filters and limits the namespaces (`--sort`, `--filter`, `--limit`): the table and the JSON
-show the same selection.
+files. `InspectReport.select` sorts, filters and limits the namespaces (`--sort`, `--filter`,
+`--limit`): the table and the JSON show the same selection.
 
 A prompt probe asks the model's own `PrefixCache.probe` (hashing and one index query, no block
 read), on a store opened read-only through `ReadOnlyFileOps`: nothing is created or changed.
-The CLI builds the engine; this module only holds the result type and never imports MLX.
+The CLI builds the engine; this module only holds the result type.
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
 """`kvtool prune`: plan from a scan (`plan_prune`), then execute (`execute_prune`), under the lock.
 
-The unit of removal is a *segment file*: bytes are freed only when a whole file goes, so the plan
-works at segment granularity. A segment's access time is the newest *effective* access of its
-blocks (a block's effective access is the newest `last_access` in its subtree: a prefix is needed
-whenever a continuation of it is; future times are clamped to now). Rules, per namespace:
-
-1. TTL: segments last used before `now - ttl` go.
-2. Budget: then the least recently used segments (ties: deepest blocks first) until the segment
-   files left fit `max_bytes` (per namespace, or with `all_namespaces` over the whole cache).
-3. Removing a block removes its descendants, in any segment; a segment whose blocks are all
-   removed goes too. A segment that keeps a block stays whole (its other rows are deleted).
-
-Other namespaces: `outdated` ones (format 1) are removed whole (every entry under a kvtool name,
-then the directories left empty; anything else is left and listed: `kvtool.ops.remove_tree`),
-without following a symlink, once unused for the TTL (their index's last write and open/close times); `unreadable` ones on a
-full disk are planned from their segment files' ages (no index needed); `foreign`,
-`uninitialized` and other `unreadable` namespaces are left untouched (reported).
+The unit of removal is a *segment file*; the rules (TTL, then the byte budget by least recent
+*effective* access, descendants with their ancestors) are docs/operations.md#kvtool-prune, and
+the planner (`SegmentPlanner`, `fit_budget`) is `kvtool.disk.planner`, shared with the SSD
+tier's byte budget. `outdated` namespaces (format 1) unused for the TTL are removed whole
+(`kvtool.ops.remove_tree`); `unreadable` ones on a full disk are planned from their segment
+files' ages; `foreign`, `uninitialized` and other `unreadable` namespaces are left (reported).
 
 Execution, per namespace: the rows in one transaction, which also records the segment files left
 without rows in the index's removal journal (`BlockIndex.delete(journal=True)`), then those files,
 each forgotten by the journal once gone. That commit is the removal's commit point: a prune (or
 `rm --prompt`, executed here too) killed after it leaves files that `kvtool validate` finishes
-removing (it never re-adopts a journaled file), so the removed blocks are never served again.
-If the index cannot be written because the disk is full, the planned segment files are removed
-first (readers treat a row whose file is gone as a miss and drop it) and the rows after, when
-there is room again. Paths come only from `kvtool.disk.names`, resolved without following
-symlinks.
+removing (it never re-adopts a journaled file). If the index cannot be written because the disk
+is full, the planned segment files are removed first and the rows after, when there is room
+again.
 
-The planner itself (`SegmentPlanner`, `fit_budget`) is `kvtool.disk.planner`, shared with the
-SSD tier's byte budget; it works on numbered blocks and segments (`planner_of`), so a plan over a
-million blocks makes no Python object per block.
-
-This module never imports MLX (and never imports `kvtool.ops.inspect_cache`).
+This module never imports `kvtool.ops.inspect_cache`.
 """
 
 from __future__ import annotations

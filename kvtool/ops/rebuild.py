@@ -19,8 +19,6 @@ neither kvtool meta nor one verified segment file of its namespace is not rebuil
 The new index is built under a temporary name and renamed into place only when complete; the old
 one is kept as `index.sqlite.corrupt` (with its `-wal`), for inspection. Run it while no kvtool
 process uses the namespace (one could not use the unreadable index anyway).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -5,17 +5,11 @@ are verified (checksum, namespace, KV layout, block size), records on demand (xx
 over the whole record, token digest, and their token ids against the slot's chain hash:
 `chained`, so a record swapped with re-sealed checksums is never a source of a row).
 
-- `SegmentPass` (validate): one segment at a time, in file order: the file is opened once, its
-  header read, then the records asked for are read in as few `preadv` calls as possible (the
-  token ids of a record when only its digest is needed; whole records to verify them), in file
-  order. Nothing is kept once the caller moves on: memory does not grow with the cache. (Clean
-  segments, almost all of a healthy cache, are checked in batches by `kvtool.ops.clean_segments`
-  and never come here.)
-  `--rebuild-index` reads every segment file the same way.
-
-Every check is one of `kvtool.disk.verify`'s rules.
-
-This module never imports MLX.
+`SegmentPass` reads one segment at a time: the file is opened once, its header read, then the
+records asked for are read in file order in as few `preadv` calls as possible (the token ids of
+a record when only its digest is needed; whole records to verify them). Nothing is kept once the
+caller moves on: memory does not grow with the cache. Every check is one of `kvtool.disk.verify`'s
+rules.
 """
 
 from __future__ import annotations
@@ -69,7 +63,7 @@ def chained(slot: Slot, token_ids: np.ndarray | memoryview | bytes) -> bool:
     parent, to its slot's block hash (`kvtool.hashing.blake2b_chain`, the chain hash of full
     blocks and tail entries alike). A record that passes its checksum but fails this holds another
     block's tokens (records swapped with their checksums moved and the header re-sealed): a row
-    is never rewritten or adopted from it. Costs one blake2b over the token ids (4 bytes a token)."""
+    is never rewritten or adopted from it."""
     ids = np.frombuffer(token_ids, dtype="<i4") if isinstance(token_ids, bytes | bytearray | memoryview) else token_ids
     return blake2b_chain(bytes.fromhex(slot.parent_hash), ids) == slot.block_hash
 

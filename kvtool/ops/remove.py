@@ -1,32 +1,21 @@
-"""`kvtool rm`: remove one namespace, or the blocks of one prompt and what hangs below them.
+"""`kvtool rm`: remove one namespace, or the blocks of one prompt and what hangs below them
+(docs/operations.md#kvtool-rm).
 
-Both are plans (prune's `PrunePlan`), executed under prune's lock (`kvtool.disk.lock.cache_lock`),
-so an `rm` and a `prune` never run at once, and both obey the same confinement rules
-(`kvtool.disk.confined`): no symlink is followed, no path is built from an unchecked name.
+Both are plans (prune's `PrunePlan`), executed under prune's lock (`kvtool.disk.lock.cache_lock`)
+and its confinement rules (`kvtool.disk.confined`).
 
-- **A namespace** (`plan_namespace_removal`): in the directory named by a unique key prefix (at
-  least `MIN_PREFIX_HEX` hex digits; a prefix that several keys share removes nothing) every
-  entry under a kvtool name goes, whatever the namespace's status (an unreadable or foreign
-  namespace included: the user named it), without following any symlink inside it
-  (`kvtool.ops.remove_tree`): segment files first, several fan-out directories at once (unlinks
-  wait on the file system, not the CPU), the index last, so an `rm` killed half-way leaves a
-  namespace whose rows name missing files (`validate` drops them) or that a second `rm`
-  finishes; then the directories left empty. Entries kvtool never writes (a user's file or
-  directory) are left, listed (`left`, in the dry run too), and keep their directories. A
-  directory whose `index.sqlite` is not a kvtool index (text, another program's database: no
-  kvtool `meta`) is refused whole (`RemoveError`). The planning scan only counts the rows and
-  lists the file names.
-  A symlink in the cache root that looks like a namespace is never followed: `rm` refuses it.
+- **A namespace** (`plan_namespace_removal`): the directory named by a unique key prefix (at
+  least `MIN_PREFIX_HEX` hex digits) goes whole, whatever its status, by kvtool's names only
+  (`kvtool.ops.remove_tree`: segment files first, the index last, so an `rm` killed half-way
+  leaves rows of missing files that `validate` drops, or a namespace a second `rm` finishes);
+  what kvtool never writes is left and listed (`left`). A directory whose `index.sqlite` is not
+  a kvtool index is refused whole (`RemoveError`), as is a symlink in the cache root.
 - **A prompt** (`plan_prompt_removal`): the caller hashes the prompt for the namespace(s) its
-  model uses (`PromptKeys`: full blocks, then the tail entry); in each such namespace the stored
-  ones go, with their descendants in any segment (no prefix lookup can reach them: a prefix
-  shared with other prompts takes their continuations with it), and every segment file left
-  without a row. The rows go in one transaction, then the files (as prune).
+  model uses (`PromptKeys`); in each, the stored ones go with their descendants in any segment,
+  and every segment file left without a row (executed as prune). Matched namespaces that are not
+  usable are left untouched and reported as problems.
 
-Namespaces matched by a prompt's keys but not usable (unreadable, foreign, uninitialized) are
-left untouched and reported as problems.
-
-This module never imports MLX (hashing a prompt needs its tokenizer: the CLI does that).
+Hashing a prompt needs its tokenizer: the CLI does that.
 """
 
 from __future__ import annotations

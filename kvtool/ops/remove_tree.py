@@ -12,17 +12,10 @@ symlink, only entries under kvtool's own names (`kvtool.disk.names`):
   never follows or opens what it names); a directory under a file's name is not.
 
 Fan-out directories and then the namespace directory are `rmdir`ed when that leaves them empty.
-Everything else (a user's `notes.txt`, a `sub/` directory, a directory under a kvtool file name)
-is left where it is and listed (`left`), and the directories holding it stay.
-
+Everything else is left where it is and listed (`left`), and the directories holding it stay.
 Order (a removal killed half-way leaves a namespace `validate` repairs or `rm` finishes): the
-fan-out directories first (several at once: `unlink` releases the GIL and mostly waits on the
-file system's journal), then the other top-level entries, the index last.
-
-Before any of this, `kvtool_index_problem` tells a namespace directory whose `index.sqlite` is not
-a kvtool index (another program's database, a text file): `rm` refuses it whole.
-
-This module never imports MLX.
+fan-out directories first (several at once), then the other top-level entries, the index last.
+`kvtool_index_problem` tells a directory whose `index.sqlite` is not a kvtool index: `rm` refuses it.
 """
 
 from __future__ import annotations
@@ -107,16 +100,9 @@ def plan_tree(cache_dir: Path, namespace: str) -> TreeRemoval:
 
 
 def remove_tree(cache_dir: Path, namespace: str, workers: int = 1) -> TreeRemoval:
-    """Remove the kvtool entries of a namespace directory, then the directories left empty (see
-    the module docstring); never follows a symlink.
-
-    Args:
-        cache_dir: the cache root.
-        namespace: the namespace directory name (32 hex).
-        workers: threads removing fan-out directories at once (1: one after the other).
-
-    Returns:
-        What was removed and left (`removed`: the namespace directory is gone).
+    """Remove the kvtool entries of namespace directory `cache_dir/namespace`, then the
+    directories left empty (see the module docstring), `workers` fan-out directories at once;
+    never follows a symlink. Returns what was removed and left.
 
     Raises:
         ValueError: not a namespace name. OSError: the namespace is a symlink, or an entry could

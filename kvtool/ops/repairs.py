@@ -1,11 +1,6 @@
 """What `kvtool validate` plans and reports: per namespace the repairs (`NamespaceRepair`, with
 the `Actions` that `execute` carries out), the whole run (`RepairPlan`), and the rebuild of an
-unreadable index (`RebuildPlan`).
-
-Split out of `kvtool.ops.validate` so that `kvtool.ops.rebuild` uses them without importing
-`validate` (which imports `rebuild`): no import cycle.
-
-This module never imports MLX.
+unreadable index (`RebuildPlan`): shared by `kvtool.ops.validate` and `kvtool.ops.rebuild`.
 """
 
 from __future__ import annotations
@@ -181,17 +176,13 @@ class RepairPlan:
         return doc
 
 
-
-
-def unlink_counted(rep: NamespaceRepair, fn: Callable[[], int], what: str) -> int:
-    """`fn()` (an unlink returning bytes freed); a failure is counted in `rep.unlink_failed` and
-    noted, never raised."""
+def unlink_counted(rep: NamespaceRepair, fn: Callable[[], object], what: str) -> None:
+    """`fn()` (an unlink); a failure is counted in `rep.unlink_failed` and noted, never raised."""
     try:
-        return fn()
+        fn()
     except (OSError, ValueError) as exc:
         rep.unlink_failed += 1
         rep.note("unlink_failed", what, str(exc))
-        return 0
 
 
 __all__ = [

@@ -7,17 +7,13 @@ typed results, and each command only renders or plans from them:
     for ns in scan.namespaces:
         ns.status, ns.meta, ns.rows, ns.files, ns.missing, ns.orphans, ns.tree ...
 
-Per namespace, in this order (a row is never inserted before its file exists, so rows are read
-before the directory is listed): the index files are checked to be regular files (a symlinked
-`index.sqlite`, `-wal` or `-shm` is never opened), the index is opened read-only (creating no
--wal / -shm beside an index no process has open: `kvtool.disk.snapshot.read_quietly`), its meta is
-checked against the directory name (the layout key is a digest of the meta, so a meta that does
-not hash to its name is `foreign`), every row is read and checked in one read transaction
-(`kvtool.disk.rowtable.load_rows`, the one index reader: columns, no Python object per row;
-malformed rows are reported by rowid, never used), and the directory is listed without following
-symlinks once the rows' snapshot is fixed, while a thread reads the rows (SQLite runs without the
-GIL), so the listing still sees every file a row of the snapshot names. No segment file is read. With `rows=False` only the rows are counted (`kvtool rm NAMESPACE` needs nothing more).
-The chain tree of the rows (`forest`, `tree`) is built on first use, once.
+Per namespace: the index files are checked to be regular files, the index is opened read-only
+(`kvtool.disk.snapshot.read_quietly`), its meta is checked against the directory name (a meta
+that does not hash to its name is `foreign`), every row is read and checked in one read
+transaction (`kvtool.disk.rowtable.load_rows`), and the directory is listed, without following
+symlinks, once the rows' snapshot is fixed (a row is never inserted before its file exists, so
+the listing sees every file a row of the snapshot names). No segment file is read. The chain
+tree of the rows (`forest`, `tree`) is built on first use, once.
 
 Statuses (`NamespaceStatus`, one vocabulary for every command):
 
@@ -29,8 +25,6 @@ Statuses (`NamespaceStatus`, one vocabulary for every command):
 | `unreadable` | the index cannot be read (corrupt, missing beside segment files, a symlink, a full disk) | `validate --rebuild-index` rebuilds a corrupt index; prune removes whole segment files by age on a full disk; else left alone |
 | `outdated` | another format version (format 1: one file per block) | prune removes it whole by TTL |
 | `foreign` | its meta contradicts its name (layout key) | left untouched, reported |
-
-This module never imports MLX.
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ import stat
 import threading
 import time
 from collections.abc import Mapping
+from contextlib import suppress
 from pathlib import Path
 from types import MappingProxyType
 
@@ -162,11 +157,9 @@ class _Scanner:
         if not index.initialized():
             if not self._list_files():
                 return self._done(NamespaceStatus.UNREADABLE, "cannot list the namespace directory", "listing")
-            try:  # an index rebuilt without its meta has rows; one killed before its schema has none
+            with suppress(sqlite3.Error):  # an index rebuilt without its meta has rows; one killed before its schema has none
                 self._read_rows(index)
                 f["meta"] = MappingProxyType(index.get_meta())
-            except sqlite3.Error:
-                pass
             n = len(f.get("files", {}))
             why = (f"no metadata yet; {n} segment file(s) and {f.get('row_count', 0)} row(s): completed by the next "
                    f"kvtool process that opens this namespace with its model" if n else

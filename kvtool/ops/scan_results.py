@@ -1,8 +1,6 @@
 """What `kvtool.ops.scan.scan_cache` returns: frozen, typed results (`CacheScan`, `NamespaceScan`,
 `SegmentFile`, `TempFile`) and the statuses every command shares (`NamespaceStatus`; the
 module docstring of `kvtool.ops.scan` says what each means).
-
-This module never imports MLX.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Sets of segment names for `kvtool validate`'s planner, without a string per segment.
 
-At a million blocks a namespace has ~62,500 segments; the planner asks which are referenced,
-kept, known or gone, and each answer as a Python set of names cost ~10-20 ms to build and as
-much to combine, several times over. A `SegmentSet` holds the row table's segments as a mask by
-segment number (`RowTable.segments`, sorted names) and only the other names (an orphan file, a
-rewritten row's new segment) as strings: unions, differences and membership are numpy work, and
-names are made only for the members a caller lists.
-
-This module never imports MLX.
+A `SegmentSet` holds the row table's segments as a mask by segment number (`RowTable.segments`,
+sorted names) and only the other names (an orphan file, a rewritten row's new segment) as
+strings: unions, differences and membership are numpy work, and names are made only for the
+members a caller lists.
 """
 
 from __future__ import annotations

@@ -36,18 +36,10 @@ following symlinks (`kvtool.disk.confined`). A repairing run holds the cache's m
 a `prune` or `rm` is removing at the same moment; a dry run only reads and takes no lock.
 
 Scale (docs/operations.md): the rows are read once, as columns (`kvtool.disk.rowtable`); the
-segment files are opened once each. Clean segments (every slot held by a row that matches it,
-almost all of a healthy cache) are found first, in batches (`kvtool.ops.clean_segments`: one read
-of each whole file, its header byte-compared with the one `segment.encode` writes for the rows'
-slot table, digests and row comparisons vectorised); nothing is kept of them but size, slot count and
-creation time, as arrays (sets of segments are masks, `kvtool.ops.segment_sets`). Every other segment is
-then checked the general way, in name order: the records a check needs read in file order with as
-few reads as possible (`kvtool.ops.records.SegmentPass`): token ids for the digest check, whole
-records for `deep` and for records without a row. The chain tree (rows plus candidate records) is
-built once. Memory grows with the blocks (numpy columns, ~150 bytes per block), never with the
-bytes of the cache.
-
-This module never imports MLX.
+segment files are opened once each. Clean segments (almost all of a healthy cache) are found
+first, in batches (`kvtool.ops.clean_segments`); every other segment is then checked the general
+way, in name order (`kvtool.ops.records.SegmentPass`). The chain tree (rows plus candidate
+records) is built once. Memory grows with the blocks, never with the bytes of the cache.
 """
 
 from __future__ import annotations
@@ -203,16 +195,13 @@ def removal_journal(db: Path) -> set[str]:
 
 
 # ----------------------------------------------------------------------------- index files that are not files
-# SQLite opens `index.sqlite` and its side files (`-wal`, `-shm`, `-journal`) without `O_NOFOLLOW`
-# or `O_NONBLOCK`, so no kvtool command hands it a namespace where one of them exists and is not a
-# regular file (`kvtool.disk.names.irregular_index_file`): a FIFO would block the opening process
-# forever. Left there, such an entry disables its namespace for good. A repairing `validate`
-# therefore renames every one that is a FIFO, socket, device or directory to `<name>.irregular`
-# (`.irregular.1`, ... if taken) inside the namespace directory, opened without following symlinks
-# (a rename opens nothing, and nothing is deleted that kvtool may not have written); the scan that
-# follows then finds a readable index (a side file moved) or none (the index itself moved: it is
-# rebuilt from the segment files, as for a corrupt index). A symlink is never touched (the
-# namespace stays unreadable and reported, as symlinks are everywhere in the cache).
+# SQLite opens `index.sqlite` and its side files without `O_NOFOLLOW` or `O_NONBLOCK`, so no
+# kvtool command opens a namespace where one of them is not a regular file
+# (`kvtool.disk.names.irregular_index_file`: a FIFO would block forever), which disables it for
+# good. A repairing `validate` renames every one that is a FIFO, socket, device or directory to
+# `<name>.irregular` (`.irregular.1`, ... if taken) inside the namespace directory (a rename opens
+# nothing, and deletes nothing kvtool may not have written); the scan that follows finds a
+# readable index or none (then rebuilt from the segment files). A symlink is never touched.
 IRREGULAR_SUFFIX = ".irregular"  # what an index file that is no file is renamed to (`.1`, ... if taken)
 
 
@@ -236,9 +225,8 @@ def _kind(mode: int) -> str | None:
 
 def move_irregular_index_files(cache_dir: Path, only: str | None = None) -> dict[str, list[MovedIndexFile]]:
     """Rename aside every index file of the cache's namespaces (or of namespace `only`: a layout
-    key or a unique prefix of one) that is a
-    FIFO, socket, device or directory (see the module docstring). Run under the cache's
-    maintenance lock.
+    key or a unique prefix of one) that is a FIFO, socket, device or directory (see above). Run
+    under the cache's maintenance lock.
 
     Returns:
         namespace -> the files moved (namespaces with none are left out). A namespace that cannot

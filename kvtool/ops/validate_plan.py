@@ -2,8 +2,6 @@
 files (the clean ones in batches, `kvtool.ops.clean_segments`; the others the general way,
 `kvtool.ops.records.SegmentPass`), then the decisions on one chain tree. The rules are
 `kvtool.ops.validate`'s module docstring.
-
-This module never imports MLX.
 """
 
 from __future__ import annotations
