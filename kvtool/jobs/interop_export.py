@@ -1,6 +1,9 @@
-"""Export of a cached prompt as an mlx-lm prompt-cache file (`kvtool export`): the KV the tiers
-hold for the prompt (the rest computed with `--fill`), as mlx-lm's own prefill leaves its cache,
-written atomically and read back. The file format and checks: `kvtool.jobs.interop`."""
+"""Export of a cached prompt as an mlx-lm prompt-cache file (`kvtool export`) that
+`mlx_lm.generate --prompt-cache-file` loads: `PrefixCache.fetch` must find every prompt token
+(`fill=True` computes the missing ones instead of refusing); the cache is brought to mlx-lm's own
+state after its prefill (`_generation_state`), so the file equals what `mlx_lm.cache_prompt` writes
+for the same tokens, then written atomically and read back. Metadata: `model`, `tokenizer_config`
+and `chat_template` (the keys mlx-lm's generate reads, across versions), plus `kvtool_*` keys."""
 
 from __future__ import annotations
 

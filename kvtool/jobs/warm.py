@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtool.jobs.ssd_writes import ssd_write_problem, write_counts
+from kvtool.jobs.ssd_writes import ssd_write_problem, stats_delta, write_counts
 from kvtool.prompts import (
     MAX_PROMPT_BYTES,
     PromptSourceTooLarge,
@@ -325,12 +325,9 @@ def update_counts(report: WarmReport, base: dict, now: dict) -> None:
     """Set `report`'s SSD counts (blocks, bytes, dedup, failed, over budget, evicted) to what the
     writer did between the `Engine.stats()` snapshots `base` and `now`: after the engine is
     closed, `now` is what reached the disk once the writer drained. Raises nothing."""
-
-    def delta(key: str) -> int:
-        return int(now.get(key, 0)) - int(base.get(key, 0))
-
     write_counts(base, now).set_on(report)
-    report.blocks_evicted, report.bytes_evicted = delta("ssd_budget_evicted_blocks"), delta("ssd_budget_evicted_bytes")
+    report.blocks_evicted, report.bytes_evicted = stats_delta(base, now, "ssd_budget_evicted_blocks",
+                                                              "ssd_budget_evicted_bytes")
 
 
 __all__ = ["warm", "load_sources", "check_engine", "update_counts", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]
