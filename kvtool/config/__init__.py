@@ -29,11 +29,7 @@ from kvtool.config.validators import expand_path
 from kvtool.errors import KVToolError
 from kvtool.units import parse_size, short_repr
 
-# Chosen by measurement (bench_configs/block_size.py, docs/benchmarks.md#block-size): a request costs the
-# cold load of its cached blocks (per-file cost grows as blocks shrink) plus ~block_size/2 tokens
-# of re-prefill (the part of the block where the prompt diverges, or its tail). On this CPU
-# (0.3-24 ms/token prefill) 64 tokens is at or near the minimum for every embedded preset.
-DEFAULT_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 64  # chosen by measurement: docs/benchmarks.md#block-size
 DEFAULT_RAM_BYTES = 1 << 30  # 1 GiB
 DEFAULT_DIR_MODE = 0o700  # owner only; 0o2770 for a cache shared by a group
 MAX_BLOCK_SIZE = 1 << 20
@@ -86,8 +82,8 @@ class ConfigError(KVToolError, ValueError):
     """
 
     def __init__(self, field_name: str, message: str, *, hint: str | None = None):
-        """Create the error; `str(error)` is `config field '<field_name>': <message>`, or
-        `config file <message>` for `<file>` (the message then starts with the path)."""
+        """`str(error)` is `config field '<field_name>': <message>`, or `config file <message>` for
+        `<file>` (the message then starts with the path)."""
         prefix = "config file" if field_name == "<file>" else f"config field '{field_name}':"
         super().__init__(f"{prefix} {message}", hint=hint)
         self.field = field_name
@@ -106,15 +102,11 @@ def default_cache_dir() -> Path:
             return expand_path(env)
         except ValueError as exc:
             raise ConfigError("ssd_cache_dir", f"$KVTOOL_CACHE_DIR: {exc}") from None
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
-        return Path(xdg) / "kvtool"
-    try:
-        return Path.home() / ".cache" / "kvtool"
-    except RuntimeError:
-        raise ConfigError(
-            "ssd_cache_dir", "no home directory to put the cache in", hint="set $KVTOOL_CACHE_DIR or pass --cache-dir"
-        ) from None
+    path = v.xdg_dir("XDG_CACHE_HOME", ".cache")
+    if path is None:
+        raise ConfigError("ssd_cache_dir", "no home directory to put the cache in",
+                          hint="set $KVTOOL_CACHE_DIR or pass --cache-dir")
+    return path
 
 
 # ----------------------------------------------------------------------------- the model
@@ -234,7 +226,6 @@ class KVToolConfig(BaseModel):
             return self.ssd_ttl.total_seconds()
         return self.ssd_ttl_days * 86400.0 if self.ssd_ttl_days is not None else DEFAULT_TTL_S
 
-
     @property
     def remote_enabled(self) -> bool:
         """A remote tier is configured: `remote_url` set and `remote_policy` not `off`."""
@@ -313,17 +304,12 @@ def parse_toml(raw: bytes, path: Path | str) -> dict[str, Any]:
 
 
 def load_config(path: Path | str | None = None, **overrides: Any) -> KVToolConfig:
-    """Build a config from an optional TOML file, then overrides (None = not given; they win).
-    The environment and the default config file are not read here (the CLI layers them:
-    `kvtool.config.settings.resolve_settings`).
-
-    Args:
-        path: TOML file with the fields at top level or under a `[kvtool]` table.
-        **overrides: field values, typically from CLI flags.
+    """A config from an optional TOML file (`read_config_file`), then `overrides` (field values;
+    None: not given). The environment and the default config file are not read here (the CLI
+    layers them: `kvtool.config.settings.resolve_settings`).
 
     Raises:
-        ConfigError: unknown field, wrong type or invalid value (the message names the field),
-            or a file that cannot be read as TOML.
+        ConfigError: unknown field, invalid value (named), or a file that cannot be read as TOML.
         FileNotFoundError: `path` does not exist.
     """
     values = read_config_file(path) if path is not None else {}

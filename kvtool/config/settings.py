@@ -28,12 +28,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig, read_config_file
+from kvtool.config.validators import xdg_dir
 
 ENV_PREFIX = "KVTOOL_"
 CONFIG_ENV = "KVTOOL_CONFIG"  # the config file when no --config is given
@@ -116,11 +117,9 @@ class Origin:
     kind: str
     name: str | None = None
 
-    LABELS: ClassVar[dict[str, str]] = {FLAG: "flag", ENV: "env", FILE: "config file", DEFAULT: "default"}
-
     def __str__(self) -> str:
         """`flag --block-size`, `env KVTOOL_BLOCK_SIZE`, `config file PATH` or `default`."""
-        label = self.LABELS[self.kind]
+        label = "config file" if self.kind == FILE else self.kind
         return label if self.name is None else f"{label} {self.name}"
 
 
@@ -144,13 +143,8 @@ class Settings:
 def default_config_file() -> Path | None:
     """`$XDG_CONFIG_HOME/kvtool/config.toml` (if that variable is absolute; the XDG spec ignores
     a relative one), else `~/.config/kvtool/config.toml`; None without a home directory."""
-    xdg = os.environ.get("XDG_CONFIG_HOME")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "kvtool" / "config.toml"
-    try:
-        return Path.home() / ".config" / "kvtool" / "config.toml"
-    except RuntimeError:
-        return None
+    path = xdg_dir("XDG_CONFIG_HOME", ".config")
+    return None if path is None else path / "config.toml"
 
 
 def find_config_file(explicit: Path | None = None) -> tuple[Path | None, str | None]:
