@@ -14,10 +14,7 @@ converter, as `mlx_lm.convert -q --q-bits N` does for the mlx-community models p
 packed weights with per-group scales and biases (group 64, affine), `quantization` in config.json,
 the tokenizer as the converter saves it.
 
-`tiny-tools` is `tiny`'s shape and seed with a Qwen2.5-style tool-calling chat template and weights
-set so that greedy decoding answers every chat prompt with one fixed tool call,
-`<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>`, then EOS
-(`kvtool.models.tool_preset`): a fixture for the output side of tool calling, not a model.
+`tiny-tools` answers every chat prompt with one fixed tool call (`kvtool.models.tool_preset`).
 
 Location: `$KVTOOL_MODELS_DIR/<name>-v1/` if the variable is set, else
 `~/.cache/kvtool-models/<name>-v1/`.
@@ -53,14 +50,10 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 1_000_000.0
 DEFAULT_MAX_POSITIONS = 32768
 
-# Init gains (standard deviations are gain / sqrt(fan_in); embeddings have std EMBED_STD).
+# Init gains by weight name (standard deviations are gain / sqrt(fan_in); embeddings have std EMBED_STD).
 EMBED_STD = 1.0
-QK_GAIN = 2.0
-V_GAIN = 1.0
-O_GAIN = 2.0
-MLP_IN_GAIN = 1.0
-MLP_OUT_GAIN = 1.0
-LM_HEAD_GAIN = 1.0
+GAINS = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.0, "o_proj": 2.0, "gate_proj": 1.0, "up_proj": 1.0,
+         "down_proj": 1.0, "lm_head": 1.0}
 
 
 @dataclass(frozen=True)
@@ -394,27 +387,13 @@ def _std(name: str, shape: tuple[int, ...]) -> float:
     """Standard deviation of weight `name` (shape [out, in] for linears)."""
     if name.endswith("embed_tokens.weight"):
         return EMBED_STD
-    gains = {
-        "q_proj": QK_GAIN,
-        "k_proj": QK_GAIN,
-        "v_proj": V_GAIN,
-        "o_proj": O_GAIN,
-        "gate_proj": MLP_IN_GAIN,
-        "up_proj": MLP_IN_GAIN,
-        "down_proj": MLP_OUT_GAIN,
-        "lm_head": LM_HEAD_GAIN,
-    }
-    gain = next(g for part, g in gains.items() if f"{part}." in name or name.startswith(f"{part}."))
+    gain = next(g for part, g in GAINS.items() if f"{part}." in name)
     return gain / math.sqrt(shape[-1])
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    """Write `doc` as indented JSON and fsync the file."""
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, ensure_ascii=False)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Write `doc` as indented JSON (`_fsync_dir` syncs it)."""
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _fsync_dir(path: Path) -> None:
