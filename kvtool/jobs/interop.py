@@ -73,12 +73,9 @@ class ImportReport:
         kv_check_tokens: tokens whose KV the check recomputed (0: skipped).
         kv_check_max_rel_diff: the largest relative difference to the file's KV.
         entries_stored: blocks + tail entry handed to the tiers.
-        blocks_written: block files written to SSD (`ssd_save_success`, after the flush).
-        bytes_written: their bytes.
-        blocks_dedup: entries already on SSD.
-        blocks_failed: entries that could not be written (a failure; not those over the budget).
-        blocks_over_budget: entries the SSD byte budget had no room for (not stored, not a
-            failure; the import is then not verified).
+        blocks_written, bytes_written, blocks_dedup, blocks_failed, blocks_over_budget: what the
+            SSD writer did, after the flush (`kvtool.jobs.ssd_writes.WriteCounts`; blocks over the
+            budget leave the import unverified).
         flushed: every accepted write was attempted.
         cached_tokens: `PrefixCache.probe(tokens)` after the flush.
         verified: `cached_tokens == prompt_tokens`.

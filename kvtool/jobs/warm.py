@@ -90,14 +90,8 @@ class WarmReport:
         prompts_done: prompts processed (less than total if interrupted).
         prompts_skipped, prompts_too_short, prompts_prefilled: by status.
         tokens: prompt tokens processed; tokens_prefilled: of which run through the model.
-        blocks_written: block files written to SSD (`ssd_save_success`).
-        bytes_written: bytes of those files (`ssd_bytes_written`).
-        blocks_dedup: blocks another writer had stored already.
-        blocks_failed: blocks that could not be written (final writer failures, after retries,
-            plus blocks the writer rejected); not those the SSD byte budget had no room for.
-        blocks_over_budget: blocks not stored because the SSD byte budget had no room for their
-            segment even after eviction (the store's 'refused', `writer_budget_refused`): the
-            budget at work, not a failure, never retried.
+        blocks_written, bytes_written, blocks_dedup, blocks_failed, blocks_over_budget: what the
+            SSD writer did (`kvtool.jobs.ssd_writes.WriteCounts`).
         blocks_evicted, bytes_evicted: blocks (and bytes) the byte budget evicted to make room.
         blocks_resident, bytes_resident: what the namespace holds on SSD at the end (set by the
             caller after the engine is closed; None: not counted).
