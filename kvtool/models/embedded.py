@@ -142,14 +142,8 @@ def is_built(name: str) -> bool:
 
 
 def model_dir(name: str = DEFAULT_PRESET, build: bool = True) -> Path:
-    """Return the mlx-lm model directory of preset `name`, building it first if needed.
-
-    Args:
-        name: A key of `PRESETS`.
-        build: If False, only compute the path (it may not exist).
-
-    Returns:
-        `<models_root()>/<name>-v1`, complete when `build` is True.
+    """The mlx-lm model directory of preset `name`, `<models_root()>/<name>-v1`, built first if it
+    is not complete (`build` False: only the path, which may not exist).
 
     Raises:
         UnknownPresetError: If `name` is not a preset.
@@ -163,18 +157,10 @@ def model_dir(name: str = DEFAULT_PRESET, build: bool = True) -> Path:
 
 
 def build_preset(preset: Preset, dest: Path, seed: int = DEFAULT_SEED) -> Path:
-    """Write preset `preset` into `dest` atomically (temp dir in the same parent, then rename).
-
-    Safe when several processes build at once: the first rename wins, the others discard their
-    temp directory and use the winner's.
-
-    Args:
-        preset: The model shape.
-        dest: Final directory; must not exist, or be a complete model directory.
-        seed: Weight seed.
-
-    Returns:
-        `dest`.
+    """Write `preset` (weights drawn from `seed`) into `dest`, which must not exist or be a complete
+    model directory, atomically: a temp dir in the same parent, then a rename. Safe when several
+    processes build at once: the first rename wins, the others discard their temp directory and
+    use the winner's. Returns `dest`.
 
     Raises:
         OSError: If writing fails (the temp directory is removed).
@@ -260,11 +246,7 @@ def write_quantized_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -
 def write_tokenizer_files(preset: Preset, out: Path) -> None:
     """Write the tokenizer files of float preset `preset` into `out`: the shipped ones
     (`TOKENIZER_ASSETS`), or for a tool-calling preset those plus its tool-call tokens and chat
-    template (`tool_preset.write_tokenizer`).
-
-    Raises:
-        OSError: If a file cannot be written.
-    """
+    template (`tool_preset.write_tokenizer`)."""
     if preset.tool_calling:
         tool_preset.write_tokenizer(ASSETS_DIR, out)
         return
@@ -287,13 +269,8 @@ def vocab_size(preset: Preset) -> int:
 
 
 def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED) -> dict:
-    """Return the Hugging Face style config.json document of `preset` (`model_type: qwen2`).
-
-    Args:
-        preset: The model shape.
-        vocab: Tokenizer vocabulary (token -> id); must contain `SPECIAL_TOKENS`.
-        seed: Weight seed, recorded as `kvtool_seed`.
-    """
+    """The Hugging Face style config.json document of `preset` (`model_type: qwen2`); `vocab`
+    (token -> id) must contain `SPECIAL_TOKENS`; `seed` is recorded as `kvtool_seed`."""
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -318,19 +295,12 @@ def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED
 
 
 def init_weights(preset: Preset, vocab_size: int, seed: int, silent_ids: list[int]) -> dict:
-    """Deterministic float32 weights for `preset`, keyed like mlx-lm's qwen2 `Model`.
+    """Deterministic float32 weights for `preset`, keyed like mlx-lm's qwen2 `Model`: name ->
+    mx.array (e.g. `model.embed_tokens.weight` [vocab_size, hidden]); the lm_head rows of
+    `silent_ids` are zero (never chosen greedily).
 
-    Each tensor draws from its own key (seed + tensor name), uniformly, on the CPU stream, so the
+    Each tensor draws uniformly from its own key (seed + tensor name) on the CPU stream, so the
     bytes depend neither on module construction order nor on the device.
-
-    Args:
-        preset: The model shape.
-        vocab_size: Rows of the embedding and lm_head.
-        seed: Base seed.
-        silent_ids: Token ids whose lm_head rows are zeroed (never chosen greedily).
-
-    Returns:
-        dict name -> mx.array float32 (e.g. `model.embed_tokens.weight` [vocab, hidden]).
     """
     import mlx.core as mx
 

@@ -61,9 +61,6 @@ def load_model(spec: str, adapter_path: str | None = None) -> LoadedModel:
         spec: Local mlx-lm model directory, embedded preset name, or Hugging Face id `org/name`.
         adapter_path: Optional LoRA adapter directory passed to mlx-lm.
 
-    Returns:
-        The loaded model.
-
     Raises:
         ModelLoadError: If the spec matches nothing, or building, downloading or loading fails.
     """
