@@ -1,24 +1,18 @@
-"""Where each setting comes from: flag > environment > config file > default.
+"""Where each setting comes from: flag > environment > config file > default (the user's view:
+docs/configuration.md).
 
-Every field of `kvtool.config.KVToolConfig` can be set four ways; the first that sets it wins:
-
-1. a command-line flag (`--block-size`, `--policy`, ...; the CLI passes them as `flags`);
-2. an environment variable `KVTOOL_<FIELD>` (`KVTOOL_BLOCK_SIZE`, `KVTOOL_SSD_POLICY`,
-   `KVTOOL_RAM_BYTES`, ...), read by pydantic-settings (`EnvSource`). Older names stay as
-   aliases (`ENV_ALIASES`: `KVTOOL_CACHE_DIR` for `ssd_cache_dir`). An empty variable is unset;
-3. the config file: `--config FILE`, else `$KVTOOL_CONFIG`, else
-   `$XDG_CONFIG_HOME/kvtool/config.toml` (default `~/.config/kvtool/config.toml`) when it exists;
+1. a command-line flag (the CLI passes them as `flags`);
+2. an environment variable `KVTOOL_<FIELD>`, read by pydantic-settings (`EnvSource`), then the
+   older names of `ENV_ALIASES`; an empty variable is unset;
+3. the config file: `--config FILE`, else `$KVTOOL_CONFIG`, else `default_config_file()` when it
+   exists;
 4. the field's default.
 
-Each layer is validated on its own by `KVToolConfig`, so a value means the same in a file and in
-a variable, and a bad one is a `ConfigError` naming where it came from (`$KVTOOL_BLOCK_SIZE: must
-be an integer ...`) even where a higher layer overrides it. Environment text is read as the TOML
-value a config file would hold: `true` / `false` for a flag field, decimal digits for an integer
-field; any other text (sizes, durations, choices, paths, `ssd_dir_mode`'s octal) goes to the
-field's validator as it is. `ssd_ttl` and its deprecated twin `ssd_ttl_days` are one setting: a
-layer that sets either hides both from the layers below.
-
-`resolve_settings` returns the config with the origin of every field (`kvtool config show`).
+Each layer is validated on its own by `KVToolConfig`, so a bad value is a `ConfigError` naming
+where it came from (`$KVTOOL_BLOCK_SIZE: must be an integer ...`) even where a higher layer
+overrides it. Environment text is read as the TOML value a config file would hold (`from_text`).
+`ssd_ttl` and its deprecated twin `ssd_ttl_days` are one setting: a layer that sets either hides
+both from the layers below. `resolve_settings` returns the config with the origin of every field.
 """
 
 from __future__ import annotations

@@ -32,12 +32,8 @@ def _mlx_state_cache(engine: Engine, cache: list, n: int) -> list:
     from kvtool.kv.windows import rotating_from_full
 
     windows = engine.cache.windows or (None,) * len(cache)
-    out = []
-    for c, w in zip(cache, windows):
-        if w is not None and not isinstance(c, ArraysCache):
-            out.append(rotating_from_full(c, n, w, engine.prefill_step_size))
-        else:
-            out.append(c)
+    out = [rotating_from_full(c, n, w, engine.prefill_step_size) if w is not None and not isinstance(c, ArraysCache)
+           else c for c, w in zip(cache, windows)]
     mx.eval([c.state for c in out if isinstance(c, ArraysCache) or c.keys is not None])
     return out
 

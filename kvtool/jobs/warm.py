@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtool.jobs.ssd_writes import ssd_write_problem, stats_delta, write_counts
+from kvtool.models.limits import TokenLimitError, TokenLimits
 from kvtool.prompts import (
     MAX_PROMPT_BYTES,
     PromptSourceTooLarge,
@@ -29,10 +30,10 @@ from kvtool.prompts import (
     parse_requests_jsonl,
     read_text,
 )
+from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
-    from kvtool.models.limits import TokenLimits
 
 SOURCE_SUFFIXES = (".txt", ".md")  # files taken from a directory source
 JSONL_SUFFIXES = (".jsonl",)
@@ -177,8 +178,6 @@ class _Budget:
         try:
             text = read_text(path, self.left)
         except PromptSourceTooLarge:
-            from kvtool.units import format_bytes
-
             raise WarmError(f"{path}: the sources hold more than {format_bytes(self.total)}, the limit for "
                             "warm sources in all (--max-prompt-bytes)") from None
         self.left -= len(text.encode("utf-8"))
@@ -287,8 +286,6 @@ def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_templat
     if not ids:
         raise WarmError(f"{item.source}: the prompt has no tokens")
     if limits is not None:
-        from kvtool.models.limits import TokenLimitError
-
         try:
             limits.check_prompt(len(ids), item.source)
         except TokenLimitError as exc:
