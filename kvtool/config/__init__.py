@@ -125,11 +125,9 @@ class KVToolConfig(BaseModel):
         ssd_ttl: default TTL used by `kvtool prune` when no `--ttl` is given: a duration with
             its unit (`"7d"`, `"12h"`, `"1d12h"`) or a `timedelta`; held as a `timedelta`, None
             when not set (`ttl_s` gives the TTL in effect, 7 days by default).
-        ssd_policy: `write_through` (new blocks go to RAM and SSD) or `evict_only`
-            (write-back: blocks reach SSD only when RAM evicts them). An `SSDPolicy`.
-        ssd_durability: `best_effort` (one attempt), `persistent` (retries) or `durable`
-            (fsync file + directory before the index row commits, SQLite synchronous=FULL).
-            A `Durability`.
+        ssd_policy: when blocks reach SSD: `write_through` or `evict_only` (`SSDPolicy`).
+        ssd_durability: `best_effort`, `persistent` or `durable` (`Durability`; `durable` also
+            runs SQLite with synchronous=FULL).
         ssd_async_writes: write SSD blocks from a background writer thread.
         ssd_writer_queue_size: bound of the writer queue (blocks).
         ssd_flush_interval_s: max delay of batched index access-time updates: seconds, or a
@@ -146,16 +144,14 @@ class KVToolConfig(BaseModel):
             segment that would not fit is written, the least recently used segments are evicted
             (`kvtool.disk.budget`; the directory as `du` counts it: segment files, index,
             directories); None (the default): no budget (`kvtool prune` trims from cron).
-        ssd_codec: `none` (records stored as they are, the default), or `zstd` / `lz4`: every
-            record compressed losslessly (opt-in; a separate namespace, since the codec is part
-            of the layout key). A `Codec`.
+        ssd_codec: `none` (the default), `zstd` or `lz4` (`Codec`; a separate namespace, since the
+            codec is part of the layout key).
         remote_url: the remote tier's Redis / Valkey server (`redis://`, `rediss://`,
             `unix://`, `redis+cluster://`; `kvtool.config.remote_url`), default
             `$KVTOOL_REMOTE_URL`; None: no remote tier. The password may come from
             `$KVTOOL_REMOTE_PASSWORD` instead. Hidden from `repr`; show it with `mask_url`.
-        remote_policy: `off`, `write_through` (new blocks go to the remote store too, the
-            default) or `on_evict` (blocks go there when RAM evicts them). A `RemotePolicy`;
-            the tier is used when `remote_url` is set and this is not `off`.
+        remote_policy: `off`, `write_through` (the default) or `on_evict` (`RemotePolicy`); the
+            tier is used when `remote_url` is set and this is not `off`.
         remote_promote: a remote hit is also written to the local SSD tier (from the request's
             cache when the request is released; it enters RAM either way, as SSD hits do).
         remote_ttl: expiry of the values kvtool stores (a duration such as `"7d"`, held as a

@@ -13,13 +13,8 @@ if TYPE_CHECKING:
 
 
 def ssd_write_problem(engine: Engine, nothing_to: str) -> str | None:
-    """Why `engine` cannot write blocks to SSD, as one line; None if it can.
-
-    Args:
-        engine: a `kvtool.engine.Engine`.
-        nothing_to: what the caller would do, for the "SSD tier is off" message
-            ("nothing to warm").
-    """
+    """Why `engine` (a `kvtool.engine.Engine`) cannot write blocks to SSD, as one line; None if it
+    can. `nothing_to` ends the "SSD tier is off" message: "nothing to warm"."""
     if engine.uncached_reason is not None:
         return f"this model cannot be cached: {engine.uncached_reason}"
     ssd = engine.cache.ssd
