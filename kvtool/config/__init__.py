@@ -1,15 +1,12 @@
-"""kvtool configuration: one validated model, settable from CLI flags, `KVTOOL_<FIELD>` environment
-variables, a TOML file and sweep files (which wins, and the config file's places: `kvtool.config.settings`).
+"""kvtool configuration: one validated model (`KVToolConfig`), set from CLI flags, `KVTOOL_<FIELD>`
+environment variables, a TOML file and sweep files (which wins, and the config file's places:
+`kvtool.config.settings`).
 
-Every value goes through the same pydantic validators wherever it comes from, so the rules are
-the same everywhere: sizes are integers or strings such as `"1GiB"`, `"512MB"`, `"512M"`
-(`kvtool.units.parse_size`); durations are strings with their unit such as `"7d"`, `"12h"`,
-`"1d12h"` (`kvtool.units.parse_duration`; a bare number is refused, except in a field named for
-its unit: `ssd_ttl_days` (deprecated) and `ssd_flush_interval_s`); booleans are never numbers,
-NaN and infinities are rejected, and every number is bounded. An invalid value raises
-`ConfigError` naming the field.
-
-Fields and defaults: docs/configuration.md; durability modes: docs/design.md#durability-modes.
+Every value goes through the same pydantic validators (`kvtool.config.validators`) wherever it
+comes from, so `"1GiB"` or `"12h"` means the same everywhere (a bare number is a duration only in
+a field named for its unit: `ssd_ttl_days`, `ssd_flush_interval_s`); an invalid value raises
+`ConfigError` naming the field. Fields, defaults and the rules of values: docs/configuration.md;
+durability modes: docs/design.md#durability-modes.
 """
 
 from __future__ import annotations

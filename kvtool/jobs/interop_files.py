@@ -227,7 +227,6 @@ def check_model(file_model: str | None, model_spec: str, loaded, adapter_path: s
     if file_model == model_spec:
         return ModelCheck("match", f"same model spec {file_model!r}")
     here = Path(loaded.path).resolve() if loaded.path is not None else None
-    candidate: Path | None = None
     local = Path(file_model).expanduser()
     if local.is_dir():
         candidate = local.resolve()

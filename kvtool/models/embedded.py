@@ -10,14 +10,9 @@ greedy decoding neither repeats one token nor ignores the KV cache. The lm_head 
 tokens are zero, so greedy decoding never emits an end-of-sequence token (runs reach max_tokens).
 
 The quantized presets (`tiny-4bit`, `tiny-8bit`) are a float preset run through mlx-lm's own
-converter, as `mlx_lm.convert -q --q-bits N` does for the mlx-community models people download:
-packed weights with per-group scales and biases (group 64, affine), `quantization` in config.json,
-the tokenizer as the converter saves it.
-
+converter (`write_quantized_files`), as the mlx-community models people download are.
 `tiny-tools` answers every chat prompt with one fixed tool call (`kvtool.models.tool_preset`).
-
-Location: `$KVTOOL_MODELS_DIR/<name>-v1/` if the variable is set, else
-`~/.cache/kvtool-models/<name>-v1/`.
+Presets are built in `models_root()/<name>-v1/` (`$KVTOOL_MODELS_DIR` or `~/.cache/kvtool-models`).
 """
 
 from __future__ import annotations
