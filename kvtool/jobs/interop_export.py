@@ -56,7 +56,8 @@ def export_cache_file(
     fill: bool = False,
     extra_metadata: dict[str, str] | None = None,
 ) -> ExportReport:
-    """Write the prompt's cached KV as an mlx-lm prompt-cache file (see the module docstring).
+    """Write the prompt's cached KV as an mlx-lm prompt-cache file (see the module docstring) and
+    return the `ExportReport`.
 
     Args:
         engine: a `kvtool.engine.Engine` (its namespace: kv_bits, block size as when cached).
@@ -65,9 +66,6 @@ def export_cache_file(
         metadata_model: the metadata `model` (`metadata_model_for`).
         fill: compute the tokens the tiers lack instead of refusing (nothing is stored).
         extra_metadata: more string metadata.
-
-    Returns:
-        The report.
 
     Raises:
         InteropError: bad output name, uncacheable model, or (exit code 1) the prompt is not
