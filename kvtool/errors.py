@@ -25,13 +25,7 @@ class KVToolError(Exception):
     hint: str | None = None
 
     def __init__(self, message: str = "", *, exit_code: int | None = None, hint: str | None = None):
-        """Create the error.
-
-        Args:
-            message: one line saying what is wrong.
-            exit_code: overrides the class default `exit_code`.
-            hint: overrides the class default `hint`.
-        """
+        """`message`: one line saying what is wrong; `exit_code` and `hint` override the class defaults."""
         super().__init__(message)
         if exit_code is not None:
             self.exit_code = exit_code

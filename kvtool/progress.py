@@ -1,23 +1,16 @@
 """Progress of long commands: a rich bar on a terminal, a plain line now and then without one.
 
-On a terminal, `progress()` gives a rich `Progress` drawn live on stderr. Without a terminal
-(cron, CI, `2> file`, a pipe) a live bar is either nothing or noise; there it gives a
-`LineProgress` instead: the same rich `Progress` API (`add_task`, `update`, `advance`, `reset`),
-drawing nothing, that prints one line about its tasks to stderr at most every `interval_s()`
-seconds (default 10; `KVTOOL_PROGRESS_INTERVAL_S` overrides it): at an update once the interval
-has passed since the last line, or from a daemon thread when the work sits in one long step,
-plus one closing line when the work ends if it printed any. A command shorter than the interval
-prints no progress line at all; an interval of 0 prints a line at every update (tests).
+Without a terminal (cron, CI, `2> file`, a pipe) a live bar is either nothing or noise, so there
+`progress()` gives a `LineProgress`: the rich `Progress` API, drawing nothing, printing a line
+about its tasks to stderr at most every `interval_s()` seconds (none for a shorter command).
 
     with progress("kvtool warm", lines=True) as bar:        # None when nothing is to be shown
         task = bar.add_task("warm", total=len(prompts), tokens=0) if bar else None
         ...
         if bar: bar.update(task, completed=i, tokens=n)
 
-A line: `[kvtool warm 20 s] warm 3/10 | 7 left, ETA 47 s | tokens 1234 | blocks 7` (elapsed
-seconds since the start; the ETA is the mean time per item done so far times the items left;
-with many tasks, those that finished are counted, not listed). On a terminal the bar gets a
-remaining-time column (rich's `TimeRemainingColumn`) unless the caller's columns have one.
+A line: `[kvtool warm 20 s] warm 3/10 | 7 left, ETA 47 s | tokens 1234 | blocks 7` (seconds since
+the start, then `describe_tasks`).
 """
 
 from __future__ import annotations
@@ -49,14 +42,11 @@ DEFAULT_INTERVAL_S = 10.0
 def interval_s() -> float:
     """Seconds between two progress lines at least: `$KVTOOL_PROGRESS_INTERVAL_S` if it is a
     number >= 0 (0: a line at every update), else `DEFAULT_INTERVAL_S`."""
-    raw = os.environ.get(INTERVAL_ENV, "").strip()
     try:
-        value = float(raw) if raw else DEFAULT_INTERVAL_S
+        value = float(os.environ.get(INTERVAL_ENV, "").strip() or DEFAULT_INTERVAL_S)
     except ValueError:
         return DEFAULT_INTERVAL_S
-    if value != value or value < 0:  # NaN or negative
-        return DEFAULT_INTERVAL_S
-    return value
+    return value if value >= 0 else DEFAULT_INTERVAL_S  # (False for NaN too)
 
 
 def stderr_is_terminal(console: Console | None = None) -> bool:
@@ -183,10 +173,6 @@ class LineProgress(Progress):
             self._print_if_due()
 
 
-def default_columns() -> tuple[ProgressColumn, ...]:
-    return TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
-
-
 def make_progress(label: str, *columns: ProgressColumn | str, console: Console | None = None,
                   transient: bool = True) -> Progress:
     """A live rich bar on stderr when it is a terminal (`columns`, plus a remaining-time column
@@ -194,7 +180,7 @@ def make_progress(label: str, *columns: ProgressColumn | str, console: Console |
     `Progress`)."""
     console = console or Console(stderr=True)
     if stderr_is_terminal(console):
-        columns = columns or default_columns()
+        columns = columns or (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         if not any(isinstance(c, TimeRemainingColumn) for c in columns):
             columns = (*columns, TimeRemainingColumn())
         return Progress(*columns, console=console, transient=transient)

@@ -1,13 +1,11 @@
 """Prometheus metrics of kvtool's cache: one place for every metric name, type and help text.
 
-Nothing is counted twice: the metrics are built at scrape time from the counters kvtool keeps
-anyway (`PrefixCache.stats()`: the `kv_*`, `ssd_*`, `writer_*` and `remote_*` keys, and the
-cumulative request totals of `KVToolPromptCache` or of a run's per-request records) by a custom
-collector (`CacheCollector`, prometheus_client's `Collector` API). Only distributions are
-accumulated here, in prometheus_client `Histogram`s, since no counter holds them: the restore
-latency and, per request, its prompt and cached tokens (from the cache's record) and, for a
-`kvtool serve`, its time to first token and end-to-end duration (`observe_timing`).
-Each server or run has its own `CollectorRegistry` (`CacheMetrics`), never the global one.
+Nothing is counted twice: at scrape time a custom collector (`CacheCollector`) builds the metrics
+from the counters kvtool keeps anyway (`PrefixCache.stats()`: the `kv_*`, `ssd_*`, `writer_*` and
+`remote_*` keys, and the cumulative request totals of `KVToolPromptCache` or of a run's records).
+Only distributions, which no counter holds, are accumulated here in `Histogram`s: the restore
+latency, each request's prompt and cached tokens, and for `kvtool serve` its time to first token
+and duration. Each server or run has its own `CollectorRegistry` (`CacheMetrics`), never the global one.
 
     metrics = CacheMetrics(lambda: (prefix_cache.stats().to_dict(), totals))
     metrics.observe(record)              # per request: restore time, prompt and cached tokens
@@ -18,9 +16,9 @@ Each server or run has its own `CollectorRegistry` (`CacheMetrics`), never the g
 A `kvtool serve` SIGHUP reattaches the tiers with fresh counters: the tier metrics then restart
 from 0 (a counter reset, which `rate()` and `increase()` handle); the request totals go on.
 
-Names follow Prometheus conventions: counters end in `_total`, sizes are `_bytes`, times
-`_seconds`; the tier is a label (`tier="ram" | "pending" | "ssd" | "remote"`). `remote_*` keys the
-stats do not name here (a newer remote tier) are exported as untyped `kvtool_remote_<rest>`.
+Names follow Prometheus conventions (`_total`, `_bytes`, `_seconds`); the tier is a label
+(`tier="ram" | "pending" | "ssd" | "remote"`). `remote_*` stats keys no metric reads (a newer
+remote tier) are exported as untyped `kvtool_remote_<rest>`.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,19 +70,14 @@ class Spec:
     sources: tuple[tuple[tuple[str, ...], str], ...] = ()
 
 
-def _spec(kind: str, name: str, help_: str, labels: tuple[str, ...], key: str | None, sources: dict[str, str]) -> Spec:
+def _spec(kind: str, name: str, help_: str, labels: tuple[str, ...] = (), key: str | None = None,
+          **sources: str) -> Spec:
+    """A metric read from `key` (no labels), or from `sources`: label values joined by '__' -> stats key."""
     pairs = (((), key),) if key is not None else tuple((tuple(k.split("__")), v) for k, v in sources.items())
     return Spec(name, kind, help_, labels, pairs)
 
 
-def _c(name: str, help_: str, labels: tuple[str, ...] = (), key: str | None = None, **sources: str) -> Spec:
-    """A counter read from `key` (no labels), or from `sources`: label values joined by '__' -> stats key."""
-    return _spec("counter", name, help_, labels, key, sources)
-
-
-def _g(name: str, help_: str, labels: tuple[str, ...] = (), key: str | None = None, **sources: str) -> Spec:
-    """A gauge; arguments as `_c`."""
-    return _spec("gauge", name, help_, labels, key, sources)
+_c, _g = partial(_spec, "counter"), partial(_spec, "gauge")
 
 
 T = ("tier",)
@@ -173,11 +167,6 @@ HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
 }
 
 
-def known_stats_keys() -> frozenset[str]:
-    """Every stats key some metric reads."""
-    return frozenset(key for spec in STATS_METRICS for _, key in spec.sources)
-
-
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -206,7 +195,7 @@ def build_families(stats: Mapping[str, Any], totals: Mapping[str, Any]) -> list[
         totals = {k: v for k, v in totals.items() if not k.startswith("remote_")}
     out = [f for f in (_family(s, totals) for s in REQUEST_METRICS) if f is not None]
     out += [f for f in (_family(s, stats) for s in STATS_METRICS) if f is not None]
-    known = known_stats_keys()
+    known = {key for spec in STATS_METRICS for _, key in spec.sources}
     for key in sorted(stats):
         value = _number(stats[key])
         if key.startswith("remote_") and key not in known and value is not None:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kvtool.units import format_bytes
+
 MAX_PROMPT_BYTES = 64 << 20  # default limit of one prompt source (bytes): 64 MiB
 MAX_PROMPT_BYTES_OPTION = "--max-prompt-bytes"  # the CLI option that changes it
 
@@ -46,8 +48,6 @@ def _check_messages(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _too_large(name: str, max_bytes: int) -> PromptSourceTooLarge:
-    from kvtool.units import format_bytes
-
     return PromptSourceTooLarge(f"{name}: larger than {format_bytes(max_bytes)}, the limit for a prompt source "
                             f"({MAX_PROMPT_BYTES_OPTION})")
 

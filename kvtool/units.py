@@ -15,21 +15,10 @@ MAX_BYTES = 2**63 - 1  # fits SQLite INTEGER, numpy int64 and pandas columns
 MAX_DURATION_S = 100 * 365 * 86400  # 100 years
 _MAX_DIGITS = 40  # a longer number is too large for either bound anyway
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
+_SIZE_UNITS = {"": 1, "b": 1} | {  # kb, mb, gb, tb: decimal; kib ... tib and k ... t: binary
+    unit: base**power
+    for power, prefix in enumerate("kmgt", start=1)
+    for unit, base in ((f"{prefix}b", 1000), (f"{prefix}ib", 1024), (prefix, 1024))
 }
 _DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _UNIT_NAMES = (("d", "days"), ("h", "hours"), ("m", "minutes"), ("s", "seconds"))
@@ -52,9 +41,8 @@ def parse_size(text: str | int) -> int:
     Args:
         text: a size string, or an integer number of bytes (booleans are not numbers).
 
-    A count of bytes (no unit, or `B`) must be whole: `1.5` is refused (it was read as a 1-byte
-    budget, which makes `prune --max-bytes 1.5` remove everything). With a larger unit a decimal
-    is rounded down to whole bytes: `1.5KiB` is 1536, `0.1MiB` is 104857.
+    A count of bytes (no unit, or `B`) must be whole: `1.5` is refused. With a larger unit a
+    decimal is rounded down to whole bytes: `1.5KiB` is 1536, `0.1MiB` is 104857.
 
     Returns:
         The size in bytes, `0 <= size <= MAX_BYTES`.
@@ -193,8 +181,8 @@ def format_size(n: int) -> str:
 
 def format_bytes(n: float) -> str:
     """`1.5 MiB`-style text for a byte count."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
+    return f"{n:.1f} TiB"

@@ -1,15 +1,12 @@
-"""kvtool configuration: one validated model, settable from CLI flags, `KVTOOL_<FIELD>` environment
-variables, a TOML file and sweep files (which wins, and the config file's places: `kvtool.config.settings`).
+"""kvtool configuration: one validated model (`KVToolConfig`), set from CLI flags, `KVTOOL_<FIELD>`
+environment variables, a TOML file and sweep files (which wins, and the config file's places:
+`kvtool.config.settings`).
 
-Every value goes through the same pydantic validators wherever it comes from, so the rules are
-the same everywhere: sizes are integers or strings such as `"1GiB"`, `"512MB"`, `"512M"`
-(`kvtool.units.parse_size`); durations are strings with their unit such as `"7d"`, `"12h"`,
-`"1d12h"` (`kvtool.units.parse_duration`; a bare number is refused, except in a field named for
-its unit: `ssd_ttl_days` (deprecated) and `ssd_flush_interval_s`); booleans are never numbers,
-NaN and infinities are rejected, and every number is bounded. An invalid value raises
-`ConfigError` naming the field.
-
-Fields and defaults: docs/configuration.md; durability modes: docs/design.md#durability-modes.
+Every value goes through the same pydantic validators (`kvtool.config.validators`) wherever it
+comes from, so `"1GiB"` or `"12h"` means the same everywhere (a bare number is a duration only in
+a field named for its unit: `ssd_ttl_days`, `ssd_flush_interval_s`); an invalid value raises
+`ConfigError` naming the field. Fields, defaults and the rules of values: docs/configuration.md;
+durability modes: docs/design.md#durability-modes.
 """
 
 from __future__ import annotations
@@ -29,11 +26,7 @@ from kvtool.config.validators import expand_path
 from kvtool.errors import KVToolError
 from kvtool.units import parse_size, short_repr
 
-# Chosen by measurement (bench_configs/block_size.py, docs/benchmarks.md#block-size): a request costs the
-# cold load of its cached blocks (per-file cost grows as blocks shrink) plus ~block_size/2 tokens
-# of re-prefill (the part of the block where the prompt diverges, or its tail). On this CPU
-# (0.3-24 ms/token prefill) 64 tokens is at or near the minimum for every embedded preset.
-DEFAULT_BLOCK_SIZE = 64
+DEFAULT_BLOCK_SIZE = 64  # chosen by measurement: docs/benchmarks.md#block-size
 DEFAULT_RAM_BYTES = 1 << 30  # 1 GiB
 DEFAULT_DIR_MODE = 0o700  # owner only; 0o2770 for a cache shared by a group
 MAX_BLOCK_SIZE = 1 << 20
@@ -86,8 +79,8 @@ class ConfigError(KVToolError, ValueError):
     """
 
     def __init__(self, field_name: str, message: str, *, hint: str | None = None):
-        """Create the error; `str(error)` is `config field '<field_name>': <message>`, or
-        `config file <message>` for `<file>` (the message then starts with the path)."""
+        """`str(error)` is `config field '<field_name>': <message>`, or `config file <message>` for
+        `<file>` (the message then starts with the path)."""
         prefix = "config file" if field_name == "<file>" else f"config field '{field_name}':"
         super().__init__(f"{prefix} {message}", hint=hint)
         self.field = field_name
@@ -106,15 +99,11 @@ def default_cache_dir() -> Path:
             return expand_path(env)
         except ValueError as exc:
             raise ConfigError("ssd_cache_dir", f"$KVTOOL_CACHE_DIR: {exc}") from None
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    if xdg and os.path.isabs(xdg):  # the XDG spec: a relative value is invalid and ignored
-        return Path(xdg) / "kvtool"
-    try:
-        return Path.home() / ".cache" / "kvtool"
-    except RuntimeError:
-        raise ConfigError(
-            "ssd_cache_dir", "no home directory to put the cache in", hint="set $KVTOOL_CACHE_DIR or pass --cache-dir"
-        ) from None
+    path = v.xdg_dir("XDG_CACHE_HOME", ".cache")
+    if path is None:
+        raise ConfigError("ssd_cache_dir", "no home directory to put the cache in",
+                          hint="set $KVTOOL_CACHE_DIR or pass --cache-dir")
+    return path
 
 
 # ----------------------------------------------------------------------------- the model
@@ -133,11 +122,9 @@ class KVToolConfig(BaseModel):
         ssd_ttl: default TTL used by `kvtool prune` when no `--ttl` is given: a duration with
             its unit (`"7d"`, `"12h"`, `"1d12h"`) or a `timedelta`; held as a `timedelta`, None
             when not set (`ttl_s` gives the TTL in effect, 7 days by default).
-        ssd_policy: `write_through` (new blocks go to RAM and SSD) or `evict_only`
-            (write-back: blocks reach SSD only when RAM evicts them). An `SSDPolicy`.
-        ssd_durability: `best_effort` (one attempt), `persistent` (retries) or `durable`
-            (fsync file + directory before the index row commits, SQLite synchronous=FULL).
-            A `Durability`.
+        ssd_policy: when blocks reach SSD: `write_through` or `evict_only` (`SSDPolicy`).
+        ssd_durability: `best_effort`, `persistent` or `durable` (`Durability`; `durable` also
+            runs SQLite with synchronous=FULL).
         ssd_async_writes: write SSD blocks from a background writer thread.
         ssd_writer_queue_size: bound of the writer queue (blocks).
         ssd_flush_interval_s: max delay of batched index access-time updates: seconds, or a
@@ -154,16 +141,14 @@ class KVToolConfig(BaseModel):
             segment that would not fit is written, the least recently used segments are evicted
             (`kvtool.disk.budget`; the directory as `du` counts it: segment files, index,
             directories); None (the default): no budget (`kvtool prune` trims from cron).
-        ssd_codec: `none` (records stored as they are, the default), or `zstd` / `lz4`: every
-            record compressed losslessly (opt-in; a separate namespace, since the codec is part
-            of the layout key). A `Codec`.
+        ssd_codec: `none` (the default), `zstd` or `lz4` (`Codec`; a separate namespace, since the
+            codec is part of the layout key).
         remote_url: the remote tier's Redis / Valkey server (`redis://`, `rediss://`,
             `unix://`, `redis+cluster://`; `kvtool.config.remote_url`), default
             `$KVTOOL_REMOTE_URL`; None: no remote tier. The password may come from
             `$KVTOOL_REMOTE_PASSWORD` instead. Hidden from `repr`; show it with `mask_url`.
-        remote_policy: `off`, `write_through` (new blocks go to the remote store too, the
-            default) or `on_evict` (blocks go there when RAM evicts them). A `RemotePolicy`;
-            the tier is used when `remote_url` is set and this is not `off`.
+        remote_policy: `off`, `write_through` (the default) or `on_evict` (`RemotePolicy`); the
+            tier is used when `remote_url` is set and this is not `off`.
         remote_promote: a remote hit is also written to the local SSD tier (from the request's
             cache when the request is released; it enters RAM either way, as SSD hits do).
         remote_ttl: expiry of the values kvtool stores (a duration such as `"7d"`, held as a
@@ -233,7 +218,6 @@ class KVToolConfig(BaseModel):
         if self.ssd_ttl is not None:
             return self.ssd_ttl.total_seconds()
         return self.ssd_ttl_days * 86400.0 if self.ssd_ttl_days is not None else DEFAULT_TTL_S
-
 
     @property
     def remote_enabled(self) -> bool:
@@ -313,17 +297,12 @@ def parse_toml(raw: bytes, path: Path | str) -> dict[str, Any]:
 
 
 def load_config(path: Path | str | None = None, **overrides: Any) -> KVToolConfig:
-    """Build a config from an optional TOML file, then overrides (None = not given; they win).
-    The environment and the default config file are not read here (the CLI layers them:
-    `kvtool.config.settings.resolve_settings`).
-
-    Args:
-        path: TOML file with the fields at top level or under a `[kvtool]` table.
-        **overrides: field values, typically from CLI flags.
+    """A config from an optional TOML file (`read_config_file`), then `overrides` (field values;
+    None: not given). The environment and the default config file are not read here (the CLI
+    layers them: `kvtool.config.settings.resolve_settings`).
 
     Raises:
-        ConfigError: unknown field, wrong type or invalid value (the message names the field),
-            or a file that cannot be read as TOML.
+        ConfigError: unknown field, invalid value (named), or a file that cannot be read as TOML.
         FileNotFoundError: `path` does not exist.
     """
     values = read_config_file(path) if path is not None else {}

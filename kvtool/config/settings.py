@@ -1,24 +1,18 @@
-"""Where each setting comes from: flag > environment > config file > default.
+"""Where each setting comes from: flag > environment > config file > default (the user's view:
+docs/configuration.md).
 
-Every field of `kvtool.config.KVToolConfig` can be set four ways; the first that sets it wins:
-
-1. a command-line flag (`--block-size`, `--policy`, ...; the CLI passes them as `flags`);
-2. an environment variable `KVTOOL_<FIELD>` (`KVTOOL_BLOCK_SIZE`, `KVTOOL_SSD_POLICY`,
-   `KVTOOL_RAM_BYTES`, ...), read by pydantic-settings (`EnvSource`). Older names stay as
-   aliases (`ENV_ALIASES`: `KVTOOL_CACHE_DIR` for `ssd_cache_dir`). An empty variable is unset;
-3. the config file: `--config FILE`, else `$KVTOOL_CONFIG`, else
-   `$XDG_CONFIG_HOME/kvtool/config.toml` (default `~/.config/kvtool/config.toml`) when it exists;
+1. a command-line flag (the CLI passes them as `flags`);
+2. an environment variable `KVTOOL_<FIELD>`, read by pydantic-settings (`EnvSource`), then the
+   older names of `ENV_ALIASES`; an empty variable is unset;
+3. the config file: `--config FILE`, else `$KVTOOL_CONFIG`, else `default_config_file()` when it
+   exists;
 4. the field's default.
 
-Each layer is validated on its own by `KVToolConfig`, so a value means the same in a file and in
-a variable, and a bad one is a `ConfigError` naming where it came from (`$KVTOOL_BLOCK_SIZE: must
-be an integer ...`) even where a higher layer overrides it. Environment text is read as the TOML
-value a config file would hold: `true` / `false` for a flag field, decimal digits for an integer
-field; any other text (sizes, durations, choices, paths, `ssd_dir_mode`'s octal) goes to the
-field's validator as it is. `ssd_ttl` and its deprecated twin `ssd_ttl_days` are one setting: a
-layer that sets either hides both from the layers below.
-
-`resolve_settings` returns the config with the origin of every field (`kvtool config show`).
+Each layer is validated on its own by `KVToolConfig`, so a bad value is a `ConfigError` naming
+where it came from (`$KVTOOL_BLOCK_SIZE: must be an integer ...`) even where a higher layer
+overrides it. Environment text is read as the TOML value a config file would hold (`from_text`).
+`ssd_ttl` and its deprecated twin `ssd_ttl_days` are one setting: a layer that sets either hides
+both from the layers below. `resolve_settings` returns the config with the origin of every field.
 """
 
 from __future__ import annotations
@@ -28,12 +22,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from kvtool.config import FIELD_NAMES, ConfigError, KVToolConfig, read_config_file
+from kvtool.config.validators import xdg_dir
 
 ENV_PREFIX = "KVTOOL_"
 CONFIG_ENV = "KVTOOL_CONFIG"  # the config file when no --config is given
@@ -116,11 +111,9 @@ class Origin:
     kind: str
     name: str | None = None
 
-    LABELS: ClassVar[dict[str, str]] = {FLAG: "flag", ENV: "env", FILE: "config file", DEFAULT: "default"}
-
     def __str__(self) -> str:
         """`flag --block-size`, `env KVTOOL_BLOCK_SIZE`, `config file PATH` or `default`."""
-        label = self.LABELS[self.kind]
+        label = "config file" if self.kind == FILE else self.kind
         return label if self.name is None else f"{label} {self.name}"
 
 
@@ -144,13 +137,8 @@ class Settings:
 def default_config_file() -> Path | None:
     """`$XDG_CONFIG_HOME/kvtool/config.toml` (if that variable is absolute; the XDG spec ignores
     a relative one), else `~/.config/kvtool/config.toml`; None without a home directory."""
-    xdg = os.environ.get("XDG_CONFIG_HOME")
-    if xdg and os.path.isabs(xdg):
-        return Path(xdg) / "kvtool" / "config.toml"
-    try:
-        return Path.home() / ".config" / "kvtool" / "config.toml"
-    except RuntimeError:
-        return None
+    path = xdg_dir("XDG_CONFIG_HOME", ".config")
+    return None if path is None else path / "config.toml"
 
 
 def find_config_file(explicit: Path | None = None) -> tuple[Path | None, str | None]:

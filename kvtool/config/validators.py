@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from datetime import timedelta
 from enum import StrEnum
 from pathlib import Path
@@ -20,6 +21,7 @@ from kvtool.config.remote_url import URL_ENV, RemoteURLError, parse_remote_url
 from kvtool.units import MAX_DURATION_S, parse_duration, parse_size, short_repr
 
 MAX_REMOTE_TIMEOUT_S = 60.0
+_MILLISECONDS = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*ms", re.IGNORECASE)
 _DEPRECATIONS_LOGGED: set[str] = set()  # config fields whose deprecation was logged (once per process)
 
 
@@ -112,13 +114,9 @@ def remote_timeout(value: Any) -> timedelta:
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, str) and value.strip().lower().endswith("ms") and value.strip()[:-2].strip():
-        number = value.strip()[:-2].strip()
-        try:
-            seconds = float(number) / 1000 if number.replace(".", "", 1).isdigit() else -1.0
-        except ValueError:
-            seconds = -1.0
-        if seconds < 0:
+        if (ms := _MILLISECONDS.fullmatch(value.strip())) is None:
             raise ValueError(f"not a duration: {short_repr(value)} (examples: 250ms, 1s)")
+        seconds = float(ms.group(1)) / 1000
     else:
         seconds = parse_duration(value)
     if not 0.001 <= seconds <= MAX_REMOTE_TIMEOUT_S:
@@ -198,3 +196,15 @@ def expand_path(text: str) -> Path:
     except RuntimeError:
         head = text.split("/", 1)[0]
         raise ValueError(f"cannot expand {short_repr(head)}: no such user or no home directory") from None
+
+
+def xdg_dir(variable: str, default: str) -> Path | None:
+    """`$<variable>/kvtool` if that variable is absolute (the XDG spec ignores a relative one),
+    else `~/<default>/kvtool`; None without a home directory."""
+    xdg = os.environ.get(variable)
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "kvtool"
+    try:
+        return Path.home() / default / "kvtool"
+    except RuntimeError:
+        return None

@@ -1,45 +1,28 @@
-"""Interop with mlx-lm prompt-cache files (`mlx_lm.cache_prompt`, `save_prompt_cache`).
-
-`import_cache_file` turns such a file into verified blocks in kvtool's SSD tier;
-`export_cache_file` writes the cached KV of a prompt as a file that
-`mlx_lm.generate --prompt-cache-file` loads.
-
-Token ids, file loading and the model check live in `kvtool.jobs.interop_files` (its docstring
-says how a prompt is tokenised as `mlx_lm.cache_prompt` does); the export in
-`kvtool.jobs.interop_export`.
+"""Import of mlx-lm prompt-cache files (`mlx_lm.cache_prompt`, `save_prompt_cache`) into kvtool's
+SSD tier as verified blocks (`import_cache_file`). The export is `kvtool.jobs.interop_export`; token
+ids, file loading and the model check are `kvtool.jobs.interop_files`.
 
 Import checks, in order (any failure: `InteropError`, nothing written):
-1. the file loads as an mlx-lm prompt cache and its layers are plain `KVCache` (or
-   `QuantizedKVCache`, imported into the namespace of that quantisation), one per model layer;
-   `RotatingKVCache` (sliding windows, `--max-kv-size`) and `ArraysCache` (state layers) are
-   refused: the file holds only the last window / the final state, not per-block content;
+1. the file loads as an mlx-lm prompt cache of plain `KVCache` (or `QuantizedKVCache`, imported
+   into the namespace of that quantisation) layers, one per model layer; `RotatingKVCache`
+   (sliding windows, `--max-kv-size`) and `ArraysCache` (state layers) are refused: they hold
+   only the last window / the final state, not per-block content;
 2. every layer's offset equals the token count;
 3. array shapes and dtypes equal the model's own cache (heads, head dims, dtype, bits, groups);
-4. the file's `model` (metadata) is the same model: same spec, same directory, or a directory
-   (or locally cached Hub snapshot) whose weights have the same digest (`check_model=False`
-   turns a mismatch or an unverifiable name into a warning);
+4. the file's metadata `model` is the same model: same spec, same directory, or a directory (or
+   locally cached Hub snapshot) with the same weights digest (`require_model_match=False` turns a
+   mismatch or an unverifiable name into a warning);
 5. quantized or not as mlx-lm would have left a prompt of this length (`quantized_kv_start`);
 6. the KV itself (`kv_check`): the last `check_tokens` tokens, and `check_positions` single
-   tokens spread over the rest, are recomputed by the model from the file's KV of the tokens
-   before them and compared with the file's: a different model, or a different token id at a
-   checked position, gives different KV. Unchecked positions are covered by the token count
-   only (`check_tokens` >= the prompt length recomputes every token, as slow as a prefill).
+   tokens spread over the rest, are recomputed from the file's KV before them and compared: a
+   different model, or a different token id at a checked position, gives different KV.
 
 A file written by `kvtool export` also carries `kvtool_kv_digest` (`interop_files.kv_digest`): its
-KV and token ids must match it, so a damaged or edited export is refused even where the KV check
-recomputes no position (the last layer's KV of an unchecked token shows in no other layer's KV).
+KV and token ids must match it, so a damaged or edited export is refused even at positions the KV
+check does not recompute.
 
 Then `PrefixCache.store(tokens, cache, persist=True)`, flush, and `PrefixCache.probe(tokens)`
 must report every token (`verified`).
-
-Export: `PrefixCache.fetch` must find every prompt token (blocks and tail entry; `fill=True`
-computes the missing ones instead of refusing). A full hit comes back trimmed by one token (the
-last one is re-forwarded, see `kvtool.cache.prefix`): the cache is brought to mlx-lm's own state after
-`N-1` tokens (sliding-window full views become mlx-lm's `RotatingKVCache`), then the last token
-is forwarded as one step and the cache quantized where mlx-lm's `generate_step` would, so the
-file equals what `mlx_lm.cache_prompt` writes for the same tokens. Metadata: `model`,
-`tokenizer_config` and `chat_template` (the keys mlx-lm's generate reads, across versions),
-plus `kvtool_*` keys.
 """
 
 from __future__ import annotations
@@ -90,12 +73,9 @@ class ImportReport:
         kv_check_tokens: tokens whose KV the check recomputed (0: skipped).
         kv_check_max_rel_diff: the largest relative difference to the file's KV.
         entries_stored: blocks + tail entry handed to the tiers.
-        blocks_written: block files written to SSD (`ssd_save_success`, after the flush).
-        bytes_written: their bytes.
-        blocks_dedup: entries already on SSD.
-        blocks_failed: entries that could not be written (a failure; not those over the budget).
-        blocks_over_budget: entries the SSD byte budget had no room for (not stored, not a
-            failure; the import is then not verified).
+        blocks_written, bytes_written, blocks_dedup, blocks_failed, blocks_over_budget: what the
+            SSD writer did, after the flush (`kvtool.jobs.ssd_writes.WriteCounts`; blocks over the
+            budget leave the import unverified).
         flushed: every accepted write was attempted.
         cached_tokens: `PrefixCache.probe(tokens)` after the flush.
         verified: `cached_tokens == prompt_tokens`.

@@ -1,6 +1,9 @@
-"""Export of a cached prompt as an mlx-lm prompt-cache file (`kvtool export`): the KV the tiers
-hold for the prompt (the rest computed with `--fill`), as mlx-lm's own prefill leaves its cache,
-written atomically and read back. The file format and checks: `kvtool.jobs.interop`."""
+"""Export of a cached prompt as an mlx-lm prompt-cache file (`kvtool export`) that
+`mlx_lm.generate --prompt-cache-file` loads: `PrefixCache.fetch` must find every prompt token
+(`fill=True` computes the missing ones instead of refusing); the cache is brought to mlx-lm's own
+state after its prefill (`_generation_state`), so the file equals what `mlx_lm.cache_prompt` writes
+for the same tokens, then written atomically and read back. Metadata: `model`, `tokenizer_config`
+and `chat_template` (the keys mlx-lm's generate reads, across versions), plus `kvtool_*` keys."""
 
 from __future__ import annotations
 
@@ -29,12 +32,8 @@ def _mlx_state_cache(engine: Engine, cache: list, n: int) -> list:
     from kvtool.kv.windows import rotating_from_full
 
     windows = engine.cache.windows or (None,) * len(cache)
-    out = []
-    for c, w in zip(cache, windows):
-        if w is not None and not isinstance(c, ArraysCache):
-            out.append(rotating_from_full(c, n, w, engine.prefill_step_size))
-        else:
-            out.append(c)
+    out = [rotating_from_full(c, n, w, engine.prefill_step_size) if w is not None and not isinstance(c, ArraysCache)
+           else c for c, w in zip(cache, windows)]
     mx.eval([c.state for c in out if isinstance(c, ArraysCache) or c.keys is not None])
     return out
 
@@ -57,7 +56,8 @@ def export_cache_file(
     fill: bool = False,
     extra_metadata: dict[str, str] | None = None,
 ) -> ExportReport:
-    """Write the prompt's cached KV as an mlx-lm prompt-cache file (see the module docstring).
+    """Write the prompt's cached KV as an mlx-lm prompt-cache file (see the module docstring) and
+    return the `ExportReport`.
 
     Args:
         engine: a `kvtool.engine.Engine` (its namespace: kv_bits, block size as when cached).
@@ -66,9 +66,6 @@ def export_cache_file(
         metadata_model: the metadata `model` (`metadata_model_for`).
         fill: compute the tokens the tiers lack instead of refusing (nothing is stored).
         extra_metadata: more string metadata.
-
-    Returns:
-        The report.
 
     Raises:
         InteropError: bad output name, uncacheable model, or (exit code 1) the prompt is not

@@ -1,17 +1,12 @@
-"""mlx-lm prompt-cache files and their inputs: the file, its token ids, its model.
-
-The file-level half of `kvtool.jobs.interop` (which orchestrates import and export): finding and
-loading a `*.safetensors` prompt cache (`resolve_cache_file`, `load_cache_file`), the token ids of
-its prompt (`cache_prompt_tokens`, `parse_token_ids`, `read_token_ids`, `file_token_ids`), its KV
-quantisation (`file_quantization`), and whether its metadata `model` names the loaded model
-(`check_model`, `metadata_model_for`). Errors are `InteropError` (one line, exit 2 unless set).
+"""mlx-lm prompt-cache files and their inputs: the file, its token ids, its model (the file-level
+half of `kvtool.jobs.interop`). Errors are `InteropError` (one line, exit 2 unless set).
 
 Token ids: mlx-lm's metadata holds no token ids (only `model` and `tokenizer_config`), so the
 prompt is tokenised here exactly as `mlx_lm.cache_prompt` does (`cache_prompt_tokens`): with a
 chat template, the prompt is one user message rendered with `add_generation_prompt=False,
 continue_final_message=True` and tokenised by the template (the cache ends inside the user
 message, where `mlx_lm.generate --prompt-cache-file` appends its own prompt); without one,
-`tokenizer.encode(prompt)`. Files written by `interop.export_cache_file` also carry their token ids
+`tokenizer.encode(prompt)`. Files written by `kvtool export` also carry their token ids
 (metadata `kvtool_token_ids`), so they import without a prompt.
 """
 
@@ -154,7 +149,8 @@ def load_cache_file(path: str | Path) -> tuple[list, dict[str, str]]:
     except KeyError as exc:
         raise InteropError(f"{path}: cache class {exc} is unknown to the installed mlx-lm") from None
     except Exception as exc:  # noqa: BLE001 - mx.load / unpacking errors: not a prompt cache
-        raise InteropError(f"{path}: not an mlx-lm prompt cache file ({_one_line(exc)})") from None
+        text = " ".join(str(exc).split())[:300]
+        raise InteropError(f"{path}: not an mlx-lm prompt cache file ({text})") from None
     if not isinstance(cache, list) or not cache:
         raise InteropError(f"{path}: the prompt cache has no layers")
     metadata = dict(metadata or {})
@@ -231,7 +227,6 @@ def check_model(file_model: str | None, model_spec: str, loaded, adapter_path: s
     if file_model == model_spec:
         return ModelCheck("match", f"same model spec {file_model!r}")
     here = Path(loaded.path).resolve() if loaded.path is not None else None
-    candidate: Path | None = None
     local = Path(file_model).expanduser()
     if local.is_dir():
         candidate = local.resolve()
@@ -264,12 +259,6 @@ def metadata_model_for(model_spec: str, loaded) -> str:
     if is_hub_id(model_spec) and not Path(model_spec).expanduser().exists():
         return model_spec
     return str(loaded.path) if loaded.path is not None else model_spec
-
-
-
-def _one_line(exc: BaseException | str) -> str:
-    """`exc` as one line of at most 300 characters (for error messages)."""
-    return " ".join(str(exc).split())[:300]
 
 
 __all__ = [

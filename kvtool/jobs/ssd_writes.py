@@ -13,13 +13,8 @@ if TYPE_CHECKING:
 
 
 def ssd_write_problem(engine: Engine, nothing_to: str) -> str | None:
-    """Why `engine` cannot write blocks to SSD, as one line; None if it can.
-
-    Args:
-        engine: a `kvtool.engine.Engine`.
-        nothing_to: what the caller would do, for the "SSD tier is off" message
-            ("nothing to warm").
-    """
+    """Why `engine` (a `kvtool.engine.Engine`) cannot write blocks to SSD, as one line; None if it
+    can. `nothing_to` ends the "SSD tier is off" message: "nothing to warm"."""
     if engine.uncached_reason is not None:
         return f"this model cannot be cached: {engine.uncached_reason}"
     ssd = engine.cache.ssd
@@ -37,12 +32,10 @@ class WriteCounts(NamedTuple):
         written: blocks written to SSD (`ssd_save_success`).
         nbytes: bytes of the segment files written (`ssd_bytes_written`).
         dedup: blocks already stored (`ssd_save_dedup_skip`).
-        failed: blocks that could not be written: final write failures, after retries
-            (`writer_save_fail`), plus blocks the writer rejected (`writer_enqueue_rejected`:
-            stopped, or the store disabled).
-        over_budget: blocks not stored because the SSD byte budget had no room for their
-            segment even after eviction (`writer_budget_refused`): the budget at work, not a
-            failure.
+        failed: final write failures, after retries (`writer_save_fail`), plus blocks the writer
+            rejected (`writer_enqueue_rejected`: stopped, or the store disabled).
+        over_budget: blocks the SSD byte budget had no room for even after eviction
+            (`writer_budget_refused`): the budget at work, not a failure.
     """
 
     written: int
@@ -52,22 +45,24 @@ class WriteCounts(NamedTuple):
     over_budget: int
 
     def set_on(self, report: Any) -> None:
-        """Set these counts on a warm or import report (`WarmReport`, `ImportReport`), under
-        their JSON names: `blocks_written`, `bytes_written`, `blocks_dedup`, `blocks_failed`,
-        `blocks_over_budget`."""
+        """Set these counts on a `WarmReport` or `ImportReport`, under their JSON names
+        (`blocks_written`, `bytes_written`, `blocks_dedup`, `blocks_failed`, `blocks_over_budget`)."""
         report.blocks_written, report.bytes_written, report.blocks_dedup = self.written, self.nbytes, self.dedup
         report.blocks_failed, report.blocks_over_budget = self.failed, self.over_budget
+
+
+def stats_delta(base: Mapping, now: Mapping, *keys: str) -> list[int]:
+    """`now[key] - base[key]` for each of `keys` (a missing key counts 0)."""
+    return [int(now.get(key, 0)) - int(base.get(key, 0)) for key in keys]
 
 
 def write_counts(base: Mapping, now: Mapping) -> WriteCounts:
     """What the SSD writer did between two stats snapshots (`Engine.stats()` or
     `PrefixCache.stats().to_dict()`)."""
-
-    def delta(key: str) -> int:
-        return int(now.get(key, 0)) - int(base.get(key, 0))
-
-    return WriteCounts(delta("ssd_save_success"), delta("ssd_bytes_written"), delta("ssd_save_dedup_skip"),
-                       delta("writer_save_fail") + delta("writer_enqueue_rejected"), delta("writer_budget_refused"))
+    written, nbytes, dedup, failed, rejected, over_budget = stats_delta(
+        base, now, "ssd_save_success", "ssd_bytes_written", "ssd_save_dedup_skip", "writer_save_fail",
+        "writer_enqueue_rejected", "writer_budget_refused")
+    return WriteCounts(written, nbytes, dedup, failed + rejected, over_budget)
 
 
-__all__ = ["WriteCounts", "ssd_write_problem", "write_counts"]
+__all__ = ["WriteCounts", "ssd_write_problem", "stats_delta", "write_counts"]

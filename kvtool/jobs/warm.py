@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtool.jobs.ssd_writes import ssd_write_problem, write_counts
+from kvtool.jobs.ssd_writes import ssd_write_problem, stats_delta, write_counts
+from kvtool.models.limits import TokenLimitError, TokenLimits
 from kvtool.prompts import (
     MAX_PROMPT_BYTES,
     PromptSourceTooLarge,
@@ -29,10 +30,10 @@ from kvtool.prompts import (
     parse_requests_jsonl,
     read_text,
 )
+from kvtool.units import format_bytes
 
 if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
-    from kvtool.models.limits import TokenLimits
 
 SOURCE_SUFFIXES = (".txt", ".md")  # files taken from a directory source
 JSONL_SUFFIXES = (".jsonl",)
@@ -90,14 +91,8 @@ class WarmReport:
         prompts_done: prompts processed (less than total if interrupted).
         prompts_skipped, prompts_too_short, prompts_prefilled: by status.
         tokens: prompt tokens processed; tokens_prefilled: of which run through the model.
-        blocks_written: block files written to SSD (`ssd_save_success`).
-        bytes_written: bytes of those files (`ssd_bytes_written`).
-        blocks_dedup: blocks another writer had stored already.
-        blocks_failed: blocks that could not be written (final writer failures, after retries,
-            plus blocks the writer rejected); not those the SSD byte budget had no room for.
-        blocks_over_budget: blocks not stored because the SSD byte budget had no room for their
-            segment even after eviction (the store's 'refused', `writer_budget_refused`): the
-            budget at work, not a failure, never retried.
+        blocks_written, bytes_written, blocks_dedup, blocks_failed, blocks_over_budget: what the
+            SSD writer did (`kvtool.jobs.ssd_writes.WriteCounts`).
         blocks_evicted, bytes_evicted: blocks (and bytes) the byte budget evicted to make room.
         blocks_resident, bytes_resident: what the namespace holds on SSD at the end (set by the
             caller after the engine is closed; None: not counted).
@@ -183,8 +178,6 @@ class _Budget:
         try:
             text = read_text(path, self.left)
         except PromptSourceTooLarge:
-            from kvtool.units import format_bytes
-
             raise WarmError(f"{path}: the sources hold more than {format_bytes(self.total)}, the limit for "
                             "warm sources in all (--max-prompt-bytes)") from None
         self.left -= len(text.encode("utf-8"))
@@ -293,8 +286,6 @@ def _warm_one(engine: Engine, item: WarmPrompt, report: WarmReport, chat_templat
     if not ids:
         raise WarmError(f"{item.source}: the prompt has no tokens")
     if limits is not None:
-        from kvtool.models.limits import TokenLimitError
-
         try:
             limits.check_prompt(len(ids), item.source)
         except TokenLimitError as exc:
@@ -325,12 +316,9 @@ def update_counts(report: WarmReport, base: dict, now: dict) -> None:
     """Set `report`'s SSD counts (blocks, bytes, dedup, failed, over budget, evicted) to what the
     writer did between the `Engine.stats()` snapshots `base` and `now`: after the engine is
     closed, `now` is what reached the disk once the writer drained. Raises nothing."""
-
-    def delta(key: str) -> int:
-        return int(now.get(key, 0)) - int(base.get(key, 0))
-
     write_counts(base, now).set_on(report)
-    report.blocks_evicted, report.bytes_evicted = delta("ssd_budget_evicted_blocks"), delta("ssd_budget_evicted_bytes")
+    report.blocks_evicted, report.bytes_evicted = stats_delta(base, now, "ssd_budget_evicted_blocks",
+                                                              "ssd_budget_evicted_bytes")
 
 
 __all__ = ["warm", "load_sources", "check_engine", "update_counts", "WarmReport", "PromptResult", "WarmPrompt", "WarmError"]

@@ -10,17 +10,9 @@ greedy decoding neither repeats one token nor ignores the KV cache. The lm_head 
 tokens are zero, so greedy decoding never emits an end-of-sequence token (runs reach max_tokens).
 
 The quantized presets (`tiny-4bit`, `tiny-8bit`) are a float preset run through mlx-lm's own
-converter, as `mlx_lm.convert -q --q-bits N` does for the mlx-community models people download:
-packed weights with per-group scales and biases (group 64, affine), `quantization` in config.json,
-the tokenizer as the converter saves it.
-
-`tiny-tools` is `tiny`'s shape and seed with a Qwen2.5-style tool-calling chat template and weights
-set so that greedy decoding answers every chat prompt with one fixed tool call,
-`<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>`, then EOS
-(`kvtool.models.tool_preset`): a fixture for the output side of tool calling, not a model.
-
-Location: `$KVTOOL_MODELS_DIR/<name>-v1/` if the variable is set, else
-`~/.cache/kvtool-models/<name>-v1/`.
+converter (`write_quantized_files`), as the mlx-community models people download are.
+`tiny-tools` answers every chat prompt with one fixed tool call (`kvtool.models.tool_preset`).
+Presets are built in `models_root()/<name>-v1/` (`$KVTOOL_MODELS_DIR` or `~/.cache/kvtool-models`).
 """
 
 from __future__ import annotations
@@ -53,14 +45,10 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 1_000_000.0
 DEFAULT_MAX_POSITIONS = 32768
 
-# Init gains (standard deviations are gain / sqrt(fan_in); embeddings have std EMBED_STD).
+# Init gains by weight name (standard deviations are gain / sqrt(fan_in); embeddings have std EMBED_STD).
 EMBED_STD = 1.0
-QK_GAIN = 2.0
-V_GAIN = 1.0
-O_GAIN = 2.0
-MLP_IN_GAIN = 1.0
-MLP_OUT_GAIN = 1.0
-LM_HEAD_GAIN = 1.0
+GAINS = {"q_proj": 2.0, "k_proj": 2.0, "v_proj": 1.0, "o_proj": 2.0, "gate_proj": 1.0, "up_proj": 1.0,
+         "down_proj": 1.0, "lm_head": 1.0}
 
 
 @dataclass(frozen=True)
@@ -149,14 +137,8 @@ def is_built(name: str) -> bool:
 
 
 def model_dir(name: str = DEFAULT_PRESET, build: bool = True) -> Path:
-    """Return the mlx-lm model directory of preset `name`, building it first if needed.
-
-    Args:
-        name: A key of `PRESETS`.
-        build: If False, only compute the path (it may not exist).
-
-    Returns:
-        `<models_root()>/<name>-v1`, complete when `build` is True.
+    """The mlx-lm model directory of preset `name`, `<models_root()>/<name>-v1`, built first if it
+    is not complete (`build` False: only the path, which may not exist).
 
     Raises:
         UnknownPresetError: If `name` is not a preset.
@@ -170,18 +152,10 @@ def model_dir(name: str = DEFAULT_PRESET, build: bool = True) -> Path:
 
 
 def build_preset(preset: Preset, dest: Path, seed: int = DEFAULT_SEED) -> Path:
-    """Write preset `preset` into `dest` atomically (temp dir in the same parent, then rename).
-
-    Safe when several processes build at once: the first rename wins, the others discard their
-    temp directory and use the winner's.
-
-    Args:
-        preset: The model shape.
-        dest: Final directory; must not exist, or be a complete model directory.
-        seed: Weight seed.
-
-    Returns:
-        `dest`.
+    """Write `preset` (weights drawn from `seed`) into `dest`, which must not exist or be a complete
+    model directory, atomically: a temp dir in the same parent, then a rename. Safe when several
+    processes build at once: the first rename wins, the others discard their temp directory and
+    use the winner's. Returns `dest`.
 
     Raises:
         OSError: If writing fails (the temp directory is removed).
@@ -267,11 +241,7 @@ def write_quantized_files(preset: Preset, out: Path, seed: int = DEFAULT_SEED) -
 def write_tokenizer_files(preset: Preset, out: Path) -> None:
     """Write the tokenizer files of float preset `preset` into `out`: the shipped ones
     (`TOKENIZER_ASSETS`), or for a tool-calling preset those plus its tool-call tokens and chat
-    template (`tool_preset.write_tokenizer`).
-
-    Raises:
-        OSError: If a file cannot be written.
-    """
+    template (`tool_preset.write_tokenizer`)."""
     if preset.tool_calling:
         tool_preset.write_tokenizer(ASSETS_DIR, out)
         return
@@ -294,13 +264,8 @@ def vocab_size(preset: Preset) -> int:
 
 
 def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED) -> dict:
-    """Return the Hugging Face style config.json document of `preset` (`model_type: qwen2`).
-
-    Args:
-        preset: The model shape.
-        vocab: Tokenizer vocabulary (token -> id); must contain `SPECIAL_TOKENS`.
-        seed: Weight seed, recorded as `kvtool_seed`.
-    """
+    """The Hugging Face style config.json document of `preset` (`model_type: qwen2`); `vocab`
+    (token -> id) must contain `SPECIAL_TOKENS`; `seed` is recorded as `kvtool_seed`."""
     return {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -325,19 +290,12 @@ def model_config(preset: Preset, vocab: dict[str, int], seed: int = DEFAULT_SEED
 
 
 def init_weights(preset: Preset, vocab_size: int, seed: int, silent_ids: list[int]) -> dict:
-    """Deterministic float32 weights for `preset`, keyed like mlx-lm's qwen2 `Model`.
+    """Deterministic float32 weights for `preset`, keyed like mlx-lm's qwen2 `Model`: name ->
+    mx.array (e.g. `model.embed_tokens.weight` [vocab_size, hidden]); the lm_head rows of
+    `silent_ids` are zero (never chosen greedily).
 
-    Each tensor draws from its own key (seed + tensor name), uniformly, on the CPU stream, so the
+    Each tensor draws uniformly from its own key (seed + tensor name) on the CPU stream, so the
     bytes depend neither on module construction order nor on the device.
-
-    Args:
-        preset: The model shape.
-        vocab_size: Rows of the embedding and lm_head.
-        seed: Base seed.
-        silent_ids: Token ids whose lm_head rows are zeroed (never chosen greedily).
-
-    Returns:
-        dict name -> mx.array float32 (e.g. `model.embed_tokens.weight` [vocab, hidden]).
     """
     import mlx.core as mx
 
@@ -394,27 +352,13 @@ def _std(name: str, shape: tuple[int, ...]) -> float:
     """Standard deviation of weight `name` (shape [out, in] for linears)."""
     if name.endswith("embed_tokens.weight"):
         return EMBED_STD
-    gains = {
-        "q_proj": QK_GAIN,
-        "k_proj": QK_GAIN,
-        "v_proj": V_GAIN,
-        "o_proj": O_GAIN,
-        "gate_proj": MLP_IN_GAIN,
-        "up_proj": MLP_IN_GAIN,
-        "down_proj": MLP_OUT_GAIN,
-        "lm_head": LM_HEAD_GAIN,
-    }
-    gain = next(g for part, g in gains.items() if f"{part}." in name or name.startswith(f"{part}."))
+    gain = next(g for part, g in GAINS.items() if f"{part}." in name)
     return gain / math.sqrt(shape[-1])
 
 
 def _write_json(path: Path, doc: dict) -> None:
-    """Write `doc` as indented JSON and fsync the file."""
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2, ensure_ascii=False)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Write `doc` as indented JSON (`_fsync_dir` syncs it)."""
+    path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _fsync_dir(path: Path) -> None:

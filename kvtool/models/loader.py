@@ -61,9 +61,6 @@ def load_model(spec: str, adapter_path: str | None = None) -> LoadedModel:
         spec: Local mlx-lm model directory, embedded preset name, or Hugging Face id `org/name`.
         adapter_path: Optional LoRA adapter directory passed to mlx-lm.
 
-    Returns:
-        The loaded model.
-
     Raises:
         ModelLoadError: If the spec matches nothing, or building, downloading or loading fails.
     """
@@ -82,17 +79,11 @@ def load_model(spec: str, adapter_path: str | None = None) -> LoadedModel:
 
 
 def kv_quantization_problem(model: Any, bits: int | None, group_size: int) -> str | None:
-    """Why mlx cannot quantize `model`'s KV cache with `bits` / `group_size` (None: it can, or
-    `bits` is None), measured once at load so that a command refuses the settings before any
-    prefill rather than failing (with a traceback) once a prompt reaches `--quantized-kv-start`.
-
-    The head dims are those of the KV one token leaves in the model's own cache (keys and values
-    of every `KVCache` layer); each is quantized once with `mx.quantize`, as mlx-lm's
-    `QuantizedKVCache` does.
-
-    Returns:
-        A one-line reason naming the head dim and the group size, or None.
-    """
+    """Why mlx cannot quantize `model`'s KV cache with `bits` / `group_size`: one line naming the
+    head dim and the group size; None if it can, or `bits` is None. Checked at load (the head dims
+    of every `KVCache` layer after one token, each run through `mx.quantize` as mlx-lm's
+    `QuantizedKVCache` does), so a command refuses the settings before any prefill instead of
+    failing with a traceback once a prompt reaches `--quantized-kv-start`."""
     if bits is None:
         return None
     import mlx.core as mx
@@ -173,14 +164,8 @@ def model_files(path: Path, adapter_path: str | None = None) -> list[Path]:
 
 
 def compute_model_id(path: Path, adapter_path: str | None = None) -> str:
-    """Return the blake2b-128 hex digest of the model files, using the sidecar cache when valid.
-
-    Args:
-        path: Local model directory.
-        adapter_path: Optional adapter directory.
-
-    Returns:
-        32 hex characters.
+    """The blake2b-128 digest (32 hex characters) of `model_files(path, adapter_path)`, from the
+    sidecar cache when its signature still matches.
 
     Raises:
         FileNotFoundError: If config.json is missing.
