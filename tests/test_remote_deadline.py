@@ -1,5 +1,5 @@
 """A server that answers every socket read in time but never finishes a reply (a byte every
-50 ms of a reply announced as 100 MB) holds no remote call past its whole-call deadline
+10 ms of a reply announced as 100 MB) holds no remote call past its whole-call deadline
 (`kvtool.tiers.call_deadline`): the call fails, the request misses, `kvtool serve-once`
 answers exactly. Real sockets, a real `kvtool serve-once` process."""
 
@@ -21,11 +21,12 @@ from kvtool.tiers.remote_store import RemoteStore
 from tests.redis_servers import make_chain
 
 HANG_GUARD_S = 120  # a hang fails the test instead of the suite (not a timing check)
+TRICKLE_S = 0.01  # a byte this often: 10x within the tests' 100 ms reads, also on a loaded machine
 
 
 class TrickleServer:
     """A TCP server that answers any request with `$100000000\\r\\n` and then one byte every
-    50 ms, for ever (until the client closes the connection or `close()`); with `pong`, PING and
+    `TRICKLE_S`, for ever (until the client closes the connection or `close()`); with `pong`, PING and
     CLIENT commands get their proper answers first (a server that trickles only its data)."""
 
     def __init__(self, pong: bool = False) -> None:
@@ -54,7 +55,7 @@ class TrickleServer:
                     conn.sendall(b"$100000000\r\n")
                     while not self.stopped.is_set():
                         conn.sendall(b"x")
-                        time.sleep(0.05)
+                        time.sleep(TRICKLE_S)
             except OSError:
                 return  # the client closed it
 
@@ -118,7 +119,7 @@ def test_serve_once_with_a_trickling_remote_answers_exactly(trickle, tmp_path):
                            timeout=HANG_GUARD_S)  # fmt: skip
     assert plain.returncode == 0, plain.stderr[-2000:]
     cfg = tmp_path / "remote.toml"
-    cfg.write_text('remote_timeout = "100ms"\n')  # reads of 100 ms (one byte comes every 50 ms): a 5 s bound
+    cfg.write_text('remote_timeout = "100ms"\n')  # reads of 100 ms (a byte comes every 10 ms): a 5 s bound
     slow = subprocess.run([*args, "--cache-dir", str(tmp_path / "b"), "--config", str(cfg),
                            "--remote-url", f"redis://127.0.0.1:{trickle.port}/0"], capture_output=True, text=True,
                           env=env, timeout=HANG_GUARD_S)  # fmt: skip (before: still waiting when killed)
