@@ -447,3 +447,16 @@ def test_drop_unused_removes_only_an_empty_closed_namespace(tmp_path, tiny_model
         eng.prefill([int(t) for t in tiny_model.tokenizer.encode(PROMPT)])
         ns = Path(eng.namespace_dir)
     assert not drop_unused(tmp_path / "d", ns.name) and ns.is_dir()  # holds blocks: kept
+
+
+def test_import_and_warm_without_an_ssd_tier_say_why_in_one_line(tmp_path, tiny_model):
+    from kvtool.jobs.warm import WarmError, check_engine
+
+    eng = Engine(tiny_model, KVToolConfig(ssd_cache_dir=tmp_path, ssd_enabled=False))
+    try:
+        with pytest.raises(InteropError, match=r"^the SSD tier is off \(ssd_enabled = false\): import writes blocks"):
+            interop.check_writable(eng)
+        with pytest.raises(WarmError, match=r"^the SSD tier is off \(ssd_enabled = false\): warm writes blocks"):
+            check_engine(eng)
+    finally:
+        eng.close()

@@ -321,7 +321,7 @@ def check_writable(engine: Engine) -> None:
     Raises:
         InteropError: uncacheable model, SSD tier off, disabled or read-only.
     """
-    problem = ssd_write_problem(engine, "import into")
+    problem = ssd_write_problem(engine, "import")
     if problem is not None:
         raise InteropError(problem)
 

@@ -12,14 +12,14 @@ if TYPE_CHECKING:
     from kvtool.engine import Engine  # (MLX: for annotations only)
 
 
-def ssd_write_problem(engine: Engine, nothing_to: str) -> str | None:
-    """Why `engine` (a `kvtool.engine.Engine`) cannot write blocks to SSD, as one line; None if it
-    can. `nothing_to` ends the "SSD tier is off" message: "nothing to warm"."""
+def ssd_write_problem(engine: Engine, command: str) -> str | None:
+    """Why `engine` (a `kvtool.engine.Engine`) cannot write blocks to SSD for `command` ("warm",
+    "import"), as one line; None if it can."""
     if engine.uncached_reason is not None:
         return f"this model cannot be cached: {engine.uncached_reason}"
     ssd = engine.cache.ssd
     if ssd is None:
-        return f"the SSD tier is off (ssd_enabled = false): nothing to {nothing_to}"
+        return f"the SSD tier is off (ssd_enabled = false): {command} writes blocks to SSD only"
     if not ssd.enabled or ssd.read_only:
         return f"the SSD tier is unavailable: {ssd.disabled_reason}"
     return None
