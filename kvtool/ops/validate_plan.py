@@ -169,14 +169,15 @@ class RepairPlanner:
         again = []
         for k in to_check:
             i, r = slot_of[k], rl[k]
-            got = chk.records.get(i) if i in verify else chk.digests.get(i)
-            if isinstance(got, str) and i in verify:
+            whole = i in verify or i in chk.records  # (a compressed record is always read whole)
+            got = chk.records.get(i) if whole else chk.digests.get(i)
+            if isinstance(got, str) and whole:
                 self.fail[r] = f"record unusable: {got}"
                 continue
             digest = got.tokens_digest if isinstance(got, Record) else got
             if digest != digests[k]:
                 self.fail[r] = "tokens_digest differs from its record"
-                if i not in verify:
+                if not whole:
                     again.append(i)
         if again:  # their own records, verified whole: they may rewrite their rows
             self.reader.read(verify=again)
