@@ -121,7 +121,10 @@ def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start:
             do not allow); and what `flags.load` and `work` raise.
     """
     root = Path(cfg.ssd_cache_dir)
-    before = set(os.listdir(root)) if root.is_dir() else None
+    try:
+        before: set[str] | None = set(os.listdir(root)) if root.is_dir() else None
+    except OSError:  # an unlistable cache directory: nothing is taken for new (the job says what is wrong)
+        before = {"*"}
     try:
         engine = flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
     except ValueError as exc:
@@ -149,7 +152,7 @@ def _forget_new_namespace(root: Path, before: set[str] | None, ns_dir: Any) -> N
     the cache directory too if the job created it and it is empty now: nothing is left behind."""
     from kvtool.ops.remove_tree import drop_unused
 
-    if ns_dir is not None and (before is None or Path(ns_dir).name not in before):
+    if ns_dir is not None and (before is None or not {Path(ns_dir).name, "*"} & before):
         drop_unused(root, Path(ns_dir).name)
     if before is None:
         with suppress(OSError):
