@@ -17,6 +17,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -433,20 +434,22 @@ def test_a_refused_import_or_an_export_leaves_no_namespace_behind(tmp_path, tiny
 def test_drop_unused_removes_only_an_empty_closed_namespace(tmp_path, tiny_model):
     from kvtool.ops.remove_tree import drop_unused
 
+    since = time.time()
     with engine_for(tiny_model, tmp_path / "c") as eng:
         ns = Path(eng.namespace_dir)
-        assert not drop_unused(tmp_path / "c", ns.name)  # open (shutdown_clean = 0): kept
+        assert not drop_unused(tmp_path / "c", ns.name, since)  # open (shutdown_clean = 0): kept
     (ns / "notes.txt").write_text("mine")
-    assert not drop_unused(tmp_path / "c", ns.name) and (ns / "index.sqlite").is_file()  # a user's file: kept
+    assert not drop_unused(tmp_path / "c", ns.name, since) and (ns / "index.sqlite").is_file()  # a user's file: kept
     (ns / "notes.txt").unlink()
     (tmp_path / "link").mkdir()
     os.symlink(ns, tmp_path / "link" / ns.name)
-    assert not drop_unused(tmp_path / "link", ns.name) and ns.is_dir()  # a symlink: never followed
-    assert drop_unused(tmp_path / "c", ns.name) and not ns.exists()
+    assert not drop_unused(tmp_path / "link", ns.name, since) and ns.is_dir()  # a symlink: never followed
+    assert not drop_unused(tmp_path / "c", ns.name, time.time() + 60) and ns.is_dir()  # made before the job: kept
+    assert drop_unused(tmp_path / "c", ns.name, since) and not ns.exists()
     with engine_for(tiny_model, tmp_path / "d") as eng:
         eng.prefill([int(t) for t in tiny_model.tokenizer.encode(PROMPT)])
         ns = Path(eng.namespace_dir)
-    assert not drop_unused(tmp_path / "d", ns.name) and ns.is_dir()  # holds blocks: kept
+    assert not drop_unused(tmp_path / "d", ns.name, since) and ns.is_dir()  # holds blocks: kept
 
 
 def test_import_and_warm_without_an_ssd_tier_say_why_in_one_line(tmp_path, tiny_model):

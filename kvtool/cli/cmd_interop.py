@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -120,11 +121,8 @@ def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start:
         CLIError: the cache cannot be built for the model (e.g. a KV quantisation its head dims
             do not allow); and what `flags.load` and `work` raise.
     """
-    root = Path(cfg.ssd_cache_dir)
-    try:
-        before: set[str] | None = set(os.listdir(root)) if root.is_dir() else None
-    except OSError:  # an unlistable cache directory: nothing is taken for new (the job says what is wrong)
-        before = {"*"}
+    root, started = Path(cfg.ssd_cache_dir), time.time()
+    root_existed = os.path.lexists(root)
     try:
         engine = flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
     except ValueError as exc:
@@ -143,18 +141,19 @@ def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start:
     except common.Interrupted as exc:  # a signal during the drain's set-up
         interrupted, status = exc, engine.close()
     finally:
-        _forget_new_namespace(root, before, ns_dir)
+        _forget_new_namespace(root, root_existed, ns_dir, started)
     return result, interrupted, status
 
 
-def _forget_new_namespace(root: Path, before: set[str] | None, ns_dir: Any) -> None:
-    """A namespace this job created and left empty (a refused import, any export) goes again, and
-    the cache directory too if the job created it and it is empty now: nothing is left behind."""
+def _forget_new_namespace(root: Path, root_existed: bool, ns_dir: Any, started: float) -> None:
+    """A namespace this job created (since `started`, unix s) and left empty (a refused import, any
+    export) goes again, and the cache directory too if the job created it and it is empty now:
+    nothing is left behind."""
     from kvtool.ops.remove_tree import drop_unused
 
-    if ns_dir is not None and (before is None or not {Path(ns_dir).name, "*"} & before):
-        drop_unused(root, Path(ns_dir).name)
-    if before is None:
+    if ns_dir is not None:
+        drop_unused(root, Path(ns_dir).name, created_since=started)
+    if not root_existed:
         with suppress(OSError):
             root.rmdir()  # only if empty
 

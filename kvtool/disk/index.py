@@ -77,10 +77,11 @@ _SEG_COLUMNS = "name, nbytes, n_blocks, created"
 __all__ = ["BlockIndex", "INDEX_FILENAME"]
 
 
-def read_only_uri(path: Path, immutable: bool = False) -> str:
-    """The SQLite URI that opens index `path` read-only (`mode=ro`; `immutable=1`: no -wal / -shm
-    used); the path is percent-quoted ('?' or '#' in a directory name)."""
-    return f"file:{urllib.parse.quote(str(path))}?mode=ro" + ("&immutable=1" if immutable else "")
+def index_uri(path: Path, mode: str = "ro", immutable: bool = False) -> str:
+    """The SQLite URI that opens index `path` in `mode` ('ro': read-only; 'rw': read-write, never
+    created; `immutable=1`: no -wal / -shm used); the path is percent-quoted ('?' or '#' in a
+    directory name)."""
+    return f"file:{urllib.parse.quote(str(path))}?mode={mode}" + ("&immutable=1" if immutable else "")
 
 
 class BlockIndex:
@@ -162,7 +163,7 @@ class BlockIndex:
 
     def _connect(self, read_only: bool, immutable: bool = False) -> sqlite3.Connection:
         """A connection: read-write, or read-only (`mode=ro`; `immutable=1`: no -wal / -shm used)."""
-        target = read_only_uri(self.path, immutable) if read_only else str(self.path)
+        target = index_uri(self.path, immutable=immutable) if read_only else str(self.path)
         return sqlite3.connect(target, timeout=DEFAULT_BUSY_TIMEOUT_MS / 1000, isolation_level=None,
                                check_same_thread=False, uri=read_only)  # fmt: skip
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvtool.disk.chains import build_chain_tree
 from kvtool.disk.confined import ConfinedDir
-from kvtool.disk.index import BlockIndex, read_only_uri
+from kvtool.disk.index import BlockIndex, index_uri
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.disk.names import INDEX_FILENAME, SIDE_SUFFIXES, is_segment_name
 from kvtool.disk.namespace_core import Expected
@@ -66,7 +66,7 @@ def _salvage(db: Path, query: str) -> list[tuple]:
     try:
         if not stat.S_ISREG(os.lstat(db).st_mode):
             return []
-        conn = sqlite3.connect(read_only_uri(db, immutable=True), uri=True)
+        conn = sqlite3.connect(index_uri(db, immutable=True), uri=True)
     except (OSError, sqlite3.Error):
         return []
     try:

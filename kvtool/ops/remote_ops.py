@@ -24,7 +24,7 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtool.config.remote_url import RemoteConnectError, RemoteURL, make_client, parse_remote_url
+from kvtool.config.remote_url import RemoteConnectError, RemoteURL, describe_error, make_client, parse_remote_url
 from kvtool.errors import KVToolError
 from kvtool.hashing import blake2b_chain
 from kvtool.tiers import remote_cas
@@ -57,17 +57,20 @@ class Connection:
         with suppress(Exception):  # closing: nothing to do about a failure
             self.client.close()
 
-    def run(self, what: str, fn: Any) -> Any:
-        """`fn(expiry)` under the serving tier's whole-call deadline (`call_deadline_s`, renewed
-        by a long call's progress), a failure as one `RemoteConnectError` line (`what` failed)."""
+    def run(self, what: str | None, fn: Any, seconds: float | None = None) -> Any:
+        """`fn(expiry)` under a whole-call deadline (`seconds`, default the serving tier's
+        `call_deadline_s`, renewed by a long call's progress), a failure as one
+        `RemoteConnectError` line (prefixed `what:`, the call that failed)."""
         expiry = Expiry()
         try:
-            with WATCHDOG.deadline(call_deadline_s(self.timeout_s), lambda: close_connections(self.client)) as expiry:
+            with WATCHDOG.deadline(seconds or call_deadline_s(self.timeout_s),
+                                   lambda: close_connections(self.client)) as expiry:  # fmt: skip
                 return fn(expiry)
         except KVToolError:
             raise
         except Exception as exc:  # noqa: BLE001 - redis-py, socket and TLS errors: one line
-            raise RemoteConnectError(f"{what}: {failure_text(exc, expiry, self.remote, self.timeout_s)}") from None
+            why = failure_text(exc, expiry, self.remote, self.timeout_s)
+            raise RemoteConnectError(f"{what}: {why}" if what else why) from None
 
 
 def connect(url: str, *, cluster: bool | None = None, timeout_s: float = DEFAULT_OPS_TIMEOUT_S) -> Connection:
@@ -79,14 +82,12 @@ def connect(url: str, *, cluster: bool | None = None, timeout_s: float = DEFAULT
             cluster (for a cluster URL).
     """
     remote = parse_remote_url(url, cluster=cluster)
-    expiry = Expiry()
     try:
-        client = make_client(remote, timeout_s)
-        with WATCHDOG.deadline(2 * timeout_s, lambda: close_connections(client)) as expiry:
-            client.ping()  # connect + one read; a server that trickles its answer is closed then
+        conn = Connection(remote, make_client(remote, timeout_s), timeout_s)
     except Exception as exc:  # noqa: BLE001 - every failure is one line
-        raise RemoteConnectError(failure_text(exc, expiry, remote, timeout_s)) from None
-    return Connection(remote, client, timeout_s)
+        raise RemoteConnectError(describe_error(exc, remote, timeout_s)) from None
+    conn.run(None, lambda _: conn.client.ping(), 2 * timeout_s)  # connect + one read, bounded
+    return conn
 
 
 def scan(conn: Connection, pattern: str, max_keys: int = DEFAULT_MAX_KEYS) -> tuple[list[str], bool]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtool.disk.confined import DIR_FLAGS, ConfinedDir
-from kvtool.disk.index import read_only_uri
+from kvtool.disk.index import index_uri
 from kvtool.disk.names import INDEX_FILENAME, INDEX_NAMES, SUBDIR_RE, is_kvtool_leaf, is_kvtool_top
 
 
@@ -72,7 +72,7 @@ def kvtool_index_problem(ns_dir: Path) -> str | None:
     if not stat.S_ISREG(st.st_mode):
         return None
     try:
-        conn = sqlite3.connect(read_only_uri(path, immutable=True), uri=True)
+        conn = sqlite3.connect(index_uri(path, immutable=True), uri=True)
     except sqlite3.Error as exc:
         return f"{INDEX_FILENAME} cannot be opened ({exc})"
     try:
@@ -111,25 +111,26 @@ def remove_tree(cache_dir: Path, namespace: str, workers: int = 1) -> TreeRemova
     return _tree(cache_dir, namespace, remove=True, workers=workers)
 
 
-def drop_unused(cache_dir: Path, namespace: str) -> bool:
+def drop_unused(cache_dir: Path, namespace: str, created_since: float) -> bool:
     """Remove a namespace that holds nothing, for a command that opened one it did not find and
-    stored nothing in it (a refused `kvtool import`, `kvtool export`): its directory (no symlink)
-    holds only index files, the index no block or segment row, and it was closed cleanly (no
-    process has it open: an open sets `shutdown_clean = 0`). Checked and removed under the index's
-    write lock (a process opening it meanwhile waits). Returns True if it was removed; never raises."""
+    stored nothing in it (a refused `kvtool import`, `kvtool export`): its index was created at or
+    after `created_since` (unix s; meta `created`), its directory (no symlink) holds only index
+    files, the index no block or segment row, and it was closed cleanly (no process has it open:
+    an open sets `shutdown_clean = 0`). Checked and removed under the index's write lock (a process
+    opening it meanwhile waits). Returns True if it was removed; never raises."""
     ns_dir = Path(cache_dir) / namespace
     try:
         if not stat.S_ISDIR(os.lstat(ns_dir).st_mode) or set(os.listdir(ns_dir)) - set(INDEX_NAMES):
             return False
-        conn = sqlite3.connect(read_only_uri(ns_dir / INDEX_FILENAME).replace("mode=ro", "mode=rw"), uri=True,
+        conn = sqlite3.connect(index_uri(ns_dir / INDEX_FILENAME, "rw"), uri=True,
                                timeout=0, isolation_level=None)  # fmt: skip
     except (OSError, sqlite3.Error):
         return False
     try:
         conn.execute("BEGIN IMMEDIATE")
         rows = conn.execute("SELECT (SELECT count(*) FROM blocks) + (SELECT count(*) FROM segments)").fetchone()
-        clean = conn.execute("SELECT value FROM meta WHERE key = 'shutdown_clean'").fetchone()
-        if rows != (0,) or clean != ("1",):
+        meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN ('shutdown_clean', 'created')"))
+        if rows != (0,) or meta.get("shutdown_clean") != "1" or float(meta.get("created", "-inf")) < created_since:
             return False
         return remove_tree(Path(cache_dir), namespace).removed
     except (OSError, ValueError, sqlite3.Error):
