@@ -12,9 +12,10 @@ is never returned as a row (`scan()` reports it), so no tampered value reaches a
 calculation (docs/design.md#threat-model).
 
 Access-time updates are the hot path of a cache hit, so they are buffered in memory and
-committed in one transaction by `flush()`, or by the next `touch()` once the oldest buffered
+committed in one transaction by `flush()`, or by the next `touch_many()` once the oldest buffered
 update is older than `flush_interval_s` (batched index flush). A stored access time
-in the future (clock skew, tampering) is clamped to now on the next touch.
+in the future (clock skew, tampering) is clamped to now on the next touch. Prefix lookups'
+rows are kept per process, exactly (`kvtool.disk.row_cache`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from kvtool.disk.fsops import dir_owner, give_to
 from kvtool.disk.names import INDEX_FILENAME, irregular_index_file, is_segment_name, quiet_signature
+from kvtool.disk.row_cache import RowCache
 from kvtool.disk.rowtable import IndexRow, SegmentRow
 
 DEFAULT_BUSY_TIMEOUT_MS = 10_000
@@ -90,7 +92,7 @@ class BlockIndex:
     Args:
         path: the database file (created with the schema if absent, unless `create=False`).
         durable: `synchronous=FULL` (every commit reaches stable storage) instead of NORMAL.
-        flush_interval_s: max age of a buffered access-time update before `touch` commits.
+        flush_interval_s: max age of a buffered access-time update before `touch_many` commits.
         create: create the schema; False opens an existing index without writing to it.
         clock: time source for access times and the flush interval (seconds).
         initial_meta: meta written in the same transaction as the schema, only if the index
@@ -127,6 +129,7 @@ class BlockIndex:
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}
         self._pending_since: float | None = None
+        self.row_cache = RowCache()  # get_many's rows
         if (bad := irregular_index_file(self.path)) is not None:
             raise sqlite3.OperationalError(f"{bad} is not a regular file (FIFO, symlink, device?): never opened")
         self._quiet = quiet_signature(self.path) if read_only and quiet else None
@@ -193,8 +196,22 @@ class BlockIndex:
         return conn
 
     # ------------------------------------------------------------------ plumbing
-    def _transaction(self):
-        return _transaction(self._conn)
+    @contextmanager
+    def _transaction(self, rows_kept: bool = False) -> Iterator[sqlite3.Cursor]:
+        """`BEGIN IMMEDIATE` ... `COMMIT`; `ROLLBACK` if the body or the commit fails. Empties the
+        row cache unless `rows_kept` (the caller drops what it changes), and always on failure."""
+        cur = self._conn.cursor()
+        cur.execute("BEGIN IMMEDIATE")
+        try:
+            yield cur
+            self._conn.execute("COMMIT")
+        except BaseException:
+            self.row_cache.clear()
+            with suppress(sqlite3.Error):
+                self._conn.execute("ROLLBACK")
+            raise
+        if not rows_kept:
+            self.row_cache.clear()
 
     def close(self) -> None:
         """Commit buffered touches (best effort) and close the connection. Idempotent."""
@@ -248,13 +265,16 @@ class BlockIndex:
         return rows[0] if rows else None
 
     def get_many(self, hashes: Sequence[str]) -> dict[str, IndexRow]:
-        """Well-formed rows of `hashes` (one query per 500 hashes): hash -> row."""
-        out: dict[str, IndexRow] = {}
+        """Well-formed rows of `hashes`: hash -> row; from the row cache where it has them (a
+        row's `last_access` may then be older than the database's), else one query per 500."""
         with self._lock:
-            for i in range(0, len(hashes), _MAX_VARS):
-                chunk = list(hashes[i : i + _MAX_VARS])
-                for row in self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk):
-                    out[row.hash] = row
+            version = self._conn.execute("PRAGMA data_version").fetchone()[0]
+            out, missing = self.row_cache.lookup(version, hashes)
+            for i in range(0, len(missing), _MAX_VARS):
+                chunk = missing[i : i + _MAX_VARS]
+                read = self._select_rows(f"hash IN ({','.join('?' * len(chunk))})", chunk)
+                self.row_cache.add(read)
+                out.update((row.hash, row) for row in read)
         return out
 
     def children(self, parent: str, limit: int) -> list[IndexRow]:
@@ -319,9 +339,10 @@ class BlockIndex:
         """Insert a segment and its block rows in one transaction (call after the file is in
         place). A block row replaces an existing row of the same hash. `release`: the segment's
         byte reservation (`kvtool.disk.budget`) ends in the same transaction."""
-        with self._lock, self._transaction() as cur:
+        with self._lock, self._transaction(rows_kept=True) as cur:
             cur.execute(f"INSERT OR REPLACE INTO segments({_SEG_COLUMNS}) VALUES (?,?,?,?)", astuple(segment))
             cur.executemany(f"INSERT OR REPLACE INTO blocks({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", rows)
+            self.row_cache.drop(row[0] for row in rows)
             if release:
                 cur.execute("DELETE FROM reservations WHERE name=?", (segment.name,))
 
@@ -430,16 +451,13 @@ class BlockIndex:
                     emptied.append(str(name))
         return emptied
 
-    def touch(self, block_hash: str, t: float | None = None) -> None:
-        """Buffer an access-time update; commits the buffer if its oldest entry is overdue.
+    def touch_many(self, hashes: Iterable[str], t: float | None = None) -> None:
+        """Buffer access-time updates (`t`, default now); commits the buffer if its oldest entry
+        is overdue.
 
         Raises:
             sqlite3.Error: only from an automatic flush (the buffer is kept for a retry).
         """
-        self.touch_many([block_hash], t)
-
-    def touch_many(self, hashes: Iterable[str], t: float | None = None) -> None:
-        """`touch` for several blocks at once (one lock, one overdue check)."""
         with self._lock:
             now = self._clock()
             t = now if t is None else t
@@ -467,7 +485,7 @@ class BlockIndex:
             return 0
         limit = self._clock() + FUTURE_SKEW_S
         items = [(t, limit, h) for h, t in self._pending.items()]
-        with self._transaction() as cur:
+        with self._transaction(rows_kept=True) as cur:
             cur.executemany(
                 "UPDATE blocks SET last_access = CASE WHEN typeof(last_access) NOT IN ('real', 'integer')"
                 " OR last_access < ?1 OR last_access > ?2 THEN ?1 ELSE last_access END WHERE hash=?3",
@@ -480,19 +498,3 @@ class BlockIndex:
 
 def _has_table(conn: sqlite3.Connection | sqlite3.Cursor, name: str) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (name,)).fetchone() is not None
-
-
-@contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
-    """`BEGIN IMMEDIATE` ... `COMMIT`; `ROLLBACK` if the body or the commit fails."""
-    cur = conn.cursor()
-    cur.execute("BEGIN IMMEDIATE")
-    try:
-        yield cur
-        conn.execute("COMMIT")
-    except BaseException:
-        try:
-            conn.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-        raise

@@ -322,9 +322,7 @@ def _clamp(ns_dir: Path, p: NamespacePlan, now: float) -> None:
     """Lower future access times to `now` (a touch clamps a time beyond the skew allowance)."""
     try:
         with BlockIndex(ns_dir / INDEX_FILENAME, create=False) as index:
-            keep = set(index.present(p.clamp)) - set(p.hashes)
-            for h in sorted(keep):
-                index.touch(h, now)
+            index.touch_many(sorted(set(index.present(p.clamp)) - set(p.hashes)), now)
             index.flush()
     except sqlite3.Error as exc:
         p.message = f"{p.message}; access times not clamped: {exc}".lstrip("; ")

@@ -307,9 +307,7 @@ def _execute_namespace(ns_dir: Path, cdir: ConfinedDir, rep: NamespaceRepair) ->
         if act.bad_rowids or act.bad_segment_rowids:
             index.delete_rowids(act.bad_rowids, act.bad_segment_rowids)
         if act.clamp:
-            now = time.time()
-            for h in act.clamp:
-                index.touch(h, now)  # a touch lowers an access time beyond the skew allowance to `now`
+            index.touch_many(act.clamp, time.time())  # a touch lowers an access time beyond the skew allowance to now
             index.flush()
         for seg_row, rewrite, adopt in act.writes.values():
             if adopt:  # a live writer may have stored them meanwhile: never replace its rows
