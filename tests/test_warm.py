@@ -161,6 +161,20 @@ def test_short_and_chat_prompts(tmp_path, tiny_model):
     assert report.prompts_too_short == 1 and report.blocks_written == rows(tmp_path / "kv") > 0
 
 
+def test_a_refused_warm_leaves_no_namespace_behind(tmp_path, prompts_file):
+    """A warm whose prompt is refused (over --max-prompt-tokens) after the model loaded stores
+    nothing: the namespace it opened goes again, and the cache directory if it made it; a cache
+    directory that was there stays, and a warm that stores blocks keeps its namespace."""
+    refused = ["warm", str(prompts_file), "--model", "tiny", "--max-prompt-tokens", "5", "--cache-dir"]
+    r = runner.invoke(app_module.app, [*refused, str(tmp_path / "new")])
+    assert r.exit_code == 2 and "--max-prompt-tokens" in r.stderr and not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    r = runner.invoke(app_module.app, [*refused, str(tmp_path / "kept")])
+    assert r.exit_code == 2 and list((tmp_path / "kept").iterdir()) == []
+    r = runner.invoke(app_module.app, ["warm", str(prompts_file), "--model", "tiny", "--cache-dir", str(tmp_path / "kept")])
+    assert r.exit_code == 0 and rows(tmp_path / "kept") > 0
+
+
 def test_interrupt_drains_and_keeps_what_was_written(tmp_path, tiny_model, prompts_file):
     """Ctrl-C (KeyboardInterrupt) after the first prompt: flushed, reported, cache valid."""
     cache_dir = tmp_path / "kv"

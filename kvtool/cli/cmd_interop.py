@@ -7,10 +7,7 @@ options, loads the engine, prints.
 from __future__ import annotations
 
 import dataclasses
-import os
-import time
 from collections.abc import Callable
-from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -121,41 +118,26 @@ def _run_job(model: str, cfg: Any, flags: common.ModelFlags, quantized_kv_start:
         CLIError: the cache cannot be built for the model (e.g. a KV quantisation its head dims
             do not allow); and what `flags.load` and `work` raise.
     """
-    root, started = Path(cfg.ssd_cache_dir), time.time()
-    root_existed = os.path.lexists(root)
-    try:
-        engine = flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
-    except ValueError as exc:
-        raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
     result = interrupted = status = None
-    ns_dir = engine.namespace_dir  # (None once closed)
-    try:
-        with common.signals_raise():
-            try:
-                result = work(engine)
-            except common.Interrupted as exc:
-                interrupted = exc
-            finally:
-                common.ignore_signals()
-                status = engine.close()
-    except common.Interrupted as exc:  # a signal during the drain's set-up
-        interrupted, status = exc, engine.close()
-    finally:
-        _forget_new_namespace(root, root_existed, ns_dir, started)
+    with common.nothing_left_empty(Path(cfg.ssd_cache_dir)) as opened:
+        try:
+            engine = flags.load(model, cfg, quantized_kv_start=quantized_kv_start)
+        except ValueError as exc:
+            raise common.CLIError(f"cannot build the cache for {model}: {exc}") from None
+        if engine.namespace_dir is not None:
+            opened.append(engine.namespace_dir)
+        try:
+            with common.signals_raise():
+                try:
+                    result = work(engine)
+                except common.Interrupted as exc:
+                    interrupted = exc
+                finally:
+                    common.ignore_signals()
+                    status = engine.close()
+        except common.Interrupted as exc:  # a signal during the drain's set-up
+            interrupted, status = exc, engine.close()
     return result, interrupted, status
-
-
-def _forget_new_namespace(root: Path, root_existed: bool, ns_dir: Any, started: float) -> None:
-    """A namespace this job created (since `started`, unix s) and left empty (a refused import, any
-    export) goes again, and the cache directory too if the job created it and it is empty now:
-    nothing is left behind."""
-    from kvtool.ops.remove_tree import drop_unused
-
-    if ns_dir is not None:
-        drop_unused(root, Path(ns_dir).name, created_since=started)
-    if not root_existed:
-        with suppress(OSError):
-            root.rmdir()  # only if empty
 
 
 def _exit_code(interrupted: common.Interrupted | None, ok: bool) -> int:

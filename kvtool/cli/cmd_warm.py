@@ -70,18 +70,21 @@ def warm_cmd(
     except WarmError as exc:
         raise common.CLIError(str(exc)) from None
     cfg = cache.build()
-    engine = model_flags.load(model, cfg)
-    try:
-        check_engine(engine)
-    except WarmError as exc:
-        engine.close()
-        raise common.CLIError(str(exc)) from None
-    if to_remote and cfg.remote_url is None:
-        engine.close()
-        raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
-    namespace_dir = engine.namespace_dir
-    code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
-                token_limits(engine, max_prompt_tokens))
+    with common.nothing_left_empty(Path(cfg.ssd_cache_dir)) as opened:  # e.g. its only prompt refused
+        engine = model_flags.load(model, cfg)
+        namespace_dir = engine.namespace_dir
+        if namespace_dir is not None:
+            opened.append(namespace_dir)
+        try:
+            check_engine(engine)
+        except WarmError as exc:
+            engine.close()
+            raise common.CLIError(str(exc)) from None
+        if to_remote and cfg.remote_url is None:
+            engine.close()
+            raise common.CLIError("--to-remote: no remote server: set remote_url (config, $KVTOOL_REMOTE_URL)")
+        code = _run(engine, prompts, json_out, not model_flags.ignore_chat_template, model_flags.system_prompt,
+                    token_limits(engine, max_prompt_tokens))
     if to_remote and code == common.EXIT_OK and namespace_dir is not None:
         code = _push(namespace_dir, cfg)
     return code

@@ -7,11 +7,14 @@ Errors are one `error:` line each (`kvtool.cli.errors`, re-exported here: `commo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
+import os
+import time
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -419,6 +422,27 @@ def load_engine(
         raise CLIError(problem, hint="use a --kv-group-size that divides the head dim (e.g. 32), or drop --kv-bits")
     return Engine(loaded, config, prefill_step_size=prefill_step_size or DEFAULT_PREFILL_STEP, kv_bits=kv_bits,
                   kv_group_size=kv_group_size, **engine_options)
+
+
+@contextlib.contextmanager
+def nothing_left_empty(cache_dir: Path) -> Iterator[list[Path]]:
+    """For a job that opens a namespace and may store nothing in it (a refused `warm` or
+    `import`, any `export`): the caller appends the namespace directory its engine opened to the
+    yielded list; on exit each one this job created (meta `created` since entry) and left without
+    blocks goes again (`kvtool.ops.remove_tree.drop_unused`), and `cache_dir` too if the job
+    created it and it is empty now. Never raises of its own."""
+    from kvtool.ops.remove_tree import drop_unused
+
+    started, existed = time.time(), os.path.lexists(cache_dir)
+    opened: list[Path] = []
+    try:
+        yield opened
+    finally:
+        for ns_dir in opened:
+            drop_unused(cache_dir, ns_dir.name, created_since=started)
+        if not existed:
+            with contextlib.suppress(OSError):
+                cache_dir.rmdir()  # only if empty
 
 
 def refuse_max_kv_size(max_kv_size: int | str | None) -> None:
