@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kvtool.bench import redis_local
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.kvlayout import KVLayout
 from kvtool.hashing import chain_hashes, root_parent
+from kvtool.tiers.remote_store import RemoteStore
 from tests.store_helpers import kv_layout, make_block, make_layout
 
 START_TIMEOUT_S = 15.0
@@ -275,3 +277,24 @@ def same_block(a: HostBlock, b: HostBlock) -> bool:
     """Equal hashes, token ids and KV bytes."""
     return (a.block_hash == b.block_hash and a.parent_hash == b.parent_hash and np.array_equal(a.token_ids, b.token_ids)
             and all(x.tobytes() == y.tobytes() for x, y in zip(a.keys + a.values, b.keys + b.values)))  # fmt: skip
+
+
+def put_blocks(store: RemoteStore, blocks: Sequence[HostBlock]) -> int:
+    """`store.save_blocks(blocks)`; how many blocks this call stored."""
+    return store.save_blocks(blocks).count("saved")
+
+
+def get_blocks(store: RemoteStore, hashes: Sequence[str], parents: Sequence[str],
+               token_ids_per_block: Sequence[np.ndarray | Sequence[int]], *,
+               stop_at_miss: bool = True) -> list[HostBlock | None]:  # fmt: skip
+    """Fetch and verify blocks (`store.read` + `ValueRead.blocks`, collected; `stop_at_miss`:
+    fetch no further batch once a batch had a miss). One entry per hash: the verified block or
+    None (absent, evicted, corrupt, any failure). Raises `ValueError` as `read` does."""
+    out: list[HostBlock | None] = [None] * len(hashes)
+    reading = store.read(hashes, parents, token_ids_per_block)
+    try:
+        for k, block in reading.blocks(stop_at_miss=stop_at_miss):
+            out[k] = block
+    finally:
+        reading.cancel()
+    return out

@@ -1,5 +1,6 @@
 """Helpers for the SSD tier tests: random host blocks, chains, namespace meta, segment paths,
-record damage, and a fault-injecting FileOps. MLX-free (store tests never load MLX)."""
+record damage, a fault-injecting FileOps, and reads over the public API of the store, its
+index, its chain tree and its writer's counters. MLX-free (store tests never load MLX)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import errno
 import os
 import sqlite3
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -15,13 +17,16 @@ import numpy as np
 import pytest
 
 from kvtool.disk import segment as seg
+from kvtool.disk.chains import ChainTree
 from kvtool.disk.fsops import FileOps
 from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.index import BlockIndex
 from kvtool.disk.names import segment_relpath
 from kvtool.disk.namespace import SSDStore
+from kvtool.disk.rowtable import IndexRow
 from kvtool.disk.segment import FORMAT_VERSION, KVLayout
 from kvtool.hashing import chain_hashes, layout_key, root_parent, tail_hash
+from kvtool.tiers.writer_batch import Counters
 
 STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 GEOMETRY = dict(n_layers=2, n_kv_heads=2, head_dim=8, block_size=4)
@@ -117,6 +122,42 @@ def assert_same_block(a: HostBlock, b: HostBlock) -> None:
 def open_store(cache_dir: Path, dtype: str = "bfloat16", **kw) -> SSDStore:
     """An SSDStore of the default test namespace (`GEOMETRY`)."""
     return SSDStore(cache_dir, make_layout(dtype), make_meta(dtype), **kw)
+
+
+# ----------------------------------------------------------------------------- reads
+def contains(store_or_index: SSDStore | BlockIndex, block_hash: str) -> bool:
+    """A store: True if its index has a usable row for `block_hash` (`count_prefix`; the file
+    is not read). An index: True if `block_hash` has a well-formed row (`get`)."""
+    if isinstance(store_or_index, SSDStore):
+        return store_or_index.count_prefix([block_hash]) == 1
+    return store_or_index.get(block_hash) is not None
+
+
+def index_rows(index: BlockIndex) -> Iterator[IndexRow]:
+    """Every well-formed row of `index` (a snapshot taken when called, ordered by hash)."""
+    columns = "hash, parent, segment, slot, num_tokens, nbytes, tokens_digest, created, last_access"
+    with index.connection() as conn:
+        raw = conn.execute(f"SELECT {columns} FROM blocks ORDER BY hash").fetchall()
+    return iter([r for r in map(IndexRow.from_db, raw) if r is not None])
+
+
+def max_depth(tree: ChainTree) -> int:
+    """The largest depth in `tree` (-1 when empty)."""
+    return int(tree.forest.depth.max()) if len(tree.forest) else -1
+
+
+def wait_counters(counters: Counters, predicate: Callable[[dict[str, int]], bool], timeout: float) -> bool:
+    """Wait until `predicate(counters.snapshot())` holds (polled every millisecond).
+
+    Returns:
+        The predicate's last value (False if `timeout` seconds passed first).
+    """
+    deadline = time.monotonic() + timeout
+    while not predicate(counters.snapshot()):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 # ----------------------------------------------------------------------------- on disk
@@ -294,7 +335,7 @@ def stored(store: SSDStore) -> set[str]:
     """Hashes of the rows in `store`'s index, read through a fresh connection."""
     idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
     try:
-        return {r.hash for r in idx.rows()}
+        return {r.hash for r in index_rows(idx)}
     finally:
         idx.close()
 

@@ -26,7 +26,7 @@ from kvtool.engine import Engine
 from kvtool.kv import buffers as kvbuffers
 from kvtool.kv.blocks import chain_hashes
 from kvtool.ops.validate import validate
-from tests.store_helpers import read_segment_header, record_span
+from tests.store_helpers import contains, read_segment_header, record_span
 from tests.test_engine import BS, MAX_TOKENS, reference_tokens
 
 DAMAGED = 2  # index of the damaged block (of 5 full blocks + a tail entry)
@@ -162,12 +162,12 @@ def test_damaged_block_is_a_miss_with_clean_up(tiny_model, prompt, reference, tm
     assert res.token_ids == reference
     assert res.ssd_hit_tokens == DAMAGED * BS and res.prefill_tokens == len(prompt) - DAMAGED * BS
     assert stats["ssd_load_corrupt"] == 1
-    assert not index.contains(pop.hashes[DAMAGED])
-    assert all(index.contains(h) for h in pop.hashes[:DAMAGED])  # the first segment is untouched
+    assert not contains(index, pop.hashes[DAMAGED])
+    assert all(contains(index, h) for h in pop.hashes[:DAMAGED])  # the first segment is untouched
     if dropped == "row":  # the segment keeps its intact blocks
-        assert bad.exists() and all(index.contains(h) for h in pop.hashes[DAMAGED + 1 :])
+        assert bad.exists() and all(contains(index, h) for h in pop.hashes[DAMAGED + 1 :])
     else:
-        assert not bad.exists() and not any(index.contains(h) for h in pop.hashes[DAMAGED:])
+        assert not bad.exists() and not any(contains(index, h) for h in pop.hashes[DAMAGED:])
     eng.close()
 
 
@@ -184,8 +184,8 @@ def test_damaged_block_in_the_middle_of_a_segment_cuts_there(tiny_model, prompt,
     eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)
     assert res.token_ids == reference
     assert res.ssd_hit_tokens == (DAMAGED + 1) * BS
-    assert stats["ssd_load_corrupt"] == 1 and not index.contains(pop.hashes[DAMAGED + 1])
-    assert index.contains(pop.hashes[DAMAGED]) and index.contains(pop.hashes[DAMAGED + 2])
+    assert stats["ssd_load_corrupt"] == 1 and not contains(index, pop.hashes[DAMAGED + 1])
+    assert contains(index, pop.hashes[DAMAGED]) and contains(index, pop.hashes[DAMAGED + 2])
     eng.close()
 
 
@@ -198,7 +198,7 @@ def test_index_row_whose_segment_is_gone(tiny_model, prompt, reference, tmp_path
     assert res.token_ids == reference and res.ssd_hit_tokens == DAMAGED * BS
     stats = eng.stats()
     assert stats["ssd_load_missing"] == 1 and stats["ssd_stale_index_cleaned"] == 4  # 3 blocks + tail
-    assert not any(eng.tiered.ssd.index.contains(h) for h in pop.hashes[DAMAGED:])
+    assert not any(contains(eng.tiered.ssd.index, h) for h in pop.hashes[DAMAGED:])
     eng.close()
     # (b) gone before a restart: the startup reconcile drops the rows
     again = _populate(tiny_model, prompt, tmp_path)  # write_through: blocks 2.. stored again
@@ -225,7 +225,7 @@ def test_segment_of_another_namespace_is_rejected(tiny_model, prompt, reference,
     assert res.token_ids == reference
     assert res.ssd_hit_tokens == DAMAGED * BS
     assert stats["ssd_load_corrupt"] == 1
-    assert not index.contains(pop.hashes[DAMAGED])
+    assert not contains(index, pop.hashes[DAMAGED])
     eng.close()
 
 
@@ -245,8 +245,8 @@ def test_tail_entry_damage_costs_the_tail_only(tiny_model, prompt, reference, tm
     eng, res, stats, index = _serve_after_damage(tiny_model, prompt, tmp_path)
     assert res.token_ids == reference
     assert res.ssd_hit_tokens == 5 * BS and res.prefill_tokens == len(prompt) - 5 * BS
-    assert stats["ssd_load_corrupt"] == 1 and not index.contains(tail.block_hash)
-    assert all(index.contains(h) for h in pop.hashes)
+    assert stats["ssd_load_corrupt"] == 1 and not contains(index, tail.block_hash)
+    assert all(contains(index, h) for h in pop.hashes)
     eng.close()
 
 

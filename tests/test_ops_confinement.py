@@ -28,7 +28,7 @@ from kvtool.ops.inspect_cache import inspect_cache
 from kvtool.ops.prune import prune
 from kvtool.ops.scan import scan_cache
 from kvtool.ops.validate import validate
-from tests.store_helpers import block_path, make_chain, make_meta, mounted_tmpfs, open_store, segment_files
+from tests.store_helpers import block_path, index_rows, make_chain, make_meta, mounted_tmpfs, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent
 if not any(c.name == "prune" for c in app_module.app.registered_commands):
@@ -324,6 +324,6 @@ def test_prune_frees_a_full_disk(small_disk, close_first):
     assert validate(cache_dir).problems == 0
     idx = BlockIndex(store.namespace_dir / "index.sqlite", create=False)
     try:
-        assert {r.segment for r in idx.rows()} == {p.stem for p in segment_files(store)}
+        assert {r.segment for r in index_rows(idx)} == {p.stem for p in segment_files(store)}
     finally:
         idx.close()

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from kvtool import KVToolConfig, PrefixCache
 from kvtool.kv import buffers as kvbuffers
 from kvtool.models.loader import load_model
+from tests.store_helpers import index_rows
 
 MAX_TOKENS = 10
 
@@ -78,12 +79,12 @@ def test_ram_hits_touch_their_ssd_rows(tiny, ids, tmp_path):
         serve(pc, tiny, ids[200:] + ids[:50])  # blocks of another chain: not touched below
         pc.flush()
         ssd = pc.tiered.ssd
-        rows = {r.hash: r.last_access for r in ssd.index.rows()}
+        rows = {r.hash: r.last_access for r in index_rows(ssd.index)}
         ssd.clock = lambda: max(rows.values()) + 100.0
         _, hit = serve(pc, tiny, other)
         assert hit.ram_tokens == 99  # block 0 by its hash, then 35 tokens of the first prompt's block 1 (a sibling)
         pc.flush()
-        after = {r.hash: r.last_access for r in ssd.index.rows()}
+        after = {r.hash: r.last_access for r in index_rows(ssd.index)}
         first = pc.hashes(other)[0][0]
     assert {h for h in rows if after[h] != rows[h]} == {first} and after[first] == max(rows.values()) + 100.0
 

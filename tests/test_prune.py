@@ -38,7 +38,16 @@ from kvtool.ops.prune import (
 )
 from kvtool.ops.scan import ScanError, scan_cache
 from kvtool.ops.validate import validate
-from tests.store_helpers import block_path, make_chain, make_layout, make_meta, open_store, segment_files, stored
+from tests.store_helpers import (
+    block_path,
+    index_rows,
+    make_chain,
+    make_layout,
+    make_meta,
+    open_store,
+    segment_files,
+    stored,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 NOW = time.time()  # reset per test (`_now`): access times must not be in the future
@@ -184,7 +193,7 @@ def test_descendants_of_a_pruned_block_go_too(cache):
     for blk in branch[2:]:
         assert live.save_block(blk) == "saved"
     live.close()
-    rows = {r.hash: r for r in BlockIndex(store.namespace_dir / "index.sqlite", create=False).rows()}
+    rows = {r.hash: r for r in index_rows(BlockIndex(store.namespace_dir / "index.sqlite", create=False))}
     rng = np.random.default_rng(0)
     for _ in range(20):
         set_access(store, {h: NOW - float(rng.integers(0, 20)) * DAY for h in rows})
@@ -226,7 +235,7 @@ def test_future_access_is_clamped_and_cannot_keep_a_chain_forever(cache):
     set_access(store, {**{h: NOW + 100 * DAY for h in hashes(a)}, **{h: NOW - DAY for h in hashes(b)}})
     p = prune(cache_dir, ttl_s=7 * DAY, now=NOW)
     assert p.namespaces[0].access_clamped == 4 and p.namespaces[0].prune_blocks == 0
-    assert {r.last_access for r in BlockIndex(store.namespace_dir / "index.sqlite", create=False).rows()
+    assert {r.last_access for r in index_rows(BlockIndex(store.namespace_dir / "index.sqlite", create=False))
             if r.hash in hashes(a)} == {NOW}  # fmt: skip
     later = prune(cache_dir, ttl_s=7 * DAY, now=NOW + 8 * DAY)
     assert set(later.namespaces[0].hashes) == set(hashes(a) + hashes(b)) and stored(store) == set()

@@ -19,7 +19,7 @@ from kvtool.tiers import remote_store as remote_store_module
 from kvtool.tiers import remote_value as rv
 from kvtool.tiers.remote_store import RemoteStore
 from tests import redis_servers
-from tests.redis_servers import make_chain, same_block
+from tests.redis_servers import get_blocks, make_chain, put_blocks, same_block
 
 redis_node, redis_cluster, fresh_redis = redis_servers.redis_node, redis_servers.redis_cluster, redis_servers.fresh_redis
 
@@ -46,7 +46,7 @@ def _rewrite(client, chain, url: str) -> bytes:
     old = _keys(client, chain)
     assert old and client.unlink(*old) == len(old)
     with _store(url, chain) as writer:
-        assert writer.put_blocks(chain.blocks[:1]) == 1
+        assert put_blocks(writer, chain.blocks[:1]) == 1
     manifest = client.get(rv.value_key(chain.layout_key, chain.hashes[0]))
     assert rv.is_manifest(manifest)
     return manifest
@@ -64,7 +64,7 @@ def _assert_rewrite_intact(client, chain, url: str, manifest: bytes) -> None:
     named = rv.manifest_part_keys(key, manifest)
     assert _keys(client, chain) == sorted([key, *named]), "no part without a manifest, none missing"
     with _store(url, chain) as reader:
-        got = reader.get_blocks(chain.hashes[:1], chain.parents[:1], chain.tokens[:1])
+        got = get_blocks(reader, chain.hashes[:1], chain.parents[:1], chain.tokens[:1])
         assert got[0] is not None and same_block(got[0], chain.blocks[0])
 
 
@@ -72,7 +72,7 @@ def test_reader_removing_an_incomplete_value_spares_its_rewrite(redis_node, monk
     chain = _chain("cas-reader")
     client = redis_node.client()
     with _store(redis_node.url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 1
+        assert put_blocks(store, chain.blocks) == 1
         parts = [k for k in _keys(client, chain) if ":p:" in k]
         assert len(parts) >= 3
         client.unlink(parts[1])  # evicted: the reader drops the rest of the value
@@ -84,7 +84,7 @@ def test_reader_removing_an_incomplete_value_spares_its_rewrite(redis_node, monk
             return unlink(*args, **kw)
 
         monkeypatch.setattr(store, "unlink", rewrite_then_unlink)
-        assert store.get_blocks(chain.hashes, chain.parents, chain.tokens) == [None]
+        assert get_blocks(store, chain.hashes, chain.parents, chain.tokens) == [None]
         assert len(written) == 1 and store.stats()["remote_corrupt"] == 0
     _assert_rewrite_intact(client, chain, redis_node.url, written[0])
 
@@ -102,7 +102,7 @@ def test_store_delete_spares_a_rewrite_after_its_read(redis_node, monkeypatch):
         return out
 
     with _store(redis_node.url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 1
+        assert put_blocks(store, chain.blocks) == 1
         monkeypatch.setattr(remote_store_module, "pipelined", read_then_rewrite)
         assert store.delete(chain.hashes) == 0  # what it read was gone; the rewrite is newer than the delete
     _assert_rewrite_intact(client, chain, redis_node.url, written[0])
@@ -113,7 +113,7 @@ def test_remote_ops_spare_a_rewrite_after_their_read(redis_node, monkeypatch, op
     chain = _chain(f"cas-{op}")
     client = redis_node.client()
     with _store(redis_node.url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 1
+        assert put_blocks(store, chain.blocks) == 1
     if op == "validate":  # an incomplete value: validate deletes it
         client.unlink(next(k for k in _keys(client, chain) if k.endswith(":1")))
     hook = {"prune": "_choose", "validate": "_confirm_orphans"}.get(op, "_memory")  # between read and delete
@@ -171,10 +171,10 @@ def test_compare_and_delete_on_a_cluster(redis_cluster):
     conn = remote_ops.connect(redis_cluster.url)
     try:
         with _store(redis_cluster.url, chain) as store:
-            assert store.put_blocks(chain.blocks) == 6
+            assert put_blocks(store, chain.blocks) == 6
             for h in chain.hashes[:2]:  # a part evicted: the reader removes the rest
                 conn.client.unlink(remote_ops.scan(conn, f"*{h}*:p:*")[0][0])
-            got = store.get_blocks(chain.hashes, chain.parents, chain.tokens, stop_at_miss=False)
+            got = get_blocks(store, chain.hashes, chain.parents, chain.tokens, stop_at_miss=False)
             assert [g is None for g in got] == [True] * 2 + [False] * 4
             assert remote_ops.rm(conn, chain.layout_key, chain.hashes[2:4]).removed_keys == 2 * 10
             assert store.delete(chain.hashes[4:5]) == 1
@@ -190,9 +190,9 @@ def test_a_server_refusing_scripts_gets_a_plain_unlink(fresh_redis):
     admin.acl_setuser("kvonly", enabled=True, passwords=["+kv-pass"], keys=["*"], commands=["+@all", "-@scripting"])
     url = fresh_redis.url.replace("redis://", "redis://kvonly:kv-pass@")
     with _store(url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 3
+        assert put_blocks(store, chain.blocks) == 3
         admin.unlink(next(k for k in _keys(admin, chain) if k.endswith(":1")))  # an incomplete value
-        assert store.get_blocks(chain.hashes[:1], chain.parents[:1], chain.tokens[:1]) == [None]
+        assert get_blocks(store, chain.hashes[:1], chain.parents[:1], chain.tokens[:1]) == [None]
         assert _keys(admin, chain) == [], "removed all the same"
         assert store.delete(chain.hashes[1:2]) == 1 and store.stats()["remote_errors"] == 0
     conn = remote_ops.connect(url)

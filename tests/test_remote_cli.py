@@ -24,7 +24,7 @@ from kvtool.ops import remote_ops
 from kvtool.tiers import remote_value as rv
 from kvtool.tiers.remote_store import RemoteStore
 from tests import redis_servers
-from tests.redis_servers import AUTH_PASSWORD, free_port, make_chain
+from tests.redis_servers import AUTH_PASSWORD, free_port, get_blocks, make_chain, put_blocks
 
 redis_node, redis_auth, redis_cluster = redis_servers.redis_node, redis_servers.redis_auth, redis_servers.redis_cluster
 fresh_redis = redis_servers.fresh_redis
@@ -57,7 +57,7 @@ def _one_error_line(result, *needles: str) -> str:
 
 def _fill(url: str, chain, **kw) -> None:
     with RemoteStore(url, chain.layout_key, chain.kv, timeout_s=2.0, **kw) as store:
-        assert store.put_blocks(chain.blocks) == len(chain.blocks)
+        assert put_blocks(store, chain.blocks) == len(chain.blocks)
 
 
 def _split_chain(model_id: str, n: int = 2, seed: int = 0):
@@ -189,7 +189,7 @@ def test_prune_budget_and_idle(fresh_redis):
         assert sizes[a.layout_key] <= budget and sizes[b.layout_key] > budget
         time.sleep(4)  # Redis' LRU clock has a 1 s resolution
         with RemoteStore(fresh_redis.url, b.layout_key, b.kv, timeout_s=2.0) as store:
-            assert all(store.get_blocks(b.hashes[:3], b.parents[:3], b.tokens[:3]))  # used now: kept
+            assert all(get_blocks(store, b.hashes[:3], b.parents[:3], b.tokens[:3]))  # used now: kept
         report = remote_ops.prune(conn, idle_s=3.0)
         assert report.values == 7 + (10 - done["values"]) and report.removed_keys == report.keys
         left = remote_ops.inspect(conn).namespaces
@@ -355,7 +355,7 @@ WORKER = r"""
 import json, sys, time
 import numpy as np
 from kvtool.tiers.remote_store import RemoteStore
-from tests.redis_servers import make_chain, same_block
+from tests.redis_servers import get_blocks, make_chain, put_blocks, same_block
 url, worker, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 chains = [make_chain(12, model_id="concurrent", seed=s) for s in range(3)]          # shared by every worker
 chains += [make_chain(2, model_id="concurrent-split", dtype="float32", head_dim=64, block_size=16, seed=s) for s in range(2)]
@@ -367,8 +367,8 @@ while time.monotonic() < deadline and rounds < 10_000:
     rounds += 1
     c = chains[(rounds + worker) % len(chains)]
     s = split if c.layout_key == chains[3].layout_key else store
-    s.put_blocks(c.blocks[: 1 + (rounds * 7 + worker) % len(c.blocks)])
-    got = s.get_blocks(c.hashes, c.parents, c.tokens, stop_at_miss=False)
+    put_blocks(s, c.blocks[: 1 + (rounds * 7 + worker) % len(c.blocks)])
+    got = get_blocks(s, c.hashes, c.parents, c.tokens, stop_at_miss=False)
     hits += sum(g is not None for g in got)
     bad += sum(1 for g, b in zip(got, c.blocks) if g is not None and not same_block(g, b))
 print(json.dumps({"rounds": rounds, "hits": hits, "bad": bad,

@@ -19,7 +19,7 @@ from kvtool.tiers import remote_value as rv
 from kvtool.tiers.remote import remote_writer
 from kvtool.tiers.remote_store import RemoteStore
 from tests import redis_servers
-from tests.redis_servers import AUTH_PASSWORD, RedisServer, free_port, make_chain, same_block
+from tests.redis_servers import AUTH_PASSWORD, RedisServer, free_port, get_blocks, make_chain, put_blocks, same_block
 
 # the servers (pytest fixtures of tests/redis_servers.py)
 redis_node, fresh_redis, redis_lru = redis_servers.redis_node, redis_servers.fresh_redis, redis_servers.redis_lru
@@ -35,7 +35,7 @@ def _store(url: str, chain, **kw) -> RemoteStore:
 
 
 def _get(store: RemoteStore, chain, **kw):
-    return store.get_blocks(chain.hashes, chain.parents, chain.tokens, **kw)
+    return get_blocks(store, chain.hashes, chain.parents, chain.tokens, **kw)
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -46,8 +46,8 @@ def test_round_trip_single_node(redis_node, dtype, codec):
     chain = make_chain(8, model_id=f"rt-{dtype}-{codec}", dtype=dtype, seed=1)
     with _store(redis_node.url, chain, codec=codec) as store:
         assert store.longest_prefix(chain.hashes) == 0
-        assert store.put_blocks(chain.blocks[:6]) == 6
-        assert store.put_blocks(chain.blocks[:6]) == 0  # first writer wins
+        assert put_blocks(store, chain.blocks[:6]) == 6
+        assert put_blocks(store, chain.blocks[:6]) == 0  # first writer wins
         assert store.longest_prefix(chain.hashes) == 6
         got = _get(store, chain, stop_at_miss=False)
         assert [g is not None for g in got] == [True] * 6 + [False] * 2
@@ -63,7 +63,7 @@ def test_round_trip_single_node(redis_node, dtype, codec):
 def test_round_trip_cluster_spreads_a_namespace(redis_cluster):
     chain = make_chain(24, model_id="rt-cluster", seed=2)
     with _store(redis_cluster.url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 24
+        assert put_blocks(store, chain.blocks) == 24
         assert store.longest_prefix(chain.hashes) == 24
         got = _get(store, chain)
         assert all(g is not None and same_block(g, b) for g, b in zip(got, chain.blocks))
@@ -79,8 +79,8 @@ def test_split_values_round_trip_and_delete(request, where):
     chain = make_chain(3, model_id=f"split-{where}", dtype="float32", head_dim=64, block_size=16, seed=3)
     assert len(rv.encode_value(chain.blocks[0], chain.layout_key, chain.kv)) > 3 * 4096
     with _store(server.url, chain, max_value_bytes=4096) as store:
-        assert store.put_blocks(chain.blocks) == 3
-        assert store.put_blocks(chain.blocks) == 0
+        assert put_blocks(store, chain.blocks) == 3
+        assert put_blocks(store, chain.blocks) == 0
         got = _get(store, chain)
         assert all(g is not None and same_block(g, b) for g, b in zip(got, chain.blocks))
         for other in (2048, 1 << 20):  # readers configured otherwise read the same parts
@@ -96,7 +96,7 @@ def test_split_values_round_trip_and_delete(request, where):
 def test_an_evicted_part_is_a_miss_not_corruption(redis_node):
     chain = make_chain(1, model_id="split-evicted", dtype="float32", head_dim=64, block_size=16, seed=4)
     with _store(redis_node.url, chain, max_value_bytes=4096) as store:
-        store.put_blocks(chain.blocks)
+        put_blocks(store, chain.blocks)
         client = redis_node.client()
         parts = [k for k in client.scan_iter(match=f"*{chain.hashes[0]}*:p:*")]
         assert len(parts) >= 3
@@ -112,7 +112,7 @@ def test_round_trip_over_a_unix_socket(tmp_path):
     chain = make_chain(3, model_id="unix", seed=17)
     with RedisServer(["--unixsocket", str(sock), "--unixsocketperm", "700"]):
         with _store(f"unix://{sock}?db=2", chain) as store:
-            assert store.put_blocks(chain.blocks) == 3
+            assert put_blocks(store, chain.blocks) == 3
             assert all(g is not None and same_block(g, b) for g, b in zip(_get(store, chain), chain.blocks))
 
 
@@ -148,7 +148,7 @@ def test_a_bad_value_is_a_miss_deleted_and_counted(redis_node, case):
     key, cases = _corrupt_cases(chain, other, other_shape)
     client = redis_node.client()
     with _store(redis_node.url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 2
+        assert put_blocks(store, chain.blocks) == 2
         cases[case](client)
         got = _get(store, chain, stop_at_miss=False)
         assert got[0] is None and got[1] is not None and same_block(got[1], chain.blocks[1])
@@ -156,7 +156,7 @@ def test_a_bad_value_is_a_miss_deleted_and_counted(redis_node, case):
         stats = store.stats()
         assert stats["remote_corrupt"] + stats["remote_errors"] >= 1
         assert stats["remote_breaker_open"] == 0  # a bad value is not a server failure
-        assert store.put_blocks(chain.blocks[:1]) == 1 and _get(store, chain)[0] is not None  # stored again: a hit
+        assert put_blocks(store, chain.blocks[:1]) == 1 and _get(store, chain)[0] is not None  # stored again: a hit
 
 
 def test_decode_value_raises_only_its_error_on_mutations():
@@ -199,20 +199,20 @@ def test_value_format_is_a_one_record_segment():
 def test_sigkill_misses_within_deadline_breaker_then_recovery(fresh_redis):
     chain = make_chain(4, model_id="faults-kill", seed=10)
     with _store(fresh_redis.url, chain, breaker_backoff_s=0.3) as store:
-        assert store.put_blocks(chain.blocks) == 4
+        assert put_blocks(store, chain.blocks) == 4
         fresh_redis.signal(signal.SIGKILL)
         for _ in range(4):
             t0 = time.monotonic()
             assert _get(store, chain) == [None] * 4
             assert store.longest_prefix(chain.hashes) == 0
-            assert store.put_blocks(chain.blocks) == 0
+            assert put_blocks(store, chain.blocks) == 0
             assert time.monotonic() - t0 < 3 * TIMEOUT_S + MARGIN_S
         stats = store.stats()
         assert stats["remote_breaker_open"] == 1 and stats["remote_breaker_trips"] == 1 and stats["remote_errors"] >= 3
         assert not store.available and stats["remote_dropped_writes"] >= 4
         fresh_redis.start(fresh_redis.port)  # empty: no persistence
         deadline = time.monotonic() + 20
-        while store.put_blocks(chain.blocks) == 0 and time.monotonic() < deadline:
+        while put_blocks(store, chain.blocks) == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         got = _get(store, chain)
         assert all(g is not None and same_block(g, b) for g, b in zip(got, chain.blocks))
@@ -223,7 +223,7 @@ def test_sigkill_misses_within_deadline_breaker_then_recovery(fresh_redis):
 def test_sigstop_returns_within_deadline(fresh_redis):
     chain = make_chain(4, model_id="faults-stop", seed=11)
     with _store(fresh_redis.url, chain, breaker_backoff_s=0.3) as store:
-        assert store.put_blocks(chain.blocks) == 4
+        assert put_blocks(store, chain.blocks) == 4
         fresh_redis.signal(signal.SIGSTOP)
         try:
             for _ in range(4):
@@ -255,7 +255,7 @@ def test_down_at_start_then_reconnects(caplog):
         assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1  # logged once
         server.start(port)
         deadline = time.monotonic() + 20
-        while store.put_blocks(chain.blocks) == 0 and time.monotonic() < deadline:
+        while put_blocks(store, chain.blocks) == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert all(g is not None for g in _get(store, chain)) and store.available
         store.close()
@@ -270,7 +270,7 @@ def test_cluster_node_killed_misses_within_deadline():
 
     chain = make_chain(12, model_id="cluster-fault", seed=13)
     with RedisClusterProcesses(3) as cluster, _store(cluster.url, chain, breaker_backoff_s=0.3) as store:
-        assert store.put_blocks(chain.blocks) == 12
+        assert put_blocks(store, chain.blocks) == 12
         cluster.nodes[2].signal(signal.SIGKILL)
         for _ in range(4):
             t0 = time.monotonic()
@@ -305,7 +305,7 @@ def test_eviction_under_maxmemory_gives_misses_not_errors(redis_lru):
 def test_password_from_url_or_env_and_never_shown(redis_auth, monkeypatch, caplog):
     chain = make_chain(2, model_id="auth", seed=15)
     with _store(redis_auth.url, chain) as store:
-        assert store.put_blocks(chain.blocks) == 2
+        assert put_blocks(store, chain.blocks) == 2
         assert AUTH_PASSWORD not in repr(store) and AUTH_PASSWORD not in store.url
     monkeypatch.setenv("KVTOOL_REMOTE_PASSWORD", AUTH_PASSWORD)
     with _store(f"redis://127.0.0.1:{redis_auth.port}/0", chain) as store:

@@ -19,7 +19,7 @@ from kvtool.disk.chains import build_chain_tree, build_forest, rooted_nodes
 from kvtool.disk.index import BlockIndex
 from kvtool.hashing import root_parent
 from kvtool.ops.scan import NamespaceStatus, ScanError, meta_problem, scan_cache
-from tests.store_helpers import make_chain, make_layout, make_meta, open_store, segment_files
+from tests.store_helpers import make_chain, make_layout, make_meta, max_depth, open_store, segment_files
 
 REPO = Path(__file__).resolve().parent.parent
 NOW = 1_800_000_000.0
@@ -255,7 +255,7 @@ def test_chain_tree_big_cycle_and_long_chain_are_linear():
     assert all(nd.in_cycle and not nd.rooted and nd.effective_access == n - 1 for nd in tree.nodes.values())
     line = [(_h(0), ROOT, 5.0)] + [(_h(i), _h(i - 1), float(i % 7)) for i in range(1, n)]
     tree = build_chain_tree(line, ROOT)
-    assert tree.nodes[_h(0)].effective_access == 6.0 and tree.max_depth == n - 1 and tree.unrooted() == []
+    assert tree.nodes[_h(0)].effective_access == 6.0 and max_depth(tree) == n - 1 and tree.unrooted() == []
 
 
 # ------------------------------------------------------------------ MLX boundary

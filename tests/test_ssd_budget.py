@@ -26,7 +26,7 @@ from kvtool.disk.segment import FORMAT_VERSION, KVLayout
 from kvtool.hashing import chain_hashes, layout_key, root_parent
 from kvtool.ops.validate import validate
 from kvtool.tiers.writer import AsyncWriter, SyncWriter, make_writer
-from tests.store_helpers import make_block
+from tests.store_helpers import contains, make_block
 from tests.test_restore import Buffers, expected_bytes, offsets
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,7 +90,7 @@ def test_the_directory_stays_within_the_budget_and_evictions_are_counted(tmp_pat
     st = store.stats()
     assert st["ssd_budget_evictions"] > 0 and st["ssd_budget_evicted_bytes"] >= st["ssd_budget_evictions"] * (one - 4096)
     assert st["ssd_budget_evicted_blocks"] == 4 * st["ssd_budget_evictions"] and st["ssd_budget_refused"] == 0
-    kept = [b for b in written if store.contains(b[0].block_hash)]
+    kept = [b for b in written if contains(store, b[0].block_hash)]
     assert kept and all(loads(store, b) for b in kept)  # what is left is intact and served
     assert store.budget is not None and store.budget.used_bytes() <= budget + one
     store.close()
@@ -124,7 +124,7 @@ def test_least_recently_used_goes_first(tmp_path):
     now[0] += 10
     exact(store, used_bytes(store) + one // 2, protect_s=5.0)
     assert store.save_blocks(chain(3)) == ["saved"] * 4  # needs room: the least recently used goes
-    assert not store.contains(cold[0].block_hash) and store.contains(hot[0].block_hash)
+    assert not contains(store, cold[0].block_hash) and contains(store, hot[0].block_hash)
     assert store.stats()["ssd_budget_evictions"] == 1
     store.close()
 
@@ -148,8 +148,8 @@ def test_descendants_go_with_their_ancestor(tmp_path):
     assert store.save_blocks(chain(6)) == ["saved"] * 4
     st = store.stats()
     assert (st["ssd_budget_evictions"], st["ssd_budget_evicted_blocks"]) == (1, 3)  # P's two blocks and q
-    assert not store.contains(prefix[0].block_hash) and not store.contains(q.block_hash)
-    assert store.contains(y.block_hash) and loads(store, [y])
+    assert not contains(store, prefix[0].block_hash) and not contains(store, q.block_hash)
+    assert contains(store, y.block_hash) and loads(store, [y])
     store.close()
     assert validate(tmp_path).problems == 0  # nothing unreachable left behind
 
@@ -163,7 +163,7 @@ def test_recently_used_segments_are_never_evicted_the_write_is_refused(tmp_path)
     assert store.save_blocks(chain(1)) == ["refused"] * 4  # the budget at work: not an error
     st = store.stats()
     assert st["ssd_budget_refused"] == 4 and st["ssd_budget_evictions"] == 0
-    assert store.contains(chain(0)[0].block_hash) and du(store.namespace_dir) <= budget + one
+    assert contains(store, chain(0)[0].block_hash) and du(store.namespace_dir) <= budget + one
     with sqlite3.connect(store.namespace_dir / "index.sqlite") as conn:
         assert conn.execute("SELECT COUNT(*) FROM reservations").fetchone() == (0,)  # nothing left reserved
     store.close()
@@ -207,7 +207,7 @@ def test_a_refused_segment_is_counted_once_never_retried_and_no_failure(tmp_path
     assert ws["writer_budget_refused"] == 4 and ws["writer_save_fail"] == ws["writer_retry_final_fail"] == 0
     assert ws["writer_retry_attempts"] == 0 and delays == []  # one attempt: no backoff, no second save
     assert st["ssd_budget_refused"] == 4 and st["ssd_save_fail"] == 0 and st["ssd_save_success"] == 4  # chain(0)
-    assert not any(store.contains(b.block_hash) for b in chain(1))
+    assert not any(contains(store, b.block_hash) for b in chain(1))
     assert [r.getMessage() for r in seen.records if r.levelno >= logging.WARNING] == []
     budget_lines = [r for r in seen.records if "byte budget" in r.getMessage()]
     assert [r.levelno for r in budget_lines] == [logging.INFO, logging.DEBUG], budget_lines
@@ -242,7 +242,7 @@ def test_a_restore_reads_a_segment_evicted_while_it_is_open(tmp_path):
 
     def evict_now() -> None:  # runs after the segments are opened, before the first read
         assert other.save_blocks(chain(2)) == ["saved"] * 4
-        assert not store.contains(blocks[0].block_hash) and not (store.namespace_dir / rows[0].segment[:2] /
+        assert not contains(store, blocks[0].block_hash) and not (store.namespace_dir / rows[0].segment[:2] /
                                                                   f"{rows[0].segment}.safetensors").exists()  # fmt: skip
 
     bufs = Buffers(KV, len(ids) + 8)

@@ -23,8 +23,10 @@ from tests.store_helpers import (
     FaultFS,
     assert_same_block,
     block_path,
+    contains,
     encode_segment,
     flip_record_byte,
+    index_rows,
     kv_layout,
     make_block,
     make_chain,
@@ -174,7 +176,7 @@ def test_lookup_returns_the_leading_run_with_one_query(store, monkeypatch):
     monkeypatch.setattr(store.index, "get_many", lambda hs: calls.append(len(hs)) or real(hs))
     rows = store.lookup(hashes_of(chain))
     assert [r.hash for r in rows] == hashes_of(chain[:3]) and calls == [6]  # one query, stops at the gap
-    assert store.count_prefix(hashes_of(chain)) == 3 and store.contains(chain[5].block_hash)
+    assert store.count_prefix(hashes_of(chain)) == 3 and contains(store, chain[5].block_hash)
     assert store.lookup(["../../etc/passwd", *hashes_of(chain)]) == []  # malformed hash: stops there
     assert store.lookup([]) == []
 
@@ -186,7 +188,7 @@ def test_remove_keeps_a_segment_until_its_last_block_goes(store):
     size = path.stat().st_size
     hashes = hashes_of(chain)
     assert store.remove([hashes[1]]) == 1
-    assert path.exists() and store.count_prefix(hashes) == 1 and not store.contains(hashes[1])
+    assert path.exists() and store.count_prefix(hashes) == 1 and not contains(store, hashes[1])
     assert store.totals() == (2, size)  # bytes are segment files: it is still on disk
     assert store.load_block(hashes[2], chain[2].token_ids) is not None  # its neighbours still load
     assert store.remove([hashes[0], hashes[2], "../x", "ff" * 16]) == 2
@@ -205,7 +207,7 @@ def test_save_of_a_block_that_does_not_fit_the_namespace_is_error(store, bad):
     }[bad]
     assert store.save_block(block) == "error"
     assert store.stats()["ssd_save_fail"] == (0 if bad == "hash" else 1)
-    assert list(store.index.rows()) == [] and segment_files(store) == [] and no_temp_files(store)
+    assert list(index_rows(store.index)) == [] and segment_files(store) == [] and no_temp_files(store)
 
 
 def test_one_bad_block_in_a_batch_does_not_stop_the_others_being_deduped(store):
@@ -301,7 +303,7 @@ def test_slot_that_holds_another_block_is_dropped(store):
     with raw(store) as con:  # tampered row: block 0 points at block 1's record
         con.execute("UPDATE blocks SET slot=1 WHERE hash=?", (chain[0].block_hash,))
     assert store.load_block(chain[0].block_hash, chain[0].token_ids) is None
-    assert store.index.get(chain[0].block_hash) is None and store.contains(chain[1].block_hash)
+    assert store.index.get(chain[0].block_hash) is None and contains(store, chain[1].block_hash)
 
 
 def test_wrong_parent_is_not_served(store):
@@ -485,7 +487,7 @@ def test_failed_index_insert_after_the_rename_unlinks_the_segment(tmp_path, monk
     assert store.save_blocks(chain) == ["error"] * 3
     assert fs.calls["replace"] == 1  # it got as far as the rename
     assert segment_files(store) == [] and no_temp_files(store)
-    assert list(store.index.rows()) == [] and store.index.segments() == []
+    assert list(index_rows(store.index)) == [] and store.index.segments() == []
     assert store.stats()["ssd_save_fail"] == 3
     if how == "trigger":
         with raw(store) as con:
@@ -540,7 +542,7 @@ def test_unwritable_new_cache_dir_disables_store(tmp_path, op, code):
     block = one_block(store)
     assert store.save_block(block) == "error"
     assert store.load_block(block.block_hash, TOKENS) is None
-    assert store.count_prefix([block.block_hash]) == 0 and not store.contains(block.block_hash)
+    assert store.count_prefix([block.block_hash]) == 0 and not contains(store, block.block_hash)
     assert store.stats()["ssd_save_disabled"] == 1
     store.flush()
     store.close()
@@ -792,7 +794,7 @@ def test_startup_reconcile_does_not_load_every_row(tmp_path, monkeypatch):
         return real(cls, values)
 
     monkeypatch.setattr(index_mod.IndexRow, "from_db", classmethod(counting))
-    for name in ("rows", "get_many", "get", "segment_rows"):
+    for name in ("get_many", "get", "segment_rows"):
         monkeypatch.setattr(BlockIndex, name, lambda *a, _n=name, **k: pytest.fail(f"reconcile called {_n}"))
     again = open_store(tmp_path)
     assert again.enabled
@@ -860,7 +862,7 @@ def test_index_delete_is_one_transaction_and_drops_emptied_segments(tmp_path):
     assert idx.present(hashes) == set(hashes) and idx.totals() == (1200, 12000)
     n, emptied = idx.delete(hashes[600:] + ["f" * 32])
     assert n == 600 and emptied == [segs[2]]  # segment 1 keeps 200 rows
-    assert idx.present(hashes) == set(hashes[:600]) and not idx.contains("f" * 32)
+    assert idx.present(hashes) == set(hashes[:600]) and not contains(idx, "f" * 32)
     assert idx.totals() == (600, 8000)
     assert idx.delete_segments([segs[0]]) == 400 and idx.totals() == (200, 4000)
     idx.close()

@@ -18,6 +18,7 @@ from kvtool.bench.trace import SAMPLES_DIR, TRACE_BLOCK_TOKENS, TRACE_DIR_ENV, T
 from kvtool.bench.trace_plan import KV_SHAPES, PlanPoint, kv_bytes_per_token, replay
 from kvtool.cli import app as app_module
 from kvtool.units import MAX_BYTES
+from tests.store_helpers import contains
 
 if not app_module.app.registered_commands:
     app_module._register()
@@ -236,7 +237,7 @@ def test_serving_and_plan_leave_the_same_blocks_resident(tmp_path, policy, monke
         _serve(pc, tokens)
     assert pc.tiered is not None and pc.tiered.ssd is not None
     served_ram = {name_of[h] for h in name_of if h in pc.tiered.ram}
-    served_ssd = {name_of[h] for h in name_of if pc.tiered.ssd.contains(h)}
+    served_ssd = {name_of[h] for h in name_of if contains(pc.tiered.ssd, h)}
     pc.close()
 
     point = PlanPoint("conversation", policy, ram, MAX_BYTES)

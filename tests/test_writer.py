@@ -28,7 +28,7 @@ from kvtool.tiers.writer import (
     SyncWriter,
     make_writer,
 )
-from tests.store_helpers import FaultFS, assert_same_block, make_chain, make_layout, open_store
+from tests.store_helpers import FaultFS, assert_same_block, make_chain, make_layout, open_store, wait_counters
 
 WAIT = 2.0  # seconds: upper bound of every wait in these tests
 MiB = 1 << 20
@@ -142,7 +142,7 @@ def no_sleep(_seconds: float) -> None:
 
 def wait_counter(w: AsyncWriter, key: str, n: int) -> bool:
     """Wait until the writer's counter `key` reaches `n`."""
-    return w._counters.wait_for(lambda s: s[key] >= n, WAIT)
+    return wait_counters(w._counters, lambda s: s[key] >= n, WAIT)
 
 
 def in_thread(fn, *args) -> tuple[threading.Thread, list]:

@@ -24,7 +24,7 @@ from kvtool.disk.hostblock import HostBlock
 from kvtool.disk.namespace import SSDStore
 from kvtool.tiers.writer import AsyncWriter
 from kvtool.tiers.writer_batch import ShedLog
-from tests.store_helpers import make_chain, make_layout, open_store
+from tests.store_helpers import make_chain, make_layout, open_store, wait_counters
 
 WAIT = 5.0  # seconds: upper bound of every wait in these tests
 NEVER = 600.0  # seconds: an enqueue wait no test could sit through (the shedding modes never wait)
@@ -186,7 +186,7 @@ def test_durable_or_must_write_waits_then_saves_on_caller_thread(gated, durabili
         fill_queue(w, fs, chain)
         producer, returned = in_thread(w.enqueue_many, chain[3:5], must_write=must_write)
         # it waited for room, found none, and is now saving on its own thread (held on the gate)
-        assert w._counters.wait_for(lambda s: s["writer_queue_full_sync_fallback"] == 2, WAIT)
+        assert wait_counters(w._counters, lambda s: s["writer_queue_full_sync_fallback"] == 2, WAIT)
         assert w.get_stats()["writer_backpressure_waits"] == 1
         assert not returned  # still held: a durable enqueue does not return before its save
         assert w.get_pending(chain[3].block_hash) is chain[3]  # still a hit meanwhile

@@ -406,11 +406,6 @@ class ChainTree:
         """Blocks whose parent is not stored (first blocks of chains, or broken chains), sorted."""
         return sorted(self.hashes[i] for i in self.forest.tops().tolist())
 
-    @property
-    def max_depth(self) -> int:
-        """Largest depth (-1 when empty)."""
-        return int(self.forest.depth.max()) if len(self.forest) else -1
-
 
 def build_chain_tree(entries: Iterable[tuple[str, str, float]], root: str, now: float | None = None) -> ChainTree:
     """Build the chain tree of `(hash, parent, last_access)` entries (any strings).

@@ -283,16 +283,6 @@ class BlockIndex:
         with self._lock:
             return self._select_rows("parent=? ORDER BY last_access DESC LIMIT ?", (parent, int(limit)))
 
-    def contains(self, block_hash: str) -> bool:
-        """True if `block_hash` has a well-formed row."""
-        return self.get(block_hash) is not None
-
-    def rows(self) -> Iterator[IndexRow]:
-        """Every well-formed row (a snapshot taken when called, ordered by hash)."""
-        with self._lock:
-            rows = self._select_rows("1 ORDER BY hash", ())
-        return iter(rows)
-
     def present(self, hashes: Sequence[str]) -> set[str]:
         """The subset of `hashes` that have well-formed rows."""
         return set(self.get_many(hashes))

@@ -199,10 +199,6 @@ class SSDStore(StoreCore):
             return True
 
     # ----------------------------------------------------------------- lookups
-    def contains(self, block_hash: str) -> bool:
-        """True if the index has a usable row for `block_hash` (the file is not read)."""
-        return self.count_prefix([block_hash]) == 1
-
     def count_prefix(self, hashes: Sequence[str]) -> int:
         """How many leading `hashes` the index holds (stops at the first absent/isolated one)."""
         return len(self.lookup(hashes))

@@ -3,7 +3,7 @@
 Every segment the index lists is opened once (regular files only, never following a symlink:
 `FileOps.open_read`), its header checked against the namespace, and each record read and
 verified (`segment.read_block`: checksum over the whole record) before it is stored remotely
-with `SET NX` (`RemoteStore.put_blocks`: a block the server holds already is not rewritten).
+with `SET NX` (`RemoteStore.save_blocks`: a block the server holds already is not rewritten).
 A record that fails verification is skipped and counted, never pushed; the SSD tier is not
 changed (that is `kvtool validate`'s job). Blocks go out in batches of about `BATCH_BYTES`; each
 block's outcome is counted (stored, there already, refused by the server), and a call that fails
@@ -29,7 +29,7 @@ from kvtool.disk.names import INDEX_FILENAME, segment_relpath
 from kvtool.disk.snapshot import read_quietly
 from kvtool.errors import KVToolError
 
-BATCH_BYTES = 8 << 20  # host bytes per put_blocks call
+BATCH_BYTES = 8 << 20  # host bytes per save_blocks call
 T = TypeVar("T")
 
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtool")
 
 DEFAULT_WRITER_QUEUE_BYTES = 64 << 20  # bytes queued and being written
-DEFAULT_WRITER_BATCH_BYTES = 8 << 20  # bytes of blocks per `put_blocks` call
+DEFAULT_WRITER_BATCH_BYTES = 8 << 20  # bytes of blocks per `save_blocks` call
 
 
 class RemoteHandle(NamedTuple):
@@ -68,7 +68,7 @@ class RemoteBlockTier(TierBase):
         store: the namespace's remote store.
         policy: `THROUGH` (`remote_policy = write_through`), `ON_EVICT` (`on_evict`) or `OFF`.
         max_queue_bytes: the writer's queue bound (bytes); a batch that does not fit is dropped.
-        batch_bytes: blocks per `put_blocks` call (bytes).
+        batch_bytes: blocks per `save_blocks` call (bytes).
     """
 
     name = "remote"

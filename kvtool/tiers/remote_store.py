@@ -13,7 +13,7 @@ request path never lists keys: EXISTS, GETRANGE, SET NX, UNLINK and EVAL on name
 Reads: `read` (`kvtool.tiers.remote_read`). Writes: `save_blocks`, first writer wins (`SET NX`),
 the sink of the remote tier's writer (`AsyncWriter`, `when_full="shed"`).
 
-Counters (`stats()`): `remote_lookups` (longest_prefix / get_blocks calls that reached the
+Counters (`stats()`): `remote_lookups` (longest_prefix calls and reads, `read`, that reached the
 server), `remote_hit_blocks`, `remote_bytes_read`, `remote_bytes_written` (bytes of values
 stored), `remote_errors` (failed calls, and per-key server errors), `remote_corrupt` (values
 that failed verification, deleted), `remote_dropped_writes` (blocks that never reached the
@@ -227,7 +227,7 @@ class RemoteStore:
         """How many leading entries of a chain the server holds: one multi-key EXISTS, which
         answers a whole hit (or a whole miss) with one count; a count in between, one pipelined
         round trip of EXISTS per key. A value whose parts were evicted still counts
-        (`get_blocks` then misses).
+        (a `read` of it then misses).
 
         Args:
             hashes: chain hashes, in chain order.
@@ -266,33 +266,6 @@ class RemoteStore:
         """
         return ValueRead(self, hashes, parents, token_ids_per_block, batch_bytes=self.read_batch_bytes,
                          ahead=self.read_ahead)  # fmt: skip
-
-    def get_blocks(
-        self,
-        hashes: Sequence[str],
-        parents: Sequence[str],
-        token_ids_per_block: Sequence[np.ndarray | Sequence[int]],
-        *,
-        stop_at_miss: bool = True,
-    ) -> list[HostBlock | None]:
-        """Fetch and verify blocks (`read` + `ValueRead.blocks`, collected; arguments as `read`'s;
-        `stop_at_miss`: fetch no further batch once a batch had a miss).
-
-        Returns:
-            One entry per hash: the verified block (arrays are read-only views of the received
-            bytes) or None (absent, evicted, corrupt: then deleted and counted, or any failure).
-
-        Raises:
-            ValueError: the three sequences differ in length.
-        """
-        out: list[HostBlock | None] = [None] * len(hashes)
-        reading = self.read(hashes, parents, token_ids_per_block)
-        try:
-            for k, block in reading.blocks(stop_at_miss=stop_at_miss):
-                out[k] = block
-        finally:
-            reading.cancel()
-        return out
 
     def expected_bytes(self, n_tokens: int) -> int:
         """The largest value a block of `n_tokens` tokens may have in this namespace (bytes)."""
@@ -359,10 +332,6 @@ class RemoteStore:
         if batch:
             self._send(batch, 0, out)
         return out
-
-    def put_blocks(self, blocks: Sequence[HostBlock]) -> int:
-        """`save_blocks`; returns how many blocks this call stored."""
-        return self.save_blocks(blocks).count("saved")
 
     def _send(self, batch: list[tuple[int, str, bytes]], not_sent: int, out: list[str]) -> bool:
         """One batch of `save_blocks`, its outcomes into `out`; False if the call failed (the batch

@@ -58,42 +58,27 @@ COUNTER_NAMES = (
 
 
 class Counters:
-    """The `writer_*` counters, shared by producers and the worker (one condition variable)."""
+    """The `writer_*` counters, shared by producers and the worker (one lock)."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._stats = dict.fromkeys(COUNTER_NAMES, 0)
 
     def inc(self, key: str, n: int = 1) -> None:
-        """Add `n` to counter `key` and wake `wait_for` callers."""
-        with self._cond:
+        """Add `n` to counter `key`."""
+        with self._lock:
             self._stats[key] += n
-            self._cond.notify_all()
 
     def add(self, deltas: dict[str, int]) -> None:
         """Add several counters at once (one snapshot never sees half of them); may be negative."""
-        with self._cond:
+        with self._lock:
             for key, n in deltas.items():
                 self._stats[key] += n
-            self._cond.notify_all()
 
     def snapshot(self) -> dict[str, int]:
         """A copy of every counter."""
-        with self._cond:
+        with self._lock:
             return dict(self._stats)
-
-    def wait_for(self, predicate: Callable[[dict[str, int]], bool], timeout: float | None) -> bool:
-        """Wait until `predicate(counters)` holds (for tests and diagnostics).
-
-        Args:
-            predicate: called with the live counter dict, under the lock; must not block.
-            timeout: seconds; None waits for ever.
-
-        Returns:
-            The predicate's last value (False if `timeout` passed first).
-        """
-        with self._cond:
-            return self._cond.wait_for(lambda: predicate(self._stats), timeout)
 
 
 class ShedLog:
