@@ -14,7 +14,15 @@ import pytest
 from mlx_lm.models.cache import KVCache
 from typer.testing import CliRunner
 
-from kvtool.bench.trace import SAMPLES_DIR, TRACE_BLOCK_TOKENS, TRACE_DIR_ENV, TraceRequest, read_trace, resolve_trace
+from kvtool.bench.trace import (
+    SAMPLES_DIR,
+    TRACE_BLOCK_TOKENS,
+    TRACE_DIR_ENV,
+    TraceError,
+    TraceRequest,
+    read_trace,
+    resolve_trace,
+)
 from kvtool.bench.trace_plan import KV_SHAPES, PlanPoint, kv_bytes_per_token, replay
 from kvtool.cli import app as app_module
 from kvtool.units import MAX_BYTES
@@ -76,6 +84,24 @@ def test_kv_bytes_per_token_from_a_number_a_shape_or_a_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "num_attention_heads": 12,
                                                       "num_key_value_heads": 2, "hidden_size": 1536}))  # fmt: skip
     assert kv_bytes_per_token(str(tmp_path)) == 28 * 2 * 128 * 2 * 2
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {  # a newer config: `dtype`, nested
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "dtype": "float32"}}))
+    assert kv_bytes_per_token(str(tmp_path)) == 2 * 2 * 32 * 2 * 4
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    with pytest.raises(TraceError, match="cannot compute the KV bytes per token"):
+        kv_bytes_per_token(str(tmp_path))
+
+
+def test_the_kv_bytes_of_an_embedded_preset_from_its_config(tmp_path):
+    """The one config.json reader (`kvtool.models.limits`) agrees with the preset's own figure,
+    and a load workload sizes with it (0 where there is no readable config)."""
+    from kvtool.bench.loadworkloads import _kv_bytes_per_token
+    from kvtool.models import embedded
+
+    tiny = embedded.PRESETS["tiny"]
+    embedded.build_preset(tiny, tmp_path / "tiny")
+    assert _kv_bytes_per_token(tmp_path / "tiny") == tiny.kv_bytes_per_token(4) == 1024
+    assert _kv_bytes_per_token(tmp_path / "absent") == 0 and _kv_bytes_per_token(None) == 0
 
 
 def _req(ids: list[int], n: int, t: int = 0) -> TraceRequest:

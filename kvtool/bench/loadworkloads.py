@@ -64,6 +64,7 @@ from kvtool.bench.trace_replay import (
 )
 from kvtool.bench.workloads import count, merge_params, positive_number, size_field
 from kvtool.config import ConfigError
+from kvtool.models.limits import kv_bytes_per_token
 
 CORPUS = Path(__file__).resolve().parent.parent / "assets" / "demo_prompt.txt"
 
@@ -221,17 +222,13 @@ class TextSource:
         return header + self.text(max(1, n - len(self.tok.encode(header))))
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """KV bytes of one token for a plain-attention model, from its config.json: layers x KV heads
-    x head dim x 2 (keys and values) x bytes per element (`torch_dtype`; float32 if absent).
-    Approximate for models with other cache layouts (sliding windows, state layers)."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg.get("num_attention_heads", 1)
-    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(1, heads)
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    width = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", "float32")), 4)
-    return int(cfg.get("num_hidden_layers", 0) * kv_heads * head_dim * 2 * width)
+def _kv_bytes_per_token(model_dir: Path | None) -> int:
+    """`kvtool.models.limits.kv_bytes_per_token`, 0 where there is no model directory or its
+    config.json gives no KV geometry (the sizes that use it are then left to the config)."""
+    try:
+        return kv_bytes_per_token(model_dir) if model_dir is not None else 0
+    except (OSError, ValueError):
+        return 0
 
 
 def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed: int, max_tokens: int,
@@ -266,7 +263,7 @@ def build_load_workload(name: str, params: dict[str, Any], tokenizer: Any, seed:
     if kind == "shared-prefix":
         reqs = _shared_prefix(p, src, rng, max_tokens)
     elif kind == "multi-turn":
-        per_token = kv_bytes_per_token(model_dir) if model_dir is not None else 0
+        per_token = _kv_bytes_per_token(model_dir)
         if not p["conversations"]:
             p["conversations"] = multi_turn_conversations(p, per_token)
         p["working_set_bytes"] = multi_turn_working_set(p, per_token)

@@ -23,7 +23,6 @@ the re-forward of a full hit's last token, and the index's and headers' bytes.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ from kvtool.disk.budget import DEFAULT_PROTECT_S, EVICT_SLACK
 from kvtool.disk.chains import build_forest
 from kvtool.disk.planner import SegmentPlanner, fit_budget
 from kvtool.kv.blocks import Block
+from kvtool.models.limits import kv_bytes_per_token as model_kv_bytes_per_token
 from kvtool.tiers.base import Caps, ChainEntry, Put, ReadResult, TierBase, WritePolicy
 from kvtool.tiers.ssd import WRITE_BATCH_BYTES
 from kvtool.tiers.stack import TierStack
@@ -50,7 +50,6 @@ KV_SHAPES = {
     "32b": 64 * 8 * 128 * 2 * 2,  # Qwen2.5-32B: 262144
     "70b": 80 * 8 * 128 * 2 * 2,  # Llama-3.1-70B: 327680
 }
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 POLICIES = {"write_through": WritePolicy.THROUGH, "evict_only": WritePolicy.ON_EVICT}
 
 
@@ -71,15 +70,9 @@ def kv_bytes_per_token(spec: str) -> int:
         raise TraceError(f"--kv-bytes-per-token {spec!r}: not a positive number, a shape ({', '.join(KV_SHAPES)}) "
                          "or a model directory with a config.json")  # fmt: skip
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-        cfg = cfg.get("text_config", cfg)
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        width = _DTYPE_BYTES.get(str(cfg.get("torch_dtype", "bfloat16")), 2)
-        return int(cfg["num_hidden_layers"]) * kv_heads * head_dim * 2 * width
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise TraceError(f"{path}: cannot compute the KV bytes per token ({exc!r})") from None
+        return model_kv_bytes_per_token(Path(spec))
+    except (OSError, ValueError) as exc:
+        raise TraceError(f"{path}: cannot compute the KV bytes per token ({exc})") from None
 
 
 class PlanSsdTier(TierBase):

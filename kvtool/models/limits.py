@@ -35,6 +35,31 @@ def model_context_length(config: dict[str, Any]) -> int | None:
     return None
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """KV bytes of one token of a plain-attention model, from its Hugging Face `config.json` (its
+    `text_config` where it has one): layers x KV heads x head dim x 2 (keys and values) x bytes per
+    element of its `torch_dtype` (or `dtype`; bfloat16 where neither is given). Approximate for
+    models with other cache layouts (sliding windows, state layers).
+
+    Raises:
+        OSError: config.json cannot be read.
+        ValueError: it is not JSON, or a field the product needs is missing or not a number.
+    """
+    cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else cfg
+    try:
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        width = _DTYPE_BYTES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), 2)
+        return int(cfg["num_hidden_layers"]) * kv_heads * head_dim * 2 * width
+    except (KeyError, TypeError, AttributeError, ZeroDivisionError) as exc:
+        raise ValueError(f"no KV geometry in {model_dir}/config.json ({exc!r})") from None
+
+
 @dataclass(frozen=True)
 class TokenLimits:
     """The token limits of one served model.
