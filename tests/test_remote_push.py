@@ -140,3 +140,8 @@ def test_an_unreadable_index_is_a_problem_and_a_missing_cache_dir_an_error(tiny_
     missing = _push(tmp_path / "nowhere", redis_node.url)
     (line,) = _error_lines(missing)
     assert missing.exit_code == 2 and line.startswith("error: cache directory") and "does not exist" in line
+    assert "--create" not in line  # push has no --create: the message does not offer it
+    inside = _push(bogus, redis_node.url)  # a namespace directory given for the cache
+    (line,) = _error_lines(inside)
+    assert inside.exit_code == 2 and "is a namespace directory, not a cache directory" in line, line
+    assert f"--cache-dir {tmp_path / 'c'}" in line

@@ -4,15 +4,13 @@ The server comes from `--remote-url` (`--url` is a hidden alias), else the confi
 else `$KVTOOL_REMOTE_URL` (`Server.resolve`); its URL is shown with the password masked. The work
 is `kvtool.ops.remote_ops`.
 
-The same operations back `kvtool inspect|validate|prune|rm --remote` (`Server`, `inspect_remote`,
+The same operations back `kvtool inspect|validate|prune|rm --remote` (`kvtool.cli.target.Server`, `inspect_remote`,
 `validate_remote`, `rm_remote`, `prune_remote`): one connection, confirmation and output path for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
 import typer
@@ -22,10 +20,8 @@ from rich.table import Table
 from kvtool.cli import common
 from kvtool.cli.output import Output
 from kvtool.cli.removal import ABORTED, REMOVAL, Removal, removal_options
+from kvtool.cli.target import SERVER, Server, UrlOpt, existing_cache_dir, server_options
 from kvtool.units import format_bytes
-
-DEFAULT_TIMEOUT = "5s"  # operator commands: a SCAN of a large server needs more than the serving deadline
-DEFAULT_MAX_KEYS = 10_000_000
 
 remote_app = typer.Typer(
     name="remote",
@@ -43,89 +39,6 @@ remote_app = typer.Typer(
     add_completion=False,
     rich_markup_mode="rich",
 )
-
-URL_HELP = ("Server: redis://\\[user:password@]host\\[:port]\\[/db], rediss:// (TLS: ?ssl_ca_certs=FILE...), "
-            "unix:///path.sock, redis+cluster://host:port. Default: remote_url of --config, else $KVTOOL_REMOTE_URL.")  # fmt: skip
-UrlOpt = Annotated[str | None, typer.Option("--remote-url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
-LegacyUrlOpt = Annotated[str | None, typer.Option("--url", hidden=True)]
-ClusterOpt = Annotated[bool, typer.Option("--cluster", help="The server is a Redis Cluster (implied by redis+cluster://).",
-                                          rich_help_panel="Server")]  # fmt: skip
-TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each server command: 5s, 500ms.",
-                                         rich_help_panel="Server")]  # fmt: skip
-MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
-                                         rich_help_panel="Server")]  # fmt: skip
-
-def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
-    `names` (fields of `Server` that are options; none named: all of them); its `--remote-url`
-    (declared by the command itself: it comes first) fills `server.url` (`Server.at`)."""
-    return common.flag_options("server", Server, names)
-
-
-@dataclass(frozen=True)
-class Server:
-    """Where a remote command connects: its flags, resolved when it connects.
-
-    Attributes:
-        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`); as an
-            option, the hidden `--url` (the name these commands used before: `at` lets
-            `--remote-url` win).
-        cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
-        timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
-        max_keys: listings stop after this many keys (reported as truncated).
-        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
-        flag: the URL flag's name, for messages (`--remote-url`).
-    """
-
-    url: LegacyUrlOpt = None
-    cluster: ClusterOpt = False
-    timeout: TimeoutOpt = DEFAULT_TIMEOUT
-    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS
-    config: common.ConfigOpt = None
-    flag: str = "--remote-url"
-
-    def at(self, url: str | None) -> Server:
-        """This server with the URL flag `url` (`--remote-url`; None: the hidden `--url`, if given)."""
-        return replace(self, url=url if url is not None else self.url)
-
-    def resolve(self) -> tuple[str, bool | None, float]:
-        """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
-        config file (`kvtool.config.settings`); `cluster` True or None (the URL decides).
-
-        Raises:
-            CLIError: no URL anywhere, a bad timeout, a `--config` that does not exist.
-            ConfigError: a bad `remote_url` in a layer (its password masked).
-        """
-        from kvtool.config import ConfigError
-        from kvtool.config.settings import resolve_settings
-
-        cfg = resolve_settings({"remote_url": self.url}, self.config, {"remote_url": self.flag}).config
-        try:
-            timeout_s = cfg.replace(remote_timeout=self.timeout).remote_timeout_s
-        except ConfigError as exc:
-            raise common.CLIError(f"--timeout: {exc.reason}") from None
-        if cfg.remote_url is None:
-            raise common.CLIError(f"no remote server: give {self.flag}, set remote_url in the config file, "
-                                  "or set $KVTOOL_REMOTE_URL")  # fmt: skip
-        return cfg.remote_url, True if (self.cluster or cfg.remote_cluster) else None, timeout_s
-
-    @contextmanager
-    def connect(self) -> Iterator[Any]:
-        """A checked `kvtool.ops.remote_ops.Connection` (PING answered), closed on exit.
-
-        Raises:
-            CLIError, ConfigError: see `resolve`. RemoteURLError, RemoteConnectError: a malformed
-                URL; unreachable, wrong password, TLS failure, not a cluster (one line each).
-        """
-        from kvtool.ops.remote_ops import connect
-
-        url, cluster, timeout_s = self.resolve()
-        conn = connect(url, cluster=cluster, timeout_s=timeout_s)
-        try:
-            yield conn
-        finally:
-            conn.close()
-
 
 def _remove(server: Server, removal: Removal, what: str, plan_fn: Callable[[Any, bool], Any]) -> int:
     """Refuse without a way to confirm (`what`: the verb), connect, plan (`plan_fn(conn, True)`),
@@ -218,7 +131,7 @@ def prune_remote(server: Server, removal: Removal, *, idle_s: float | None = Non
 @server_options()
 @common.cli_command
 def inspect_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, json_out: common.JsonOpt = False,
-                server: Server = Server()) -> int:
+                server: Server = SERVER) -> int:
     """What kvtool holds on the server: per namespace (layout key) its blocks, split values,
     parts and memory (MEMORY USAGE); per server its version, memory, maxmemory policy, evicted
     and expired keys (INFO). Read-only; leaves the keys' LRU clocks alone.
@@ -262,7 +175,7 @@ def _print_inspect(report: Any, out: Output) -> None:
 @server_options("url", "cluster", "timeout", "config")
 @common.cli_command
 def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOpt = None, remote_url: UrlOpt = None,
-             json_out: common.JsonOpt = False, server: Server = Server()) -> int:
+             json_out: common.JsonOpt = False, server: Server = SERVER) -> int:
     """Push an SSD cache to the server, so that other hosts start warm: every segment of each
     namespace (or of --namespace) read once, each record verified before it is stored with SET NX
     (blocks the server holds already are not rewritten). The SSD cache is not changed; records
@@ -282,7 +195,7 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
     from kvtool.disk.fsops import list_namespaces
 
     out = Output.from_flags(json_out)
-    root = _push_root(server.config, cache_dir)
+    root = existing_cache_dir(common.CacheFlags(server.config, cache_dir).settings(), create=None)
     server = server.at(remote_url)
     with server.connect():  # checks the URL and that the server answers
         pass
@@ -299,24 +212,6 @@ def push_cmd(cache_dir: common.CacheDirOpt = None, namespace: common.NamespaceOp
     if stopped is not None:
         raise stopped  # one error line, exit 2, after the report
     return common.EXIT_OK if bad == 0 else common.EXIT_PROBLEMS
-
-
-def _push_root(config: Any, cache_dir: Any) -> Any:
-    """The SSD cache to push: one named by a flag, a variable or a config file must exist (a typo
-    would otherwise push nothing and exit 0); the default directory may be missing.
-
-    Raises:
-        CLIError: a named cache directory does not exist; ConfigError: a bad config layer.
-    """
-    import os
-
-    from kvtool.config.settings import DEFAULT
-
-    settings = common.CacheFlags(config, cache_dir).settings()
-    root, origin = settings.config.ssd_cache_dir, settings.origins["ssd_cache_dir"]
-    if not os.path.lexists(root) and origin.kind != DEFAULT:
-        raise common.CLIError(f"cache directory {root} does not exist (from {origin})")
-    return root
 
 
 def _push_all(root: Any, names: list[str], url: str, cluster: bool | None, timeout_s: float) -> tuple[list, Any]:
@@ -368,7 +263,7 @@ def _print_push(root: Any, reports: list, out: Output) -> None:
 @server_options()
 @common.cli_command
 def validate_cmd(remote_url: UrlOpt = None, namespace: common.NamespaceOpt = None, dry_run: common.DryRunOpt = False,
-                 json_out: common.JsonOpt = False, server: Server = Server()) -> int:
+                 json_out: common.JsonOpt = False, server: Server = SERVER) -> int:
     """Read and verify every value (header, namespace, slot hash, checksums, codec, the chain
     hash of its parent and token ids); delete the ones that fail, and parts no manifest names
     (--dry-run: only report). Reading a value counts as a use for the server's LRU.
@@ -410,7 +305,7 @@ def rm_cmd(
                                                       show_default=False)] = None,  # fmt: skip
     remote_url: UrlOpt = None,
     removal: Removal = REMOVAL,
-    server: Server = Server(),
+    server: Server = SERVER,
 ) -> int:
     """Remove a namespace from the server (every key of it), or given blocks of it (--hash, with
     their parts). Asks first on a terminal; without one, --yes is required. A kvtool process
@@ -455,7 +350,7 @@ def prune_cmd(
     namespace: common.NamespaceOpt = None,
     remote_url: UrlOpt = None,
     removal: Removal = REMOVAL,
-    server: Server = Server(),
+    server: Server = SERVER,
 ) -> int:
     """Remove values unused for --idle (OBJECT IDLETIME), then the least recently used values of
     each namespace until it fits --max-bytes (MEMORY USAGE, parts included); parts no manifest

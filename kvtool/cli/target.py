@@ -1,29 +1,119 @@
 """What `kvtool inspect|validate|prune|rm` act on (`Target`): the SSD cache, whose directory must
 exist when it was named (`existing_cache_dir`; `--create` makes it), or with `--remote` /
-`--remote-url` the remote tier's server (`kvtool.cli.cmd_remote.Server`)."""
+`--remote-url` the remote tier's server (`Server`, also what `kvtool remote ...` connects to)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from kvtool.cli import common
-from kvtool.cli.cmd_remote import Server
+
+DEFAULT_TIMEOUT = "5s"  # operator commands: a SCAN of a large server needs more than the serving deadline
+DEFAULT_MAX_KEYS = 10_000_000
+
+URL_HELP = ("Server: redis://\\[user:password@]host\\[:port]\\[/db], rediss:// (TLS: ?ssl_ca_certs=FILE...), "
+            "unix:///path.sock, redis+cluster://host:port. Default: remote_url of --config, else $KVTOOL_REMOTE_URL.")  # fmt: skip
+UrlOpt = Annotated[str | None, typer.Option("--remote-url", help=URL_HELP, show_default=False, rich_help_panel="Server")]
+LegacyUrlOpt = Annotated[str | None, typer.Option("--url", hidden=True)]
+ClusterOpt = Annotated[bool, typer.Option("--cluster", help="The server is a Redis Cluster (implied by redis+cluster://).",
+                                          rich_help_panel="Server")]  # fmt: skip
+TimeoutOpt = Annotated[str, typer.Option("--timeout", help="Deadline of each server command: 5s, 500ms.",
+                                         rich_help_panel="Server")]  # fmt: skip
+MaxKeysOpt = Annotated[int, typer.Option("--max-keys", min=1, help="Stop listing after this many keys (reported as truncated).",
+                                         rich_help_panel="Server")]  # fmt: skip
+
+
+def server_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a `kvtool remote` command whose parameter `server: Server` stands for the options
+    `names` (fields of `Server` that are options; none named: all of them); its `--remote-url`
+    (declared by the command itself: it comes first) fills `server.url` (`Server.at`)."""
+    return common.flag_options("server", Server, names)
+
+
+@dataclass(frozen=True)
+class Server:
+    """Where a remote command connects: its flags, resolved when it connects.
+
+    Attributes:
+        url: the URL flag (None: the config's `remote_url`, else `$KVTOOL_REMOTE_URL`); as an
+            option, the hidden `--url` (the name these commands used before: `at` lets
+            `--remote-url` win).
+        cluster: `--cluster` (a `redis+cluster://` URL or `remote_cluster = true` imply it too).
+        timeout: deadline of each server command, a duration with its unit (`5s`, `500ms`).
+        max_keys: listings stop after this many keys (reported as truncated).
+        config: `--config` (None: `$KVTOOL_CONFIG`, else the default location).
+        flag: the URL flag's name, for messages (`--remote-url`).
+    """
+
+    url: LegacyUrlOpt = None
+    cluster: ClusterOpt = False
+    timeout: TimeoutOpt = DEFAULT_TIMEOUT
+    max_keys: MaxKeysOpt = DEFAULT_MAX_KEYS
+    config: common.ConfigOpt = None
+    flag: str = "--remote-url"
+
+    def at(self, url: str | None) -> Server:
+        """This server with the URL flag `url` (`--remote-url`; None: the hidden `--url`, if given)."""
+        return replace(self, url=url if url is not None else self.url)
+
+    def resolve(self) -> tuple[str, bool | None, float]:
+        """`(url, cluster, timeout_s)`: the URL from the flag, else the environment, else the
+        config file (`kvtool.config.settings`); `cluster` True or None (the URL decides).
+
+        Raises:
+            CLIError: no URL anywhere, a bad timeout, a `--config` that does not exist.
+            ConfigError: a bad `remote_url` in a layer (its password masked).
+        """
+        from kvtool.config import ConfigError
+        from kvtool.config.settings import resolve_settings
+
+        cfg = resolve_settings({"remote_url": self.url}, self.config, {"remote_url": self.flag}).config
+        try:
+            timeout_s = cfg.replace(remote_timeout=self.timeout).remote_timeout_s
+        except ConfigError as exc:
+            raise common.CLIError(f"--timeout: {exc.reason}") from None
+        if cfg.remote_url is None:
+            raise common.CLIError(f"no remote server: give {self.flag}, set remote_url in the config file, "
+                                  "or set $KVTOOL_REMOTE_URL")  # fmt: skip
+        return cfg.remote_url, True if (self.cluster or cfg.remote_cluster) else None, timeout_s
+
+    @contextmanager
+    def connect(self) -> Iterator[Any]:
+        """A checked `kvtool.ops.remote_ops.Connection` (PING answered), closed on exit.
+
+        Raises:
+            CLIError, ConfigError: see `resolve`. RemoteURLError, RemoteConnectError: a malformed
+                URL; unreachable, wrong password, TLS failure, not a cluster (one line each).
+        """
+        from kvtool.ops.remote_ops import connect
+
+        url, cluster, timeout_s = self.resolve()
+        conn = connect(url, cluster=cluster, timeout_s=timeout_s)
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+
+SERVER = Server()  # the default of a command's `server` parameter (`server_options` always passes one)
 
 CreateOpt = Annotated[bool, typer.Option(
     "--create", help="Create the cache directory if it does not exist (without it, a --cache-dir, $KVTOOL_CACHE_DIR "
     "or config file ssd_cache_dir that does not exist is an error, exit 2; the default directory never is).")]
 
 
-def existing_cache_dir(settings: Any, create: bool = False) -> Path:
+def existing_cache_dir(settings: Any, create: bool | None = False) -> Path:
     """The cache directory of `settings` (`kvtool.config.settings.Settings`), which an operator
     command reads: one named by a flag, a variable or a config file must exist (a typo would
     otherwise look like an empty cache and exit 0), unless `create` (then it is made, with the
-    config's `ssd_dir_mode`). The default directory may be missing: nothing was cached yet.
+    config's `ssd_dir_mode`; None: the command has no `--create`, which the error then does not
+    suggest). The default directory may be missing: nothing was cached yet.
 
     Raises:
         CLIError: a named directory does not exist and not `create`, or cannot be created; or it
@@ -45,7 +135,7 @@ def existing_cache_dir(settings: Any, create: bool = False) -> Path:
         return root
     if not create:
         raise common.CLIError(f"cache directory {short_path(root)} does not exist (from {origin})",
-                              hint="check the path, or add --create to start an empty cache there")
+                              hint="check the path" + ("" if create is None else ", or add --create to start an empty cache there"))
     try:
         FileOps().makedirs(root, cfg.ssd_dir_mode)
     except OSError as exc:
