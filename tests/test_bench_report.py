@@ -418,3 +418,24 @@ def test_write_path_and_prompt_length_charts_share_scales_and_fit_no_slopes(tmp_
     assert ax.get_yscale() == "log" and "ms" in ax.get_ylabel()
     assert not any("slope" in t or "least-squares" in t for t in texts)
     assert len(ax.containers) == 3, "one median line with intervals per cache state"
+
+
+def test_ttft_vs_prompt_value_labels_never_overlap():
+    """Close medians of the three cache states in one length bucket (and in neighbouring
+    buckets) get their value labels one below another, not printed over each other."""
+    from kvtool.bench import report_charts
+
+    rng = np.random.default_rng(0)
+    rows = [dict(prompt_tokens=n + int(rng.integers(-5, 5)), ttft_ms=ms * f * rng.uniform(0.97, 1.03), cached_tokens=c,
+                 kind=kind, repeat=r % 3)
+            for n, ms in [(192, 90), (272, 92), (278, 91), (320, 71), (528, 19), (544, 27)]
+            for kind, c, f in [("kvtool", 100, 1.0), (report_charts.MLXLM, 100, 0.98), ("kvtool", 0, 1.02)]
+            for r in range(24)]  # fmt: skip
+    fig = report_charts.plot_ttft_vs_prompt(pd.DataFrame(rows), None)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    (ax,) = fig.axes
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert len(boxes) >= 6 * 3  # one per state and length bucket
+    overlaps = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1 :] if a.overlaps(b)]
+    assert not overlaps, f"{len(overlaps)} value labels print over another"

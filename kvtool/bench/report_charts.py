@@ -306,6 +306,27 @@ def _buckets(prompt: pd.Series, most: int = 8) -> pd.Series:
     return pd.qcut(prompt, most, duplicates="drop").cat.codes
 
 
+def _labels_apart(ax: Any, points: list[tuple[float, float]], gap_pt: float = 9.0, width_pt: float = 40.0) -> None:
+    """Value labels beside their points, none over another: points less than `width_pt` apart
+    across form a group, whose labels go top down, each moved down until it is `gap_pt` points
+    below the one above it (close medians of the cache states otherwise print over each other)."""
+    to_pt = 72.0 / ax.figure.dpi
+    at = [(float(px) * to_pt, float(py) * to_pt, x, y)
+          for (px, py), (x, y) in zip(ax.transData.transform(points), points)] if points else []
+    groups: list[list[tuple[float, float, float, float]]] = []
+    for p in sorted(at):
+        if groups and p[0] - groups[-1][-1][0] < width_pt:
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    for group in groups:
+        above: float | None = None
+        for _, py, x, y in sorted(group, key=lambda p: -p[1]):
+            want = py + 4 if above is None else min(py + 4, above - gap_pt)
+            ax.annotate(num(y), (x, y), textcoords="offset points", xytext=(6, want - py), fontsize=7.5)
+            above = want
+
+
 def plot_ttft_vs_prompt(requests: pd.DataFrame, run: dict[str, Any] | None = None) -> plt.Figure:
     """Question (c): how does TTFT grow with prompt length, per cache state?
 
@@ -322,6 +343,7 @@ def plot_ttft_vs_prompt(requests: pd.DataFrame, run: dict[str, Any] | None = Non
     df["_bucket"] = _buckets(df["prompt_tokens"])
     colors = {"recomputed (no cache hit)": "#D73027", "kvtool cache hit": "#1F4E9A", "mlx-lm prompt-cache hit": "#E08214"}
     fig, ax = plt.subplots(figsize=(11, 6.4), layout="constrained")
+    labels: list[tuple[float, float]] = []  # (bucket's prompt length, median TTFT) of each state
     for state, s in df.groupby("_state", sort=False):
         per = s.groupby("_bucket")
         ivs = per["ttft_ms"].agg(lambda v: bootstrap_ci(v, median=True))
@@ -330,14 +352,15 @@ def plot_ttft_vs_prompt(requests: pd.DataFrame, run: dict[str, Any] | None = Non
         err = [c - ivs.map(lambda i: i.lo).to_numpy(dtype=float), ivs.map(lambda i: i.hi).to_numpy(dtype=float) - c]
         ax.errorbar(x, c, yerr=np.clip(err, 0, None), color=colors[str(state)], marker="o", capsize=3,
                     label=f"{state} ({len(s)} requests)")
-        for xi, ci in zip(x, c):
-            ax.annotate(num(ci), (xi, ci), textcoords="offset points", xytext=(6, 4), fontsize=7.5)
+        labels += zip(x.tolist(), c.tolist())
     ax.set_yscale("log")
+    ax.autoscale_view()
+    _labels_apart(ax, labels)
     _plain_log_ticks(ax.yaxis)
     ax.set_xlabel("prompt length (tokens; bucket median)")
     ax.set_ylabel("TTFT (ms, log scale)")
     ax.grid(which="both", alpha=0.25)
-    ax.legend(fontsize=9, loc="upper left")
+    ax.legend(fontsize=9, loc="best")
     fig.suptitle("How does TTFT grow with prompt length? Per length bucket: median TTFT of the requests, "
                  "whisker = 95% bootstrap interval of the median", fontsize=10)
     footer(fig, run, int(df["repeat"].nunique()) if "repeat" in df else 1)
