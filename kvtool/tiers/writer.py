@@ -84,7 +84,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COUNTER_NAMES", "DEFAULT_BATCH_MAX_BYTES", "DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_FLUSH_TIMEOUT_S", "DEFAULT_MAX_QUEUE_BYTES", "DEFAULT_MAX_RETRIES",
-    "DEFAULT_QUEUE_SIZE", "DEFAULT_RETRY_BACKOFF_S", "ENQUEUE_WAIT_S", "RETRY_MODES", "SAVE_OUTCOMES",
+    "DEFAULT_QUEUE_SIZE", "DEFAULT_RETRY_BACKOFF_S", "ENQUEUE_WAIT_S", "RETRY_MODES", "SAVE_OUTCOMES", "WRITE_BEHIND_S",
     "SHED_LOG_INTERVAL_S", "SHED_MODES", "AsyncWriter", "BlockSink", "RetryPolicy", "SyncWriter", "Writer", "make_writer",
 ]
 
@@ -94,6 +94,10 @@ DEFAULT_QUEUE_SIZE = 512  # blocks queued (`ssd_writer_queue_size`)
 DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of HostBlock.nbytes)
 DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
 ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
+# the least age of a batch the worker writes (seconds; `BatchQueue`): a client's next request,
+# which arrives ~1 ms after an answer, is tokenized before the writer competes for the GIL (none
+# under durable: its writes are not held back). docs/benchmarks.md, "Write-behind".
+WRITE_BEHIND_S = 0.01
 
 
 @dataclass
@@ -157,6 +161,8 @@ class AsyncWriter(WriterBase):
             that promises nothing and counts its own failures (the remote tier).
         name: the sink's name in the thread name and log lines ('SSD', 'remote').
         on_drop: called with the number of blocks shed or refused (closing, store disabled).
+        write_behind_s: the least age of a batch the worker writes (seconds; `BatchQueue`;
+            `flush` and `stop` write at once); 0 under durable whatever is given.
     """
 
     def __init__(
@@ -175,6 +181,7 @@ class AsyncWriter(WriterBase):
         daemon: bool = False,
         name: str = "SSD",
         on_drop: Callable[[int], None] | None = None,
+        write_behind_s: float = WRITE_BEHIND_S,
     ) -> None:
         _positive_int("queue_size", queue_size)
         _positive_int("max_queue_bytes", max_queue_bytes)
@@ -188,7 +195,7 @@ class AsyncWriter(WriterBase):
         self._give_up = threading.Event()
         super().__init__(store, RetryPolicy(durability, max_retries, retry_backoff_s, sleep or self._give_up.wait,
                                             report=not daemon, sink=name))
-        self._queue = BatchQueue(queue_size, max_queue_bytes)
+        self._queue = BatchQueue(queue_size, max_queue_bytes, 0.0 if durability == "durable" else write_behind_s)
         self._batch_max_bytes = batch_max_bytes
         self._enqueue_wait_s = enqueue_wait_s
         self._sentinel = object()
@@ -387,11 +394,15 @@ class AsyncWriter(WriterBase):
         Returns:
             False if `timeout` (seconds; None = no limit) passed first.
         """
-        with self._settled:
-            target = self._next_ticket
-            return self._settled.wait_for(
-                lambda: all(p.ticket >= target for p in self._pending.values()), timeout
-            )
+        self._queue.hurry(True)
+        try:
+            with self._settled:
+                target = self._next_ticket
+                return self._settled.wait_for(
+                    lambda: all(p.ticket >= target for p in self._pending.values()), timeout
+                )
+        finally:
+            self._queue.hurry(False)
 
     def stop(self, drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
         """Refuse new blocks, write every accepted one, end the thread. Idempotent.
@@ -403,6 +414,7 @@ class AsyncWriter(WriterBase):
             remaining batch, without retries, then ends.
         """
         deadline = time.monotonic() + drain_timeout
+        self._queue.hurry(True)  # (never undone: the writer is closing)
         with self._life_lock:
             self._closing = True
             if not self._no_inflight.wait_for(lambda: self._inflight_enqueues == 0, timeout=drain_timeout):

@@ -270,11 +270,12 @@ class RetryPolicy:
 
 @dataclass
 class Batch:
-    """One queue item: blocks accepted together (or coalesced by the worker), in write order, and
-    their `batch_nbytes` (bytes)."""
+    """One queue item: blocks accepted together (or coalesced by the worker), in write order,
+    their `batch_nbytes` (bytes), and when it was queued (`time.monotonic()`, seconds)."""
 
     blocks: list[HostBlock]
     nbytes: int
+    at: float = field(default_factory=time.monotonic)
 
 
 class BatchQueue:
@@ -283,15 +284,23 @@ class BatchQueue:
     bounds, or if the queue holds nothing at all (so the bytes held never exceed
     `max(max_bytes, largest batch)`).
 
+    Write-behind: `get` hands a batch out no sooner than `write_behind_s` after it was queued,
+    unless the queue is half full, a non-batch item (the sentinel) is queued, or a caller
+    `hurry`s it (a flush, a stop). The writer then works after the moments that follow an answer,
+    when a client's next request arrives and is tokenized (docs/benchmarks.md, "Write-behind").
+
     Args:
         max_blocks: bound of the blocks waiting in the queue (the batch being written not
             counted; `ssd_writer_queue_size`).
         max_bytes: bound of the held bytes (sum of `HostBlock.nbytes`).
+        write_behind_s: the least age of a batch handed out (seconds; 0: at once).
     """
 
-    def __init__(self, max_blocks: int, max_bytes: int) -> None:
+    def __init__(self, max_blocks: int, max_bytes: int, write_behind_s: float = 0.0) -> None:
         self.max_blocks = max_blocks
         self.max_bytes = max_bytes
+        self.write_behind_s = write_behind_s
+        self._hurried = 0  # callers waiting for everything queued to be written (`hurry`)
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # blocks were taken or bytes released
         self._ready = threading.Condition(self._lock)  # an item was appended
@@ -342,6 +351,8 @@ class BatchQueue:
         """
         with self._lock:
             self._ready.wait_for(lambda: bool(self._items))
+            while (left := self._behind()) > 0:
+                self._ready.wait(left)
             first = self._items.popleft()
             if not isinstance(first, Batch):
                 return first
@@ -353,6 +364,21 @@ class BatchQueue:
             self._queued_blocks -= len(blocks)
             self._room.notify_all()
             return Batch(blocks, size)
+
+    def _behind(self) -> float:
+        """Seconds the first batch is still held back (<= 0: hand it out). Under the lock."""
+        first = self._items[0]
+        if (self._hurried or not isinstance(first, Batch) or not isinstance(self._items[-1], Batch)
+                or 2 * self._queued_blocks >= self.max_blocks):  # fmt: skip
+            return 0.0
+        return first.at + self.write_behind_s - time.monotonic()
+
+    def hurry(self, on: bool) -> None:
+        """Start (`on`) or end one caller's need for every queued batch now: while any caller
+        has it on, `get` holds nothing back."""
+        with self._lock:
+            self._hurried += 1 if on else -1
+            self._ready.notify_all()
 
     def release(self, batch: Batch) -> None:
         """The worker is done with `batch` (taken by `get`): its blocks and bytes leave the bound."""
