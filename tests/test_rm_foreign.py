@@ -110,3 +110,28 @@ def test_rebuild_without_kvtool_meta_never_removes_a_foreign_file_named_like_a_s
     assert (other / "ab" / ("ab" * 16 + ".safetensors")).read_bytes() == b"not a segment"
     assert (other / INDEX_FILENAME).read_text() == "not a database"
     assert [n.status.value for n in scan_cache(cache_dir, other.name).namespaces] == ["unreadable"]
+
+
+def test_names_with_a_trailing_newline_are_not_kvtools(tmp_path):
+    """A name is kvtool's only if it matches whole: `$` in a regex also matches before a trailing
+    newline, so a user's `<segment name>\\n.safetensors`, a `<fan-out>\\n` directory and a
+    `<temp name>\\n` file were taken for kvtool's and deleted."""
+    cache_dir = tmp_path / "kv"
+    store = open_store(cache_dir)
+    store.save_blocks(make_chain(store.layout_key, np.arange(8)))
+    store.close()
+    ns_dir = store.namespace_dir
+    (seg_file,) = segment_files(ns_dir)
+    sub = seg_file.parent.name
+    planted = [
+        seg_file.parent / (sub + "c" * 30 + "\n.safetensors"),
+        ns_dir / (sub + "\n") / (sub + "d" * 30 + ".safetensors"),
+        ns_dir / ("." + "e" * 32 + ".123.0badbeef.tmp\n"),
+    ]
+    for path in planted:
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(b"a user's file")
+    res = rm(cache_dir, store.layout_key[:10], "--yes", "--json")
+    assert res.exit_code == 0, res.output
+    assert all(path.read_bytes() == b"a user's file" for path in planted)
+    assert not seg_file.exists() and not (ns_dir / INDEX_FILENAME).exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 INDEX_FILENAME = "index.sqlite"
@@ -21,22 +22,37 @@ SEGMENT_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 LOCK_FILENAME = ".prune.lock"
 
-NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}$")
-HASH_RE = re.compile(r"^[0-9a-f]{32}$")  # blake2b-128 chain hashes, hex
-SEGMENT_RE = re.compile(r"^[0-9a-f]{32}$")  # random 128-bit segment names, hex
-SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+NAMESPACE_RE = re.compile(r"^[0-9a-f]{32}\Z")
+HASH_RE = re.compile(r"^[0-9a-f]{32}\Z")  # blake2b-128 chain hashes, hex
+SEGMENT_RE = re.compile(r"^[0-9a-f]{32}\Z")  # random 128-bit segment names, hex
+SUBDIR_RE = re.compile(r"^[0-9a-f]{2}\Z")
 SIDE_SUFFIXES = ("", "-wal", "-shm", "-journal")  # the database file and every file SQLite opens beside it
 INDEX_FILES = tuple(INDEX_FILENAME + s for s in SIDE_SUFFIXES)  # a namespace's index and its side files, by name
 # every index file kvtool writes in a namespace directory: the index, what `validate
 # --rebuild-index` leaves (`.corrupt`, `.rebuilding`), each with its side files
 INDEX_NAMES = frozenset(base + side for base in (INDEX_FILENAME, INDEX_FILENAME + ".corrupt", INDEX_FILENAME + ".rebuilding")
                         for side in SIDE_SUFFIXES)  # fmt: skip
-TEMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{32}|probe)\.(?P<pid>\d{1,10})\.[0-9a-f]{8}\.tmp$")
+TEMP_RE = re.compile(r"^\.(?P<name>[0-9a-f]{32}|probe)\.(?P<pid>\d{1,10})\.[0-9a-f]{8}\.tmp\Z")
 
 
 def is_hash(value: object) -> bool:
     """True if `value` is a well-formed chain hash (a str of 32 lowercase hex digits)."""
     return isinstance(value, str) and HASH_RE.match(value) is not None
+
+
+_HASHES_RE = re.compile(r"(?:[0-9a-f]{32}\n)*")
+
+
+def all_hashes(values: Sequence[object]) -> bool:
+    """True if every value is a well-formed chain hash: one regex pass over them all (a prompt's
+    lookup checks hundreds; `is_hash` per value costs ~0.4 us each)."""
+    if not values:
+        return True
+    try:
+        text = "\n".join(values) + "\n"  # type: ignore[arg-type]
+    except TypeError:  # not all str
+        return False
+    return len(text) == 33 * len(values) and _HASHES_RE.fullmatch(text) is not None  # no value holds a newline
 
 
 def is_segment_name(value: object) -> bool:

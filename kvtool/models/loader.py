@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtool.models import embedded
 
-HUB_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+\Z")
 DIGEST_SIZE = 16  # bytes: blake2b-128
 DEFAULT_CHUNK_BYTES = 8 << 20
 DIGEST_CACHE_FILE = "model_ids.json"
