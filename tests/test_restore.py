@@ -329,12 +329,19 @@ def test_first_failure_of_a_run_wins_whichever_check(tmp_path, token_block, corr
     assert placed_ok(bufs, chain, res.n_ok)
 
 
-def test_readahead_covers_each_segments_planned_records(tmp_path, monkeypatch):
-    """One WILLNEED per segment, over exactly the bytes of its records in the chain."""
-    store = open_store(tmp_path)
-    chain, ids = saved_chain(store)  # segments: blocks 0-2, 3-6, 7-11
+def record_readahead(monkeypatch) -> list[tuple[int, int, int, int]]:
     calls = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append((os.fstat(fd).st_ino, off, n, advice)))
+    return calls
+
+
+def test_readahead_covers_each_segments_planned_records(tmp_path, monkeypatch):
+    """Records not in the page cache: one WILLNEED per segment, over exactly the bytes of its
+    records in the chain."""
+    store = open_store(tmp_path)
+    chain, ids = saved_chain(store)  # segments: blocks 0-2, 3-6, 7-11
+    monkeypatch.setattr(restore, "_looks_cached", lambda fd, start, end: False)
+    calls = record_readahead(monkeypatch)
     res, _, rows = run_restore(store, chain, ids, parallel=False)
     assert res.n_ok == 12
     assert [c[3] for c in calls] == [os.POSIX_FADV_WILLNEED] * 3
@@ -343,6 +350,47 @@ def test_readahead_covers_each_segments_planned_records(tmp_path, monkeypatch):
         assert ino == path.stat().st_ino
         spans = [record_span(path, b.block_hash) for b in chain[lo:hi]]
         assert (off, off + n) == (spans[0][0], spans[-1][0] + spans[-1][1])
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv(RWF_NOWAIT) to tell cached pages")
+def test_readahead_is_skipped_for_cached_records(tmp_path, monkeypatch):
+    """Segments just read (in the page cache) get no WILLNEED."""
+    store = open_store(tmp_path)
+    chain, ids = saved_chain(store)
+    run_restore(store, chain, ids, parallel=False)
+    calls = record_readahead(monkeypatch)
+    res, bufs, _ = run_restore(store, chain, ids, parallel=False)
+    assert (res.n_ok, calls) == (12, []) and placed_ok(bufs, chain, 12)
+
+
+def _file_system_of(path) -> str:
+    """The type of the file system holding `path` (Linux: the longest mount point above it)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            point, fs = line.split()[1:3]
+            if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+                best, kind = point, fs
+    return kind
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT") or not os.path.exists("/proc/mounts"), reason="Linux only")
+def test_looks_cached_tells_evicted_pages_from_cached_ones(tmp_path):
+    if _file_system_of(tmp_path.resolve()) in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip("pages of this file system cannot be evicted with DONTNEED")
+    path = tmp_path / "records"
+    path.write_bytes(os.urandom(4 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not restore._looks_cached(fd, 1 << 20, 4 << 20)
+        os.pread(fd, 4 << 20, 0)
+        assert restore._looks_cached(fd, 1 << 20, 4 << 20)
+        os.posix_fadvise(fd, 3 << 20, 1 << 20, os.POSIX_FADV_DONTNEED)  # the last MiB evicted: not all cached
+        assert not restore._looks_cached(fd, 1 << 20, 4 << 20)
+    finally:
+        os.close(fd)
 
 
 def test_readahead_that_fails_changes_nothing(tmp_path, monkeypatch):
@@ -363,11 +411,11 @@ def test_read_error_cuts_the_chain_and_keeps_the_rows(tmp_path, monkeypatch):
     real = os.preadv
     target = {}
 
-    def flaky(fd, bufs, offset):  # EIO whenever a read of K's file covers record K (batched or alone)
+    def flaky(fd, bufs, offset, *flags):  # EIO whenever a read of K's file covers record K (batched or alone)
         covers = offset <= target["offset"] < offset + sum(memoryview(b).nbytes for b in bufs)
         if covers and os.fstat(fd).st_ino == target["inode"]:
             raise OSError(errno.EIO, "injected EIO")
-        return real(fd, bufs, offset)
+        return real(fd, bufs, offset, *flags)
 
     path = block_path(store, chain[K].block_hash)
     target["offset"] = record_span(path, chain[K].block_hash)[0]

@@ -179,3 +179,22 @@ def test_a_commit_between_the_two_starts_leaves_one_connection(tmp_path, monkeyp
         assert len(calls) == 2 and also is None
         assert len(load_rows(conn)) == 51 - 7  # the snapshot before the delete (7 of the 50 rows malformed)
     index.close()
+
+
+_HEX = "0123456789abcdef"
+_values = st.one_of(
+    st.text(_HEX, min_size=32, max_size=32),  # well-formed
+    st.text(_HEX + "\nA ", min_size=31, max_size=34),  # near misses: a newline, upper case, length
+    st.builds(lambda a, b: a + "\n" + b, st.text(_HEX, min_size=32, max_size=32), st.text(_HEX, max_size=32)),
+    st.integers(),
+    st.none(),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_values, max_size=6))
+def test_all_hashes_agrees_with_is_hash_on_every_value(values):
+    """The one-pass check of a lookup's hashes says what checking each one says."""
+    from kvtool.disk.names import all_hashes, is_hash
+
+    assert all_hashes(values) == all(is_hash(v) for v in values)

@@ -38,7 +38,7 @@ from kvtool.disk.budget import DEFAULT_PROTECT_S, Eviction, SSDBudget
 from kvtool.disk.fsops import DEFAULT_DIR_MODE, FileOps, NotRegularFileError, check_regular
 from kvtool.disk.header_cache import HEADERS
 from kvtool.disk.index import BlockIndex
-from kvtool.disk.names import is_hash
+from kvtool.disk.names import all_hashes, is_hash
 from kvtool.disk.namespace_core import NONCACHEABLE_TTL_S, Expected, ReconcileReport, StoreCore, open_index, reconcile
 from kvtool.disk.namespace_save import SegmentSaver
 from kvtool.disk.rowtable import IndexRow
@@ -224,7 +224,7 @@ class SSDStore(StoreCore):
         if not self.enabled or index is None or not hashes:
             return {}
         try:
-            found = index.get_many([h for h in hashes if is_hash(h)])
+            found = index.get_many(hashes if all_hashes(hashes) else [h for h in hashes if is_hash(h)])
         except (sqlite3.Error, AttributeError) as exc:
             self._index_error("lookup", exc)
             return {}

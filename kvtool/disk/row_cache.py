@@ -38,14 +38,9 @@ class RowCache:
         if version != self._version:
             self._rows.clear()
             self._version = version
-        found: dict[str, IndexRow] = {}
-        missing = []
-        for h in hashes:
-            row = self._rows.get(h)
-            if row is None:
-                missing.append(h)
-            else:
-                found[h] = row
+        rows = self._rows
+        found = {h: row for h in hashes if (row := rows.get(h)) is not None}
+        missing = [h for h in hashes if h not in found] if len(found) < len(hashes) else []
         self.hits += len(found)
         return found, missing
 

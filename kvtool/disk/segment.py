@@ -213,6 +213,12 @@ class SegmentHeader:
     def layout_key(self) -> str:
         return self.meta["layout_key"]
 
+    @functools.cached_property
+    def codecs(self) -> frozenset[str]:
+        """The codecs its records are stored with (computed once: a cached header is checked on
+        every restore)."""
+        return frozenset(s.codec for s in self.slots)
+
 
 @functools.lru_cache(maxsize=64)
 def parse_layout(text: str, dtype: str) -> KVLayout:

@@ -82,6 +82,8 @@ class _Header(Protocol):
     def kv(self) -> KVLayout: ...
     @property
     def slots(self) -> Sequence[_Slot]: ...
+    @property
+    def codecs(self) -> frozenset[str]: ...
 
 
 def sealed_header_digest(head: bytes, at: int) -> bytes:
@@ -115,7 +117,7 @@ def check_header(header: _Header, layout_key: str, kv: KVLayout | None, codec: s
         raise BlockFileError("layout", f"segment of namespace {header.layout_key}, not {layout_key}")
     if kv is not None and header.kv != kv:
         raise BlockFileError("shape", f"KV layout {header.kv.spec}/{header.kv.dtype}, namespace has {kv.spec}/{kv.dtype}")
-    if codec is not None and any(s.codec != codec for s in header.slots):
+    if codec is not None and not header.codecs <= {codec}:
         raise BlockFileError("header", f"records stored with another codec than the namespace's ({codec})")
     if block_size is not None:
         long = [s.index for s in header.slots if s.n_tokens > block_size]
