@@ -95,9 +95,11 @@ DEFAULT_MAX_QUEUE_BYTES = 256 << 20  # bytes queued and being written (sum of Ho
 DEFAULT_BATCH_MAX_BYTES = 64 << 20  # bytes: the worker coalesces queued batches up to this size
 ENQUEUE_WAIT_S = 0.05  # durable / must_write: how long `enqueue_many` waits for room (seconds)
 # the least age of a batch the worker writes (seconds; `BatchQueue`): a client's next request,
-# which arrives ~1 ms after an answer, is tokenized before the writer competes for the GIL (none
-# under durable: its writes are not held back). docs/benchmarks.md, "Write-behind".
-WRITE_BEHIND_S = 0.01
+# which arrives ~1 ms after an answer, is tokenized and (when short) prefilled before the writer
+# competes for the GIL, and the batches of consecutive requests coalesce into one save (a save
+# has ~1 ms of fixed work: a segment file, an index transaction). None under durable: its writes
+# are not held back. docs/benchmarks.md, "Write-behind".
+WRITE_BEHIND_S = 0.1
 
 
 @dataclass
