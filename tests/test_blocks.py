@@ -160,7 +160,7 @@ def test_cache_capacity_leaves_decode_room_on_the_256_step():
 def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype, blank, monkeypatch):
     """Restored bytes land in the caches' own buffers; an update within the room copies nothing
     (buffers allocated without a fill, as for large restores, or zero-filled, as for small)."""
-    monkeypatch.setattr(kvbuffers, "BLANK_MIN_TENSOR_BYTES", 0 if blank else 1 << 60)
+    monkeypatch.setattr(kvbuffers, "_unfilled", lambda total, n: blank)
     T = 21
     cache = _filled_cache(2, T, dtype)
     kv = kv_layout_of(cache)
@@ -179,6 +179,21 @@ def test_kv_buffers_are_mlx_memory_and_decode_in_place(dtype, blank, monkeypatch
     mx.eval(out[0].update_and_fetch(k, k))
     after = np.asarray(out[0].keys.view(mx.uint16) if dtype == mx.bfloat16 else out[0].keys).ctypes.data
     assert before == after  # no reallocation, no copy
+
+
+def test_small_buffers_are_zero_filled_only_where_mlx_recycles_their_bytes():
+    """Many small tensors: `mx.zeros` when MLX's buffer cache holds their bytes (a memset of
+    recycled memory), unfilled when it does not (a fill would fault in fresh pages); large
+    tensors: unfilled either way."""
+    specs = [((1, 2, 256, 64), mx.float32)] * 4  # 128 KiB each
+    total = 4 * 2 * 256 * 64 * 4
+    mx.clear_cache()
+    assert kvbuffers._unfilled(total, 4)
+    arrays = [mx.zeros(shape, dtype) for shape, dtype in specs]
+    mx.eval(arrays)
+    del arrays  # their buffers go to MLX's cache
+    assert mx.get_cache_memory() >= total and not kvbuffers._unfilled(total, 4)
+    assert kvbuffers._unfilled(4 * kvbuffers.BLANK_MIN_TENSOR_BYTES, 4)
 
 
 def test_unfilled_arrays_have_their_shapes_dtypes_and_own_buffers():
