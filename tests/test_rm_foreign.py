@@ -39,6 +39,17 @@ def plant_user_files(ns_dir) -> dict:
     return files
 
 
+def one_segment_namespace(tmp_path):
+    """A cache with one namespace holding one segment (8 tokens): (cache dir, its closed store,
+    the namespace directory, the segment file)."""
+    cache_dir = tmp_path / "kv"
+    store = open_store(cache_dir)
+    store.save_blocks(make_chain(store.layout_key, np.arange(8)))
+    store.close()
+    (seg_file,) = segment_files(store.namespace_dir)
+    return cache_dir, store, store.namespace_dir, seg_file
+
+
 def test_rm_refuses_a_directory_whose_index_is_not_kvtools(tmp_path):
     cache_dir = tmp_path / "kv"
     for i, content in enumerate(["text", "sqlite"]):
@@ -82,12 +93,7 @@ def test_rm_namespace_removes_only_kvtool_files_and_lists_the_rest(tmp_path):
 
 
 def test_rebuild_without_kvtool_meta_never_removes_a_foreign_file_named_like_a_segment(tmp_path):
-    cache_dir = tmp_path / "kv"
-    store = open_store(cache_dir)
-    store.save_blocks(make_chain(store.layout_key, np.arange(8)))
-    store.close()
-    ns_dir = store.namespace_dir
-    (seg_file,) = segment_files(ns_dir)
+    cache_dir, store, ns_dir, seg_file = one_segment_namespace(tmp_path)
     foreign = seg_file.parent / ("ab" * 16 + ".safetensors")
     foreign = ns_dir / "ab" / foreign.name
     foreign.parent.mkdir(exist_ok=True)
@@ -116,12 +122,7 @@ def test_names_with_a_trailing_newline_are_not_kvtools(tmp_path):
     """A name is kvtool's only if it matches whole: `$` in a regex also matches before a trailing
     newline, so a user's `<segment name>\\n.safetensors`, a `<fan-out>\\n` directory and a
     `<temp name>\\n` file were taken for kvtool's and deleted."""
-    cache_dir = tmp_path / "kv"
-    store = open_store(cache_dir)
-    store.save_blocks(make_chain(store.layout_key, np.arange(8)))
-    store.close()
-    ns_dir = store.namespace_dir
-    (seg_file,) = segment_files(ns_dir)
+    cache_dir, store, ns_dir, seg_file = one_segment_namespace(tmp_path)
     sub = seg_file.parent.name
     planted = [
         seg_file.parent / (sub + "c" * 30 + "\n.safetensors"),
