@@ -22,6 +22,7 @@ import time
 import numpy as np
 import pytest
 
+from kvtool.bench.machine import disk_info
 from kvtool.disk import restore
 from kvtool.disk import segment as seg
 from kvtool.disk.namespace import SSDStore
@@ -363,21 +364,11 @@ def test_readahead_is_skipped_for_cached_records(tmp_path, monkeypatch):
     assert (res.n_ok, calls) == (12, []) and placed_ok(bufs, chain, 12)
 
 
-def _file_system_of(path) -> str:
-    """The type of the file system holding `path` (Linux: the longest mount point above it)."""
-    best, kind = "", ""
-    with open("/proc/mounts") as mounts:
-        for line in mounts:
-            point, fs = line.split()[1:3]
-            if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
-                best, kind = point, fs
-    return kind
-
-
-@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT") or not os.path.exists("/proc/mounts"), reason="Linux only")
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv(RWF_NOWAIT) to tell cached pages (Linux)")
 def test_looks_cached_tells_evicted_pages_from_cached_ones(tmp_path):
-    if _file_system_of(tmp_path.resolve()) in ("tmpfs", "ramfs", "overlay"):
-        pytest.skip("pages of this file system cannot be evicted with DONTNEED")
+    fs = disk_info(tmp_path).get("filesystem")
+    if fs in ("tmpfs", "ramfs", "overlay"):
+        pytest.skip(f"{fs}: its pages stay in memory under POSIX_FADV_DONTNEED, so none can be made uncached")
     path = tmp_path / "records"
     path.write_bytes(os.urandom(4 << 20))
     fd = os.open(path, os.O_RDONLY)

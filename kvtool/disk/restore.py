@@ -214,9 +214,9 @@ def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str,
     append = items.append
     try:
         for pos, (row, offset) in enumerate(zip(rows, token_offsets)):
-            h, segment, index, n_tokens = row[0], row[2], row[3], row[4]  # IndexRow: hash, segment, slot, num_tokens
-            if segment != name:
-                name = segment
+            h, index = row.hash, row.slot
+            if row.segment != name:
+                name = row.segment
                 if name not in opened:
                     opened[name] = new = store.open_segment(name)
                     if new is not None:
@@ -226,7 +226,7 @@ def _plan(store: SSDStore, rows: Sequence[IndexRow], first_parent: str,
                     return items, fds, f"segment {name} unusable"
                 fd, slots = entry[0], entry[1].slots
             slot = slots[index] if index < len(slots) else None
-            if slot is None or not slot_holds(slot, h, parent, n_tokens):
+            if slot is None or not slot_holds(slot, h, parent, row.num_tokens):
                 store.discard(h, f"slot {index} of segment {name} does not hold it")
                 return items, fds, "slot mismatch"
             start, end = slot.offset, slot.offset + slot.nbytes
@@ -266,12 +266,12 @@ _PROBES = 4
 
 
 def _looks_cached(fd: int, start: int, end: int) -> bool:
-    """True if `_PROBES` bytes spread over `[start, end)` of `fd` are in the page cache
+    """True if `_PROBES` bytes spread over `[start, end)` (`end > start`) of `fd` are in the page cache
     (`preadv(RWF_NOWAIT)` reads each without waiting for the disk): the readahead hint is then
     skipped, since on cached pages it is only a walk over them (~0.1 ms per 16 MiB). False where
     `RWF_NOWAIT` is missing or refused (Linux < 4.14, another OS, a file system without it)."""
     flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or end <= start:
+    if flag is None:
         return False
     step = (end - 1 - start) // (_PROBES - 1)
     try:
@@ -350,8 +350,7 @@ def _read_chunk(chunk: list[_Item], token_ids: np.ndarray, dest: DestFn, place: 
     recs, mv = stage.reshape(c, size), stage.data
     bad = next((k for k, it in enumerate(chunk) if record_digest(mv[k * size : (k + 1) * size]) != it.slot.checksum), c)
     got = recs[:, : 4 * n].view(seg.TOKENS_DTYPE).reshape(-1)  # each record's token ids, in order
-    want = token_ids[offset : offset + c * n]  # the chunk's records hold consecutive prompt tokens
-    wrong = None if want.size == got.size and np.array_equal(got, want) else _first_wrong_tokens(chunk, [n] * c, got, token_ids)
+    wrong = _first_wrong_tokens(chunk, [n] * c, got, token_ids)
     ok = min(bad, c if wrong is None else wrong)
     if ok and not (place is not None and place(offset, n, recs[:ok, 4 * n :])):
         for k in range(ok):
