@@ -143,7 +143,7 @@ def test_cli_help():
 @pytest.mark.slow
 def test_restore_steady_runs_and_checks_kv(tmp_path):
     """The in-process restore comparison restores the stored KV exactly (its crc check would
-    exit non-zero) and reports both medians."""
+    exit non-zero) and reports both medians, alone and with the first decode step's append."""
     out = tmp_path / "steady.json"
     subprocess.run([sys.executable, str(REPO / "bench_configs" / "restore_steady.py"), "--lengths", "300",
                     "--iters", "2", "--warmup", "0", "--json", str(out)], capture_output=True, text=True, check=True)
@@ -151,3 +151,6 @@ def test_restore_steady_runs_and_checks_kv(tmp_path):
     assert row["tokens"] == 300 and row["kv_bytes"] == 300 * 1024 and row["iters"] == 2
     assert row["kvtool_ms"]["median"] > 0 and row["mlx-lm_ms"]["median"] > 0
     assert row["kvtool_over_mlxlm"] == pytest.approx(row["kvtool_ms"]["median"] / row["mlx-lm_ms"]["median"])
+    for side in ("kvtool", "mlx-lm"):  # each restore plus its first decode step's append
+        assert row[f"{side}+append_ms"]["min"] > row[f"{side}_ms"]["min"]
+    assert row["with_first_append"] == pytest.approx(row["kvtool+append_ms"]["median"] / row["mlx-lm+append_ms"]["median"])
