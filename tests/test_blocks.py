@@ -196,6 +196,25 @@ def test_small_buffers_are_zero_filled_only_where_mlx_recycles_their_bytes():
     assert kvbuffers._unfilled(4 * kvbuffers.BLANK_MIN_TENSOR_BYTES, 4)
 
 
+def test_only_fresh_unfilled_buffers_are_prefaulted(monkeypatch):
+    """`ready()` prefaults unfilled buffers that MLX's buffer cache did not hand back; recycled
+    ones (their pages present) and zero-filled ones (the fill faulted them in) are left alone."""
+    calls: list[int] = []
+    monkeypatch.setattr(kvbuffers, "prefault", lambda views: calls.append(len(views)))
+    kv = KVLayout.uniform(2, 2, 8, "float32")
+    monkeypatch.setattr(kvbuffers, "_unfilled", lambda total, n: True)
+    mx.clear_cache()
+    first = KVBuffers.allocate(kv, 512)  # nothing cached: fresh memory
+    assert first.fresh and calls == [4]
+    del first  # its four buffers go to MLX's cache
+    again = KVBuffers.allocate(kv, 512)  # the same shapes: handed back whole
+    assert not again.fresh and calls == [4]
+    monkeypatch.setattr(kvbuffers, "_unfilled", lambda total, n: False)
+    zeros = KVBuffers.allocate(kv, 256)
+    assert not zeros.fresh and calls == [4]
+    assert all(v is not None for v in (again.views + zeros.views))
+
+
 def test_unfilled_arrays_have_their_shapes_dtypes_and_own_buffers():
     specs = [((1, 2, 300, 8), mx.float32), ((1, 2, 300, 4), mx.bfloat16), ((1, 2, 300, 2), mx.uint32)] * 2
     arrays = _blank_arrays(specs)
