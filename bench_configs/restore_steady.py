@@ -10,12 +10,15 @@ block size) and saved with mlx-lm's `save_prompt_cache`; both files read once; `
 restores of each; then `--iters` rounds of (kvtool fetch + eval, mlx-lm load + eval + token-id
 check), the order swapped every round, each followed by its first decode step's append (one
 token into every layer, `restore_worker.first_append_ms`: mlx-lm's loaded cache has no spare room,
-so its first append copies the cache whole; kvtool's restore leaves room). Every kvtool restore's
+so its first append copies the cache whole; kvtool's restore leaves room); with `--blocks`, each
+restorer on its own for half its rounds, twice (A B A B: a process restores through one of them,
+and MLX's buffer cache, 32 MiB on the CPU, then holds only its buffers). Every kvtool restore's
 KV is compared (crc32) with mlx-lm's once. Prints per length the median (min-max) ms of each
 restore, the ratio of medians, and the ratio of the medians of restore + first append.
 
     .venv/bin/python bench_configs/restore_steady.py
     .venv/bin/python bench_configs/restore_steady.py --lengths 4096,16384,32768 --iters 30 --json out.json
+    .venv/bin/python bench_configs/restore_steady.py --blocks
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from kvtool.bench.restore import SHAPES  # noqa: E402
 from kvtool.bench.restore_pagecache import warm  # noqa: E402
 
 
-def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int) -> dict:
-    """One length: both restores alternated in this process; times in ms."""
+def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int, blocks: bool = False) -> dict:
+    """One length: both restores in this process, alternated (or in blocks); times in ms."""
     ids = rw.token_ids(n)
     pairs = rw.synthetic_kv(shape, n)
     cache_dir, mlx_file = root / f"kvtool-{n}", root / f"mlxlm-{n}.safetensors"
@@ -48,6 +51,7 @@ def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int) -> d
     rw.save_mlxlm(mlx_file, rw.make_cache(pairs), ids)
     want_crc = rw.kv_crc(pairs, n - 1)
     del pairs
+    mx.clear_cache()  # the setup's freed arrays would hold MLX's buffer cache (32 MiB on the CPU) for good
     warm([mlx_file, cache_dir])  # into the page cache
     pc = rw.open_prefix_cache(cache_dir, shape)
 
@@ -79,16 +83,19 @@ def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int) -> d
     for _ in range(warmup):
         kvtool(), mlxlm()
     times: dict[str, list[float]] = {"kvtool": [], "mlx-lm": [], "kvtool+append": [], "mlx-lm+append": []}
-    for i in range(iters):
-        order = (("kvtool", kvtool), ("mlx-lm", mlxlm)) if i % 2 == 0 else (("mlx-lm", mlxlm), ("kvtool", kvtool))
-        for name, fn in order:
-            ms, append = fn()
-            times[name].append(ms)
-            times[f"{name}+append"].append(ms + append)
+    if blocks:  # each restorer on its own for half its rounds, twice: A B A B
+        schedule = [call for k in ((iters + 1) // 2, iters // 2) for call in [("kvtool", kvtool)] * k + [("mlx-lm", mlxlm)] * k]
+    else:  # alternated, the order swapped every round
+        schedule = [call for i in range(iters)
+                    for call in ((("kvtool", kvtool), ("mlx-lm", mlxlm)) if i % 2 == 0 else (("mlx-lm", mlxlm), ("kvtool", kvtool)))]
+    for name, fn in schedule:
+        ms, append = fn()
+        times[name].append(ms)
+        times[f"{name}+append"].append(ms + append)
     pc.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"tokens": n, "kv_bytes": n * shape.bytes_per_token(), "iters": iters,
-            **{f"{k}_ms": {"median": med[k], "min": min(v), "max": max(v)} for k, v in times.items()},
+            **{f"{k}_ms": {"median": med[k], "min": min(v), "max": max(v), "n": len(v)} for k, v in times.items()},
             "kvtool_over_mlxlm": med["kvtool"] / med["mlx-lm"],
             "with_first_append": med["kvtool+append"] / med["mlx-lm+append"]}
 
@@ -100,12 +107,15 @@ def main() -> int:
     ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES), help="KV shape (default: tiny)")
     ap.add_argument("--iters", type=int, default=25, help="alternated rounds per length (default 25)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed restores of each first (default 3)")
+    ap.add_argument("--blocks", action="store_true",
+                    help="each restorer on its own for half its rounds, twice (A B A B), instead of alternated "
+                         "(a process that restores through one of them; MLX's buffer cache is not shared)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvtool-restore-steady-") as tmp:
         for n in (int(x) for x in args.lengths.split(",")):
-            r = measure(SHAPES[args.shape], n, Path(tmp), args.iters, args.warmup)
+            r = measure(SHAPES[args.shape], n, Path(tmp), args.iters, args.warmup, args.blocks)
             rows.append(r)
             k, m = r["kvtool_ms"], r["mlx-lm_ms"]
             print(f"{n:>7,} tokens  kvtool {k['median']:.2f} ms ({k['min']:.2f}-{k['max']:.2f})  "

@@ -141,14 +141,18 @@ def test_cli_help():
 
 
 @pytest.mark.slow
-def test_restore_steady_runs_and_checks_kv(tmp_path):
+@pytest.mark.parametrize("blocks", [False, True], ids=["alternated", "blocks"])
+def test_restore_steady_runs_and_checks_kv(tmp_path, blocks):
     """The in-process restore comparison restores the stored KV exactly (its crc check would
-    exit non-zero) and reports both medians, alone and with the first decode step's append."""
+    exit non-zero) and reports both medians, alone and with the first decode step's append,
+    with the restorers alternated or in blocks (each timed `--iters` times either way)."""
     out = tmp_path / "steady.json"
     subprocess.run([sys.executable, str(REPO / "bench_configs" / "restore_steady.py"), "--lengths", "300",
-                    "--iters", "2", "--warmup", "0", "--json", str(out)], capture_output=True, text=True, check=True)
+                    "--iters", "4", "--warmup", "0", "--json", str(out)] + (["--blocks"] if blocks else []),
+                   capture_output=True, text=True, check=True)
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["tokens"] == 300 and row["kv_bytes"] == 300 * 1024 and row["iters"] == 2
+    assert row["tokens"] == 300 and row["kv_bytes"] == 300 * 1024 and row["iters"] == 4
+    assert row["kvtool_ms"]["n"] == row["mlx-lm_ms"]["n"] == 4
     assert row["kvtool_ms"]["median"] > 0 and row["mlx-lm_ms"]["median"] > 0
     assert row["kvtool_over_mlxlm"] == pytest.approx(row["kvtool_ms"]["median"] / row["mlx-lm_ms"]["median"])
     for side in ("kvtool", "mlx-lm"):  # each restore plus its first decode step's append
