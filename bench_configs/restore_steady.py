@@ -83,11 +83,12 @@ def measure(shape: rw.KVShape, n: int, root: Path, iters: int, warmup: int, bloc
     for _ in range(warmup):
         kvtool(), mlxlm()
     times: dict[str, list[float]] = {"kvtool": [], "mlx-lm": [], "kvtool+append": [], "mlx-lm+append": []}
+    a, b = ("kvtool", kvtool), ("mlx-lm", mlxlm)
     if blocks:  # each restorer on its own for half its rounds, twice: A B A B
-        schedule = [call for k in ((iters + 1) // 2, iters // 2) for call in [("kvtool", kvtool)] * k + [("mlx-lm", mlxlm)] * k]
+        first, second = (iters + 1) // 2, iters // 2
+        schedule = [a] * first + [b] * first + [a] * second + [b] * second
     else:  # alternated, the order swapped every round
-        schedule = [call for i in range(iters)
-                    for call in ((("kvtool", kvtool), ("mlx-lm", mlxlm)) if i % 2 == 0 else (("mlx-lm", mlxlm), ("kvtool", kvtool)))]
+        schedule = [call for i in range(iters) for call in ((a, b) if i % 2 == 0 else (b, a))]
     for name, fn in schedule:
         ms, append = fn()
         times[name].append(ms)
